@@ -1,0 +1,183 @@
+"""Listing a session folder: one lstat per entry, never a file's contents, never a symlink followed.
+
+With `fix=True` (reconcile) anything that is not a regular file or a directory is unlinked (never
+opened: opening a FIFO blocks), names that are not valid UTF-8 are renamed, and content deeper than
+MAX_DEPTH is deleted; each is reported. With `fix=False` (check) the same things are only reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ._fsops import _DIR_FLAGS, fd_closing, kind_of, lstat_at, remove_tree_at
+from ._names import MAX_DEPTH, display
+from .models import Rejected, Renamed
+
+log = logging.getLogger("code_sessions.storage")
+
+# path -> (size, mtime_ns)
+Listing = dict[str, tuple[int, int]]
+
+
+@dataclass(slots=True)
+class Scan:
+    files: Listing = field(default_factory=dict)
+    rejected: list[Rejected] = field(default_factory=list)
+    renamed: list[Renamed] = field(default_factory=list)
+    # Folders we could not open: index entries under them are kept as they are, not dropped.
+    unreadable: list[str] = field(default_factory=list)
+
+    def is_unreadable(self, path: str) -> bool:
+        return any(path.startswith(prefix + "/") for prefix in self.unreadable)
+
+
+def scan(session_dir: Path, *, fix: bool, max_depth: int = MAX_DEPTH) -> Scan:
+    result = Scan()
+    try:
+        root = os.open(session_dir, _DIR_FLAGS)
+    except FileNotFoundError:
+        return result
+    # Each stack entry owns its fd. Depth = number of components of the folder's path.
+    stack: list[tuple[int, str, int]] = [(root, "", 0)]
+    try:
+        while stack:
+            fd, prefix, depth = stack.pop()
+            with fd_closing(fd):
+                _scan_dir(fd, prefix, depth, fix, max_depth, result, stack)
+    finally:
+        for fd, _, _ in stack:
+            os.close(fd)
+    return result
+
+
+def _scan_dir(
+    fd: int,
+    prefix: str,
+    depth: int,
+    fix: bool,
+    max_depth: int,
+    result: Scan,
+    stack: list[tuple[int, str, int]],
+) -> None:
+    # The hot loop of reconcile: keep it lean (one lstat per regular file, d_type for the rest).
+    files = result.files
+    is_reg = stat.S_ISREG
+    with os.scandir(fd) as listing:
+        entries = list(listing)  # finish reading before we unlink or rename anything in here
+    for entry in entries:
+        name = entry.name
+        if not name.isascii() and not _is_utf8(name):
+            fixed = _fix_name(fd, name, prefix, fix, result)
+            if fixed is None:
+                continue
+            _classify(fd, fixed, prefix + fixed, depth, fix, max_depth, result, stack)
+            continue
+        try:
+            if entry.is_file(follow_symlinks=False):
+                st = entry.stat(follow_symlinks=False)
+                if is_reg(st.st_mode):
+                    files[prefix + name] = (st.st_size, st.st_mtime_ns)
+                    continue
+                _reject(fd, name, prefix + name, kind_of(st.st_mode), fix, result)
+            elif entry.is_dir(follow_symlinks=False):
+                _enter_dir(fd, name, prefix + name, depth + 1, fix, max_depth, result, stack)
+            else:
+                _classify(fd, name, prefix + name, depth, fix, max_depth, result, stack)
+        except FileNotFoundError:
+            continue  # vanished while listing: it simply is not there
+
+
+def _is_utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _classify(
+    fd: int,
+    name: str,
+    path: str,
+    depth: int,
+    fix: bool,
+    max_depth: int,
+    result: Scan,
+    stack: list[tuple[int, str, int]],
+) -> None:
+    """Handle an entry from its lstat (renamed entries, and types d_type did not settle)."""
+    st = lstat_at(fd, name)
+    if st is None:
+        return
+    if stat.S_ISREG(st.st_mode):
+        result.files[path] = (st.st_size, st.st_mtime_ns)
+    elif stat.S_ISDIR(st.st_mode):
+        _enter_dir(fd, name, path, depth + 1, fix, max_depth, result, stack)
+    else:
+        _reject(fd, name, path, kind_of(st.st_mode), fix, result)
+
+
+def _enter_dir(
+    fd: int,
+    name: str,
+    path: str,
+    depth: int,
+    fix: bool,
+    max_depth: int,
+    result: Scan,
+    stack: list[tuple[int, str, int]],
+) -> None:
+    if depth >= max_depth:
+        # A folder at the last allowed level could only hold files one level too deep.
+        result.rejected.append(Rejected(path + "/", "too deep"))
+        if fix:
+            remove_tree_at(fd, name)
+        return
+    try:
+        child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            # Swapped for something else since the listing: judge what is there now, without following.
+            st = lstat_at(fd, name)
+            if st is None:
+                return
+            _reject(fd, name, path, kind_of(st.st_mode), fix, result)
+            return
+        if exc.errno == errno.EACCES:
+            log.warning("cannot read folder %s in a session; its index entries are kept", path)
+            result.unreadable.append(path)
+            return
+        raise
+    stack.append((child, path + "/", depth))
+
+
+def _reject(fd: int, name: str, path: str, kind: str, fix: bool, result: Scan) -> None:
+    if kind in ("file", "folder"):
+        return
+    result.rejected.append(Rejected(display(path), kind))
+    if fix:
+        # unlinkat never follows or opens the entry.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=fd)
+
+
+def _fix_name(fd: int, raw: str, prefix: str, fix: bool, result: Scan) -> str | None:
+    """Rename an entry whose name is not valid UTF-8 to a readable one; None when not renamed."""
+    decoded = raw.encode("utf-8", "surrogateescape").decode("utf-8", "replace").replace("\ufffd", "_")
+    new = decoded
+    n = 2
+    while lstat_at(fd, new) is not None:
+        stem, dot, ext = decoded.rpartition(".")
+        new = f"{stem} ({n}).{ext}" if dot and stem else f"{decoded} ({n})"
+        n += 1
+    result.renamed.append(Renamed(display(prefix + raw), prefix + new))
+    if not fix:
+        return None
+    os.rename(raw, new, src_dir_fd=fd, dst_dir_fd=fd)
+    return new

@@ -1,0 +1,34 @@
+"""The one exception hierarchy of the storage package.
+
+Every error a caller can see derives from StorageError, so `except StorageError` is always enough.
+Messages are written for the person at the chat: they say what happened and what to do.
+"""
+
+from __future__ import annotations
+
+__all__ = ["FileExists", "FileMissing", "InvalidPath", "QuotaExceeded", "StorageBusy", "StorageError"]
+
+
+class StorageError(Exception):
+    """Base class of every error raised by the storage package."""
+
+
+class InvalidPath(StorageError):
+    """A path is malformed (absolute, `..`, NUL, ...) or names something that is not a regular file,
+    or goes through a symbolic link."""
+
+
+class FileMissing(StorageError):
+    """The file does not exist in the session."""
+
+
+class FileExists(StorageError):
+    """The destination of a rename already exists and overwriting was not asked for."""
+
+
+class QuotaExceeded(StorageError):
+    """A user-facing limit is reached; the message says which one and how to get below it."""
+
+
+class StorageBusy(StorageError):
+    """The index or a session stayed locked by someone else for too long."""

@@ -1,0 +1,382 @@
+"""Value types of the public API: settings in, reports out.
+
+All are frozen dataclasses (positional or keyword construction, cheap enough to build by the
+hundred thousand for `SessionFiles.list()`). Settings validate themselves in `__post_init__`.
+Reports convert to plain JSON-able dicts with `to_dict()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ActivityEntry",
+    "CleanupReport",
+    "Drift",
+    "Expiry",
+    "FileEntry",
+    "Link",
+    "LinkInfo",
+    "Publisher",
+    "Purge",
+    "QuotaRemoval",
+    "Quotas",
+    "RebuildReport",
+    "ReconcileReport",
+    "Rejected",
+    "Renamed",
+    "RunBudget",
+    "SessionCleanup",
+    "SessionInfo",
+    "Usage",
+    "UserUsage",
+]
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+DAY = 86400.0
+
+
+def _check_limit(owner: str, name: str, value: object) -> None:
+    # bool is an int subclass; True as a limit is always a mistake in a valve.
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ValueError(f"{owner}.{name} must be a number >= 0 or None (got {value!r})")
+
+
+class _Dictable:
+    __slots__ = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return _jsonable(dataclasses.asdict(self))  # type: ignore[call-overload]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True, slots=True)
+class Quotas(_Dictable):
+    """Per-user limits. 0 or None disables a limit.
+
+    * max_files_per_user: files across all of the user's chats (default 5000).
+    * max_bytes_per_user: bytes across all of the user's chats (default 1 GiB).
+    * max_file_bytes: size of any one new file (default 100 MiB).
+    * max_new_files_per_run: files one run may add to a session (default 500).
+    """
+
+    max_files_per_user: int | None = 5000
+    max_bytes_per_user: int | None = 1 * GiB
+    max_file_bytes: int | None = 100 * MiB
+    max_new_files_per_run: int | None = 500
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_limit("Quotas", f.name, getattr(self, f.name))
+
+
+@dataclass(frozen=True, slots=True)
+class Expiry(_Dictable):
+    """Ages after which cleanup deletes things, in seconds. 0 or None means never.
+
+    * file_max_age_s: a file unchanged (as seen by the index) for this long is deleted (30 days).
+    * session_idle_s: a chat session not used for this long is deleted with its files (30 days).
+    * temporary_idle_s: same for temporary chats (1 hour).
+    * activity_max_age_s: audit trail entries older than this are pruned (90 days).
+    """
+
+    file_max_age_s: float | None = 30 * DAY
+    session_idle_s: float | None = 30 * DAY
+    temporary_idle_s: float | None = 3600.0
+    activity_max_age_s: float | None = 90 * DAY
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_limit("Expiry", f.name, getattr(self, f.name))
+
+
+@dataclass(frozen=True, slots=True)
+class Publisher(_Dictable):
+    """Where published copies go and the URL prefix under which the web server serves that directory.
+
+    Example: Publisher(Path("/app/backend/data/cache/functions/code_sessions"),
+    "/cache/functions/code_sessions/"). A missing trailing slash is added to url_prefix.
+    """
+
+    directory: Path
+    url_prefix: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "directory", Path(self.directory))
+        if not isinstance(self.url_prefix, str):
+            raise ValueError("Publisher.url_prefix must be a str")
+        if not self.url_prefix.endswith("/"):
+            object.__setattr__(self, "url_prefix", self.url_prefix + "/")
+
+
+@dataclass(frozen=True, slots=True)
+class Purge(_Dictable):
+    """Selects sessions to delete entirely. Several criteria combine with AND; `everything` wins.
+
+    * everything: every session.
+    * user_id / chat_id: sessions of that user / with that chat id.
+    * idle_longer_than_s: sessions not used for longer than this (temporary or not).
+    An empty Purge() selects nothing.
+    """
+
+    everything: bool = False
+    user_id: str | None = None
+    chat_id: str | None = None
+    idle_longer_than_s: float | None = None
+
+    @property
+    def selects_anything(self) -> bool:
+        return (
+            self.everything
+            or self.user_id is not None
+            or self.chat_id is not None
+            or self.idle_longer_than_s is not None
+        )
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, slots=True)
+class Usage(_Dictable):
+    files: int
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class UserUsage(_Dictable):
+    user_id: str
+    sessions: int
+    files: int
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunBudget(_Dictable):
+    """What one run may still add for this user. None means no limit.
+
+    * max_new_files: new files the run may create (per-run cap and remaining user file quota).
+    * max_write_bytes: bytes the user may still add across all chats.
+    * max_file_bytes: size of any one file (never more than max_write_bytes).
+    """
+
+    max_new_files: int | None
+    max_write_bytes: int | None
+    max_file_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry(_Dictable):
+    """One indexed file. `path` is relative and POSIX; times are Unix seconds.
+
+    first_seen / last_changed are when the index first saw the file and last saw it change;
+    expiry uses last_changed because the sandbox can forge mtime.
+    """
+
+    path: str
+    size: int
+    mtime: float
+    first_seen: float
+    last_changed: float
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected(_Dictable):
+    """An entry reconcile removed because it is not a regular file or directory, or is too deep.
+
+    kind is one of: symlink, fifo, socket, char device, block device, unknown, too deep.
+    Non-UTF-8 bytes in `path` are shown as \\xNN.
+    """
+
+    path: str
+    kind: str
+
+
+@dataclass(frozen=True, slots=True)
+class Renamed(_Dictable):
+    """A name that was not valid UTF-8, renamed so it can be indexed and shown (\\xNN in `old`)."""
+
+    old: str
+    new: str
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaRemoval(_Dictable):
+    path: str
+    size: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileReport(_Dictable):
+    """What reconcile found and did. files / bytes are the session totals afterwards."""
+
+    added: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
+    renamed: list[Renamed] = field(default_factory=list)
+    quota_removed: list[QuotaRemoval] = field(default_factory=list)
+    files: int = 0
+    bytes: int = 0
+
+    def summary(self) -> str:
+        from ._format import human_bytes
+
+        parts = [f"{len(self.added)} added", f"{len(self.changed)} changed", f"{len(self.removed)} removed"]
+        if self.rejected:
+            parts.append(f"{len(self.rejected)} rejected")
+        if self.renamed:
+            parts.append(f"{len(self.renamed)} renamed")
+        if self.quota_removed:
+            parts.append(f"{len(self.quota_removed)} removed by quota")
+        return ", ".join(parts) + f"; now {self.files} files, {human_bytes(self.bytes)}"
+
+
+@dataclass(frozen=True, slots=True)
+class RebuildReport(_Dictable):
+    """Summary of `Store.rebuild()` over every session folder.
+
+    sessions_without_sidecar: folders whose real ids are unknown (sidecar lost and no index row);
+    they are indexed under `unknown:<folder name>` ids and keep their files.
+    """
+
+    sessions: int = 0
+    sessions_in_use: int = 0
+    sessions_without_sidecar: int = 0
+    rows_removed: int = 0
+    files: int = 0
+    bytes: int = 0
+    added: int = 0
+    changed: int = 0
+    removed: int = 0
+    rejected: list[Rejected] = field(default_factory=list)
+    renamed: list[Renamed] = field(default_factory=list)
+
+    def summary(self) -> str:
+        from ._format import human_bytes
+
+        text = (
+            f"{self.sessions} sessions, {self.files} files, {human_bytes(self.bytes)}; "
+            f"{self.added} added, {self.changed} changed, {self.removed} removed"
+        )
+        if self.rejected:
+            text += f", {len(self.rejected)} rejected"
+        if self.sessions_in_use:
+            text += f"; {self.sessions_in_use} in use (skipped)"
+        return text
+
+
+@dataclass(frozen=True, slots=True)
+class Link(_Dictable):
+    """A published copy. `url` is url_prefix + token + "/" + quoted name; `name` is the safe file name."""
+
+    token: str
+    url: str
+    path: str
+    name: str
+    size: int
+    is_image: bool
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class LinkInfo(_Dictable):
+    token: str
+    user_id: str | None
+    chat_id: str | None
+    path: str
+    name: str
+    url: str
+    size: int
+    created_at: float
+    expires_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo(_Dictable):
+    user_id: str
+    chat_id: str
+    user_key: str
+    chat_key: str
+    temporary: bool
+    created_at: float
+    last_used_at: float
+    files: int
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class SessionCleanup(_Dictable):
+    """One line of a cleanup report. action: removed, files expired, in use, vanished."""
+
+    user_id: str
+    chat_id: str
+    action: str
+    files: int = 0
+    bytes: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CleanupReport(_Dictable):
+    dry_run: bool = False
+    sessions_removed: int = 0
+    files_removed: int = 0
+    bytes_freed: int = 0
+    links_removed: int = 0
+    sessions_in_use: int = 0
+    details: list[SessionCleanup] = field(default_factory=list)
+
+    def summary(self) -> str:
+        from ._format import human_bytes
+
+        verb = "would remove" if self.dry_run else "removed"
+        return (
+            f"{verb} {self.sessions_removed} sessions, {self.files_removed} files "
+            f"({human_bytes(self.bytes_freed)}), {self.links_removed} links; "
+            f"{self.sessions_in_use} in use (skipped)"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Drift(_Dictable):
+    """A difference between the index and the disk found by `Store.check()`.
+
+    kind: file not indexed, file missing, file changed, totals mismatch, session folder missing,
+    session not indexed, special file, link copy missing.
+    """
+
+    kind: str
+    user_id: str
+    chat_id: str
+    path: str = ""
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ActivityEntry(_Dictable):
+    at: float
+    event: str
+    user_id: str | None
+    chat_id: str | None
+    detail: dict[str, Any]

@@ -1,0 +1,76 @@
+"""Helpers shared by the storage tests."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def sql(root: Path, statement: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Run SQL on a store's index directly (to age rows, or to look at what was written)."""
+    conn = sqlite3.connect(root / "index.sqlite3", timeout=30, isolation_level=None)
+    try:
+        return conn.execute(statement, params).fetchall()
+    finally:
+        conn.close()
+
+
+def run_python(code: str, *args: str, timeout: float = 60, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """Run a small script in a separate process (true cross-process behaviour, and a hang guard)."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )
+
+
+def start_python(code: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+class FifoGuard:
+    """Unblocks anyone stuck opening/reading a FIFO after `timeout` s, and remembers that it had to.
+
+    Used around code that must never open a FIFO: if it did block, the guard opens the write end
+    (which releases the reader with EOF) so the test fails on `guard.fired` instead of hanging.
+    """
+
+    def __init__(self, path: Path, timeout: float = 10.0) -> None:
+        import threading
+
+        self.path = path
+        self.fired = False
+        self._timer = threading.Timer(timeout, self._release)
+
+    def _release(self) -> None:
+        import os
+
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            return  # ENXIO: nobody is reading, so nobody was blocked
+        self.fired = True
+        os.close(fd)
+
+    def __enter__(self) -> FifoGuard:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()

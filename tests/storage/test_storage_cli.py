@@ -1,0 +1,119 @@
+"""The CLI, run as a real subprocess against a temporary store."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from storage import Publisher, Store
+from tests.storage.storage_helpers import REPO, sql
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if k not in ("CODE_SESSIONS_ROOT", "DATA_DIR")}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "storage", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=full_env,
+    )
+
+
+@pytest.fixture
+async def populated(root: Path, publisher: Publisher) -> Path:
+    async with Store(root, publisher=publisher) as store:
+        a = await store.session("alice", "chat-1")
+        await a.files.write("report.csv", b"a,b\n1,2\n")
+        await a.files.write("plots/chart.png", b"\x89PNG")
+        await a.publish("plots/chart.png")
+        b = await store.session("bob", "temporary:x")
+        await b.files.write("notes.txt", b"hello")
+        await a.check_quota()  # records the quotas in use for the CLI
+    return root
+
+
+def test_listings_as_tables_and_json(populated: Path) -> None:
+    root = str(populated)
+    out = cli("--root", root, "sessions")
+    assert out.returncode == 0, out.stderr
+    assert "alice" in out.stdout and "chat-1" in out.stdout and "USER" in out.stdout
+    rows = json.loads(cli("--root", root, "sessions", "--json").stdout)
+    assert {(r["user_id"], r["chat_id"], r["files"]) for r in rows} == {
+        ("alice", "chat-1", 2),
+        ("bob", "temporary:x", 1),
+    }
+    assert (
+        json.loads(cli("--root", root, "--json", "sessions", "--user", "bob").stdout)[0]["temporary"] is True
+    )
+
+    files = json.loads(cli("--root", root, "files", "chat-1", "--json").stdout)
+    assert [f["path"] for f in files] == ["plots/chart.png", "report.csv"]
+    prefix = rows[0]["chat_key"][:8] if rows[0]["chat_id"] == "chat-1" else rows[1]["chat_key"][:8]
+    assert "report.csv" in cli("--root", root, "files", prefix).stdout
+    missing = cli("--root", root, "files", "nope")
+    assert missing.returncode == 2 and "no session" in missing.stderr
+
+    usage = json.loads(cli("--root", root, "usage", "--json").stdout)
+    assert usage["quotas"]["max_files_per_user"] == 5000
+    assert {u["user_id"]: u["bytes"] for u in usage["users"]} == {"alice": 12, "bob": 5}
+    assert "1 GiB" in cli("--root", root, "usage").stdout
+
+    links = json.loads(cli("--root", root, "links", "--json").stdout)
+    assert [li["path"] for li in links] == ["plots/chart.png"]
+    assert json.loads(cli("--root", root, "links", "--chat", "other", "--json").stdout) == []
+
+
+def test_check_exit_code_and_rebuild(populated: Path) -> None:
+    root = str(populated)
+    ok = cli("--root", root, "check")
+    assert ok.returncode == 0 and "matches" in ok.stdout
+    session_dirs = list((populated / "sessions").glob("alice-*/chat-1-*"))
+    (session_dirs[0] / "sneaky.txt").write_text("x")
+    drift = cli("--root", root, "check")
+    assert drift.returncode == 1
+    assert "file not indexed" in drift.stdout and "sneaky.txt" in drift.stdout
+    items = json.loads(cli("--root", root, "check", "--json").stdout)
+    assert [(d["kind"], d["path"]) for d in items] == [("file not indexed", "sneaky.txt")]
+    rebuilt = json.loads(cli("--root", root, "rebuild", "--json").stdout)
+    assert rebuilt["added"] == 1 and rebuilt["sessions"] == 2
+    assert cli("--root", root, "check").returncode == 0
+
+
+def test_cleanup_commands(populated: Path) -> None:
+    root = str(populated)
+    dry = json.loads(cli("--root", root, "cleanup", "--dry-run", "--all", "--json").stdout)
+    assert dry["dry_run"] and dry["sessions_removed"] == 2
+    assert len(json.loads(cli("--root", root, "sessions", "--json").stdout)) == 2
+    policy = cli("--root", root, "cleanup")
+    assert policy.returncode == 0 and "policy:" in policy.stdout and "removed 0 sessions" in policy.stdout
+    sql(populated, "UPDATE sessions SET last_used_at = last_used_at - 3 * 86400 WHERE user_id = 'bob'")
+    idle = json.loads(cli("--root", root, "cleanup", "--idle", "2d", "--json").stdout)
+    assert [d["chat_id"] for d in idle["details"]] == ["temporary:x"]
+    user = cli("--root", root, "cleanup", "--user", "alice")
+    assert "removed 1 sessions" in user.stdout and "alice" in user.stdout
+    assert json.loads(cli("--root", root, "sessions", "--json").stdout) == []
+    bad = cli("--root", root, "cleanup", "--idle", "soon")
+    assert bad.returncode == 2 and "duration" in bad.stderr
+    log = json.loads(cli("--root", root, "log", "--limit", "3", "--json").stdout)
+    assert log[0]["event"] == "cleanup" and len(log) == 3
+    assert "session_removed" in cli("--root", root, "log").stdout
+
+
+def test_root_resolution(populated: Path, tmp_path: Path) -> None:
+    assert cli("sessions", env={"CODE_SESSIONS_ROOT": str(populated)}).returncode == 0
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    os.symlink(populated, data_dir / "code_sessions")
+    assert "alice" in cli("sessions", env={"DATA_DIR": str(data_dir)}).stdout
+    none = cli("sessions")
+    assert none.returncode == 2 and "--root" in none.stderr
+    missing = cli("--root", str(tmp_path / "nowhere"), "sessions")
+    assert missing.returncode == 2 and "no store" in missing.stderr

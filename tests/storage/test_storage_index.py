@@ -1,0 +1,207 @@
+"""The SQLite index: migrations, corruption, rebuild from disk, several processes at once."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from storage import StorageBusy, StorageError, Store
+from storage._schema import CURRENT_VERSION, MIGRATIONS, statements
+from tests.storage.storage_helpers import sql
+
+
+async def test_new_index_is_wal_and_current(store: Store, root: Path) -> None:
+    assert sql(root, "PRAGMA journal_mode") == [("wal",)]
+    assert sql(root, "PRAGMA user_version") == [(CURRENT_VERSION,)]
+    assert CURRENT_VERSION >= 2
+
+
+async def test_v1_database_is_migrated(root: Path) -> None:
+    root.mkdir()
+    conn = sqlite3.connect(root / "index.sqlite3", isolation_level=None)
+    for statement in statements(MIGRATIONS[0]):
+        conn.execute(statement)
+    conn.execute("PRAGMA user_version = 1")
+    conn.execute(
+        "INSERT INTO sessions (user_id, chat_id, user_key, chat_key, temporary, created_at, last_used_at)"
+        " VALUES ('u', 'c', 'uk', 'ck', 0, 1, 2)"
+    )
+    conn.close()
+    async with Store(root) as store:
+        assert [s.chat_id for s in await store.sessions()] == ["c"]
+        await store.cleanup(dry_run=False)  # uses the v2 activity table
+        assert next(a.event for a in await store.activity()) == "cleanup"
+    assert sql(root, "PRAGMA user_version") == [(CURRENT_VERSION,)]
+
+
+async def test_newer_database_is_refused(root: Path) -> None:
+    root.mkdir()
+    conn = sqlite3.connect(root / "index.sqlite3", isolation_level=None)
+    conn.execute("PRAGMA user_version = 99")
+    conn.close()
+    with pytest.raises(StorageError, match="newer version"):
+        async with Store(root):
+            pass
+
+
+async def _populate(root: Path) -> None:
+    async with Store(root) as store:
+        a = await store.session("alice\x00", "chat/1")
+        await a.files.write("report.csv", b"1,2")
+        b = await store.session("bob", "temporary:9")
+        await b.files.write("x/y.txt", b"yy")
+
+
+@pytest.mark.parametrize("damage", ["garbage", "page"])
+async def test_corrupt_index_is_moved_aside_and_rebuilt(
+    root: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    await _populate(root)
+    db = root / "index.sqlite3"
+    if damage == "garbage":
+        db.write_bytes(b"this is not a database" * 100)
+    else:
+        sql(root, "PRAGMA wal_checkpoint(TRUNCATE)")
+        data = bytearray(db.read_bytes())
+        assert len(data) > 3 * 4096
+        data[4096 + 100 : 4096 * 3] = b"\xa5" * (4096 * 2 - 100)  # scribble over b-tree pages
+        db.write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="code_sessions.storage"):
+        async with Store(root) as store:
+            sessions = {(s.user_id, s.chat_id, s.files, s.bytes, s.temporary) for s in await store.sessions()}
+            assert sessions == {("alice\x00", "chat/1", 1, 3, False), ("bob", "temporary:9", 1, 2, True)}
+            assert await store.check() == []
+            assert "corrupt_index" in [a.event for a in await store.activity()]
+    assert len(list(root.glob("index.sqlite3.corrupt-*"))) >= 1
+    assert any("corrupt" in r.message for r in caplog.records)
+
+
+async def test_deleted_index_is_rebuilt_with_real_ids(root: Path) -> None:
+    await _populate(root)
+    for suffix in ("", "-wal", "-shm"):
+        (root / f"index.sqlite3{suffix}").unlink(missing_ok=True)
+    async with Store(root) as store:
+        rows = {(s.user_id, s.chat_id, s.files, s.bytes) for s in await store.sessions()}
+        assert rows == {("alice\x00", "chat/1", 1, 3), ("bob", "temporary:9", 1, 2)}
+        a = await store.session("alice\x00", "chat/1")
+        assert [f.path for f in await a.files.list()] == ["report.csv"]
+        assert (await store.user_usage("bob")).bytes == 2
+
+
+async def test_rebuild_without_sidecar_keeps_files(root: Path) -> None:
+    await _populate(root)
+    async with Store(root) as store:
+        s = await store.session("bob", "temporary:9")
+        (root / "state" / s.user_key / f"{s.chat_key}.json").unlink()
+    for suffix in ("", "-wal", "-shm"):
+        (root / f"index.sqlite3{suffix}").unlink(missing_ok=True)
+    async with Store(root) as store:
+        rows = {(s.user_id, s.files) for s in await store.sessions()}
+        assert ("alice\x00", 1) in rows
+        assert any(u.startswith("unknown:bob-") and n == 1 for u, n in rows)
+        report = await store.rebuild()
+        assert report.sessions == 2 and report.sessions_without_sidecar == 1 and report.added == 0
+        assert next(a.event for a in await store.activity()) == "rebuild"
+
+
+async def test_rebuild_drops_rows_without_folder(store: Store) -> None:
+    s = await store.session("u", "c")
+    await s.files.write("a", b"1")
+    import shutil
+
+    shutil.rmtree(s.path)
+    assert [d.kind for d in await store.check()] == ["session folder missing"]
+    report = await store.rebuild()
+    assert report.rows_removed == 1
+    assert await store.sessions() == []
+
+
+async def test_check_reports_drift(store: Store) -> None:
+    s = await store.session("u", "c")
+    await s.files.write("a.txt", b"1")
+    await s.files.write("b.txt", b"1")
+    (s.path / "new.txt").write_text("x")
+    (s.path / "a.txt").unlink()
+    (s.path / "b.txt").write_text("changed")
+    (s.path / "fifo").parent.mkdir(exist_ok=True)
+    import os
+
+    os.mkfifo(s.path / "fifo")
+    kinds = sorted((d.kind, d.path) for d in await store.check())
+    assert kinds == [
+        ("file changed", "b.txt"),
+        ("file missing", "a.txt"),
+        ("file not indexed", "new.txt"),
+        ("special file", "fifo"),
+    ]
+    assert (s.path / "fifo").exists()  # check changes nothing
+    await s.reconcile()
+    assert await store.check() == []
+
+
+WRITER = """
+    import asyncio, sys
+    from storage import Store
+
+    async def main(root, name):
+        async with Store(root, busy_timeout_s=60) as store:
+            for i in range(40):
+                s = await store.session(f"user-{i % 3}", f"{name}-{i % 5}")
+                await s.files.write(f"f{i}.txt", b"x" * (i + 1))
+                await s.files.write_new("upload.csv", b"abc")
+                async with s.lock():
+                    await s.reconcile()
+                await store.user_usage(f"user-{i % 3}")
+        print("done")
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+def test_two_processes_write_the_index_at_once(root: Path) -> None:
+    from tests.storage.storage_helpers import start_python
+
+    procs = [start_python(WRITER, str(root), name) for name in ("p1", "p2")]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err
+        assert out.strip() == "done"
+        assert "locked" not in err and "busy" not in err.lower()
+
+    async def verify() -> None:
+        async with Store(root) as store:
+            assert await store.check() == []
+            sessions = await store.sessions()
+            assert len(sessions) == 2 * 15  # (i % 3, i % 5) covers 15 pairs per process
+            assert sum(s.files for s in sessions) == 2 * 40 + 2 * 40
+            total = sum(s.bytes for s in sessions)
+            assert total == 2 * (sum(range(1, 41)) + 40 * 3)
+
+    asyncio.run(verify())
+
+
+async def test_index_locked_too_long_raises_storage_busy(root: Path) -> None:
+    async with Store(root, busy_timeout_s=0.5) as store:
+        s = await store.session("u", "c")
+        blocker = sqlite3.connect(root / "index.sqlite3", isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        try:
+            with pytest.raises(StorageBusy, match="locked"):
+                await s.files.write("a", b"1")
+            # reads still work while a writer holds the lock (WAL)
+            assert (await s.usage()).files == 0
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        await s.files.write("a", b"1")
+        assert (await s.usage()).files == 1
+
+
+async def test_concurrent_tasks_share_the_pool(store: Store) -> None:
+    sessions = [await store.session("u", f"c{i}") for i in range(10)]
+    await asyncio.gather(*(s.files.write(f"f{j}", b"x") for s in sessions for j in range(5)))
+    assert (await store.user_usage("u")).files == 50
+    assert await store.check() == []
