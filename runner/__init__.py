@@ -1,0 +1,37 @@
+"""runner: run one piece of untrusted Python or bash in a fresh gVisor (runsc) sandbox.
+
+Knows nothing of storage or Open WebUI. See docs/runner.md.
+"""
+
+from .capabilities import RunscInfo, detect_runsc
+from .doctor import Check, DoctorReport, doctor
+from .errors import (
+    InterpreterNotFound,
+    RunnerError,
+    RunscNotFound,
+    StateDirError,
+    UnsupportedLanguage,
+    WorkdirError,
+)
+from .models import Limits, Outcome, RunnerConfig, RunResult
+from .runner import HostSetup, Runner
+
+__all__ = [
+    "Check",
+    "DoctorReport",
+    "HostSetup",
+    "InterpreterNotFound",
+    "Limits",
+    "Outcome",
+    "RunResult",
+    "Runner",
+    "RunnerConfig",
+    "RunnerError",
+    "RunscInfo",
+    "RunscNotFound",
+    "StateDirError",
+    "UnsupportedLanguage",
+    "WorkdirError",
+    "detect_runsc",
+    "doctor",
+]

@@ -1,0 +1,244 @@
+"""Is gVisor usable here? Each check says what it found and, when something is wrong, what to fix.
+
+Usable as ``await doctor(config)``, ``python -m runner doctor [--json]`` or ``code-sessions-doctor``.
+The decisive check starts a real tiny sandbox; the others exist to explain why it failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from . import _bundle, _cgroups
+from ._diagnose import DOCKER_UNCONFINED, explain
+from .capabilities import detect_runsc
+from .errors import RunnerError, RunscNotFound
+from .models import Limits, Outcome, RunnerConfig
+from .runner import Runner
+
+
+class Check(BaseModel):
+    name: str
+    ok: bool
+    detail: str
+    fix: str | None = None
+    warning: bool = False  # ok, but something is degraded or likely to bite
+
+
+class DoctorReport(BaseModel):
+    ok: bool
+    checks: list[Check]
+    runsc_version: str | None = None
+    platform: str | None = None
+
+    def check(self, name: str) -> Check | None:
+        return next((c for c in self.checks if c.name == name), None)
+
+    def to_text(self) -> str:
+        lines = []
+        for c in self.checks:
+            mark = "FAIL" if not c.ok else ("WARN" if c.warning else " ok ")
+            lines.append(f"[{mark}] {c.name}: {c.detail}")
+            if c.fix and (not c.ok or c.warning):
+                lines.append(f"       fix: {c.fix}")
+        verdict = (
+            "gVisor sandbox works." if self.ok else "gVisor sandbox does NOT work here; fix the FAIL lines."
+        )
+        return "\n".join([*lines, "", verdict])
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+    except OSError:
+        return ""
+
+
+def _status_field(name: str) -> str:
+    for line in _read("/proc/self/status").splitlines():
+        if line.startswith(name + ":"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def _host_checks(config: RunnerConfig) -> list[Check]:
+    checks = []
+    root = os.geteuid() == 0
+    checks.append(
+        Check(
+            name="root",
+            ok=root,
+            detail="running as root" if root else f"running as uid {os.geteuid()}",
+            fix=None
+            if root
+            else "run the runner as root (the Open WebUI image's default user); "
+            "runsc needs root to create the sandbox's namespaces and cgroups",
+        )
+    )
+    userns = _read("/proc/sys/user/max_user_namespaces").strip()
+    userns_ok = userns != "0"
+    checks.append(
+        Check(
+            name="user namespaces",
+            ok=userns_ok,
+            detail=f"user.max_user_namespaces = {userns or 'unknown'}",
+            fix=None if userns_ok else "sysctl -w user.max_user_namespaces=15000 on the host",
+        )
+    )
+    seccomp = _status_field("Seccomp")
+    apparmor = _read("/proc/self/attr/current").strip()
+    confined = seccomp == "2" or (apparmor not in ("", "unconfined"))
+    checks.append(
+        Check(
+            name="security profile",
+            ok=True,
+            warning=confined,
+            detail=f"seccomp mode {seccomp or '?'} (2 = filtered), AppArmor {apparmor or 'none'}",
+            fix="inside docker: " + DOCKER_UNCONFINED if confined else None,
+        )
+    )
+    masked = [
+        line.split()[4]
+        for line in _read("/proc/self/mountinfo").splitlines()
+        if len(line.split()) > 4 and line.split()[4].startswith("/proc/")
+    ]
+    checks.append(
+        Check(
+            name="/proc",
+            ok=True,
+            warning=bool(masked),
+            detail=(
+                f"{len(masked)} paths under /proc are over-mounted ({', '.join(masked[:3])} ...)"
+                if masked
+                else "/proc is not obstructed"
+            ),
+            fix="inside docker: --security-opt systempaths=unconfined" if masked else None,
+        )
+    )
+    cap_eff = int(_status_field("CapEff") or "0", 16)
+    has_ptrace = bool(cap_eff & (1 << 19))
+    checks.append(
+        Check(
+            name="CAP_SYS_PTRACE",
+            ok=True,
+            warning=not has_ptrace,
+            detail="present" if has_ptrace else "missing (the ptrace platform may be refused)",
+            fix=None if has_ptrace else "docker: --cap-add SYS_PTRACE, or use platform systrap",
+        )
+    )
+    if config.use_cgroups is not False:
+        found = _cgroups.detect(config.cgroup_parent)
+        usable = not isinstance(found, str)
+        checks.append(
+            Check(
+                name="cgroups",
+                ok=usable or not config.use_cgroups,
+                warning=not usable,
+                detail=(
+                    f"cgroup v{found.version}: memory and pids limits are writable"
+                    if usable
+                    else f"{found}; memory falls back to RLIMIT_AS per process"
+                ),
+                fix=None
+                if usable
+                else "docker: --cgroupns=host -v /sys/fs/cgroup:/sys/fs/cgroup:rw (or --privileged)",
+            )
+        )
+    for language in ("python", "bash"):
+        try:
+            path = _bundle.find_interpreter(language, config.python if language == "python" else config.bash)
+            checks.append(Check(name=language, ok=True, detail=path))
+        except RunnerError as exc:
+            checks.append(Check(name=language, ok=False, detail=str(exc), fix="install it under /usr"))
+    return checks
+
+
+async def _sandbox_checks(config: RunnerConfig) -> tuple[list[Check], str | None]:
+    runner = Runner(config)
+    try:
+        setup = await runner.setup()
+    except RunnerError as exc:
+        diag = explain(str(exc))
+        return [Check(name="sandbox", ok=False, detail=str(exc), fix=diag.fix if diag else None)], None
+    checks = [
+        Check(
+            name="platform", ok=True, detail=f"{setup.platform} (offered: {', '.join(setup.runsc.platforms)})"
+        ),
+        Check(name="memory limit", ok=True, warning=setup.cgroups is None, detail=setup.memory_enforcement),
+    ]
+    limits = Limits(timeout_s=20, memory_mb=256, max_output_bytes=4096)
+    with tempfile.TemporaryDirectory(prefix="runner-doctor-") as tmp:
+        res = await runner.run("print('sandbox-ok')", "python", Path(tmp), limits)
+        if res.outcome is Outcome.OK and res.stdout.strip() == "sandbox-ok":
+            checks.append(
+                Check(name="sandbox", ok=True, detail=f"python ran in gVisor in {res.duration_s:.2f} s")
+            )
+            for issue in await runner.known_issues():
+                checks.append(
+                    Check(
+                        name="coreutils",
+                        ok=True,
+                        warning=True,
+                        detail=issue,
+                        fix="use a newer gVisor release (see deploy/Dockerfile); Python code is unaffected",
+                    )
+                )
+        else:
+            # A sandbox failure's reason already ends with the diagnosed fix; do not diagnose twice.
+            found, _, fix = (res.reason or "").partition(" Fix: ")
+            detail = f"{res.outcome.value}: {found}"
+            if not fix:
+                detail = f"{detail} {res.stderr[-500:]}".strip()
+                diag = explain(detail)
+                fix = diag.fix if diag else "set RunnerConfig(debug_log_dir=...) and read gVisor's logs"
+            checks.append(Check(name="sandbox", ok=False, detail=detail, fix=fix.strip()))
+    return checks, setup.platform
+
+
+async def doctor(config: RunnerConfig | None = None) -> DoctorReport:
+    """Check the host and start one real sandbox. Never raises for a broken setup: that is the report."""
+    config = config or RunnerConfig()
+    try:
+        info = await detect_runsc(config.runsc_path)
+    except RunnerError as exc:
+        fix = (
+            "install gVisor: `apt-get install runsc` (Debian/Ubuntu) or the release binary from "
+            "https://gvisor.dev/docs/user_guide/install/, then set RunnerConfig.runsc_path"
+            if isinstance(exc, RunscNotFound)
+            else "check that runsc_path points at gVisor's runsc"
+        )
+        checks = [Check(name="runsc", ok=False, detail=str(exc), fix=fix), *_host_checks(config)]
+        return DoctorReport(ok=False, checks=checks)
+    checks = [Check(name="runsc", ok=True, detail=f"{info.path}, version {info.version}")]
+    checks += _host_checks(config)
+    sandbox, platform = await _sandbox_checks(config)
+    checks += sandbox
+    ok = all(c.ok for c in checks)
+    return DoctorReport(ok=ok, checks=checks, runsc_version=info.version, platform=platform)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in[:1] == ["doctor"]:  # `python -m runner doctor ...`
+        args_in = args_in[1:]
+    parser = argparse.ArgumentParser(
+        prog="code-sessions-doctor", description="Check that gVisor sandboxes work."
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--runsc", default="runsc", help="path or name of runsc (default: runsc on PATH)")
+    parser.add_argument("--platform", default=None, help="gVisor platform (default: auto)")
+    args = parser.parse_args(args_in)
+    report = asyncio.run(doctor(RunnerConfig(runsc_path=args.runsc, platform=args.platform)))
+    print(report.model_dump_json(indent=2) if args.json else report.to_text())
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The runner's typed public data: configuration, per-run limits, and the result of a run."""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+KIB = 1024
+MIB = 1024 * KIB
+GIB = 1024 * MIB
+
+
+class Outcome(enum.StrEnum):
+    """How a run ended. Exactly one per run; the first limit that fired wins."""
+
+    OK = "ok"  # exit status 0
+    ERROR = "error"  # non-zero exit status
+    TIMEOUT = "timeout"
+    OOM = "out_of_memory"
+    OUTPUT_LIMIT = "output_limit"
+    DISK_LIMIT = "disk_limit"
+    SANDBOX_FAILURE = "sandbox_failure"  # gVisor itself failed; the code may not have run at all
+
+
+class Limits(BaseModel):
+    """Per-run limits. Defaults suit an interactive chat; tests use much smaller ones."""
+
+    model_config = ConfigDict(frozen=True)
+
+    timeout_s: float = Field(30.0, gt=0, description="wall time; the whole sandbox is killed at the deadline")
+    memory_mb: int = Field(
+        512, ge=64, description="memory of the whole sandbox (gVisor's own overhead included)"
+    )
+    max_processes: int = Field(64, ge=4, description="processes + threads of the sandbox user (RLIMIT_NPROC)")
+    max_file_bytes: int = Field(100 * MIB, gt=0, description="size of any one file written (RLIMIT_FSIZE)")
+    max_write_bytes: int = Field(GIB, gt=0, description="growth of the workdir during the run")
+    max_output_bytes: int = Field(64 * KIB, gt=0, description="kept per stream; more stops the run")
+
+
+class RunnerConfig(BaseModel):
+    """How to reach gVisor on this host. One per process is plenty; it is immutable."""
+
+    model_config = ConfigDict(frozen=True)
+
+    runsc_path: str = "runsc"
+    # None = newest supported platform the installed runsc offers: systrap, else ptrace.
+    platform: str | None = None
+    # runsc --root (container state). Default: /run/code-sessions-runsc, mode 0700.
+    state_dir: Path | None = None
+    # Where per-run OCI bundles and the shared read-only root skeleton live. Default:
+    # /run/code-sessions-runner, mode 0700.
+    bundle_dir: Path | None = None
+    # False: --network=none (loopback only). True: runsc's own network stack (--network=sandbox) in a
+    # fresh network namespace (loopback only too) or in ``netns_path``, a namespace the operator wired up.
+    network: bool = False
+    netns_path: Path | None = None
+    sandbox_uid: int = Field(65534, gt=0)
+    sandbox_gid: int = Field(65534, gt=0)
+    # Host interpreters; None = auto-detect python3/bash in /usr/local/bin then /usr/bin.
+    python: Path | None = None
+    bash: Path | None = None
+    # None = use cgroups for memory/pids when they are writable; False = never (RLIMIT_AS fallback).
+    use_cgroups: bool | None = None
+    cgroup_parent: str = Field("code-sessions", pattern=r"^[A-Za-z0-9_.-]+$")
+    # Set to a directory to get gVisor debug logs (off by default: they are large and slow runs down).
+    debug_log_dir: Path | None = None
+    # Escape hatch for flags the runner does not know about, e.g. ("--directfs=false",).
+    extra_runsc_flags: tuple[str, ...] = ()
+
+
+class RunResult(BaseModel):
+    """What happened. ``reason`` is plain words for a human (or a model) to read."""
+
+    model_config = ConfigDict(frozen=True)
+
+    outcome: Outcome
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    duration_s: float
+    reason: str | None = None
+    container_id: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.OK

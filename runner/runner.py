@@ -1,0 +1,259 @@
+"""The Runner: run one piece of code in a fresh gVisor sandbox with the session folder at /mnt/data."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from . import _bundle, _cgroups
+from ._diagnose import read_runsc_errors
+from ._outcome import classify
+from ._supervise import Supervision
+from .capabilities import RunscInfo, detect_runsc
+from .errors import RunnerError, RunscNotFound, WorkdirError
+from .models import Limits, RunnerConfig, RunResult
+
+if TYPE_CHECKING:
+    from .doctor import DoctorReport
+
+DEFAULT_STATE_DIR = Path("/run/code-sessions-runsc")
+DEFAULT_BUNDLE_DIR = Path("/run/code-sessions-runner")
+_PROBE_LIMITS = Limits(timeout_s=20, memory_mb=256, max_output_bytes=4096)
+
+
+@dataclass(frozen=True)
+class HostSetup:
+    """What the runner settled on for this host; prepared once, on the first run."""
+
+    runsc: RunscInfo
+    platform: str
+    rootfs: Path
+    cgroups: _cgroups.CgroupSupport | None
+    cgroups_note: str  # why cgroups are not used, when they are not
+
+    @property
+    def memory_enforcement(self) -> str:
+        if self.cgroups is not None:
+            return f"cgroup v{self.cgroups.version} (whole sandbox)"
+        return "RLIMIT_AS per process (no usable cgroups: " + self.cgroups_note + ")"
+
+
+class Runner:
+    def __init__(self, config: RunnerConfig | None = None) -> None:
+        self.config = config or RunnerConfig()
+        self.state_dir = self.config.state_dir or DEFAULT_STATE_DIR
+        self.bundle_dir = self.config.bundle_dir or DEFAULT_BUNDLE_DIR
+        self._setup: HostSetup | None = None
+        self._setup_lock = threading.Lock()  # not asyncio.Lock: a Runner may outlive one event loop
+        self._interpreters: dict[str, str] = {}
+        self._known_issues: tuple[str, ...] | None = None
+
+    @property
+    def sandbox_uid(self) -> int:
+        return self.config.sandbox_uid
+
+    @property
+    def sandbox_gid(self) -> int:
+        return self.config.sandbox_gid
+
+    async def setup(self) -> HostSetup:
+        """Detect runsc and prepare the host (idempotent). Raises RunnerError on misconfiguration."""
+        if self._setup is None:
+            info = await detect_runsc(self.config.runsc_path)
+            self._setup = await asyncio.to_thread(self._setup_host, info)
+        return self._setup
+
+    def _setup_host(self, info: RunscInfo) -> HostSetup:
+        with self._setup_lock:
+            if self._setup is not None:
+                return self._setup
+            if self.config.network and self.config.netns_path is None:
+                # runsc's sandbox network takes over the interfaces of the namespace it runs in (it
+                # refuses the host's root namespace; inside a container it would take the container's
+                # own address). It needs a namespace prepared for it.
+                raise RunnerError(
+                    "network=True needs RunnerConfig.netns_path: a network namespace prepared for the "
+                    "sandbox (e.g. `ip netns add code-sessions` plus a veth pair and NAT); see docs/runner.md"
+                )
+            platform = self.config.platform or info.auto_platform()
+            if info.platforms and platform not in info.platforms:
+                raise RunnerError(
+                    f"platform {platform!r} is not offered by {info.path} {info.version} "
+                    f"(it offers: {', '.join(info.platforms)})"
+                )
+            _bundle.ensure_private_dir(self.state_dir)
+            _bundle.ensure_private_dir(self.bundle_dir)
+            rootfs = _bundle.build_image(
+                self.bundle_dir, self.sandbox_uid, self.sandbox_gid, self.config.network
+            )
+            support: _cgroups.CgroupSupport | None = None
+            note = "disabled by RunnerConfig(use_cgroups=False)"
+            if self.config.use_cgroups is not False:
+                found = _cgroups.detect(self.config.cgroup_parent)
+                if isinstance(found, str):
+                    if self.config.use_cgroups:
+                        raise RunnerError(f"use_cgroups=True but {found}")
+                    note = found
+                else:
+                    support, note = found, ""
+            return HostSetup(info, platform, rootfs, support, note)
+
+    def _interpreter(self, language: str) -> str:
+        if language not in self._interpreters:
+            configured = self.config.python if language == "python" else self.config.bash
+            self._interpreters[language] = _bundle.find_interpreter(language, configured)
+        return self._interpreters[language]
+
+    def _runsc_argv(self, setup: HostSetup, bundle: Path) -> list[str]:
+        info = setup.runsc
+        argv = [info.path, "--root", str(self.state_dir), "--platform", setup.platform]
+        argv.append("--network=sandbox" if self.config.network else "--network=none")
+        if info.supports("overlay2"):
+            # Newer runsc overlays the root by default; we want exactly the spec: a read-only root and
+            # /mnt/data written straight through to the host.
+            argv.append("--overlay2=none")
+        if setup.cgroups is None and info.supports("ignore-cgroups"):
+            argv.append("--ignore-cgroups")
+        # gVisor's own errors go to a file, not into the code's stderr, so they can't be confused.
+        argv += ["--log", str(bundle / "runsc.log")]
+        if info.supports("log-format"):
+            argv.append("--log-format=json")
+        if info.supports("panic-log"):
+            argv += ["--panic-log", str(bundle / "panic.log")]
+        if self.config.debug_log_dir is not None:
+            argv += ["--debug", "--debug-log", str(self.config.debug_log_dir).rstrip("/") + "/"]
+        argv += list(self.config.extra_runsc_flags)
+        return argv
+
+    def _check_workdir(self, workdir: Path | str) -> Path:
+        path = Path(os.path.realpath(workdir))
+        if not path.is_dir():
+            raise WorkdirError(f"workdir {workdir} does not exist or is not a directory")
+        if path == Path("/"):
+            raise WorkdirError("refusing to mount / as the session folder")
+        return path
+
+    def _prepare_run(
+        self, setup: HostSetup, cid: str, code: str, language: str, workdir: Path, limits: Limits
+    ) -> tuple[Path, _cgroups.RunCgroup | None]:
+        if os.geteuid() == 0:
+            st = workdir.stat()
+            # Only the top directory: the sandbox user must create files in it; what is inside
+            # (possibly 100k files) keeps its owners and is not walked.
+            if (st.st_uid, st.st_gid) != (self.sandbox_uid, self.sandbox_gid):
+                os.chown(workdir, self.sandbox_uid, self.sandbox_gid)
+            if st.st_mode & 0o700 != 0o700:
+                workdir.chmod(st.st_mode | 0o700)
+        bundle = _bundle.write_bundle(self.bundle_dir, cid, code, language)
+        cgroup = None
+        try:
+            if setup.cgroups is not None:
+                cgroup = _cgroups.RunCgroup(setup.cgroups, self.config.cgroup_parent, cid)
+                cgroup.create(limits.memory_mb * 1024 * 1024, _bundle.pids_backstop(limits))
+            spec = _bundle.make_spec(
+                rootfs=setup.rootfs,
+                bundle=bundle,
+                workdir=workdir,
+                language=language,
+                interpreter=self._interpreter(language),
+                limits=limits,
+                uid=self.sandbox_uid,
+                gid=self.sandbox_gid,
+                cgroups_path=cgroup.path if cgroup else None,
+                rlimit_as=cgroup is None,
+                netns_path=self.config.netns_path if self.config.network else None,
+            )
+            (bundle / "config.json").write_text(json.dumps(spec, indent=1), encoding="utf-8")
+        except BaseException as exc:
+            if cgroup is not None:
+                cgroup.remove()
+            shutil.rmtree(bundle, ignore_errors=True)
+            if isinstance(exc, OSError):
+                raise RunnerError(f"cannot prepare the sandbox: {exc}") from exc
+            raise
+        return bundle, cgroup
+
+    async def run(
+        self, code: str, language: str, workdir: Path | str, limits: Limits | None = None
+    ) -> RunResult:
+        """Run ``code`` ("python" or "bash") with ``workdir`` at /mnt/data. Never raises for what the
+        code does; raises RunnerError subclasses for host-side misconfiguration only."""
+        limits = limits or Limits()
+        self._interpreter(language)  # fail fast on an unknown language or a missing interpreter
+        wd = self._check_workdir(workdir)
+        setup = await self.setup()
+        cid = "cs-" + secrets.token_hex(8)
+        bundle, cgroup = await asyncio.to_thread(self._prepare_run, setup, cid, code, language, wd, limits)
+        sup = Supervision(
+            argv=[*self._runsc_argv(setup, bundle), "run", "--bundle", str(bundle), cid],
+            runsc_base=[setup.runsc.path, "--root", str(self.state_dir)],
+            container_id=cid,
+            workdir=wd,
+            limits=limits,
+            cgroup=cgroup,
+            marker=str(bundle),
+        )
+        try:
+            try:
+                facts = await sup.run()
+            except (FileNotFoundError, PermissionError) as exc:  # runsc vanished since setup()
+                raise RunscNotFound(setup.runsc.path, str(exc)) from exc
+            errors = await asyncio.to_thread(read_runsc_errors, bundle / "runsc.log", bundle / "panic.log")
+        finally:
+            # Shielded: even if the caller cancels us, the sandbox is killed and the bundle removed.
+            await asyncio.shield(asyncio.ensure_future(self._finish(sup, bundle)))
+        outcome, exit_code, reason = classify(
+            facts, limits, errors, sup.stderr.text()[-2000:], memory_by_rlimit=cgroup is None
+        )
+        if facts.leftover_pids:
+            reason = f"{reason or outcome.value}; warning: host processes {facts.leftover_pids} did not exit"
+        return RunResult(
+            outcome=outcome,
+            exit_code=exit_code,
+            stdout=sup.stdout.text(),
+            stderr=sup.stderr.text(),
+            stdout_truncated=sup.stdout.truncated,
+            stderr_truncated=sup.stderr.truncated,
+            duration_s=round(facts.duration_s, 3),
+            reason=reason,
+            container_id=cid,
+        )
+
+    async def _finish(self, sup: Supervision, bundle: Path) -> None:
+        try:
+            await sup.close()
+        finally:
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(shutil.rmtree, bundle, True)
+
+    async def known_issues(self) -> tuple[str, ...]:
+        """Quirks of this gVisor build that code authors should know, probed once per Runner.
+
+        Debian's runsc 20221219 rejects statx(AT_NO_AUTOMOUNT), so coreutils' `ls` and `stat` fail
+        with "Invalid argument" while Python's os.listdir/os.stat work. A version check would guess;
+        one tiny run knows."""
+        if self._known_issues is None:
+            with tempfile.TemporaryDirectory(prefix="runner-probe-") as tmp:
+                probe = await self.run("ls / >/dev/null", "bash", Path(tmp), _PROBE_LIMITS)
+            issues = []
+            if "Invalid argument" in probe.stderr:
+                issues.append(
+                    "`ls` and `stat` fail with 'Invalid argument' in this sandbox (an old gVisor); "
+                    "list files with Python (os.listdir, os.stat) or `find`."
+                )
+            self._known_issues = tuple(issues)
+        return self._known_issues
+
+    async def doctor(self) -> DoctorReport:
+        from .doctor import doctor
+
+        return await doctor(self.config)

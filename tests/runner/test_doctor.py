@@ -1,0 +1,129 @@
+"""The doctor: real sandbox on a working host; plain fixes for broken ones (missing runsc, or a stub
+runsc that fails the way gVisor does in a locked-down container)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runner import Outcome, Runner, RunnerConfig, doctor
+
+from .conftest import RUNSC
+
+STUB = r"""#!/usr/bin/python3
+import json, sys
+MESSAGE = {message!r}
+args = sys.argv[1:]
+if args == ["--version"]:
+    print("runsc version release-20240513.0\nspec: 1.1.0-rc.1")
+elif args == ["flags"]:
+    for flag in ("platform string", "overlay2 value", "log string", "log-format string", "directfs"):
+        print("  -" + flag)
+elif args == ["help", "platforms"]:
+    print("ptrace\nsystrap")
+elif "run" in args:
+    if {to_log!r} and "--log" in args:
+        with open(args[args.index("--log") + 1], "w") as fh:
+            fh.write(json.dumps({{"msg": MESSAGE, "level": "error"}}) + "\n")
+    print(MESSAGE, file=sys.stderr)
+    sys.exit(128)
+"""
+
+
+def make_stub(tmp_path: Path, message: str, to_log: bool = True) -> str:
+    path = tmp_path / "runsc"
+    path.write_text(STUB.format(message=message, to_log=to_log))
+    path.chmod(0o755)
+    return str(path)
+
+
+def config_for(tmp_path: Path, runsc: str) -> RunnerConfig:
+    return RunnerConfig(runsc_path=runsc, state_dir=tmp_path / "state", bundle_dir=tmp_path / "bundles")
+
+
+async def test_doctor_passes_on_this_host(tmp_path: Path) -> None:
+    report = await doctor(config_for(tmp_path, RUNSC))
+    assert report.ok, report.to_text()
+    sandbox = report.check("sandbox")
+    assert sandbox is not None and sandbox.ok
+    assert report.runsc_version and report.platform
+
+
+async def test_doctor_says_how_to_install_a_missing_runsc(tmp_path: Path) -> None:
+    report = await doctor(config_for(tmp_path, str(tmp_path / "no-such-runsc")))
+    assert not report.ok
+    check = report.check("runsc")
+    assert check is not None and not check.ok
+    assert "apt-get install runsc" in (check.fix or "")
+    assert "FAIL" in report.to_text()
+
+
+@pytest.mark.parametrize(
+    ("message", "to_log", "expected_fix"),
+    [
+        (
+            "running container: creating container: cannot create gofer process: "
+            "gofer: fork/exec /proc/self/exe: operation not permitted",
+            True,
+            "seccomp=unconfined",
+        ),
+        (
+            "running container: creating container: cannot set up cgroup for root: "
+            "configuring cgroup: mkdir /sys/fs/cgroup/memory/x: read-only file system",
+            False,  # only on stderr: runsc died before writing its log
+            "/sys/fs/cgroup:rw",
+        ),
+        (
+            "running container: starting container: mounting /proc: operation not permitted",
+            True,
+            "systempaths=unconfined",
+        ),
+        (
+            "running container: creating container: cannot create sandbox: ptrace: PTRACE_ATTACH: "
+            "operation not permitted",
+            True,
+            "SYS_PTRACE",
+        ),
+    ],
+)
+async def test_doctor_turns_gvisor_errors_into_fixes(
+    tmp_path: Path, message: str, to_log: bool, expected_fix: str
+) -> None:
+    config = config_for(tmp_path, make_stub(tmp_path, message, to_log))
+    report = await doctor(config)
+    assert not report.ok
+    assert report.platform is None or report.platform == "systrap"
+    check = report.check("sandbox")
+    assert check is not None and not check.ok, report.to_text()
+    assert expected_fix in (check.fix or ""), report.to_text()
+    # The same words reach a plain run() as the reason of a SANDBOX_FAILURE.
+    workdir = tmp_path / "w"
+    workdir.mkdir()
+    res = await Runner(config).run("print(1)", "python", workdir)
+    assert res.outcome is Outcome.SANDBOX_FAILURE
+    assert expected_fix in (res.reason or "")
+
+
+def test_cli_json_and_exit_status(tmp_path: Path) -> None:
+    bad = subprocess.run(
+        [sys.executable, "-m", "runner", "doctor", "--json", "--runsc", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 1
+    report = json.loads(bad.stdout)
+    assert report["ok"] is False
+    assert report["checks"][0]["name"] == "runsc"
+    good = subprocess.run(
+        [sys.executable, "-m", "runner", "doctor", "--runsc", RUNSC],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "gVisor sandbox works." in good.stdout
