@@ -1,0 +1,37 @@
+"""A chat step without Open WebUI: sandbox runs over a persistent session, links, the conversation loop."""
+
+from .blocks import CodeBlock, runnable_blocks
+from .loop import RUN_CODE_TOOL, LoopOptions, ModelCall, StatusCall, converse, render_step
+from .prompt import PromptFacts, human_bytes, system_prompt
+from .purge import parse_duration, parse_purge
+from .rewrite import StreamingRewriter, Target, find_paths, rewrite
+from .service import ChatSession, CodeSessions, StepResult
+from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
+
+__all__ = [
+    "RUN_CODE_TOOL",
+    "ChatSession",
+    "CodeBlock",
+    "CodeSessions",
+    "LoopOptions",
+    "ModelCall",
+    "ModelError",
+    "PromptFacts",
+    "StatusCall",
+    "StepResult",
+    "StreamingRewriter",
+    "Target",
+    "TextDelta",
+    "ToolCall",
+    "converse",
+    "events_from_message",
+    "events_from_sse",
+    "find_paths",
+    "human_bytes",
+    "parse_duration",
+    "parse_purge",
+    "render_step",
+    "rewrite",
+    "runnable_blocks",
+    "system_prompt",
+]

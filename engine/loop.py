@@ -1,0 +1,196 @@
+"""The conversation loop: ask the model, run the code it asks for, feed the result back, repeat.
+
+The model is reached through a `ModelCall` supplied by the caller (the Open WebUI adapter calls the base
+model through Open WebUI), so this loop can be tested with a scripted model and no server.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from .blocks import runnable_blocks
+from .service import ChatSession, StepResult
+from .sse import ModelError, TextDelta, ToolCall
+
+__all__ = ["RUN_CODE_TOOL", "LoopOptions", "ModelCall", "StatusCall", "converse", "render_step"]
+
+RUN_CODE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "run_code",
+        "description": (
+            "Run Python or bash in a sandbox. The working directory is /mnt/data, this chat's persistent "
+            "folder: files written there stay for the next steps and can be linked in the answer. "
+            "Returns the outcome, stdout, stderr and which files changed."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "language": {"type": "string", "enum": ["python", "bash"], "description": "default python"},
+                "code": {"type": "string", "description": "the program to run"},
+            },
+            "required": ["code"],
+        },
+    },
+}
+
+ModelCall = Callable[[list[dict], list[dict] | None], AsyncIterator[TextDelta | ToolCall | ModelError]]
+StatusCall = Callable[[str, bool], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class LoopOptions:
+    tool_mode: bool = True
+    max_steps: int = 8
+    show_code: bool = True
+    show_output: bool = True
+    max_result_chars: int = 8000
+
+
+def _fence(text: str) -> str:
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    return "`" * max(3, longest + 1)
+
+
+def _block(text: str, language: str = "") -> str:
+    # `</details>` inside the output would close our collapsible block early in the rendered page.
+    text = text.replace("</details", "<\u200b/details")
+    fence = _fence(text)
+    return f"{fence}{language}\n{text.rstrip()}\n{fence}\n"
+
+
+async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions) -> str:
+    """Markdown for the user: a collapsible block with code and output, then file notes with links."""
+    body: list[str] = []
+    if options.show_code:
+        body.append(_block(step.code, step.language))
+    if options.show_output and step.run is not None:
+        output = step.run.stdout + (
+            ("\n" if step.run.stdout else "") + step.run.stderr if step.run.stderr else ""
+        )
+        body.append("Output:\n" + _block(output) if output.strip() else "_(no output)_\n")
+    summary = step.headline().replace("<", "&lt;")
+    details = f"\n<details>\n<summary>{summary}</summary>\n\n" + "\n".join(body) + "\n</details>\n\n"
+    notes = step.file_notes()
+    if not notes:
+        return details
+    listing = "\n".join(f"- {note}" for note in notes) + "\n"
+    return details + await chat.rewrite(listing, inline_images=False) + "\n"
+
+
+def _status_after(step: StepResult) -> str:
+    if step.refused is not None:
+        return step.headline()
+    saved = len(step.files.added) + len(step.files.changed) if step.files else 0
+    text = step.headline()
+    if saved:
+        text += f"; saved {saved} file{'s' if saved != 1 else ''}"
+    return text
+
+
+def _arguments(call: ToolCall) -> tuple[str, str] | str:
+    """(language, code) from a run_code call, or an error message for the model."""
+    if call.name != "run_code":
+        return f"Unknown tool {call.name!r}; the only tool is run_code."
+    try:
+        arguments = json.loads(call.arguments or "{}")
+    except json.JSONDecodeError as error:
+        return f'The arguments were not valid JSON ({error}); send {{"language": ..., "code": ...}}.'
+    if not isinstance(arguments, dict) or not isinstance(arguments.get("code"), str):
+        return "Missing `code` (a string)."
+    language = arguments.get("language") or "python"
+    return str(language), arguments["code"]
+
+
+async def _run(chat: ChatSession, language: str, code: str, status: StatusCall) -> StepResult:
+    await status(f"Running {language}...", False)
+    step = await chat.run(code, language)
+    await status(_status_after(step), True)
+    return step
+
+
+async def converse(
+    chat: ChatSession,
+    messages: list[dict],
+    call_model: ModelCall,
+    options: LoopOptions,
+    status: StatusCall,
+) -> AsyncIterator[str]:
+    """Yield the user-visible answer (already link-rewritten) while running the model's code."""
+    steps = 0
+    while True:
+        offer_tools = options.tool_mode and steps < options.max_steps
+        rewriter = chat.streaming_rewriter()
+        text = ""
+        calls: list[ToolCall] = []
+        async for event in call_model(messages, [RUN_CODE_TOOL] if offer_tools else None):
+            if isinstance(event, TextDelta):
+                text += event.text
+                visible = await rewriter.feed(event.text)
+                if visible:
+                    yield visible
+            elif isinstance(event, ToolCall):
+                calls.append(event)
+            else:
+                yield await rewriter.flush()
+                yield f"\n\n**The model returned an error:** {event.message}\n"
+                return
+        tail = await rewriter.flush()
+        if tail:
+            yield tail
+
+        if options.tool_mode:
+            if not calls:
+                return
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": text,
+                    "tool_calls": [
+                        {
+                            "id": c.id,
+                            "type": "function",
+                            "function": {"name": c.name, "arguments": c.arguments},
+                        }
+                        for c in calls
+                    ],
+                }
+            )
+            for call in calls:
+                parsed = _arguments(call)
+                if isinstance(parsed, str):
+                    result = parsed
+                elif steps >= options.max_steps:
+                    result = "Not run: the step limit for this answer is reached. Answer with what you have."
+                else:
+                    steps += 1
+                    step = await _run(chat, parsed[0], parsed[1], status)
+                    yield await render_step(chat, step, options)
+                    result = step.for_model(options.max_result_chars)
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+            continue
+
+        blocks = runnable_blocks(text)
+        if not blocks:
+            return
+        if steps >= options.max_steps:
+            yield "\n\n_(The code above was not run: the step limit for this answer is reached.)_\n"
+            return
+        messages.append({"role": "assistant", "content": text})
+        results = []
+        for block in blocks:
+            steps += 1
+            step = await _run(chat, block.language, block.code, status)
+            yield await render_step(chat, step, options)
+            results.append(step.for_model(options.max_result_chars))
+        messages.append(
+            {
+                "role": "user",
+                "content": "Output of the code blocks you wrote, in order:\n\n"
+                + "\n\n".join(results)
+                + "\n\nContinue. Write more ```python or ```bash blocks only if more code must run.",
+            }
+        )

@@ -1,0 +1,82 @@
+"""The system prompt that tells the model about its /mnt/data folder."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["PromptFacts", "human_bytes", "system_prompt"]
+
+
+def human_bytes(size: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptFacts:
+    files: Sequence[tuple[str, int]]  # (relative path, size), newest first
+    total_files: int
+    total_bytes: int
+    timeout_s: float
+    memory_mb: int
+    network: bool
+    max_file_bytes: int
+    quota_bytes: int
+    quota_files: int
+    tool_mode: bool  # True: a run_code tool; False: fenced blocks are run
+    sandbox_notes: Sequence[str] = ()  # quirks of this sandbox worth knowing (see Runner.known_issues)
+    max_listed: int = 40
+
+
+def _file_lines(facts: PromptFacts) -> str:
+    if not facts.files:
+        return "The folder is empty."
+    shown = facts.files[: facts.max_listed]
+    lines = [f"- /mnt/data/{path} ({human_bytes(size)})" for path, size in shown]
+    hidden = facts.total_files - len(shown)
+    if hidden > 0:
+        lines.append(f"- ... and {hidden} more (list them with code if you need them)")
+    header = f"Files now in /mnt/data ({facts.total_files} files, {human_bytes(facts.total_bytes)}):"
+    return "\n".join([header, *lines])
+
+
+def _quota_line(facts: PromptFacts) -> str:
+    limits = []
+    if facts.max_file_bytes:
+        limits.append(f"{human_bytes(facts.max_file_bytes)} per file")
+    if facts.quota_bytes:
+        limits.append(f"{human_bytes(facts.quota_bytes)} for all of this user's chats")
+    if facts.quota_files:
+        limits.append(f"{facts.quota_files} files for all of this user's chats")
+    return f"- Storage limits: {', '.join(limits)}.\n" if limits else ""
+
+
+def system_prompt(facts: PromptFacts) -> str:
+    how = (
+        "Run code with the `run_code` tool (language `python` or `bash`). "
+        "You will get its output back and can run more code."
+        if facts.tool_mode
+        else "To run code, write it in a fenced block tagged ```python or ```bash; every such block in your "
+        "reply is run in order and you will get the output back. Do not use those tags for code that "
+        "must not run."
+    )
+    network = (
+        "has network access" if facts.network else "has NO network access (no pip install, no downloads)"
+    )
+    return (
+        "You can run code in a sandbox with a persistent folder, /mnt/data, that belongs to this chat.\n"
+        f"{how}\n"
+        "- Files in /mnt/data stay there for the whole chat: what you write in one step you can read in the "
+        "next. Files the user attached to the chat are copied there too.\n"
+        "- Save every file the user should get in /mnt/data (not /tmp, which is wiped after each run).\n"
+        "- To give the user a file, write its full path, e.g. /mnt/data/report.csv, in your answer as plain "
+        "text (not in a code block): it becomes a download link, and an image is shown inline.\n"
+        f"- Limits per run: {facts.timeout_s:g} s, {facts.memory_mb} MB of memory; the sandbox {network}.\n"
+        + _quota_line(facts)
+        + "".join(f"- Note: {note}\n" for note in facts.sandbox_notes)
+        + _file_lines(facts)
+    )

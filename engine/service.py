@@ -1,0 +1,208 @@
+"""One chat step, composed: lock the session, check the quota, run in the sandbox, index, enforce, link.
+
+This is the whole "full path" a model's code takes. It knows the store and the runner, and nothing of
+Open WebUI: the function adapter hands it ids, code and limits, and gets back results to show.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from runner import Limits, Outcome, Runner, RunnerError, RunResult
+from storage import (
+    FileMissing,
+    InvalidPath,
+    QuotaExceeded,
+    ReconcileReport,
+    Session,
+    StorageBusy,
+    StorageError,
+    Store,
+)
+
+from .rewrite import StreamingRewriter, Target, find_paths, resolve_all, rewrite
+
+__all__ = ["ChatSession", "CodeSessions", "StepResult"]
+
+log = logging.getLogger("code_sessions.engine")
+
+_OUTCOME_WORDS = {
+    Outcome.OK: "finished",
+    Outcome.ERROR: "exited with an error",
+    Outcome.TIMEOUT: "was stopped: time limit reached",
+    Outcome.OOM: "was stopped: out of memory",
+    Outcome.OUTPUT_LIMIT: "was stopped: too much output",
+    Outcome.DISK_LIMIT: "was stopped: it wrote more than the disk limit",
+    Outcome.SANDBOX_FAILURE: "could not run: the sandbox failed",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one piece of code did, for the model (text) and for the user (status, summary)."""
+
+    language: str
+    code: str
+    run: RunResult | None = None
+    files: ReconcileReport | None = None
+    refused: str | None = None  # why the code was not run at all (quota, sandbox unavailable, busy)
+
+    @property
+    def ok(self) -> bool:
+        return self.run is not None and self.run.outcome == Outcome.OK
+
+    def headline(self) -> str:
+        if self.refused is not None:
+            return f"Not run: {self.refused}"
+        assert self.run is not None
+        words = _OUTCOME_WORDS.get(self.run.outcome, str(self.run.outcome))
+        text = f"{self.language.capitalize()} {words} in {self.run.duration_s:.1f} s"
+        if self.run.outcome == Outcome.ERROR and self.run.exit_code is not None:
+            text += f" (exit code {self.run.exit_code})"
+        return text
+
+    def file_notes(self) -> list[str]:
+        """Plain sentences about files: what changed, what limits removed, what was rejected."""
+        report = self.files
+        if report is None:
+            return []
+        notes: list[str] = []
+        saved = sorted(set(report.added) | set(report.changed))
+        kept = [path for path in saved if path not in {r.path for r in report.quota_removed}]
+        if kept:
+            notes.append("Saved: " + ", ".join(f"/mnt/data/{p}" for p in kept[:20]) + _more(kept, 20))
+        if report.removed:
+            notes.append(
+                "Deleted: "
+                + ", ".join(f"/mnt/data/{p}" for p in report.removed[:20])
+                + _more(report.removed, 20)
+            )
+        for removal in report.quota_removed[:20]:
+            notes.append(f"Removed /mnt/data/{removal.path}: {removal.reason}")
+        notes.extend(_more_line(report.quota_removed, 20, "more files removed by limits"))
+        for rejected in report.rejected[:20]:
+            notes.append(
+                f"Removed /mnt/data/{rejected.path}: a {rejected.kind} is not allowed, only files and folders"
+            )
+        notes.extend(_more_line(report.rejected, 20, "more entries removed"))
+        return notes
+
+    def for_model(self, max_chars: int = 8000) -> str:
+        """The tool result the model reads: outcome, output (bounded), file changes."""
+        parts = [self.headline() + "."]
+        if self.run is not None:
+            if self.run.reason and self.run.outcome != Outcome.OK:
+                parts.append(f"Reason: {self.run.reason}")
+            if self.run.stdout:
+                parts.append("stdout:\n" + _clip(self.run.stdout, max_chars // 2))
+            if self.run.stderr:
+                parts.append("stderr:\n" + _clip(self.run.stderr, max_chars // 2))
+            if not self.run.stdout and not self.run.stderr:
+                parts.append("(no output)")
+        parts.extend(self.file_notes())
+        return "\n".join(parts)
+
+
+def _more(items: Sequence[object], shown: int) -> str:
+    return f" and {len(items) - shown} more" if len(items) > shown else ""
+
+
+def _more_line(items: Sequence[object], shown: int, what: str) -> list[str]:
+    return [f"... and {len(items) - shown} {what}"] if len(items) > shown else []
+
+
+def _clip(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n[... {len(text) - limit} characters omitted ...]\n{text[-half:]}"
+
+
+class ChatSession:
+    """A chat's folder as the engine uses it: run code in it, add uploads, link its files."""
+
+    def __init__(self, service: CodeSessions, session: Session) -> None:
+        self._service = service
+        self.session = session
+        self.published: list[Target] = []  # every file linked so far, for attaching to the message
+
+    async def run(self, code: str, language: str) -> StepResult:
+        service = self._service
+        if language not in ("python", "bash"):
+            return StepResult(language, code, refused=f"unknown language {language!r}; use python or bash")
+        try:
+            async with self.session.lock(timeout=service.lock_timeout_s):
+                budget = await self.session.check_quota()
+                limits = service.limits.model_copy(
+                    update={
+                        "max_write_bytes": _tighter(service.limits.max_write_bytes, budget.max_write_bytes),
+                        "max_file_bytes": _tighter(service.limits.max_file_bytes, budget.max_file_bytes),
+                    }
+                )
+                try:
+                    result = await service.runner.run(code, language, self.session.path, limits)
+                finally:
+                    # Index what the run left even when the runner failed half-way: disk is the truth.
+                    report = await self.session.reconcile(enforce_quotas=True)
+        except QuotaExceeded as error:
+            return StepResult(language, code, refused=str(error))
+        except StorageBusy as error:
+            return StepResult(language, code, refused=f"this chat's folder is busy ({error}); try again")
+        except RunnerError as error:
+            log.warning("sandbox unavailable: %s", error)
+            return StepResult(language, code, refused=f"the sandbox is not available: {error}")
+        return StepResult(language, code, run=result, files=report)
+
+    async def add_upload(self, name: str, data: bytes, *, source: str | None = None) -> str:
+        """Copy a user's attachment into the folder under a safe, unused name; returns its path.
+
+        `source` names where it came from, so the same attachment is not copied again next turn."""
+        async with self.session.lock(timeout=self._service.lock_timeout_s):
+            return await self.session.files.write_new(name, data, source=source)
+
+    async def resolve(self, path: str) -> Target | None:
+        """Publish a file for the browser, or None when it is not a regular file of this session."""
+        try:
+            # Under the lock: another message of this chat may be running code that rewrites the file.
+            async with self.session.lock(timeout=self._service.lock_timeout_s):
+                link = await self.session.publish(path)
+        except (FileMissing, InvalidPath):
+            return None
+        except StorageError as error:
+            log.warning("could not publish %r: %s", path, error)
+            return None
+        target = Target(url=link.url, name=posixpath.basename(path), is_image=link.is_image)
+        if target not in self.published:
+            self.published.append(target)
+        return target
+
+    async def rewrite(self, text: str, *, inline_images: bool = True) -> str:
+        targets = await resolve_all(find_paths(text), self.resolve)
+        return rewrite(text, targets, inline_images=inline_images)
+
+    def streaming_rewriter(self) -> StreamingRewriter:
+        return StreamingRewriter(self.resolve)
+
+
+def _tighter(configured: int, budget: int | None) -> int:
+    """The runner's limit, lowered to what the quota still allows (None: the quota sets no bound).
+    Never below 1 byte: a run with nothing left to write may still compute and print."""
+    return configured if budget is None else max(1, min(configured, budget))
+
+
+class CodeSessions:
+    """The store and the runner, composed with the per-run limits an admin chose."""
+
+    def __init__(
+        self, store: Store, runner: Runner, limits: Limits, *, lock_timeout_s: float = 300.0
+    ) -> None:
+        self.store = store
+        self.runner = runner
+        self.limits = limits
+        self.lock_timeout_s = lock_timeout_s
+
+    async def chat(self, user_id: str, chat_id: str) -> ChatSession:
+        return ChatSession(self, await self.store.session(user_id, chat_id))

@@ -1,0 +1,125 @@
+"""Read an OpenAI-compatible chat completion (streamed or not) as a sequence of model events."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass, field
+
+__all__ = [
+    "ModelError",
+    "TextDelta",
+    "ToolCall",
+    "ToolCallCollector",
+    "events_from_message",
+    "events_from_sse",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelError:
+    message: str
+
+
+@dataclass
+class ToolCallCollector:
+    """Joins the fragments of streamed tool calls (OpenAI sends them piecewise, keyed by index)."""
+
+    calls: dict[int, ToolCall] = field(default_factory=dict)
+
+    def add(self, fragments: list[dict]) -> None:
+        for position, fragment in enumerate(fragments):
+            index = fragment.get("index", position)
+            function = fragment.get("function") or {}
+            call = self.calls.get(index)
+            if call is None:
+                call = self.calls[index] = ToolCall(id=fragment.get("id") or f"call_{index}", name="")
+            elif fragment.get("id"):
+                call.id = fragment["id"]
+            call.name += function.get("name") or ""
+            call.arguments += function.get("arguments") or ""
+
+    def done(self) -> list[ToolCall]:
+        return [self.calls[index] for index in sorted(self.calls)]
+
+
+def _error_text(payload: dict) -> str | None:
+    error = payload.get("error")
+    if error is None:
+        return None
+    if isinstance(error, dict):
+        return str(error.get("message") or error.get("detail") or error)
+    return str(error)
+
+
+async def events_from_sse(
+    chunks: AsyncIterable[bytes | str],
+) -> AsyncIterator[TextDelta | ToolCall | ModelError]:
+    """Parse `data: {...}` lines of a streamed completion; yields text as it comes, tool calls at the end."""
+    collector = ToolCallCollector()
+    buffer = ""
+    async for chunk in chunks:
+        buffer += chunk.decode("utf-8", "replace") if isinstance(chunk, bytes) else chunk
+        *lines, buffer = buffer.split("\n")
+        for line in lines:
+            event = _parse_line(line.strip(), collector)
+            if event is not None:
+                yield event
+    event = _parse_line(buffer.strip(), collector)
+    if event is not None:
+        yield event
+    for call in collector.done():
+        yield call
+
+
+def _parse_line(line: str, collector: ToolCallCollector) -> TextDelta | ModelError | None:
+    if not line.startswith("data:"):
+        return None
+    data = line[len("data:") :].strip()
+    if not data or data == "[DONE]":
+        return None
+    try:
+        payload = json.loads(data)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(payload, dict):
+        return None
+    error = _error_text(payload)
+    if error is not None:
+        return ModelError(error)
+    text = ""
+    for choice in payload.get("choices") or []:
+        delta = choice.get("delta") or choice.get("message") or {}
+        text += delta.get("content") or ""
+        if delta.get("tool_calls"):
+            collector.add(delta["tool_calls"])
+    return TextDelta(text) if text else None
+
+
+def events_from_message(payload: dict) -> list[TextDelta | ToolCall | ModelError]:
+    """The same events from a non-streamed completion body."""
+    error = _error_text(payload)
+    if error is not None:
+        return [ModelError(error)]
+    events: list[TextDelta | ToolCall | ModelError] = []
+    collector = ToolCallCollector()
+    for choice in payload.get("choices") or []:
+        message = choice.get("message") or {}
+        if message.get("content"):
+            events.append(TextDelta(message["content"]))
+        if message.get("tool_calls"):
+            collector.add(message["tool_calls"])
+    events.extend(collector.done())
+    return events

@@ -1,0 +1,69 @@
+import json
+
+from engine.sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
+
+
+def sse(*payloads) -> bytes:
+    return b"".join(f"data: {json.dumps(p)}\n\n".encode() for p in payloads) + b"data: [DONE]\n\n"
+
+
+async def chunks_of(data: bytes, size: int):
+    for start in range(0, len(data), size):
+        yield data[start : start + size]
+
+
+async def collect(stream):
+    return [event async for event in stream]
+
+
+async def test_text_and_tool_call_fragments_survive_any_chunking():
+    data = sse(
+        {"choices": [{"delta": {"role": "assistant", "content": "Hi "}}]},
+        {"choices": [{"delta": {"content": "there"}}]},
+        {
+            "choices": [
+                {
+                    "delta": {
+                        "tool_calls": [
+                            {"index": 0, "id": "c9", "function": {"name": "run_", "arguments": '{"co'}}
+                        ]
+                    }
+                }
+            ]
+        },
+        {
+            "choices": [
+                {
+                    "delta": {
+                        "tool_calls": [{"index": 0, "function": {"name": "code", "arguments": 'de": "x"}'}}]
+                    }
+                }
+            ]
+        },
+    )
+    for size in (1, 5, 64, len(data)):
+        events = await collect(events_from_sse(chunks_of(data, size)))
+        text = "".join(e.text for e in events if isinstance(e, TextDelta))
+        calls = [e for e in events if isinstance(e, ToolCall)]
+        assert text == "Hi there"
+        assert calls == [ToolCall("c9", "run_code", '{"code": "x"}')]
+
+
+async def test_error_payload_becomes_a_model_error():
+    events = await collect(events_from_sse(chunks_of(sse({"error": {"message": "boom"}}), 7)))
+    assert events == [ModelError("boom")]
+
+
+def test_non_streamed_message():
+    body = {
+        "choices": [
+            {
+                "message": {
+                    "content": "ok",
+                    "tool_calls": [{"id": "a", "function": {"name": "run_code", "arguments": "{}"}}],
+                }
+            }
+        ]
+    }
+    assert events_from_message(body) == [TextDelta("ok"), ToolCall("a", "run_code", "{}")]
+    assert events_from_message({"error": {"detail": "no"}}) == [ModelError("no")]
