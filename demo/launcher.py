@@ -1,0 +1,166 @@
+"""Start a local Open WebUI with the bundled function installed: shared by `scripts/serve` and the tests.
+
+Everything here talks to Open WebUI over HTTP, the way an admin would: sign up, create the function from
+dist/code_sessions.py, switch it on, set its valves, share its models.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+BUNDLE = REPO / "dist" / "code_sessions.py"
+OWUI_VENV = Path(os.environ.get("OWUI_VENV", "/var/cache/code-sessions/owui-venv"))
+FUNCTION_ID = "code_sessions"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tail(log: Path, lines: int = 60) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def wait_for(url: str, process: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{url}: the process exited with {process.returncode}:\n{tail(log)}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s:\n{tail(log)}")
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Stop a process started by this module, with everything it started (its own process group)."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def start_model_server(port: int, log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [sys.executable, str(REPO / "demo" / "scripted_model.py"), "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    wait_for(f"http://127.0.0.1:{port}/v1/models", process, log, 30)
+    return process
+
+
+def start_open_webui(
+    data_dir: Path, port: int, log: Path, env: dict[str, str], *, timeout: float = 300, venv: Path = OWUI_VENV
+) -> subprocess.Popen:
+    """Open WebUI on 127.0.0.1 with its own DATA_DIR, offline, and the given extra environment."""
+    executable = venv / "bin" / "open-webui"
+    if not executable.exists():
+        raise RuntimeError(f"{executable} is missing: run ./scripts/setup")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    full_env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(data_dir.parent),
+        "DATA_DIR": str(data_dir),
+        "OFFLINE_MODE": "true",
+        "HF_HUB_OFFLINE": "1",
+        "ENABLE_VERSION_UPDATE_CHECK": "false",
+        "USER_AGENT": "code-sessions",
+        **env,
+    }
+    with open(log, "a") as out:
+        process = subprocess.Popen(
+            [str(executable), "serve", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=data_dir.parent,
+            env=full_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_for(f"http://127.0.0.1:{port}/health", process, log, timeout)
+    except BaseException:
+        stop(process)
+        raise
+    return process
+
+
+class Admin:
+    """An admin's HTTP session with Open WebUI."""
+
+    def __init__(self, url: str, token: str) -> None:
+        self.url = url
+        self.headers = {"Authorization": f"Bearer {token}"}
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(self.url + path, headers=self.headers, timeout=60)
+
+    def post(self, path: str, payload: object = None) -> httpx.Response:
+        return httpx.post(self.url + path, headers=self.headers, json=payload, timeout=120)
+
+    def install_function(self, bundle: Path = BUNDLE, function_id: str = FUNCTION_ID) -> None:
+        """Create the function from the bundle (or update it to this bundle) and switch it on."""
+        form = {
+            "id": function_id,
+            "name": "Code Sessions",
+            "content": bundle.read_text(),
+            "meta": {"description": "Per-chat /mnt/data folders, code run in gVisor, download links."},
+        }
+        existing = self.get(f"/api/v1/functions/id/{function_id}")
+        path = (
+            f"/api/v1/functions/id/{function_id}/update"
+            if existing.status_code == 200
+            else "/api/v1/functions/create"
+        )
+        response = self.post(path, form)
+        response.raise_for_status()
+        if not self.get(f"/api/v1/functions/id/{function_id}").json().get("is_active"):
+            self.post(f"/api/v1/functions/id/{function_id}/toggle").raise_for_status()
+
+    def valves(self, function_id: str = FUNCTION_ID) -> dict:
+        return self.get(f"/api/v1/functions/id/{function_id}/valves").json() or {}
+
+    def set_valves(self, function_id: str = FUNCTION_ID, **changes: object) -> dict:
+        # The endpoint replaces all valves, so send the current ones with the changes applied.
+        response = self.post(
+            f"/api/v1/functions/id/{function_id}/valves/update", {**self.valves(function_id), **changes}
+        )
+        response.raise_for_status()
+        return response.json()
+
+    def share_model(self, model_id: str, name: str) -> None:
+        """Make a model usable by every user (models are private to admins until shared)."""
+        grants = [{"principal_type": "user", "principal_id": "*", "permission": "read"}]
+        form = {
+            "id": model_id,
+            "base_model_id": None,
+            "name": name,
+            "meta": {},
+            "params": {},
+            "access_grants": grants,
+        }
+        if self.get(f"/api/v1/models/model?id={model_id}").status_code == 200:
+            return
+        self.post("/api/v1/models/create", form).raise_for_status()

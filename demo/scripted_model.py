@@ -1,0 +1,290 @@
+"""A scripted OpenAI-compatible model server: the demo model, and the model of the end-to-end tests.
+
+It serves `GET /v1/models` and `POST /v1/chat/completions` (streamed or not, with tool calls) on
+127.0.0.1, with no network and no weights. What it answers is decided by the last messages:
+
+* a user message with a ```python or ```bash block: it runs that block (a `run_code` tool call when tools
+  are offered, else it repeats the block so fenced-block mode runs it);
+* a user message asking for a csv/report, a plot/chart, a zip or a listing: it writes that code itself;
+* after a tool result (or code output): it answers with the text of a `reply:` line of the last user
+  message if there is one, else it names the files the run saved, as /mnt/data paths;
+* anything else: a short help text.
+
+`GET /_requests` returns the chat requests received so far (tests read the system prompt there).
+
+    python demo/scripted_model.py --port 8099
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
+
+MODEL_ID = "demo-scripted"
+
+_BLOCK = re.compile(r"```(python|py|bash|sh)\n(.*?)```", re.S)
+
+_CSV_CODE = """import csv, random
+random.seed(7)
+rows = [("month", "visitors", "signups")]
+for month in ["Jan", "Feb", "Mar", "Apr", "May", "Jun"]:
+    visitors = random.randint(800, 2000)
+    rows.append((month, visitors, visitors // random.randint(8, 15)))
+with open("/mnt/data/report.csv", "w", newline="") as handle:
+    csv.writer(handle).writerows(rows)
+print(open("/mnt/data/report.csv").read())
+"""
+
+# A bar chart drawn with the standard library only (zlib + struct), so the demo needs no matplotlib.
+_PLOT_CODE = """import csv, os, struct, zlib
+rows = []
+if os.path.exists("/mnt/data/report.csv"):
+    rows = [int(r["visitors"]) for r in csv.DictReader(open("/mnt/data/report.csv"))]
+rows = rows or [3, 5, 2, 6, 4, 7]
+width, height, top = 360, 220, max(rows)
+pixels = [[(255, 255, 255)] * width for _ in range(height)]
+bar = width // (2 * len(rows) + 1)
+for i, value in enumerate(rows):
+    h = int((height - 20) * value / top)
+    for x in range((2 * i + 1) * bar, (2 * i + 2) * bar):
+        for y in range(height - h, height):
+            pixels[y][x] = (52, 120, 246)
+raw = b"".join(b"\\0" + bytes(c for px in row for c in px) for row in pixels)
+def chunk(kind, data):
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+png = b"\\x89PNG\\r\\n\\x1a\\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+open("/mnt/data/chart.png", "wb").write(png)
+print("chart.png:", len(png), "bytes")
+"""
+
+_ZIP_CODE = """import os, zipfile
+names = sorted(n for n in os.listdir("/mnt/data") if os.path.isfile(n) and n != "bundle.zip")
+with zipfile.ZipFile("/mnt/data/bundle.zip", "w", zipfile.ZIP_DEFLATED) as archive:
+    for name in names:
+        archive.write(name)
+print("zipped:", ", ".join(names))
+"""
+
+_LIST_CODE = """import os
+for name in sorted(os.listdir("/mnt/data")):
+    print(f"{os.path.getsize(name):>10}  {name}")
+"""
+
+_HELP = (
+    'I am the offline demo model of code-sessions. Try: "make a csv report", then "plot it", '
+    'then "zip both", or "list my files". You can also paste a ```python block and I will run it.'
+)
+
+
+def _text(content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def _last_user(messages: list[dict]) -> str:
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            return _text(message.get("content"))
+    return ""
+
+
+def _code_for(request: str) -> tuple[str, str] | None:
+    block = _BLOCK.search(request)
+    if block:
+        return ("bash" if block.group(1) in ("bash", "sh") else "python"), block.group(2)
+    lowered = request.lower()
+    for words, language, code in (
+        (("zip",), "python", _ZIP_CODE),
+        (("plot", "chart", "graph"), "python", _PLOT_CODE),
+        (("csv", "report"), "python", _CSV_CODE),
+        (("list", "files", " ls"), "python", _LIST_CODE),
+    ):
+        if any(word in lowered for word in words):
+            return language, code
+    return None
+
+
+def _after_run(messages: list[dict]) -> str:
+    request = _last_user(messages)
+    for line in request.splitlines():
+        if line.lower().startswith("reply:"):
+            return line.split(":", 1)[1].strip()
+    result = _text(messages[-1].get("content"))
+    saved = re.findall(
+        r"/mnt/data/[^\s,]+", "\n".join(line for line in result.splitlines() if line.startswith("Saved:"))
+    )
+    if saved:
+        images = [p for p in saved if p.lower().endswith((".png", ".jpg", ".jpeg", ".gif", ".webp"))]
+        others = [p for p in saved if p not in images]
+        parts = ["Done."]
+        parts += [f"Download: {path}" for path in others]
+        parts += [f"Here it is:\n\n{path}" for path in images]
+        return "\n\n".join(parts)
+    if "Not run" in result or "error" in result.lower():
+        return "The code did not work:\n\n" + result[:500]
+    return "Done. The output is above."
+
+
+def answer(body: dict) -> dict:
+    """The assistant message for a chat request: {'content': str} or {'tool_call': (language, code)}."""
+    messages = body.get("messages") or []
+    last = messages[-1] if messages else {}
+    after_tool = last.get("role") == "tool" or _text(last.get("content")).startswith("Output of the code")
+    if after_tool:
+        return {"content": _after_run(messages)}
+    code = _code_for(_last_user(messages))
+    if code is None:
+        return {"content": _HELP}
+    language, source = code
+    if body.get("tools"):
+        return {"content": "", "tool_call": (language, source)}
+    tag = "python" if language == "python" else "bash"
+    return {"content": f"Running it:\n\n```{tag}\n{source.rstrip()}\n```\n"}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "scripted-model/1"
+    requests_seen: ClassVar[list[dict]] = []
+    lock = threading.Lock()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _json(self, payload: object, status: int = 200) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path.rstrip("/").endswith("/models"):
+            self._json({"object": "list", "data": [{"id": MODEL_ID, "object": "model", "owned_by": "demo"}]})
+        elif self.path == "/_requests":
+            with self.lock:
+                self._json(list(self.requests_seen))
+        else:
+            self._json({"error": "not found"}, 404)
+
+    def do_POST(self) -> None:
+        if not self.path.rstrip("/").endswith("/chat/completions"):
+            self._json({"error": "not found"}, 404)
+            return
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+        with self.lock:
+            self.requests_seen.append(body)
+        reply = answer(body)
+        if body.get("stream"):
+            self._stream(body, reply)
+        else:
+            self._json(_completion(body, reply))
+
+    def _stream(self, body: dict, reply: dict) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        for chunk in _chunks(body, reply):
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+        self.close_connection = True
+
+
+def _base(body: dict) -> dict:
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex[:12]}",
+        "created": int(time.time()),
+        "model": body.get("model"),
+    }
+
+
+def _completion(body: dict, reply: dict) -> dict:
+    message: dict = {"role": "assistant", "content": reply["content"]}
+    if "tool_call" in reply:
+        language, code = reply["tool_call"]
+        message["tool_calls"] = [
+            {
+                "id": f"call_{uuid.uuid4().hex[:8]}",
+                "type": "function",
+                "function": {
+                    "name": "run_code",
+                    "arguments": json.dumps({"language": language, "code": code}),
+                },
+            }
+        ]
+    finish = "tool_calls" if "tool_call" in reply else "stop"
+    return {
+        **_base(body),
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+    }
+
+
+def _chunks(body: dict, reply: dict) -> list[dict]:
+    base = {**_base(body), "object": "chat.completion.chunk"}
+
+    def delta(payload: dict, finish: str | None = None) -> dict:
+        return {**base, "choices": [{"index": 0, "delta": payload, "finish_reason": finish}]}
+
+    chunks = [delta({"role": "assistant", "content": ""})]
+    content = reply["content"]
+    # Small uneven pieces, like a real model, so paths arrive split across chunks.
+    for start in range(0, len(content), 7):
+        chunks.append(delta({"content": content[start : start + 7]}))
+    if "tool_call" in reply:
+        language, code = reply["tool_call"]
+        arguments = json.dumps({"language": language, "code": code})
+        half = len(arguments) // 2
+        call_id = f"call_{uuid.uuid4().hex[:8]}"
+        chunks.append(
+            delta(
+                {
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": call_id,
+                            "type": "function",
+                            "function": {"name": "run_code", "arguments": arguments[:half]},
+                        }
+                    ]
+                }
+            )
+        )
+        chunks.append(delta({"tool_calls": [{"index": 0, "function": {"arguments": arguments[half:]}}]}))
+        chunks.append(delta({}, "tool_calls"))
+    else:
+        chunks.append(delta({}, "stop"))
+    return chunks
+
+
+def serve(port: int, host: str = "127.0.0.1") -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer((host, port), _Handler)
+    server.daemon_threads = True
+    return server
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Scripted OpenAI-compatible model server (offline demo).")
+    parser.add_argument("--port", type=int, default=8099)
+    parser.add_argument("--host", default="127.0.0.1")
+    args = parser.parse_args()
+    server = serve(args.port, args.host)
+    print(f"scripted model '{MODEL_ID}' on http://{args.host}:{args.port}/v1", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Run the product locally: Open WebUI on 127.0.0.1 with Code Sessions installed and ready.
+
+Embedded defaults: SQLite and sessions under .local/open-webui/data, no login (single-user mode). The base
+model is, in this order: the OpenAI-compatible server in OPENAI_API_BASE_URL (with OPENAI_API_KEY), a local
+Ollama on 127.0.0.1:11434, or the built-in scripted demo model, so the file workflow works offline.
+
+    ./scripts/serve                 # then open http://127.0.0.1:8080
+    ./scripts/serve --port 3000 --data-dir /tmp/cs-demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+from pathlib import Path
+
+import httpx
+
+from demo import launcher
+
+DEFAULT_DATA = launcher.REPO / ".local" / "open-webui" / "data"
+
+
+def _ollama_running() -> bool:
+    try:
+        return httpx.get("http://127.0.0.1:11434/api/tags", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _secret(data_dir: Path) -> str:
+    """A per-install secret key, kept beside the data so sessions survive restarts."""
+    path = data_dir.parent / "secret_key"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_hex(32))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
+    parser.add_argument(
+        "--models", default="", help="base model ids for the valves (default: all the backend has)"
+    )
+    args = parser.parse_args()
+    data_dir = args.data_dir.resolve()
+    log = data_dir.parent / "open-webui.log"
+    data_dir.mkdir(parents=True, exist_ok=True)
+
+    env = {"WEBUI_AUTH": "False", "WEBUI_SECRET_KEY": _secret(data_dir)}
+    helper = None
+    if os.environ.get("OPENAI_API_BASE_URL"):
+        source = os.environ["OPENAI_API_BASE_URL"]
+        env.update(
+            OPENAI_API_BASE_URL=source,
+            OPENAI_API_KEY=os.environ.get("OPENAI_API_KEY", ""),
+            ENABLE_OLLAMA_API="false",
+        )
+    elif _ollama_running():
+        source = "Ollama on 127.0.0.1:11434"
+        env.update(OLLAMA_BASE_URL="http://127.0.0.1:11434", ENABLE_OPENAI_API="false")
+    else:
+        port = launcher.free_port()
+        helper = launcher.start_model_server(port, data_dir.parent / "scripted-model.log")
+        source = "the built-in scripted demo model"
+        env.update(
+            OPENAI_API_BASE_URL=f"http://127.0.0.1:{port}/v1",
+            OPENAI_API_KEY="demo",
+            ENABLE_OLLAMA_API="false",
+        )
+
+    print(
+        f"Starting Open WebUI on http://127.0.0.1:{args.port} (log: {log}); models from {source}", flush=True
+    )
+    server = launcher.start_open_webui(data_dir, args.port, log, env)
+    try:
+        url = f"http://127.0.0.1:{args.port}"
+        signin = httpx.post(
+            url + "/api/v1/auths/signin", json={"email": "admin@localhost", "password": "admin"}, timeout=60
+        )
+        signin.raise_for_status()
+        admin = launcher.Admin(url, signin.json()["token"])
+        admin.install_function()
+        models = [m.strip() for m in args.models.split(",") if m.strip()] or [
+            model["id"]
+            for model in admin.get("/api/models").json()["data"]
+            if not model["id"].startswith(launcher.FUNCTION_ID + ".") and "pipe" not in model
+        ]
+        admin.set_valves(base_models=",".join(models))
+        names = ", ".join(f"Code · {m}" for m in models) or "(none: pass --models)"
+        print(f"Ready: open {url} and pick {names}. Ctrl-C stops.", flush=True)
+        server.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        launcher.stop(server)
+        if helper is not None:
+            launcher.stop(helper)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

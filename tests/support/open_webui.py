@@ -1,0 +1,209 @@
+"""Fixtures that start the real thing: the scripted model server and Open WebUI 0.12.4 from PyPI.
+
+One Open WebUI per test session (it takes ~30 s to start), on 127.0.0.1, with its own DATA_DIR, the bundled
+function installed through the HTTP API the way an admin would, an admin and a second user.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from demo import launcher
+
+FUNCTION_ID = launcher.FUNCTION_ID
+BUNDLE = launcher.BUNDLE
+OWUI_VENV = launcher.OWUI_VENV
+BASE_MODEL = "demo-scripted"
+MODEL = f"{FUNCTION_ID}.{BASE_MODEL}"
+LINK = re.compile(r"/cache/functions/" + FUNCTION_ID + r"/[A-Za-z0-9_-]{22,}/[^)\s\"]+")
+
+
+@dataclass
+class Reply:
+    chat_id: str
+    message_id: str
+    content: str
+    history: list[dict]
+
+    def links(self) -> list[str]:
+        return LINK.findall(self.content)
+
+
+@dataclass
+class Account:
+    """A logged-in Open WebUI user, talking to the server over HTTP only."""
+
+    server: OpenWebUI
+    token: str
+    user_id: str
+    email: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def get(self, path: str, **kwargs) -> httpx.Response:
+        return httpx.get(self.server.url + path, headers=self.headers, timeout=60, **kwargs)
+
+    def post(self, path: str, payload: object = None, **kwargs) -> httpx.Response:
+        return httpx.post(self.server.url + path, headers=self.headers, json=payload, timeout=300, **kwargs)
+
+    def say(
+        self, text: str, previous: Reply | None = None, files: list[dict] | None = None, model: str = MODEL
+    ) -> Reply:
+        """Send one user message the way the web UI does (the server saves both messages in the chat)."""
+        user_id, assistant_id = str(uuid.uuid4()), str(uuid.uuid4())
+        history = [*previous.history] if previous else []
+        user_message = {
+            "id": user_id,
+            "role": "user",
+            "content": text,
+            "childrenIds": [],
+            "parentId": previous.message_id if previous else None,
+        }
+        if files:
+            user_message["files"] = files
+        payload = {
+            "model": model,
+            "messages": [*history, {"role": "user", "content": text}],
+            "stream": False,
+            "parent_id": previous.message_id if previous else None,
+            "user_message": user_message,
+            "id": assistant_id,
+        }
+        if previous:
+            payload["chat_id"] = previous.chat_id
+        if files:
+            payload["files"] = files
+        response = self.post("/api/chat/completions", payload)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert "choices" in body, body
+        content = body["choices"][0]["message"]["content"]
+        chat_id = previous.chat_id if previous else self._chat_of(assistant_id)
+        return Reply(
+            chat_id,
+            assistant_id,
+            content,
+            [*history, {"role": "user", "content": text}, {"role": "assistant", "content": content}],
+        )
+
+    def _chat_of(self, message_id: str) -> str:
+        for chat in self.get("/api/v1/chats/?page=1").json():
+            detail = self.get(f"/api/v1/chats/{chat['id']}").json()
+            if message_id in detail["chat"]["history"]["messages"]:
+                return chat["id"]
+        raise AssertionError(f"no chat holds message {message_id}")
+
+    def upload(self, name: str, data: bytes) -> dict:
+        response = httpx.post(
+            self.server.url + "/api/v1/files/?process=false",
+            headers=self.headers,
+            files={"file": (name, data, "text/csv")},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        record = response.json()
+        return {"type": "file", "id": record["id"], "name": name}
+
+    def download(self, link: str) -> httpx.Response:
+        return self.get(link)
+
+
+@dataclass
+class OpenWebUI:
+    url: str
+    data_dir: Path
+    log: Path
+    model_url: str
+    process: subprocess.Popen
+    accounts: dict[str, Account] = field(default_factory=dict)
+
+    def account(self, email: str, password: str, *, admin: bool) -> Account:
+        if admin:
+            response = httpx.post(
+                self.url + "/api/v1/auths/signup",
+                timeout=60,
+                json={"name": email.split("@")[0], "email": email, "password": password},
+            )
+        else:
+            response = self.accounts["admin"].post(
+                "/api/v1/auths/add",
+                {"name": email.split("@")[0], "email": email, "password": password, "role": "user"},
+            )
+        assert response.status_code == 200, response.text
+        signin = httpx.post(
+            self.url + "/api/v1/auths/signin", json={"email": email, "password": password}, timeout=60
+        ).json()
+        return Account(self, signin["token"], signin["id"], email)
+
+    @property
+    def admin(self) -> Account:
+        return self.accounts["admin"]
+
+    def valves(self) -> dict:
+        return self.admin_http.valves()
+
+    def set_valves(self, **changes) -> dict:
+        return self.admin_http.set_valves(**changes)
+
+    @property
+    def admin_http(self) -> launcher.Admin:
+        return launcher.Admin(self.url, self.admin.token)
+
+    def model_requests(self) -> list[dict]:
+        return httpx.get(self.model_url + "/_requests", timeout=10).json()
+
+    @property
+    def sessions_root(self) -> Path:
+        return self.data_dir / "code_sessions"
+
+
+@pytest.fixture(scope="session")
+def model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = launcher.free_port()
+    process = launcher.start_model_server(port, tmp_path_factory.mktemp("model") / "model.log")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        launcher.stop(process)
+
+
+@pytest.fixture(scope="session")
+def open_webui(tmp_path_factory: pytest.TempPathFactory, model_server: str) -> Iterator[OpenWebUI]:
+    assert shutil.which("runsc"), "runsc is missing: run ./scripts/setup"
+    assert BUNDLE.exists(), "dist/code_sessions.py is missing: run python tools/bundle.py"
+    home = tmp_path_factory.mktemp("open-webui")
+    data_dir, log = home / "data", home / "open-webui.log"
+    port = launcher.free_port()
+    env = {
+        "WEBUI_SECRET_KEY": uuid.uuid4().hex,
+        "ENABLE_OLLAMA_API": "false",
+        "OPENAI_API_BASE_URL": model_server + "/v1",
+        "OPENAI_API_KEY": "scripted",
+    }
+    process = launcher.start_open_webui(data_dir, port, log, env)
+    server = OpenWebUI(f"http://127.0.0.1:{port}", data_dir, log, model_server, process)
+    try:
+        server.accounts["admin"] = server.account("admin@example.com", "Admin-Passw0rd", admin=True)
+        server.accounts["bob"] = server.account("bob@example.com", "Bob-Passw0rd", admin=False)
+        admin = server.admin_http
+        admin.install_function()
+        admin.set_valves(base_models=BASE_MODEL, timeout_seconds=20)
+        admin.share_model(MODEL, f"Code · {BASE_MODEL}")
+        yield server
+    except BaseException:
+        print(f"--- open-webui log ---\n{launcher.tail(log, 120)}", file=sys.stderr)
+        raise
+    finally:
+        launcher.stop(process)
