@@ -1,0 +1,113 @@
+"""The product through Open WebUI's HTTP API only: a real Open WebUI 0.12.4, the bundled function installed
+as an admin would, a scripted model, real gVisor. Each test is one user-visible promise."""
+
+from __future__ import annotations
+
+import re
+import secrets
+
+import pytest
+
+from tests.support.open_webui import FUNCTION_ID, LINK, Account, OpenWebUI, Reply
+
+pytestmark = [pytest.mark.e2e, pytest.mark.runsc]
+
+REPORT = b"name,score\r\nada,3\r\nbob,5\r\n"
+WRITE_REPORT = (
+    "```python\n"
+    "import csv\n"
+    "with open('/mnt/data/report.csv', 'w', newline='') as f:\n"
+    "    csv.writer(f).writerows([('name', 'score'), ('ada', 3), ('bob', 5)])\n"
+    "print('written')\n"
+    "```\n"
+    "reply: Here is your report: /mnt/data/report.csv"
+)
+
+
+def run(code: str, reply: str = "", language: str = "python") -> str:
+    return f"```{language}\n{code}\n```\n" + (f"reply: {reply}" if reply else "")
+
+
+@pytest.fixture(scope="module")
+def first_turn(open_webui: OpenWebUI) -> Reply:
+    return open_webui.admin.say(WRITE_REPORT)
+
+
+def test_turn_one_links_the_file_and_the_link_returns_its_bytes(open_webui: OpenWebUI, first_turn: Reply):
+    assert "Here is your report: [report.csv](/cache/functions/" in first_turn.content
+    assert "/mnt/data/report.csv" not in first_turn.content.split("Here is your report:")[1]
+    links = first_turn.links()
+    assert links, first_turn.content
+    download = open_webui.admin.download(links[-1])
+    assert download.status_code == 200
+    assert download.content == REPORT
+    assert "attachment" in download.headers.get("content-disposition", "")
+    token = links[-1].split("/")[-2]
+    assert len(token) >= 22  # >= 128 random bits, base64url
+
+
+def test_the_saved_chat_holds_the_rewritten_answer(open_webui: OpenWebUI, first_turn: Reply):
+    chat = open_webui.admin.get(f"/api/v1/chats/{first_turn.chat_id}").json()
+    stored = chat["chat"]["history"]["messages"][first_turn.message_id]["content"]
+    assert LINK.search(stored), stored
+
+
+def test_turn_two_of_the_same_chat_reads_the_file(open_webui: OpenWebUI, first_turn: Reply):
+    second = open_webui.admin.say(run("print(open('/mnt/data/report.csv').read())"), previous=first_turn)
+    assert "ada,3" in second.content
+    # The model was told which files the chat already has.
+    system = open_webui.model_requests()[-1]["messages"][0]
+    assert system["role"] == "system" and "/mnt/data/report.csv" in system["content"]
+
+
+def test_a_second_chat_does_not_see_the_file(open_webui: OpenWebUI, first_turn: Reply):
+    other = open_webui.admin.say(run("import os\nprint('files:', sorted(os.listdir('/mnt/data')))"))
+    assert other.chat_id != first_turn.chat_id
+    assert "files: []" in other.content
+
+
+def test_a_second_user_can_neither_list_nor_guess_it(open_webui: OpenWebUI, first_turn: Reply):
+    bob: Account = open_webui.accounts["bob"]
+    assert bob.get(f"/api/v1/chats/{first_turn.chat_id}").status_code in (401, 403, 404)
+    assert bob.get(f"/cache/functions/{FUNCTION_ID}/").status_code == 404
+    real = first_turn.links()[-1]
+    guessed = re.sub(r"/[A-Za-z0-9_-]{22,}/", f"/{secrets.token_urlsafe(24)}/", real)
+    assert bob.download(guessed).status_code == 404
+    reply = bob.say(run("import os\nprint('files:', sorted(os.listdir('/mnt/data')))"))
+    assert "files: []" in reply.content
+    assert not reply.links()
+
+
+def test_an_uploaded_attachment_is_readable_at_mnt_data(open_webui: OpenWebUI):
+    admin = open_webui.admin
+    attachment = admin.upload("people.csv", b"who,age\nada,36\n")
+    reply = admin.say(run("print(open('/mnt/data/people.csv').read())"), files=[attachment])
+    assert "ada,36" in reply.content
+    # Next turn: the attachment is still listed by the UI, but it is not copied a second time.
+    again = admin.say(
+        run("import os\nprint(sorted(os.listdir('/mnt/data')))"), previous=reply, files=[attachment]
+    )
+    assert "['people.csv']" in again.content
+
+
+def test_an_image_renders_inline(open_webui: OpenWebUI):
+    reply = open_webui.admin.say("please plot a chart\nreply: The chart: /mnt/data/chart.png")
+    match = re.search(r"!\[chart\.png\]\((/cache/functions/[^)]+/chart\.png)\)", reply.content)
+    assert match, reply.content
+    image = open_webui.admin.download(match.group(1))
+    assert image.status_code == 200
+    assert image.headers["content-type"] == "image/png"
+    assert "attachment" not in image.headers.get("content-disposition", "")
+    assert image.content.startswith(b"\x89PNG")
+
+
+def test_after_a_purge_the_link_is_gone_and_the_chat_still_works(open_webui: OpenWebUI):
+    admin = open_webui.admin
+    reply = admin.say(run("open('/mnt/data/keep.txt', 'w').write('x')", "Saved /mnt/data/keep.txt"))
+    link = reply.links()[-1]
+    assert admin.download(link).status_code == 200
+    open_webui.set_valves(purge=f"chat:{reply.chat_id}")
+    after = admin.say(run("import os\nprint('files:', sorted(os.listdir('/mnt/data')))"), previous=reply)
+    assert "files: []" in after.content
+    assert admin.download(link).status_code == 404
+    assert open_webui.valves()["purge"] == ""  # one-shot: cleared once done
