@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_7d06cf134d6b'
+_CS_PACKAGE = '_code_sessions_1ccd9b1c3519'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, an SQLite index, quotas, expiry, publishing.
 
@@ -6326,7 +6326,7 @@ from __future__ import annotations
 
 import re
 
-from _code_sessions_7d06cf134d6b.storage import Purge
+from _code_sessions_1ccd9b1c3519.storage import Purge
 
 __all__ = ["parse_duration", "parse_purge"]
 
@@ -6638,8 +6638,8 @@ import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_7d06cf134d6b.runner import Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_7d06cf134d6b.storage import (
+from _code_sessions_1ccd9b1c3519.runner import Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_1ccd9b1c3519.storage import (
     FileMissing,
     InvalidPath,
     QuotaExceeded,
@@ -7030,7 +7030,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_7d06cf134d6b.engine import (
+from _code_sessions_1ccd9b1c3519.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -7040,8 +7040,8 @@ from _code_sessions_7d06cf134d6b.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_7d06cf134d6b.runner import Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_7d06cf134d6b.storage import Expiry, Publisher, Quotas, Store
+from _code_sessions_1ccd9b1c3519.runner import Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_1ccd9b1c3519.storage import Expiry, Publisher, Quotas, Store
 
 log = logging.getLogger("code_sessions.function")
 
@@ -7267,20 +7267,16 @@ class Pipe:
         # Clear the one-shot valve so the purge does not run again at the next message.
         self.valves = self.valves.model_copy(update={"purge": ""})
         if self._function_id:
-            from open_webui.models.functions import Functions
-
-            stored = await Functions.get_function_valves_by_id(self._function_id) or {}
+            stored = await _stored_valves(self._function_id)
             if stored.get("purge", "").strip() == request:
-                await Functions.update_function_valves_by_id(self._function_id, {**stored, "purge": ""})
+                await _store_valves(self._function_id, {**stored, "purge": ""})
 
     async def _background_cleanup(self) -> None:
         while True:
             await asyncio.sleep(max(60.0, self.valves.cleanup_interval_minutes * 60))
             try:
                 if self._function_id:
-                    from open_webui.models.functions import Functions
-
-                    stored = await Functions.get_function_valves_by_id(self._function_id)
+                    stored = await _stored_valves(self._function_id)
                     if stored:
                         self.valves = self.Valves(**{k: v for k, v in stored.items() if v is not None})
                 await self._ready()
@@ -7346,6 +7342,19 @@ def _locations(storage_root: str, function_id: str) -> tuple[Path, Path, str]:
     if root == cache or cache in root.parents:
         raise ValueError(f"storage_root {root} is inside {cache}, which any logged-in user can read")
     return root, cache / "functions" / function_id, f"/cache/functions/{function_id}/"
+
+
+async def _stored_valves(function_id: str) -> dict:
+    """The valves as saved now (the background loop is not called by Open WebUI, so it reads them)."""
+    from open_webui.models.functions import Functions
+
+    return await Functions.get_function_valves_by_id(function_id) or {}
+
+
+async def _store_valves(function_id: str, valves: dict) -> None:
+    from open_webui.models.functions import Functions
+
+    await Functions.update_function_valves_by_id(function_id, valves)
 
 
 async def _open_webui_user(user_id: str) -> Any:

@@ -254,20 +254,16 @@ class Pipe:
         # Clear the one-shot valve so the purge does not run again at the next message.
         self.valves = self.valves.model_copy(update={"purge": ""})
         if self._function_id:
-            from open_webui.models.functions import Functions
-
-            stored = await Functions.get_function_valves_by_id(self._function_id) or {}
+            stored = await _stored_valves(self._function_id)
             if stored.get("purge", "").strip() == request:
-                await Functions.update_function_valves_by_id(self._function_id, {**stored, "purge": ""})
+                await _store_valves(self._function_id, {**stored, "purge": ""})
 
     async def _background_cleanup(self) -> None:
         while True:
             await asyncio.sleep(max(60.0, self.valves.cleanup_interval_minutes * 60))
             try:
                 if self._function_id:
-                    from open_webui.models.functions import Functions
-
-                    stored = await Functions.get_function_valves_by_id(self._function_id)
+                    stored = await _stored_valves(self._function_id)
                     if stored:
                         self.valves = self.Valves(**{k: v for k, v in stored.items() if v is not None})
                 await self._ready()
@@ -333,6 +329,19 @@ def _locations(storage_root: str, function_id: str) -> tuple[Path, Path, str]:
     if root == cache or cache in root.parents:
         raise ValueError(f"storage_root {root} is inside {cache}, which any logged-in user can read")
     return root, cache / "functions" / function_id, f"/cache/functions/{function_id}/"
+
+
+async def _stored_valves(function_id: str) -> dict:
+    """The valves as saved now (the background loop is not called by Open WebUI, so it reads them)."""
+    from open_webui.models.functions import Functions
+
+    return await Functions.get_function_valves_by_id(function_id) or {}
+
+
+async def _store_valves(function_id: str, valves: dict) -> None:
+    from open_webui.models.functions import Functions
+
+    await Functions.update_function_valves_by_id(function_id, valves)
 
 
 async def _open_webui_user(user_id: str) -> Any:

@@ -2,33 +2,13 @@
 
 import subprocess
 import sys
-import types
-import uuid
 from pathlib import Path
 
 from tests.support.open_webui import OWUI_VENV
+from tests.support.pipe_harness import load_like_open_webui
 
 REPO = Path(__file__).resolve().parent.parent
 BUNDLE = REPO / "dist" / "code_sessions.py"
-
-
-def load_like_open_webui(content: str) -> types.ModuleType:
-    """What open_webui/utils/plugin.py does: blind import rewriting, exec in a throwaway module."""
-    for old, new in {
-        "from utils": "from open_webui.utils",
-        "from apps": "from open_webui.apps",
-        "from main": "from open_webui.main",
-        "from config": "from open_webui.config",
-    }.items():
-        content = content.replace(old, new)
-    name = f"function_code_sessions_{uuid.uuid4().hex}"
-    module = types.ModuleType(name)
-    sys.modules[name] = module
-    try:
-        exec(content, module.__dict__)
-    finally:
-        sys.modules.pop(name, None)
-    return module
 
 
 def test_committed_bundle_is_current():

@@ -1,0 +1,86 @@
+"""The installed function file, driven in-process with real storage and real gVisor (see pipe_harness)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+
+from tests.support.pipe_harness import PipeHarness, code
+
+pytestmark = pytest.mark.runsc
+
+LINK = re.compile(r"\((/cache/functions/code_sessions/[A-Za-z0-9_-]{22,}/[^)]+)\)")
+
+
+@pytest.fixture
+def harness(tmp_path) -> PipeHarness:
+    return PipeHarness(tmp_path / "data", valves={"timeout_seconds": 15})
+
+
+def published_file(harness: PipeHarness, url: str):
+    return harness.cache_dir / url.removeprefix("/cache/")
+
+
+async def test_files_persist_between_messages_and_links_point_at_copies(harness: PipeHarness):
+    first = await harness.say(
+        "u1", "chat-1", code("open('/mnt/data/a.txt','w').write('hello')", "See /mnt/data/a.txt")
+    )
+    url = LINK.findall(first)[-1]
+    assert published_file(harness, url).read_bytes() == b"hello"
+    second = await harness.say("u1", "chat-1", code("print(open('/mnt/data/a.txt').read().upper())"))
+    assert "HELLO" in second
+    system = harness.requests[-1]["messages"][0]
+    assert system["role"] == "system" and "/mnt/data/a.txt" in system["content"]
+
+
+async def test_background_tasks_never_run_code(harness: PipeHarness):
+    answer = await harness.say(
+        "u1", "chat-1", code("open('/mnt/data/x','w').write('1')"), task="title_generation"
+    )
+    assert '"object": "chat.completion"' in answer  # the base model's own reply, passed through
+    assert "<details>" not in answer
+    assert not list(harness.data_dir.rglob("x"))
+    assert "tools" not in harness.requests[-1]
+
+
+async def test_fenced_mode_runs_the_blocks_of_a_model_without_tools(harness: PipeHarness):
+    harness.set_valves(execution_mode="fenced")
+    answer = await harness.say("u1", "chat-1", code("print(6 * 7)"))
+    assert "42" in answer
+    assert all(not request.get("tools") for request in harness.requests)
+
+
+async def test_attachment_is_copied_once_and_only_for_its_owner(harness: PipeHarness):
+    mine = harness.upload("u1", "data.csv", b"a,b\n1,2\n")
+    theirs = harness.upload("u2", "secret.csv", b"top secret\n")
+    listing = code("import os\nprint(sorted(os.listdir('/mnt/data')))")
+    first = await harness.say("u1", "chat-1", listing, files=[mine, theirs])
+    assert "['data.csv']" in first
+    again = await harness.say("u1", "chat-1", listing, files=[mine])
+    assert "['data.csv']" in again
+
+
+async def test_missing_runsc_is_a_clear_answer_and_the_chat_keeps_working(harness: PipeHarness):
+    harness.set_valves(runsc_path="/nonexistent/runsc")
+    answer = await harness.say("u1", "chat-1", code("print(1)"))
+    assert "sandbox is not available" in answer and "runsc" in answer
+    harness.set_valves(runsc_path="runsc")
+    assert "ok-again" in await harness.say("u1", "chat-1", code("print('ok-again')"))
+
+
+async def test_two_messages_in_one_chat_at_once_both_finish_and_keep_their_files(harness: PipeHarness):
+    slow = code("import time\nopen('/mnt/data/one.txt','w').write('1')\ntime.sleep(1)\nprint('one done')")
+    fast = code("open('/mnt/data/two.txt','w').write('2')\nprint('two done')")
+    one, two = await asyncio.gather(harness.say("u1", "chat-1", slow), harness.say("u1", "chat-1", fast))
+    assert "one done" in one and "two done" in two
+    listing = await harness.say("u1", "chat-1", code("import os\nprint(sorted(os.listdir('/mnt/data')))"))
+    assert "['one.txt', 'two.txt']" in listing
+
+
+async def test_unconfigured_function_explains_itself(tmp_path):
+    harness = PipeHarness(tmp_path / "data")
+    harness.set_valves(base_models="")
+    answer = await harness.say("u1", "chat-1", "hello")
+    assert "base_models" in answer

@@ -1,0 +1,156 @@
+"""Drive the installed function (dist/code_sessions.py, loaded the way Open WebUI loads it) in-process.
+
+Only Open WebUI's side is stood in for: where DATA_DIR is, who the user is, the base model (the same
+scripted model as the end-to-end tests) and the uploaded-file store. Storage, the sandbox (real runsc) and
+the whole pipe run for real. Use it for many hostile cases that would be slow through HTTP; the claims
+about Open WebUI itself are made in tests/e2e with a real server.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from demo import scripted_model
+
+REPO = Path(__file__).resolve().parents[2]
+BUNDLE = REPO / "dist" / "code_sessions.py"
+FUNCTION_ID = "code_sessions"
+MODEL = f"{FUNCTION_ID}.{scripted_model.MODEL_ID}"
+
+
+def load_like_open_webui(content: str) -> types.ModuleType:
+    """What open_webui/utils/plugin.py does: blind import rewriting, exec in a throwaway module."""
+    for old, new in {
+        "from utils": "from open_webui.utils",
+        "from apps": "from open_webui.apps",
+        "from main": "from open_webui.main",
+        "from config": "from open_webui.config",
+    }.items():
+        content = content.replace(old, new)
+    name = f"function_{FUNCTION_ID}_{uuid.uuid4().hex}"
+    module = types.ModuleType(name)
+    sys.modules[name] = module
+    try:
+        exec(content, module.__dict__)
+    finally:
+        sys.modules.pop(name, None)
+    return module
+
+
+async def _sse(chunks: list[dict]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield f"data: {json.dumps(chunk)}\n\n".encode()
+    yield b"data: [DONE]\n\n"
+
+
+@dataclass
+class PipeHarness:
+    data_dir: Path
+    valves: dict[str, Any] = field(default_factory=dict)
+    uploads: dict[str, tuple[str, str, bytes]] = field(default_factory=dict)  # id -> (owner, name, bytes)
+    requests: list[dict] = field(default_factory=list)
+    stored_valves: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.module = load_like_open_webui(BUNDLE.read_text())
+        self.pipe = self.module.Pipe()
+        self.cache_dir = self.data_dir / "cache"
+        self.module._locations = self._locations
+        self.module._open_webui_user = self._user
+        self.module._call_model = self._call_model
+        self.module._read_open_webui_file = self._read_file
+        self.module._stored_valves = self._stored
+        self.module._store_valves = self._store
+        self.set_valves(base_models=scripted_model.MODEL_ID, **self.valves)
+
+    # -- Open WebUI stand-ins ---------------------------------------------------------------------
+
+    def _locations(self, storage_root: str, function_id: str) -> tuple[Path, Path, str]:
+        root = Path(storage_root) if storage_root else self.data_dir / "code_sessions"
+        return root, self.cache_dir / "functions" / function_id, f"/cache/functions/{function_id}/"
+
+    async def _user(self, user_id: str) -> Any:
+        return types.SimpleNamespace(id=user_id, role="user")
+
+    async def _call_model(self, request: Any, user: Any, form: dict, *, stream: bool) -> Any:
+        self.requests.append(json.loads(json.dumps(form)))
+        reply = scripted_model.answer(form)
+        if not stream:
+            return scripted_model._completion(form, reply)
+        return types.SimpleNamespace(body_iterator=_sse(scripted_model._chunks(form, reply)))
+
+    async def _read_file(self, file_id: str, user_id: str) -> tuple[bytes | None, str]:
+        owner, name, data = self.uploads.get(file_id, (None, "", b""))
+        return (data, name) if owner == user_id else (None, "")
+
+    async def _stored(self, function_id: str) -> dict:
+        return dict(self.stored_valves)
+
+    async def _store(self, function_id: str, valves: dict) -> None:
+        self.stored_valves = dict(valves)
+
+    # -- driving it ---------------------------------------------------------------------------------
+
+    def set_valves(self, **changes: Any) -> None:
+        """What Open WebUI does before each call: validate and assign the stored valves."""
+        self.stored_valves = {**self.stored_valves, **changes}
+        self.pipe.valves = self.pipe.Valves(**self.stored_valves)
+
+    def upload(self, owner: str, name: str, data: bytes) -> dict:
+        file_id = uuid.uuid4().hex
+        self.uploads[file_id] = (owner, name, data)
+        return {"type": "file", "id": file_id, "name": name}
+
+    async def say(
+        self,
+        user_id: str,
+        chat_id: str,
+        text: str,
+        *,
+        history: list[dict] | None = None,
+        files: list[dict] | None = None,
+        task: str | None = None,
+    ) -> str:
+        """One user message through Pipe.pipe, as Open WebUI calls it; returns the visible answer."""
+        self.pipe.valves = self.pipe.Valves(**self.stored_valves)
+        body = {
+            "model": MODEL,
+            "messages": [*(history or []), {"role": "user", "content": text}],
+            "stream": True,
+        }
+        statuses: list[dict] = []
+
+        async def emit(event: dict) -> None:
+            statuses.append(event)
+
+        self.events = statuses
+        result = await self.pipe.pipe(
+            body,
+            __user__={"id": user_id, "name": user_id, "role": "user", "valves": self.pipe.UserValves()},
+            __request__=None,
+            __event_emitter__=emit,
+            __chat_id__=chat_id,
+            __task__=task,
+            __files__=files or [],
+        )
+        if isinstance(result, str):
+            return result
+        if isinstance(result, dict):
+            return json.dumps(result)
+        return "".join([piece async for piece in result])
+
+    @property
+    def sessions_root(self) -> Path:
+        return self.data_dir / "code_sessions"
+
+
+def code(source: str, reply: str = "", language: str = "python") -> str:
+    """A user message that makes the scripted model run `source`, then answer `reply`."""
+    return f"```{language}\n{source}\n```\n" + (f"reply: {reply}" if reply else "")
