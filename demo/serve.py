@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import signal
 import sys
 from pathlib import Path
 
@@ -50,6 +51,8 @@ def main() -> int:
         "--models", default="", help="base model ids for the valves (default: all the backend has)"
     )
     args = parser.parse_args()
+    # `kill` (SIGTERM) ends the demo like Ctrl-C does, so Open WebUI and the model server go with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     data_dir = args.data_dir.resolve()
     log = data_dir.parent / "open-webui.log"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -79,7 +82,12 @@ def main() -> int:
     print(
         f"Starting Open WebUI on http://127.0.0.1:{args.port} (log: {log}); models from {source}", flush=True
     )
-    server = launcher.start_open_webui(data_dir, args.port, log, env)
+    try:
+        server = launcher.start_open_webui(data_dir, args.port, log, env)
+    except BaseException:
+        if helper is not None:
+            launcher.stop(helper)
+        raise
     try:
         url = f"http://127.0.0.1:{args.port}"
         signin = httpx.post(
