@@ -132,7 +132,14 @@ class Database:
 
     async def _connect(self) -> aiosqlite.Connection:
         # isolation_level=None: the sqlite3 module must not open transactions behind our back.
-        conn = await aiosqlite.connect(self.path, isolation_level=None)
+        conn = aiosqlite.connect(self.path, isolation_level=None)
+        # aiosqlite runs each connection in a non-daemon thread: a Store never closed (a web server's
+        # lives as long as the process) would keep the interpreter from exiting. SQLite itself is
+        # crash-safe, so the thread may simply die with the process.
+        worker = getattr(conn, "_thread", None)
+        if worker is not None and not worker.is_alive():
+            worker.daemon = True
+        conn = await conn
         try:
             await conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
             await conn.execute("PRAGMA foreign_keys = ON")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -205,3 +207,19 @@ async def test_concurrent_tasks_share_the_pool(store: Store) -> None:
     await asyncio.gather(*(s.files.write(f"f{j}", b"x") for s in sessions for j in range(5)))
     assert (await store.user_usage("u")).files == 50
     assert await store.check() == []
+
+
+def test_a_store_never_closed_does_not_keep_the_process_alive(tmp_path: Path) -> None:
+    # A web server's Store lives until the process ends; its threads must not block that end.
+    script = (
+        "import asyncio, sys\n"
+        "from pathlib import Path\n"
+        "from storage import Store\n"
+        "async def main():\n"
+        "    store = Store(Path(sys.argv[1]))\n"
+        "    await store.open()\n"
+        "    await (await store.session('u', 'c')).usage()\n"
+        "asyncio.run(main())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "root")], timeout=30)
+    assert result.returncode == 0
