@@ -84,3 +84,16 @@ async def test_unconfigured_function_explains_itself(tmp_path):
     harness.set_valves(base_models="")
     answer = await harness.say("u1", "chat-1", "hello")
     assert "base_models" in answer
+
+
+async def test_status_events_and_files_attached_to_the_message(harness: PipeHarness):
+    harness.set_valves(attach_files=True)
+    answer = await harness.say(
+        "u1", "chat-1", code("open('/mnt/data/r.csv','w').write('1')", "See /mnt/data/r.csv")
+    )
+    statuses = [e["data"] for e in harness.events if e["type"] == "status"]
+    assert statuses[0] == {"description": "Running python...", "done": False}
+    assert statuses[-1]["done"] and "saved 1 file" in statuses[-1]["description"]
+    [files_event] = [e for e in harness.events if e["type"] == "files"]
+    [item] = files_event["data"]["files"]
+    assert item["type"] == "file" and item["name"] == "r.csv" and item["url"] in answer
