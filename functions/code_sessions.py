@@ -33,6 +33,7 @@ from storage import Expiry, Publisher, Quotas, Store
 log = logging.getLogger("code_sessions.function")
 
 _MB = 1024 * 1024
+_MINUTE = 60.0
 _DAY = 86400.0
 _NO_LIMIT = 1 << 40  # what "0: no limit" becomes where the sandbox needs a number
 
@@ -219,7 +220,7 @@ class Pipe:
         services.store.expiry = Expiry(
             file_max_age_s=valves.file_max_age_days * _DAY or None,
             session_idle_s=valves.session_idle_days * _DAY or None,
-            temporary_idle_s=valves.temporary_idle_minutes * 60,
+            temporary_idle_s=valves.temporary_idle_minutes * _MINUTE,
         )
         services.limits = Limits(
             timeout_s=valves.timeout_seconds,
@@ -238,7 +239,7 @@ class Pipe:
         request = self.valves.purge.strip()
         if request:
             await self._purge(services, request)
-        if time.monotonic() - self._last_cleanup >= self.valves.cleanup_interval_minutes * 60:
+        if time.monotonic() - self._last_cleanup >= self.valves.cleanup_interval_minutes * _MINUTE:
             self._last_cleanup = time.monotonic()
             report = await services.store.cleanup()
             log.info("code-sessions cleanup: %s", report.summary())
@@ -259,8 +260,10 @@ class Pipe:
                 await _store_valves(self._function_id, {**stored, "purge": ""})
 
     async def _background_cleanup(self) -> None:
+        # Wakes every minute, reads the saved valves, and lets _maintain decide: so a purge typed into
+        # the valves runs within a minute, and a shorter cleanup interval applies at once.
         while True:
-            await asyncio.sleep(max(60.0, self.valves.cleanup_interval_minutes * 60))
+            await asyncio.sleep(_MINUTE)
             try:
                 if self._function_id:
                     stored = await _stored_valves(self._function_id)

@@ -15,8 +15,10 @@ LINK = re.compile(r"\((/cache/functions/code_sessions/[A-Za-z0-9_-]{22,}/[^)]+)\
 
 
 @pytest.fixture
-def harness(tmp_path) -> PipeHarness:
-    return PipeHarness(tmp_path / "data", valves={"timeout_seconds": 15})
+async def harness(tmp_path) -> PipeHarness:
+    harness = PipeHarness(tmp_path / "data", valves={"timeout_seconds": 15})
+    yield harness
+    await harness.aclose()
 
 
 def published_file(harness: PipeHarness, url: str):
@@ -97,3 +99,21 @@ async def test_status_events_and_files_attached_to_the_message(harness: PipeHarn
     [files_event] = [e for e in harness.events if e["type"] == "files"]
     [item] = files_event["data"]["files"]
     assert item["type"] == "file" and item["name"] == "r.csv" and item["url"] in answer
+
+
+async def test_background_cleanup_runs_a_purge_typed_into_the_valves_without_any_message(
+    harness: PipeHarness,
+):
+    harness.module._MINUTE = 0.05  # a "minute" of the background loop lasts 50 ms here
+    await harness.say("u1", "chat-1", code("open('/mnt/data/a.txt','w').write('1')"))
+    [session_dir] = [p for p in (harness.sessions_root / "sessions").glob("*/*") if p.is_dir()]
+    harness.stored_valves["purge"] = "user:u1"  # the admin saves the valve; no message follows
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if not session_dir.exists() and harness.stored_valves["purge"] == "":
+            break
+    assert not session_dir.exists()
+    assert harness.stored_valves["purge"] == ""  # one-shot: cleared once done
+    store = harness.pipe._services.store
+    events = [entry.event for entry in await store.activity()]
+    assert events.count("cleanup") >= 2  # the purge, and the periodic expiry

@@ -8,6 +8,8 @@ about Open WebUI itself are made in tests/e2e with a real server.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import sys
 import types
@@ -145,6 +147,16 @@ class PipeHarness:
         if isinstance(result, dict):
             return json.dumps(result)
         return "".join([piece async for piece in result])
+
+    async def aclose(self) -> None:
+        """What the end of the Open WebUI process would do: stop the background loop, close the store."""
+        task = self.pipe._background
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.pipe._services is not None:
+            await self.pipe._services.store.close()
 
     @property
     def sessions_root(self) -> Path:
