@@ -88,7 +88,7 @@ class Pipe:
         )
         purge: str = Field(
             default="",
-            description="One-shot admin purge, run at the next message or cleanup tick, then cleared: "
+            description="One-shot admin purge, run at the next message or within a minute, then cleared: "
             "'all', 'user:<user id>', 'chat:<chat id>' or 'idle:<duration>' such as idle:7d, idle:12h.",
         )
         attach_files: bool = Field(
@@ -233,12 +233,15 @@ class Pipe:
         return services
 
     async def _maintain(self, services: CodeSessions) -> None:
-        """Run an admin's purge request and the periodic expiry; keep the background loop alive."""
+        """Keep the background loop alive and run an admin's purge request, if one is waiting."""
         if self._background is None or self._background.done():
             self._background = asyncio.create_task(self._background_cleanup())
         request = self.valves.purge.strip()
         if request:
             await self._purge(services, request)
+
+    async def _expire_if_due(self, services: CodeSessions) -> None:
+        # Only from the background loop: a large expiry must not delay anyone's answer.
         if time.monotonic() - self._last_cleanup >= self.valves.cleanup_interval_minutes * _MINUTE:
             self._last_cleanup = time.monotonic()
             report = await services.store.cleanup()
@@ -260,8 +263,8 @@ class Pipe:
                 await _store_valves(self._function_id, {**stored, "purge": ""})
 
     async def _background_cleanup(self) -> None:
-        # Wakes every minute, reads the saved valves, and lets _maintain decide: so a purge typed into
-        # the valves runs within a minute, and a shorter cleanup interval applies at once.
+        # Wakes every minute and reads the saved valves: a purge typed into the valves runs within a
+        # minute even if no message comes, and a shorter cleanup interval applies at once.
         while True:
             await asyncio.sleep(_MINUTE)
             try:
@@ -269,7 +272,7 @@ class Pipe:
                     stored = await _stored_valves(self._function_id)
                     if stored:
                         self.valves = self.Valves(**{k: v for k, v in stored.items() if v is not None})
-                await self._ready()
+                await self._expire_if_due(await self._ready())
             except Exception:  # the loop must outlive a bad tick; the next one retries
                 log.exception("code-sessions background cleanup failed")
 
