@@ -23,7 +23,7 @@ from storage import (
     Store,
 )
 
-from .rewrite import StreamingRewriter, Target, find_paths, resolve_all, rewrite
+from .rewrite import References, StreamingRewriter, Target, resolve_all
 
 __all__ = ["ChatSession", "CodeSessions", "StepResult"]
 
@@ -127,7 +127,14 @@ class ChatSession:
     def __init__(self, service: CodeSessions, session: Session) -> None:
         self._service = service
         self.session = session
-        self.published: list[Target] = []  # every file linked so far, for attaching to the message
+        # Every file linked so far, for attaching to the message. A dict: insertion order, and O(1)
+        # membership (a list made an answer with 1,000 links quadratic).
+        self._published: dict[Target, None] = {}
+
+    @property
+    def published(self) -> list[Target]:
+        """Every file linked so far, in the order first linked."""
+        return list(self._published)
 
     async def run(self, code: str, language: str) -> StepResult:
         service = self._service
@@ -175,13 +182,13 @@ class ChatSession:
             log.warning("could not publish %r: %s", path, error)
             return None
         target = Target(url=link.url, name=posixpath.basename(path), is_image=link.is_image)
-        if target not in self.published:
-            self.published.append(target)
+        self._published.setdefault(target, None)
         return target
 
     async def rewrite(self, text: str, *, inline_images: bool = True) -> str:
-        targets = await resolve_all(find_paths(text), self.resolve)
-        return rewrite(text, targets, inline_images=inline_images)
+        references = References(text)
+        targets = await resolve_all(references.paths, self.resolve)
+        return references.rewrite(targets, inline_images=inline_images)
 
     def streaming_rewriter(self) -> StreamingRewriter:
         return StreamingRewriter(self.resolve)
