@@ -1,0 +1,296 @@
+"""Turn the results dict into the printed tables and the list of targets met or missed."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> str:
+    width = len(headers)
+    cells = [[str(h) for h in headers]]
+    cells += [(["" if c is None else str(c) for c in row] + [""] * width)[:width] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(row: Sequence[str]) -> str:
+        out = [
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        return "  ".join(out).rstrip()
+
+    return "\n".join([line(cells[0]), line(["-" * w for w in widths]), *(line(r) for r in cells[1:])])
+
+
+def ms(stats: dict[str, Any] | None, spread: bool = True) -> str:
+    """'12.3 (11.0-14.1)': median and p25-p75 of a summary(), in ms."""
+    if not stats:
+        return "-"
+    med = _num(stats["median_ms"])
+    if not spread or stats.get("n", 0) < 2:
+        return med
+    return f"{med} ({_num(stats['p25_ms'])}-{_num(stats['p75_ms'])})"
+
+
+def _num(value: float) -> str:
+    if value >= 100:
+        return f"{value:.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    if value >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3f}"
+
+
+def _ratio(stats: dict[str, Any] | None) -> str:
+    if not stats:
+        return "-"
+    return f"{stats['median']:.2f} ({stats['p25']:.2f}-{stats['p75']:.2f})"
+
+
+def _size(n: int) -> str:
+    return f"{n // 1000}k" if n >= 1000 and n % 1000 == 0 else str(n)
+
+
+# ---------------------------------------------------------------------------- sections
+
+
+def _overhead(r: dict[str, Any]) -> str:
+    scenarios = r.get("scenarios", {})
+    if not scenarios:
+        return "(no data)"
+    rows = []
+    for name, s in scenarios.items():
+        target = s.get("target_ratio")
+        rows.append(
+            [
+                name,
+                ms(s["bare_runsc"]),
+                ms(s["full_path"]),
+                _num(s["overhead_ms"]),
+                f"{s['ratio_of_medians']:.3f}",
+                _ratio(s["pair_ratio"]),
+                f"<= {target}" if target else "-",
+            ]
+        )
+    first = next(iter(scenarios.values()))
+    out = [
+        f"print(1), {first['pairs']} interleaved pairs per session; ms: median (p25-p75)",
+        table(
+            ["session", "a: bare runsc", "b: full path", "b-a ms", "b/a", "per-pair b/a", "target"],
+            rows,
+            right=(3, 4),
+        ),
+        "",
+        "where the full path's time goes (median ms):",
+    ]
+    phase_names = list(first.get("phases", {}))
+    out.append(
+        table(
+            ["phase", *scenarios],
+            [[p, *(ms(s["phases"].get(p), spread=False) for s in scenarios.values())] for p in phase_names],
+            right=tuple(range(1, len(scenarios) + 1)),
+        )
+    )
+    return "\n".join(out)
+
+
+def _growth(values: list[float | None]) -> list[str]:
+    out = []
+    for a, b in itertools.pairwise(values):
+        out.append(f"x{b / a:.1f}" if a and b else "-")
+    return out
+
+
+def _index(r: dict[str, Any]) -> str:
+    out: list[str] = []
+    q = r.get("quota_check")
+    if q:
+        out.append(
+            f"quota check, user with {q['user_sessions']} sessions among {q['session_rows']:,} session rows: "
+            f"{ms(q)} ms (target <= {q['target_ms']:g} ms)"
+        )
+    for label, fs in r.get("filesystems", {}).items():
+        rec = fs.get("reconcile", {})
+        sizes = sorted(int(k) for k in rec)
+        if not sizes:
+            out.append(f"[{label}] no data")
+            continue
+        clean = fs.get("cleanup", {})
+        steps = [f"{_size(a)}->{_size(b)}" for a, b in itertools.pairwise(sizes)]
+        headers = ["", *(_size(s) + " files" for s in sizes), *steps, f"us/file @{_size(sizes[-1])}"]
+
+        def row(
+            name: str, pick: Any, source: dict[str, Any], spread: bool = True, sizes: list[int] = sizes
+        ) -> list[str]:
+            stats = [pick(source.get(str(s))) for s in sizes]
+            medians = [st["median_ms"] if st else None for st in stats]
+            last = medians[-1]
+            per_file = f"{last * 1000 / sizes[-1]:.2f}" if last is not None else "-"
+            return [name, *(ms(st, spread) for st in stats), *_growth(medians), per_file]
+
+        rows = [
+            row("reconcile, one changed file", lambda x: x and x["one_change"], rec),
+            row("reconcile, nothing changed", lambda x: x and x["no_change"], rec),
+            row("bare scandir+lstat walk", lambda x: x and x["bare_walk"], rec),
+            row("first reconcile (index all)", lambda x: x and x["first_reconcile"], rec, False),
+            row("cleanup of expired files", lambda x: x and x["cleanup"], clean, False),
+            row("bare unlink loop", lambda x: x and x["bare_unlink"], clean, False),
+        ]
+        ratio_row = ["one change / bare walk (per pair)"]
+        ratio_row += [_ratio(rec.get(str(s), {}).get("one_change_over_walk")) for s in sizes]
+        cleanup_ratio = ["cleanup / bare unlink"]
+        cleanup_ratio += [
+            f"{clean[str(s)]['cleanup_over_unlink']:.2f}" if str(s) in clean else "-" for s in sizes
+        ]
+        rows += [ratio_row, cleanup_ratio]
+        out.append("")
+        out.append(f"[{label}: {fs.get('filesystem', '?')}] ms: median (p25-p75); growth = ratio of medians")
+        out.append(table(headers, rows, right=tuple(range(1, len(headers)))))
+        usage = fs.get("usage")
+        if usage:
+            out.append(
+                f"CLI `python -m storage usage` on a {usage['files']:,}-file index: "
+                f"{ms(usage['cli_usage'])} ms "
+                f"(of which starting Python and importing storage: {ms(usage['python_import_only'])} ms)"
+            )
+    return "\n".join(out)
+
+
+def _concurrency(r: dict[str, Any]) -> str:
+    if "chats" not in r:
+        return "(no data)"
+    rows = [
+        [
+            "one at a time",
+            ms(r["sequential_wall"]),
+            f"{r['sequential_steps_per_s']:.2f}",
+            ms(r["step_latency_sequential"]),
+        ],
+        [
+            f"{r['chats']} at once",
+            ms(r["concurrent_wall"]),
+            f"{r['concurrent_steps_per_s']:.2f}",
+            ms(r["step_latency_concurrent"]),
+        ],
+    ]
+    return "\n".join(
+        [
+            f"{r['chats']} chats, each: write a file, print, link it; {r['rounds']} rounds of each mode",
+            table(["mode", f"wall for {r['chats']} steps ms", "steps/s", "one step ms"], rows, right=(2,)),
+            f"throughput, {r['chats']} at once vs one at a time: x{r['throughput_ratio']:.2f}; "
+            f"errors: {r['errors']}",
+        ]
+    )
+
+
+def _rewrite(r: dict[str, Any]) -> str:
+    if "text" not in r:
+        return "(no data)"
+    full = r.get("chat_session_rewrite", {})
+    rows = [
+        ["scan + paths + rewrite (targets known)", ms(r["text"]), f"<= {r['target_ms']:g}"],
+        ["  of which scan + paths", ms(r["text_find_paths"]), ""],
+        ["  of which rewrite", ms(r["text_substitute"]), ""],
+        ["StreamingRewriter, 40-char chunks", ms(r["streaming_40_char_chunks"]), ""],
+        ["ChatSession.rewrite, first (publishes all)", ms(full.get("first_call_publishes")), ""],
+        ["ChatSession.rewrite, again (links reused)", ms(full.get("later_calls_reuse_links")), ""],
+    ]
+    head = f"an answer of {r['answer_bytes'] / 1000:.0f} KB naming {r['paths']} files"
+    return head + "\n" + table(["", "ms", "target"], rows, right=(1,))
+
+
+def _memory(r: dict[str, Any]) -> str:
+    rows = []
+    labels = {
+        "run_printing": "a run printing {printed_mb} MB ({outcome})",
+        "reconcile_first": "first reconcile of {files:,} files",
+        "reconcile_one_change": "reconcile, one change in {files:,} files",
+    }
+    for key, label in labels.items():
+        m = r.get(key)
+        if m:
+            rows.append([label.format(**m), m["rss_before_mib"], m["peak_mib"], m["growth_mib"]])
+    if not rows:
+        return "(no data)"
+    return "host process, each in a fresh process\n" + table(
+        ["scenario", "RSS before MiB", "peak MiB", "growth MiB"], rows, right=(1, 2, 3)
+    )
+
+
+# ---------------------------------------------------------------------------- targets
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target of issue #6 with the measured value; met is None when not measured (quick mode)."""
+    s = results.get("sections", {})
+    found: list[dict[str, Any]] = []
+
+    def add(name: str, value: float | None, limit: float, unit: str) -> None:
+        met = None if value is None else value <= limit
+        found.append({"target": name, "value": value, "limit": limit, "unit": unit, "met": met})
+
+    scen = s.get("run_overhead", {}).get("scenarios", {})
+    add("run overhead b/a, empty session", scen.get("empty", {}).get("ratio_of_medians"), 1.15, "x")
+    add("run overhead b/a, 10k-file session", scen.get("10k files", {}).get("ratio_of_medians"), 1.25, "x")
+    disk = s.get("index_scale", {}).get("filesystems", {}).get("disk", {})
+    for size, limit in (("10000", 50.0), ("100000", 500.0)):
+        stats = disk.get("reconcile", {}).get(size, {}).get("one_change")
+        add(
+            f"reconcile, one change in {_size(int(size))} files (disk)",
+            stats and stats["median_ms"],
+            limit,
+            "ms",
+        )
+    tmpfs = s.get("index_scale", {}).get("filesystems", {}).get("tmpfs", {})
+    for size, limit in (("10000", 50.0), ("100000", 500.0)):
+        stats = tmpfs.get("reconcile", {}).get(size, {}).get("one_change")
+        if stats:
+            add(f"reconcile, one change in {_size(int(size))} files (tmpfs)", stats["median_ms"], limit, "ms")
+    quota = s.get("index_scale", {}).get("quota_check")
+    add("quota check, 100 sessions", quota and quota["median_ms"], 5.0, "ms")
+    for label, fs in (("disk", disk), ("tmpfs", tmpfs)):
+        c = fs.get("cleanup", {}).get("100000")
+        if c or label == "disk":
+            add(f"cleanup of 100k expired files ({label})", c and c["cleanup"]["median_ms"] / 1000, 10.0, "s")
+    rw = s.get("rewrite", {})
+    value = rw["text"]["median_ms"] if rw.get("paths") == 1000 and "text" in rw else None
+    add("rewrite, 100 KB answer with 1,000 paths", value, 20.0, "ms")
+    conc = s.get("concurrency", {})
+    add("8 concurrent chats: errors", conc.get("errors"), 0, "errors")
+    return found
+
+
+def _targets_table(found: list[dict[str, Any]]) -> str:
+    rows = []
+    for t in found:
+        value = "-" if t["value"] is None else f"{t['value']:.3g} {t['unit']}"
+        met = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+        rows.append([t["target"], value, f"<= {t['limit']:g} {t['unit']}", met])
+    return table(["target", "measured", "target", ""], rows, right=(1,))
+
+
+def render(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    s = results["sections"]
+    parts = [
+        f"code-sessions benchmarks, {meta['mode']} mode, {meta['date']}",
+        f"machine: {meta['machine']}",
+        f"software: {meta['software']}",
+        f"scratch: {meta['scratch']}; runner state: {meta['runner_base']}",
+        f"load average before / after: {meta['load_before']} / {meta.get('load_after', '?')}",
+    ]
+    sections = [
+        ("1. Run overhead: bare runsc (a) vs our full path (b)", "run_overhead", _overhead),
+        ("2. Index scale", "index_scale", _index),
+        ("3. Concurrency", "concurrency", _concurrency),
+        ("4. Link rewriting", "rewrite", _rewrite),
+        ("5. Memory: peak RSS of the host side", "memory", _memory),
+    ]
+    for title, key, fn in sections:
+        if key in s:
+            parts += ["", f"== {title} ==", fn(s[key])]
+    parts += ["", "== Targets ==", _targets_table(results["targets"])]
+    errors = results["errors"]
+    parts += ["", f"errors: {len(errors)}", *(f"  {e}" for e in errors)]
+    return "\n".join(parts)
