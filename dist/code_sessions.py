@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_1ccd9b1c3519'
+_CS_PACKAGE = '_code_sessions_7f3794e64504'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, an SQLite index, quotas, expiry, publishing.
 
@@ -692,7 +692,14 @@ class Database:
 
     async def _connect(self) -> aiosqlite.Connection:
         # isolation_level=None: the sqlite3 module must not open transactions behind our back.
-        conn = await aiosqlite.connect(self.path, isolation_level=None)
+        conn = aiosqlite.connect(self.path, isolation_level=None)
+        # aiosqlite runs each connection in a non-daemon thread: a Store never closed (a web server's
+        # lives as long as the process) would keep the interpreter from exiting. SQLite itself is
+        # crash-safe, so the thread may simply die with the process.
+        worker = getattr(conn, "_thread", None)
+        if worker is not None and not worker.is_alive():
+            worker.daemon = True
+        conn = await conn
         try:
             await conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
             await conn.execute("PRAGMA foreign_keys = ON")
@@ -3503,7 +3510,7 @@ from ._keys import id_key, is_temporary
 from ._lock import FileLock
 from ._names import attachment_name, numbered, split_path
 from .errors import FileMissing, InvalidPath, QuotaExceeded
-from .models import FileEntry, Link, ReconcileReport, RunBudget, Usage
+from .models import FileEntry, Link, LinkInfo, ReconcileReport, RunBudget, Usage
 
 if TYPE_CHECKING:
     from .store import Store
@@ -3600,6 +3607,10 @@ class Session:
 
     async def download_url(self, path: str) -> str:
         return (await self.publish(path)).url
+
+    async def links(self) -> list[LinkInfo]:
+        """This chat's published links, oldest first."""
+        return await self._store.links(user_id=self.user_id, chat_id=self.chat_id)
 
     # ---------------------------------------------------------------- helpers for SessionFiles
 
@@ -5954,7 +5965,7 @@ from .blocks import CodeBlock, runnable_blocks
 from .loop import RUN_CODE_TOOL, LoopOptions, ModelCall, StatusCall, converse, render_step
 from .prompt import PromptFacts, human_bytes, system_prompt
 from .purge import parse_duration, parse_purge
-from .rewrite import StreamingRewriter, Target, find_paths, rewrite
+from .rewrite import References, StreamingRewriter, Target, find_paths, rewrite
 from .service import ChatSession, CodeSessions, StepResult
 from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
 
@@ -5967,6 +5978,7 @@ __all__ = [
     "ModelCall",
     "ModelError",
     "PromptFacts",
+    "References",
     "StatusCall",
     "StepResult",
     "StreamingRewriter",
@@ -6326,7 +6338,7 @@ from __future__ import annotations
 
 import re
 
-from _code_sessions_1ccd9b1c3519.storage import Purge
+from _code_sessions_7f3794e64504.storage import Purge
 
 __all__ = ["parse_duration", "parse_purge"]
 
@@ -6377,13 +6389,14 @@ Fenced code blocks and inline code spans are left exactly as written: they show 
 
 from __future__ import annotations
 
+import bisect
 import functools
 import re
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from urllib.parse import unquote
 
-__all__ = ["Resolver", "StreamingRewriter", "Target", "find_paths", "resolve_all", "rewrite"]
+__all__ = ["References", "Resolver", "StreamingRewriter", "Target", "find_paths", "resolve_all", "rewrite"]
 
 MOUNT = "/mnt/data/"
 
@@ -6410,12 +6423,16 @@ _MD_LINK = (
 # model writes one in a sentence; trailing sentence punctuation is trimmed afterwards.
 _BARE = r"(?<![\w/.:-])(?P<bare>(?:sandbox:)?/mnt/data/[^\s<>()\[\]{}`\"'|*]+)"
 _REFERENCE = re.compile(f"{_MD_LINK}|{_BARE}")
+# Between a markdown link's `](` and its /mnt/data destination: spaces, `<`, `sandbox:`.
+_DESTINATION_LEAD = re.compile(r"\]\(\s*<?(?:sandbox:)?$")
 _TRAILING_PUNCTUATION = ".,;:!?"
 
 _FENCE_OPEN = re.compile(r"^ {0,3}(?P<fence>`{3,}|~{3,})")
 _BACKTICKS = re.compile(r"`+")
 # Characters that would change the meaning of link text in markdown or HTML.
-_MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+!|~])")
+_LABEL_ESCAPES = str.maketrans(
+    {"&": "&amp;", "<": "&lt;", ">": "&gt;", **{c: "\\" + c for c in "\\`*_{}[]()#+!|~"}}
+)
 
 
 def _relative(destination: str) -> str | None:
@@ -6432,9 +6449,8 @@ def _trim_bare(path: str) -> str:
 
 
 def _escape_label(text: str) -> str:
-    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-    text = _MD_SPECIAL.sub(r"\\\1", text)
-    return " ".join(text.split())  # a newline in a name must not break the link apart
+    # Whitespace folded: a newline in a name must not break the link apart.
+    return " ".join(text.translate(_LABEL_ESCAPES).split())
 
 
 @functools.lru_cache(maxsize=16)
@@ -6483,32 +6499,82 @@ class _FenceTracker:
         return True
 
 
-def _iter_prose(text: str) -> Iterator[tuple[int, int]]:
-    """(start, end) offsets of all prose in `text`: outside fenced blocks and inline code."""
-    fences = _FenceTracker()
-    offset = 0
-    for line in text.splitlines(keepends=True):
-        if "/mnt/data/" in line or "`" in line or "~" in line:
-            if not fences.is_code(line):
-                for start, end in _prose_spans(line):
-                    yield offset + start, offset + end
-        elif not fences.inside:
-            yield offset, offset + len(line)
-        offset += len(line)
+_FENCE_LINE = re.compile(r"^ {0,3}(`{3,}|~{3,})[^\n]*", re.MULTILINE)
+
+
+def _fenced_blocks(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each fenced code block, an unclosed one running to the end of the text."""
+    blocks: list[tuple[int, int]] = []
+    opening: tuple[int, str] | None = None
+    for line in _FENCE_LINE.finditer(text):
+        if opening is None:
+            opening = (line.start(), line.group(1))
+            continue
+        stripped = line.group().strip()
+        if stripped.startswith(opening[1]) and set(stripped) <= {opening[1][0]}:
+            blocks.append((opening[0], line.end()))
+            opening = None
+    if opening is not None:
+        blocks.append((opening[0], len(text)))
+    return blocks
+
+
+def _matches_at_mounts(text: str) -> Iterator[re.Match[str]]:
+    """The reference matches in `text`, found from each occurrence of `/mnt/data/` rather than by
+    trying the pattern at every character (ten times faster on a long answer)."""
+    position = 0
+    while (found := text.find(MOUNT, position)) >= 0:
+        line_start = text.rfind("\n", 0, found) + 1
+        match = None
+        lead = _DESTINATION_LEAD.search(text, line_start, found)
+        if lead is not None:
+            # A markdown link's destination: its label opens at the last `[` before the `](`.
+            bracket = text.rfind("[", line_start, lead.start())
+            if bracket >= 0:
+                opening = bracket - 1 if bracket > line_start and text[bracket - 1] == "!" else bracket
+                match = _REFERENCE.match(text, opening)
+        if match is None:
+            start = found - len("sandbox:") if text.startswith("sandbox:", found - len("sandbox:")) else found
+            start = max(start, line_start)
+            match = _REFERENCE.match(text, start)
+        if match is None or match.end() <= found:
+            position = found + len(MOUNT)
+            continue
+        yield match
+        position = match.end()
 
 
 def _references(text: str) -> Iterator[tuple[re.Match[str], str | None]]:
-    """Each session reference in prose with the relative path it names (None: not a file path)."""
+    """Each session reference in prose with the relative path it names (None: not a file path).
+
+    One regex pass over the whole text finds the candidates; code is then excluded per candidate
+    (fenced blocks by offset, inline code by looking at that one line), so the cost follows the
+    number of references, not the number of lines."""
     if "/mnt/data/" not in text:
         return
-    for start, end in _iter_prose(text):
-        if text.find("/mnt/data/", start, end) < 0:
+    blocks = _fenced_blocks(text) if "```" in text or "~~~" in text else []
+    block_starts = [start for start, _ in blocks]
+    prose_by_line: dict[int, list[tuple[int, int]]] = {}
+    for match in _matches_at_mounts(text):
+        start, end = match.span()
+        index = bisect.bisect_right(block_starts, start) - 1
+        if index >= 0 and start < blocks[index][1]:
             continue
-        for match in _REFERENCE.finditer(text, start, end):
-            if match.group("bare") is not None:
-                yield match, _relative(_trim_bare(match.group("bare")))
-            else:
-                yield match, _relative(match.group("angled") or match.group("plain"))
+        line_start = text.rfind("\n", 0, start) + 1
+        line_end = text.find("\n", end)
+        line_end = len(text) if line_end < 0 else line_end
+        if text.find("`", line_start, line_end) >= 0:
+            spans = prose_by_line.get(line_start)
+            if spans is None:
+                line = text[line_start:line_end]
+                spans = [(line_start + a, line_start + b) for a, b in _prose_spans(line)]
+                prose_by_line[line_start] = spans
+            if not any(a <= start and end <= b for a, b in spans):
+                continue
+        if match.group("bare") is not None:
+            yield match, _relative(_trim_bare(match.group("bare")))
+        else:
+            yield match, _relative(match.group("angled") or match.group("plain"))
 
 
 def _candidates(relative: str) -> list[str]:
@@ -6517,14 +6583,46 @@ def _candidates(relative: str) -> list[str]:
     return [relative] if decoded == relative else [relative, decoded]
 
 
+class References:
+    """The session references found in one text: scan once, then list the paths and substitute."""
+
+    __slots__ = ("_found", "_text")
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+        self._found = list(_references(text))
+
+    @property
+    def paths(self) -> list[str]:
+        """Distinct session-relative paths, in order of appearance (each also percent-decoded)."""
+        seen: dict[str, None] = {}
+        for _match, relative in self._found:
+            if relative is not None:
+                for candidate in _candidates(relative):
+                    seen.setdefault(candidate, None)
+        return list(seen)
+
+    def rewrite(self, targets: Mapping[str, Target | None], *, inline_images: bool = True) -> str:
+        """Replace each reference by a link to its target; unknown files stay plain text.
+
+        With `inline_images=False` images become plain links too (for lists of files, where showing
+        every picture would repeat what the answer shows)."""
+        if not self._found:
+            return self._text
+        text = self._text
+        pieces: list[str] = []
+        position = 0
+        for match, relative in self._found:
+            pieces.append(text[position : match.start()])
+            pieces.append(_replacement(match, relative, targets, inline_images))
+            position = match.end()
+        pieces.append(text[position:])
+        return "".join(pieces)
+
+
 def find_paths(text: str) -> list[str]:
     """Distinct session-relative paths referred to in the prose of `text`, in order of appearance."""
-    seen: dict[str, None] = {}
-    for _match, relative in _references(text):
-        if relative is not None:
-            for candidate in _candidates(relative):
-                seen.setdefault(candidate, None)
-    return list(seen)
+    return References(text).paths
 
 
 async def resolve_all(paths: list[str], resolve: Resolver) -> dict[str, Target | None]:
@@ -6572,20 +6670,8 @@ def _replacement(
 
 
 def rewrite(text: str, targets: Mapping[str, Target | None], *, inline_images: bool = True) -> str:
-    """Replace each reference in prose by a link to its target; unknown files stay plain text.
-
-    With `inline_images=False` images become plain links too (for lists of files, where showing every
-    picture would repeat what the answer shows)."""
-    pieces: list[str] = []
-    position = 0
-    for match, relative in _references(text):
-        pieces.append(text[position : match.start()])
-        pieces.append(_replacement(match, relative, targets, inline_images))
-        position = match.end()
-    if not pieces:
-        return text
-    pieces.append(text[position:])
-    return "".join(pieces)
+    """`References(text).rewrite(targets)`: links for known files, plain text for the others."""
+    return References(text).rewrite(targets, inline_images=inline_images)
 
 
 class StreamingRewriter:
@@ -6619,10 +6705,11 @@ class StreamingRewriter:
             if self._fences.is_code(line) or "/mnt/data/" not in line:
                 out.append(line)
                 continue
-            for path in find_paths(line):
+            references = References(line)
+            for path in references.paths:
                 if path not in self._known:
                     self._known[path] = await self._resolve(path)
-            out.append(rewrite(line, self._known))
+            out.append(references.rewrite(self._known))
         return "".join(out)
 ''',
     'engine/service.py': r'''"""One chat step, composed: lock the session, check the quota, run in the sandbox, index, enforce, link.
@@ -6635,11 +6722,12 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_1ccd9b1c3519.runner import Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_1ccd9b1c3519.storage import (
+from _code_sessions_7f3794e64504.runner import Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_7f3794e64504.storage import (
     FileMissing,
     InvalidPath,
     QuotaExceeded,
@@ -6650,7 +6738,7 @@ from _code_sessions_1ccd9b1c3519.storage import (
     Store,
 )
 
-from .rewrite import StreamingRewriter, Target, find_paths, resolve_all, rewrite
+from .rewrite import References, StreamingRewriter, Target, resolve_all
 
 __all__ = ["ChatSession", "CodeSessions", "StepResult"]
 
@@ -6754,7 +6842,14 @@ class ChatSession:
     def __init__(self, service: CodeSessions, session: Session) -> None:
         self._service = service
         self.session = session
-        self.published: list[Target] = []  # every file linked so far, for attaching to the message
+        # Every file linked so far, for attaching to the message. A dict: insertion order, and O(1)
+        # membership (a list made an answer with 1,000 links quadratic).
+        self._published: dict[Target, None] = {}
+
+    @property
+    def published(self) -> list[Target]:
+        """Every file linked so far, in the order first linked."""
+        return list(self._published)
 
     async def run(self, code: str, language: str) -> StepResult:
         service = self._service
@@ -6802,16 +6897,34 @@ class ChatSession:
             log.warning("could not publish %r: %s", path, error)
             return None
         target = Target(url=link.url, name=posixpath.basename(path), is_image=link.is_image)
-        if target not in self.published:
-            self.published.append(target)
+        self._published.setdefault(target, None)
         return target
 
     async def rewrite(self, text: str, *, inline_images: bool = True) -> str:
-        targets = await resolve_all(find_paths(text), self.resolve)
-        return rewrite(text, targets, inline_images=inline_images)
+        references = References(text)
+        targets = await resolve_all(references.paths, self.resolve)
+        return references.rewrite(targets, inline_images=inline_images)
 
     def streaming_rewriter(self) -> StreamingRewriter:
         return StreamingRewriter(self.resolve)
+
+    async def sandbox_view(self, messages: list[dict]) -> list[dict]:
+        """Earlier answers as the model should read them: our links turned back into /mnt/data paths.
+
+        The chat history holds the answers as the user saw them, with /cache/... URLs; a model that
+        reads those would start writing URLs instead of paths (and link nothing next time)."""
+        links = await self.session.links()
+        if not links or not any(m.get("role") == "assistant" for m in messages):
+            return messages
+        paths = {link.url: f"/mnt/data/{link.path}" for link in links}
+        pattern = re.compile("|".join(re.escape(url) for url in sorted(paths, key=len, reverse=True)))
+        view = []
+        for message in messages:
+            content = message.get("content")
+            if message.get("role") == "assistant" and isinstance(content, str) and pattern.search(content):
+                message = {**message, "content": pattern.sub(lambda m: paths[m.group()], content)}
+            view.append(message)
+        return view
 
 
 def _tighter(configured: int, budget: int | None) -> int:
@@ -7021,6 +7134,7 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 # No `from __future__` import here: in the bundle this module's body does not start the file.
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -7030,9 +7144,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_1ccd9b1c3519.engine import (
+from _code_sessions_7f3794e64504.engine import (
     CodeSessions,
     LoopOptions,
+    ModelError,
     PromptFacts,
     converse,
     events_from_message,
@@ -7040,12 +7155,13 @@ from _code_sessions_1ccd9b1c3519.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_1ccd9b1c3519.runner import Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_1ccd9b1c3519.storage import Expiry, Publisher, Quotas, Store
+from _code_sessions_7f3794e64504.runner import Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_7f3794e64504.storage import Expiry, Publisher, Quotas, Store
 
 log = logging.getLogger("code_sessions.function")
 
 _MB = 1024 * 1024
+_MINUTE = 60.0
 _DAY = 86400.0
 _NO_LIMIT = 1 << 40  # what "0: no limit" becomes where the sandbox needs a number
 
@@ -7100,7 +7216,7 @@ class Pipe:
         )
         purge: str = Field(
             default="",
-            description="One-shot admin purge, run at the next message or cleanup tick, then cleared: "
+            description="One-shot admin purge, run at the next message or within a minute, then cleared: "
             "'all', 'user:<user id>', 'chat:<chat id>' or 'idle:<duration>' such as idle:7d, idle:12h.",
         )
         attach_files: bool = Field(
@@ -7171,13 +7287,14 @@ class Pipe:
             form.pop("tools", None)
             if tools:
                 form["tools"] = tools
-            response = await _call_model(__request__, user, form, stream=True)
-            if isinstance(response, dict):
-                for event in events_from_message(response):
-                    yield event
-            else:
-                async for event in events_from_sse(response.body_iterator):
-                    yield event
+            try:
+                response = await _call_model(__request__, user, form, stream=True)
+            except Exception as error:  # the answer says what went wrong; the chat keeps working
+                log.warning("code-sessions: base model %s failed: %s", base_model, error)
+                yield ModelError(f"{base_model}: {error}")
+                return
+            async for event in _model_events(response):
+                yield event
 
         async def answer() -> AsyncIterator[str]:
             if uploads:
@@ -7232,7 +7349,7 @@ class Pipe:
         services.store.expiry = Expiry(
             file_max_age_s=valves.file_max_age_days * _DAY or None,
             session_idle_s=valves.session_idle_days * _DAY or None,
-            temporary_idle_s=valves.temporary_idle_minutes * 60,
+            temporary_idle_s=valves.temporary_idle_minutes * _MINUTE,
         )
         services.limits = Limits(
             timeout_s=valves.timeout_seconds,
@@ -7245,13 +7362,16 @@ class Pipe:
         return services
 
     async def _maintain(self, services: CodeSessions) -> None:
-        """Run an admin's purge request and the periodic expiry; keep the background loop alive."""
+        """Keep the background loop alive and run an admin's purge request, if one is waiting."""
         if self._background is None or self._background.done():
             self._background = asyncio.create_task(self._background_cleanup())
         request = self.valves.purge.strip()
         if request:
             await self._purge(services, request)
-        if time.monotonic() - self._last_cleanup >= self.valves.cleanup_interval_minutes * 60:
+
+    async def _expire_if_due(self, services: CodeSessions) -> None:
+        # Only from the background loop: a large expiry must not delay anyone's answer.
+        if time.monotonic() - self._last_cleanup >= self.valves.cleanup_interval_minutes * _MINUTE:
             self._last_cleanup = time.monotonic()
             report = await services.store.cleanup()
             log.info("code-sessions cleanup: %s", report.summary())
@@ -7272,14 +7392,16 @@ class Pipe:
                 await _store_valves(self._function_id, {**stored, "purge": ""})
 
     async def _background_cleanup(self) -> None:
+        # Wakes every minute and reads the saved valves: a purge typed into the valves runs within a
+        # minute even if no message comes, and a shorter cleanup interval applies at once.
         while True:
-            await asyncio.sleep(max(60.0, self.valves.cleanup_interval_minutes * 60))
+            await asyncio.sleep(_MINUTE)
             try:
                 if self._function_id:
                     stored = await _stored_valves(self._function_id)
                     if stored:
                         self.valves = self.Valves(**{k: v for k, v in stored.items() if v is not None})
-                await self._ready()
+                await self._expire_if_due(await self._ready())
             except Exception:  # the loop must outlive a bad tick; the next one retries
                 log.exception("code-sessions background cleanup failed")
 
@@ -7321,7 +7443,7 @@ class Pipe:
             sandbox_notes=await _sandbox_notes(services.runner),
         )
         prompt = system_prompt(facts)
-        history = [dict(message) for message in messages]
+        history = [dict(message) for message in await chat.sandbox_view(messages)]
         if history and history[0].get("role") == "system" and isinstance(history[0].get("content"), str):
             history[0]["content"] = prompt + "\n\n" + history[0]["content"]
         else:
@@ -7389,6 +7511,26 @@ async def _sandbox_notes(runner: Runner) -> tuple[str, ...]:
         return await runner.known_issues()
     except RunnerError:  # no sandbox at all: the run itself will say so, clearly, to model and user
         return ()
+
+
+async def _model_events(response: Any) -> AsyncIterator:
+    """Events from whatever generate_chat_completion returned: a stream, a body, or an error response."""
+    if isinstance(response, dict):
+        for event in events_from_message(response):
+            yield event
+    elif hasattr(response, "body_iterator"):
+        async for event in events_from_sse(response.body_iterator):
+            yield event
+    else:
+        body = getattr(response, "body", b"")
+        try:
+            payload = json.loads(body) if body else {}
+        except ValueError:
+            payload = {}
+        status = getattr(response, "status_code", "?")
+        events = events_from_message(payload) if isinstance(payload, dict) else []
+        for event in events or [ModelError(f"the base model answered with HTTP {status}")]:
+            yield event
 
 
 def _status_emitter(emitter: Any) -> Any:

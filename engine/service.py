@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -192,6 +193,24 @@ class ChatSession:
 
     def streaming_rewriter(self) -> StreamingRewriter:
         return StreamingRewriter(self.resolve)
+
+    async def sandbox_view(self, messages: list[dict]) -> list[dict]:
+        """Earlier answers as the model should read them: our links turned back into /mnt/data paths.
+
+        The chat history holds the answers as the user saw them, with /cache/... URLs; a model that
+        reads those would start writing URLs instead of paths (and link nothing next time)."""
+        links = await self.session.links()
+        if not links or not any(m.get("role") == "assistant" for m in messages):
+            return messages
+        paths = {link.url: f"/mnt/data/{link.path}" for link in links}
+        pattern = re.compile("|".join(re.escape(url) for url in sorted(paths, key=len, reverse=True)))
+        view = []
+        for message in messages:
+            content = message.get("content")
+            if message.get("role") == "assistant" and isinstance(content, str) and pattern.search(content):
+                message = {**message, "content": pattern.sub(lambda m: paths[m.group()], content)}
+            view.append(message)
+        return view
 
 
 def _tighter(configured: int, budget: int | None) -> int:

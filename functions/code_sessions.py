@@ -8,6 +8,7 @@
 # No `from __future__` import here: in the bundle this module's body does not start the file.
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -20,6 +21,7 @@ from pydantic import BaseModel, Field
 from engine import (
     CodeSessions,
     LoopOptions,
+    ModelError,
     PromptFacts,
     converse,
     events_from_message,
@@ -159,13 +161,14 @@ class Pipe:
             form.pop("tools", None)
             if tools:
                 form["tools"] = tools
-            response = await _call_model(__request__, user, form, stream=True)
-            if isinstance(response, dict):
-                for event in events_from_message(response):
-                    yield event
-            else:
-                async for event in events_from_sse(response.body_iterator):
-                    yield event
+            try:
+                response = await _call_model(__request__, user, form, stream=True)
+            except Exception as error:  # the answer says what went wrong; the chat keeps working
+                log.warning("code-sessions: base model %s failed: %s", base_model, error)
+                yield ModelError(f"{base_model}: {error}")
+                return
+            async for event in _model_events(response):
+                yield event
 
         async def answer() -> AsyncIterator[str]:
             if uploads:
@@ -314,7 +317,7 @@ class Pipe:
             sandbox_notes=await _sandbox_notes(services.runner),
         )
         prompt = system_prompt(facts)
-        history = [dict(message) for message in messages]
+        history = [dict(message) for message in await chat.sandbox_view(messages)]
         if history and history[0].get("role") == "system" and isinstance(history[0].get("content"), str):
             history[0]["content"] = prompt + "\n\n" + history[0]["content"]
         else:
@@ -382,6 +385,26 @@ async def _sandbox_notes(runner: Runner) -> tuple[str, ...]:
         return await runner.known_issues()
     except RunnerError:  # no sandbox at all: the run itself will say so, clearly, to model and user
         return ()
+
+
+async def _model_events(response: Any) -> AsyncIterator:
+    """Events from whatever generate_chat_completion returned: a stream, a body, or an error response."""
+    if isinstance(response, dict):
+        for event in events_from_message(response):
+            yield event
+    elif hasattr(response, "body_iterator"):
+        async for event in events_from_sse(response.body_iterator):
+            yield event
+    else:
+        body = getattr(response, "body", b"")
+        try:
+            payload = json.loads(body) if body else {}
+        except ValueError:
+            payload = {}
+        status = getattr(response, "status_code", "?")
+        events = events_from_message(payload) if isinstance(payload, dict) else []
+        for event in events or [ModelError(f"the base model answered with HTTP {status}")]:
+            yield event
 
 
 def _status_emitter(emitter: Any) -> Any:

@@ -31,7 +31,7 @@ from ._keys import id_key, is_temporary
 from ._lock import FileLock
 from ._names import attachment_name, numbered, split_path
 from .errors import FileMissing, InvalidPath, QuotaExceeded
-from .models import FileEntry, Link, ReconcileReport, RunBudget, Usage
+from .models import FileEntry, Link, LinkInfo, ReconcileReport, RunBudget, Usage
 
 if TYPE_CHECKING:
     from .store import Store
@@ -128,6 +128,10 @@ class Session:
 
     async def download_url(self, path: str) -> str:
         return (await self.publish(path)).url
+
+    async def links(self) -> list[LinkInfo]:
+        """This chat's published links, oldest first."""
+        return await self._store.links(user_id=self.user_id, chat_id=self.chat_id)
 
     # ---------------------------------------------------------------- helpers for SessionFiles
 

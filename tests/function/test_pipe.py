@@ -117,3 +117,34 @@ async def test_background_cleanup_runs_a_purge_typed_into_the_valves_without_any
     store = harness.pipe._services.store
     events = [entry.event for entry in await store.activity()]
     assert events.count("cleanup") >= 2  # the purge, and the periodic expiry
+
+
+async def test_the_model_reads_earlier_answers_with_mnt_data_paths_not_links(harness: PipeHarness):
+    first = await harness.say(
+        "u1", "chat-1", code("open('/mnt/data/a.txt','w').write('1')", "See /mnt/data/a.txt")
+    )
+    url = LINK.findall(first)[-1]
+    history = [{"role": "user", "content": "make a"}, {"role": "assistant", "content": first}]
+    await harness.say("u1", "chat-1", "thanks", history=history)
+    seen = harness.requests[-1]["messages"]
+    assert [m["role"] for m in seen] == ["system", "user", "assistant", "user"]
+    assert url not in seen[2]["content"] and "See [a.txt](/mnt/data/a.txt)" in seen[2]["content"]
+
+
+async def test_a_failing_base_model_is_an_answer_not_a_crash(harness: PipeHarness):
+    async def broken(*args, **kwargs):
+        raise RuntimeError("connection refused")
+
+    harness.module._call_model = broken
+    answer = await harness.say("u1", "chat-1", "hello")
+    assert "The model returned an error" in answer and "connection refused" in answer
+
+    class ErrorResponse:  # what Open WebUI returns for an upstream HTTP error
+        status_code = 502
+        body = b'{"error": {"message": "upstream is down"}}'
+
+    async def error_response(*args, **kwargs):
+        return ErrorResponse()
+
+    harness.module._call_model = error_response
+    assert "upstream is down" in await harness.say("u1", "chat-1", "hello")
