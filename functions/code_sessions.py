@@ -30,12 +30,13 @@ from engine import (
     system_prompt,
 )
 from runner import Limits, Runner, RunnerConfig, RunnerError
-from storage import Expiry, Publisher, Quotas, Store
+from storage import Expiry, Publisher, Purge, Quotas, Store
 
 log = logging.getLogger("code_sessions.function")
 
 _MB = 1024 * 1024
 _MINUTE = 60.0
+_HOUR = 3600.0
 _DAY = 86400.0
 _NO_LIMIT = 1 << 40  # what "0: no limit" becomes where the sandbox needs a number
 
@@ -249,6 +250,19 @@ class Pipe:
             self._last_cleanup = time.monotonic()
             report = await services.store.cleanup()
             log.info("code-sessions cleanup: %s", report.summary())
+            await self._forget_deleted_chats(services)
+
+    async def _forget_deleted_chats(self, services: CodeSessions) -> None:
+        """Delete the folders of chats the user deleted in Open WebUI (a Pipe hears of no deletion)."""
+        settled = time.time() - _HOUR  # a chat being created right now is left alone
+        candidates = [
+            (info.user_id, info.chat_id)
+            for info in await services.store.sessions()
+            if not info.temporary and info.last_used_at < settled
+        ]
+        for user_id, chat_id in await _deleted_chats(candidates):
+            report = await services.store.cleanup(Purge(user_id=user_id, chat_id=chat_id))
+            log.info("code-sessions: chat %s was deleted; %s", chat_id, report.summary())
 
     async def _purge(self, services: CodeSessions, request: str) -> None:
         try:
@@ -351,6 +365,24 @@ async def _store_valves(function_id: str, valves: dict) -> None:
     from open_webui.models.functions import Functions
 
     await Functions.update_function_valves_by_id(function_id, valves)
+
+
+async def _deleted_chats(sessions: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The (user, chat) pairs whose chat no longer exists in Open WebUI.
+
+    Open WebUI's lookups answer None on a database error too, so a chat counts as deleted only when
+    its user was found a moment before (the database works) and the chat was not."""
+    from open_webui.models.chats import Chats
+    from open_webui.models.users import Users
+
+    deleted = []
+    users: dict[str, bool] = {}
+    for user_id, chat_id in sessions:
+        if user_id not in users:
+            users[user_id] = await Users.get_user_by_id(user_id) is not None
+        if users[user_id] and await Chats.get_chat_by_id_and_user_id(chat_id, user_id) is None:
+            deleted.append((user_id, chat_id))
+    return deleted
 
 
 async def _open_webui_user(user_id: str) -> Any:

@@ -148,3 +148,18 @@ async def test_a_failing_base_model_is_an_answer_not_a_crash(harness: PipeHarnes
 
     harness.module._call_model = error_response
     assert "upstream is down" in await harness.say("u1", "chat-1", "hello")
+
+
+async def test_the_folder_of_a_chat_deleted_in_open_webui_goes_at_the_next_cleanup(harness: PipeHarness):
+    harness.module._MINUTE = 0.05
+    harness.module._HOUR = 0.0  # every chat counts as settled
+    for chat in ("kept", "deleted"):
+        await harness.say("u1", chat, code(f"open('/mnt/data/{chat}.txt','w').write('1')"))
+    harness.deleted_chats.add(("u1", "deleted"))
+    sessions = harness.sessions_root / "sessions"
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if not list(sessions.rglob("deleted.txt")):
+            break
+    assert not list(sessions.rglob("deleted.txt"))
+    assert list(sessions.rglob("kept.txt"))

@@ -70,6 +70,8 @@ class PipeHarness:
         self.module._read_open_webui_file = self._read_file
         self.module._stored_valves = self._stored
         self.module._store_valves = self._store
+        self.module._deleted_chats = self._deleted_chats
+        self.deleted_chats: set[tuple[str, str]] = set()  # what Open WebUI would no longer find
         self.set_valves(base_models=scripted_model.MODEL_ID, **self.valves)
 
     # -- Open WebUI stand-ins ---------------------------------------------------------------------
@@ -91,6 +93,9 @@ class PipeHarness:
     async def _read_file(self, file_id: str, user_id: str) -> tuple[bytes | None, str]:
         owner, name, data = self.uploads.get(file_id, (None, "", b""))
         return (data, name) if owner == user_id else (None, "")
+
+    async def _deleted_chats(self, sessions: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        return [pair for pair in sessions if pair in self.deleted_chats]
 
     async def _stored(self, function_id: str) -> dict:
         return dict(self.stored_valves)
