@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_ffff75baa7e9'
+_CS_PACKAGE = '_code_sessions_191c4a456135'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, an SQLite index, quotas, expiry, publishing.
 
@@ -932,9 +932,7 @@ import contextlib
 import errno
 import os
 import secrets
-import shutil
 import stat
-import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -1230,56 +1228,122 @@ def rename_file(
         return st, old
 
 
-def _ignore_missing(func: object, path: object, exc_info: object) -> None:
-    # Another cleanup may be deleting the same tree (e.g. the trash) at the same time.
-    exc = exc_info[1] if isinstance(exc_info, tuple) else exc_info
-    if not isinstance(exc, FileNotFoundError):
-        raise exc  # type: ignore[misc]
-
-
-def _rmtree(path: str | Path, dir_fd: int | None = None) -> None:
-    if sys.version_info >= (3, 12):
-        shutil.rmtree(path, dir_fd=dir_fd, onexc=_ignore_missing)
-    else:
-        shutil.rmtree(path, dir_fd=dir_fd, onerror=_ignore_missing)
-
-
 def remove_tree_at(dir_fd: int, name: str) -> None:
-    """Delete name (file or tree) inside dir_fd; shutil.rmtree's fd-based walk never follows links."""
+    """Delete name (file or tree) inside dir_fd, never following a link; entries that vanish meanwhile
+    are fine.
+
+    A session folder may hold a chain of folders thousands of levels deep (sandboxed code can `chdir`
+    down without limit). A recursive delete would hit Python's recursion limit, and one open folder per
+    level would exhaust file descriptors; instead the children of each non-empty subfolder are moved
+    up into the folder being emptied, so at most two folders are open at any time and every entry is
+    moved at most once.
+    """
     st = lstat_at(dir_fd, name)
     if st is None:
         return
-    if stat.S_ISDIR(st.st_mode):
-        _rmtree(name, dir_fd)
-    else:
+    if not stat.S_ISDIR(st.st_mode):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=dir_fd)
+        return
+    try:
+        top = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return
+    with fd_closing(top):
+        while _empty_one_level(top):
+            pass
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(name, dir_fd=dir_fd)
+
+
+def _empty_one_level(top: int) -> bool:
+    """Unlink the files of `top`, remove its empty subfolders and hoist the children of the others into
+    it. Returns False once `top` is empty."""
+    with os.scandir(top) as listing:
+        entries = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in listing]
+    for name, is_dir in entries:
+        with contextlib.suppress(FileNotFoundError):
+            if not is_dir:
+                os.unlink(name, dir_fd=top)
+                continue
+            try:
+                os.rmdir(name, dir_fd=top)
+                continue
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+            with fd_closing(os.open(name, _DIR_FLAGS, dir_fd=top)) as sub:
+                _hoist_children(sub, top)
+    return bool(entries)
+
+
+def _hoist_children(sub: int, top: int) -> None:
+    with os.scandir(sub) as listing:
+        children = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in listing]
+    for child, is_dir in children:
+        with contextlib.suppress(FileNotFoundError):
+            if not is_dir:
+                os.unlink(child, dir_fd=sub)
+                continue
+            while True:
+                try:  # a random name that no entry of `top` has: a rename never replaces a full folder
+                    os.rename(child, f".rm-{secrets.token_hex(8)}", src_dir_fd=sub, dst_dir_fd=top)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                        raise
 
 
 def remove_tree(path: Path) -> None:
     """Delete a directory tree we own (trash entries, published copies); missing is fine."""
-    try:
-        st = os.stat(path, follow_symlinks=False)
+    try:  # the parent is ours (the trash, the publish folder): an admin may have made it a link
+        parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
         return
-    if stat.S_ISDIR(st.st_mode):
-        _rmtree(path)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+    with fd_closing(parent):
+        remove_tree_at(parent, path.name)
 
 
 def copy_fd(src: int, dst: int) -> None:
-    """Copy from the current offset of src to dst, in the kernel when possible."""
+    """Copy from the current offset of src to dst, in the kernel when possible. Holes stay holes: a
+    sparse file of 1 TiB that holds a few bytes must not become 1 TiB of zeros on the host disk."""
+    start = os.lseek(src, 0, os.SEEK_CUR)
+    end = os.fstat(src).st_size
+    position = start
+    while position < end:
+        try:
+            data = os.lseek(src, position, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # only a hole is left
+                break
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            data = position  # no hole support here: copy everything
+        try:
+            hole = os.lseek(src, data, os.SEEK_HOLE)
+        except OSError:
+            hole = end
+        os.lseek(src, data, os.SEEK_SET)
+        os.lseek(dst, data - start, os.SEEK_SET)
+        _copy_range(src, dst, hole - data)
+        position = hole
+    os.ftruncate(dst, end - start)
+
+
+def _copy_range(src: int, dst: int, count: int) -> None:
     try:
-        while os.sendfile(dst, src, None, _CHUNK) > 0:
-            pass
+        while count > 0:
+            sent = os.sendfile(dst, src, None, min(count, _CHUNK))
+            if sent == 0:
+                return
+            count -= sent
         return
     except OSError as exc:
         if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
             raise
-    while chunk := os.read(src, _CHUNK):
+    while count > 0 and (chunk := os.read(src, min(count, _CHUNK))):
         _write_all(dst, chunk)
+        count -= len(chunk)
 ''',
     'storage/_index.py': r'''"""SQL shared by the modules that use the index (rows of sessions, totals, activity, meta)."""
 
@@ -1475,6 +1539,8 @@ root/                       0700
   state/<user key>/<chat key>.lock  flock target (outside the mount: the sandbox cannot touch it)
   state/<user key>/<chat key>.json  {user_id, chat_id, created_at}: lets a lost index be rebuilt
   trash/                    a deleted session folder is renamed here first, then removed
+  running/<user key>.<chat key>   a run is changing the folder: removed by the reconcile after it,
+                            so one left behind marks a run its process did not live to index
 """
 
 from __future__ import annotations
@@ -1513,6 +1579,10 @@ class Layout:
     def trash(self) -> Path:
         return self.root / "trash"
 
+    @property
+    def running(self) -> Path:
+        return self.root / "running"
+
     def session_dir(self, user_key: str, chat_key: str) -> Path:
         return self.sessions / user_key / chat_key
 
@@ -1521,6 +1591,20 @@ class Layout:
 
     def sidecar_path(self, user_key: str, chat_key: str) -> Path:
         return self.state / user_key / f"{chat_key}.json"
+
+    def running_marker(self, user_key: str, chat_key: str) -> Path:
+        # Keys never contain '.', so the name splits back unambiguously.
+        return self.running / f"{user_key}.{chat_key}"
+
+    def running_markers(self) -> list[tuple[str, str]]:
+        """(user key, chat key) of every run that began and has not been reconciled yet."""
+        found: list[tuple[str, str]] = []
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.running):
+                user_key, dot, chat_key = name.partition(".")
+                if dot:
+                    found.append((user_key, chat_key))
+        return found
 
     def session_keys_on_disk(self) -> list[tuple[str, str]]:
         """(user key, chat key) of every session folder; anything that is not a plain folder is ignored."""
@@ -1872,6 +1956,232 @@ def _fit(name: str, max_bytes: int) -> str:
     stem = stem.encode("utf-8")[:budget].decode("utf-8", "ignore")
     return stem + ext
 ''',
+    'storage/_partial.py': r'''"""Change-driven reconcile: look only at the paths a run changed, not at the whole folder.
+
+The caller (the engine, from the runner's inotify watch) names the paths the run created, changed,
+removed or renamed. Each is judged with the rules of the full scan and becomes authoritative for
+itself and everything under it:
+
+* gone: its index row and every row under `path/` are removed;
+* a regular file: (re)indexed, rows under `path/` removed;
+* a folder: its whole subtree is scanned (`_scan.scan_folder`, the full scan's own code: O_NOFOLLOW,
+  special files unlinked and reported, bad names renamed, too deep removed);
+* anything else (symlink, FIFO, socket, device): unlinked without being opened, and reported.
+
+Each path is reached from the session folder's fd, component by component with O_NOFOLLOW. Index rows
+are read per path (the exact path, and the `path/` range of the primary key), never the whole session.
+Quota enforcement and the report are the full reconcile's (`_reconcile.apply`).
+
+Anything unusual falls back to the full reconcile (logged at debug level): more than MAX_PATHS paths,
+a path that is not a clean relative path or not valid UTF-8, deeper than MAX_DEPTH, a parent that is
+missing or not a real folder (a symlink swapped in), a regular file with more than one link (a write
+through another name changes it without an event on this one), a session whose last full listing
+found such files (`sessions.linked_files`: written through a name that is then removed, the others
+change and nothing names them), no index row for the session yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import stat
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+from . import _reconcile
+from ._db import Tx
+from ._fsops import _DIR_FLAGS, kind_of, lstat_at, walk_dirs
+from ._index import session_by_keys, user_totals
+from ._names import MAX_DEPTH
+from ._scan import Scan, _reject, scan_folder
+from .errors import FileMissing, InvalidPath
+from .models import Quotas, ReconcileReport
+
+if TYPE_CHECKING:
+    from .session import Session
+
+log = logging.getLogger("code_sessions.storage")
+
+MAX_PATHS = 5000  # beyond this many paths, listing the folder is about as cheap
+_CHUNK = 500  # paths per index query (two bound parameters each for the ranges)
+
+
+class _Fallback(Exception):
+    """Something is unusual: do the full reconcile instead."""
+
+
+async def reconcile(
+    session: Session, changed: Collection[str], *, enforce_quotas: bool, quotas: Quotas
+) -> ReconcileReport:
+    """Reconcile the given paths only; the full reconcile when anything is unusual."""
+    found = Scan()
+    try:
+        scopes = _scopes(changed)
+        if not scopes:  # nothing changed (print(1)): nothing to read; write the totals, report
+            return await _reconcile.apply(
+                session,
+                found,
+                [],
+                [],
+                [],
+                enforce_quotas=False,
+                quotas=quotas,
+                user_files=0,
+                user_bytes=0,
+                full=False,
+            )
+        await asyncio.to_thread(_look, session.path, scopes, found)
+        return await _apply(session, scopes, found, enforce_quotas=enforce_quotas, quotas=quotas)
+    except _Fallback as why:
+        log.debug("reconcile of %s: full listing instead of %d changed paths: %s", session, len(changed), why)
+    # Entries the attempt already rejected or renamed are gone from disk; the report still names them.
+    return await _reconcile.reconcile(session, enforce_quotas=enforce_quotas, quotas=quotas, prior=found)
+
+
+def _scopes(changed: Collection[str]) -> list[str]:
+    """Validated paths, sorted, without those under another changed path (its scan covers them)."""
+    if len(changed) > MAX_PATHS:
+        raise _Fallback(f"more than {MAX_PATHS} paths")
+    paths = set()
+    for path in changed:
+        parts = path.split("/")
+        if len(parts) > MAX_DEPTH:
+            raise _Fallback(f"deeper than {MAX_DEPTH} components: {path!r}")
+        if not path or "\x00" in path or any(p in ("", ".", "..") for p in parts):
+            raise _Fallback(f"not a clean relative path: {path!r}")
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _Fallback(f"not valid UTF-8: {path!r}") from None
+        paths.add(path)
+    scopes = []
+    for path in sorted(paths):
+        parts = path.split("/")
+        if not any("/".join(parts[:i]) in paths for i in range(1, len(parts))):
+            scopes.append(path)
+    return scopes
+
+
+def _look(session_dir: os.PathLike[str], scopes: list[str], found: Scan) -> None:
+    """Put what is on disk now at each scope (and under it) into `found`, fixing what a full scan
+    fixes. Runs in a worker thread."""
+    try:
+        root = os.open(session_dir, _DIR_FLAGS)
+    except OSError as exc:
+        raise _Fallback(f"cannot open the session folder: {exc}") from None
+    parent_path: str | None = None
+    parent = -1
+    try:
+        for path in scopes:
+            folder, _, name = path.rpartition("/")
+            if folder != parent_path:  # sorted: siblings come together, so one walk per folder
+                if parent >= 0:
+                    os.close(parent)
+                    parent = -1
+                parent_path = folder
+                parent = _open_parent(root, folder)
+            _look_at(parent, name, path, found)
+        if found.linked:
+            raise _Fallback(f"{found.linked[0]} has several hard links")
+    finally:
+        if parent >= 0:
+            os.close(parent)
+        os.close(root)
+
+
+def _open_parent(root: int, folder: str) -> int:
+    if not folder:
+        return os.dup(root)
+    try:
+        return walk_dirs(root, folder.split("/"))
+    except FileMissing:
+        # Its removal would have been an event naming the folder, which covers this path.
+        raise _Fallback(f"the folder {folder} vanished without an event") from None
+    except InvalidPath:
+        raise _Fallback(f"{folder} is not a real folder") from None
+    except OSError as exc:
+        if exc.errno == errno.EACCES:
+            raise _Fallback(f"cannot read the folder {folder}") from None
+        raise
+
+
+def _look_at(parent: int, name: str, path: str, found: Scan) -> None:
+    st = lstat_at(parent, name)
+    if st is None:
+        return  # gone: nothing on disk, so every row at and under it goes
+    if stat.S_ISREG(st.st_mode):
+        if st.st_nlink > 1:
+            raise _Fallback(f"{path} has several hard links")
+        found.files[path] = (st.st_size, st.st_mtime_ns)
+    elif stat.S_ISDIR(st.st_mode):
+        scan_folder(parent, name, path, fix=True, result=found)
+    else:
+        _reject(parent, name, path, kind_of(st.st_mode), True, found)
+
+
+async def _apply(
+    session: Session, scopes: list[str], found: Scan, *, enforce_quotas: bool, quotas: Quotas
+) -> ReconcileReport:
+    listing = found.files
+
+    async def read(tx: Tx) -> tuple[dict[str, tuple[int, int]], list[str], int, int]:
+        row = await session_by_keys(tx, session.user_key, session.chat_key)
+        if row is None:
+            raise _Fallback("the session has no index row")  # nothing to compare with
+        linked = await tx.one("SELECT linked_files FROM sessions WHERE id = ?", (row.id,))
+        if linked is None or linked[0]:
+            # Written through one name, the other names of such a file change without an event
+            # naming them (and the written name may be gone by now).
+            raise _Fallback("the session holds files with several hard links")
+        index: dict[str, tuple[int, int]] = {}
+        for i in range(0, len(scopes), _CHUNK):
+            chunk = scopes[i : i + _CHUNK]
+            marks = ", ".join("?" * len(chunk))
+            for path, size, mtime_ns in await tx.all(
+                f"SELECT path, size, mtime_ns FROM files WHERE session_id = ? AND path IN ({marks})",
+                (row.id, *chunk),
+            ):
+                index[path] = (size, mtime_ns)
+            # `path/` up to `path0` ('0' follows '/'): exactly the rows under the folder, found
+            # through the (session_id, path) primary key.
+            values = ", ".join("(?, ?)" for _ in chunk)
+            bounds = [b for p in chunk for b in (p + "/", p + "0")]
+            for path, size, mtime_ns in await tx.all(
+                f"WITH q(lo, hi) AS (VALUES {values}) SELECT f.path, f.size, f.mtime_ns"
+                " FROM q JOIN files f ON f.session_id = ? AND f.path >= q.lo AND f.path < q.hi",
+                (*bounds, row.id),
+            ):
+                index[path] = (size, mtime_ns)
+        removed = [p for p in index if p not in listing and not found.is_unreadable(p)]
+        _, files, size = await user_totals(tx, session.user_key, except_chat_key=session.chat_key)
+        return index, removed, files + row.file_count, size + row.bytes
+
+    index, removed, user_files, user_bytes = await session._store._db.read(read)
+    added = [p for p in listing if p not in index]
+    changed = [p for p, seen in listing.items() if p in index and index[p] != seen]
+    # The user's totals with the session as it is on disk now: the indexed totals, corrected by
+    # what differs in the looked-at paths (the rest of the session is as indexed).
+    user_files += len(added) - len(removed)
+    user_bytes += (
+        sum(listing[p][0] for p in added)
+        + sum(listing[p][0] - index[p][0] for p in changed)
+        - sum(index[p][0] for p in removed)
+    )
+    return await _reconcile.apply(
+        session,
+        found,
+        added,
+        changed,
+        removed,
+        enforce_quotas=enforce_quotas,
+        quotas=quotas,
+        user_files=user_files,
+        user_bytes=user_bytes,
+        full=False,
+    )
+''',
     'storage/_publish.py': r'''"""Publishing: an immutable copy of a session file under an unguessable URL.
 
 The copy is made from the fd we opened and checked (never from the path again, which the sandbox
@@ -1895,10 +2205,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ._db import Tx
+from ._format import human_bytes
 from ._fsops import copy_fd, fd_closing, open_dir, open_regular, remove_tree
 from ._index import set_meta
 from ._names import is_passive_image, publish_name, split_path
-from .errors import StorageError
+from .errors import QuotaExceeded, StorageError
 from .models import Link, Publisher
 
 if TYPE_CHECKING:
@@ -1927,6 +2238,7 @@ async def publish(session: Session, path: str) -> Link:
         existing = await _reusable(session, publisher, rel, st)
         if existing is not None:
             return existing
+        await _check_budget(session, rel, st.st_size)
         name, kind = publish_name(rel)
         token = secrets.token_urlsafe(TOKEN_BYTES)
         await asyncio.to_thread(_copy, fd, publisher.directory, token, name, rel)
@@ -1968,6 +2280,32 @@ async def _reusable(session: Session, publisher: Publisher, rel: str, st: os.sta
             kind = publish_name(name)[1]
             return Link(token, url, rel, name, st.st_size, is_passive_image(kind), created_at)
     return None
+
+
+async def _check_budget(session: Session, rel: str, size: int) -> None:
+    """Copies live outside the user's folders, so the folder quota does not see them: rewriting a file
+    and linking it again makes a new copy each time, and the old one stays until cleanup finds it stale.
+    A user's copies may take twice max_bytes_per_user (the current files, plus as much again of copies
+    of older versions); beyond that nothing more is published until cleanup removes stale copies."""
+    limit = session._store.quotas.max_bytes_per_user or None
+    if limit is None:
+        return
+
+    async def read(tx: Tx) -> int:
+        row = await tx.one(
+            "SELECT coalesce(sum(l.size), 0) FROM links l JOIN sessions s ON s.id = l.session_id"
+            " WHERE s.user_key = ?",
+            (session.user_key,),
+        )
+        return int(row[0]) if row else 0
+
+    used = await session._store._db.read(read)
+    if used + size > 2 * limit:
+        raise QuotaExceeded(
+            f"{rel} was not linked: your published copies already take {human_bytes(used)} (at most "
+            f"{human_bytes(2 * limit)}, twice your storage limit); copies of files that changed or were "
+            "deleted are removed by the next cleanup"
+        )
 
 
 def _copy_present(directory: Path, token: str, name: str) -> bool:
@@ -2253,6 +2591,7 @@ since the last reconcile (i.e. during this run) can be removed, in this order:
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -2260,11 +2599,11 @@ from typing import TYPE_CHECKING
 
 from ._db import Tx
 from ._format import human_bytes
-from ._fsops import fd_closing, open_dir, unlink_file
+from ._fsops import fd_closing, open_dir, unlink_file, walk_dirs
 from ._index import ensure_session, log_activity, session_by_keys, session_totals, user_totals
 from ._scan import Listing, Scan, scan
 from .errors import FileMissing, InvalidPath
-from .models import QuotaRemoval, Quotas, ReconcileReport
+from .models import QuotaRemoval, Quotas, ReconcileReport, Rejected
 
 if TYPE_CHECKING:
     from .session import Session
@@ -2276,6 +2615,9 @@ _UPSERT = (
 )
 _DELETE = "DELETE FROM files WHERE session_id = ? AND path = ?"
 _AUDIT_ITEMS = 100
+# Empty folders kept per reconcile (a full one: the whole session; a change-driven one: the folders
+# a run made). Code can make folders without end, each a few KiB of disk that no quota counts.
+MAX_EMPTY_FOLDERS = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -2348,9 +2690,12 @@ def diff(
     return list(remaining), changed, removed
 
 
-async def reconcile(session: Session, *, enforce_quotas: bool, quotas: Quotas) -> ReconcileReport:
-    store = session._store
-    db = store._db
+async def reconcile(
+    session: Session, *, enforce_quotas: bool, quotas: Quotas, prior: Scan | None = None
+) -> ReconcileReport:
+    """The full reconcile: list the whole folder. `prior`: what a change-driven attempt that fell
+    back already rejected or renamed (those entries are gone now; the report still tells)."""
+    db = session._store._db
 
     async def read(tx: Tx) -> tuple[list[tuple[str, int, int]], int, int]:
         row = await session_by_keys(tx, session.user_key, session.chat_key)
@@ -2364,20 +2709,51 @@ async def reconcile(session: Session, *, enforce_quotas: bool, quotas: Quotas) -
     # releasing the GIL, and a second busy thread turns every one of those into a GIL hand-off
     # (measured: overlapping made a 100k-file reconcile about 50% slower).
     found = await asyncio.to_thread(scan, session.path, fix=True)
+    if prior is not None:
+        found.rejected[:0] = prior.rejected
+        found.renamed[:0] = prior.renamed
     index_rows, other_files, other_bytes = await db.read(read)
     listing = found.files
     added, changed, removed = diff(listing, index_rows, found)
     del index_rows
+    return await apply(
+        session,
+        found,
+        added,
+        changed,
+        removed,
+        enforce_quotas=enforce_quotas,
+        quotas=quotas,
+        user_files=other_files + len(listing),
+        user_bytes=other_bytes + sum(size for size, _ in listing.values()),
+        full=True,
+    )
 
+
+async def apply(
+    session: Session,
+    found: Scan,
+    added: list[str],
+    changed: list[str],
+    removed: list[str],
+    *,
+    enforce_quotas: bool,
+    quotas: Quotas,
+    user_files: int,
+    user_bytes: int,
+    full: bool,
+) -> ReconcileReport:
+    """Enforce quotas on the added files, write the differences, report. Shared by the full and the
+    change-driven reconcile: found.files holds (at least) every added and changed path;
+    user_files / user_bytes are the user's totals with the session as found on disk."""
+    db = session._store._db
+    listing = found.files
+    if len(found.empty_folders) > MAX_EMPTY_FOLDERS:
+        await asyncio.to_thread(_prune_empty_folders, session, found)
     quota_removed: list[QuotaRemoval] = []
     if enforce_quotas and added:
         new = [NewFile(p, *listing[p]) for p in added]
-        plan = plan_quota(
-            new,
-            quotas,
-            user_files=other_files + len(listing),
-            user_bytes=other_bytes + sum(size for size, _ in listing.values()),
-        )
+        plan = plan_quota(new, quotas, user_files=user_files, user_bytes=user_bytes)
         if plan:
             gone = await asyncio.to_thread(_remove, session, [r.path for r in plan])
             quota_removed = [r for r in plan if r.path in gone]
@@ -2399,6 +2775,11 @@ async def reconcile(session: Session, *, enforce_quotas: bool, quotas: Quotas) -
             created_at=now,
             used_at=None,
         )
+        if full:  # only a full listing can tell that no file of the session has several links
+            await tx.run(
+                "UPDATE sessions SET linked_files = ? WHERE id = ? AND linked_files != ?",
+                (len(found.linked), sid, len(found.linked)),
+            )
         if upserts:
             await tx.many(_UPSERT, [(sid, *u) for u in upserts])
         if removed:
@@ -2433,7 +2814,23 @@ async def reconcile(session: Session, *, enforce_quotas: bool, quotas: Quotas) -
         quota_removed=quota_removed,
         files=files,
         bytes=size,
+        full=full,
     )
+
+
+def _prune_empty_folders(session: Session, found: Scan) -> None:
+    """Keep the MAX_EMPTY_FOLDERS shallowest empty folders, remove the others (reported as rejected)."""
+    ordered = sorted(found.empty_folders, key=lambda p: (p.count("/"), p))
+    with fd_closing(open_dir(session.path)) as root:
+        for path in ordered[MAX_EMPTY_FOLDERS:]:
+            parts = tuple(path.split("/"))
+            try:
+                with fd_closing(walk_dirs(root, parts[:-1])) as parent:
+                    os.rmdir(parts[-1], dir_fd=parent)
+            except (FileMissing, InvalidPath, OSError):
+                continue
+            found.rejected.append(Rejected(path + "/", "empty folder"))
+    found.empty_folders = ordered[:MAX_EMPTY_FOLDERS]
 
 
 def _remove(session: Session, paths: list[str]) -> set[str]:
@@ -2484,6 +2881,12 @@ class Scan:
     renamed: list[Renamed] = field(default_factory=list)
     # Folders we could not open: index entries under them are kept as they are, not dropped.
     unreadable: list[str] = field(default_factory=list)
+    # Regular files with more than one link: a write through another name changes them without an
+    # event on this name, so a change-driven reconcile cannot trust its other rows (see _partial).
+    linked: list[str] = field(default_factory=list)
+    # Folders found empty (with fix=True): folders are not files, so no quota counts them; see
+    # _reconcile.MAX_EMPTY_FOLDERS.
+    empty_folders: list[str] = field(default_factory=list)
 
     def is_unreadable(self, path: str) -> bool:
         return any(path.startswith(prefix + "/") for prefix in self.unreadable)
@@ -2495,17 +2898,19 @@ def scan(session_dir: Path, *, fix: bool, max_depth: int = MAX_DEPTH) -> Scan:
         root = os.open(session_dir, _DIR_FLAGS)
     except FileNotFoundError:
         return result
-    # Each stack entry owns its fd. Depth = number of components of the folder's path.
-    stack: list[tuple[int, str, int]] = [(root, "", 0)]
-    try:
-        while stack:
-            fd, prefix, depth = stack.pop()
-            with fd_closing(fd):
-                _scan_dir(fd, prefix, depth, fix, max_depth, result, stack)
-    finally:
-        for fd, _, _ in stack:
-            os.close(fd)
+    # Depth first, one open folder per level (MAX_DEPTH at most), however many folders a level holds.
+    # Depth = number of components of the folder's path.
+    with fd_closing(root):
+        _scan_dir(root, "", 0, fix, max_depth, result)
     return result
+
+
+def scan_folder(
+    parent_fd: int, name: str, path: str, *, fix: bool, result: Scan, max_depth: int = MAX_DEPTH
+) -> None:
+    """Add the folder `name` of parent_fd (at `path`, relative to the session folder) and everything
+    under it to `result`, with the rules of a full scan (too deep, swapped for a symlink, ...)."""
+    _enter_dir(parent_fd, name, path, path.count("/") + 1, fix, max_depth, result)
 
 
 def _scan_dir(
@@ -2515,32 +2920,35 @@ def _scan_dir(
     fix: bool,
     max_depth: int,
     result: Scan,
-    stack: list[tuple[int, str, int]],
 ) -> None:
     # The hot loop of reconcile: keep it lean (one lstat per regular file, d_type for the rest).
     files = result.files
     is_reg = stat.S_ISREG
     with os.scandir(fd) as listing:
         entries = list(listing)  # finish reading before we unlink or rename anything in here
+    if not entries and prefix:
+        result.empty_folders.append(prefix[:-1])
     for entry in entries:
         name = entry.name
         if not name.isascii() and not _is_utf8(name):
             fixed = _fix_name(fd, name, prefix, fix, result)
             if fixed is None:
                 continue
-            _classify(fd, fixed, prefix + fixed, depth, fix, max_depth, result, stack)
+            _classify(fd, fixed, prefix + fixed, depth, fix, max_depth, result)
             continue
         try:
             if entry.is_file(follow_symlinks=False):
                 st = entry.stat(follow_symlinks=False)
                 if is_reg(st.st_mode):
                     files[prefix + name] = (st.st_size, st.st_mtime_ns)
+                    if st.st_nlink > 1:
+                        result.linked.append(prefix + name)
                     continue
                 _reject(fd, name, prefix + name, kind_of(st.st_mode), fix, result)
             elif entry.is_dir(follow_symlinks=False):
-                _enter_dir(fd, name, prefix + name, depth + 1, fix, max_depth, result, stack)
+                _enter_dir(fd, name, prefix + name, depth + 1, fix, max_depth, result)
             else:
-                _classify(fd, name, prefix + name, depth, fix, max_depth, result, stack)
+                _classify(fd, name, prefix + name, depth, fix, max_depth, result)
         except FileNotFoundError:
             continue  # vanished while listing: it simply is not there
 
@@ -2561,7 +2969,6 @@ def _classify(
     fix: bool,
     max_depth: int,
     result: Scan,
-    stack: list[tuple[int, str, int]],
 ) -> None:
     """Handle an entry from its lstat (renamed entries, and types d_type did not settle)."""
     st = lstat_at(fd, name)
@@ -2569,8 +2976,10 @@ def _classify(
         return
     if stat.S_ISREG(st.st_mode):
         result.files[path] = (st.st_size, st.st_mtime_ns)
+        if st.st_nlink > 1:
+            result.linked.append(path)
     elif stat.S_ISDIR(st.st_mode):
-        _enter_dir(fd, name, path, depth + 1, fix, max_depth, result, stack)
+        _enter_dir(fd, name, path, depth + 1, fix, max_depth, result)
     else:
         _reject(fd, name, path, kind_of(st.st_mode), fix, result)
 
@@ -2583,8 +2992,9 @@ def _enter_dir(
     fix: bool,
     max_depth: int,
     result: Scan,
-    stack: list[tuple[int, str, int]],
 ) -> None:
+    """Scan the folder `name` of fd now, so only one folder per level is ever open (a level may hold
+    thousands of folders; opening them all first would exhaust file descriptors)."""
     if depth >= max_depth:
         # A folder at the last allowed level could only hold files one level too deep.
         result.rejected.append(Rejected(path + "/", "too deep"))
@@ -2606,7 +3016,8 @@ def _enter_dir(
             result.unreadable.append(path)
             return
         raise
-    stack.append((child, path + "/", depth))
+    with fd_closing(child):
+        _scan_dir(child, path + "/", depth, fix, max_depth, result)
 
 
 def _reject(fd: int, name: str, path: str, kind: str, fix: bool, result: Scan) -> None:
@@ -2734,7 +3145,14 @@ CREATE TABLE imports (
 ) WITHOUT ROWID;
 """
 
-MIGRATIONS: Sequence[str] = (_V1, _V2, _V3)
+# Version 4: how many names of files with several hard links the last full listing of a session
+# found. A write through one name changes the others without anything naming them, so while there
+# are any, a reconcile lists the whole folder instead of only the paths a run changed (_partial).
+_V4 = """
+ALTER TABLE sessions ADD COLUMN linked_files INTEGER NOT NULL DEFAULT 0;
+"""
+
+MIGRATIONS: Sequence[str] = (_V1, _V2, _V3, _V4)
 CURRENT_VERSION = len(MIGRATIONS)
 
 
@@ -3299,7 +3717,7 @@ class FileEntry(_Dictable):
 class Rejected(_Dictable):
     """An entry reconcile removed because it is not a regular file or directory, or is too deep.
 
-    kind is one of: symlink, fifo, socket, char device, block device, unknown, too deep.
+    kind is one of: symlink, fifo, socket, char device, block device, unknown, too deep, empty folder.
     Non-UTF-8 bytes in `path` are shown as \\xNN.
     """
 
@@ -3334,6 +3752,8 @@ class ReconcileReport(_Dictable):
     quota_removed: list[QuotaRemoval] = field(default_factory=list)
     files: int = 0
     bytes: int = 0
+    # True: the whole folder was listed. False: only the paths a run changed were looked at.
+    full: bool = True
 
     def summary(self) -> str:
         from ._format import human_bytes
@@ -3486,11 +3906,11 @@ import contextlib
 import os
 import stat
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import _reconcile
+from . import _partial, _reconcile
 from ._db import Tx
 from ._format import human_bytes
 from ._fsops import (
@@ -3534,6 +3954,7 @@ class Session:
         self.temporary = is_temporary(chat_id)
         self.path: Path = store._layout.session_dir(self.user_key, self.chat_key)
         self.files = SessionFiles(self)
+        self._unindexed_run = False  # begin_run() found the mark of an earlier run never indexed
 
     @classmethod
     def _at_keys(cls, store: Store, user_id: str, chat_id: str, user_key: str, chat_key: str) -> Session:
@@ -3584,11 +4005,47 @@ class Session:
             max_file = max_write if max_file is None else min(max_file, max_write)
         return RunBudget(min(limits) if limits else None, max_write, max_file)
 
-    async def reconcile(self, enforce_quotas: bool = True) -> ReconcileReport:
-        """Bring the index in line with the folder (call it under `lock()`, after a run)."""
+    async def begin_run(self) -> None:
+        """Call under `lock()` just before something outside the store (a sandbox run) changes the
+        folder. It leaves a mark that the next reconcile() removes: a process that dies in between
+        leaves it behind, and the next Store.open() reconciles the folder (crash recovery)."""
+        marker = self._store._layout.running_marker(self.user_key, self.chat_key)
+
+        def mark() -> bool:
+            for _ in range(2):
+                try:
+                    os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+                    return False
+                except FileExistsError:
+                    return True
+                except FileNotFoundError:
+                    marker.parent.mkdir(mode=0o700, exist_ok=True)
+            return False
+
+        self._unindexed_run = await asyncio.to_thread(mark)
+
+    async def reconcile(
+        self, enforce_quotas: bool = True, changed: Collection[str] | None = None
+    ) -> ReconcileReport:
+        """Bring the index in line with the folder (call it under `lock()`, after a run).
+
+        `changed`: the relative paths the run created, changed, removed or renamed (e.g. the
+        runner's `RunResult.changed`); only those, and folders' subtrees, are looked at, with the
+        same rules, falling back to listing the whole folder when anything is unusual
+        (`report.full` tells which ran). None: list the whole folder."""
         if enforce_quotas:
             await self._store._remember_settings()
-        return await _reconcile.reconcile(self, enforce_quotas=enforce_quotas, quotas=self._store.quotas)
+        quotas = self._store.quotas
+        if changed is not None and self._unindexed_run:
+            changed = None  # an earlier run was never indexed: its changes are not among these
+        if changed is not None:
+            report = await _partial.reconcile(self, changed, enforce_quotas=enforce_quotas, quotas=quotas)
+        else:
+            report = await _reconcile.reconcile(self, enforce_quotas=enforce_quotas, quotas=quotas)
+        marker = self._store._layout.running_marker(self.user_key, self.chat_key)
+        await asyncio.to_thread(_unlink_missing_ok, marker)
+        self._unindexed_run = False
+        return report
 
     async def usage(self) -> Usage:
         """This chat's files and bytes, as last reconciled."""
@@ -3636,6 +4093,11 @@ class Session:
             created_at=now,
             used_at=None,
         )
+
+
+def _unlink_missing_ok(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def _left(limit: int | None, used: int) -> int | None:
@@ -3884,9 +4346,18 @@ from types import TracebackType
 
 from ._db import Database, Tx
 from ._fsops import make_dir
-from ._index import all_sessions, ensure_session, get_meta, log_activity, set_meta, user_totals
+from ._index import (
+    all_sessions,
+    ensure_session,
+    get_meta,
+    log_activity,
+    session_by_keys,
+    set_meta,
+    user_totals,
+)
 from ._keys import id_key
 from ._layout import Layout, write_sidecar
+from ._lock import FileLock
 from .errors import StorageError
 from .models import (
     ActivityEntry,
@@ -3959,6 +4430,7 @@ class Store:
                 log.warning("index rebuilt: %s", report.summary())
             if opened.moved_aside is not None:
                 await self._log("corrupt_index", detail={"moved_to": str(opened.moved_aside)})
+            await self._recover_interrupted_runs()
         except BaseException:
             await self.close()
             raise
@@ -3978,8 +4450,38 @@ class Store:
 
     def _make_root(self) -> None:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for path in (self._layout.sessions, self._layout.state, self._layout.trash):
+        for path in (self._layout.sessions, self._layout.state, self._layout.trash, self._layout.running):
             make_dir(path)
+
+    async def _recover_interrupted_runs(self) -> None:
+        """Index the folders of runs whose process ended before their reconcile (a crash, a kill):
+        their files would otherwise stay out of the index, the quotas and expiry until the chat's next
+        run. A run still going on in another process holds its lock and is left alone."""
+        for user_key, chat_key in await asyncio.to_thread(self._layout.running_markers):
+            lock = FileLock(self._layout.lock_path(user_key, chat_key))
+            if not lock.try_acquire():
+                continue
+            try:
+                row = await self._db.read(lambda tx, u=user_key, c=chat_key: session_by_keys(tx, u, c))
+                if row is None or not self._layout.session_dir(user_key, chat_key).is_dir():
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._layout.running_marker(user_key, chat_key))
+                    continue
+                session = Session._at_keys(self, row.user_id, row.chat_id, user_key, chat_key)
+                # Like rebuild, recovery never deletes files: the totals count them, so a user over a
+                # limit is refused at the next run (and this needs no quota settings, which the CLI
+                # only loads after opening).
+                report = await session.reconcile(enforce_quotas=False)
+            finally:
+                lock.release()
+            log.warning(
+                "a run in chat %r of user %r ended with its process before its files were indexed; "
+                "indexed them now: %s",
+                row.chat_id,
+                row.user_id,
+                report.summary(),
+            )
+            await self._log("interrupted_run", row.user_id, row.chat_id, {"summary": report.summary()})
 
     # ------------------------------------------------------------------ sessions
 
@@ -4243,6 +4745,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from . import _orphans
 from .errors import InterpreterNotFound, StateDirError, UnsupportedLanguage
 from .models import Limits
 
@@ -4398,6 +4901,8 @@ def write_bundle(base: Path, container_id: str, code: str, language: str) -> Pat
     bundle = base / container_id
     code_dir = bundle / "code"
     code_dir.mkdir(parents=True, mode=0o700)
+    # Who supervises this run: if that process dies, the next Runner removes what the run left.
+    (bundle / _orphans.OWNER_FILE).write_text(_orphans.owner_stamp(), encoding="ascii")
     code_dir.chmod(0o755)  # the sandbox user must be able to read it
     code_file = code_dir / f"main.{_LANG_EXT[language]}"
     code_file.write_text(code, encoding="utf-8", errors="surrogateescape")
@@ -4646,6 +5151,326 @@ class RunCgroup:
                 clean = False
         return clean
 ''',
+    'runner/_changes.py': r'''"""Which paths of the workdir a run touched, seen from the host with inotify.
+
+The bookkeeping after a run (the caller's index of the folder) only needs to look at what changed;
+listing a folder of 100k files to find one change costs a second here. gVisor's gofer, and the
+sentry through host files the gofer opened for it, change the bind-mounted workdir with ordinary
+host system calls, so the host kernel reports each create, write, attribute change, delete and
+rename to an inotify watch on the directory holding the name.
+
+Before the sandbox starts (so sandboxed code cannot race the setup), every directory already in the
+workdir gets a watch. Events are drained every 50 ms during the run, so the kernel's queue
+(fs.inotify.max_queued_events) does not overflow, and once more after every sandbox process has
+exited.
+
+The answer is the sorted set of relative paths named by events, or None for "unknown, list
+everything": on a queue overflow, a watch that could not be added, a name that is not UTF-8, more
+than MAX_PATHS paths (listing is then about as cheap), more than MAX_DIRS directories at setup, no
+inotify, or any unexpected error. A superset is fine (a path that did not really change costs one
+lstat); a missed path is not, so anything doubtful gives None.
+
+Hard links are the limit of watching names: a write through one name of a file changes every other
+name without an event naming them. A link that still exists at the end has a link count above 1
+(the caller checks that on the paths it looks at). Two patterns could hide a link that no longer
+exists, so they also give None: a directory created during the run (it has no watch, so a link
+made and removed inside it is never seen) and a name created during the run and removed again.
+A file that had several links before the run and is written through one name is the caller's to
+check (the other names existed before, so the caller's own records show them).
+
+Paths of a directory renamed during the run go stale (its watch keeps the old name), but every
+path under its new name is covered: the rename named the new path, whose subtree the caller scans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import ctypes
+import errno
+import logging
+import os
+import struct
+import threading
+
+log = logging.getLogger("code_sessions.runner")
+
+MAX_PATHS = 5000  # distinct paths; beyond that a full listing is about as cheap as the lookups
+MAX_DIRS = 20_000  # directories watched at setup (one kernel watch each, ~1 KiB of kernel memory)
+DRAIN_S = 0.05
+
+IN_MODIFY = 0x2
+IN_ATTRIB = 0x4
+IN_CLOSE_WRITE = 0x8
+IN_MOVED_FROM = 0x40
+IN_MOVED_TO = 0x80
+IN_CREATE = 0x100
+IN_DELETE = 0x200
+IN_DELETE_SELF = 0x400
+IN_MOVE_SELF = 0x800
+IN_UNMOUNT = 0x2000
+IN_Q_OVERFLOW = 0x4000
+IN_IGNORED = 0x8000
+IN_ISDIR = 0x40000000
+IN_ONLYDIR = 0x01000000
+IN_DONT_FOLLOW = 0x02000000
+IN_EXCL_UNLINK = 0x04000000
+
+# IN_CLOSE_WRITE as well as IN_MODIFY: a write through a shared mapping raises no IN_MODIFY, but the
+# close of the host file (at the latest when the sandbox exits) raises IN_CLOSE_WRITE.
+MASK = (
+    IN_CREATE
+    | IN_DELETE
+    | IN_MODIFY
+    | IN_ATTRIB
+    | IN_CLOSE_WRITE
+    | IN_MOVED_FROM
+    | IN_MOVED_TO
+    | IN_DELETE_SELF
+    | IN_MOVE_SELF
+    | IN_DONT_FOLLOW
+    | IN_ONLYDIR
+    | IN_EXCL_UNLINK
+)
+_ROOT_GONE = IN_DELETE_SELF | IN_MOVE_SELF | IN_UNMOUNT | IN_IGNORED
+
+_EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then len bytes of name
+_READ_SIZE = 64 * 1024
+
+# Filesystems whose directory link count is 2 + the number of subdirectories, so a directory with a
+# link count of 2 has none and need not be listed (find(1)'s "leaf optimisation"). Elsewhere (btrfs
+# reports 1, FUSE anything) every directory is listed.
+_NLINK_COUNTS_SUBDIRS = {
+    0xEF53,  # ext2/3/4
+    0x01021994,  # tmpfs
+    0x58465342,  # xfs
+}
+
+
+class _Libc:
+    """inotify and statfs through ctypes: the standard library has no binding for them."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.init1 = libc.inotify_init1
+        self.init1.argtypes = [ctypes.c_int]
+        self.init1.restype = ctypes.c_int
+        self.add_watch = libc.inotify_add_watch
+        self.add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+        self.add_watch.restype = ctypes.c_int
+        self.statfs = libc.statfs
+        self.statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+        self.statfs.restype = ctypes.c_int
+
+
+_libc: _Libc | None = None
+
+
+def _lib() -> _Libc:
+    global _libc
+    if _libc is None:
+        _libc = _Libc()
+    return _libc
+
+
+def _fs_type(path: bytes) -> int | None:
+    # struct statfs starts with f_type (a long on every Linux ABI); the rest is not needed.
+    buf = ctypes.create_string_buffer(256)
+    if _lib().statfs(path, buf) != 0:
+        return None
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+
+
+_closer: concurrent.futures.ThreadPoolExecutor | None = None
+_closer_lock = threading.Lock()
+
+
+def _close_soon(fd: int) -> None:
+    """Close an inotify fd off the caller's thread: the kernel waits for an RCU grace period when
+    an inotify instance is released (measured 8-15 ms here), which must not delay the run's result
+    or block the event loop. Nothing waits for it."""
+    global _closer
+    try:
+        with _closer_lock:
+            if _closer is None:
+                _closer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inotify-close")
+        _closer.submit(_close_quietly, fd)
+    except RuntimeError:  # interpreter shutting down: close here
+        _close_quietly(fd)
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+class _GiveUp(Exception):
+    """The answer would be unknown: stop watching and report None."""
+
+
+class ChangeWatch:
+    """Watch a workdir for changes; `start()` before the sandbox, `pump()` during it, `finish()` after."""
+
+    _fd = -1  # also a class attribute: __del__ may run on an instance whose __init__ failed
+
+    def __init__(self, root: str, *, max_paths: int | None = None, max_dirs: int | None = None) -> None:
+        self.root = root
+        self.max_paths = MAX_PATHS if max_paths is None else max_paths
+        self.max_dirs = MAX_DIRS if max_dirs is None else max_dirs
+        self.why_unknown: str | None = None  # set once we gave up
+        self._fd = -1
+        self._root_wd = -1
+        self._dirs: dict[int, str] = {}  # wd -> relative dir path ("" = the workdir)
+        self._seen: set[tuple[int, bytes]] = set()  # (wd, name) of each event, names as the kernel gave them
+        self._created: set[tuple[int, bytes]] = set()  # names created or moved in during the run
+
+    @classmethod
+    def start(cls, root: str, *, max_paths: int | None = None, max_dirs: int | None = None) -> ChangeWatch:
+        """Set up the watches. Never raises: a failure makes the result unknown (None)."""
+        watch = cls(root, max_paths=max_paths, max_dirs=max_dirs)
+        try:
+            watch._setup()
+        except _GiveUp as exc:
+            watch._give_up(str(exc))
+        except Exception as exc:  # ctypes missing, odd filesystem...: the caller lists everything
+            watch._give_up(f"{type(exc).__name__}: {exc}")
+        return watch
+
+    @property
+    def active(self) -> bool:
+        return self._fd >= 0
+
+    def _setup(self) -> None:
+        lib = _lib()
+        fd = lib.init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if fd < 0:
+            raise _GiveUp(f"inotify_init1: {os.strerror(ctypes.get_errno())}")
+        self._fd = fd
+        root = os.fsencode(self.root)
+        leaf_ok = _fs_type(root) in _NLINK_COUNTS_SUBDIRS
+        # A directories-only walk, never following symlinks; files are never stat-ed (d_type says
+        # what an entry is), so a folder of 10k files in a few directories costs a few listings.
+        stack: list[tuple[bytes, str, int]] = [(root, "", os.lstat(root).st_nlink)]
+        while stack:
+            path, rel, nlink = stack.pop()
+            wd = lib.add_watch(fd, path, MASK)
+            if wd < 0:
+                err = ctypes.get_errno()
+                if err == errno.ENOSPC:
+                    raise _GiveUp("inotify watch limit reached (fs.inotify.max_user_watches)")
+                raise _GiveUp(f"inotify_add_watch {rel or '.'}: {os.strerror(err)}")
+            if wd in self._dirs:  # the same directory twice (a bind mount inside?): paths ambiguous
+                raise _GiveUp(f"directory {rel} is watched twice")
+            self._dirs[wd] = rel
+            if not rel:
+                self._root_wd = wd
+            if len(self._dirs) > self.max_dirs:
+                raise _GiveUp(f"more than {self.max_dirs} directories")
+            if leaf_ok and nlink == 2:
+                continue  # no subdirectories: no need to list its files
+            with os.scandir(path) as entries:
+                for entry in entries:
+                    if not entry.is_dir(follow_symlinks=False):
+                        continue
+                    try:
+                        name = entry.name.decode("utf-8")
+                    except UnicodeDecodeError:
+                        raise _GiveUp("a directory name is not valid UTF-8") from None
+                    child_nlink = entry.stat(follow_symlinks=False).st_nlink if leaf_ok else 0
+                    stack.append((entry.path, f"{rel}/{name}" if rel else name, child_nlink))
+
+    def drain(self) -> None:
+        """Read every queued event (non-blocking; called on the event loop, it is a few reads)."""
+        if self._fd < 0:
+            return
+        try:
+            while True:
+                try:
+                    data = os.read(self._fd, _READ_SIZE)
+                except BlockingIOError:
+                    return
+                self._parse(data)
+        except _GiveUp as exc:
+            self._give_up(str(exc))
+        except Exception as exc:
+            self._give_up(f"{type(exc).__name__}: {exc}")
+
+    def _parse(self, data: bytes) -> None:
+        seen = self._seen
+        created = self._created
+        unpack = _EVENT.unpack_from
+        offset, end = 0, len(data)
+        while offset < end:
+            wd, mask, _cookie, length = unpack(data, offset)
+            offset += _EVENT.size
+            name = data[offset : offset + length].rstrip(b"\0")
+            offset += length
+            if mask & IN_Q_OVERFLOW:
+                raise _GiveUp("the inotify queue overflowed")
+            if name:
+                key = (wd, name)
+                seen.add(key)
+                if len(seen) > self.max_paths:
+                    raise _GiveUp(f"more than {self.max_paths} paths changed")
+                if mask & IN_CREATE and mask & IN_ISDIR:
+                    raise _GiveUp("a folder was created (a hard link made and removed in it is not seen)")
+                if mask & (IN_CREATE | IN_MOVED_TO):
+                    created.add(key)
+                elif mask & IN_MOVED_FROM:
+                    created.discard(key)  # the file lives on under the name its IN_MOVED_TO gives
+                elif mask & IN_DELETE and key in created:
+                    raise _GiveUp("a name created during the run was removed (it may have been a hard link)")
+            elif wd == self._root_wd and mask & _ROOT_GONE:
+                raise _GiveUp("the workdir itself was moved or removed")
+            # Other events without a name concern a watched directory itself: its own attributes
+            # (not indexed), or its deletion or move, which its parent reports by name.
+
+    async def pump(self) -> None:
+        """Drain periodically until cancelled or until the answer is known to be unknown."""
+        while self._fd >= 0:
+            await asyncio.sleep(DRAIN_S)
+            self.drain()
+
+    def finish(self) -> tuple[str, ...] | None:
+        """Final drain (call it once every sandbox process has exited), close, and the answer."""
+        self.drain()
+        self.close()
+        if self.why_unknown is not None:
+            return None
+        paths: set[str] = set()
+        for wd, raw in self._seen:
+            base = self._dirs.get(wd)
+            if base is None:
+                self._give_up(f"an event for an unknown watch {wd}")
+                return None
+            try:
+                name = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                self._give_up("a changed name is not valid UTF-8")
+                return None
+            paths.add(f"{base}/{name}" if base else name)
+        return tuple(sorted(paths))
+
+    def _give_up(self, why: str) -> None:
+        if self.why_unknown is None:
+            self.why_unknown = why
+            log.debug("changes of %s unknown: %s", self.root, why)
+        self._seen.clear()
+        self._created.clear()
+        self.close()
+
+    def close(self) -> None:
+        """Idempotent; closing the inotify fd removes every watch at once."""
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            _close_soon(fd)
+
+    def __del__(self) -> None:
+        # A watch set up in a worker thread whose caller was cancelled must not leak its fd
+        # (fs.inotify.max_user_instances is 128 per user).
+        self.close()
+''',
     'runner/_diagnose.py': r'''"""Turn what gVisor says when it fails into plain words and a concrete fix.
 
 Shared by the runner (``RunResult.reason`` on a sandbox failure) and the doctor (each check's fix).
@@ -4809,12 +5634,19 @@ gVisor has no per-mount write quota, so a host-side watcher walks the workdir an
 once it has grown by more than ``max_write_bytes``. The walk never follows symlinks (the sandbox can
 point them anywhere), counts hard-linked inodes once, and counts a file as the larger of its apparent
 size and its allocated blocks (sparse files and many tiny files both count honestly).
+
+Two places a walk by path name would miss are covered too: folders nested so deep that their path is
+longer than PATH_MAX (every folder is opened from its parent's descriptor, so path length does not
+matter; nesting deeper than MAX_DEPTH cannot be measured and stops the run), and files deleted while
+still open, whose blocks stay allocated until the sandbox exits (found through the open descriptors
+of the sandbox's host processes).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import stat
 import time
 from collections.abc import Callable
 
@@ -4826,32 +5658,99 @@ MAX_INTERVAL_S = 5.0
 # then costs under ~5% of one core. A cheap statvfs poll triggers a walk early whenever the whole
 # filesystem grew by more than the remaining budget, so a fast writer is still caught within ~0.1 s.
 COST_FACTOR = 20.0
+# Folders nested deeper than this cannot be measured (one descriptor is open per level while walking).
+MAX_DEPTH = 128
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def disk_usage(root: str) -> int:
-    total = 0
+class TooDeep(Exception):
+    """The workdir holds folders nested deeper than MAX_DEPTH levels: writes there cannot be measured."""
+
+
+def disk_usage(root: str, max_depth: int = MAX_DEPTH) -> int:
+    """Bytes under ``root``. Raises TooDeep for folders nested more than ``max_depth`` levels."""
+    try:
+        top = os.open(root, _DIR_FLAGS)
+    except OSError:
+        return 0
     seen: set[tuple[int, int]] = set()
-    stack = [root]
-    while stack:
-        path = stack.pop()
-        try:
-            it = os.scandir(path)
-        except OSError:  # vanished or unreadable meanwhile: the sandbox is busy; not our concern
-            continue
-        with it:
-            for entry in it:
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                    if entry.is_dir(follow_symlinks=False):
-                        stack.append(entry.path)
-                except OSError:
+    size, subfolders = _measure(top, seen)
+    total = size
+    # Depth first with one open folder per level, whatever a level's width; a folder is opened from
+    # its parent's descriptor, so a path longer than PATH_MAX is no obstacle.
+    stack: list[tuple[int, list[str]]] = [(top, subfolders)]
+    try:
+        while stack:
+            fd, pending = stack[-1]
+            if not pending:
+                os.close(fd)
+                stack.pop()
+                continue
+            name = pending.pop()
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError:  # vanished or swapped meanwhile: the sandbox is busy; not our concern
+                continue
+            if len(stack) > max_depth:
+                os.close(child)
+                raise TooDeep(f"folders nested more than {max_depth} levels deep")
+            try:
+                size, subfolders = _measure(child, seen)
+            except BaseException:
+                os.close(child)
+                raise
+            total += size
+            stack.append((child, subfolders))
+    finally:
+        for fd, _ in stack:
+            os.close(fd)
+    return total
+
+
+def _measure(fd: int, seen: set[tuple[int, int]]) -> tuple[int, list[str]]:
+    """(bytes of the entries of one folder, names of its subfolders)."""
+    total = 0
+    subfolders: list[str] = []
+    try:
+        listing = os.scandir(fd)
+    except OSError:
+        return 0, subfolders
+    with listing:
+        for entry in listing:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                subfolders.append(entry.name)
+            elif st.st_nlink > 1:
+                key = (st.st_dev, st.st_ino)
+                if key in seen:
                     continue
-                if st.st_nlink > 1 and not entry.is_dir(follow_symlinks=False):
-                    key = (st.st_dev, st.st_ino)
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                total += max(st.st_size, st.st_blocks * 512)
+                seen.add(key)
+            total += max(st.st_size, st.st_blocks * 512)
+    return total, subfolders
+
+
+def deleted_but_open(pids: list[int], device: int) -> int:
+    """Bytes of files on ``device`` that have no name left but are held open by these processes: code
+    can write without end to a file it unlinked, and no walk of the folder will ever see it."""
+    total = 0
+    seen: set[int] = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                st = os.stat(f"/proc/{pid}/fd/{fd}")  # follows the magic link to the open file itself
+            except OSError:
+                continue
+            if st.st_nlink or st.st_dev != device or not stat.S_ISREG(st.st_mode) or st.st_ino in seen:
+                continue
+            seen.add(st.st_ino)
+            total += max(st.st_size, st.st_blocks * 512)
     return total
 
 
@@ -4864,32 +5763,175 @@ async def watch_growth(
     root: str,
     baseline: asyncio.Future[int],
     limit: int,
-    on_exceeded: Callable[[int], None],
+    on_exceeded: Callable[[int | None], None],
+    pids: Callable[[], list[int]] | None = None,
 ) -> None:
-    """Poll until cancelled; call ``on_exceeded(growth)`` once and return if growth passes ``limit``.
+    """Poll until cancelled; call ``on_exceeded(growth)`` once and return if growth passes ``limit``
+    (``on_exceeded(None)``: folders nested too deep to measure). ``pids``: the sandbox's host processes,
+    whose deleted-but-open files count too.
 
     The walk is the authority. The filesystem-wide figure only decides when to walk: the workdir
     cannot have grown by more than the whole filesystem did (unless something elsewhere freed space
     at the same time, which the periodic walk still catches).
     """
+    try:
+        await _watch(root, baseline, limit, on_exceeded, pids)
+    except TooDeep:
+        on_exceeded(None)
+
+
+async def _watch(
+    root: str,
+    baseline: asyncio.Future[int],
+    limit: int,
+    on_exceeded: Callable[[int | None], None],
+    pids: Callable[[], list[int]] | None,
+) -> None:
     t0 = time.monotonic()
     start = await baseline
+    device = os.stat(root).st_dev
     next_walk = t0 + min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, (time.monotonic() - t0) * COST_FACTOR))
     await asyncio.sleep(FIRST_CHECK_S)
     growth = 0
     fs_at_walk = await asyncio.to_thread(fs_used, root)
+
+    def measure() -> int:
+        hidden = deleted_but_open(pids(), device) if pids is not None else 0
+        return disk_usage(root) + hidden - start
+
     while True:
         fs_now = await asyncio.to_thread(fs_used, root)
         if time.monotonic() >= next_walk or fs_now - fs_at_walk > limit - growth:
             fs_at_walk = fs_now
             t0 = time.monotonic()
-            growth = await asyncio.to_thread(disk_usage, root) - start
+            growth = await asyncio.to_thread(measure)
             cost = time.monotonic() - t0
             if growth > limit:
                 on_exceeded(growth)
                 return
             next_walk = time.monotonic() + min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, cost * COST_FACTOR))
         await asyncio.sleep(FS_POLL_S)
+''',
+    'runner/_orphans.py': r'''"""What runs leave behind when the process supervising them dies (an Open WebUI crash, an OOM kill).
+
+runsc dies with its supervisor (see _supervise._die_with), which takes the sandbox with it, but its
+container state, the run's bundle and its cgroups stay. Every bundle records its owner (pid and that
+process's start time, so a reused pid is not mistaken for it); at the first run of a new Runner, the
+leftovers of runs whose owner is gone are killed and removed. Runs of live processes (other workers
+sharing these directories) are never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from . import _cgroups
+
+log = logging.getLogger("code_sessions.runner")
+
+OWNER_FILE = "owner"
+_UNOWNED_GRACE_S = 60.0  # a bundle this young without an owner file may be being written right now
+_HELPER_TIMEOUT_S = 10.0
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def owner_stamp() -> str:
+    """`<pid> <start time>` of this process, written into each bundle."""
+    return f"{os.getpid()} {_start_time(os.getpid())}"
+
+
+def _owner_alive(bundle: Path) -> bool:
+    try:
+        pid, started = (bundle / OWNER_FILE).read_text(encoding="ascii").split()
+    except FileNotFoundError:
+        try:
+            return time.time() - bundle.stat().st_mtime < _UNOWNED_GRACE_S
+        except FileNotFoundError:
+            return True  # removed meanwhile: nothing to do
+    except (OSError, ValueError):
+        return False
+    return _start_time(int(pid)) == started
+
+
+def _runsc(runsc: str, state_dir: Path, *args: str) -> str:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        return subprocess.run(
+            [runsc, "--root", str(state_dir), *args],
+            capture_output=True,
+            text=True,
+            timeout=_HELPER_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        ).stdout
+    return ""
+
+
+def sweep(
+    runsc: str,
+    state_dir: Path,
+    bundle_dir: Path,
+    cgroups: _cgroups.CgroupSupport | None,
+    cgroup_parent: str,
+) -> list[str]:
+    """Kill and remove what runs of dead owners left: processes, container state, cgroups, bundles.
+    Returns their container ids."""
+    removed = []
+    for bundle in sorted(bundle_dir.glob("cs-*")):
+        if not bundle.is_dir() or _owner_alive(bundle):
+            continue
+        cid = bundle.name
+        _runsc(runsc, state_dir, "kill", "--all", cid, "KILL")
+        _runsc(runsc, state_dir, "delete", "--force", cid)
+        if cgroups is not None:
+            cgroup = _cgroups.RunCgroup(cgroups, cgroup_parent, cid)
+            for _ in range(50):
+                cgroup.kill_all()
+                if cgroup.remove():
+                    break
+                time.sleep(0.02)
+        for pid in _pids_with(str(bundle)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(bundle, ignore_errors=True)
+        removed.append(cid)
+    # Container state whose bundle is gone: runsc died after its run had already been cleaned up.
+    for cid in _runsc(runsc, state_dir, "list", "-quiet").split():
+        if cid.startswith("cs-") and not (bundle_dir / cid).exists():
+            _runsc(runsc, state_dir, "delete", "--force", cid)
+            removed.append(cid)
+    if removed:
+        log.warning(
+            "removed what %d sandbox runs of a process that died left behind: %s", len(removed), removed
+        )
+    return removed
+
+
+def _pids_with(marker: str) -> list[int]:
+    needle = marker.encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as fh:
+                if needle in fh.read():
+                    found.append(int(name))
+        except OSError:
+            continue
+    return found
 ''',
     'runner/_outcome.py': r'''"""Decide a run's Outcome from what supervision observed. First matching rule wins:
 the runner's own stops (timeout, output, disk, oom), then a kernel OOM kill, then gVisor's own
@@ -4957,14 +5999,16 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import ctypes
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._cgroups import RunCgroup
-from ._disk import disk_usage, watch_growth
+from ._disk import MAX_DEPTH, disk_usage, watch_growth
 from .capabilities import run_quick
 from .models import KIB, MIB, Limits
 
@@ -4973,6 +6017,30 @@ _GRACE_KILL_S = 3.0  # after `runsc kill`, how long runsc may take to tear the s
 _REAP_S = 5.0  # how long stragglers (ptrace stubs) may take to die after SIGKILL
 _HELPER_TIMEOUT_S = 10.0
 _OOM_POLL_S = 0.25
+_PR_SET_PDEATHSIG = 1
+try:
+    # Resolved once here: the child, between fork and exec, only calls it.
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+    _PRCTL.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    _PRCTL.restype = ctypes.c_int
+except (OSError, AttributeError):  # pragma: no cover - every Linux libc has prctl
+    _PRCTL = None
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    """For the child, between fork and exec: be SIGKILLed when this process dies.
+
+    Our process is the sandbox's only supervisor (deadline, limits, cleanup). If it is killed (an
+    Open WebUI crash, an OOM kill), runsc must not run on unsupervised: it dies with us, and gVisor
+    takes the sandbox down with it. What is left on disk is removed at the next start (_orphans)."""
+
+    def preexec() -> None:
+        if _PRCTL is not None:
+            _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # we died before the request above took effect
+            os._exit(1)
+
+    return preexec
 
 
 def human_bytes(n: int) -> str:
@@ -5071,6 +6139,7 @@ class Supervision:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,  # one process group to kill if runsc itself hangs
+            preexec_fn=_die_with(os.getpid()),
         )
         assert proc.stdout is not None and proc.stderr is not None
         readers = [
@@ -5079,7 +6148,9 @@ class Supervision:
         ]
         self._tasks.append(
             asyncio.create_task(
-                watch_growth(self.workdir, baseline, self.limits.max_write_bytes, self._disk_full)
+                watch_growth(
+                    self.workdir, baseline, self.limits.max_write_bytes, self._disk_full, self._host_pids
+                )
             )
         )
         if self.cgroup is not None:
@@ -5114,7 +6185,10 @@ class Supervision:
             if capture.feed(chunk):
                 self.request_stop("output", f"{name} passed {human_bytes(capture.cap)}")
 
-    def _disk_full(self, growth: int) -> None:
+    def _disk_full(self, growth: int | None) -> None:
+        if growth is None:
+            self.request_stop("disk", f"nested folders more than {MAX_DEPTH} levels deep in /mnt/data")
+            return
         limit = human_bytes(self.limits.max_write_bytes)
         self.request_stop("disk", f"wrote more than {limit} to /mnt/data (grew by {growth / MIB:.0f} MiB)")
 
@@ -5152,6 +6226,10 @@ class Supervision:
             task.cancel()
         if self._proc is not None and self._proc.returncode is None:
             await self._kill()
+        if self._proc is not None and (self._proc.returncode or 0) < 0 and not self._killed:
+            # runsc itself was killed by a signal, so it could not delete its container's state.
+            with contextlib.suppress(Exception):
+                await run_quick([*self.runsc_base, "delete", "--force", self.cid], _HELPER_TIMEOUT_S)
         if self.cgroup is None and not self._killed:
             return  # normal exit without cgroups: runsc cleaned up; skip the /proc scan
         deadline = time.monotonic() + _REAP_S
@@ -5694,6 +6772,9 @@ class RunResult(BaseModel):
     duration_s: float
     reason: str | None = None
     container_id: str = ""
+    # Relative POSIX paths (sorted) that the run created, changed, removed or renamed in the workdir,
+    # from host-side inotify; None = unknown (list the whole workdir). See runner/_changes.py.
+    changed: tuple[str, ...] | None = None
 
     @property
     def ok(self) -> bool:
@@ -5715,7 +6796,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import _bundle, _cgroups
+from . import _bundle, _cgroups, _orphans
+from ._changes import ChangeWatch
 from ._diagnose import read_runsc_errors
 from ._outcome import classify
 from ._supervise import Supervision
@@ -5806,6 +6888,8 @@ class Runner:
                     note = found
                 else:
                     support, note = found, ""
+            # A process that died mid-run (a crash) left its runs' state, bundles and cgroups here.
+            _orphans.sweep(info.path, self.state_dir, self.bundle_dir, support, self.config.cgroup_parent)
             return HostSetup(info, platform, rootfs, support, note)
 
     def _interpreter(self, language: str) -> str:
@@ -5883,6 +6967,13 @@ class Runner:
             raise
         return bundle, cgroup
 
+    def _prepare_and_watch(
+        self, setup: HostSetup, cid: str, code: str, language: str, workdir: Path, limits: Limits
+    ) -> tuple[Path, _cgroups.RunCgroup | None, ChangeWatch]:
+        bundle, cgroup = self._prepare_run(setup, cid, code, language, workdir, limits)
+        # After the chown of the workdir, before the sandbox exists: nothing can race the setup.
+        return bundle, cgroup, ChangeWatch.start(str(workdir))
+
     async def run(
         self, code: str, language: str, workdir: Path | str, limits: Limits | None = None
     ) -> RunResult:
@@ -5893,7 +6984,9 @@ class Runner:
         wd = self._check_workdir(workdir)
         setup = await self.setup()
         cid = "cs-" + secrets.token_hex(8)
-        bundle, cgroup = await asyncio.to_thread(self._prepare_run, setup, cid, code, language, wd, limits)
+        bundle, cgroup, watch = await asyncio.to_thread(
+            self._prepare_and_watch, setup, cid, code, language, wd, limits
+        )
         sup = Supervision(
             argv=[*self._runsc_argv(setup, bundle), "run", "--bundle", str(bundle), cid],
             runsc_base=[setup.runsc.path, "--root", str(self.state_dir)],
@@ -5903,6 +6996,7 @@ class Runner:
             cgroup=cgroup,
             marker=str(bundle),
         )
+        pump = asyncio.create_task(watch.pump())
         try:
             try:
                 facts = await sup.run()
@@ -5910,13 +7004,20 @@ class Runner:
                 raise RunscNotFound(setup.runsc.path, str(exc)) from exc
             errors = await asyncio.to_thread(read_runsc_errors, bundle / "runsc.log", bundle / "panic.log")
         finally:
-            # Shielded: even if the caller cancels us, the sandbox is killed and the bundle removed.
-            await asyncio.shield(asyncio.ensure_future(self._finish(sup, bundle)))
+            pump.cancel()
+            try:
+                # Shielded: even if the caller cancels us, the sandbox is killed and the bundle removed.
+                await asyncio.shield(asyncio.ensure_future(self._finish(sup, bundle)))
+            finally:
+                # After _finish every sandbox process is gone, so their last writes (and the closes
+                # of their host files) are queued.
+                changed = watch.finish()
         outcome, exit_code, reason = classify(
             facts, limits, errors, sup.stderr.text()[-2000:], memory_by_rlimit=cgroup is None
         )
         if facts.leftover_pids:
             reason = f"{reason or outcome.value}; warning: host processes {facts.leftover_pids} did not exit"
+            changed = None  # they may still be writing: what the run changed is not known yet
         return RunResult(
             outcome=outcome,
             exit_code=exit_code,
@@ -5927,6 +7028,7 @@ class Runner:
             duration_s=round(facts.duration_s, 3),
             reason=reason,
             container_id=cid,
+            changed=changed,
         )
 
     async def _finish(self, sup: Supervision, bundle: Path) -> None:
@@ -5965,7 +7067,7 @@ from .blocks import CodeBlock, runnable_blocks
 from .loop import RUN_CODE_TOOL, LoopOptions, ModelCall, StatusCall, converse, render_step
 from .prompt import PromptFacts, human_bytes, system_prompt
 from .purge import parse_duration, parse_purge
-from .rewrite import References, StreamingRewriter, Target, find_paths, rewrite
+from .rewrite import References, StreamingRewriter, Target, code_span, find_paths, mention, rewrite
 from .service import ChatSession, CodeSessions, StepResult
 from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
 
@@ -5985,11 +7087,13 @@ __all__ = [
     "Target",
     "TextDelta",
     "ToolCall",
+    "code_span",
     "converse",
     "events_from_message",
     "events_from_sse",
     "find_paths",
     "human_bytes",
+    "mention",
     "parse_duration",
     "parse_purge",
     "render_step",
@@ -6174,6 +7278,21 @@ async def converse(
     status: StatusCall,
 ) -> AsyncIterator[str]:
     """Yield the user-visible answer (already link-rewritten) while running the model's code."""
+    async for piece in _turns(chat, messages, call_model, options, status):
+        yield piece
+    # A file the answer named that exists but could not be linked: say why, rather than stay silent.
+    notes = chat.unlinked_notes()
+    if notes:
+        yield "\n\n" + "\n".join(f"- {note}" for note in notes) + "\n"
+
+
+async def _turns(
+    chat: ChatSession,
+    messages: list[dict],
+    call_model: ModelCall,
+    options: LoopOptions,
+    status: StatusCall,
+) -> AsyncIterator[str]:
     steps = 0
     while True:
         offer_tools = options.tool_mode and steps < options.max_steps
@@ -6338,7 +7457,7 @@ from __future__ import annotations
 
 import re
 
-from _code_sessions_ffff75baa7e9.storage import Purge
+from _code_sessions_191c4a456135.storage import Purge
 
 __all__ = ["parse_duration", "parse_purge"]
 
@@ -6392,11 +7511,23 @@ from __future__ import annotations
 import bisect
 import functools
 import re
+import unicodedata
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from urllib.parse import unquote
 
-__all__ = ["References", "Resolver", "StreamingRewriter", "Target", "find_paths", "resolve_all", "rewrite"]
+__all__ = [
+    "References",
+    "Resolver",
+    "StreamingRewriter",
+    "Target",
+    "code_span",
+    "escape_text",
+    "find_paths",
+    "mention",
+    "resolve_all",
+    "rewrite",
+]
 
 MOUNT = "/mnt/data/"
 
@@ -6450,7 +7581,46 @@ def _trim_bare(path: str) -> str:
 
 def _escape_label(text: str) -> str:
     # Whitespace folded: a newline in a name must not break the link apart.
-    return " ".join(text.translate(_LABEL_ESCAPES).split())
+    return " ".join(_visible(text).translate(_LABEL_ESCAPES).split())
+
+
+def _visible(text: str) -> str:
+    """Control and format characters (newlines, bidi overrides such as U+202E that make `txt.exe` show
+    as `exe.txt`, zero-width characters) written as escapes, so a name shows what it really is."""
+    if text.isprintable():
+        return text
+    return "".join(
+        c.encode("unicode_escape").decode("ascii") if c != " " and unicodedata.category(c)[0] in "CZ" else c
+        for c in text
+    )
+
+
+def escape_text(text: str) -> str:
+    """Any text (e.g. an error message quoting a file name) as one line of markdown that means nothing:
+    no HTML, no links, no emphasis, no line breaks."""
+    return _escape_label(text)
+
+
+def code_span(text: str) -> str:
+    """Text shown literally: an inline code span, fenced with more backticks than the text holds."""
+    text = _visible(text)
+    fence = "`" * (max((len(run) for run in _BACKTICKS.findall(text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") or not text.strip() else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+# A name our notes may show bare, for the link rewriter to turn into a link as a whole: nothing that
+# markdown or HTML would read, and no trailing punctuation, which the rewriter leaves out of a path.
+_PLAIN_COMPONENT = re.compile(r"[\w.,+=@%-]*[\w+=@%-]")
+
+
+def mention(path: str) -> str:
+    """How our own notes name a session file (its name was chosen by sandboxed code): the bare
+    `/mnt/data/...` path when it is plain, so it becomes a link; otherwise a code span that shows the
+    name literally, never as markup."""
+    if path.isprintable() and all(_PLAIN_COMPONENT.fullmatch(part) for part in path.split("/")):
+        return MOUNT + path
+    return code_span(MOUNT + path)
 
 
 @functools.lru_cache(maxsize=16)
@@ -6723,11 +7893,12 @@ from __future__ import annotations
 import logging
 import posixpath
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_ffff75baa7e9.runner import Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_ffff75baa7e9.storage import (
+from _code_sessions_191c4a456135.runner import Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_191c4a456135.storage import (
     FileMissing,
     InvalidPath,
     QuotaExceeded,
@@ -6738,11 +7909,16 @@ from _code_sessions_ffff75baa7e9.storage import (
     Store,
 )
 
-from .rewrite import References, StreamingRewriter, Target, resolve_all
+from .rewrite import References, StreamingRewriter, Target, escape_text, mention, resolve_all
 
 __all__ = ["ChatSession", "CodeSessions", "StepResult"]
 
 log = logging.getLogger("code_sessions.engine")
+
+# A step reconciles only the paths its run changed; the whole folder is listed at a session's first
+# step in this process and at least this often after, so a change the runner's watch missed cannot
+# leave the index wrong for long (the disk is the truth).
+FULL_RECONCILE_EVERY_S = 600.0
 
 _OUTCOME_WORDS = {
     Outcome.OK: "finished",
@@ -6788,20 +7964,16 @@ class StepResult:
         saved = sorted(set(report.added) | set(report.changed))
         kept = [path for path in saved if path not in {r.path for r in report.quota_removed}]
         if kept:
-            notes.append("Saved: " + ", ".join(f"/mnt/data/{p}" for p in kept[:20]) + _more(kept, 20))
+            notes.append("Saved: " + ", ".join(mention(p) for p in kept[:20]) + _more(kept, 20))
         if report.removed:
             notes.append(
-                "Deleted: "
-                + ", ".join(f"/mnt/data/{p}" for p in report.removed[:20])
-                + _more(report.removed, 20)
+                "Deleted: " + ", ".join(mention(p) for p in report.removed[:20]) + _more(report.removed, 20)
             )
         for removal in report.quota_removed[:20]:
-            notes.append(f"Removed /mnt/data/{removal.path}: {removal.reason}")
+            notes.append(f"Removed {mention(removal.path)}: {removal.reason}")
         notes.extend(_more_line(report.quota_removed, 20, "more files removed by limits"))
         for rejected in report.rejected[:20]:
-            notes.append(
-                f"Removed /mnt/data/{rejected.path}: a {rejected.kind} is not allowed, only files and folders"
-            )
+            notes.append(f"Removed {mention(rejected.path.rstrip('/'))}: {_why_rejected(rejected.kind)}")
         notes.extend(_more_line(report.rejected, 20, "more entries removed"))
         return notes
 
@@ -6819,6 +7991,14 @@ class StepResult:
                 parts.append("(no output)")
         parts.extend(self.file_notes())
         return "\n".join(parts)
+
+
+def _why_rejected(kind: str) -> str:
+    if kind == "too deep":
+        return "nested too deep; folders that far down are not kept"
+    if kind == "empty folder":
+        return "too many empty folders; only the first 1000 are kept"
+    return f"a {kind} is not allowed, only files and folders"
 
 
 def _more(items: Sequence[object], shown: int) -> str:
@@ -6845,11 +8025,19 @@ class ChatSession:
         # Every file linked so far, for attaching to the message. A dict: insertion order, and O(1)
         # membership (a list made an answer with 1,000 links quadratic).
         self._published: dict[Target, None] = {}
+        # Files that exist but could not be linked (a full disk, the copies' quota), and why.
+        self._unlinked: dict[str, str] = {}
 
     @property
     def published(self) -> list[Target]:
         """Every file linked so far, in the order first linked."""
         return list(self._published)
+
+    def unlinked_notes(self) -> list[str]:
+        """One sentence per file the answer named that exists but could not be linked; then forgotten."""
+        notes = [f"Not linked: {mention(path)}: {escape_text(why)}" for path, why in self._unlinked.items()]
+        self._unlinked.clear()
+        return notes
 
     async def run(self, code: str, language: str) -> StepResult:
         service = self._service
@@ -6864,11 +8052,16 @@ class ChatSession:
                         "max_file_bytes": _tighter(service.limits.max_file_bytes, budget.max_file_bytes),
                     }
                 )
+                result: RunResult | None = None
+                await self.session.begin_run()
                 try:
                     result = await service.runner.run(code, language, self.session.path, limits)
                 finally:
                     # Index what the run left even when the runner failed half-way: disk is the truth.
-                    report = await self.session.reconcile(enforce_quotas=True)
+                    report = await self.session.reconcile(
+                        enforce_quotas=True, changed=service._changed_hint(self.session, result)
+                    )
+                    service._reconciled(self.session, report)
         except QuotaExceeded as error:
             return StepResult(language, code, refused=str(error))
         except StorageBusy as error:
@@ -6895,6 +8088,7 @@ class ChatSession:
             return None
         except StorageError as error:
             log.warning("could not publish %r: %s", path, error)
+            self._unlinked[path] = str(error)
             return None
         target = Target(url=link.url, name=posixpath.basename(path), is_image=link.is_image)
         self._published.setdefault(target, None)
@@ -6943,9 +8137,29 @@ class CodeSessions:
         self.runner = runner
         self.limits = limits
         self.lock_timeout_s = lock_timeout_s
+        # (user key, chat key) -> time.monotonic() of the session's last full reconcile here.
+        self._full_at: dict[tuple[str, str], float] = {}
 
     async def chat(self, user_id: str, chat_id: str) -> ChatSession:
         return ChatSession(self, await self.store.session(user_id, chat_id))
+
+    def _changed_hint(self, session: Session, result: RunResult | None) -> tuple[str, ...] | None:
+        """The paths to reconcile, or None for a full listing: when the runner failed or does not
+        know what changed, and at the first step of a session here and every FULL_RECONCILE_EVERY_S."""
+        if result is None or result.changed is None or result.outcome == Outcome.SANDBOX_FAILURE:
+            return None
+        last = self._full_at.get((session.user_key, session.chat_key))
+        if last is None or time.monotonic() - last >= FULL_RECONCILE_EVERY_S:
+            return None
+        return result.changed
+
+    def _reconciled(self, session: Session, report: ReconcileReport) -> None:
+        if not report.full:
+            return
+        now = time.monotonic()
+        if len(self._full_at) >= 10_000:  # forget sessions that will be listed fully anyway
+            self._full_at = {k: t for k, t in self._full_at.items() if now - t < FULL_RECONCILE_EVERY_S}
+        self._full_at[(session.user_key, session.chat_key)] = now
 ''',
     'engine/sse.py': r'''"""Read an OpenAI-compatible chat completion (streamed or not) as a sequence of model events."""
 
@@ -7144,19 +8358,20 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_ffff75baa7e9.engine import (
+from _code_sessions_191c4a456135.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
     PromptFacts,
+    code_span,
     converse,
     events_from_message,
     events_from_sse,
     parse_purge,
     system_prompt,
 )
-from _code_sessions_ffff75baa7e9.runner import Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_ffff75baa7e9.storage import Expiry, Publisher, Purge, Quotas, Store
+from _code_sessions_191c4a456135.runner import Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_191c4a456135.storage import Expiry, Publisher, Purge, Quotas, Store
 
 log = logging.getLogger("code_sessions.function")
 
@@ -7433,7 +8648,7 @@ class Pipe:
                 continue
             path = await chat.add_upload(name, data, source=f"open-webui:{file_id}")
             await status(f"Copied {name} to /mnt/data/{path}", True)
-            notes.append(f"_Attached file available as `/mnt/data/{path}`._\n\n")
+            notes.append(f"_Attached file available as {code_span('/mnt/data/' + path)}._\n\n")
         return notes
 
     async def _messages_with_prompt(self, messages: list[dict], chat: Any) -> list[dict]:

@@ -4,7 +4,7 @@ from .blocks import CodeBlock, runnable_blocks
 from .loop import RUN_CODE_TOOL, LoopOptions, ModelCall, StatusCall, converse, render_step
 from .prompt import PromptFacts, human_bytes, system_prompt
 from .purge import parse_duration, parse_purge
-from .rewrite import References, StreamingRewriter, Target, find_paths, rewrite
+from .rewrite import References, StreamingRewriter, Target, code_span, find_paths, mention, rewrite
 from .service import ChatSession, CodeSessions, StepResult
 from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
 
@@ -24,11 +24,13 @@ __all__ = [
     "Target",
     "TextDelta",
     "ToolCall",
+    "code_span",
     "converse",
     "events_from_message",
     "events_from_sse",
     "find_paths",
     "human_bytes",
+    "mention",
     "parse_duration",
     "parse_purge",
     "render_step",

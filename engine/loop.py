@@ -120,6 +120,21 @@ async def converse(
     status: StatusCall,
 ) -> AsyncIterator[str]:
     """Yield the user-visible answer (already link-rewritten) while running the model's code."""
+    async for piece in _turns(chat, messages, call_model, options, status):
+        yield piece
+    # A file the answer named that exists but could not be linked: say why, rather than stay silent.
+    notes = chat.unlinked_notes()
+    if notes:
+        yield "\n\n" + "\n".join(f"- {note}" for note in notes) + "\n"
+
+
+async def _turns(
+    chat: ChatSession,
+    messages: list[dict],
+    call_model: ModelCall,
+    options: LoopOptions,
+    status: StatusCall,
+) -> AsyncIterator[str]:
     steps = 0
     while True:
         offer_tools = options.tool_mode and steps < options.max_steps

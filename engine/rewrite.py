@@ -17,11 +17,23 @@ from __future__ import annotations
 import bisect
 import functools
 import re
+import unicodedata
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from urllib.parse import unquote
 
-__all__ = ["References", "Resolver", "StreamingRewriter", "Target", "find_paths", "resolve_all", "rewrite"]
+__all__ = [
+    "References",
+    "Resolver",
+    "StreamingRewriter",
+    "Target",
+    "code_span",
+    "escape_text",
+    "find_paths",
+    "mention",
+    "resolve_all",
+    "rewrite",
+]
 
 MOUNT = "/mnt/data/"
 
@@ -75,7 +87,46 @@ def _trim_bare(path: str) -> str:
 
 def _escape_label(text: str) -> str:
     # Whitespace folded: a newline in a name must not break the link apart.
-    return " ".join(text.translate(_LABEL_ESCAPES).split())
+    return " ".join(_visible(text).translate(_LABEL_ESCAPES).split())
+
+
+def _visible(text: str) -> str:
+    """Control and format characters (newlines, bidi overrides such as U+202E that make `txt.exe` show
+    as `exe.txt`, zero-width characters) written as escapes, so a name shows what it really is."""
+    if text.isprintable():
+        return text
+    return "".join(
+        c.encode("unicode_escape").decode("ascii") if c != " " and unicodedata.category(c)[0] in "CZ" else c
+        for c in text
+    )
+
+
+def escape_text(text: str) -> str:
+    """Any text (e.g. an error message quoting a file name) as one line of markdown that means nothing:
+    no HTML, no links, no emphasis, no line breaks."""
+    return _escape_label(text)
+
+
+def code_span(text: str) -> str:
+    """Text shown literally: an inline code span, fenced with more backticks than the text holds."""
+    text = _visible(text)
+    fence = "`" * (max((len(run) for run in _BACKTICKS.findall(text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") or not text.strip() else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+# A name our notes may show bare, for the link rewriter to turn into a link as a whole: nothing that
+# markdown or HTML would read, and no trailing punctuation, which the rewriter leaves out of a path.
+_PLAIN_COMPONENT = re.compile(r"[\w.,+=@%-]*[\w+=@%-]")
+
+
+def mention(path: str) -> str:
+    """How our own notes name a session file (its name was chosen by sandboxed code): the bare
+    `/mnt/data/...` path when it is plain, so it becomes a link; otherwise a code span that shows the
+    name literally, never as markup."""
+    if path.isprintable() and all(_PLAIN_COMPONENT.fullmatch(part) for part in path.split("/")):
+        return MOUNT + path
+    return code_span(MOUNT + path)
 
 
 @functools.lru_cache(maxsize=16)

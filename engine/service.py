@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import posixpath
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,11 +25,16 @@ from storage import (
     Store,
 )
 
-from .rewrite import References, StreamingRewriter, Target, resolve_all
+from .rewrite import References, StreamingRewriter, Target, escape_text, mention, resolve_all
 
 __all__ = ["ChatSession", "CodeSessions", "StepResult"]
 
 log = logging.getLogger("code_sessions.engine")
+
+# A step reconciles only the paths its run changed; the whole folder is listed at a session's first
+# step in this process and at least this often after, so a change the runner's watch missed cannot
+# leave the index wrong for long (the disk is the truth).
+FULL_RECONCILE_EVERY_S = 600.0
 
 _OUTCOME_WORDS = {
     Outcome.OK: "finished",
@@ -74,20 +80,16 @@ class StepResult:
         saved = sorted(set(report.added) | set(report.changed))
         kept = [path for path in saved if path not in {r.path for r in report.quota_removed}]
         if kept:
-            notes.append("Saved: " + ", ".join(f"/mnt/data/{p}" for p in kept[:20]) + _more(kept, 20))
+            notes.append("Saved: " + ", ".join(mention(p) for p in kept[:20]) + _more(kept, 20))
         if report.removed:
             notes.append(
-                "Deleted: "
-                + ", ".join(f"/mnt/data/{p}" for p in report.removed[:20])
-                + _more(report.removed, 20)
+                "Deleted: " + ", ".join(mention(p) for p in report.removed[:20]) + _more(report.removed, 20)
             )
         for removal in report.quota_removed[:20]:
-            notes.append(f"Removed /mnt/data/{removal.path}: {removal.reason}")
+            notes.append(f"Removed {mention(removal.path)}: {removal.reason}")
         notes.extend(_more_line(report.quota_removed, 20, "more files removed by limits"))
         for rejected in report.rejected[:20]:
-            notes.append(
-                f"Removed /mnt/data/{rejected.path}: a {rejected.kind} is not allowed, only files and folders"
-            )
+            notes.append(f"Removed {mention(rejected.path.rstrip('/'))}: {_why_rejected(rejected.kind)}")
         notes.extend(_more_line(report.rejected, 20, "more entries removed"))
         return notes
 
@@ -105,6 +107,14 @@ class StepResult:
                 parts.append("(no output)")
         parts.extend(self.file_notes())
         return "\n".join(parts)
+
+
+def _why_rejected(kind: str) -> str:
+    if kind == "too deep":
+        return "nested too deep; folders that far down are not kept"
+    if kind == "empty folder":
+        return "too many empty folders; only the first 1000 are kept"
+    return f"a {kind} is not allowed, only files and folders"
 
 
 def _more(items: Sequence[object], shown: int) -> str:
@@ -131,11 +141,19 @@ class ChatSession:
         # Every file linked so far, for attaching to the message. A dict: insertion order, and O(1)
         # membership (a list made an answer with 1,000 links quadratic).
         self._published: dict[Target, None] = {}
+        # Files that exist but could not be linked (a full disk, the copies' quota), and why.
+        self._unlinked: dict[str, str] = {}
 
     @property
     def published(self) -> list[Target]:
         """Every file linked so far, in the order first linked."""
         return list(self._published)
+
+    def unlinked_notes(self) -> list[str]:
+        """One sentence per file the answer named that exists but could not be linked; then forgotten."""
+        notes = [f"Not linked: {mention(path)}: {escape_text(why)}" for path, why in self._unlinked.items()]
+        self._unlinked.clear()
+        return notes
 
     async def run(self, code: str, language: str) -> StepResult:
         service = self._service
@@ -150,11 +168,16 @@ class ChatSession:
                         "max_file_bytes": _tighter(service.limits.max_file_bytes, budget.max_file_bytes),
                     }
                 )
+                result: RunResult | None = None
+                await self.session.begin_run()
                 try:
                     result = await service.runner.run(code, language, self.session.path, limits)
                 finally:
                     # Index what the run left even when the runner failed half-way: disk is the truth.
-                    report = await self.session.reconcile(enforce_quotas=True)
+                    report = await self.session.reconcile(
+                        enforce_quotas=True, changed=service._changed_hint(self.session, result)
+                    )
+                    service._reconciled(self.session, report)
         except QuotaExceeded as error:
             return StepResult(language, code, refused=str(error))
         except StorageBusy as error:
@@ -181,6 +204,7 @@ class ChatSession:
             return None
         except StorageError as error:
             log.warning("could not publish %r: %s", path, error)
+            self._unlinked[path] = str(error)
             return None
         target = Target(url=link.url, name=posixpath.basename(path), is_image=link.is_image)
         self._published.setdefault(target, None)
@@ -229,6 +253,26 @@ class CodeSessions:
         self.runner = runner
         self.limits = limits
         self.lock_timeout_s = lock_timeout_s
+        # (user key, chat key) -> time.monotonic() of the session's last full reconcile here.
+        self._full_at: dict[tuple[str, str], float] = {}
 
     async def chat(self, user_id: str, chat_id: str) -> ChatSession:
         return ChatSession(self, await self.store.session(user_id, chat_id))
+
+    def _changed_hint(self, session: Session, result: RunResult | None) -> tuple[str, ...] | None:
+        """The paths to reconcile, or None for a full listing: when the runner failed or does not
+        know what changed, and at the first step of a session here and every FULL_RECONCILE_EVERY_S."""
+        if result is None or result.changed is None or result.outcome == Outcome.SANDBOX_FAILURE:
+            return None
+        last = self._full_at.get((session.user_key, session.chat_key))
+        if last is None or time.monotonic() - last >= FULL_RECONCILE_EVERY_S:
+            return None
+        return result.changed
+
+    def _reconciled(self, session: Session, report: ReconcileReport) -> None:
+        if not report.full:
+            return
+        now = time.monotonic()
+        if len(self._full_at) >= 10_000:  # forget sessions that will be listed fully anyway
+            self._full_at = {k: t for k, t in self._full_at.items() if now - t < FULL_RECONCILE_EVERY_S}
+        self._full_at[(session.user_key, session.chat_key)] = now

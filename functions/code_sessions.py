@@ -23,6 +23,7 @@ from engine import (
     LoopOptions,
     ModelError,
     PromptFacts,
+    code_span,
     converse,
     events_from_message,
     events_from_sse,
@@ -307,7 +308,7 @@ class Pipe:
                 continue
             path = await chat.add_upload(name, data, source=f"open-webui:{file_id}")
             await status(f"Copied {name} to /mnt/data/{path}", True)
-            notes.append(f"_Attached file available as `/mnt/data/{path}`._\n\n")
+            notes.append(f"_Attached file available as {code_span('/mnt/data/' + path)}._\n\n")
         return notes
 
     async def _messages_with_prompt(self, messages: list[dict], chat: Any) -> list[dict]:

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from . import _orphans
 from .errors import InterpreterNotFound, StateDirError, UnsupportedLanguage
 from .models import Limits
 
@@ -170,6 +171,8 @@ def write_bundle(base: Path, container_id: str, code: str, language: str) -> Pat
     bundle = base / container_id
     code_dir = bundle / "code"
     code_dir.mkdir(parents=True, mode=0o700)
+    # Who supervises this run: if that process dies, the next Runner removes what the run left.
+    (bundle / _orphans.OWNER_FILE).write_text(_orphans.owner_stamp(), encoding="ascii")
     code_dir.chmod(0o755)  # the sandbox user must be able to read it
     code_file = code_dir / f"main.{_LANG_EXT[language]}"
     code_file.write_text(code, encoding="utf-8", errors="surrogateescape")

@@ -9,14 +9,16 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import ctypes
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._cgroups import RunCgroup
-from ._disk import disk_usage, watch_growth
+from ._disk import MAX_DEPTH, disk_usage, watch_growth
 from .capabilities import run_quick
 from .models import KIB, MIB, Limits
 
@@ -25,6 +27,30 @@ _GRACE_KILL_S = 3.0  # after `runsc kill`, how long runsc may take to tear the s
 _REAP_S = 5.0  # how long stragglers (ptrace stubs) may take to die after SIGKILL
 _HELPER_TIMEOUT_S = 10.0
 _OOM_POLL_S = 0.25
+_PR_SET_PDEATHSIG = 1
+try:
+    # Resolved once here: the child, between fork and exec, only calls it.
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+    _PRCTL.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    _PRCTL.restype = ctypes.c_int
+except (OSError, AttributeError):  # pragma: no cover - every Linux libc has prctl
+    _PRCTL = None
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    """For the child, between fork and exec: be SIGKILLed when this process dies.
+
+    Our process is the sandbox's only supervisor (deadline, limits, cleanup). If it is killed (an
+    Open WebUI crash, an OOM kill), runsc must not run on unsupervised: it dies with us, and gVisor
+    takes the sandbox down with it. What is left on disk is removed at the next start (_orphans)."""
+
+    def preexec() -> None:
+        if _PRCTL is not None:
+            _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # we died before the request above took effect
+            os._exit(1)
+
+    return preexec
 
 
 def human_bytes(n: int) -> str:
@@ -123,6 +149,7 @@ class Supervision:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,  # one process group to kill if runsc itself hangs
+            preexec_fn=_die_with(os.getpid()),
         )
         assert proc.stdout is not None and proc.stderr is not None
         readers = [
@@ -131,7 +158,9 @@ class Supervision:
         ]
         self._tasks.append(
             asyncio.create_task(
-                watch_growth(self.workdir, baseline, self.limits.max_write_bytes, self._disk_full)
+                watch_growth(
+                    self.workdir, baseline, self.limits.max_write_bytes, self._disk_full, self._host_pids
+                )
             )
         )
         if self.cgroup is not None:
@@ -166,7 +195,10 @@ class Supervision:
             if capture.feed(chunk):
                 self.request_stop("output", f"{name} passed {human_bytes(capture.cap)}")
 
-    def _disk_full(self, growth: int) -> None:
+    def _disk_full(self, growth: int | None) -> None:
+        if growth is None:
+            self.request_stop("disk", f"nested folders more than {MAX_DEPTH} levels deep in /mnt/data")
+            return
         limit = human_bytes(self.limits.max_write_bytes)
         self.request_stop("disk", f"wrote more than {limit} to /mnt/data (grew by {growth / MIB:.0f} MiB)")
 
@@ -204,6 +236,10 @@ class Supervision:
             task.cancel()
         if self._proc is not None and self._proc.returncode is None:
             await self._kill()
+        if self._proc is not None and (self._proc.returncode or 0) < 0 and not self._killed:
+            # runsc itself was killed by a signal, so it could not delete its container's state.
+            with contextlib.suppress(Exception):
+                await run_quick([*self.runsc_base, "delete", "--force", self.cid], _HELPER_TIMEOUT_S)
         if self.cgroup is None and not self._killed:
             return  # normal exit without cgroups: runsc cleaned up; skip the /proc scan
         deadline = time.monotonic() + _REAP_S

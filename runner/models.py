@@ -84,6 +84,9 @@ class RunResult(BaseModel):
     duration_s: float
     reason: str | None = None
     container_id: str = ""
+    # Relative POSIX paths (sorted) that the run created, changed, removed or renamed in the workdir,
+    # from host-side inotify; None = unknown (list the whole workdir). See runner/_changes.py.
+    changed: tuple[str, ...] | None = None
 
     @property
     def ok(self) -> bool:

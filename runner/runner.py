@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import _bundle, _cgroups
+from . import _bundle, _cgroups, _orphans
+from ._changes import ChangeWatch
 from ._diagnose import read_runsc_errors
 from ._outcome import classify
 from ._supervise import Supervision
@@ -105,6 +106,8 @@ class Runner:
                     note = found
                 else:
                     support, note = found, ""
+            # A process that died mid-run (a crash) left its runs' state, bundles and cgroups here.
+            _orphans.sweep(info.path, self.state_dir, self.bundle_dir, support, self.config.cgroup_parent)
             return HostSetup(info, platform, rootfs, support, note)
 
     def _interpreter(self, language: str) -> str:
@@ -182,6 +185,13 @@ class Runner:
             raise
         return bundle, cgroup
 
+    def _prepare_and_watch(
+        self, setup: HostSetup, cid: str, code: str, language: str, workdir: Path, limits: Limits
+    ) -> tuple[Path, _cgroups.RunCgroup | None, ChangeWatch]:
+        bundle, cgroup = self._prepare_run(setup, cid, code, language, workdir, limits)
+        # After the chown of the workdir, before the sandbox exists: nothing can race the setup.
+        return bundle, cgroup, ChangeWatch.start(str(workdir))
+
     async def run(
         self, code: str, language: str, workdir: Path | str, limits: Limits | None = None
     ) -> RunResult:
@@ -192,7 +202,9 @@ class Runner:
         wd = self._check_workdir(workdir)
         setup = await self.setup()
         cid = "cs-" + secrets.token_hex(8)
-        bundle, cgroup = await asyncio.to_thread(self._prepare_run, setup, cid, code, language, wd, limits)
+        bundle, cgroup, watch = await asyncio.to_thread(
+            self._prepare_and_watch, setup, cid, code, language, wd, limits
+        )
         sup = Supervision(
             argv=[*self._runsc_argv(setup, bundle), "run", "--bundle", str(bundle), cid],
             runsc_base=[setup.runsc.path, "--root", str(self.state_dir)],
@@ -202,6 +214,7 @@ class Runner:
             cgroup=cgroup,
             marker=str(bundle),
         )
+        pump = asyncio.create_task(watch.pump())
         try:
             try:
                 facts = await sup.run()
@@ -209,13 +222,20 @@ class Runner:
                 raise RunscNotFound(setup.runsc.path, str(exc)) from exc
             errors = await asyncio.to_thread(read_runsc_errors, bundle / "runsc.log", bundle / "panic.log")
         finally:
-            # Shielded: even if the caller cancels us, the sandbox is killed and the bundle removed.
-            await asyncio.shield(asyncio.ensure_future(self._finish(sup, bundle)))
+            pump.cancel()
+            try:
+                # Shielded: even if the caller cancels us, the sandbox is killed and the bundle removed.
+                await asyncio.shield(asyncio.ensure_future(self._finish(sup, bundle)))
+            finally:
+                # After _finish every sandbox process is gone, so their last writes (and the closes
+                # of their host files) are queued.
+                changed = watch.finish()
         outcome, exit_code, reason = classify(
             facts, limits, errors, sup.stderr.text()[-2000:], memory_by_rlimit=cgroup is None
         )
         if facts.leftover_pids:
             reason = f"{reason or outcome.value}; warning: host processes {facts.leftover_pids} did not exit"
+            changed = None  # they may still be writing: what the run changed is not known yet
         return RunResult(
             outcome=outcome,
             exit_code=exit_code,
@@ -226,6 +246,7 @@ class Runner:
             duration_s=round(facts.duration_s, 3),
             reason=reason,
             container_id=cid,
+            changed=changed,
         )
 
     async def _finish(self, sup: Supervision, bundle: Path) -> None:

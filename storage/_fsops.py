@@ -13,9 +13,7 @@ import contextlib
 import errno
 import os
 import secrets
-import shutil
 import stat
-import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -311,53 +309,119 @@ def rename_file(
         return st, old
 
 
-def _ignore_missing(func: object, path: object, exc_info: object) -> None:
-    # Another cleanup may be deleting the same tree (e.g. the trash) at the same time.
-    exc = exc_info[1] if isinstance(exc_info, tuple) else exc_info
-    if not isinstance(exc, FileNotFoundError):
-        raise exc  # type: ignore[misc]
-
-
-def _rmtree(path: str | Path, dir_fd: int | None = None) -> None:
-    if sys.version_info >= (3, 12):
-        shutil.rmtree(path, dir_fd=dir_fd, onexc=_ignore_missing)
-    else:
-        shutil.rmtree(path, dir_fd=dir_fd, onerror=_ignore_missing)
-
-
 def remove_tree_at(dir_fd: int, name: str) -> None:
-    """Delete name (file or tree) inside dir_fd; shutil.rmtree's fd-based walk never follows links."""
+    """Delete name (file or tree) inside dir_fd, never following a link; entries that vanish meanwhile
+    are fine.
+
+    A session folder may hold a chain of folders thousands of levels deep (sandboxed code can `chdir`
+    down without limit). A recursive delete would hit Python's recursion limit, and one open folder per
+    level would exhaust file descriptors; instead the children of each non-empty subfolder are moved
+    up into the folder being emptied, so at most two folders are open at any time and every entry is
+    moved at most once.
+    """
     st = lstat_at(dir_fd, name)
     if st is None:
         return
-    if stat.S_ISDIR(st.st_mode):
-        _rmtree(name, dir_fd)
-    else:
+    if not stat.S_ISDIR(st.st_mode):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=dir_fd)
+        return
+    try:
+        top = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return
+    with fd_closing(top):
+        while _empty_one_level(top):
+            pass
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(name, dir_fd=dir_fd)
+
+
+def _empty_one_level(top: int) -> bool:
+    """Unlink the files of `top`, remove its empty subfolders and hoist the children of the others into
+    it. Returns False once `top` is empty."""
+    with os.scandir(top) as listing:
+        entries = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in listing]
+    for name, is_dir in entries:
+        with contextlib.suppress(FileNotFoundError):
+            if not is_dir:
+                os.unlink(name, dir_fd=top)
+                continue
+            try:
+                os.rmdir(name, dir_fd=top)
+                continue
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+            with fd_closing(os.open(name, _DIR_FLAGS, dir_fd=top)) as sub:
+                _hoist_children(sub, top)
+    return bool(entries)
+
+
+def _hoist_children(sub: int, top: int) -> None:
+    with os.scandir(sub) as listing:
+        children = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in listing]
+    for child, is_dir in children:
+        with contextlib.suppress(FileNotFoundError):
+            if not is_dir:
+                os.unlink(child, dir_fd=sub)
+                continue
+            while True:
+                try:  # a random name that no entry of `top` has: a rename never replaces a full folder
+                    os.rename(child, f".rm-{secrets.token_hex(8)}", src_dir_fd=sub, dst_dir_fd=top)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                        raise
 
 
 def remove_tree(path: Path) -> None:
     """Delete a directory tree we own (trash entries, published copies); missing is fine."""
-    try:
-        st = os.stat(path, follow_symlinks=False)
+    try:  # the parent is ours (the trash, the publish folder): an admin may have made it a link
+        parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
         return
-    if stat.S_ISDIR(st.st_mode):
-        _rmtree(path)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+    with fd_closing(parent):
+        remove_tree_at(parent, path.name)
 
 
 def copy_fd(src: int, dst: int) -> None:
-    """Copy from the current offset of src to dst, in the kernel when possible."""
+    """Copy from the current offset of src to dst, in the kernel when possible. Holes stay holes: a
+    sparse file of 1 TiB that holds a few bytes must not become 1 TiB of zeros on the host disk."""
+    start = os.lseek(src, 0, os.SEEK_CUR)
+    end = os.fstat(src).st_size
+    position = start
+    while position < end:
+        try:
+            data = os.lseek(src, position, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # only a hole is left
+                break
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            data = position  # no hole support here: copy everything
+        try:
+            hole = os.lseek(src, data, os.SEEK_HOLE)
+        except OSError:
+            hole = end
+        os.lseek(src, data, os.SEEK_SET)
+        os.lseek(dst, data - start, os.SEEK_SET)
+        _copy_range(src, dst, hole - data)
+        position = hole
+    os.ftruncate(dst, end - start)
+
+
+def _copy_range(src: int, dst: int, count: int) -> None:
     try:
-        while os.sendfile(dst, src, None, _CHUNK) > 0:
-            pass
+        while count > 0:
+            sent = os.sendfile(dst, src, None, min(count, _CHUNK))
+            if sent == 0:
+                return
+            count -= sent
         return
     except OSError as exc:
         if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
             raise
-    while chunk := os.read(src, _CHUNK):
+    while count > 0 and (chunk := os.read(src, min(count, _CHUNK))):
         _write_all(dst, chunk)
+        count -= len(chunk)

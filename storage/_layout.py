@@ -6,6 +6,8 @@ root/                       0700
   state/<user key>/<chat key>.lock  flock target (outside the mount: the sandbox cannot touch it)
   state/<user key>/<chat key>.json  {user_id, chat_id, created_at}: lets a lost index be rebuilt
   trash/                    a deleted session folder is renamed here first, then removed
+  running/<user key>.<chat key>   a run is changing the folder: removed by the reconcile after it,
+                            so one left behind marks a run its process did not live to index
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ class Layout:
     def trash(self) -> Path:
         return self.root / "trash"
 
+    @property
+    def running(self) -> Path:
+        return self.root / "running"
+
     def session_dir(self, user_key: str, chat_key: str) -> Path:
         return self.sessions / user_key / chat_key
 
@@ -52,6 +58,20 @@ class Layout:
 
     def sidecar_path(self, user_key: str, chat_key: str) -> Path:
         return self.state / user_key / f"{chat_key}.json"
+
+    def running_marker(self, user_key: str, chat_key: str) -> Path:
+        # Keys never contain '.', so the name splits back unambiguously.
+        return self.running / f"{user_key}.{chat_key}"
+
+    def running_markers(self) -> list[tuple[str, str]]:
+        """(user key, chat key) of every run that began and has not been reconciled yet."""
+        found: list[tuple[str, str]] = []
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.running):
+                user_key, dot, chat_key = name.partition(".")
+                if dot:
+                    found.append((user_key, chat_key))
+        return found
 
     def session_keys_on_disk(self) -> list[tuple[str, str]]:
         """(user key, chat key) of every session folder; anything that is not a plain folder is ignored."""

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ._db import Tx
+from ._format import human_bytes
 from ._fsops import copy_fd, fd_closing, open_dir, open_regular, remove_tree
 from ._index import set_meta
 from ._names import is_passive_image, publish_name, split_path
-from .errors import StorageError
+from .errors import QuotaExceeded, StorageError
 from .models import Link, Publisher
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ async def publish(session: Session, path: str) -> Link:
         existing = await _reusable(session, publisher, rel, st)
         if existing is not None:
             return existing
+        await _check_budget(session, rel, st.st_size)
         name, kind = publish_name(rel)
         token = secrets.token_urlsafe(TOKEN_BYTES)
         await asyncio.to_thread(_copy, fd, publisher.directory, token, name, rel)
@@ -94,6 +96,32 @@ async def _reusable(session: Session, publisher: Publisher, rel: str, st: os.sta
             kind = publish_name(name)[1]
             return Link(token, url, rel, name, st.st_size, is_passive_image(kind), created_at)
     return None
+
+
+async def _check_budget(session: Session, rel: str, size: int) -> None:
+    """Copies live outside the user's folders, so the folder quota does not see them: rewriting a file
+    and linking it again makes a new copy each time, and the old one stays until cleanup finds it stale.
+    A user's copies may take twice max_bytes_per_user (the current files, plus as much again of copies
+    of older versions); beyond that nothing more is published until cleanup removes stale copies."""
+    limit = session._store.quotas.max_bytes_per_user or None
+    if limit is None:
+        return
+
+    async def read(tx: Tx) -> int:
+        row = await tx.one(
+            "SELECT coalesce(sum(l.size), 0) FROM links l JOIN sessions s ON s.id = l.session_id"
+            " WHERE s.user_key = ?",
+            (session.user_key,),
+        )
+        return int(row[0]) if row else 0
+
+    used = await session._store._db.read(read)
+    if used + size > 2 * limit:
+        raise QuotaExceeded(
+            f"{rel} was not linked: your published copies already take {human_bytes(used)} (at most "
+            f"{human_bytes(2 * limit)}, twice your storage limit); copies of files that changed or were "
+            "deleted are removed by the next cleanup"
+        )
 
 
 def _copy_present(directory: Path, token: str, name: str) -> bool:

@@ -12,6 +12,7 @@ since the last reconcile (i.e. during this run) can be removed, in this order:
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -19,11 +20,11 @@ from typing import TYPE_CHECKING
 
 from ._db import Tx
 from ._format import human_bytes
-from ._fsops import fd_closing, open_dir, unlink_file
+from ._fsops import fd_closing, open_dir, unlink_file, walk_dirs
 from ._index import ensure_session, log_activity, session_by_keys, session_totals, user_totals
 from ._scan import Listing, Scan, scan
 from .errors import FileMissing, InvalidPath
-from .models import QuotaRemoval, Quotas, ReconcileReport
+from .models import QuotaRemoval, Quotas, ReconcileReport, Rejected
 
 if TYPE_CHECKING:
     from .session import Session
@@ -35,6 +36,9 @@ _UPSERT = (
 )
 _DELETE = "DELETE FROM files WHERE session_id = ? AND path = ?"
 _AUDIT_ITEMS = 100
+# Empty folders kept per reconcile (a full one: the whole session; a change-driven one: the folders
+# a run made). Code can make folders without end, each a few KiB of disk that no quota counts.
+MAX_EMPTY_FOLDERS = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,9 +111,12 @@ def diff(
     return list(remaining), changed, removed
 
 
-async def reconcile(session: Session, *, enforce_quotas: bool, quotas: Quotas) -> ReconcileReport:
-    store = session._store
-    db = store._db
+async def reconcile(
+    session: Session, *, enforce_quotas: bool, quotas: Quotas, prior: Scan | None = None
+) -> ReconcileReport:
+    """The full reconcile: list the whole folder. `prior`: what a change-driven attempt that fell
+    back already rejected or renamed (those entries are gone now; the report still tells)."""
+    db = session._store._db
 
     async def read(tx: Tx) -> tuple[list[tuple[str, int, int]], int, int]:
         row = await session_by_keys(tx, session.user_key, session.chat_key)
@@ -123,20 +130,51 @@ async def reconcile(session: Session, *, enforce_quotas: bool, quotas: Quotas) -
     # releasing the GIL, and a second busy thread turns every one of those into a GIL hand-off
     # (measured: overlapping made a 100k-file reconcile about 50% slower).
     found = await asyncio.to_thread(scan, session.path, fix=True)
+    if prior is not None:
+        found.rejected[:0] = prior.rejected
+        found.renamed[:0] = prior.renamed
     index_rows, other_files, other_bytes = await db.read(read)
     listing = found.files
     added, changed, removed = diff(listing, index_rows, found)
     del index_rows
+    return await apply(
+        session,
+        found,
+        added,
+        changed,
+        removed,
+        enforce_quotas=enforce_quotas,
+        quotas=quotas,
+        user_files=other_files + len(listing),
+        user_bytes=other_bytes + sum(size for size, _ in listing.values()),
+        full=True,
+    )
 
+
+async def apply(
+    session: Session,
+    found: Scan,
+    added: list[str],
+    changed: list[str],
+    removed: list[str],
+    *,
+    enforce_quotas: bool,
+    quotas: Quotas,
+    user_files: int,
+    user_bytes: int,
+    full: bool,
+) -> ReconcileReport:
+    """Enforce quotas on the added files, write the differences, report. Shared by the full and the
+    change-driven reconcile: found.files holds (at least) every added and changed path;
+    user_files / user_bytes are the user's totals with the session as found on disk."""
+    db = session._store._db
+    listing = found.files
+    if len(found.empty_folders) > MAX_EMPTY_FOLDERS:
+        await asyncio.to_thread(_prune_empty_folders, session, found)
     quota_removed: list[QuotaRemoval] = []
     if enforce_quotas and added:
         new = [NewFile(p, *listing[p]) for p in added]
-        plan = plan_quota(
-            new,
-            quotas,
-            user_files=other_files + len(listing),
-            user_bytes=other_bytes + sum(size for size, _ in listing.values()),
-        )
+        plan = plan_quota(new, quotas, user_files=user_files, user_bytes=user_bytes)
         if plan:
             gone = await asyncio.to_thread(_remove, session, [r.path for r in plan])
             quota_removed = [r for r in plan if r.path in gone]
@@ -158,6 +196,11 @@ async def reconcile(session: Session, *, enforce_quotas: bool, quotas: Quotas) -
             created_at=now,
             used_at=None,
         )
+        if full:  # only a full listing can tell that no file of the session has several links
+            await tx.run(
+                "UPDATE sessions SET linked_files = ? WHERE id = ? AND linked_files != ?",
+                (len(found.linked), sid, len(found.linked)),
+            )
         if upserts:
             await tx.many(_UPSERT, [(sid, *u) for u in upserts])
         if removed:
@@ -192,7 +235,23 @@ async def reconcile(session: Session, *, enforce_quotas: bool, quotas: Quotas) -
         quota_removed=quota_removed,
         files=files,
         bytes=size,
+        full=full,
     )
+
+
+def _prune_empty_folders(session: Session, found: Scan) -> None:
+    """Keep the MAX_EMPTY_FOLDERS shallowest empty folders, remove the others (reported as rejected)."""
+    ordered = sorted(found.empty_folders, key=lambda p: (p.count("/"), p))
+    with fd_closing(open_dir(session.path)) as root:
+        for path in ordered[MAX_EMPTY_FOLDERS:]:
+            parts = tuple(path.split("/"))
+            try:
+                with fd_closing(walk_dirs(root, parts[:-1])) as parent:
+                    os.rmdir(parts[-1], dir_fd=parent)
+            except (FileMissing, InvalidPath, OSError):
+                continue
+            found.rejected.append(Rejected(path + "/", "empty folder"))
+    found.empty_folders = ordered[:MAX_EMPTY_FOLDERS]
 
 
 def _remove(session: Session, paths: list[str]) -> set[str]:

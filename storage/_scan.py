@@ -32,6 +32,12 @@ class Scan:
     renamed: list[Renamed] = field(default_factory=list)
     # Folders we could not open: index entries under them are kept as they are, not dropped.
     unreadable: list[str] = field(default_factory=list)
+    # Regular files with more than one link: a write through another name changes them without an
+    # event on this name, so a change-driven reconcile cannot trust its other rows (see _partial).
+    linked: list[str] = field(default_factory=list)
+    # Folders found empty (with fix=True): folders are not files, so no quota counts them; see
+    # _reconcile.MAX_EMPTY_FOLDERS.
+    empty_folders: list[str] = field(default_factory=list)
 
     def is_unreadable(self, path: str) -> bool:
         return any(path.startswith(prefix + "/") for prefix in self.unreadable)
@@ -43,17 +49,19 @@ def scan(session_dir: Path, *, fix: bool, max_depth: int = MAX_DEPTH) -> Scan:
         root = os.open(session_dir, _DIR_FLAGS)
     except FileNotFoundError:
         return result
-    # Each stack entry owns its fd. Depth = number of components of the folder's path.
-    stack: list[tuple[int, str, int]] = [(root, "", 0)]
-    try:
-        while stack:
-            fd, prefix, depth = stack.pop()
-            with fd_closing(fd):
-                _scan_dir(fd, prefix, depth, fix, max_depth, result, stack)
-    finally:
-        for fd, _, _ in stack:
-            os.close(fd)
+    # Depth first, one open folder per level (MAX_DEPTH at most), however many folders a level holds.
+    # Depth = number of components of the folder's path.
+    with fd_closing(root):
+        _scan_dir(root, "", 0, fix, max_depth, result)
     return result
+
+
+def scan_folder(
+    parent_fd: int, name: str, path: str, *, fix: bool, result: Scan, max_depth: int = MAX_DEPTH
+) -> None:
+    """Add the folder `name` of parent_fd (at `path`, relative to the session folder) and everything
+    under it to `result`, with the rules of a full scan (too deep, swapped for a symlink, ...)."""
+    _enter_dir(parent_fd, name, path, path.count("/") + 1, fix, max_depth, result)
 
 
 def _scan_dir(
@@ -63,32 +71,35 @@ def _scan_dir(
     fix: bool,
     max_depth: int,
     result: Scan,
-    stack: list[tuple[int, str, int]],
 ) -> None:
     # The hot loop of reconcile: keep it lean (one lstat per regular file, d_type for the rest).
     files = result.files
     is_reg = stat.S_ISREG
     with os.scandir(fd) as listing:
         entries = list(listing)  # finish reading before we unlink or rename anything in here
+    if not entries and prefix:
+        result.empty_folders.append(prefix[:-1])
     for entry in entries:
         name = entry.name
         if not name.isascii() and not _is_utf8(name):
             fixed = _fix_name(fd, name, prefix, fix, result)
             if fixed is None:
                 continue
-            _classify(fd, fixed, prefix + fixed, depth, fix, max_depth, result, stack)
+            _classify(fd, fixed, prefix + fixed, depth, fix, max_depth, result)
             continue
         try:
             if entry.is_file(follow_symlinks=False):
                 st = entry.stat(follow_symlinks=False)
                 if is_reg(st.st_mode):
                     files[prefix + name] = (st.st_size, st.st_mtime_ns)
+                    if st.st_nlink > 1:
+                        result.linked.append(prefix + name)
                     continue
                 _reject(fd, name, prefix + name, kind_of(st.st_mode), fix, result)
             elif entry.is_dir(follow_symlinks=False):
-                _enter_dir(fd, name, prefix + name, depth + 1, fix, max_depth, result, stack)
+                _enter_dir(fd, name, prefix + name, depth + 1, fix, max_depth, result)
             else:
-                _classify(fd, name, prefix + name, depth, fix, max_depth, result, stack)
+                _classify(fd, name, prefix + name, depth, fix, max_depth, result)
         except FileNotFoundError:
             continue  # vanished while listing: it simply is not there
 
@@ -109,7 +120,6 @@ def _classify(
     fix: bool,
     max_depth: int,
     result: Scan,
-    stack: list[tuple[int, str, int]],
 ) -> None:
     """Handle an entry from its lstat (renamed entries, and types d_type did not settle)."""
     st = lstat_at(fd, name)
@@ -117,8 +127,10 @@ def _classify(
         return
     if stat.S_ISREG(st.st_mode):
         result.files[path] = (st.st_size, st.st_mtime_ns)
+        if st.st_nlink > 1:
+            result.linked.append(path)
     elif stat.S_ISDIR(st.st_mode):
-        _enter_dir(fd, name, path, depth + 1, fix, max_depth, result, stack)
+        _enter_dir(fd, name, path, depth + 1, fix, max_depth, result)
     else:
         _reject(fd, name, path, kind_of(st.st_mode), fix, result)
 
@@ -131,8 +143,9 @@ def _enter_dir(
     fix: bool,
     max_depth: int,
     result: Scan,
-    stack: list[tuple[int, str, int]],
 ) -> None:
+    """Scan the folder `name` of fd now, so only one folder per level is ever open (a level may hold
+    thousands of folders; opening them all first would exhaust file descriptors)."""
     if depth >= max_depth:
         # A folder at the last allowed level could only hold files one level too deep.
         result.rejected.append(Rejected(path + "/", "too deep"))
@@ -154,7 +167,8 @@ def _enter_dir(
             result.unreadable.append(path)
             return
         raise
-    stack.append((child, path + "/", depth))
+    with fd_closing(child):
+        _scan_dir(child, path + "/", depth, fix, max_depth, result)
 
 
 def _reject(fd: int, name: str, path: str, kind: str, fix: bool, result: Scan) -> None:

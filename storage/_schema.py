@@ -98,7 +98,14 @@ CREATE TABLE imports (
 ) WITHOUT ROWID;
 """
 
-MIGRATIONS: Sequence[str] = (_V1, _V2, _V3)
+# Version 4: how many names of files with several hard links the last full listing of a session
+# found. A write through one name changes the others without anything naming them, so while there
+# are any, a reconcile lists the whole folder instead of only the paths a run changed (_partial).
+_V4 = """
+ALTER TABLE sessions ADD COLUMN linked_files INTEGER NOT NULL DEFAULT 0;
+"""
+
+MIGRATIONS: Sequence[str] = (_V1, _V2, _V3, _V4)
 CURRENT_VERSION = len(MIGRATIONS)
 
 

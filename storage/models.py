@@ -203,7 +203,7 @@ class FileEntry(_Dictable):
 class Rejected(_Dictable):
     """An entry reconcile removed because it is not a regular file or directory, or is too deep.
 
-    kind is one of: symlink, fifo, socket, char device, block device, unknown, too deep.
+    kind is one of: symlink, fifo, socket, char device, block device, unknown, too deep, empty folder.
     Non-UTF-8 bytes in `path` are shown as \\xNN.
     """
 
@@ -238,6 +238,8 @@ class ReconcileReport(_Dictable):
     quota_removed: list[QuotaRemoval] = field(default_factory=list)
     files: int = 0
     bytes: int = 0
+    # True: the whole folder was listed. False: only the paths a run changed were looked at.
+    full: bool = True
 
     def summary(self) -> str:
         from ._format import human_bytes

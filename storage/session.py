@@ -7,11 +7,11 @@ import contextlib
 import os
 import stat
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import _reconcile
+from . import _partial, _reconcile
 from ._db import Tx
 from ._format import human_bytes
 from ._fsops import (
@@ -55,6 +55,7 @@ class Session:
         self.temporary = is_temporary(chat_id)
         self.path: Path = store._layout.session_dir(self.user_key, self.chat_key)
         self.files = SessionFiles(self)
+        self._unindexed_run = False  # begin_run() found the mark of an earlier run never indexed
 
     @classmethod
     def _at_keys(cls, store: Store, user_id: str, chat_id: str, user_key: str, chat_key: str) -> Session:
@@ -105,11 +106,47 @@ class Session:
             max_file = max_write if max_file is None else min(max_file, max_write)
         return RunBudget(min(limits) if limits else None, max_write, max_file)
 
-    async def reconcile(self, enforce_quotas: bool = True) -> ReconcileReport:
-        """Bring the index in line with the folder (call it under `lock()`, after a run)."""
+    async def begin_run(self) -> None:
+        """Call under `lock()` just before something outside the store (a sandbox run) changes the
+        folder. It leaves a mark that the next reconcile() removes: a process that dies in between
+        leaves it behind, and the next Store.open() reconciles the folder (crash recovery)."""
+        marker = self._store._layout.running_marker(self.user_key, self.chat_key)
+
+        def mark() -> bool:
+            for _ in range(2):
+                try:
+                    os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+                    return False
+                except FileExistsError:
+                    return True
+                except FileNotFoundError:
+                    marker.parent.mkdir(mode=0o700, exist_ok=True)
+            return False
+
+        self._unindexed_run = await asyncio.to_thread(mark)
+
+    async def reconcile(
+        self, enforce_quotas: bool = True, changed: Collection[str] | None = None
+    ) -> ReconcileReport:
+        """Bring the index in line with the folder (call it under `lock()`, after a run).
+
+        `changed`: the relative paths the run created, changed, removed or renamed (e.g. the
+        runner's `RunResult.changed`); only those, and folders' subtrees, are looked at, with the
+        same rules, falling back to listing the whole folder when anything is unusual
+        (`report.full` tells which ran). None: list the whole folder."""
         if enforce_quotas:
             await self._store._remember_settings()
-        return await _reconcile.reconcile(self, enforce_quotas=enforce_quotas, quotas=self._store.quotas)
+        quotas = self._store.quotas
+        if changed is not None and self._unindexed_run:
+            changed = None  # an earlier run was never indexed: its changes are not among these
+        if changed is not None:
+            report = await _partial.reconcile(self, changed, enforce_quotas=enforce_quotas, quotas=quotas)
+        else:
+            report = await _reconcile.reconcile(self, enforce_quotas=enforce_quotas, quotas=quotas)
+        marker = self._store._layout.running_marker(self.user_key, self.chat_key)
+        await asyncio.to_thread(_unlink_missing_ok, marker)
+        self._unindexed_run = False
+        return report
 
     async def usage(self) -> Usage:
         """This chat's files and bytes, as last reconciled."""
@@ -157,6 +194,11 @@ class Session:
             created_at=now,
             used_at=None,
         )
+
+
+def _unlink_missing_ok(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def _left(limit: int | None, used: int) -> int | None:

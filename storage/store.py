@@ -13,9 +13,18 @@ from types import TracebackType
 
 from ._db import Database, Tx
 from ._fsops import make_dir
-from ._index import all_sessions, ensure_session, get_meta, log_activity, set_meta, user_totals
+from ._index import (
+    all_sessions,
+    ensure_session,
+    get_meta,
+    log_activity,
+    session_by_keys,
+    set_meta,
+    user_totals,
+)
 from ._keys import id_key
 from ._layout import Layout, write_sidecar
+from ._lock import FileLock
 from .errors import StorageError
 from .models import (
     ActivityEntry,
@@ -88,6 +97,7 @@ class Store:
                 log.warning("index rebuilt: %s", report.summary())
             if opened.moved_aside is not None:
                 await self._log("corrupt_index", detail={"moved_to": str(opened.moved_aside)})
+            await self._recover_interrupted_runs()
         except BaseException:
             await self.close()
             raise
@@ -107,8 +117,38 @@ class Store:
 
     def _make_root(self) -> None:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for path in (self._layout.sessions, self._layout.state, self._layout.trash):
+        for path in (self._layout.sessions, self._layout.state, self._layout.trash, self._layout.running):
             make_dir(path)
+
+    async def _recover_interrupted_runs(self) -> None:
+        """Index the folders of runs whose process ended before their reconcile (a crash, a kill):
+        their files would otherwise stay out of the index, the quotas and expiry until the chat's next
+        run. A run still going on in another process holds its lock and is left alone."""
+        for user_key, chat_key in await asyncio.to_thread(self._layout.running_markers):
+            lock = FileLock(self._layout.lock_path(user_key, chat_key))
+            if not lock.try_acquire():
+                continue
+            try:
+                row = await self._db.read(lambda tx, u=user_key, c=chat_key: session_by_keys(tx, u, c))
+                if row is None or not self._layout.session_dir(user_key, chat_key).is_dir():
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._layout.running_marker(user_key, chat_key))
+                    continue
+                session = Session._at_keys(self, row.user_id, row.chat_id, user_key, chat_key)
+                # Like rebuild, recovery never deletes files: the totals count them, so a user over a
+                # limit is refused at the next run (and this needs no quota settings, which the CLI
+                # only loads after opening).
+                report = await session.reconcile(enforce_quotas=False)
+            finally:
+                lock.release()
+            log.warning(
+                "a run in chat %r of user %r ended with its process before its files were indexed; "
+                "indexed them now: %s",
+                row.chat_id,
+                row.user_id,
+                report.summary(),
+            )
+            await self._log("interrupted_run", row.user_id, row.chat_id, {"summary": report.summary()})
 
     # ------------------------------------------------------------------ sessions
 

@@ -38,6 +38,9 @@ class StandInChat:
         targets = {p: await self.resolve(p) for p in find_paths(text)}
         return rewrite(text, targets, inline_images=inline_images)
 
+    def unlinked_notes(self) -> list[str]:
+        return []
+
     def streaming_rewriter(self) -> StreamingRewriter:
         return StreamingRewriter(self.resolve)
 

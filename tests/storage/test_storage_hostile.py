@@ -1,0 +1,129 @@
+"""Folders shaped by hostile code (thousands of levels deep, thousands wide, empty by the thousand),
+sparse files, copies that escape the quota, and a run its process did not live to index.
+
+Each is a weakness tests/adversarial found through the whole product; these pin the storage fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+from pathlib import Path
+
+from storage import Publisher, QuotaExceeded, Quotas, Store
+from storage._fsops import remove_tree
+from storage._reconcile import MAX_EMPTY_FOLDERS
+
+
+def _chain(top: Path, levels: int) -> Path:
+    """top/d/d/.../d, made with relative mkdir so no path ever gets long."""
+    top.mkdir(parents=True, exist_ok=True)
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(levels):
+            os.mkdir("d", dir_fd=fd)
+            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        os.close(os.open("x", os.O_CREAT | os.O_WRONLY, 0o600, dir_fd=fd))
+    finally:
+        os.close(fd)
+    return top
+
+
+def test_remove_tree_survives_a_chain_deeper_than_the_recursion_limit(tmp_path: Path) -> None:
+    tree = _chain(tmp_path / "tree", 3000)
+    os.symlink("/etc", tree / "d" / "link")
+    remove_tree(tree)
+    assert not tree.exists()
+    assert Path("/etc/passwd").exists()
+
+
+async def test_reconcile_removes_a_deep_chain_and_the_session_can_be_purged(store: Store) -> None:
+    s = await store.session("u", "c")
+    _chain(s.path, 3000)
+    async with s.lock():
+        report = await s.reconcile()
+    assert [(r.path.count("/"), r.kind) for r in report.rejected] == [(32, "too deep")]
+    _chain(s.path / "again", 3000)  # left by a run that crashed before its reconcile
+    from storage import Purge
+
+    cleaned = await store.cleanup(Purge(user_id="u"))
+    assert cleaned.sessions_removed == 1 and not s.path.exists()
+
+
+async def test_scan_of_thousands_of_sibling_folders_keeps_few_files_open(store: Store) -> None:
+    s = await store.session("u", "c")
+    for i in range(3000):
+        (s.path / f"d{i}").mkdir()
+        (s.path / f"d{i}" / "f").write_bytes(b"x")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    try:
+        async with s.lock():
+            report = await s.reconcile(enforce_quotas=False)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert report.files == 3000
+
+
+async def test_empty_folders_beyond_the_limit_are_removed(store: Store) -> None:
+    s = await store.session("u", "c")
+    (s.path / "keep").mkdir()
+    (s.path / "keep" / "f").write_bytes(b"x")
+    for i in range(MAX_EMPTY_FOLDERS + 50):
+        (s.path / f"e{i:05}").mkdir()
+    async with s.lock():
+        report = await s.reconcile()
+    assert sum(r.kind == "empty folder" for r in report.rejected) == 50
+    assert len([p for p in s.path.iterdir() if p.is_dir()]) == MAX_EMPTY_FOLDERS + 1
+    assert (s.path / "keep" / "f").exists()
+
+
+async def test_a_sparse_file_is_published_sparse(store: Store) -> None:
+    store.quotas = Quotas(max_bytes_per_user=0)  # no quota: nothing else bounds the file
+    s = await store.session("u", "c")
+    with open(s.path / "huge", "wb") as f:
+        f.write(b"head")
+        f.seek(1 << 32)
+        f.write(b"tail")
+    link = await s.publish("huge")
+    copy = store.publisher.directory / link.token / link.name
+    assert copy.stat().st_size == (1 << 32) + 4
+    assert copy.stat().st_blocks * 512 < 1 << 20
+    with open(copy, "rb") as f:
+        assert f.read(4) == b"head"
+        f.seek(1 << 32)
+        assert f.read() == b"tail"
+
+
+async def test_published_copies_may_take_twice_the_quota(root: Path, publisher: Publisher) -> None:
+    async with Store(root, publisher=publisher, quotas=Quotas(max_bytes_per_user=3000)) as store:
+        s = await store.session("u", "c")
+        for version in range(6):
+            (s.path / "f.bin").write_bytes(bytes([version]) * 1000)
+            try:
+                await s.publish("f.bin")
+            except QuotaExceeded as error:
+                assert version == 6 and "was not linked" in str(error)
+        total = sum(p.stat().st_size for p in publisher.directory.rglob("*") if p.is_file())
+        assert total == 6000
+
+
+async def test_a_run_its_process_did_not_index_is_indexed_at_the_next_open(
+    root: Path, publisher: Publisher, caplog
+) -> None:
+    async with Store(root, publisher=publisher) as store:
+        s = await store.session("u", "c")
+        async with s.lock():
+            await s.begin_run()
+            (s.path / "made-by-the-run.txt").write_bytes(b"x")
+            # ... and the process dies here: no reconcile.
+        assert [d.kind for d in await store.check()] == ["file not indexed"]
+    caplog.set_level(logging.WARNING, logger="code_sessions.storage")
+    async with Store(root, publisher=publisher) as store:
+        assert await store.check() == []
+        assert [f.path for f in await (await store.session("u", "c")).files.list()] == ["made-by-the-run.txt"]
+    assert "ended with its process before its files were indexed" in caplog.text
+    assert not any((root / "running").iterdir())
