@@ -1,0 +1,96 @@
+"""What the adversarial suite looks at: what the user sees, and what the host holds.
+
+The attacks go through the installed function (dist/code_sessions.py) with real storage and real runsc;
+the assertions are about what a user sees (the answer, its links, the published bytes) and about the host
+(nothing outside the session published, index equal to disk, other files intact).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tests.support.pipe_harness import PipeHarness
+
+# Small limits keep every attack quick; each test raises the one it needs.
+SMALL = {"timeout_seconds": 5, "memory_mb": 256, "max_processes": 32}
+LINK = re.compile(r"\]\((/cache/functions/code_sessions/[A-Za-z0-9_-]{32}/[^)\s]+)\)")
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+
+
+def links(answer: str) -> list[str]:
+    return LINK.findall(answer)
+
+
+def published(harness: PipeHarness, url: str) -> bytes:
+    return (harness.cache_dir / url.removeprefix("/cache/")).read_bytes()
+
+
+def published_files(harness: PipeHarness) -> list[Path]:
+    root = harness.cache_dir / "functions"
+    return [p for p in root.rglob("*") if p.is_file()] if root.exists() else []
+
+
+def assert_not_published(harness: PipeHarness, *needles: bytes) -> None:
+    """None of the bytes appear in any published copy (what any logged-in user could download)."""
+    for path in published_files(harness):
+        data = path.read_bytes()
+        for needle in needles:
+            assert needle not in data, f"{path} leaks {needle[:40]!r}"
+
+
+def session_dirs(harness: PipeHarness) -> list[Path]:
+    root = harness.sessions_root / "sessions"
+    return [chat for user in root.iterdir() for chat in user.iterdir()] if root.exists() else []
+
+
+def special_entries(harness: PipeHarness) -> list[Path]:
+    """Anything in any session folder that is neither a regular file nor a real folder."""
+    found = []
+    for folder in session_dirs(harness):
+        for path in folder.rglob("*"):
+            if path.is_symlink() or not (path.is_file() or path.is_dir()):
+                found.append(path)
+    return found
+
+
+async def assert_index_matches_disk(harness: PipeHarness) -> None:
+    drift = await harness.pipe._services.store.check()
+    assert drift == [], drift
+
+
+def outside_code(answer: str) -> str:
+    """The answer without fenced code blocks and inline code spans: what markdown would interpret."""
+    kept: list[str] = []
+    fence: str | None = None
+    for line in answer.splitlines():
+        match = _FENCE.match(line)
+        if fence is None and match:
+            fence = match.group(1)
+            continue
+        if fence is not None:
+            stripped = line.strip()
+            if stripped.startswith(fence) and set(stripped) <= {fence[0]}:
+                fence = None
+            continue
+        kept.append(_without_code_spans(line))
+    return "\n".join(kept)
+
+
+def _without_code_spans(line: str) -> str:
+    out, position = [], 0
+    for opening in re.finditer(r"`+", line):
+        if opening.start() < position:
+            continue
+        closing = re.compile(f"(?<!`){opening.group()}(?!`)").search(line, opening.end())
+        if closing is None:
+            continue
+        out.append(line[position : opening.start()])
+        position = closing.end()
+    out.append(line[position:])
+    return "".join(out)
+
+
+def prose(answer: str) -> str:
+    """What the model said and the file notes, without the collapsible block of code and output."""
+    return re.sub(r"<details>.*?</details>", "", answer, flags=re.S)
