@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_191c4a456135'
+_CS_PACKAGE = '_code_sessions_8a645f423d22'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, an SQLite index, quotas, expiry, publishing.
 
@@ -2600,7 +2600,7 @@ from typing import TYPE_CHECKING
 from ._db import Tx
 from ._format import human_bytes
 from ._fsops import fd_closing, open_dir, unlink_file, walk_dirs
-from ._index import ensure_session, log_activity, session_by_keys, session_totals, user_totals
+from ._index import log_activity, session_by_keys, session_totals, user_totals
 from ._scan import Listing, Scan, scan
 from .errors import FileMissing, InvalidPath
 from .models import QuotaRemoval, Quotas, ReconcileReport, Rejected
@@ -2765,16 +2765,7 @@ async def apply(
     upserts = [(p, *listing[p], now, now) for p in added + changed]
 
     async def write(tx: Tx) -> tuple[int, int]:
-        sid = await ensure_session(
-            tx,
-            user_id=session.user_id,
-            chat_id=session.chat_id,
-            user_key=session.user_key,
-            chat_key=session.chat_key,
-            temporary=session.temporary,
-            created_at=now,
-            used_at=None,
-        )
+        sid = await session._session_id(tx, now)
         if full:  # only a full listing can tell that no file of the session has several links
             await tx.run(
                 "UPDATE sessions SET linked_files = ? WHERE id = ? AND linked_files != ?",
@@ -7457,7 +7448,7 @@ from __future__ import annotations
 
 import re
 
-from _code_sessions_191c4a456135.storage import Purge
+from _code_sessions_8a645f423d22.storage import Purge
 
 __all__ = ["parse_duration", "parse_purge"]
 
@@ -7897,8 +7888,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_191c4a456135.runner import Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_191c4a456135.storage import (
+from _code_sessions_8a645f423d22.runner import Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_8a645f423d22.storage import (
     FileMissing,
     InvalidPath,
     QuotaExceeded,
@@ -8358,7 +8349,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_191c4a456135.engine import (
+from _code_sessions_8a645f423d22.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -8370,8 +8361,8 @@ from _code_sessions_191c4a456135.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_191c4a456135.runner import Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_191c4a456135.storage import Expiry, Publisher, Purge, Quotas, Store
+from _code_sessions_8a645f423d22.runner import Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_8a645f423d22.storage import Expiry, Publisher, Purge, Quotas, Store
 
 log = logging.getLogger("code_sessions.function")
 

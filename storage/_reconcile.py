@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from ._db import Tx
 from ._format import human_bytes
 from ._fsops import fd_closing, open_dir, unlink_file, walk_dirs
-from ._index import ensure_session, log_activity, session_by_keys, session_totals, user_totals
+from ._index import log_activity, session_by_keys, session_totals, user_totals
 from ._scan import Listing, Scan, scan
 from .errors import FileMissing, InvalidPath
 from .models import QuotaRemoval, Quotas, ReconcileReport, Rejected
@@ -186,16 +186,7 @@ async def apply(
     upserts = [(p, *listing[p], now, now) for p in added + changed]
 
     async def write(tx: Tx) -> tuple[int, int]:
-        sid = await ensure_session(
-            tx,
-            user_id=session.user_id,
-            chat_id=session.chat_id,
-            user_key=session.user_key,
-            chat_key=session.chat_key,
-            temporary=session.temporary,
-            created_at=now,
-            used_at=None,
-        )
+        sid = await session._session_id(tx, now)
         if full:  # only a full listing can tell that no file of the session has several links
             await tx.run(
                 "UPDATE sessions SET linked_files = ? WHERE id = ? AND linked_files != ?",

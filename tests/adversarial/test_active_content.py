@@ -7,20 +7,16 @@ browser is real (headless Chromium), logged in like a user, and a listener on 12
 
 from __future__ import annotations
 
-import shutil
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from playwright.sync_api import Browser, BrowserContext, Error, sync_playwright
+from playwright.sync_api import Browser, BrowserContext, Error
 
 from tests.support.open_webui import Account, OpenWebUI
 
 pytestmark = [pytest.mark.e2e, pytest.mark.runsc, pytest.mark.browser]
-
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
-
 
 class Listener:
     """Records every request a script in the page manages to make."""
@@ -51,16 +47,6 @@ def listener() -> Iterator[Listener]:
     found = Listener()
     yield found
     found.server.shutdown()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    chromium = shutil.which("chromium")
-    assert chromium, "chromium is missing: run ./scripts/setup"
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        yield launched
-        launched.close()
 
 
 def logged_in(browser: Browser, server: OpenWebUI, account: Account) -> BrowserContext:

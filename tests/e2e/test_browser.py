@@ -11,34 +11,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Browser, Page, sync_playwright
+from playwright.sync_api import Browser, Page
 
 from tests.support.open_webui import Account, OpenWebUI
 
 pytestmark = [pytest.mark.e2e, pytest.mark.runsc, pytest.mark.browser]
 
 REPO = Path(__file__).resolve().parents[2]
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-
-
-@pytest.fixture(scope="module")
-def browser() -> Browser:
-    chromium = shutil.which("chromium")
-    assert chromium, "chromium is missing: run ./scripts/setup"
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
-
-
 def logged_in_page(browser: Browser, server: OpenWebUI, account: Account) -> Page:
     page = browser.new_page(viewport={"width": 1200, "height": 1250})
     page.goto(server.url + "/auth")
