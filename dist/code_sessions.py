@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_8a645f423d22'
+_CS_PACKAGE = '_code_sessions_a0cde079a067'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, an SQLite index, quotas, expiry, publishing.
 
@@ -309,6 +309,9 @@ def _prune_parents(store: Store, row: SessionRow) -> None:
             os.rmdir(folder)
 
 
+_EXPIRY_BATCH = 2000
+
+
 async def _expire_files(store: Store, cutoff: float, skip: set[int], tally: _Tally) -> None:
     rows = await store._db.read(
         lambda tx: tx.all(
@@ -335,26 +338,31 @@ async def _expire_files(store: Store, cutoff: float, skip: set[int], tally: _Tal
                 continue
             await _count_files(store, tally, row, files, reason)
             continue
-        lock = FileLock(lock_path)
-        if not lock.try_acquire():
-            tally.busy(row, reason)
-            continue
-        try:
-            folder = store._layout.session_dir(row.user_key, row.chat_key)
-            gone = await asyncio.to_thread(_unlink_unchanged, folder, files)
-            if not gone:
-                continue
-            links = await _forget_files(store, row, gone, reason)
-            tally.files_removed += len(gone)
-            tally.bytes_freed += sum(size for _, size in gone)
-            tally.links_removed += links
-            tally.details.append(
-                SessionCleanup(
-                    row.user_id, row.chat_id, "files expired", len(gone), sum(s for _, s in gone), reason
-                )
+        folder = store._layout.session_dir(row.user_key, row.chat_key)
+        removed_files, removed_bytes = 0, 0
+        # The chat's lock is held one batch at a time, so a user's next step waits for at most one
+        # batch of unlinks, not for an old session's whole expiry.
+        for start in range(0, len(files), _EXPIRY_BATCH):
+            lock = FileLock(lock_path)
+            if not lock.try_acquire():
+                tally.busy(row, reason)
+                break
+            try:
+                batch = files[start : start + _EXPIRY_BATCH]
+                gone = await asyncio.to_thread(_unlink_unchanged, folder, batch)
+                if gone:
+                    tally.links_removed += await _forget_files(store, row, gone, reason)
+            finally:
+                lock.release()
+            removed_files += len(gone)
+            removed_bytes += sum(size for _, size in gone)
+        if removed_files:
+            tally.files_removed += removed_files
+            tally.bytes_freed += removed_bytes
+            cleanup = SessionCleanup(
+                row.user_id, row.chat_id, "files expired", removed_files, removed_bytes, reason
             )
-        finally:
-            lock.release()
+            tally.details.append(cleanup)
 
 
 async def _count_files(
@@ -7448,7 +7456,7 @@ from __future__ import annotations
 
 import re
 
-from _code_sessions_8a645f423d22.storage import Purge
+from _code_sessions_a0cde079a067.storage import Purge
 
 __all__ = ["parse_duration", "parse_purge"]
 
@@ -7888,8 +7896,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_8a645f423d22.runner import Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_8a645f423d22.storage import (
+from _code_sessions_a0cde079a067.runner import Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_a0cde079a067.storage import (
     FileMissing,
     InvalidPath,
     QuotaExceeded,
@@ -8349,7 +8357,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_8a645f423d22.engine import (
+from _code_sessions_a0cde079a067.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -8361,8 +8369,8 @@ from _code_sessions_8a645f423d22.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_8a645f423d22.runner import Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_8a645f423d22.storage import Expiry, Publisher, Purge, Quotas, Store
+from _code_sessions_a0cde079a067.runner import Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_a0cde079a067.storage import Expiry, Publisher, Purge, Quotas, Store
 
 log = logging.getLogger("code_sessions.function")
 

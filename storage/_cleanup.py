@@ -230,6 +230,9 @@ def _prune_parents(store: Store, row: SessionRow) -> None:
             os.rmdir(folder)
 
 
+_EXPIRY_BATCH = 2000
+
+
 async def _expire_files(store: Store, cutoff: float, skip: set[int], tally: _Tally) -> None:
     rows = await store._db.read(
         lambda tx: tx.all(
@@ -256,26 +259,31 @@ async def _expire_files(store: Store, cutoff: float, skip: set[int], tally: _Tal
                 continue
             await _count_files(store, tally, row, files, reason)
             continue
-        lock = FileLock(lock_path)
-        if not lock.try_acquire():
-            tally.busy(row, reason)
-            continue
-        try:
-            folder = store._layout.session_dir(row.user_key, row.chat_key)
-            gone = await asyncio.to_thread(_unlink_unchanged, folder, files)
-            if not gone:
-                continue
-            links = await _forget_files(store, row, gone, reason)
-            tally.files_removed += len(gone)
-            tally.bytes_freed += sum(size for _, size in gone)
-            tally.links_removed += links
-            tally.details.append(
-                SessionCleanup(
-                    row.user_id, row.chat_id, "files expired", len(gone), sum(s for _, s in gone), reason
-                )
+        folder = store._layout.session_dir(row.user_key, row.chat_key)
+        removed_files, removed_bytes = 0, 0
+        # The chat's lock is held one batch at a time, so a user's next step waits for at most one
+        # batch of unlinks, not for an old session's whole expiry.
+        for start in range(0, len(files), _EXPIRY_BATCH):
+            lock = FileLock(lock_path)
+            if not lock.try_acquire():
+                tally.busy(row, reason)
+                break
+            try:
+                batch = files[start : start + _EXPIRY_BATCH]
+                gone = await asyncio.to_thread(_unlink_unchanged, folder, batch)
+                if gone:
+                    tally.links_removed += await _forget_files(store, row, gone, reason)
+            finally:
+                lock.release()
+            removed_files += len(gone)
+            removed_bytes += sum(size for _, size in gone)
+        if removed_files:
+            tally.files_removed += removed_files
+            tally.bytes_freed += removed_bytes
+            cleanup = SessionCleanup(
+                row.user_id, row.chat_id, "files expired", removed_files, removed_bytes, reason
             )
-        finally:
-            lock.release()
+            tally.details.append(cleanup)
 
 
 async def _count_files(

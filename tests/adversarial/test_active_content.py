@@ -18,6 +18,7 @@ from tests.support.open_webui import Account, OpenWebUI
 
 pytestmark = [pytest.mark.e2e, pytest.mark.runsc, pytest.mark.browser]
 
+
 class Listener:
     """Records every request a script in the page manages to make."""
 

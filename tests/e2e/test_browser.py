@@ -18,6 +18,8 @@ from tests.support.open_webui import Account, OpenWebUI
 pytestmark = [pytest.mark.e2e, pytest.mark.runsc, pytest.mark.browser]
 
 REPO = Path(__file__).resolve().parents[2]
+
+
 def logged_in_page(browser: Browser, server: OpenWebUI, account: Account) -> Page:
     page = browser.new_page(viewport={"width": 1200, "height": 1250})
     page.goto(server.url + "/auth")

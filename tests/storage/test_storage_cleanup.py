@@ -162,6 +162,37 @@ async def test_expiry_by_file_age(store: Store, root: Path) -> None:
     assert (await store.cleanup()).files_removed == 0
 
 
+async def test_expiry_lets_a_run_in_between_batches(
+    store: Store, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import storage._cleanup as cleanup_module
+    from storage._lock import FileLock
+
+    s = await store.session("alice", "big")
+    for i in range(5):
+        await s.files.write(f"f{i}.csv", b"x" * 10)
+    _age_files(root, 31 * DAY)
+    monkeypatch.setattr(cleanup_module, "_EXPIRY_BATCH", 2)
+    run = FileLock(store._layout.lock_path(s.user_key, s.chat_key))
+    real_release = FileLock.release
+
+    def release_then_a_run_starts(self: FileLock) -> None:
+        real_release(self)
+        if self is not run and not run_started:  # a user's step takes the lock the first batch let go
+            assert run.try_acquire()
+            run_started.append(True)
+
+    run_started: list[bool] = []
+    monkeypatch.setattr(FileLock, "release", release_then_a_run_starts)
+    report = await store.cleanup()
+    assert report.files_removed == 2
+    assert sorted(d.action for d in report.details) == ["files expired", "in use"]
+    assert len(await s.files.list()) == 3
+    real_release(run)
+    assert (await store.cleanup()).files_removed == 3
+    assert await s.files.list() == []
+
+
 async def test_purge_user_and_idle(store: Store, root: Path) -> None:
     for user, chat in [("alice", "a1"), ("alice", "a2"), ("bob", "b1"), ("bob", "b2")]:
         s = await store.session(user, chat)
