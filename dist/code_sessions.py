@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_a0cde079a067'
+_CS_PACKAGE = '_code_sessions_942e7d9f8915'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, an SQLite index, quotas, expiry, publishing.
 
@@ -7456,7 +7456,7 @@ from __future__ import annotations
 
 import re
 
-from _code_sessions_a0cde079a067.storage import Purge
+from _code_sessions_942e7d9f8915.storage import Purge
 
 __all__ = ["parse_duration", "parse_purge"]
 
@@ -7896,8 +7896,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_a0cde079a067.runner import Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_a0cde079a067.storage import (
+from _code_sessions_942e7d9f8915.runner import Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_942e7d9f8915.storage import (
     FileMissing,
     InvalidPath,
     QuotaExceeded,
@@ -8357,7 +8357,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_a0cde079a067.engine import (
+from _code_sessions_942e7d9f8915.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -8369,8 +8369,8 @@ from _code_sessions_a0cde079a067.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_a0cde079a067.runner import Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_a0cde079a067.storage import Expiry, Publisher, Purge, Quotas, Store
+from _code_sessions_942e7d9f8915.runner import Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_942e7d9f8915.storage import Expiry, Publisher, Purge, Quotas, Store
 
 log = logging.getLogger("code_sessions.function")
 
@@ -8379,6 +8379,7 @@ _MINUTE = 60.0
 _HOUR = 3600.0
 _DAY = 86400.0
 _NO_LIMIT = 1 << 40  # what "0: no limit" becomes where the sandbox needs a number
+_PURGE_ATTEMPTS = 10  # a purge that keeps meeting chats mid-step gives up (and says so) after this
 
 
 class Pipe:
@@ -8431,7 +8432,8 @@ class Pipe:
         )
         purge: str = Field(
             default="",
-            description="One-shot admin purge, run at the next message or within a minute, then cleared: "
+            description="One-shot admin purge, run at the next message or within a minute (a chat mid-step "
+            "is retried a minute later), then cleared: "
             "'all', 'user:<user id>', 'chat:<chat id>' or 'idle:<duration>' such as idle:7d, idle:12h.",
         )
         attach_files: bool = Field(
@@ -8452,6 +8454,7 @@ class Pipe:
         self._services_key: tuple | None = None
         self._function_id: str | None = None
         self._last_cleanup = 0.0
+        self._purge_attempts: dict[str, int] = {}
         self._background: asyncio.Task | None = None
 
     # ---- models -------------------------------------------------------------------------------------
@@ -8611,7 +8614,15 @@ class Pipe:
             log.error("code-sessions: ignoring purge valve %r: %s", request, error)
         else:
             report = await services.store.cleanup(purge)
+            attempt = self._purge_attempts.get(request, 0) + 1
+            if report.sessions_in_use and attempt < _PURGE_ATTEMPTS:
+                # A chat mid-step was skipped; its step ends within the time limit, so keep the
+                # request and let the next minute (or message) finish the job.
+                self._purge_attempts = {request: attempt}
+                log.warning("code-sessions purge %r: %s; retrying within a minute", request, report.summary())
+                return
             log.warning("code-sessions purge %r: %s", request, report.summary())
+        self._purge_attempts = {}
         # Clear the one-shot valve so the purge does not run again at the next message.
         self.valves = self.valves.model_copy(update={"purge": ""})
         if self._function_id:

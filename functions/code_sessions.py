@@ -40,6 +40,7 @@ _MINUTE = 60.0
 _HOUR = 3600.0
 _DAY = 86400.0
 _NO_LIMIT = 1 << 40  # what "0: no limit" becomes where the sandbox needs a number
+_PURGE_ATTEMPTS = 10  # a purge that keeps meeting chats mid-step gives up (and says so) after this
 
 
 class Pipe:
@@ -92,7 +93,8 @@ class Pipe:
         )
         purge: str = Field(
             default="",
-            description="One-shot admin purge, run at the next message or within a minute, then cleared: "
+            description="One-shot admin purge, run at the next message or within a minute (a chat mid-step "
+            "is retried a minute later), then cleared: "
             "'all', 'user:<user id>', 'chat:<chat id>' or 'idle:<duration>' such as idle:7d, idle:12h.",
         )
         attach_files: bool = Field(
@@ -113,6 +115,7 @@ class Pipe:
         self._services_key: tuple | None = None
         self._function_id: str | None = None
         self._last_cleanup = 0.0
+        self._purge_attempts: dict[str, int] = {}
         self._background: asyncio.Task | None = None
 
     # ---- models -------------------------------------------------------------------------------------
@@ -272,7 +275,15 @@ class Pipe:
             log.error("code-sessions: ignoring purge valve %r: %s", request, error)
         else:
             report = await services.store.cleanup(purge)
+            attempt = self._purge_attempts.get(request, 0) + 1
+            if report.sessions_in_use and attempt < _PURGE_ATTEMPTS:
+                # A chat mid-step was skipped; its step ends within the time limit, so keep the
+                # request and let the next minute (or message) finish the job.
+                self._purge_attempts = {request: attempt}
+                log.warning("code-sessions purge %r: %s; retrying within a minute", request, report.summary())
+                return
             log.warning("code-sessions purge %r: %s", request, report.summary())
+        self._purge_attempts = {}
         # Clear the one-shot valve so the purge does not run again at the next message.
         self.valves = self.valves.model_copy(update={"purge": ""})
         if self._function_id:

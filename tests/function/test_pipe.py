@@ -119,6 +119,27 @@ async def test_background_cleanup_runs_a_purge_typed_into_the_valves_without_any
     assert events.count("cleanup") >= 2  # the purge, and the periodic expiry
 
 
+async def test_a_purge_that_meets_a_chat_mid_step_waits_for_it_instead_of_giving_up(
+    harness: PipeHarness,
+):
+    harness.module._MINUTE = 0.05
+    await harness.say("u1", "chat-1", code("open('/mnt/data/a.txt','w').write('1')"))
+    [session_dir] = [p for p in (harness.sessions_root / "sessions").glob("*/*") if p.is_dir()]
+    store = harness.pipe._services.store
+    session = await store.session("u1", "chat-1")
+    async with session.lock():  # a step of this chat is running
+        harness.stored_valves["purge"] = "chat:chat-1"
+        await asyncio.sleep(0.5)  # several background ticks meet the chat in use
+        assert session_dir.exists()
+        assert harness.stored_valves["purge"] == "chat:chat-1"  # kept for the next tick
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if not session_dir.exists() and harness.stored_valves["purge"] == "":
+            break
+    assert not session_dir.exists()
+    assert harness.stored_valves["purge"] == ""
+
+
 async def test_the_model_reads_earlier_answers_with_mnt_data_paths_not_links(harness: PipeHarness):
     first = await harness.say(
         "u1", "chat-1", code("open('/mnt/data/a.txt','w').write('1')", "See /mnt/data/a.txt")
