@@ -1,9 +1,11 @@
 """How much the workdir grew during a run, measured on the host while the sandbox writes.
 
 gVisor has no per-mount write quota, so a host-side watcher walks the workdir and stops the sandbox
-once it has grown by more than ``max_write_bytes``. The walk never follows symlinks (the sandbox can
-point them anywhere), counts hard-linked inodes once, and counts a file as the larger of its apparent
-size and its allocated blocks (sparse files and many tiny files both count honestly).
+once its folders have gained more than ``max_write_bytes`` (each folder against its own size before
+the run, so a walk can stop at the first folders that prove the limit broken). The walk never
+follows symlinks (the sandbox can point them anywhere), counts hard-linked inodes once, and counts a
+file as the larger of its apparent size and its allocated blocks (sparse files and many tiny files
+both count honestly).
 
 Two places a walk by path name would miss are covered too: folders nested so deep that their path is
 longer than PATH_MAX (every folder is opened from its parent's descriptor, so path length does not
@@ -15,18 +17,19 @@ of the sandbox's host processes).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable
 
-FIRST_CHECK_S = 0.2  # gVisor takes ~0.25 s to boot: nothing can have been written before that
-FS_POLL_S = 0.05  # statvfs of the workdir's filesystem: a single cheap syscall
+FS_POLL_S = 0.01  # statvfs of the workdir's filesystem: a single cheap syscall
 MIN_INTERVAL_S = 0.1
 MAX_INTERVAL_S = 5.0
 # Between forced walks, sleep this many times as long as the last walk took: a workdir of 100k files
 # then costs under ~5% of one core. A cheap statvfs poll triggers a walk early whenever the whole
-# filesystem grew by more than the remaining budget, so a fast writer is still caught within ~0.1 s.
+# filesystem grew by more than the remaining budget, so a fast writer is caught at the next walk.
 COST_FACTOR = 20.0
 # Folders nested deeper than this cannot be measured (one descriptor is open per level while walking).
 MAX_DEPTH = 128
@@ -37,15 +40,59 @@ class TooDeep(Exception):
     """The workdir holds folders nested deeper than MAX_DEPTH levels: writes there cannot be measured."""
 
 
+FolderSizes = dict[tuple[int, int], int]  # (st_dev, st_ino) of a folder -> bytes of its own entries
+
+
 def disk_usage(root: str, max_depth: int = MAX_DEPTH) -> int:
     """Bytes under ``root``. Raises TooDeep for folders nested more than ``max_depth`` levels."""
+    return sum(folder_sizes(root, max_depth).values())
+
+
+def folder_sizes(root: str, max_depth: int = MAX_DEPTH) -> FolderSizes:
+    """The bytes of each folder under ``root`` (its own entries, not its subfolders'): the baseline
+    that `growth` compares against."""
+    sizes: FolderSizes = {}
+
+    def record(key: tuple[int, int], size: int) -> bool:
+        sizes[key] = size
+        return False
+
+    _walk(root, max_depth, record)
+    return sizes
+
+
+def growth(root: str, before: FolderSizes, stop_above: int | None = None, max_depth: int = MAX_DEPTH) -> int:
+    """Bytes the folders under ``root`` gained since ``before``, a folder that shrank counting as 0.
+
+    Counting per folder is what lets a walk stop early: once the folders seen so far gained more than
+    ``stop_above``, the rest cannot take it back, and finishing a walk of 100k files would only let
+    the writer go on. (So moving existing files into another folder counts as writing them there.)
+    """
+    total = 0
+
+    def add(key: tuple[int, int], size: int) -> bool:
+        nonlocal total
+        total += max(0, size - before.get(key, 0))
+        return stop_above is not None and total > stop_above
+
+    _walk(root, max_depth, add)
+    return total
+
+
+def _walk(root: str, max_depth: int, visit: Callable[[tuple[int, int], int], bool]) -> None:
+    """Call ``visit(folder key, bytes of its entries)`` for each folder until it returns True."""
     try:
         top = os.open(root, _DIR_FLAGS)
     except OSError:
-        return 0
+        return
     seen: set[tuple[int, int]] = set()
-    size, subfolders = _measure(top, seen)
-    total = size
+    try:
+        size, subfolders = _measure(top, seen)
+        if visit(_key(top), size):
+            return
+    except BaseException:
+        os.close(top)
+        raise
     # Depth first with one open folder per level, whatever a level's width; a folder is opened from
     # its parent's descriptor, so a path longer than PATH_MAX is no obstacle.
     stack: list[tuple[int, list[str]]] = [(top, subfolders)]
@@ -66,15 +113,21 @@ def disk_usage(root: str, max_depth: int = MAX_DEPTH) -> int:
                 raise TooDeep(f"folders nested more than {max_depth} levels deep")
             try:
                 size, subfolders = _measure(child, seen)
+                stop = visit(_key(child), size)
             except BaseException:
                 os.close(child)
                 raise
-            total += size
             stack.append((child, subfolders))
+            if stop:
+                return
     finally:
         for fd, _ in stack:
             os.close(fd)
-    return total
+
+
+def _key(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 def _measure(fd: int, seen: set[tuple[int, int]]) -> tuple[int, list[str]]:
@@ -131,53 +184,89 @@ def fs_used(root: str) -> int:
 
 async def watch_growth(
     root: str,
-    baseline: asyncio.Future[int],
+    baseline: asyncio.Future[FolderSizes],
     limit: int,
     on_exceeded: Callable[[int | None], None],
     pids: Callable[[], list[int]] | None = None,
+    stop_now: Callable[[], None] | None = None,
 ) -> None:
-    """Poll until cancelled; call ``on_exceeded(growth)`` once and return if growth passes ``limit``
+    """Watch until cancelled; call ``on_exceeded(growth)`` once and return if growth passes ``limit``
     (``on_exceeded(None)``: folders nested too deep to measure). ``pids``: the sandbox's host processes,
-    whose deleted-but-open files count too.
+    whose deleted-but-open files count too. ``stop_now``: called first, from the watching thread, to
+    stop the writer without waiting for the event loop (it must be thread-safe).
 
     The walk is the authority. The filesystem-wide figure only decides when to walk: the workdir
     cannot have grown by more than the whole filesystem did (unless something elsewhere freed space
     at the same time, which the periodic walk still catches).
+
+    The polling runs in a thread of its own: a writer fills ~0.5 GB/s here, so every hop through the
+    event loop or a shared executor (busy with other chats' runs) is megabytes of overshoot.
     """
-    try:
-        await _watch(root, baseline, limit, on_exceeded, pids)
-    except TooDeep:
-        on_exceeded(None)
-
-
-async def _watch(
-    root: str,
-    baseline: asyncio.Future[int],
-    limit: int,
-    on_exceeded: Callable[[int | None], None],
-    pids: Callable[[], list[int]] | None,
-) -> None:
+    # The filesystem's level now, before gVisor has booted: growth from here on triggers a walk, even
+    # growth that happens while the baseline walk below is still running (it is slow under load).
+    fs_before = fs_used(root)
     t0 = time.monotonic()
-    start = await baseline
+    try:
+        start = await baseline
+    except TooDeep:
+        if stop_now is not None:
+            stop_now()
+        on_exceeded(None)
+        return
+    baseline_cost = time.monotonic() - t0
+    loop = asyncio.get_running_loop()
+    finished = asyncio.Event()
+    cancelled = threading.Event()
+
+    def report(growth: int | None) -> None:
+        if stop_now is not None:
+            stop_now()
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is waiting any more
+            loop.call_soon_threadsafe(on_exceeded, growth)
+
+    def body() -> None:
+        try:
+            _watch(root, start, fs_before, baseline_cost, limit, report, pids, cancelled)
+        except TooDeep:
+            report(None)
+        finally:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(finished.set)
+
+    threading.Thread(target=body, name="disk-watch", daemon=True).start()
+    try:
+        await finished.wait()
+    finally:
+        cancelled.set()
+
+
+def _watch(
+    root: str,
+    start: FolderSizes,
+    fs_before: int,
+    baseline_cost: float,
+    limit: int,
+    report: Callable[[int | None], None],
+    pids: Callable[[], list[int]] | None,
+    cancelled: threading.Event,
+) -> None:
     device = os.stat(root).st_dev
-    next_walk = t0 + min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, (time.monotonic() - t0) * COST_FACTOR))
-    await asyncio.sleep(FIRST_CHECK_S)
-    growth = 0
-    fs_at_walk = await asyncio.to_thread(fs_used, root)
+    next_walk = time.monotonic() + min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, baseline_cost * COST_FACTOR))
+    grown = 0
+    fs_at_walk = fs_before
 
     def measure() -> int:
         hidden = deleted_but_open(pids(), device) if pids is not None else 0
-        return disk_usage(root) + hidden - start
+        return growth(root, start, stop_above=limit - hidden) + hidden
 
-    while True:
-        fs_now = await asyncio.to_thread(fs_used, root)
-        if time.monotonic() >= next_walk or fs_now - fs_at_walk > limit - growth:
+    while not cancelled.wait(FS_POLL_S):
+        fs_now = fs_used(root)
+        if time.monotonic() >= next_walk or fs_now - fs_at_walk > limit - grown:
             fs_at_walk = fs_now
             t0 = time.monotonic()
-            growth = await asyncio.to_thread(measure)
+            grown = measure()
             cost = time.monotonic() - t0
-            if growth > limit:
-                on_exceeded(growth)
+            if grown > limit:
+                report(grown)
                 return
             next_walk = time.monotonic() + min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, cost * COST_FACTOR))
-        await asyncio.sleep(FS_POLL_S)

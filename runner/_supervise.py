@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._cgroups import RunCgroup
-from ._disk import MAX_DEPTH, disk_usage, watch_growth
+from ._disk import MAX_DEPTH, folder_sizes, watch_growth
 from .capabilities import run_quick
 from .models import KIB, MIB, Limits
 
@@ -141,7 +141,7 @@ class Supervision:
         loop = asyncio.get_running_loop()
         # The baseline walk overlaps gVisor's boot (~0.25 s), which is longer than walking a workdir
         # of 10k files, so it is normally done before the sandboxed code can write anything.
-        baseline = loop.run_in_executor(None, disk_usage, self.workdir)
+        baseline = loop.run_in_executor(None, folder_sizes, self.workdir)
         t0 = time.monotonic()
         self._proc = proc = await asyncio.create_subprocess_exec(
             *self.argv,
@@ -159,7 +159,12 @@ class Supervision:
         self._tasks.append(
             asyncio.create_task(
                 watch_growth(
-                    self.workdir, baseline, self.limits.max_write_bytes, self._disk_full, self._host_pids
+                    self.workdir,
+                    baseline,
+                    self.limits.max_write_bytes,
+                    self._disk_full,
+                    self._host_pids,
+                    stop_now=self._kill_host_processes,
                 )
             )
         )

@@ -12,7 +12,7 @@ import runner
 from runner import Limits, Outcome, RunnerConfig
 from runner._bundle import make_spec
 from runner._diagnose import explain, read_runsc_errors, tidy
-from runner._disk import disk_usage
+from runner._disk import disk_usage, folder_sizes, growth
 from runner._outcome import classify
 from runner._supervise import Capture, Facts
 from runner.capabilities import RunscInfo, detect_runsc, parse_flags, parse_platforms
@@ -99,6 +99,32 @@ def test_disk_usage_never_follows_symlinks_and_counts_hardlinks_once(tmp_path: P
     os.link(work / "a", work / "b")
     used = disk_usage(str(work))
     assert 100_000 <= used < 200_000
+
+
+def test_growth_counts_what_each_folder_gained_and_stops_once_the_limit_is_proven(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work = tmp_path / "work"
+    for name in ("keep", "shrink", "moved"):
+        (work / name).mkdir(parents=True)
+    (work / "shrink" / "old").write_bytes(b"x" * 300_000)
+    (work / "moved" / "data").write_bytes(b"x" * 50_000)
+    before = folder_sizes(str(work))
+    assert growth(str(work), before) == 0
+    (work / "shrink" / "old").unlink()  # a folder that shrank gives nothing to the others
+    (work / "keep" / "new").write_bytes(b"y" * 200_000)
+    os.rename(work / "moved", work / "keep" / "moved")  # a renamed folder is the same folder
+    (work / "fresh").mkdir()
+    (work / "fresh" / "f").write_bytes(b"z" * 100_000)
+    gained = growth(str(work), before)
+    assert 300_000 <= gained < 320_000
+    import runner._disk as disk
+
+    visited: list[int] = []
+    real_key = disk._key
+    monkeypatch.setattr(disk, "_key", lambda fd: visited.append(fd) or real_key(fd))
+    assert growth(str(work), before, stop_above=1000) > 1000
+    assert len(visited) < 5  # of the 5 folders: stopped at the first that proved the limit broken
 
 
 def test_spec_is_minimal_and_readonly(tmp_path: Path) -> None:
