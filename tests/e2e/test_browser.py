@@ -39,7 +39,14 @@ def test_a_chat_renders_its_download_link_and_inline_image(browser: Browser, ope
     page = logged_in_page(browser, open_webui, admin)
     page.goto(f"{open_webui.url}/c/{first.chat_id}")
     link = page.locator('a[href*="/cache/functions/code_sessions/"]', has_text="report.csv").first
-    link.wait_for(timeout=60_000)
+    try:
+        link.wait_for(timeout=60_000)
+    except Exception as error:
+        # Say what the page showed instead: a failure here is otherwise a bare timeout.
+        page.screenshot(path=str(tmp_path / "failed.png"))
+        text = page.evaluate("document.body.innerText")[:2000]
+        shot = tmp_path / "failed.png"
+        raise AssertionError(f"no report.csv link; page at {page.url} ({shot}):\n{text}") from error
     image = page.locator('img[src*="/cache/functions/code_sessions/"]').first
     image.wait_for(timeout=60_000)
     page.keyboard.press("Escape")  # any welcome dialog
