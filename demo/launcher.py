@@ -139,6 +139,28 @@ class Admin:
         if not self.get(f"/api/v1/functions/id/{function_id}").json().get("is_active"):
             self.post(f"/api/v1/functions/id/{function_id}/toggle").raise_for_status()
 
+    def use_models_from(self, *, openai: tuple[str, str] | None = None, ollama: str | None = None) -> None:
+        """Point Open WebUI at one model source: an OpenAI-compatible (url, key) or an Ollama url.
+
+        The environment (OPENAI_API_BASE_URL, ...) sets the connections on Open WebUI's first start only;
+        later starts read them from its database. A launcher whose source changes between starts (the
+        demo model gets a new port each time) must therefore set them through the API, as an admin would.
+        """
+        for provider, source, fields in (
+            ("openai", openai, ("ENABLE_OPENAI_API", "OPENAI_API_BASE_URLS", "OPENAI_API_KEYS")),
+            ("ollama", ollama, ("ENABLE_OLLAMA_API", "OLLAMA_BASE_URLS", None)),
+        ):
+            enable, urls, keys = fields
+            config = self.get(f"/{provider}/config").json()
+            config[enable] = source is not None
+            if source is not None:  # a disabled provider keeps its saved connections
+                url, key = source if isinstance(source, tuple) else (source, "")
+                config[urls] = [url]
+                config[f"{provider.upper()}_API_CONFIGS"] = {}
+                if keys:
+                    config[keys] = [key]
+            self.post(f"/{provider}/config/update", config).raise_for_status()
+
     def valves(self, function_id: str = FUNCTION_ID) -> dict:
         return self.get(f"/api/v1/functions/id/{function_id}/valves").json() or {}
 

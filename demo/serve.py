@@ -59,25 +59,24 @@ def main() -> int:
 
     env = {"WEBUI_AUTH": "False", "WEBUI_SECRET_KEY": _secret(data_dir)}
     helper = None
+    openai: tuple[str, str] | None = None
+    ollama: str | None = None
     if os.environ.get("OPENAI_API_BASE_URL"):
         source = os.environ["OPENAI_API_BASE_URL"]
-        env.update(
-            OPENAI_API_BASE_URL=source,
-            OPENAI_API_KEY=os.environ.get("OPENAI_API_KEY", ""),
-            ENABLE_OLLAMA_API="false",
-        )
+        openai = (source, os.environ.get("OPENAI_API_KEY", ""))
     elif _ollama_running():
         source = "Ollama on 127.0.0.1:11434"
-        env.update(OLLAMA_BASE_URL="http://127.0.0.1:11434", ENABLE_OPENAI_API="false")
+        ollama = "http://127.0.0.1:11434"
     else:
         port = launcher.free_port()
         helper = launcher.start_model_server(port, data_dir.parent / "scripted-model.log")
         source = "the built-in scripted demo model"
-        env.update(
-            OPENAI_API_BASE_URL=f"http://127.0.0.1:{port}/v1",
-            OPENAI_API_KEY="demo",
-            ENABLE_OLLAMA_API="false",
-        )
+        openai = (f"http://127.0.0.1:{port}/v1", "demo")
+    # Also as environment, so that even Open WebUI's first model listing already has the right source.
+    if openai:
+        env.update(OPENAI_API_BASE_URL=openai[0], OPENAI_API_KEY=openai[1], ENABLE_OLLAMA_API="false")
+    else:
+        env.update(OLLAMA_BASE_URL=ollama or "", ENABLE_OPENAI_API="false")
 
     print(
         f"Starting Open WebUI on http://127.0.0.1:{args.port} (log: {log}); models from {source}", flush=True
@@ -95,6 +94,7 @@ def main() -> int:
         )
         signin.raise_for_status()
         admin = launcher.Admin(url, signin.json()["token"])
+        admin.use_models_from(openai=openai, ollama=ollama)
         admin.install_function()
         models = [m.strip() for m in args.models.split(",") if m.strip()] or [
             model["id"]
