@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -40,12 +41,20 @@ def test_a_chat_renders_its_download_link_and_inline_image(browser: Browser, ope
     page.goto(f"{open_webui.url}/c/{first.chat_id}")
     link = page.locator('a[href*="/cache/functions/code_sessions/"]', has_text="report.csv").first
     try:
-        link.wait_for(timeout=60_000)
+        link.wait_for(timeout=30_000)
+    except Exception:
+        # Once in a full run the chat page came up without its messages (Open WebUI's page, not the
+        # stored answer, which the HTTP tests check): keep what it showed, then load it once more.
+        first_load = tmp_path / "first-load.png"
+        page.screenshot(path=str(first_load))
+        warnings.warn(f"the chat page needed a reload; first load: {first_load}", stacklevel=1)
+        page.reload()
+    try:
+        link.wait_for(timeout=45_000)
     except Exception as error:
-        # Say what the page showed instead: a failure here is otherwise a bare timeout.
-        page.screenshot(path=str(tmp_path / "failed.png"))
-        text = page.evaluate("document.body.innerText")[:2000]
         shot = tmp_path / "failed.png"
+        page.screenshot(path=str(shot))
+        text = page.evaluate("document.body.innerText")[:2000]
         raise AssertionError(f"no report.csv link; page at {page.url} ({shot}):\n{text}") from error
     image = page.locator('img[src*="/cache/functions/code_sessions/"]').first
     image.wait_for(timeout=60_000)
