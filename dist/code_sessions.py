@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_7fdb03e2ca14'
+_CS_PACKAGE = '_code_sessions_505f3fcc7a91'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, an SQLite index, quotas, expiry, publishing.
 
@@ -5647,11 +5647,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import stat
 import threading
 import time
 from collections.abc import Callable
+
+log = logging.getLogger("code_sessions.runner")
 
 FS_POLL_S = 0.01  # statvfs of the workdir's filesystem: a single cheap syscall
 MIN_INTERVAL_S = 0.1
@@ -5858,6 +5861,8 @@ async def watch_growth(
             _watch(root, start, fs_before, baseline_cost, limit, report, pids, cancelled)
         except TooDeep:
             report(None)
+        except Exception:  # e.g. the workdir itself vanished; the run's own end still reconciles it
+            log.exception("disk watcher stopped for %s", root)
         finally:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(finished.set)
@@ -7550,7 +7555,7 @@ from __future__ import annotations
 
 import re
 
-from _code_sessions_7fdb03e2ca14.storage import Purge
+from _code_sessions_505f3fcc7a91.storage import Purge
 
 __all__ = ["parse_duration", "parse_purge"]
 
@@ -7990,8 +7995,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_7fdb03e2ca14.runner import Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_7fdb03e2ca14.storage import (
+from _code_sessions_505f3fcc7a91.runner import Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_505f3fcc7a91.storage import (
     FileMissing,
     InvalidPath,
     QuotaExceeded,
@@ -8451,7 +8456,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_7fdb03e2ca14.engine import (
+from _code_sessions_505f3fcc7a91.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -8463,8 +8468,8 @@ from _code_sessions_7fdb03e2ca14.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_7fdb03e2ca14.runner import Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_7fdb03e2ca14.storage import Expiry, Publisher, Purge, Quotas, Store
+from _code_sessions_505f3fcc7a91.runner import Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_505f3fcc7a91.storage import Expiry, Publisher, Purge, Quotas, Store
 
 log = logging.getLogger("code_sessions.function")
 

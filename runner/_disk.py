@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import stat
 import threading
 import time
 from collections.abc import Callable
+
+log = logging.getLogger("code_sessions.runner")
 
 FS_POLL_S = 0.01  # statvfs of the workdir's filesystem: a single cheap syscall
 MIN_INTERVAL_S = 0.1
@@ -229,6 +232,8 @@ async def watch_growth(
             _watch(root, start, fs_before, baseline_cost, limit, report, pids, cancelled)
         except TooDeep:
             report(None)
+        except Exception:  # e.g. the workdir itself vanished; the run's own end still reconciles it
+            log.exception("disk watcher stopped for %s", root)
         finally:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(finished.set)
