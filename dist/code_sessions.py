@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_505f3fcc7a91'
+_CS_PACKAGE = '_code_sessions_ccfb5d2282ad'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, an SQLite index, quotas, expiry, publishing.
 
@@ -106,7 +106,7 @@ from ._fsops import fd_closing, open_dir, remove_tree, unlink_name_if_unchanged,
 from ._index import SessionRow, all_sessions, get_meta, log_activity, session_by_keys
 from ._keys import id_key
 from ._lock import FileLock, is_locked
-from ._publish import STAGING_PREFIX, TOKEN_RE, remove_copy
+from ._publish import STAGING_PREFIX, TOKEN_RE, copy_present, remove_copy
 from .errors import FileMissing, InvalidPath
 from .models import CleanupReport, Purge, SessionCleanup
 
@@ -501,7 +501,7 @@ async def _stale_links(store: Store, now: float, tally: _Tally) -> None:
                 no_session
                 or (expires_at is not None and expires_at <= now)
                 or (old and (no_file or changed))
-                or not (Path(directory) / token / name).is_file()
+                or not copy_present(Path(directory), token, name)
             ):
                 stale.append((token, directory))
         return stale
@@ -1183,19 +1183,6 @@ def unlink_file(root_fd: int, parts: tuple[str, ...]) -> os.stat_result:
         return st
 
 
-def unlink_if_unchanged(root_fd: int, parts: tuple[str, ...], size: int, mtime_ns: int) -> bool:
-    """Remove a regular file only if it still has the size and mtime the index knows (expiry).
-
-    A file changed since it was indexed is left for the next reconcile to see.
-    """
-    try:
-        parent = walk_dirs(root_fd, parts[:-1])
-    except (FileMissing, InvalidPath):
-        return False
-    with fd_closing(parent):
-        return unlink_name_if_unchanged(parent, parts[-1], size, mtime_ns)
-
-
 def unlink_name_if_unchanged(dir_fd: int, name: str, size: int, mtime_ns: int) -> bool:
     st = lstat_at(dir_fd, name)
     if st is None or not stat.S_ISREG(st.st_mode) or (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
@@ -1365,7 +1352,8 @@ from ._db import Tx
 from ._keys import db_text
 
 _SESSION_COLUMNS = (
-    "id, user_id, chat_id, user_key, chat_key, temporary, created_at, last_used_at, bytes, file_count"
+    "id, user_id, chat_id, user_key, chat_key, temporary, created_at, last_used_at, bytes, file_count,"
+    " linked_files"
 )
 
 
@@ -1381,10 +1369,11 @@ class SessionRow:
     last_used_at: float
     bytes: int
     file_count: int
+    linked_files: bool  # files with several hard links were seen (see _partial)
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> SessionRow:
-        return cls(row[0], row[1], row[2], row[3], row[4], bool(row[5]), *row[6:])
+        return cls(row[0], row[1], row[2], row[3], row[4], bool(row[5]), *row[6:10], bool(row[10]))
 
 
 async def ensure_session(
@@ -1698,10 +1687,6 @@ class FileLock:
         self.path = path
         self._fd: int | None = None
 
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
     def try_acquire(self) -> bool:
         """Take the lock if free, without waiting. Creates the lock file (and its folder) if needed."""
         if self._fd is not None:
@@ -1867,10 +1852,6 @@ def split_path(path: str) -> tuple[str, ...]:
     if len(parts) > MAX_DEPTH:
         raise InvalidPath(f"the path {path!r} is deeper than {MAX_DEPTH} levels")
     return tuple(parts)
-
-
-def normalise(path: str) -> str:
-    return "/".join(split_path(path))
 
 
 def display(name: str) -> str:
@@ -2138,8 +2119,7 @@ async def _apply(
         row = await session_by_keys(tx, session.user_key, session.chat_key)
         if row is None:
             raise _Fallback("the session has no index row")  # nothing to compare with
-        linked = await tx.one("SELECT linked_files FROM sessions WHERE id = ?", (row.id,))
-        if linked is None or linked[0]:
+        if row.linked_files:
             # Written through one name, the other names of such a file change without an event
             # naming them (and the written name may be gone by now).
             raise _Fallback("the session holds files with several hard links")
@@ -2163,8 +2143,8 @@ async def _apply(
             ):
                 index[path] = (size, mtime_ns)
         removed = [p for p in index if p not in listing and not found.is_unreadable(p)]
-        _, files, size = await user_totals(tx, session.user_key, except_chat_key=session.chat_key)
-        return index, removed, files + row.file_count, size + row.bytes
+        _, files, size = await user_totals(tx, session.user_key)
+        return index, removed, files, size
 
     index, removed, user_files, user_bytes = await session._store._db.read(read)
     added = [p for p in listing if p not in index]
@@ -2284,7 +2264,7 @@ async def _reusable(session: Session, publisher: Publisher, rel: str, st: os.sta
     for token, name, url, created_at, directory in await session._store._db.read(read):
         if directory != str(publisher.directory) or not url.startswith(publisher.url_prefix):
             continue
-        if _copy_present(Path(directory), token, name):
+        if copy_present(Path(directory), token, name):
             kind = publish_name(name)[1]
             return Link(token, url, rel, name, st.st_size, is_passive_image(kind), created_at)
     return None
@@ -2316,7 +2296,7 @@ async def _check_budget(session: Session, rel: str, size: int) -> None:
         )
 
 
-def _copy_present(directory: Path, token: str, name: str) -> bool:
+def copy_present(directory: Path, token: str, name: str) -> bool:
     try:
         st = os.stat(directory / token / name, follow_symlinks=False)
     except OSError:
@@ -2370,10 +2350,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ._db import Tx
-from ._index import all_sessions, ensure_session, log_activity, refresh_totals, session_by_keys
+from ._index import all_sessions, log_activity, refresh_totals
 from ._keys import id_key
 from ._layout import read_sidecar, write_sidecar
 from ._lock import FileLock, is_locked
+from ._publish import copy_present
 from ._scan import scan
 from .models import Drift, RebuildReport, ReconcileReport
 
@@ -2423,29 +2404,16 @@ async def rebuild(store: Store) -> RebuildReport:
             totals["in_use"] += 1
             continue
         try:
-            now = time.time()
-
-            async def write(tx: Tx, s: Session = session, c: float | None = created, n: float = now) -> None:
-                await ensure_session(
-                    tx,
-                    user_id=s.user_id,
-                    chat_id=s.chat_id,
-                    user_key=s.user_key,
-                    chat_key=s.chat_key,
-                    temporary=s.temporary,
-                    created_at=c if c is not None else n,
-                    used_at=None,
-                )
-
-            await store._db.write(write)
+            created_at = created if created is not None else time.time()
+            sid = await store._db.write(lambda tx, s=session, c=created_at: s._session_id(tx, c))
             report: ReconcileReport = await session.reconcile(enforce_quotas=False)
-            # Repair the cached totals too, whatever happened to them.
-            await store._db.write(lambda tx, s=session: _repair_totals(tx, s.user_key, s.chat_key))
+            # Repair the cached totals too, whatever happened to them, and report the repaired ones.
+            files, size = await store._db.write(lambda tx, i=sid: refresh_totals(tx, i))
         finally:
             lock.release()
         totals["sessions"] += 1
-        totals["files"] += report.files
-        totals["bytes"] += report.bytes
+        totals["files"] += files
+        totals["bytes"] += size
         counts["added"] += len(report.added)
         counts["changed"] += len(report.changed)
         counts["removed"] += len(report.removed)
@@ -2573,17 +2541,11 @@ async def check(store: Store) -> list[Drift]:
         return [
             Drift("link copy missing", user_id or "", chat_id or "", path, token)
             for token, directory, name, path, user_id, chat_id in links
-            if not (Path(directory) / token / name).is_file()
+            if not copy_present(Path(directory), token, name)
         ]
 
     drift.extend(await asyncio.to_thread(missing_copies))
     return drift
-
-
-async def _repair_totals(tx: Tx, user_key: str, chat_key: str) -> None:
-    row = await session_by_keys(tx, user_key, chat_key)
-    if row is not None:
-        await refresh_totals(tx, row.id)
 ''',
     'storage/_reconcile.py': r'''"""Reconcile: make the index match a session folder, then enforce quotas on what is new.
 
@@ -4081,7 +4043,8 @@ class Session:
         with fd_closing(fd):
             yield fd
 
-    async def _session_id(self, tx: Tx, now: float) -> int:
+    async def _session_id(self, tx: Tx, created_at: float, used_at: float | None = None) -> int:
+        """This session's row id, creating the row (created at ``created_at``) if it is missing."""
         return await ensure_session(
             tx,
             user_id=self.user_id,
@@ -4089,8 +4052,8 @@ class Session:
             user_key=self.user_key,
             chat_key=self.chat_key,
             temporary=self.temporary,
-            created_at=now,
-            used_at=None,
+            created_at=created_at,
+            used_at=used_at,
         )
 
 
@@ -4347,7 +4310,6 @@ from ._db import Database, Tx
 from ._fsops import make_dir
 from ._index import (
     all_sessions,
-    ensure_session,
     get_meta,
     log_activity,
     session_by_keys,
@@ -4496,20 +4458,7 @@ class Store:
     async def _ensure(self, session: Session, *, touch: bool) -> None:
         created = await asyncio.to_thread(self._make_dirs, session)
         now = time.time()
-
-        async def write(tx: Tx) -> None:
-            await ensure_session(
-                tx,
-                user_id=session.user_id,
-                chat_id=session.chat_id,
-                user_key=session.user_key,
-                chat_key=session.chat_key,
-                temporary=session.temporary,
-                created_at=created,
-                used_at=now if touch else None,
-            )
-
-        await self._db.write(write)
+        await self._db.write(lambda tx: session._session_id(tx, created, now if touch else None))
 
     def _make_dirs(self, session: Session) -> float:
         """Create the session folder, its state folder and sidecar; returns the creation time."""
@@ -7555,7 +7504,7 @@ from __future__ import annotations
 
 import re
 
-from _code_sessions_505f3fcc7a91.storage import Purge
+from _code_sessions_ccfb5d2282ad.storage import Purge
 
 __all__ = ["parse_duration", "parse_purge"]
 
@@ -7995,8 +7944,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_505f3fcc7a91.runner import Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_505f3fcc7a91.storage import (
+from _code_sessions_ccfb5d2282ad.runner import Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_ccfb5d2282ad.storage import (
     FileMissing,
     InvalidPath,
     QuotaExceeded,
@@ -8456,7 +8405,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_505f3fcc7a91.engine import (
+from _code_sessions_ccfb5d2282ad.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -8468,8 +8417,8 @@ from _code_sessions_505f3fcc7a91.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_505f3fcc7a91.runner import Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_505f3fcc7a91.storage import Expiry, Publisher, Purge, Quotas, Store
+from _code_sessions_ccfb5d2282ad.runner import Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_ccfb5d2282ad.storage import Expiry, Publisher, Purge, Quotas, Store
 
 log = logging.getLogger("code_sessions.function")
 

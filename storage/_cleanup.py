@@ -27,7 +27,7 @@ from ._fsops import fd_closing, open_dir, remove_tree, unlink_name_if_unchanged,
 from ._index import SessionRow, all_sessions, get_meta, log_activity, session_by_keys
 from ._keys import id_key
 from ._lock import FileLock, is_locked
-from ._publish import STAGING_PREFIX, TOKEN_RE, remove_copy
+from ._publish import STAGING_PREFIX, TOKEN_RE, copy_present, remove_copy
 from .errors import FileMissing, InvalidPath
 from .models import CleanupReport, Purge, SessionCleanup
 
@@ -422,7 +422,7 @@ async def _stale_links(store: Store, now: float, tally: _Tally) -> None:
                 no_session
                 or (expires_at is not None and expires_at <= now)
                 or (old and (no_file or changed))
-                or not (Path(directory) / token / name).is_file()
+                or not copy_present(Path(directory), token, name)
             ):
                 stale.append((token, directory))
         return stale

@@ -256,19 +256,6 @@ def unlink_file(root_fd: int, parts: tuple[str, ...]) -> os.stat_result:
         return st
 
 
-def unlink_if_unchanged(root_fd: int, parts: tuple[str, ...], size: int, mtime_ns: int) -> bool:
-    """Remove a regular file only if it still has the size and mtime the index knows (expiry).
-
-    A file changed since it was indexed is left for the next reconcile to see.
-    """
-    try:
-        parent = walk_dirs(root_fd, parts[:-1])
-    except (FileMissing, InvalidPath):
-        return False
-    with fd_closing(parent):
-        return unlink_name_if_unchanged(parent, parts[-1], size, mtime_ns)
-
-
 def unlink_name_if_unchanged(dir_fd: int, name: str, size: int, mtime_ns: int) -> bool:
     st = lstat_at(dir_fd, name)
     if st is None or not stat.S_ISREG(st.st_mode) or (st.st_size, st.st_mtime_ns) != (size, mtime_ns):

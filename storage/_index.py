@@ -10,7 +10,8 @@ from ._db import Tx
 from ._keys import db_text
 
 _SESSION_COLUMNS = (
-    "id, user_id, chat_id, user_key, chat_key, temporary, created_at, last_used_at, bytes, file_count"
+    "id, user_id, chat_id, user_key, chat_key, temporary, created_at, last_used_at, bytes, file_count,"
+    " linked_files"
 )
 
 
@@ -26,10 +27,11 @@ class SessionRow:
     last_used_at: float
     bytes: int
     file_count: int
+    linked_files: bool  # files with several hard links were seen (see _partial)
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> SessionRow:
-        return cls(row[0], row[1], row[2], row[3], row[4], bool(row[5]), *row[6:])
+        return cls(row[0], row[1], row[2], row[3], row[4], bool(row[5]), *row[6:10], bool(row[10]))
 
 
 async def ensure_session(

@@ -29,10 +29,6 @@ class FileLock:
         self.path = path
         self._fd: int | None = None
 
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
     def try_acquire(self) -> bool:
         """Take the lock if free, without waiting. Creates the lock file (and its folder) if needed."""
         if self._fd is not None:

@@ -92,10 +92,6 @@ def split_path(path: str) -> tuple[str, ...]:
     return tuple(parts)
 
 
-def normalise(path: str) -> str:
-    return "/".join(split_path(path))
-
-
 def display(name: str) -> str:
     """A name read from disk, with undecodable bytes (surrogate escapes) shown as \\xNN."""
     return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")

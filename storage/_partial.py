@@ -172,8 +172,7 @@ async def _apply(
         row = await session_by_keys(tx, session.user_key, session.chat_key)
         if row is None:
             raise _Fallback("the session has no index row")  # nothing to compare with
-        linked = await tx.one("SELECT linked_files FROM sessions WHERE id = ?", (row.id,))
-        if linked is None or linked[0]:
+        if row.linked_files:
             # Written through one name, the other names of such a file change without an event
             # naming them (and the written name may be gone by now).
             raise _Fallback("the session holds files with several hard links")
@@ -197,8 +196,8 @@ async def _apply(
             ):
                 index[path] = (size, mtime_ns)
         removed = [p for p in index if p not in listing and not found.is_unreadable(p)]
-        _, files, size = await user_totals(tx, session.user_key, except_chat_key=session.chat_key)
-        return index, removed, files + row.file_count, size + row.bytes
+        _, files, size = await user_totals(tx, session.user_key)
+        return index, removed, files, size
 
     index, removed, user_files, user_bytes = await session._store._db.read(read)
     added = [p for p in listing if p not in index]

@@ -92,7 +92,7 @@ async def _reusable(session: Session, publisher: Publisher, rel: str, st: os.sta
     for token, name, url, created_at, directory in await session._store._db.read(read):
         if directory != str(publisher.directory) or not url.startswith(publisher.url_prefix):
             continue
-        if _copy_present(Path(directory), token, name):
+        if copy_present(Path(directory), token, name):
             kind = publish_name(name)[1]
             return Link(token, url, rel, name, st.st_size, is_passive_image(kind), created_at)
     return None
@@ -124,7 +124,7 @@ async def _check_budget(session: Session, rel: str, size: int) -> None:
         )
 
 
-def _copy_present(directory: Path, token: str, name: str) -> bool:
+def copy_present(directory: Path, token: str, name: str) -> bool:
     try:
         st = os.stat(directory / token / name, follow_symlinks=False)
     except OSError:

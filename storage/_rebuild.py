@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ._db import Tx
-from ._index import all_sessions, ensure_session, log_activity, refresh_totals, session_by_keys
+from ._index import all_sessions, log_activity, refresh_totals
 from ._keys import id_key
 from ._layout import read_sidecar, write_sidecar
 from ._lock import FileLock, is_locked
+from ._publish import copy_present
 from ._scan import scan
 from .models import Drift, RebuildReport, ReconcileReport
 
@@ -61,29 +62,16 @@ async def rebuild(store: Store) -> RebuildReport:
             totals["in_use"] += 1
             continue
         try:
-            now = time.time()
-
-            async def write(tx: Tx, s: Session = session, c: float | None = created, n: float = now) -> None:
-                await ensure_session(
-                    tx,
-                    user_id=s.user_id,
-                    chat_id=s.chat_id,
-                    user_key=s.user_key,
-                    chat_key=s.chat_key,
-                    temporary=s.temporary,
-                    created_at=c if c is not None else n,
-                    used_at=None,
-                )
-
-            await store._db.write(write)
+            created_at = created if created is not None else time.time()
+            sid = await store._db.write(lambda tx, s=session, c=created_at: s._session_id(tx, c))
             report: ReconcileReport = await session.reconcile(enforce_quotas=False)
-            # Repair the cached totals too, whatever happened to them.
-            await store._db.write(lambda tx, s=session: _repair_totals(tx, s.user_key, s.chat_key))
+            # Repair the cached totals too, whatever happened to them, and report the repaired ones.
+            files, size = await store._db.write(lambda tx, i=sid: refresh_totals(tx, i))
         finally:
             lock.release()
         totals["sessions"] += 1
-        totals["files"] += report.files
-        totals["bytes"] += report.bytes
+        totals["files"] += files
+        totals["bytes"] += size
         counts["added"] += len(report.added)
         counts["changed"] += len(report.changed)
         counts["removed"] += len(report.removed)
@@ -211,14 +199,8 @@ async def check(store: Store) -> list[Drift]:
         return [
             Drift("link copy missing", user_id or "", chat_id or "", path, token)
             for token, directory, name, path, user_id, chat_id in links
-            if not (Path(directory) / token / name).is_file()
+            if not copy_present(Path(directory), token, name)
         ]
 
     drift.extend(await asyncio.to_thread(missing_copies))
     return drift
-
-
-async def _repair_totals(tx: Tx, user_key: str, chat_key: str) -> None:
-    row = await session_by_keys(tx, user_key, chat_key)
-    if row is not None:
-        await refresh_totals(tx, row.id)

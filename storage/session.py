@@ -183,7 +183,8 @@ class Session:
         with fd_closing(fd):
             yield fd
 
-    async def _session_id(self, tx: Tx, now: float) -> int:
+    async def _session_id(self, tx: Tx, created_at: float, used_at: float | None = None) -> int:
+        """This session's row id, creating the row (created at ``created_at``) if it is missing."""
         return await ensure_session(
             tx,
             user_id=self.user_id,
@@ -191,8 +192,8 @@ class Session:
             user_key=self.user_key,
             chat_key=self.chat_key,
             temporary=self.temporary,
-            created_at=now,
-            used_at=None,
+            created_at=created_at,
+            used_at=used_at,
         )
 
 

@@ -15,7 +15,6 @@ from ._db import Database, Tx
 from ._fsops import make_dir
 from ._index import (
     all_sessions,
-    ensure_session,
     get_meta,
     log_activity,
     session_by_keys,
@@ -164,20 +163,7 @@ class Store:
     async def _ensure(self, session: Session, *, touch: bool) -> None:
         created = await asyncio.to_thread(self._make_dirs, session)
         now = time.time()
-
-        async def write(tx: Tx) -> None:
-            await ensure_session(
-                tx,
-                user_id=session.user_id,
-                chat_id=session.chat_id,
-                user_key=session.user_key,
-                chat_key=session.chat_key,
-                temporary=session.temporary,
-                created_at=created,
-                used_at=now if touch else None,
-            )
-
-        await self._db.write(write)
+        await self._db.write(lambda tx: session._session_id(tx, created, now if touch else None))
 
     def _make_dirs(self, session: Session) -> float:
         """Create the session folder, its state folder and sidecar; returns the creation time."""

@@ -121,6 +121,15 @@ async def test_rebuild_drops_rows_without_folder(store: Store) -> None:
     assert await store.sessions() == []
 
 
+async def test_rebuild_repairs_drifted_totals_and_reports_the_repaired_ones(store: Store, root: Path) -> None:
+    s = await store.session("u", "c")
+    await s.files.write("a", b"12345")
+    sql(root, "UPDATE sessions SET file_count = 7, bytes = 999")
+    report = await store.rebuild()
+    assert (report.files, report.bytes) == (1, 5)
+    assert [(i.files, i.bytes) for i in await store.sessions()] == [(1, 5)]
+
+
 async def test_check_reports_drift(store: Store) -> None:
     s = await store.session("u", "c")
     await s.files.write("a.txt", b"1")
