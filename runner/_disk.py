@@ -46,14 +46,9 @@ class TooDeep(Exception):
 FolderSizes = dict[tuple[int, int], int]  # (st_dev, st_ino) of a folder -> bytes of its own entries
 
 
-def disk_usage(root: str, max_depth: int = MAX_DEPTH) -> int:
-    """Bytes under ``root``. Raises TooDeep for folders nested more than ``max_depth`` levels."""
-    return sum(folder_sizes(root, max_depth).values())
-
-
 def folder_sizes(root: str, max_depth: int = MAX_DEPTH) -> FolderSizes:
     """The bytes of each folder under ``root`` (its own entries, not its subfolders'): the baseline
-    that `growth` compares against."""
+    that `growth` compares against. Raises TooDeep for folders nested more than ``max_depth`` levels."""
     sizes: FolderSizes = {}
 
     def record(key: tuple[int, int], size: int) -> bool:
@@ -64,21 +59,24 @@ def folder_sizes(root: str, max_depth: int = MAX_DEPTH) -> FolderSizes:
     return sizes
 
 
-def growth(root: str, before: FolderSizes, stop_above: int | None = None, max_depth: int = MAX_DEPTH) -> int:
+def growth(
+    root: str, before: FolderSizes, stop_above: int | None = None, abandon: Callable[[], bool] | None = None
+) -> int:
     """Bytes the folders under ``root`` gained since ``before``, a folder that shrank counting as 0.
 
     Counting per folder is what lets a walk stop early: once the folders seen so far gained more than
     ``stop_above``, the rest cannot take it back, and finishing a walk of 100k files would only let
     the writer go on. (So moving existing files into another folder counts as writing them there.)
+    ``abandon``: asked after each folder; True ends the walk (the run is over, nobody needs the answer).
     """
     total = 0
 
     def add(key: tuple[int, int], size: int) -> bool:
         nonlocal total
         total += max(0, size - before.get(key, 0))
-        return stop_above is not None and total > stop_above
+        return (stop_above is not None and total > stop_above) or (abandon is not None and abandon())
 
-    _walk(root, max_depth, add)
+    _walk(root, max_depth=MAX_DEPTH, visit=add)
     return total
 
 
@@ -89,43 +87,40 @@ def _walk(root: str, max_depth: int, visit: Callable[[tuple[int, int], int], boo
     except OSError:
         return
     seen: set[tuple[int, int]] = set()
-    try:
-        size, subfolders = _measure(top, seen)
-        if visit(_key(top), size):
-            return
-    except BaseException:
-        os.close(top)
-        raise
     # Depth first with one open folder per level, whatever a level's width; a folder is opened from
-    # its parent's descriptor, so a path longer than PATH_MAX is no obstacle.
-    stack: list[tuple[int, list[str]]] = [(top, subfolders)]
+    # its parent's descriptor, so a path longer than PATH_MAX is no obstacle. Every descriptor is on
+    # the stack before anything can raise or return, so the `finally` closes them all.
+    stack: list[tuple[int, list[str]]] = [(top, [])]
     try:
+        if _enter(top, stack[-1][1], seen, visit):
+            return
         while stack:
             fd, pending = stack[-1]
             if not pending:
                 os.close(fd)
                 stack.pop()
                 continue
-            name = pending.pop()
             try:
-                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                child = os.open(pending.pop(), _DIR_FLAGS, dir_fd=fd)
             except OSError:  # vanished or swapped meanwhile: the sandbox is busy; not our concern
                 continue
-            if len(stack) > max_depth:
-                os.close(child)
+            stack.append((child, []))
+            if len(stack) > max_depth + 1:
                 raise TooDeep(f"folders nested more than {max_depth} levels deep")
-            try:
-                size, subfolders = _measure(child, seen)
-                stop = visit(_key(child), size)
-            except BaseException:
-                os.close(child)
-                raise
-            stack.append((child, subfolders))
-            if stop:
+            if _enter(child, stack[-1][1], seen, visit):
                 return
     finally:
         for fd, _ in stack:
             os.close(fd)
+
+
+def _enter(
+    fd: int, pending: list[str], seen: set[tuple[int, int]], visit: Callable[[tuple[int, int], int], bool]
+) -> bool:
+    """Measure one open folder, queue its subfolders, and return what ``visit`` says."""
+    size, subfolders = _measure(fd, seen)
+    pending.extend(subfolders)
+    return visit(_key(fd), size)
 
 
 def _key(fd: int) -> tuple[int, int]:
@@ -187,49 +182,40 @@ def fs_used(root: str) -> int:
 
 async def watch_growth(
     root: str,
-    baseline: asyncio.Future[FolderSizes],
     limit: int,
     on_exceeded: Callable[[int | None], None],
-    pids: Callable[[], list[int]] | None = None,
-    stop_now: Callable[[], None] | None = None,
+    pids: Callable[[], list[int]],
+    stop_now: Callable[[], None],
 ) -> None:
     """Watch until cancelled; call ``on_exceeded(growth)`` once and return if growth passes ``limit``
     (``on_exceeded(None)``: folders nested too deep to measure). ``pids``: the sandbox's host processes,
-    whose deleted-but-open files count too. ``stop_now``: called first, from the watching thread, to
-    stop the writer without waiting for the event loop (it must be thread-safe).
+    whose deleted-but-open files count too. ``stop_now``: called from the watching thread, to stop the
+    writer without waiting for the event loop (it must be thread-safe).
+
+    Start it before the sandbox: it reads the filesystem's level and walks the baseline at once, while
+    gVisor boots (~0.25 s), so a short run (`print(1)`) never waits for a walk.
 
     The walk is the authority. The filesystem-wide figure only decides when to walk: the workdir
     cannot have grown by more than the whole filesystem did (unless something elsewhere freed space
     at the same time, which the periodic walk still catches).
 
-    The polling runs in a thread of its own: a writer fills ~0.5 GB/s here, so every hop through the
+    Everything runs in a thread of its own: a writer fills ~0.5 GB/s here, so every hop through the
     event loop or a shared executor (busy with other chats' runs) is megabytes of overshoot.
     """
-    # The filesystem's level now, before gVisor has booted: growth from here on triggers a walk, even
-    # growth that happens while the baseline walk below is still running (it is slow under load).
-    fs_before = fs_used(root)
-    t0 = time.monotonic()
-    try:
-        start = await baseline
-    except TooDeep:
-        if stop_now is not None:
-            stop_now()
-        on_exceeded(None)
-        return
-    baseline_cost = time.monotonic() - t0
     loop = asyncio.get_running_loop()
     finished = asyncio.Event()
     cancelled = threading.Event()
 
     def report(growth: int | None) -> None:
-        if stop_now is not None:
-            stop_now()
+        if cancelled.is_set():  # the run is over: its outcome is decided
+            return
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is waiting any more
             loop.call_soon_threadsafe(on_exceeded, growth)
+        stop_now()
 
     def body() -> None:
         try:
-            _watch(root, start, fs_before, baseline_cost, limit, report, pids, cancelled)
+            _watch(root, limit, report, pids, cancelled)
         except TooDeep:
             report(None)
         except Exception:  # e.g. the workdir itself vanished; the run's own end still reconciles it
@@ -247,22 +233,23 @@ async def watch_growth(
 
 def _watch(
     root: str,
-    start: FolderSizes,
-    fs_before: int,
-    baseline_cost: float,
     limit: int,
     report: Callable[[int | None], None],
-    pids: Callable[[], list[int]] | None,
+    pids: Callable[[], list[int]],
     cancelled: threading.Event,
 ) -> None:
+    # The filesystem's level before the baseline walk: growth from here on triggers a walk, even growth
+    # that happens while the baseline walk is still running (it is slow under load).
+    fs_at_walk = fs_used(root)
+    t0 = time.monotonic()
+    start = folder_sizes(root)
+    next_walk = time.monotonic() + _interval(time.monotonic() - t0)
     device = os.stat(root).st_dev
-    next_walk = time.monotonic() + min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, baseline_cost * COST_FACTOR))
     grown = 0
-    fs_at_walk = fs_before
 
     def measure() -> int:
-        hidden = deleted_but_open(pids(), device) if pids is not None else 0
-        return growth(root, start, stop_above=limit - hidden) + hidden
+        hidden = deleted_but_open(pids(), device)
+        return growth(root, start, stop_above=limit - hidden, abandon=cancelled.is_set) + hidden
 
     while not cancelled.wait(FS_POLL_S):
         fs_now = fs_used(root)
@@ -270,8 +257,11 @@ def _watch(
             fs_at_walk = fs_now
             t0 = time.monotonic()
             grown = measure()
-            cost = time.monotonic() - t0
             if grown > limit:
                 report(grown)
                 return
-            next_walk = time.monotonic() + min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, cost * COST_FACTOR))
+            next_walk = time.monotonic() + _interval(time.monotonic() - t0)
+
+
+def _interval(walk_cost: float) -> float:
+    return min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, walk_cost * COST_FACTOR))

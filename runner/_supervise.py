@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._cgroups import RunCgroup
-from ._disk import MAX_DEPTH, folder_sizes, watch_growth
+from ._disk import MAX_DEPTH, watch_growth
 from .capabilities import run_quick
 from .models import KIB, MIB, Limits
 
@@ -138,10 +138,19 @@ class Supervision:
             self._stop.set()
 
     async def run(self) -> Facts:
-        loop = asyncio.get_running_loop()
-        # The baseline walk overlaps gVisor's boot (~0.25 s), which is longer than walking a workdir
-        # of 10k files, so it is normally done before the sandboxed code can write anything.
-        baseline = loop.run_in_executor(None, folder_sizes, self.workdir)
+        # Started first: its baseline walk overlaps gVisor's boot (~0.25 s), which is longer than
+        # walking a workdir of 10k files, so it is normally done before sandboxed code can write.
+        self._tasks.append(
+            asyncio.create_task(
+                watch_growth(
+                    self.workdir,
+                    self.limits.max_write_bytes,
+                    self._disk_full,
+                    pids=self._host_pids,
+                    stop_now=self._kill_host_processes,
+                )
+            )
+        )
         t0 = time.monotonic()
         self._proc = proc = await asyncio.create_subprocess_exec(
             *self.argv,
@@ -156,18 +165,6 @@ class Supervision:
             asyncio.create_task(self._pump(proc.stdout, self.stdout, "stdout")),
             asyncio.create_task(self._pump(proc.stderr, self.stderr, "stderr")),
         ]
-        self._tasks.append(
-            asyncio.create_task(
-                watch_growth(
-                    self.workdir,
-                    baseline,
-                    self.limits.max_write_bytes,
-                    self._disk_full,
-                    self._host_pids,
-                    stop_now=self._kill_host_processes,
-                )
-            )
-        )
         if self.cgroup is not None:
             self._tasks.append(asyncio.create_task(self._watch_oom()))
         exited = asyncio.create_task(proc.wait())
@@ -190,7 +187,6 @@ class Supervision:
             exited.cancel()
             for task in readers:
                 task.cancel()
-            baseline.cancel()
         if self.cgroup is not None:
             self.facts.oom_kills = self.cgroup.oom_kills()
         return self.facts
@@ -252,7 +248,7 @@ class Supervision:
             if time.monotonic() > deadline:
                 self.facts.leftover_pids = pids
                 break
-            await asyncio.to_thread(self._kill_host_processes)
+            await asyncio.to_thread(_sigkill, pids)
             await asyncio.sleep(0.02)
         if self.cgroup is not None:
             for _ in range(50):
@@ -266,9 +262,13 @@ class Supervision:
         return _pids_by_marker(self.marker)
 
     def _kill_host_processes(self) -> None:
-        for pid in self._host_pids():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+        _sigkill(self._host_pids())
+
+
+def _sigkill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _pids_by_marker(marker: str) -> list[int]:

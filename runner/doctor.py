@@ -19,8 +19,8 @@ from . import _bundle, _cgroups
 from ._diagnose import DOCKER_UNCONFINED, explain
 from .capabilities import detect_runsc
 from .errors import RunnerError, RunscNotFound
-from .models import Limits, Outcome, RunnerConfig
-from .runner import Runner
+from .models import Outcome, RunnerConfig
+from .runner import PROBE_LIMITS, Runner
 
 
 class Check(BaseModel):
@@ -173,9 +173,8 @@ async def _sandbox_checks(config: RunnerConfig) -> tuple[list[Check], str | None
         ),
         Check(name="memory limit", ok=True, warning=setup.cgroups is None, detail=setup.memory_enforcement),
     ]
-    limits = Limits(timeout_s=20, memory_mb=256, max_output_bytes=4096)
     with tempfile.TemporaryDirectory(prefix="runner-doctor-") as tmp:
-        res = await runner.run("print('sandbox-ok')", "python", Path(tmp), limits)
+        res = await runner.run("print('sandbox-ok')", "python", Path(tmp), PROBE_LIMITS)
         if res.outcome is Outcome.OK and res.stdout.strip() == "sandbox-ok":
             checks.append(
                 Check(name="sandbox", ok=True, detail=f"python ran in gVisor in {res.duration_s:.2f} s")

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 DEFAULT_STATE_DIR = Path("/run/code-sessions-runsc")
 DEFAULT_BUNDLE_DIR = Path("/run/code-sessions-runner")
-_PROBE_LIMITS = Limits(timeout_s=20, memory_mb=256, max_output_bytes=4096)
+PROBE_LIMITS = Limits(timeout_s=20, memory_mb=256, max_output_bytes=4096)
 
 
 @dataclass(frozen=True)
@@ -264,7 +264,7 @@ class Runner:
         one tiny run knows."""
         if self._known_issues is None:
             with tempfile.TemporaryDirectory(prefix="runner-probe-") as tmp:
-                probe = await self.run("ls / >/dev/null", "bash", Path(tmp), _PROBE_LIMITS)
+                probe = await self.run("ls / >/dev/null", "bash", Path(tmp), PROBE_LIMITS)
             issues = []
             if "Invalid argument" in probe.stderr:
                 issues.append(

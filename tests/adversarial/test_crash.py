@@ -24,7 +24,9 @@ import pytest
 
 from demo import launcher
 from tests.adversarial.crash_site import CrashSite, take_early_site
+from tests.support import sandbox
 from tests.support.open_webui import BASE_MODEL, MODEL
+from tests.support.sandbox import live_processes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.runsc]
 
@@ -61,31 +63,8 @@ def run_of(data_dir: Path) -> str | None:
     return None
 
 
-def live_processes(needle: str) -> list[int]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if needle.encode() in cmdline and state != "Z":
-            found.append(int(pid))
-    return found
-
-
 def leftovers(cid: str) -> list[str]:
-    found = []
-    listed = subprocess.run(
-        ["runsc", "--root", str(RUNSC_STATE), "list", "-quiet"], capture_output=True, text=True
-    ).stdout.split()
-    if cid in listed:
-        found.append("runsc container")
-    if (RUNNER_BUNDLES / cid).exists():
-        found.append("bundle")
-    found += [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/code-sessions/{cid}")]
-    found += [f"process {pid}" for pid in live_processes(cid)]
-    return found
+    return sandbox.leftovers(cid, RUNSC_STATE, RUNNER_BUNDLES)
 
 
 def digest(path: Path) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 from runner import RunResult
 from tests.adversarial.attack import assert_index_matches_disk, links, published_files, session_dirs
 from tests.support.pipe_harness import PipeHarness, code
+from tests.support.sandbox import assert_nothing_left
 
 pytestmark = pytest.mark.runsc
 
@@ -35,19 +35,7 @@ def spy_on_runs(harness: PipeHarness) -> list[RunResult]:
 
 def nothing_left_of(harness: PipeHarness, result: RunResult) -> None:
     """No runsc container, host process, cgroup or bundle of the run survives it."""
-    runner = harness.pipe._services.runner
-    cid = result.container_id
-    listed = os.popen(f"runsc --root {runner.state_dir} list -quiet").read().split()
-    assert cid and cid not in listed
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        assert cid.encode() not in cmdline or state == "Z", f"process {pid} of {cid} is alive"
-    assert not list(Path("/sys/fs/cgroup").glob(f"*/code-sessions/{cid}"))
-    assert not (runner.bundle_dir / cid).exists()
+    assert_nothing_left(harness.pipe._services.runner, result)
 
 
 async def warm(harness: PipeHarness) -> list[RunResult]:

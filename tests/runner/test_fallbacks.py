@@ -28,7 +28,7 @@ async def test_cancelled_run_still_kills_the_sandbox(runner: Runner, workdir: Pa
     assert time.monotonic() - t0 < 10
     for cid in bundles_during:
         assert live_processes(cid) == []
-        assert cid not in runsc_containers(runner)
+        assert cid not in runsc_containers(runner.state_dir)
 
 
 async def test_without_cgroups_memory_falls_back_to_rlimit_as(tmp_path: Path, workdir: Path) -> None:
@@ -45,7 +45,7 @@ async def test_without_cgroups_memory_falls_back_to_rlimit_as(tmp_path: Path, wo
     slow = await runner.run(":(){ :|:& };:\nsleep 60", "bash", workdir, Limits(timeout_s=2))
     assert slow.outcome is Outcome.TIMEOUT
     assert live_processes(slow.container_id) == []
-    assert runsc_containers(runner) == []
+    assert runsc_containers(runner.state_dir) == []
 
 
 async def test_network_needs_a_prepared_namespace(tmp_path: Path, workdir: Path) -> None:

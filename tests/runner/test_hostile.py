@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from runner import Runner, RunnerConfig
-from runner._disk import TooDeep, deleted_but_open, disk_usage
+from runner._disk import TooDeep, deleted_but_open
 from runner._orphans import OWNER_FILE, owner_stamp, sweep
+from tests.support.sandbox import disk_usage
 
 from .conftest import RUNSC, live_processes, runsc_containers
 
@@ -102,5 +103,5 @@ def test_a_supervisor_killed_mid_run_takes_its_sandbox_with_it(tmp_path: Path) -
     runner = Runner(config)  # the next start cleans up
     asyncio.run(runner.setup())
     assert not bundle.exists()
-    assert bundle.name not in runsc_containers(runner)
+    assert bundle.name not in runsc_containers(runner.state_dir)
     assert not list(Path("/sys/fs/cgroup").glob(f"*/{config.cgroup_parent}/{bundle.name}"))

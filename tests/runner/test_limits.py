@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from runner import Limits, Outcome, Runner
-from runner._disk import disk_usage
+from tests.support.sandbox import disk_usage
 
 from .conftest import assert_nothing_left
 

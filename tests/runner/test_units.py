@@ -12,10 +12,11 @@ import runner
 from runner import Limits, Outcome, RunnerConfig
 from runner._bundle import make_spec
 from runner._diagnose import explain, read_runsc_errors, tidy
-from runner._disk import disk_usage, folder_sizes, growth
+from runner._disk import folder_sizes, growth
 from runner._outcome import classify
 from runner._supervise import Capture, Facts
 from runner.capabilities import RunscInfo, detect_runsc, parse_flags, parse_platforms
+from tests.support.sandbox import disk_usage
 
 RUNNER_SRC = Path(runner.__path__[0])
 
@@ -125,6 +126,11 @@ def test_growth_counts_what_each_folder_gained_and_stops_once_the_limit_is_prove
     monkeypatch.setattr(disk, "_key", lambda fd: visited.append(fd) or real_key(fd))
     assert growth(str(work), before, stop_above=1000) > 1000
     assert len(visited) < 5  # of the 5 folders: stopped at the first that proved the limit broken
+    (work / "top-level.bin").write_bytes(b"w" * 50_000)
+    open_before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):  # stopping at the top folder itself must close it too
+        assert growth(str(work), before, stop_above=1000) > 1000
+    assert len(os.listdir("/proc/self/fd")) == open_before
 
 
 def test_spec_is_minimal_and_readonly(tmp_path: Path) -> None:
