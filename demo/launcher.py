@@ -146,20 +146,17 @@ class Admin:
         later starts read them from its database. A launcher whose source changes between starts (the
         demo model gets a new port each time) must therefore set them through the API, as an admin would.
         """
-        for provider, source, fields in (
-            ("openai", openai, ("ENABLE_OPENAI_API", "OPENAI_API_BASE_URLS", "OPENAI_API_KEYS")),
-            ("ollama", ollama, ("ENABLE_OLLAMA_API", "OLLAMA_BASE_URLS", None)),
-        ):
-            enable, urls, keys = fields
-            config = self.get(f"/{provider}/config").json()
-            config[enable] = source is not None
-            if source is not None:  # a disabled provider keeps its saved connections
-                url, key = source if isinstance(source, tuple) else (source, "")
-                config[urls] = [url]
-                config[f"{provider.upper()}_API_CONFIGS"] = {}
-                if keys:
-                    config[keys] = [key]
-            self.post(f"/{provider}/config/update", config).raise_for_status()
+        url, key = openai or ("", "")
+        self._provider("openai", openai and {"OPENAI_API_BASE_URLS": [url], "OPENAI_API_KEYS": [key]})
+        self._provider("ollama", ollama and {"OLLAMA_BASE_URLS": [ollama]})
+
+    def _provider(self, name: str, connection: dict | None) -> None:
+        """Switch one provider on with exactly this connection, or off (keeping what it had saved)."""
+        config = self.get(f"/{name}/config").json()
+        config[f"ENABLE_{name.upper()}_API"] = connection is not None
+        if connection:
+            config.update(connection, **{f"{name.upper()}_API_CONFIGS": {}})
+        self.post(f"/{name}/config/update", config).raise_for_status()
 
     def valves(self, function_id: str = FUNCTION_ID) -> dict:
         return self.get(f"/api/v1/functions/id/{function_id}/valves").json() or {}

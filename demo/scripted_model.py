@@ -148,8 +148,7 @@ def answer(body: dict) -> dict:
     language, source = code
     if body.get("tools"):
         return {"content": "", "tool_call": (language, source)}
-    tag = "python" if language == "python" else "bash"
-    return {"content": f"Running it:\n\n```{tag}\n{source.rstrip()}\n```\n"}
+    return {"content": f"Running it:\n\n```{language}\n{source.rstrip()}\n```\n"}
 
 
 class _Handler(BaseHTTPRequestHandler):

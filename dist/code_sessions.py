@@ -12,13 +12,14 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_4f03a617ed20'
+_CS_PACKAGE = '_code_sessions_45dfd338bfda'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, an SQLite index, quotas, expiry, publishing.
 
 It knows nothing of the web UI or of the sandbox; see docs/storage.md.
 """
 
+from ._format import human_bytes, parse_duration
 from .errors import FileExists, FileMissing, InvalidPath, QuotaExceeded, StorageBusy, StorageError
 from .models import (
     ActivityEntry,
@@ -75,6 +76,8 @@ __all__ = [
     "Store",
     "Usage",
     "UserUsage",
+    "human_bytes",
+    "parse_duration",
 ]
 ''',
     'storage/_cleanup.py': r'''"""Cleanup: expiry policy and purges, in one routine that is safe while runs are in progress.
@@ -7101,8 +7104,8 @@ class Runner:
 
 from .blocks import CodeBlock, runnable_blocks
 from .loop import RUN_CODE_TOOL, LoopOptions, ModelCall, StatusCall, converse, render_step
-from .prompt import PromptFacts, human_bytes, system_prompt
-from .purge import parse_duration, parse_purge
+from .prompt import PromptFacts, system_prompt
+from .purge import parse_purge
 from .rewrite import References, StreamingRewriter, Target, code_span, find_paths, mention, rewrite
 from .service import ChatSession, CodeSessions, StepResult
 from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
@@ -7128,9 +7131,7 @@ __all__ = [
     "events_from_message",
     "events_from_sse",
     "find_paths",
-    "human_bytes",
     "mention",
-    "parse_duration",
     "parse_purge",
     "render_step",
     "rewrite",
@@ -7144,6 +7145,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from .rewrite import closes_fence
 
 __all__ = ["CodeBlock", "runnable_blocks"]
 
@@ -7181,8 +7184,7 @@ def runnable_blocks(text: str) -> list[CodeBlock]:
         body: list[str] = []
         index += 1
         while index < len(lines):
-            stripped = lines[index].strip()
-            if stripped.startswith(fence) and set(stripped) <= {fence[0]}:
+            if closes_fence(fence, lines[index]):
                 break
             body.append(lines[index])
             index += 1
@@ -7411,15 +7413,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["PromptFacts", "human_bytes", "system_prompt"]
+from _code_sessions_45dfd338bfda.storage import human_bytes
 
-
-def human_bytes(size: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1024 or unit == "GB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
+__all__ = ["PromptFacts", "system_prompt"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -7491,27 +7487,9 @@ def system_prompt(facts: PromptFacts) -> str:
 
 from __future__ import annotations
 
-import re
+from _code_sessions_45dfd338bfda.storage import Purge, parse_duration
 
-from _code_sessions_4f03a617ed20.storage import Purge
-
-__all__ = ["parse_duration", "parse_purge"]
-
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in `30m`, `12h`, `7d`, `2w` (a bare number is seconds)."""
-    text = text.strip()
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    match = _DURATION.match(text)
-    if not match:
-        raise ValueError(f"{text!r} is not a duration like 30m, 12h, 7d or 2w")
-    return float(match.group(1)) * _UNITS[match.group(2).lower()]
+__all__ = ["parse_purge"]
 
 
 def parse_purge(request: str) -> Purge:
@@ -7525,7 +7503,7 @@ def parse_purge(request: str) -> Purge:
     if kind == "chat" and value:
         return Purge(chat_id=value)
     if kind == "idle" and value:
-        return Purge(idle_longer_than_s=parse_duration(value))
+        return Purge(idle_longer_than_s=parse_duration(value.lower()))
     raise ValueError(f"{request!r}: expected all, user:<id>, chat:<id> or idle:<duration>")
 ''',
     'engine/rewrite.py': r'''"""Turn `/mnt/data/...` paths in a model's markdown answer into working links.
@@ -7682,15 +7660,17 @@ def _prose_spans(line: str) -> Iterator[tuple[int, int]]:
     yield start, len(line)
 
 
+def closes_fence(fence: str, line: str) -> bool:
+    """Whether ``line`` closes a code block opened with ``fence`` (as long a run of the same mark)."""
+    stripped = line.strip()
+    return stripped.startswith(fence) and set(stripped) <= {fence[0]}
+
+
 class _FenceTracker:
     """Knows, line by line, whether we are inside a fenced code block."""
 
     def __init__(self) -> None:
         self._fence: str | None = None
-
-    @property
-    def inside(self) -> bool:
-        return self._fence is not None
 
     def is_code(self, line: str) -> bool:
         if self._fence is None:
@@ -7699,8 +7679,7 @@ class _FenceTracker:
                 self._fence = match.group("fence")
                 return True
             return False
-        stripped = line.strip()
-        if stripped.startswith(self._fence) and set(stripped) <= {self._fence[0]}:
+        if closes_fence(self._fence, line):
             self._fence = None
         return True
 
@@ -7716,8 +7695,7 @@ def _fenced_blocks(text: str) -> list[tuple[int, int]]:
         if opening is None:
             opening = (line.start(), line.group(1))
             continue
-        stripped = line.group().strip()
-        if stripped.startswith(opening[1]) and set(stripped) <= {opening[1][0]}:
+        if closes_fence(opening[1], line.group()):
             blocks.append((opening[0], line.end()))
             opening = None
     if opening is not None:
@@ -7933,8 +7911,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_4f03a617ed20.runner import Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_4f03a617ed20.storage import (
+from _code_sessions_45dfd338bfda.runner import Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_45dfd338bfda.storage import (
     FileMissing,
     InvalidPath,
     QuotaExceeded,
@@ -7998,7 +7976,8 @@ class StepResult:
             return []
         notes: list[str] = []
         saved = sorted(set(report.added) | set(report.changed))
-        kept = [path for path in saved if path not in {r.path for r in report.quota_removed}]
+        quota_removed = {r.path for r in report.quota_removed}
+        kept = [path for path in saved if path not in quota_removed]
         if kept:
             notes.append("Saved: " + ", ".join(mention(p) for p in kept[:20]) + _more(kept, 20))
         if report.removed:
@@ -8394,7 +8373,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_4f03a617ed20.engine import (
+from _code_sessions_45dfd338bfda.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -8406,8 +8385,8 @@ from _code_sessions_4f03a617ed20.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_4f03a617ed20.runner import Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_4f03a617ed20.storage import Expiry, Publisher, Purge, Quotas, Store
+from _code_sessions_45dfd338bfda.runner import Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_45dfd338bfda.storage import Expiry, Publisher, Purge, Quotas, Store
 
 log = logging.getLogger("code_sessions.function")
 
@@ -8416,7 +8395,7 @@ _MINUTE = 60.0
 _HOUR = 3600.0
 _DAY = 86400.0
 _NO_LIMIT = 1 << 40  # what "0: no limit" becomes where the sandbox needs a number
-_PURGE_ATTEMPTS = 10  # a purge that keeps meeting chats mid-step gives up (and says so) after this
+_PURGE_RETRY_MINUTES = 10  # a purge that keeps meeting chats mid-step gives up (and says so) after this
 
 
 class Pipe:
@@ -8491,7 +8470,8 @@ class Pipe:
         self._services_key: tuple | None = None
         self._function_id: str | None = None
         self._last_cleanup = 0.0
-        self._purge_attempts: dict[str, int] = {}
+        self._ready_lock = asyncio.Lock()
+        self._purge_pending: tuple[str, float, float] | None = None  # request, first and last try
         self._background: asyncio.Task | None = None
 
     # ---- models -------------------------------------------------------------------------------------
@@ -8529,13 +8509,13 @@ class Pipe:
         user_valves = __user__.get("valves") or self.UserValves()
         status = _status_emitter(__event_emitter__)
         uploads = await self._import_uploads(chat, __user__["id"], __files__ or [], status)
-        messages = await self._messages_with_prompt(body.get("messages", []), chat)
         options = LoopOptions(
             tool_mode=self.valves.execution_mode != "fenced",
             max_steps=self.valves.max_steps,
             show_code=bool(getattr(user_valves, "show_code", True)),
             show_output=bool(getattr(user_valves, "show_output", True)),
         )
+        messages = await self._messages_with_prompt(body.get("messages", []), chat, services, options)
 
         async def call_model(history: list[dict], tools: list[dict] | None) -> AsyncIterator:
             form = {**body, "model": base_model, "messages": history, "stream": True}
@@ -8578,22 +8558,23 @@ class Pipe:
             valves.network,
             valves.network_namespace,
         )
-        if self._services is None or key != self._services_key:
-            if self._services is not None:
-                await self._services.store.close()
-            runner = Runner(
-                RunnerConfig(
-                    runsc_path=valves.runsc_path,
-                    platform=valves.runsc_platform or None,
-                    network=valves.network,
-                    netns_path=Path(valves.network_namespace) if valves.network_namespace else None,
+        async with self._ready_lock:  # two first messages at once must not open two stores
+            if self._services is None or key != self._services_key:
+                if self._services is not None:
+                    await self._services.store.close()
+                runner = Runner(
+                    RunnerConfig(
+                        runsc_path=valves.runsc_path,
+                        platform=valves.runsc_platform or None,
+                        network=valves.network,
+                        netns_path=Path(valves.network_namespace) if valves.network_namespace else None,
+                    )
                 )
-            )
-            owner = (runner.sandbox_uid, runner.sandbox_gid) if os.geteuid() == 0 else None
-            store = Store(root, publisher=Publisher(publish_dir, url_prefix), owner=owner)
-            await store.open()
-            self._services = CodeSessions(store, runner, Limits())
-            self._services_key = key
+                owner = (runner.sandbox_uid, runner.sandbox_gid) if os.geteuid() == 0 else None
+                store = Store(root, publisher=Publisher(publish_dir, url_prefix), owner=owner)
+                await store.open()
+                self._services = CodeSessions(store, runner, Limits())
+                self._services_key = key
         services = self._services
         services.store.quotas = Quotas(
             max_files_per_user=valves.max_files_per_user,
@@ -8650,16 +8631,22 @@ class Pipe:
         except ValueError as error:
             log.error("code-sessions: ignoring purge valve %r: %s", request, error)
         else:
+            now = time.monotonic()
+            pending = self._purge_pending
+            if pending and pending[0] != request:
+                pending = None  # the admin typed a new request: it starts afresh
+            if pending and now - pending[2] < _MINUTE:
+                return  # a request that met a chat mid-step is retried once a minute, not per message
             report = await services.store.cleanup(purge)
-            attempt = self._purge_attempts.get(request, 0) + 1
-            if report.sessions_in_use and attempt < _PURGE_ATTEMPTS:
+            first_try = pending[1] if pending else now
+            if report.sessions_in_use and now - first_try < _PURGE_RETRY_MINUTES * _MINUTE:
                 # A chat mid-step was skipped; its step ends within the time limit, so keep the
-                # request and let the next minute (or message) finish the job.
-                self._purge_attempts = {request: attempt}
+                # request and let the next minute finish the job.
+                self._purge_pending = (request, first_try, now)
                 log.warning("code-sessions purge %r: %s; retrying within a minute", request, report.summary())
                 return
             log.warning("code-sessions purge %r: %s", request, report.summary())
-        self._purge_attempts = {}
+        self._purge_pending = None
         # Clear the one-shot valve so the purge does not run again at the next message.
         self.valves = self.valves.model_copy(update={"purge": ""})
         if self._function_id:
@@ -8698,24 +8685,22 @@ class Pipe:
             notes.append(f"_Attached file available as {code_span('/mnt/data/' + path)}._\n\n")
         return notes
 
-    async def _messages_with_prompt(self, messages: list[dict], chat: Any) -> list[dict]:
-        entries = await chat.session.files.list()
-        usage = await chat.session.usage()
-        services = self._services
-        assert services is not None
+    async def _messages_with_prompt(
+        self, messages: list[dict], chat: Any, services: CodeSessions, options: LoopOptions
+    ) -> list[dict]:
+        entries = sorted(await chat.session.files.list(), key=lambda e: e.mtime, reverse=True)
         quotas = services.store.quotas
-        entries = sorted(entries, key=lambda e: e.mtime, reverse=True)
         facts = PromptFacts(
             files=[(entry.path, entry.size) for entry in entries],
-            total_files=usage.files,
-            total_bytes=usage.bytes,
+            total_files=len(entries),
+            total_bytes=sum(entry.size for entry in entries),
             timeout_s=services.limits.timeout_s,
             memory_mb=services.limits.memory_mb,
             network=self.valves.network,
             max_file_bytes=quotas.max_file_bytes,
             quota_bytes=quotas.max_bytes_per_user,
             quota_files=quotas.max_files_per_user,
-            tool_mode=self.valves.execution_mode != "fenced",
+            tool_mode=options.tool_mode,
             sandbox_notes=await _sandbox_notes(services.runner),
         )
         prompt = system_prompt(facts)

@@ -2,8 +2,8 @@
 
 from .blocks import CodeBlock, runnable_blocks
 from .loop import RUN_CODE_TOOL, LoopOptions, ModelCall, StatusCall, converse, render_step
-from .prompt import PromptFacts, human_bytes, system_prompt
-from .purge import parse_duration, parse_purge
+from .prompt import PromptFacts, system_prompt
+from .purge import parse_purge
 from .rewrite import References, StreamingRewriter, Target, code_span, find_paths, mention, rewrite
 from .service import ChatSession, CodeSessions, StepResult
 from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
@@ -29,9 +29,7 @@ __all__ = [
     "events_from_message",
     "events_from_sse",
     "find_paths",
-    "human_bytes",
     "mention",
-    "parse_duration",
     "parse_purge",
     "render_step",
     "rewrite",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .rewrite import closes_fence
+
 __all__ = ["CodeBlock", "runnable_blocks"]
 
 _LANGUAGES = {
@@ -41,8 +43,7 @@ def runnable_blocks(text: str) -> list[CodeBlock]:
         body: list[str] = []
         index += 1
         while index < len(lines):
-            stripped = lines[index].strip()
-            if stripped.startswith(fence) and set(stripped) <= {fence[0]}:
+            if closes_fence(fence, lines[index]):
                 break
             body.append(lines[index])
             index += 1

@@ -5,15 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["PromptFacts", "human_bytes", "system_prompt"]
+from storage import human_bytes
 
-
-def human_bytes(size: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1024 or unit == "GB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
+__all__ = ["PromptFacts", "system_prompt"]
 
 
 @dataclass(frozen=True, slots=True)

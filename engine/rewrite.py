@@ -152,15 +152,17 @@ def _prose_spans(line: str) -> Iterator[tuple[int, int]]:
     yield start, len(line)
 
 
+def closes_fence(fence: str, line: str) -> bool:
+    """Whether ``line`` closes a code block opened with ``fence`` (as long a run of the same mark)."""
+    stripped = line.strip()
+    return stripped.startswith(fence) and set(stripped) <= {fence[0]}
+
+
 class _FenceTracker:
     """Knows, line by line, whether we are inside a fenced code block."""
 
     def __init__(self) -> None:
         self._fence: str | None = None
-
-    @property
-    def inside(self) -> bool:
-        return self._fence is not None
 
     def is_code(self, line: str) -> bool:
         if self._fence is None:
@@ -169,8 +171,7 @@ class _FenceTracker:
                 self._fence = match.group("fence")
                 return True
             return False
-        stripped = line.strip()
-        if stripped.startswith(self._fence) and set(stripped) <= {self._fence[0]}:
+        if closes_fence(self._fence, line):
             self._fence = None
         return True
 
@@ -186,8 +187,7 @@ def _fenced_blocks(text: str) -> list[tuple[int, int]]:
         if opening is None:
             opening = (line.start(), line.group(1))
             continue
-        stripped = line.group().strip()
-        if stripped.startswith(opening[1]) and set(stripped) <= {opening[1][0]}:
+        if closes_fence(opening[1], line.group()):
             blocks.append((opening[0], line.end()))
             opening = None
     if opening is not None:

@@ -78,7 +78,8 @@ class StepResult:
             return []
         notes: list[str] = []
         saved = sorted(set(report.added) | set(report.changed))
-        kept = [path for path in saved if path not in {r.path for r in report.quota_removed}]
+        quota_removed = {r.path for r in report.quota_removed}
+        kept = [path for path in saved if path not in quota_removed]
         if kept:
             notes.append("Saved: " + ", ".join(mention(p) for p in kept[:20]) + _more(kept, 20))
         if report.removed:

@@ -40,7 +40,7 @@ _MINUTE = 60.0
 _HOUR = 3600.0
 _DAY = 86400.0
 _NO_LIMIT = 1 << 40  # what "0: no limit" becomes where the sandbox needs a number
-_PURGE_ATTEMPTS = 10  # a purge that keeps meeting chats mid-step gives up (and says so) after this
+_PURGE_RETRY_MINUTES = 10  # a purge that keeps meeting chats mid-step gives up (and says so) after this
 
 
 class Pipe:
@@ -115,7 +115,8 @@ class Pipe:
         self._services_key: tuple | None = None
         self._function_id: str | None = None
         self._last_cleanup = 0.0
-        self._purge_attempts: dict[str, int] = {}
+        self._ready_lock = asyncio.Lock()
+        self._purge_pending: tuple[str, float, float] | None = None  # request, first and last try
         self._background: asyncio.Task | None = None
 
     # ---- models -------------------------------------------------------------------------------------
@@ -153,13 +154,13 @@ class Pipe:
         user_valves = __user__.get("valves") or self.UserValves()
         status = _status_emitter(__event_emitter__)
         uploads = await self._import_uploads(chat, __user__["id"], __files__ or [], status)
-        messages = await self._messages_with_prompt(body.get("messages", []), chat)
         options = LoopOptions(
             tool_mode=self.valves.execution_mode != "fenced",
             max_steps=self.valves.max_steps,
             show_code=bool(getattr(user_valves, "show_code", True)),
             show_output=bool(getattr(user_valves, "show_output", True)),
         )
+        messages = await self._messages_with_prompt(body.get("messages", []), chat, services, options)
 
         async def call_model(history: list[dict], tools: list[dict] | None) -> AsyncIterator:
             form = {**body, "model": base_model, "messages": history, "stream": True}
@@ -202,22 +203,23 @@ class Pipe:
             valves.network,
             valves.network_namespace,
         )
-        if self._services is None or key != self._services_key:
-            if self._services is not None:
-                await self._services.store.close()
-            runner = Runner(
-                RunnerConfig(
-                    runsc_path=valves.runsc_path,
-                    platform=valves.runsc_platform or None,
-                    network=valves.network,
-                    netns_path=Path(valves.network_namespace) if valves.network_namespace else None,
+        async with self._ready_lock:  # two first messages at once must not open two stores
+            if self._services is None or key != self._services_key:
+                if self._services is not None:
+                    await self._services.store.close()
+                runner = Runner(
+                    RunnerConfig(
+                        runsc_path=valves.runsc_path,
+                        platform=valves.runsc_platform or None,
+                        network=valves.network,
+                        netns_path=Path(valves.network_namespace) if valves.network_namespace else None,
+                    )
                 )
-            )
-            owner = (runner.sandbox_uid, runner.sandbox_gid) if os.geteuid() == 0 else None
-            store = Store(root, publisher=Publisher(publish_dir, url_prefix), owner=owner)
-            await store.open()
-            self._services = CodeSessions(store, runner, Limits())
-            self._services_key = key
+                owner = (runner.sandbox_uid, runner.sandbox_gid) if os.geteuid() == 0 else None
+                store = Store(root, publisher=Publisher(publish_dir, url_prefix), owner=owner)
+                await store.open()
+                self._services = CodeSessions(store, runner, Limits())
+                self._services_key = key
         services = self._services
         services.store.quotas = Quotas(
             max_files_per_user=valves.max_files_per_user,
@@ -274,16 +276,22 @@ class Pipe:
         except ValueError as error:
             log.error("code-sessions: ignoring purge valve %r: %s", request, error)
         else:
+            now = time.monotonic()
+            pending = self._purge_pending
+            if pending and pending[0] != request:
+                pending = None  # the admin typed a new request: it starts afresh
+            if pending and now - pending[2] < _MINUTE:
+                return  # a request that met a chat mid-step is retried once a minute, not per message
             report = await services.store.cleanup(purge)
-            attempt = self._purge_attempts.get(request, 0) + 1
-            if report.sessions_in_use and attempt < _PURGE_ATTEMPTS:
+            first_try = pending[1] if pending else now
+            if report.sessions_in_use and now - first_try < _PURGE_RETRY_MINUTES * _MINUTE:
                 # A chat mid-step was skipped; its step ends within the time limit, so keep the
-                # request and let the next minute (or message) finish the job.
-                self._purge_attempts = {request: attempt}
+                # request and let the next minute finish the job.
+                self._purge_pending = (request, first_try, now)
                 log.warning("code-sessions purge %r: %s; retrying within a minute", request, report.summary())
                 return
             log.warning("code-sessions purge %r: %s", request, report.summary())
-        self._purge_attempts = {}
+        self._purge_pending = None
         # Clear the one-shot valve so the purge does not run again at the next message.
         self.valves = self.valves.model_copy(update={"purge": ""})
         if self._function_id:
@@ -322,24 +330,22 @@ class Pipe:
             notes.append(f"_Attached file available as {code_span('/mnt/data/' + path)}._\n\n")
         return notes
 
-    async def _messages_with_prompt(self, messages: list[dict], chat: Any) -> list[dict]:
-        entries = await chat.session.files.list()
-        usage = await chat.session.usage()
-        services = self._services
-        assert services is not None
+    async def _messages_with_prompt(
+        self, messages: list[dict], chat: Any, services: CodeSessions, options: LoopOptions
+    ) -> list[dict]:
+        entries = sorted(await chat.session.files.list(), key=lambda e: e.mtime, reverse=True)
         quotas = services.store.quotas
-        entries = sorted(entries, key=lambda e: e.mtime, reverse=True)
         facts = PromptFacts(
             files=[(entry.path, entry.size) for entry in entries],
-            total_files=usage.files,
-            total_bytes=usage.bytes,
+            total_files=len(entries),
+            total_bytes=sum(entry.size for entry in entries),
             timeout_s=services.limits.timeout_s,
             memory_mb=services.limits.memory_mb,
             network=self.valves.network,
             max_file_bytes=quotas.max_file_bytes,
             quota_bytes=quotas.max_bytes_per_user,
             quota_files=quotas.max_files_per_user,
-            tool_mode=self.valves.execution_mode != "fenced",
+            tool_mode=options.tool_mode,
             sandbox_notes=await _sandbox_notes(services.runner),
         )
         prompt = system_prompt(facts)

@@ -3,6 +3,7 @@
 It knows nothing of the web UI or of the sandbox; see docs/storage.md.
 """
 
+from ._format import human_bytes, parse_duration
 from .errors import FileExists, FileMissing, InvalidPath, QuotaExceeded, StorageBusy, StorageError
 from .models import (
     ActivityEntry,
@@ -59,4 +60,6 @@ __all__ = [
     "Store",
     "Usage",
     "UserUsage",
+    "human_bytes",
+    "parse_duration",
 ]

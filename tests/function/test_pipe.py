@@ -129,15 +129,35 @@ async def test_a_purge_that_meets_a_chat_mid_step_waits_for_it_instead_of_giving
     session = await store.session("u1", "chat-1")
     async with session.lock():  # a step of this chat is running
         harness.stored_valves["purge"] = "chat:chat-1"
-        await asyncio.sleep(0.5)  # several background ticks meet the chat in use
+        await wait_until(lambda: retried(harness, "chat:chat-1"))  # a second tick met it in use too
         assert session_dir.exists()
         assert harness.stored_valves["purge"] == "chat:chat-1"  # kept for the next tick
-    for _ in range(100):
-        await asyncio.sleep(0.05)
-        if not session_dir.exists() and harness.stored_valves["purge"] == "":
-            break
-    assert not session_dir.exists()
-    assert harness.stored_valves["purge"] == ""
+    await wait_until(lambda: not session_dir.exists() and harness.stored_valves["purge"] == "")
+
+
+async def test_a_purge_gives_up_on_a_chat_that_stays_busy_and_says_so_by_clearing(harness: PipeHarness):
+    harness.module._MINUTE = 0.05  # so the ten minutes of retries last half a second
+    await harness.say("u1", "chat-1", code("open('/mnt/data/a.txt','w').write('1')"))
+    [session_dir] = [p for p in (harness.sessions_root / "sessions").glob("*/*") if p.is_dir()]
+    session = await harness.pipe._services.store.session("u1", "chat-1")
+    async with session.lock():
+        harness.stored_valves["purge"] = "chat:chat-1"
+        await wait_until(lambda: retried(harness, "chat:chat-1"))
+        await wait_until(lambda: harness.stored_valves["purge"] == "")
+        assert session_dir.exists()  # never deleted under a running step
+    assert harness.pipe._purge_pending is None
+
+
+def retried(harness: PipeHarness, request: str) -> bool:
+    pending = harness.pipe._purge_pending
+    return pending is not None and pending[0] == request and pending[2] > pending[1]
+
+
+async def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
 
 
 async def test_the_model_reads_earlier_answers_with_mnt_data_paths_not_links(harness: PipeHarness):
