@@ -70,8 +70,8 @@ def main() -> int:
     else:
         port = launcher.free_port()
         helper = launcher.start_model_server(port, data_dir.parent / "scripted-model.log")
-        source = "the built-in scripted demo model"
         openai = (f"http://127.0.0.1:{port}/v1", "demo")
+        source = f"the built-in scripted demo model ({openai[0]})"
     # Also as environment, so that even Open WebUI's first model listing already has the right source.
     if openai:
         env.update(OPENAI_API_BASE_URL=openai[0], OPENAI_API_KEY=openai[1], ENABLE_OLLAMA_API="false")

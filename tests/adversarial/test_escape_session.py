@@ -7,8 +7,10 @@ answer then names it, hoping the function follows it on the host and publishes w
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -137,23 +139,49 @@ async def test_fifo_socket_and_device_are_never_opened_or_linked(harness: PipeHa
 
 
 async def test_file_swapped_for_a_symlink_while_being_published(harness: PipeHarness, host_secret):
-    """Naive: one message publishes report.txt by path while another's code swaps it for a host symlink."""
+    """Naive: the file is checked, then swapped for a host symlink, then copied by its path."""
     db, secret = host_secret
     harness.set_valves(timeout_seconds=10)
+    # Through the product: messages of one chat take turns (the chat lock), so a publish never runs
+    # during a run; a run that leaves the name a symlink gets it removed, never linked.
     await harness.say("mallory", "chat-1", code("open('/mnt/data/report.txt', 'w').write('public')"))
     swapper = code(
-        "import os, time\nend = time.time() + 2\nwhile time.time() < end:\n"
+        "import os, time\nend = time.time() + 1\nwhile time.time() < end:\n"
         f"    os.symlink({str(db)!r}, 'tmp-link')\n    os.replace('tmp-link', 'report.txt')\n"
         "    open('tmp-file', 'w').write('public')\n    os.replace('tmp-file', 'report.txt')\n"
-        f"os.symlink({str(db)!r}, 'tmp-link')\nos.replace('tmp-link', 'report.txt')\nprint('swapped')"
+        f"os.symlink({str(db)!r}, 'tmp-link')\nos.replace('tmp-link', 'report.txt')\nprint('swapped')",
+        "Your report: /mnt/data/report.txt",
     )
-    publisher = code("print('ok')", "Your report: /mnt/data/report.txt")
-    messages = [swapper, publisher, publisher, publisher]
-    results = await asyncio.gather(*(harness.say("mallory", "chat-1", text) for text in messages))
-    assert "swapped" in results[0]
-    for answer in results[1:]:
-        for url in links(answer):
-            assert published(harness, url) == b"public"
+    answer = await harness.say("mallory", "chat-1", swapper)
+    assert "swapped" in answer and links(answer) == []
+    # The race itself, at the publisher: a host thread swaps the name while publishes run.
+    session = await harness.pipe._services.store.session("mallory", "chat-1")
+    errors = importlib.import_module(type(session).__module__.rsplit(".", 1)[0] + ".errors")
+    folder = session.path
+    stop = threading.Event()
+
+    def swap() -> None:
+        while not stop.is_set():
+            os.symlink(db, folder / "tmp-link")
+            os.replace(folder / "tmp-link", folder / "report.txt")
+            (folder / "tmp-file").write_text("public")
+            os.replace(folder / "tmp-file", folder / "report.txt")
+
+    swapper_thread = threading.Thread(target=swap)
+    swapper_thread.start()
+    published_urls, refused = [], 0
+    try:
+        for _ in range(2000):  # until both outcomes were seen often enough
+            try:
+                published_urls.append((await session.publish("report.txt")).url)
+            except errors.StorageError:  # the bundle's own class, not the package's
+                refused += 1
+            if len(published_urls) >= 20 and refused >= 20:
+                break
+    finally:
+        stop.set()
+        swapper_thread.join()
+    assert published_urls and refused, (len(published_urls), refused)  # both sides of the race happened
+    for url in published_urls:
+        assert published(harness, url) == b"public"
     assert_not_published(harness, secret)
-    assert special_entries(harness) == []
-    await assert_index_matches_disk(harness)

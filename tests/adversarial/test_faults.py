@@ -150,7 +150,7 @@ async def test_cleanup_racing_a_run_never_deletes_under_it(harness: PipeHarness)
     harness.set_valves(session_idle_days=1e-7, file_max_age_days=1e-7, timeout_seconds=10)
     slow = code(
         "import time\ntime.sleep(1.5)\nopen('/mnt/data/new.txt', 'w').write('new')\n"
-        "print(open('/mnt/data/old.txt').read())",
+        "print('OLD=' + open('/mnt/data/old.txt').read())",
         "New: /mnt/data/new.txt",
     )
     running = asyncio.create_task(harness.say("alice", "chat-x", slow))
@@ -164,7 +164,7 @@ async def test_cleanup_racing_a_run_never_deletes_under_it(harness: PipeHarness)
     other = await harness.say("bob", "chat-y", code("print('other chat')"))
     assert "other chat" in other and not running.done()
     answer = await running
-    assert "old" in answer  # the old file was still there while the run needed it
+    assert "OLD=old" in answer  # the old file was still there while the run needed it
     [url] = links(answer.splitlines()[-1])
     assert published(harness, url) == b"new"
     [folder] = [f for f in session_dirs(harness) if f.name.startswith("chat-x")]

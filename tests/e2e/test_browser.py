@@ -38,6 +38,8 @@ def test_a_chat_renders_its_download_link_and_inline_image(browser: Browser, ope
     assert "![chart.png](/cache/" in second.content
 
     page = logged_in_page(browser, open_webui, admin)
+    page_errors: list[str] = []
+    page.on("pageerror", lambda error: page_errors.append(str(error)))
     page.goto(f"{open_webui.url}/c/{first.chat_id}")
     link = page.locator('a[href*="/cache/functions/code_sessions/"]', has_text="report.csv").first
     try:
@@ -47,6 +49,8 @@ def test_a_chat_renders_its_download_link_and_inline_image(browser: Browser, ope
         # stored answer, which the HTTP tests check): keep what it showed, then load it once more.
         first_load = tmp_path / "first-load.png"
         page.screenshot(path=str(first_load))
+        # A script error means our answer broke the page: that is a failure, never a reload.
+        assert not page_errors, f"the chat page failed to render ({first_load}): {page_errors}"
         warnings.warn(f"the chat page needed a reload; first load: {first_load}", stacklevel=1)
         page.reload()
     try:

@@ -176,9 +176,10 @@ async def test_expiry_lets_a_run_in_between_batches(
     run = FileLock(store._layout.lock_path(s.user_key, s.chat_key))
     real_release = FileLock.release
 
-    def release_then_a_run_starts(self: FileLock) -> None:
-        real_release(self)
-        if self is not run and not run_started:  # a user's step takes the lock the first batch let go
+    def release_then_a_run_starts(self: FileLock, **kwargs: bool) -> None:
+        real_release(self, **kwargs)
+        if self is not run and self.path == run.path and not run_started:
+            # a user's step takes the lock the first batch let go
             assert run.try_acquire()
             run_started.append(True)
 

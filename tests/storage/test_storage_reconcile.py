@@ -6,6 +6,8 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from storage import QuotaExceeded, Quotas, Store
 from tests.storage.storage_helpers import run_python, sql
 
@@ -168,12 +170,8 @@ async def test_quota_rollback_keeps_old_files_and_removes_new_ones(store: Store)
     events = [a.event for a in await store.activity()]
     assert "quota_removed" in events
     # and now the user is at the limit
-    try:
+    with pytest.raises(QuotaExceeded, match="4 files"):
         await s.check_quota()
-    except QuotaExceeded as exc:
-        assert "4 files" in str(exc)
-    else:
-        raise AssertionError("expected QuotaExceeded")
 
 
 async def test_bytes_quota_removes_newest_first(store: Store) -> None:
@@ -210,12 +208,8 @@ async def test_check_quota_at_limit_raises(store: Store) -> None:
     s = await store.session("u", "c")
     _touch(s.path / "a", 100)
     await s.reconcile()
-    try:
+    with pytest.raises(QuotaExceeded, match="100 B"):
         await s.check_quota()
-    except QuotaExceeded as exc:
-        assert "100 B" in str(exc)
-    else:
-        raise AssertionError("expected QuotaExceeded")
     store.quotas = Quotas(
         max_bytes_per_user=0, max_files_per_user=0, max_new_files_per_run=0, max_file_bytes=0
     )
