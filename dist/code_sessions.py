@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_45dfd338bfda'
+_CS_PACKAGE = '_code_sessions_2f7b4be86944'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, an SQLite index, quotas, expiry, publishing.
 
@@ -7413,7 +7413,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_45dfd338bfda.storage import human_bytes
+from _code_sessions_2f7b4be86944.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -7487,7 +7487,7 @@ def system_prompt(facts: PromptFacts) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_45dfd338bfda.storage import Purge, parse_duration
+from _code_sessions_2f7b4be86944.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -7911,8 +7911,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_45dfd338bfda.runner import Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_45dfd338bfda.storage import (
+from _code_sessions_2f7b4be86944.runner import Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_2f7b4be86944.storage import (
     FileMissing,
     InvalidPath,
     QuotaExceeded,
@@ -8122,8 +8122,10 @@ class ChatSession:
 
         The chat history holds the answers as the user saw them, with /cache/... URLs; a model that
         reads those would start writing URLs instead of paths (and link nothing next time)."""
+        if not any(m.get("role") == "assistant" for m in messages):
+            return messages  # a chat's first message: no earlier answers, no query
         links = await self.session.links()
-        if not links or not any(m.get("role") == "assistant" for m in messages):
+        if not links:
             return messages
         paths = {link.url: f"/mnt/data/{link.path}" for link in links}
         pattern = re.compile("|".join(re.escape(url) for url in sorted(paths, key=len, reverse=True)))
@@ -8373,7 +8375,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_45dfd338bfda.engine import (
+from _code_sessions_2f7b4be86944.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -8385,8 +8387,8 @@ from _code_sessions_45dfd338bfda.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_45dfd338bfda.runner import Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_45dfd338bfda.storage import Expiry, Publisher, Purge, Quotas, Store
+from _code_sessions_2f7b4be86944.runner import Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_2f7b4be86944.storage import Expiry, Publisher, Purge, Quotas, Store
 
 log = logging.getLogger("code_sessions.function")
 

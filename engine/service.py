@@ -224,8 +224,10 @@ class ChatSession:
 
         The chat history holds the answers as the user saw them, with /cache/... URLs; a model that
         reads those would start writing URLs instead of paths (and link nothing next time)."""
+        if not any(m.get("role") == "assistant" for m in messages):
+            return messages  # a chat's first message: no earlier answers, no query
         links = await self.session.links()
-        if not links or not any(m.get("role") == "assistant" for m in messages):
+        if not links:
             return messages
         paths = {link.url: f"/mnt/data/{link.path}" for link in links}
         pattern = re.compile("|".join(re.escape(url) for url in sorted(paths, key=len, reverse=True)))
