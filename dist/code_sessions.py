@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_2f7b4be86944'
+_CS_PACKAGE = '_code_sessions_72c5da427568'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, an SQLite index, quotas, expiry, publishing.
 
@@ -7413,7 +7413,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_2f7b4be86944.storage import human_bytes
+from _code_sessions_72c5da427568.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -7487,7 +7487,7 @@ def system_prompt(facts: PromptFacts) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_2f7b4be86944.storage import Purge, parse_duration
+from _code_sessions_72c5da427568.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -7911,8 +7911,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_2f7b4be86944.runner import Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_2f7b4be86944.storage import (
+from _code_sessions_72c5da427568.runner import Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_72c5da427568.storage import (
     FileMissing,
     InvalidPath,
     QuotaExceeded,
@@ -8375,7 +8375,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_2f7b4be86944.engine import (
+from _code_sessions_72c5da427568.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -8387,8 +8387,8 @@ from _code_sessions_2f7b4be86944.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_2f7b4be86944.runner import Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_2f7b4be86944.storage import Expiry, Publisher, Purge, Quotas, Store
+from _code_sessions_72c5da427568.runner import Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_72c5da427568.storage import Expiry, Publisher, Purge, Quotas, Store
 
 log = logging.getLogger("code_sessions.function")
 
@@ -8398,6 +8398,10 @@ _HOUR = 3600.0
 _DAY = 86400.0
 _NO_LIMIT = 1 << 40  # what "0: no limit" becomes where the sandbox needs a number
 _PURGE_RETRY_MINUTES = 10  # a purge that keeps meeting chats mid-step gives up (and says so) after this
+
+
+class Misconfigured(ValueError):
+    """A valve setting the function refuses to run with."""
 
 
 class Pipe:
@@ -8506,7 +8510,10 @@ class Pipe:
         if base_model == "setup" or base_model not in self.pipes_ids():
             return "No base model is set for Code Sessions: an admin sets `base_models` in the valves."
 
-        services = await self._ready()
+        try:
+            services = await self._ready()
+        except Misconfigured as error:  # the admin's to fix; the user gets the sentence, not a crash
+            return f"Code Sessions is not set up correctly: {error}"
         chat = await services.chat(__user__["id"], __chat_id__ or "")
         user_valves = __user__.get("valves") or self.UserValves()
         status = _status_emitter(__event_emitter__)
@@ -8725,7 +8732,7 @@ def _locations(storage_root: str, function_id: str) -> tuple[Path, Path, str]:
     root = Path(storage_root).expanduser() if storage_root else Path(DATA_DIR) / "code_sessions"
     root = root.resolve()
     if root == cache or cache in root.parents:
-        raise ValueError(f"storage_root {root} is inside {cache}, which any logged-in user can read")
+        raise Misconfigured(f"storage_root {root} is inside {cache}, which any logged-in user can read")
     return root, cache / "functions" / function_id, f"/cache/functions/{function_id}/"
 
 

@@ -43,6 +43,10 @@ _NO_LIMIT = 1 << 40  # what "0: no limit" becomes where the sandbox needs a numb
 _PURGE_RETRY_MINUTES = 10  # a purge that keeps meeting chats mid-step gives up (and says so) after this
 
 
+class Misconfigured(ValueError):
+    """A valve setting the function refuses to run with."""
+
+
 class Pipe:
     class Valves(BaseModel):
         base_models: str = Field(
@@ -149,7 +153,10 @@ class Pipe:
         if base_model == "setup" or base_model not in self.pipes_ids():
             return "No base model is set for Code Sessions: an admin sets `base_models` in the valves."
 
-        services = await self._ready()
+        try:
+            services = await self._ready()
+        except Misconfigured as error:  # the admin's to fix; the user gets the sentence, not a crash
+            return f"Code Sessions is not set up correctly: {error}"
         chat = await services.chat(__user__["id"], __chat_id__ or "")
         user_valves = __user__.get("valves") or self.UserValves()
         status = _status_emitter(__event_emitter__)
@@ -368,7 +375,7 @@ def _locations(storage_root: str, function_id: str) -> tuple[Path, Path, str]:
     root = Path(storage_root).expanduser() if storage_root else Path(DATA_DIR) / "code_sessions"
     root = root.resolve()
     if root == cache or cache in root.parents:
-        raise ValueError(f"storage_root {root} is inside {cache}, which any logged-in user can read")
+        raise Misconfigured(f"storage_root {root} is inside {cache}, which any logged-in user can read")
     return root, cache / "functions" / function_id, f"/cache/functions/{function_id}/"
 
 

@@ -111,3 +111,29 @@ def test_after_a_purge_the_link_is_gone_and_the_chat_still_works(open_webui: Ope
     assert "files: []" in after.content
     assert admin.download(link).status_code == 404
     assert open_webui.valves()["purge"] == ""  # one-shot: cleared once done
+
+
+def test_user_valves_hide_the_code_and_its_output_for_that_user_only(open_webui: OpenWebUI):
+    bob = open_webui.accounts["bob"]
+    message = run("print('out' + 'put-' + str(6 * 7))", "done")
+    path = f"/api/v1/functions/id/{FUNCTION_ID}/valves/user/update"
+    assert bob.post(path, {"show_code": False, "show_output": False}).status_code == 200
+    try:
+        hidden = bob.say(message)
+        assert "output-42" not in hidden.content and "6 * 7" not in hidden.content, hidden.content
+        shown = open_webui.admin.say(message)  # the admin kept the defaults
+        assert "output-42" in shown.content and "6 * 7" in shown.content, shown.content
+    finally:
+        bob.post(path, {"show_code": True, "show_output": True})
+
+
+def test_a_storage_root_inside_the_served_cache_is_refused_with_a_sentence(open_webui: OpenWebUI):
+    inside = open_webui.data_dir / "cache" / "sessions"
+    open_webui.set_valves(storage_root=str(inside))
+    try:
+        reply = open_webui.admin.say(run("open('/mnt/data/leak.txt', 'w').write('x')"))
+        assert "not set up correctly" in reply.content and "storage_root" in reply.content, reply.content
+        assert not inside.exists()
+    finally:
+        open_webui.set_valves(storage_root="")
+    assert "still fine" in open_webui.admin.say(run("print('still fine')")).content
