@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_72c5da427568'
+_CS_PACKAGE = '_code_sessions_333cffa83ceb'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, an SQLite index, quotas, expiry, publishing.
 
@@ -4966,8 +4966,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 from dataclasses import dataclass
+
+from ._procs import sigkill
 
 
 @dataclass(frozen=True)
@@ -5085,9 +5086,7 @@ class RunCgroup:
         return sorted(found)
 
     def kill_all(self) -> None:
-        for pid in self.pids():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+        sigkill(self.pids())
 
     def remove(self) -> bool:
         """rmdir the run's cgroup everywhere runsc or we made it; False if something is still in it."""
@@ -5862,12 +5861,12 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 from . import _cgroups
+from ._procs import pids_by_marker, sigkill
 
 log = logging.getLogger("code_sessions.runner")
 
@@ -5937,9 +5936,7 @@ def sweep(
                 if cgroup.remove():
                     break
                 time.sleep(0.02)
-        for pid in _pids_with(str(bundle)):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+        sigkill(pids_by_marker(str(bundle)))
         shutil.rmtree(bundle, ignore_errors=True)
         removed.append(cid)
     # Container state whose bundle is gone: runsc died after its run had already been cleaned up.
@@ -5952,21 +5949,6 @@ def sweep(
             "removed what %d sandbox runs of a process that died left behind: %s", len(removed), removed
         )
     return removed
-
-
-def _pids_with(marker: str) -> list[int]:
-    needle = marker.encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as fh:
-                if needle in fh.read():
-                    found.append(int(name))
-        except OSError:
-            continue
-    return found
 ''',
     'runner/_outcome.py': r'''"""Decide a run's Outcome from what supervision observed. First matching rule wins:
 the runner's own stops (timeout, output, disk, oom), then a kernel OOM kill, then gVisor's own
@@ -6023,6 +6005,52 @@ def classify(
         return Outcome.ERROR, code, f"exit code {code} (killed by {_signal_name(code - 128)})"
     return Outcome.ERROR, code, f"exit code {code}"
 ''',
+    'runner/_procs.py': r'''"""Host processes of a sandbox: finding them without cgroups, and killing them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections import defaultdict
+
+
+def pids_by_marker(marker: str) -> list[int]:
+    """Processes whose command line contains ``marker``, plus all their descendants (ptrace stubs
+    have no command line of their own). This process is never among them."""
+    needle = marker.encode()
+    children: dict[int, list[int]] = defaultdict(list)
+    marked: list[int] = []
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                stat = fh.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmdline = fh.read()
+        except OSError:
+            continue
+        children[int(stat.rsplit(b")", 1)[1].split()[1])].append(pid)
+        if needle in cmdline and pid != me:
+            marked.append(pid)
+    found: set[int] = set()
+    queue = marked
+    while queue:
+        pid = queue.pop()
+        if pid not in found:
+            found.add(pid)
+            queue.extend(children.get(pid, ()))
+    return sorted(found)
+
+
+def sigkill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+''',
     'runner/_supervise.py': r'''"""Run one `runsc run`, capture its output within caps, enforce the deadline and the watchers, and
 make sure nothing of the sandbox outlives the run.
 
@@ -6044,6 +6072,7 @@ from pathlib import Path
 
 from ._cgroups import RunCgroup
 from ._disk import MAX_DEPTH, watch_growth
+from ._procs import pids_by_marker, sigkill
 from .capabilities import run_quick
 from .models import KIB, MIB, Limits
 
@@ -6273,7 +6302,7 @@ class Supervision:
             if time.monotonic() > deadline:
                 self.facts.leftover_pids = pids
                 break
-            await asyncio.to_thread(_sigkill, pids)
+            await asyncio.to_thread(sigkill, pids)
             await asyncio.sleep(0.02)
         if self.cgroup is not None:
             for _ in range(50):
@@ -6284,48 +6313,10 @@ class Supervision:
     def _host_pids(self) -> list[int]:
         if self.cgroup is not None:
             return self.cgroup.pids()
-        return _pids_by_marker(self.marker)
+        return pids_by_marker(self.marker)
 
     def _kill_host_processes(self) -> None:
-        _sigkill(self._host_pids())
-
-
-def _sigkill(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _pids_by_marker(marker: str) -> list[int]:
-    """Processes whose command line contains ``marker``, plus all their descendants (ptrace stubs
-    have no command line of their own)."""
-    needle = marker.encode()
-    parents: dict[int, int] = {}
-    marked: set[int] = set()
-    me = os.getpid()
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        pid = int(name)
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                stat = fh.read()
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                cmdline = fh.read()
-        except OSError:
-            continue
-        parents[pid] = int(stat.rsplit(b")", 1)[1].split()[1])
-        if needle in cmdline and pid != me:
-            marked.add(pid)
-    found = set(marked)
-    changed = True
-    while changed:
-        changed = False
-        for pid, ppid in parents.items():
-            if ppid in found and pid not in found:
-                found.add(pid)
-                changed = True
-    return sorted(found)
+        sigkill(self._host_pids())
 ''',
     'runner/capabilities.py': r'''"""What the installed runsc can do, detected once per binary rather than assumed.
 
@@ -7413,7 +7404,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_72c5da427568.storage import human_bytes
+from _code_sessions_333cffa83ceb.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -7487,7 +7478,7 @@ def system_prompt(facts: PromptFacts) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_72c5da427568.storage import Purge, parse_duration
+from _code_sessions_333cffa83ceb.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -7911,8 +7902,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_72c5da427568.runner import Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_72c5da427568.storage import (
+from _code_sessions_333cffa83ceb.runner import Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_333cffa83ceb.storage import (
     FileMissing,
     InvalidPath,
     QuotaExceeded,
@@ -8375,7 +8366,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_72c5da427568.engine import (
+from _code_sessions_333cffa83ceb.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -8387,8 +8378,8 @@ from _code_sessions_72c5da427568.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_72c5da427568.runner import Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_72c5da427568.storage import Expiry, Publisher, Purge, Quotas, Store
+from _code_sessions_333cffa83ceb.runner import Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_333cffa83ceb.storage import Expiry, Publisher, Purge, Quotas, Store
 
 log = logging.getLogger("code_sessions.function")
 

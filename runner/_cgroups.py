@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 from dataclasses import dataclass
+
+from ._procs import sigkill
 
 
 @dataclass(frozen=True)
@@ -129,9 +130,7 @@ class RunCgroup:
         return sorted(found)
 
     def kill_all(self) -> None:
-        for pid in self.pids():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+        sigkill(self.pids())
 
     def remove(self) -> bool:
         """rmdir the run's cgroup everywhere runsc or we made it; False if something is still in it."""

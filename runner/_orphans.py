@@ -13,12 +13,12 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 from . import _cgroups
+from ._procs import pids_by_marker, sigkill
 
 log = logging.getLogger("code_sessions.runner")
 
@@ -88,9 +88,7 @@ def sweep(
                 if cgroup.remove():
                     break
                 time.sleep(0.02)
-        for pid in _pids_with(str(bundle)):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+        sigkill(pids_by_marker(str(bundle)))
         shutil.rmtree(bundle, ignore_errors=True)
         removed.append(cid)
     # Container state whose bundle is gone: runsc died after its run had already been cleaned up.
@@ -103,18 +101,3 @@ def sweep(
             "removed what %d sandbox runs of a process that died left behind: %s", len(removed), removed
         )
     return removed
-
-
-def _pids_with(marker: str) -> list[int]:
-    needle = marker.encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as fh:
-                if needle in fh.read():
-                    found.append(int(name))
-        except OSError:
-            continue
-    return found

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ._cgroups import RunCgroup
 from ._disk import MAX_DEPTH, watch_growth
+from ._procs import pids_by_marker, sigkill
 from .capabilities import run_quick
 from .models import KIB, MIB, Limits
 
@@ -248,7 +249,7 @@ class Supervision:
             if time.monotonic() > deadline:
                 self.facts.leftover_pids = pids
                 break
-            await asyncio.to_thread(_sigkill, pids)
+            await asyncio.to_thread(sigkill, pids)
             await asyncio.sleep(0.02)
         if self.cgroup is not None:
             for _ in range(50):
@@ -259,45 +260,7 @@ class Supervision:
     def _host_pids(self) -> list[int]:
         if self.cgroup is not None:
             return self.cgroup.pids()
-        return _pids_by_marker(self.marker)
+        return pids_by_marker(self.marker)
 
     def _kill_host_processes(self) -> None:
-        _sigkill(self._host_pids())
-
-
-def _sigkill(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _pids_by_marker(marker: str) -> list[int]:
-    """Processes whose command line contains ``marker``, plus all their descendants (ptrace stubs
-    have no command line of their own)."""
-    needle = marker.encode()
-    parents: dict[int, int] = {}
-    marked: set[int] = set()
-    me = os.getpid()
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        pid = int(name)
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                stat = fh.read()
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                cmdline = fh.read()
-        except OSError:
-            continue
-        parents[pid] = int(stat.rsplit(b")", 1)[1].split()[1])
-        if needle in cmdline and pid != me:
-            marked.add(pid)
-    found = set(marked)
-    changed = True
-    while changed:
-        changed = False
-        for pid, ppid in parents.items():
-            if ppid in found and pid not in found:
-                found.add(pid)
-                changed = True
-    return sorted(found)
+        sigkill(self._host_pids())

@@ -1,0 +1,45 @@
+"""Host processes of a sandbox: finding them without cgroups, and killing them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections import defaultdict
+
+
+def pids_by_marker(marker: str) -> list[int]:
+    """Processes whose command line contains ``marker``, plus all their descendants (ptrace stubs
+    have no command line of their own). This process is never among them."""
+    needle = marker.encode()
+    children: dict[int, list[int]] = defaultdict(list)
+    marked: list[int] = []
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                stat = fh.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmdline = fh.read()
+        except OSError:
+            continue
+        children[int(stat.rsplit(b")", 1)[1].split()[1])].append(pid)
+        if needle in cmdline and pid != me:
+            marked.append(pid)
+    found: set[int] = set()
+    queue = marked
+    while queue:
+        pid = queue.pop()
+        if pid not in found:
+            found.add(pid)
+            queue.extend(children.get(pid, ()))
+    return sorted(found)
+
+
+def sigkill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
