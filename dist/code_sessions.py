@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_333cffa83ceb'
+_CS_PACKAGE = '_code_sessions_eecb10c073fe'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, an SQLite index, quotas, expiry, publishing.
 
@@ -3949,7 +3949,7 @@ class Session:
         store = self._store
         quotas = store.quotas
         await store._remember_settings()
-        usage = await store.user_usage(self.user_id)
+        usage = await store._usage_of(self.user_key)  # by key: a rebuilt session's ids may not hash to it
         max_files = quotas.max_files_per_user or None
         max_bytes = quotas.max_bytes_per_user or None
         if max_files is not None and usage.files >= max_files:
@@ -4031,7 +4031,7 @@ class Session:
 
     async def links(self) -> list[LinkInfo]:
         """This chat's published links, oldest first."""
-        return await self._store.links(user_id=self.user_id, chat_id=self.chat_id)
+        return await self._store._links(self.user_key, self.chat_key)
 
     # ---------------------------------------------------------------- helpers for SessionFiles
 
@@ -4489,8 +4489,9 @@ class Store:
 
     async def user_usage(self, user_id: str) -> Usage:
         """Files and bytes of a user across all chats, as last reconciled (one indexed SUM)."""
-        key = id_key(user_id)
+        return await self._usage_of(id_key(user_id))
 
+    async def _usage_of(self, key: str) -> Usage:
         async def read(tx: Tx) -> Usage:
             _, files, size = await user_totals(tx, key)
             return Usage(files, size)
@@ -4531,13 +4532,18 @@ class Store:
         return await self._db.read(read)
 
     async def links(self, *, user_id: str | None = None, chat_id: str | None = None) -> list[LinkInfo]:
+        return await self._links(
+            id_key(user_id) if user_id is not None else None, id_key(chat_id) if chat_id is not None else None
+        )
+
+    async def _links(self, user_key: str | None, chat_key: str | None) -> list[LinkInfo]:
         where, params = [], []
-        if user_id is not None:
+        if user_key is not None:
             where.append("s.user_key = ?")
-            params.append(id_key(user_id))
-        if chat_id is not None:
+            params.append(user_key)
+        if chat_key is not None:
             where.append("s.chat_key = ?")
-            params.append(id_key(chat_id))
+            params.append(chat_key)
         sql = (
             "SELECT l.token, s.user_id, s.chat_id, l.path, l.name, l.url, l.size, l.created_at, l.expires_at"
             " FROM links l LEFT JOIN sessions s ON s.id = l.session_id"
@@ -7404,7 +7410,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_333cffa83ceb.storage import human_bytes
+from _code_sessions_eecb10c073fe.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -7478,7 +7484,7 @@ def system_prompt(facts: PromptFacts) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_333cffa83ceb.storage import Purge, parse_duration
+from _code_sessions_eecb10c073fe.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -7902,8 +7908,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_333cffa83ceb.runner import Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_333cffa83ceb.storage import (
+from _code_sessions_eecb10c073fe.runner import Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_eecb10c073fe.storage import (
     FileMissing,
     InvalidPath,
     QuotaExceeded,
@@ -8366,7 +8372,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_333cffa83ceb.engine import (
+from _code_sessions_eecb10c073fe.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -8378,8 +8384,8 @@ from _code_sessions_333cffa83ceb.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_333cffa83ceb.runner import Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_333cffa83ceb.storage import Expiry, Publisher, Purge, Quotas, Store
+from _code_sessions_eecb10c073fe.runner import Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_eecb10c073fe.storage import Expiry, Publisher, Purge, Quotas, Store
 
 log = logging.getLogger("code_sessions.function")
 

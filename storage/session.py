@@ -86,7 +86,7 @@ class Session:
         store = self._store
         quotas = store.quotas
         await store._remember_settings()
-        usage = await store.user_usage(self.user_id)
+        usage = await store._usage_of(self.user_key)  # by key: a rebuilt session's ids may not hash to it
         max_files = quotas.max_files_per_user or None
         max_bytes = quotas.max_bytes_per_user or None
         if max_files is not None and usage.files >= max_files:
@@ -168,7 +168,7 @@ class Session:
 
     async def links(self) -> list[LinkInfo]:
         """This chat's published links, oldest first."""
-        return await self._store.links(user_id=self.user_id, chat_id=self.chat_id)
+        return await self._store._links(self.user_key, self.chat_key)
 
     # ---------------------------------------------------------------- helpers for SessionFiles
 

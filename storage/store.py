@@ -191,8 +191,9 @@ class Store:
 
     async def user_usage(self, user_id: str) -> Usage:
         """Files and bytes of a user across all chats, as last reconciled (one indexed SUM)."""
-        key = id_key(user_id)
+        return await self._usage_of(id_key(user_id))
 
+    async def _usage_of(self, key: str) -> Usage:
         async def read(tx: Tx) -> Usage:
             _, files, size = await user_totals(tx, key)
             return Usage(files, size)
@@ -233,13 +234,18 @@ class Store:
         return await self._db.read(read)
 
     async def links(self, *, user_id: str | None = None, chat_id: str | None = None) -> list[LinkInfo]:
+        return await self._links(
+            id_key(user_id) if user_id is not None else None, id_key(chat_id) if chat_id is not None else None
+        )
+
+    async def _links(self, user_key: str | None, chat_key: str | None) -> list[LinkInfo]:
         where, params = [], []
-        if user_id is not None:
+        if user_key is not None:
             where.append("s.user_key = ?")
-            params.append(id_key(user_id))
-        if chat_id is not None:
+            params.append(user_key)
+        if chat_key is not None:
             where.append("s.chat_key = ?")
-            params.append(id_key(chat_id))
+            params.append(chat_key)
         sql = (
             "SELECT l.token, s.user_id, s.chat_id, l.path, l.name, l.url, l.size, l.created_at, l.expires_at"
             " FROM links l LEFT JOIN sessions s ON s.id = l.session_id"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from storage import StorageBusy, StorageError, Store
+from storage import Publisher, QuotaExceeded, Quotas, StorageBusy, StorageError, Store
 from storage._schema import CURRENT_VERSION, MIGRATIONS, statements
 from tests.storage.storage_helpers import sql
 
@@ -107,6 +107,25 @@ async def test_rebuild_without_sidecar_keeps_files(root: Path) -> None:
         report = await store.rebuild()
         assert report.sessions == 2 and report.sessions_without_sidecar == 1 and report.added == 0
         assert next(a.event for a in await store.activity()) == "rebuild"
+
+
+async def test_a_session_rebuilt_under_unknown_ids_still_finds_its_links_and_usage(
+    root: Path, publisher: Publisher
+) -> None:
+    async with Store(root, publisher=publisher, quotas=Quotas(max_files_per_user=1)) as store:
+        s = await store.session("bob", "c1")
+        await s.files.write("a.txt", b"1")
+        (root / "state" / s.user_key / f"{s.chat_key}.json").unlink()  # the ids are lost with it
+    for suffix in ("", "-wal", "-shm"):
+        (root / f"index.sqlite3{suffix}").unlink(missing_ok=True)
+    async with Store(root, publisher=publisher, quotas=Quotas(max_files_per_user=1)) as store:
+        [info] = await store.sessions()
+        assert info.user_id.startswith("unknown:")
+        rebuilt = store._session_for(info)
+        await rebuilt.publish("a.txt")
+        assert [link.path for link in await rebuilt.links()] == ["a.txt"]
+        with pytest.raises(QuotaExceeded):  # its one file counts against the (unknown) user
+            await rebuilt.check_quota()
 
 
 async def test_rebuild_drops_rows_without_folder(store: Store) -> None:
