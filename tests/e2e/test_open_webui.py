@@ -3,12 +3,14 @@ as an admin would, a scripted model, real gVisor. Each test is one user-visible 
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 
+import httpx
 import pytest
 
-from tests.support.open_webui import FUNCTION_ID, LINK, Account, OpenWebUI, Reply
+from tests.support.open_webui import FUNCTION_ID, LINK, MODEL, Account, OpenWebUI, Reply
 
 pytestmark = [pytest.mark.e2e, pytest.mark.runsc]
 
@@ -137,3 +139,36 @@ def test_a_storage_root_inside_the_served_cache_is_refused_with_a_sentence(open_
     finally:
         open_webui.set_valves(storage_root="")
     assert "still fine" in open_webui.admin.say(run("print('still fine')")).content
+
+
+def test_a_streamed_answer_carries_working_links(open_webui: OpenWebUI):
+    """The path a browser takes: `stream: true`, the answer arriving as server-sent events."""
+    admin = open_webui.admin
+    payload = {
+        "model": MODEL,
+        "stream": True,
+        "messages": [
+            {
+                "role": "user",
+                "content": run(
+                    "open('/mnt/data/streamed.txt', 'w').write('s')", "See /mnt/data/streamed.txt"
+                ),
+            }
+        ],
+    }
+    pieces: list[str] = []
+    with httpx.stream(
+        "POST", open_webui.url + "/api/chat/completions", json=payload, headers=admin.headers, timeout=300
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            for choice in event.get("choices", []):
+                pieces.append((choice.get("delta") or {}).get("content") or "")
+    content = "".join(pieces)
+    assert "See [streamed.txt](/cache/functions/" in content, content
+    [link] = {link for link in LINK.findall(content) if link.endswith("/streamed.txt")}
+    assert admin.download(link).content == b"s"
