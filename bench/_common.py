@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from runner import Runner, RunnerConfig
-from storage import Publisher, Quotas, Store
+from storage import DirectoryPublisher, Quotas, Store
 
 CGROUP_PARENT = "code-sessions-bench"
 # The benchmark stores hold sessions of 10k-100k files: the default per-user quota (5000 files) would
@@ -59,7 +59,7 @@ class Context:
         return Store(
             root / "sessions-root",
             quotas=BENCH_QUOTAS,
-            publisher=Publisher(root / "cache", f"/cache/functions/bench-{name}/"),
+            publisher=DirectoryPublisher(root / "cache", f"/cache/functions/bench-{name}/"),
             owner=(runner.sandbox_uid, runner.sandbox_gid),
         )
 

@@ -57,7 +57,7 @@ def _measure_end(start: dict[str, Any], seconds: float) -> dict[str, Any]:
 async def _child_run(args: argparse.Namespace) -> dict[str, Any]:
     from engine import CodeSessions
     from runner import Limits, Runner, RunnerConfig
-    from storage import Publisher, Store
+    from storage import DirectoryPublisher, Store
 
     from ._common import CGROUP_PARENT
 
@@ -69,7 +69,7 @@ async def _child_run(args: argparse.Namespace) -> dict[str, Any]:
     store = Store(
         root / "sessions-root",
         quotas=BENCH_QUOTAS,
-        publisher=Publisher(root / "cache", "/cache/functions/bench-memory/"),
+        publisher=DirectoryPublisher(root / "cache", "/cache/functions/bench-memory/"),
         owner=(runner.sandbox_uid, runner.sandbox_gid),
     )
     async with store:

@@ -12,24 +12,33 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_eecb10c073fe'
+_CS_PACKAGE = '_code_sessions_f3d7bdeba065'
 _CS_SOURCES = {
-    'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, an SQLite index, quotas, expiry, publishing.
+    'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
 It knows nothing of the web UI or of the sandbox; see docs/storage.md.
 """
 
 from ._format import human_bytes, parse_duration
-from .errors import FileExists, FileMissing, InvalidPath, QuotaExceeded, StorageBusy, StorageError
+from .errors import (
+    DiskFull,
+    FileExists,
+    FileMissing,
+    IndexDamaged,
+    InvalidPath,
+    QuotaExceeded,
+    StorageBusy,
+    StorageError,
+)
 from .models import (
     ActivityEntry,
     CleanupReport,
     Drift,
     Expiry,
     FileEntry,
+    Growth,
     Link,
     LinkInfo,
-    Publisher,
     Purge,
     QuotaRemoval,
     Quotas,
@@ -43,20 +52,30 @@ from .models import (
     Usage,
     UserUsage,
 )
+from .policy import CLEAR_FILES_COMMAND, Policy
+from .publishing import Copy, DirectoryPublisher, Published, Publisher
 from .session import Session, SessionFiles
 from .store import Store
 
 __all__ = [
+    "CLEAR_FILES_COMMAND",
     "ActivityEntry",
     "CleanupReport",
+    "Copy",
+    "DirectoryPublisher",
+    "DiskFull",
     "Drift",
     "Expiry",
     "FileEntry",
     "FileExists",
     "FileMissing",
+    "Growth",
+    "IndexDamaged",
     "InvalidPath",
     "Link",
     "LinkInfo",
+    "Policy",
+    "Published",
     "Publisher",
     "Purge",
     "QuotaExceeded",
@@ -80,15 +99,335 @@ __all__ = [
     "parse_duration",
 ]
 ''',
-    'storage/_cleanup.py': r'''"""Cleanup: expiry policy and purges, in one routine that is safe while runs are in progress.
+    'storage/_backend.py': r'''"""The one seam between the store and its database.
+
+Everything above this seam (`_index.py` holds every SQL statement) speaks a small portable SQL
+dialect with `?` placeholders, and needs from a backend only:
+
+* transactions: `read(fn)` / `write(fn)` run `fn(tx)` in one transaction; a write transaction may be
+  run again after a transient conflict, so `fn` must only touch the database;
+* locks that hold across every process that shares the store (and across hosts, where the backend
+  spans hosts): a chat's steps and a session's deletion, the one background cleanup at a time;
+* recovery: `open()` says when the database is new (the caller rebuilds it from the folders), and
+  `recover()` replaces a database found damaged while running.
+
+`_sqlite.py` is the embedded default (one host: a file, `flock` locks). A second backend
+(PostgreSQL, for several hosts) is a new module implementing these protocols.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+__all__ = ["Backend", "Lock", "Opened", "Row", "Tx"]
+
+T = TypeVar("T")
+Row = tuple[Any, ...]
+
+
+class Tx(Protocol):
+    """The statements of one transaction (placeholders are `?`)."""
+
+    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
+
+    async def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None: ...
+
+    async def run(self, sql: str, params: Sequence[Any] = ()) -> int: ...
+
+    async def many(self, sql: str, rows: Iterable[Sequence[Any]]) -> None: ...
+
+    async def serialise_user(self, user_key: str) -> None:
+        """Make this write transaction the only one deciding about this user's totals until it ends
+        (quota decisions read the totals and write the result in one transaction)."""
+
+
+class Lock(Protocol):
+    """An exclusive lock shared by every process of the store. Not reentrant."""
+
+    async def try_acquire(self) -> bool: ...
+
+    async def acquire(self, timeout: float | None = None, *, what: str = "this chat") -> None:
+        """Wait for the lock without blocking the event loop; StorageBusy after `timeout` seconds."""
+
+    async def release(self, *, forget: bool = False) -> None:
+        """Release; `forget=True` also drops what the lock is kept in (its session was deleted)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    fresh: bool  # the database had no schema: the caller should rebuild it from the folders
+    moved_aside: str | None = None  # where a damaged database went, if one was found
+
+
+class Backend(Protocol):
+    kind: str  # "sqlite" or "postgresql"
+    where: str  # for messages: the file, or the server without credentials
+
+    async def open(self) -> Opened: ...
+
+    async def close(self) -> None: ...
+
+    async def read(self, fn: Callable[[Tx], Awaitable[T]]) -> T: ...
+
+    async def write(self, fn: Callable[[Tx], Awaitable[T]]) -> T: ...
+
+    async def recover(self) -> Opened:
+        """The database was found damaged (IndexDamaged): replace it with a working one. Another
+        process may have done it already, then this only reconnects (fresh=False)."""
+
+    def chat_lock(self, user_key: str, chat_key: str) -> Lock: ...
+
+    def named_lock(self, name: str) -> Lock: ...
+
+    async def chat_locked(self, user_key: str, chat_key: str) -> bool:
+        """Whether someone holds the chat's lock; creates nothing (dry runs, check)."""
+''',
+    'storage/_core.py': r'''"""The storage core every internal module works with, and nothing in it imports back up.
+
+* `SessionRef`: which session (the untrusted ids, the folder keys made from them, the folder).
+* `Core`: the context of one store: the database backend (with recovery from a damaged index), where
+  things live (`Layout`), who owns what the store creates, the `Policy`, the `Publisher`.
+
+`Store` and `Session` (the public faces) hold a Core and refs; `_sync`, `_publish`, `_expiry` and
+`_repair` are functions over (Core, SessionRef).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from . import _index
+from ._backend import Backend, Lock, Tx
+from ._fsops import make_dir
+from ._keys import id_key, is_temporary
+from ._layout import Layout, write_sidecar
+from .errors import DiskFull, IndexDamaged, StorageError
+from .policy import Policy
+from .publishing import Publisher
+
+log = logging.getLogger("code_sessions.storage")
+
+T = TypeVar("T")
+Owner = tuple[int, int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRef:
+    """A session: the ids as given (untrusted strings), the keys of its folder, the folder itself.
+
+    The keys are normally made from the ids; a folder found on disk (rebuild, a lost sidecar) keeps
+    its keys whatever its ids hash to: the folder decides where the files are."""
+
+    user_id: str
+    chat_id: str
+    user_key: str
+    chat_key: str
+    temporary: bool
+    path: Path
+
+
+class Core:
+    def __init__(
+        self,
+        root: Path,
+        backend: Backend,
+        *,
+        policy: Policy,
+        publisher: Publisher | None,
+        owner: Owner,
+        record_settings: bool = True,
+    ) -> None:
+        self.root = root
+        self.layout = Layout(root)
+        self.backend = backend
+        self.policy = policy
+        self.publisher = publisher
+        self.owner = owner
+        # The CLI turns this off: it applies the recorded settings and must not overwrite them.
+        self.record_settings = record_settings
+        # Set by the Store: rebuilds the index from the folders after a damaged one was replaced.
+        self.rebuild: Callable[[], Awaitable[object]] | None = None
+        self._remembered: dict[str, str] = {}
+        self._generation = 0  # how many times the database was replaced while open
+        self._recovery: asyncio.Lock | None = None
+        self._recovering = False
+
+    # ------------------------------------------------------------------ refs and locks
+
+    def ref(self, user_id: str, chat_id: str) -> SessionRef:
+        if not isinstance(user_id, str) or not isinstance(chat_id, str):
+            raise StorageError("user_id and chat_id must be str")
+        return self.ref_at(user_id, chat_id, id_key(user_id), id_key(chat_id))
+
+    def ref_at(self, user_id: str, chat_id: str, user_key: str, chat_key: str) -> SessionRef:
+        return SessionRef(
+            user_id,
+            chat_id,
+            user_key,
+            chat_key,
+            is_temporary(chat_id),
+            self.layout.session_dir(user_key, chat_key),
+        )
+
+    def lock_of(self, ref: SessionRef) -> Lock:
+        return self.backend.chat_lock(ref.user_key, ref.chat_key)
+
+    # ------------------------------------------------------------------ transactions
+
+    async def read(self, fn: Callable[[Tx], Awaitable[T]]) -> T:
+        return await self._guarded(self.backend.read, fn)
+
+    async def write(self, fn: Callable[[Tx], Awaitable[T]]) -> T:
+        return await self._guarded(self.backend.write, fn)
+
+    async def _guarded(
+        self, run: Callable[[Callable[[Tx], Awaitable[T]]], Awaitable[T]], fn: Callable[[Tx], Awaitable[T]]
+    ) -> T:
+        generation = self._generation
+        try:
+            return await run(fn)
+        except IndexDamaged as damage:
+            if self._recovering:
+                raise
+            await self._recover(generation, damage)
+        return await run(fn)
+
+    async def _recover(self, generation: int, damage: IndexDamaged) -> None:
+        """Replace a damaged index and rebuild it from the folders, once, while every other caller
+        that met the damage waits and then retries on the new one."""
+        if self._recovery is None:
+            self._recovery = asyncio.Lock()
+        async with self._recovery:
+            if self._generation != generation:
+                return  # someone recovered it while we waited
+            log.warning("the index is damaged (%s): replacing it and rebuilding it from the folders", damage)
+            self._recovering = True
+            try:
+                opened = await self.backend.recover()
+                self._generation += 1
+                self._remembered = {}
+                if opened.fresh and self.rebuild is not None:
+                    await self.rebuild()
+            finally:
+                self._recovering = False
+
+    # ------------------------------------------------------------------ sessions
+
+    async def ensure(self, ref: SessionRef, *, touch: bool) -> None:
+        """The session's folder, sidecar and index row, created if missing; `touch` marks it used.
+
+        On a full disk an existing session is still usable (a run may be what frees the space); its
+        row is written by the next step that has room."""
+        try:
+            created = await asyncio.to_thread(self.make_dirs, ref)
+            now = time.time()
+            await self.write(lambda tx: self.session_id(tx, ref, created, now if touch else None))
+        except (DiskFull, OSError) as error:
+            full = isinstance(error, DiskFull) or error.errno in (errno.ENOSPC, errno.EDQUOT)
+            if not full or not ref.path.is_dir():
+                raise DiskFull() if full else error from None
+            log.warning(
+                "the disk is full: chat %r of user %r goes on without updating its index row",
+                ref.chat_id,
+                ref.user_id,
+            )
+
+    async def session_id(
+        self, tx: Tx, ref: SessionRef, created_at: float, used_at: float | None = None
+    ) -> int:
+        """The session's row id inside a transaction, creating the row if it is missing."""
+        return await _index.ensure_session(
+            tx,
+            user_id=ref.user_id,
+            chat_id=ref.chat_id,
+            user_key=ref.user_key,
+            chat_key=ref.chat_key,
+            temporary=ref.temporary,
+            created_at=created_at,
+            used_at=used_at,
+        )
+
+    def make_dirs(self, ref: SessionRef) -> float:
+        """Create the session folder, its state folder and sidecar; returns the creation time."""
+        layout = self.layout
+        now = time.time()
+        for attempt in range(5):
+            try:
+                make_dir(layout.sessions / ref.user_key)
+                if not make_dir(ref.path, self.owner) and self.owner is not None:
+                    _chown_existing(ref.path, self.owner)
+                make_dir(layout.state / ref.user_key)
+                sidecar = layout.sidecar_path(ref.user_key, ref.chat_key)
+                if not sidecar.exists():
+                    write_sidecar(sidecar, ref.user_id, ref.chat_id, now)
+                return now
+            except FileNotFoundError:
+                # A cleanup removed an empty parent folder between two of our steps: go again.
+                if attempt == 4:
+                    raise
+        return now
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    async def log(
+        self, event: str, user_id: str | None = None, chat_id: str | None = None, detail: dict | None = None
+    ) -> None:
+        now = time.time()
+        await self.write(lambda tx: _index.log_activity(tx, now, event, user_id, chat_id, detail))
+
+    async def remember_settings(self) -> None:
+        """Store the quotas and expiry in use, so the CLI can show and apply the same ones."""
+        if not self.record_settings:
+            return
+        values = {
+            "quotas": json.dumps(self.policy.quotas.to_dict(), sort_keys=True),
+            "expiry": json.dumps(self.policy.expiry.to_dict(), sort_keys=True),
+        }
+        if values == self._remembered:
+            return
+
+        async def write(tx: Tx) -> None:
+            for key, value in values.items():
+                if await _index.get_meta(tx, key) != value:
+                    await _index.set_meta(tx, key, value)
+
+        try:
+            await self.write(write)
+        except DiskFull:
+            return  # only the CLI reads these; the next call tries again
+        self._remembered = values
+
+
+def _chown_existing(path: Path, owner: tuple[int, int]) -> None:
+    if os.geteuid() != 0:
+        return
+    st = os.stat(path, follow_symlinks=False)
+    if (st.st_uid, st.st_gid) != owner:
+        with contextlib.suppress(OSError):
+            os.chown(path, owner[0], owner[1], follow_symlinks=False)
+''',
+    'storage/_expiry.py': r'''"""Expiry and purges: deleting what the policy or an admin says must go, safely while runs go on.
 
 Every session is deleted only while we hold its lock, taken without waiting: a session whose lock
 is held (a sandbox is running in it) is skipped and counted as in use, never deleted under it. Under
 the lock the decision is re-checked against the index (the chat may have been used meanwhile).
 
-Deleting a session: its folder is renamed into trash/ (atomic for everyone else), its published
-copies and index rows are removed, then the trash entry, sidecar and lock file. The lock file is
-unlinked while still held; lockers verify the inode after acquiring (see _lock), so this is safe.
+Deleting a session: its folder is renamed into trash/ (atomic for everyone else), its index rows and
+links are removed, then its published copies, the trash entry and the sidecar; the lock is released
+with `forget` (the flock backend unlinks the lock file while still holding it; lockers verify the
+inode after acquiring, see _lock).
 """
 
 from __future__ import annotations
@@ -99,29 +438,29 @@ import os
 import secrets
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from ._db import Tx
+from . import _index
+from ._backend import Tx
+from ._core import Core, SessionRef
 from ._format import human_duration
 from ._fsops import fd_closing, open_dir, remove_tree, unlink_name_if_unchanged, walk_dirs
-from ._index import SessionRow, all_sessions, get_meta, log_activity, session_by_keys
+from ._index import SessionRow
 from ._keys import id_key
-from ._lock import FileLock, is_locked
-from ._publish import STAGING_PREFIX, TOKEN_RE, copy_present, remove_copy
+from ._publish import drain_unpublished, folder_copy_present, link_records, remove_copies
 from .errors import FileMissing, InvalidPath
 from .models import CleanupReport, Purge, SessionCleanup
+from .publishing import DirectoryPublisher
 
-if TYPE_CHECKING:
-    from .store import Store
-
-# Published folders not in the index are removed only after this long, so a publish that has
-# renamed its copy into place but not yet written its row is never swept.
+# Published copies not in the index are removed only after this long, so a publish that has stored
+# its copy but not yet written its row is never swept.
 STRAY_GRACE_S = 600.0
 # Links whose file is missing from / changed in the index are kept this long, for a publish that ran
-# before the reconcile of the same step.
+# before the sync of the same step.
 STALE_LINK_GRACE_S = 600.0
+_EXPIRY_BATCH = 2000
 
 
 @dataclass
@@ -150,53 +489,75 @@ class _Tally:
             self.in_use.add(row.id)
             self.details.append(SessionCleanup(row.user_id, row.chat_id, "in use", reason=reason))
 
+    def removed(self, row: SessionRow, reason: str, links: int, action: str = "removed") -> None:
+        self.sessions_removed += 1
+        self.files_removed += row.file_count
+        self.bytes_freed += row.bytes if action == "removed" else 0
+        self.links_removed += links
+        freed = row.bytes if action == "removed" else 0
+        self.details.append(SessionCleanup(row.user_id, row.chat_id, action, row.file_count, freed, reason))
 
-async def cleanup(store: Store, purge: Purge | None, *, dry_run: bool) -> CleanupReport:
+
+async def cleanup(core: Core, purge: Purge | None, *, dry_run: bool) -> CleanupReport:
+    """The expiry policy (purge=None) or a purge, then the links and copies nothing needs."""
     now = time.time()
     tally = _Tally(dry_run)
-    rows = await store._db.read(all_sessions)
+    rows = await core.read(_index.all_sessions)
     removed: set[int] = set()
+    policy = core.policy
+
+    def reason_of(row: SessionRow, at: float) -> str | None:
+        return _selected(row, purge, core, at)
 
     for row in rows:
-        reason = _selected(row, purge, store, now)
-        if reason is None:
-            continue
-        if await _remove_session(store, row, reason, purge, now, tally):
+        reason = reason_of(row, now)
+        if reason is not None and await _remove_session(core, row, reason, reason_of, tally):
             removed.add(row.id)
 
-    if purge is None and store.expiry.file_max_age_s:
-        await _expire_files(store, now - store.expiry.file_max_age_s, removed, tally)
+    cutoff = policy.file_cutoff(now) if purge is None else None
+    if cutoff is not None:
+        await _expire_files(core, cutoff, removed, tally)
 
-    await _vanished_sessions(store, removed, now, tally)
-    await _stale_links(store, now, tally)
-    await _stray_copies(store, now, tally)
+    await _vanished_sessions(core, removed, tally)
+    await _stale_links(core, now, tally)
+    await _stray_copies(core, tally)
 
-    if not dry_run:
-        await asyncio.to_thread(_empty_trash, store)
-        report = tally.report()
-        max_age = store.expiry.activity_max_age_s
+    if dry_run:
+        return tally.report()
+    await asyncio.to_thread(_empty_trash, core)
+    await drain_unpublished(core)
+    report = tally.report()
+    pruned = policy.activity_cutoff(now)
 
-        async def write(tx: Tx) -> None:
-            if max_age:
-                await tx.run("DELETE FROM activity WHERE at < ?", (now - max_age,))
-            detail = {k: v for k, v in report.to_dict().items() if k not in ("details", "dry_run")}
-            detail["purge"] = purge.to_dict() if purge is not None else None
-            await log_activity(tx, now, "cleanup", detail=detail)
+    async def write(tx: Tx) -> None:
+        if pruned is not None:
+            await _index.prune_activity(tx, pruned)
+        detail = {k: v for k, v in report.to_dict().items() if k not in ("details", "dry_run")}
+        detail["purge"] = purge.to_dict() if purge is not None else None
+        await _index.log_activity(tx, time.time(), "cleanup", detail=detail)
 
-        await store._db.write(write)
-        return report
+    await core.write(write)
+    return report
+
+
+async def delete_sessions(core: Core, keys: Iterable[tuple[str, str]], reason: str) -> CleanupReport:
+    """Delete these sessions (by user key, chat key) now, whatever their age: e.g. chats deleted in
+    the web UI. One pass, however many; a session in use is skipped and counted."""
+    tally = _Tally(False)
+    wanted = set(keys)
+    rows = [r for r in await core.read(_index.all_sessions) if (r.user_key, r.chat_key) in wanted]
+    for row in rows:
+        await _remove_session(core, row, reason, lambda fresh, at: reason, tally)
+    if rows:
+        await asyncio.to_thread(_empty_trash, core)
     return tally.report()
 
 
-def _selected(row: SessionRow, purge: Purge | None, store: Store, now: float) -> str | None:
+def _selected(row: SessionRow, purge: Purge | None, core: Core, now: float) -> str | None:
     """Why this session should go, or None."""
     idle = now - row.last_used_at
     if purge is None:
-        limit = store.expiry.temporary_idle_s if row.temporary else store.expiry.session_idle_s
-        if limit and idle > limit:
-            kind = "temporary chat " if row.temporary else ""
-            return f"{kind}idle for {human_duration(round(idle))} (limit {human_duration(limit)})"
-        return None
+        return core.policy.session_expired(temporary=row.temporary, idle_s=idle)
     if not purge.selects_anything:
         return None
     if purge.everything:
@@ -218,52 +579,40 @@ def _selected(row: SessionRow, purge: Purge | None, store: Store, now: float) ->
 
 
 async def _remove_session(
-    store: Store, row: SessionRow, reason: str, purge: Purge | None, now: float, tally: _Tally
+    core: Core,
+    row: SessionRow,
+    reason: str,
+    still: Callable[[SessionRow, float], str | None],
+    tally: _Tally,
 ) -> bool:
-    layout = store._layout
-    lock_path = layout.lock_path(row.user_key, row.chat_key)
     if tally.dry_run:
-        if is_locked(lock_path):
+        if await core.backend.chat_locked(row.user_key, row.chat_key):
             tally.busy(row, reason)
             return False
-        links = await store._db.read(
-            lambda tx: tx.one("SELECT count(*) FROM links WHERE session_id = ?", (row.id,))
-        )
-        _count_session(tally, row, reason, int(links[0]) if links else 0)
+        tally.removed(row, reason, await core.read(lambda tx: _index.count_links(tx, row.id)))
         return True
-
-    lock = FileLock(lock_path)
-    if not lock.try_acquire():
+    lock = core.backend.chat_lock(row.user_key, row.chat_key)
+    if not await lock.try_acquire():
         tally.busy(row, reason)
         return False
     deleted = False
     try:
-        fresh = await store._db.read(lambda tx: session_by_keys(tx, row.user_key, row.chat_key))
-        if fresh is None or _selected(fresh, purge, store, time.time()) is None:
+        fresh = await core.read(lambda tx: _index.session_by_keys(tx, row.user_key, row.chat_key))
+        if fresh is None or still(fresh, time.time()) is None:
             return False  # used again (or removed by someone else) since we looked
-        links = await _delete_session(store, fresh, reason, now)
-        _count_session(tally, fresh, reason, links)
+        links = await delete_session(core, fresh, reason)
+        tally.removed(fresh, reason, links)
         deleted = True
         return True
     finally:
-        lock.release(unlink=deleted)
+        await lock.release(forget=deleted)
         if deleted:
-            await asyncio.to_thread(_prune_parents, store, row)
+            await asyncio.to_thread(_prune_parents, core, row)
 
 
-def _count_session(tally: _Tally, row: SessionRow, reason: str, links: int) -> None:
-    tally.sessions_removed += 1
-    tally.files_removed += row.file_count
-    tally.bytes_freed += row.bytes
-    tally.links_removed += links
-    tally.details.append(
-        SessionCleanup(row.user_id, row.chat_id, "removed", row.file_count, row.bytes, reason)
-    )
-
-
-async def _delete_session(store: Store, row: SessionRow, reason: str, now: float) -> int:
-    """Delete a session we hold the lock of; returns how many links went with it."""
-    layout = store._layout
+async def delete_session(core: Core, row: SessionRow, reason: str) -> int:
+    """Delete a session whose lock we hold; returns how many links went with it."""
+    layout = core.layout
     folder = layout.session_dir(row.user_key, row.chat_key)
     trash = layout.trash / f"{row.chat_key}.{secrets.token_hex(6)}"
 
@@ -275,22 +624,13 @@ async def _delete_session(store: Store, row: SessionRow, reason: str, now: float
         return True
 
     moved = await asyncio.to_thread(move)
-    links = await store._db.read(
-        lambda tx: tx.all("SELECT token, directory FROM links WHERE session_id = ?", (row.id,))
-    )
+    now = time.time()
 
-    def remove_files() -> None:
-        for token, directory in links:
-            remove_copy(directory, token)
-        if moved:
-            remove_tree(trash)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(layout.sidecar_path(row.user_key, row.chat_key))
-
-    async def write(tx: Tx) -> None:
-        await tx.run("DELETE FROM links WHERE session_id = ?", (row.id,))
-        await tx.run("DELETE FROM sessions WHERE id = ?", (row.id,))
-        await log_activity(
+    async def write(tx: Tx) -> list[tuple[str, str, str]]:
+        links = await _index.links_of_session(tx, row.id)
+        await _index.delete_links(tx, [ref for ref, _, _ in links])
+        await _index.delete_session(tx, row.id)
+        await _index.log_activity(
             tx,
             now,
             "session_removed",
@@ -298,85 +638,85 @@ async def _delete_session(store: Store, row: SessionRow, reason: str, now: float
             row.chat_id,
             {"reason": reason, "files": row.file_count, "bytes": row.bytes, "links": len(links)},
         )
+        return links
 
-    await store._db.write(write)
+    links = await core.write(write)
+    await remove_copies(core, links)
+
+    def remove_files() -> None:
+        if moved:
+            remove_tree(trash)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(layout.sidecar_path(row.user_key, row.chat_key))
+
     await asyncio.to_thread(remove_files)
     return len(links)
 
 
-def _prune_parents(store: Store, row: SessionRow) -> None:
-    # Empty per-user folders go too; creators retry if we remove one under them (see Store._make_dirs).
-    layout = store._layout
+def _prune_parents(core: Core, row: SessionRow) -> None:
+    # Empty per-user folders go too; creators retry if we remove one under them (see Core.make_dirs).
+    layout = core.layout
     for folder in (layout.sessions / row.user_key, layout.state / row.user_key):
         with contextlib.suppress(OSError):
             os.rmdir(folder)
 
 
-_EXPIRY_BATCH = 2000
-
-
-async def _expire_files(store: Store, cutoff: float, skip: set[int], tally: _Tally) -> None:
-    rows = await store._db.read(
-        lambda tx: tx.all(
-            "SELECT session_id, path, size, mtime_ns FROM files WHERE last_changed < ? ORDER BY session_id",
-            (cutoff,),
-        )
-    )
+async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally) -> None:
+    rows = await core.read(lambda tx: _index.expired_files(tx, cutoff))
     by_session: dict[int, list[tuple[str, int, int]]] = defaultdict(list)
     for sid, path, size, mtime_ns in rows:
         if sid not in skip:
-            by_session[sid].append((path, size, mtime_ns))
+            by_session[sid].append((path, int(size), int(mtime_ns)))
     if not by_session:
         return
-    sessions = {r.id: r for r in await store._db.read(all_sessions)}
+    sessions = {r.id: r for r in await core.read(_index.all_sessions)}
+    reason = core.policy.file_expiry_reason()
     for sid, files in by_session.items():
         row = sessions.get(sid)
         if row is None:
             continue
-        reason = f"files unchanged for more than {human_duration(store.expiry.file_max_age_s)}"
-        lock_path = store._layout.lock_path(row.user_key, row.chat_key)
         if tally.dry_run:
-            if is_locked(lock_path):
+            if await core.backend.chat_locked(row.user_key, row.chat_key):
                 tally.busy(row, reason)
                 continue
-            await _count_files(store, tally, row, files, reason)
+            await _count_files(core, tally, row, files, reason)
             continue
-        folder = store._layout.session_dir(row.user_key, row.chat_key)
+        ref = core.ref_at(row.user_id, row.chat_id, row.user_key, row.chat_key)
         removed_files, removed_bytes = 0, 0
         # The chat's lock is held one batch at a time, so a user's next step waits for at most one
         # batch of unlinks, not for an old session's whole expiry.
         for start in range(0, len(files), _EXPIRY_BATCH):
-            lock = FileLock(lock_path)
-            if not lock.try_acquire():
+            lock = core.lock_of(ref)
+            if not await lock.try_acquire():
                 tally.busy(row, reason)
                 break
             try:
                 batch = files[start : start + _EXPIRY_BATCH]
-                gone = await asyncio.to_thread(_unlink_unchanged, folder, batch)
+                gone = await asyncio.to_thread(_unlink_unchanged, ref.path, batch)
                 if gone:
-                    tally.links_removed += await _forget_files(store, row, gone, reason)
+                    tally.links_removed += await _forget_files(core, ref, row.id, gone, reason)
             finally:
-                lock.release()
+                await lock.release()
             removed_files += len(gone)
             removed_bytes += sum(size for _, size in gone)
         if removed_files:
             tally.files_removed += removed_files
             tally.bytes_freed += removed_bytes
-            cleanup = SessionCleanup(
-                row.user_id, row.chat_id, "files expired", removed_files, removed_bytes, reason
+            tally.details.append(
+                SessionCleanup(
+                    row.user_id, row.chat_id, "files expired", removed_files, removed_bytes, reason
+                )
             )
-            tally.details.append(cleanup)
 
 
 async def _count_files(
-    store: Store, tally: _Tally, row: SessionRow, files: list[tuple[str, int, int]], reason: str
+    core: Core, tally: _Tally, row: SessionRow, files: list[tuple[str, int, int]], reason: str
 ) -> None:
-    paths = {p for p, _, _ in files}
-    links = await store._db.read(lambda tx: tx.all("SELECT path FROM links WHERE session_id = ?", (row.id,)))
+    links = await core.read(lambda tx: _index.links_of_paths(tx, row.id, [p for p, _, _ in files]))
     size = sum(s for _, s, _ in files)
     tally.files_removed += len(files)
     tally.bytes_freed += size
-    tally.links_removed += sum(1 for (p,) in links if p in paths)
+    tally.links_removed += len(links)
     tally.details.append(SessionCleanup(row.user_id, row.chat_id, "files expired", len(files), size, reason))
 
 
@@ -404,109 +744,73 @@ def _unlink_unchanged(folder: Path, files: list[tuple[str, int, int]]) -> list[t
     return gone
 
 
-async def _forget_files(store: Store, row: SessionRow, gone: list[tuple[str, int]], reason: str) -> int:
+async def _forget_files(
+    core: Core, ref: SessionRef, session_id: int, gone: list[tuple[str, int]], reason: str
+) -> int:
     """Drop index rows of deleted files, and their links. Returns the number of links removed."""
     paths = [p for p, _ in gone]
     now = time.time()
 
-    async def write(tx: Tx) -> list[tuple[str, str]]:
-        links: list[tuple[str, str]] = []
-        await tx.run("CREATE TEMP TABLE IF NOT EXISTS _gone (path TEXT PRIMARY KEY) WITHOUT ROWID")
-        await tx.run("DELETE FROM _gone")
-        await tx.many("INSERT OR IGNORE INTO _gone (path) VALUES (?)", [(p,) for p in paths])
-        links = [
-            (t, d)
-            for t, d in await tx.all(
-                "SELECT token, directory FROM links"
-                " WHERE session_id = ? AND path IN (SELECT path FROM _gone)",
-                (row.id,),
-            )
-        ]
-        await tx.run("DELETE FROM links WHERE session_id = ? AND path IN (SELECT path FROM _gone)", (row.id,))
-        await tx.run("DELETE FROM files WHERE session_id = ? AND path IN (SELECT path FROM _gone)", (row.id,))
-        await tx.run("DELETE FROM _gone")
-        await log_activity(
+    async def write(tx: Tx) -> list[tuple[str, str, str]]:
+        links = await _index.forget_files(tx, session_id, paths)
+        await _index.log_activity(
             tx,
             now,
             "files_expired",
-            row.user_id,
-            row.chat_id,
+            ref.user_id,
+            ref.chat_id,
             {"reason": reason, "files": len(gone), "bytes": sum(s for _, s in gone), "paths": paths[:100]},
         )
         return links
 
-    links = await store._db.write(write)
-
-    def remove() -> None:
-        for token, directory in links:
-            remove_copy(directory, token)
-
-    await asyncio.to_thread(remove)
+    links = await core.write(write)
+    await remove_copies(core, links)
     return len(links)
 
 
-async def _vanished_sessions(store: Store, removed: set[int], now: float, tally: _Tally) -> None:
+async def _vanished_sessions(core: Core, removed: set[int], tally: _Tally) -> None:
     """Index rows whose session folder no longer exists (deleted by hand, or a crash mid-delete)."""
-    layout = store._layout
-    rows = [r for r in await store._db.read(all_sessions) if r.id not in removed]
+    layout = core.layout
+    rows = [r for r in await core.read(_index.all_sessions) if r.id not in removed]
     missing = await asyncio.to_thread(
         lambda: [r for r in rows if not layout.session_dir(r.user_key, r.chat_key).is_dir()]
     )
+    reason = "session folder no longer exists"
     for row in missing:
-        reason = "session folder no longer exists"
-        lock_path = layout.lock_path(row.user_key, row.chat_key)
         if tally.dry_run:
-            if is_locked(lock_path):
+            if await core.backend.chat_locked(row.user_key, row.chat_key):
                 tally.busy(row, reason)
-                continue
-            tally.sessions_removed += 1
-            tally.details.append(
-                SessionCleanup(row.user_id, row.chat_id, "vanished", row.file_count, 0, reason)
-            )
+            else:
+                tally.removed(row, reason, 0, action="vanished")
             continue
-        lock = FileLock(lock_path)
-        if not lock.try_acquire():
+        lock = core.backend.chat_lock(row.user_key, row.chat_key)
+        if not await lock.try_acquire():
             tally.busy(row, reason)
             continue
         deleted = False
         try:
             if layout.session_dir(row.user_key, row.chat_key).is_dir():
                 continue  # re-created meanwhile
-            links = await _delete_session(store, row, reason, now)
+            links = await delete_session(core, row, reason)
             deleted = True
-            tally.sessions_removed += 1
-            tally.links_removed += links
-            tally.details.append(
-                SessionCleanup(row.user_id, row.chat_id, "vanished", row.file_count, 0, reason)
-            )
+            tally.removed(row, reason, links, action="vanished")
         finally:
-            lock.release(unlink=deleted)
+            await lock.release(forget=deleted)
             if deleted:
-                await asyncio.to_thread(_prune_parents, store, row)
+                await asyncio.to_thread(_prune_parents, core, row)
 
 
-async def _stale_links(store: Store, now: float, tally: _Tally) -> None:
-    """Links whose session is gone, whose file is gone or changed, expired, or whose copy vanished."""
-    rows = await store._db.read(
-        lambda tx: tx.all(
-            "SELECT l.token, l.directory, l.name, l.created_at, l.expires_at,"
-            " s.id IS NULL, f.path IS NULL, (f.size != l.size OR f.mtime_ns != l.mtime_ns)"
-            " FROM links l LEFT JOIN sessions s ON s.id = l.session_id"
-            " LEFT JOIN files f ON f.session_id = l.session_id AND f.path = l.path"
-        )
-    )
+async def _stale_links(core: Core, now: float, tally: _Tally) -> None:
+    """Links whose session is gone, whose file is gone or changed, or whose folder copy vanished."""
+    rows = await core.read(_index.link_health)
 
-    def judge() -> list[tuple[str, str]]:
-        stale: list[tuple[str, str]] = []
-        for token, directory, name, created_at, expires_at, no_session, no_file, changed in rows:
+    def judge() -> list[tuple[str, str, str]]:
+        stale: list[tuple[str, str, str]] = []
+        for ref, kind, directory, name, created_at, no_session, no_file, changed in rows:
             old = now - created_at > STALE_LINK_GRACE_S
-            if (
-                no_session
-                or (expires_at is not None and expires_at <= now)
-                or (old and (no_file or changed))
-                or not copy_present(Path(directory), token, name)
-            ):
-                stale.append((token, directory))
+            gone = kind == DirectoryPublisher.kind and not folder_copy_present(directory, ref, name)
+            if no_session or (old and (no_file or changed)) or gone:
+                stale.append((ref, kind, directory))
         return stale
 
     stale = await asyncio.to_thread(judge)
@@ -515,332 +819,38 @@ async def _stale_links(store: Store, now: float, tally: _Tally) -> None:
     tally.links_removed += len(stale)
     if tally.dry_run:
         return
-
-    async def write(tx: Tx) -> None:
-        await tx.many("DELETE FROM links WHERE token = ?", [(t,) for t, _ in stale])
-
-    await store._db.write(write)
-
-    def remove() -> None:
-        for token, directory in stale:
-            remove_copy(directory, token)
-
-    await asyncio.to_thread(remove)
+    await core.write(lambda tx: _index.delete_links(tx, [ref for ref, _, _ in stale]))
+    await remove_copies(core, stale)
 
 
-async def _stray_copies(store: Store, now: float, tally: _Tally) -> None:
-    """Published folders with no link row (crash after copying), and abandoned staging folders."""
-    directory: Path | None = store.publisher.directory if store.publisher else None
-    if directory is None:
-        recorded = await store._db.read(lambda tx: get_meta(tx, "publish_dir"))
-        directory = Path(recorded) if recorded else None
-    if directory is None:
+async def _stray_copies(core: Core, tally: _Tally) -> None:
+    """Copies with no link row (a crash between storing a copy and writing its row), and link
+    records with no row, older than the grace."""
+    publisher = core.publisher
+    if publisher is not None:
+        known = await core.read(lambda tx: _index.all_link_refs(tx, publisher.kind))
+        strays = await publisher.strays(known, STRAY_GRACE_S)
+        tally.links_removed += len(strays)
+        if strays and not tally.dry_run:
+            await publisher.remove(strays)
+    if tally.dry_run:
         return
-    known = {t for (t,) in await store._db.read(lambda tx: tx.all("SELECT token FROM links"))}
+    rows = {(kind, ref) for ref, kind, *_ in await core.read(_index.links_with_owners)}
+    cutoff = time.time() - STRAY_GRACE_S
 
-    def find() -> list[Path]:
-        strays: list[Path] = []
-        with contextlib.suppress(FileNotFoundError, NotADirectoryError), os.scandir(directory) as entries:
-            for entry in entries:
-                name = entry.name
-                ours = TOKEN_RE.fullmatch(name) or (
-                    name.startswith(STAGING_PREFIX) and TOKEN_RE.fullmatch(name[len(STAGING_PREFIX) :])
-                )
-                if not ours or name in known or not entry.is_dir(follow_symlinks=False):
-                    continue
+    def forget() -> None:
+        for rec in link_records(core):
+            if (rec["kind"], rec["ref"]) not in rows and rec["_mtime"] < cutoff:
                 with contextlib.suppress(FileNotFoundError):
-                    if now - entry.stat(follow_symlinks=False).st_mtime > STRAY_GRACE_S:
-                        strays.append(Path(entry.path))
-        return strays
+                    os.unlink(core.layout.link_record(rec["kind"], rec["ref"]))
 
-    strays = await asyncio.to_thread(find)
-    tally.links_removed += len(strays)
-    if strays and not tally.dry_run:
-
-        def remove() -> None:
-            for path in strays:
-                remove_tree(path)
-
-        await asyncio.to_thread(remove)
+    await asyncio.to_thread(forget)
 
 
-def _empty_trash(store: Store) -> None:
-    with contextlib.suppress(FileNotFoundError), os.scandir(store._layout.trash) as entries:
+def _empty_trash(core: Core) -> None:
+    with contextlib.suppress(FileNotFoundError), os.scandir(core.layout.trash) as entries:
         for entry in list(entries):
             remove_tree(Path(entry.path))
-''',
-    'storage/_db.py': r'''"""The SQLite index: connections, transactions, retries, migrations and recovery.
-
-Several processes (web workers, the CLI) use the file at once, so:
-* WAL journal: readers never block the writer nor each other.
-* Every write is a `BEGIN IMMEDIATE` transaction: it takes the write lock up front, so it can never
-  fail half-way with SQLITE_BUSY when upgrading from reader to writer (which no busy handler can fix).
-* SQLite's busy_timeout waits for the lock; on top of that a whole transaction that still gets
-  "database is locked"/"busy" is rolled back and re-run with backoff, so that error never reaches a
-  caller. Only after `busy_total_s` (60 s) do we give up with StorageBusy.
-* An aiosqlite connection is one thread running one transaction at a time: a tiny pool hands each
-  transaction a connection of its own.
-"""
-
-from __future__ import annotations
-
-import asyncio
-import contextlib
-import logging
-import os
-import random
-import sqlite3
-import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, TypeVar
-
-import aiosqlite
-
-from ._lock import FileLock
-from ._schema import CURRENT_VERSION, MIGRATIONS, statements
-from .errors import StorageBusy, StorageError
-
-log = logging.getLogger("code_sessions.storage")
-
-T = TypeVar("T")
-Row = tuple[Any, ...]
-
-
-class Tx:
-    """The statements of one transaction; handed to the function given to Database.read/write."""
-
-    __slots__ = ("_conn",)
-
-    def __init__(self, conn: aiosqlite.Connection) -> None:
-        self._conn = conn
-
-    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        return list(await self._conn.execute_fetchall(sql, params))
-
-    async def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
-        rows = await self._conn.execute_fetchall(sql, params)
-        return next(iter(rows), None)
-
-    async def run(self, sql: str, params: Sequence[Any] = ()) -> int:
-        async with self._conn.execute(sql, params) as cursor:
-            return cursor.rowcount
-
-    async def many(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
-        await self._conn.executemany(sql, rows)
-
-
-@dataclass(frozen=True, slots=True)
-class Opened:
-    fresh: bool  # the database had no schema: the caller should rebuild it from disk
-    moved_aside: Path | None  # where a corrupt file went, if one was found
-
-
-class _Corrupt(Exception):
-    pass
-
-
-class Database:
-    def __init__(self, path: Path, *, busy_total_s: float = 60.0, pool_size: int = 2) -> None:
-        self.path = path
-        self.busy_total_s = busy_total_s
-        self.pool_size = pool_size
-        # SQLite's own wait per statement; our retry loop covers the rest of busy_total_s.
-        self._busy_timeout_ms = int(max(0.05, min(5.0, busy_total_s / 4)) * 1000)
-        self._pool: asyncio.Queue[aiosqlite.Connection] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._all: list[aiosqlite.Connection] = []
-
-    # ------------------------------------------------------------------ open / close
-
-    async def open(self) -> Opened:
-        try:
-            return Opened(await self._open(), None)
-        except (_Corrupt, sqlite3.DatabaseError, StorageError) as exc:
-            await self.close()
-            if not _is_corrupt(exc):
-                if isinstance(exc, StorageError):
-                    raise
-                raise StorageError(f"cannot open the index {self.path}: {exc}") from exc
-        # Several processes may find the same corrupt file at once: only one may move it aside, and
-        # the others must then use the new file, not move that one aside too.
-        lock = FileLock(self.path.with_name(self.path.name + ".lock"))
-        await lock.acquire(self.busy_total_s, what="the index recovery")
-        try:
-            try:
-                return Opened(await self._open(), None)  # someone else already recovered it
-            except (_Corrupt, sqlite3.DatabaseError, StorageError) as exc:
-                await self.close()
-                if not _is_corrupt(exc):
-                    raise
-                moved = self._move_aside()
-                log.warning(
-                    "the index %s is corrupt (%s); moved it to %s, starting a new one rebuilt from disk",
-                    self.path,
-                    exc,
-                    moved,
-                )
-            await self._open()
-            return Opened(True, moved)
-        finally:
-            lock.release()
-
-    async def _open(self) -> bool:
-        first = await self._connect()
-        self._all.append(first)
-        await self._retry(lambda: first.execute("PRAGMA journal_mode = WAL"))
-        check = await self._retry(lambda: first.execute_fetchall("PRAGMA quick_check(1)"))
-        if not check or next(iter(check))[0] != "ok":
-            raise _Corrupt(f"quick_check: {next(iter(check), ('?',))[0]}")
-        for _ in range(self.pool_size - 1):
-            self._all.append(await self._connect())
-        self._pool = asyncio.Queue()
-        self._loop = asyncio.get_running_loop()
-        for conn in self._all:
-            self._pool.put_nowait(conn)
-        return await self.write(_migrate)
-
-    async def _connect(self) -> aiosqlite.Connection:
-        # isolation_level=None: the sqlite3 module must not open transactions behind our back.
-        conn = aiosqlite.connect(self.path, isolation_level=None)
-        # aiosqlite runs each connection in a non-daemon thread: a Store never closed (a web server's
-        # lives as long as the process) would keep the interpreter from exiting. SQLite itself is
-        # crash-safe, so the thread may simply die with the process.
-        worker = getattr(conn, "_thread", None)
-        if worker is not None and not worker.is_alive():
-            worker.daemon = True
-        conn = await conn
-        try:
-            await conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
-            await conn.execute("PRAGMA foreign_keys = ON")
-            # NORMAL is safe with WAL (no corruption); a power cut may lose the last transactions, which
-            # the next reconcile recovers from disk anyway.
-            await conn.execute("PRAGMA synchronous = NORMAL")
-        except BaseException:
-            await conn.close()
-            raise
-        return conn
-
-    def _move_aside(self) -> Path:
-        stamp = time.strftime("%Y%m%dT%H%M%S")
-        target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
-        n = 1
-        while target.exists():
-            n += 1
-            target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
-        for suffix in ("", "-wal", "-shm"):
-            with contextlib.suppress(FileNotFoundError):
-                os.rename(f"{self.path}{suffix}", f"{target}{suffix}")
-        return target
-
-    async def close(self) -> None:
-        conns, self._all, self._pool = self._all, [], None
-        for conn in conns:
-            with contextlib.suppress(Exception):
-                await conn.close()
-
-    # ------------------------------------------------------------------ transactions
-
-    async def read(self, fn: Callable[[Tx], Awaitable[T]]) -> T:
-        """Run fn in a read transaction (one consistent snapshot, never blocks writers)."""
-        return await self._transaction("BEGIN", fn)
-
-    async def write(self, fn: Callable[[Tx], Awaitable[T]]) -> T:
-        """Run fn in a write transaction; fn may be run again after a busy error, so it must only
-        touch the database."""
-        return await self._transaction("BEGIN IMMEDIATE", fn)
-
-    async def _transaction(self, begin: str, fn: Callable[[Tx], Awaitable[T]]) -> T:
-        if self._pool is None:
-            raise StorageError("the store is not open; use `async with store:` or `await store.open()`")
-        if asyncio.get_running_loop() is not self._loop:
-            # The pool's queue belongs to one event loop; sharing it across loops fails obscurely.
-            raise StorageError("a Store must be used from the event loop that opened it")
-        pool = self._pool
-
-        async def attempt() -> T:
-            conn = await pool.get()
-            try:
-                await conn.execute(begin)
-                result = await fn(Tx(conn))
-                await conn.execute("COMMIT")
-                return result
-            except BaseException:
-                await _rollback(conn)
-                raise
-            finally:
-                pool.put_nowait(conn)
-
-        try:
-            return await self._retry(attempt)
-        except sqlite3.Error as exc:
-            raise StorageError(f"index error: {exc}") from exc
-
-    async def _retry(self, op: Callable[[], Awaitable[T]]) -> T:
-        deadline = time.monotonic() + self.busy_total_s
-        delay = 0.01
-        while True:
-            try:
-                return await op()
-            except sqlite3.OperationalError as exc:
-                if not _is_busy(exc):
-                    raise
-                if time.monotonic() + delay >= deadline:
-                    raise StorageBusy(
-                        f"the file index stayed locked by other processes for {self.busy_total_s:g} s; "
-                        "try again in a moment"
-                    ) from None
-                await asyncio.sleep(delay * random.uniform(0.5, 1.5))
-                delay = min(delay * 2, 1.0)
-
-
-async def _rollback(conn: aiosqlite.Connection) -> None:
-    # Shielded and unconditional: even if we are being cancelled, the ROLLBACK is queued on the
-    # connection's thread before anyone else can use it, so it never goes back to the pool inside a
-    # transaction. "no transaction is active" (BEGIN itself failed) is fine.
-    with contextlib.suppress(sqlite3.Error):
-        await asyncio.shield(conn.execute("ROLLBACK"))
-
-
-def _is_busy(exc: sqlite3.OperationalError) -> bool:
-    name = getattr(exc, "sqlite_errorname", "") or ""
-    if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
-        return True
-    text = str(exc).lower()
-    return "locked" in text or "busy" in text
-
-
-def _is_corrupt(exc: BaseException) -> bool:
-    if isinstance(exc, _Corrupt):
-        return True
-    if isinstance(exc, StorageError):
-        return exc.__cause__ is not None and _is_corrupt(exc.__cause__)
-    if not isinstance(exc, sqlite3.DatabaseError) or isinstance(exc, sqlite3.OperationalError):
-        return False
-    name = getattr(exc, "sqlite_errorname", "") or ""
-    if name.startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB")):
-        return True
-    text = str(exc).lower()
-    return "malformed" in text or "not a database" in text
-
-
-async def _migrate(tx: Tx) -> bool:
-    row = await tx.one("PRAGMA user_version")
-    version = int(row[0]) if row else 0
-    if version > CURRENT_VERSION:
-        raise StorageError(
-            f"the index was written by a newer version of code-sessions (schema {version}, this one "
-            f"knows up to {CURRENT_VERSION}); upgrade code-sessions or move the index aside"
-        )
-    for number in range(version + 1, CURRENT_VERSION + 1):
-        for statement in statements(MIGRATIONS[number - 1]):
-            await tx.run(statement)
-        log.info("index schema upgraded to version %d", number)
-    if version < CURRENT_VERSION:
-        # PRAGMA takes no parameters; the value is our own integer.
-        await tx.run(f"PRAGMA user_version = {CURRENT_VERSION}")
-    return version == 0
 ''',
     'storage/_format.py': r'''"""Human-readable formatting for reports and the CLI (sizes, times, durations, tables)."""
 
@@ -953,7 +963,7 @@ Owner = tuple[int, int] | None
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _CHUNK = 1 << 20
@@ -977,7 +987,7 @@ def open_dir(path: Path | str) -> int:
     """Open a directory we control (the session folder itself); its last component must not be a link."""
     # Messages may reach the user: they do not name the host path.
     try:
-        return os.open(path, _DIR_FLAGS)
+        return os.open(path, DIR_FLAGS)
     except FileNotFoundError:
         raise FileMissing("the session folder does not exist") from None
     except OSError as exc:
@@ -992,7 +1002,7 @@ def make_dir(path: Path, owner: Owner = None, *, mode: int = DIR_MODE) -> bool:
         os.mkdir(path, mode)
     except FileExistsError:
         return False
-    with fd_closing(os.open(path, _DIR_FLAGS)) as fd:
+    with fd_closing(os.open(path, DIR_FLAGS)) as fd:
         os.fchmod(fd, mode)
         chown(fd, owner)
     return True
@@ -1020,7 +1030,7 @@ def walk_dirs(root_fd: int, parts: Iterable[str], *, create: bool = False, owner
 def _open_child_dir(fd: int, part: str, done: list[str], create: bool, owner: Owner) -> int:
     for _ in range(3):
         try:
-            return os.open(part, _DIR_FLAGS, dir_fd=fd)
+            return os.open(part, DIR_FLAGS, dir_fd=fd)
         except FileNotFoundError:
             if not create:
                 raise FileMissing(f"the folder {'/'.join(done)} does not exist") from None
@@ -1028,7 +1038,7 @@ def _open_child_dir(fd: int, part: str, done: list[str], create: bool, owner: Ow
                 os.mkdir(part, DIR_MODE, dir_fd=fd)
             except FileExistsError:
                 continue  # created by someone else meanwhile, or it is a link: the open decides
-            new = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            new = os.open(part, DIR_FLAGS, dir_fd=fd)
             chown(new, owner)
             return new
         except OSError as exc:
@@ -1244,7 +1254,7 @@ def remove_tree_at(dir_fd: int, name: str) -> None:
             os.unlink(name, dir_fd=dir_fd)
         return
     try:
-        top = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        top = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         return
     with fd_closing(top):
@@ -1270,7 +1280,7 @@ def _empty_one_level(top: int) -> bool:
             except OSError as exc:
                 if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                     raise
-            with fd_closing(os.open(name, _DIR_FLAGS, dir_fd=top)) as sub:
+            with fd_closing(os.open(name, DIR_FLAGS, dir_fd=top)) as sub:
                 _hoist_children(sub, top)
     return bool(entries)
 
@@ -1343,21 +1353,36 @@ def _copy_range(src: int, dst: int, count: int) -> None:
         _write_all(dst, chunk)
         count -= len(chunk)
 ''',
-    'storage/_index.py': r'''"""SQL shared by the modules that use the index (rows of sessions, totals, activity, meta)."""
+    'storage/_index.py': r'''"""Every SQL statement of the store, as functions over a transaction (`_backend.Tx`).
+
+The SQL is the portable subset both backends run: `?` placeholders, `ON CONFLICT` upserts,
+`RETURNING`, `CASE` instead of SQLite's scalar `max()`, no temporary tables, no PRAGMA. Paths are
+compared as byte strings (PostgreSQL declares the columns `COLLATE "C"`), which the range queries
+below rely on. Nothing outside this module writes SQL, so a backend is only a connection, its
+transactions, its locks and its migrations.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._db import Tx
+from ._backend import Tx
 from ._keys import db_text
+from .models import ActivityEntry, FileEntry, LinkInfo, SessionInfo, Usage, UserUsage
+
+# Parameters per statement: SQLite's default limit is 32,766, PostgreSQL's 65,535.
+CHUNK = 500
 
 _SESSION_COLUMNS = (
     "id, user_id, chat_id, user_key, chat_key, temporary, created_at, last_used_at, bytes, file_count,"
-    " linked_files"
+    " linked_files, published_bytes"
 )
+
+
+# ---------------------------------------------------------------------------- sessions
 
 
 @dataclass(frozen=True, slots=True)
@@ -1372,11 +1397,38 @@ class SessionRow:
     last_used_at: float
     bytes: int
     file_count: int
-    linked_files: bool  # files with several hard links were seen (see _partial)
+    linked_files: bool  # files with several hard links were seen (see _sync_changed)
+    published_bytes: int
 
     @classmethod
-    def from_row(cls, row: tuple[Any, ...]) -> SessionRow:
-        return cls(row[0], row[1], row[2], row[3], row[4], bool(row[5]), *row[6:10], bool(row[10]))
+    def from_row(cls, row: Sequence[Any]) -> SessionRow:
+        return cls(
+            int(row[0]),
+            row[1],
+            row[2],
+            row[3],
+            row[4],
+            bool(row[5]),
+            float(row[6]),
+            float(row[7]),
+            int(row[8]),
+            int(row[9]),
+            bool(row[10]),
+            int(row[11]),
+        )
+
+    def info(self) -> SessionInfo:
+        return SessionInfo(
+            self.user_id,
+            self.chat_id,
+            self.user_key,
+            self.chat_key,
+            self.temporary,
+            self.created_at,
+            self.last_used_at,
+            self.file_count,
+            self.bytes,
+        )
 
 
 async def ensure_session(
@@ -1391,11 +1443,12 @@ async def ensure_session(
     used_at: float | None,
 ) -> int:
     """Insert the session row if missing; with used_at, move last_used_at forward. Returns its id."""
+    used = used_at if used_at is not None else 0.0
     row = await tx.one(
         "INSERT INTO sessions (user_id, chat_id, user_key, chat_key, temporary, created_at, last_used_at)"
         " VALUES (?, ?, ?, ?, ?, ?, ?)"
-        " ON CONFLICT (user_key, chat_key) DO UPDATE"
-        " SET last_used_at = max(sessions.last_used_at, ?)"
+        " ON CONFLICT (user_key, chat_key) DO UPDATE SET last_used_at ="
+        " CASE WHEN sessions.last_used_at > ? THEN sessions.last_used_at ELSE ? END"
         " RETURNING id",
         (
             db_text(user_id),
@@ -1405,7 +1458,8 @@ async def ensure_session(
             int(temporary),
             created_at,
             used_at if used_at is not None else created_at,
-            used_at if used_at is not None else 0.0,
+            used,
+            used,
         ),
     )
     assert row is not None
@@ -1419,18 +1473,60 @@ async def session_by_keys(tx: Tx, user_key: str, chat_key: str) -> SessionRow | 
     return SessionRow.from_row(row) if row else None
 
 
-async def all_sessions(tx: Tx, where: str = "", params: tuple[Any, ...] = ()) -> list[SessionRow]:
-    rows = await tx.all(f"SELECT {_SESSION_COLUMNS} FROM sessions {where} ORDER BY user_id, chat_id", params)
+async def all_sessions(tx: Tx, user_key: str | None = None) -> list[SessionRow]:
+    if user_key is None:
+        rows = await tx.all(f"SELECT {_SESSION_COLUMNS} FROM sessions ORDER BY user_id, chat_id")
+    else:
+        rows = await tx.all(
+            f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE user_key = ? ORDER BY user_id, chat_id",
+            (user_key,),
+        )
     return [SessionRow.from_row(r) for r in rows]
 
 
+async def session_ids(tx: Tx) -> list[tuple[str, str, int, float, bool]]:
+    """(user_id, chat_id, id, created_at, temporary) of every session: the cheap listing."""
+    rows = await tx.all("SELECT user_id, chat_id, id, created_at, temporary FROM sessions")
+    return [(r[0], r[1], int(r[2]), float(r[3]), bool(r[4])) for r in rows]
+
+
+async def sessions_missing(tx: Tx) -> list[tuple[str, str, float, float]]:
+    """(user_key, chat_key, missing_since, last_used_at) of sessions marked missing."""
+    rows = await tx.all(
+        "SELECT user_key, chat_key, missing_since, last_used_at FROM sessions WHERE missing_since IS NOT NULL"
+    )
+    return [(r[0], r[1], float(r[2]), float(r[3])) for r in rows]
+
+
+async def set_missing_since(tx: Tx, keys: Sequence[tuple[str, str]], since: float | None) -> None:
+    await tx.many(
+        "UPDATE sessions SET missing_since = ? WHERE user_key = ? AND chat_key = ?",
+        [(since, user_key, chat_key) for user_key, chat_key in keys],
+    )
+
+
+async def delete_session(tx: Tx, session_id: int) -> None:
+    await tx.run("DELETE FROM sessions WHERE id = ?", (session_id,))
+
+
+async def set_linked_files(tx: Tx, session_id: int, count: int) -> None:
+    await tx.run(
+        "UPDATE sessions SET linked_files = ? WHERE id = ? AND linked_files != ?", (count, session_id, count)
+    )
+
+
 async def refresh_totals(tx: Tx, session_id: int) -> tuple[int, int]:
-    """Recompute the session's cached totals from its file rows (repair; triggers keep them in step)."""
+    """Recompute the session's cached totals from its rows (repair; triggers keep them in step)."""
     row = await tx.one(
         "SELECT count(*), coalesce(sum(size), 0) FROM files WHERE session_id = ?", (session_id,)
     )
     files, size = (int(row[0]), int(row[1])) if row else (0, 0)
-    await tx.run("UPDATE sessions SET file_count = ?, bytes = ? WHERE id = ?", (files, size, session_id))
+    links = await tx.one("SELECT coalesce(sum(size), 0) FROM links WHERE session_id = ?", (session_id,))
+    published = int(links[0]) if links else 0
+    await tx.run(
+        "UPDATE sessions SET file_count = ?, bytes = ?, published_bytes = ? WHERE id = ?",
+        (files, size, published, session_id),
+    )
     return files, size
 
 
@@ -1439,18 +1535,298 @@ async def session_totals(tx: Tx, session_id: int) -> tuple[int, int]:
     return (int(row[0]), int(row[1])) if row else (0, 0)
 
 
-async def user_totals(tx: Tx, user_key: str, *, except_chat_key: str | None = None) -> tuple[int, int, int]:
-    """(sessions, files, bytes) of a user across chats: one indexed SUM over the user's session rows."""
-    sql = (
-        "SELECT count(*), coalesce(sum(file_count), 0), coalesce(sum(bytes), 0)"
-        " FROM sessions WHERE user_key = ?"
+async def session_usage(tx: Tx, user_key: str, chat_key: str) -> Usage:
+    row = await tx.one(
+        "SELECT file_count, bytes FROM sessions WHERE user_key = ? AND chat_key = ?", (user_key, chat_key)
     )
-    params: tuple[Any, ...] = (user_key,)
-    if except_chat_key is not None:
-        sql += " AND chat_key != ?"
-        params += (except_chat_key,)
-    row = await tx.one(sql, params)
-    return (int(row[0]), int(row[1]), int(row[2])) if row else (0, 0, 0)
+    return Usage(0, 0) if row is None else Usage(int(row[0]), int(row[1]))
+
+
+async def user_usage(tx: Tx, user_key: str) -> Usage:
+    """What counts toward a user's quota, across all their chats: files, and the bytes of the files
+    plus their published copies. One indexed SUM over the user's session rows."""
+    row = await tx.one(
+        "SELECT coalesce(sum(file_count), 0), coalesce(sum(bytes + published_bytes), 0)"
+        " FROM sessions WHERE user_key = ?",
+        (user_key,),
+    )
+    return Usage(int(row[0]), int(row[1])) if row else Usage(0, 0)
+
+
+async def users_usage(tx: Tx) -> list[UserUsage]:
+    rows = await tx.all(
+        "SELECT min(user_id), count(*), coalesce(sum(file_count), 0),"
+        " coalesce(sum(bytes + published_bytes), 0) FROM sessions GROUP BY user_key ORDER BY min(user_id)"
+    )
+    return [UserUsage(r[0], int(r[1]), int(r[2]), int(r[3])) for r in rows]
+
+
+# ---------------------------------------------------------------------------- files
+
+_UPSERT_FILE = (
+    "INSERT INTO files (session_id, path, size, mtime_ns, first_seen, last_changed) VALUES (?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT (session_id, path) DO UPDATE"
+    " SET size = excluded.size, mtime_ns = excluded.mtime_ns, last_changed = excluded.last_changed"
+)
+
+
+async def upsert_files(tx: Tx, session_id: int, rows: Iterable[tuple[str, int, int, float]]) -> None:
+    """(path, size, mtime_ns, now): insert, or update a changed file (first_seen is kept)."""
+    await tx.many(_UPSERT_FILE, [(session_id, p, size, ns, now, now) for p, size, ns, now in rows])
+
+
+async def delete_files(tx: Tx, session_id: int, paths: Sequence[str]) -> None:
+    await tx.many("DELETE FROM files WHERE session_id = ? AND path = ?", [(session_id, p) for p in paths])
+
+
+async def file_rows(tx: Tx, session_id: int) -> list[tuple[str, int, int]]:
+    """(path, size, mtime_ns) of every file of a session."""
+    return await tx.all("SELECT path, size, mtime_ns FROM files WHERE session_id = ?", (session_id,))  # type: ignore[return-value]
+
+
+async def file_entries(tx: Tx, user_key: str, chat_key: str) -> list[FileEntry]:
+    rows = await tx.all(
+        "SELECT f.path, f.size, f.mtime_ns, f.first_seen, f.last_changed FROM files f"
+        " JOIN sessions s ON s.id = f.session_id WHERE s.user_key = ? AND s.chat_key = ?"
+        " ORDER BY f.path",
+        (user_key, chat_key),
+    )
+    return [FileEntry(p, int(size), int(ns) / 1e9, first, last) for p, size, ns, first, last in rows]
+
+
+async def file_size(tx: Tx, session_id: int, path: str) -> int | None:
+    row = await tx.one("SELECT size FROM files WHERE session_id = ? AND path = ?", (session_id, path))
+    return None if row is None else int(row[0])
+
+
+async def move_file(
+    tx: Tx, session_id: int, src: str, dst: str, size: int, mtime_ns: int, now: float
+) -> None:
+    """The index side of a rename: dst takes src's row (and its expiry clock)."""
+    row = await tx.one(
+        "SELECT first_seen, last_changed FROM files WHERE session_id = ? AND path = ?", (session_id, src)
+    )
+    first, last = row if row else (now, now)
+    await tx.run("DELETE FROM files WHERE session_id = ? AND path IN (?, ?)", (session_id, src, dst))
+    await tx.run(
+        "INSERT INTO files (session_id, path, size, mtime_ns, first_seen, last_changed)"
+        " VALUES (?, ?, ?, ?, ?, ?)",
+        (session_id, dst, size, mtime_ns, first, last),
+    )
+
+
+async def rows_at_and_under(tx: Tx, session_id: int, paths: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """The rows of each path and of everything under `path/`, found through the primary key."""
+    index: dict[str, tuple[int, int]] = {}
+    for i in range(0, len(paths), CHUNK):
+        chunk = paths[i : i + CHUNK]
+        marks = ", ".join("?" * len(chunk))
+        for path, size, mtime_ns in await tx.all(
+            f"SELECT path, size, mtime_ns FROM files WHERE session_id = ? AND path IN ({marks})",
+            (session_id, *chunk),
+        ):
+            index[path] = (int(size), int(mtime_ns))
+        # `path/` up to `path0` ('0' follows '/'): exactly the rows under the folder.
+        values = ", ".join("(?, ?)" for _ in chunk)
+        bounds = [b for p in chunk for b in (p + "/", p + "0")]
+        for path, size, mtime_ns in await tx.all(
+            f"WITH q(lo, hi) AS (VALUES {values}) SELECT f.path, f.size, f.mtime_ns"
+            " FROM q JOIN files f ON f.session_id = ? AND f.path >= q.lo AND f.path < q.hi",
+            (*bounds, session_id),
+        ):
+            index[path] = (int(size), int(mtime_ns))
+    return index
+
+
+async def expired_files(tx: Tx, cutoff: float) -> list[tuple[int, str, int, int]]:
+    """(session id, path, size, mtime_ns) of files the index last saw change before cutoff."""
+    return await tx.all(  # type: ignore[return-value]
+        "SELECT session_id, path, size, mtime_ns FROM files WHERE last_changed < ? ORDER BY session_id",
+        (cutoff,),
+    )
+
+
+# ---------------------------------------------------------------------------- links
+
+
+@dataclass(frozen=True, slots=True)
+class LinkRow:
+    ref: str
+    kind: str
+    name: str
+    url: str
+    size: int
+    created_at: float
+    sha256: str | None
+    mtime_ns: int
+    inode: int
+    ctime_ns: int
+
+
+async def insert_link(
+    tx: Tx,
+    session_id: int,
+    *,
+    ref: str,
+    kind: str,
+    path: str,
+    name: str,
+    url: str,
+    directory: str,
+    size: int,
+    mtime_ns: int,
+    inode: int,
+    ctime_ns: int,
+    sha256: str,
+    now: float,
+) -> None:
+    await tx.run(
+        "INSERT INTO links (token, session_id, kind, path, name, url, directory, size, mtime_ns, inode,"
+        " ctime_ns, sha256, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (ref, session_id, kind, path, name, url, directory, size, mtime_ns, inode, ctime_ns, sha256, now),
+    )
+
+
+async def links_of_file(tx: Tx, user_key: str, chat_key: str, path: str, kind: str) -> list[LinkRow]:
+    """A file's links held by one publisher, newest first."""
+    rows = await tx.all(
+        "SELECT l.token, l.kind, l.name, l.url, l.size, l.created_at, l.sha256, l.mtime_ns, l.inode,"
+        " l.ctime_ns FROM links l JOIN sessions s ON s.id = l.session_id"
+        " WHERE s.user_key = ? AND s.chat_key = ? AND l.path = ? AND l.kind = ? ORDER BY l.created_at DESC",
+        (user_key, chat_key, path, kind),
+    )
+    return [
+        LinkRow(r[0], r[1], r[2], r[3], int(r[4]), float(r[5]), r[6], int(r[7]), int(r[8]), int(r[9]))
+        for r in rows
+    ]
+
+
+async def note_link_signature(tx: Tx, ref: str, mtime_ns: int, inode: int, ctime_ns: int) -> None:
+    """The file was checked to hold the link's bytes as it is now: remember how it looks."""
+    await tx.run(
+        "UPDATE links SET mtime_ns = ?, inode = ?, ctime_ns = ? WHERE token = ?",
+        (mtime_ns, inode, ctime_ns, ref),
+    )
+
+
+async def link_listing(tx: Tx, user_key: str | None = None, chat_key: str | None = None) -> list[LinkInfo]:
+    where, params = [], []
+    if user_key is not None:
+        where.append("s.user_key = ?")
+        params.append(user_key)
+    if chat_key is not None:
+        where.append("s.chat_key = ?")
+        params.append(chat_key)
+    sql = (
+        "SELECT l.token, l.kind, s.user_id, s.chat_id, l.path, l.name, l.url, l.size, l.created_at"
+        " FROM links l LEFT JOIN sessions s ON s.id = l.session_id"
+        + (" WHERE " + " AND ".join(where) if where else "")
+        + " ORDER BY l.created_at"
+    )
+    return [
+        LinkInfo(r[0], r[1], r[2], r[3], r[4], r[5], r[6], int(r[7]), float(r[8]))
+        for r in await tx.all(sql, params)
+    ]
+
+
+async def links_of_session(tx: Tx, session_id: int) -> list[tuple[str, str, str]]:
+    """(ref, kind, directory) of every link of a session."""
+    return await tx.all("SELECT token, kind, directory FROM links WHERE session_id = ?", (session_id,))  # type: ignore[return-value]
+
+
+async def count_links(tx: Tx, session_id: int) -> int:
+    row = await tx.one("SELECT count(*) FROM links WHERE session_id = ?", (session_id,))
+    return int(row[0]) if row else 0
+
+
+async def links_of_paths(tx: Tx, session_id: int, paths: Sequence[str]) -> list[tuple[str, str, str]]:
+    found: list[tuple[str, str, str]] = []
+    for i in range(0, len(paths), CHUNK):
+        chunk = paths[i : i + CHUNK]
+        marks = ", ".join("?" * len(chunk))
+        found.extend(
+            await tx.all(  # type: ignore[arg-type]
+                f"SELECT token, kind, directory FROM links WHERE session_id = ? AND path IN ({marks})",
+                (session_id, *chunk),
+            )
+        )
+    return found
+
+
+async def delete_links(tx: Tx, refs: Sequence[str]) -> None:
+    await tx.many("DELETE FROM links WHERE token = ?", [(r,) for r in refs])
+
+
+async def all_link_refs(tx: Tx, kind: str) -> set[str]:
+    return {r for (r,) in await tx.all("SELECT token FROM links WHERE kind = ?", (kind,))}
+
+
+async def link_health(tx: Tx) -> list[tuple[Any, ...]]:
+    """For each link: (ref, kind, directory, name, created_at, no session, no file, file changed)."""
+    return await tx.all(
+        "SELECT l.token, l.kind, l.directory, l.name, l.created_at,"
+        " CASE WHEN s.id IS NULL THEN 1 ELSE 0 END, CASE WHEN f.path IS NULL THEN 1 ELSE 0 END,"
+        " CASE WHEN f.size != l.size OR f.mtime_ns != l.mtime_ns THEN 1 ELSE 0 END"
+        " FROM links l LEFT JOIN sessions s ON s.id = l.session_id"
+        " LEFT JOIN files f ON f.session_id = l.session_id AND f.path = l.path"
+    )
+
+
+async def links_with_owners(tx: Tx) -> list[tuple[Any, ...]]:
+    """(ref, kind, directory, name, path, user_id, chat_id) of every link (check)."""
+    return await tx.all(
+        "SELECT l.token, l.kind, l.directory, l.name, l.path, s.user_id, s.chat_id"
+        " FROM links l LEFT JOIN sessions s ON s.id = l.session_id"
+    )
+
+
+async def queue_unpublished(tx: Tx, kind: str, refs: Sequence[str], now: float) -> None:
+    await tx.many(
+        "INSERT INTO unpublished (kind, token, queued_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+        [(kind, r, now) for r in refs],
+    )
+
+
+async def unpublished_refs(tx: Tx, kind: str) -> list[str]:
+    return [r for (r,) in await tx.all("SELECT token FROM unpublished WHERE kind = ?", (kind,))]
+
+
+async def clear_unpublished(tx: Tx, kind: str, refs: Sequence[str]) -> None:
+    await tx.many("DELETE FROM unpublished WHERE kind = ? AND token = ?", [(kind, r) for r in refs])
+
+
+# ---------------------------------------------------------------------------- session deletion
+
+
+async def forget_files(tx: Tx, session_id: int, paths: Sequence[str]) -> list[tuple[str, str, str]]:
+    """Drop the rows of deleted files and their links; returns the links' (ref, kind, directory)."""
+    links = await links_of_paths(tx, session_id, paths)
+    await delete_links(tx, [ref for ref, _, _ in links])
+    await delete_files(tx, session_id, paths)
+    return links
+
+
+# ---------------------------------------------------------------------------- imports
+
+
+async def imported_path(tx: Tx, user_key: str, chat_key: str, source: str) -> str | None:
+    row = await tx.one(
+        "SELECT i.path FROM imports i JOIN sessions s ON s.id = i.session_id "
+        "WHERE s.user_key = ? AND s.chat_key = ? AND i.source = ?",
+        (user_key, chat_key, source),
+    )
+    return None if row is None else row[0]
+
+
+async def record_import(tx: Tx, session_id: int, source: str, path: str, now: float) -> None:
+    await tx.run(
+        "INSERT INTO imports (session_id, source, path, imported_at) VALUES (?, ?, ?, ?)"
+        " ON CONFLICT DO NOTHING",
+        (session_id, source, path, now),
+    )
+
+
+# ---------------------------------------------------------------------------- activity and meta
 
 
 async def log_activity(
@@ -1473,6 +1849,17 @@ async def log_activity(
     )
 
 
+async def prune_activity(tx: Tx, before: float) -> None:
+    await tx.run("DELETE FROM activity WHERE at < ?", (before,))
+
+
+async def newest_activity(tx: Tx, limit: int) -> list[ActivityEntry]:
+    rows = await tx.all(
+        "SELECT at, event, user_id, chat_id, detail FROM activity ORDER BY at DESC, id DESC LIMIT ?", (limit,)
+    )
+    return [ActivityEntry(at, ev, u, c, _json(detail)) for at, ev, u, c, detail in rows]
+
+
 async def get_meta(tx: Tx, key: str) -> str | None:
     row = await tx.one("SELECT value FROM meta WHERE key = ?", (key,))
     return None if row is None else str(row[0])
@@ -1483,6 +1870,14 @@ async def set_meta(tx: Tx, key: str, value: str) -> None:
         "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
         (key, value),
     )
+
+
+def _json(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {"raw": text}
+    return value if isinstance(value, dict) else {"value": value}
 ''',
     'storage/_keys.py': r'''"""Directory names derived from untrusted user and chat ids.
 
@@ -1541,11 +1936,14 @@ root/                       0700
   trash/                    a deleted session folder is renamed here first, then removed
   running/<user key>.<chat key>   a run is changing the folder: removed by the reconcile after it,
                             so one left behind marks a run its process did not live to index
+  links/<digest>.json       what each published copy is (session, path, publisher, bytes): lets a
+                            lost index take its links back, so old answers keep working
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -1582,6 +1980,14 @@ class Layout:
     @property
     def running(self) -> Path:
         return self.root / "running"
+
+    @property
+    def links(self) -> Path:
+        return self.root / "links"
+
+    def link_record(self, kind: str, ref: str) -> Path:
+        # Refs are the publisher's (a token, a web server's file id): hashed into a safe file name.
+        return self.links / (hashlib.sha256(f"{kind}\0{ref}".encode()).hexdigest()[:40] + ".json")
 
     def session_dir(self, user_key: str, chat_key: str) -> Path:
         return self.sessions / user_key / chat_key
@@ -1948,434 +2354,270 @@ def _fit(name: str, max_bytes: int) -> str:
     stem = stem.encode("utf-8")[:budget].decode("utf-8", "ignore")
     return stem + ext
 ''',
-    'storage/_partial.py': r'''"""Change-driven reconcile: look only at the paths a run changed, not at the whole folder.
+    'storage/_publish.py': r'''"""Publishing a session file: one copy per distinct content, reused while the bytes are the same.
 
-The caller (the engine, from the runner's inotify watch) names the paths the run created, changed,
-removed or renamed. Each is judged with the rules of the full scan and becomes authoritative for
-itself and everything under it:
+The file is opened through the no-symlink walk and everything is read from that descriptor, never
+from the path again (the sandbox could swap it). "The same bytes" is decided by a SHA-256 of the
+content, skipped only when the file still has the inode, size, mtime *and ctime* it had when a link
+was last checked: sandboxed code can restore size and mtime (`os.utime`) but not ctime, which the
+host kernel sets on every change. The index row is written after the copy exists, so a row always has
+its copy; a crash in between leaves a stray copy, which cleanup removes.
 
-* gone: its index row and every row under `path/` are removed;
-* a regular file: (re)indexed, rows under `path/` removed;
-* a folder: its whole subtree is scanned (`_scan.scan_folder`, the full scan's own code: O_NOFOLLOW,
-  special files unlinked and reported, bad names renamed, too deep removed);
-* anything else (symlink, FIFO, socket, device): unlinked without being opened, and reported.
-
-Each path is reached from the session folder's fd, component by component with O_NOFOLLOW. Index rows
-are read per path (the exact path, and the `path/` range of the primary key), never the whole session.
-Quota enforcement and the report are the full reconcile's (`_reconcile.apply`).
-
-Anything unusual falls back to the full reconcile (logged at debug level): more than MAX_PATHS paths,
-a path that is not a clean relative path or not valid UTF-8, deeper than MAX_DEPTH, a parent that is
-missing or not a real folder (a symlink swapped in), a regular file with more than one link (a write
-through another name changes it without an event on this one), a session whose last full listing
-found such files (`sessions.linked_files`: written through a name that is then removed, the others
-change and nothing names them), no index row for the session yet.
-"""
-
-from __future__ import annotations
-
-import asyncio
-import errno
-import logging
-import os
-import stat
-from collections.abc import Collection
-from typing import TYPE_CHECKING
-
-from . import _reconcile
-from ._db import Tx
-from ._fsops import _DIR_FLAGS, kind_of, lstat_at, walk_dirs
-from ._index import session_by_keys, user_totals
-from ._names import MAX_DEPTH
-from ._scan import Scan, _reject, scan_folder
-from .errors import FileMissing, InvalidPath
-from .models import Quotas, ReconcileReport
-
-if TYPE_CHECKING:
-    from .session import Session
-
-log = logging.getLogger("code_sessions.storage")
-
-MAX_PATHS = 5000  # beyond this many paths, listing the folder is about as cheap
-_CHUNK = 500  # paths per index query (two bound parameters each for the ranges)
-
-
-class _Fallback(Exception):
-    """Something is unusual: do the full reconcile instead."""
-
-
-async def reconcile(
-    session: Session, changed: Collection[str], *, enforce_quotas: bool, quotas: Quotas
-) -> ReconcileReport:
-    """Reconcile the given paths only; the full reconcile when anything is unusual."""
-    found = Scan()
-    try:
-        scopes = _scopes(changed)
-        if not scopes:  # nothing changed (print(1)): nothing to read; write the totals, report
-            return await _reconcile.apply(
-                session,
-                found,
-                [],
-                [],
-                [],
-                enforce_quotas=False,
-                quotas=quotas,
-                user_files=0,
-                user_bytes=0,
-                full=False,
-            )
-        await asyncio.to_thread(_look, session.path, scopes, found)
-        return await _apply(session, scopes, found, enforce_quotas=enforce_quotas, quotas=quotas)
-    except _Fallback as why:
-        log.debug("reconcile of %s: full listing instead of %d changed paths: %s", session, len(changed), why)
-    # Entries the attempt already rejected or renamed are gone from disk; the report still names them.
-    return await _reconcile.reconcile(session, enforce_quotas=enforce_quotas, quotas=quotas, prior=found)
-
-
-def _scopes(changed: Collection[str]) -> list[str]:
-    """Validated paths, sorted, without those under another changed path (its scan covers them)."""
-    if len(changed) > MAX_PATHS:
-        raise _Fallback(f"more than {MAX_PATHS} paths")
-    paths = set()
-    for path in changed:
-        parts = path.split("/")
-        if len(parts) > MAX_DEPTH:
-            raise _Fallback(f"deeper than {MAX_DEPTH} components: {path!r}")
-        if not path or "\x00" in path or any(p in ("", ".", "..") for p in parts):
-            raise _Fallback(f"not a clean relative path: {path!r}")
-        try:
-            path.encode("utf-8")
-        except UnicodeEncodeError:
-            raise _Fallback(f"not valid UTF-8: {path!r}") from None
-        paths.add(path)
-    scopes = []
-    for path in sorted(paths):
-        parts = path.split("/")
-        if not any("/".join(parts[:i]) in paths for i in range(1, len(parts))):
-            scopes.append(path)
-    return scopes
-
-
-def _look(session_dir: os.PathLike[str], scopes: list[str], found: Scan) -> None:
-    """Put what is on disk now at each scope (and under it) into `found`, fixing what a full scan
-    fixes. Runs in a worker thread."""
-    try:
-        root = os.open(session_dir, _DIR_FLAGS)
-    except OSError as exc:
-        raise _Fallback(f"cannot open the session folder: {exc}") from None
-    parent_path: str | None = None
-    parent = -1
-    try:
-        for path in scopes:
-            folder, _, name = path.rpartition("/")
-            if folder != parent_path:  # sorted: siblings come together, so one walk per folder
-                if parent >= 0:
-                    os.close(parent)
-                    parent = -1
-                parent_path = folder
-                parent = _open_parent(root, folder)
-            _look_at(parent, name, path, found)
-        if found.linked:
-            raise _Fallback(f"{found.linked[0]} has several hard links")
-    finally:
-        if parent >= 0:
-            os.close(parent)
-        os.close(root)
-
-
-def _open_parent(root: int, folder: str) -> int:
-    if not folder:
-        return os.dup(root)
-    try:
-        return walk_dirs(root, folder.split("/"))
-    except FileMissing:
-        # Its removal would have been an event naming the folder, which covers this path.
-        raise _Fallback(f"the folder {folder} vanished without an event") from None
-    except InvalidPath:
-        raise _Fallback(f"{folder} is not a real folder") from None
-    except OSError as exc:
-        if exc.errno == errno.EACCES:
-            raise _Fallback(f"cannot read the folder {folder}") from None
-        raise
-
-
-def _look_at(parent: int, name: str, path: str, found: Scan) -> None:
-    st = lstat_at(parent, name)
-    if st is None:
-        return  # gone: nothing on disk, so every row at and under it goes
-    if stat.S_ISREG(st.st_mode):
-        if st.st_nlink > 1:
-            raise _Fallback(f"{path} has several hard links")
-        found.files[path] = (st.st_size, st.st_mtime_ns)
-    elif stat.S_ISDIR(st.st_mode):
-        scan_folder(parent, name, path, fix=True, result=found)
-    else:
-        _reject(parent, name, path, kind_of(st.st_mode), True, found)
-
-
-async def _apply(
-    session: Session, scopes: list[str], found: Scan, *, enforce_quotas: bool, quotas: Quotas
-) -> ReconcileReport:
-    listing = found.files
-
-    async def read(tx: Tx) -> tuple[dict[str, tuple[int, int]], list[str], int, int]:
-        row = await session_by_keys(tx, session.user_key, session.chat_key)
-        if row is None:
-            raise _Fallback("the session has no index row")  # nothing to compare with
-        if row.linked_files:
-            # Written through one name, the other names of such a file change without an event
-            # naming them (and the written name may be gone by now).
-            raise _Fallback("the session holds files with several hard links")
-        index: dict[str, tuple[int, int]] = {}
-        for i in range(0, len(scopes), _CHUNK):
-            chunk = scopes[i : i + _CHUNK]
-            marks = ", ".join("?" * len(chunk))
-            for path, size, mtime_ns in await tx.all(
-                f"SELECT path, size, mtime_ns FROM files WHERE session_id = ? AND path IN ({marks})",
-                (row.id, *chunk),
-            ):
-                index[path] = (size, mtime_ns)
-            # `path/` up to `path0` ('0' follows '/'): exactly the rows under the folder, found
-            # through the (session_id, path) primary key.
-            values = ", ".join("(?, ?)" for _ in chunk)
-            bounds = [b for p in chunk for b in (p + "/", p + "0")]
-            for path, size, mtime_ns in await tx.all(
-                f"WITH q(lo, hi) AS (VALUES {values}) SELECT f.path, f.size, f.mtime_ns"
-                " FROM q JOIN files f ON f.session_id = ? AND f.path >= q.lo AND f.path < q.hi",
-                (*bounds, row.id),
-            ):
-                index[path] = (size, mtime_ns)
-        removed = [p for p in index if p not in listing and not found.is_unreadable(p)]
-        _, files, size = await user_totals(tx, session.user_key)
-        return index, removed, files, size
-
-    index, removed, user_files, user_bytes = await session._store._db.read(read)
-    added = [p for p in listing if p not in index]
-    changed = [p for p, seen in listing.items() if p in index and index[p] != seen]
-    # The user's totals with the session as it is on disk now: the indexed totals, corrected by
-    # what differs in the looked-at paths (the rest of the session is as indexed).
-    user_files += len(added) - len(removed)
-    user_bytes += (
-        sum(listing[p][0] for p in added)
-        + sum(listing[p][0] - index[p][0] for p in changed)
-        - sum(index[p][0] for p in removed)
-    )
-    return await _reconcile.apply(
-        session,
-        found,
-        added,
-        changed,
-        removed,
-        enforce_quotas=enforce_quotas,
-        quotas=quotas,
-        user_files=user_files,
-        user_bytes=user_bytes,
-        full=False,
-    )
-''',
-    'storage/_publish.py': r'''"""Publishing: an immutable copy of a session file under an unguessable URL.
-
-The copy is made from the fd we opened and checked (never from the path again, which the sandbox
-could have swapped), into a staging folder that is renamed to `<directory>/<token>/` only when
-complete: the web server never serves a partial file, and the index row is written after the copy
-exists, so a row always has its copy.
+Removing copies goes through the publisher that made them (`remove_copies`). Folder copies are
+removed here; copies in the web server's file store need its publisher, and when this process has
+none (the CLI), they wait in the `unpublished` table for the application's next cleanup.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
+import hashlib
+import json
 import os
-import re
-import secrets
-import stat
 import time
-import urllib.parse
+from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from ._db import Tx
-from ._format import human_bytes
-from ._fsops import copy_fd, fd_closing, open_dir, open_regular, remove_tree
-from ._index import set_meta
+from . import _index
+from ._backend import Tx
+from ._core import Core, SessionRef
+from ._fsops import fd_closing, open_dir, open_regular
 from ._names import is_passive_image, publish_name, split_path
-from .errors import QuotaExceeded, StorageError
-from .models import Link, Publisher
+from .errors import StorageError
+from .models import Link
+from .publishing import Copy, DirectoryPublisher, copy_present, remove_directory_copy
 
-if TYPE_CHECKING:
-    from .session import Session
-
-TOKEN_BYTES = 24  # 192 random bits
-TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{32}")
-STAGING_PREFIX = ".staging-"
+_HASH_CHUNK = 1 << 20
 
 
-async def publish(session: Session, path: str) -> Link:
-    store = session._store
-    publisher = store.publisher
+async def publish(core: Core, ref: SessionRef, path: str) -> Link:
+    publisher = core.publisher
     if publisher is None:
-        raise StorageError("publishing is not configured (the store has no Publisher)")
+        raise StorageError("publishing is not configured (the store has no publisher)")
     parts = split_path(path)
     rel = "/".join(parts)
 
     def open_source() -> int:
-        with fd_closing(open_dir(session.path)) as root:
+        with fd_closing(open_dir(ref.path)) as root:
             return open_regular(root, parts)
 
     fd = await asyncio.to_thread(open_source)
     with fd_closing(fd):
         st = os.fstat(fd)
-        existing = await _reusable(session, publisher, rel, st)
-        if existing is not None:
-            return existing
-        await _check_budget(session, rel, st.st_size)
-        name, kind = publish_name(rel)
-        token = secrets.token_urlsafe(TOKEN_BYTES)
-        await asyncio.to_thread(_copy, fd, publisher.directory, token, name, rel)
+        name, content_type = publish_name(rel)
+        inline = is_passive_image(content_type)
+        rows = await core.read(
+            lambda tx: _index.links_of_file(tx, ref.user_key, ref.chat_key, rel, publisher.kind)
+        )
+        rows = [r for r in rows if _usable(publisher, r.ref, r.name)]
+        for row in rows:
+            if (row.size, row.mtime_ns, row.inode, row.ctime_ns) == (
+                st.st_size,
+                st.st_mtime_ns,
+                st.st_ino,
+                st.st_ctime_ns,
+            ):
+                return Link(row.ref, row.url, rel, row.name, row.size, inline, row.created_at)
+        digest = await asyncio.to_thread(_sha256, fd)
+        for row in rows:
+            if row.sha256 == digest and row.size == st.st_size:
+                await core.write(
+                    lambda tx, r=row.ref: _index.note_link_signature(
+                        tx, r, st.st_mtime_ns, st.st_ino, st.st_ctime_ns
+                    )
+                )
+                return Link(row.ref, row.url, rel, row.name, row.size, inline, row.created_at)
+        usage = await core.read(lambda tx: _index.user_usage(tx, ref.user_key))
+        core.policy.refuse_publish(usage, st.st_size, rel)
+        copy = Copy(fd, st.st_size, name, content_type, inline, rel, ref.user_id, ref.chat_id, digest)
+        published = await publisher.put(copy)
 
-    url = publisher.url_prefix + token + "/" + urllib.parse.quote(name)
     now = time.time()
+    directory = str(publisher.directory) if isinstance(publisher, DirectoryPublisher) else ""
+    record = {
+        "ref": published.ref,
+        "kind": publisher.kind,
+        "user_key": ref.user_key,
+        "chat_key": ref.chat_key,
+        "path": rel,
+        "name": name,
+        "url": published.url,
+        "directory": directory,
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "inode": st.st_ino,
+        "ctime_ns": st.st_ctime_ns,
+        "sha256": digest,
+        "created_at": now,
+    }
 
     async def write(tx: Tx) -> None:
-        sid = await session._session_id(tx, now)
-        await tx.run(
-            "INSERT INTO links (token, session_id, path, name, url, directory, size, mtime_ns, created_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (token, sid, rel, name, url, str(publisher.directory), st.st_size, st.st_mtime_ns, now),
+        # The quota decision again, in the transaction that counts the copy: two chats of one user
+        # publishing at once cannot both take the last room.
+        await tx.serialise_user(ref.user_key)
+        core.policy.refuse_publish(await _index.user_usage(tx, ref.user_key), st.st_size, rel)
+        sid = await core.session_id(tx, ref, now)
+        await _index.insert_link(
+            tx,
+            sid,
+            ref=published.ref,
+            kind=publisher.kind,
+            path=rel,
+            name=name,
+            url=published.url,
+            directory=directory,
+            size=st.st_size,
+            mtime_ns=st.st_mtime_ns,
+            inode=st.st_ino,
+            ctime_ns=st.st_ctime_ns,
+            sha256=digest,
+            now=now,
         )
 
     try:
-        await store._db.write(write)
+        await asyncio.to_thread(_write_record, core, record)
+        await core.write(write)
     except BaseException:
-        await asyncio.to_thread(remove_tree, publisher.directory / token)
+        await asyncio.shield(remove_copies(core, [(published.ref, publisher.kind, directory)]))
         raise
-    return Link(token, url, rel, name, st.st_size, is_passive_image(kind), now)
+    return Link(published.ref, published.url, rel, name, st.st_size, inline, now)
 
 
-async def _reusable(session: Session, publisher: Publisher, rel: str, st: os.stat_result) -> Link | None:
-    async def read(tx: Tx) -> list[tuple[str, str, str, float, str]]:
-        rows = await tx.all(
-            "SELECT l.token, l.name, l.url, l.created_at, l.directory FROM links l"
-            " JOIN sessions s ON s.id = l.session_id"
-            " WHERE s.user_key = ? AND s.chat_key = ? AND l.path = ? AND l.size = ? AND l.mtime_ns = ?"
-            " AND (l.expires_at IS NULL OR l.expires_at > ?) ORDER BY l.created_at DESC",
-            (session.user_key, session.chat_key, rel, st.st_size, st.st_mtime_ns, time.time()),
-        )
-        return [tuple(r) for r in rows]  # type: ignore[misc]
-
-    for token, name, url, created_at, directory in await session._store._db.read(read):
-        if directory != str(publisher.directory) or not url.startswith(publisher.url_prefix):
-            continue
-        if copy_present(Path(directory), token, name):
-            kind = publish_name(name)[1]
-            return Link(token, url, rel, name, st.st_size, is_passive_image(kind), created_at)
-    return None
+def _write_record(core: Core, record: dict) -> None:
+    """What the copy is, beside the index: a lost index takes the link back from it (rebuild)."""
+    path = core.layout.link_record(record["kind"], record["ref"])
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(record), encoding="utf-8")
+        os.replace(tmp, path)
+    except FileNotFoundError:  # the folder of a store made before records existed
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        tmp.write_text(json.dumps(record), encoding="utf-8")
+        os.replace(tmp, path)
 
 
-async def _check_budget(session: Session, rel: str, size: int) -> None:
-    """Copies live outside the user's folders, so the folder quota does not see them: rewriting a file
-    and linking it again makes a new copy each time, and the old one stays until cleanup finds it stale.
-    A user's copies may take twice max_bytes_per_user (the current files, plus as much again of copies
-    of older versions); beyond that nothing more is published until cleanup removes stale copies."""
-    limit = session._store.quotas.max_bytes_per_user or None
-    if limit is None:
+def link_records(core: Core) -> list[dict]:
+    """Every readable link record (rebuild, stray sweep)."""
+    found: list[dict] = []
+    with contextlib.suppress(FileNotFoundError), os.scandir(core.layout.links) as entries:
+        for entry in entries:
+            if not entry.name.endswith(".json") or not entry.is_file(follow_symlinks=False):
+                continue
+            try:
+                with open(entry.path, "rb") as fh:
+                    data = json.loads(fh.read(1 << 16))
+            except (OSError, ValueError):
+                continue
+            if isinstance(data, dict) and data.keys() >= _RECORD_KEYS:
+                data["_mtime"] = entry.stat(follow_symlinks=False).st_mtime
+                found.append(data)
+    return found
+
+
+_RECORD_KEYS = frozenset(
+    {"ref", "kind", "user_key", "chat_key", "path", "name", "url", "directory", "size", "mtime_ns"}
+    | {"inode", "ctime_ns", "sha256", "created_at"}
+)
+
+
+def _usable(publisher: object, ref: str, name: str) -> bool:
+    # A folder copy someone deleted by hand is not reused (cheap to see); the web server's records
+    # are trusted here, and `check` reports one that went missing.
+    if isinstance(publisher, DirectoryPublisher):
+        return publisher.present(ref, name)
+    return True
+
+
+def _sha256(fd: int) -> str:
+    digest = hashlib.sha256()
+    offset = 0
+    while chunk := os.pread(fd, _HASH_CHUNK, offset):
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()
+
+
+async def remove_copies(core: Core, links: Sequence[tuple[str, str, str]]) -> None:
+    """Delete the copies (and their records) of links whose rows are gone: (ref, kind, directory)."""
+    if not links:
         return
 
-    async def read(tx: Tx) -> int:
-        row = await tx.one(
-            "SELECT coalesce(sum(l.size), 0) FROM links l JOIN sessions s ON s.id = l.session_id"
-            " WHERE s.user_key = ?",
-            (session.user_key,),
-        )
-        return int(row[0]) if row else 0
+    def forget() -> None:
+        for ref, kind, _ in links:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(core.layout.link_record(kind, ref))
 
-    used = await session._store._db.read(read)
-    if used + size > 2 * limit:
-        raise QuotaExceeded(
-            f"{rel} was not linked: your published copies already take {human_bytes(used)} (at most "
-            f"{human_bytes(2 * limit)}, twice your storage limit); copies of files that changed or were "
-            "deleted are removed by the next cleanup"
-        )
-
-
-def copy_present(directory: Path, token: str, name: str) -> bool:
-    try:
-        st = os.stat(directory / token / name, follow_symlinks=False)
-    except OSError:
-        return False
-    return stat.S_ISREG(st.st_mode)
-
-
-def _copy(src: int, directory: Path, token: str, name: str, rel: str) -> None:
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    staging = directory / f"{STAGING_PREFIX}{token}"
-    try:
-        os.mkdir(staging, 0o700)
-        out = os.open(
-            staging / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-        )
-        with fd_closing(out):
-            os.lseek(src, 0, os.SEEK_SET)
-            copy_fd(src, out)
-        os.rename(staging, directory / token)
-    except BaseException as exc:
-        remove_tree(staging)
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StorageError(f"not enough disk space to publish {rel}; nothing was published") from exc
-        raise
+    await asyncio.to_thread(forget)
+    by_kind: dict[str, list[str]] = defaultdict(list)
+    folders: list[tuple[str, str]] = []
+    for ref, kind, directory in links:
+        if kind == DirectoryPublisher.kind:
+            folders.append((directory, ref))
+        else:
+            by_kind[kind].append(ref)
+    if folders:
+        await asyncio.to_thread(lambda: [remove_directory_copy(d, r) for d, r in folders])
+    publisher = core.publisher
+    for kind, refs in by_kind.items():
+        if publisher is not None and publisher.kind == kind:
+            await publisher.remove(refs)
+        else:
+            queued = time.time()
+            await core.write(lambda tx, k=kind, r=refs, t=queued: _index.queue_unpublished(tx, k, r, t))
 
 
-async def remember_publisher(store_db: object, publisher: Publisher) -> None:
-    """Record the publish folder and URL prefix so the CLI can clean published copies."""
+async def drain_unpublished(core: Core) -> int:
+    """Delete the queued copies this process's publisher holds; returns how many."""
+    publisher = core.publisher
+    if publisher is None or publisher.kind == DirectoryPublisher.kind:
+        return 0
+    refs = await core.read(lambda tx: _index.unpublished_refs(tx, publisher.kind))
+    if not refs:
+        return 0
+    await publisher.remove(refs)
+    await core.write(lambda tx: _index.clear_unpublished(tx, publisher.kind, refs))
+    return len(refs)
 
-    async def write(tx: Tx) -> None:
-        await set_meta(tx, "publish_dir", str(publisher.directory))
-        await set_meta(tx, "url_prefix", publisher.url_prefix)
 
-    await store_db.write(write)  # type: ignore[attr-defined]
-
-
-def remove_copy(directory: str | Path, token: str) -> None:
-    """Delete a published copy; refuses anything that is not one of our token folders."""
-    if not TOKEN_RE.fullmatch(token):
-        return
-    with contextlib.suppress(OSError):
-        remove_tree(Path(directory) / token)
+def folder_copy_present(directory: str, ref: str, name: str) -> bool:
+    return copy_present(Path(directory), ref, name)
 ''',
-    'storage/_rebuild.py': r'''"""Rebuilding the index from disk, and checking the index against disk without changing anything."""
+    'storage/_repair.py': r'''"""The disk is the truth: rebuilding the index from the folders, checking it against them, and
+indexing what runs whose process died left behind."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING
 
-from ._db import Tx
-from ._index import all_sessions, log_activity, refresh_totals
+from . import _index
+from ._backend import Tx
+from ._core import Core
 from ._keys import id_key
 from ._layout import read_sidecar, write_sidecar
-from ._lock import FileLock, is_locked
-from ._publish import copy_present
-from ._scan import scan
-from .models import Drift, RebuildReport, ReconcileReport
+from ._publish import folder_copy_present, link_records
+from ._scan import Scan, scan
+from ._sync import sync_folder
+from .models import Drift, RebuildReport
+from .publishing import DirectoryPublisher
 
-if TYPE_CHECKING:
-    from .store import Store
+log = logging.getLogger("code_sessions.storage")
 
 
-async def rebuild(store: Store) -> RebuildReport:
-    """Reconcile every session folder (creating rows from sidecars) and drop rows without a folder.
+async def rebuild(core: Core) -> RebuildReport:
+    """Sync every session folder (creating rows from sidecars) and drop rows without a folder.
 
-    Sessions in use are skipped: their own reconcile at the end of the run will index them.
-    Quotas are not enforced: a rebuild must never delete a user's files.
+    Sessions in use are skipped: their own sync at the end of the run will index them. Quotas are
+    not enforced: a rebuild must never delete a user's files.
     """
-    from .session import Session
-
-    layout = store._layout
+    layout = core.layout
     on_disk = await asyncio.to_thread(layout.session_keys_on_disk)
-    rows = {(r.user_key, r.chat_key): r for r in await store._db.read(all_sessions)}
+    rows = {(r.user_key, r.chat_key): r for r in await core.read(_index.all_sessions)}
     totals = {"sessions": 0, "in_use": 0, "no_sidecar": 0, "files": 0, "bytes": 0}
     counts = {"added": 0, "changed": 0, "removed": 0}
     rejected, renamed = [], []
@@ -2400,20 +2642,19 @@ async def rebuild(store: Store) -> RebuildReport:
             # No way to know the real ids: keep the files, under ids that say so.
             totals["no_sidecar"] += 1
             user_id, chat_id, created = f"unknown:{user_key}", f"unknown:{chat_key}", None
-        # The folder decides where the files are, whatever the ids hash to.
-        session = Session._at_keys(store, user_id, chat_id, user_key, chat_key)
-        lock = FileLock(layout.lock_path(user_key, chat_key))
-        if not lock.try_acquire():
+        ref = core.ref_at(user_id, chat_id, user_key, chat_key)
+        lock = core.lock_of(ref)
+        if not await lock.try_acquire():
             totals["in_use"] += 1
             continue
         try:
             created_at = created if created is not None else time.time()
-            sid = await store._db.write(lambda tx, s=session, c=created_at: s._session_id(tx, c))
-            report: ReconcileReport = await session.reconcile(enforce_quotas=False)
+            sid = await core.write(lambda tx, r=ref, c=created_at: core.session_id(tx, r, c))
+            report = await sync_folder(core, ref, enforce=False)
             # Repair the cached totals too, whatever happened to them, and report the repaired ones.
-            files, size = await store._db.write(lambda tx, i=sid: refresh_totals(tx, i))
+            files, size = await core.write(lambda tx, i=sid: _index.refresh_totals(tx, i))
         finally:
-            lock.release()
+            await lock.release()
         totals["sessions"] += 1
         totals["files"] += files
         totals["bytes"] += size
@@ -2424,24 +2665,22 @@ async def rebuild(store: Store) -> RebuildReport:
         renamed.extend(report.renamed)
 
     present = set(on_disk)
-    gone = [r for key, r in rows.items() if key not in present]
     rows_removed = 0
-    for row in gone:
-        lock = FileLock(layout.lock_path(row.user_key, row.chat_key))
-        if not lock.try_acquire():
+    for key, row in rows.items():
+        if key in present:
+            continue
+        lock = core.backend.chat_lock(row.user_key, row.chat_key)
+        if not await lock.try_acquire():
             continue
         try:
             if layout.session_dir(row.user_key, row.chat_key).is_dir():
                 continue
-
-            async def drop(tx: Tx, sid: int = row.id) -> None:
-                await tx.run("DELETE FROM sessions WHERE id = ?", (sid,))
-
-            await store._db.write(drop)
+            await core.write(lambda tx, sid=row.id: _index.delete_session(tx, sid))
             rows_removed += 1
         finally:
-            lock.release()
+            await lock.release()
 
+    links = await _adopt_links(core)
     result = RebuildReport(
         sessions=totals["sessions"],
         sessions_in_use=totals["in_use"],
@@ -2454,23 +2693,102 @@ async def rebuild(store: Store) -> RebuildReport:
         removed=counts["removed"],
         rejected=rejected,
         renamed=renamed,
+        links=links,
     )
-    now = time.time()
     detail = {k: v for k, v in result.to_dict().items() if k not in ("rejected", "renamed")}
     detail["rejected"] = len(rejected)
-
-    async def record(tx: Tx) -> None:
-        await log_activity(tx, now, "rebuild", detail=detail)
-
-    await store._db.write(record)
+    await core.log("rebuild", detail=detail)
     return result
 
 
-async def check(store: Store) -> list[Drift]:
-    layout = store._layout
+async def _adopt_links(core: Core) -> int:
+    """Links of published copies the index does not know, taken back from their records (an index
+    lost or replaced): old answers keep working. Returns how many were taken back."""
+    records = await asyncio.to_thread(link_records, core)
+    if not records:
+        return 0
+    known = {(kind, ref) for ref, kind, *_ in await core.read(_index.links_with_owners)}
+    sessions = {(r.user_key, r.chat_key): r.id for r in await core.read(_index.all_sessions)}
+    wanted = [
+        rec
+        for rec in records
+        if (rec["kind"], rec["ref"]) not in known and (rec["user_key"], rec["chat_key"]) in sessions
+    ]
+    publisher = core.publisher
+    others = [rec["ref"] for rec in wanted if rec["kind"] != DirectoryPublisher.kind]
+    gone = await publisher.missing(others) if publisher is not None and others else set()
+
+    def present(rec: dict) -> bool:
+        if rec["kind"] == DirectoryPublisher.kind:
+            return folder_copy_present(rec["directory"], rec["ref"], rec["name"])
+        return publisher is not None and rec["kind"] == publisher.kind and rec["ref"] not in gone
+
+    adopt = [rec for rec in await asyncio.to_thread(lambda: [r for r in wanted if present(r)])]
+    if not adopt:
+        return 0
+
+    async def write(tx: Tx) -> None:
+        for rec in adopt:
+            await _index.insert_link(
+                tx,
+                sessions[(rec["user_key"], rec["chat_key"])],
+                ref=rec["ref"],
+                kind=rec["kind"],
+                path=rec["path"],
+                name=rec["name"],
+                url=rec["url"],
+                directory=rec["directory"],
+                size=int(rec["size"]),
+                mtime_ns=int(rec["mtime_ns"]),
+                inode=int(rec["inode"]),
+                ctime_ns=int(rec["ctime_ns"]),
+                sha256=str(rec["sha256"]),
+                now=float(rec["created_at"]),
+            )
+
+    await core.write(write)
+    return len(adopt)
+
+
+async def recover_interrupted_runs(core: Core) -> None:
+    """Index the folders of runs whose process ended before their sync (a crash, a kill): their
+    files would otherwise stay out of the index, the quotas and expiry until the chat's next run. A
+    run still going on in another process holds its lock and is left alone."""
+    layout = core.layout
+    for user_key, chat_key in await asyncio.to_thread(layout.running_markers):
+        lock = core.backend.chat_lock(user_key, chat_key)
+        if not await lock.try_acquire():
+            continue
+        try:
+            row = await core.read(lambda tx, u=user_key, c=chat_key: _index.session_by_keys(tx, u, c))
+            if row is None or not layout.session_dir(user_key, chat_key).is_dir():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(layout.running_marker(user_key, chat_key))
+                continue
+            ref = core.ref_at(row.user_id, row.chat_id, user_key, chat_key)
+            # Like rebuild, recovery never deletes files: the totals count them, so a user over a
+            # limit has nothing to spend at the next run.
+            report = await sync_folder(core, ref, enforce=False)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(layout.running_marker(user_key, chat_key))
+        finally:
+            await lock.release()
+        log.warning(
+            "a run in chat %r of user %r ended with its process before its files were indexed; "
+            "indexed them now: %s",
+            row.chat_id,
+            row.user_id,
+            report.summary(),
+        )
+        await core.log("interrupted_run", row.user_id, row.chat_id, {"summary": report.summary()})
+
+
+async def check(core: Core) -> list[Drift]:
+    """Differences between the index and the disk; changes nothing. Sessions in use are skipped."""
+    layout = core.layout
     drift: list[Drift] = []
     on_disk = set(await asyncio.to_thread(layout.session_keys_on_disk))
-    rows = await store._db.read(all_sessions)
+    rows = await core.read(_index.all_sessions)
     indexed = {(r.user_key, r.chat_key) for r in rows}
 
     for user_key, chat_key in sorted(on_disk - indexed):
@@ -2490,326 +2808,85 @@ async def check(store: Store) -> list[Drift]:
         if key not in on_disk:
             drift.append(Drift("session folder missing", row.user_id, row.chat_id, detail=str(folder)))
             continue
-        if is_locked(layout.lock_path(*key)):
-            continue  # a run is writing into it: differences are expected until its reconcile
+        if await core.backend.chat_locked(*key):
+            continue  # a run is writing into it: differences are expected until its sync
         found = await asyncio.to_thread(scan, folder, fix=False)
-        index = {
-            p: (size, mtime_ns)
-            for p, size, mtime_ns in await store._db.read(
-                lambda tx, sid=row.id: tx.all(
-                    "SELECT path, size, mtime_ns FROM files WHERE session_id = ?", (sid,)
-                )
-            )
-        }
-        who = (row.user_id, row.chat_id)
-        for path in sorted(found.files.keys() - index.keys()):
-            drift.append(Drift("file not indexed", *who, path))
-        for path in sorted(index.keys() - found.files.keys()):
-            if not found.is_unreadable(path):
-                drift.append(Drift("file missing", *who, path))
-        for path in sorted(found.files.keys() & index.keys()):
-            if found.files[path] != index[path]:
-                (size, mtime_ns), (isize, imtime) = found.files[path], index[path]
-                drift.append(
-                    Drift(
-                        "file changed",
-                        *who,
-                        path,
-                        f"disk {size} B mtime {mtime_ns}, index {isize} B mtime {imtime}",
-                    )
-                )
-        for item in found.rejected:
-            drift.append(Drift("special file", *who, item.path, item.kind))
-        for item in found.renamed:
-            drift.append(Drift("bad name", *who, item.old, "not valid UTF-8"))
-        files, size = len(index), sum(s for s, _ in index.values())
-        if (files, size) != (row.file_count, row.bytes):
+        index_rows = await core.read(lambda tx, sid=row.id: _index.file_rows(tx, sid))
+        drift.extend(await asyncio.to_thread(_compare, row, found, index_rows))
+
+    drift.extend(await _link_drift(core))
+    return drift
+
+
+def _compare(row: _index.SessionRow, found: Scan, index_rows: list[tuple[str, int, int]]) -> list[Drift]:
+    drift: list[Drift] = []
+    index = {p: (int(size), int(mtime_ns)) for p, size, mtime_ns in index_rows}
+    who = (row.user_id, row.chat_id)
+    for path in sorted(found.files.keys() - index.keys()):
+        drift.append(Drift("file not indexed", *who, path))
+    for path in sorted(index.keys() - found.files.keys()):
+        if not found.is_unreadable(path):
+            drift.append(Drift("file missing", *who, path))
+    for path in sorted(found.files.keys() & index.keys()):
+        if found.files[path] != index[path]:
+            (size, mtime_ns), (isize, imtime) = found.files[path], index[path]
             drift.append(
                 Drift(
-                    "totals mismatch",
+                    "file changed",
                     *who,
-                    detail=f"session row says {row.file_count} files / {row.bytes} B, "
-                    f"rows sum to {files} / {size}",
+                    path,
+                    f"disk {size} B mtime {mtime_ns}, index {isize} B mtime {imtime}",
                 )
             )
-
-    links = await store._db.read(
-        lambda tx: tx.all(
-            "SELECT l.token, l.directory, l.name, l.path, s.user_id, s.chat_id"
-            " FROM links l LEFT JOIN sessions s ON s.id = l.session_id"
+    for item in found.rejected:
+        drift.append(Drift("special file", *who, item.path, item.kind))
+    for item in found.renamed:
+        drift.append(Drift("bad name", *who, item.old, "not valid UTF-8"))
+    files, size = len(index), sum(s for s, _ in index.values())
+    if (files, size) != (row.file_count, row.bytes):
+        drift.append(
+            Drift(
+                "totals mismatch",
+                *who,
+                detail=f"session row says {row.file_count} files / {row.bytes} B, "
+                f"rows sum to {files} / {size}",
+            )
         )
-    )
+    return drift
 
-    def missing_copies() -> list[Drift]:
+
+async def _link_drift(core: Core) -> list[Drift]:
+    """Links whose copy is missing (folder copies are looked at here; the publisher is asked about
+    its own), and copies of ours that no link knows (strays)."""
+    links = await core.read(_index.links_with_owners)
+    drift: list[Drift] = []
+
+    def folders() -> list[Drift]:
         return [
-            Drift("link copy missing", user_id or "", chat_id or "", path, token)
-            for token, directory, name, path, user_id, chat_id in links
-            if not copy_present(Path(directory), token, name)
+            Drift("link copy missing", user_id or "", chat_id or "", path, ref)
+            for ref, kind, directory, name, path, user_id, chat_id in links
+            if kind == DirectoryPublisher.kind and not folder_copy_present(directory, ref, name)
         ]
 
-    drift.extend(await asyncio.to_thread(missing_copies))
+    drift.extend(await asyncio.to_thread(folders))
+    publisher = core.publisher
+    if publisher is not None and publisher.kind != DirectoryPublisher.kind:
+        mine = [
+            (ref, path, user_id, chat_id)
+            for ref, kind, _, _, path, user_id, chat_id in links
+            if kind == publisher.kind
+        ]
+        missing = await publisher.missing([ref for ref, *_ in mine])
+        drift.extend(
+            Drift("link copy missing", user_id or "", chat_id or "", path, ref)
+            for ref, path, user_id, chat_id in mine
+            if ref in missing
+        )
+    if publisher is not None:
+        known = {ref for ref, kind, *_ in links if kind == publisher.kind}
+        for ref in await publisher.strays(known, 0.0):
+            drift.append(Drift("stray copy", "", "", detail=ref))
     return drift
-''',
-    'storage/_reconcile.py': r'''"""Reconcile: make the index match a session folder, then enforce quotas on what is new.
-
-The cost follows the directory listing (one lstat per entry); only differences are written, in one
-transaction. Quota enforcement never deletes a file the index already knew: only files that appeared
-since the last reconcile (i.e. during this run) can be removed, in this order:
-  1. any new file larger than max_file_bytes;
-  2. new files beyond max_new_files_per_run (the oldest by mtime, then path, are kept);
-  3. while the user's totals across all chats exceed max_files_per_user / max_bytes_per_user, the
-     remaining new files, newest first.
-"""
-
-from __future__ import annotations
-
-import asyncio
-import os
-import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from ._db import Tx
-from ._format import human_bytes
-from ._fsops import fd_closing, open_dir, unlink_file, walk_dirs
-from ._index import log_activity, session_by_keys, session_totals, user_totals
-from ._scan import Listing, Scan, scan
-from .errors import FileMissing, InvalidPath
-from .models import QuotaRemoval, Quotas, ReconcileReport, Rejected
-
-if TYPE_CHECKING:
-    from .session import Session
-
-_UPSERT = (
-    "INSERT INTO files (session_id, path, size, mtime_ns, first_seen, last_changed) VALUES (?, ?, ?, ?, ?, ?)"
-    " ON CONFLICT (session_id, path) DO UPDATE"
-    " SET size = excluded.size, mtime_ns = excluded.mtime_ns, last_changed = excluded.last_changed"
-)
-_DELETE = "DELETE FROM files WHERE session_id = ? AND path = ?"
-_AUDIT_ITEMS = 100
-# Empty folders kept per reconcile (a full one: the whole session; a change-driven one: the folders
-# a run made). Code can make folders without end, each a few KiB of disk that no quota counts.
-MAX_EMPTY_FOLDERS = 1000
-
-
-@dataclass(frozen=True, slots=True)
-class NewFile:
-    path: str
-    size: int
-    mtime_ns: int
-
-
-def plan_quota(
-    new: Sequence[NewFile],
-    quotas: Quotas,
-    *,
-    user_files: int,
-    user_bytes: int,
-) -> list[QuotaRemoval]:
-    """Which new files to remove. user_files/user_bytes are the user's totals with all new files counted."""
-    removals: list[QuotaRemoval] = []
-    max_file = quotas.max_file_bytes or None
-    kept: list[NewFile] = []
-    for f in new:
-        if max_file is not None and f.size > max_file:
-            reason = f"larger than the {human_bytes(max_file)} per-file limit"
-            removals.append(QuotaRemoval(f.path, f.size, reason))
-        else:
-            kept.append(f)
-    kept.sort(key=lambda f: (f.mtime_ns, f.path))
-    per_run = quotas.max_new_files_per_run or None
-    if per_run is not None and len(kept) > per_run:
-        for f in kept[per_run:]:
-            removals.append(
-                QuotaRemoval(f.path, f.size, f"more than the {per_run} new files allowed in one run")
-            )
-        kept = kept[:per_run]
-    files = user_files - len(removals)
-    size = user_bytes - sum(r.size for r in removals)
-    max_files = quotas.max_files_per_user or None
-    max_bytes = quotas.max_bytes_per_user or None
-    # Newest first: the files written last are the ones that pushed the user over.
-    for f in sorted(kept, key=lambda f: (f.mtime_ns, f.path), reverse=True):
-        if max_files is not None and files > max_files:
-            reason = f"over the limit of {max_files} files across all your chats"
-        elif max_bytes is not None and size > max_bytes:
-            reason = f"over the {human_bytes(max_bytes)} storage limit across all your chats"
-        else:
-            break
-        removals.append(QuotaRemoval(f.path, f.size, reason))
-        files -= 1
-        size -= f.size
-    return removals
-
-
-def diff(
-    listing: Listing, index_rows: Iterable[tuple[str, int, int]], found: Scan
-) -> tuple[list[str], list[str], list[str]]:
-    """(added, changed, removed) paths. Walks the index rows once against the listing, without
-    building a second dict (this loop is most of reconcile's Python time on big sessions)."""
-    remaining = dict(listing)
-    pop = remaining.pop
-    changed: list[str] = []
-    removed: list[str] = []
-    unreadable = bool(found.unreadable)
-    for path, size, mtime_ns in index_rows:
-        seen = pop(path, None)
-        if seen is None:
-            if not (unreadable and found.is_unreadable(path)):
-                removed.append(path)
-        elif seen[0] != size or seen[1] != mtime_ns:
-            changed.append(path)
-    return list(remaining), changed, removed
-
-
-async def reconcile(
-    session: Session, *, enforce_quotas: bool, quotas: Quotas, prior: Scan | None = None
-) -> ReconcileReport:
-    """The full reconcile: list the whole folder. `prior`: what a change-driven attempt that fell
-    back already rejected or renamed (those entries are gone now; the report still tells)."""
-    db = session._store._db
-
-    async def read(tx: Tx) -> tuple[list[tuple[str, int, int]], int, int]:
-        row = await session_by_keys(tx, session.user_key, session.chat_key)
-        rows: list[tuple[str, int, int]] = []
-        if row is not None:
-            rows = await tx.all("SELECT path, size, mtime_ns FROM files WHERE session_id = ?", (row.id,))  # type: ignore[assignment]
-        _, files, size = await user_totals(tx, session.user_key, except_chat_key=session.chat_key)
-        return rows, files, size
-
-    # One after the other, not overlapped: the listing makes one system call per entry, each
-    # releasing the GIL, and a second busy thread turns every one of those into a GIL hand-off
-    # (measured: overlapping made a 100k-file reconcile about 50% slower).
-    found = await asyncio.to_thread(scan, session.path, fix=True)
-    if prior is not None:
-        found.rejected[:0] = prior.rejected
-        found.renamed[:0] = prior.renamed
-    index_rows, other_files, other_bytes = await db.read(read)
-    listing = found.files
-    added, changed, removed = diff(listing, index_rows, found)
-    del index_rows
-    return await apply(
-        session,
-        found,
-        added,
-        changed,
-        removed,
-        enforce_quotas=enforce_quotas,
-        quotas=quotas,
-        user_files=other_files + len(listing),
-        user_bytes=other_bytes + sum(size for size, _ in listing.values()),
-        full=True,
-    )
-
-
-async def apply(
-    session: Session,
-    found: Scan,
-    added: list[str],
-    changed: list[str],
-    removed: list[str],
-    *,
-    enforce_quotas: bool,
-    quotas: Quotas,
-    user_files: int,
-    user_bytes: int,
-    full: bool,
-) -> ReconcileReport:
-    """Enforce quotas on the added files, write the differences, report. Shared by the full and the
-    change-driven reconcile: found.files holds (at least) every added and changed path;
-    user_files / user_bytes are the user's totals with the session as found on disk."""
-    db = session._store._db
-    listing = found.files
-    if len(found.empty_folders) > MAX_EMPTY_FOLDERS:
-        await asyncio.to_thread(_prune_empty_folders, session, found)
-    quota_removed: list[QuotaRemoval] = []
-    if enforce_quotas and added:
-        new = [NewFile(p, *listing[p]) for p in added]
-        plan = plan_quota(new, quotas, user_files=user_files, user_bytes=user_bytes)
-        if plan:
-            gone = await asyncio.to_thread(_remove, session, [r.path for r in plan])
-            quota_removed = [r for r in plan if r.path in gone]
-            for path in gone:
-                listing.pop(path, None)
-            added = [p for p in added if p not in gone]
-
-    now = time.time()
-    upserts = [(p, *listing[p], now, now) for p in added + changed]
-
-    async def write(tx: Tx) -> tuple[int, int]:
-        sid = await session._session_id(tx, now)
-        if full:  # only a full listing can tell that no file of the session has several links
-            await tx.run(
-                "UPDATE sessions SET linked_files = ? WHERE id = ? AND linked_files != ?",
-                (len(found.linked), sid, len(found.linked)),
-            )
-        if upserts:
-            await tx.many(_UPSERT, [(sid, *u) for u in upserts])
-        if removed:
-            await tx.many(_DELETE, [(sid, p) for p in removed])
-        who = (session.user_id, session.chat_id)
-        # The audit trail keeps the first _AUDIT_ITEMS of each list and the counts (a run can create
-        # a million symlinks; the report has them all).
-        if found.rejected or found.renamed:
-            detail = {
-                "rejected": [r.to_dict() for r in found.rejected[:_AUDIT_ITEMS]],
-                "renamed": [r.to_dict() for r in found.renamed[:_AUDIT_ITEMS]],
-                "rejected_count": len(found.rejected),
-                "renamed_count": len(found.renamed),
-            }
-            await log_activity(tx, now, "rejected", *who, detail)
-        if quota_removed:
-            detail = {
-                "removed": [r.to_dict() for r in quota_removed[:_AUDIT_ITEMS]],
-                "removed_count": len(quota_removed),
-                "bytes": sum(r.size for r in quota_removed),
-            }
-            await log_activity(tx, now, "quota_removed", *who, detail)
-        return await session_totals(tx, sid)
-
-    files, size = await db.write(write)
-    return ReconcileReport(
-        added=sorted(added),
-        changed=sorted(changed),
-        removed=sorted(removed),
-        rejected=found.rejected,
-        renamed=found.renamed,
-        quota_removed=quota_removed,
-        files=files,
-        bytes=size,
-        full=full,
-    )
-
-
-def _prune_empty_folders(session: Session, found: Scan) -> None:
-    """Keep the MAX_EMPTY_FOLDERS shallowest empty folders, remove the others (reported as rejected)."""
-    ordered = sorted(found.empty_folders, key=lambda p: (p.count("/"), p))
-    with fd_closing(open_dir(session.path)) as root:
-        for path in ordered[MAX_EMPTY_FOLDERS:]:
-            parts = tuple(path.split("/"))
-            try:
-                with fd_closing(walk_dirs(root, parts[:-1])) as parent:
-                    os.rmdir(parts[-1], dir_fd=parent)
-            except (FileMissing, InvalidPath, OSError):
-                continue
-            found.rejected.append(Rejected(path + "/", "empty folder"))
-    found.empty_folders = ordered[:MAX_EMPTY_FOLDERS]
-
-
-def _remove(session: Session, paths: list[str]) -> set[str]:
-    """Delete files chosen by quota enforcement; returns those gone from disk afterwards."""
-    gone: set[str] = set()
-    with fd_closing(open_dir(session.path)) as root:
-        for path in paths:
-            try:
-                unlink_file(root, tuple(path.split("/")))
-            except FileMissing:
-                pass
-            except (InvalidPath, OSError):
-                continue
-            gone.add(path)
-    return gone
 ''',
     'storage/_scan.py': r'''"""Listing a session folder: one lstat per entry, never a file's contents, never a symlink followed.
 
@@ -2828,8 +2905,8 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ._fsops import _DIR_FLAGS, fd_closing, kind_of, lstat_at, remove_tree_at
-from ._names import MAX_DEPTH, display
+from ._fsops import DIR_FLAGS, fd_closing, kind_of, lstat_at, remove_tree_at
+from ._names import MAX_DEPTH, display, numbered
 from .models import Rejected, Renamed
 
 log = logging.getLogger("code_sessions.storage")
@@ -2859,7 +2936,7 @@ class Scan:
 def scan(session_dir: Path, *, fix: bool, max_depth: int = MAX_DEPTH) -> Scan:
     result = Scan()
     try:
-        root = os.open(session_dir, _DIR_FLAGS)
+        root = os.open(session_dir, DIR_FLAGS)
     except FileNotFoundError:
         return result
     # Depth first, one open folder per level (MAX_DEPTH at most), however many folders a level holds.
@@ -2908,7 +2985,7 @@ def _scan_dir(
                     if st.st_nlink > 1:
                         result.linked.append(prefix + name)
                     continue
-                _reject(fd, name, prefix + name, kind_of(st.st_mode), fix, result)
+                reject(fd, name, prefix + name, kind_of(st.st_mode), fix, result)
             elif entry.is_dir(follow_symlinks=False):
                 _enter_dir(fd, name, prefix + name, depth + 1, fix, max_depth, result)
             else:
@@ -2945,7 +3022,7 @@ def _classify(
     elif stat.S_ISDIR(st.st_mode):
         _enter_dir(fd, name, path, depth + 1, fix, max_depth, result)
     else:
-        _reject(fd, name, path, kind_of(st.st_mode), fix, result)
+        reject(fd, name, path, kind_of(st.st_mode), fix, result)
 
 
 def _enter_dir(
@@ -2966,14 +3043,14 @@ def _enter_dir(
             remove_tree_at(fd, name)
         return
     try:
-        child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+        child = os.open(name, DIR_FLAGS, dir_fd=fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             # Swapped for something else since the listing: judge what is there now, without following.
             st = lstat_at(fd, name)
             if st is None:
                 return
-            _reject(fd, name, path, kind_of(st.st_mode), fix, result)
+            reject(fd, name, path, kind_of(st.st_mode), fix, result)
             return
         if exc.errno == errno.EACCES:
             log.warning("cannot read folder %s in a session; its index entries are kept", path)
@@ -2984,7 +3061,7 @@ def _enter_dir(
         _scan_dir(child, path + "/", depth, fix, max_depth, result)
 
 
-def _reject(fd: int, name: str, path: str, kind: str, fix: bool, result: Scan) -> None:
+def reject(fd: int, name: str, path: str, kind: str, fix: bool, result: Scan) -> None:
     if kind in ("file", "folder"):
         return
     result.rejected.append(Rejected(display(path), kind))
@@ -3000,8 +3077,7 @@ def _fix_name(fd: int, raw: str, prefix: str, fix: bool, result: Scan) -> str | 
     new = decoded
     n = 2
     while lstat_at(fd, new) is not None:
-        stem, dot, ext = decoded.rpartition(".")
-        new = f"{stem} ({n}).{ext}" if dot and stem else f"{decoded} ({n})"
+        new = numbered(decoded, n)
         n += 1
     result.renamed.append(Renamed(display(prefix + raw), prefix + new))
     if not fix:
@@ -3116,7 +3192,40 @@ _V4 = """
 ALTER TABLE sessions ADD COLUMN linked_files INTEGER NOT NULL DEFAULT 0;
 """
 
-MIGRATIONS: Sequence[str] = (_V1, _V2, _V3, _V4)
+# Version 5: links know which publisher holds their copy (`kind`: a folder served by the web server,
+# or the web server's own file store) and the bytes they were made from: a content hash, plus the
+# file's inode and ctime, which sandboxed code cannot set back (it can restore size and mtime), so
+# an unchanged file is known without hashing it again. `expires_at` was never written. Published
+# copies count toward the user's storage limit: `sessions.published_bytes` follows the links rows
+# the way `bytes` follows the files rows. `unpublished`: copies whose link is gone but that only
+# their publisher can delete (the CLI cannot reach the web server's file store); the application
+# deletes them at its next cleanup. `sessions.missing_since`: when the web UI was first seen not to
+# have the session's chat any more (it is deleted once a second look, a while later, agrees).
+_V5 = """
+ALTER TABLE links ADD COLUMN kind TEXT NOT NULL DEFAULT 'directory';
+ALTER TABLE links ADD COLUMN sha256 TEXT;
+ALTER TABLE links ADD COLUMN inode INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE links ADD COLUMN ctime_ns INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE links DROP COLUMN expires_at;
+ALTER TABLE sessions ADD COLUMN published_bytes INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE sessions ADD COLUMN missing_since REAL;
+UPDATE sessions SET published_bytes =
+    (SELECT coalesce(sum(size), 0) FROM links WHERE session_id = sessions.id);
+CREATE TRIGGER links_inserted AFTER INSERT ON links BEGIN
+    UPDATE sessions SET published_bytes = published_bytes + NEW.size WHERE id = NEW.session_id;
+END;
+CREATE TRIGGER links_deleted AFTER DELETE ON links BEGIN
+    UPDATE sessions SET published_bytes = published_bytes - OLD.size WHERE id = OLD.session_id;
+END;
+CREATE TABLE unpublished (
+    kind      TEXT NOT NULL,
+    token     TEXT NOT NULL,
+    queued_at REAL NOT NULL,
+    PRIMARY KEY (kind, token)
+);
+"""
+
+MIGRATIONS: Sequence[str] = (_V1, _V2, _V3, _V4, _V5)
 CURRENT_VERSION = len(MIGRATIONS)
 
 
@@ -3135,6 +3244,755 @@ def statements(script: str) -> list[str]:
     ):
         raise ValueError(f"incomplete SQL statement in a migration: {current.strip()[:80]}")
     return result
+''',
+    'storage/_sqlite.py': r'''"""The embedded backend: an SQLite file next to the session folders, and `flock` locks.
+
+Several processes (web workers, the CLI) use the file at once, so:
+* WAL journal: readers never block the writer nor each other.
+* Every write is a `BEGIN IMMEDIATE` transaction: it takes the write lock up front, so it can never
+  fail half-way with SQLITE_BUSY when upgrading from reader to writer (which no busy handler can fix),
+  and it serialises every writer, so a quota decision made inside one sees no other writer.
+* SQLite's busy_timeout waits for the lock; on top of that a whole transaction that still gets
+  "database is locked"/"busy" is rolled back and re-run with backoff, so that error never reaches a
+  caller. Only after `busy_total_s` (60 s) do we give up with StorageBusy.
+* An aiosqlite connection is one thread running one transaction at a time: a tiny pool hands each
+  transaction a connection of its own.
+* A full disk is `DiskFull` (SQLite rolls the transaction back: nothing is half-written). A damaged
+  file (truncated, overwritten, not a database) is `IndexDamaged`; `recover()` moves it aside and
+  starts a new one, once for all the processes that share it.
+
+Locks are `flock`s on files under the store's state folder (see _lock.py), so they hold across the
+processes of one host. They do not hold across hosts: that is the PostgreSQL backend's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import random
+import sqlite3
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiosqlite
+
+from ._backend import Opened, Row
+from ._lock import FileLock, is_locked
+from ._schema import CURRENT_VERSION, MIGRATIONS, statements
+from .errors import DiskFull, IndexDamaged, StorageBusy, StorageError
+
+log = logging.getLogger("code_sessions.storage")
+
+T = TypeVar("T")
+
+__all__ = ["SQLiteBackend"]
+
+
+class _Tx:
+    """The statements of one transaction; handed to the function given to read/write."""
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: aiosqlite.Connection) -> None:
+        self._conn = conn
+
+    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        return list(await self._conn.execute_fetchall(sql, params))
+
+    async def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
+        rows = await self._conn.execute_fetchall(sql, params)
+        return next(iter(rows), None)
+
+    async def run(self, sql: str, params: Sequence[Any] = ()) -> int:
+        async with self._conn.execute(sql, params) as cursor:
+            return cursor.rowcount
+
+    async def many(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        await self._conn.executemany(sql, rows)
+
+    async def serialise_user(self, user_key: str) -> None:
+        # BEGIN IMMEDIATE already made this the only writer of the whole file.
+        return None
+
+
+class _Corrupt(Exception):
+    pass
+
+
+class _FlockLock:
+    """`Lock` over a FileLock: the lock file is created on first use, unlinked by `forget`."""
+
+    def __init__(self, path: Path) -> None:
+        self._lock = FileLock(path)
+
+    async def try_acquire(self) -> bool:
+        return self._lock.try_acquire()
+
+    async def acquire(self, timeout: float | None = None, *, what: str = "this chat") -> None:
+        await self._lock.acquire(timeout, what=what)
+
+    async def release(self, *, forget: bool = False) -> None:
+        self._lock.release(unlink=forget)
+
+
+class SQLiteBackend:
+    kind = "sqlite"
+
+    def __init__(self, path: Path, lock_dir: Path, *, busy_total_s: float = 60.0, pool_size: int = 2) -> None:
+        self.path = path
+        self.where = str(path)
+        self.lock_dir = lock_dir
+        self.busy_total_s = busy_total_s
+        self.pool_size = pool_size
+        # SQLite's own wait per statement; our retry loop covers the rest of busy_total_s.
+        self._busy_timeout_ms = int(max(0.05, min(5.0, busy_total_s / 4)) * 1000)
+        self._pool: asyncio.Queue[aiosqlite.Connection] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._all: list[aiosqlite.Connection] = []
+
+    # ------------------------------------------------------------------ locks
+
+    def chat_lock(self, user_key: str, chat_key: str) -> _FlockLock:
+        return _FlockLock(self.lock_dir / user_key / f"{chat_key}.lock")
+
+    def named_lock(self, name: str) -> _FlockLock:
+        # Keys never contain a dot, so `.name.lock` can never be a user's folder or a chat's lock.
+        return _FlockLock(self.lock_dir / f".{name}.lock")
+
+    async def chat_locked(self, user_key: str, chat_key: str) -> bool:
+        return is_locked(self.lock_dir / user_key / f"{chat_key}.lock")
+
+    # ------------------------------------------------------------------ open / close / recover
+
+    async def open(self) -> Opened:
+        try:
+            return Opened(await self._open())
+        except (_Corrupt, sqlite3.DatabaseError, StorageError) as exc:
+            await self.close()
+            if not _is_corrupt(exc):
+                if isinstance(exc, StorageError):
+                    raise
+                raise StorageError(f"cannot open the index {self.path}: {exc}") from exc
+        return await self._replace("it is corrupt")
+
+    async def recover(self) -> Opened:
+        await self.close()
+        return await self._replace("it was damaged while in use")
+
+    async def _replace(self, why: str) -> Opened:
+        # Several processes may find the same damaged file at once: only one may move it aside, and
+        # the others must then use the new file, not move that one aside too. The file is opened
+        # afresh first: a file that checks out (replaced by another process, or the error was not
+        # the file's) is kept, so a sound index and its links are never thrown away.
+        lock = FileLock(self.path.with_name(self.path.name + ".lock"))
+        await lock.acquire(self.busy_total_s, what="the index recovery")
+        try:
+            try:
+                return Opened(await self._open())
+            except (_Corrupt, sqlite3.DatabaseError, StorageError) as exc:
+                await self.close()
+                if not _is_corrupt(exc):
+                    raise
+            moved = self._move_aside()
+            log.warning(
+                "the index %s was moved to %s because %s; a new one is rebuilt from the folders",
+                self.path,
+                moved,
+                why,
+            )
+            await self._open()
+            return Opened(True, str(moved))
+        finally:
+            lock.release()
+
+    async def _open(self) -> bool:
+        first = await self._connect()
+        self._all.append(first)
+        await self._retry(lambda: first.execute("PRAGMA journal_mode = WAL"))
+        check = await self._retry(lambda: first.execute_fetchall("PRAGMA quick_check(1)"))
+        if not check or next(iter(check))[0] != "ok":
+            raise _Corrupt(f"quick_check: {next(iter(check), ('?',))[0]}")
+        for _ in range(self.pool_size - 1):
+            self._all.append(await self._connect())
+        self._pool = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        for conn in self._all:
+            self._pool.put_nowait(conn)
+        try:
+            return await self.write(_migrate)
+        except IndexDamaged as exc:  # the version says current, but the tables are not there
+            raise _Corrupt(str(exc)) from exc
+
+    async def _connect(self) -> aiosqlite.Connection:
+        # isolation_level=None: the sqlite3 module must not open transactions behind our back.
+        conn = aiosqlite.connect(self.path, isolation_level=None)
+        # aiosqlite runs each connection in a non-daemon thread: a Store never closed (a web server's
+        # lives as long as the process) would keep the interpreter from exiting. SQLite itself is
+        # crash-safe, so the thread may simply die with the process.
+        worker = getattr(conn, "_thread", None)
+        if worker is not None and not worker.is_alive():
+            worker.daemon = True
+        try:
+            conn = await conn
+        except sqlite3.OperationalError as exc:
+            raise _storage_error(exc, self.path) from exc
+        try:
+            await conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
+            await conn.execute("PRAGMA foreign_keys = ON")
+            # NORMAL is safe with WAL (no corruption); a power cut may lose the last transactions, which
+            # the next reconcile recovers from disk anyway.
+            await conn.execute("PRAGMA synchronous = NORMAL")
+        except BaseException:
+            await conn.close()
+            raise
+        return conn
+
+    def _move_aside(self) -> Path:
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(f"{self.path}{suffix}", f"{target}{suffix}")
+        return target
+
+    async def close(self) -> None:
+        conns, self._all, self._pool = self._all, [], None
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                await conn.close()
+
+    # ------------------------------------------------------------------ transactions
+
+    async def read(self, fn: Callable[[_Tx], Awaitable[T]]) -> T:
+        """Run fn in a read transaction (one consistent snapshot, never blocks writers)."""
+        return await self._transaction("BEGIN", fn)
+
+    async def write(self, fn: Callable[[_Tx], Awaitable[T]]) -> T:
+        """Run fn in a write transaction; fn may be run again after a busy error, so it must only
+        touch the database."""
+        return await self._transaction("BEGIN IMMEDIATE", fn)
+
+    async def _transaction(self, begin: str, fn: Callable[[_Tx], Awaitable[T]]) -> T:
+        if self._pool is None:
+            raise StorageError("the store is not open; use `async with store:` or `await store.open()`")
+        if asyncio.get_running_loop() is not self._loop:
+            # The pool's queue belongs to one event loop; sharing it across loops fails obscurely.
+            raise StorageError("a Store must be used from the event loop that opened it")
+        pool = self._pool
+
+        async def attempt() -> T:
+            conn = await pool.get()
+            try:
+                await conn.execute(begin)
+                result = await fn(_Tx(conn))
+                await conn.execute("COMMIT")
+                return result
+            except BaseException:
+                await _rollback(conn)
+                raise
+            finally:
+                pool.put_nowait(conn)
+
+        try:
+            return await self._retry(attempt)
+        except sqlite3.Error as exc:
+            raise _storage_error(exc, self.path) from exc
+        except OSError as exc:  # e.g. the -shm file could not be extended
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFull() from exc
+            raise
+
+    async def _retry(self, op: Callable[[], Awaitable[T]]) -> T:
+        deadline = time.monotonic() + self.busy_total_s
+        delay = 0.01
+        while True:
+            try:
+                return await op()
+            except sqlite3.OperationalError as exc:
+                if not _is_busy(exc):
+                    raise
+                if time.monotonic() + delay >= deadline:
+                    raise StorageBusy(
+                        f"the file index stayed locked by other processes for {self.busy_total_s:g} s; "
+                        "try again in a moment"
+                    ) from None
+                await asyncio.sleep(delay * random.uniform(0.5, 1.5))
+                delay = min(delay * 2, 1.0)
+
+
+async def _rollback(conn: aiosqlite.Connection) -> None:
+    # Shielded and unconditional: even if we are being cancelled, the ROLLBACK is queued on the
+    # connection's thread before anyone else can use it, so it never goes back to the pool inside a
+    # transaction. "no transaction is active" (BEGIN itself failed) is fine.
+    with contextlib.suppress(sqlite3.Error):
+        await asyncio.shield(conn.execute("ROLLBACK"))
+
+
+def _error_name(exc: BaseException) -> str:
+    return getattr(exc, "sqlite_errorname", "") or ""
+
+
+def _is_busy(exc: sqlite3.OperationalError) -> bool:
+    if _error_name(exc).startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
+        return True
+    text = str(exc).lower()
+    return "locked" in text or "busy" in text
+
+
+def _is_full(exc: sqlite3.Error) -> bool:
+    return _error_name(exc).startswith("SQLITE_FULL") or "database or disk is full" in str(exc).lower()
+
+
+def _is_damage(exc: sqlite3.Error) -> bool:
+    """Errors a sound database file does not give: corruption, a file that is not a database, I/O
+    errors on a file cut short under us, or our tables gone."""
+    name = _error_name(exc)
+    if name.startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB", "SQLITE_IOERR")):
+        return True
+    text = str(exc).lower()
+    return (
+        "malformed" in text or "not a database" in text or "disk i/o error" in text or "no such table" in text
+    )
+
+
+def _storage_error(exc: sqlite3.Error, path: Path) -> StorageError:
+    if _is_full(exc):
+        return DiskFull()
+    if _is_damage(exc):
+        return IndexDamaged(f"the index {path} is damaged: {exc}")
+    return StorageError(f"index error: {exc}")
+
+
+def _is_corrupt(exc: BaseException) -> bool:
+    if isinstance(exc, _Corrupt | IndexDamaged):
+        return True
+    if isinstance(exc, StorageError):
+        return exc.__cause__ is not None and _is_corrupt(exc.__cause__)
+    if not isinstance(exc, sqlite3.DatabaseError) or isinstance(exc, sqlite3.OperationalError):
+        return False
+    name = _error_name(exc)
+    if name.startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB")):
+        return True
+    text = str(exc).lower()
+    return "malformed" in text or "not a database" in text
+
+
+async def _migrate(tx: _Tx) -> bool:
+    row = await tx.one("PRAGMA user_version")
+    version = int(row[0]) if row else 0
+    if version > CURRENT_VERSION:
+        raise StorageError(
+            f"the index was written by a newer version of code-sessions (schema {version}, this one "
+            f"knows up to {CURRENT_VERSION}); upgrade code-sessions or move the index aside"
+        )
+    for number in range(version + 1, CURRENT_VERSION + 1):
+        for statement in statements(MIGRATIONS[number - 1]):
+            await tx.run(statement)
+        log.info("index schema upgraded to version %d", number)
+    if version < CURRENT_VERSION:
+        # PRAGMA takes no parameters; the value is our own integer.
+        await tx.run(f"PRAGMA user_version = {CURRENT_VERSION}")
+    # Sanity: a file whose version is current but whose tables are gone fails here (IndexDamaged).
+    await tx.one("SELECT count(*) FROM sessions WHERE id = 0")
+    return version == 0
+''',
+    'storage/_sync.py': r'''"""Bringing the index in line with a session folder (the disk is the truth), and the quota after a run.
+
+Two ways to find what differs, one way to apply it:
+
+* `sync_folder`: list the whole folder (one lstat per entry) and compare with the session's rows;
+* `_sync_changed.sync_paths`: look only at the paths a run changed (see that module);
+* `apply`: write the differences in ONE write transaction that also makes the quota decision: it
+  reads the user's totals across all chats inside that transaction (serialised per user), weighs
+  the run's new and grown files with `Policy.plan_removals`, and indexes only what is kept; the files
+  that go are unlinked right after. Two chats of one user finishing at once therefore cannot both
+  spend the last room: the second one sees the first one's files.
+
+Quota enforcement only ever removes files a run added or grew; files the index already knew and that
+did not grow are never touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from . import _index
+from ._backend import Tx
+from ._core import Core, SessionRef
+from ._fsops import fd_closing, open_dir, unlink_file, walk_dirs
+from ._scan import Listing, Scan, scan
+from .errors import FileMissing, InvalidPath
+from .models import Growth, QuotaRemoval, ReconcileReport, Rejected, Usage
+
+_AUDIT_ITEMS = 100
+# Empty folders kept per sync (a full one: the whole session; a change-driven one: the folders a run
+# made). Code can make folders without end, each a few KiB of disk that no quota counts.
+MAX_EMPTY_FOLDERS = 1000
+
+
+@dataclass(slots=True)
+class Differences:
+    """What differs between a folder (as found) and its index rows.
+
+    `found.files` holds (at least) every added and changed path; `old_sizes` the indexed size of
+    every changed and removed path."""
+
+    found: Scan
+    added: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    old_sizes: dict[str, int] = field(default_factory=dict)
+    full: bool = True
+
+    def usage_delta(self) -> Usage:
+        listing = self.found.files
+        files = len(self.added) - len(self.removed)
+        size = (
+            sum(listing[p][0] for p in self.added)
+            + sum(listing[p][0] - self.old_sizes[p] for p in self.changed)
+            - sum(self.old_sizes[p] for p in self.removed)
+        )
+        return Usage(files, size)
+
+    def growth(self) -> list[Growth]:
+        """The files the quota weighs: every added one, and every changed one that grew."""
+        listing = self.found.files
+        items = [Growth(p, *listing[p], new=True) for p in self.added]
+        for path in self.changed:
+            size, mtime_ns = listing[path]
+            old = self.old_sizes[path]
+            if size > old:
+                items.append(Growth(path, size, mtime_ns, new=False, old_size=old))
+        return items
+
+
+def compare(found: Scan, index_rows: Iterable[tuple[str, int, int]]) -> Differences:
+    """Walk the index rows once against the listing (this loop is most of a full sync's Python
+    time on a big session; it runs in a worker thread)."""
+    remaining = dict(found.files)
+    pop = remaining.pop
+    differences = Differences(found)
+    changed, removed, old = differences.changed, differences.removed, differences.old_sizes
+    unreadable = bool(found.unreadable)
+    for path, size, mtime_ns in index_rows:
+        seen = pop(path, None)
+        if seen is None:
+            if not (unreadable and found.is_unreadable(path)):
+                removed.append(path)
+                old[path] = size
+        elif seen[0] != size or seen[1] != mtime_ns:
+            changed.append(path)
+            old[path] = size
+    differences.added = list(remaining)
+    return differences
+
+
+async def sync_folder(
+    core: Core, ref: SessionRef, *, enforce: bool, prior: Scan | None = None
+) -> ReconcileReport:
+    """List the whole folder and apply what differs. `prior`: what a change-driven attempt that fell
+    back already rejected or renamed (those entries are gone now; the report still tells)."""
+
+    async def read(tx: Tx) -> list[tuple[str, int, int]]:
+        row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
+        return [] if row is None else await _index.file_rows(tx, row.id)
+
+    # One after the other, not overlapped: the listing makes one system call per entry, each
+    # releasing the GIL, and a second busy thread turns every one of those into a GIL hand-off
+    # (measured: overlapping made a 100k-file sync about 50% slower).
+    found = await asyncio.to_thread(scan, ref.path, fix=True)
+    if prior is not None:
+        found.rejected[:0] = prior.rejected
+        found.renamed[:0] = prior.renamed
+    index_rows = await core.read(read)
+    differences = await asyncio.to_thread(compare, found, index_rows)
+    return await apply(core, ref, differences, enforce=enforce)
+
+
+async def apply(core: Core, ref: SessionRef, differences: Differences, *, enforce: bool) -> ReconcileReport:
+    """Decide the quota and write the differences in one transaction; then unlink what goes."""
+    found = differences.found
+    listing: Listing = found.files
+    if len(found.empty_folders) > MAX_EMPTY_FOLDERS:
+        await asyncio.to_thread(_prune_empty_folders, ref, found)
+    candidates = differences.growth() if enforce else []
+    delta = differences.usage_delta() if candidates else Usage(0, 0)
+    now = time.time()
+
+    async def write(tx: Tx) -> tuple[list[QuotaRemoval], int, int]:
+        sid = await core.session_id(tx, ref, now)
+        removals: list[QuotaRemoval] = []
+        if candidates:
+            await tx.serialise_user(ref.user_key)
+            usage = await _index.user_usage(tx, ref.user_key)
+            removals = core.policy.plan_removals(
+                candidates, Usage(usage.files + delta.files, usage.bytes + delta.bytes)
+            )
+        going = {r.path for r in removals}
+        if differences.full:  # only a full listing can tell that no file of the session has several links
+            await _index.set_linked_files(tx, sid, len(found.linked))
+        kept = [p for p in differences.added + differences.changed if p not in going]
+        if kept:
+            await _index.upsert_files(tx, sid, [(p, *listing[p], now) for p in kept])
+        dropped = differences.removed + [p for p in differences.changed if p in going]
+        if dropped:
+            await _index.delete_files(tx, sid, dropped)
+        await _audit(tx, ref, found, removals, now)
+        files, size = await _index.session_totals(tx, sid)
+        return removals, files, size
+
+    removals, files, size = await core.write(write)
+    quota_removed: list[QuotaRemoval] = []
+    if removals:
+        # After the commit: a file that cannot be unlinked stays on disk, unindexed, and the next
+        # sync weighs it again.
+        gone = await asyncio.to_thread(_remove, ref, [r.path for r in removals])
+        quota_removed = [r for r in removals if r.path in gone]
+    going = {r.path for r in removals}
+    return ReconcileReport(
+        added=sorted(p for p in differences.added if p not in going),
+        changed=sorted(p for p in differences.changed if p not in going),
+        removed=sorted(differences.removed),
+        rejected=found.rejected,
+        renamed=found.renamed,
+        quota_removed=quota_removed,
+        files=files,
+        bytes=size,
+        full=differences.full,
+    )
+
+
+async def _audit(tx: Tx, ref: SessionRef, found: Scan, removals: list[QuotaRemoval], now: float) -> None:
+    # The audit trail keeps the first _AUDIT_ITEMS of each list and the counts (a run can create a
+    # million symlinks; the report has them all).
+    who = (ref.user_id, ref.chat_id)
+    if found.rejected or found.renamed:
+        detail = {
+            "rejected": [r.to_dict() for r in found.rejected[:_AUDIT_ITEMS]],
+            "renamed": [r.to_dict() for r in found.renamed[:_AUDIT_ITEMS]],
+            "rejected_count": len(found.rejected),
+            "renamed_count": len(found.renamed),
+        }
+        await _index.log_activity(tx, now, "rejected", *who, detail)
+    if removals:
+        detail = {
+            "removed": [r.to_dict() for r in removals[:_AUDIT_ITEMS]],
+            "removed_count": len(removals),
+            "bytes": sum(r.size for r in removals),
+        }
+        await _index.log_activity(tx, now, "quota_removed", *who, detail)
+
+
+def _prune_empty_folders(ref: SessionRef, found: Scan) -> None:
+    """Keep the MAX_EMPTY_FOLDERS shallowest empty folders, remove the others (reported as rejected)."""
+    ordered = sorted(found.empty_folders, key=lambda p: (p.count("/"), p))
+    with fd_closing(open_dir(ref.path)) as root:
+        for path in ordered[MAX_EMPTY_FOLDERS:]:
+            parts = tuple(path.split("/"))
+            try:
+                with fd_closing(walk_dirs(root, parts[:-1])) as parent:
+                    os.rmdir(parts[-1], dir_fd=parent)
+            except (FileMissing, InvalidPath, OSError):
+                continue
+            found.rejected.append(Rejected(path + "/", "empty folder"))
+    found.empty_folders = ordered[:MAX_EMPTY_FOLDERS]
+
+
+def _remove(ref: SessionRef, paths: list[str]) -> set[str]:
+    """Delete files chosen by the quota; returns those gone from disk afterwards."""
+    gone: set[str] = set()
+    with fd_closing(open_dir(ref.path)) as root:
+        for path in paths:
+            try:
+                unlink_file(root, tuple(path.split("/")))
+            except FileMissing:
+                pass
+            except (InvalidPath, OSError):
+                continue
+            gone.add(path)
+    return gone
+''',
+    'storage/_sync_changed.py': r'''"""Change-driven sync: look only at the paths a run changed, not at the whole folder.
+
+The caller (the engine, from the runner's inotify watch) names the paths the run created, changed,
+removed or renamed. Each is judged with the rules of the full scan and becomes authoritative for
+itself and everything under it:
+
+* gone: its index row and every row under `path/` are removed;
+* a regular file: (re)indexed, rows under `path/` removed;
+* a folder: its whole subtree is scanned (`_scan.scan_folder`, the full scan's own code: O_NOFOLLOW,
+  special files unlinked and reported, bad names renamed, too deep removed);
+* anything else (symlink, FIFO, socket, device): unlinked without being opened, and reported.
+
+Each path is reached from the session folder's fd, component by component with O_NOFOLLOW. Index rows
+are read per path (the exact path, and the `path/` range of the primary key), never the whole session.
+Quota enforcement and the report are the full sync's (`_sync.apply`).
+
+Anything unusual falls back to listing the whole folder (logged at debug level): more than MAX_PATHS paths,
+a path that `_names.split_path` refuses or would rewrite (not clean, not UTF-8, too deep), a parent that is
+missing or not a real folder (a symlink swapped in), a regular file with more than one link (a write
+through another name changes it without an event on this one), a session whose last full listing
+found such files (`sessions.linked_files`: written through a name that is then removed, the others
+change and nothing names them), no index row for the session yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import stat
+from collections.abc import Collection
+
+from . import _index
+from ._backend import Tx
+from ._core import Core, SessionRef
+from ._fsops import DIR_FLAGS, kind_of, lstat_at, walk_dirs
+from ._names import split_path
+from ._scan import Scan, reject, scan_folder
+from ._sync import Differences, apply, sync_folder
+from .errors import FileMissing, InvalidPath
+from .models import ReconcileReport
+
+log = logging.getLogger("code_sessions.storage")
+
+MAX_PATHS = 5000  # beyond this many paths, listing the folder is about as cheap
+
+
+class _Fallback(Exception):
+    """Something is unusual: list the whole folder instead."""
+
+
+async def sync_paths(
+    core: Core, ref: SessionRef, changed: Collection[str], *, enforce: bool
+) -> ReconcileReport:
+    """Sync the given paths only; the whole folder when anything is unusual."""
+    found = Scan()
+    try:
+        scopes = _scopes(changed)
+        if not scopes:  # nothing changed (print(1)): nothing to read; write the totals, report
+            return await apply(core, ref, Differences(found, full=False), enforce=False)
+        await asyncio.to_thread(_look, ref.path, scopes, found)
+        return await _apply(core, ref, scopes, found, enforce=enforce)
+    except _Fallback as why:
+        log.debug("sync of %s: full listing instead of %d changed paths: %s", ref.path, len(changed), why)
+    # Entries the attempt already rejected or renamed are gone from disk; the report still names them.
+    return await sync_folder(core, ref, enforce=enforce, prior=found)
+
+
+def _scopes(changed: Collection[str]) -> list[str]:
+    """Validated paths, sorted, without those under another changed path (its scan covers them)."""
+    if len(changed) > MAX_PATHS:
+        raise _Fallback(f"more than {MAX_PATHS} paths")
+    paths = set()
+    for path in changed:
+        try:
+            canonical = "/".join(split_path(path))
+        except InvalidPath as why:
+            raise _Fallback(str(why)) from None
+        if canonical != path:
+            raise _Fallback(f"not a clean relative path: {path!r}")
+        paths.add(path)
+    scopes = []
+    for path in sorted(paths):
+        parts = path.split("/")
+        if not any("/".join(parts[:i]) in paths for i in range(1, len(parts))):
+            scopes.append(path)
+    return scopes
+
+
+def _look(session_dir: os.PathLike[str], scopes: list[str], found: Scan) -> None:
+    """Put what is on disk now at each scope (and under it) into `found`, fixing what a full scan
+    fixes. Runs in a worker thread."""
+    try:
+        root = os.open(session_dir, DIR_FLAGS)
+    except OSError as exc:
+        raise _Fallback(f"cannot open the session folder: {exc}") from None
+    parent_path: str | None = None
+    parent = -1
+    try:
+        for path in scopes:
+            folder, _, name = path.rpartition("/")
+            if folder != parent_path:  # sorted: siblings come together, so one walk per folder
+                if parent >= 0:
+                    os.close(parent)
+                    parent = -1
+                parent_path = folder
+                parent = _open_parent(root, folder)
+            _look_at(parent, name, path, found)
+        if found.linked:
+            raise _Fallback(f"{found.linked[0]} has several hard links")
+    finally:
+        if parent >= 0:
+            os.close(parent)
+        os.close(root)
+
+
+def _open_parent(root: int, folder: str) -> int:
+    if not folder:
+        return os.dup(root)
+    try:
+        return walk_dirs(root, folder.split("/"))
+    except FileMissing:
+        # Its removal would have been an event naming the folder, which covers this path.
+        raise _Fallback(f"the folder {folder} vanished without an event") from None
+    except InvalidPath:
+        raise _Fallback(f"{folder} is not a real folder") from None
+    except OSError as exc:
+        if exc.errno == errno.EACCES:
+            raise _Fallback(f"cannot read the folder {folder}") from None
+        raise
+
+
+def _look_at(parent: int, name: str, path: str, found: Scan) -> None:
+    st = lstat_at(parent, name)
+    if st is None:
+        return  # gone: nothing on disk, so every row at and under it goes
+    if stat.S_ISREG(st.st_mode):
+        if st.st_nlink > 1:
+            raise _Fallback(f"{path} has several hard links")
+        found.files[path] = (st.st_size, st.st_mtime_ns)
+    elif stat.S_ISDIR(st.st_mode):
+        scan_folder(parent, name, path, fix=True, result=found)
+    else:
+        reject(parent, name, path, kind_of(st.st_mode), True, found)
+
+
+async def _apply(
+    core: Core, ref: SessionRef, scopes: list[str], found: Scan, *, enforce: bool
+) -> ReconcileReport:
+    async def read(tx: Tx) -> dict[str, tuple[int, int]]:
+        row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
+        if row is None:
+            raise _Fallback("the session has no index row")  # nothing to compare with
+        if row.linked_files:
+            # Written through one name, the other names of such a file change without an event
+            # naming them (and the written name may be gone by now).
+            raise _Fallback("the session holds files with several hard links")
+        return await _index.rows_at_and_under(tx, row.id, scopes)
+
+    index = await core.read(read)
+    listing = found.files
+    differences = Differences(found, full=False)
+    differences.added = [p for p in listing if p not in index]
+    differences.changed = [p for p, seen in listing.items() if p in index and index[p] != seen]
+    differences.removed = [p for p in index if p not in listing and not found.is_unreadable(p)]
+    differences.old_sizes = {p: index[p][0] for p in (*differences.changed, *differences.removed)}
+    return await apply(core, ref, differences, enforce=enforce)
 ''',
     'storage/cli.py': r'''"""Developer/admin CLI: `python -m storage [--root PATH] COMMAND [--json]` (also `code-sessions-store`).
 
@@ -3155,7 +4013,7 @@ from typing import Any
 
 from ._format import human_bytes, human_duration, human_limit, iso_time, parse_duration, table
 from .errors import StorageError
-from .models import Expiry, Purge, Quotas, SessionInfo
+from .models import Purge, SessionInfo
 from .store import Store
 
 ENV_ROOT = "CODE_SESSIONS_ROOT"
@@ -3236,25 +4094,15 @@ def _root(given: str | None) -> Path:
 
 
 async def _run(args: argparse.Namespace, root: Path) -> int:
-    store = Store(root)
+    store = Store(root, record_settings=False)
     async with store:
-        await _load_settings(store)
+        # The policy and publish folder the application last recorded, so the CLI applies the same.
+        policy, publisher = await store.recorded_settings()
+        if policy is not None:
+            store.policy = policy
+        store.use_publisher(publisher)
         handler = _COMMANDS[args.command]
         return await handler(store, args)
-
-
-async def _load_settings(store: Store) -> None:
-    """Use the quotas and expiry the application last recorded, so the CLI applies the same policy."""
-    for key, cls in (("quotas", Quotas), ("expiry", Expiry)):
-        raw = await store._meta(key)
-        if not raw:
-            continue
-        try:
-            value = cls(**json.loads(raw))
-        except (TypeError, ValueError):
-            continue
-        setattr(store, key, value)
-    store._record_settings = False
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
@@ -3304,7 +4152,7 @@ async def _resolve_chat(store: Store, chat: str, user: str | None) -> SessionInf
 
 async def _files(store: Store, args: argparse.Namespace) -> int:
     info = await _resolve_chat(store, args.chat, args.user)
-    session = store._session_for(info)
+    session = store.session_at(info)
     files = await session.files.list()
     text = table(
         ["PATH", "SIZE", "MODIFIED", "LAST CHANGED"],
@@ -3449,7 +4297,16 @@ Messages are written for the person at the chat: they say what happened and what
 
 from __future__ import annotations
 
-__all__ = ["FileExists", "FileMissing", "InvalidPath", "QuotaExceeded", "StorageBusy", "StorageError"]
+__all__ = [
+    "DiskFull",
+    "FileExists",
+    "FileMissing",
+    "IndexDamaged",
+    "InvalidPath",
+    "QuotaExceeded",
+    "StorageBusy",
+    "StorageError",
+]
 
 
 class StorageError(Exception):
@@ -3475,6 +4332,23 @@ class QuotaExceeded(StorageError):
 
 class StorageBusy(StorageError):
     """The index or a session stayed locked by someone else for too long."""
+
+
+class DiskFull(StorageError):
+    """The disk that holds the sessions or the index has no room left. Nothing was lost: what could
+    not be written was not written, and the index is as it was before."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(
+            message
+            or "The disk that holds the chats' files is full, so this could not be saved; nothing that "
+            "was there is lost. Delete some files, or ask an admin to free space, then try again."
+        )
+
+
+class IndexDamaged(StorageError):
+    """The index file is damaged (truncated, overwritten). The store moves it aside and rebuilds it
+    from the session folders; callers see this only if that recovery itself failed."""
 ''',
     'storage/models.py': r'''"""Value types of the public API: settings in, reports out.
 
@@ -3490,15 +4364,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ._format import human_bytes
+
 __all__ = [
     "ActivityEntry",
     "CleanupReport",
     "Drift",
     "Expiry",
     "FileEntry",
+    "Growth",
     "Link",
     "LinkInfo",
-    "Publisher",
     "Purge",
     "QuotaRemoval",
     "Quotas",
@@ -3588,25 +4464,6 @@ class Expiry(_Dictable):
 
 
 @dataclass(frozen=True, slots=True)
-class Publisher(_Dictable):
-    """Where published copies go and the URL prefix under which the web server serves that directory.
-
-    Example: Publisher(Path("/app/backend/data/cache/functions/code_sessions"),
-    "/cache/functions/code_sessions/"). A missing trailing slash is added to url_prefix.
-    """
-
-    directory: Path
-    url_prefix: str
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "directory", Path(self.directory))
-        if not isinstance(self.url_prefix, str):
-            raise ValueError("Publisher.url_prefix must be a str")
-        if not self.url_prefix.endswith("/"):
-            object.__setattr__(self, "url_prefix", self.url_prefix + "/")
-
-
-@dataclass(frozen=True, slots=True)
 class Purge(_Dictable):
     """Selects sessions to delete entirely. Several criteria combine with AND; `everything` wins.
 
@@ -3650,16 +4507,30 @@ class UserUsage(_Dictable):
 
 @dataclass(frozen=True, slots=True)
 class RunBudget(_Dictable):
-    """What one run may still add for this user. None means no limit.
+    """What one run may write while it runs, from the policy (None means no limit).
 
-    * max_new_files: new files the run may create (per-run cap and remaining user file quota).
-    * max_write_bytes: bytes the user may still add across all chats.
-    * max_file_bytes: size of any one file (never more than max_write_bytes).
+    * max_write_bytes: how much the session folder may grow during the run: the bytes the user has
+      left across all chats, but never less than a small floor, so a run over quota can still work
+      (whatever is over the quota when it ends is removed);
+    * max_file_bytes: size of any one file;
+    * note: set when the user starts the run with nothing to spend: a sentence for the user and the
+      model (the run can delete or shrink files; what it adds is removed).
     """
 
-    max_new_files: int | None
     max_write_bytes: int | None
     max_file_bytes: int | None
+    note: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Growth(_Dictable):
+    """A file a run added (`new`) or grew, as the policy weighs it after the run."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    new: bool
+    old_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -3720,8 +4591,6 @@ class ReconcileReport(_Dictable):
     full: bool = True
 
     def summary(self) -> str:
-        from ._format import human_bytes
-
         parts = [f"{len(self.added)} added", f"{len(self.changed)} changed", f"{len(self.removed)} removed"]
         if self.rejected:
             parts.append(f"{len(self.rejected)} rejected")
@@ -3751,14 +4620,15 @@ class RebuildReport(_Dictable):
     removed: int = 0
     rejected: list[Rejected] = field(default_factory=list)
     renamed: list[Renamed] = field(default_factory=list)
+    links: int = 0  # links taken back from their records (the index had lost them)
 
     def summary(self) -> str:
-        from ._format import human_bytes
-
         text = (
             f"{self.sessions} sessions, {self.files} files, {human_bytes(self.bytes)}; "
             f"{self.added} added, {self.changed} changed, {self.removed} removed"
         )
+        if self.links:
+            text += f", {self.links} links taken back"
         if self.rejected:
             text += f", {len(self.rejected)} rejected"
         if self.sessions_in_use:
@@ -3768,9 +4638,12 @@ class RebuildReport(_Dictable):
 
 @dataclass(frozen=True, slots=True)
 class Link(_Dictable):
-    """A published copy. `url` is url_prefix + token + "/" + quoted name; `name` is the safe file name."""
+    """A published copy of a session file.
 
-    token: str
+    `ref` is the publisher's id of the copy (a random token, or a file id of the web server),
+    `url` where the user's browser fetches it, `name` the file name the copy was given."""
+
+    ref: str
     url: str
     path: str
     name: str
@@ -3781,7 +4654,8 @@ class Link(_Dictable):
 
 @dataclass(frozen=True, slots=True)
 class LinkInfo(_Dictable):
-    token: str
+    ref: str
+    kind: str  # the publisher that holds the copy (see storage.publishing)
     user_id: str | None
     chat_id: str | None
     path: str
@@ -3789,7 +4663,6 @@ class LinkInfo(_Dictable):
     url: str
     size: int
     created_at: float
-    expires_at: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -3828,8 +4701,6 @@ class CleanupReport(_Dictable):
     details: list[SessionCleanup] = field(default_factory=list)
 
     def summary(self) -> str:
-        from ._format import human_bytes
-
         verb = "would remove" if self.dry_run else "removed"
         return (
             f"{verb} {self.sessions_removed} sessions, {self.files_removed} files "
@@ -3861,7 +4732,389 @@ class ActivityEntry(_Dictable):
     chat_id: str | None
     detail: dict[str, Any]
 ''',
-    'storage/session.py': r'''"""A chat's session: its folder, lock, quota check, reconcile, files and links."""
+    'storage/policy.py': r'''"""Every limit the store enforces, decided in one place, each with the sentence a user reads.
+
+The rest of the package asks the `Policy` and acts on the answer; nothing else compares a size or a
+count with a limit. A decision is a pure function of the settings and of usage figures the caller
+read from the index, so the callers decide *when* (inside which transaction) and this module decides
+*what*:
+
+* the per-file size: `file_too_large`;
+* the per-user quota, across all of a user's chats (files and bytes, published copies included):
+  `over_quota`, used before a run (`run_budget`), on writes (`refuse_write`), after a run
+  (`plan_removals`) and when publishing (`refuse_publish`);
+* new files per run: inside `plan_removals`;
+* expiry: `session_expired`, `file_cutoff`, `activity_cutoff`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ._format import human_bytes, human_duration
+from .errors import QuotaExceeded
+from .models import Expiry, Growth, QuotaRemoval, Quotas, RunBudget, Usage
+
+__all__ = ["CLEAR_FILES_COMMAND", "Policy"]
+
+# What a user types in a chat to empty its folder (the function handles it; named here because the
+# quota sentences tell the user about it).
+CLEAR_FILES_COMMAND = "!clear-files"
+# A run over quota still gets this much room to write in /mnt/data while it runs (temporary files,
+# a small summary); whatever is over the quota when it ends is removed.
+RUN_FLOOR_BYTES = 1024 * 1024
+_WAY_OUT = f"Delete some files or old chats (or send {CLEAR_FILES_COMMAND} to empty this chat's folder)"
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """Quotas and expiry, and every decision made from them. Replace it to change the settings."""
+
+    quotas: Quotas = field(default_factory=Quotas)
+    expiry: Expiry = field(default_factory=Expiry)
+
+    # ------------------------------------------------------------------ per-file size
+
+    @property
+    def max_file_bytes(self) -> int | None:
+        return self.quotas.max_file_bytes or None
+
+    def file_too_large(self, size: int) -> str | None:
+        """Why a file of this size may not be kept, or None."""
+        limit = self.max_file_bytes
+        if limit is not None and size > limit:
+            return f"larger than the {human_bytes(limit)} per-file limit"
+        return None
+
+    # ------------------------------------------------------------------ per-user quota
+
+    def over_quota(self, usage: Usage) -> str | None:
+        """Why a user with these totals (all chats) is over a limit, as a phrase, or None."""
+        max_files = self.quotas.max_files_per_user or None
+        max_bytes = self.quotas.max_bytes_per_user or None
+        if max_files is not None and usage.files > max_files:
+            return f"over the limit of {max_files} files across all your chats"
+        if max_bytes is not None and usage.bytes > max_bytes:
+            return f"over the {human_bytes(max_bytes)} storage limit across all your chats"
+        return None
+
+    def room(self, usage: Usage) -> int | None:
+        """Bytes the user may still add across all chats; None when there is no byte limit."""
+        max_bytes = self.quotas.max_bytes_per_user or None
+        return None if max_bytes is None else max(0, max_bytes - usage.bytes)
+
+    def run_budget(self, usage: Usage) -> RunBudget:
+        """What one run may write while it runs. A run is never refused for the quota: one that
+        starts with nothing to spend can still delete or shrink files, and `note` says so."""
+        room = self.room(usage)
+        max_files = self.quotas.max_files_per_user or None
+        full = (room is not None and room == 0) or (max_files is not None and usage.files >= max_files)
+        note = None
+        if full:
+            limits = []
+            if max_files is not None and usage.files >= max_files:
+                limits.append(f"{max_files} files (you have {usage.files})")
+            if room == 0:
+                limits.append(
+                    f"{human_bytes(self.quotas.max_bytes_per_user)} (you use {human_bytes(usage.bytes)})"
+                )
+            note = (
+                f"You are at your storage limit of {' and '.join(limits)} across your chats: this run "
+                "can read, delete or shrink files, but anything it adds is removed when it ends. "
+                f"{_WAY_OUT}."
+            )
+        write = None if room is None else max(room, RUN_FLOOR_BYTES)
+        return RunBudget(max_write_bytes=write, max_file_bytes=self.max_file_bytes, note=note)
+
+    def refuse_write(self, usage: Usage, size: int, *, replacing: int | None) -> None:
+        """Raise QuotaExceeded if saving a file of `size` (replacing one of `replacing` bytes, or a new
+        one) is not allowed for a user with these totals."""
+        too_large = self.file_too_large(size)
+        if too_large is not None:
+            raise QuotaExceeded(f"The file is {human_bytes(size)}, {too_large}.")
+        after = Usage(
+            usage.files + (0 if replacing is not None else 1), usage.bytes - (replacing or 0) + size
+        )
+        if self.over_quota(after) is None:
+            return
+        max_files = self.quotas.max_files_per_user or None
+        if max_files is not None and after.files > max_files:
+            raise QuotaExceeded(
+                f"You have reached the limit of {max_files} files across your chats. {_WAY_OUT}."
+            )
+        raise QuotaExceeded(
+            f"Saving this {human_bytes(size)} file would exceed your storage limit of "
+            f"{human_bytes(self.quotas.max_bytes_per_user)} across your chats (you use "
+            f"{human_bytes(usage.bytes)}). {_WAY_OUT}."
+        )
+
+    def plan_removals(self, candidates: Sequence[Growth], usage_after: Usage) -> list[QuotaRemoval]:
+        """Which of a run's new or grown files go, with why. `usage_after` is the user's totals with
+        every candidate kept. Files the index already knew and that did not grow are never candidates.
+
+        Order: any file larger than the per-file limit; new files beyond the per-run count (the oldest
+        by mtime, then path, are kept); then, while the user is over the quota, the remaining
+        candidates newest first (the files written last are the ones that pushed the user over):
+        over the file count, only new files; over the bytes, new or grown ones. A removed file goes
+        whole, a grown one with the bytes it had before the run."""
+        removals: list[QuotaRemoval] = []
+        kept: list[Growth] = []
+        for item in candidates:
+            reason = self.file_too_large(item.size)
+            if reason is not None:
+                removals.append(QuotaRemoval(item.path, item.size, reason))
+            else:
+                kept.append(item)
+        kept.sort(key=lambda g: (g.mtime_ns, g.path))
+        per_run = self.quotas.max_new_files_per_run or None
+        if per_run is not None:
+            new = [g for g in kept if g.new]
+            if len(new) > per_run:
+                extra = {g.path for g in new[per_run:]}
+                reason = f"more than the {per_run} new files allowed in one run"
+                removals.extend(QuotaRemoval(g.path, g.size, reason) for g in new[per_run:])
+                kept = [g for g in kept if g.path not in extra]
+        # A removed file goes whole (a grown one with its old bytes too), and leaves the file count.
+        files = usage_after.files - len(removals)
+        size = usage_after.bytes - sum(r.size for r in removals)
+        max_files = self.quotas.max_files_per_user or None
+        newest = list(reversed(kept))
+        newest_new = [g for g in newest if g.new]
+        gone: set[str] = set()
+        any_at = new_at = 0  # next candidate in each list (both only move forward)
+        while (reason := self.over_quota(Usage(files, size))) is not None:
+            # Growing a file adds no file: only new files answer for the file count.
+            if max_files is not None and files > max_files:
+                while new_at < len(newest_new) and newest_new[new_at].path in gone:
+                    new_at += 1
+                if new_at == len(newest_new):
+                    break
+                item = newest_new[new_at]
+            else:
+                while any_at < len(newest) and newest[any_at].path in gone:
+                    any_at += 1
+                if any_at == len(newest):
+                    break
+                item = newest[any_at]
+            gone.add(item.path)
+            removals.append(QuotaRemoval(item.path, item.size, reason))
+            files -= 1
+            size -= item.size
+        return removals
+
+    def refuse_publish(self, usage: Usage, size: int, path: str) -> None:
+        """Published copies count toward the user's storage limit."""
+        room = self.room(usage)
+        if room is not None and size > room:
+            raise QuotaExceeded(
+                f"{path} was not linked: a copy for download would take {human_bytes(size)} and your "
+                f"storage limit of {human_bytes(self.quotas.max_bytes_per_user)} across your chats has "
+                f"{human_bytes(room)} left (copies count toward it). {_WAY_OUT}."
+            )
+
+    # ------------------------------------------------------------------ expiry
+
+    def session_expired(self, *, temporary: bool, idle_s: float) -> str | None:
+        """Why a session idle this long is deleted by the expiry policy, or None."""
+        limit = self.expiry.temporary_idle_s if temporary else self.expiry.session_idle_s
+        if limit and idle_s > limit:
+            kind = "temporary chat " if temporary else ""
+            return f"{kind}idle for {human_duration(round(idle_s))} (limit {human_duration(limit)})"
+        return None
+
+    def file_cutoff(self, now: float) -> float | None:
+        """Files the index last saw change before this time are deleted; None: files never expire."""
+        age = self.expiry.file_max_age_s
+        return now - age if age else None
+
+    def file_expiry_reason(self) -> str:
+        return f"files unchanged for more than {human_duration(self.expiry.file_max_age_s)}"
+
+    def activity_cutoff(self, now: float) -> float | None:
+        age = self.expiry.activity_max_age_s
+        return now - age if age else None
+''',
+    'storage/publishing.py': r'''"""Where published copies go: the `Publisher` protocol, and the folder publisher storage ships.
+
+Storage decides *what* is published and when a copy can be reused (same bytes), and keeps the links
+in its index; a publisher only stores bytes and says where the browser fetches them. The web
+server's own file store (Open WebUI's Files API, with its access rules) is a publisher the adapter
+supplies; `DirectoryPublisher` writes into a folder the web server serves under a URL prefix.
+
+A link row remembers which publisher (`kind`) holds its copy, so copies made by an earlier publisher
+keep working and are removed correctly after the admin switches to another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import re
+import secrets
+import stat
+import time
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from ._fsops import copy_fd, fd_closing, remove_tree
+from .errors import DiskFull
+
+__all__ = ["Copy", "DirectoryPublisher", "Published", "Publisher"]
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """One file to publish. `fd` is open for reading (read it from offset 0, do not close it); its
+    bytes were checked to be a regular file of the session, reached without any symlink."""
+
+    fd: int
+    size: int
+    name: str  # safe for a URL and a Content-Disposition header (see _names.publish_name)
+    content_type: str | None  # guessed from the name; None when unknown
+    inline: bool  # a passive image or medium a browser may show inline; everything else downloads
+    path: str  # relative to the session folder
+    user_id: str
+    chat_id: str
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    ref: str  # the publisher's id of the copy (at most 200 characters)
+    url: str
+
+
+class Publisher(Protocol):
+    kind: str  # recorded with each link: which publisher holds its copy
+
+    async def put(self, copy: Copy) -> Published:
+        """Store the bytes; raise StorageError (DiskFull for no room) with a sentence on failure."""
+
+    async def remove(self, refs: Sequence[str]) -> None:
+        """Delete these copies; ones already gone are fine."""
+
+    async def missing(self, refs: Sequence[str]) -> set[str]:
+        """Which of these copies are gone (check)."""
+
+    async def strays(self, known: set[str], older_than_s: float) -> list[str]:
+        """Copies of ours, older than this, that are not in `known` (a crash between storing the
+        bytes and writing the link); `remove` deletes them."""
+
+
+TOKEN_BYTES = 24  # 192 random bits
+TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{32}")
+STAGING_PREFIX = ".staging-"
+
+
+class DirectoryPublisher:
+    """Copies under `directory/<token>/<name>`, served by the web server at `url_prefix`.
+
+    The token is 192 random bits. The copy is written into a staging folder that is renamed into
+    place only when complete, so the web server never serves a partial file. Whoever has the URL can
+    fetch it (the web server's folder route checks login at most): see the security model."""
+
+    kind = "directory"
+
+    def __init__(self, directory: Path | str, url_prefix: str) -> None:
+        self.directory = Path(directory)
+        self.url_prefix = url_prefix if url_prefix.endswith("/") else url_prefix + "/"
+
+    def __repr__(self) -> str:
+        return f"DirectoryPublisher({str(self.directory)!r}, {self.url_prefix!r})"
+
+    async def put(self, copy: Copy) -> Published:
+        token = secrets.token_urlsafe(TOKEN_BYTES)
+        await asyncio.to_thread(_copy_into, copy.fd, self.directory, token, copy.name, copy.path)
+        return Published(token, self.url_prefix + token + "/" + urllib.parse.quote(copy.name))
+
+    async def remove(self, refs: Sequence[str]) -> None:
+        await asyncio.to_thread(lambda: [remove_directory_copy(self.directory, r) for r in refs])
+
+    async def missing(self, refs: Sequence[str]) -> set[str]:
+        def look() -> set[str]:
+            return {r for r in refs if not _folder_present(self.directory / r)}
+
+        return await asyncio.to_thread(look)
+
+    async def strays(self, known: set[str], older_than_s: float) -> list[str]:
+        return await asyncio.to_thread(stray_folders, self.directory, known, older_than_s)
+
+    def present(self, ref: str, name: str) -> bool:
+        return copy_present(self.directory, ref, name)
+
+
+def copy_present(directory: Path, token: str, name: str) -> bool:
+    try:
+        st = os.stat(directory / token / name, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode)
+
+
+def _folder_present(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.stat(path, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def remove_directory_copy(directory: str | Path, token: str) -> None:
+    """Delete a published copy (or an abandoned staging folder); refuses anything that is not one of
+    our token folders."""
+    if not _ours(token):
+        return
+    with contextlib.suppress(OSError):
+        remove_tree(Path(directory) / token)
+
+
+def stray_folders(directory: Path, known: set[str], older_than_s: float) -> list[str]:
+    """Token and staging folders of ours in `directory` that no link names, older than the grace."""
+    now = time.time()
+    strays: list[str] = []
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError), os.scandir(directory) as entries:
+        for entry in entries:
+            name = entry.name
+            if not _ours(name) or name in known or not entry.is_dir(follow_symlinks=False):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if now - entry.stat(follow_symlinks=False).st_mtime > older_than_s:
+                    strays.append(name)
+    return strays
+
+
+def _ours(name: str) -> bool:
+    return bool(TOKEN_RE.fullmatch(name.removeprefix(STAGING_PREFIX)))
+
+
+def _copy_into(src: int, directory: Path, token: str, name: str, rel: str) -> None:
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    staging = directory / f"{STAGING_PREFIX}{token}"
+    try:
+        os.mkdir(staging, 0o700)
+        out = os.open(
+            staging / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+        with fd_closing(out):
+            os.lseek(src, 0, os.SEEK_SET)
+            copy_fd(src, out)
+        os.rename(staging, directory / token)
+    except BaseException as exc:
+        remove_tree(staging)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFull(f"Not enough disk space to publish {rel}; nothing was published.") from exc
+        raise
+''',
+    'storage/session.py': r'''"""A chat's session, as callers see it: its folder, lock, budget, sync, files and links.
+
+`Session` and `SessionFiles` are thin faces: the work is done by the modules of the storage core
+(`_sync`, `_publish`, `_index`, `_fsops`) over the store's `Core` and this session's `SessionRef`.
+"""
 
 from __future__ import annotations
 
@@ -3870,13 +5123,12 @@ import contextlib
 import os
 import stat
 import time
-from collections.abc import AsyncIterator, Collection, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from . import _partial, _reconcile
-from ._db import Tx
-from ._format import human_bytes
+from . import _index, _publish, _sync, _sync_changed
+from ._backend import Tx
+from ._core import Core, SessionRef
 from ._fsops import (
     atomic_write,
     fd_closing,
@@ -3884,20 +5136,17 @@ from ._fsops import (
     open_dir,
     open_regular,
     read_all,
+    remove_tree_at,
     rename_file,
     unlink_file,
     walk_dirs,
     write_unique,
 )
-from ._index import ensure_session, session_by_keys, user_totals
-from ._keys import id_key, is_temporary
-from ._lock import FileLock
 from ._names import attachment_name, numbered, split_path
-from .errors import FileMissing, InvalidPath, QuotaExceeded
+from .errors import FileMissing, InvalidPath
 from .models import FileEntry, Link, LinkInfo, ReconcileReport, RunBudget, Usage
 
-if TYPE_CHECKING:
-    from .store import Store
+__all__ = ["Session", "SessionFiles"]
 
 _MAX_NUMBERED = 10_000
 
@@ -3906,74 +5155,73 @@ class Session:
     """One chat's persistent folder. Get it from `await store.session(user_id, chat_id)`.
 
     `path` is the host folder to mount at /mnt/data. Run steps inside `async with session.lock():`
-    so quota check, run, reconcile and publish of one chat never interleave (across processes too).
+    so budget, run, sync and publish of one chat never interleave (across processes too).
     """
 
-    def __init__(self, store: Store, user_id: str, chat_id: str) -> None:
-        self._store = store
-        self.user_id = user_id
-        self.chat_id = chat_id
-        self.user_key = id_key(user_id)
-        self.chat_key = id_key(chat_id)
-        self.temporary = is_temporary(chat_id)
-        self.path: Path = store._layout.session_dir(self.user_key, self.chat_key)
-        self.files = SessionFiles(self)
+    def __init__(self, core: Core, ref: SessionRef) -> None:
+        self._core = core
+        self._ref = ref
+        self.files = SessionFiles(core, ref)
         self._unindexed_run = False  # begin_run() found the mark of an earlier run never indexed
 
-    @classmethod
-    def _at_keys(cls, store: Store, user_id: str, chat_id: str, user_key: str, chat_key: str) -> Session:
-        """A session whose folder is known by its keys (rebuild, CLI): the folder wins over the ids."""
-        session = cls(store, user_id, chat_id)
-        session.user_key, session.chat_key = user_key, chat_key
-        session.path = store._layout.session_dir(user_key, chat_key)
-        return session
+    @property
+    def user_id(self) -> str:
+        return self._ref.user_id
+
+    @property
+    def chat_id(self) -> str:
+        return self._ref.chat_id
+
+    @property
+    def user_key(self) -> str:
+        return self._ref.user_key
+
+    @property
+    def chat_key(self) -> str:
+        return self._ref.chat_key
+
+    @property
+    def temporary(self) -> bool:
+        return self._ref.temporary
+
+    @property
+    def path(self) -> Path:
+        return self._ref.path
 
     def __repr__(self) -> str:
         return f"Session(user_id={self.user_id!r}, chat_id={self.chat_id!r}, path={str(self.path)!r})"
 
     @contextlib.asynccontextmanager
-    async def lock(self, timeout: float | None = None) -> AsyncIterator[Session]:
-        """Exclusive cross-process lock on this chat. Waits without blocking the event loop; with a
-        timeout (seconds) raises StorageBusy when it expires. Re-creates the folder and index row if a
-        cleanup removed them while we waited."""
-        lock = FileLock(self._store._layout.lock_path(self.user_key, self.chat_key))
-        await lock.acquire(timeout)
+    async def lock(
+        self, timeout: float | None = None, *, waiting: Callable[[], Awaitable[None]] | None = None
+    ) -> AsyncIterator[Session]:
+        """Exclusive lock on this chat, across processes. Waits without blocking the event loop; with
+        a timeout (seconds) raises StorageBusy when it expires; `waiting` is awaited once first when
+        the lock is not free at once. Re-creates the folder and index row if a cleanup removed them
+        while we waited."""
+        lock = self._core.lock_of(self._ref)
+        if not await lock.try_acquire():
+            if waiting is not None:
+                await waiting()
+            await lock.acquire(timeout)
         try:
-            await self._store._ensure(self, touch=True)
+            await self._core.ensure(self._ref, touch=True)
             yield self
         finally:
-            lock.release()
+            await lock.release()
 
-    async def check_quota(self) -> RunBudget:
-        """Raise QuotaExceeded if the user (all chats) is at or over a limit; else what a run may add."""
-        store = self._store
-        quotas = store.quotas
-        await store._remember_settings()
-        usage = await store._usage_of(self.user_key)  # by key: a rebuilt session's ids may not hash to it
-        max_files = quotas.max_files_per_user or None
-        max_bytes = quotas.max_bytes_per_user or None
-        if max_files is not None and usage.files >= max_files:
-            raise QuotaExceeded(
-                f"You have reached the limit of {max_files} files across your chats (you have "
-                f"{usage.files}). Delete some files or old chats, then try again."
-            )
-        if max_bytes is not None and usage.bytes >= max_bytes:
-            raise QuotaExceeded(
-                f"You have reached your storage limit of {human_bytes(max_bytes)} across your chats "
-                f"(you use {human_bytes(usage.bytes)}). Delete some files or old chats, then try again."
-            )
-        limits = [n for n in (quotas.max_new_files_per_run or None, _left(max_files, usage.files)) if n]
-        max_write = _left(max_bytes, usage.bytes)
-        max_file = quotas.max_file_bytes or None
-        if max_write is not None:
-            max_file = max_write if max_file is None else min(max_file, max_write)
-        return RunBudget(min(limits) if limits else None, max_write, max_file)
+    async def run_budget(self) -> RunBudget:
+        """What a run may write while it runs (never a refusal: see Policy.run_budget)."""
+        core = self._core
+        await core.remember_settings()
+        usage = await core.read(lambda tx: _index.user_usage(tx, self.user_key))
+        return core.policy.run_budget(usage)
 
     async def begin_run(self) -> None:
         """Call under `lock()` just before something outside the store (a sandbox run) changes the
         folder. It leaves a mark that the next reconcile() removes: a process that dies in between
-        leaves it behind, and the next Store.open() reconciles the folder (crash recovery)."""
-        marker = self._store._layout.running_marker(self.user_key, self.chat_key)
+        leaves it behind, and the next Store.open() indexes the folder (crash recovery)."""
+        marker = self._core.layout.running_marker(self.user_key, self.chat_key)
 
         def mark() -> bool:
             for _ in range(2):
@@ -3986,87 +5234,55 @@ class Session:
                     marker.parent.mkdir(mode=0o700, exist_ok=True)
             return False
 
-        self._unindexed_run = await asyncio.to_thread(mark)
+        try:
+            self._unindexed_run = await asyncio.to_thread(mark)
+        except OSError:  # a full disk: the run may still free space; its sync lists the whole folder
+            self._unindexed_run = True
 
     async def reconcile(
         self, enforce_quotas: bool = True, changed: Collection[str] | None = None
     ) -> ReconcileReport:
-        """Bring the index in line with the folder (call it under `lock()`, after a run).
+        """Bring the index in line with the folder (call it under `lock()`, after a run), and remove
+        what the run added beyond the quota.
 
         `changed`: the relative paths the run created, changed, removed or renamed (e.g. the
         runner's `RunResult.changed`); only those, and folders' subtrees, are looked at, with the
         same rules, falling back to listing the whole folder when anything is unusual
         (`report.full` tells which ran). None: list the whole folder."""
+        core = self._core
         if enforce_quotas:
-            await self._store._remember_settings()
-        quotas = self._store.quotas
+            await core.remember_settings()
         if changed is not None and self._unindexed_run:
             changed = None  # an earlier run was never indexed: its changes are not among these
         if changed is not None:
-            report = await _partial.reconcile(self, changed, enforce_quotas=enforce_quotas, quotas=quotas)
+            report = await _sync_changed.sync_paths(core, self._ref, changed, enforce=enforce_quotas)
         else:
-            report = await _reconcile.reconcile(self, enforce_quotas=enforce_quotas, quotas=quotas)
-        marker = self._store._layout.running_marker(self.user_key, self.chat_key)
+            report = await _sync.sync_folder(core, self._ref, enforce=enforce_quotas)
+        marker = core.layout.running_marker(self.user_key, self.chat_key)
         await asyncio.to_thread(_unlink_missing_ok, marker)
         self._unindexed_run = False
         return report
 
     async def usage(self) -> Usage:
-        """This chat's files and bytes, as last reconciled."""
+        """This chat's files and bytes, as last indexed."""
+        return await self._core.read(lambda tx: _index.session_usage(tx, self.user_key, self.chat_key))
 
-        async def read(tx: Tx) -> Usage:
-            row = await session_by_keys(tx, self.user_key, self.chat_key)
-            return Usage(0, 0) if row is None else Usage(row.file_count, row.bytes)
-
-        return await self._store._db.read(read)
+    async def user_usage(self) -> Usage:
+        """What counts toward this user's quota across all chats (published copies included)."""
+        return await self._core.read(lambda tx: _index.user_usage(tx, self.user_key))
 
     async def publish(self, path: str) -> Link:
-        """Publish a copy of a file under an unguessable URL (reused while the file is unchanged)."""
-        from ._publish import publish
-
-        return await publish(self, path)
-
-    async def download_url(self, path: str) -> str:
-        return (await self.publish(path)).url
+        """Publish a copy of a file (reused while its bytes are the same); see storage.publishing."""
+        return await _publish.publish(self._core, self._ref, path)
 
     async def links(self) -> list[LinkInfo]:
         """This chat's published links, oldest first."""
-        return await self._store._links(self.user_key, self.chat_key)
-
-    # ---------------------------------------------------------------- helpers for SessionFiles
-
-    @contextlib.contextmanager
-    def _root(self, *, create: bool = False) -> Iterator[int]:
-        if create and not self.path.is_dir():
-            self._store._make_dirs(self)
-        try:
-            fd = open_dir(self.path)
-        except FileMissing:
-            raise FileMissing("this chat has no files yet (its folder does not exist)") from None
-        with fd_closing(fd):
-            yield fd
-
-    async def _session_id(self, tx: Tx, created_at: float, used_at: float | None = None) -> int:
-        """This session's row id, creating the row (created at ``created_at``) if it is missing."""
-        return await ensure_session(
-            tx,
-            user_id=self.user_id,
-            chat_id=self.chat_id,
-            user_key=self.user_key,
-            chat_key=self.chat_key,
-            temporary=self.temporary,
-            created_at=created_at,
-            used_at=used_at,
-        )
+        return await self._core.read(lambda tx: _index.link_listing(tx, self.user_key, self.chat_key))
 
 
 def _unlink_missing_ok(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-
-
-def _left(limit: int | None, used: int) -> int | None:
-    return None if limit is None else max(0, limit - used)
 
 
 class SessionFiles:
@@ -4076,29 +5292,21 @@ class SessionFiles:
     refused. No operation follows a symbolic link anywhere in a path.
     """
 
-    def __init__(self, session: Session) -> None:
-        self._session = session
+    def __init__(self, core: Core, ref: SessionRef) -> None:
+        self._core = core
+        self._ref = ref
 
     async def list(self) -> list[FileEntry]:
-        """Every indexed file, sorted by path (the index as of the last reconcile or file operation)."""
-        s = self._session
-
-        async def read(tx: Tx) -> list[FileEntry]:
-            rows = await tx.all(
-                "SELECT f.path, f.size, f.mtime_ns, f.first_seen, f.last_changed FROM files f"
-                " JOIN sessions s ON s.id = f.session_id WHERE s.user_key = ? AND s.chat_key = ?"
-                " ORDER BY f.path",
-                (s.user_key, s.chat_key),
-            )
-            return [FileEntry(p, size, ns / 1e9, first, last) for p, size, ns, first, last in rows]
-
-        return await s._store._db.read(read)
+        """Every indexed file, sorted by path (the index as of the last sync or file operation)."""
+        return await self._core.read(
+            lambda tx: _index.file_entries(tx, self._ref.user_key, self._ref.chat_key)
+        )
 
     async def read(self, path: str) -> bytes:
         parts = split_path(path)
 
         def work() -> bytes:
-            with self._session._root() as root, fd_closing(open_regular(root, parts)) as fd:
+            with self._root() as root, fd_closing(open_regular(root, parts)) as fd:
                 return read_all(fd)
 
         return await asyncio.to_thread(work)
@@ -4109,7 +5317,7 @@ class SessionFiles:
 
         def work() -> bool:
             try:
-                with self._session._root() as root, fd_closing(walk_dirs(root, parts[:-1])) as parent:
+                with self._root() as root, fd_closing(walk_dirs(root, parts[:-1])) as parent:
                     st = lstat_at(parent, parts[-1])
             except (FileMissing, InvalidPath):
                 return False
@@ -4120,56 +5328,47 @@ class SessionFiles:
     async def write(self, path: str, data: bytes, *, enforce_quotas: bool = True) -> None:
         """Atomically create or replace a file (parent folders are created).
 
-        Raises QuotaExceeded if the file is larger than max_file_bytes or would take the user over a
-        limit (unless enforce_quotas=False)."""
+        Raises QuotaExceeded if the file is larger than the per-file limit or would take the user
+        over a limit (unless enforce_quotas=False)."""
         parts = split_path(path)
         data = bytes(data)
         rel = "/".join(parts)
         if enforce_quotas:
-            await self._check_room(len(data), replacing=rel)
-        s = self._session
-        owner = s._store.owner
+            await self._refuse(len(data), replacing=rel)
+        owner = self._core.owner
 
         def work() -> os.stat_result:
-            with s._root(create=True) as root:
+            with self._root(create=True) as root:
                 parent = walk_dirs(root, parts[:-1], create=True, owner=owner)
                 with fd_closing(parent):
                     return atomic_write(parent, parts[-1], data, owner, rel)
 
         st = await asyncio.to_thread(work)
-        await self._index_upsert(rel, st)
+        await self._index_new(rel, st, source=None, recheck=False)
 
     async def imported(self, source: str) -> str | None:
-        """The path `write_new(..., source=source)` saved, or None if that source was never imported.
+        """The path `write_new(..., source=source)` saved, "" if `refuse_import(source)` was called,
+        or None if that source was never imported.
 
         The path may since have been renamed or deleted by the chat's code; the import still counts."""
-        s = self._session
-
-        async def read(tx: Tx) -> str | None:
-            row = await tx.one(
-                "SELECT i.path FROM imports i JOIN sessions s ON s.id = i.session_id "
-                "WHERE s.user_key = ? AND s.chat_key = ? AND i.source = ?",
-                (s.user_key, s.chat_key, source),
-            )
-            return None if row is None else row[0]
-
-        return await s._store._db.read(read)
+        ref = self._ref
+        return await self._core.read(lambda tx: _index.imported_path(tx, ref.user_key, ref.chat_key, source))
 
     async def write_new(self, name: str, data: bytes, *, source: str | None = None) -> str:
         """Save an uploaded file at the top of the folder under a safe, unused name and return it.
 
-        `a.csv` taken -> `a (2).csv`; never overwrites. Enforces max_file_bytes and the user quota.
-        With `source` (an id of where the bytes came from), a second call for the same source saves
-        nothing and returns the first path: see `imported`."""
+        `a.csv` taken -> `a (2).csv`; never overwrites. Enforces the per-file limit and the user
+        quota (checked again when the file is indexed: two uploads at once cannot both take the last
+        room). With `source` (an id of where the bytes came from), a second call for the same source
+        saves nothing and returns the first path: see `imported`."""
         if source is not None:
             earlier = await self.imported(source)
             if earlier is not None:
                 return earlier
         safe = attachment_name(name)
         data = bytes(data)
-        await self._check_room(len(data), replacing=None)
-        s = self._session
-        owner = s._store.owner
+        await self._refuse(len(data), replacing=None)
+        owner = self._core.owner
 
         def names() -> Iterator[str]:
             yield safe
@@ -4177,23 +5376,68 @@ class SessionFiles:
                 yield numbered(safe, n)
 
         def work() -> tuple[str, os.stat_result]:
-            with s._root(create=True) as root:
+            with self._root(create=True) as root:
                 return write_unique(root, names(), data, owner)
 
         used, st = await asyncio.to_thread(work)
-        await self._index_upsert(used, st, source=source)
+        try:
+            await self._index_new(used, st, source=source, recheck=True)
+        except BaseException:
+            await asyncio.shield(asyncio.to_thread(self._unlink_quietly, (used,)))
+            raise
         return used
+
+    async def refuse_import(self, source: str) -> None:
+        """Remember that this source could not be taken (too large, over quota, unreadable), so that
+        it is not tried, and its refusal not said, again."""
+        core, ref = self._core, self._ref
+        now = time.time()
+
+        async def write(tx: Tx) -> None:
+            sid = await core.session_id(tx, ref, now)
+            await _index.record_import(tx, sid, source, "", now)
+
+        await core.write(write)
 
     async def remove(self, path: str) -> None:
         """Delete a file (a symlink at that path is removed, not followed). Folders are refused."""
         parts = split_path(path)
 
         def work() -> None:
-            with self._session._root() as root:
+            with self._root() as root:
                 unlink_file(root, parts)
 
         await asyncio.to_thread(work)
-        await self._index_delete(["/".join(parts)])
+        rel = "/".join(parts)
+        await self._core.write(lambda tx: self._forget(tx, [rel]))
+
+    async def clear(self) -> Usage:
+        """Delete everything in the folder, and the published copies of this chat's files (links in
+        its earlier answers stop working): the user's "clear this chat's files". Returns what went.
+        Call it under the session's lock."""
+        core, ref = self._core, self._ref
+        before = await core.read(lambda tx: _index.session_usage(tx, ref.user_key, ref.chat_key))
+
+        def work() -> None:
+            with self._root() as root, os.scandir(root) as entries:
+                names = [entry.name for entry in entries]
+                for name in names:
+                    remove_tree_at(root, name)
+
+        with contextlib.suppress(FileMissing):
+            await asyncio.to_thread(work)
+        await _sync.sync_folder(core, ref, enforce=False)
+
+        async def drop_links(tx: Tx) -> list[tuple[str, str, str]]:
+            row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
+            if row is None:
+                return []
+            links = await _index.links_of_session(tx, row.id)
+            await _index.delete_links(tx, [r for r, _, _ in links])
+            return links
+
+        await _publish.remove_copies(core, await core.write(drop_links))
+        return before
 
     async def rename(self, src: str, dst: str, *, overwrite: bool = False) -> None:
         """Move a regular file (parent folders of dst are created). Raises FileExists if dst exists,
@@ -4201,11 +5445,10 @@ class SessionFiles:
         src_parts, dst_parts = split_path(src), split_path(dst)
         if src_parts == dst_parts:
             return
-        s = self._session
-        owner = s._store.owner
+        owner = self._core.owner
 
         def work() -> os.stat_result:
-            with s._root() as root:
+            with self._root() as root:
                 st, _old = rename_file(root, src_parts, dst_parts, overwrite=overwrite, owner=owner)
                 return st
 
@@ -4214,143 +5457,110 @@ class SessionFiles:
         now = time.time()
 
         async def write(tx: Tx) -> None:
-            sid = await s._session_id(tx, now)
-            row = await tx.one(
-                "SELECT first_seen, last_changed FROM files WHERE session_id = ? AND path = ?", (sid, src_rel)
-            )
-            first, last = row if row else (now, now)
-            await tx.run("DELETE FROM files WHERE session_id = ? AND path IN (?, ?)", (sid, src_rel, dst_rel))
-            await tx.run(
-                "INSERT INTO files (session_id, path, size, mtime_ns, first_seen, last_changed)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (sid, dst_rel, st.st_size, st.st_mtime_ns, first, last),
-            )
+            sid = await self._core.session_id(tx, self._ref, now)
+            await _index.move_file(tx, sid, src_rel, dst_rel, st.st_size, st.st_mtime_ns, now)
 
-        await s._store._db.write(write)
+        await self._core.write(write)
 
     # ---------------------------------------------------------------- internals
 
-    async def _check_room(self, size: int, *, replacing: str | None) -> None:
-        s = self._session
-        quotas = s._store.quotas
-        max_file = quotas.max_file_bytes or None
-        if max_file is not None and size > max_file:
-            raise QuotaExceeded(
-                f"The file is {human_bytes(size)}, larger than the {human_bytes(max_file)} per-file limit."
-            )
-        max_files = quotas.max_files_per_user or None
-        max_bytes = quotas.max_bytes_per_user or None
-        if max_files is None and max_bytes is None:
-            return
+    @contextlib.contextmanager
+    def _root(self, *, create: bool = False) -> Iterator[int]:
+        if create and not self._ref.path.is_dir():
+            self._core.make_dirs(self._ref)
+        try:
+            fd = open_dir(self._ref.path)
+        except FileMissing:
+            raise FileMissing("this chat has no files yet (its folder does not exist)") from None
+        with fd_closing(fd):
+            yield fd
 
-        async def read(tx: Tx) -> tuple[int, int, int | None]:
-            _, files, used = await user_totals(tx, s.user_key)
+    async def _refuse(self, size: int, *, replacing: str | None) -> None:
+        ref = self._ref
+
+        async def read(tx: Tx) -> tuple[Usage, int | None]:
+            usage = await _index.user_usage(tx, ref.user_key)
             old = None
             if replacing is not None:
-                row = await tx.one(
-                    "SELECT f.size FROM files f JOIN sessions x ON x.id = f.session_id"
-                    " WHERE x.user_key = ? AND x.chat_key = ? AND f.path = ?",
-                    (s.user_key, s.chat_key, replacing),
-                )
-                old = None if row is None else int(row[0])
-            return files, used, old
+                row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
+                old = None if row is None else await _index.file_size(tx, row.id, replacing)
+            return usage, old
 
-        files, used, old = await s._store._db.read(read)
-        new_files = files + (0 if old is not None else 1)
-        new_bytes = used - (old or 0) + size
-        if max_files is not None and new_files > max_files:
-            raise QuotaExceeded(
-                f"You have reached the limit of {max_files} files across your chats. "
-                "Delete some files or old chats, then try again."
-            )
-        if max_bytes is not None and new_bytes > max_bytes:
-            raise QuotaExceeded(
-                f"Saving this {human_bytes(size)} file would exceed your storage limit of "
-                f"{human_bytes(max_bytes)} across your chats (you use {human_bytes(used)}). "
-                "Delete some files or old chats, then try again."
-            )
+        usage, old = await self._core.read(read)
+        self._core.policy.refuse_write(usage, size, replacing=old)
 
-    async def _index_upsert(self, rel: str, st: os.stat_result, *, source: str | None = None) -> None:
-        s = self._session
+    async def _index_new(self, rel: str, st: os.stat_result, *, source: str | None, recheck: bool) -> None:
+        core, ref = self._core, self._ref
         now = time.time()
 
         async def write(tx: Tx) -> None:
-            sid = await s._session_id(tx, now)
-            await tx.run(_reconcile._UPSERT, (sid, rel, st.st_size, st.st_mtime_ns, now, now))
+            if recheck:
+                await tx.serialise_user(ref.user_key)
+                core.policy.refuse_write(
+                    await _index.user_usage(tx, ref.user_key), st.st_size, replacing=None
+                )
+            sid = await core.session_id(tx, ref, now)
+            await _index.upsert_files(tx, sid, [(rel, st.st_size, st.st_mtime_ns, now)])
             if source is not None:
-                await tx.run(
-                    "INSERT OR IGNORE INTO imports (session_id, source, path, imported_at) "
-                    "VALUES (?, ?, ?, ?)",
-                    (sid, source, rel, now),
-                )
+                await _index.record_import(tx, sid, source, rel, now)
 
-        await s._store._db.write(write)
+        await core.write(write)
 
-    async def _index_delete(self, paths: list[str]) -> None:
-        s = self._session
-        now = time.time()
+    async def _forget(self, tx: Tx, paths: list[str]) -> None:
+        sid = await self._core.session_id(tx, self._ref, time.time())
+        await _index.delete_files(tx, sid, paths)
 
-        async def write(tx: Tx) -> None:
-            sid = await s._session_id(tx, now)
-            await tx.many(_reconcile._DELETE, [(sid, p) for p in paths])
-
-        await s._store._db.write(write)
+    def _unlink_quietly(self, paths: Collection[str]) -> None:
+        with contextlib.suppress(FileMissing, InvalidPath, OSError), self._root() as root:
+            for path in paths:
+                with contextlib.suppress(FileMissing, InvalidPath, OSError):
+                    unlink_file(root, tuple(path.split("/")))
 ''',
-    'storage/store.py': r'''"""The Store: a root folder of chat sessions plus the SQLite index that tracks them."""
+    'storage/store.py': r'''"""The Store: a root folder of chat sessions, plus the index that tracks them (a thin face)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from types import TracebackType
 
-from ._db import Database, Tx
+from . import _expiry, _index, _repair
+from ._backend import Backend, Lock, Tx
+from ._core import Core, Owner
 from ._fsops import make_dir
-from ._index import (
-    all_sessions,
-    get_meta,
-    log_activity,
-    session_by_keys,
-    set_meta,
-    user_totals,
-)
 from ._keys import id_key
-from ._layout import Layout, write_sidecar
-from ._lock import FileLock
-from .errors import StorageError
+from ._sqlite import SQLiteBackend
 from .models import (
     ActivityEntry,
     CleanupReport,
     Drift,
     Expiry,
     LinkInfo,
-    Publisher,
     Purge,
     Quotas,
     RebuildReport,
     SessionInfo,
-    Usage,
     UserUsage,
 )
+from .policy import Policy
+from .publishing import DirectoryPublisher, Publisher
 from .session import Session
 
 log = logging.getLogger("code_sessions.storage")
-
-Owner = tuple[int, int] | None
 
 
 class Store:
     """Chat sessions under `root`, with quotas, expiry and publishing.
 
-    `quotas` and `expiry` are plain attributes: replace them at any time (e.g. when an admin changes
-    settings); each operation reads the current value. `owner=(uid, gid)`: when running as root, every
-    folder and file the store creates inside session folders is given to that user (the sandbox's).
-    `busy_timeout_s`: how long an operation waits for a busy index before raising StorageBusy.
+    `policy` (or its parts `quotas` and `expiry`) may be replaced at any time (e.g. when an admin
+    changes settings); each operation reads the current value. `owner=(uid, gid)`: when running as
+    root, every folder and file the store creates inside session folders is given to that user (the
+    sandbox's). `busy_timeout_s`: how long an operation waits for a busy index before StorageBusy.
+    `backend`: the database (default: an SQLite file under root). `record_settings=False` (the CLI):
+    never write the policy in use into the index.
     """
 
     def __init__(
@@ -4362,46 +5572,88 @@ class Store:
         publisher: Publisher | None = None,
         owner: Owner = None,
         busy_timeout_s: float = 60.0,
+        backend: Backend | None = None,
+        record_settings: bool = True,
     ) -> None:
         self.root = Path(root).absolute()
-        self.quotas = quotas if quotas is not None else Quotas()
-        self.expiry = expiry if expiry is not None else Expiry()
-        self.publisher = publisher
-        self.owner = owner
-        self._layout = Layout(self.root)
-        self._db = Database(self._layout.db_path, busy_total_s=busy_timeout_s)
+        policy = Policy(quotas or Quotas(), expiry or Expiry())
+        self._core = Core(
+            self.root,
+            backend
+            or SQLiteBackend(self.root / "index.sqlite3", self.root / "state", busy_total_s=busy_timeout_s),
+            policy=policy,
+            publisher=publisher,
+            owner=owner,
+            record_settings=record_settings,
+        )
+        self._core.rebuild = self.rebuild
         self._opened = False
-        self._remembered: dict[str, str] = {}
-        # The CLI turns this off: it applies the recorded settings and must not overwrite them.
-        self._record_settings = True
+
+    # ------------------------------------------------------------------ settings
+
+    @property
+    def policy(self) -> Policy:
+        return self._core.policy
+
+    @policy.setter
+    def policy(self, value: Policy) -> None:
+        self._core.policy = value
+
+    @property
+    def quotas(self) -> Quotas:
+        return self._core.policy.quotas
+
+    @quotas.setter
+    def quotas(self, value: Quotas) -> None:
+        self._core.policy = Policy(value, self._core.policy.expiry)
+
+    @property
+    def expiry(self) -> Expiry:
+        return self._core.policy.expiry
+
+    @expiry.setter
+    def expiry(self, value: Expiry) -> None:
+        self._core.policy = Policy(self._core.policy.quotas, value)
+
+    @property
+    def publisher(self) -> Publisher | None:
+        return self._core.publisher
+
+    @property
+    def owner(self) -> Owner:
+        return self._core.owner
+
+    @property
+    def backend(self) -> Backend:
+        return self._core.backend
 
     # ------------------------------------------------------------------ lifecycle
 
     async def open(self) -> None:
         if self._opened:
             return
+        core = self._core
         await asyncio.to_thread(self._make_root)
-        opened = await self._db.open()
+        opened = await core.backend.open()
         self._opened = True
         try:
-            if self.publisher is not None:
-                from ._publish import remember_publisher
-
-                await remember_publisher(self._db, self.publisher)
-            if opened.fresh and await asyncio.to_thread(self._layout.session_keys_on_disk):
-                log.warning("the index %s is new but session folders exist: rebuilding it", self._db.path)
+            await self._remember_publisher()
+            if opened.fresh and await asyncio.to_thread(core.layout.session_keys_on_disk):
+                log.warning(
+                    "the index %s is new but session folders exist: rebuilding it", core.backend.where
+                )
                 report = await self.rebuild()
                 log.warning("index rebuilt: %s", report.summary())
             if opened.moved_aside is not None:
-                await self._log("corrupt_index", detail={"moved_to": str(opened.moved_aside)})
-            await self._recover_interrupted_runs()
+                await core.log("corrupt_index", detail={"moved_to": opened.moved_aside})
+            await _repair.recover_interrupted_runs(core)
         except BaseException:
             await self.close()
             raise
 
     async def close(self) -> None:
         self._opened = False
-        await self._db.close()
+        await self._core.backend.close()
 
     async def __aenter__(self) -> Store:
         await self.open()
@@ -4413,160 +5665,87 @@ class Store:
         await self.close()
 
     def _make_root(self) -> None:
+        layout = self._core.layout
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for path in (self._layout.sessions, self._layout.state, self._layout.trash, self._layout.running):
+        for path in (layout.sessions, layout.state, layout.trash, layout.running, layout.links):
             make_dir(path)
 
-    async def _recover_interrupted_runs(self) -> None:
-        """Index the folders of runs whose process ended before their reconcile (a crash, a kill):
-        their files would otherwise stay out of the index, the quotas and expiry until the chat's next
-        run. A run still going on in another process holds its lock and is left alone."""
-        for user_key, chat_key in await asyncio.to_thread(self._layout.running_markers):
-            lock = FileLock(self._layout.lock_path(user_key, chat_key))
-            if not lock.try_acquire():
-                continue
-            try:
-                row = await self._db.read(lambda tx, u=user_key, c=chat_key: session_by_keys(tx, u, c))
-                if row is None or not self._layout.session_dir(user_key, chat_key).is_dir():
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self._layout.running_marker(user_key, chat_key))
-                    continue
-                session = Session._at_keys(self, row.user_id, row.chat_id, user_key, chat_key)
-                # Like rebuild, recovery never deletes files: the totals count them, so a user over a
-                # limit is refused at the next run (and this needs no quota settings, which the CLI
-                # only loads after opening).
-                report = await session.reconcile(enforce_quotas=False)
-            finally:
-                lock.release()
-            log.warning(
-                "a run in chat %r of user %r ended with its process before its files were indexed; "
-                "indexed them now: %s",
-                row.chat_id,
-                row.user_id,
-                report.summary(),
-            )
-            await self._log("interrupted_run", row.user_id, row.chat_id, {"summary": report.summary()})
+    async def _remember_publisher(self) -> None:
+        """Record where folder copies go, so the CLI can clean them without the application."""
+        publisher = self._core.publisher
+        if not isinstance(publisher, DirectoryPublisher) or not self._core.record_settings:
+            return
+        directory, prefix = str(publisher.directory), publisher.url_prefix
+
+        async def write(tx: Tx) -> None:
+            await _index.set_meta(tx, "publish_dir", directory)
+            await _index.set_meta(tx, "url_prefix", prefix)
+
+        await self._core.write(write)
+
+    async def recorded_settings(self) -> tuple[Policy | None, DirectoryPublisher | None]:
+        """The policy and folder publisher the application last recorded (for the CLI)."""
+
+        async def read(tx: Tx) -> dict[str, str | None]:
+            keys = ("quotas", "expiry", "publish_dir", "url_prefix")
+            return {k: await _index.get_meta(tx, k) for k in keys}
+
+        meta = await self._core.read(read)
+        policy = None
+        try:
+            if meta["quotas"] and meta["expiry"]:
+                policy = Policy(Quotas(**json.loads(meta["quotas"])), Expiry(**json.loads(meta["expiry"])))
+        except (TypeError, ValueError):
+            policy = None
+        publisher = None
+        if meta["publish_dir"] and meta["url_prefix"]:
+            publisher = DirectoryPublisher(meta["publish_dir"], meta["url_prefix"])
+        return policy, publisher
+
+    def use_publisher(self, publisher: Publisher | None) -> None:
+        """Publish through another publisher from now on (links made earlier keep their own)."""
+        self._core.publisher = publisher
 
     # ------------------------------------------------------------------ sessions
 
     async def session(self, user_id: str, chat_id: str) -> Session:
         """The session of (user_id, chat_id): creates its folder and index row if needed and marks it
         used now. Ids are untrusted strings; any value maps to a safe folder name."""
-        if not isinstance(user_id, str) or not isinstance(chat_id, str):
-            raise StorageError("user_id and chat_id must be str")
-        session = Session(self, user_id, chat_id)
-        await self._ensure(session, touch=True)
-        return session
+        ref = self._core.ref(user_id, chat_id)
+        await self._core.ensure(ref, touch=True)
+        return Session(self._core, ref)
 
-    async def _ensure(self, session: Session, *, touch: bool) -> None:
-        created = await asyncio.to_thread(self._make_dirs, session)
-        now = time.time()
-        await self._db.write(lambda tx: session._session_id(tx, created, now if touch else None))
+    def session_at(self, info: SessionInfo) -> Session:
+        """The Session of a listed session row (by its folder keys), without touching it."""
+        return Session(
+            self._core, self._core.ref_at(info.user_id, info.chat_id, info.user_key, info.chat_key)
+        )
 
-    def _make_dirs(self, session: Session) -> float:
-        """Create the session folder, its state folder and sidecar; returns the creation time."""
-        layout = self._layout
-        now = time.time()
-        for attempt in range(5):
-            try:
-                make_dir(layout.sessions / session.user_key)
-                if not make_dir(session.path, self.owner) and self.owner is not None:
-                    _chown_existing(session.path, self.owner)
-                make_dir(layout.state / session.user_key)
-                sidecar = layout.sidecar_path(session.user_key, session.chat_key)
-                if not sidecar.exists():
-                    write_sidecar(sidecar, session.user_id, session.chat_id, now)
-                return now
-            except FileNotFoundError:
-                # A cleanup removed an empty parent folder between two of our steps: go again.
-                if attempt == 4:
-                    raise
-        return now
-
-    def _session_for(self, info: SessionInfo) -> Session:
-        """A Session object for an existing row, without touching it (CLI, maintenance)."""
-        return Session._at_keys(self, info.user_id, info.chat_id, info.user_key, info.chat_key)
-
-    async def user_usage(self, user_id: str) -> Usage:
-        """Files and bytes of a user across all chats, as last reconciled (one indexed SUM)."""
-        return await self._usage_of(id_key(user_id))
-
-    async def _usage_of(self, key: str) -> Usage:
-        async def read(tx: Tx) -> Usage:
-            _, files, size = await user_totals(tx, key)
-            return Usage(files, size)
-
-        return await self._db.read(read)
+    def lock(self, name: str) -> Lock:
+        """A named lock shared by every process of this store (e.g. one background cleanup at a time)."""
+        return self._core.backend.named_lock(name)
 
     async def users_usage(self) -> list[UserUsage]:
-        async def read(tx: Tx) -> list[UserUsage]:
-            rows = await tx.all(
-                "SELECT user_id, count(*), coalesce(sum(file_count), 0), coalesce(sum(bytes), 0)"
-                " FROM sessions GROUP BY user_key ORDER BY user_id"
-            )
-            return [UserUsage(*r) for r in rows]
-
-        return await self._db.read(read)
+        return await self._core.read(_index.users_usage)
 
     async def sessions(self, user_id: str | None = None) -> list[SessionInfo]:
-        async def read(tx: Tx) -> list[SessionInfo]:
-            if user_id is None:
-                rows = await all_sessions(tx)
-            else:
-                rows = await all_sessions(tx, "WHERE user_key = ?", (id_key(user_id),))
-            return [
-                SessionInfo(
-                    r.user_id,
-                    r.chat_id,
-                    r.user_key,
-                    r.chat_key,
-                    r.temporary,
-                    r.created_at,
-                    r.last_used_at,
-                    r.file_count,
-                    r.bytes,
-                )
-                for r in rows
-            ]
+        key = None if user_id is None else id_key(user_id)
+        rows = await self._core.read(lambda tx: _index.all_sessions(tx, key))
+        return [r.info() for r in rows]
 
-        return await self._db.read(read)
+    async def chats(self) -> list[tuple[str, str, float, bool]]:
+        """(user_id, chat_id, created_at, temporary) of every session: cheap, for bulk checks."""
+        rows = await self._core.read(_index.session_ids)
+        return [(u, c, created, temporary) for u, c, _, created, temporary in rows]
 
     async def links(self, *, user_id: str | None = None, chat_id: str | None = None) -> list[LinkInfo]:
-        return await self._links(
-            id_key(user_id) if user_id is not None else None, id_key(chat_id) if chat_id is not None else None
-        )
-
-    async def _links(self, user_key: str | None, chat_key: str | None) -> list[LinkInfo]:
-        where, params = [], []
-        if user_key is not None:
-            where.append("s.user_key = ?")
-            params.append(user_key)
-        if chat_key is not None:
-            where.append("s.chat_key = ?")
-            params.append(chat_key)
-        sql = (
-            "SELECT l.token, s.user_id, s.chat_id, l.path, l.name, l.url, l.size, l.created_at, l.expires_at"
-            " FROM links l LEFT JOIN sessions s ON s.id = l.session_id"
-            + (" WHERE " + " AND ".join(where) if where else "")
-            + " ORDER BY l.created_at"
-        )
-
-        async def read(tx: Tx) -> list[LinkInfo]:
-            return [LinkInfo(*r) for r in await tx.all(sql, params)]
-
-        return await self._db.read(read)
+        user_key = id_key(user_id) if user_id is not None else None
+        chat_key = id_key(chat_id) if chat_id is not None else None
+        return await self._core.read(lambda tx: _index.link_listing(tx, user_key, chat_key))
 
     async def activity(self, limit: int = 50) -> list[ActivityEntry]:
         """The newest audit-trail entries (cleanups, quota removals, rejected entries, rebuilds)."""
-
-        async def read(tx: Tx) -> list[ActivityEntry]:
-            rows = await tx.all(
-                "SELECT at, event, user_id, chat_id, detail FROM activity ORDER BY at DESC, id DESC LIMIT ?",
-                (limit,),
-            )
-            return [ActivityEntry(at, ev, u, c, _json(detail)) for at, ev, u, c, detail in rows]
-
-        return await self._db.read(read)
+        return await self._core.read(lambda tx: _index.newest_activity(tx, limit))
 
     # ------------------------------------------------------------------ maintenance
 
@@ -4575,77 +5754,44 @@ class Store:
 
         Sessions whose lock is held (a run in progress) are skipped and counted as in use. dry_run
         reports what would go and changes nothing."""
-        from ._cleanup import cleanup
-
         if purge is None and not dry_run:
-            await self._remember_settings()
-        return await cleanup(self, purge, dry_run=dry_run)
+            await self._core.remember_settings()
+        return await _expiry.cleanup(self._core, purge, dry_run=dry_run)
+
+    async def delete_chats(self, chats: list[tuple[str, str]], reason: str) -> CleanupReport:
+        """Delete the sessions of these (user_id, chat_id) pairs now, in one pass (chats deleted in
+        the web UI). A session in use is skipped and counted; call again later for those."""
+        keys = [(id_key(u), id_key(c)) for u, c in chats]
+        return await _expiry.delete_sessions(self._core, keys, reason)
+
+    async def mark_missing(self, missing: list[tuple[str, str]], *, after_s: float) -> list[tuple[str, str]]:
+        """Of these (user_id, chat_id) sessions, whose chat the web UI no longer has, those that were
+        already missing at an earlier look at least `after_s` ago and were not used since: they can
+        go. The others are marked now; sessions marked earlier and not in `missing` are unmarked (their
+        chat is back, or the earlier answer was wrong). Two looks a while apart must agree, so a chat
+        being created (or a database that answered wrongly once) never loses its folder."""
+        now = time.time()
+        wanted = {(id_key(u), id_key(c)): (u, c) for u, c in missing}
+
+        async def write(tx: Tx) -> list[tuple[str, str]]:
+            marked = {(u, c): (since, used) for u, c, since, used in await _index.sessions_missing(tx)}
+            await _index.set_missing_since(tx, [k for k in marked if k not in wanted], None)
+            await _index.set_missing_since(tx, [k for k in wanted if k not in marked], now)
+            return [
+                wanted[k]
+                for k, (since, used) in marked.items()
+                if k in wanted and since <= now - after_s and used <= now - after_s
+            ]
+
+        return await self._core.write(write)
 
     async def rebuild(self) -> RebuildReport:
         """Rebuild the index from the session folders (ids from the sidecars); never enforces quotas."""
-        from ._rebuild import rebuild
-
-        return await rebuild(self)
+        return await _repair.rebuild(self._core)
 
     async def check(self) -> list[Drift]:
         """Differences between the index and the disk; changes nothing. Sessions in use are skipped."""
-        from ._rebuild import check
-
-        return await check(self)
-
-    # ------------------------------------------------------------------ internals
-
-    async def _log(
-        self, event: str, user_id: str | None = None, chat_id: str | None = None, detail: dict | None = None
-    ) -> None:
-        now = time.time()
-
-        async def write(tx: Tx) -> None:
-            await log_activity(tx, now, event, user_id, chat_id, detail)
-
-        await self._db.write(write)
-
-    async def _remember_settings(self) -> None:
-        """Store the quotas and expiry in use, so the CLI can show and apply the same ones."""
-        if not self._record_settings:
-            return
-        values = {
-            "quotas": json.dumps(self.quotas.to_dict(), sort_keys=True),
-            "expiry": json.dumps(self.expiry.to_dict(), sort_keys=True),
-        }
-        if values == self._remembered:
-            return
-
-        async def write(tx: Tx) -> None:
-            for key, value in values.items():
-                if await get_meta(tx, key) != value:
-                    await set_meta(tx, key, value)
-
-        await self._db.write(write)
-        self._remembered = values
-
-    async def _meta(self, key: str) -> str | None:
-        async def read(tx: Tx) -> str | None:
-            return await get_meta(tx, key)
-
-        return await self._db.read(read)
-
-
-def _chown_existing(path: Path, owner: tuple[int, int]) -> None:
-    if os.geteuid() != 0:
-        return
-    st = os.stat(path, follow_symlinks=False)
-    if (st.st_uid, st.st_gid) != owner:
-        with contextlib.suppress(OSError):
-            os.chown(path, owner[0], owner[1], follow_symlinks=False)
-
-
-def _json(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return {"raw": text}
-    return value if isinstance(value, dict) else {"value": value}
+        return await _repair.check(self._core)
 ''',
     'runner/__init__.py': r'''"""runner: run one piece of untrusted Python or bash in a fresh gVisor (runsc) sandbox.
 
@@ -6830,7 +7976,6 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from . import _bundle, _cgroups, _orphans
 from ._changes import ChangeWatch
@@ -6840,9 +7985,6 @@ from ._supervise import Supervision
 from .capabilities import RunscInfo, detect_runsc
 from .errors import RunnerError, RunscNotFound, WorkdirError
 from .models import Limits, RunnerConfig, RunResult
-
-if TYPE_CHECKING:
-    from .doctor import DoctorReport
 
 DEFAULT_STATE_DIR = Path("/run/code-sessions-runsc")
 DEFAULT_BUNDLE_DIR = Path("/run/code-sessions-runner")
@@ -7091,11 +8233,6 @@ class Runner:
                 )
             self._known_issues = tuple(issues)
         return self._known_issues
-
-    async def doctor(self) -> DoctorReport:
-        from .doctor import doctor
-
-        return await doctor(self.config)
 ''',
     'engine/__init__.py': r'''"""A chat step without Open WebUI: sandbox runs over a persistent session, links, the conversation loop."""
 
@@ -7103,7 +8240,16 @@ from .blocks import CodeBlock, runnable_blocks
 from .loop import RUN_CODE_TOOL, LoopOptions, ModelCall, StatusCall, converse, render_step
 from .prompt import PromptFacts, system_prompt
 from .purge import parse_purge
-from .rewrite import References, StreamingRewriter, Target, code_span, find_paths, mention, rewrite
+from .rewrite import (
+    References,
+    StreamingRewriter,
+    Target,
+    code_span,
+    escape_text,
+    find_paths,
+    mention,
+    rewrite,
+)
 from .service import ChatSession, CodeSessions, StepResult
 from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
 
@@ -7125,6 +8271,7 @@ __all__ = [
     "ToolCall",
     "code_span",
     "converse",
+    "escape_text",
     "events_from_message",
     "events_from_sse",
     "find_paths",
@@ -7299,8 +8446,11 @@ def _arguments(call: ToolCall) -> tuple[str, str] | str:
 
 
 async def _run(chat: ChatSession, language: str, code: str, status: StatusCall) -> StepResult:
+    async def waiting() -> None:
+        await status("Waiting for this chat's previous step to finish...", False)
+
     await status(f"Running {language}...", False)
-    step = await chat.run(code, language)
+    step = await chat.run(code, language, waiting=waiting)
     await status(_status_after(step), True)
     return step
 
@@ -7410,7 +8560,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_eecb10c073fe.storage import human_bytes
+from _code_sessions_f3d7bdeba065.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -7484,7 +8634,7 @@ def system_prompt(facts: PromptFacts) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_eecb10c073fe.storage import Purge, parse_duration
+from _code_sessions_f3d7bdeba065.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -7905,24 +9055,29 @@ import logging
 import posixpath
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_eecb10c073fe.runner import Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_eecb10c073fe.storage import (
+from _code_sessions_f3d7bdeba065.runner import Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_f3d7bdeba065.storage import (
+    CleanupReport,
+    DiskFull,
     FileMissing,
     InvalidPath,
-    QuotaExceeded,
+    Purge,
     ReconcileReport,
     Session,
     StorageBusy,
     StorageError,
     Store,
+    human_bytes,
 )
 
 from .rewrite import References, StreamingRewriter, Target, escape_text, mention, resolve_all
 
-__all__ = ["ChatSession", "CodeSessions", "StepResult"]
+__all__ = ["ChatSession", "CodeSessions", "StepResult", "Waiting"]
+
+Waiting = Callable[[], Awaitable[None]]
 
 log = logging.getLogger("code_sessions.engine")
 
@@ -7950,7 +9105,9 @@ class StepResult:
     code: str
     run: RunResult | None = None
     files: ReconcileReport | None = None
-    refused: str | None = None  # why the code was not run at all (quota, sandbox unavailable, busy)
+    refused: str | None = None  # why the code was not run at all (sandbox unavailable, busy)
+    # Sentences about the step for the user and the model (over quota, a full disk, ...).
+    notes: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -7969,9 +9126,9 @@ class StepResult:
     def file_notes(self) -> list[str]:
         """Plain sentences about files: what changed, what limits removed, what was rejected."""
         report = self.files
+        notes: list[str] = list(self.notes)
         if report is None:
-            return []
-        notes: list[str] = []
+            return notes
         saved = sorted(set(report.added) | set(report.changed))
         quota_removed = {r.path for r in report.quota_removed}
         kept = [path for path in saved if path not in quota_removed]
@@ -8051,20 +9208,26 @@ class ChatSession:
         self._unlinked.clear()
         return notes
 
-    async def run(self, code: str, language: str) -> StepResult:
+    async def run(self, code: str, language: str, *, waiting: Waiting | None = None) -> StepResult:
+        """Run code in this chat's folder. `waiting` is awaited once if another step of this chat
+        holds the folder, so the user can be told the step waits rather than runs."""
         service = self._service
         if language not in ("python", "bash"):
             return StepResult(language, code, refused=f"unknown language {language!r}; use python or bash")
+        notes: list[str] = []
+        result: RunResult | None = None
+        report: ReconcileReport | None = None
         try:
-            async with self.session.lock(timeout=service.lock_timeout_s):
-                budget = await self.session.check_quota()
+            async with self.session.lock(timeout=service.lock_timeout_s, waiting=waiting):
+                budget = await self.session.run_budget()
+                if budget.note:
+                    notes.append(budget.note)
                 limits = service.limits.model_copy(
                     update={
                         "max_write_bytes": _tighter(service.limits.max_write_bytes, budget.max_write_bytes),
                         "max_file_bytes": _tighter(service.limits.max_file_bytes, budget.max_file_bytes),
                     }
                 )
-                result: RunResult | None = None
                 await self.session.begin_run()
                 try:
                     result = await service.runner.run(code, language, self.session.path, limits)
@@ -8074,21 +9237,42 @@ class ChatSession:
                         enforce_quotas=True, changed=service._changed_hint(self.session, result)
                     )
                     service._reconciled(self.session, report)
-        except QuotaExceeded as error:
-            return StepResult(language, code, refused=str(error))
+        except DiskFull as error:
+            # The run (if any) happened; what it wrote is indexed by the next step, which lists the
+            # whole folder (the mark of this run stays).
+            log.warning(
+                "disk full in chat %r of user %r: %s", self.session.chat_id, self.session.user_id, error
+            )
+            notes.append(str(error))
+            if result is None:
+                return StepResult(language, code, refused=str(error))
         except StorageBusy as error:
             return StepResult(language, code, refused=f"this chat's folder is busy ({error}); try again")
         except RunnerError as error:
             log.warning("sandbox unavailable: %s", error)
             return StepResult(language, code, refused=f"the sandbox is not available: {error}")
-        return StepResult(language, code, run=result, files=report)
+        return StepResult(language, code, run=result, files=report, notes=tuple(notes))
 
     async def add_upload(self, name: str, data: bytes, *, source: str | None = None) -> str:
         """Copy a user's attachment into the folder under a safe, unused name; returns its path.
+        Raises StorageError (too large, over quota, disk full) with a sentence for the user.
 
         `source` names where it came from, so the same attachment is not copied again next turn."""
         async with self.session.lock(timeout=self._service.lock_timeout_s):
             return await self.session.files.write_new(name, data, source=source)
+
+    async def refuse_upload(self, source: str) -> None:
+        """An attachment that could not be taken: it is not tried (nor its refusal said) again."""
+        await self.session.files.refuse_import(source)
+
+    async def clear_files(self) -> str:
+        """Empty this chat's folder at the user's request; returns the sentence for the answer."""
+        async with self.session.lock(timeout=self._service.lock_timeout_s):
+            gone = await self.session.files.clear()
+        return (
+            f"Deleted every file in this chat's /mnt/data ({gone.files} files, {human_bytes(gone.bytes)}), "
+            "and the download copies linked in its earlier answers."
+        )
 
     async def resolve(self, path: str) -> Target | None:
         """Publish a file for the browser, or None when it is not a regular file of this session."""
@@ -8156,6 +9340,14 @@ class CodeSessions:
 
     async def chat(self, user_id: str, chat_id: str) -> ChatSession:
         return ChatSession(self, await self.store.session(user_id, chat_id))
+
+    async def purge(self, purge: Purge) -> CleanupReport:
+        """An admin's purge: the selected sessions go, with their files and links."""
+        return await self.store.cleanup(purge)
+
+    async def forget_chats(self, chats: list[tuple[str, str]], reason: str) -> CleanupReport:
+        """Sessions of chats that no longer exist, deleted now (a chat mid-step is left for later)."""
+        return await self.store.delete_chats(chats, reason)
 
     def _changed_hint(self, session: Session, result: RunResult | None) -> tuple[str, ...] | None:
         """The paths to reconcile, or None for a full listing: when the runner failed or does not
@@ -8301,6 +9493,104 @@ def events_from_message(payload: dict) -> list[TextDelta | ToolCall | ModelError
     events.extend(collector.done())
     return events
 ''',
+    'webui/__init__.py': r'''"""What code-sessions asks of the Open WebUI it runs in, in one place (only here and in the function
+file is `open_webui` imported, lazily, so the bundle loads without a running Open WebUI)."""
+
+from .host import Locations, Misconfigured, OpenWebUI
+
+__all__ = ["Locations", "Misconfigured", "OpenWebUI"]
+''',
+    'webui/host.py': r'''"""The Open WebUI host: locations, users, the base models, uploads, valves, which chats exist.
+
+Every method is one question to Open WebUI 0.12 (see /work/notes or docs/architecture.md for the
+facts each relies on). A test harness replaces the whole object with its own stand-in, so nothing
+else in the function reaches into Open WebUI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Locations", "Misconfigured", "OpenWebUI"]
+
+# Ids per IN (...) query: well under every database's limit on bound parameters.
+_ID_CHUNK = 500
+
+
+class Misconfigured(ValueError):
+    """A valve setting the function refuses to run with."""
+
+
+@dataclass(frozen=True, slots=True)
+class Locations:
+    root: Path  # sessions and the index
+    publish_dir: Path  # folder copies served by Open WebUI's /cache route
+    url_prefix: str  # where Open WebUI serves publish_dir
+
+
+class OpenWebUI:
+    """The real Open WebUI (imports are lazy: this module must load without it)."""
+
+    def locations(self, storage_root: str, function_id: str) -> Locations:
+        """The root must stay out of the cache Open WebUI serves to every logged-in user."""
+        from open_webui.env import DATA_DIR
+
+        cache = (Path(DATA_DIR) / "cache").resolve()
+        root = Path(storage_root).expanduser() if storage_root else Path(DATA_DIR) / "code_sessions"
+        root = root.resolve()
+        if root == cache or cache in root.parents:
+            raise Misconfigured(f"storage_root {root} is inside {cache}, which any logged-in user can read")
+        return Locations(root, cache / "functions" / function_id, f"/cache/functions/{function_id}/")
+
+    async def user(self, user_id: str) -> Any:
+        from open_webui.models.users import Users
+
+        return await Users.get_user_by_id(user_id)
+
+    async def call_model(self, request: Any, user: Any, form: dict, *, stream: bool) -> Any:
+        from open_webui.utils.chat import generate_chat_completion
+
+        # The admin chose these base models for this function: access to the function is what is checked.
+        return await generate_chat_completion(request, {**form, "stream": stream}, user, bypass_filter=True)
+
+    async def read_upload(self, file_id: str, user_id: str) -> tuple[bytes | None, str]:
+        """The bytes of an uploaded file, only if it belongs to this user (ids in a request are untrusted)."""
+        from open_webui.models.files import Files
+        from open_webui.storage.provider import Storage
+
+        record = await Files.get_file_by_id_and_user_id(file_id, user_id)
+        if record is None or not record.path:
+            return None, ""
+        local = await asyncio.to_thread(Storage.get_file, record.path)
+        data = await asyncio.to_thread(Path(local).read_bytes)
+        name = (record.meta or {}).get("name") or record.filename or file_id
+        return data, name
+
+    async def stored_valves(self, function_id: str) -> dict:
+        """The valves as saved now (the background loop is not called by Open WebUI, so it reads them)."""
+        from open_webui.models.functions import Functions
+
+        return await Functions.get_function_valves_by_id(function_id) or {}
+
+    async def store_valves(self, function_id: str, valves: dict) -> None:
+        from open_webui.models.functions import Functions
+
+        await Functions.update_function_valves_by_id(function_id, valves)
+
+    async def chat_owners(self, chat_ids: Sequence[str]) -> dict[str, str]:
+        """{chat id: owner's user id} for those of these chats that exist: one query per 500 ids.
+        Raises when the database does (never an empty answer for an error)."""
+        from open_webui.models.chats import Chats
+
+        owners: dict[str, str] = {}
+        for start in range(0, len(chat_ids), _ID_CHUNK):
+            owners.update(await Chats.get_owner_ids_by_chat_ids(list(chat_ids[start : start + _ID_CHUNK])))
+        return owners
+''',
 }
 
 import importlib.abc as _cs_abc
@@ -8355,9 +9645,10 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 # Open WebUI adapter for code-sessions: a manifold Pipe that gives each chat a persistent /mnt/data folder,
 # runs the model's code there in gVisor and turns /mnt/data paths in the answer into download links.
 #
-# This file is the only place that talks to Open WebUI. Sessions, the index, quotas and links live in
-# `storage`; the sandbox in `runner`; the chat step and the conversation loop in `engine`.
-# `tools/bundle.py` embeds those packages so that Open WebUI gets one file (dist/code_sessions.py).
+# This file is the adapter: valves, the Pipe's entry point, and the background loop. Sessions, the index,
+# quotas and links live in `storage`; the sandbox in `runner`; the chat step and the conversation loop in
+# `engine`; every question to Open WebUI itself in `webui`. `tools/bundle.py` embeds those packages so
+# that Open WebUI gets one file (dist/code_sessions.py).
 #
 # No `from __future__` import here: in the bundle this module's body does not start the file.
 
@@ -8372,33 +9663,42 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_eecb10c073fe.engine import (
+from _code_sessions_f3d7bdeba065.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
     PromptFacts,
     code_span,
     converse,
+    escape_text,
     events_from_message,
     events_from_sse,
     parse_purge,
     system_prompt,
 )
-from _code_sessions_eecb10c073fe.runner import Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_eecb10c073fe.storage import Expiry, Publisher, Purge, Quotas, Store
+from _code_sessions_f3d7bdeba065.runner import Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_f3d7bdeba065.storage import (
+    CLEAR_FILES_COMMAND,
+    DirectoryPublisher,
+    Expiry,
+    Policy,
+    Quotas,
+    StorageError,
+    Store,
+)
+from _code_sessions_f3d7bdeba065.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 
 _MB = 1024 * 1024
 _MINUTE = 60.0
-_HOUR = 3600.0
 _DAY = 86400.0
 _NO_LIMIT = 1 << 40  # what "0: no limit" becomes where the sandbox needs a number
 _PURGE_RETRY_MINUTES = 10  # a purge that keeps meeting chats mid-step gives up (and says so) after this
-
-
-class Misconfigured(ValueError):
-    """A valve setting the function refuses to run with."""
+# A chat missing from Open WebUI this long (two looks a background tick apart) is deleted with its files.
+_DELETED_AFTER_S = 50.0
+_LOGGED_VALUE_CHARS = 200  # an admin's purge text is logged at most this long
+_NOT_SAVED_PREFIXES = ("channel:",)  # chat ids Open WebUI never saves as chats (besides temporary ones)
 
 
 class Pipe:
@@ -8469,11 +9769,13 @@ class Pipe:
 
     def __init__(self) -> None:
         self.valves = self.Valves()
+        # Everything asked of Open WebUI goes through this one object (a test harness replaces it).
+        self._host = OpenWebUI()
         self._services: CodeSessions | None = None
         self._services_key: tuple | None = None
+        self._services_lock = asyncio.Lock()  # two first messages at once must not open two stores
         self._function_id: str | None = None
         self._last_cleanup = 0.0
-        self._ready_lock = asyncio.Lock()
         self._purge_pending: tuple[str, float, float] | None = None  # request, first and last try
         self._background: asyncio.Task | None = None
 
@@ -8486,6 +9788,9 @@ class Pipe:
                 {"id": "setup", "name": f"{self.valves.model_name_prefix}(set base_models in the valves)"}
             ]
         return [{"id": model, "name": f"{self.valves.model_name_prefix}{model}"} for model in models]
+
+    def pipes_ids(self) -> set[str]:
+        return {model["id"] for model in self.pipes()}
 
     # ---- the chat -----------------------------------------------------------------------------------
 
@@ -8500,28 +9805,36 @@ class Pipe:
         __files__: list | None = None,
     ) -> Any:
         self._function_id, _, base_model = str(body.get("model", "")).partition(".")
-        user = await _open_webui_user(__user__["id"])
+        host = self._host
+        user = await host.user(__user__["id"])
         if __task__:
             # Titles, tags, follow-ups: answer with the base model, never run code.
-            return await _call_model(__request__, user, {**body, "model": base_model}, stream=False)
+            return await host.call_model(__request__, user, {**body, "model": base_model}, stream=False)
         if base_model == "setup" or base_model not in self.pipes_ids():
             return "No base model is set for Code Sessions: an admin sets `base_models` in the valves."
 
         try:
-            services = await self._ready()
+            services = await self._services_for_valves()
         except Misconfigured as error:  # the admin's to fix; the user gets the sentence, not a crash
             return f"Code Sessions is not set up correctly: {error}"
+        self._keep_background_running()
+        await self._run_requested_purge(services)
         chat = await services.chat(__user__["id"], __chat_id__ or "")
-        user_valves = __user__.get("valves") or self.UserValves()
         status = _status_emitter(__event_emitter__)
-        uploads = await self._import_uploads(chat, __user__["id"], __files__ or [], status)
+        if _last_user_text(body.get("messages", [])).strip() == CLEAR_FILES_COMMAND:
+            return await chat.clear_files()
+
+        notes, refused = await self._import_uploads(chat, __user__["id"], __files__ or [], status)
+        user_valves = __user__.get("valves") or self.UserValves()
         options = LoopOptions(
             tool_mode=self.valves.execution_mode != "fenced",
             max_steps=self.valves.max_steps,
             show_code=bool(getattr(user_valves, "show_code", True)),
             show_output=bool(getattr(user_valves, "show_output", True)),
         )
-        messages = await self._messages_with_prompt(body.get("messages", []), chat, services, options)
+        messages = await self._messages_with_prompt(
+            body.get("messages", []), chat, services, options, refused
+        )
 
         async def call_model(history: list[dict], tools: list[dict] | None) -> AsyncIterator:
             form = {**body, "model": base_model, "messages": history, "stream": True}
@@ -8529,7 +9842,7 @@ class Pipe:
             if tools:
                 form["tools"] = tools
             try:
-                response = await _call_model(__request__, user, form, stream=True)
+                response = await host.call_model(__request__, user, form, stream=True)
             except Exception as error:  # the answer says what went wrong; the chat keeps working
                 log.warning("code-sessions: base model %s failed: %s", base_model, error)
                 yield ModelError(f"{base_model}: {error}")
@@ -8538,8 +9851,8 @@ class Pipe:
                 yield event
 
         async def answer() -> AsyncIterator[str]:
-            if uploads:
-                yield "".join(uploads)
+            if notes:
+                yield "".join(notes)
             async for piece in converse(chat, messages, call_model, options, status):
                 yield piece
             if self.valves.attach_files and __event_emitter__ is not None:
@@ -8547,24 +9860,22 @@ class Pipe:
 
         return answer()
 
-    def pipes_ids(self) -> set[str]:
-        return {model["id"] for model in self.pipes()}
-
     # ---- composition --------------------------------------------------------------------------------
 
-    async def _ready(self) -> CodeSessions:
-        """The store and runner for the current valves; rebuilt only when a valve they depend on changes."""
+    async def _services_for_valves(self) -> CodeSessions:
+        """The store and runner for the current valves (rebuilt only when a valve they are built from
+        changes), with the current limits and policy applied."""
         valves = self.valves
-        root, publish_dir, url_prefix = _locations(valves.storage_root, self._function_id or "code_sessions")
+        places = self._host.locations(valves.storage_root, self._function_id or "code_sessions")
         key = (
-            str(root),
-            str(publish_dir),
+            str(places.root),
+            str(places.publish_dir),
             valves.runsc_path,
             valves.runsc_platform,
             valves.network,
             valves.network_namespace,
         )
-        async with self._ready_lock:  # two first messages at once must not open two stores
+        async with self._services_lock:
             if self._services is None or key != self._services_key:
                 if self._services is not None:
                     await self._services.store.close()
@@ -8577,65 +9888,82 @@ class Pipe:
                     )
                 )
                 owner = (runner.sandbox_uid, runner.sandbox_gid) if os.geteuid() == 0 else None
-                store = Store(root, publisher=Publisher(publish_dir, url_prefix), owner=owner)
+                publisher = DirectoryPublisher(places.publish_dir, places.url_prefix)
+                store = Store(places.root, publisher=publisher, owner=owner)
                 await store.open()
                 self._services = CodeSessions(store, runner, Limits())
                 self._services_key = key
         services = self._services
-        services.store.quotas = Quotas(
-            max_files_per_user=valves.max_files_per_user,
-            max_bytes_per_user=valves.max_mb_per_user * _MB,
-            max_file_bytes=valves.max_file_mb * _MB,
-            max_new_files_per_run=valves.max_new_files_per_run,
-        )
-        services.store.expiry = Expiry(
-            file_max_age_s=valves.file_max_age_days * _DAY or None,
-            session_idle_s=valves.session_idle_days * _DAY or None,
-            temporary_idle_s=valves.temporary_idle_minutes * _MINUTE,
-        )
-        services.limits = Limits(
-            timeout_s=valves.timeout_seconds,
-            memory_mb=valves.memory_mb,
-            max_processes=valves.max_processes,
-            max_output_bytes=valves.max_output_kb * 1024,
-            max_file_bytes=valves.max_file_mb * _MB or _NO_LIMIT,
-        )
-        await self._maintain(services)
+        services.store.policy = _policy(valves)
+        services.limits = _limits(valves)
         return services
 
-    async def _maintain(self, services: CodeSessions) -> None:
-        """Keep the background loop alive and run an admin's purge request, if one is waiting."""
+    def _keep_background_running(self) -> None:
         if self._background is None or self._background.done():
-            self._background = asyncio.create_task(self._background_cleanup())
-        request = self.valves.purge.strip()
-        if request:
-            await self._purge(services, request)
+            self._background = asyncio.create_task(self._background_loop())
 
-    async def _expire_if_due(self, services: CodeSessions) -> None:
-        # Only from the background loop: a large expiry must not delay anyone's answer.
-        if time.monotonic() - self._last_cleanup >= self.valves.cleanup_interval_minutes * _MINUTE:
-            self._last_cleanup = time.monotonic()
-            report = await services.store.cleanup()
-            log.info("code-sessions cleanup: %s", report.summary())
+    async def _background_loop(self) -> None:
+        # Wakes every minute and reads the saved valves: a purge typed into the valves runs within a
+        # minute even if no message comes, and a shorter cleanup interval applies at once.
+        while True:
+            await asyncio.sleep(_MINUTE)
+            try:
+                if self._function_id:
+                    stored = await self._host.stored_valves(self._function_id)
+                    if stored:
+                        self.valves = self.Valves(**{k: v for k, v in stored.items() if v is not None})
+                services = await self._services_for_valves()
+                await self._run_requested_purge(services)
+                await self._tick(services)
+            except Exception:  # the loop must outlive a bad tick; the next one retries
+                log.exception("code-sessions background cleanup failed")
+
+    async def _tick(self, services: CodeSessions) -> None:
+        """One background tick: chats deleted in Open WebUI go every tick, expiry when it is due. One
+        worker at a time does it (a lock shared by every process of the store)."""
+        lock = services.store.lock("background")
+        if not await lock.try_acquire():
+            return  # another worker (or replica) is on it
+        try:
             await self._forget_deleted_chats(services)
+            if time.monotonic() - self._last_cleanup >= self.valves.cleanup_interval_minutes * _MINUTE:
+                self._last_cleanup = time.monotonic()
+                report = await services.store.cleanup()
+                log.info("code-sessions cleanup: %s", report.summary())
+        finally:
+            await lock.release()
 
     async def _forget_deleted_chats(self, services: CodeSessions) -> None:
-        """Delete the folders of chats the user deleted in Open WebUI (a Pipe hears of no deletion)."""
-        settled = time.time() - _HOUR  # a chat being created right now is left alone
-        candidates = [
-            (info.user_id, info.chat_id)
-            for info in await services.store.sessions()
-            if not info.temporary and info.last_used_at < settled
-        ]
-        for user_id, chat_id in await _deleted_chats(candidates):
-            report = await services.store.cleanup(Purge(user_id=user_id, chat_id=chat_id))
-            log.info("code-sessions: chat %s was deleted; %s", chat_id, report.summary())
+        """Delete the folders, links (and kernels) of chats deleted in Open WebUI: a Pipe hears of no
+        deletion, so every tick asks, in one batched query, which of our chats still exist.
 
-    async def _purge(self, services: CodeSessions, request: str) -> None:
+        A chat counts as deleted only when two looks at least _DELETED_AFTER_S apart both miss it:
+        a chat being created in the meantime (or a database answer that was briefly wrong) never
+        loses its folder."""
+        # Temporary chats and channels have no chat row in Open WebUI: they expire by idle time instead.
+        saved = [
+            (user, chat)
+            for user, chat, _, temporary in await services.store.chats()
+            if not temporary and not chat.startswith(_NOT_SAVED_PREFIXES)
+        ]
+        if not saved:
+            return
+        owners = await self._host.chat_owners(sorted({chat for _, chat in saved}))
+        missing = [(user, chat) for user, chat in saved if owners.get(chat) != user]
+        gone = await services.store.mark_missing(missing, after_s=_DELETED_AFTER_S)
+        if gone:
+            report = await services.forget_chats(gone, "the chat was deleted in Open WebUI")
+            log.info("code-sessions: %d chats deleted in Open WebUI: %s", len(gone), report.summary())
+
+    async def _run_requested_purge(self, services: CodeSessions) -> None:
+        request = self.valves.purge.strip()
+        if not request:
+            return
+        shown = _shorten(request)
         try:
             purge = parse_purge(request)
         except ValueError as error:
-            log.error("code-sessions: ignoring purge valve %r: %s", request, error)
+            log.error("code-sessions: ignoring purge valve %r: %s", shown, _shorten(str(error)))
         else:
             now = time.monotonic()
             pending = self._purge_pending
@@ -8643,56 +9971,61 @@ class Pipe:
                 pending = None  # the admin typed a new request: it starts afresh
             if pending and now - pending[2] < _MINUTE:
                 return  # a request that met a chat mid-step is retried once a minute, not per message
-            report = await services.store.cleanup(purge)
+            report = await services.purge(purge)
             first_try = pending[1] if pending else now
             if report.sessions_in_use and now - first_try < _PURGE_RETRY_MINUTES * _MINUTE:
                 # A chat mid-step was skipped; its step ends within the time limit, so keep the
                 # request and let the next minute finish the job.
                 self._purge_pending = (request, first_try, now)
-                log.warning("code-sessions purge %r: %s; retrying within a minute", request, report.summary())
+                log.warning("code-sessions purge %r: %s; retrying within a minute", shown, report.summary())
                 return
-            log.warning("code-sessions purge %r: %s", request, report.summary())
+            log.warning("code-sessions purge %r: %s", shown, report.summary())
         self._purge_pending = None
         # Clear the one-shot valve so the purge does not run again at the next message.
         self.valves = self.valves.model_copy(update={"purge": ""})
         if self._function_id:
-            stored = await _stored_valves(self._function_id)
+            stored = await self._host.stored_valves(self._function_id)
             if stored.get("purge", "").strip() == request:
-                await _store_valves(self._function_id, {**stored, "purge": ""})
+                await self._host.store_valves(self._function_id, {**stored, "purge": ""})
 
-    async def _background_cleanup(self) -> None:
-        # Wakes every minute and reads the saved valves: a purge typed into the valves runs within a
-        # minute even if no message comes, and a shorter cleanup interval applies at once.
-        while True:
-            await asyncio.sleep(_MINUTE)
-            try:
-                if self._function_id:
-                    stored = await _stored_valves(self._function_id)
-                    if stored:
-                        self.valves = self.Valves(**{k: v for k, v in stored.items() if v is not None})
-                await self._expire_if_due(await self._ready())
-            except Exception:  # the loop must outlive a bad tick; the next one retries
-                log.exception("code-sessions background cleanup failed")
+    # ---- the parts of a message ---------------------------------------------------------------------
 
-    async def _import_uploads(self, chat: Any, user_id: str, files: list, status: Any) -> list[str]:
-        """Copy the chat's attachments into /mnt/data, once each; returns notes for the answer."""
+    async def _import_uploads(
+        self, chat: Any, user_id: str, files: list, status: Any
+    ) -> tuple[list[str], list[str]]:
+        """Copy the chat's attachments into /mnt/data, once each. Returns the notes for the answer and
+        the sentences about attachments that could not be taken (said once: the next message carries
+        the same attachment, and it is not tried again)."""
         notes: list[str] = []
+        refused: list[str] = []
         for item in files:
             file_id = item.get("id") or (item.get("file") or {}).get("id")
             if item.get("type", "file") != "file" or not file_id:
                 continue
-            if await chat.session.files.imported(f"open-webui:{file_id}"):
+            source = f"open-webui:{file_id}"
+            if await chat.session.files.imported(source) is not None:
                 continue
-            data, name = await _read_open_webui_file(file_id, user_id)
-            if data is None:
+            name = str(item.get("name") or (item.get("file") or {}).get("filename") or file_id)
+            try:
+                data, name = await self._host.read_upload(file_id, user_id)
+                if data is None:
+                    continue  # not this user's file, or gone: nothing to say about someone else's id
+                path = await chat.add_upload(name, data, source=source)
+            except (StorageError, OSError) as error:
+                why = str(error) if isinstance(error, StorageError) else f"it could not be read ({error})"
+                await chat.refuse_upload(source)
+                refused.append(f"The attachment {name} was not copied into /mnt/data: {why}")
+                shown = (
+                    f"The attachment {escape_text(name)} was not copied into /mnt/data: {escape_text(why)}"
+                )
+                notes.append(f"_{shown}_\n\n")
                 continue
-            path = await chat.add_upload(name, data, source=f"open-webui:{file_id}")
             await status(f"Copied {name} to /mnt/data/{path}", True)
             notes.append(f"_Attached file available as {code_span('/mnt/data/' + path)}._\n\n")
-        return notes
+        return notes, refused
 
     async def _messages_with_prompt(
-        self, messages: list[dict], chat: Any, services: CodeSessions, options: LoopOptions
+        self, messages: list[dict], chat: Any, services: CodeSessions, options: LoopOptions, notes: list[str]
     ) -> list[dict]:
         entries = sorted(await chat.session.files.list(), key=lambda e: e.mtime, reverse=True)
         quotas = services.store.quotas
@@ -8707,7 +10040,7 @@ class Pipe:
             quota_bytes=quotas.max_bytes_per_user,
             quota_files=quotas.max_files_per_user,
             tool_mode=options.tool_mode,
-            sandbox_notes=await _sandbox_notes(services.runner),
+            sandbox_notes=(*await _sandbox_notes(services.runner), *notes),
         )
         prompt = system_prompt(facts)
         history = [dict(message) for message in await chat.sandbox_view(messages)]
@@ -8718,77 +10051,52 @@ class Pipe:
         return history
 
 
-# ---- Open WebUI glue (imported lazily: the bundle must load without a running Open WebUI) --------------
+# ---- settings from valves --------------------------------------------------------------------------------
 
 
-def _locations(storage_root: str, function_id: str) -> tuple[Path, Path, str]:
-    """(session root, publish dir, url prefix). The root must stay out of the cache Open WebUI serves."""
-    from open_webui.env import DATA_DIR
-
-    cache = (Path(DATA_DIR) / "cache").resolve()
-    root = Path(storage_root).expanduser() if storage_root else Path(DATA_DIR) / "code_sessions"
-    root = root.resolve()
-    if root == cache or cache in root.parents:
-        raise Misconfigured(f"storage_root {root} is inside {cache}, which any logged-in user can read")
-    return root, cache / "functions" / function_id, f"/cache/functions/{function_id}/"
-
-
-async def _stored_valves(function_id: str) -> dict:
-    """The valves as saved now (the background loop is not called by Open WebUI, so it reads them)."""
-    from open_webui.models.functions import Functions
-
-    return await Functions.get_function_valves_by_id(function_id) or {}
+def _policy(valves: Any) -> Policy:
+    return Policy(
+        Quotas(
+            max_files_per_user=valves.max_files_per_user,
+            max_bytes_per_user=valves.max_mb_per_user * _MB,
+            max_file_bytes=valves.max_file_mb * _MB,
+            max_new_files_per_run=valves.max_new_files_per_run,
+        ),
+        Expiry(
+            file_max_age_s=valves.file_max_age_days * _DAY or None,
+            session_idle_s=valves.session_idle_days * _DAY or None,
+            temporary_idle_s=valves.temporary_idle_minutes * _MINUTE,
+        ),
+    )
 
 
-async def _store_valves(function_id: str, valves: dict) -> None:
-    from open_webui.models.functions import Functions
-
-    await Functions.update_function_valves_by_id(function_id, valves)
-
-
-async def _deleted_chats(sessions: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """The (user, chat) pairs whose chat no longer exists in Open WebUI.
-
-    Open WebUI's lookups answer None on a database error too, so a chat counts as deleted only when
-    its user was found a moment before (the database works) and the chat was not."""
-    from open_webui.models.chats import Chats
-    from open_webui.models.users import Users
-
-    deleted = []
-    users: dict[str, bool] = {}
-    for user_id, chat_id in sessions:
-        if user_id not in users:
-            users[user_id] = await Users.get_user_by_id(user_id) is not None
-        if users[user_id] and await Chats.get_chat_by_id_and_user_id(chat_id, user_id) is None:
-            deleted.append((user_id, chat_id))
-    return deleted
+def _limits(valves: Any) -> Limits:
+    return Limits(
+        timeout_s=valves.timeout_seconds,
+        memory_mb=valves.memory_mb,
+        max_processes=valves.max_processes,
+        max_output_bytes=valves.max_output_kb * 1024,
+        max_file_bytes=valves.max_file_mb * _MB or _NO_LIMIT,
+    )
 
 
-async def _open_webui_user(user_id: str) -> Any:
-    from open_webui.models.users import Users
-
-    return await Users.get_user_by_id(user_id)
+# ---- small helpers --------------------------------------------------------------------------------------
 
 
-async def _call_model(request: Any, user: Any, form: dict, *, stream: bool) -> Any:
-    from open_webui.utils.chat import generate_chat_completion
+def _last_user_text(messages: list[dict]) -> str:
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+            return ""
+    return ""
 
-    # The admin chose these base models for this function: access to the function is what is checked.
-    return await generate_chat_completion(request, {**form, "stream": stream}, user, bypass_filter=True)
 
-
-async def _read_open_webui_file(file_id: str, user_id: str) -> tuple[bytes | None, str]:
-    """The bytes of an uploaded file, only if it belongs to this user (ids in a request are untrusted)."""
-    from open_webui.models.files import Files
-    from open_webui.storage.provider import Storage
-
-    record = await Files.get_file_by_id_and_user_id(file_id, user_id)
-    if record is None or not record.path:
-        return None, ""
-    local = await asyncio.to_thread(Storage.get_file, record.path)
-    data = await asyncio.to_thread(Path(local).read_bytes)
-    name = (record.meta or {}).get("name") or record.filename or file_id
-    return data, name
+def _shorten(text: str, limit: int = _LOGGED_VALUE_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 async def _sandbox_notes(runner: Runner) -> tuple[str, ...]:

@@ -4,7 +4,16 @@ from .blocks import CodeBlock, runnable_blocks
 from .loop import RUN_CODE_TOOL, LoopOptions, ModelCall, StatusCall, converse, render_step
 from .prompt import PromptFacts, system_prompt
 from .purge import parse_purge
-from .rewrite import References, StreamingRewriter, Target, code_span, find_paths, mention, rewrite
+from .rewrite import (
+    References,
+    StreamingRewriter,
+    Target,
+    code_span,
+    escape_text,
+    find_paths,
+    mention,
+    rewrite,
+)
 from .service import ChatSession, CodeSessions, StepResult
 from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
 
@@ -26,6 +35,7 @@ __all__ = [
     "ToolCall",
     "code_span",
     "converse",
+    "escape_text",
     "events_from_message",
     "events_from_sse",
     "find_paths",

@@ -106,8 +106,11 @@ def _arguments(call: ToolCall) -> tuple[str, str] | str:
 
 
 async def _run(chat: ChatSession, language: str, code: str, status: StatusCall) -> StepResult:
+    async def waiting() -> None:
+        await status("Waiting for this chat's previous step to finish...", False)
+
     await status(f"Running {language}...", False)
-    step = await chat.run(code, language)
+    step = await chat.run(code, language, waiting=waiting)
     await status(_status_after(step), True)
     return step
 

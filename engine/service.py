@@ -10,24 +10,29 @@ import logging
 import posixpath
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from runner import Limits, Outcome, Runner, RunnerError, RunResult
 from storage import (
+    CleanupReport,
+    DiskFull,
     FileMissing,
     InvalidPath,
-    QuotaExceeded,
+    Purge,
     ReconcileReport,
     Session,
     StorageBusy,
     StorageError,
     Store,
+    human_bytes,
 )
 
 from .rewrite import References, StreamingRewriter, Target, escape_text, mention, resolve_all
 
-__all__ = ["ChatSession", "CodeSessions", "StepResult"]
+__all__ = ["ChatSession", "CodeSessions", "StepResult", "Waiting"]
+
+Waiting = Callable[[], Awaitable[None]]
 
 log = logging.getLogger("code_sessions.engine")
 
@@ -55,7 +60,9 @@ class StepResult:
     code: str
     run: RunResult | None = None
     files: ReconcileReport | None = None
-    refused: str | None = None  # why the code was not run at all (quota, sandbox unavailable, busy)
+    refused: str | None = None  # why the code was not run at all (sandbox unavailable, busy)
+    # Sentences about the step for the user and the model (over quota, a full disk, ...).
+    notes: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -74,9 +81,9 @@ class StepResult:
     def file_notes(self) -> list[str]:
         """Plain sentences about files: what changed, what limits removed, what was rejected."""
         report = self.files
+        notes: list[str] = list(self.notes)
         if report is None:
-            return []
-        notes: list[str] = []
+            return notes
         saved = sorted(set(report.added) | set(report.changed))
         quota_removed = {r.path for r in report.quota_removed}
         kept = [path for path in saved if path not in quota_removed]
@@ -156,20 +163,26 @@ class ChatSession:
         self._unlinked.clear()
         return notes
 
-    async def run(self, code: str, language: str) -> StepResult:
+    async def run(self, code: str, language: str, *, waiting: Waiting | None = None) -> StepResult:
+        """Run code in this chat's folder. `waiting` is awaited once if another step of this chat
+        holds the folder, so the user can be told the step waits rather than runs."""
         service = self._service
         if language not in ("python", "bash"):
             return StepResult(language, code, refused=f"unknown language {language!r}; use python or bash")
+        notes: list[str] = []
+        result: RunResult | None = None
+        report: ReconcileReport | None = None
         try:
-            async with self.session.lock(timeout=service.lock_timeout_s):
-                budget = await self.session.check_quota()
+            async with self.session.lock(timeout=service.lock_timeout_s, waiting=waiting):
+                budget = await self.session.run_budget()
+                if budget.note:
+                    notes.append(budget.note)
                 limits = service.limits.model_copy(
                     update={
                         "max_write_bytes": _tighter(service.limits.max_write_bytes, budget.max_write_bytes),
                         "max_file_bytes": _tighter(service.limits.max_file_bytes, budget.max_file_bytes),
                     }
                 )
-                result: RunResult | None = None
                 await self.session.begin_run()
                 try:
                     result = await service.runner.run(code, language, self.session.path, limits)
@@ -179,21 +192,42 @@ class ChatSession:
                         enforce_quotas=True, changed=service._changed_hint(self.session, result)
                     )
                     service._reconciled(self.session, report)
-        except QuotaExceeded as error:
-            return StepResult(language, code, refused=str(error))
+        except DiskFull as error:
+            # The run (if any) happened; what it wrote is indexed by the next step, which lists the
+            # whole folder (the mark of this run stays).
+            log.warning(
+                "disk full in chat %r of user %r: %s", self.session.chat_id, self.session.user_id, error
+            )
+            notes.append(str(error))
+            if result is None:
+                return StepResult(language, code, refused=str(error))
         except StorageBusy as error:
             return StepResult(language, code, refused=f"this chat's folder is busy ({error}); try again")
         except RunnerError as error:
             log.warning("sandbox unavailable: %s", error)
             return StepResult(language, code, refused=f"the sandbox is not available: {error}")
-        return StepResult(language, code, run=result, files=report)
+        return StepResult(language, code, run=result, files=report, notes=tuple(notes))
 
     async def add_upload(self, name: str, data: bytes, *, source: str | None = None) -> str:
         """Copy a user's attachment into the folder under a safe, unused name; returns its path.
+        Raises StorageError (too large, over quota, disk full) with a sentence for the user.
 
         `source` names where it came from, so the same attachment is not copied again next turn."""
         async with self.session.lock(timeout=self._service.lock_timeout_s):
             return await self.session.files.write_new(name, data, source=source)
+
+    async def refuse_upload(self, source: str) -> None:
+        """An attachment that could not be taken: it is not tried (nor its refusal said) again."""
+        await self.session.files.refuse_import(source)
+
+    async def clear_files(self) -> str:
+        """Empty this chat's folder at the user's request; returns the sentence for the answer."""
+        async with self.session.lock(timeout=self._service.lock_timeout_s):
+            gone = await self.session.files.clear()
+        return (
+            f"Deleted every file in this chat's /mnt/data ({gone.files} files, {human_bytes(gone.bytes)}), "
+            "and the download copies linked in its earlier answers."
+        )
 
     async def resolve(self, path: str) -> Target | None:
         """Publish a file for the browser, or None when it is not a regular file of this session."""
@@ -261,6 +295,14 @@ class CodeSessions:
 
     async def chat(self, user_id: str, chat_id: str) -> ChatSession:
         return ChatSession(self, await self.store.session(user_id, chat_id))
+
+    async def purge(self, purge: Purge) -> CleanupReport:
+        """An admin's purge: the selected sessions go, with their files and links."""
+        return await self.store.cleanup(purge)
+
+    async def forget_chats(self, chats: list[tuple[str, str]], reason: str) -> CleanupReport:
+        """Sessions of chats that no longer exist, deleted now (a chat mid-step is left for later)."""
+        return await self.store.delete_chats(chats, reason)
 
     def _changed_hint(self, session: Session, result: RunResult | None) -> tuple[str, ...] | None:
         """The paths to reconcile, or None for a full listing: when the runner failed or does not

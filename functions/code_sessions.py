@@ -1,9 +1,10 @@
 # Open WebUI adapter for code-sessions: a manifold Pipe that gives each chat a persistent /mnt/data folder,
 # runs the model's code there in gVisor and turns /mnt/data paths in the answer into download links.
 #
-# This file is the only place that talks to Open WebUI. Sessions, the index, quotas and links live in
-# `storage`; the sandbox in `runner`; the chat step and the conversation loop in `engine`.
-# `tools/bundle.py` embeds those packages so that Open WebUI gets one file (dist/code_sessions.py).
+# This file is the adapter: valves, the Pipe's entry point, and the background loop. Sessions, the index,
+# quotas and links live in `storage`; the sandbox in `runner`; the chat step and the conversation loop in
+# `engine`; every question to Open WebUI itself in `webui`. `tools/bundle.py` embeds those packages so
+# that Open WebUI gets one file (dist/code_sessions.py).
 #
 # No `from __future__` import here: in the bundle this module's body does not start the file.
 
@@ -25,26 +26,35 @@ from engine import (
     PromptFacts,
     code_span,
     converse,
+    escape_text,
     events_from_message,
     events_from_sse,
     parse_purge,
     system_prompt,
 )
 from runner import Limits, Runner, RunnerConfig, RunnerError
-from storage import Expiry, Publisher, Purge, Quotas, Store
+from storage import (
+    CLEAR_FILES_COMMAND,
+    DirectoryPublisher,
+    Expiry,
+    Policy,
+    Quotas,
+    StorageError,
+    Store,
+)
+from webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 
 _MB = 1024 * 1024
 _MINUTE = 60.0
-_HOUR = 3600.0
 _DAY = 86400.0
 _NO_LIMIT = 1 << 40  # what "0: no limit" becomes where the sandbox needs a number
 _PURGE_RETRY_MINUTES = 10  # a purge that keeps meeting chats mid-step gives up (and says so) after this
-
-
-class Misconfigured(ValueError):
-    """A valve setting the function refuses to run with."""
+# A chat missing from Open WebUI this long (two looks a background tick apart) is deleted with its files.
+_DELETED_AFTER_S = 50.0
+_LOGGED_VALUE_CHARS = 200  # an admin's purge text is logged at most this long
+_NOT_SAVED_PREFIXES = ("channel:",)  # chat ids Open WebUI never saves as chats (besides temporary ones)
 
 
 class Pipe:
@@ -115,11 +125,13 @@ class Pipe:
 
     def __init__(self) -> None:
         self.valves = self.Valves()
+        # Everything asked of Open WebUI goes through this one object (a test harness replaces it).
+        self._host = OpenWebUI()
         self._services: CodeSessions | None = None
         self._services_key: tuple | None = None
+        self._services_lock = asyncio.Lock()  # two first messages at once must not open two stores
         self._function_id: str | None = None
         self._last_cleanup = 0.0
-        self._ready_lock = asyncio.Lock()
         self._purge_pending: tuple[str, float, float] | None = None  # request, first and last try
         self._background: asyncio.Task | None = None
 
@@ -132,6 +144,9 @@ class Pipe:
                 {"id": "setup", "name": f"{self.valves.model_name_prefix}(set base_models in the valves)"}
             ]
         return [{"id": model, "name": f"{self.valves.model_name_prefix}{model}"} for model in models]
+
+    def pipes_ids(self) -> set[str]:
+        return {model["id"] for model in self.pipes()}
 
     # ---- the chat -----------------------------------------------------------------------------------
 
@@ -146,28 +161,36 @@ class Pipe:
         __files__: list | None = None,
     ) -> Any:
         self._function_id, _, base_model = str(body.get("model", "")).partition(".")
-        user = await _open_webui_user(__user__["id"])
+        host = self._host
+        user = await host.user(__user__["id"])
         if __task__:
             # Titles, tags, follow-ups: answer with the base model, never run code.
-            return await _call_model(__request__, user, {**body, "model": base_model}, stream=False)
+            return await host.call_model(__request__, user, {**body, "model": base_model}, stream=False)
         if base_model == "setup" or base_model not in self.pipes_ids():
             return "No base model is set for Code Sessions: an admin sets `base_models` in the valves."
 
         try:
-            services = await self._ready()
+            services = await self._services_for_valves()
         except Misconfigured as error:  # the admin's to fix; the user gets the sentence, not a crash
             return f"Code Sessions is not set up correctly: {error}"
+        self._keep_background_running()
+        await self._run_requested_purge(services)
         chat = await services.chat(__user__["id"], __chat_id__ or "")
-        user_valves = __user__.get("valves") or self.UserValves()
         status = _status_emitter(__event_emitter__)
-        uploads = await self._import_uploads(chat, __user__["id"], __files__ or [], status)
+        if _last_user_text(body.get("messages", [])).strip() == CLEAR_FILES_COMMAND:
+            return await chat.clear_files()
+
+        notes, refused = await self._import_uploads(chat, __user__["id"], __files__ or [], status)
+        user_valves = __user__.get("valves") or self.UserValves()
         options = LoopOptions(
             tool_mode=self.valves.execution_mode != "fenced",
             max_steps=self.valves.max_steps,
             show_code=bool(getattr(user_valves, "show_code", True)),
             show_output=bool(getattr(user_valves, "show_output", True)),
         )
-        messages = await self._messages_with_prompt(body.get("messages", []), chat, services, options)
+        messages = await self._messages_with_prompt(
+            body.get("messages", []), chat, services, options, refused
+        )
 
         async def call_model(history: list[dict], tools: list[dict] | None) -> AsyncIterator:
             form = {**body, "model": base_model, "messages": history, "stream": True}
@@ -175,7 +198,7 @@ class Pipe:
             if tools:
                 form["tools"] = tools
             try:
-                response = await _call_model(__request__, user, form, stream=True)
+                response = await host.call_model(__request__, user, form, stream=True)
             except Exception as error:  # the answer says what went wrong; the chat keeps working
                 log.warning("code-sessions: base model %s failed: %s", base_model, error)
                 yield ModelError(f"{base_model}: {error}")
@@ -184,8 +207,8 @@ class Pipe:
                 yield event
 
         async def answer() -> AsyncIterator[str]:
-            if uploads:
-                yield "".join(uploads)
+            if notes:
+                yield "".join(notes)
             async for piece in converse(chat, messages, call_model, options, status):
                 yield piece
             if self.valves.attach_files and __event_emitter__ is not None:
@@ -193,24 +216,22 @@ class Pipe:
 
         return answer()
 
-    def pipes_ids(self) -> set[str]:
-        return {model["id"] for model in self.pipes()}
-
     # ---- composition --------------------------------------------------------------------------------
 
-    async def _ready(self) -> CodeSessions:
-        """The store and runner for the current valves; rebuilt only when a valve they depend on changes."""
+    async def _services_for_valves(self) -> CodeSessions:
+        """The store and runner for the current valves (rebuilt only when a valve they are built from
+        changes), with the current limits and policy applied."""
         valves = self.valves
-        root, publish_dir, url_prefix = _locations(valves.storage_root, self._function_id or "code_sessions")
+        places = self._host.locations(valves.storage_root, self._function_id or "code_sessions")
         key = (
-            str(root),
-            str(publish_dir),
+            str(places.root),
+            str(places.publish_dir),
             valves.runsc_path,
             valves.runsc_platform,
             valves.network,
             valves.network_namespace,
         )
-        async with self._ready_lock:  # two first messages at once must not open two stores
+        async with self._services_lock:
             if self._services is None or key != self._services_key:
                 if self._services is not None:
                     await self._services.store.close()
@@ -223,65 +244,82 @@ class Pipe:
                     )
                 )
                 owner = (runner.sandbox_uid, runner.sandbox_gid) if os.geteuid() == 0 else None
-                store = Store(root, publisher=Publisher(publish_dir, url_prefix), owner=owner)
+                publisher = DirectoryPublisher(places.publish_dir, places.url_prefix)
+                store = Store(places.root, publisher=publisher, owner=owner)
                 await store.open()
                 self._services = CodeSessions(store, runner, Limits())
                 self._services_key = key
         services = self._services
-        services.store.quotas = Quotas(
-            max_files_per_user=valves.max_files_per_user,
-            max_bytes_per_user=valves.max_mb_per_user * _MB,
-            max_file_bytes=valves.max_file_mb * _MB,
-            max_new_files_per_run=valves.max_new_files_per_run,
-        )
-        services.store.expiry = Expiry(
-            file_max_age_s=valves.file_max_age_days * _DAY or None,
-            session_idle_s=valves.session_idle_days * _DAY or None,
-            temporary_idle_s=valves.temporary_idle_minutes * _MINUTE,
-        )
-        services.limits = Limits(
-            timeout_s=valves.timeout_seconds,
-            memory_mb=valves.memory_mb,
-            max_processes=valves.max_processes,
-            max_output_bytes=valves.max_output_kb * 1024,
-            max_file_bytes=valves.max_file_mb * _MB or _NO_LIMIT,
-        )
-        await self._maintain(services)
+        services.store.policy = _policy(valves)
+        services.limits = _limits(valves)
         return services
 
-    async def _maintain(self, services: CodeSessions) -> None:
-        """Keep the background loop alive and run an admin's purge request, if one is waiting."""
+    def _keep_background_running(self) -> None:
         if self._background is None or self._background.done():
-            self._background = asyncio.create_task(self._background_cleanup())
-        request = self.valves.purge.strip()
-        if request:
-            await self._purge(services, request)
+            self._background = asyncio.create_task(self._background_loop())
 
-    async def _expire_if_due(self, services: CodeSessions) -> None:
-        # Only from the background loop: a large expiry must not delay anyone's answer.
-        if time.monotonic() - self._last_cleanup >= self.valves.cleanup_interval_minutes * _MINUTE:
-            self._last_cleanup = time.monotonic()
-            report = await services.store.cleanup()
-            log.info("code-sessions cleanup: %s", report.summary())
+    async def _background_loop(self) -> None:
+        # Wakes every minute and reads the saved valves: a purge typed into the valves runs within a
+        # minute even if no message comes, and a shorter cleanup interval applies at once.
+        while True:
+            await asyncio.sleep(_MINUTE)
+            try:
+                if self._function_id:
+                    stored = await self._host.stored_valves(self._function_id)
+                    if stored:
+                        self.valves = self.Valves(**{k: v for k, v in stored.items() if v is not None})
+                services = await self._services_for_valves()
+                await self._run_requested_purge(services)
+                await self._tick(services)
+            except Exception:  # the loop must outlive a bad tick; the next one retries
+                log.exception("code-sessions background cleanup failed")
+
+    async def _tick(self, services: CodeSessions) -> None:
+        """One background tick: chats deleted in Open WebUI go every tick, expiry when it is due. One
+        worker at a time does it (a lock shared by every process of the store)."""
+        lock = services.store.lock("background")
+        if not await lock.try_acquire():
+            return  # another worker (or replica) is on it
+        try:
             await self._forget_deleted_chats(services)
+            if time.monotonic() - self._last_cleanup >= self.valves.cleanup_interval_minutes * _MINUTE:
+                self._last_cleanup = time.monotonic()
+                report = await services.store.cleanup()
+                log.info("code-sessions cleanup: %s", report.summary())
+        finally:
+            await lock.release()
 
     async def _forget_deleted_chats(self, services: CodeSessions) -> None:
-        """Delete the folders of chats the user deleted in Open WebUI (a Pipe hears of no deletion)."""
-        settled = time.time() - _HOUR  # a chat being created right now is left alone
-        candidates = [
-            (info.user_id, info.chat_id)
-            for info in await services.store.sessions()
-            if not info.temporary and info.last_used_at < settled
-        ]
-        for user_id, chat_id in await _deleted_chats(candidates):
-            report = await services.store.cleanup(Purge(user_id=user_id, chat_id=chat_id))
-            log.info("code-sessions: chat %s was deleted; %s", chat_id, report.summary())
+        """Delete the folders, links (and kernels) of chats deleted in Open WebUI: a Pipe hears of no
+        deletion, so every tick asks, in one batched query, which of our chats still exist.
 
-    async def _purge(self, services: CodeSessions, request: str) -> None:
+        A chat counts as deleted only when two looks at least _DELETED_AFTER_S apart both miss it:
+        a chat being created in the meantime (or a database answer that was briefly wrong) never
+        loses its folder."""
+        # Temporary chats and channels have no chat row in Open WebUI: they expire by idle time instead.
+        saved = [
+            (user, chat)
+            for user, chat, _, temporary in await services.store.chats()
+            if not temporary and not chat.startswith(_NOT_SAVED_PREFIXES)
+        ]
+        if not saved:
+            return
+        owners = await self._host.chat_owners(sorted({chat for _, chat in saved}))
+        missing = [(user, chat) for user, chat in saved if owners.get(chat) != user]
+        gone = await services.store.mark_missing(missing, after_s=_DELETED_AFTER_S)
+        if gone:
+            report = await services.forget_chats(gone, "the chat was deleted in Open WebUI")
+            log.info("code-sessions: %d chats deleted in Open WebUI: %s", len(gone), report.summary())
+
+    async def _run_requested_purge(self, services: CodeSessions) -> None:
+        request = self.valves.purge.strip()
+        if not request:
+            return
+        shown = _shorten(request)
         try:
             purge = parse_purge(request)
         except ValueError as error:
-            log.error("code-sessions: ignoring purge valve %r: %s", request, error)
+            log.error("code-sessions: ignoring purge valve %r: %s", shown, _shorten(str(error)))
         else:
             now = time.monotonic()
             pending = self._purge_pending
@@ -289,56 +327,61 @@ class Pipe:
                 pending = None  # the admin typed a new request: it starts afresh
             if pending and now - pending[2] < _MINUTE:
                 return  # a request that met a chat mid-step is retried once a minute, not per message
-            report = await services.store.cleanup(purge)
+            report = await services.purge(purge)
             first_try = pending[1] if pending else now
             if report.sessions_in_use and now - first_try < _PURGE_RETRY_MINUTES * _MINUTE:
                 # A chat mid-step was skipped; its step ends within the time limit, so keep the
                 # request and let the next minute finish the job.
                 self._purge_pending = (request, first_try, now)
-                log.warning("code-sessions purge %r: %s; retrying within a minute", request, report.summary())
+                log.warning("code-sessions purge %r: %s; retrying within a minute", shown, report.summary())
                 return
-            log.warning("code-sessions purge %r: %s", request, report.summary())
+            log.warning("code-sessions purge %r: %s", shown, report.summary())
         self._purge_pending = None
         # Clear the one-shot valve so the purge does not run again at the next message.
         self.valves = self.valves.model_copy(update={"purge": ""})
         if self._function_id:
-            stored = await _stored_valves(self._function_id)
+            stored = await self._host.stored_valves(self._function_id)
             if stored.get("purge", "").strip() == request:
-                await _store_valves(self._function_id, {**stored, "purge": ""})
+                await self._host.store_valves(self._function_id, {**stored, "purge": ""})
 
-    async def _background_cleanup(self) -> None:
-        # Wakes every minute and reads the saved valves: a purge typed into the valves runs within a
-        # minute even if no message comes, and a shorter cleanup interval applies at once.
-        while True:
-            await asyncio.sleep(_MINUTE)
-            try:
-                if self._function_id:
-                    stored = await _stored_valves(self._function_id)
-                    if stored:
-                        self.valves = self.Valves(**{k: v for k, v in stored.items() if v is not None})
-                await self._expire_if_due(await self._ready())
-            except Exception:  # the loop must outlive a bad tick; the next one retries
-                log.exception("code-sessions background cleanup failed")
+    # ---- the parts of a message ---------------------------------------------------------------------
 
-    async def _import_uploads(self, chat: Any, user_id: str, files: list, status: Any) -> list[str]:
-        """Copy the chat's attachments into /mnt/data, once each; returns notes for the answer."""
+    async def _import_uploads(
+        self, chat: Any, user_id: str, files: list, status: Any
+    ) -> tuple[list[str], list[str]]:
+        """Copy the chat's attachments into /mnt/data, once each. Returns the notes for the answer and
+        the sentences about attachments that could not be taken (said once: the next message carries
+        the same attachment, and it is not tried again)."""
         notes: list[str] = []
+        refused: list[str] = []
         for item in files:
             file_id = item.get("id") or (item.get("file") or {}).get("id")
             if item.get("type", "file") != "file" or not file_id:
                 continue
-            if await chat.session.files.imported(f"open-webui:{file_id}"):
+            source = f"open-webui:{file_id}"
+            if await chat.session.files.imported(source) is not None:
                 continue
-            data, name = await _read_open_webui_file(file_id, user_id)
-            if data is None:
+            name = str(item.get("name") or (item.get("file") or {}).get("filename") or file_id)
+            try:
+                data, name = await self._host.read_upload(file_id, user_id)
+                if data is None:
+                    continue  # not this user's file, or gone: nothing to say about someone else's id
+                path = await chat.add_upload(name, data, source=source)
+            except (StorageError, OSError) as error:
+                why = str(error) if isinstance(error, StorageError) else f"it could not be read ({error})"
+                await chat.refuse_upload(source)
+                refused.append(f"The attachment {name} was not copied into /mnt/data: {why}")
+                shown = (
+                    f"The attachment {escape_text(name)} was not copied into /mnt/data: {escape_text(why)}"
+                )
+                notes.append(f"_{shown}_\n\n")
                 continue
-            path = await chat.add_upload(name, data, source=f"open-webui:{file_id}")
             await status(f"Copied {name} to /mnt/data/{path}", True)
             notes.append(f"_Attached file available as {code_span('/mnt/data/' + path)}._\n\n")
-        return notes
+        return notes, refused
 
     async def _messages_with_prompt(
-        self, messages: list[dict], chat: Any, services: CodeSessions, options: LoopOptions
+        self, messages: list[dict], chat: Any, services: CodeSessions, options: LoopOptions, notes: list[str]
     ) -> list[dict]:
         entries = sorted(await chat.session.files.list(), key=lambda e: e.mtime, reverse=True)
         quotas = services.store.quotas
@@ -353,7 +396,7 @@ class Pipe:
             quota_bytes=quotas.max_bytes_per_user,
             quota_files=quotas.max_files_per_user,
             tool_mode=options.tool_mode,
-            sandbox_notes=await _sandbox_notes(services.runner),
+            sandbox_notes=(*await _sandbox_notes(services.runner), *notes),
         )
         prompt = system_prompt(facts)
         history = [dict(message) for message in await chat.sandbox_view(messages)]
@@ -364,77 +407,52 @@ class Pipe:
         return history
 
 
-# ---- Open WebUI glue (imported lazily: the bundle must load without a running Open WebUI) --------------
+# ---- settings from valves --------------------------------------------------------------------------------
 
 
-def _locations(storage_root: str, function_id: str) -> tuple[Path, Path, str]:
-    """(session root, publish dir, url prefix). The root must stay out of the cache Open WebUI serves."""
-    from open_webui.env import DATA_DIR
-
-    cache = (Path(DATA_DIR) / "cache").resolve()
-    root = Path(storage_root).expanduser() if storage_root else Path(DATA_DIR) / "code_sessions"
-    root = root.resolve()
-    if root == cache or cache in root.parents:
-        raise Misconfigured(f"storage_root {root} is inside {cache}, which any logged-in user can read")
-    return root, cache / "functions" / function_id, f"/cache/functions/{function_id}/"
-
-
-async def _stored_valves(function_id: str) -> dict:
-    """The valves as saved now (the background loop is not called by Open WebUI, so it reads them)."""
-    from open_webui.models.functions import Functions
-
-    return await Functions.get_function_valves_by_id(function_id) or {}
+def _policy(valves: Any) -> Policy:
+    return Policy(
+        Quotas(
+            max_files_per_user=valves.max_files_per_user,
+            max_bytes_per_user=valves.max_mb_per_user * _MB,
+            max_file_bytes=valves.max_file_mb * _MB,
+            max_new_files_per_run=valves.max_new_files_per_run,
+        ),
+        Expiry(
+            file_max_age_s=valves.file_max_age_days * _DAY or None,
+            session_idle_s=valves.session_idle_days * _DAY or None,
+            temporary_idle_s=valves.temporary_idle_minutes * _MINUTE,
+        ),
+    )
 
 
-async def _store_valves(function_id: str, valves: dict) -> None:
-    from open_webui.models.functions import Functions
-
-    await Functions.update_function_valves_by_id(function_id, valves)
-
-
-async def _deleted_chats(sessions: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """The (user, chat) pairs whose chat no longer exists in Open WebUI.
-
-    Open WebUI's lookups answer None on a database error too, so a chat counts as deleted only when
-    its user was found a moment before (the database works) and the chat was not."""
-    from open_webui.models.chats import Chats
-    from open_webui.models.users import Users
-
-    deleted = []
-    users: dict[str, bool] = {}
-    for user_id, chat_id in sessions:
-        if user_id not in users:
-            users[user_id] = await Users.get_user_by_id(user_id) is not None
-        if users[user_id] and await Chats.get_chat_by_id_and_user_id(chat_id, user_id) is None:
-            deleted.append((user_id, chat_id))
-    return deleted
+def _limits(valves: Any) -> Limits:
+    return Limits(
+        timeout_s=valves.timeout_seconds,
+        memory_mb=valves.memory_mb,
+        max_processes=valves.max_processes,
+        max_output_bytes=valves.max_output_kb * 1024,
+        max_file_bytes=valves.max_file_mb * _MB or _NO_LIMIT,
+    )
 
 
-async def _open_webui_user(user_id: str) -> Any:
-    from open_webui.models.users import Users
-
-    return await Users.get_user_by_id(user_id)
+# ---- small helpers --------------------------------------------------------------------------------------
 
 
-async def _call_model(request: Any, user: Any, form: dict, *, stream: bool) -> Any:
-    from open_webui.utils.chat import generate_chat_completion
+def _last_user_text(messages: list[dict]) -> str:
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+            return ""
+    return ""
 
-    # The admin chose these base models for this function: access to the function is what is checked.
-    return await generate_chat_completion(request, {**form, "stream": stream}, user, bypass_filter=True)
 
-
-async def _read_open_webui_file(file_id: str, user_id: str) -> tuple[bytes | None, str]:
-    """The bytes of an uploaded file, only if it belongs to this user (ids in a request are untrusted)."""
-    from open_webui.models.files import Files
-    from open_webui.storage.provider import Storage
-
-    record = await Files.get_file_by_id_and_user_id(file_id, user_id)
-    if record is None or not record.path:
-        return None, ""
-    local = await asyncio.to_thread(Storage.get_file, record.path)
-    data = await asyncio.to_thread(Path(local).read_bytes)
-    name = (record.meta or {}).get("name") or record.filename or file_id
-    return data, name
+def _shorten(text: str, limit: int = _LOGGED_VALUE_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 async def _sandbox_notes(runner: Runner) -> tuple[str, ...]:

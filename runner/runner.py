@@ -12,7 +12,6 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from . import _bundle, _cgroups, _orphans
 from ._changes import ChangeWatch
@@ -22,9 +21,6 @@ from ._supervise import Supervision
 from .capabilities import RunscInfo, detect_runsc
 from .errors import RunnerError, RunscNotFound, WorkdirError
 from .models import Limits, RunnerConfig, RunResult
-
-if TYPE_CHECKING:
-    from .doctor import DoctorReport
 
 DEFAULT_STATE_DIR = Path("/run/code-sessions-runsc")
 DEFAULT_BUNDLE_DIR = Path("/run/code-sessions-runner")
@@ -273,8 +269,3 @@ class Runner:
                 )
             self._known_issues = tuple(issues)
         return self._known_issues
-
-    async def doctor(self) -> DoctorReport:
-        from .doctor import doctor
-
-        return await doctor(self.config)

@@ -1,19 +1,28 @@
-"""code-sessions storage: per-chat session folders, an SQLite index, quotas, expiry, publishing.
+"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
 It knows nothing of the web UI or of the sandbox; see docs/storage.md.
 """
 
 from ._format import human_bytes, parse_duration
-from .errors import FileExists, FileMissing, InvalidPath, QuotaExceeded, StorageBusy, StorageError
+from .errors import (
+    DiskFull,
+    FileExists,
+    FileMissing,
+    IndexDamaged,
+    InvalidPath,
+    QuotaExceeded,
+    StorageBusy,
+    StorageError,
+)
 from .models import (
     ActivityEntry,
     CleanupReport,
     Drift,
     Expiry,
     FileEntry,
+    Growth,
     Link,
     LinkInfo,
-    Publisher,
     Purge,
     QuotaRemoval,
     Quotas,
@@ -27,20 +36,30 @@ from .models import (
     Usage,
     UserUsage,
 )
+from .policy import CLEAR_FILES_COMMAND, Policy
+from .publishing import Copy, DirectoryPublisher, Published, Publisher
 from .session import Session, SessionFiles
 from .store import Store
 
 __all__ = [
+    "CLEAR_FILES_COMMAND",
     "ActivityEntry",
     "CleanupReport",
+    "Copy",
+    "DirectoryPublisher",
+    "DiskFull",
     "Drift",
     "Expiry",
     "FileEntry",
     "FileExists",
     "FileMissing",
+    "Growth",
+    "IndexDamaged",
     "InvalidPath",
     "Link",
     "LinkInfo",
+    "Policy",
+    "Published",
     "Publisher",
     "Purge",
     "QuotaExceeded",

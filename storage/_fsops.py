@@ -23,7 +23,7 @@ Owner = tuple[int, int] | None
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _CHUNK = 1 << 20
@@ -47,7 +47,7 @@ def open_dir(path: Path | str) -> int:
     """Open a directory we control (the session folder itself); its last component must not be a link."""
     # Messages may reach the user: they do not name the host path.
     try:
-        return os.open(path, _DIR_FLAGS)
+        return os.open(path, DIR_FLAGS)
     except FileNotFoundError:
         raise FileMissing("the session folder does not exist") from None
     except OSError as exc:
@@ -62,7 +62,7 @@ def make_dir(path: Path, owner: Owner = None, *, mode: int = DIR_MODE) -> bool:
         os.mkdir(path, mode)
     except FileExistsError:
         return False
-    with fd_closing(os.open(path, _DIR_FLAGS)) as fd:
+    with fd_closing(os.open(path, DIR_FLAGS)) as fd:
         os.fchmod(fd, mode)
         chown(fd, owner)
     return True
@@ -90,7 +90,7 @@ def walk_dirs(root_fd: int, parts: Iterable[str], *, create: bool = False, owner
 def _open_child_dir(fd: int, part: str, done: list[str], create: bool, owner: Owner) -> int:
     for _ in range(3):
         try:
-            return os.open(part, _DIR_FLAGS, dir_fd=fd)
+            return os.open(part, DIR_FLAGS, dir_fd=fd)
         except FileNotFoundError:
             if not create:
                 raise FileMissing(f"the folder {'/'.join(done)} does not exist") from None
@@ -98,7 +98,7 @@ def _open_child_dir(fd: int, part: str, done: list[str], create: bool, owner: Ow
                 os.mkdir(part, DIR_MODE, dir_fd=fd)
             except FileExistsError:
                 continue  # created by someone else meanwhile, or it is a link: the open decides
-            new = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            new = os.open(part, DIR_FLAGS, dir_fd=fd)
             chown(new, owner)
             return new
         except OSError as exc:
@@ -314,7 +314,7 @@ def remove_tree_at(dir_fd: int, name: str) -> None:
             os.unlink(name, dir_fd=dir_fd)
         return
     try:
-        top = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        top = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         return
     with fd_closing(top):
@@ -340,7 +340,7 @@ def _empty_one_level(top: int) -> bool:
             except OSError as exc:
                 if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                     raise
-            with fd_closing(os.open(name, _DIR_FLAGS, dir_fd=top)) as sub:
+            with fd_closing(os.open(name, DIR_FLAGS, dir_fd=top)) as sub:
                 _hoist_children(sub, top)
     return bool(entries)
 

@@ -1,18 +1,33 @@
-"""SQL shared by the modules that use the index (rows of sessions, totals, activity, meta)."""
+"""Every SQL statement of the store, as functions over a transaction (`_backend.Tx`).
+
+The SQL is the portable subset both backends run: `?` placeholders, `ON CONFLICT` upserts,
+`RETURNING`, `CASE` instead of SQLite's scalar `max()`, no temporary tables, no PRAGMA. Paths are
+compared as byte strings (PostgreSQL declares the columns `COLLATE "C"`), which the range queries
+below rely on. Nothing outside this module writes SQL, so a backend is only a connection, its
+transactions, its locks and its migrations.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._db import Tx
+from ._backend import Tx
 from ._keys import db_text
+from .models import ActivityEntry, FileEntry, LinkInfo, SessionInfo, Usage, UserUsage
+
+# Parameters per statement: SQLite's default limit is 32,766, PostgreSQL's 65,535.
+CHUNK = 500
 
 _SESSION_COLUMNS = (
     "id, user_id, chat_id, user_key, chat_key, temporary, created_at, last_used_at, bytes, file_count,"
-    " linked_files"
+    " linked_files, published_bytes"
 )
+
+
+# ---------------------------------------------------------------------------- sessions
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,11 +42,38 @@ class SessionRow:
     last_used_at: float
     bytes: int
     file_count: int
-    linked_files: bool  # files with several hard links were seen (see _partial)
+    linked_files: bool  # files with several hard links were seen (see _sync_changed)
+    published_bytes: int
 
     @classmethod
-    def from_row(cls, row: tuple[Any, ...]) -> SessionRow:
-        return cls(row[0], row[1], row[2], row[3], row[4], bool(row[5]), *row[6:10], bool(row[10]))
+    def from_row(cls, row: Sequence[Any]) -> SessionRow:
+        return cls(
+            int(row[0]),
+            row[1],
+            row[2],
+            row[3],
+            row[4],
+            bool(row[5]),
+            float(row[6]),
+            float(row[7]),
+            int(row[8]),
+            int(row[9]),
+            bool(row[10]),
+            int(row[11]),
+        )
+
+    def info(self) -> SessionInfo:
+        return SessionInfo(
+            self.user_id,
+            self.chat_id,
+            self.user_key,
+            self.chat_key,
+            self.temporary,
+            self.created_at,
+            self.last_used_at,
+            self.file_count,
+            self.bytes,
+        )
 
 
 async def ensure_session(
@@ -46,11 +88,12 @@ async def ensure_session(
     used_at: float | None,
 ) -> int:
     """Insert the session row if missing; with used_at, move last_used_at forward. Returns its id."""
+    used = used_at if used_at is not None else 0.0
     row = await tx.one(
         "INSERT INTO sessions (user_id, chat_id, user_key, chat_key, temporary, created_at, last_used_at)"
         " VALUES (?, ?, ?, ?, ?, ?, ?)"
-        " ON CONFLICT (user_key, chat_key) DO UPDATE"
-        " SET last_used_at = max(sessions.last_used_at, ?)"
+        " ON CONFLICT (user_key, chat_key) DO UPDATE SET last_used_at ="
+        " CASE WHEN sessions.last_used_at > ? THEN sessions.last_used_at ELSE ? END"
         " RETURNING id",
         (
             db_text(user_id),
@@ -60,7 +103,8 @@ async def ensure_session(
             int(temporary),
             created_at,
             used_at if used_at is not None else created_at,
-            used_at if used_at is not None else 0.0,
+            used,
+            used,
         ),
     )
     assert row is not None
@@ -74,18 +118,60 @@ async def session_by_keys(tx: Tx, user_key: str, chat_key: str) -> SessionRow | 
     return SessionRow.from_row(row) if row else None
 
 
-async def all_sessions(tx: Tx, where: str = "", params: tuple[Any, ...] = ()) -> list[SessionRow]:
-    rows = await tx.all(f"SELECT {_SESSION_COLUMNS} FROM sessions {where} ORDER BY user_id, chat_id", params)
+async def all_sessions(tx: Tx, user_key: str | None = None) -> list[SessionRow]:
+    if user_key is None:
+        rows = await tx.all(f"SELECT {_SESSION_COLUMNS} FROM sessions ORDER BY user_id, chat_id")
+    else:
+        rows = await tx.all(
+            f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE user_key = ? ORDER BY user_id, chat_id",
+            (user_key,),
+        )
     return [SessionRow.from_row(r) for r in rows]
 
 
+async def session_ids(tx: Tx) -> list[tuple[str, str, int, float, bool]]:
+    """(user_id, chat_id, id, created_at, temporary) of every session: the cheap listing."""
+    rows = await tx.all("SELECT user_id, chat_id, id, created_at, temporary FROM sessions")
+    return [(r[0], r[1], int(r[2]), float(r[3]), bool(r[4])) for r in rows]
+
+
+async def sessions_missing(tx: Tx) -> list[tuple[str, str, float, float]]:
+    """(user_key, chat_key, missing_since, last_used_at) of sessions marked missing."""
+    rows = await tx.all(
+        "SELECT user_key, chat_key, missing_since, last_used_at FROM sessions WHERE missing_since IS NOT NULL"
+    )
+    return [(r[0], r[1], float(r[2]), float(r[3])) for r in rows]
+
+
+async def set_missing_since(tx: Tx, keys: Sequence[tuple[str, str]], since: float | None) -> None:
+    await tx.many(
+        "UPDATE sessions SET missing_since = ? WHERE user_key = ? AND chat_key = ?",
+        [(since, user_key, chat_key) for user_key, chat_key in keys],
+    )
+
+
+async def delete_session(tx: Tx, session_id: int) -> None:
+    await tx.run("DELETE FROM sessions WHERE id = ?", (session_id,))
+
+
+async def set_linked_files(tx: Tx, session_id: int, count: int) -> None:
+    await tx.run(
+        "UPDATE sessions SET linked_files = ? WHERE id = ? AND linked_files != ?", (count, session_id, count)
+    )
+
+
 async def refresh_totals(tx: Tx, session_id: int) -> tuple[int, int]:
-    """Recompute the session's cached totals from its file rows (repair; triggers keep them in step)."""
+    """Recompute the session's cached totals from its rows (repair; triggers keep them in step)."""
     row = await tx.one(
         "SELECT count(*), coalesce(sum(size), 0) FROM files WHERE session_id = ?", (session_id,)
     )
     files, size = (int(row[0]), int(row[1])) if row else (0, 0)
-    await tx.run("UPDATE sessions SET file_count = ?, bytes = ? WHERE id = ?", (files, size, session_id))
+    links = await tx.one("SELECT coalesce(sum(size), 0) FROM links WHERE session_id = ?", (session_id,))
+    published = int(links[0]) if links else 0
+    await tx.run(
+        "UPDATE sessions SET file_count = ?, bytes = ?, published_bytes = ? WHERE id = ?",
+        (files, size, published, session_id),
+    )
     return files, size
 
 
@@ -94,18 +180,298 @@ async def session_totals(tx: Tx, session_id: int) -> tuple[int, int]:
     return (int(row[0]), int(row[1])) if row else (0, 0)
 
 
-async def user_totals(tx: Tx, user_key: str, *, except_chat_key: str | None = None) -> tuple[int, int, int]:
-    """(sessions, files, bytes) of a user across chats: one indexed SUM over the user's session rows."""
-    sql = (
-        "SELECT count(*), coalesce(sum(file_count), 0), coalesce(sum(bytes), 0)"
-        " FROM sessions WHERE user_key = ?"
+async def session_usage(tx: Tx, user_key: str, chat_key: str) -> Usage:
+    row = await tx.one(
+        "SELECT file_count, bytes FROM sessions WHERE user_key = ? AND chat_key = ?", (user_key, chat_key)
     )
-    params: tuple[Any, ...] = (user_key,)
-    if except_chat_key is not None:
-        sql += " AND chat_key != ?"
-        params += (except_chat_key,)
-    row = await tx.one(sql, params)
-    return (int(row[0]), int(row[1]), int(row[2])) if row else (0, 0, 0)
+    return Usage(0, 0) if row is None else Usage(int(row[0]), int(row[1]))
+
+
+async def user_usage(tx: Tx, user_key: str) -> Usage:
+    """What counts toward a user's quota, across all their chats: files, and the bytes of the files
+    plus their published copies. One indexed SUM over the user's session rows."""
+    row = await tx.one(
+        "SELECT coalesce(sum(file_count), 0), coalesce(sum(bytes + published_bytes), 0)"
+        " FROM sessions WHERE user_key = ?",
+        (user_key,),
+    )
+    return Usage(int(row[0]), int(row[1])) if row else Usage(0, 0)
+
+
+async def users_usage(tx: Tx) -> list[UserUsage]:
+    rows = await tx.all(
+        "SELECT min(user_id), count(*), coalesce(sum(file_count), 0),"
+        " coalesce(sum(bytes + published_bytes), 0) FROM sessions GROUP BY user_key ORDER BY min(user_id)"
+    )
+    return [UserUsage(r[0], int(r[1]), int(r[2]), int(r[3])) for r in rows]
+
+
+# ---------------------------------------------------------------------------- files
+
+_UPSERT_FILE = (
+    "INSERT INTO files (session_id, path, size, mtime_ns, first_seen, last_changed) VALUES (?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT (session_id, path) DO UPDATE"
+    " SET size = excluded.size, mtime_ns = excluded.mtime_ns, last_changed = excluded.last_changed"
+)
+
+
+async def upsert_files(tx: Tx, session_id: int, rows: Iterable[tuple[str, int, int, float]]) -> None:
+    """(path, size, mtime_ns, now): insert, or update a changed file (first_seen is kept)."""
+    await tx.many(_UPSERT_FILE, [(session_id, p, size, ns, now, now) for p, size, ns, now in rows])
+
+
+async def delete_files(tx: Tx, session_id: int, paths: Sequence[str]) -> None:
+    await tx.many("DELETE FROM files WHERE session_id = ? AND path = ?", [(session_id, p) for p in paths])
+
+
+async def file_rows(tx: Tx, session_id: int) -> list[tuple[str, int, int]]:
+    """(path, size, mtime_ns) of every file of a session."""
+    return await tx.all("SELECT path, size, mtime_ns FROM files WHERE session_id = ?", (session_id,))  # type: ignore[return-value]
+
+
+async def file_entries(tx: Tx, user_key: str, chat_key: str) -> list[FileEntry]:
+    rows = await tx.all(
+        "SELECT f.path, f.size, f.mtime_ns, f.first_seen, f.last_changed FROM files f"
+        " JOIN sessions s ON s.id = f.session_id WHERE s.user_key = ? AND s.chat_key = ?"
+        " ORDER BY f.path",
+        (user_key, chat_key),
+    )
+    return [FileEntry(p, int(size), int(ns) / 1e9, first, last) for p, size, ns, first, last in rows]
+
+
+async def file_size(tx: Tx, session_id: int, path: str) -> int | None:
+    row = await tx.one("SELECT size FROM files WHERE session_id = ? AND path = ?", (session_id, path))
+    return None if row is None else int(row[0])
+
+
+async def move_file(
+    tx: Tx, session_id: int, src: str, dst: str, size: int, mtime_ns: int, now: float
+) -> None:
+    """The index side of a rename: dst takes src's row (and its expiry clock)."""
+    row = await tx.one(
+        "SELECT first_seen, last_changed FROM files WHERE session_id = ? AND path = ?", (session_id, src)
+    )
+    first, last = row if row else (now, now)
+    await tx.run("DELETE FROM files WHERE session_id = ? AND path IN (?, ?)", (session_id, src, dst))
+    await tx.run(
+        "INSERT INTO files (session_id, path, size, mtime_ns, first_seen, last_changed)"
+        " VALUES (?, ?, ?, ?, ?, ?)",
+        (session_id, dst, size, mtime_ns, first, last),
+    )
+
+
+async def rows_at_and_under(tx: Tx, session_id: int, paths: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """The rows of each path and of everything under `path/`, found through the primary key."""
+    index: dict[str, tuple[int, int]] = {}
+    for i in range(0, len(paths), CHUNK):
+        chunk = paths[i : i + CHUNK]
+        marks = ", ".join("?" * len(chunk))
+        for path, size, mtime_ns in await tx.all(
+            f"SELECT path, size, mtime_ns FROM files WHERE session_id = ? AND path IN ({marks})",
+            (session_id, *chunk),
+        ):
+            index[path] = (int(size), int(mtime_ns))
+        # `path/` up to `path0` ('0' follows '/'): exactly the rows under the folder.
+        values = ", ".join("(?, ?)" for _ in chunk)
+        bounds = [b for p in chunk for b in (p + "/", p + "0")]
+        for path, size, mtime_ns in await tx.all(
+            f"WITH q(lo, hi) AS (VALUES {values}) SELECT f.path, f.size, f.mtime_ns"
+            " FROM q JOIN files f ON f.session_id = ? AND f.path >= q.lo AND f.path < q.hi",
+            (*bounds, session_id),
+        ):
+            index[path] = (int(size), int(mtime_ns))
+    return index
+
+
+async def expired_files(tx: Tx, cutoff: float) -> list[tuple[int, str, int, int]]:
+    """(session id, path, size, mtime_ns) of files the index last saw change before cutoff."""
+    return await tx.all(  # type: ignore[return-value]
+        "SELECT session_id, path, size, mtime_ns FROM files WHERE last_changed < ? ORDER BY session_id",
+        (cutoff,),
+    )
+
+
+# ---------------------------------------------------------------------------- links
+
+
+@dataclass(frozen=True, slots=True)
+class LinkRow:
+    ref: str
+    kind: str
+    name: str
+    url: str
+    size: int
+    created_at: float
+    sha256: str | None
+    mtime_ns: int
+    inode: int
+    ctime_ns: int
+
+
+async def insert_link(
+    tx: Tx,
+    session_id: int,
+    *,
+    ref: str,
+    kind: str,
+    path: str,
+    name: str,
+    url: str,
+    directory: str,
+    size: int,
+    mtime_ns: int,
+    inode: int,
+    ctime_ns: int,
+    sha256: str,
+    now: float,
+) -> None:
+    await tx.run(
+        "INSERT INTO links (token, session_id, kind, path, name, url, directory, size, mtime_ns, inode,"
+        " ctime_ns, sha256, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (ref, session_id, kind, path, name, url, directory, size, mtime_ns, inode, ctime_ns, sha256, now),
+    )
+
+
+async def links_of_file(tx: Tx, user_key: str, chat_key: str, path: str, kind: str) -> list[LinkRow]:
+    """A file's links held by one publisher, newest first."""
+    rows = await tx.all(
+        "SELECT l.token, l.kind, l.name, l.url, l.size, l.created_at, l.sha256, l.mtime_ns, l.inode,"
+        " l.ctime_ns FROM links l JOIN sessions s ON s.id = l.session_id"
+        " WHERE s.user_key = ? AND s.chat_key = ? AND l.path = ? AND l.kind = ? ORDER BY l.created_at DESC",
+        (user_key, chat_key, path, kind),
+    )
+    return [
+        LinkRow(r[0], r[1], r[2], r[3], int(r[4]), float(r[5]), r[6], int(r[7]), int(r[8]), int(r[9]))
+        for r in rows
+    ]
+
+
+async def note_link_signature(tx: Tx, ref: str, mtime_ns: int, inode: int, ctime_ns: int) -> None:
+    """The file was checked to hold the link's bytes as it is now: remember how it looks."""
+    await tx.run(
+        "UPDATE links SET mtime_ns = ?, inode = ?, ctime_ns = ? WHERE token = ?",
+        (mtime_ns, inode, ctime_ns, ref),
+    )
+
+
+async def link_listing(tx: Tx, user_key: str | None = None, chat_key: str | None = None) -> list[LinkInfo]:
+    where, params = [], []
+    if user_key is not None:
+        where.append("s.user_key = ?")
+        params.append(user_key)
+    if chat_key is not None:
+        where.append("s.chat_key = ?")
+        params.append(chat_key)
+    sql = (
+        "SELECT l.token, l.kind, s.user_id, s.chat_id, l.path, l.name, l.url, l.size, l.created_at"
+        " FROM links l LEFT JOIN sessions s ON s.id = l.session_id"
+        + (" WHERE " + " AND ".join(where) if where else "")
+        + " ORDER BY l.created_at"
+    )
+    return [
+        LinkInfo(r[0], r[1], r[2], r[3], r[4], r[5], r[6], int(r[7]), float(r[8]))
+        for r in await tx.all(sql, params)
+    ]
+
+
+async def links_of_session(tx: Tx, session_id: int) -> list[tuple[str, str, str]]:
+    """(ref, kind, directory) of every link of a session."""
+    return await tx.all("SELECT token, kind, directory FROM links WHERE session_id = ?", (session_id,))  # type: ignore[return-value]
+
+
+async def count_links(tx: Tx, session_id: int) -> int:
+    row = await tx.one("SELECT count(*) FROM links WHERE session_id = ?", (session_id,))
+    return int(row[0]) if row else 0
+
+
+async def links_of_paths(tx: Tx, session_id: int, paths: Sequence[str]) -> list[tuple[str, str, str]]:
+    found: list[tuple[str, str, str]] = []
+    for i in range(0, len(paths), CHUNK):
+        chunk = paths[i : i + CHUNK]
+        marks = ", ".join("?" * len(chunk))
+        found.extend(
+            await tx.all(  # type: ignore[arg-type]
+                f"SELECT token, kind, directory FROM links WHERE session_id = ? AND path IN ({marks})",
+                (session_id, *chunk),
+            )
+        )
+    return found
+
+
+async def delete_links(tx: Tx, refs: Sequence[str]) -> None:
+    await tx.many("DELETE FROM links WHERE token = ?", [(r,) for r in refs])
+
+
+async def all_link_refs(tx: Tx, kind: str) -> set[str]:
+    return {r for (r,) in await tx.all("SELECT token FROM links WHERE kind = ?", (kind,))}
+
+
+async def link_health(tx: Tx) -> list[tuple[Any, ...]]:
+    """For each link: (ref, kind, directory, name, created_at, no session, no file, file changed)."""
+    return await tx.all(
+        "SELECT l.token, l.kind, l.directory, l.name, l.created_at,"
+        " CASE WHEN s.id IS NULL THEN 1 ELSE 0 END, CASE WHEN f.path IS NULL THEN 1 ELSE 0 END,"
+        " CASE WHEN f.size != l.size OR f.mtime_ns != l.mtime_ns THEN 1 ELSE 0 END"
+        " FROM links l LEFT JOIN sessions s ON s.id = l.session_id"
+        " LEFT JOIN files f ON f.session_id = l.session_id AND f.path = l.path"
+    )
+
+
+async def links_with_owners(tx: Tx) -> list[tuple[Any, ...]]:
+    """(ref, kind, directory, name, path, user_id, chat_id) of every link (check)."""
+    return await tx.all(
+        "SELECT l.token, l.kind, l.directory, l.name, l.path, s.user_id, s.chat_id"
+        " FROM links l LEFT JOIN sessions s ON s.id = l.session_id"
+    )
+
+
+async def queue_unpublished(tx: Tx, kind: str, refs: Sequence[str], now: float) -> None:
+    await tx.many(
+        "INSERT INTO unpublished (kind, token, queued_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+        [(kind, r, now) for r in refs],
+    )
+
+
+async def unpublished_refs(tx: Tx, kind: str) -> list[str]:
+    return [r for (r,) in await tx.all("SELECT token FROM unpublished WHERE kind = ?", (kind,))]
+
+
+async def clear_unpublished(tx: Tx, kind: str, refs: Sequence[str]) -> None:
+    await tx.many("DELETE FROM unpublished WHERE kind = ? AND token = ?", [(kind, r) for r in refs])
+
+
+# ---------------------------------------------------------------------------- session deletion
+
+
+async def forget_files(tx: Tx, session_id: int, paths: Sequence[str]) -> list[tuple[str, str, str]]:
+    """Drop the rows of deleted files and their links; returns the links' (ref, kind, directory)."""
+    links = await links_of_paths(tx, session_id, paths)
+    await delete_links(tx, [ref for ref, _, _ in links])
+    await delete_files(tx, session_id, paths)
+    return links
+
+
+# ---------------------------------------------------------------------------- imports
+
+
+async def imported_path(tx: Tx, user_key: str, chat_key: str, source: str) -> str | None:
+    row = await tx.one(
+        "SELECT i.path FROM imports i JOIN sessions s ON s.id = i.session_id "
+        "WHERE s.user_key = ? AND s.chat_key = ? AND i.source = ?",
+        (user_key, chat_key, source),
+    )
+    return None if row is None else row[0]
+
+
+async def record_import(tx: Tx, session_id: int, source: str, path: str, now: float) -> None:
+    await tx.run(
+        "INSERT INTO imports (session_id, source, path, imported_at) VALUES (?, ?, ?, ?)"
+        " ON CONFLICT DO NOTHING",
+        (session_id, source, path, now),
+    )
+
+
+# ---------------------------------------------------------------------------- activity and meta
 
 
 async def log_activity(
@@ -128,6 +494,17 @@ async def log_activity(
     )
 
 
+async def prune_activity(tx: Tx, before: float) -> None:
+    await tx.run("DELETE FROM activity WHERE at < ?", (before,))
+
+
+async def newest_activity(tx: Tx, limit: int) -> list[ActivityEntry]:
+    rows = await tx.all(
+        "SELECT at, event, user_id, chat_id, detail FROM activity ORDER BY at DESC, id DESC LIMIT ?", (limit,)
+    )
+    return [ActivityEntry(at, ev, u, c, _json(detail)) for at, ev, u, c, detail in rows]
+
+
 async def get_meta(tx: Tx, key: str) -> str | None:
     row = await tx.one("SELECT value FROM meta WHERE key = ?", (key,))
     return None if row is None else str(row[0])
@@ -138,3 +515,11 @@ async def set_meta(tx: Tx, key: str, value: str) -> None:
         "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
         (key, value),
     )
+
+
+def _json(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {"raw": text}
+    return value if isinstance(value, dict) else {"value": value}

@@ -8,11 +8,14 @@ root/                       0700
   trash/                    a deleted session folder is renamed here first, then removed
   running/<user key>.<chat key>   a run is changing the folder: removed by the reconcile after it,
                             so one left behind marks a run its process did not live to index
+  links/<digest>.json       what each published copy is (session, path, publisher, bytes): lets a
+                            lost index take its links back, so old answers keep working
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -49,6 +52,14 @@ class Layout:
     @property
     def running(self) -> Path:
         return self.root / "running"
+
+    @property
+    def links(self) -> Path:
+        return self.root / "links"
+
+    def link_record(self, kind: str, ref: str) -> Path:
+        # Refs are the publisher's (a token, a web server's file id): hashed into a safe file name.
+        return self.links / (hashlib.sha256(f"{kind}\0{ref}".encode()).hexdigest()[:40] + ".json")
 
     def session_dir(self, user_key: str, chat_key: str) -> Path:
         return self.sessions / user_key / chat_key

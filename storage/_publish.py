@@ -1,169 +1,229 @@
-"""Publishing: an immutable copy of a session file under an unguessable URL.
+"""Publishing a session file: one copy per distinct content, reused while the bytes are the same.
 
-The copy is made from the fd we opened and checked (never from the path again, which the sandbox
-could have swapped), into a staging folder that is renamed to `<directory>/<token>/` only when
-complete: the web server never serves a partial file, and the index row is written after the copy
-exists, so a row always has its copy.
+The file is opened through the no-symlink walk and everything is read from that descriptor, never
+from the path again (the sandbox could swap it). "The same bytes" is decided by a SHA-256 of the
+content, skipped only when the file still has the inode, size, mtime *and ctime* it had when a link
+was last checked: sandboxed code can restore size and mtime (`os.utime`) but not ctime, which the
+host kernel sets on every change. The index row is written after the copy exists, so a row always has
+its copy; a crash in between leaves a stray copy, which cleanup removes.
+
+Removing copies goes through the publisher that made them (`remove_copies`). Folder copies are
+removed here; copies in the web server's file store need its publisher, and when this process has
+none (the CLI), they wait in the `unpublished` table for the application's next cleanup.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
+import hashlib
+import json
 import os
-import re
-import secrets
-import stat
 import time
-import urllib.parse
+from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from ._db import Tx
-from ._format import human_bytes
-from ._fsops import copy_fd, fd_closing, open_dir, open_regular, remove_tree
-from ._index import set_meta
+from . import _index
+from ._backend import Tx
+from ._core import Core, SessionRef
+from ._fsops import fd_closing, open_dir, open_regular
 from ._names import is_passive_image, publish_name, split_path
-from .errors import QuotaExceeded, StorageError
-from .models import Link, Publisher
+from .errors import StorageError
+from .models import Link
+from .publishing import Copy, DirectoryPublisher, copy_present, remove_directory_copy
 
-if TYPE_CHECKING:
-    from .session import Session
-
-TOKEN_BYTES = 24  # 192 random bits
-TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{32}")
-STAGING_PREFIX = ".staging-"
+_HASH_CHUNK = 1 << 20
 
 
-async def publish(session: Session, path: str) -> Link:
-    store = session._store
-    publisher = store.publisher
+async def publish(core: Core, ref: SessionRef, path: str) -> Link:
+    publisher = core.publisher
     if publisher is None:
-        raise StorageError("publishing is not configured (the store has no Publisher)")
+        raise StorageError("publishing is not configured (the store has no publisher)")
     parts = split_path(path)
     rel = "/".join(parts)
 
     def open_source() -> int:
-        with fd_closing(open_dir(session.path)) as root:
+        with fd_closing(open_dir(ref.path)) as root:
             return open_regular(root, parts)
 
     fd = await asyncio.to_thread(open_source)
     with fd_closing(fd):
         st = os.fstat(fd)
-        existing = await _reusable(session, publisher, rel, st)
-        if existing is not None:
-            return existing
-        await _check_budget(session, rel, st.st_size)
-        name, kind = publish_name(rel)
-        token = secrets.token_urlsafe(TOKEN_BYTES)
-        await asyncio.to_thread(_copy, fd, publisher.directory, token, name, rel)
+        name, content_type = publish_name(rel)
+        inline = is_passive_image(content_type)
+        rows = await core.read(
+            lambda tx: _index.links_of_file(tx, ref.user_key, ref.chat_key, rel, publisher.kind)
+        )
+        rows = [r for r in rows if _usable(publisher, r.ref, r.name)]
+        for row in rows:
+            if (row.size, row.mtime_ns, row.inode, row.ctime_ns) == (
+                st.st_size,
+                st.st_mtime_ns,
+                st.st_ino,
+                st.st_ctime_ns,
+            ):
+                return Link(row.ref, row.url, rel, row.name, row.size, inline, row.created_at)
+        digest = await asyncio.to_thread(_sha256, fd)
+        for row in rows:
+            if row.sha256 == digest and row.size == st.st_size:
+                await core.write(
+                    lambda tx, r=row.ref: _index.note_link_signature(
+                        tx, r, st.st_mtime_ns, st.st_ino, st.st_ctime_ns
+                    )
+                )
+                return Link(row.ref, row.url, rel, row.name, row.size, inline, row.created_at)
+        usage = await core.read(lambda tx: _index.user_usage(tx, ref.user_key))
+        core.policy.refuse_publish(usage, st.st_size, rel)
+        copy = Copy(fd, st.st_size, name, content_type, inline, rel, ref.user_id, ref.chat_id, digest)
+        published = await publisher.put(copy)
 
-    url = publisher.url_prefix + token + "/" + urllib.parse.quote(name)
     now = time.time()
+    directory = str(publisher.directory) if isinstance(publisher, DirectoryPublisher) else ""
+    record = {
+        "ref": published.ref,
+        "kind": publisher.kind,
+        "user_key": ref.user_key,
+        "chat_key": ref.chat_key,
+        "path": rel,
+        "name": name,
+        "url": published.url,
+        "directory": directory,
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "inode": st.st_ino,
+        "ctime_ns": st.st_ctime_ns,
+        "sha256": digest,
+        "created_at": now,
+    }
 
     async def write(tx: Tx) -> None:
-        sid = await session._session_id(tx, now)
-        await tx.run(
-            "INSERT INTO links (token, session_id, path, name, url, directory, size, mtime_ns, created_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (token, sid, rel, name, url, str(publisher.directory), st.st_size, st.st_mtime_ns, now),
+        # The quota decision again, in the transaction that counts the copy: two chats of one user
+        # publishing at once cannot both take the last room.
+        await tx.serialise_user(ref.user_key)
+        core.policy.refuse_publish(await _index.user_usage(tx, ref.user_key), st.st_size, rel)
+        sid = await core.session_id(tx, ref, now)
+        await _index.insert_link(
+            tx,
+            sid,
+            ref=published.ref,
+            kind=publisher.kind,
+            path=rel,
+            name=name,
+            url=published.url,
+            directory=directory,
+            size=st.st_size,
+            mtime_ns=st.st_mtime_ns,
+            inode=st.st_ino,
+            ctime_ns=st.st_ctime_ns,
+            sha256=digest,
+            now=now,
         )
 
     try:
-        await store._db.write(write)
+        await asyncio.to_thread(_write_record, core, record)
+        await core.write(write)
     except BaseException:
-        await asyncio.to_thread(remove_tree, publisher.directory / token)
+        await asyncio.shield(remove_copies(core, [(published.ref, publisher.kind, directory)]))
         raise
-    return Link(token, url, rel, name, st.st_size, is_passive_image(kind), now)
+    return Link(published.ref, published.url, rel, name, st.st_size, inline, now)
 
 
-async def _reusable(session: Session, publisher: Publisher, rel: str, st: os.stat_result) -> Link | None:
-    async def read(tx: Tx) -> list[tuple[str, str, str, float, str]]:
-        rows = await tx.all(
-            "SELECT l.token, l.name, l.url, l.created_at, l.directory FROM links l"
-            " JOIN sessions s ON s.id = l.session_id"
-            " WHERE s.user_key = ? AND s.chat_key = ? AND l.path = ? AND l.size = ? AND l.mtime_ns = ?"
-            " AND (l.expires_at IS NULL OR l.expires_at > ?) ORDER BY l.created_at DESC",
-            (session.user_key, session.chat_key, rel, st.st_size, st.st_mtime_ns, time.time()),
-        )
-        return [tuple(r) for r in rows]  # type: ignore[misc]
-
-    for token, name, url, created_at, directory in await session._store._db.read(read):
-        if directory != str(publisher.directory) or not url.startswith(publisher.url_prefix):
-            continue
-        if copy_present(Path(directory), token, name):
-            kind = publish_name(name)[1]
-            return Link(token, url, rel, name, st.st_size, is_passive_image(kind), created_at)
-    return None
+def _write_record(core: Core, record: dict) -> None:
+    """What the copy is, beside the index: a lost index takes the link back from it (rebuild)."""
+    path = core.layout.link_record(record["kind"], record["ref"])
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(record), encoding="utf-8")
+        os.replace(tmp, path)
+    except FileNotFoundError:  # the folder of a store made before records existed
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        tmp.write_text(json.dumps(record), encoding="utf-8")
+        os.replace(tmp, path)
 
 
-async def _check_budget(session: Session, rel: str, size: int) -> None:
-    """Copies live outside the user's folders, so the folder quota does not see them: rewriting a file
-    and linking it again makes a new copy each time, and the old one stays until cleanup finds it stale.
-    A user's copies may take twice max_bytes_per_user (the current files, plus as much again of copies
-    of older versions); beyond that nothing more is published until cleanup removes stale copies."""
-    limit = session._store.quotas.max_bytes_per_user or None
-    if limit is None:
+def link_records(core: Core) -> list[dict]:
+    """Every readable link record (rebuild, stray sweep)."""
+    found: list[dict] = []
+    with contextlib.suppress(FileNotFoundError), os.scandir(core.layout.links) as entries:
+        for entry in entries:
+            if not entry.name.endswith(".json") or not entry.is_file(follow_symlinks=False):
+                continue
+            try:
+                with open(entry.path, "rb") as fh:
+                    data = json.loads(fh.read(1 << 16))
+            except (OSError, ValueError):
+                continue
+            if isinstance(data, dict) and data.keys() >= _RECORD_KEYS:
+                data["_mtime"] = entry.stat(follow_symlinks=False).st_mtime
+                found.append(data)
+    return found
+
+
+_RECORD_KEYS = frozenset(
+    {"ref", "kind", "user_key", "chat_key", "path", "name", "url", "directory", "size", "mtime_ns"}
+    | {"inode", "ctime_ns", "sha256", "created_at"}
+)
+
+
+def _usable(publisher: object, ref: str, name: str) -> bool:
+    # A folder copy someone deleted by hand is not reused (cheap to see); the web server's records
+    # are trusted here, and `check` reports one that went missing.
+    if isinstance(publisher, DirectoryPublisher):
+        return publisher.present(ref, name)
+    return True
+
+
+def _sha256(fd: int) -> str:
+    digest = hashlib.sha256()
+    offset = 0
+    while chunk := os.pread(fd, _HASH_CHUNK, offset):
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()
+
+
+async def remove_copies(core: Core, links: Sequence[tuple[str, str, str]]) -> None:
+    """Delete the copies (and their records) of links whose rows are gone: (ref, kind, directory)."""
+    if not links:
         return
 
-    async def read(tx: Tx) -> int:
-        row = await tx.one(
-            "SELECT coalesce(sum(l.size), 0) FROM links l JOIN sessions s ON s.id = l.session_id"
-            " WHERE s.user_key = ?",
-            (session.user_key,),
-        )
-        return int(row[0]) if row else 0
+    def forget() -> None:
+        for ref, kind, _ in links:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(core.layout.link_record(kind, ref))
 
-    used = await session._store._db.read(read)
-    if used + size > 2 * limit:
-        raise QuotaExceeded(
-            f"{rel} was not linked: your published copies already take {human_bytes(used)} (at most "
-            f"{human_bytes(2 * limit)}, twice your storage limit); copies of files that changed or were "
-            "deleted are removed by the next cleanup"
-        )
-
-
-def copy_present(directory: Path, token: str, name: str) -> bool:
-    try:
-        st = os.stat(directory / token / name, follow_symlinks=False)
-    except OSError:
-        return False
-    return stat.S_ISREG(st.st_mode)
-
-
-def _copy(src: int, directory: Path, token: str, name: str, rel: str) -> None:
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    staging = directory / f"{STAGING_PREFIX}{token}"
-    try:
-        os.mkdir(staging, 0o700)
-        out = os.open(
-            staging / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-        )
-        with fd_closing(out):
-            os.lseek(src, 0, os.SEEK_SET)
-            copy_fd(src, out)
-        os.rename(staging, directory / token)
-    except BaseException as exc:
-        remove_tree(staging)
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StorageError(f"not enough disk space to publish {rel}; nothing was published") from exc
-        raise
+    await asyncio.to_thread(forget)
+    by_kind: dict[str, list[str]] = defaultdict(list)
+    folders: list[tuple[str, str]] = []
+    for ref, kind, directory in links:
+        if kind == DirectoryPublisher.kind:
+            folders.append((directory, ref))
+        else:
+            by_kind[kind].append(ref)
+    if folders:
+        await asyncio.to_thread(lambda: [remove_directory_copy(d, r) for d, r in folders])
+    publisher = core.publisher
+    for kind, refs in by_kind.items():
+        if publisher is not None and publisher.kind == kind:
+            await publisher.remove(refs)
+        else:
+            queued = time.time()
+            await core.write(lambda tx, k=kind, r=refs, t=queued: _index.queue_unpublished(tx, k, r, t))
 
 
-async def remember_publisher(store_db: object, publisher: Publisher) -> None:
-    """Record the publish folder and URL prefix so the CLI can clean published copies."""
+async def drain_unpublished(core: Core) -> int:
+    """Delete the queued copies this process's publisher holds; returns how many."""
+    publisher = core.publisher
+    if publisher is None or publisher.kind == DirectoryPublisher.kind:
+        return 0
+    refs = await core.read(lambda tx: _index.unpublished_refs(tx, publisher.kind))
+    if not refs:
+        return 0
+    await publisher.remove(refs)
+    await core.write(lambda tx: _index.clear_unpublished(tx, publisher.kind, refs))
+    return len(refs)
 
-    async def write(tx: Tx) -> None:
-        await set_meta(tx, "publish_dir", str(publisher.directory))
-        await set_meta(tx, "url_prefix", publisher.url_prefix)
 
-    await store_db.write(write)  # type: ignore[attr-defined]
-
-
-def remove_copy(directory: str | Path, token: str) -> None:
-    """Delete a published copy; refuses anything that is not one of our token folders."""
-    if not TOKEN_RE.fullmatch(token):
-        return
-    with contextlib.suppress(OSError):
-        remove_tree(Path(directory) / token)
+def folder_copy_present(directory: str, ref: str, name: str) -> bool:
+    return copy_present(Path(directory), ref, name)

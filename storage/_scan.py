@@ -15,8 +15,8 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ._fsops import _DIR_FLAGS, fd_closing, kind_of, lstat_at, remove_tree_at
-from ._names import MAX_DEPTH, display
+from ._fsops import DIR_FLAGS, fd_closing, kind_of, lstat_at, remove_tree_at
+from ._names import MAX_DEPTH, display, numbered
 from .models import Rejected, Renamed
 
 log = logging.getLogger("code_sessions.storage")
@@ -46,7 +46,7 @@ class Scan:
 def scan(session_dir: Path, *, fix: bool, max_depth: int = MAX_DEPTH) -> Scan:
     result = Scan()
     try:
-        root = os.open(session_dir, _DIR_FLAGS)
+        root = os.open(session_dir, DIR_FLAGS)
     except FileNotFoundError:
         return result
     # Depth first, one open folder per level (MAX_DEPTH at most), however many folders a level holds.
@@ -95,7 +95,7 @@ def _scan_dir(
                     if st.st_nlink > 1:
                         result.linked.append(prefix + name)
                     continue
-                _reject(fd, name, prefix + name, kind_of(st.st_mode), fix, result)
+                reject(fd, name, prefix + name, kind_of(st.st_mode), fix, result)
             elif entry.is_dir(follow_symlinks=False):
                 _enter_dir(fd, name, prefix + name, depth + 1, fix, max_depth, result)
             else:
@@ -132,7 +132,7 @@ def _classify(
     elif stat.S_ISDIR(st.st_mode):
         _enter_dir(fd, name, path, depth + 1, fix, max_depth, result)
     else:
-        _reject(fd, name, path, kind_of(st.st_mode), fix, result)
+        reject(fd, name, path, kind_of(st.st_mode), fix, result)
 
 
 def _enter_dir(
@@ -153,14 +153,14 @@ def _enter_dir(
             remove_tree_at(fd, name)
         return
     try:
-        child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+        child = os.open(name, DIR_FLAGS, dir_fd=fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             # Swapped for something else since the listing: judge what is there now, without following.
             st = lstat_at(fd, name)
             if st is None:
                 return
-            _reject(fd, name, path, kind_of(st.st_mode), fix, result)
+            reject(fd, name, path, kind_of(st.st_mode), fix, result)
             return
         if exc.errno == errno.EACCES:
             log.warning("cannot read folder %s in a session; its index entries are kept", path)
@@ -171,7 +171,7 @@ def _enter_dir(
         _scan_dir(child, path + "/", depth, fix, max_depth, result)
 
 
-def _reject(fd: int, name: str, path: str, kind: str, fix: bool, result: Scan) -> None:
+def reject(fd: int, name: str, path: str, kind: str, fix: bool, result: Scan) -> None:
     if kind in ("file", "folder"):
         return
     result.rejected.append(Rejected(display(path), kind))
@@ -187,8 +187,7 @@ def _fix_name(fd: int, raw: str, prefix: str, fix: bool, result: Scan) -> str | 
     new = decoded
     n = 2
     while lstat_at(fd, new) is not None:
-        stem, dot, ext = decoded.rpartition(".")
-        new = f"{stem} ({n}).{ext}" if dot and stem else f"{decoded} ({n})"
+        new = numbered(decoded, n)
         n += 1
     result.renamed.append(Renamed(display(prefix + raw), prefix + new))
     if not fix:

@@ -105,7 +105,40 @@ _V4 = """
 ALTER TABLE sessions ADD COLUMN linked_files INTEGER NOT NULL DEFAULT 0;
 """
 
-MIGRATIONS: Sequence[str] = (_V1, _V2, _V3, _V4)
+# Version 5: links know which publisher holds their copy (`kind`: a folder served by the web server,
+# or the web server's own file store) and the bytes they were made from: a content hash, plus the
+# file's inode and ctime, which sandboxed code cannot set back (it can restore size and mtime), so
+# an unchanged file is known without hashing it again. `expires_at` was never written. Published
+# copies count toward the user's storage limit: `sessions.published_bytes` follows the links rows
+# the way `bytes` follows the files rows. `unpublished`: copies whose link is gone but that only
+# their publisher can delete (the CLI cannot reach the web server's file store); the application
+# deletes them at its next cleanup. `sessions.missing_since`: when the web UI was first seen not to
+# have the session's chat any more (it is deleted once a second look, a while later, agrees).
+_V5 = """
+ALTER TABLE links ADD COLUMN kind TEXT NOT NULL DEFAULT 'directory';
+ALTER TABLE links ADD COLUMN sha256 TEXT;
+ALTER TABLE links ADD COLUMN inode INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE links ADD COLUMN ctime_ns INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE links DROP COLUMN expires_at;
+ALTER TABLE sessions ADD COLUMN published_bytes INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE sessions ADD COLUMN missing_since REAL;
+UPDATE sessions SET published_bytes =
+    (SELECT coalesce(sum(size), 0) FROM links WHERE session_id = sessions.id);
+CREATE TRIGGER links_inserted AFTER INSERT ON links BEGIN
+    UPDATE sessions SET published_bytes = published_bytes + NEW.size WHERE id = NEW.session_id;
+END;
+CREATE TRIGGER links_deleted AFTER DELETE ON links BEGIN
+    UPDATE sessions SET published_bytes = published_bytes - OLD.size WHERE id = OLD.session_id;
+END;
+CREATE TABLE unpublished (
+    kind      TEXT NOT NULL,
+    token     TEXT NOT NULL,
+    queued_at REAL NOT NULL,
+    PRIMARY KEY (kind, token)
+);
+"""
+
+MIGRATIONS: Sequence[str] = (_V1, _V2, _V3, _V4, _V5)
 CURRENT_VERSION = len(MIGRATIONS)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from ._format import human_bytes, human_duration, human_limit, iso_time, parse_duration, table
 from .errors import StorageError
-from .models import Expiry, Purge, Quotas, SessionInfo
+from .models import Purge, SessionInfo
 from .store import Store
 
 ENV_ROOT = "CODE_SESSIONS_ROOT"
@@ -98,25 +98,15 @@ def _root(given: str | None) -> Path:
 
 
 async def _run(args: argparse.Namespace, root: Path) -> int:
-    store = Store(root)
+    store = Store(root, record_settings=False)
     async with store:
-        await _load_settings(store)
+        # The policy and publish folder the application last recorded, so the CLI applies the same.
+        policy, publisher = await store.recorded_settings()
+        if policy is not None:
+            store.policy = policy
+        store.use_publisher(publisher)
         handler = _COMMANDS[args.command]
         return await handler(store, args)
-
-
-async def _load_settings(store: Store) -> None:
-    """Use the quotas and expiry the application last recorded, so the CLI applies the same policy."""
-    for key, cls in (("quotas", Quotas), ("expiry", Expiry)):
-        raw = await store._meta(key)
-        if not raw:
-            continue
-        try:
-            value = cls(**json.loads(raw))
-        except (TypeError, ValueError):
-            continue
-        setattr(store, key, value)
-    store._record_settings = False
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
@@ -166,7 +156,7 @@ async def _resolve_chat(store: Store, chat: str, user: str | None) -> SessionInf
 
 async def _files(store: Store, args: argparse.Namespace) -> int:
     info = await _resolve_chat(store, args.chat, args.user)
-    session = store._session_for(info)
+    session = store.session_at(info)
     files = await session.files.list()
     text = table(
         ["PATH", "SIZE", "MODIFIED", "LAST CHANGED"],

@@ -6,7 +6,16 @@ Messages are written for the person at the chat: they say what happened and what
 
 from __future__ import annotations
 
-__all__ = ["FileExists", "FileMissing", "InvalidPath", "QuotaExceeded", "StorageBusy", "StorageError"]
+__all__ = [
+    "DiskFull",
+    "FileExists",
+    "FileMissing",
+    "IndexDamaged",
+    "InvalidPath",
+    "QuotaExceeded",
+    "StorageBusy",
+    "StorageError",
+]
 
 
 class StorageError(Exception):
@@ -32,3 +41,20 @@ class QuotaExceeded(StorageError):
 
 class StorageBusy(StorageError):
     """The index or a session stayed locked by someone else for too long."""
+
+
+class DiskFull(StorageError):
+    """The disk that holds the sessions or the index has no room left. Nothing was lost: what could
+    not be written was not written, and the index is as it was before."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(
+            message
+            or "The disk that holds the chats' files is full, so this could not be saved; nothing that "
+            "was there is lost. Delete some files, or ask an admin to free space, then try again."
+        )
+
+
+class IndexDamaged(StorageError):
+    """The index file is damaged (truncated, overwritten). The store moves it aside and rebuilds it
+    from the session folders; callers see this only if that recovery itself failed."""

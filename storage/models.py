@@ -12,15 +12,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ._format import human_bytes
+
 __all__ = [
     "ActivityEntry",
     "CleanupReport",
     "Drift",
     "Expiry",
     "FileEntry",
+    "Growth",
     "Link",
     "LinkInfo",
-    "Publisher",
     "Purge",
     "QuotaRemoval",
     "Quotas",
@@ -110,25 +112,6 @@ class Expiry(_Dictable):
 
 
 @dataclass(frozen=True, slots=True)
-class Publisher(_Dictable):
-    """Where published copies go and the URL prefix under which the web server serves that directory.
-
-    Example: Publisher(Path("/app/backend/data/cache/functions/code_sessions"),
-    "/cache/functions/code_sessions/"). A missing trailing slash is added to url_prefix.
-    """
-
-    directory: Path
-    url_prefix: str
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "directory", Path(self.directory))
-        if not isinstance(self.url_prefix, str):
-            raise ValueError("Publisher.url_prefix must be a str")
-        if not self.url_prefix.endswith("/"):
-            object.__setattr__(self, "url_prefix", self.url_prefix + "/")
-
-
-@dataclass(frozen=True, slots=True)
 class Purge(_Dictable):
     """Selects sessions to delete entirely. Several criteria combine with AND; `everything` wins.
 
@@ -172,16 +155,30 @@ class UserUsage(_Dictable):
 
 @dataclass(frozen=True, slots=True)
 class RunBudget(_Dictable):
-    """What one run may still add for this user. None means no limit.
+    """What one run may write while it runs, from the policy (None means no limit).
 
-    * max_new_files: new files the run may create (per-run cap and remaining user file quota).
-    * max_write_bytes: bytes the user may still add across all chats.
-    * max_file_bytes: size of any one file (never more than max_write_bytes).
+    * max_write_bytes: how much the session folder may grow during the run: the bytes the user has
+      left across all chats, but never less than a small floor, so a run over quota can still work
+      (whatever is over the quota when it ends is removed);
+    * max_file_bytes: size of any one file;
+    * note: set when the user starts the run with nothing to spend: a sentence for the user and the
+      model (the run can delete or shrink files; what it adds is removed).
     """
 
-    max_new_files: int | None
     max_write_bytes: int | None
     max_file_bytes: int | None
+    note: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Growth(_Dictable):
+    """A file a run added (`new`) or grew, as the policy weighs it after the run."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    new: bool
+    old_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,8 +239,6 @@ class ReconcileReport(_Dictable):
     full: bool = True
 
     def summary(self) -> str:
-        from ._format import human_bytes
-
         parts = [f"{len(self.added)} added", f"{len(self.changed)} changed", f"{len(self.removed)} removed"]
         if self.rejected:
             parts.append(f"{len(self.rejected)} rejected")
@@ -273,14 +268,15 @@ class RebuildReport(_Dictable):
     removed: int = 0
     rejected: list[Rejected] = field(default_factory=list)
     renamed: list[Renamed] = field(default_factory=list)
+    links: int = 0  # links taken back from their records (the index had lost them)
 
     def summary(self) -> str:
-        from ._format import human_bytes
-
         text = (
             f"{self.sessions} sessions, {self.files} files, {human_bytes(self.bytes)}; "
             f"{self.added} added, {self.changed} changed, {self.removed} removed"
         )
+        if self.links:
+            text += f", {self.links} links taken back"
         if self.rejected:
             text += f", {len(self.rejected)} rejected"
         if self.sessions_in_use:
@@ -290,9 +286,12 @@ class RebuildReport(_Dictable):
 
 @dataclass(frozen=True, slots=True)
 class Link(_Dictable):
-    """A published copy. `url` is url_prefix + token + "/" + quoted name; `name` is the safe file name."""
+    """A published copy of a session file.
 
-    token: str
+    `ref` is the publisher's id of the copy (a random token, or a file id of the web server),
+    `url` where the user's browser fetches it, `name` the file name the copy was given."""
+
+    ref: str
     url: str
     path: str
     name: str
@@ -303,7 +302,8 @@ class Link(_Dictable):
 
 @dataclass(frozen=True, slots=True)
 class LinkInfo(_Dictable):
-    token: str
+    ref: str
+    kind: str  # the publisher that holds the copy (see storage.publishing)
     user_id: str | None
     chat_id: str | None
     path: str
@@ -311,7 +311,6 @@ class LinkInfo(_Dictable):
     url: str
     size: int
     created_at: float
-    expires_at: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,8 +349,6 @@ class CleanupReport(_Dictable):
     details: list[SessionCleanup] = field(default_factory=list)
 
     def summary(self) -> str:
-        from ._format import human_bytes
-
         verb = "would remove" if self.dry_run else "removed"
         return (
             f"{verb} {self.sessions_removed} sessions, {self.files_removed} files "

@@ -1,4 +1,8 @@
-"""A chat's session: its folder, lock, quota check, reconcile, files and links."""
+"""A chat's session, as callers see it: its folder, lock, budget, sync, files and links.
+
+`Session` and `SessionFiles` are thin faces: the work is done by the modules of the storage core
+(`_sync`, `_publish`, `_index`, `_fsops`) over the store's `Core` and this session's `SessionRef`.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,12 @@ import contextlib
 import os
 import stat
 import time
-from collections.abc import AsyncIterator, Collection, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from . import _partial, _reconcile
-from ._db import Tx
-from ._format import human_bytes
+from . import _index, _publish, _sync, _sync_changed
+from ._backend import Tx
+from ._core import Core, SessionRef
 from ._fsops import (
     atomic_write,
     fd_closing,
@@ -21,20 +24,17 @@ from ._fsops import (
     open_dir,
     open_regular,
     read_all,
+    remove_tree_at,
     rename_file,
     unlink_file,
     walk_dirs,
     write_unique,
 )
-from ._index import ensure_session, session_by_keys, user_totals
-from ._keys import id_key, is_temporary
-from ._lock import FileLock
 from ._names import attachment_name, numbered, split_path
-from .errors import FileMissing, InvalidPath, QuotaExceeded
+from .errors import FileMissing, InvalidPath
 from .models import FileEntry, Link, LinkInfo, ReconcileReport, RunBudget, Usage
 
-if TYPE_CHECKING:
-    from .store import Store
+__all__ = ["Session", "SessionFiles"]
 
 _MAX_NUMBERED = 10_000
 
@@ -43,74 +43,73 @@ class Session:
     """One chat's persistent folder. Get it from `await store.session(user_id, chat_id)`.
 
     `path` is the host folder to mount at /mnt/data. Run steps inside `async with session.lock():`
-    so quota check, run, reconcile and publish of one chat never interleave (across processes too).
+    so budget, run, sync and publish of one chat never interleave (across processes too).
     """
 
-    def __init__(self, store: Store, user_id: str, chat_id: str) -> None:
-        self._store = store
-        self.user_id = user_id
-        self.chat_id = chat_id
-        self.user_key = id_key(user_id)
-        self.chat_key = id_key(chat_id)
-        self.temporary = is_temporary(chat_id)
-        self.path: Path = store._layout.session_dir(self.user_key, self.chat_key)
-        self.files = SessionFiles(self)
+    def __init__(self, core: Core, ref: SessionRef) -> None:
+        self._core = core
+        self._ref = ref
+        self.files = SessionFiles(core, ref)
         self._unindexed_run = False  # begin_run() found the mark of an earlier run never indexed
 
-    @classmethod
-    def _at_keys(cls, store: Store, user_id: str, chat_id: str, user_key: str, chat_key: str) -> Session:
-        """A session whose folder is known by its keys (rebuild, CLI): the folder wins over the ids."""
-        session = cls(store, user_id, chat_id)
-        session.user_key, session.chat_key = user_key, chat_key
-        session.path = store._layout.session_dir(user_key, chat_key)
-        return session
+    @property
+    def user_id(self) -> str:
+        return self._ref.user_id
+
+    @property
+    def chat_id(self) -> str:
+        return self._ref.chat_id
+
+    @property
+    def user_key(self) -> str:
+        return self._ref.user_key
+
+    @property
+    def chat_key(self) -> str:
+        return self._ref.chat_key
+
+    @property
+    def temporary(self) -> bool:
+        return self._ref.temporary
+
+    @property
+    def path(self) -> Path:
+        return self._ref.path
 
     def __repr__(self) -> str:
         return f"Session(user_id={self.user_id!r}, chat_id={self.chat_id!r}, path={str(self.path)!r})"
 
     @contextlib.asynccontextmanager
-    async def lock(self, timeout: float | None = None) -> AsyncIterator[Session]:
-        """Exclusive cross-process lock on this chat. Waits without blocking the event loop; with a
-        timeout (seconds) raises StorageBusy when it expires. Re-creates the folder and index row if a
-        cleanup removed them while we waited."""
-        lock = FileLock(self._store._layout.lock_path(self.user_key, self.chat_key))
-        await lock.acquire(timeout)
+    async def lock(
+        self, timeout: float | None = None, *, waiting: Callable[[], Awaitable[None]] | None = None
+    ) -> AsyncIterator[Session]:
+        """Exclusive lock on this chat, across processes. Waits without blocking the event loop; with
+        a timeout (seconds) raises StorageBusy when it expires; `waiting` is awaited once first when
+        the lock is not free at once. Re-creates the folder and index row if a cleanup removed them
+        while we waited."""
+        lock = self._core.lock_of(self._ref)
+        if not await lock.try_acquire():
+            if waiting is not None:
+                await waiting()
+            await lock.acquire(timeout)
         try:
-            await self._store._ensure(self, touch=True)
+            await self._core.ensure(self._ref, touch=True)
             yield self
         finally:
-            lock.release()
+            await lock.release()
 
-    async def check_quota(self) -> RunBudget:
-        """Raise QuotaExceeded if the user (all chats) is at or over a limit; else what a run may add."""
-        store = self._store
-        quotas = store.quotas
-        await store._remember_settings()
-        usage = await store._usage_of(self.user_key)  # by key: a rebuilt session's ids may not hash to it
-        max_files = quotas.max_files_per_user or None
-        max_bytes = quotas.max_bytes_per_user or None
-        if max_files is not None and usage.files >= max_files:
-            raise QuotaExceeded(
-                f"You have reached the limit of {max_files} files across your chats (you have "
-                f"{usage.files}). Delete some files or old chats, then try again."
-            )
-        if max_bytes is not None and usage.bytes >= max_bytes:
-            raise QuotaExceeded(
-                f"You have reached your storage limit of {human_bytes(max_bytes)} across your chats "
-                f"(you use {human_bytes(usage.bytes)}). Delete some files or old chats, then try again."
-            )
-        limits = [n for n in (quotas.max_new_files_per_run or None, _left(max_files, usage.files)) if n]
-        max_write = _left(max_bytes, usage.bytes)
-        max_file = quotas.max_file_bytes or None
-        if max_write is not None:
-            max_file = max_write if max_file is None else min(max_file, max_write)
-        return RunBudget(min(limits) if limits else None, max_write, max_file)
+    async def run_budget(self) -> RunBudget:
+        """What a run may write while it runs (never a refusal: see Policy.run_budget)."""
+        core = self._core
+        await core.remember_settings()
+        usage = await core.read(lambda tx: _index.user_usage(tx, self.user_key))
+        return core.policy.run_budget(usage)
 
     async def begin_run(self) -> None:
         """Call under `lock()` just before something outside the store (a sandbox run) changes the
         folder. It leaves a mark that the next reconcile() removes: a process that dies in between
-        leaves it behind, and the next Store.open() reconciles the folder (crash recovery)."""
-        marker = self._store._layout.running_marker(self.user_key, self.chat_key)
+        leaves it behind, and the next Store.open() indexes the folder (crash recovery)."""
+        marker = self._core.layout.running_marker(self.user_key, self.chat_key)
 
         def mark() -> bool:
             for _ in range(2):
@@ -123,87 +122,55 @@ class Session:
                     marker.parent.mkdir(mode=0o700, exist_ok=True)
             return False
 
-        self._unindexed_run = await asyncio.to_thread(mark)
+        try:
+            self._unindexed_run = await asyncio.to_thread(mark)
+        except OSError:  # a full disk: the run may still free space; its sync lists the whole folder
+            self._unindexed_run = True
 
     async def reconcile(
         self, enforce_quotas: bool = True, changed: Collection[str] | None = None
     ) -> ReconcileReport:
-        """Bring the index in line with the folder (call it under `lock()`, after a run).
+        """Bring the index in line with the folder (call it under `lock()`, after a run), and remove
+        what the run added beyond the quota.
 
         `changed`: the relative paths the run created, changed, removed or renamed (e.g. the
         runner's `RunResult.changed`); only those, and folders' subtrees, are looked at, with the
         same rules, falling back to listing the whole folder when anything is unusual
         (`report.full` tells which ran). None: list the whole folder."""
+        core = self._core
         if enforce_quotas:
-            await self._store._remember_settings()
-        quotas = self._store.quotas
+            await core.remember_settings()
         if changed is not None and self._unindexed_run:
             changed = None  # an earlier run was never indexed: its changes are not among these
         if changed is not None:
-            report = await _partial.reconcile(self, changed, enforce_quotas=enforce_quotas, quotas=quotas)
+            report = await _sync_changed.sync_paths(core, self._ref, changed, enforce=enforce_quotas)
         else:
-            report = await _reconcile.reconcile(self, enforce_quotas=enforce_quotas, quotas=quotas)
-        marker = self._store._layout.running_marker(self.user_key, self.chat_key)
+            report = await _sync.sync_folder(core, self._ref, enforce=enforce_quotas)
+        marker = core.layout.running_marker(self.user_key, self.chat_key)
         await asyncio.to_thread(_unlink_missing_ok, marker)
         self._unindexed_run = False
         return report
 
     async def usage(self) -> Usage:
-        """This chat's files and bytes, as last reconciled."""
+        """This chat's files and bytes, as last indexed."""
+        return await self._core.read(lambda tx: _index.session_usage(tx, self.user_key, self.chat_key))
 
-        async def read(tx: Tx) -> Usage:
-            row = await session_by_keys(tx, self.user_key, self.chat_key)
-            return Usage(0, 0) if row is None else Usage(row.file_count, row.bytes)
-
-        return await self._store._db.read(read)
+    async def user_usage(self) -> Usage:
+        """What counts toward this user's quota across all chats (published copies included)."""
+        return await self._core.read(lambda tx: _index.user_usage(tx, self.user_key))
 
     async def publish(self, path: str) -> Link:
-        """Publish a copy of a file under an unguessable URL (reused while the file is unchanged)."""
-        from ._publish import publish
-
-        return await publish(self, path)
-
-    async def download_url(self, path: str) -> str:
-        return (await self.publish(path)).url
+        """Publish a copy of a file (reused while its bytes are the same); see storage.publishing."""
+        return await _publish.publish(self._core, self._ref, path)
 
     async def links(self) -> list[LinkInfo]:
         """This chat's published links, oldest first."""
-        return await self._store._links(self.user_key, self.chat_key)
-
-    # ---------------------------------------------------------------- helpers for SessionFiles
-
-    @contextlib.contextmanager
-    def _root(self, *, create: bool = False) -> Iterator[int]:
-        if create and not self.path.is_dir():
-            self._store._make_dirs(self)
-        try:
-            fd = open_dir(self.path)
-        except FileMissing:
-            raise FileMissing("this chat has no files yet (its folder does not exist)") from None
-        with fd_closing(fd):
-            yield fd
-
-    async def _session_id(self, tx: Tx, created_at: float, used_at: float | None = None) -> int:
-        """This session's row id, creating the row (created at ``created_at``) if it is missing."""
-        return await ensure_session(
-            tx,
-            user_id=self.user_id,
-            chat_id=self.chat_id,
-            user_key=self.user_key,
-            chat_key=self.chat_key,
-            temporary=self.temporary,
-            created_at=created_at,
-            used_at=used_at,
-        )
+        return await self._core.read(lambda tx: _index.link_listing(tx, self.user_key, self.chat_key))
 
 
 def _unlink_missing_ok(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-
-
-def _left(limit: int | None, used: int) -> int | None:
-    return None if limit is None else max(0, limit - used)
 
 
 class SessionFiles:
@@ -213,29 +180,21 @@ class SessionFiles:
     refused. No operation follows a symbolic link anywhere in a path.
     """
 
-    def __init__(self, session: Session) -> None:
-        self._session = session
+    def __init__(self, core: Core, ref: SessionRef) -> None:
+        self._core = core
+        self._ref = ref
 
     async def list(self) -> list[FileEntry]:
-        """Every indexed file, sorted by path (the index as of the last reconcile or file operation)."""
-        s = self._session
-
-        async def read(tx: Tx) -> list[FileEntry]:
-            rows = await tx.all(
-                "SELECT f.path, f.size, f.mtime_ns, f.first_seen, f.last_changed FROM files f"
-                " JOIN sessions s ON s.id = f.session_id WHERE s.user_key = ? AND s.chat_key = ?"
-                " ORDER BY f.path",
-                (s.user_key, s.chat_key),
-            )
-            return [FileEntry(p, size, ns / 1e9, first, last) for p, size, ns, first, last in rows]
-
-        return await s._store._db.read(read)
+        """Every indexed file, sorted by path (the index as of the last sync or file operation)."""
+        return await self._core.read(
+            lambda tx: _index.file_entries(tx, self._ref.user_key, self._ref.chat_key)
+        )
 
     async def read(self, path: str) -> bytes:
         parts = split_path(path)
 
         def work() -> bytes:
-            with self._session._root() as root, fd_closing(open_regular(root, parts)) as fd:
+            with self._root() as root, fd_closing(open_regular(root, parts)) as fd:
                 return read_all(fd)
 
         return await asyncio.to_thread(work)
@@ -246,7 +205,7 @@ class SessionFiles:
 
         def work() -> bool:
             try:
-                with self._session._root() as root, fd_closing(walk_dirs(root, parts[:-1])) as parent:
+                with self._root() as root, fd_closing(walk_dirs(root, parts[:-1])) as parent:
                     st = lstat_at(parent, parts[-1])
             except (FileMissing, InvalidPath):
                 return False
@@ -257,56 +216,47 @@ class SessionFiles:
     async def write(self, path: str, data: bytes, *, enforce_quotas: bool = True) -> None:
         """Atomically create or replace a file (parent folders are created).
 
-        Raises QuotaExceeded if the file is larger than max_file_bytes or would take the user over a
-        limit (unless enforce_quotas=False)."""
+        Raises QuotaExceeded if the file is larger than the per-file limit or would take the user
+        over a limit (unless enforce_quotas=False)."""
         parts = split_path(path)
         data = bytes(data)
         rel = "/".join(parts)
         if enforce_quotas:
-            await self._check_room(len(data), replacing=rel)
-        s = self._session
-        owner = s._store.owner
+            await self._refuse(len(data), replacing=rel)
+        owner = self._core.owner
 
         def work() -> os.stat_result:
-            with s._root(create=True) as root:
+            with self._root(create=True) as root:
                 parent = walk_dirs(root, parts[:-1], create=True, owner=owner)
                 with fd_closing(parent):
                     return atomic_write(parent, parts[-1], data, owner, rel)
 
         st = await asyncio.to_thread(work)
-        await self._index_upsert(rel, st)
+        await self._index_new(rel, st, source=None, recheck=False)
 
     async def imported(self, source: str) -> str | None:
-        """The path `write_new(..., source=source)` saved, or None if that source was never imported.
+        """The path `write_new(..., source=source)` saved, "" if `refuse_import(source)` was called,
+        or None if that source was never imported.
 
         The path may since have been renamed or deleted by the chat's code; the import still counts."""
-        s = self._session
-
-        async def read(tx: Tx) -> str | None:
-            row = await tx.one(
-                "SELECT i.path FROM imports i JOIN sessions s ON s.id = i.session_id "
-                "WHERE s.user_key = ? AND s.chat_key = ? AND i.source = ?",
-                (s.user_key, s.chat_key, source),
-            )
-            return None if row is None else row[0]
-
-        return await s._store._db.read(read)
+        ref = self._ref
+        return await self._core.read(lambda tx: _index.imported_path(tx, ref.user_key, ref.chat_key, source))
 
     async def write_new(self, name: str, data: bytes, *, source: str | None = None) -> str:
         """Save an uploaded file at the top of the folder under a safe, unused name and return it.
 
-        `a.csv` taken -> `a (2).csv`; never overwrites. Enforces max_file_bytes and the user quota.
-        With `source` (an id of where the bytes came from), a second call for the same source saves
-        nothing and returns the first path: see `imported`."""
+        `a.csv` taken -> `a (2).csv`; never overwrites. Enforces the per-file limit and the user
+        quota (checked again when the file is indexed: two uploads at once cannot both take the last
+        room). With `source` (an id of where the bytes came from), a second call for the same source
+        saves nothing and returns the first path: see `imported`."""
         if source is not None:
             earlier = await self.imported(source)
             if earlier is not None:
                 return earlier
         safe = attachment_name(name)
         data = bytes(data)
-        await self._check_room(len(data), replacing=None)
-        s = self._session
-        owner = s._store.owner
+        await self._refuse(len(data), replacing=None)
+        owner = self._core.owner
 
         def names() -> Iterator[str]:
             yield safe
@@ -314,23 +264,68 @@ class SessionFiles:
                 yield numbered(safe, n)
 
         def work() -> tuple[str, os.stat_result]:
-            with s._root(create=True) as root:
+            with self._root(create=True) as root:
                 return write_unique(root, names(), data, owner)
 
         used, st = await asyncio.to_thread(work)
-        await self._index_upsert(used, st, source=source)
+        try:
+            await self._index_new(used, st, source=source, recheck=True)
+        except BaseException:
+            await asyncio.shield(asyncio.to_thread(self._unlink_quietly, (used,)))
+            raise
         return used
+
+    async def refuse_import(self, source: str) -> None:
+        """Remember that this source could not be taken (too large, over quota, unreadable), so that
+        it is not tried, and its refusal not said, again."""
+        core, ref = self._core, self._ref
+        now = time.time()
+
+        async def write(tx: Tx) -> None:
+            sid = await core.session_id(tx, ref, now)
+            await _index.record_import(tx, sid, source, "", now)
+
+        await core.write(write)
 
     async def remove(self, path: str) -> None:
         """Delete a file (a symlink at that path is removed, not followed). Folders are refused."""
         parts = split_path(path)
 
         def work() -> None:
-            with self._session._root() as root:
+            with self._root() as root:
                 unlink_file(root, parts)
 
         await asyncio.to_thread(work)
-        await self._index_delete(["/".join(parts)])
+        rel = "/".join(parts)
+        await self._core.write(lambda tx: self._forget(tx, [rel]))
+
+    async def clear(self) -> Usage:
+        """Delete everything in the folder, and the published copies of this chat's files (links in
+        its earlier answers stop working): the user's "clear this chat's files". Returns what went.
+        Call it under the session's lock."""
+        core, ref = self._core, self._ref
+        before = await core.read(lambda tx: _index.session_usage(tx, ref.user_key, ref.chat_key))
+
+        def work() -> None:
+            with self._root() as root, os.scandir(root) as entries:
+                names = [entry.name for entry in entries]
+                for name in names:
+                    remove_tree_at(root, name)
+
+        with contextlib.suppress(FileMissing):
+            await asyncio.to_thread(work)
+        await _sync.sync_folder(core, ref, enforce=False)
+
+        async def drop_links(tx: Tx) -> list[tuple[str, str, str]]:
+            row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
+            if row is None:
+                return []
+            links = await _index.links_of_session(tx, row.id)
+            await _index.delete_links(tx, [r for r, _, _ in links])
+            return links
+
+        await _publish.remove_copies(core, await core.write(drop_links))
+        return before
 
     async def rename(self, src: str, dst: str, *, overwrite: bool = False) -> None:
         """Move a regular file (parent folders of dst are created). Raises FileExists if dst exists,
@@ -338,11 +333,10 @@ class SessionFiles:
         src_parts, dst_parts = split_path(src), split_path(dst)
         if src_parts == dst_parts:
             return
-        s = self._session
-        owner = s._store.owner
+        owner = self._core.owner
 
         def work() -> os.stat_result:
-            with s._root() as root:
+            with self._root() as root:
                 st, _old = rename_file(root, src_parts, dst_parts, overwrite=overwrite, owner=owner)
                 return st
 
@@ -351,84 +345,61 @@ class SessionFiles:
         now = time.time()
 
         async def write(tx: Tx) -> None:
-            sid = await s._session_id(tx, now)
-            row = await tx.one(
-                "SELECT first_seen, last_changed FROM files WHERE session_id = ? AND path = ?", (sid, src_rel)
-            )
-            first, last = row if row else (now, now)
-            await tx.run("DELETE FROM files WHERE session_id = ? AND path IN (?, ?)", (sid, src_rel, dst_rel))
-            await tx.run(
-                "INSERT INTO files (session_id, path, size, mtime_ns, first_seen, last_changed)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (sid, dst_rel, st.st_size, st.st_mtime_ns, first, last),
-            )
+            sid = await self._core.session_id(tx, self._ref, now)
+            await _index.move_file(tx, sid, src_rel, dst_rel, st.st_size, st.st_mtime_ns, now)
 
-        await s._store._db.write(write)
+        await self._core.write(write)
 
     # ---------------------------------------------------------------- internals
 
-    async def _check_room(self, size: int, *, replacing: str | None) -> None:
-        s = self._session
-        quotas = s._store.quotas
-        max_file = quotas.max_file_bytes or None
-        if max_file is not None and size > max_file:
-            raise QuotaExceeded(
-                f"The file is {human_bytes(size)}, larger than the {human_bytes(max_file)} per-file limit."
-            )
-        max_files = quotas.max_files_per_user or None
-        max_bytes = quotas.max_bytes_per_user or None
-        if max_files is None and max_bytes is None:
-            return
+    @contextlib.contextmanager
+    def _root(self, *, create: bool = False) -> Iterator[int]:
+        if create and not self._ref.path.is_dir():
+            self._core.make_dirs(self._ref)
+        try:
+            fd = open_dir(self._ref.path)
+        except FileMissing:
+            raise FileMissing("this chat has no files yet (its folder does not exist)") from None
+        with fd_closing(fd):
+            yield fd
 
-        async def read(tx: Tx) -> tuple[int, int, int | None]:
-            _, files, used = await user_totals(tx, s.user_key)
+    async def _refuse(self, size: int, *, replacing: str | None) -> None:
+        ref = self._ref
+
+        async def read(tx: Tx) -> tuple[Usage, int | None]:
+            usage = await _index.user_usage(tx, ref.user_key)
             old = None
             if replacing is not None:
-                row = await tx.one(
-                    "SELECT f.size FROM files f JOIN sessions x ON x.id = f.session_id"
-                    " WHERE x.user_key = ? AND x.chat_key = ? AND f.path = ?",
-                    (s.user_key, s.chat_key, replacing),
-                )
-                old = None if row is None else int(row[0])
-            return files, used, old
+                row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
+                old = None if row is None else await _index.file_size(tx, row.id, replacing)
+            return usage, old
 
-        files, used, old = await s._store._db.read(read)
-        new_files = files + (0 if old is not None else 1)
-        new_bytes = used - (old or 0) + size
-        if max_files is not None and new_files > max_files:
-            raise QuotaExceeded(
-                f"You have reached the limit of {max_files} files across your chats. "
-                "Delete some files or old chats, then try again."
-            )
-        if max_bytes is not None and new_bytes > max_bytes:
-            raise QuotaExceeded(
-                f"Saving this {human_bytes(size)} file would exceed your storage limit of "
-                f"{human_bytes(max_bytes)} across your chats (you use {human_bytes(used)}). "
-                "Delete some files or old chats, then try again."
-            )
+        usage, old = await self._core.read(read)
+        self._core.policy.refuse_write(usage, size, replacing=old)
 
-    async def _index_upsert(self, rel: str, st: os.stat_result, *, source: str | None = None) -> None:
-        s = self._session
+    async def _index_new(self, rel: str, st: os.stat_result, *, source: str | None, recheck: bool) -> None:
+        core, ref = self._core, self._ref
         now = time.time()
 
         async def write(tx: Tx) -> None:
-            sid = await s._session_id(tx, now)
-            await tx.run(_reconcile._UPSERT, (sid, rel, st.st_size, st.st_mtime_ns, now, now))
+            if recheck:
+                await tx.serialise_user(ref.user_key)
+                core.policy.refuse_write(
+                    await _index.user_usage(tx, ref.user_key), st.st_size, replacing=None
+                )
+            sid = await core.session_id(tx, ref, now)
+            await _index.upsert_files(tx, sid, [(rel, st.st_size, st.st_mtime_ns, now)])
             if source is not None:
-                await tx.run(
-                    "INSERT OR IGNORE INTO imports (session_id, source, path, imported_at) "
-                    "VALUES (?, ?, ?, ?)",
-                    (sid, source, rel, now),
-                )
+                await _index.record_import(tx, sid, source, rel, now)
 
-        await s._store._db.write(write)
+        await core.write(write)
 
-    async def _index_delete(self, paths: list[str]) -> None:
-        s = self._session
-        now = time.time()
+    async def _forget(self, tx: Tx, paths: list[str]) -> None:
+        sid = await self._core.session_id(tx, self._ref, time.time())
+        await _index.delete_files(tx, sid, paths)
 
-        async def write(tx: Tx) -> None:
-            sid = await s._session_id(tx, now)
-            await tx.many(_reconcile._DELETE, [(sid, p) for p in paths])
-
-        await s._store._db.write(write)
+    def _unlink_quietly(self, paths: Collection[str]) -> None:
+        with contextlib.suppress(FileMissing, InvalidPath, OSError), self._root() as root:
+            for path in paths:
+                with contextlib.suppress(FileMissing, InvalidPath, OSError):
+                    unlink_file(root, tuple(path.split("/")))

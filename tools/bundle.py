@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FUNCTION = ROOT / "functions" / "code_sessions.py"
-PACKAGES = ("storage", "runner", "engine")
+PACKAGES = ("storage", "runner", "engine", "webui")
 OUTPUT = ROOT / "dist" / "code_sessions.py"
 OPEN_WEBUI_VERSION = "0.12.0"
 

@@ -62,7 +62,7 @@ async def test_lost_or_corrupt_index_is_rebuilt_from_disk(tmp_path: Path, caplog
     # The model is told the chat's files again, and the other chat and its old link are intact.
     assert "/mnt/data/a.csv" in restarted.requests[-1]["messages"][0]["content"]
     assert published(restarted, url) == b"b"
-    usage = await restarted.pipe._services.store.user_usage("alice")
+    usage = {u.user_id: u for u in await restarted.pipe._services.store.users_usage()}["alice"]
     assert usage.files == 2
     await assert_index_matches_disk(restarted)
 
@@ -93,7 +93,7 @@ async def test_full_disk_while_publishing_leaves_no_partial_copy(harness: PipeHa
         assert "Big: /mnt/data/big.bin" in reply  # not a link: there was no room for its copy
         [url] = links(reply)
         assert published(harness, url) == b"small"
-        assert "not enough disk space" in answer  # the user is told why
+        assert "not enough disk space" in answer.lower()  # the user is told why
         leftovers = [p.name for p in publish_dir.iterdir() if p.name.startswith(".staging")]
         assert leftovers == []
         assert [p.name for p in published_files(harness)] == ["small.txt"]
@@ -159,7 +159,7 @@ async def test_cleanup_racing_a_run_never_deletes_under_it(harness: PipeHarness)
     # next message of anyone).
     pipe = harness.pipe
     pipe._last_cleanup = 0.0
-    await pipe._expire_if_due(pipe._services)
+    await pipe._tick(pipe._services)
     harness.set_valves(purge="chat:chat-x")
     other = await harness.say("bob", "chat-y", code("print('other chat')"))
     assert "other chat" in other and not running.done()

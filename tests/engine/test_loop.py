@@ -17,7 +17,7 @@ class StandInChat:
     def __init__(self) -> None:
         self.ran: list[tuple[str, str]] = []
 
-    async def run(self, code: str, language: str) -> StepResult:
+    async def run(self, code: str, language: str, *, waiting: object = None) -> StepResult:
         self.ran.append((language, code))
         result = RunResult(
             outcome=Outcome.OK,

@@ -13,7 +13,7 @@ import pytest
 
 from engine import CodeSessions
 from runner import Limits, Outcome, Runner
-from storage import Publisher, Quotas, Store
+from storage import DirectoryPublisher, Quotas, Store
 
 pytestmark = pytest.mark.runsc
 
@@ -84,14 +84,14 @@ async def service(tmp_path: Path):
     store = Store(
         tmp_path / "root",
         quotas=Quotas(max_files_per_user=3, max_bytes_per_user=1 << 20, max_file_bytes=1 << 16),
-        publisher=Publisher(tmp_path / "cache" / "functions" / "cs", "/cache/functions/cs/"),
+        publisher=DirectoryPublisher(tmp_path / "cache" / "functions" / "cs", "/cache/functions/cs/"),
         owner=(runner.sandbox_uid, runner.sandbox_gid),
     )
     async with store:
         yield CodeSessions(store, runner, LIMITS)
 
 
-async def test_quota_removes_only_new_files_and_says_why_then_refuses(service: CodeSessions):
+async def test_quota_removes_new_files_and_says_why_then_runs_with_nothing_to_spend(service: CodeSessions):
     chat = await service.chat("u", "c")
     first = await chat.run("open('/mnt/data/old.txt', 'w').write('keep me')", "python")
     assert first.ok and first.files.added == ["old.txt"]
@@ -104,9 +104,16 @@ async def test_quota_removes_only_new_files_and_says_why_then_refuses(service: C
     assert len(removed) == 4 and removed <= {f"new{i}.txt" for i in range(5)} and "limit of 3 files" in notes
     assert (chat.session.path / "old.txt").read_text() == "keep me"
     assert len(list(chat.session.path.iterdir())) == 3
-    refused = await chat.run("print('more')", "python")
-    assert refused.run is None and refused.refused and "limit" in refused.refused
-    assert "Not run" in refused.for_model()
+    # At the limit the next run still starts, says so, and what it adds goes...
+    full = await chat.run("print('more')\nopen('/mnt/data/one-more.txt', 'w').write('x')", "python")
+    assert full.ok and "more" in full.run.stdout
+    assert [r.path for r in full.files.quota_removed] == ["one-more.txt"]
+    assert "You are at your storage limit of 3 files" in full.for_model()
+    # ... but it may delete files, which frees room for the next one.
+    freed = await chat.run("import os\nos.remove('/mnt/data/old.txt')", "python")
+    assert freed.ok and freed.files.removed == ["old.txt"]
+    after = await chat.run("open('/mnt/data/fits.txt', 'w').write('y')", "python")
+    assert after.files.added == ["fits.txt"] and after.files.quota_removed == []
 
 
 async def test_links_only_for_real_files_of_this_session(service: CodeSessions, tmp_path: Path):

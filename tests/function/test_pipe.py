@@ -176,7 +176,7 @@ async def test_a_failing_base_model_is_an_answer_not_a_crash(harness: PipeHarnes
     async def broken(*args, **kwargs):
         raise RuntimeError("connection refused")
 
-    harness.module._call_model = broken
+    harness.pipe._host.call_model = broken
     answer = await harness.say("u1", "chat-1", "hello")
     assert "The model returned an error" in answer and "connection refused" in answer
 
@@ -187,13 +187,13 @@ async def test_a_failing_base_model_is_an_answer_not_a_crash(harness: PipeHarnes
     async def error_response(*args, **kwargs):
         return ErrorResponse()
 
-    harness.module._call_model = error_response
+    harness.pipe._host.call_model = error_response
     assert "upstream is down" in await harness.say("u1", "chat-1", "hello")
 
 
 async def test_the_folder_of_a_chat_deleted_in_open_webui_goes_at_the_next_cleanup(harness: PipeHarness):
     harness.module._MINUTE = 0.05
-    harness.module._HOUR = 0.0  # every chat counts as settled
+    harness.module._DELETED_AFTER_S = 0.2  # two looks this far apart must both miss it
     for chat in ("kept", "deleted"):
         await harness.say("u1", chat, code(f"open('/mnt/data/{chat}.txt','w').write('1')"))
     harness.deleted_chats.add(("u1", "deleted"))

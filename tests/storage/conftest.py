@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from storage import Publisher, Store
+from storage import DirectoryPublisher, Store
 
 
 @pytest.fixture
@@ -14,11 +14,11 @@ def root(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def publisher(tmp_path: Path) -> Publisher:
-    return Publisher(tmp_path / "published", "/cache/functions/code_sessions/")
+def publisher(tmp_path: Path) -> DirectoryPublisher:
+    return DirectoryPublisher(tmp_path / "published", "/cache/functions/code_sessions/")
 
 
 @pytest.fixture
-async def store(root: Path, publisher: Publisher) -> AsyncIterator[Store]:
+async def store(root: Path, publisher: DirectoryPublisher) -> AsyncIterator[Store]:
     async with Store(root, publisher=publisher, busy_timeout_s=20) as s:
         yield s

@@ -74,3 +74,13 @@ class FifoGuard:
 
     def __exit__(self, *exc: object) -> None:
         self._timer.cancel()
+
+
+async def user_usage(store: Any, user_id: str) -> Any:
+    """A user's totals across chats, as the quota sees them (files, bytes incl. published copies)."""
+    from storage import Usage
+
+    for row in await store.users_usage():
+        if row.user_id == user_id:
+            return Usage(row.files, row.bytes)
+    return Usage(0, 0)

@@ -156,7 +156,7 @@ async def test_expiry_by_file_age(store: Store, root: Path) -> None:
     assert [d.action for d in report.details] == ["files expired"]
     assert not (s.path / "old/report.csv").exists()
     assert (s.path / "new.csv").exists() and (s.path / "changed.csv").exists()
-    assert not (store.publisher.directory / link.token).exists()  # type: ignore[union-attr]
+    assert not (store.publisher.directory / link.ref).exists()  # type: ignore[union-attr]
     assert sorted(f.path for f in await s.files.list()) == ["changed.csv", "new.csv"]
     assert (await s.usage()).files == 2
     assert (await store.cleanup()).files_removed == 0
@@ -165,7 +165,7 @@ async def test_expiry_by_file_age(store: Store, root: Path) -> None:
 async def test_expiry_lets_a_run_in_between_batches(
     store: Store, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import storage._cleanup as cleanup_module
+    import storage._expiry as cleanup_module
     from storage._lock import FileLock
 
     s = await store.session("alice", "big")
@@ -173,7 +173,7 @@ async def test_expiry_lets_a_run_in_between_batches(
         await s.files.write(f"f{i}.csv", b"x" * 10)
     _age_files(root, 31 * DAY)
     monkeypatch.setattr(cleanup_module, "_EXPIRY_BATCH", 2)
-    run = FileLock(store._layout.lock_path(s.user_key, s.chat_key))
+    run = FileLock(root / "state" / s.user_key / f"{s.chat_key}.lock")
     real_release = FileLock.release
 
     def release_then_a_run_starts(self: FileLock, **kwargs: bool) -> None:
@@ -257,12 +257,12 @@ async def test_cleanup_removes_stale_links_and_strays(store: Store, root: Path) 
     report = await store.cleanup()
     assert report.links_removed == 1
     assert not stray.exists() and young.exists() and not_ours.exists()
-    assert (pub / link.token).exists()
+    assert (pub / link.ref).exists()
     # the file changes: the old copy is stale once its grace period is over
     await s.files.write("a.png", b"png2")
     sql(root, "UPDATE links SET created_at = created_at - 3600")
     report = await store.cleanup()
-    assert report.links_removed == 1 and not (pub / link.token).exists()
+    assert report.links_removed == 1 and not (pub / link.ref).exists()
     assert await store.links() == []
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from storage import Publisher, Store
+from storage import DirectoryPublisher, Store
 from tests.storage.storage_helpers import REPO, sql
 
 
@@ -28,7 +28,7 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 
 
 @pytest.fixture
-async def populated(root: Path, publisher: Publisher) -> Path:
+async def populated(root: Path, publisher: DirectoryPublisher) -> Path:
     async with Store(root, publisher=publisher) as store:
         a = await store.session("alice", "chat-1")
         await a.files.write("report.csv", b"a,b\n1,2\n")
@@ -36,7 +36,7 @@ async def populated(root: Path, publisher: Publisher) -> Path:
         await a.publish("plots/chart.png")
         b = await store.session("bob", "temporary:x")
         await b.files.write("notes.txt", b"hello")
-        await a.check_quota()  # records the quotas in use for the CLI
+        await a.run_budget()  # records the quotas in use for the CLI
     return root
 
 
@@ -63,7 +63,8 @@ def test_listings_as_tables_and_json(populated: Path) -> None:
 
     usage = json.loads(cli("--root", root, "usage", "--json").stdout)
     assert usage["quotas"]["max_files_per_user"] == 5000
-    assert {u["user_id"]: u["bytes"] for u in usage["users"]} == {"alice": 12, "bob": 5}
+    # alice's 12 bytes of files and the 4-byte published copy of her chart
+    assert {u["user_id"]: u["bytes"] for u in usage["users"]} == {"alice": 16, "bob": 5}
     assert "1 GiB" in cli("--root", root, "usage").stdout
 
     links = json.loads(cli("--root", root, "links", "--json").stdout)

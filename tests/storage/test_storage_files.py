@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from storage import FileExists, FileMissing, InvalidPath, QuotaExceeded, Quotas, Store
-from tests.storage.storage_helpers import FifoGuard
+from tests.storage.storage_helpers import FifoGuard, user_usage
 
 
 async def test_write_read_list_remove_rename(store: Store) -> None:
@@ -30,7 +30,7 @@ async def test_write_read_list_remove_rename(store: Store) -> None:
     await s.files.rename("out/data.csv", "final/data.csv")
     assert not (s.path / "out" / "data.csv").exists()
     assert [e.path for e in await s.files.list()] == ["final/data.csv"]
-    assert await s.usage() == (await store.user_usage("u"))
+    assert await s.usage() == (await user_usage(store, "u"))
     assert (await s.usage()).files == 1 and (await s.usage()).bytes == 8
 
     await s.files.write("other.txt", b"x")

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from storage import Publisher, QuotaExceeded, Quotas, Store
+from storage import DirectoryPublisher, QuotaExceeded, Quotas, Store
 from storage._fsops import remove_tree
-from storage._reconcile import MAX_EMPTY_FOLDERS
+from storage._sync import MAX_EMPTY_FOLDERS
 
 
 def _chain(top: Path, levels: int) -> Path:
@@ -91,7 +91,7 @@ async def test_a_sparse_file_is_published_sparse(store: Store) -> None:
         f.seek(1 << 32)
         f.write(b"tail")
     link = await s.publish("huge")
-    copy = store.publisher.directory / link.token / link.name
+    copy = store.publisher.directory / link.ref / link.name
     assert copy.stat().st_size == (1 << 32) + 4
     assert copy.stat().st_blocks * 512 < 1 << 20
     with open(copy, "rb") as f:
@@ -100,21 +100,28 @@ async def test_a_sparse_file_is_published_sparse(store: Store) -> None:
         assert f.read() == b"tail"
 
 
-async def test_published_copies_may_take_twice_the_quota(root: Path, publisher: Publisher) -> None:
+async def test_published_copies_count_toward_the_quota(root: Path, publisher: DirectoryPublisher) -> None:
     async with Store(root, publisher=publisher, quotas=Quotas(max_bytes_per_user=3000)) as store:
         s = await store.session("u", "c")
-        for version in range(6):
-            (s.path / "f.bin").write_bytes(bytes([version]) * 1000)
-            await s.publish("f.bin")
-        (s.path / "f.bin").write_bytes(b"7" * 1000)
+        (s.path / "f.bin").write_bytes(b"0" * 1000)
+        await s.reconcile()
+        await s.publish("f.bin")
+        await s.publish("f.bin")  # unchanged: the same copy, nothing more counted
+        assert (await s.user_usage()).bytes == 2000
+        (s.path / "f.bin").write_bytes(b"1" * 1000)
+        await s.reconcile()
+        await s.publish("f.bin")
+        assert (await s.user_usage()).bytes == 3000
+        (s.path / "f.bin").write_bytes(b"2" * 1000)
+        await s.reconcile()
         with pytest.raises(QuotaExceeded, match="was not linked"):
             await s.publish("f.bin")
         total = sum(p.stat().st_size for p in publisher.directory.rglob("*") if p.is_file())
-        assert total == 6000
+        assert total == 2000
 
 
 async def test_a_run_its_process_did_not_index_is_indexed_at_the_next_open(
-    root: Path, publisher: Publisher, caplog
+    root: Path, publisher: DirectoryPublisher, caplog
 ) -> None:
     async with Store(root, publisher=publisher) as store:
         s = await store.session("u", "c")

@@ -9,41 +9,60 @@ from pathlib import Path
 
 import pytest
 
-from storage import FileMissing, InvalidPath, Publisher, StorageError, Store, _fsops
+from storage import DirectoryPublisher, FileMissing, InvalidPath, StorageError, Store, _fsops
 from tests.storage.storage_helpers import FifoGuard
 
 
-async def test_publish_makes_a_regular_copy_under_a_random_token(store: Store, publisher: Publisher) -> None:
+async def test_publish_makes_a_regular_copy_under_a_random_token(
+    store: Store, publisher: DirectoryPublisher
+) -> None:
     s = await store.session("u", "c")
     await s.files.write("plots/chart.png", b"\x89PNG data")
     link = await s.publish("plots/chart.png")
-    assert len(link.token) >= 32 and link.token.replace("-", "").replace("_", "").isalnum()
-    assert link.url == f"/cache/functions/code_sessions/{link.token}/chart.png"
+    assert len(link.ref) >= 32 and link.ref.replace("-", "").replace("_", "").isalnum()
+    assert link.url == f"/cache/functions/code_sessions/{link.ref}/chart.png"
     assert (link.path, link.name, link.size, link.is_image) == ("plots/chart.png", "chart.png", 9, True)
-    copy = publisher.directory / link.token / "chart.png"
+    copy = publisher.directory / link.ref / "chart.png"
     st = os.lstat(copy)
     assert stat.S_ISREG(st.st_mode) and copy.read_bytes() == b"\x89PNG data"
-    assert os.listdir(publisher.directory) == [link.token]  # no staging left
+    assert os.listdir(publisher.directory) == [link.ref]  # no staging left
     # unchanged file: same link; changed file: a new one
-    assert (await s.publish("plots/chart.png")).token == link.token
-    assert await s.download_url("plots/chart.png") == link.url
+    assert (await s.publish("plots/chart.png")).ref == link.ref
     await s.files.write("plots/chart.png", b"\x89PNG other")
     second = await s.publish("plots/chart.png")
-    assert second.token != link.token
-    tokens = {(await s.publish("plots/chart.png")).token for _ in range(3)}
-    assert tokens == {second.token}
-    assert {li.token for li in await store.links()} == {link.token, second.token}
+    assert second.ref != link.ref
+    tokens = {(await s.publish("plots/chart.png")).ref for _ in range(3)}
+    assert tokens == {second.ref}
+    assert {li.ref for li in await store.links()} == {link.ref, second.ref}
     # a copy deleted by someone else is re-made
-    os.unlink(publisher.directory / second.token / "chart.png")
-    assert (await s.publish("plots/chart.png")).token != second.token
+    os.unlink(publisher.directory / second.ref / "chart.png")
+    assert (await s.publish("plots/chart.png")).ref != second.ref
 
 
-async def test_svg_is_published_as_text(store: Store, publisher: Publisher) -> None:
+async def test_a_file_rewritten_with_its_size_and_mtime_restored_gets_a_new_link(store: Store) -> None:
+    s = await store.session("u", "c")
+    path = s.path / "report.csv"
+    path.write_bytes(b"old,bytes\n")
+    first = await s.publish("report.csv")
+    st = path.stat()
+    path.write_bytes(b"new,bytes\n")  # same size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # and the old mtime
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+    second = await s.publish("report.csv")
+    assert second.ref != first.ref
+    assert (store.publisher.directory / second.ref / second.name).read_bytes() == b"new,bytes\n"  # type: ignore[union-attr]
+    # the same bytes again (a new inode, as an editor's save makes): the first link is reused
+    path.unlink()
+    path.write_bytes(b"old,bytes\n")
+    assert (await s.publish("report.csv")).ref == first.ref
+
+
+async def test_svg_is_published_as_text(store: Store, publisher: DirectoryPublisher) -> None:
     s = await store.session("u", "c")
     await s.files.write("logo.svg", b"<svg onload='alert(1)'/>")
     link = await s.publish("logo.svg")
     assert link.name == "logo.svg.txt" and link.url.endswith("/logo.svg.txt") and not link.is_image
-    assert (publisher.directory / link.token / "logo.svg.txt").exists()
+    assert (publisher.directory / link.ref / "logo.svg.txt").exists()
 
 
 async def test_unsafe_name_characters_are_replaced(store: Store) -> None:
@@ -75,7 +94,7 @@ async def test_publish_refuses_symlinks_and_special_files(store: Store, tmp_path
 
 
 async def test_disk_full_leaves_nothing(
-    store: Store, publisher: Publisher, monkeypatch: pytest.MonkeyPatch
+    store: Store, publisher: DirectoryPublisher, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     s = await store.session("u", "c")
     await s.files.write("big.bin", b"x" * 1000)
@@ -85,7 +104,7 @@ async def test_disk_full_leaves_nothing(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(_fsops, "copy_fd", full)
-    monkeypatch.setattr("storage._publish.copy_fd", full)
+    monkeypatch.setattr("storage.publishing.copy_fd", full)
     with pytest.raises(StorageError, match="disk space"):
         await s.publish("big.bin")
     assert os.listdir(publisher.directory) == []

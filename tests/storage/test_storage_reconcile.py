@@ -6,10 +6,8 @@ import os
 import time
 from pathlib import Path
 
-import pytest
-
-from storage import QuotaExceeded, Quotas, Store
-from tests.storage.storage_helpers import run_python, sql
+from storage import Quotas, Store
+from tests.storage.storage_helpers import run_python, sql, user_usage
 
 
 def _touch(path: Path, size: int, mtime: float | None = None) -> None:
@@ -147,14 +145,15 @@ async def test_quota_rollback_keeps_old_files_and_removes_new_ones(store: Store)
     _touch(s.path / "old1", 100, mtime=1000)
     _touch(s.path / "old2", 100, mtime=1001)
     await s.reconcile()
-    budget = await s.check_quota()
-    assert (budget.max_new_files, budget.max_write_bytes, budget.max_file_bytes) == (1, 700, 500)
+    budget = await s.run_budget()
+    # 700 bytes are left; a run may still write the floor (what is over is removed when it ends)
+    assert (budget.max_write_bytes, budget.max_file_bytes, budget.note) == (1024 * 1024, 500, None)
     # the run: one too large, three more than allowed in total
     _touch(s.path / "huge", 600, mtime=2000)
     _touch(s.path / "n1", 10, mtime=2001)
     _touch(s.path / "n2", 10, mtime=2002)
     _touch(s.path / "n3", 10, mtime=2003)
-    # an existing file grows: never deleted by quota enforcement
+    # an existing file grows: it adds no file, so the file count never removes it
     _touch(s.path / "old1", 150, mtime=2004)
     r = await s.reconcile()
     removed = {q.path: q.reason for q in r.quota_removed}
@@ -164,14 +163,14 @@ async def test_quota_rollback_keeps_old_files_and_removes_new_ones(store: Store)
     assert sorted(os.listdir(s.path)) == ["n1", "old1", "old2"]
     assert r.changed == ["old1"] and r.added == ["n1"]
     assert (r.files, r.bytes) == (3, 260)
-    assert (await store.user_usage("u")).files == 4
+    assert (await user_usage(store, "u")).files == 4
     assert await store.check() == []
     # audit trail
     events = [a.event for a in await store.activity()]
     assert "quota_removed" in events
-    # and now the user is at the limit
-    with pytest.raises(QuotaExceeded, match="4 files"):
-        await s.check_quota()
+    # and now the user is at the limit: the next run may still start, with nothing to spend
+    budget = await s.run_budget()
+    assert budget.note is not None and "4 files" in budget.note and "!clear-files" in budget.note
 
 
 async def test_bytes_quota_removes_newest_first(store: Store) -> None:
@@ -203,18 +202,41 @@ async def test_files_per_run_limit_keeps_the_oldest(store: Store) -> None:
     assert len(r.added) == 6 and r.quota_removed == []
 
 
-async def test_check_quota_at_limit_raises(store: Store) -> None:
+async def test_a_run_at_the_limit_starts_with_nothing_to_spend(store: Store) -> None:
     store.quotas = Quotas(max_bytes_per_user=100)
     s = await store.session("u", "c")
     _touch(s.path / "a", 100)
     await s.reconcile()
-    with pytest.raises(QuotaExceeded, match="100 B"):
-        await s.check_quota()
+    budget = await s.run_budget()
+    assert budget.note is not None and "100 B" in budget.note and "delete or shrink" in budget.note
+    # the run shrinks a file and adds one: what fits is kept, what is over goes
+    _touch(s.path / "a", 40, mtime=1000)
+    _touch(s.path / "b", 50, mtime=2000)
+    _touch(s.path / "c", 50, mtime=2001)
+    r = await s.reconcile()
+    assert [q.path for q in r.quota_removed] == ["c"] and r.bytes == 90
     store.quotas = Quotas(
         max_bytes_per_user=0, max_files_per_user=0, max_new_files_per_run=0, max_file_bytes=0
     )
-    budget = await s.check_quota()
-    assert (budget.max_new_files, budget.max_write_bytes, budget.max_file_bytes) == (None, None, None)
+    budget = await s.run_budget()
+    assert (budget.max_write_bytes, budget.max_file_bytes, budget.note) == (None, None, None)
+
+
+async def test_a_grown_file_goes_when_it_takes_the_user_over_the_bytes(store: Store) -> None:
+    store.quotas = Quotas(max_bytes_per_user=1000, max_files_per_user=None, max_file_bytes=None)
+    other = await store.session("u", "other")
+    _touch(other.path / "o", 500)
+    await other.reconcile()
+    s = await store.session("u", "c")
+    _touch(s.path / "log", 400, mtime=1000)
+    await s.reconcile()
+    _touch(s.path / "log", 900, mtime=2000)  # the run appends 500 bytes: 1400 > 1000
+    r = await s.reconcile(changed=["log"])
+    assert [(q.path, q.size) for q in r.quota_removed] == [("log", 900)]
+    assert "storage limit" in r.quota_removed[0].reason
+    assert not (s.path / "log").exists() and (r.files, r.bytes) == (0, 0)
+    assert (await user_usage(store, "u")).bytes == 500
+    assert await store.check() == []
 
 
 async def test_user_usage_sums_all_chats_and_is_fast(store: Store, root: Path) -> None:
@@ -229,7 +251,7 @@ async def test_user_usage_sums_all_chats_and_is_fast(store: Store, root: Path) -
             " bytes, file_count) VALUES ('u', ?, ?, ?, 0, ?, ?, 5, 1)",
             (f"c{i}", s.user_key, f"k{i}", now, now),
         )
-    usage = await store.user_usage("u")
+    usage = await user_usage(store, "u")
     assert (usage.files, usage.bytes) == (101, 510)
     plan = sql(root, "EXPLAIN QUERY PLAN SELECT sum(bytes) FROM sessions WHERE user_key = ?", ("x",))
     assert any("USING INDEX" in str(row) for row in plan)

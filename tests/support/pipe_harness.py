@@ -64,44 +64,10 @@ class PipeHarness:
         self.module = load_like_open_webui(BUNDLE.read_text())
         self.pipe = self.module.Pipe()
         self.cache_dir = self.data_dir / "cache"
-        self.module._locations = self._locations
-        self.module._open_webui_user = self._user
-        self.module._call_model = self._call_model
-        self.module._read_open_webui_file = self._read_file
-        self.module._stored_valves = self._stored
-        self.module._store_valves = self._store
-        self.module._deleted_chats = self._deleted_chats
+        self.pipe._host = _HarnessHost(self)  # the one object through which the function asks Open WebUI
+        self.chats: dict[str, str] = {}  # chat id -> owner, for every chat a message was sent in
         self.deleted_chats: set[tuple[str, str]] = set()  # what Open WebUI would no longer find
         self.set_valves(base_models=scripted_model.MODEL_ID, **self.valves)
-
-    # -- Open WebUI stand-ins ---------------------------------------------------------------------
-
-    def _locations(self, storage_root: str, function_id: str) -> tuple[Path, Path, str]:
-        root = Path(storage_root) if storage_root else self.data_dir / "code_sessions"
-        return root, self.cache_dir / "functions" / function_id, f"/cache/functions/{function_id}/"
-
-    async def _user(self, user_id: str) -> Any:
-        return types.SimpleNamespace(id=user_id, role="user")
-
-    async def _call_model(self, request: Any, user: Any, form: dict, *, stream: bool) -> Any:
-        self.requests.append(json.loads(json.dumps(form)))
-        reply = scripted_model.answer(form)
-        if not stream:
-            return scripted_model._completion(form, reply)
-        return types.SimpleNamespace(body_iterator=_sse(scripted_model._chunks(form, reply)))
-
-    async def _read_file(self, file_id: str, user_id: str) -> tuple[bytes | None, str]:
-        owner, name, data = self.uploads.get(file_id, (None, "", b""))
-        return (data, name) if owner == user_id else (None, "")
-
-    async def _deleted_chats(self, sessions: list[tuple[str, str]]) -> list[tuple[str, str]]:
-        return [pair for pair in sessions if pair in self.deleted_chats]
-
-    async def _stored(self, function_id: str) -> dict:
-        return dict(self.stored_valves)
-
-    async def _store(self, function_id: str, valves: dict) -> None:
-        self.stored_valves = dict(valves)
 
     # -- driving it ---------------------------------------------------------------------------------
 
@@ -138,6 +104,7 @@ class PipeHarness:
             statuses.append(event)
 
         self.events = statuses
+        self.chats.setdefault(chat_id, user_id)
         result = await self.pipe.pipe(
             body,
             __user__={"id": user_id, "name": user_id, "role": "user", "valves": self.pipe.UserValves()},
@@ -166,6 +133,53 @@ class PipeHarness:
     @property
     def sessions_root(self) -> Path:
         return self.data_dir / "code_sessions"
+
+
+class _HarnessHost:
+    """Open WebUI, stood in for: where DATA_DIR is, who the user is, the base model (the scripted one),
+    the uploaded-file store, the saved valves, and which chats exist."""
+
+    def __init__(self, harness: PipeHarness) -> None:
+        self._harness = harness
+        self._module = harness.module
+
+    def locations(self, storage_root: str, function_id: str) -> Any:
+        h = self._harness
+        root = Path(storage_root) if storage_root else h.data_dir / "code_sessions"
+        return types.SimpleNamespace(
+            root=root,
+            publish_dir=h.cache_dir / "functions" / function_id,
+            url_prefix=f"/cache/functions/{function_id}/",
+        )
+
+    async def user(self, user_id: str) -> Any:
+        return types.SimpleNamespace(id=user_id, role="user")
+
+    async def call_model(self, request: Any, user: Any, form: dict, *, stream: bool) -> Any:
+        self._harness.requests.append(json.loads(json.dumps(form)))
+        reply = scripted_model.answer(form)
+        if not stream:
+            return scripted_model._completion(form, reply)
+        return types.SimpleNamespace(body_iterator=_sse(scripted_model._chunks(form, reply)))
+
+    async def read_upload(self, file_id: str, user_id: str) -> tuple[bytes | None, str]:
+        owner, name, data = self._harness.uploads.get(file_id, (None, "", b""))
+        return (data, name) if owner == user_id else (None, "")
+
+    async def stored_valves(self, function_id: str) -> dict:
+        return dict(self._harness.stored_valves)
+
+    async def store_valves(self, function_id: str, valves: dict) -> None:
+        self._harness.stored_valves = dict(valves)
+
+    async def chat_owners(self, chat_ids: list[str]) -> dict[str, str]:
+        h = self._harness
+        self.lookups = getattr(self, "lookups", 0) + 1
+        return {
+            chat: h.chats[chat]
+            for chat in chat_ids
+            if chat in h.chats and (h.chats[chat], chat) not in h.deleted_chats
+        }
 
 
 def code(source: str, reply: str = "", language: str = "python") -> str:

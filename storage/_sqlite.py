@@ -1,44 +1,53 @@
-"""The SQLite index: connections, transactions, retries, migrations and recovery.
+"""The embedded backend: an SQLite file next to the session folders, and `flock` locks.
 
 Several processes (web workers, the CLI) use the file at once, so:
 * WAL journal: readers never block the writer nor each other.
 * Every write is a `BEGIN IMMEDIATE` transaction: it takes the write lock up front, so it can never
-  fail half-way with SQLITE_BUSY when upgrading from reader to writer (which no busy handler can fix).
+  fail half-way with SQLITE_BUSY when upgrading from reader to writer (which no busy handler can fix),
+  and it serialises every writer, so a quota decision made inside one sees no other writer.
 * SQLite's busy_timeout waits for the lock; on top of that a whole transaction that still gets
   "database is locked"/"busy" is rolled back and re-run with backoff, so that error never reaches a
   caller. Only after `busy_total_s` (60 s) do we give up with StorageBusy.
 * An aiosqlite connection is one thread running one transaction at a time: a tiny pool hands each
   transaction a connection of its own.
+* A full disk is `DiskFull` (SQLite rolls the transaction back: nothing is half-written). A damaged
+  file (truncated, overwritten, not a database) is `IndexDamaged`; `recover()` moves it aside and
+  starts a new one, once for all the processes that share it.
+
+Locks are `flock`s on files under the store's state folder (see _lock.py), so they hold across the
+processes of one host. They do not hold across hosts: that is the PostgreSQL backend's job.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import random
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import aiosqlite
 
-from ._lock import FileLock
+from ._backend import Opened, Row
+from ._lock import FileLock, is_locked
 from ._schema import CURRENT_VERSION, MIGRATIONS, statements
-from .errors import StorageBusy, StorageError
+from .errors import DiskFull, IndexDamaged, StorageBusy, StorageError
 
 log = logging.getLogger("code_sessions.storage")
 
 T = TypeVar("T")
-Row = tuple[Any, ...]
+
+__all__ = ["SQLiteBackend"]
 
 
-class Tx:
-    """The statements of one transaction; handed to the function given to Database.read/write."""
+class _Tx:
+    """The statements of one transaction; handed to the function given to read/write."""
 
     __slots__ = ("_conn",)
 
@@ -59,20 +68,38 @@ class Tx:
     async def many(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         await self._conn.executemany(sql, rows)
 
-
-@dataclass(frozen=True, slots=True)
-class Opened:
-    fresh: bool  # the database had no schema: the caller should rebuild it from disk
-    moved_aside: Path | None  # where a corrupt file went, if one was found
+    async def serialise_user(self, user_key: str) -> None:
+        # BEGIN IMMEDIATE already made this the only writer of the whole file.
+        return None
 
 
 class _Corrupt(Exception):
     pass
 
 
-class Database:
-    def __init__(self, path: Path, *, busy_total_s: float = 60.0, pool_size: int = 2) -> None:
+class _FlockLock:
+    """`Lock` over a FileLock: the lock file is created on first use, unlinked by `forget`."""
+
+    def __init__(self, path: Path) -> None:
+        self._lock = FileLock(path)
+
+    async def try_acquire(self) -> bool:
+        return self._lock.try_acquire()
+
+    async def acquire(self, timeout: float | None = None, *, what: str = "this chat") -> None:
+        await self._lock.acquire(timeout, what=what)
+
+    async def release(self, *, forget: bool = False) -> None:
+        self._lock.release(unlink=forget)
+
+
+class SQLiteBackend:
+    kind = "sqlite"
+
+    def __init__(self, path: Path, lock_dir: Path, *, busy_total_s: float = 60.0, pool_size: int = 2) -> None:
         self.path = path
+        self.where = str(path)
+        self.lock_dir = lock_dir
         self.busy_total_s = busy_total_s
         self.pool_size = pool_size
         # SQLite's own wait per statement; our retry loop covers the rest of busy_total_s.
@@ -81,37 +108,58 @@ class Database:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._all: list[aiosqlite.Connection] = []
 
-    # ------------------------------------------------------------------ open / close
+    # ------------------------------------------------------------------ locks
+
+    def chat_lock(self, user_key: str, chat_key: str) -> _FlockLock:
+        return _FlockLock(self.lock_dir / user_key / f"{chat_key}.lock")
+
+    def named_lock(self, name: str) -> _FlockLock:
+        # Keys never contain a dot, so `.name.lock` can never be a user's folder or a chat's lock.
+        return _FlockLock(self.lock_dir / f".{name}.lock")
+
+    async def chat_locked(self, user_key: str, chat_key: str) -> bool:
+        return is_locked(self.lock_dir / user_key / f"{chat_key}.lock")
+
+    # ------------------------------------------------------------------ open / close / recover
 
     async def open(self) -> Opened:
         try:
-            return Opened(await self._open(), None)
+            return Opened(await self._open())
         except (_Corrupt, sqlite3.DatabaseError, StorageError) as exc:
             await self.close()
             if not _is_corrupt(exc):
                 if isinstance(exc, StorageError):
                     raise
                 raise StorageError(f"cannot open the index {self.path}: {exc}") from exc
-        # Several processes may find the same corrupt file at once: only one may move it aside, and
-        # the others must then use the new file, not move that one aside too.
+        return await self._replace("it is corrupt")
+
+    async def recover(self) -> Opened:
+        await self.close()
+        return await self._replace("it was damaged while in use")
+
+    async def _replace(self, why: str) -> Opened:
+        # Several processes may find the same damaged file at once: only one may move it aside, and
+        # the others must then use the new file, not move that one aside too. The file is opened
+        # afresh first: a file that checks out (replaced by another process, or the error was not
+        # the file's) is kept, so a sound index and its links are never thrown away.
         lock = FileLock(self.path.with_name(self.path.name + ".lock"))
         await lock.acquire(self.busy_total_s, what="the index recovery")
         try:
             try:
-                return Opened(await self._open(), None)  # someone else already recovered it
+                return Opened(await self._open())
             except (_Corrupt, sqlite3.DatabaseError, StorageError) as exc:
                 await self.close()
                 if not _is_corrupt(exc):
                     raise
-                moved = self._move_aside()
-                log.warning(
-                    "the index %s is corrupt (%s); moved it to %s, starting a new one rebuilt from disk",
-                    self.path,
-                    exc,
-                    moved,
-                )
+            moved = self._move_aside()
+            log.warning(
+                "the index %s was moved to %s because %s; a new one is rebuilt from the folders",
+                self.path,
+                moved,
+                why,
+            )
             await self._open()
-            return Opened(True, moved)
+            return Opened(True, str(moved))
         finally:
             lock.release()
 
@@ -128,7 +176,10 @@ class Database:
         self._loop = asyncio.get_running_loop()
         for conn in self._all:
             self._pool.put_nowait(conn)
-        return await self.write(_migrate)
+        try:
+            return await self.write(_migrate)
+        except IndexDamaged as exc:  # the version says current, but the tables are not there
+            raise _Corrupt(str(exc)) from exc
 
     async def _connect(self) -> aiosqlite.Connection:
         # isolation_level=None: the sqlite3 module must not open transactions behind our back.
@@ -139,7 +190,10 @@ class Database:
         worker = getattr(conn, "_thread", None)
         if worker is not None and not worker.is_alive():
             worker.daemon = True
-        conn = await conn
+        try:
+            conn = await conn
+        except sqlite3.OperationalError as exc:
+            raise _storage_error(exc, self.path) from exc
         try:
             await conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
             await conn.execute("PRAGMA foreign_keys = ON")
@@ -171,16 +225,16 @@ class Database:
 
     # ------------------------------------------------------------------ transactions
 
-    async def read(self, fn: Callable[[Tx], Awaitable[T]]) -> T:
+    async def read(self, fn: Callable[[_Tx], Awaitable[T]]) -> T:
         """Run fn in a read transaction (one consistent snapshot, never blocks writers)."""
         return await self._transaction("BEGIN", fn)
 
-    async def write(self, fn: Callable[[Tx], Awaitable[T]]) -> T:
+    async def write(self, fn: Callable[[_Tx], Awaitable[T]]) -> T:
         """Run fn in a write transaction; fn may be run again after a busy error, so it must only
         touch the database."""
         return await self._transaction("BEGIN IMMEDIATE", fn)
 
-    async def _transaction(self, begin: str, fn: Callable[[Tx], Awaitable[T]]) -> T:
+    async def _transaction(self, begin: str, fn: Callable[[_Tx], Awaitable[T]]) -> T:
         if self._pool is None:
             raise StorageError("the store is not open; use `async with store:` or `await store.open()`")
         if asyncio.get_running_loop() is not self._loop:
@@ -192,7 +246,7 @@ class Database:
             conn = await pool.get()
             try:
                 await conn.execute(begin)
-                result = await fn(Tx(conn))
+                result = await fn(_Tx(conn))
                 await conn.execute("COMMIT")
                 return result
             except BaseException:
@@ -204,7 +258,11 @@ class Database:
         try:
             return await self._retry(attempt)
         except sqlite3.Error as exc:
-            raise StorageError(f"index error: {exc}") from exc
+            raise _storage_error(exc, self.path) from exc
+        except OSError as exc:  # e.g. the -shm file could not be extended
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFull() from exc
+            raise
 
     async def _retry(self, op: Callable[[], Awaitable[T]]) -> T:
         deadline = time.monotonic() + self.busy_total_s
@@ -232,29 +290,56 @@ async def _rollback(conn: aiosqlite.Connection) -> None:
         await asyncio.shield(conn.execute("ROLLBACK"))
 
 
+def _error_name(exc: BaseException) -> str:
+    return getattr(exc, "sqlite_errorname", "") or ""
+
+
 def _is_busy(exc: sqlite3.OperationalError) -> bool:
-    name = getattr(exc, "sqlite_errorname", "") or ""
-    if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
+    if _error_name(exc).startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
         return True
     text = str(exc).lower()
     return "locked" in text or "busy" in text
 
 
+def _is_full(exc: sqlite3.Error) -> bool:
+    return _error_name(exc).startswith("SQLITE_FULL") or "database or disk is full" in str(exc).lower()
+
+
+def _is_damage(exc: sqlite3.Error) -> bool:
+    """Errors a sound database file does not give: corruption, a file that is not a database, I/O
+    errors on a file cut short under us, or our tables gone."""
+    name = _error_name(exc)
+    if name.startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB", "SQLITE_IOERR")):
+        return True
+    text = str(exc).lower()
+    return (
+        "malformed" in text or "not a database" in text or "disk i/o error" in text or "no such table" in text
+    )
+
+
+def _storage_error(exc: sqlite3.Error, path: Path) -> StorageError:
+    if _is_full(exc):
+        return DiskFull()
+    if _is_damage(exc):
+        return IndexDamaged(f"the index {path} is damaged: {exc}")
+    return StorageError(f"index error: {exc}")
+
+
 def _is_corrupt(exc: BaseException) -> bool:
-    if isinstance(exc, _Corrupt):
+    if isinstance(exc, _Corrupt | IndexDamaged):
         return True
     if isinstance(exc, StorageError):
         return exc.__cause__ is not None and _is_corrupt(exc.__cause__)
     if not isinstance(exc, sqlite3.DatabaseError) or isinstance(exc, sqlite3.OperationalError):
         return False
-    name = getattr(exc, "sqlite_errorname", "") or ""
+    name = _error_name(exc)
     if name.startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB")):
         return True
     text = str(exc).lower()
     return "malformed" in text or "not a database" in text
 
 
-async def _migrate(tx: Tx) -> bool:
+async def _migrate(tx: _Tx) -> bool:
     row = await tx.one("PRAGMA user_version")
     version = int(row[0]) if row else 0
     if version > CURRENT_VERSION:
@@ -269,4 +354,6 @@ async def _migrate(tx: Tx) -> bool:
     if version < CURRENT_VERSION:
         # PRAGMA takes no parameters; the value is our own integer.
         await tx.run(f"PRAGMA user_version = {CURRENT_VERSION}")
+    # Sanity: a file whose version is current but whose tables are gone fails here (IndexDamaged).
+    await tx.one("SELECT count(*) FROM sessions WHERE id = 0")
     return version == 0

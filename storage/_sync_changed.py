@@ -1,4 +1,4 @@
-"""Change-driven reconcile: look only at the paths a run changed, not at the whole folder.
+"""Change-driven sync: look only at the paths a run changed, not at the whole folder.
 
 The caller (the engine, from the runner's inotify watch) names the paths the run created, changed,
 removed or renamed. Each is judged with the rules of the full scan and becomes authoritative for
@@ -12,10 +12,10 @@ itself and everything under it:
 
 Each path is reached from the session folder's fd, component by component with O_NOFOLLOW. Index rows
 are read per path (the exact path, and the `path/` range of the primary key), never the whole session.
-Quota enforcement and the report are the full reconcile's (`_reconcile.apply`).
+Quota enforcement and the report are the full sync's (`_sync.apply`).
 
-Anything unusual falls back to the full reconcile (logged at debug level): more than MAX_PATHS paths,
-a path that is not a clean relative path or not valid UTF-8, deeper than MAX_DEPTH, a parent that is
+Anything unusual falls back to listing the whole folder (logged at debug level): more than MAX_PATHS paths,
+a path that `_names.split_path` refuses or would rewrite (not clean, not UTF-8, too deep), a parent that is
 missing or not a real folder (a symlink swapped in), a regular file with more than one link (a write
 through another name changes it without an event on this one), a session whose last full listing
 found such files (`sessions.linked_files`: written through a name that is then removed, the others
@@ -30,56 +30,41 @@ import logging
 import os
 import stat
 from collections.abc import Collection
-from typing import TYPE_CHECKING
 
-from . import _reconcile
-from ._db import Tx
-from ._fsops import _DIR_FLAGS, kind_of, lstat_at, walk_dirs
-from ._index import session_by_keys, user_totals
-from ._names import MAX_DEPTH
-from ._scan import Scan, _reject, scan_folder
+from . import _index
+from ._backend import Tx
+from ._core import Core, SessionRef
+from ._fsops import DIR_FLAGS, kind_of, lstat_at, walk_dirs
+from ._names import split_path
+from ._scan import Scan, reject, scan_folder
+from ._sync import Differences, apply, sync_folder
 from .errors import FileMissing, InvalidPath
-from .models import Quotas, ReconcileReport
-
-if TYPE_CHECKING:
-    from .session import Session
+from .models import ReconcileReport
 
 log = logging.getLogger("code_sessions.storage")
 
 MAX_PATHS = 5000  # beyond this many paths, listing the folder is about as cheap
-_CHUNK = 500  # paths per index query (two bound parameters each for the ranges)
 
 
 class _Fallback(Exception):
-    """Something is unusual: do the full reconcile instead."""
+    """Something is unusual: list the whole folder instead."""
 
 
-async def reconcile(
-    session: Session, changed: Collection[str], *, enforce_quotas: bool, quotas: Quotas
+async def sync_paths(
+    core: Core, ref: SessionRef, changed: Collection[str], *, enforce: bool
 ) -> ReconcileReport:
-    """Reconcile the given paths only; the full reconcile when anything is unusual."""
+    """Sync the given paths only; the whole folder when anything is unusual."""
     found = Scan()
     try:
         scopes = _scopes(changed)
         if not scopes:  # nothing changed (print(1)): nothing to read; write the totals, report
-            return await _reconcile.apply(
-                session,
-                found,
-                [],
-                [],
-                [],
-                enforce_quotas=False,
-                quotas=quotas,
-                user_files=0,
-                user_bytes=0,
-                full=False,
-            )
-        await asyncio.to_thread(_look, session.path, scopes, found)
-        return await _apply(session, scopes, found, enforce_quotas=enforce_quotas, quotas=quotas)
+            return await apply(core, ref, Differences(found, full=False), enforce=False)
+        await asyncio.to_thread(_look, ref.path, scopes, found)
+        return await _apply(core, ref, scopes, found, enforce=enforce)
     except _Fallback as why:
-        log.debug("reconcile of %s: full listing instead of %d changed paths: %s", session, len(changed), why)
+        log.debug("sync of %s: full listing instead of %d changed paths: %s", ref.path, len(changed), why)
     # Entries the attempt already rejected or renamed are gone from disk; the report still names them.
-    return await _reconcile.reconcile(session, enforce_quotas=enforce_quotas, quotas=quotas, prior=found)
+    return await sync_folder(core, ref, enforce=enforce, prior=found)
 
 
 def _scopes(changed: Collection[str]) -> list[str]:
@@ -88,15 +73,12 @@ def _scopes(changed: Collection[str]) -> list[str]:
         raise _Fallback(f"more than {MAX_PATHS} paths")
     paths = set()
     for path in changed:
-        parts = path.split("/")
-        if len(parts) > MAX_DEPTH:
-            raise _Fallback(f"deeper than {MAX_DEPTH} components: {path!r}")
-        if not path or "\x00" in path or any(p in ("", ".", "..") for p in parts):
-            raise _Fallback(f"not a clean relative path: {path!r}")
         try:
-            path.encode("utf-8")
-        except UnicodeEncodeError:
-            raise _Fallback(f"not valid UTF-8: {path!r}") from None
+            canonical = "/".join(split_path(path))
+        except InvalidPath as why:
+            raise _Fallback(str(why)) from None
+        if canonical != path:
+            raise _Fallback(f"not a clean relative path: {path!r}")
         paths.add(path)
     scopes = []
     for path in sorted(paths):
@@ -110,7 +92,7 @@ def _look(session_dir: os.PathLike[str], scopes: list[str], found: Scan) -> None
     """Put what is on disk now at each scope (and under it) into `found`, fixing what a full scan
     fixes. Runs in a worker thread."""
     try:
-        root = os.open(session_dir, _DIR_FLAGS)
+        root = os.open(session_dir, DIR_FLAGS)
     except OSError as exc:
         raise _Fallback(f"cannot open the session folder: {exc}") from None
     parent_path: str | None = None
@@ -160,65 +142,27 @@ def _look_at(parent: int, name: str, path: str, found: Scan) -> None:
     elif stat.S_ISDIR(st.st_mode):
         scan_folder(parent, name, path, fix=True, result=found)
     else:
-        _reject(parent, name, path, kind_of(st.st_mode), True, found)
+        reject(parent, name, path, kind_of(st.st_mode), True, found)
 
 
 async def _apply(
-    session: Session, scopes: list[str], found: Scan, *, enforce_quotas: bool, quotas: Quotas
+    core: Core, ref: SessionRef, scopes: list[str], found: Scan, *, enforce: bool
 ) -> ReconcileReport:
-    listing = found.files
-
-    async def read(tx: Tx) -> tuple[dict[str, tuple[int, int]], list[str], int, int]:
-        row = await session_by_keys(tx, session.user_key, session.chat_key)
+    async def read(tx: Tx) -> dict[str, tuple[int, int]]:
+        row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
         if row is None:
             raise _Fallback("the session has no index row")  # nothing to compare with
         if row.linked_files:
             # Written through one name, the other names of such a file change without an event
             # naming them (and the written name may be gone by now).
             raise _Fallback("the session holds files with several hard links")
-        index: dict[str, tuple[int, int]] = {}
-        for i in range(0, len(scopes), _CHUNK):
-            chunk = scopes[i : i + _CHUNK]
-            marks = ", ".join("?" * len(chunk))
-            for path, size, mtime_ns in await tx.all(
-                f"SELECT path, size, mtime_ns FROM files WHERE session_id = ? AND path IN ({marks})",
-                (row.id, *chunk),
-            ):
-                index[path] = (size, mtime_ns)
-            # `path/` up to `path0` ('0' follows '/'): exactly the rows under the folder, found
-            # through the (session_id, path) primary key.
-            values = ", ".join("(?, ?)" for _ in chunk)
-            bounds = [b for p in chunk for b in (p + "/", p + "0")]
-            for path, size, mtime_ns in await tx.all(
-                f"WITH q(lo, hi) AS (VALUES {values}) SELECT f.path, f.size, f.mtime_ns"
-                " FROM q JOIN files f ON f.session_id = ? AND f.path >= q.lo AND f.path < q.hi",
-                (*bounds, row.id),
-            ):
-                index[path] = (size, mtime_ns)
-        removed = [p for p in index if p not in listing and not found.is_unreadable(p)]
-        _, files, size = await user_totals(tx, session.user_key)
-        return index, removed, files, size
+        return await _index.rows_at_and_under(tx, row.id, scopes)
 
-    index, removed, user_files, user_bytes = await session._store._db.read(read)
-    added = [p for p in listing if p not in index]
-    changed = [p for p, seen in listing.items() if p in index and index[p] != seen]
-    # The user's totals with the session as it is on disk now: the indexed totals, corrected by
-    # what differs in the looked-at paths (the rest of the session is as indexed).
-    user_files += len(added) - len(removed)
-    user_bytes += (
-        sum(listing[p][0] for p in added)
-        + sum(listing[p][0] - index[p][0] for p in changed)
-        - sum(index[p][0] for p in removed)
-    )
-    return await _reconcile.apply(
-        session,
-        found,
-        added,
-        changed,
-        removed,
-        enforce_quotas=enforce_quotas,
-        quotas=quotas,
-        user_files=user_files,
-        user_bytes=user_bytes,
-        full=False,
-    )
+    index = await core.read(read)
+    listing = found.files
+    differences = Differences(found, full=False)
+    differences.added = [p for p in listing if p not in index]
+    differences.changed = [p for p, seen in listing.items() if p in index and index[p] != seen]
+    differences.removed = [p for p in index if p not in listing and not found.is_unreadable(p)]
+    differences.old_sizes = {p: index[p][0] for p in (*differences.changed, *differences.removed)}
+    return await apply(core, ref, differences, enforce=enforce)

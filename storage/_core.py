@@ -1,0 +1,233 @@
+"""The storage core every internal module works with, and nothing in it imports back up.
+
+* `SessionRef`: which session (the untrusted ids, the folder keys made from them, the folder).
+* `Core`: the context of one store: the database backend (with recovery from a damaged index), where
+  things live (`Layout`), who owns what the store creates, the `Policy`, the `Publisher`.
+
+`Store` and `Session` (the public faces) hold a Core and refs; `_sync`, `_publish`, `_expiry` and
+`_repair` are functions over (Core, SessionRef).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from . import _index
+from ._backend import Backend, Lock, Tx
+from ._fsops import make_dir
+from ._keys import id_key, is_temporary
+from ._layout import Layout, write_sidecar
+from .errors import DiskFull, IndexDamaged, StorageError
+from .policy import Policy
+from .publishing import Publisher
+
+log = logging.getLogger("code_sessions.storage")
+
+T = TypeVar("T")
+Owner = tuple[int, int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRef:
+    """A session: the ids as given (untrusted strings), the keys of its folder, the folder itself.
+
+    The keys are normally made from the ids; a folder found on disk (rebuild, a lost sidecar) keeps
+    its keys whatever its ids hash to: the folder decides where the files are."""
+
+    user_id: str
+    chat_id: str
+    user_key: str
+    chat_key: str
+    temporary: bool
+    path: Path
+
+
+class Core:
+    def __init__(
+        self,
+        root: Path,
+        backend: Backend,
+        *,
+        policy: Policy,
+        publisher: Publisher | None,
+        owner: Owner,
+        record_settings: bool = True,
+    ) -> None:
+        self.root = root
+        self.layout = Layout(root)
+        self.backend = backend
+        self.policy = policy
+        self.publisher = publisher
+        self.owner = owner
+        # The CLI turns this off: it applies the recorded settings and must not overwrite them.
+        self.record_settings = record_settings
+        # Set by the Store: rebuilds the index from the folders after a damaged one was replaced.
+        self.rebuild: Callable[[], Awaitable[object]] | None = None
+        self._remembered: dict[str, str] = {}
+        self._generation = 0  # how many times the database was replaced while open
+        self._recovery: asyncio.Lock | None = None
+        self._recovering = False
+
+    # ------------------------------------------------------------------ refs and locks
+
+    def ref(self, user_id: str, chat_id: str) -> SessionRef:
+        if not isinstance(user_id, str) or not isinstance(chat_id, str):
+            raise StorageError("user_id and chat_id must be str")
+        return self.ref_at(user_id, chat_id, id_key(user_id), id_key(chat_id))
+
+    def ref_at(self, user_id: str, chat_id: str, user_key: str, chat_key: str) -> SessionRef:
+        return SessionRef(
+            user_id,
+            chat_id,
+            user_key,
+            chat_key,
+            is_temporary(chat_id),
+            self.layout.session_dir(user_key, chat_key),
+        )
+
+    def lock_of(self, ref: SessionRef) -> Lock:
+        return self.backend.chat_lock(ref.user_key, ref.chat_key)
+
+    # ------------------------------------------------------------------ transactions
+
+    async def read(self, fn: Callable[[Tx], Awaitable[T]]) -> T:
+        return await self._guarded(self.backend.read, fn)
+
+    async def write(self, fn: Callable[[Tx], Awaitable[T]]) -> T:
+        return await self._guarded(self.backend.write, fn)
+
+    async def _guarded(
+        self, run: Callable[[Callable[[Tx], Awaitable[T]]], Awaitable[T]], fn: Callable[[Tx], Awaitable[T]]
+    ) -> T:
+        generation = self._generation
+        try:
+            return await run(fn)
+        except IndexDamaged as damage:
+            if self._recovering:
+                raise
+            await self._recover(generation, damage)
+        return await run(fn)
+
+    async def _recover(self, generation: int, damage: IndexDamaged) -> None:
+        """Replace a damaged index and rebuild it from the folders, once, while every other caller
+        that met the damage waits and then retries on the new one."""
+        if self._recovery is None:
+            self._recovery = asyncio.Lock()
+        async with self._recovery:
+            if self._generation != generation:
+                return  # someone recovered it while we waited
+            log.warning("the index is damaged (%s): replacing it and rebuilding it from the folders", damage)
+            self._recovering = True
+            try:
+                opened = await self.backend.recover()
+                self._generation += 1
+                self._remembered = {}
+                if opened.fresh and self.rebuild is not None:
+                    await self.rebuild()
+            finally:
+                self._recovering = False
+
+    # ------------------------------------------------------------------ sessions
+
+    async def ensure(self, ref: SessionRef, *, touch: bool) -> None:
+        """The session's folder, sidecar and index row, created if missing; `touch` marks it used.
+
+        On a full disk an existing session is still usable (a run may be what frees the space); its
+        row is written by the next step that has room."""
+        try:
+            created = await asyncio.to_thread(self.make_dirs, ref)
+            now = time.time()
+            await self.write(lambda tx: self.session_id(tx, ref, created, now if touch else None))
+        except (DiskFull, OSError) as error:
+            full = isinstance(error, DiskFull) or error.errno in (errno.ENOSPC, errno.EDQUOT)
+            if not full or not ref.path.is_dir():
+                raise DiskFull() if full else error from None
+            log.warning(
+                "the disk is full: chat %r of user %r goes on without updating its index row",
+                ref.chat_id,
+                ref.user_id,
+            )
+
+    async def session_id(
+        self, tx: Tx, ref: SessionRef, created_at: float, used_at: float | None = None
+    ) -> int:
+        """The session's row id inside a transaction, creating the row if it is missing."""
+        return await _index.ensure_session(
+            tx,
+            user_id=ref.user_id,
+            chat_id=ref.chat_id,
+            user_key=ref.user_key,
+            chat_key=ref.chat_key,
+            temporary=ref.temporary,
+            created_at=created_at,
+            used_at=used_at,
+        )
+
+    def make_dirs(self, ref: SessionRef) -> float:
+        """Create the session folder, its state folder and sidecar; returns the creation time."""
+        layout = self.layout
+        now = time.time()
+        for attempt in range(5):
+            try:
+                make_dir(layout.sessions / ref.user_key)
+                if not make_dir(ref.path, self.owner) and self.owner is not None:
+                    _chown_existing(ref.path, self.owner)
+                make_dir(layout.state / ref.user_key)
+                sidecar = layout.sidecar_path(ref.user_key, ref.chat_key)
+                if not sidecar.exists():
+                    write_sidecar(sidecar, ref.user_id, ref.chat_id, now)
+                return now
+            except FileNotFoundError:
+                # A cleanup removed an empty parent folder between two of our steps: go again.
+                if attempt == 4:
+                    raise
+        return now
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    async def log(
+        self, event: str, user_id: str | None = None, chat_id: str | None = None, detail: dict | None = None
+    ) -> None:
+        now = time.time()
+        await self.write(lambda tx: _index.log_activity(tx, now, event, user_id, chat_id, detail))
+
+    async def remember_settings(self) -> None:
+        """Store the quotas and expiry in use, so the CLI can show and apply the same ones."""
+        if not self.record_settings:
+            return
+        values = {
+            "quotas": json.dumps(self.policy.quotas.to_dict(), sort_keys=True),
+            "expiry": json.dumps(self.policy.expiry.to_dict(), sort_keys=True),
+        }
+        if values == self._remembered:
+            return
+
+        async def write(tx: Tx) -> None:
+            for key, value in values.items():
+                if await _index.get_meta(tx, key) != value:
+                    await _index.set_meta(tx, key, value)
+
+        try:
+            await self.write(write)
+        except DiskFull:
+            return  # only the CLI reads these; the next call tries again
+        self._remembered = values
+
+
+def _chown_existing(path: Path, owner: tuple[int, int]) -> None:
+    if os.geteuid() != 0:
+        return
+    st = os.stat(path, follow_symlinks=False)
+    if (st.st_uid, st.st_gid) != owner:
+        with contextlib.suppress(OSError):
+            os.chown(path, owner[0], owner[1], follow_symlinks=False)

@@ -1,0 +1,433 @@
+"""Expiry and purges: deleting what the policy or an admin says must go, safely while runs go on.
+
+Every session is deleted only while we hold its lock, taken without waiting: a session whose lock
+is held (a sandbox is running in it) is skipped and counted as in use, never deleted under it. Under
+the lock the decision is re-checked against the index (the chat may have been used meanwhile).
+
+Deleting a session: its folder is renamed into trash/ (atomic for everyone else), its index rows and
+links are removed, then its published copies, the trash entry and the sidecar; the lock is released
+with `forget` (the flock backend unlinks the lock file while still holding it; lockers verify the
+inode after acquiring, see _lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import _index
+from ._backend import Tx
+from ._core import Core, SessionRef
+from ._format import human_duration
+from ._fsops import fd_closing, open_dir, remove_tree, unlink_name_if_unchanged, walk_dirs
+from ._index import SessionRow
+from ._keys import id_key
+from ._publish import drain_unpublished, folder_copy_present, link_records, remove_copies
+from .errors import FileMissing, InvalidPath
+from .models import CleanupReport, Purge, SessionCleanup
+from .publishing import DirectoryPublisher
+
+# Published copies not in the index are removed only after this long, so a publish that has stored
+# its copy but not yet written its row is never swept.
+STRAY_GRACE_S = 600.0
+# Links whose file is missing from / changed in the index are kept this long, for a publish that ran
+# before the sync of the same step.
+STALE_LINK_GRACE_S = 600.0
+_EXPIRY_BATCH = 2000
+
+
+@dataclass
+class _Tally:
+    dry_run: bool
+    sessions_removed: int = 0
+    files_removed: int = 0
+    bytes_freed: int = 0
+    links_removed: int = 0
+    in_use: set[int] = field(default_factory=set)
+    details: list[SessionCleanup] = field(default_factory=list)
+
+    def report(self) -> CleanupReport:
+        return CleanupReport(
+            self.dry_run,
+            self.sessions_removed,
+            self.files_removed,
+            self.bytes_freed,
+            self.links_removed,
+            len(self.in_use),
+            self.details,
+        )
+
+    def busy(self, row: SessionRow, reason: str) -> None:
+        if row.id not in self.in_use:
+            self.in_use.add(row.id)
+            self.details.append(SessionCleanup(row.user_id, row.chat_id, "in use", reason=reason))
+
+    def removed(self, row: SessionRow, reason: str, links: int, action: str = "removed") -> None:
+        self.sessions_removed += 1
+        self.files_removed += row.file_count
+        self.bytes_freed += row.bytes if action == "removed" else 0
+        self.links_removed += links
+        freed = row.bytes if action == "removed" else 0
+        self.details.append(SessionCleanup(row.user_id, row.chat_id, action, row.file_count, freed, reason))
+
+
+async def cleanup(core: Core, purge: Purge | None, *, dry_run: bool) -> CleanupReport:
+    """The expiry policy (purge=None) or a purge, then the links and copies nothing needs."""
+    now = time.time()
+    tally = _Tally(dry_run)
+    rows = await core.read(_index.all_sessions)
+    removed: set[int] = set()
+    policy = core.policy
+
+    def reason_of(row: SessionRow, at: float) -> str | None:
+        return _selected(row, purge, core, at)
+
+    for row in rows:
+        reason = reason_of(row, now)
+        if reason is not None and await _remove_session(core, row, reason, reason_of, tally):
+            removed.add(row.id)
+
+    cutoff = policy.file_cutoff(now) if purge is None else None
+    if cutoff is not None:
+        await _expire_files(core, cutoff, removed, tally)
+
+    await _vanished_sessions(core, removed, tally)
+    await _stale_links(core, now, tally)
+    await _stray_copies(core, tally)
+
+    if dry_run:
+        return tally.report()
+    await asyncio.to_thread(_empty_trash, core)
+    await drain_unpublished(core)
+    report = tally.report()
+    pruned = policy.activity_cutoff(now)
+
+    async def write(tx: Tx) -> None:
+        if pruned is not None:
+            await _index.prune_activity(tx, pruned)
+        detail = {k: v for k, v in report.to_dict().items() if k not in ("details", "dry_run")}
+        detail["purge"] = purge.to_dict() if purge is not None else None
+        await _index.log_activity(tx, time.time(), "cleanup", detail=detail)
+
+    await core.write(write)
+    return report
+
+
+async def delete_sessions(core: Core, keys: Iterable[tuple[str, str]], reason: str) -> CleanupReport:
+    """Delete these sessions (by user key, chat key) now, whatever their age: e.g. chats deleted in
+    the web UI. One pass, however many; a session in use is skipped and counted."""
+    tally = _Tally(False)
+    wanted = set(keys)
+    rows = [r for r in await core.read(_index.all_sessions) if (r.user_key, r.chat_key) in wanted]
+    for row in rows:
+        await _remove_session(core, row, reason, lambda fresh, at: reason, tally)
+    if rows:
+        await asyncio.to_thread(_empty_trash, core)
+    return tally.report()
+
+
+def _selected(row: SessionRow, purge: Purge | None, core: Core, now: float) -> str | None:
+    """Why this session should go, or None."""
+    idle = now - row.last_used_at
+    if purge is None:
+        return core.policy.session_expired(temporary=row.temporary, idle_s=idle)
+    if not purge.selects_anything:
+        return None
+    if purge.everything:
+        return "purge: everything"
+    if purge.user_id is not None and row.user_key != id_key(purge.user_id):
+        return None
+    if purge.chat_id is not None and row.chat_key != id_key(purge.chat_id):
+        return None
+    if purge.idle_longer_than_s is not None and not idle > purge.idle_longer_than_s:
+        return None
+    parts = []
+    if purge.user_id is not None:
+        parts.append("user")
+    if purge.chat_id is not None:
+        parts.append("chat")
+    if purge.idle_longer_than_s is not None:
+        parts.append(f"idle longer than {human_duration(purge.idle_longer_than_s, zero='0s')}")
+    return "purge: " + ", ".join(parts)
+
+
+async def _remove_session(
+    core: Core,
+    row: SessionRow,
+    reason: str,
+    still: Callable[[SessionRow, float], str | None],
+    tally: _Tally,
+) -> bool:
+    if tally.dry_run:
+        if await core.backend.chat_locked(row.user_key, row.chat_key):
+            tally.busy(row, reason)
+            return False
+        tally.removed(row, reason, await core.read(lambda tx: _index.count_links(tx, row.id)))
+        return True
+    lock = core.backend.chat_lock(row.user_key, row.chat_key)
+    if not await lock.try_acquire():
+        tally.busy(row, reason)
+        return False
+    deleted = False
+    try:
+        fresh = await core.read(lambda tx: _index.session_by_keys(tx, row.user_key, row.chat_key))
+        if fresh is None or still(fresh, time.time()) is None:
+            return False  # used again (or removed by someone else) since we looked
+        links = await delete_session(core, fresh, reason)
+        tally.removed(fresh, reason, links)
+        deleted = True
+        return True
+    finally:
+        await lock.release(forget=deleted)
+        if deleted:
+            await asyncio.to_thread(_prune_parents, core, row)
+
+
+async def delete_session(core: Core, row: SessionRow, reason: str) -> int:
+    """Delete a session whose lock we hold; returns how many links went with it."""
+    layout = core.layout
+    folder = layout.session_dir(row.user_key, row.chat_key)
+    trash = layout.trash / f"{row.chat_key}.{secrets.token_hex(6)}"
+
+    def move() -> bool:
+        try:
+            os.rename(folder, trash)
+        except FileNotFoundError:
+            return False
+        return True
+
+    moved = await asyncio.to_thread(move)
+    now = time.time()
+
+    async def write(tx: Tx) -> list[tuple[str, str, str]]:
+        links = await _index.links_of_session(tx, row.id)
+        await _index.delete_links(tx, [ref for ref, _, _ in links])
+        await _index.delete_session(tx, row.id)
+        await _index.log_activity(
+            tx,
+            now,
+            "session_removed",
+            row.user_id,
+            row.chat_id,
+            {"reason": reason, "files": row.file_count, "bytes": row.bytes, "links": len(links)},
+        )
+        return links
+
+    links = await core.write(write)
+    await remove_copies(core, links)
+
+    def remove_files() -> None:
+        if moved:
+            remove_tree(trash)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(layout.sidecar_path(row.user_key, row.chat_key))
+
+    await asyncio.to_thread(remove_files)
+    return len(links)
+
+
+def _prune_parents(core: Core, row: SessionRow) -> None:
+    # Empty per-user folders go too; creators retry if we remove one under them (see Core.make_dirs).
+    layout = core.layout
+    for folder in (layout.sessions / row.user_key, layout.state / row.user_key):
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
+
+
+async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally) -> None:
+    rows = await core.read(lambda tx: _index.expired_files(tx, cutoff))
+    by_session: dict[int, list[tuple[str, int, int]]] = defaultdict(list)
+    for sid, path, size, mtime_ns in rows:
+        if sid not in skip:
+            by_session[sid].append((path, int(size), int(mtime_ns)))
+    if not by_session:
+        return
+    sessions = {r.id: r for r in await core.read(_index.all_sessions)}
+    reason = core.policy.file_expiry_reason()
+    for sid, files in by_session.items():
+        row = sessions.get(sid)
+        if row is None:
+            continue
+        if tally.dry_run:
+            if await core.backend.chat_locked(row.user_key, row.chat_key):
+                tally.busy(row, reason)
+                continue
+            await _count_files(core, tally, row, files, reason)
+            continue
+        ref = core.ref_at(row.user_id, row.chat_id, row.user_key, row.chat_key)
+        removed_files, removed_bytes = 0, 0
+        # The chat's lock is held one batch at a time, so a user's next step waits for at most one
+        # batch of unlinks, not for an old session's whole expiry.
+        for start in range(0, len(files), _EXPIRY_BATCH):
+            lock = core.lock_of(ref)
+            if not await lock.try_acquire():
+                tally.busy(row, reason)
+                break
+            try:
+                batch = files[start : start + _EXPIRY_BATCH]
+                gone = await asyncio.to_thread(_unlink_unchanged, ref.path, batch)
+                if gone:
+                    tally.links_removed += await _forget_files(core, ref, row.id, gone, reason)
+            finally:
+                await lock.release()
+            removed_files += len(gone)
+            removed_bytes += sum(size for _, size in gone)
+        if removed_files:
+            tally.files_removed += removed_files
+            tally.bytes_freed += removed_bytes
+            tally.details.append(
+                SessionCleanup(
+                    row.user_id, row.chat_id, "files expired", removed_files, removed_bytes, reason
+                )
+            )
+
+
+async def _count_files(
+    core: Core, tally: _Tally, row: SessionRow, files: list[tuple[str, int, int]], reason: str
+) -> None:
+    links = await core.read(lambda tx: _index.links_of_paths(tx, row.id, [p for p, _, _ in files]))
+    size = sum(s for _, s, _ in files)
+    tally.files_removed += len(files)
+    tally.bytes_freed += size
+    tally.links_removed += len(links)
+    tally.details.append(SessionCleanup(row.user_id, row.chat_id, "files expired", len(files), size, reason))
+
+
+def _unlink_unchanged(folder: Path, files: list[tuple[str, int, int]]) -> list[tuple[str, int]]:
+    """Delete expired files that still match the index; each parent folder is opened once."""
+    gone: list[tuple[str, int]] = []
+    try:
+        root = open_dir(folder)
+    except (FileMissing, InvalidPath):
+        return gone
+    by_parent: dict[tuple[str, ...], list[tuple[str, int, int]]] = defaultdict(list)
+    for path, size, mtime_ns in files:
+        parts = tuple(path.split("/"))
+        by_parent[parts[:-1]].append((path, size, mtime_ns))
+    with fd_closing(root):
+        for parent_parts, entries in by_parent.items():
+            try:
+                parent = walk_dirs(root, parent_parts)
+            except (FileMissing, InvalidPath):
+                continue
+            with fd_closing(parent):
+                for path, size, mtime_ns in entries:
+                    if unlink_name_if_unchanged(parent, path.rsplit("/", 1)[-1], size, mtime_ns):
+                        gone.append((path, size))
+    return gone
+
+
+async def _forget_files(
+    core: Core, ref: SessionRef, session_id: int, gone: list[tuple[str, int]], reason: str
+) -> int:
+    """Drop index rows of deleted files, and their links. Returns the number of links removed."""
+    paths = [p for p, _ in gone]
+    now = time.time()
+
+    async def write(tx: Tx) -> list[tuple[str, str, str]]:
+        links = await _index.forget_files(tx, session_id, paths)
+        await _index.log_activity(
+            tx,
+            now,
+            "files_expired",
+            ref.user_id,
+            ref.chat_id,
+            {"reason": reason, "files": len(gone), "bytes": sum(s for _, s in gone), "paths": paths[:100]},
+        )
+        return links
+
+    links = await core.write(write)
+    await remove_copies(core, links)
+    return len(links)
+
+
+async def _vanished_sessions(core: Core, removed: set[int], tally: _Tally) -> None:
+    """Index rows whose session folder no longer exists (deleted by hand, or a crash mid-delete)."""
+    layout = core.layout
+    rows = [r for r in await core.read(_index.all_sessions) if r.id not in removed]
+    missing = await asyncio.to_thread(
+        lambda: [r for r in rows if not layout.session_dir(r.user_key, r.chat_key).is_dir()]
+    )
+    reason = "session folder no longer exists"
+    for row in missing:
+        if tally.dry_run:
+            if await core.backend.chat_locked(row.user_key, row.chat_key):
+                tally.busy(row, reason)
+            else:
+                tally.removed(row, reason, 0, action="vanished")
+            continue
+        lock = core.backend.chat_lock(row.user_key, row.chat_key)
+        if not await lock.try_acquire():
+            tally.busy(row, reason)
+            continue
+        deleted = False
+        try:
+            if layout.session_dir(row.user_key, row.chat_key).is_dir():
+                continue  # re-created meanwhile
+            links = await delete_session(core, row, reason)
+            deleted = True
+            tally.removed(row, reason, links, action="vanished")
+        finally:
+            await lock.release(forget=deleted)
+            if deleted:
+                await asyncio.to_thread(_prune_parents, core, row)
+
+
+async def _stale_links(core: Core, now: float, tally: _Tally) -> None:
+    """Links whose session is gone, whose file is gone or changed, or whose folder copy vanished."""
+    rows = await core.read(_index.link_health)
+
+    def judge() -> list[tuple[str, str, str]]:
+        stale: list[tuple[str, str, str]] = []
+        for ref, kind, directory, name, created_at, no_session, no_file, changed in rows:
+            old = now - created_at > STALE_LINK_GRACE_S
+            gone = kind == DirectoryPublisher.kind and not folder_copy_present(directory, ref, name)
+            if no_session or (old and (no_file or changed)) or gone:
+                stale.append((ref, kind, directory))
+        return stale
+
+    stale = await asyncio.to_thread(judge)
+    if not stale:
+        return
+    tally.links_removed += len(stale)
+    if tally.dry_run:
+        return
+    await core.write(lambda tx: _index.delete_links(tx, [ref for ref, _, _ in stale]))
+    await remove_copies(core, stale)
+
+
+async def _stray_copies(core: Core, tally: _Tally) -> None:
+    """Copies with no link row (a crash between storing a copy and writing its row), and link
+    records with no row, older than the grace."""
+    publisher = core.publisher
+    if publisher is not None:
+        known = await core.read(lambda tx: _index.all_link_refs(tx, publisher.kind))
+        strays = await publisher.strays(known, STRAY_GRACE_S)
+        tally.links_removed += len(strays)
+        if strays and not tally.dry_run:
+            await publisher.remove(strays)
+    if tally.dry_run:
+        return
+    rows = {(kind, ref) for ref, kind, *_ in await core.read(_index.links_with_owners)}
+    cutoff = time.time() - STRAY_GRACE_S
+
+    def forget() -> None:
+        for rec in link_records(core):
+            if (rec["kind"], rec["ref"]) not in rows and rec["_mtime"] < cutoff:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(core.layout.link_record(rec["kind"], rec["ref"]))
+
+    await asyncio.to_thread(forget)
+
+
+def _empty_trash(core: Core) -> None:
+    with contextlib.suppress(FileNotFoundError), os.scandir(core.layout.trash) as entries:
+        for entry in list(entries):
+            remove_tree(Path(entry.path))

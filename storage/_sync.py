@@ -1,0 +1,219 @@
+"""Bringing the index in line with a session folder (the disk is the truth), and the quota after a run.
+
+Two ways to find what differs, one way to apply it:
+
+* `sync_folder`: list the whole folder (one lstat per entry) and compare with the session's rows;
+* `_sync_changed.sync_paths`: look only at the paths a run changed (see that module);
+* `apply`: write the differences in ONE write transaction that also makes the quota decision: it
+  reads the user's totals across all chats inside that transaction (serialised per user), weighs
+  the run's new and grown files with `Policy.plan_removals`, and indexes only what is kept; the files
+  that go are unlinked right after. Two chats of one user finishing at once therefore cannot both
+  spend the last room: the second one sees the first one's files.
+
+Quota enforcement only ever removes files a run added or grew; files the index already knew and that
+did not grow are never touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from . import _index
+from ._backend import Tx
+from ._core import Core, SessionRef
+from ._fsops import fd_closing, open_dir, unlink_file, walk_dirs
+from ._scan import Listing, Scan, scan
+from .errors import FileMissing, InvalidPath
+from .models import Growth, QuotaRemoval, ReconcileReport, Rejected, Usage
+
+_AUDIT_ITEMS = 100
+# Empty folders kept per sync (a full one: the whole session; a change-driven one: the folders a run
+# made). Code can make folders without end, each a few KiB of disk that no quota counts.
+MAX_EMPTY_FOLDERS = 1000
+
+
+@dataclass(slots=True)
+class Differences:
+    """What differs between a folder (as found) and its index rows.
+
+    `found.files` holds (at least) every added and changed path; `old_sizes` the indexed size of
+    every changed and removed path."""
+
+    found: Scan
+    added: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    old_sizes: dict[str, int] = field(default_factory=dict)
+    full: bool = True
+
+    def usage_delta(self) -> Usage:
+        listing = self.found.files
+        files = len(self.added) - len(self.removed)
+        size = (
+            sum(listing[p][0] for p in self.added)
+            + sum(listing[p][0] - self.old_sizes[p] for p in self.changed)
+            - sum(self.old_sizes[p] for p in self.removed)
+        )
+        return Usage(files, size)
+
+    def growth(self) -> list[Growth]:
+        """The files the quota weighs: every added one, and every changed one that grew."""
+        listing = self.found.files
+        items = [Growth(p, *listing[p], new=True) for p in self.added]
+        for path in self.changed:
+            size, mtime_ns = listing[path]
+            old = self.old_sizes[path]
+            if size > old:
+                items.append(Growth(path, size, mtime_ns, new=False, old_size=old))
+        return items
+
+
+def compare(found: Scan, index_rows: Iterable[tuple[str, int, int]]) -> Differences:
+    """Walk the index rows once against the listing (this loop is most of a full sync's Python
+    time on a big session; it runs in a worker thread)."""
+    remaining = dict(found.files)
+    pop = remaining.pop
+    differences = Differences(found)
+    changed, removed, old = differences.changed, differences.removed, differences.old_sizes
+    unreadable = bool(found.unreadable)
+    for path, size, mtime_ns in index_rows:
+        seen = pop(path, None)
+        if seen is None:
+            if not (unreadable and found.is_unreadable(path)):
+                removed.append(path)
+                old[path] = size
+        elif seen[0] != size or seen[1] != mtime_ns:
+            changed.append(path)
+            old[path] = size
+    differences.added = list(remaining)
+    return differences
+
+
+async def sync_folder(
+    core: Core, ref: SessionRef, *, enforce: bool, prior: Scan | None = None
+) -> ReconcileReport:
+    """List the whole folder and apply what differs. `prior`: what a change-driven attempt that fell
+    back already rejected or renamed (those entries are gone now; the report still tells)."""
+
+    async def read(tx: Tx) -> list[tuple[str, int, int]]:
+        row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
+        return [] if row is None else await _index.file_rows(tx, row.id)
+
+    # One after the other, not overlapped: the listing makes one system call per entry, each
+    # releasing the GIL, and a second busy thread turns every one of those into a GIL hand-off
+    # (measured: overlapping made a 100k-file sync about 50% slower).
+    found = await asyncio.to_thread(scan, ref.path, fix=True)
+    if prior is not None:
+        found.rejected[:0] = prior.rejected
+        found.renamed[:0] = prior.renamed
+    index_rows = await core.read(read)
+    differences = await asyncio.to_thread(compare, found, index_rows)
+    return await apply(core, ref, differences, enforce=enforce)
+
+
+async def apply(core: Core, ref: SessionRef, differences: Differences, *, enforce: bool) -> ReconcileReport:
+    """Decide the quota and write the differences in one transaction; then unlink what goes."""
+    found = differences.found
+    listing: Listing = found.files
+    if len(found.empty_folders) > MAX_EMPTY_FOLDERS:
+        await asyncio.to_thread(_prune_empty_folders, ref, found)
+    candidates = differences.growth() if enforce else []
+    delta = differences.usage_delta() if candidates else Usage(0, 0)
+    now = time.time()
+
+    async def write(tx: Tx) -> tuple[list[QuotaRemoval], int, int]:
+        sid = await core.session_id(tx, ref, now)
+        removals: list[QuotaRemoval] = []
+        if candidates:
+            await tx.serialise_user(ref.user_key)
+            usage = await _index.user_usage(tx, ref.user_key)
+            removals = core.policy.plan_removals(
+                candidates, Usage(usage.files + delta.files, usage.bytes + delta.bytes)
+            )
+        going = {r.path for r in removals}
+        if differences.full:  # only a full listing can tell that no file of the session has several links
+            await _index.set_linked_files(tx, sid, len(found.linked))
+        kept = [p for p in differences.added + differences.changed if p not in going]
+        if kept:
+            await _index.upsert_files(tx, sid, [(p, *listing[p], now) for p in kept])
+        dropped = differences.removed + [p for p in differences.changed if p in going]
+        if dropped:
+            await _index.delete_files(tx, sid, dropped)
+        await _audit(tx, ref, found, removals, now)
+        files, size = await _index.session_totals(tx, sid)
+        return removals, files, size
+
+    removals, files, size = await core.write(write)
+    quota_removed: list[QuotaRemoval] = []
+    if removals:
+        # After the commit: a file that cannot be unlinked stays on disk, unindexed, and the next
+        # sync weighs it again.
+        gone = await asyncio.to_thread(_remove, ref, [r.path for r in removals])
+        quota_removed = [r for r in removals if r.path in gone]
+    going = {r.path for r in removals}
+    return ReconcileReport(
+        added=sorted(p for p in differences.added if p not in going),
+        changed=sorted(p for p in differences.changed if p not in going),
+        removed=sorted(differences.removed),
+        rejected=found.rejected,
+        renamed=found.renamed,
+        quota_removed=quota_removed,
+        files=files,
+        bytes=size,
+        full=differences.full,
+    )
+
+
+async def _audit(tx: Tx, ref: SessionRef, found: Scan, removals: list[QuotaRemoval], now: float) -> None:
+    # The audit trail keeps the first _AUDIT_ITEMS of each list and the counts (a run can create a
+    # million symlinks; the report has them all).
+    who = (ref.user_id, ref.chat_id)
+    if found.rejected or found.renamed:
+        detail = {
+            "rejected": [r.to_dict() for r in found.rejected[:_AUDIT_ITEMS]],
+            "renamed": [r.to_dict() for r in found.renamed[:_AUDIT_ITEMS]],
+            "rejected_count": len(found.rejected),
+            "renamed_count": len(found.renamed),
+        }
+        await _index.log_activity(tx, now, "rejected", *who, detail)
+    if removals:
+        detail = {
+            "removed": [r.to_dict() for r in removals[:_AUDIT_ITEMS]],
+            "removed_count": len(removals),
+            "bytes": sum(r.size for r in removals),
+        }
+        await _index.log_activity(tx, now, "quota_removed", *who, detail)
+
+
+def _prune_empty_folders(ref: SessionRef, found: Scan) -> None:
+    """Keep the MAX_EMPTY_FOLDERS shallowest empty folders, remove the others (reported as rejected)."""
+    ordered = sorted(found.empty_folders, key=lambda p: (p.count("/"), p))
+    with fd_closing(open_dir(ref.path)) as root:
+        for path in ordered[MAX_EMPTY_FOLDERS:]:
+            parts = tuple(path.split("/"))
+            try:
+                with fd_closing(walk_dirs(root, parts[:-1])) as parent:
+                    os.rmdir(parts[-1], dir_fd=parent)
+            except (FileMissing, InvalidPath, OSError):
+                continue
+            found.rejected.append(Rejected(path + "/", "empty folder"))
+    found.empty_folders = ordered[:MAX_EMPTY_FOLDERS]
+
+
+def _remove(ref: SessionRef, paths: list[str]) -> set[str]:
+    """Delete files chosen by the quota; returns those gone from disk afterwards."""
+    gone: set[str] = set()
+    with fd_closing(open_dir(ref.path)) as root:
+        for path in paths:
+            try:
+                unlink_file(root, tuple(path.split("/")))
+            except FileMissing:
+                pass
+            except (InvalidPath, OSError):
+                continue
+            gone.add(path)
+    return gone

@@ -1,0 +1,6 @@
+"""What code-sessions asks of the Open WebUI it runs in, in one place (only here and in the function
+file is `open_webui` imported, lazily, so the bundle loads without a running Open WebUI)."""
+
+from .host import Locations, Misconfigured, OpenWebUI
+
+__all__ = ["Locations", "Misconfigured", "OpenWebUI"]

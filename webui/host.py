@@ -1,0 +1,90 @@
+"""The Open WebUI host: locations, users, the base models, uploads, valves, which chats exist.
+
+Every method is one question to Open WebUI 0.12 (see /work/notes or docs/architecture.md for the
+facts each relies on). A test harness replaces the whole object with its own stand-in, so nothing
+else in the function reaches into Open WebUI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Locations", "Misconfigured", "OpenWebUI"]
+
+# Ids per IN (...) query: well under every database's limit on bound parameters.
+_ID_CHUNK = 500
+
+
+class Misconfigured(ValueError):
+    """A valve setting the function refuses to run with."""
+
+
+@dataclass(frozen=True, slots=True)
+class Locations:
+    root: Path  # sessions and the index
+    publish_dir: Path  # folder copies served by Open WebUI's /cache route
+    url_prefix: str  # where Open WebUI serves publish_dir
+
+
+class OpenWebUI:
+    """The real Open WebUI (imports are lazy: this module must load without it)."""
+
+    def locations(self, storage_root: str, function_id: str) -> Locations:
+        """The root must stay out of the cache Open WebUI serves to every logged-in user."""
+        from open_webui.env import DATA_DIR
+
+        cache = (Path(DATA_DIR) / "cache").resolve()
+        root = Path(storage_root).expanduser() if storage_root else Path(DATA_DIR) / "code_sessions"
+        root = root.resolve()
+        if root == cache or cache in root.parents:
+            raise Misconfigured(f"storage_root {root} is inside {cache}, which any logged-in user can read")
+        return Locations(root, cache / "functions" / function_id, f"/cache/functions/{function_id}/")
+
+    async def user(self, user_id: str) -> Any:
+        from open_webui.models.users import Users
+
+        return await Users.get_user_by_id(user_id)
+
+    async def call_model(self, request: Any, user: Any, form: dict, *, stream: bool) -> Any:
+        from open_webui.utils.chat import generate_chat_completion
+
+        # The admin chose these base models for this function: access to the function is what is checked.
+        return await generate_chat_completion(request, {**form, "stream": stream}, user, bypass_filter=True)
+
+    async def read_upload(self, file_id: str, user_id: str) -> tuple[bytes | None, str]:
+        """The bytes of an uploaded file, only if it belongs to this user (ids in a request are untrusted)."""
+        from open_webui.models.files import Files
+        from open_webui.storage.provider import Storage
+
+        record = await Files.get_file_by_id_and_user_id(file_id, user_id)
+        if record is None or not record.path:
+            return None, ""
+        local = await asyncio.to_thread(Storage.get_file, record.path)
+        data = await asyncio.to_thread(Path(local).read_bytes)
+        name = (record.meta or {}).get("name") or record.filename or file_id
+        return data, name
+
+    async def stored_valves(self, function_id: str) -> dict:
+        """The valves as saved now (the background loop is not called by Open WebUI, so it reads them)."""
+        from open_webui.models.functions import Functions
+
+        return await Functions.get_function_valves_by_id(function_id) or {}
+
+    async def store_valves(self, function_id: str, valves: dict) -> None:
+        from open_webui.models.functions import Functions
+
+        await Functions.update_function_valves_by_id(function_id, valves)
+
+    async def chat_owners(self, chat_ids: Sequence[str]) -> dict[str, str]:
+        """{chat id: owner's user id} for those of these chats that exist: one query per 500 ids.
+        Raises when the database does (never an empty answer for an error)."""
+        from open_webui.models.chats import Chats
+
+        owners: dict[str, str] = {}
+        for start in range(0, len(chat_ids), _ID_CHUNK):
+            owners.update(await Chats.get_owner_ids_by_chat_ids(list(chat_ids[start : start + _ID_CHUNK])))
+        return owners
