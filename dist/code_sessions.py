@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_f3d7bdeba065'
+_CS_PACKAGE = '_code_sessions_bafea502fee5'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -487,15 +487,28 @@ class _Tally:
     def busy(self, row: SessionRow, reason: str) -> None:
         if row.id not in self.in_use:
             self.in_use.add(row.id)
-            self.details.append(SessionCleanup(row.user_id, row.chat_id, "in use", reason=reason))
+            self.details.append(
+                SessionCleanup(
+                    row.user_id,
+                    row.chat_id,
+                    "in use",
+                    reason=reason,
+                    user_key=row.user_key,
+                    chat_key=row.chat_key,
+                )
+            )
 
     def removed(self, row: SessionRow, reason: str, links: int, action: str = "removed") -> None:
         self.sessions_removed += 1
         self.files_removed += row.file_count
-        self.bytes_freed += row.bytes if action == "removed" else 0
-        self.links_removed += links
         freed = row.bytes if action == "removed" else 0
-        self.details.append(SessionCleanup(row.user_id, row.chat_id, action, row.file_count, freed, reason))
+        self.bytes_freed += freed
+        self.links_removed += links
+        self.details.append(
+            SessionCleanup(
+                row.user_id, row.chat_id, action, row.file_count, freed, reason, row.user_key, row.chat_key
+            )
+        )
 
 
 async def cleanup(core: Core, purge: Purge | None, *, dry_run: bool) -> CleanupReport:
@@ -4688,6 +4701,9 @@ class SessionCleanup(_Dictable):
     files: int = 0
     bytes: int = 0
     reason: str = ""
+    # The session's folder keys (what other parts name a session by, e.g. its kernel).
+    user_key: str = ""
+    chat_key: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -5808,6 +5824,7 @@ from .errors import (
     UnsupportedLanguage,
     WorkdirError,
 )
+from .kernels import KernelPool, reset_sentence
 from .models import Limits, Outcome, RunnerConfig, RunResult
 from .runner import HostSetup, Runner
 
@@ -5816,6 +5833,7 @@ __all__ = [
     "DoctorReport",
     "HostSetup",
     "InterpreterNotFound",
+    "KernelPool",
     "Limits",
     "Outcome",
     "RunResult",
@@ -5829,6 +5847,7 @@ __all__ = [
     "WorkdirError",
     "detect_runsc",
     "doctor",
+    "reset_sentence",
 ]
 ''',
     'runner/_bundle.py': r'''"""Everything the sandbox sees, written as an OCI bundle: a shared read-only root skeleton (with a
@@ -5860,7 +5879,16 @@ _LANG_EXT = {"python": "py", "bash": "sh"}
 # Debian's usrmerge makes these symlinks into /usr; older layouts have real directories.
 _TOP_LEVEL_SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 # Host /etc entries interpreters need; nothing secret (no shadow, no ssl/private, no host env files).
-_ETC_COPIES = ("ld.so.cache", "localtime", "mime.types", "alternatives", "ssl/certs", "ssl/openssl.cnf")
+_ETC_COPIES = (
+    "ld.so.cache",
+    "localtime",
+    "mime.types",
+    "alternatives",
+    "ssl/certs",
+    "ssl/openssl.cnf",
+    "matplotlibrc",  # Debian's matplotlib reads its defaults here
+    "fonts",  # fontconfig's configuration, for libraries that render text
+)
 _ENV = (
     "PATH=/usr/local/bin:/usr/bin:/bin",
     f"HOME={SANDBOX_HOME}",
@@ -5911,9 +5939,14 @@ def find_interpreter(language: str, configured: Path | None) -> str:
     if language not in _LANG_EXT:
         raise UnsupportedLanguage(f"language must be 'python' or 'bash', not {language!r}")
     exe = "python3" if language == "python" else "bash"
-    candidates = (
-        [str(configured)] if configured else [f"{d}/{exe}" for d in ("/usr/local/bin", "/usr/bin", "/bin")]
+    # Debian's /usr/bin/python3 first: its python3-* packages (numpy, pandas, matplotlib...) are the
+    # sandbox's data environment (see docs/runner.md). An image's own /usr/local Python is next.
+    folders = (
+        ("/usr/bin", "/usr/local/bin", "/bin")
+        if language == "python"
+        else ("/usr/local/bin", "/usr/bin", "/bin")
     )
+    candidates = [str(configured)] if configured else [f"{d}/{exe}" for d in folders]
     roots = visible_roots()
     for cand in candidates:
         if not (os.path.isfile(cand) and os.access(cand, os.X_OK)):
@@ -6538,6 +6571,19 @@ class ChangeWatch:
         """Final drain (call it once every sandbox process has exited), close, and the answer."""
         self.drain()
         self.close()
+        return self._answer()
+
+    def harvest(self) -> tuple[str, ...] | None:
+        """The answer so far, and start over without closing (a persistent kernel: its watch stays
+        for its whole life, so what happens between runs is seen too). After None the watch is
+        closed: the caller sets up a new one before the next run."""
+        self.drain()
+        answer = self._answer()
+        self._seen = set()
+        self._created = set()
+        return answer
+
+    def _answer(self) -> tuple[str, ...] | None:
         if self.why_unknown is not None:
             return None
         paths: set[str] = set()
@@ -6997,10 +7043,1486 @@ def _watch(
 
 def _interval(walk_cost: float) -> float:
     return min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, walk_cost * COST_FACTOR))
+
+
+class GrowthWatch:
+    """A growth watch that lives as long as a kernel, in a thread of its own.
+
+    Its baseline is taken again by `rebase()` at the start of every run, so growth means what was
+    written since the latest run began: a run's budget covers what it writes and what anything it
+    left running (a thread, a process the kernel could not end) writes until the next run begins.
+    `on_exceeded(growth)` is called once, from the watching thread (None: folders too deep to
+    measure); the watch then stops. `set_limit()` changes the budget for the next rebase on.
+    """
+
+    def __init__(
+        self, root: str, limit: int, on_exceeded: Callable[[int | None], None], pids: Callable[[], list[int]]
+    ) -> None:
+        self.root = root
+        self._limit = limit
+        self._on_exceeded = on_exceeded
+        self._pids = pids
+        self._rebase = threading.Event()
+        self._stopped = threading.Event()
+        self._rebased = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="kernel-disk-watch", daemon=True)
+
+    def start(self) -> None:
+        self._rebase.set()
+        self._thread.start()
+
+    def rebase(self, limit: int) -> None:
+        """A run begins: measure from here, with this budget. Returns at once; the baseline walk runs
+        in the watching thread."""
+        self._limit = limit
+        self._rebased.clear()
+        self._rebase.set()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _main(self) -> None:
+        try:
+            self._loop()
+        except TooDeep:
+            if not self._stopped.is_set():
+                self._on_exceeded(None)
+        except Exception:  # the workdir vanished (a purge): the kernel is being stopped anyway
+            if not self._stopped.is_set():
+                log.exception("kernel disk watcher stopped for %s", self.root)
+
+    def _loop(self) -> None:
+        start: FolderSizes = {}
+        fs_at_walk = grown = 0
+        next_walk = 0.0
+        limit = self._limit
+        device = os.stat(self.root).st_dev
+        while not self._stopped.wait(FS_POLL_S):
+            if self._rebase.is_set():
+                self._rebase.clear()
+                limit = self._limit
+                fs_at_walk = fs_used(self.root)
+                t0 = time.monotonic()
+                start = folder_sizes(self.root)
+                grown = 0
+                next_walk = time.monotonic() + _interval(time.monotonic() - t0)
+                self._rebased.set()
+                continue
+            fs_now = fs_used(self.root)
+            if time.monotonic() < next_walk and fs_now - fs_at_walk <= limit - grown:
+                continue
+            fs_at_walk = fs_now
+            t0 = time.monotonic()
+            hidden = deleted_but_open(self._pids(), device)
+            grown = growth(self.root, start, stop_above=limit - hidden, abandon=self._stopped.is_set) + hidden
+            if grown > limit and not self._stopped.is_set() and not self._rebase.is_set():
+                self._on_exceeded(grown)
+                return
+            # Between runs nothing should write: walk rarely unless the filesystem says otherwise.
+            next_walk = time.monotonic() + _interval(time.monotonic() - t0)
+''',
+    'runner/_kernel.py': r'''"""One persistent Python kernel: a long-lived gVisor sandbox whose first process is our kernel program
+(runner/_kernel_program.py), running each cell in one namespace that lives from run to run.
+
+The sandbox is the one a fresh run gets (same bundle, mounts, user, no network), started once. What
+differs is the time scale of each limit:
+
+* for the kernel's whole life: memory (its cgroup), processes and threads (RLIMIT_NPROC), the size
+  of any one file (RLIMIT_FSIZE), and the growth of /mnt/data, measured from the start of the latest
+  run (so a thread a cell left running between runs is bounded too; past it, the kernel is killed);
+* per run: the time limit (first an interrupt, SIGINT, which keeps the state; if the cell has not
+  stopped after a grace, the whole sandbox is killed) and the output caps (the cell is interrupted).
+
+The kernel runs the model's code in its own process, so everything it says is untrusted: frames are
+decoded strictly (_wire), any violation kills the sandbox, and what a run changed in /mnt/data comes
+from the host's own inotify watch, never from the kernel. The sandbox dies with the process that
+started it (PR_SET_PDEATHSIG on runsc), so a kernel never outlives its Open WebUI worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import os
+import shutil
+import signal
+import time
+
+from . import _kernel_program, _wire
+from ._changes import ChangeWatch
+from ._disk import MAX_DEPTH, GrowthWatch
+from ._plan import Sandbox
+from ._procs import pids_by_marker, sigkill
+from ._supervise import Capture, die_with, human_bytes
+from .capabilities import run_quick
+from .models import MIB, Limits, Outcome, RunResult
+
+log = logging.getLogger("code_sessions.runner")
+
+KERNEL_SOURCE = inspect.getsource(_kernel_program)
+# gVisor's boot plus the kernel's start (a cold one takes ~0.4 s here): at least this long, and as long
+# as two runs' time limits, but never more than READY_MAX_S (a runsc that hangs must not hold a chat).
+READY_MIN_S = 10.0
+READY_MAX_S = 60.0
+INTERRUPT_GRACE_S = 2.0  # after SIGINT, how long a cell has to stop before the sandbox is killed
+_READ_CHUNK = 64 * 1024
+_STDERR_KEPT = 4096
+_HELPER_TIMEOUT_S = 10.0
+_REAP_S = 5.0
+_OOM_POLL_S = 0.25
+_LIFETIME_FIELDS = ("memory_mb", "max_processes", "max_file_bytes")
+
+
+class KernelLost(Exception):
+    """The kernel is gone (or had to go); the message says why, in words for the user."""
+
+
+def lifetime_limits(limits: Limits) -> tuple[int, ...]:
+    """The limits a kernel is started with and keeps (a change needs a new kernel)."""
+    return tuple(getattr(limits, name) for name in _LIFETIME_FIELDS)
+
+
+class Kernel:
+    """One kernel. One run at a time (the caller holds the chat's lock; `run` also serialises)."""
+
+    def __init__(self, sandbox: Sandbox, limits: Limits) -> None:
+        self.sandbox = sandbox
+        self.limits = limits  # the lifetime limits it was started with
+        self.started_at = time.time()
+        self.last_used = time.monotonic()
+        self.ready: _wire.Ready | None = None
+        self.lost: str | None = None  # why it ended, once it has: words for the user
+        self._proc: asyncio.subprocess.Process | None = None
+        self._decoder = _wire.FrameDecoder()
+        self._state = _wire.ProtocolState()
+        self._inbox: asyncio.Queue[_wire.Message | None] = asyncio.Queue()
+        self._violation: str | None = None
+        self._stderr = bytearray()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._run_ids = 0
+        self._busy = asyncio.Lock()
+        self._watch: ChangeWatch | None = None
+        self._growth: GrowthWatch | None = None
+        self._exceeded: str | None = None  # the disk watcher's verdict, from its thread
+        self._replies_ended = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def alive(self) -> bool:
+        """Running, and trusted: no protocol violation, no limit crossed, its reply channel open."""
+        return (
+            self.lost is None
+            and self._violation is None
+            and self._exceeded is None
+            and not self._replies_ended
+            and self._proc is not None
+            and self._proc.returncode is None
+        )
+
+    @property
+    def busy(self) -> bool:
+        """A run is in progress."""
+        return self._busy.locked()
+
+    @property
+    def cid(self) -> str:
+        return self.sandbox.cid
+
+    async def start(self, watch: ChangeWatch) -> None:
+        """Start the sandbox and wait for the kernel's ready frame. `watch`: the workdir's change
+        watch, set up before the sandbox exists (it stays for the kernel's life)."""
+        self._watch = watch
+        loop = asyncio.get_running_loop()
+        self._growth = GrowthWatch(
+            str(self.sandbox.workdir),
+            self.limits.max_write_bytes,
+            lambda grown: loop.call_soon_threadsafe(self._disk_exceeded, grown),
+            pids=self._host_pids,
+        )
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *self.sandbox.argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,  # one process group to kill if runsc itself hangs
+                preexec_fn=die_with(os.getpid()),
+            )
+        except BaseException:
+            await self.close()
+            raise
+        self._tasks.append(asyncio.create_task(self._read_replies()))
+        self._tasks.append(asyncio.create_task(self._read_stderr()))
+        if self.sandbox.cgroup is not None:
+            self._tasks.append(asyncio.create_task(self._watch_oom()))
+        self._growth.start()
+        wait = min(READY_MAX_S, max(READY_MIN_S, 2 * self.limits.timeout_s))
+        try:
+            message = await asyncio.wait_for(self._inbox.get(), wait)
+        except TimeoutError:
+            message = None
+            self._violation = self._violation or f"it did not start within {wait:g} s"
+        if not isinstance(message, _wire.Ready):
+            why = self._why_gone()
+            await self.close(why)
+            raise KernelLost(why)
+        self.ready = message
+
+    async def close(self, why: str | None = None) -> None:
+        """Kill the sandbox and free everything it held (idempotent; shielded from cancellation)."""
+        if self.lost is None:
+            self.lost = why or "it was stopped"
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.shield(asyncio.ensure_future(self._teardown()))
+
+    async def _teardown(self) -> None:
+        if self._growth is not None:
+            self._growth.stop()
+        if self._watch is not None:
+            self._watch.close()
+        proc = self._proc
+        base = self.sandbox.runsc_base
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(Exception):
+                await run_quick([*base, "kill", "--all", self.cid, "KILL"], _HELPER_TIMEOUT_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(proc.wait()), 3.0)
+            if proc.returncode is None:
+                await asyncio.to_thread(sigkill, self._host_pids())
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        with contextlib.suppress(Exception):
+            await run_quick([*base, "delete", "--force", self.cid], _HELPER_TIMEOUT_S)
+        for task in self._tasks:
+            task.cancel()
+        deadline = time.monotonic() + _REAP_S
+        while pids := await asyncio.to_thread(self._host_pids):
+            if time.monotonic() > deadline:
+                log.warning("kernel %s: host processes %s did not exit", self.cid, pids)
+                break
+            await asyncio.to_thread(sigkill, pids)
+            await asyncio.sleep(0.02)
+        cgroup = self.sandbox.cgroup
+        if cgroup is not None:
+            for _ in range(50):
+                if cgroup.remove():
+                    break
+                await asyncio.sleep(0.02)
+        await asyncio.to_thread(shutil.rmtree, self.sandbox.bundle, True)
+
+    # ------------------------------------------------------------------ one run
+
+    async def run(self, code: str, language: str, limits: Limits) -> RunResult:
+        """Run one cell. A kernel that is lost during it (killed on a limit, crashed, broke the
+        protocol) is closed, `lost` says why, and the result says the state went with it."""
+        async with self._busy:
+            if not self.alive:
+                why = self.lost or self._why_gone()
+                await self.close(why)
+                raise KernelLost(why)
+            self.last_used = time.monotonic()
+            try:
+                return await self._run(code, language, limits)
+            finally:
+                self.last_used = time.monotonic()
+
+    async def _run(self, code: str, language: str, limits: Limits) -> RunResult:
+        assert self._proc is not None and self._proc.stdin is not None and self._growth is not None
+        t0 = time.monotonic()
+        self._run_ids += 1
+        run_id = self._run_ids
+        stdout, stderr = Capture(limits.max_output_bytes), Capture(limits.max_output_bytes)
+        watch = await self._fresh_watch()
+        self._growth.rebase(limits.max_write_bytes)
+        self._state.start(run_id)
+        try:
+            self._proc.stdin.write(_wire.encode_run(run_id, language, code))  # type: ignore[arg-type]
+            await self._proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it died: the reply reader says so
+        deadline = t0 + limits.timeout_s
+        interrupted: str | None = None  # why we interrupted the cell: "timeout" or "output"
+        detail = ""
+        done: _wire.Done | None = None
+        while done is None:
+            timeout = max(0.0, deadline - time.monotonic())
+            try:
+                message = await asyncio.wait_for(self._inbox.get(), timeout)
+            except TimeoutError:
+                if interrupted is None:
+                    interrupted, detail = "timeout", f"interrupted after {limits.timeout_s:g} s"
+                    await self._interrupt()
+                    deadline = time.monotonic() + INTERRUPT_GRACE_S
+                    continue
+                await self.close(
+                    f"the cell did not stop within {INTERRUPT_GRACE_S:g} s of being interrupted "
+                    f"at the {limits.timeout_s:g} s time limit"
+                )
+                return self._result(Outcome.TIMEOUT, None, stdout, stderr, t0, self.lost, watch)
+            if message is None:  # the kernel is gone, or broke the protocol
+                why = self._why_gone()
+                await self.close(why)
+                outcome = Outcome.OOM if "memory" in why else Outcome.KERNEL_LOST
+                if self._exceeded is not None:
+                    outcome = Outcome.DISK_LIMIT
+                return self._result(outcome, None, stdout, stderr, t0, why, watch)
+            if isinstance(message, _wire.Output):
+                capture = stdout if message.stream == "stdout" else stderr
+                if capture.feed(message.text.encode("utf-8", "surrogatepass")) and interrupted is None:
+                    interrupted, detail = "output", f"{message.stream} passed {human_bytes(capture.cap)}"
+                    await self._interrupt()
+                    deadline = time.monotonic() + INTERRUPT_GRACE_S
+            elif isinstance(message, _wire.Done):
+                done = message
+        if interrupted == "timeout":
+            outcome, reason = Outcome.TIMEOUT, f"{detail}; the Python state is kept"
+        elif interrupted == "output":
+            outcome, reason = Outcome.OUTPUT_LIMIT, f"{detail}; the Python state is kept"
+        elif done.status == "ok":
+            outcome, reason = Outcome.OK, None
+        else:
+            outcome = Outcome.ERROR
+            reason = "interrupted" if done.status == "interrupted" else f"exit code {done.exit_code}"
+        result = self._result(outcome, done.exit_code, stdout, stderr, t0, reason, watch)
+        return result.model_copy(update={"figures": done.figures})
+
+    def _result(
+        self,
+        outcome: Outcome,
+        exit_code: int | None,
+        stdout: Capture,
+        stderr: Capture,
+        t0: float,
+        reason: str | None,
+        watch: ChangeWatch | None,
+    ) -> RunResult:
+        changed = self._harvest(watch)
+        return RunResult(
+            outcome=outcome,
+            exit_code=exit_code,
+            stdout=stdout.text(),
+            stderr=stderr.text(),
+            stdout_truncated=stdout.truncated,
+            stderr_truncated=stderr.truncated,
+            duration_s=round(time.monotonic() - t0, 3),
+            reason=reason,
+            container_id=self.cid,
+            changed=changed,
+            state_kept=self.alive,
+        )
+
+    async def _fresh_watch(self) -> ChangeWatch | None:
+        """The change watch, set up again if it gave up (a folder was made, its queue overflowed...):
+        while the kernel lives, it also sees what happens between runs."""
+        watch = self._watch
+        if watch is None or not watch.active:
+            self._watch = watch = await asyncio.to_thread(ChangeWatch.start, str(self.sandbox.workdir))
+        return watch
+
+    def _harvest(self, watch: ChangeWatch | None) -> tuple[str, ...] | None:
+        if watch is None or not self.alive:
+            # A killed kernel's last writes may still be arriving: list the whole folder.
+            return None
+        return watch.harvest()
+
+    async def _interrupt(self) -> None:
+        """SIGINT to the kernel (PID 1 of its sandbox): KeyboardInterrupt in the cell, state kept."""
+        with contextlib.suppress(Exception):
+            await run_quick([*self.sandbox.runsc_base, "kill", self.cid, "INT"], _HELPER_TIMEOUT_S)
+
+    # ------------------------------------------------------------------ what the kernel says
+
+    async def _read_replies(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        reader = self._proc.stdout
+        try:
+            while chunk := await reader.read(_READ_CHUNK):
+                for message in self._decoder.feed(chunk):
+                    self._inbox.put_nowait(self._state.accept(message))
+            self._decoder.eof()
+        except _wire.ProtocolError as error:
+            self._violation = f"it broke the protocol ({error})"
+        finally:
+            self._replies_ended = True
+            self._inbox.put_nowait(None)
+
+    async def _read_stderr(self) -> None:
+        assert self._proc is not None and self._proc.stderr is not None
+        while chunk := await self._proc.stderr.read(_READ_CHUNK):
+            self._stderr += chunk
+            del self._stderr[:-_STDERR_KEPT]
+
+    async def _watch_oom(self) -> None:
+        cgroup = self.sandbox.cgroup
+        assert cgroup is not None
+        while True:
+            await asyncio.sleep(_OOM_POLL_S)
+            if cgroup.oom_kills():
+                self._violation = self._violation or "out of memory"
+                return
+
+    def _disk_exceeded(self, grown: int | None) -> None:
+        if grown is None:
+            self._exceeded = f"folders nested more than {MAX_DEPTH} levels deep in /mnt/data"
+        else:
+            limit = human_bytes(self.limits.max_write_bytes)
+            self._exceeded = f"it wrote more than {limit} to /mnt/data (grew by {grown / MIB:.0f} MiB)"
+        # Stop the writer now; the run (or the next one) reports it.
+        self._tasks.append(asyncio.ensure_future(self._kill_for_disk()))
+
+    async def _kill_for_disk(self) -> None:
+        with contextlib.suppress(Exception):
+            await run_quick([*self.sandbox.runsc_base, "kill", "--all", self.cid, "KILL"], _HELPER_TIMEOUT_S)
+
+    def _why_gone(self) -> str:
+        if self._exceeded is not None:
+            return self._exceeded
+        cgroup = self.sandbox.cgroup
+        if self._violation == "out of memory" or (cgroup is not None and cgroup.oom_kills()):
+            return f"it ran out of memory (limit {self.limits.memory_mb} MB for the whole kernel)"
+        if self._violation is not None:
+            return f"the kernel stopped responding: {self._violation}"
+        code = self._proc.returncode if self._proc is not None else None
+        if code == _kernel_program.FATAL_EXIT:
+            return "the kernel stopped responding: a cell broke the kernel itself"
+        tail = self._stderr.decode("utf-8", "replace").strip().splitlines()[-1:] if self._stderr else []
+        extra = f" ({tail[0][:200]})" if tail else ""
+        return f"the kernel stopped responding: it exited{extra}"
+
+    def _host_pids(self) -> list[int]:
+        cgroup = self.sandbox.cgroup
+        if cgroup is not None:
+            return cgroup.pids()
+        return pids_by_marker(str(self.sandbox.bundle))
+''',
+    'runner/_kernel_program.py': r'''"""The persistent kernel: PID 1 of a chat's long-lived gVisor sandbox, running every cell of the chat.
+
+The host writes this module's source (``inspect.getsource``) into the sandbox as /run/code/kernel.py and
+starts ``python3 /run/code/kernel.py`` with cwd /mnt/data. Importing the module does nothing: everything
+happens in ``main()``. Standard library only, and no imports of the runner package: the file stands alone.
+
+Wire, both directions: a frame is a 4-byte big-endian length N, then N bytes of UTF-8 JSON encoding one
+object. Requests arrive on the original fd 0; replies leave on the original fd 1:
+
+    host -> kernel   {"t": "run", "id": int, "lang": "python" | "bash", "code": str}    EOF: exit 0
+    kernel -> host   {"t": "ready", "v": 1, "python": "3.11.2", "pid": int, "packages": {name: version|null}}
+                     {"t": "out", "id": int, "s": "o" | "e", "d": str (at most 16384 characters)}
+                     {"t": "done", "id": int, "status": "ok" | "error" | "interrupted",
+                      "exit_code": int | null, "figures": [str], "ms": float}
+
+One run at a time; every "out" of a run precedes its "done"; nothing is written between a "done" and the
+next request. The host's strict decoder is runner/_wire.py. The cell runs inside this process, so it can
+write anything to the reply channel: the host must treat every frame as hostile.
+"""
+
+from __future__ import annotations
+
+import _signal
+import builtins
+import codecs
+import contextlib
+import functools
+import os
+import signal
+import struct
+import sys
+import threading
+import time
+import types
+from _json import encode_basestring as _json_string  # the C escaper json itself uses
+
+# Startup is on the critical path of a new chat: typing costs ~4 ms to import and json ~6 ms (its
+# decoder compiles regular expressions). Annotations are strings here, and json is imported for
+# reading requests only after "ready" has gone out; replies are encoded below.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import importlib.machinery
+    import weakref
+    from collections.abc import Callable
+    from typing import Any, NoReturn
+
+PROTOCOL_VERSION = 1
+MAX_TEXT = 16 * 1024  # characters of text per "out" frame (the host refuses more)
+MAX_REQUEST = 64 * 1024 * 1024  # bytes of one request frame (the code of one cell)
+MAX_FIGURES_PER_RUN = 100  # the host refuses a "done" listing more
+DEFAULT_WORKDIR = "/mnt/data"
+WORKDIR_ENV = "CODE_SESSIONS_WORKDIR"
+PACKAGES = {  # import name -> distribution name as its metadata directory spells it (lowercased)
+    "numpy": "numpy",
+    "pandas": "pandas",
+    "matplotlib": "matplotlib",
+    "openpyxl": "openpyxl",
+    "PIL": "pillow",
+    "scipy": "scipy",
+}
+BASH = "/bin/bash"
+PRIVATE_TMP = "/tmp"
+FATAL_EXIT = 70  # EX_SOFTWARE: the kernel itself failed; the host restarts it
+
+_READ_SIZE = 64 * 1024
+_HELD_CAP = 1024 * 1024  # output written between runs, kept for the next run; the rest is dropped
+_SENTINEL_STALL_S = 5.0  # no byte and no sentinel for this long after draining began: the pipe was tampered
+_KILL_PATIENCE_S = 5.0  # SIGKILLed leftovers are normally gone within a millisecond
+_BASH_SIGINT_GRACE_S = 1.0
+_STDIO = {"encoding": "utf-8", "errors": "backslashreplace"}
+
+# Bound once: a cell may monkeypatch os or time (a test double, a careless experiment) without
+# breaking the kernel's own I/O. Nothing defends the kernel against a cell that wants to break it.
+_os_read = os.read
+_os_write = os.write
+_os_dup2 = os.dup2
+_os_kill = os.kill
+_os_waitpid = os.waitpid
+_os_getpid = os.getpid
+_os_fstat = os.fstat
+_monotonic = time.monotonic
+_perf_counter = time.perf_counter
+_header = struct.Struct(">I")
+# Frames of this file are kernel frames: hidden from the cell's tracebacks.
+_KERNEL_SOURCE = (lambda: None).__code__.co_filename
+
+_diag_fd = 2  # the original fd 2 once main() has set up; only the kernel's own fatal errors go there
+
+
+def _fatal(message: str) -> NoReturn:
+    """End the kernel: a frame it cannot vouch for is worse than none (the host restarts it)."""
+    try:
+        _os_write(_diag_fd, f"code-sessions kernel: fatal: {message}\n".encode(errors="replace"))
+    finally:
+        os._exit(FATAL_EXIT)
+
+
+def to_json(value: object) -> str:
+    """Compact JSON for the kernel's own replies (str, int, float, None, bool, list, tuple, dict)."""
+    if type(value) is str:
+        return _json_string(value)
+    if value is None or value is True or value is False:
+        return "null" if value is None else "true" if value else "false"
+    if type(value) is int:
+        return int.__repr__(value)
+    if type(value) is float:
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError("JSON has no NaN or infinity")
+        return float.__repr__(value)
+    if type(value) is dict:
+        return "{" + ",".join(_json_string(k) + ":" + to_json(v) for k, v in value.items()) + "}"
+    if type(value) in (list, tuple):
+        return "[" + ",".join(map(to_json, value)) + "]"  # type: ignore[call-overload]
+    raise TypeError(f"cannot encode {type(value).__name__}")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[_os_write(fd, view) :]
+
+
+class _Channel:
+    """The reply channel: whole frames, one writer at a time (the pumps and the main thread share it)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._lock = threading.Lock()
+
+    def send(self, message: dict[str, Any]) -> None:
+        body = to_json(message).encode("utf-8")
+        frame = _header.pack(len(body)) + body
+        try:
+            with self._lock:
+                _write_all(self.fd, frame)
+        except OSError as exc:  # the host went away, or a cell closed the channel: nobody to answer
+            _fatal(f"cannot write to the host: {exc}")
+
+
+def _sentinel_prefix_start(buf: bytes, sentinel: bytes) -> int:
+    """Where a tail of ``buf`` that could begin ``sentinel`` starts (len(buf) if none): those bytes wait
+    for the next read instead of being forwarded, so a sentinel split across reads is still found."""
+    first = sentinel[:1]
+    pos = buf.find(first, max(0, len(buf) - len(sentinel) + 1))
+    while pos != -1:
+        if sentinel.startswith(buf[pos:]):
+            return pos
+        pos = buf.find(first, pos + 1)
+    return len(buf)
+
+
+class _Pump:
+    """Forwards one of the cell's output pipes (fd 1 or fd 2) to the host as "out" frames.
+
+    End of a run: the main thread writes a fresh random sentinel into the pipe; the pump forwards
+    everything before it, then reports. Only then does the main thread send "done", so every byte the
+    cell (or its children) wrote comes before it. Bytes after the sentinel are held for the next run,
+    and the pump stops reading until then (a writer left running blocks on the full pipe instead of
+    filling memory), but never before the sentinel's write has completed: a forged sentinel seen early
+    cannot leave the main thread blocked writing the real one into a pipe nobody reads."""
+
+    def __init__(self, send: Callable[[dict[str, Any]], None], read_fd: int, write_fd: int, tag: str) -> None:
+        self.read_fd = read_fd
+        self.write_fd = write_fd  # the kernel's own write end: the sentinel gets in even if fd 1 is gone
+        self._send = send
+        self._tag = tag
+        self._cond = threading.Condition(threading.Lock())
+        self._run_id = 0
+        self._sentinel: bytes | None = None
+        self._seen = True  # idle until the first run: nothing is forwarded
+        self._written = True
+        self._held = bytearray()
+        self._held_cut = False
+        self._carry = b""
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._busy = False  # blocked writing a frame: a slow host, not a lost sentinel
+        self._activity = _monotonic()
+        self._drain_started = 0.0
+        self.thread = threading.Thread(target=self._main, name=f"kernel-pump-{tag}", daemon=True)
+
+    # -- main thread ---------------------------------------------------------------------------------
+
+    def begin(self, run_id: int) -> None:
+        with self._cond:
+            self._run_id = run_id
+            self._sentinel = None
+            self._seen = False
+            self._written = False
+            self._cond.notify_all()
+
+    def drain(self, sentinel: bytes) -> None:
+        with self._cond:
+            self._sentinel = sentinel
+            self._drain_started = _monotonic()
+        # Shorter than PIPE_BUF, so the pipe takes it whole; blocks only while the pump still reads.
+        _write_all(self.write_fd, sentinel)
+        with self._cond:
+            self._written = True
+            self._cond.notify_all()
+
+    def wait_drained(self) -> None:
+        with self._cond:
+            while not self._seen:
+                self._cond.wait(0.25)
+                if self._seen:
+                    break
+                if not self.thread.is_alive():
+                    _fatal(f"the {self._tag} pump is gone")
+                quiet = _monotonic() - max(self._activity, self._drain_started)
+                if not self._busy and quiet > _SENTINEL_STALL_S:
+                    _fatal(f"the sentinel never came back through the {self._tag} pipe")
+
+    # -- pump thread ---------------------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a pump that stops would make "done" lie or never come
+            _fatal(f"the {self._tag} pump failed: {exc!r}")
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._seen and self._written:
+                    self._cond.wait()
+            self.take(b"")  # bytes held since the last run go first
+            data = _os_read(self.read_fd, _READ_SIZE)
+            if not data:
+                _fatal(f"the {self._tag} pipe was closed")
+            self._activity = _monotonic()
+            self.take(data)
+
+    def take(self, data: bytes) -> None:
+        """Account for bytes read from the pipe (split out of the loop so tests can drive it)."""
+        with self._cond:
+            if self._seen:
+                self._hold(data)
+                return
+            run_id, sentinel = self._run_id, self._sentinel
+            if self._held:
+                data = bytes(self._held) + data
+                self._held.clear()
+                self._held_cut = False
+        if sentinel is None:
+            self._forward(run_id, data)
+            return
+        buf = self._carry + data if self._carry else data
+        at = buf.find(sentinel)
+        if at < 0:
+            keep = _sentinel_prefix_start(buf, sentinel)
+            self._carry = buf[keep:]
+            self._forward(run_id, buf[:keep])
+            return
+        self._carry = b""
+        self._forward(run_id, buf[:at], final=True)
+        with self._cond:
+            self._seen = True
+            self._hold(buf[at + len(sentinel) :])
+            self._cond.notify_all()
+
+    def _hold(self, data: bytes) -> None:
+        room = _HELD_CAP - len(self._held)
+        if len(data) <= room:
+            self._held += data
+            return
+        self._held += data[: max(room, 0)]
+        if not self._held_cut:
+            self._held_cut = True
+            self._held += b"\n[code-sessions: output written between runs was cut here]\n"
+
+    def _forward(self, run_id: int, data: bytes, final: bool = False) -> None:
+        text = self._decoder.decode(data, final)
+        if final:
+            self._decoder.reset()  # a character cut at the end of a run never joins the next run's bytes
+        for start in range(0, len(text), MAX_TEXT):
+            self._busy = True
+            try:
+                self._send({"t": "out", "id": run_id, "s": self._tag, "d": text[start : start + MAX_TEXT]})
+            finally:
+                self._busy = False
+                self._activity = _monotonic()
+
+
+_VERSION_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._+!")
+
+
+def _is_version(text: str) -> bool:
+    return 0 < len(text) <= 64 and text[0].isascii() and text[0].isalnum() and _VERSION_CHARS.issuperset(text)
+
+
+def package_versions(paths: list[str]) -> dict[str, str | None]:
+    """Versions of PACKAGES from the names of their metadata directories on ``paths``, first hit wins
+    as for import. Listing a few directories costs well under a millisecond; importlib.metadata costs
+    tens of milliseconds to import, and importing the packages themselves, seconds."""
+    wanted = {dist: name for name, dist in PACKAGES.items()}
+    found: dict[str, str] = {}
+    for entry in paths:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for item in names:
+            if not item.endswith((".dist-info", ".egg-info")):
+                continue
+            parts = item[: item.rindex(".")].split("-")
+            name = wanted.get(parts[0].lower())
+            # A version is a short run of safe characters; anything else (a name that is not UTF-8
+            # comes back with surrogates) would make the host refuse the whole "ready".
+            if name is not None and len(parts) >= 2 and name not in found and _is_version(parts[1]):
+                found[name] = parts[1]
+    return {name: found.get(name) for name in PACKAGES}
+
+
+class _PatchingLoader:
+    """Wraps the loader of matplotlib.pyplot so the kernel can patch the module as it is imported."""
+
+    def __init__(self, inner: Any, on_import: Callable[[types.ModuleType], None]) -> None:
+        self._inner = inner
+        self._on_import = on_import
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        create = getattr(self._inner, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self._inner.exec_module(module)
+        self._on_import(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for inspect and linecache
+        return getattr(self._inner, name)
+
+
+class _PyplotFinder:
+    """A meta path hook that sees only matplotlib.pyplot: plt.show() must save figures from the very
+    cell that first imports pyplot. Costs one string comparison per import of anything else."""
+
+    def __init__(self, on_import: Callable[[types.ModuleType], None]) -> None:
+        self._on_import = on_import
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != "matplotlib.pyplot":
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader, self._on_import)
+                return spec
+        return None
+
+
+class _Figures:
+    """Saves pyplot's open figures that are new or changed into the workdir as figure-N.png.
+
+    ``fig.stale`` cannot tell: matplotlib 3.6 leaves it True after savefig (it restores dpi and colours
+    afterwards), and a cell's own ``canvas.draw()`` makes it False without any save. Instead: every
+    savefig (ours or the cell's) marks the figure clean, and a wrapper on the figure's stale_callback,
+    to which matplotlib reports every change of every artist in it, marks it dirty again. Drawing
+    (which savefig does) also reports changes (ticks, layout): those are not the cell's and are
+    ignored, by muting the wrapper while a Figure draws or saves."""
+
+    def __init__(self, workdir: str, stderr: Callable[[str], None]) -> None:
+        self._workdir = workdir
+        self._note = stderr
+        self._clean: weakref.WeakKeyDictionary[Any, bool] | None = None  # made when pyplot is imported
+        self._muted = 0
+        self._next = 1
+        self.saved: list[str] = []  # this run's, in order
+
+    def patch(self, pyplot: types.ModuleType) -> None:
+        """Make plt.show() save now and every savefig count as a save. Idempotent (also after a reload)."""
+        if self._clean is None:
+            import weakref
+
+            self._clean = weakref.WeakKeyDictionary()
+        if not getattr(pyplot.show, "_code_sessions", False):
+
+            def show(*args: Any, **kwargs: Any) -> None:
+                """The sandbox has no display: save new or changed figures now. They stay open."""
+                self.save_open()
+
+            show._code_sessions = True  # type: ignore[attr-defined]
+            pyplot.show = show  # type: ignore[attr-defined]
+        figure_class = getattr(sys.modules.get("matplotlib.figure"), "Figure", None)
+        if figure_class is None:
+            return
+        for method, marks_clean in (("savefig", True), ("draw", False)):
+            original = getattr(figure_class, method)
+            if not getattr(original, "_code_sessions", False):
+                setattr(figure_class, method, self._muting(original, marks_clean))
+
+    def _muting(self, original: Callable[..., Any], marks_clean: bool) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def wrapper(fig: Any, *args: Any, **kwargs: Any) -> Any:
+            self._muted += 1
+            try:
+                result = original(fig, *args, **kwargs)
+            finally:
+                self._muted -= 1
+            if marks_clean:
+                self._mark_clean(fig)
+            return result
+
+        wrapper._code_sessions = True  # type: ignore[attr-defined]
+        return wrapper
+
+    def _mark_clean(self, fig: Any) -> None:
+        assert self._clean is not None
+        self._clean[fig] = True
+        inner = getattr(fig, "stale_callback", None)
+        if getattr(inner, "_code_sessions", False):
+            return
+
+        def stale_callback(artist: Any, value: bool) -> None:
+            if value and not self._muted:
+                self._clean[artist] = False
+            if inner is not None:
+                inner(artist, value)
+
+        stale_callback._code_sessions = True  # type: ignore[attr-defined]
+        fig.stale_callback = stale_callback
+
+    def save_open(self) -> None:
+        helpers = sys.modules.get("matplotlib._pylab_helpers")
+        if helpers is None or self._clean is None:
+            return
+        managers = list(helpers.Gcf.get_all_fig_managers())
+        with contextlib.suppress(TypeError):  # creation order: figure 1 becomes the first file
+            managers.sort(key=lambda m: m.num)
+        for manager in managers:
+            fig = getattr(getattr(manager, "canvas", None), "figure", None)
+            if fig is None or self._clean.get(fig) or not _has_content(fig):
+                continue
+            if len(self.saved) >= MAX_FIGURES_PER_RUN:
+                self._note(
+                    f"[code-sessions: more than {MAX_FIGURES_PER_RUN} figures in one run; "
+                    "the others are saved at the next run if still open]\n"
+                )
+                return
+            name = self._save(fig)
+            if name is not None:
+                self.saved.append(name)
+
+    def _save(self, fig: Any) -> str | None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        while True:
+            name = f"figure-{self._next}.png"
+            path = os.path.join(self._workdir, name)
+            try:
+                fd = os.open(path, flags, 0o644)  # O_EXCL: an existing file (or link) is never touched
+                break
+            except FileExistsError:
+                self._next += 1
+            except OSError as exc:
+                self._note(f"[code-sessions: cannot save the figure as {name}: {exc}]\n")
+                return None
+        self._next += 1
+        try:
+            with os.fdopen(fd, "wb") as file:
+                fig.savefig(file, format="png", bbox_inches="tight")
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            if not isinstance(exc, Exception):
+                raise
+            self._note(f"[code-sessions: cannot save the figure as {name}: {exc!r}]\n")
+            return None
+        self._mark_clean(fig)
+        return name
+
+
+def _has_content(fig: Any) -> bool:
+    """An empty plt.figure() is not worth a file."""
+    try:
+        return any(
+            getattr(fig, attr, None)
+            for attr in ("axes", "images", "texts", "lines", "patches", "artists", "legends", "subfigs")
+        )
+    except Exception:
+        return True
+
+
+def _strip_kernel_frames(te: Any, seen: set[int]) -> None:
+    """Drop this file's frames (the exec call, the SIGINT handler) from a TracebackException tree."""
+    import traceback
+
+    if id(te) in seen:
+        return
+    seen.add(id(te))
+    te.stack = traceback.StackSummary.from_list([f for f in te.stack if f.filename != _KERNEL_SOURCE])
+    for sub in (te.__cause__, te.__context__, *(getattr(te, "exceptions", None) or ())):
+        if sub is not None:
+            _strip_kernel_frames(sub, seen)
+
+
+def format_cell_exception(exc: BaseException) -> str:
+    import traceback
+
+    try:
+        te = traceback.TracebackException(type(exc), exc, exc.__traceback__, compact=True)
+        _strip_kernel_frames(te, set())
+        return "".join(te.format())
+    except Exception as failure:  # a hostile exception object must not take the kernel down
+        return f"{type(exc).__name__} (the traceback could not be formatted: {failure!r})\n"
+
+
+def _ends_with_semicolon(code: str, node: Any) -> bool:
+    """``x;`` as the last statement hides its value, as in IPython (a ``;`` in a comment does not)."""
+    lines = code.splitlines()
+    if node.end_lineno is None or node.end_lineno > len(lines):
+        return False
+    rest = lines[node.end_lineno - 1].encode("utf-8", "surrogateescape")[node.end_col_offset :]
+    return rest.lstrip().startswith(b";")  # ast counts columns in UTF-8 bytes
+
+
+def _exit_code_of(code: object) -> tuple[int, str | None]:
+    """What ``python3 cell.py`` would exit with, and the message it would print, for SystemExit(code)."""
+    if code is None:
+        return 0, None
+    if isinstance(code, int):
+        return code & 0xFF, None
+    try:
+        return 1, str(code)
+    except Exception:
+        return 1, None
+
+
+class Kernel:
+    def __init__(self, workdir: str) -> None:
+        self.workdir = os.path.abspath(workdir)
+        self.pid = _os_getpid()
+        self._armed = False  # a SIGINT now interrupts the cell (one shot: the handler disarms)
+        self._cell_running = False  # between the start and the end of a Python cell's own code
+        self.namespace: dict[str, Any] = {}
+        self._inbuf = bytearray()
+        self._cell_names: set[str] = set()
+        self._bash_dir: str | None = None
+        self._bash_count = 0
+        self._catchable = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
+        self._recursion_limit = sys.getrecursionlimit()
+
+    # -- setup ---------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        global _diag_fd
+        # The pumps must never take a SIGINT: a signal delivered to a thread blocked in read() would
+        # not wake the main thread's sleep(). Threads inherit the mask, so block before creating them.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        self._on_sigint_bound = self._on_sigint
+        signal.signal(signal.SIGINT, self._on_sigint_bound)
+        # os.dup and os.pipe give non-inheritable fds: no child (bash, subprocess) gets the channel.
+        self.in_fd = os.dup(0)
+        self.out_fd = os.dup(1)
+        _diag_fd = os.dup(2)
+        self.null_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        out_r, self.out_w = os.pipe()
+        err_r, self.err_w = os.pipe()
+        self._restore_fds()  # /dev/null on 0 (input() gets EOF, never protocol bytes), the pipes on 1 and 2
+        self._stdin = self._stdout = self._stderr = None
+        self._restore_streams()
+        self._private_fds = {fd: self._identity(fd) for fd in (self.in_fd, self.out_fd, out_r, err_r)}
+        self._private_fds.update({fd: self._identity(fd) for fd in (self.out_w, self.err_w, self.null_fd)})
+        self.channel = _Channel(self.out_fd)
+        self._pumps = (
+            _Pump(self.channel.send, out_r, self.out_w, "o"),
+            _Pump(self.channel.send, err_r, self.err_w, "e"),
+        )
+        for pump in self._pumps:
+            pump.thread.start()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        os.chdir(self.workdir)
+        main_module = types.ModuleType("__main__")
+        main_module.__dict__["__builtins__"] = builtins
+        self._kernel_module = sys.modules.get("__main__")
+        sys.modules["__main__"] = main_module  # pickle finds classes the cells define
+        self.namespace = main_module.__dict__
+        self._package_paths = list(sys.path[1:])
+        sys.path[0:1] = [self.workdir]  # not /run/code: `import mymodule` finds /mnt/data/mymodule.py
+        sys.argv = [""]
+        self._figures = _Figures(self.workdir, self._note)
+        sys.meta_path.insert(0, _PyplotFinder(self._on_pyplot_import))
+
+    def ready_message(self) -> dict[str, Any]:
+        return {
+            "t": "ready",
+            "v": PROTOCOL_VERSION,
+            "python": ".".join(map(str, sys.version_info[:3])),
+            "pid": self.pid,
+            "packages": package_versions(self._package_paths),
+        }
+
+    @staticmethod
+    def _identity(fd: int) -> tuple[int, int]:
+        st = _os_fstat(fd)
+        return st.st_dev, st.st_ino
+
+    def _restore_fds(self) -> None:
+        _os_dup2(self.null_fd, 0)
+        _os_dup2(self.out_w, 1)
+        _os_dup2(self.err_w, 2)
+
+    def _restore_streams(self) -> None:
+        """Our stdio objects back in sys (recreated if a cell closed them); closefd=False, so closing
+        them never closes fd 0/1/2."""
+        if self._stdin is None or self._stdin.closed:
+            self._stdin = open(0, closefd=False, **_STDIO)  # noqa: SIM115
+        if self._stdout is None or self._stdout.closed:
+            self._stdout = open(1, "w", buffering=1, closefd=False, **_STDIO)  # noqa: SIM115
+        if self._stderr is None or self._stderr.closed:
+            self._stderr = open(2, "w", buffering=1, closefd=False, **_STDIO)  # noqa: SIM115
+        sys.stdin = sys.__stdin__ = self._stdin
+        sys.stdout = sys.__stdout__ = self._stdout
+        sys.stderr = sys.__stderr__ = self._stderr
+
+    def _note(self, text: str) -> None:
+        """The kernel's own words (a traceback, a notice) on the cell's stderr. Written after the cell's
+        damage to fd 2 and sys.stderr is undone; from inside a cell (plt.show()) it may find fd 2 closed
+        by the cell, and then the notice is lost rather than the kernel."""
+        with contextlib.suppress(Exception):
+            if self._stderr is None or self._stderr.closed:
+                self._restore_streams()
+            self._stderr.write(text)
+
+    def _live_stdout(self) -> Any:
+        if self._stdout is None or self._stdout.closed:
+            self._restore_streams()
+        return self._stdout
+
+    def _on_pyplot_import(self, module: types.ModuleType) -> None:
+        try:
+            self._figures.patch(module)
+        except Exception as exc:  # never fail the cell's import over our convenience
+            self._note(f"[code-sessions: cannot hook plt.show(): {exc!r}]\n")
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        # Idle, or in the kernel's own code after a cell: ignored. Armed: one KeyboardInterrupt, and
+        # disarmed first, so a second SIGINT can never raise inside the kernel's own code. A cell that
+        # caught it and runs on is interrupted again only where that is safe to tell: while the frame
+        # on top is the cell's own code (its globals are the namespace; kernel code never runs there).
+        if self._armed or (self._cell_running and frame is not None and frame.f_globals is self.namespace):
+            self._armed = False
+            raise KeyboardInterrupt
+
+    # -- the loop ------------------------------------------------------------------------------------
+
+    def serve(self) -> NoReturn:
+        self.channel.send(self.ready_message())
+        # After "ready", while the host gets its first request ready: what the first cell would import.
+        import ast  # noqa: F401
+        import json  # noqa: F401
+        import linecache  # noqa: F401
+        import traceback  # noqa: F401
+
+        while True:
+            request = self._read_request()
+            if request is None:
+                self._end_leftovers()
+                os._exit(0)
+            self._run(*request)
+
+    def _read_exact(self, n: int) -> bytes | None:
+        while len(self._inbuf) < n:
+            chunk = _os_read(self.in_fd, max(_READ_SIZE, n - len(self._inbuf)))
+            if not chunk:
+                if self._inbuf:
+                    _fatal("the host closed the request channel in the middle of a frame")
+                return None
+            self._inbuf += chunk
+        data = bytes(self._inbuf[:n])
+        del self._inbuf[:n]
+        return data
+
+    def _read_request(self) -> tuple[int, str, str] | None:
+        header = self._read_exact(4)
+        if header is None:
+            return None
+        (length,) = _header.unpack(header)
+        if not 0 < length <= MAX_REQUEST:
+            _fatal(f"request frame of {length} bytes")
+        body = self._read_exact(length)
+        if body is None:
+            _fatal("the host closed the request channel in the middle of a frame")
+        try:
+            import json
+
+            req = json.loads(body.decode("utf-8"))
+        except ValueError as exc:
+            _fatal(f"request is not UTF-8 JSON: {exc}")
+        if not (
+            type(req) is dict
+            and req.keys() == {"t", "id", "lang", "code"}
+            and req["t"] == "run"
+            and type(req["id"]) is int
+            and 0 <= req["id"] < 2**63
+            and req["lang"] in ("python", "bash")
+            and type(req["code"]) is str
+        ):
+            _fatal(f"not a run request: {str(req)[:200]}")
+        return req["id"], req["lang"], req["code"]
+
+    def _run(self, run_id: int, lang: str, code: str) -> None:
+        started = _perf_counter()
+        self._figures.saved = []
+        for pump in self._pumps:
+            pump.begin(run_id)
+        if lang == "python":
+            status, exit_code, report = self._run_python(run_id, code)
+        else:
+            status, exit_code, report = self._run_bash(code)
+        self._restore_process_state()
+        if report:
+            self._note(report)
+        pyplot = sys.modules.get("matplotlib.pyplot")
+        if lang == "python" and pyplot is not None:
+            self._on_pyplot_import(pyplot)  # pyplot reloaded, or our hook removed: patch again
+            try:
+                self._armed = True  # drawing a huge figure may take long: an interrupt stops it
+                self._figures.save_open()
+                self._armed = False
+            except KeyboardInterrupt:
+                self._armed = False
+                self._note("KeyboardInterrupt (while saving figures)\n")
+                status, exit_code = "interrupted", None
+        self._flush_streams()
+        self._end_leftovers()
+        self._check_private_fds()
+        sentinel = b"\x00code-sessions:" + os.urandom(16).hex().encode() + b"\x00"
+        for pump in self._pumps:
+            pump.drain(sentinel)
+        for pump in self._pumps:
+            pump.wait_drained()
+        self.channel.send(
+            {
+                "t": "done",
+                "id": run_id,
+                "status": status,
+                "exit_code": exit_code,
+                "figures": list(self._figures.saved),
+                "ms": round((_perf_counter() - started) * 1000, 3),
+            }
+        )
+
+    # -- python --------------------------------------------------------------------------------------
+
+    def _cell_filename(self, run_id: int) -> str:
+        name = f"<cell-{run_id}>"
+        n = 1
+        while name in self._cell_names:  # the host reused an id: keep the old cell's source lines
+            n += 1
+            name = f"<cell-{run_id}.{n}>"
+        self._cell_names.add(name)
+        return name
+
+    def _compile(self, run_id: int, code: str) -> tuple[Any, Any]:
+        """(statements, last expression or None), IPython style: a last expression statement is
+        evaluated apart so its value can be shown."""
+        import ast
+        import linecache
+
+        filename = self._cell_filename(run_id)
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        tree = ast.parse(code, filename, "exec")
+        last = None
+        final = tree.body[-1] if tree.body else None
+        if isinstance(final, ast.Expr) and not _ends_with_semicolon(code, final):
+            last = compile(ast.Expression(tree.body.pop().value), filename, "eval", dont_inherit=True)
+        return compile(tree, filename, "exec", dont_inherit=True), last
+
+    def _run_python(self, run_id: int, code: str) -> tuple[str, int | None, str]:
+        """(status, exit code, what to print on stderr once the cell's stdio damage is undone)."""
+        # A module the previous cell wrote into the workdir must be importable now, even within the
+        # granularity of the directory's mtime, by which the import system notices new files.
+        finder = sys.path_importer_cache.get(self.workdir)
+        if finder is not None and hasattr(finder, "invalidate_caches"):
+            finder.invalidate_caches()
+        try:
+            body, last = self._compile(run_id, code)
+        except Exception as exc:  # SyntaxError, ValueError (NUL bytes), RecursionError (deep nesting)
+            import traceback
+
+            return "error", 1, "".join(traceback.format_exception_only(type(exc), exc))
+        ns = self.namespace
+        failure: BaseException | None = None
+        message: str | None = None
+        try:
+            self._armed = self._cell_running = True
+            exec(body, ns)
+            if last is not None:
+                value = eval(last, ns)
+                if value is not None:
+                    ns["_"] = value
+                    self._live_stdout().write(repr(value) + "\n")
+            self._armed = self._cell_running = False
+            status, exit_code = "ok", 0
+        except KeyboardInterrupt as exc:
+            self._armed = self._cell_running = False
+            failure, status, exit_code = exc, "interrupted", None
+        except SystemExit as exc:
+            self._armed = self._cell_running = False
+            exit_code, message = _exit_code_of(exc.code)
+            status = "ok" if exit_code == 0 else "error"
+        except BaseException as exc:
+            self._armed = self._cell_running = False
+            failure, status, exit_code = exc, "error", 1
+        if _os_getpid() != self.pid:
+            self._exit_forked_child(failure, exit_code)
+        if failure is not None:
+            sys.last_type, sys.last_value, sys.last_traceback = type(failure), failure, failure.__traceback__
+            return status, exit_code, format_cell_exception(failure)
+        return status, exit_code, "" if message is None else message + "\n"
+
+    def _exit_forked_child(self, failure: BaseException | None, exit_code: int | None) -> NoReturn:
+        """A cell forked and the child ran off the end of the cell: it must not become a second kernel
+        (it shares the channel). End it the way a forked script would end."""
+        try:
+            if failure is not None and not isinstance(failure, KeyboardInterrupt):
+                sys.stderr.write(format_cell_exception(failure))
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(exit_code or 0)
+
+    # -- bash ----------------------------------------------------------------------------------------
+
+    def _script_path(self) -> str:
+        if self._bash_dir is None or not os.path.isdir(self._bash_dir):
+            # Created on first use and again if a cell removed it; not in the workdir: it is not the
+            # user's file.
+            self._bash_dir = os.path.join(PRIVATE_TMP, f".code-sessions-kernel-{os.urandom(8).hex()}")
+            os.mkdir(self._bash_dir, 0o700)
+        self._bash_count += 1
+        return os.path.join(self._bash_dir, f"cell-{self._bash_count}.sh")
+
+    def _run_bash(self, code: str) -> tuple[str, int | None, str]:
+        try:
+            data = code.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            data = code.encode("utf-8", "replace")
+        try:
+            script = self._script_path()
+            fd = os.open(script, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                _write_all(fd, data)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            return "error", None, f"[code-sessions: cannot write the bash script: {exc}]\n"
+        try:
+            return self._spawn_and_wait(script)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(script)
+
+    def _spawn_and_wait(self, script: str) -> tuple[str, int | None, str]:
+        # posix_spawn has no cwd argument: step into the workdir for the spawn only. A Python cell's
+        # os.chdir persists for Python cells; bash cells always start in the workdir.
+        try:
+            here: int | None = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:  # the cell's cwd is gone or unreadable: Python cells carry on in the workdir
+            here = None
+        try:
+            os.chdir(self.workdir)
+            pid = os.posix_spawn(
+                BASH,
+                [BASH, script],
+                os.environ,
+                file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)],
+                setpgroup=0,  # its own group: an interrupt reaches the whole pipeline
+                setsigmask=(),
+                # Python ignores these; ignored signals survive exec. A shell expects the defaults.
+                setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT),
+            )
+        except OSError as exc:
+            return "error", None, f"[code-sessions: cannot start {BASH}: {exc}]\n"
+        finally:
+            if here is not None:
+                with contextlib.suppress(OSError):
+                    os.fchdir(here)
+                os.close(here)
+        status: int | None = None
+        try:
+            self._armed = True
+            status = _os_waitpid(pid, 0)[1]
+            self._armed = False
+            interrupted = False
+        except KeyboardInterrupt:
+            self._armed = False
+            interrupted = True
+            status = self._stop_group(pid) if status is None else status
+        if status is None:
+            return ("interrupted" if interrupted else "error"), None, ""
+        code = os.waitstatus_to_exitcode(status)
+        if code < 0:
+            code = 128 - code  # killed by a signal: report it as a shell would ($? = 128 + n)
+        if interrupted:
+            return "interrupted", code, ""
+        return ("ok" if code == 0 else "error"), code, ""
+
+    @staticmethod
+    def _stop_group(pid: int) -> int | None:
+        """SIGINT to the shell's group, SIGKILL after a grace period; the shell's wait status."""
+        for sig, patience in ((signal.SIGINT, _BASH_SIGINT_GRACE_S), (signal.SIGKILL, _KILL_PATIENCE_S)):
+            with contextlib.suppress(OSError):
+                os.killpg(pid, sig)
+            deadline = _monotonic() + patience
+            while True:
+                try:
+                    done, status = _os_waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    return None
+                if done:
+                    return status
+                if _monotonic() > deadline:
+                    break
+                time.sleep(0.005)
+        return None
+
+    # -- after every cell ----------------------------------------------------------------------------
+
+    def _restore_process_state(self) -> None:
+        """Undo what a cell may have done to the process that the kernel relies on: fd 0/1/2 and
+        sys.std*, signal handlers and mask (a Python handler left by a cell could raise inside the
+        kernel's own code between cells), timers, trace and profile hooks."""
+        self._restore_fds()
+        self._restore_streams()
+        sys.settrace(None)
+        sys.setprofile(None)
+        if sys.getrecursionlimit() < self._recursion_limit:  # the kernel's own code needs some depth
+            sys.setrecursionlimit(self._recursion_limit)
+        threading.settrace(None)  # type: ignore[arg-type]
+        threading.setprofile(None)  # type: ignore[arg-type]
+        for which in (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF):
+            signal.setitimer(which, 0)
+        # _signal, not signal: the latter wraps every answer in an enum, 50 µs for the loop instead of 5.
+        getsignal, setsignal = _signal.getsignal, _signal.signal
+        for sig in self._catchable:
+            handler = getsignal(sig)
+            if callable(handler) and handler is not self._on_sigint_bound:
+                setsignal(sig, _signal.SIG_DFL)
+        if getsignal(signal.SIGINT) is not self._on_sigint_bound:
+            setsignal(signal.SIGINT, self._on_sigint_bound)
+        if getsignal(signal.SIGCHLD) != _signal.SIG_DFL:  # SIG_IGN would reap children before our waitpid
+            setsignal(signal.SIGCHLD, _signal.SIG_DFL)
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # as Python starts: errors, not deaths
+            if getsignal(sig) != _signal.SIG_IGN:
+                setsignal(sig, _signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
+
+    def _flush_streams(self) -> None:
+        for stream in (self._stdout, self._stderr):
+            try:
+                stream.flush()
+            except Exception:  # a write the pipe refused: the text is lost, start the stream afresh
+                with contextlib.suppress(Exception):
+                    stream.close()
+        self._restore_streams()
+
+    def _end_leftovers(self) -> None:
+        """Kill every process the cell left (daemons, double forks, a shell's background jobs) and reap
+        them. Only as PID 1: then kill(-1) means every other process of our own pid namespace. Anywhere
+        else (say as root on a host) it would mean every process of the machine."""
+        if _os_getpid() != 1:
+            return
+        deadline = _monotonic() + _KILL_PATIENCE_S
+        while True:
+            try:
+                _os_kill(-1, signal.SIGKILL)  # zombies count too, so ESRCH means: nobody else is left
+            except ProcessLookupError:
+                break
+            except PermissionError:  # only processes we may not signal are left: nothing to do
+                break
+            if not self._reap() and _monotonic() > deadline:
+                self._note("[code-sessions: some processes of the cell would not die]\n")
+                break
+            time.sleep(0.0002)
+        self._reap()
+
+    @staticmethod
+    def _reap() -> int:
+        n = 0
+        while True:
+            try:
+                pid, _status = _os_waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return n
+            if pid == 0:
+                return n
+            n += 1
+
+    def _check_private_fds(self) -> None:
+        for fd, identity in self._private_fds.items():
+            try:
+                same = self._identity(fd) == identity
+            except OSError:
+                same = False
+            if not same:
+                _fatal(f"a cell closed or replaced the kernel's private fd {fd}")
+
+
+def main() -> None:
+    try:
+        kernel = Kernel(os.environ.get(WORKDIR_ENV) or DEFAULT_WORKDIR)
+        kernel.start()
+        kernel.serve()
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        import traceback
+
+        _fatal("".join(traceback.format_exception(exc)).rstrip())
+
+
+if __name__ == "__main__":
+    main()
 ''',
     'runner/_orphans.py': r'''"""What runs leave behind when the process supervising them dies (an Open WebUI crash, an OOM kill).
 
-runsc dies with its supervisor (see _supervise._die_with), which takes the sandbox with it, but its
+runsc dies with its supervisor (see _supervise.die_with), which takes the sandbox with it, but its
 container state, the run's bundle and its cgroups stay. Every bundle records its owner (pid and that
 process's start time, so a reused pid is not mistaken for it); at the first run of a new Runner, the
 leftovers of runs whose owner is gone are killed and removed. Runs of live processes (other workers
@@ -7157,6 +8679,31 @@ def classify(
         return Outcome.ERROR, code, f"exit code {code} (killed by {_signal_name(code - 128)})"
     return Outcome.ERROR, code, f"exit code {code}"
 ''',
+    'runner/_plan.py': r'''"""A prepared sandbox, as the runner hands it to whatever starts and supervises it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._cgroups import RunCgroup
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    """A prepared sandbox: its id, OCI bundle, cgroup, and the command that runs it."""
+
+    cid: str
+    bundle: Path
+    cgroup: RunCgroup | None
+    argv: list[str]  # runsc ... run --bundle <bundle> <cid>
+    runsc_base: list[str]  # runsc --root <state>, for kill / delete
+    workdir: Path
+
+    @property
+    def memory_by_rlimit(self) -> bool:
+        return self.cgroup is None
+''',
     'runner/_procs.py': r'''"""Host processes of a sandbox: finding them without cgroups, and killing them."""
 
 from __future__ import annotations
@@ -7243,7 +8790,7 @@ except (OSError, AttributeError):  # pragma: no cover - every Linux libc has prc
     _PRCTL = None
 
 
-def _die_with(parent: int) -> Callable[[], None]:
+def die_with(parent: int) -> Callable[[], None]:
     """For the child, between fork and exec: be SIGKILLed when this process dies.
 
     Our process is the sandbox's only supervisor (deadline, limits, cleanup). If it is killed (an
@@ -7364,7 +8911,7 @@ class Supervision:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,  # one process group to kill if runsc itself hangs
-            preexec_fn=_die_with(os.getpid()),
+            preexec_fn=die_with(os.getpid()),
         )
         assert proc.stdout is not None and proc.stderr is not None
         readers = [
@@ -7469,6 +9016,338 @@ class Supervision:
 
     def _kill_host_processes(self) -> None:
         sigkill(self._host_pids())
+''',
+    'runner/_wire.py': r'''"""Host side of the persistent kernel's wire (the kernel is runner/_kernel_program.py).
+
+A frame is a 4-byte big-endian length N followed by N bytes of UTF-8 JSON encoding one object. The
+kernel runs the model's code inside its own process, so a cell can write any bytes to the reply
+channel: everything here treats the kernel as hostile. ``FrameDecoder`` is strict (any malformed or
+unexpected frame raises ``ProtocolError``), bounded (it never buffers more than one frame), pure (no
+I/O) and cheap (a few microseconds per frame). ``ProtocolState`` adds the ordering rules a decoder
+cannot see. A valid frame can still be forged by a cell: see ``ProtocolState`` for what that buys it.
+
+Pure standard library, no imports of the rest of the package.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any, Literal
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 256 * 1024  # default bound of one kernel->host frame; the largest honest one is ~100 KiB
+MAX_TEXT = 16 * 1024  # characters of text per "out" frame
+MAX_FIGURES = 100
+MAX_FIGURE_NAME = 255
+MAX_PACKAGES = 50
+MAX_SHORT = 64  # package names, versions, the Python version
+MAX_RUN_ID = 2**63 - 1
+MAX_REQUEST = 64 * 1024 * 1024  # the kernel refuses (and dies on) a larger run request
+
+Stream = Literal["stdout", "stderr"]
+Status = Literal["ok", "error", "interrupted"]
+_STREAMS: dict[str, Stream] = {"o": "stdout", "e": "stderr"}
+_STATUSES: frozenset[str] = frozenset(("ok", "error", "interrupted"))
+_HEADER = struct.Struct(">I")
+_KEYS_READY = frozenset(("t", "v", "python", "pid", "packages"))
+_KEYS_OUT = frozenset(("t", "id", "s", "d"))
+_KEYS_DONE = frozenset(("t", "id", "status", "exit_code", "figures", "ms"))
+_SHORT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+!-]{0,63}\Z")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+class ProtocolError(Exception):
+    """The kernel sent something the protocol does not allow: treat the kernel as compromised or
+    broken, stop using it, and start a fresh one. ``decoded`` holds the valid messages that the same
+    ``feed`` call decoded before the bad frame (for diagnostics; do not act on them)."""
+
+    def __init__(self, message: str, decoded: tuple[Message, ...] = ()) -> None:
+        super().__init__(message)
+        self.decoded = decoded
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    version: int
+    python: str
+    pid: int  # as the kernel sees itself: 1 inside its sandbox
+    packages: dict[str, str | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    run_id: int
+    stream: Stream
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    run_id: int
+    status: Status
+    exit_code: int | None
+    figures: tuple[str, ...]  # relative to the workdir, as the kernel claims: resolve them safely
+    ms: float
+
+
+Message = Ready | Output | Done
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    """One frame: compact UTF-8 JSON behind its length."""
+    try:
+        body = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: JSON's \u escape carries it, raw UTF-8 cannot
+        body = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("ascii")
+    if len(body) > 0xFFFFFFFF:
+        raise ValueError("frame too large")
+    return _HEADER.pack(len(body)) + body
+
+
+def encode_run(run_id: int, lang: Literal["python", "bash"], code: str) -> bytes:
+    """The one request the kernel understands. It refuses (and dies on) anything else."""
+    if type(run_id) is not int or not 0 <= run_id <= MAX_RUN_ID:
+        raise ValueError(f"run id must be an int in 0..2**63-1, not {run_id!r}")
+    if lang not in ("python", "bash"):
+        raise ValueError(f"lang must be 'python' or 'bash', not {lang!r}")
+    frame = encode({"t": "run", "id": run_id, "lang": lang, "code": code})
+    if len(frame) - 4 > MAX_REQUEST:
+        raise ValueError(f"code too large for one request ({len(frame) - 4} bytes > {MAX_REQUEST})")
+    return frame
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+_decode_json = json.JSONDecoder(parse_constant=_reject_constant).decode
+
+
+def _int(obj: dict[str, Any], key: str, low: int, high: int) -> int:
+    value = obj[key]
+    if type(value) is not int or not low <= value <= high:  # type(): True is an int, not a number here
+        raise ProtocolError(f"{obj['t']}.{key} must be an int in {low}..{high}, not {_show(value)}")
+    return value
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_text(what: str, value: Any, limit: int, escapes: bool) -> str:
+    if type(value) is not str or len(value) > limit:
+        raise ProtocolError(f"{what} must be a string of at most {limit} characters, not {_show(value)}")
+    # Only JSON's \u escapes can produce a lone surrogate (the body was strict UTF-8), and a string
+    # with one would blow up later when the host encodes it.
+    if escapes and _SURROGATE.search(value):
+        raise ProtocolError(f"{what} contains a lone surrogate")
+    return value
+
+
+def _parse_ready(obj: dict[str, Any], escapes: bool) -> Ready:
+    if obj.keys() != _KEYS_READY:
+        raise ProtocolError(f"ready has keys {sorted(obj)}")
+    version = _int(obj, "v", 0, 2**31 - 1)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"kernel speaks protocol {version}, the host {PROTOCOL_VERSION}")
+    python = _check_text("ready.python", obj["python"], MAX_SHORT, escapes)
+    if not _SHORT_NAME.match(python):
+        raise ProtocolError(f"ready.python is not a version: {_show(python)}")
+    pid = _int(obj, "pid", 1, 2**31 - 1)
+    packages = obj["packages"]
+    if type(packages) is not dict or len(packages) > MAX_PACKAGES:
+        raise ProtocolError(f"ready.packages must be an object of at most {MAX_PACKAGES} entries")
+    for name, version_text in packages.items():
+        if not _SHORT_NAME.match(name):
+            raise ProtocolError(f"ready.packages has a bad name: {_show(name)}")
+        if version_text is not None and not (type(version_text) is str and _SHORT_NAME.match(version_text)):
+            raise ProtocolError(f"ready.packages[{name!r}] is not a version: {_show(version_text)}")
+    return Ready(version, python, pid, dict(packages))
+
+
+def _parse_out(obj: dict[str, Any], escapes: bool) -> Output:
+    if obj.keys() != _KEYS_OUT:
+        raise ProtocolError(f"out has keys {sorted(obj)}")
+    run_id = _int(obj, "id", 0, MAX_RUN_ID)
+    stream = _STREAMS.get(obj["s"]) if type(obj["s"]) is str else None
+    if stream is None:
+        raise ProtocolError(f"out.s must be 'o' or 'e', not {_show(obj['s'])}")
+    return Output(run_id, stream, _check_text("out.d", obj["d"], MAX_TEXT, escapes))
+
+
+def _figure_name(value: Any, escapes: bool) -> str:
+    name = _check_text("done.figures[]", value, MAX_FIGURE_NAME, escapes)
+    if (
+        not name
+        or name.startswith("/")
+        or _CONTROL.search(name)
+        or "\\" in name
+        or any(part in ("", ".", "..") for part in name.split("/"))
+    ):
+        raise ProtocolError(f"done.figures has a name that is not a plain relative path: {_show(name)}")
+    return name
+
+
+def _parse_done(obj: dict[str, Any], escapes: bool) -> Done:
+    if obj.keys() != _KEYS_DONE:
+        raise ProtocolError(f"done has keys {sorted(obj)}")
+    run_id = _int(obj, "id", 0, MAX_RUN_ID)
+    status = obj["status"]
+    if type(status) is not str or status not in _STATUSES:
+        raise ProtocolError(f"done.status must be one of {sorted(_STATUSES)}, not {_show(status)}")
+    exit_code = None if obj["exit_code"] is None else _int(obj, "exit_code", -(2**31), 2**31 - 1)
+    figures = obj["figures"]
+    if type(figures) is not list or len(figures) > MAX_FIGURES:
+        raise ProtocolError(f"done.figures must be a list of at most {MAX_FIGURES} names")
+    ms = obj["ms"]
+    if type(ms) not in (int, float) or not math.isfinite(ms) or not 0 <= ms <= 1e12:
+        raise ProtocolError(f"done.ms must be a non-negative number, not {_show(ms)}")
+    names = tuple(_figure_name(f, escapes) for f in figures)
+    return Done(run_id, status, exit_code, names, float(ms))  # type: ignore[arg-type]
+
+
+_PARSERS = {"ready": _parse_ready, "out": _parse_out, "done": _parse_done}
+
+
+def parse_body(body: bytes | bytearray | memoryview) -> Message:
+    """One frame's body (without the length) as a message, or ProtocolError."""
+    try:
+        text = str(body, "utf-8")  # strict; json.loads on bytes would also accept UTF-16 and UTF-32
+        obj = _decode_json(text)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ProtocolError(f"frame is not UTF-8 JSON: {exc}") from None
+    if type(obj) is not dict:
+        raise ProtocolError(f"frame is not a JSON object but {type(obj).__name__}")
+    kind = obj.get("t")
+    parser = _PARSERS.get(kind) if type(kind) is str else None
+    if parser is None:
+        raise ProtocolError(f"unknown message type {_show(kind)}")
+    try:
+        return parser(obj, "\\u" in text)
+    except KeyError as exc:  # cannot happen after the key checks; kept so nothing but ProtocolError escapes
+        raise ProtocolError(f"{kind} lacks {exc}") from None
+
+
+class FrameDecoder:
+    """Incremental, strict decoder of the kernel's frames.
+
+    ``feed`` takes whatever bytes the channel gave and returns the complete messages; a partial
+    frame waits inside (at most ``max_frame`` + 4 bytes: a length above ``max_frame`` is refused
+    before its body arrives). After a ProtocolError the decoder stays failed: the channel has lost
+    its framing and nothing later on it can be trusted."""
+
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
+        if not 1 <= max_frame <= 0xFFFFFFFF:
+            raise ValueError("max_frame must be in 1..2**32-1")
+        self.max_frame = max_frame
+        self._buf = bytearray()
+        self._need = -1  # length of the body being collected; -1 while collecting a header
+        self._failed: ProtocolError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of an incomplete frame held."""
+        return len(self._buf)
+
+    @property
+    def failed(self) -> bool:
+        return self._failed is not None
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
+        if self._failed is not None:
+            raise ProtocolError(f"decoder already failed: {self._failed}")
+        out: list[Message] = []
+        try:
+            self._feed(memoryview(data).cast("B"), out)
+        except ProtocolError as exc:
+            self._failed = exc
+            self._buf = bytearray()
+            raise ProtocolError(str(exc), tuple(out)) from None
+        return out
+
+    def _feed(self, view: memoryview, out: list[Message]) -> None:
+        buf, pos, end = self._buf, 0, len(view)
+        while pos < end:
+            if self._need < 0:
+                if not buf and end - pos >= 4:  # the usual case: the header is all there, no copy
+                    (length,) = _HEADER.unpack_from(view, pos)
+                    pos += 4
+                else:
+                    take = min(4 - len(buf), end - pos)
+                    buf += view[pos : pos + take]
+                    pos += take
+                    if len(buf) < 4:
+                        return
+                    (length,) = _HEADER.unpack(buf)
+                    buf.clear()
+                if not 0 < length <= self.max_frame:
+                    raise ProtocolError(f"frame length {length} outside 1..{self.max_frame}")
+                self._need = length
+            need = self._need
+            if not buf and end - pos >= need:  # the whole body is in this chunk: parse it in place
+                out.append(parse_body(view[pos : pos + need]))
+                pos += need
+                self._need = -1
+                continue
+            take = min(need - len(buf), end - pos)
+            buf += view[pos : pos + take]
+            pos += take
+            if len(buf) == need:
+                out.append(parse_body(buf))
+                buf.clear()
+                self._need = -1
+
+    def eof(self) -> None:
+        """The channel closed: fine between frames (the kernel exited), a ProtocolError inside one."""
+        if self._failed is None and (self._buf or self._need >= 0):
+            self._failed = ProtocolError("the kernel's channel closed in the middle of a frame")
+            raise self._failed
+
+
+class ProtocolState:
+    """The ordering rules over decoded messages: "ready" first and once; then, per run the host
+    started, only that run's "out" frames and one "done"; nothing while no run is in flight.
+
+    A cell can forge a perfectly valid frame (it runs in the kernel's process and may write to the
+    channel's fd). What a forgery can do: add text to its own run's output (which it could print
+    anyway), or end its run early with a fake "done" (status, exit code, figure names of its choice:
+    names of files in the workdir, which it controls anyway). The kernel's real "done" then arrives
+    with no run in flight, or for the wrong run, and ``accept`` raises. So: on ProtocolError from
+    here or from the decoder, kill the sandbox and start a new kernel; treat figure names like any
+    path the sandbox names (resolved inside the workdir, no links followed)."""
+
+    def __init__(self) -> None:
+        self.ready: Ready | None = None
+        self.current: int | None = None
+
+    def start(self, run_id: int) -> None:
+        """The host is about to send run ``run_id``."""
+        if self.ready is None or self.current is not None:
+            raise RuntimeError("a run can start only after 'ready' and after the previous run's 'done'")
+        self.current = run_id
+
+    def accept(self, message: Message) -> Message:
+        if self.ready is None:
+            if not isinstance(message, Ready):
+                raise ProtocolError(f"the first message must be 'ready', not {type(message).__name__}")
+            self.ready = message
+            return message
+        if isinstance(message, Ready):
+            raise ProtocolError("a second 'ready'")
+        kind = type(message).__name__
+        if self.current is None:
+            raise ProtocolError(f"{kind} for run {message.run_id} while no run is in flight")
+        if message.run_id != self.current:
+            raise ProtocolError(f"{kind} for run {message.run_id} during run {self.current}")
+        if isinstance(message, Done):
+            self.current = None
+        return message
 ''',
     'runner/capabilities.py': r'''"""What the installed runsc can do, detected once per binary rather than assumed.
 
@@ -7868,6 +9747,438 @@ class UnsupportedLanguage(RunnerError, ValueError):
 class StateDirError(RunnerError):
     """The runner's private state directory cannot be created or is not private."""
 ''',
+    'runner/kernels.py': r'''"""Persistent kernels, one per chat, reachable from every worker process of this host.
+
+A `KernelPool` (one per process) runs code in the kernel of a key (the caller's name for a chat). The
+caller holds the chat's lock around `run`, so a chat never starts two kernels; the pool finds its
+kernel wherever it lives:
+
+* started by this process: run it here;
+* started by another worker of this host: that worker serves it on a unix socket
+  (`<socket_dir>/<digest>.sock`), and the run goes there and back;
+* none (first run, or the previous one ended): start one here, and say why the state was reset.
+
+The registry (`<registry_dir>/<digest>.json`, one small file per key, kept across restarts) says
+where each key's kernel lives (host, process and its start time, socket), when it was last used, and,
+once it ended, why: "idle for 20 minutes", "Open WebUI restarted", "it ran out of memory". The next
+run reads that reason and passes it on as one plain sentence (`RunResult.notes`): losing the state is
+always said, never silent.
+
+Lifecycle: a kernel idle longer than `idle_s` is stopped; starting one beyond `max_kernels` on this
+host stops the least recently used idle one; `stop(key)` ends one (its chat was purged, deleted,
+expired); a kernel dies with the process that started it (an Open WebUI restart), and the registry
+entry it leaves is how the next run knows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._kernel import KERNEL_SOURCE, Kernel, KernelLost, lifetime_limits
+from ._orphans import owner_stamp
+from .models import Limits, Outcome, RunResult
+from .runner import Runner
+
+__all__ = ["KernelPool", "reset_sentence"]
+
+log = logging.getLogger("code_sessions.runner")
+
+_REAP_EVERY_S = 30.0
+_CONNECT_TIMEOUT_S = 2.0
+_MAX_MESSAGE = 80 * 1024 * 1024  # a run request carries the code (the kernel takes up to 64 MiB)
+_HEADER = struct.Struct(">I")
+
+
+def _host_id() -> str:
+    """This host, for the registry (shared by several hosts when the store is): name and boot."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}:{boot}"
+
+
+_HOST = _host_id()
+
+
+def reset_sentence(reason: str) -> str:
+    return f"The Python state was reset ({reason}); files in /mnt/data are kept."
+
+
+@dataclass
+class _Entry:
+    key: str
+    cid: str
+    host: str
+    owner: str  # "<pid> <start time>" of the process that started it
+    socket: str
+    workdir: str
+    started_at: float
+    last_used: float
+    running: bool
+    reason: str = ""  # why it ended, once it has
+
+    @classmethod
+    def load(cls, path: Path) -> _Entry | None:
+        try:
+            data = json.loads(path.read_bytes()[: 1 << 16])
+            return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+class KernelPool:
+    def __init__(
+        self,
+        runner: Runner,
+        registry_dir: Path,
+        *,
+        idle_s: float = 20 * 60.0,
+        max_kernels: int = 20,
+        socket_dir: Path | None = None,
+    ) -> None:
+        self.runner = runner
+        self.registry_dir = Path(registry_dir)
+        self.socket_dir = Path(socket_dir) if socket_dir is not None else runner.bundle_dir / "kernels"
+        self.idle_s = idle_s
+        self.max_kernels = max_kernels
+        self._mine: dict[str, Kernel] = {}
+        self._servers: dict[str, asyncio.AbstractServer] = {}
+        self._reaper: asyncio.Task[None] | None = None
+        self._owner = owner_stamp()
+
+    # ------------------------------------------------------------------ public
+
+    async def run(self, key: str, workdir: Path, code: str, language: str, limits: Limits) -> RunResult:
+        """Run a cell in the key's kernel, starting one when there is none. Call it holding the
+        chat's lock. Never raises for what the code does; RunnerError for host-side problems."""
+        self._keep_reaping()
+        workdir = Path(os.path.realpath(workdir))
+        notes: list[str] = []
+        kernel = self._mine.get(key)
+        if kernel is not None:
+            misfit = self._misfit(kernel, workdir, limits)
+            if misfit is not None:
+                await self._end(key, kernel, misfit)
+                kernel = None
+        if kernel is None:
+            entry = await asyncio.to_thread(self._entry, key)
+            if entry is not None and entry.running and entry.owner != self._owner and self._owned_here(entry):
+                result = await self._run_remote(entry, code, language, limits)
+                if result is not None:
+                    return result
+                entry = await asyncio.to_thread(self._entry, key)  # it ended meanwhile: why?
+            reason = self._lost_reason(entry)
+            if reason:
+                notes.append(reset_sentence(reason))
+            try:
+                kernel = await self._start(key, workdir, limits)
+            except KernelLost as lost:
+                return _refused(str(lost), notes)
+        try:
+            result = await kernel.run(code, language, limits)
+        except KernelLost as lost:  # it had died since the last run: once more in a new one
+            await self._end(key, kernel, str(lost))
+            notes.append(reset_sentence(str(lost)))
+            try:
+                kernel = await self._start(key, workdir, limits)
+            except KernelLost as again:
+                return _refused(str(again), notes)
+            result = await kernel.run(code, language, limits)
+        if not kernel.alive:
+            await self._end(key, kernel, kernel.lost or "the kernel stopped")
+        else:
+            await asyncio.to_thread(self._touch, key, kernel)
+        return result.model_copy(update={"notes": (*notes, *result.notes)}) if notes else result
+
+    async def stop(self, key: str, reason: str, *, forget: bool = False) -> None:
+        """End the key's kernel (wherever on this host it runs); `forget`: its chat is gone, so no
+        reason is kept for a next run."""
+        kernel = self._mine.get(key)
+        if kernel is not None:
+            await self._end(key, kernel, reason)
+        else:
+            entry = await asyncio.to_thread(self._entry, key)
+            if entry is not None and entry.running and self._owned_here(entry):
+                await self._ask(entry, {"op": "stop", "reason": reason})
+            elif entry is not None and not forget:
+                entry.running, entry.reason = False, reason  # the next run says this, not an older why
+                await asyncio.to_thread(self._save, entry)
+        if forget:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._entry_path(key))
+
+    async def close(self) -> None:
+        """Stop every kernel of this process (its owner is going away)."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for key, kernel in list(self._mine.items()):
+            await self._end(key, kernel, "Open WebUI restarted")
+
+    def kernels(self) -> dict[str, Kernel]:
+        """The kernels this process runs, by key."""
+        return dict(self._mine)
+
+    async def reap(self) -> None:
+        """Stop this process's kernels that have been idle too long (also run every 30 s)."""
+        now = time.monotonic()
+        for key, kernel in list(self._mine.items()):
+            if not kernel.alive:
+                await self._end(key, kernel, kernel.lost or "the kernel stopped")
+            elif now - kernel.last_used > self.idle_s and not kernel.busy:
+                await self._end(key, kernel, f"it was idle for more than {_minutes(self.idle_s)}")
+
+    # ------------------------------------------------------------------ starting and ending
+
+    def _misfit(self, kernel: Kernel, workdir: Path, limits: Limits) -> str | None:
+        """Why this kernel cannot take the next run, or None."""
+        if not kernel.alive:
+            return kernel.lost or "the kernel stopped"
+        if kernel.sandbox.workdir != workdir:
+            return "the chat's folder was replaced"
+        if lifetime_limits(kernel.limits) != lifetime_limits(limits):
+            return "the admin changed the sandbox's limits"
+        return None
+
+    async def _start(self, key: str, workdir: Path, limits: Limits) -> Kernel:
+        await self._make_room()
+        sandbox, watch = await self.runner.prepare(KERNEL_SOURCE, "python", workdir, limits, prefix="cs-k-")
+        kernel = Kernel(sandbox, limits)
+        try:
+            await kernel.start(watch)
+        except BaseException:
+            await kernel.close()
+            raise
+        self._mine[key] = kernel
+        sock = self._socket_path(key)
+        try:
+            await asyncio.to_thread(self._prepare_socket, sock)
+            self._servers[key] = await asyncio.start_unix_server(
+                lambda r, w, k=key: self._serve(k, r, w), path=str(sock)
+            )
+            os.chmod(sock, 0o600)
+        except OSError as error:  # other workers then start their own after this one stops
+            log.warning("kernel %s: cannot serve it to other workers: %s", kernel.cid, error)
+        entry = _Entry(
+            key, kernel.cid, _HOST, self._owner, str(sock), str(workdir), time.time(), time.time(), True
+        )
+        await asyncio.to_thread(self._save, entry)
+        log.info("kernel %s started for %s in %.2f s", kernel.cid, key, time.time() - kernel.started_at)
+        return kernel
+
+    async def _end(self, key: str, kernel: Kernel, reason: str) -> None:
+        if self._mine.get(key) is kernel:
+            del self._mine[key]
+        server = self._servers.pop(key, None)
+        if server is not None:
+            server.close()
+        await kernel.close(reason)
+        entry = await asyncio.to_thread(self._entry, key)
+        if entry is not None and entry.cid == kernel.cid:
+            entry.running, entry.reason = False, kernel.lost or reason
+            await asyncio.to_thread(self._save, entry)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._socket_path(key))
+
+    async def _make_room(self) -> None:
+        """Beyond max_kernels on this host, stop the least recently used idle one."""
+        entries = await asyncio.to_thread(self._running_here)
+        while len(entries) >= self.max_kernels:
+            idle = [e for e in entries if not (e.key in self._mine and self._mine[e.key].busy)]
+            if not idle:
+                return  # every one is running a cell: go over the limit rather than kill a run
+            victim = min(idle, key=lambda e: e.last_used)
+            reason = (
+                f"too many kernels were running (at most {self.max_kernels}); it was the least recently used"
+            )
+            if victim.key in self._mine:
+                await self._end(victim.key, self._mine[victim.key], reason)
+            else:
+                await self._ask(victim, {"op": "stop", "reason": reason})
+                victim.running, victim.reason = False, reason
+                await asyncio.to_thread(self._save_if_same, victim)
+            entries = [e for e in entries if e.key != victim.key]
+
+    def _keep_reaping(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.create_task(self._reap_forever())
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(_REAP_EVERY_S, self.idle_s / 4 or _REAP_EVERY_S))
+            try:
+                await self.reap()
+            except Exception:
+                log.exception("kernel reaper")
+
+    # ------------------------------------------------------------------ other workers
+
+    def _owned_here(self, entry: _Entry) -> bool:
+        """A running entry whose owning process is alive on this host (its kernel dies with it)."""
+        if entry.host != _HOST:
+            return False
+        try:
+            pid, started = entry.owner.split()
+            with open(f"/proc/{int(pid)}/stat", "rb") as fh:
+                return fh.read().rsplit(b")", 1)[1].split()[19].decode() == started
+        except (OSError, ValueError, IndexError):
+            return False
+
+    def _lost_reason(self, entry: _Entry | None) -> str:
+        if entry is None:
+            return ""  # this chat never had a kernel (or its chat was deleted): nothing was lost
+        if entry.running:
+            if entry.host != _HOST:
+                return "this chat's previous runs were on another server"
+            return "Open WebUI restarted" if not self._owned_here(entry) else "the kernel stopped"
+        return entry.reason or "the kernel stopped"
+
+    async def _run_remote(self, entry: _Entry, code: str, language: str, limits: Limits) -> RunResult | None:
+        reply = await self._ask(
+            entry, {"op": "run", "code": code, "language": language, "limits": limits.model_dump()}
+        )
+        if reply is None or "result" not in reply:
+            return None
+        return RunResult.model_validate(reply["result"])
+
+    async def _ask(self, entry: _Entry, request: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(entry.socket, limit=_MAX_MESSAGE), _CONNECT_TIMEOUT_S
+            )
+        except (OSError, TimeoutError):
+            return None
+        try:
+            await _send(writer, request)
+            return await _receive(reader)
+        except (OSError, ValueError, asyncio.IncompleteReadError):
+            return None
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    async def _serve(self, key: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Another worker of this host asks this process's kernel (only our own processes can reach
+        the socket: mode 0600 in a 0700 folder owned by us)."""
+        try:
+            request = await _receive(reader)
+            kernel = self._mine.get(key)
+            if kernel is None or not kernel.alive:
+                await _send(writer, {"gone": True})
+                return
+            if request.get("op") == "stop":
+                await _send(writer, {"ok": True})
+                await self._end(key, kernel, str(request.get("reason", "stopped")))
+                return
+            limits = Limits.model_validate(request["limits"])
+            try:
+                result = await kernel.run(str(request["code"]), str(request["language"]), limits)
+            except KernelLost:
+                await _send(writer, {"gone": True})
+                return
+            if not kernel.alive:
+                await self._end(key, kernel, kernel.lost or "the kernel stopped")
+            else:
+                await asyncio.to_thread(self._touch, key, kernel)
+            await _send(writer, {"result": result.model_dump(mode="json")})
+        except (OSError, ValueError, KeyError, asyncio.IncompleteReadError) as error:
+            log.warning("kernel of %s: a request from another worker failed: %s", key, error)
+        finally:
+            writer.close()
+
+    # ------------------------------------------------------------------ the registry
+
+    def _digest(self, key: str) -> str:
+        return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+    def _entry_path(self, key: str) -> Path:
+        return self.registry_dir / f"{self._digest(key)}.json"
+
+    def _socket_path(self, key: str) -> Path:
+        return self.socket_dir / f"{self._digest(key)}.sock"
+
+    def _entry(self, key: str) -> _Entry | None:
+        entry = _Entry.load(self._entry_path(key))
+        return entry if entry is not None and entry.key == key else None
+
+    def _save(self, entry: _Entry) -> None:
+        self.registry_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = self._entry_path(entry.key)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(entry.__dict__), encoding="utf-8")
+        os.replace(tmp, path)
+
+    def _save_if_same(self, entry: _Entry) -> None:
+        now = self._entry(entry.key)
+        if now is not None and now.cid == entry.cid:
+            self._save(entry)
+
+    def _touch(self, key: str, kernel: Kernel) -> None:
+        entry = self._entry(key)
+        if entry is not None and entry.cid == kernel.cid:
+            entry.last_used = time.time()
+            self._save(entry)
+
+    def _running_here(self) -> list[_Entry]:
+        found = []
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.registry_dir) as listing:
+            for item in listing:
+                if item.name.endswith(".json"):
+                    entry = _Entry.load(Path(item.path))
+                    if entry is not None and entry.running and self._owned_here(entry):
+                        found.append(entry)
+        return found
+
+    def _prepare_socket(self, path: Path) -> None:
+        self.socket_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+async def _send(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
+    body = json.dumps(message).encode()
+    writer.write(_HEADER.pack(len(body)) + body)
+    await writer.drain()
+
+
+async def _receive(reader: asyncio.StreamReader) -> dict[str, Any]:
+    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+    if size > _MAX_MESSAGE:
+        raise ValueError(f"a message of {size} bytes")
+    message = json.loads(await reader.readexactly(size))
+    if not isinstance(message, dict):
+        raise ValueError("not an object")
+    return message
+
+
+def _refused(why: str, notes: list[str]) -> RunResult:
+    return RunResult(
+        outcome=Outcome.SANDBOX_FAILURE,
+        exit_code=None,
+        stdout="",
+        stderr="",
+        duration_s=0.0,
+        reason=f"the Python kernel could not start: {why}",
+        notes=tuple(notes),
+    )
+
+
+def _minutes(seconds: float) -> str:
+    minutes = seconds / 60
+    return f"{minutes:g} minutes" if minutes != 1 else "1 minute"
+''',
     'runner/models.py': r'''"""The runner's typed public data: configuration, per-run limits, and the result of a run."""
 
 from __future__ import annotations
@@ -7892,6 +10203,7 @@ class Outcome(enum.StrEnum):
     OUTPUT_LIMIT = "output_limit"
     DISK_LIMIT = "disk_limit"
     SANDBOX_FAILURE = "sandbox_failure"  # gVisor itself failed; the code may not have run at all
+    KERNEL_LOST = "kernel_lost"  # a persistent kernel died or broke its protocol during the run
 
 
 class Limits(BaseModel):
@@ -7957,6 +10269,12 @@ class RunResult(BaseModel):
     # Relative POSIX paths (sorted) that the run created, changed, removed or renamed in the workdir,
     # from host-side inotify; None = unknown (list the whole workdir). See runner/_changes.py.
     changed: tuple[str, ...] | None = None
+    # A persistent kernel's claims (untrusted: check them against the disk): figures it saved.
+    figures: tuple[str, ...] = ()
+    # Persistent kernels: whether the Python state lives on after this run (False: it was lost).
+    state_kept: bool = False
+    # Sentences for the user and the model about the kernel (its state was reset, and why).
+    notes: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -7981,6 +10299,7 @@ from . import _bundle, _cgroups, _orphans
 from ._changes import ChangeWatch
 from ._diagnose import read_runsc_errors
 from ._outcome import classify
+from ._plan import Sandbox
 from ._supervise import Supervision
 from .capabilities import RunscInfo, detect_runsc
 from .errors import RunnerError, RunscNotFound, WorkdirError
@@ -7989,6 +10308,19 @@ from .models import Limits, RunnerConfig, RunResult
 DEFAULT_STATE_DIR = Path("/run/code-sessions-runsc")
 DEFAULT_BUNDLE_DIR = Path("/run/code-sessions-runner")
 PROBE_LIMITS = Limits(timeout_s=20, memory_mb=256, max_output_bytes=4096)
+# What users bring data work for; the doctor and the system prompt say which of these import.
+DATA_PACKAGES = ("numpy", "pandas", "matplotlib", "scipy", "openpyxl", "PIL")
+_PACKAGES_PROBE = (
+    "import importlib.util, importlib.metadata as m\n"
+    f"for name in {DATA_PACKAGES!r}:\n"
+    "    if importlib.util.find_spec(name) is None:\n"
+    "        continue\n"
+    "    dist = {'PIL': 'pillow'}.get(name, name)\n"
+    "    try:\n"
+    "        print(name, m.version(dist))\n"
+    "    except m.PackageNotFoundError:\n"
+    "        print(name, '?')\n"
+)
 
 
 @dataclass(frozen=True)
@@ -8016,7 +10348,7 @@ class Runner:
         self._setup: HostSetup | None = None
         self._setup_lock = threading.Lock()  # not asyncio.Lock: a Runner may outlive one event loop
         self._interpreters: dict[str, str] = {}
-        self._known_issues: tuple[str, ...] | None = None
+        self._probed: tuple[tuple[str, ...], tuple[tuple[str, str], ...]] | None = None
 
     @property
     def sandbox_uid(self) -> int:
@@ -8105,7 +10437,7 @@ class Runner:
             raise WorkdirError("refusing to mount / as the session folder")
         return path
 
-    def _prepare_run(
+    def _prepare_files(
         self, setup: HostSetup, cid: str, code: str, language: str, workdir: Path, limits: Limits
     ) -> tuple[Path, _cgroups.RunCgroup | None]:
         if os.geteuid() == 0:
@@ -8147,27 +10479,46 @@ class Runner:
 
     def _prepare_and_watch(
         self, setup: HostSetup, cid: str, code: str, language: str, workdir: Path, limits: Limits
-    ) -> tuple[Path, _cgroups.RunCgroup | None, ChangeWatch]:
-        bundle, cgroup = self._prepare_run(setup, cid, code, language, workdir, limits)
+    ) -> tuple[Sandbox, ChangeWatch]:
+        bundle, cgroup = self._prepare_files(setup, cid, code, language, workdir, limits)
+        sandbox = Sandbox(
+            cid=cid,
+            bundle=bundle,
+            cgroup=cgroup,
+            argv=[*self._runsc_argv(setup, bundle), "run", "--bundle", str(bundle), cid],
+            runsc_base=[setup.runsc.path, "--root", str(self.state_dir)],
+            workdir=workdir,
+        )
         # After the chown of the workdir, before the sandbox exists: nothing can race the setup.
-        return bundle, cgroup, ChangeWatch.start(str(workdir))
+        return sandbox, ChangeWatch.start(str(workdir))
+
+    async def prepare(
+        self, code: str, language: str, workdir: Path | str, limits: Limits, *, prefix: str = "cs-"
+    ) -> tuple[Sandbox, ChangeWatch]:
+        """Everything a sandbox needs before it starts (bundle, cgroup, command), and a watch of the
+        workdir set up before anything in the sandbox can write. `discard()` undoes it."""
+        self._interpreter(language)  # fail fast on an unknown language or a missing interpreter
+        wd = self._check_workdir(workdir)
+        setup = await self.setup()
+        cid = prefix + secrets.token_hex(8)
+        return await asyncio.to_thread(self._prepare_and_watch, setup, cid, code, language, wd, limits)
+
+    async def discard(self, sandbox: Sandbox) -> None:
+        """Remove a sandbox's bundle (its processes must be gone; its cgroup is the caller's)."""
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(shutil.rmtree, sandbox.bundle, True)
 
     async def run(
         self, code: str, language: str, workdir: Path | str, limits: Limits | None = None
     ) -> RunResult:
-        """Run ``code`` ("python" or "bash") with ``workdir`` at /mnt/data. Never raises for what the
-        code does; raises RunnerError subclasses for host-side misconfiguration only."""
+        """Run ``code`` ("python" or "bash") with ``workdir`` at /mnt/data in a fresh sandbox. Never
+        raises for what the code does; raises RunnerError subclasses for host-side misconfiguration."""
         limits = limits or Limits()
-        self._interpreter(language)  # fail fast on an unknown language or a missing interpreter
-        wd = self._check_workdir(workdir)
-        setup = await self.setup()
-        cid = "cs-" + secrets.token_hex(8)
-        bundle, cgroup, watch = await asyncio.to_thread(
-            self._prepare_and_watch, setup, cid, code, language, wd, limits
-        )
+        sandbox, watch = await self.prepare(code, language, workdir, limits)
+        bundle, cgroup, wd, cid = sandbox.bundle, sandbox.cgroup, sandbox.workdir, sandbox.cid
         sup = Supervision(
-            argv=[*self._runsc_argv(setup, bundle), "run", "--bundle", str(bundle), cid],
-            runsc_base=[setup.runsc.path, "--root", str(self.state_dir)],
+            argv=sandbox.argv,
+            runsc_base=sandbox.runsc_base,
             container_id=cid,
             workdir=wd,
             limits=limits,
@@ -8179,7 +10530,7 @@ class Runner:
             try:
                 facts = await sup.run()
             except (FileNotFoundError, PermissionError) as exc:  # runsc vanished since setup()
-                raise RunscNotFound(setup.runsc.path, str(exc)) from exc
+                raise RunscNotFound(sandbox.argv[0], str(exc)) from exc
             errors = await asyncio.to_thread(read_runsc_errors, bundle / "runsc.log", bundle / "panic.log")
         finally:
             pump.cancel()
@@ -8222,17 +10573,31 @@ class Runner:
         Debian's runsc 20221219 rejects statx(AT_NO_AUTOMOUNT), so coreutils' `ls` and `stat` fail
         with "Invalid argument" while Python's os.listdir/os.stat work. A version check would guess;
         one tiny run knows."""
-        if self._known_issues is None:
+        return (await self._probe())[0]
+
+    async def packages(self) -> tuple[tuple[str, str], ...]:
+        """The data packages the sandbox's Python can import, with their versions, probed once."""
+        return (await self._probe())[1]
+
+    async def _probe(self) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+        if self._probed is None:  # two first callers at once both probe: harmless
+            python = self._interpreter("python")
+            script = f"ls / >/dev/null\n{python} - <<'PY'\n{_PACKAGES_PROBE}PY\n"
             with tempfile.TemporaryDirectory(prefix="runner-probe-") as tmp:
-                probe = await self.run("ls / >/dev/null", "bash", Path(tmp), PROBE_LIMITS)
+                probe = await self.run(script, "bash", Path(tmp), PROBE_LIMITS)
             issues = []
             if "Invalid argument" in probe.stderr:
                 issues.append(
                     "`ls` and `stat` fail with 'Invalid argument' in this sandbox (an old gVisor); "
                     "list files with Python (os.listdir, os.stat) or `find`."
                 )
-            self._known_issues = tuple(issues)
-        return self._known_issues
+            found: list[tuple[str, str]] = []
+            for line in probe.stdout.splitlines():
+                name, _, version = line.partition(" ")
+                if name in DATA_PACKAGES and version and len(version) < 40:
+                    found.append((name, version))
+            self._probed = (tuple(issues), tuple(found))
+        return self._probed
 ''',
     'engine/__init__.py': r'''"""A chat step without Open WebUI: sandbox runs over a persistent session, links, the conversation loop."""
 
@@ -8351,7 +10716,10 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+from _code_sessions_bafea502fee5.runner import Outcome
+
 from .blocks import runnable_blocks
+from .rewrite import escape_text
 from .service import ChatSession, StepResult
 from .sse import ModelError, TextDelta, ToolCall
 
@@ -8412,13 +10780,21 @@ async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions)
             ("\n" if step.run.stdout else "") + step.run.stderr if step.run.stderr else ""
         )
         body.append("Output:\n" + _block(output) if output.strip() else "_(no output)_\n")
+    if step.run is not None and step.run.reason and step.run.outcome != Outcome.OK:
+        body.append(f"_Why: {escape_text(step.run.reason)}_\n")
     summary = step.headline().replace("<", "&lt;")
     details = f"\n<details>\n<summary>{summary}</summary>\n\n" + "\n".join(body) + "\n</details>\n\n"
     notes = step.file_notes()
+    pictures = ""
+    if step.figures:  # shown like a notebook shows them: inline, under the step
+        pictures = await chat.rewrite(
+            "".join(f"![{p.rsplit('/', 1)[-1]}](/mnt/data/{p})\n" for p in step.figures)
+        )
+        pictures += "\n"
     if not notes:
-        return details
+        return details + pictures
     listing = "\n".join(f"- {note}" for note in notes) + "\n"
-    return details + await chat.rewrite(listing, inline_images=False) + "\n"
+    return details + pictures + await chat.rewrite(listing, inline_images=False) + "\n"
 
 
 def _status_after(step: StepResult) -> str:
@@ -8451,6 +10827,8 @@ async def _run(chat: ChatSession, language: str, code: str, status: StatusCall) 
 
     await status(f"Running {language}...", False)
     step = await chat.run(code, language, waiting=waiting)
+    for note in step.run.notes if step.run is not None else ():
+        await status(note, True)  # the state was reset: said where the user looks, not only in the text
     await status(_status_after(step), True)
     return step
 
@@ -8560,7 +10938,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_f3d7bdeba065.storage import human_bytes
+from _code_sessions_bafea502fee5.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -8579,6 +10957,8 @@ class PromptFacts:
     tool_mode: bool  # True: a run_code tool; False: fenced blocks are run
     sandbox_notes: Sequence[str] = ()  # quirks of this sandbox worth knowing (see Runner.known_issues)
     max_listed: int = 40
+    kernel_idle_minutes: float | None = None  # a live kernel per chat (None: every run starts fresh)
+    packages: Sequence[tuple[str, str]] = ()  # (import name, version) importable in the sandbox
 
 
 def _file_lines(facts: PromptFacts) -> str:
@@ -8604,6 +10984,21 @@ def _quota_line(facts: PromptFacts) -> str:
     return f"- Storage limits: {', '.join(limits)}.\n" if limits else ""
 
 
+def _state_line(facts: PromptFacts) -> str:
+    packages = ", ".join(f"{name} {version}" for name, version in facts.packages)
+    have = f"- Python packages you can import: {packages}.\n" if packages else ""
+    if facts.kernel_idle_minutes is None:
+        return have + "- Every run starts a fresh Python: variables do not carry over, only files do.\n"
+    return have + (
+        "- Python runs in a live kernel that belongs to this chat: variables, imports and functions carry "
+        "over from one run to the next (do not reload or recompute what you already have). The kernel is "
+        f"reset after {facts.kernel_idle_minutes:g} minutes without a run; you are told when that "
+        "happens, and files in /mnt/data are always kept. Bash runs in the same sandbox.\n"
+        "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data and shown "
+        "to the user; you are told their paths.\n"
+    )
+
+
 def system_prompt(facts: PromptFacts) -> str:
     how = (
         "Run code with the `run_code` tool (language `python` or `bash`). "
@@ -8621,10 +11016,11 @@ def system_prompt(facts: PromptFacts) -> str:
         f"{how}\n"
         "- Files in /mnt/data stay there for the whole chat: what you write in one step you can read in the "
         "next. Files the user attached to the chat are copied there too.\n"
-        "- Save every file the user should get in /mnt/data (not /tmp, which is wiped after each run).\n"
+        "- Save every file the user should get in /mnt/data (not /tmp, which is not kept).\n"
         "- To give the user a file, write its full path, e.g. /mnt/data/report.csv, in your answer as plain "
         "text (not in a code block): it becomes a download link, and an image is shown inline.\n"
-        f"- Limits per run: {facts.timeout_s:g} s, {facts.memory_mb} MB of memory; the sandbox {network}.\n"
+        + _state_line(facts)
+        + f"- Limits per run: {facts.timeout_s:g} s, {facts.memory_mb} MB of memory; the sandbox {network}.\n"
         + _quota_line(facts)
         + "".join(f"- Note: {note}\n" for note in facts.sandbox_notes)
         + _file_lines(facts)
@@ -8634,7 +11030,7 @@ def system_prompt(facts: PromptFacts) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_f3d7bdeba065.storage import Purge, parse_duration
+from _code_sessions_bafea502fee5.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -9058,8 +11454,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_f3d7bdeba065.runner import Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_f3d7bdeba065.storage import (
+from _code_sessions_bafea502fee5.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_bafea502fee5.storage import (
     CleanupReport,
     DiskFull,
     FileMissing,
@@ -9094,7 +11490,10 @@ _OUTCOME_WORDS = {
     Outcome.OUTPUT_LIMIT: "was stopped: too much output",
     Outcome.DISK_LIMIT: "was stopped: it wrote more than the disk limit",
     Outcome.SANDBOX_FAILURE: "could not run: the sandbox failed",
+    Outcome.KERNEL_LOST: "was stopped: the kernel stopped responding",
 }
+_FIGURE_SUFFIXES = (".png",)
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -9108,6 +11507,8 @@ class StepResult:
     refused: str | None = None  # why the code was not run at all (sandbox unavailable, busy)
     # Sentences about the step for the user and the model (over quota, a full disk, ...).
     notes: tuple[str, ...] = ()
+    # Figures the run saved (the kernel's claim, checked against what the run added to the folder).
+    figures: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -9127,9 +11528,13 @@ class StepResult:
         """Plain sentences about files: what changed, what limits removed, what was rejected."""
         report = self.files
         notes: list[str] = list(self.notes)
+        if self.run is not None:
+            notes[:0] = self.run.notes
         if report is None:
             return notes
-        saved = sorted(set(report.added) | set(report.changed))
+        if self.figures:
+            notes.append("Figures: " + ", ".join(mention(p) for p in self.figures[:20]))
+        saved = sorted((set(report.added) | set(report.changed)) - set(self.figures))
         quota_removed = {r.path for r in report.quota_removed}
         kept = [path for path in saved if path not in quota_removed]
         if kept:
@@ -9230,7 +11635,7 @@ class ChatSession:
                 )
                 await self.session.begin_run()
                 try:
-                    result = await service.runner.run(code, language, self.session.path, limits)
+                    result = await service.execute(self.session, code, language, limits)
                 finally:
                     # Index what the run left even when the runner failed half-way: disk is the truth.
                     report = await self.session.reconcile(
@@ -9251,7 +11656,8 @@ class ChatSession:
         except RunnerError as error:
             log.warning("sandbox unavailable: %s", error)
             return StepResult(language, code, refused=f"the sandbox is not available: {error}")
-        return StepResult(language, code, run=result, files=report, notes=tuple(notes))
+        figures = _figures(result, report)
+        return StepResult(language, code, run=result, files=report, notes=tuple(notes), figures=figures)
 
     async def add_upload(self, name: str, data: bytes, *, source: str | None = None) -> str:
         """Copy a user's attachment into the folder under a safe, unused name; returns its path.
@@ -9319,6 +11725,24 @@ class ChatSession:
         return view
 
 
+def _figures(result: RunResult | None, report: ReconcileReport | None) -> tuple[str, ...]:
+    """The figures a kernel says it saved, kept only where the disk agrees: files this run added or
+    changed (the index is the disk's word), with a picture's name."""
+    if result is None or report is None or not result.figures:
+        return ()
+    saved = set(report.added) | set(report.changed)
+    return tuple(
+        p
+        for p in result.figures
+        if p in saved and p.lower().endswith(_FIGURE_SUFFIXES) and _PLAIN_NAME.fullmatch(p)
+    )
+
+
+def _kernel_key(session: Session) -> str:
+    # The folder's keys: the same for every worker, and what the storage deletes sessions by.
+    return f"{session.user_key}/{session.chat_key}"
+
+
 def _tighter(configured: int, budget: int | None) -> int:
     """The runner's limit, lowered to what the quota still allows (None: the quota sets no bound).
     Never below 1 byte: a run with nothing left to write may still compute and print."""
@@ -9326,14 +11750,24 @@ def _tighter(configured: int, budget: int | None) -> int:
 
 
 class CodeSessions:
-    """The store and the runner, composed with the per-run limits an admin chose."""
+    """The store and the runner, composed with the per-run limits an admin chose.
+
+    With `kernels`, every chat's runs share one live Python kernel (variables persist); without,
+    every run is a fresh sandbox."""
 
     def __init__(
-        self, store: Store, runner: Runner, limits: Limits, *, lock_timeout_s: float = 300.0
+        self,
+        store: Store,
+        runner: Runner,
+        limits: Limits,
+        *,
+        kernels: KernelPool | None = None,
+        lock_timeout_s: float = 300.0,
     ) -> None:
         self.store = store
         self.runner = runner
         self.limits = limits
+        self.kernels = kernels
         self.lock_timeout_s = lock_timeout_s
         # (user key, chat key) -> time.monotonic() of the session's last full reconcile here.
         self._full_at: dict[tuple[str, str], float] = {}
@@ -9341,13 +11775,39 @@ class CodeSessions:
     async def chat(self, user_id: str, chat_id: str) -> ChatSession:
         return ChatSession(self, await self.store.session(user_id, chat_id))
 
+    async def execute(self, session: Session, code: str, language: str, limits: Limits) -> RunResult:
+        """Run code in the session's folder: in its kernel, or in a fresh sandbox."""
+        if self.kernels is None:
+            return await self.runner.run(code, language, session.path, limits)
+        return await self.kernels.run(_kernel_key(session), session.path, code, language, limits)
+
     async def purge(self, purge: Purge) -> CleanupReport:
-        """An admin's purge: the selected sessions go, with their files and links."""
-        return await self.store.cleanup(purge)
+        """An admin's purge: the selected sessions go, with their files, links and kernels."""
+        return await self._ended(await self.store.cleanup(purge), "an admin deleted this chat's files")
+
+    async def expire(self) -> CleanupReport:
+        """The expiry policy: old files and idle sessions go (an expired session's kernel too)."""
+        return await self._ended(await self.store.cleanup(), "this chat was unused long enough to expire")
 
     async def forget_chats(self, chats: list[tuple[str, str]], reason: str) -> CleanupReport:
         """Sessions of chats that no longer exist, deleted now (a chat mid-step is left for later)."""
-        return await self.store.delete_chats(chats, reason)
+        return await self._ended(await self.store.delete_chats(chats, reason), None)
+
+    async def _ended(self, report: CleanupReport, said: str | None) -> CleanupReport:
+        """Stop the kernels of the sessions a cleanup removed. `said`: why, for the chat's next run;
+        None: the chat is gone for good, so nothing is kept for it."""
+        if self.kernels is not None:
+            for item in report.details:
+                if item.action in ("removed", "vanished"):
+                    key = f"{item.user_key}/{item.chat_key}"
+                    await self.kernels.stop(key, said or item.reason, forget=said is None)
+        return report
+
+    async def close(self) -> None:
+        """Stop this process's kernels and close the store."""
+        if self.kernels is not None:
+            await self.kernels.close()
+        await self.store.close()
 
     def _changed_hint(self, session: Session, result: RunResult | None) -> tuple[str, ...] | None:
         """The paths to reconcile, or None for a full listing: when the runner failed or does not
@@ -9663,7 +12123,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_f3d7bdeba065.engine import (
+from _code_sessions_bafea502fee5.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -9676,8 +12136,8 @@ from _code_sessions_f3d7bdeba065.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_f3d7bdeba065.runner import Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_f3d7bdeba065.storage import (
+from _code_sessions_bafea502fee5.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_bafea502fee5.storage import (
     CLEAR_FILES_COMMAND,
     DirectoryPublisher,
     Expiry,
@@ -9686,7 +12146,7 @@ from _code_sessions_f3d7bdeba065.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_f3d7bdeba065.webui import Misconfigured, OpenWebUI
+from _code_sessions_bafea502fee5.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 
@@ -9716,6 +12176,25 @@ class Pipe:
             json_schema_extra={"input": {"type": "select", "options": ["native", "fenced"]}},
         )
         max_steps: int = Field(default=8, ge=1, le=50, description="Code runs allowed per answer.")
+        kernel: str = Field(
+            default="persistent",
+            description="persistent: each chat keeps a live Python kernel, so variables survive from run to "
+            "run. fresh: every run starts a new sandbox (only files carry over).",
+            json_schema_extra={"input": {"type": "select", "options": ["persistent", "fresh"]}},
+        )
+        kernel_idle_minutes: float = Field(
+            default=20,
+            gt=0,
+            le=24 * 60,
+            description="A chat's kernel unused this long is stopped (its files stay).",
+        )
+        max_kernels: int = Field(
+            default=20,
+            ge=1,
+            le=1000,
+            description="Kernels alive at once on this server; beyond, the least "
+            "recently used idle one is stopped.",
+        )
         storage_root: str = Field(
             default="",
             description="Folder for sessions and the index. Empty: <DATA_DIR>/code_sessions. Never inside "
@@ -9874,11 +12353,12 @@ class Pipe:
             valves.runsc_platform,
             valves.network,
             valves.network_namespace,
+            valves.kernel,
         )
         async with self._services_lock:
             if self._services is None or key != self._services_key:
                 if self._services is not None:
-                    await self._services.store.close()
+                    await self._services.close()
                 runner = Runner(
                     RunnerConfig(
                         runsc_path=valves.runsc_path,
@@ -9891,11 +12371,17 @@ class Pipe:
                 publisher = DirectoryPublisher(places.publish_dir, places.url_prefix)
                 store = Store(places.root, publisher=publisher, owner=owner)
                 await store.open()
-                self._services = CodeSessions(store, runner, Limits())
+                kernels = None
+                if valves.kernel != "fresh":
+                    kernels = KernelPool(runner, places.root / "kernels")
+                self._services = CodeSessions(store, runner, Limits(), kernels=kernels)
                 self._services_key = key
         services = self._services
         services.store.policy = _policy(valves)
         services.limits = _limits(valves)
+        if services.kernels is not None:
+            services.kernels.idle_s = valves.kernel_idle_minutes * _MINUTE
+            services.kernels.max_kernels = valves.max_kernels
         return services
 
     def _keep_background_running(self) -> None:
@@ -9928,7 +12414,7 @@ class Pipe:
             await self._forget_deleted_chats(services)
             if time.monotonic() - self._last_cleanup >= self.valves.cleanup_interval_minutes * _MINUTE:
                 self._last_cleanup = time.monotonic()
-                report = await services.store.cleanup()
+                report = await services.expire()
                 log.info("code-sessions cleanup: %s", report.summary())
         finally:
             await lock.release()
@@ -10041,6 +12527,8 @@ class Pipe:
             quota_files=quotas.max_files_per_user,
             tool_mode=options.tool_mode,
             sandbox_notes=(*await _sandbox_notes(services.runner), *notes),
+            kernel_idle_minutes=self.valves.kernel_idle_minutes if services.kernels is not None else None,
+            packages=await _packages(services.runner),
         )
         prompt = system_prompt(facts)
         history = [dict(message) for message in await chat.sandbox_view(messages)]
@@ -10103,6 +12591,13 @@ async def _sandbox_notes(runner: Runner) -> tuple[str, ...]:
     try:
         return await runner.known_issues()
     except RunnerError:  # no sandbox at all: the run itself will say so, clearly, to model and user
+        return ()
+
+
+async def _packages(runner: Runner) -> tuple[tuple[str, str], ...]:
+    try:
+        return await runner.packages()
+    except RunnerError:
         return ()
 
 

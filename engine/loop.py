@@ -11,7 +11,10 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+from runner import Outcome
+
 from .blocks import runnable_blocks
+from .rewrite import escape_text
 from .service import ChatSession, StepResult
 from .sse import ModelError, TextDelta, ToolCall
 
@@ -72,13 +75,21 @@ async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions)
             ("\n" if step.run.stdout else "") + step.run.stderr if step.run.stderr else ""
         )
         body.append("Output:\n" + _block(output) if output.strip() else "_(no output)_\n")
+    if step.run is not None and step.run.reason and step.run.outcome != Outcome.OK:
+        body.append(f"_Why: {escape_text(step.run.reason)}_\n")
     summary = step.headline().replace("<", "&lt;")
     details = f"\n<details>\n<summary>{summary}</summary>\n\n" + "\n".join(body) + "\n</details>\n\n"
     notes = step.file_notes()
+    pictures = ""
+    if step.figures:  # shown like a notebook shows them: inline, under the step
+        pictures = await chat.rewrite(
+            "".join(f"![{p.rsplit('/', 1)[-1]}](/mnt/data/{p})\n" for p in step.figures)
+        )
+        pictures += "\n"
     if not notes:
-        return details
+        return details + pictures
     listing = "\n".join(f"- {note}" for note in notes) + "\n"
-    return details + await chat.rewrite(listing, inline_images=False) + "\n"
+    return details + pictures + await chat.rewrite(listing, inline_images=False) + "\n"
 
 
 def _status_after(step: StepResult) -> str:
@@ -111,6 +122,8 @@ async def _run(chat: ChatSession, language: str, code: str, status: StatusCall) 
 
     await status(f"Running {language}...", False)
     step = await chat.run(code, language, waiting=waiting)
+    for note in step.run.notes if step.run is not None else ():
+        await status(note, True)  # the state was reset: said where the user looks, not only in the text
     await status(_status_after(step), True)
     return step
 

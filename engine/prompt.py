@@ -24,6 +24,8 @@ class PromptFacts:
     tool_mode: bool  # True: a run_code tool; False: fenced blocks are run
     sandbox_notes: Sequence[str] = ()  # quirks of this sandbox worth knowing (see Runner.known_issues)
     max_listed: int = 40
+    kernel_idle_minutes: float | None = None  # a live kernel per chat (None: every run starts fresh)
+    packages: Sequence[tuple[str, str]] = ()  # (import name, version) importable in the sandbox
 
 
 def _file_lines(facts: PromptFacts) -> str:
@@ -49,6 +51,21 @@ def _quota_line(facts: PromptFacts) -> str:
     return f"- Storage limits: {', '.join(limits)}.\n" if limits else ""
 
 
+def _state_line(facts: PromptFacts) -> str:
+    packages = ", ".join(f"{name} {version}" for name, version in facts.packages)
+    have = f"- Python packages you can import: {packages}.\n" if packages else ""
+    if facts.kernel_idle_minutes is None:
+        return have + "- Every run starts a fresh Python: variables do not carry over, only files do.\n"
+    return have + (
+        "- Python runs in a live kernel that belongs to this chat: variables, imports and functions carry "
+        "over from one run to the next (do not reload or recompute what you already have). The kernel is "
+        f"reset after {facts.kernel_idle_minutes:g} minutes without a run; you are told when that "
+        "happens, and files in /mnt/data are always kept. Bash runs in the same sandbox.\n"
+        "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data and shown "
+        "to the user; you are told their paths.\n"
+    )
+
+
 def system_prompt(facts: PromptFacts) -> str:
     how = (
         "Run code with the `run_code` tool (language `python` or `bash`). "
@@ -66,10 +83,11 @@ def system_prompt(facts: PromptFacts) -> str:
         f"{how}\n"
         "- Files in /mnt/data stay there for the whole chat: what you write in one step you can read in the "
         "next. Files the user attached to the chat are copied there too.\n"
-        "- Save every file the user should get in /mnt/data (not /tmp, which is wiped after each run).\n"
+        "- Save every file the user should get in /mnt/data (not /tmp, which is not kept).\n"
         "- To give the user a file, write its full path, e.g. /mnt/data/report.csv, in your answer as plain "
         "text (not in a code block): it becomes a download link, and an image is shown inline.\n"
-        f"- Limits per run: {facts.timeout_s:g} s, {facts.memory_mb} MB of memory; the sandbox {network}.\n"
+        + _state_line(facts)
+        + f"- Limits per run: {facts.timeout_s:g} s, {facts.memory_mb} MB of memory; the sandbox {network}.\n"
         + _quota_line(facts)
         + "".join(f"- Note: {note}\n" for note in facts.sandbox_notes)
         + _file_lines(facts)

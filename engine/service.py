@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from runner import Limits, Outcome, Runner, RunnerError, RunResult
+from runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
 from storage import (
     CleanupReport,
     DiskFull,
@@ -49,7 +49,10 @@ _OUTCOME_WORDS = {
     Outcome.OUTPUT_LIMIT: "was stopped: too much output",
     Outcome.DISK_LIMIT: "was stopped: it wrote more than the disk limit",
     Outcome.SANDBOX_FAILURE: "could not run: the sandbox failed",
+    Outcome.KERNEL_LOST: "was stopped: the kernel stopped responding",
 }
+_FIGURE_SUFFIXES = (".png",)
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +66,8 @@ class StepResult:
     refused: str | None = None  # why the code was not run at all (sandbox unavailable, busy)
     # Sentences about the step for the user and the model (over quota, a full disk, ...).
     notes: tuple[str, ...] = ()
+    # Figures the run saved (the kernel's claim, checked against what the run added to the folder).
+    figures: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -82,9 +87,13 @@ class StepResult:
         """Plain sentences about files: what changed, what limits removed, what was rejected."""
         report = self.files
         notes: list[str] = list(self.notes)
+        if self.run is not None:
+            notes[:0] = self.run.notes
         if report is None:
             return notes
-        saved = sorted(set(report.added) | set(report.changed))
+        if self.figures:
+            notes.append("Figures: " + ", ".join(mention(p) for p in self.figures[:20]))
+        saved = sorted((set(report.added) | set(report.changed)) - set(self.figures))
         quota_removed = {r.path for r in report.quota_removed}
         kept = [path for path in saved if path not in quota_removed]
         if kept:
@@ -185,7 +194,7 @@ class ChatSession:
                 )
                 await self.session.begin_run()
                 try:
-                    result = await service.runner.run(code, language, self.session.path, limits)
+                    result = await service.execute(self.session, code, language, limits)
                 finally:
                     # Index what the run left even when the runner failed half-way: disk is the truth.
                     report = await self.session.reconcile(
@@ -206,7 +215,8 @@ class ChatSession:
         except RunnerError as error:
             log.warning("sandbox unavailable: %s", error)
             return StepResult(language, code, refused=f"the sandbox is not available: {error}")
-        return StepResult(language, code, run=result, files=report, notes=tuple(notes))
+        figures = _figures(result, report)
+        return StepResult(language, code, run=result, files=report, notes=tuple(notes), figures=figures)
 
     async def add_upload(self, name: str, data: bytes, *, source: str | None = None) -> str:
         """Copy a user's attachment into the folder under a safe, unused name; returns its path.
@@ -274,6 +284,24 @@ class ChatSession:
         return view
 
 
+def _figures(result: RunResult | None, report: ReconcileReport | None) -> tuple[str, ...]:
+    """The figures a kernel says it saved, kept only where the disk agrees: files this run added or
+    changed (the index is the disk's word), with a picture's name."""
+    if result is None or report is None or not result.figures:
+        return ()
+    saved = set(report.added) | set(report.changed)
+    return tuple(
+        p
+        for p in result.figures
+        if p in saved and p.lower().endswith(_FIGURE_SUFFIXES) and _PLAIN_NAME.fullmatch(p)
+    )
+
+
+def _kernel_key(session: Session) -> str:
+    # The folder's keys: the same for every worker, and what the storage deletes sessions by.
+    return f"{session.user_key}/{session.chat_key}"
+
+
 def _tighter(configured: int, budget: int | None) -> int:
     """The runner's limit, lowered to what the quota still allows (None: the quota sets no bound).
     Never below 1 byte: a run with nothing left to write may still compute and print."""
@@ -281,14 +309,24 @@ def _tighter(configured: int, budget: int | None) -> int:
 
 
 class CodeSessions:
-    """The store and the runner, composed with the per-run limits an admin chose."""
+    """The store and the runner, composed with the per-run limits an admin chose.
+
+    With `kernels`, every chat's runs share one live Python kernel (variables persist); without,
+    every run is a fresh sandbox."""
 
     def __init__(
-        self, store: Store, runner: Runner, limits: Limits, *, lock_timeout_s: float = 300.0
+        self,
+        store: Store,
+        runner: Runner,
+        limits: Limits,
+        *,
+        kernels: KernelPool | None = None,
+        lock_timeout_s: float = 300.0,
     ) -> None:
         self.store = store
         self.runner = runner
         self.limits = limits
+        self.kernels = kernels
         self.lock_timeout_s = lock_timeout_s
         # (user key, chat key) -> time.monotonic() of the session's last full reconcile here.
         self._full_at: dict[tuple[str, str], float] = {}
@@ -296,13 +334,39 @@ class CodeSessions:
     async def chat(self, user_id: str, chat_id: str) -> ChatSession:
         return ChatSession(self, await self.store.session(user_id, chat_id))
 
+    async def execute(self, session: Session, code: str, language: str, limits: Limits) -> RunResult:
+        """Run code in the session's folder: in its kernel, or in a fresh sandbox."""
+        if self.kernels is None:
+            return await self.runner.run(code, language, session.path, limits)
+        return await self.kernels.run(_kernel_key(session), session.path, code, language, limits)
+
     async def purge(self, purge: Purge) -> CleanupReport:
-        """An admin's purge: the selected sessions go, with their files and links."""
-        return await self.store.cleanup(purge)
+        """An admin's purge: the selected sessions go, with their files, links and kernels."""
+        return await self._ended(await self.store.cleanup(purge), "an admin deleted this chat's files")
+
+    async def expire(self) -> CleanupReport:
+        """The expiry policy: old files and idle sessions go (an expired session's kernel too)."""
+        return await self._ended(await self.store.cleanup(), "this chat was unused long enough to expire")
 
     async def forget_chats(self, chats: list[tuple[str, str]], reason: str) -> CleanupReport:
         """Sessions of chats that no longer exist, deleted now (a chat mid-step is left for later)."""
-        return await self.store.delete_chats(chats, reason)
+        return await self._ended(await self.store.delete_chats(chats, reason), None)
+
+    async def _ended(self, report: CleanupReport, said: str | None) -> CleanupReport:
+        """Stop the kernels of the sessions a cleanup removed. `said`: why, for the chat's next run;
+        None: the chat is gone for good, so nothing is kept for it."""
+        if self.kernels is not None:
+            for item in report.details:
+                if item.action in ("removed", "vanished"):
+                    key = f"{item.user_key}/{item.chat_key}"
+                    await self.kernels.stop(key, said or item.reason, forget=said is None)
+        return report
+
+    async def close(self) -> None:
+        """Stop this process's kernels and close the store."""
+        if self.kernels is not None:
+            await self.kernels.close()
+        await self.store.close()
 
     def _changed_hint(self, session: Session, result: RunResult | None) -> tuple[str, ...] | None:
         """The paths to reconcile, or None for a full listing: when the runner failed or does not

@@ -32,7 +32,7 @@ from engine import (
     parse_purge,
     system_prompt,
 )
-from runner import Limits, Runner, RunnerConfig, RunnerError
+from runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
 from storage import (
     CLEAR_FILES_COMMAND,
     DirectoryPublisher,
@@ -72,6 +72,25 @@ class Pipe:
             json_schema_extra={"input": {"type": "select", "options": ["native", "fenced"]}},
         )
         max_steps: int = Field(default=8, ge=1, le=50, description="Code runs allowed per answer.")
+        kernel: str = Field(
+            default="persistent",
+            description="persistent: each chat keeps a live Python kernel, so variables survive from run to "
+            "run. fresh: every run starts a new sandbox (only files carry over).",
+            json_schema_extra={"input": {"type": "select", "options": ["persistent", "fresh"]}},
+        )
+        kernel_idle_minutes: float = Field(
+            default=20,
+            gt=0,
+            le=24 * 60,
+            description="A chat's kernel unused this long is stopped (its files stay).",
+        )
+        max_kernels: int = Field(
+            default=20,
+            ge=1,
+            le=1000,
+            description="Kernels alive at once on this server; beyond, the least "
+            "recently used idle one is stopped.",
+        )
         storage_root: str = Field(
             default="",
             description="Folder for sessions and the index. Empty: <DATA_DIR>/code_sessions. Never inside "
@@ -230,11 +249,12 @@ class Pipe:
             valves.runsc_platform,
             valves.network,
             valves.network_namespace,
+            valves.kernel,
         )
         async with self._services_lock:
             if self._services is None or key != self._services_key:
                 if self._services is not None:
-                    await self._services.store.close()
+                    await self._services.close()
                 runner = Runner(
                     RunnerConfig(
                         runsc_path=valves.runsc_path,
@@ -247,11 +267,17 @@ class Pipe:
                 publisher = DirectoryPublisher(places.publish_dir, places.url_prefix)
                 store = Store(places.root, publisher=publisher, owner=owner)
                 await store.open()
-                self._services = CodeSessions(store, runner, Limits())
+                kernels = None
+                if valves.kernel != "fresh":
+                    kernels = KernelPool(runner, places.root / "kernels")
+                self._services = CodeSessions(store, runner, Limits(), kernels=kernels)
                 self._services_key = key
         services = self._services
         services.store.policy = _policy(valves)
         services.limits = _limits(valves)
+        if services.kernels is not None:
+            services.kernels.idle_s = valves.kernel_idle_minutes * _MINUTE
+            services.kernels.max_kernels = valves.max_kernels
         return services
 
     def _keep_background_running(self) -> None:
@@ -284,7 +310,7 @@ class Pipe:
             await self._forget_deleted_chats(services)
             if time.monotonic() - self._last_cleanup >= self.valves.cleanup_interval_minutes * _MINUTE:
                 self._last_cleanup = time.monotonic()
-                report = await services.store.cleanup()
+                report = await services.expire()
                 log.info("code-sessions cleanup: %s", report.summary())
         finally:
             await lock.release()
@@ -397,6 +423,8 @@ class Pipe:
             quota_files=quotas.max_files_per_user,
             tool_mode=options.tool_mode,
             sandbox_notes=(*await _sandbox_notes(services.runner), *notes),
+            kernel_idle_minutes=self.valves.kernel_idle_minutes if services.kernels is not None else None,
+            packages=await _packages(services.runner),
         )
         prompt = system_prompt(facts)
         history = [dict(message) for message in await chat.sandbox_view(messages)]
@@ -459,6 +487,13 @@ async def _sandbox_notes(runner: Runner) -> tuple[str, ...]:
     try:
         return await runner.known_issues()
     except RunnerError:  # no sandbox at all: the run itself will say so, clearly, to model and user
+        return ()
+
+
+async def _packages(runner: Runner) -> tuple[tuple[str, str], ...]:
+    try:
+        return await runner.packages()
+    except RunnerError:
         return ()
 
 

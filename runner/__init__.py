@@ -13,6 +13,7 @@ from .errors import (
     UnsupportedLanguage,
     WorkdirError,
 )
+from .kernels import KernelPool, reset_sentence
 from .models import Limits, Outcome, RunnerConfig, RunResult
 from .runner import HostSetup, Runner
 
@@ -21,6 +22,7 @@ __all__ = [
     "DoctorReport",
     "HostSetup",
     "InterpreterNotFound",
+    "KernelPool",
     "Limits",
     "Outcome",
     "RunResult",
@@ -34,4 +36,5 @@ __all__ = [
     "WorkdirError",
     "detect_runsc",
     "doctor",
+    "reset_sentence",
 ]

@@ -27,7 +27,16 @@ _LANG_EXT = {"python": "py", "bash": "sh"}
 # Debian's usrmerge makes these symlinks into /usr; older layouts have real directories.
 _TOP_LEVEL_SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 # Host /etc entries interpreters need; nothing secret (no shadow, no ssl/private, no host env files).
-_ETC_COPIES = ("ld.so.cache", "localtime", "mime.types", "alternatives", "ssl/certs", "ssl/openssl.cnf")
+_ETC_COPIES = (
+    "ld.so.cache",
+    "localtime",
+    "mime.types",
+    "alternatives",
+    "ssl/certs",
+    "ssl/openssl.cnf",
+    "matplotlibrc",  # Debian's matplotlib reads its defaults here
+    "fonts",  # fontconfig's configuration, for libraries that render text
+)
 _ENV = (
     "PATH=/usr/local/bin:/usr/bin:/bin",
     f"HOME={SANDBOX_HOME}",
@@ -78,9 +87,14 @@ def find_interpreter(language: str, configured: Path | None) -> str:
     if language not in _LANG_EXT:
         raise UnsupportedLanguage(f"language must be 'python' or 'bash', not {language!r}")
     exe = "python3" if language == "python" else "bash"
-    candidates = (
-        [str(configured)] if configured else [f"{d}/{exe}" for d in ("/usr/local/bin", "/usr/bin", "/bin")]
+    # Debian's /usr/bin/python3 first: its python3-* packages (numpy, pandas, matplotlib...) are the
+    # sandbox's data environment (see docs/runner.md). An image's own /usr/local Python is next.
+    folders = (
+        ("/usr/bin", "/usr/local/bin", "/bin")
+        if language == "python"
+        else ("/usr/local/bin", "/usr/bin", "/bin")
     )
+    candidates = [str(configured)] if configured else [f"{d}/{exe}" for d in folders]
     roots = visible_roots()
     for cand in candidates:
         if not (os.path.isfile(cand) and os.access(cand, os.X_OK)):

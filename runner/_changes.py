@@ -283,6 +283,19 @@ class ChangeWatch:
         """Final drain (call it once every sandbox process has exited), close, and the answer."""
         self.drain()
         self.close()
+        return self._answer()
+
+    def harvest(self) -> tuple[str, ...] | None:
+        """The answer so far, and start over without closing (a persistent kernel: its watch stays
+        for its whole life, so what happens between runs is seen too). After None the watch is
+        closed: the caller sets up a new one before the next run."""
+        self.drain()
+        answer = self._answer()
+        self._seen = set()
+        self._created = set()
+        return answer
+
+    def _answer(self) -> tuple[str, ...] | None:
         if self.why_unknown is not None:
             return None
         paths: set[str] = set()

@@ -265,3 +265,80 @@ def _watch(
 
 def _interval(walk_cost: float) -> float:
     return min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, walk_cost * COST_FACTOR))
+
+
+class GrowthWatch:
+    """A growth watch that lives as long as a kernel, in a thread of its own.
+
+    Its baseline is taken again by `rebase()` at the start of every run, so growth means what was
+    written since the latest run began: a run's budget covers what it writes and what anything it
+    left running (a thread, a process the kernel could not end) writes until the next run begins.
+    `on_exceeded(growth)` is called once, from the watching thread (None: folders too deep to
+    measure); the watch then stops. `set_limit()` changes the budget for the next rebase on.
+    """
+
+    def __init__(
+        self, root: str, limit: int, on_exceeded: Callable[[int | None], None], pids: Callable[[], list[int]]
+    ) -> None:
+        self.root = root
+        self._limit = limit
+        self._on_exceeded = on_exceeded
+        self._pids = pids
+        self._rebase = threading.Event()
+        self._stopped = threading.Event()
+        self._rebased = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="kernel-disk-watch", daemon=True)
+
+    def start(self) -> None:
+        self._rebase.set()
+        self._thread.start()
+
+    def rebase(self, limit: int) -> None:
+        """A run begins: measure from here, with this budget. Returns at once; the baseline walk runs
+        in the watching thread."""
+        self._limit = limit
+        self._rebased.clear()
+        self._rebase.set()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _main(self) -> None:
+        try:
+            self._loop()
+        except TooDeep:
+            if not self._stopped.is_set():
+                self._on_exceeded(None)
+        except Exception:  # the workdir vanished (a purge): the kernel is being stopped anyway
+            if not self._stopped.is_set():
+                log.exception("kernel disk watcher stopped for %s", self.root)
+
+    def _loop(self) -> None:
+        start: FolderSizes = {}
+        fs_at_walk = grown = 0
+        next_walk = 0.0
+        limit = self._limit
+        device = os.stat(self.root).st_dev
+        while not self._stopped.wait(FS_POLL_S):
+            if self._rebase.is_set():
+                self._rebase.clear()
+                limit = self._limit
+                fs_at_walk = fs_used(self.root)
+                t0 = time.monotonic()
+                start = folder_sizes(self.root)
+                grown = 0
+                next_walk = time.monotonic() + _interval(time.monotonic() - t0)
+                self._rebased.set()
+                continue
+            fs_now = fs_used(self.root)
+            if time.monotonic() < next_walk and fs_now - fs_at_walk <= limit - grown:
+                continue
+            fs_at_walk = fs_now
+            t0 = time.monotonic()
+            hidden = deleted_but_open(self._pids(), device)
+            grown = growth(self.root, start, stop_above=limit - hidden, abandon=self._stopped.is_set) + hidden
+            if grown > limit and not self._stopped.is_set() and not self._rebase.is_set():
+                self._on_exceeded(grown)
+                return
+            # Between runs nothing should write: walk rarely unless the filesystem says otherwise.
+            next_walk = time.monotonic() + _interval(time.monotonic() - t0)

@@ -38,7 +38,7 @@ except (OSError, AttributeError):  # pragma: no cover - every Linux libc has prc
     _PRCTL = None
 
 
-def _die_with(parent: int) -> Callable[[], None]:
+def die_with(parent: int) -> Callable[[], None]:
     """For the child, between fork and exec: be SIGKILLed when this process dies.
 
     Our process is the sandbox's only supervisor (deadline, limits, cleanup). If it is killed (an
@@ -159,7 +159,7 @@ class Supervision:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,  # one process group to kill if runsc itself hangs
-            preexec_fn=_die_with(os.getpid()),
+            preexec_fn=die_with(os.getpid()),
         )
         assert proc.stdout is not None and proc.stderr is not None
         readers = [

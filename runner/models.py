@@ -22,6 +22,7 @@ class Outcome(enum.StrEnum):
     OUTPUT_LIMIT = "output_limit"
     DISK_LIMIT = "disk_limit"
     SANDBOX_FAILURE = "sandbox_failure"  # gVisor itself failed; the code may not have run at all
+    KERNEL_LOST = "kernel_lost"  # a persistent kernel died or broke its protocol during the run
 
 
 class Limits(BaseModel):
@@ -87,6 +88,12 @@ class RunResult(BaseModel):
     # Relative POSIX paths (sorted) that the run created, changed, removed or renamed in the workdir,
     # from host-side inotify; None = unknown (list the whole workdir). See runner/_changes.py.
     changed: tuple[str, ...] | None = None
+    # A persistent kernel's claims (untrusted: check them against the disk): figures it saved.
+    figures: tuple[str, ...] = ()
+    # Persistent kernels: whether the Python state lives on after this run (False: it was lost).
+    state_kept: bool = False
+    # Sentences for the user and the model about the kernel (its state was reset, and why).
+    notes: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:

@@ -17,6 +17,7 @@ from . import _bundle, _cgroups, _orphans
 from ._changes import ChangeWatch
 from ._diagnose import read_runsc_errors
 from ._outcome import classify
+from ._plan import Sandbox
 from ._supervise import Supervision
 from .capabilities import RunscInfo, detect_runsc
 from .errors import RunnerError, RunscNotFound, WorkdirError
@@ -25,6 +26,19 @@ from .models import Limits, RunnerConfig, RunResult
 DEFAULT_STATE_DIR = Path("/run/code-sessions-runsc")
 DEFAULT_BUNDLE_DIR = Path("/run/code-sessions-runner")
 PROBE_LIMITS = Limits(timeout_s=20, memory_mb=256, max_output_bytes=4096)
+# What users bring data work for; the doctor and the system prompt say which of these import.
+DATA_PACKAGES = ("numpy", "pandas", "matplotlib", "scipy", "openpyxl", "PIL")
+_PACKAGES_PROBE = (
+    "import importlib.util, importlib.metadata as m\n"
+    f"for name in {DATA_PACKAGES!r}:\n"
+    "    if importlib.util.find_spec(name) is None:\n"
+    "        continue\n"
+    "    dist = {'PIL': 'pillow'}.get(name, name)\n"
+    "    try:\n"
+    "        print(name, m.version(dist))\n"
+    "    except m.PackageNotFoundError:\n"
+    "        print(name, '?')\n"
+)
 
 
 @dataclass(frozen=True)
@@ -52,7 +66,7 @@ class Runner:
         self._setup: HostSetup | None = None
         self._setup_lock = threading.Lock()  # not asyncio.Lock: a Runner may outlive one event loop
         self._interpreters: dict[str, str] = {}
-        self._known_issues: tuple[str, ...] | None = None
+        self._probed: tuple[tuple[str, ...], tuple[tuple[str, str], ...]] | None = None
 
     @property
     def sandbox_uid(self) -> int:
@@ -141,7 +155,7 @@ class Runner:
             raise WorkdirError("refusing to mount / as the session folder")
         return path
 
-    def _prepare_run(
+    def _prepare_files(
         self, setup: HostSetup, cid: str, code: str, language: str, workdir: Path, limits: Limits
     ) -> tuple[Path, _cgroups.RunCgroup | None]:
         if os.geteuid() == 0:
@@ -183,27 +197,46 @@ class Runner:
 
     def _prepare_and_watch(
         self, setup: HostSetup, cid: str, code: str, language: str, workdir: Path, limits: Limits
-    ) -> tuple[Path, _cgroups.RunCgroup | None, ChangeWatch]:
-        bundle, cgroup = self._prepare_run(setup, cid, code, language, workdir, limits)
+    ) -> tuple[Sandbox, ChangeWatch]:
+        bundle, cgroup = self._prepare_files(setup, cid, code, language, workdir, limits)
+        sandbox = Sandbox(
+            cid=cid,
+            bundle=bundle,
+            cgroup=cgroup,
+            argv=[*self._runsc_argv(setup, bundle), "run", "--bundle", str(bundle), cid],
+            runsc_base=[setup.runsc.path, "--root", str(self.state_dir)],
+            workdir=workdir,
+        )
         # After the chown of the workdir, before the sandbox exists: nothing can race the setup.
-        return bundle, cgroup, ChangeWatch.start(str(workdir))
+        return sandbox, ChangeWatch.start(str(workdir))
+
+    async def prepare(
+        self, code: str, language: str, workdir: Path | str, limits: Limits, *, prefix: str = "cs-"
+    ) -> tuple[Sandbox, ChangeWatch]:
+        """Everything a sandbox needs before it starts (bundle, cgroup, command), and a watch of the
+        workdir set up before anything in the sandbox can write. `discard()` undoes it."""
+        self._interpreter(language)  # fail fast on an unknown language or a missing interpreter
+        wd = self._check_workdir(workdir)
+        setup = await self.setup()
+        cid = prefix + secrets.token_hex(8)
+        return await asyncio.to_thread(self._prepare_and_watch, setup, cid, code, language, wd, limits)
+
+    async def discard(self, sandbox: Sandbox) -> None:
+        """Remove a sandbox's bundle (its processes must be gone; its cgroup is the caller's)."""
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(shutil.rmtree, sandbox.bundle, True)
 
     async def run(
         self, code: str, language: str, workdir: Path | str, limits: Limits | None = None
     ) -> RunResult:
-        """Run ``code`` ("python" or "bash") with ``workdir`` at /mnt/data. Never raises for what the
-        code does; raises RunnerError subclasses for host-side misconfiguration only."""
+        """Run ``code`` ("python" or "bash") with ``workdir`` at /mnt/data in a fresh sandbox. Never
+        raises for what the code does; raises RunnerError subclasses for host-side misconfiguration."""
         limits = limits or Limits()
-        self._interpreter(language)  # fail fast on an unknown language or a missing interpreter
-        wd = self._check_workdir(workdir)
-        setup = await self.setup()
-        cid = "cs-" + secrets.token_hex(8)
-        bundle, cgroup, watch = await asyncio.to_thread(
-            self._prepare_and_watch, setup, cid, code, language, wd, limits
-        )
+        sandbox, watch = await self.prepare(code, language, workdir, limits)
+        bundle, cgroup, wd, cid = sandbox.bundle, sandbox.cgroup, sandbox.workdir, sandbox.cid
         sup = Supervision(
-            argv=[*self._runsc_argv(setup, bundle), "run", "--bundle", str(bundle), cid],
-            runsc_base=[setup.runsc.path, "--root", str(self.state_dir)],
+            argv=sandbox.argv,
+            runsc_base=sandbox.runsc_base,
             container_id=cid,
             workdir=wd,
             limits=limits,
@@ -215,7 +248,7 @@ class Runner:
             try:
                 facts = await sup.run()
             except (FileNotFoundError, PermissionError) as exc:  # runsc vanished since setup()
-                raise RunscNotFound(setup.runsc.path, str(exc)) from exc
+                raise RunscNotFound(sandbox.argv[0], str(exc)) from exc
             errors = await asyncio.to_thread(read_runsc_errors, bundle / "runsc.log", bundle / "panic.log")
         finally:
             pump.cancel()
@@ -258,14 +291,28 @@ class Runner:
         Debian's runsc 20221219 rejects statx(AT_NO_AUTOMOUNT), so coreutils' `ls` and `stat` fail
         with "Invalid argument" while Python's os.listdir/os.stat work. A version check would guess;
         one tiny run knows."""
-        if self._known_issues is None:
+        return (await self._probe())[0]
+
+    async def packages(self) -> tuple[tuple[str, str], ...]:
+        """The data packages the sandbox's Python can import, with their versions, probed once."""
+        return (await self._probe())[1]
+
+    async def _probe(self) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+        if self._probed is None:  # two first callers at once both probe: harmless
+            python = self._interpreter("python")
+            script = f"ls / >/dev/null\n{python} - <<'PY'\n{_PACKAGES_PROBE}PY\n"
             with tempfile.TemporaryDirectory(prefix="runner-probe-") as tmp:
-                probe = await self.run("ls / >/dev/null", "bash", Path(tmp), PROBE_LIMITS)
+                probe = await self.run(script, "bash", Path(tmp), PROBE_LIMITS)
             issues = []
             if "Invalid argument" in probe.stderr:
                 issues.append(
                     "`ls` and `stat` fail with 'Invalid argument' in this sandbox (an old gVisor); "
                     "list files with Python (os.listdir, os.stat) or `find`."
                 )
-            self._known_issues = tuple(issues)
-        return self._known_issues
+            found: list[tuple[str, str]] = []
+            for line in probe.stdout.splitlines():
+                name, _, version = line.partition(" ")
+                if name in DATA_PACKAGES and version and len(version) < 40:
+                    found.append((name, version))
+            self._probed = (tuple(issues), tuple(found))
+        return self._probed

@@ -67,15 +67,28 @@ class _Tally:
     def busy(self, row: SessionRow, reason: str) -> None:
         if row.id not in self.in_use:
             self.in_use.add(row.id)
-            self.details.append(SessionCleanup(row.user_id, row.chat_id, "in use", reason=reason))
+            self.details.append(
+                SessionCleanup(
+                    row.user_id,
+                    row.chat_id,
+                    "in use",
+                    reason=reason,
+                    user_key=row.user_key,
+                    chat_key=row.chat_key,
+                )
+            )
 
     def removed(self, row: SessionRow, reason: str, links: int, action: str = "removed") -> None:
         self.sessions_removed += 1
         self.files_removed += row.file_count
-        self.bytes_freed += row.bytes if action == "removed" else 0
-        self.links_removed += links
         freed = row.bytes if action == "removed" else 0
-        self.details.append(SessionCleanup(row.user_id, row.chat_id, action, row.file_count, freed, reason))
+        self.bytes_freed += freed
+        self.links_removed += links
+        self.details.append(
+            SessionCleanup(
+                row.user_id, row.chat_id, action, row.file_count, freed, reason, row.user_key, row.chat_key
+            )
+        )
 
 
 async def cleanup(core: Core, purge: Purge | None, *, dry_run: bool) -> CleanupReport:

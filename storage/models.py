@@ -336,6 +336,9 @@ class SessionCleanup(_Dictable):
     files: int = 0
     bytes: int = 0
     reason: str = ""
+    # The session's folder keys (what other parts name a session by, e.g. its kernel).
+    user_key: str = ""
+    chat_key: str = ""
 
 
 @dataclass(frozen=True, slots=True)

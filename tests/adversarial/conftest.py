@@ -21,7 +21,7 @@ async def harness(tmp_path: Path) -> AsyncIterator[PipeHarness]:
     if found.pipe._background is not None:
         found.pipe._background.cancel()
     if found.pipe._services is not None:
-        await found.pipe._services.store.close()
+        await found.pipe._services.close()
 
 
 @pytest.fixture

@@ -20,22 +20,29 @@ MB = 1024 * 1024
 
 
 def spy_on_runs(harness: PipeHarness) -> list[RunResult]:
-    """Record what each sandbox run returned (the answer only shows the user's view of it)."""
+    """Record what each run returned (the answer only shows the user's view of it), in a fresh
+    sandbox or in the chat's kernel."""
     results: list[RunResult] = []
-    original = harness.pipe._services.runner.run
+    services = harness.pipe._services
+    target = services.kernels if services.kernels is not None else services.runner
+    original = target.run
 
     async def run(*args, **kwargs):
         result = await original(*args, **kwargs)
         results.append(result)
         return result
 
-    harness.pipe._services.runner.run = run
+    target.run = run
     return results
 
 
-def nothing_left_of(harness: PipeHarness, result: RunResult) -> None:
-    """No runsc container, host process, cgroup or bundle of the run survives it."""
-    assert_nothing_left(harness.pipe._services.runner, result)
+async def nothing_left_of(harness: PipeHarness, result: RunResult) -> None:
+    """No runsc container, host process, cgroup or bundle of the run survives it (a kernel's: once the
+    kernel is stopped, as at the end of its idle time)."""
+    services = harness.pipe._services
+    if services.kernels is not None:
+        await services.kernels.close()
+    assert_nothing_left(services.runner, result)
 
 
 async def warm(harness: PipeHarness) -> list[RunResult]:
@@ -52,7 +59,7 @@ async def test_fork_bomb_is_contained_and_cleaned_up(harness: PipeHarness):
     answer = await harness.say("mallory", "chat-1", code(bomb, "bombed", "bash"))
     assert time.monotonic() - started < 20
     assert "stopped: time limit reached" in answer
-    nothing_left_of(harness, runs[-1])
+    await nothing_left_of(harness, runs[-1])
     assert "still here" in await harness.say("mallory", "chat-1", code("print('still here')"))
 
 
@@ -64,7 +71,7 @@ async def test_infinite_loop_ends_at_the_time_limit(harness: PipeHarness):
     answer = await harness.say("mallory", "chat-1", code("while True:\n    pass"))
     assert time.monotonic() - started < 12
     assert "was stopped: time limit reached" in answer
-    nothing_left_of(harness, runs[-1])
+    await nothing_left_of(harness, runs[-1])
 
 
 async def test_memory_bomb_is_stopped_as_out_of_memory(harness: PipeHarness):
@@ -74,7 +81,7 @@ async def test_memory_bomb_is_stopped_as_out_of_memory(harness: PipeHarness):
     bomb = "chunks = []\nwhile True:\n    chunks.append(bytearray(16 * 1024 * 1024))"
     answer = await harness.say("mallory", "chat-1", code(bomb))
     assert "was stopped: out of memory" in answer
-    nothing_left_of(harness, runs[-1])
+    await nothing_left_of(harness, runs[-1])
 
 
 async def test_tmp_is_memory_not_host_disk(harness: PipeHarness, tmp_path: Path):

@@ -128,7 +128,7 @@ class PipeHarness:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self.pipe._services is not None:
-            await self.pipe._services.store.close()
+            await self.pipe._services.close()  # its kernels stop with it, as with Open WebUI's process
 
     @property
     def sessions_root(self) -> Path:

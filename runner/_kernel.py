@@ -1,0 +1,380 @@
+"""One persistent Python kernel: a long-lived gVisor sandbox whose first process is our kernel program
+(runner/_kernel_program.py), running each cell in one namespace that lives from run to run.
+
+The sandbox is the one a fresh run gets (same bundle, mounts, user, no network), started once. What
+differs is the time scale of each limit:
+
+* for the kernel's whole life: memory (its cgroup), processes and threads (RLIMIT_NPROC), the size
+  of any one file (RLIMIT_FSIZE), and the growth of /mnt/data, measured from the start of the latest
+  run (so a thread a cell left running between runs is bounded too; past it, the kernel is killed);
+* per run: the time limit (first an interrupt, SIGINT, which keeps the state; if the cell has not
+  stopped after a grace, the whole sandbox is killed) and the output caps (the cell is interrupted).
+
+The kernel runs the model's code in its own process, so everything it says is untrusted: frames are
+decoded strictly (_wire), any violation kills the sandbox, and what a run changed in /mnt/data comes
+from the host's own inotify watch, never from the kernel. The sandbox dies with the process that
+started it (PR_SET_PDEATHSIG on runsc), so a kernel never outlives its Open WebUI worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import os
+import shutil
+import signal
+import time
+
+from . import _kernel_program, _wire
+from ._changes import ChangeWatch
+from ._disk import MAX_DEPTH, GrowthWatch
+from ._plan import Sandbox
+from ._procs import pids_by_marker, sigkill
+from ._supervise import Capture, die_with, human_bytes
+from .capabilities import run_quick
+from .models import MIB, Limits, Outcome, RunResult
+
+log = logging.getLogger("code_sessions.runner")
+
+KERNEL_SOURCE = inspect.getsource(_kernel_program)
+# gVisor's boot plus the kernel's start (a cold one takes ~0.4 s here): at least this long, and as long
+# as two runs' time limits, but never more than READY_MAX_S (a runsc that hangs must not hold a chat).
+READY_MIN_S = 10.0
+READY_MAX_S = 60.0
+INTERRUPT_GRACE_S = 2.0  # after SIGINT, how long a cell has to stop before the sandbox is killed
+_READ_CHUNK = 64 * 1024
+_STDERR_KEPT = 4096
+_HELPER_TIMEOUT_S = 10.0
+_REAP_S = 5.0
+_OOM_POLL_S = 0.25
+_LIFETIME_FIELDS = ("memory_mb", "max_processes", "max_file_bytes")
+
+
+class KernelLost(Exception):
+    """The kernel is gone (or had to go); the message says why, in words for the user."""
+
+
+def lifetime_limits(limits: Limits) -> tuple[int, ...]:
+    """The limits a kernel is started with and keeps (a change needs a new kernel)."""
+    return tuple(getattr(limits, name) for name in _LIFETIME_FIELDS)
+
+
+class Kernel:
+    """One kernel. One run at a time (the caller holds the chat's lock; `run` also serialises)."""
+
+    def __init__(self, sandbox: Sandbox, limits: Limits) -> None:
+        self.sandbox = sandbox
+        self.limits = limits  # the lifetime limits it was started with
+        self.started_at = time.time()
+        self.last_used = time.monotonic()
+        self.ready: _wire.Ready | None = None
+        self.lost: str | None = None  # why it ended, once it has: words for the user
+        self._proc: asyncio.subprocess.Process | None = None
+        self._decoder = _wire.FrameDecoder()
+        self._state = _wire.ProtocolState()
+        self._inbox: asyncio.Queue[_wire.Message | None] = asyncio.Queue()
+        self._violation: str | None = None
+        self._stderr = bytearray()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._run_ids = 0
+        self._busy = asyncio.Lock()
+        self._watch: ChangeWatch | None = None
+        self._growth: GrowthWatch | None = None
+        self._exceeded: str | None = None  # the disk watcher's verdict, from its thread
+        self._replies_ended = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def alive(self) -> bool:
+        """Running, and trusted: no protocol violation, no limit crossed, its reply channel open."""
+        return (
+            self.lost is None
+            and self._violation is None
+            and self._exceeded is None
+            and not self._replies_ended
+            and self._proc is not None
+            and self._proc.returncode is None
+        )
+
+    @property
+    def busy(self) -> bool:
+        """A run is in progress."""
+        return self._busy.locked()
+
+    @property
+    def cid(self) -> str:
+        return self.sandbox.cid
+
+    async def start(self, watch: ChangeWatch) -> None:
+        """Start the sandbox and wait for the kernel's ready frame. `watch`: the workdir's change
+        watch, set up before the sandbox exists (it stays for the kernel's life)."""
+        self._watch = watch
+        loop = asyncio.get_running_loop()
+        self._growth = GrowthWatch(
+            str(self.sandbox.workdir),
+            self.limits.max_write_bytes,
+            lambda grown: loop.call_soon_threadsafe(self._disk_exceeded, grown),
+            pids=self._host_pids,
+        )
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *self.sandbox.argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,  # one process group to kill if runsc itself hangs
+                preexec_fn=die_with(os.getpid()),
+            )
+        except BaseException:
+            await self.close()
+            raise
+        self._tasks.append(asyncio.create_task(self._read_replies()))
+        self._tasks.append(asyncio.create_task(self._read_stderr()))
+        if self.sandbox.cgroup is not None:
+            self._tasks.append(asyncio.create_task(self._watch_oom()))
+        self._growth.start()
+        wait = min(READY_MAX_S, max(READY_MIN_S, 2 * self.limits.timeout_s))
+        try:
+            message = await asyncio.wait_for(self._inbox.get(), wait)
+        except TimeoutError:
+            message = None
+            self._violation = self._violation or f"it did not start within {wait:g} s"
+        if not isinstance(message, _wire.Ready):
+            why = self._why_gone()
+            await self.close(why)
+            raise KernelLost(why)
+        self.ready = message
+
+    async def close(self, why: str | None = None) -> None:
+        """Kill the sandbox and free everything it held (idempotent; shielded from cancellation)."""
+        if self.lost is None:
+            self.lost = why or "it was stopped"
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.shield(asyncio.ensure_future(self._teardown()))
+
+    async def _teardown(self) -> None:
+        if self._growth is not None:
+            self._growth.stop()
+        if self._watch is not None:
+            self._watch.close()
+        proc = self._proc
+        base = self.sandbox.runsc_base
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(Exception):
+                await run_quick([*base, "kill", "--all", self.cid, "KILL"], _HELPER_TIMEOUT_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(proc.wait()), 3.0)
+            if proc.returncode is None:
+                await asyncio.to_thread(sigkill, self._host_pids())
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        with contextlib.suppress(Exception):
+            await run_quick([*base, "delete", "--force", self.cid], _HELPER_TIMEOUT_S)
+        for task in self._tasks:
+            task.cancel()
+        deadline = time.monotonic() + _REAP_S
+        while pids := await asyncio.to_thread(self._host_pids):
+            if time.monotonic() > deadline:
+                log.warning("kernel %s: host processes %s did not exit", self.cid, pids)
+                break
+            await asyncio.to_thread(sigkill, pids)
+            await asyncio.sleep(0.02)
+        cgroup = self.sandbox.cgroup
+        if cgroup is not None:
+            for _ in range(50):
+                if cgroup.remove():
+                    break
+                await asyncio.sleep(0.02)
+        await asyncio.to_thread(shutil.rmtree, self.sandbox.bundle, True)
+
+    # ------------------------------------------------------------------ one run
+
+    async def run(self, code: str, language: str, limits: Limits) -> RunResult:
+        """Run one cell. A kernel that is lost during it (killed on a limit, crashed, broke the
+        protocol) is closed, `lost` says why, and the result says the state went with it."""
+        async with self._busy:
+            if not self.alive:
+                why = self.lost or self._why_gone()
+                await self.close(why)
+                raise KernelLost(why)
+            self.last_used = time.monotonic()
+            try:
+                return await self._run(code, language, limits)
+            finally:
+                self.last_used = time.monotonic()
+
+    async def _run(self, code: str, language: str, limits: Limits) -> RunResult:
+        assert self._proc is not None and self._proc.stdin is not None and self._growth is not None
+        t0 = time.monotonic()
+        self._run_ids += 1
+        run_id = self._run_ids
+        stdout, stderr = Capture(limits.max_output_bytes), Capture(limits.max_output_bytes)
+        watch = await self._fresh_watch()
+        self._growth.rebase(limits.max_write_bytes)
+        self._state.start(run_id)
+        try:
+            self._proc.stdin.write(_wire.encode_run(run_id, language, code))  # type: ignore[arg-type]
+            await self._proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it died: the reply reader says so
+        deadline = t0 + limits.timeout_s
+        interrupted: str | None = None  # why we interrupted the cell: "timeout" or "output"
+        detail = ""
+        done: _wire.Done | None = None
+        while done is None:
+            timeout = max(0.0, deadline - time.monotonic())
+            try:
+                message = await asyncio.wait_for(self._inbox.get(), timeout)
+            except TimeoutError:
+                if interrupted is None:
+                    interrupted, detail = "timeout", f"interrupted after {limits.timeout_s:g} s"
+                    await self._interrupt()
+                    deadline = time.monotonic() + INTERRUPT_GRACE_S
+                    continue
+                await self.close(
+                    f"the cell did not stop within {INTERRUPT_GRACE_S:g} s of being interrupted "
+                    f"at the {limits.timeout_s:g} s time limit"
+                )
+                return self._result(Outcome.TIMEOUT, None, stdout, stderr, t0, self.lost, watch)
+            if message is None:  # the kernel is gone, or broke the protocol
+                why = self._why_gone()
+                await self.close(why)
+                outcome = Outcome.OOM if "memory" in why else Outcome.KERNEL_LOST
+                if self._exceeded is not None:
+                    outcome = Outcome.DISK_LIMIT
+                return self._result(outcome, None, stdout, stderr, t0, why, watch)
+            if isinstance(message, _wire.Output):
+                capture = stdout if message.stream == "stdout" else stderr
+                if capture.feed(message.text.encode("utf-8", "surrogatepass")) and interrupted is None:
+                    interrupted, detail = "output", f"{message.stream} passed {human_bytes(capture.cap)}"
+                    await self._interrupt()
+                    deadline = time.monotonic() + INTERRUPT_GRACE_S
+            elif isinstance(message, _wire.Done):
+                done = message
+        if interrupted == "timeout":
+            outcome, reason = Outcome.TIMEOUT, f"{detail}; the Python state is kept"
+        elif interrupted == "output":
+            outcome, reason = Outcome.OUTPUT_LIMIT, f"{detail}; the Python state is kept"
+        elif done.status == "ok":
+            outcome, reason = Outcome.OK, None
+        else:
+            outcome = Outcome.ERROR
+            reason = "interrupted" if done.status == "interrupted" else f"exit code {done.exit_code}"
+        result = self._result(outcome, done.exit_code, stdout, stderr, t0, reason, watch)
+        return result.model_copy(update={"figures": done.figures})
+
+    def _result(
+        self,
+        outcome: Outcome,
+        exit_code: int | None,
+        stdout: Capture,
+        stderr: Capture,
+        t0: float,
+        reason: str | None,
+        watch: ChangeWatch | None,
+    ) -> RunResult:
+        changed = self._harvest(watch)
+        return RunResult(
+            outcome=outcome,
+            exit_code=exit_code,
+            stdout=stdout.text(),
+            stderr=stderr.text(),
+            stdout_truncated=stdout.truncated,
+            stderr_truncated=stderr.truncated,
+            duration_s=round(time.monotonic() - t0, 3),
+            reason=reason,
+            container_id=self.cid,
+            changed=changed,
+            state_kept=self.alive,
+        )
+
+    async def _fresh_watch(self) -> ChangeWatch | None:
+        """The change watch, set up again if it gave up (a folder was made, its queue overflowed...):
+        while the kernel lives, it also sees what happens between runs."""
+        watch = self._watch
+        if watch is None or not watch.active:
+            self._watch = watch = await asyncio.to_thread(ChangeWatch.start, str(self.sandbox.workdir))
+        return watch
+
+    def _harvest(self, watch: ChangeWatch | None) -> tuple[str, ...] | None:
+        if watch is None or not self.alive:
+            # A killed kernel's last writes may still be arriving: list the whole folder.
+            return None
+        return watch.harvest()
+
+    async def _interrupt(self) -> None:
+        """SIGINT to the kernel (PID 1 of its sandbox): KeyboardInterrupt in the cell, state kept."""
+        with contextlib.suppress(Exception):
+            await run_quick([*self.sandbox.runsc_base, "kill", self.cid, "INT"], _HELPER_TIMEOUT_S)
+
+    # ------------------------------------------------------------------ what the kernel says
+
+    async def _read_replies(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        reader = self._proc.stdout
+        try:
+            while chunk := await reader.read(_READ_CHUNK):
+                for message in self._decoder.feed(chunk):
+                    self._inbox.put_nowait(self._state.accept(message))
+            self._decoder.eof()
+        except _wire.ProtocolError as error:
+            self._violation = f"it broke the protocol ({error})"
+        finally:
+            self._replies_ended = True
+            self._inbox.put_nowait(None)
+
+    async def _read_stderr(self) -> None:
+        assert self._proc is not None and self._proc.stderr is not None
+        while chunk := await self._proc.stderr.read(_READ_CHUNK):
+            self._stderr += chunk
+            del self._stderr[:-_STDERR_KEPT]
+
+    async def _watch_oom(self) -> None:
+        cgroup = self.sandbox.cgroup
+        assert cgroup is not None
+        while True:
+            await asyncio.sleep(_OOM_POLL_S)
+            if cgroup.oom_kills():
+                self._violation = self._violation or "out of memory"
+                return
+
+    def _disk_exceeded(self, grown: int | None) -> None:
+        if grown is None:
+            self._exceeded = f"folders nested more than {MAX_DEPTH} levels deep in /mnt/data"
+        else:
+            limit = human_bytes(self.limits.max_write_bytes)
+            self._exceeded = f"it wrote more than {limit} to /mnt/data (grew by {grown / MIB:.0f} MiB)"
+        # Stop the writer now; the run (or the next one) reports it.
+        self._tasks.append(asyncio.ensure_future(self._kill_for_disk()))
+
+    async def _kill_for_disk(self) -> None:
+        with contextlib.suppress(Exception):
+            await run_quick([*self.sandbox.runsc_base, "kill", "--all", self.cid, "KILL"], _HELPER_TIMEOUT_S)
+
+    def _why_gone(self) -> str:
+        if self._exceeded is not None:
+            return self._exceeded
+        cgroup = self.sandbox.cgroup
+        if self._violation == "out of memory" or (cgroup is not None and cgroup.oom_kills()):
+            return f"it ran out of memory (limit {self.limits.memory_mb} MB for the whole kernel)"
+        if self._violation is not None:
+            return f"the kernel stopped responding: {self._violation}"
+        code = self._proc.returncode if self._proc is not None else None
+        if code == _kernel_program.FATAL_EXIT:
+            return "the kernel stopped responding: a cell broke the kernel itself"
+        tail = self._stderr.decode("utf-8", "replace").strip().splitlines()[-1:] if self._stderr else []
+        extra = f" ({tail[0][:200]})" if tail else ""
+        return f"the kernel stopped responding: it exited{extra}"
+
+    def _host_pids(self) -> list[int]:
+        cgroup = self.sandbox.cgroup
+        if cgroup is not None:
+            return cgroup.pids()
+        return pids_by_marker(str(self.sandbox.bundle))

@@ -1,0 +1,431 @@
+"""Persistent kernels, one per chat, reachable from every worker process of this host.
+
+A `KernelPool` (one per process) runs code in the kernel of a key (the caller's name for a chat). The
+caller holds the chat's lock around `run`, so a chat never starts two kernels; the pool finds its
+kernel wherever it lives:
+
+* started by this process: run it here;
+* started by another worker of this host: that worker serves it on a unix socket
+  (`<socket_dir>/<digest>.sock`), and the run goes there and back;
+* none (first run, or the previous one ended): start one here, and say why the state was reset.
+
+The registry (`<registry_dir>/<digest>.json`, one small file per key, kept across restarts) says
+where each key's kernel lives (host, process and its start time, socket), when it was last used, and,
+once it ended, why: "idle for 20 minutes", "Open WebUI restarted", "it ran out of memory". The next
+run reads that reason and passes it on as one plain sentence (`RunResult.notes`): losing the state is
+always said, never silent.
+
+Lifecycle: a kernel idle longer than `idle_s` is stopped; starting one beyond `max_kernels` on this
+host stops the least recently used idle one; `stop(key)` ends one (its chat was purged, deleted,
+expired); a kernel dies with the process that started it (an Open WebUI restart), and the registry
+entry it leaves is how the next run knows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._kernel import KERNEL_SOURCE, Kernel, KernelLost, lifetime_limits
+from ._orphans import owner_stamp
+from .models import Limits, Outcome, RunResult
+from .runner import Runner
+
+__all__ = ["KernelPool", "reset_sentence"]
+
+log = logging.getLogger("code_sessions.runner")
+
+_REAP_EVERY_S = 30.0
+_CONNECT_TIMEOUT_S = 2.0
+_MAX_MESSAGE = 80 * 1024 * 1024  # a run request carries the code (the kernel takes up to 64 MiB)
+_HEADER = struct.Struct(">I")
+
+
+def _host_id() -> str:
+    """This host, for the registry (shared by several hosts when the store is): name and boot."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}:{boot}"
+
+
+_HOST = _host_id()
+
+
+def reset_sentence(reason: str) -> str:
+    return f"The Python state was reset ({reason}); files in /mnt/data are kept."
+
+
+@dataclass
+class _Entry:
+    key: str
+    cid: str
+    host: str
+    owner: str  # "<pid> <start time>" of the process that started it
+    socket: str
+    workdir: str
+    started_at: float
+    last_used: float
+    running: bool
+    reason: str = ""  # why it ended, once it has
+
+    @classmethod
+    def load(cls, path: Path) -> _Entry | None:
+        try:
+            data = json.loads(path.read_bytes()[: 1 << 16])
+            return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+class KernelPool:
+    def __init__(
+        self,
+        runner: Runner,
+        registry_dir: Path,
+        *,
+        idle_s: float = 20 * 60.0,
+        max_kernels: int = 20,
+        socket_dir: Path | None = None,
+    ) -> None:
+        self.runner = runner
+        self.registry_dir = Path(registry_dir)
+        self.socket_dir = Path(socket_dir) if socket_dir is not None else runner.bundle_dir / "kernels"
+        self.idle_s = idle_s
+        self.max_kernels = max_kernels
+        self._mine: dict[str, Kernel] = {}
+        self._servers: dict[str, asyncio.AbstractServer] = {}
+        self._reaper: asyncio.Task[None] | None = None
+        self._owner = owner_stamp()
+
+    # ------------------------------------------------------------------ public
+
+    async def run(self, key: str, workdir: Path, code: str, language: str, limits: Limits) -> RunResult:
+        """Run a cell in the key's kernel, starting one when there is none. Call it holding the
+        chat's lock. Never raises for what the code does; RunnerError for host-side problems."""
+        self._keep_reaping()
+        workdir = Path(os.path.realpath(workdir))
+        notes: list[str] = []
+        kernel = self._mine.get(key)
+        if kernel is not None:
+            misfit = self._misfit(kernel, workdir, limits)
+            if misfit is not None:
+                await self._end(key, kernel, misfit)
+                kernel = None
+        if kernel is None:
+            entry = await asyncio.to_thread(self._entry, key)
+            if entry is not None and entry.running and entry.owner != self._owner and self._owned_here(entry):
+                result = await self._run_remote(entry, code, language, limits)
+                if result is not None:
+                    return result
+                entry = await asyncio.to_thread(self._entry, key)  # it ended meanwhile: why?
+            reason = self._lost_reason(entry)
+            if reason:
+                notes.append(reset_sentence(reason))
+            try:
+                kernel = await self._start(key, workdir, limits)
+            except KernelLost as lost:
+                return _refused(str(lost), notes)
+        try:
+            result = await kernel.run(code, language, limits)
+        except KernelLost as lost:  # it had died since the last run: once more in a new one
+            await self._end(key, kernel, str(lost))
+            notes.append(reset_sentence(str(lost)))
+            try:
+                kernel = await self._start(key, workdir, limits)
+            except KernelLost as again:
+                return _refused(str(again), notes)
+            result = await kernel.run(code, language, limits)
+        if not kernel.alive:
+            await self._end(key, kernel, kernel.lost or "the kernel stopped")
+        else:
+            await asyncio.to_thread(self._touch, key, kernel)
+        return result.model_copy(update={"notes": (*notes, *result.notes)}) if notes else result
+
+    async def stop(self, key: str, reason: str, *, forget: bool = False) -> None:
+        """End the key's kernel (wherever on this host it runs); `forget`: its chat is gone, so no
+        reason is kept for a next run."""
+        kernel = self._mine.get(key)
+        if kernel is not None:
+            await self._end(key, kernel, reason)
+        else:
+            entry = await asyncio.to_thread(self._entry, key)
+            if entry is not None and entry.running and self._owned_here(entry):
+                await self._ask(entry, {"op": "stop", "reason": reason})
+            elif entry is not None and not forget:
+                entry.running, entry.reason = False, reason  # the next run says this, not an older why
+                await asyncio.to_thread(self._save, entry)
+        if forget:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._entry_path(key))
+
+    async def close(self) -> None:
+        """Stop every kernel of this process (its owner is going away)."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for key, kernel in list(self._mine.items()):
+            await self._end(key, kernel, "Open WebUI restarted")
+
+    def kernels(self) -> dict[str, Kernel]:
+        """The kernels this process runs, by key."""
+        return dict(self._mine)
+
+    async def reap(self) -> None:
+        """Stop this process's kernels that have been idle too long (also run every 30 s)."""
+        now = time.monotonic()
+        for key, kernel in list(self._mine.items()):
+            if not kernel.alive:
+                await self._end(key, kernel, kernel.lost or "the kernel stopped")
+            elif now - kernel.last_used > self.idle_s and not kernel.busy:
+                await self._end(key, kernel, f"it was idle for more than {_minutes(self.idle_s)}")
+
+    # ------------------------------------------------------------------ starting and ending
+
+    def _misfit(self, kernel: Kernel, workdir: Path, limits: Limits) -> str | None:
+        """Why this kernel cannot take the next run, or None."""
+        if not kernel.alive:
+            return kernel.lost or "the kernel stopped"
+        if kernel.sandbox.workdir != workdir:
+            return "the chat's folder was replaced"
+        if lifetime_limits(kernel.limits) != lifetime_limits(limits):
+            return "the admin changed the sandbox's limits"
+        return None
+
+    async def _start(self, key: str, workdir: Path, limits: Limits) -> Kernel:
+        await self._make_room()
+        sandbox, watch = await self.runner.prepare(KERNEL_SOURCE, "python", workdir, limits, prefix="cs-k-")
+        kernel = Kernel(sandbox, limits)
+        try:
+            await kernel.start(watch)
+        except BaseException:
+            await kernel.close()
+            raise
+        self._mine[key] = kernel
+        sock = self._socket_path(key)
+        try:
+            await asyncio.to_thread(self._prepare_socket, sock)
+            self._servers[key] = await asyncio.start_unix_server(
+                lambda r, w, k=key: self._serve(k, r, w), path=str(sock)
+            )
+            os.chmod(sock, 0o600)
+        except OSError as error:  # other workers then start their own after this one stops
+            log.warning("kernel %s: cannot serve it to other workers: %s", kernel.cid, error)
+        entry = _Entry(
+            key, kernel.cid, _HOST, self._owner, str(sock), str(workdir), time.time(), time.time(), True
+        )
+        await asyncio.to_thread(self._save, entry)
+        log.info("kernel %s started for %s in %.2f s", kernel.cid, key, time.time() - kernel.started_at)
+        return kernel
+
+    async def _end(self, key: str, kernel: Kernel, reason: str) -> None:
+        if self._mine.get(key) is kernel:
+            del self._mine[key]
+        server = self._servers.pop(key, None)
+        if server is not None:
+            server.close()
+        await kernel.close(reason)
+        entry = await asyncio.to_thread(self._entry, key)
+        if entry is not None and entry.cid == kernel.cid:
+            entry.running, entry.reason = False, kernel.lost or reason
+            await asyncio.to_thread(self._save, entry)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._socket_path(key))
+
+    async def _make_room(self) -> None:
+        """Beyond max_kernels on this host, stop the least recently used idle one."""
+        entries = await asyncio.to_thread(self._running_here)
+        while len(entries) >= self.max_kernels:
+            idle = [e for e in entries if not (e.key in self._mine and self._mine[e.key].busy)]
+            if not idle:
+                return  # every one is running a cell: go over the limit rather than kill a run
+            victim = min(idle, key=lambda e: e.last_used)
+            reason = (
+                f"too many kernels were running (at most {self.max_kernels}); it was the least recently used"
+            )
+            if victim.key in self._mine:
+                await self._end(victim.key, self._mine[victim.key], reason)
+            else:
+                await self._ask(victim, {"op": "stop", "reason": reason})
+                victim.running, victim.reason = False, reason
+                await asyncio.to_thread(self._save_if_same, victim)
+            entries = [e for e in entries if e.key != victim.key]
+
+    def _keep_reaping(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.create_task(self._reap_forever())
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(_REAP_EVERY_S, self.idle_s / 4 or _REAP_EVERY_S))
+            try:
+                await self.reap()
+            except Exception:
+                log.exception("kernel reaper")
+
+    # ------------------------------------------------------------------ other workers
+
+    def _owned_here(self, entry: _Entry) -> bool:
+        """A running entry whose owning process is alive on this host (its kernel dies with it)."""
+        if entry.host != _HOST:
+            return False
+        try:
+            pid, started = entry.owner.split()
+            with open(f"/proc/{int(pid)}/stat", "rb") as fh:
+                return fh.read().rsplit(b")", 1)[1].split()[19].decode() == started
+        except (OSError, ValueError, IndexError):
+            return False
+
+    def _lost_reason(self, entry: _Entry | None) -> str:
+        if entry is None:
+            return ""  # this chat never had a kernel (or its chat was deleted): nothing was lost
+        if entry.running:
+            if entry.host != _HOST:
+                return "this chat's previous runs were on another server"
+            return "Open WebUI restarted" if not self._owned_here(entry) else "the kernel stopped"
+        return entry.reason or "the kernel stopped"
+
+    async def _run_remote(self, entry: _Entry, code: str, language: str, limits: Limits) -> RunResult | None:
+        reply = await self._ask(
+            entry, {"op": "run", "code": code, "language": language, "limits": limits.model_dump()}
+        )
+        if reply is None or "result" not in reply:
+            return None
+        return RunResult.model_validate(reply["result"])
+
+    async def _ask(self, entry: _Entry, request: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(entry.socket, limit=_MAX_MESSAGE), _CONNECT_TIMEOUT_S
+            )
+        except (OSError, TimeoutError):
+            return None
+        try:
+            await _send(writer, request)
+            return await _receive(reader)
+        except (OSError, ValueError, asyncio.IncompleteReadError):
+            return None
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    async def _serve(self, key: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Another worker of this host asks this process's kernel (only our own processes can reach
+        the socket: mode 0600 in a 0700 folder owned by us)."""
+        try:
+            request = await _receive(reader)
+            kernel = self._mine.get(key)
+            if kernel is None or not kernel.alive:
+                await _send(writer, {"gone": True})
+                return
+            if request.get("op") == "stop":
+                await _send(writer, {"ok": True})
+                await self._end(key, kernel, str(request.get("reason", "stopped")))
+                return
+            limits = Limits.model_validate(request["limits"])
+            try:
+                result = await kernel.run(str(request["code"]), str(request["language"]), limits)
+            except KernelLost:
+                await _send(writer, {"gone": True})
+                return
+            if not kernel.alive:
+                await self._end(key, kernel, kernel.lost or "the kernel stopped")
+            else:
+                await asyncio.to_thread(self._touch, key, kernel)
+            await _send(writer, {"result": result.model_dump(mode="json")})
+        except (OSError, ValueError, KeyError, asyncio.IncompleteReadError) as error:
+            log.warning("kernel of %s: a request from another worker failed: %s", key, error)
+        finally:
+            writer.close()
+
+    # ------------------------------------------------------------------ the registry
+
+    def _digest(self, key: str) -> str:
+        return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+    def _entry_path(self, key: str) -> Path:
+        return self.registry_dir / f"{self._digest(key)}.json"
+
+    def _socket_path(self, key: str) -> Path:
+        return self.socket_dir / f"{self._digest(key)}.sock"
+
+    def _entry(self, key: str) -> _Entry | None:
+        entry = _Entry.load(self._entry_path(key))
+        return entry if entry is not None and entry.key == key else None
+
+    def _save(self, entry: _Entry) -> None:
+        self.registry_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = self._entry_path(entry.key)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(entry.__dict__), encoding="utf-8")
+        os.replace(tmp, path)
+
+    def _save_if_same(self, entry: _Entry) -> None:
+        now = self._entry(entry.key)
+        if now is not None and now.cid == entry.cid:
+            self._save(entry)
+
+    def _touch(self, key: str, kernel: Kernel) -> None:
+        entry = self._entry(key)
+        if entry is not None and entry.cid == kernel.cid:
+            entry.last_used = time.time()
+            self._save(entry)
+
+    def _running_here(self) -> list[_Entry]:
+        found = []
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.registry_dir) as listing:
+            for item in listing:
+                if item.name.endswith(".json"):
+                    entry = _Entry.load(Path(item.path))
+                    if entry is not None and entry.running and self._owned_here(entry):
+                        found.append(entry)
+        return found
+
+    def _prepare_socket(self, path: Path) -> None:
+        self.socket_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+async def _send(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
+    body = json.dumps(message).encode()
+    writer.write(_HEADER.pack(len(body)) + body)
+    await writer.drain()
+
+
+async def _receive(reader: asyncio.StreamReader) -> dict[str, Any]:
+    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+    if size > _MAX_MESSAGE:
+        raise ValueError(f"a message of {size} bytes")
+    message = json.loads(await reader.readexactly(size))
+    if not isinstance(message, dict):
+        raise ValueError("not an object")
+    return message
+
+
+def _refused(why: str, notes: list[str]) -> RunResult:
+    return RunResult(
+        outcome=Outcome.SANDBOX_FAILURE,
+        exit_code=None,
+        stdout="",
+        stderr="",
+        duration_s=0.0,
+        reason=f"the Python kernel could not start: {why}",
+        notes=tuple(notes),
+    )
+
+
+def _minutes(seconds: float) -> str:
+    minutes = seconds / 60
+    return f"{minutes:g} minutes" if minutes != 1 else "1 minute"

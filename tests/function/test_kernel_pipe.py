@@ -1,0 +1,80 @@
+"""The live kernel through the installed function (in-process, real storage, real gVisor).
+
+What a user of a chat sees: a variable set in one message is there in the next ones of that chat and
+nowhere else; a figure appears inline; a lost state is said, in the answer and in a status; an admin's
+purge and the `fresh` valve end the state.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.support.pipe_harness import PipeHarness, code
+from tests.support.sandbox import leftovers
+
+pytestmark = pytest.mark.runsc
+
+IMAGE = re.compile(r"!\[[^\]]*\]\((/cache/functions/code_sessions/[A-Za-z0-9_-]{32}/[^)]+\.png)\)")
+
+
+@pytest.fixture
+async def harness(tmp_path) -> PipeHarness:
+    harness = PipeHarness(tmp_path / "data", valves={"timeout_seconds": 15})
+    yield harness
+    await harness.aclose()
+
+
+async def test_a_variable_lives_through_the_turns_of_one_chat_only(harness: PipeHarness):
+    await harness.say("alice", "chat-1", code("loaded = sum(range(1000))\nprint('loaded')"))
+    for _ in range(2):
+        answer = await harness.say("alice", "chat-1", code("print('still', loaded)"))
+        assert "still 499500" in answer
+    assert "NameError" in await harness.say("alice", "chat-2", code("print(loaded)"))
+    assert "NameError" in await harness.say("bob", "chat-1", code("print(loaded)"))
+    system = harness.requests[-1]["messages"][0]["content"]
+    assert "live kernel" in system and "numpy" in system
+
+
+async def test_a_figure_left_open_is_shown_inline_and_named_to_the_model(harness: PipeHarness):
+    draw = "import matplotlib.pyplot as plt\nplt.plot([1, 4, 9])\nplt.title('squares')"
+    answer = await harness.say("alice", "chat-1", code(draw))
+    [url] = IMAGE.findall(answer)
+    copy = harness.cache_dir / url.removeprefix("/cache/")
+    assert copy.read_bytes()[:4] == b"\x89PNG"
+    tool_result = harness.requests[-1]["messages"][-1]["content"]
+    assert "Figures: /mnt/data/figure-1.png" in tool_result
+
+
+async def test_a_lost_state_is_said_to_the_user_and_the_model(harness: PipeHarness):
+    harness.set_valves(timeout_seconds=2)
+    await harness.say("alice", "chat-1", code("kept = 1"))
+    stubborn = "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    pass"
+    await harness.say("alice", "chat-1", code(stubborn))
+    answer = await harness.say("alice", "chat-1", code("print(globals().get('kept'))"))
+    assert "The Python state was reset (the cell did not stop" in answer
+    assert "None" in answer
+    statuses = [e["data"]["description"] for e in harness.events if e["type"] == "status"]
+    assert any(s.startswith("The Python state was reset") for s in statuses)
+    assert "The Python state was reset" in harness.requests[-1]["messages"][-1]["content"]
+
+
+async def test_a_purge_stops_the_chats_kernel_and_its_next_run_says_so(harness: PipeHarness):
+    await harness.say("alice", "chat-1", code("kept = 1"))
+    [kernel] = harness.pipe._services.kernels.kernels().values()
+    harness.set_valves(purge="chat:chat-1")
+    answer = await harness.say("alice", "chat-1", code("print(globals().get('kept'))"))
+    runner = harness.pipe._services.runner
+    assert leftovers(kernel.cid, runner.state_dir, runner.bundle_dir, runner.config.cgroup_parent) == []
+    assert "None" in answer and "an admin deleted this chat's files" in answer
+
+
+async def test_fresh_mode_keeps_files_but_not_variables(harness: PipeHarness):
+    harness.set_valves(kernel="fresh")
+    await harness.say("alice", "chat-1", code("x = 1\nopen('/mnt/data/f.txt', 'w').write('kept')"))
+    answer = await harness.say(
+        "alice", "chat-1", code("print(open('/mnt/data/f.txt').read(), globals().get('x'))")
+    )
+    assert "kept None" in answer
+    assert harness.pipe._services.kernels is None

@@ -1,0 +1,273 @@
+"""Persistent kernels in real gVisor: state that lives, limits that hold, losses that are said.
+
+Each test drives a KernelPool the way the engine does (one key per chat, the chat's lock held by
+the caller) against real runsc, and looks at what a user would see: outputs, outcomes, the sentence
+that says the state was reset, and the host (no sandbox left once a kernel ends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from runner import KernelPool, Limits, Outcome, Runner
+from tests.support.sandbox import leftovers
+
+pytestmark = pytest.mark.runsc
+
+LIMITS = Limits(timeout_s=10, memory_mb=256, max_output_bytes=64 * 1024)
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+async def pool(tmp_path: Path):
+    pool = KernelPool(Runner(), tmp_path / "registry")
+    yield pool
+    await pool.close()
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    folder = tmp_path / "chat"
+    folder.mkdir()
+    return folder
+
+
+def gone(runner: Runner, cid: str) -> list[str]:
+    return leftovers(cid, runner.state_dir, runner.bundle_dir, runner.config.cgroup_parent)
+
+
+async def test_state_persists_and_bash_shares_the_sandbox(pool: KernelPool, workdir: Path) -> None:
+    first = await pool.run(
+        "u/c", workdir, "import math\ndata = [1, 2, 3]\ndef twice(x): return 2 * x", "python", LIMITS
+    )
+    assert first.ok and first.state_kept and first.notes == ()
+    second = await pool.run("u/c", workdir, "print(twice(sum(data)), math.pi > 3)", "python", LIMITS)
+    assert second.stdout == "12 True\n"
+    assert (await pool.run("u/c", workdir, "data", "python", LIMITS)).stdout == "[1, 2, 3]\n"
+    shell = await pool.run("u/c", workdir, "echo hi > from-bash.txt; pwd", "bash", LIMITS)
+    assert shell.stdout == "/mnt/data\n" and shell.changed == ("from-bash.txt",)
+    assert (workdir / "from-bash.txt").read_text() == "hi\n"
+    assert first.container_id == second.container_id == shell.container_id  # one sandbox
+
+
+async def test_another_chat_has_another_kernel(pool: KernelPool, tmp_path: Path, workdir: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    await pool.run("u/c", workdir, "secret = 'mine'", "python", LIMITS)
+    theirs = await pool.run("u/other", other, "print(globals().get('secret'))", "python", LIMITS)
+    assert theirs.stdout == "None\n"
+
+
+async def test_an_interrupt_at_the_time_limit_keeps_the_state(pool: KernelPool, workdir: Path) -> None:
+    await pool.run("u/c", workdir, "kept = 42", "python", LIMITS)
+    started = time.monotonic()
+    slow = await pool.run(
+        "u/c", workdir, "import time\ntime.sleep(100)", "python", LIMITS.model_copy(update={"timeout_s": 1})
+    )
+    assert time.monotonic() - started < 5
+    assert slow.outcome == Outcome.TIMEOUT and "state is kept" in (slow.reason or "") and slow.state_kept
+    assert "KeyboardInterrupt" in slow.stderr
+    after = await pool.run("u/c", workdir, "print(kept)", "python", LIMITS)
+    assert after.stdout == "42\n" and after.notes == ()
+
+
+async def test_a_cell_that_ignores_the_interrupt_is_killed_and_the_reset_is_said(
+    pool: KernelPool, workdir: Path
+) -> None:
+    await pool.run("u/c", workdir, "kept = 42", "python", LIMITS)
+    stubborn = "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    pass"
+    killed = await pool.run("u/c", workdir, stubborn, "python", LIMITS.model_copy(update={"timeout_s": 1}))
+    assert killed.outcome == Outcome.TIMEOUT and not killed.state_kept
+    assert "did not stop" in (killed.reason or "")
+    assert gone(pool.runner, killed.container_id) == []
+    after = await pool.run("u/c", workdir, "print(globals().get('kept'))", "python", LIMITS)
+    assert after.stdout == "None\n"
+    [note] = after.notes
+    assert (
+        note.startswith("The Python state was reset (the cell did not stop")
+        and "files in /mnt/data are kept" in note
+    )
+
+
+async def test_idle_kernels_stop_and_the_next_run_says_so(pool: KernelPool, workdir: Path) -> None:
+    first = await pool.run("u/c", workdir, "x = 1", "python", LIMITS)
+    pool.idle_s = 0.2
+    await asyncio.sleep(0.4)
+    await pool.reap()
+    assert gone(pool.runner, first.container_id) == []
+    after = await pool.run("u/c", workdir, "print(globals().get('x'))", "python", LIMITS)
+    assert after.stdout == "None\n" and "idle for more than" in after.notes[0]
+
+
+async def test_beyond_max_kernels_the_least_recently_used_goes(pool: KernelPool, tmp_path: Path) -> None:
+    pool.max_kernels = 2
+    folders = {}
+    for name in ("a", "b", "c"):
+        folders[name] = tmp_path / name
+        folders[name].mkdir()
+        await pool.run(f"u/{name}", folders[name], f"me = {name!r}", "python", LIMITS)
+        await asyncio.sleep(0.05)
+    assert sorted(pool.kernels()) == ["u/b", "u/c"]
+    again = await pool.run("u/a", folders["a"], "print(globals().get('me'))", "python", LIMITS)
+    assert again.stdout == "None\n" and "too many kernels" in again.notes[0]
+    assert sorted(pool.kernels()) == ["u/a", "u/c"]  # b was the least recently used now
+
+
+async def test_memory_limit_kills_the_kernel_with_a_clear_message(pool: KernelPool, workdir: Path) -> None:
+    small = LIMITS.model_copy(update={"memory_mb": 128})
+    await pool.run("u/c", workdir, "x = 1", "python", small)
+    bomb = await pool.run(
+        "u/c", workdir, "b = []\nwhile True:\n    b.append(bytearray(16 << 20))", "python", small
+    )
+    assert bomb.outcome == Outcome.OOM and "memory" in (bomb.reason or "") and not bomb.state_kept
+    after = await pool.run("u/c", workdir, "print('back')", "python", small)
+    assert after.stdout == "back\n" and "ran out of memory" in after.notes[0]
+
+
+async def test_forged_frames_or_a_closed_channel_end_in_a_reset_and_nothing_worse(
+    pool: KernelPool, workdir: Path
+) -> None:
+    forge = textwrap.dedent(
+        """
+        import json, os, struct
+        done = {"t": "done", "id": 99, "status": "ok", "exit_code": 0, "figures": [], "ms": 1.0}
+        body = json.dumps(done).encode()
+        for fd in range(3, 64):
+            try:
+                os.write(fd, struct.pack(">I", len(body)) + body)
+            except OSError:
+                pass
+        """
+    )
+    await pool.run("u/c", workdir, "x = 1", "python", LIMITS)
+    forged = await pool.run("u/c", workdir, forge, "python", LIMITS)
+    assert forged.outcome == Outcome.KERNEL_LOST and "stopped responding" in (forged.reason or "")
+    after = await pool.run("u/c", workdir, "print('fresh')", "python", LIMITS)
+    assert after.stdout == "fresh\n" and "stopped responding" in after.notes[0]
+    garbage = await pool.run(
+        "u/c",
+        workdir,
+        "import os\nfor fd in range(3, 64):\n    try: os.write(fd, b'\\xff' * 64)\n    except OSError: pass",
+        "python",
+        LIMITS,
+    )
+    assert garbage.outcome == Outcome.KERNEL_LOST
+    closed = await pool.run(
+        "u/c", workdir, "import os\nos.close(1)\nos.close(2)\nprint('x')", "python", LIMITS
+    )
+    assert closed.outcome in (Outcome.OK, Outcome.ERROR, Outcome.KERNEL_LOST)  # never a hang, never a crash
+    exits = await pool.run("u/c", workdir, "import os\nos._exit(3)", "python", LIMITS)
+    assert exits.outcome == Outcome.KERNEL_LOST and "stopped responding" in (exits.reason or "")
+    assert (await pool.run("u/c", workdir, "print(1)", "python", LIMITS)).stdout == "1\n"
+
+
+async def test_a_daemon_left_by_a_run_is_gone_before_the_next(pool: KernelPool, workdir: Path) -> None:
+    leave = (
+        "import subprocess\n"
+        "subprocess.Popen(['sleep', '1000'], start_new_session=True)\n"
+        "subprocess.Popen(['bash', '-c', '(sleep 1000 &) ; sleep 1000 &'], start_new_session=True)"
+    )
+    assert (await pool.run("u/c", workdir, leave, "python", LIMITS)).ok
+    count = "import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))"
+    assert (await pool.run("u/c", workdir, count, "python", LIMITS)).stdout == "[1]\n"
+
+
+async def test_output_over_the_cap_interrupts_the_cell_and_keeps_the_state(
+    pool: KernelPool, workdir: Path
+) -> None:
+    await pool.run("u/c", workdir, "kept = 'yes'", "python", LIMITS)
+    flood = await pool.run("u/c", workdir, "while True:\n    print('x' * 1000)", "python", LIMITS)
+    assert flood.outcome == Outcome.OUTPUT_LIMIT and flood.stdout_truncated and flood.state_kept
+    assert (await pool.run("u/c", workdir, "print(kept)", "python", LIMITS)).stdout == "yes\n"
+
+
+async def test_figures_are_saved_and_reported(pool: KernelPool, workdir: Path) -> None:
+    draw = "import matplotlib.pyplot as plt\nfig, ax = plt.subplots()\nax.plot([1, 3, 2])\nax.set_title('t')"
+    drawn = await pool.run("u/c", workdir, draw, "python", LIMITS)
+    assert drawn.ok, drawn.stderr
+    assert drawn.figures == ("figure-1.png",) and (workdir / "figure-1.png").read_bytes()[:4] == b"\x89PNG"
+    unchanged = await pool.run("u/c", workdir, "print(len(plt.get_fignums()))", "python", LIMITS)
+    assert unchanged.stdout == "1\n" and unchanged.figures == ()
+    shown = await pool.run("u/c", workdir, "ax.plot([2, 2, 2])\nplt.show()", "python", LIMITS)
+    assert shown.figures == ("figure-2.png",)
+
+
+async def test_changes_made_between_runs_are_seen_by_the_next(pool: KernelPool, workdir: Path) -> None:
+    later = (
+        "import threading, time\n"
+        "threading.Thread(target=lambda: (time.sleep(0.5), open('late.txt', 'w').write('x'))).start()"
+    )
+    assert (await pool.run("u/c", workdir, later, "python", LIMITS)).changed == ()
+    await asyncio.sleep(1.0)
+    assert (workdir / "late.txt").exists()
+    nothing = await pool.run("u/c", workdir, "pass", "python", LIMITS)
+    assert nothing.changed is None or "late.txt" in nothing.changed  # never a silent miss
+
+
+WORKER = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from pathlib import Path
+    from runner import KernelPool, Limits, Runner
+
+    async def main(registry, workdir, code, hold):
+        pool = KernelPool(Runner(), Path(registry))
+        result = await pool.run("u/c", Path(workdir), code, "python", Limits(timeout_s=10, memory_mb=256))
+        said = {"stdout": result.stdout, "notes": result.notes, "cid": result.container_id}
+        print(json.dumps(said), flush=True)
+        if hold:
+            await asyncio.sleep(3600)
+
+    asyncio.run(main(*sys.argv[1:4], sys.argv[4] == "hold"))
+    """
+)
+
+
+def _worker(registry: Path, workdir: Path, code: str, hold: bool) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", WORKER, str(registry), str(workdir), code, "hold" if hold else "exit"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_another_worker_reaches_the_same_kernel_and_a_restart_is_said(tmp_path: Path, workdir: Path) -> None:
+    registry = tmp_path / "registry"
+    first = _worker(registry, workdir, "shared = 'from worker one'", hold=True)
+    try:
+        started = json.loads(first.stdout.readline())
+        second = _worker(registry, workdir, "print(shared)", hold=False)
+        reached = json.loads(second.communicate(timeout=60)[0])
+        assert reached["stdout"] == "from worker one\n" and reached["cid"] == started["cid"]
+    finally:
+        first.kill()  # Open WebUI's worker dies (kill -9): its kernel must die with it
+        first.wait()
+    runner = Runner()
+    deadline = time.monotonic() + 10
+    while gone(runner, started["cid"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = [p for p in os.listdir("/proc") if p.isdigit() and started["cid"].encode() in _cmdline(p)]
+    assert alive == []
+    after = _worker(registry, workdir, "print(globals().get('shared'))", hold=False)
+    result = json.loads(after.communicate(timeout=60)[0])
+    assert result["stdout"] == "None\n" and result["notes"][0].startswith(
+        "The Python state was reset (Open WebUI restarted)"
+    )
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read()
+    except OSError:
+        return b""
