@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from . import concurrency, index_scale, memory, report, rewrite, run_overhead
+from . import concurrency, index_scale, kernel, memory, report, rewrite, run_overhead
 from ._common import CGROUP_PARENT, Context, filesystem_of
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,6 +32,7 @@ SECTIONS: dict[str, Callable[[Context], Awaitable[dict[str, Any]]]] = {
     "concurrency": concurrency.run,
     "rewrite": rewrite.run,
     "memory": memory.run,
+    "kernel": kernel.run,
 }
 
 

@@ -219,6 +219,42 @@ def _memory(r: dict[str, Any]) -> str:
     )
 
 
+def _kernel(r: dict[str, Any]) -> str:
+    parts = []
+    w = r.get("warm_step")
+    if w:
+        labels = {
+            "warm_full_path": "(a) warm step, whole path, live kernel",
+            "cold_full_path": "(b) cold step, whole path, fresh sandbox",
+            "bare_kernel_round_trip": "(c) bare round trip into the same kernel",
+        }
+        rows = [[label, w[key]["median_ms"], w[key]["p75_ms"]] for key, label in labels.items()]
+        parts.append(table(["print(1)", "median ms", "p75 ms"], rows, right=(1, 2)))
+        parts.append(f"a/b = {w['warm_vs_cold']:.3g}x, a/c = {w['warm_vs_bare_kernel']:.3g}x")
+    f = r.get("first_step")
+    if f:
+        rows = [
+            ["a chat's first step (starts its kernel)", f["first_step_full_path"]["median_ms"]],
+            ["bare runsc run of print(1)", f["bare_runsc_run"]["median_ms"]],
+        ]
+        parts.append(table(["", "median ms"], rows, right=(1,)))
+        parts.append(f"ratio {f['first_vs_bare']:.3g}x")
+    m = r.get("memory")
+    if m:
+        spread = m["idle_kernel_mib"]
+        parts.append(
+            f"idle kernel, RSS of its host processes: {spread['median']} MiB (min {spread['min']}, max "
+            f"{spread['max']}); {m['idle_kernels']} idle kernels: {m['idle_kernels_total_mib']} MiB; our "
+            f"process grew by {m['our_process_growth_mib']} MiB for them"
+        )
+    k = r.get("kernel_start")
+    if k:
+        packages = ", ".join(f"{n} {v}" for n, v in (k.get("packages") or {}).items() if v) or "none"
+        started = k["start_and_first_run"]["median_ms"]
+        parts.append(f"kernel start + first run: {started} ms; the kernel can import: {packages}")
+    return "\n".join(parts) or "(no data)"
+
+
 # ---------------------------------------------------------------------------- targets
 
 
@@ -261,6 +297,12 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     add("rewrite, 100 KB answer with 1,000 paths", value, 20.0, "ms")
     conc = s.get("concurrency", {})
     add("8 concurrent chats: errors", conc.get("errors"), 0, "errors")
+    kern = s.get("kernel", {})
+    warm = kern.get("warm_step")
+    add("warm step / cold full path (live kernel)", warm and warm["warm_vs_cold"], 0.1, "x")
+    add("warm step, whole path (live kernel)", warm and warm["warm_full_path"]["median_ms"], 10.0, "ms")
+    first = kern.get("first_step")
+    add("a chat's first step / bare runsc", first and first["first_vs_bare"], 1.15, "x")
     return found
 
 
@@ -289,6 +331,7 @@ def render(results: dict[str, Any]) -> str:
         ("3. Concurrency", "concurrency", _concurrency),
         ("4. Link rewriting", "rewrite", _rewrite),
         ("5. Memory: peak RSS of the host side", "memory", _memory),
+        ("6. The live kernel", "kernel", _kernel),
     ]
     for title, key, fn in sections:
         if key in s:

@@ -103,7 +103,7 @@ async def full_step(
     if probe is not None:
         probe.current = {}
         session = chat.session
-        session.check_quota = probe.wrap("check_quota", session.check_quota)  # type: ignore[method-assign]
+        session.run_budget = probe.wrap("check_quota", session.run_budget)  # type: ignore[method-assign]
         session.reconcile = probe.wrap("reconcile", session.reconcile)  # type: ignore[method-assign]
     step = await chat.run(code, "python")
     t_run = time.perf_counter()

@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_bafea502fee5'
+_CS_PACKAGE = '_code_sessions_73eab7b5b652'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -221,6 +221,7 @@ log = logging.getLogger("code_sessions.storage")
 
 T = TypeVar("T")
 Owner = tuple[int, int] | None
+ENSURED_FOR_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,9 +261,15 @@ class Core:
         # Set by the Store: rebuilds the index from the folders after a damaged one was replaced.
         self.rebuild: Callable[[], Awaitable[object]] | None = None
         self._remembered: dict[str, str] = {}
+        self._remembered_policy: Policy | None = None
         self._generation = 0  # how many times the database was replaced while open
         self._recovery: asyncio.Lock | None = None
         self._recovering = False
+        self._ensured: dict[tuple[str, str], float] = {}  # sessions made sure of (and touched) lately
+
+    def forget_ensured(self, user_key: str, chat_key: str) -> None:
+        """The session was deleted: the next use makes sure of it again."""
+        self._ensured.pop((user_key, chat_key), None)
 
     # ------------------------------------------------------------------ refs and locks
 
@@ -317,7 +324,7 @@ class Core:
             try:
                 opened = await self.backend.recover()
                 self._generation += 1
-                self._remembered = {}
+                self._remembered, self._remembered_policy = {}, None
                 if opened.fresh and self.rebuild is not None:
                     await self.rebuild()
             finally:
@@ -328,12 +335,22 @@ class Core:
     async def ensure(self, ref: SessionRef, *, touch: bool) -> None:
         """The session's folder, sidecar and index row, created if missing; `touch` marks it used.
 
-        On a full disk an existing session is still usable (a run may be what frees the space); its
-        row is written by the next step that has room."""
+        A session this process made sure of moments ago, whose folder is still there, is not written
+        again (expiry counts in hours and days; a step should not pay a transaction for it). On a full
+        disk an existing session is still usable (a run may be what frees the space); its row is
+        written by the next step that has room."""
+        key = (ref.user_key, ref.chat_key)
+        seen = self._ensured.get(key)
+        if seen is not None and time.monotonic() - seen < ENSURED_FOR_S and ref.path.is_dir():
+            return
         try:
             created = await asyncio.to_thread(self.make_dirs, ref)
             now = time.time()
             await self.write(lambda tx: self.session_id(tx, ref, created, now if touch else None))
+            if touch:
+                if len(self._ensured) > 10_000:
+                    self._ensured.clear()
+                self._ensured[key] = time.monotonic()
         except (DiskFull, OSError) as error:
             full = isinstance(error, DiskFull) or error.errno in (errno.ENOSPC, errno.EDQUOT)
             if not full or not ref.path.is_dir():
@@ -389,7 +406,7 @@ class Core:
 
     async def remember_settings(self) -> None:
         """Store the quotas and expiry in use, so the CLI can show and apply the same ones."""
-        if not self.record_settings:
+        if not self.record_settings or self.policy is self._remembered_policy:
             return
         values = {
             "quotas": json.dumps(self.policy.quotas.to_dict(), sort_keys=True),
@@ -408,6 +425,7 @@ class Core:
         except DiskFull:
             return  # only the CLI reads these; the next call tries again
         self._remembered = values
+        self._remembered_policy = self.policy
 
 
 def _chown_existing(path: Path, owner: tuple[int, int]) -> None:
@@ -625,6 +643,7 @@ async def _remove_session(
 
 async def delete_session(core: Core, row: SessionRow, reason: str) -> int:
     """Delete a session whose lock we hold; returns how many links went with it."""
+    core.forget_ensured(row.user_key, row.chat_key)
     layout = core.layout
     folder = layout.session_dir(row.user_key, row.chat_key)
     trash = layout.trash / f"{row.chat_key}.{secrets.token_hex(6)}"
@@ -3268,8 +3287,10 @@ Several processes (web workers, the CLI) use the file at once, so:
 * SQLite's busy_timeout waits for the lock; on top of that a whole transaction that still gets
   "database is locked"/"busy" is rolled back and re-run with backoff, so that error never reaches a
   caller. Only after `busy_total_s` (60 s) do we give up with StorageBusy.
-* An aiosqlite connection is one thread running one transaction at a time: a tiny pool hands each
-  transaction a connection of its own.
+* Each connection lives in a thread of its own, and a whole transaction runs there in one hand-off
+  from the event loop (the transaction's function only awaits the database, whose calls complete at
+  once in that thread): a step's few transactions cost a few thread hops, not one per statement. A
+  tiny pool hands each transaction a connection of its own.
 * A full disk is `DiskFull` (SQLite rolls the transaction back: nothing is half-written). A damaged
   file (truncated, overwritten, not a database) is `IndexDamaged`; `recover()` moves it aside and
   starts a new one, once for all the processes that share it.
@@ -3288,11 +3309,10 @@ import os
 import random
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
-
-import aiosqlite
 
 from ._backend import Opened, Row
 from ._lock import FileLock, is_locked
@@ -3307,30 +3327,96 @@ __all__ = ["SQLiteBackend"]
 
 
 class _Tx:
-    """The statements of one transaction; handed to the function given to read/write."""
+    """The statements of one transaction, run in the connection's own thread (see _Connection)."""
 
     __slots__ = ("_conn",)
 
-    def __init__(self, conn: aiosqlite.Connection) -> None:
+    def __init__(self, conn: sqlite3.Connection) -> None:
         self._conn = conn
 
     async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        return list(await self._conn.execute_fetchall(sql, params))
+        return self._conn.execute(sql, params).fetchall()
 
     async def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
-        rows = await self._conn.execute_fetchall(sql, params)
-        return next(iter(rows), None)
+        return self._conn.execute(sql, params).fetchone()
 
     async def run(self, sql: str, params: Sequence[Any] = ()) -> int:
-        async with self._conn.execute(sql, params) as cursor:
-            return cursor.rowcount
+        return self._conn.execute(sql, params).rowcount
 
     async def many(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
-        await self._conn.executemany(sql, rows)
+        self._conn.executemany(sql, rows)
 
     async def serialise_user(self, user_key: str) -> None:
         # BEGIN IMMEDIATE already made this the only writer of the whole file.
         return None
+
+
+class _Connection:
+    """One SQLite connection and the one thread that uses it."""
+
+    def __init__(self, path: Path, busy_timeout_ms: int) -> None:
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="code-sessions-index")
+        self._path = path
+        self._busy_timeout_ms = busy_timeout_ms
+        self._conn: sqlite3.Connection | None = None
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    def connect(self) -> None:
+        # isolation_level=None: the sqlite3 module must not open transactions behind our back.
+        conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
+            conn.execute("PRAGMA foreign_keys = ON")
+            # NORMAL is safe with WAL (no corruption); a power cut may lose the last transactions, which
+            # the next sync recovers from disk anyway.
+            conn.execute("PRAGMA synchronous = NORMAL")
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+
+    def execute(self, sql: str) -> list[Row]:
+        assert self._conn is not None
+        return self._conn.execute(sql).fetchall()
+
+    def transaction(self, begin: str, fn: Callable[[_Tx], Coroutine[Any, Any, T]]) -> T:
+        """Run in the connection's thread: BEGIN, the whole function, COMMIT (or ROLLBACK)."""
+        conn = self._conn
+        assert conn is not None
+        conn.execute(begin)
+        try:
+            result = _complete(fn(_Tx(conn)))
+            conn.execute("COMMIT")
+            return result
+        except BaseException:
+            # "no transaction is active" (a failed COMMIT already ended it) is fine.
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            raise
+
+    def close(self) -> None:
+        def work() -> None:
+            if self._conn is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    self._conn.close()
+                self._conn = None
+
+        with contextlib.suppress(RuntimeError):  # the interpreter is shutting down
+            self._executor.submit(work).result()
+        self._executor.shutdown(wait=False)
+
+
+def _complete(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Drive a transaction's function to its end in this thread: its database calls complete at
+    once, so it never has to wait; one that does awaited something else, which is a bug."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coroutine.close()
+    raise RuntimeError("a transaction's function awaited something other than the database")
 
 
 class _Corrupt(Exception):
@@ -3364,9 +3450,9 @@ class SQLiteBackend:
         self.pool_size = pool_size
         # SQLite's own wait per statement; our retry loop covers the rest of busy_total_s.
         self._busy_timeout_ms = int(max(0.05, min(5.0, busy_total_s / 4)) * 1000)
-        self._pool: asyncio.Queue[aiosqlite.Connection] | None = None
+        self._pool: asyncio.Queue[_Connection] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._all: list[aiosqlite.Connection] = []
+        self._all: list[_Connection] = []
 
     # ------------------------------------------------------------------ locks
 
@@ -3426,10 +3512,10 @@ class SQLiteBackend:
     async def _open(self) -> bool:
         first = await self._connect()
         self._all.append(first)
-        await self._retry(lambda: first.execute("PRAGMA journal_mode = WAL"))
-        check = await self._retry(lambda: first.execute_fetchall("PRAGMA quick_check(1)"))
-        if not check or next(iter(check))[0] != "ok":
-            raise _Corrupt(f"quick_check: {next(iter(check), ('?',))[0]}")
+        await self._retry(lambda: first.call(lambda: first.execute("PRAGMA journal_mode = WAL")))
+        check = await self._retry(lambda: first.call(lambda: first.execute("PRAGMA quick_check(1)")))
+        if not check or check[0][0] != "ok":
+            raise _Corrupt(f"quick_check: {check[0][0] if check else '?'}")
         for _ in range(self.pool_size - 1):
             self._all.append(await self._connect())
         self._pool = asyncio.Queue()
@@ -3441,28 +3527,13 @@ class SQLiteBackend:
         except IndexDamaged as exc:  # the version says current, but the tables are not there
             raise _Corrupt(str(exc)) from exc
 
-    async def _connect(self) -> aiosqlite.Connection:
-        # isolation_level=None: the sqlite3 module must not open transactions behind our back.
-        conn = aiosqlite.connect(self.path, isolation_level=None)
-        # aiosqlite runs each connection in a non-daemon thread: a Store never closed (a web server's
-        # lives as long as the process) would keep the interpreter from exiting. SQLite itself is
-        # crash-safe, so the thread may simply die with the process.
-        worker = getattr(conn, "_thread", None)
-        if worker is not None and not worker.is_alive():
-            worker.daemon = True
+    async def _connect(self) -> _Connection:
+        conn = _Connection(self.path, self._busy_timeout_ms)
         try:
-            conn = await conn
-        except sqlite3.OperationalError as exc:
+            await conn.call(conn.connect)
+        except sqlite3.Error as exc:
+            await asyncio.to_thread(conn.close)
             raise _storage_error(exc, self.path) from exc
-        try:
-            await conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
-            await conn.execute("PRAGMA foreign_keys = ON")
-            # NORMAL is safe with WAL (no corruption); a power cut may lose the last transactions, which
-            # the next reconcile recovers from disk anyway.
-            await conn.execute("PRAGMA synchronous = NORMAL")
-        except BaseException:
-            await conn.close()
-            raise
         return conn
 
     def _move_aside(self) -> Path:
@@ -3481,20 +3552,20 @@ class SQLiteBackend:
         conns, self._all, self._pool = self._all, [], None
         for conn in conns:
             with contextlib.suppress(Exception):
-                await conn.close()
+                await asyncio.to_thread(conn.close)
 
     # ------------------------------------------------------------------ transactions
 
-    async def read(self, fn: Callable[[_Tx], Awaitable[T]]) -> T:
+    async def read(self, fn: Callable[[_Tx], Coroutine[Any, Any, T]]) -> T:
         """Run fn in a read transaction (one consistent snapshot, never blocks writers)."""
         return await self._transaction("BEGIN", fn)
 
-    async def write(self, fn: Callable[[_Tx], Awaitable[T]]) -> T:
+    async def write(self, fn: Callable[[_Tx], Coroutine[Any, Any, T]]) -> T:
         """Run fn in a write transaction; fn may be run again after a busy error, so it must only
         touch the database."""
         return await self._transaction("BEGIN IMMEDIATE", fn)
 
-    async def _transaction(self, begin: str, fn: Callable[[_Tx], Awaitable[T]]) -> T:
+    async def _transaction(self, begin: str, fn: Callable[[_Tx], Coroutine[Any, Any, T]]) -> T:
         if self._pool is None:
             raise StorageError("the store is not open; use `async with store:` or `await store.open()`")
         if asyncio.get_running_loop() is not self._loop:
@@ -3505,13 +3576,7 @@ class SQLiteBackend:
         async def attempt() -> T:
             conn = await pool.get()
             try:
-                await conn.execute(begin)
-                result = await fn(_Tx(conn))
-                await conn.execute("COMMIT")
-                return result
-            except BaseException:
-                await _rollback(conn)
-                raise
+                return await conn.call(lambda: conn.transaction(begin, fn))
             finally:
                 pool.put_nowait(conn)
 
@@ -3540,14 +3605,6 @@ class SQLiteBackend:
                     ) from None
                 await asyncio.sleep(delay * random.uniform(0.5, 1.5))
                 delay = min(delay * 2, 1.0)
-
-
-async def _rollback(conn: aiosqlite.Connection) -> None:
-    # Shielded and unconditional: even if we are being cancelled, the ROLLBACK is queued on the
-    # connection's thread before anyone else can use it, so it never goes back to the pool inside a
-    # transaction. "no transaction is active" (BEGIN itself failed) is fine.
-    with contextlib.suppress(sqlite3.Error):
-        await asyncio.shield(conn.execute("ROLLBACK"))
 
 
 def _error_name(exc: BaseException) -> str:
@@ -3739,6 +3796,12 @@ async def apply(core: Core, ref: SessionRef, differences: Differences, *, enforc
     """Decide the quota and write the differences in one transaction; then unlink what goes."""
     found = differences.found
     listing: Listing = found.files
+    if not differences.full and not (
+        differences.added or differences.changed or differences.removed or found.rejected or found.renamed
+    ):
+        # Nothing changed (print(1)): nothing to write, only the totals to report.
+        usage = await core.read(lambda tx: _index.session_usage(tx, ref.user_key, ref.chat_key))
+        return ReconcileReport(files=usage.files, bytes=usage.bytes, full=False)
     if len(found.empty_folders) > MAX_EMPTY_FOLDERS:
         await asyncio.to_thread(_prune_empty_folders, ref, found)
     candidates = differences.growth() if enforce else []
@@ -7241,7 +7304,7 @@ class Kernel:
             str(self.sandbox.workdir),
             self.limits.max_write_bytes,
             lambda grown: loop.call_soon_threadsafe(self._disk_exceeded, grown),
-            pids=self._host_pids,
+            pids=self.host_pids,
         )
         try:
             self._proc = await asyncio.create_subprocess_exec(
@@ -7294,7 +7357,7 @@ class Kernel:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(proc.wait()), 3.0)
             if proc.returncode is None:
-                await asyncio.to_thread(sigkill, self._host_pids())
+                await asyncio.to_thread(sigkill, self.host_pids())
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 await proc.wait()
@@ -7303,7 +7366,7 @@ class Kernel:
         for task in self._tasks:
             task.cancel()
         deadline = time.monotonic() + _REAP_S
-        while pids := await asyncio.to_thread(self._host_pids):
+        while pids := await asyncio.to_thread(self.host_pids):
             if time.monotonic() > deadline:
                 log.warning("kernel %s: host processes %s did not exit", self.cid, pids)
                 break
@@ -7496,7 +7559,8 @@ class Kernel:
         extra = f" ({tail[0][:200]})" if tail else ""
         return f"the kernel stopped responding: it exited{extra}"
 
-    def _host_pids(self) -> list[int]:
+    def host_pids(self) -> list[int]:
+        """The kernel's host processes (runsc, the sentry, the gofer, ptrace stubs)."""
         cgroup = self.sandbox.cgroup
         if cgroup is not None:
             return cgroup.pids()
@@ -9795,6 +9859,7 @@ __all__ = ["KernelPool", "reset_sentence"]
 log = logging.getLogger("code_sessions.runner")
 
 _REAP_EVERY_S = 30.0
+_TOUCH_EVERY_S = 30.0
 _CONNECT_TIMEOUT_S = 2.0
 _MAX_MESSAGE = 80 * 1024 * 1024  # a run request carries the code (the kernel takes up to 64 MiB)
 _HEADER = struct.Struct(">I")
@@ -9857,6 +9922,7 @@ class KernelPool:
         self._servers: dict[str, asyncio.AbstractServer] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._owner = owner_stamp()
+        self._touched: dict[str, float] = {}
 
     # ------------------------------------------------------------------ public
 
@@ -9899,7 +9965,7 @@ class KernelPool:
         if not kernel.alive:
             await self._end(key, kernel, kernel.lost or "the kernel stopped")
         else:
-            await asyncio.to_thread(self._touch, key, kernel)
+            await self._note_use(key, kernel)
         return result.model_copy(update={"notes": (*notes, *result.notes)}) if notes else result
 
     async def stop(self, key: str, reason: str, *, forget: bool = False) -> None:
@@ -10091,7 +10157,7 @@ class KernelPool:
             if not kernel.alive:
                 await self._end(key, kernel, kernel.lost or "the kernel stopped")
             else:
-                await asyncio.to_thread(self._touch, key, kernel)
+                await self._note_use(key, kernel)
             await _send(writer, {"result": result.model_dump(mode="json")})
         except (OSError, ValueError, KeyError, asyncio.IncompleteReadError) as error:
             log.warning("kernel of %s: a request from another worker failed: %s", key, error)
@@ -10124,6 +10190,13 @@ class KernelPool:
         now = self._entry(entry.key)
         if now is not None and now.cid == entry.cid:
             self._save(entry)
+
+    async def _note_use(self, key: str, kernel: Kernel) -> None:
+        """Keep the registry's last use roughly current (other workers' LRU reads it): at most every
+        _TOUCH_EVERY_S, so a warm step does not pay a file write."""
+        if time.monotonic() - self._touched.get(key, 0.0) >= _TOUCH_EVERY_S:
+            self._touched[key] = time.monotonic()
+            await asyncio.to_thread(self._touch, key, kernel)
 
     def _touch(self, key: str, kernel: Kernel) -> None:
         entry = self._entry(key)
@@ -10716,7 +10789,7 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_bafea502fee5.runner import Outcome
+from _code_sessions_73eab7b5b652.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import escape_text
@@ -10938,7 +11011,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_bafea502fee5.storage import human_bytes
+from _code_sessions_73eab7b5b652.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -11030,7 +11103,7 @@ def system_prompt(facts: PromptFacts) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_bafea502fee5.storage import Purge, parse_duration
+from _code_sessions_73eab7b5b652.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -11454,8 +11527,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_bafea502fee5.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_bafea502fee5.storage import (
+from _code_sessions_73eab7b5b652.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_73eab7b5b652.storage import (
     CleanupReport,
     DiskFull,
     FileMissing,
@@ -12123,7 +12196,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_bafea502fee5.engine import (
+from _code_sessions_73eab7b5b652.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -12136,8 +12209,8 @@ from _code_sessions_bafea502fee5.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_bafea502fee5.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_bafea502fee5.storage import (
+from _code_sessions_73eab7b5b652.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_73eab7b5b652.storage import (
     CLEAR_FILES_COMMAND,
     DirectoryPublisher,
     Expiry,
@@ -12146,7 +12219,7 @@ from _code_sessions_bafea502fee5.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_bafea502fee5.webui import Misconfigured, OpenWebUI
+from _code_sessions_73eab7b5b652.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

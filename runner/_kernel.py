@@ -118,7 +118,7 @@ class Kernel:
             str(self.sandbox.workdir),
             self.limits.max_write_bytes,
             lambda grown: loop.call_soon_threadsafe(self._disk_exceeded, grown),
-            pids=self._host_pids,
+            pids=self.host_pids,
         )
         try:
             self._proc = await asyncio.create_subprocess_exec(
@@ -171,7 +171,7 @@ class Kernel:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(proc.wait()), 3.0)
             if proc.returncode is None:
-                await asyncio.to_thread(sigkill, self._host_pids())
+                await asyncio.to_thread(sigkill, self.host_pids())
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 await proc.wait()
@@ -180,7 +180,7 @@ class Kernel:
         for task in self._tasks:
             task.cancel()
         deadline = time.monotonic() + _REAP_S
-        while pids := await asyncio.to_thread(self._host_pids):
+        while pids := await asyncio.to_thread(self.host_pids):
             if time.monotonic() > deadline:
                 log.warning("kernel %s: host processes %s did not exit", self.cid, pids)
                 break
@@ -373,7 +373,8 @@ class Kernel:
         extra = f" ({tail[0][:200]})" if tail else ""
         return f"the kernel stopped responding: it exited{extra}"
 
-    def _host_pids(self) -> list[int]:
+    def host_pids(self) -> list[int]:
+        """The kernel's host processes (runsc, the sentry, the gofer, ptrace stubs)."""
         cgroup = self.sandbox.cgroup
         if cgroup is not None:
             return cgroup.pids()

@@ -46,6 +46,7 @@ __all__ = ["KernelPool", "reset_sentence"]
 log = logging.getLogger("code_sessions.runner")
 
 _REAP_EVERY_S = 30.0
+_TOUCH_EVERY_S = 30.0
 _CONNECT_TIMEOUT_S = 2.0
 _MAX_MESSAGE = 80 * 1024 * 1024  # a run request carries the code (the kernel takes up to 64 MiB)
 _HEADER = struct.Struct(">I")
@@ -108,6 +109,7 @@ class KernelPool:
         self._servers: dict[str, asyncio.AbstractServer] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._owner = owner_stamp()
+        self._touched: dict[str, float] = {}
 
     # ------------------------------------------------------------------ public
 
@@ -150,7 +152,7 @@ class KernelPool:
         if not kernel.alive:
             await self._end(key, kernel, kernel.lost or "the kernel stopped")
         else:
-            await asyncio.to_thread(self._touch, key, kernel)
+            await self._note_use(key, kernel)
         return result.model_copy(update={"notes": (*notes, *result.notes)}) if notes else result
 
     async def stop(self, key: str, reason: str, *, forget: bool = False) -> None:
@@ -342,7 +344,7 @@ class KernelPool:
             if not kernel.alive:
                 await self._end(key, kernel, kernel.lost or "the kernel stopped")
             else:
-                await asyncio.to_thread(self._touch, key, kernel)
+                await self._note_use(key, kernel)
             await _send(writer, {"result": result.model_dump(mode="json")})
         except (OSError, ValueError, KeyError, asyncio.IncompleteReadError) as error:
             log.warning("kernel of %s: a request from another worker failed: %s", key, error)
@@ -375,6 +377,13 @@ class KernelPool:
         now = self._entry(entry.key)
         if now is not None and now.cid == entry.cid:
             self._save(entry)
+
+    async def _note_use(self, key: str, kernel: Kernel) -> None:
+        """Keep the registry's last use roughly current (other workers' LRU reads it): at most every
+        _TOUCH_EVERY_S, so a warm step does not pay a file write."""
+        if time.monotonic() - self._touched.get(key, 0.0) >= _TOUCH_EVERY_S:
+            self._touched[key] = time.monotonic()
+            await asyncio.to_thread(self._touch, key, kernel)
 
     def _touch(self, key: str, kernel: Kernel) -> None:
         entry = self._entry(key)

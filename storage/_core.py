@@ -35,6 +35,7 @@ log = logging.getLogger("code_sessions.storage")
 
 T = TypeVar("T")
 Owner = tuple[int, int] | None
+ENSURED_FOR_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +75,15 @@ class Core:
         # Set by the Store: rebuilds the index from the folders after a damaged one was replaced.
         self.rebuild: Callable[[], Awaitable[object]] | None = None
         self._remembered: dict[str, str] = {}
+        self._remembered_policy: Policy | None = None
         self._generation = 0  # how many times the database was replaced while open
         self._recovery: asyncio.Lock | None = None
         self._recovering = False
+        self._ensured: dict[tuple[str, str], float] = {}  # sessions made sure of (and touched) lately
+
+    def forget_ensured(self, user_key: str, chat_key: str) -> None:
+        """The session was deleted: the next use makes sure of it again."""
+        self._ensured.pop((user_key, chat_key), None)
 
     # ------------------------------------------------------------------ refs and locks
 
@@ -131,7 +138,7 @@ class Core:
             try:
                 opened = await self.backend.recover()
                 self._generation += 1
-                self._remembered = {}
+                self._remembered, self._remembered_policy = {}, None
                 if opened.fresh and self.rebuild is not None:
                     await self.rebuild()
             finally:
@@ -142,12 +149,22 @@ class Core:
     async def ensure(self, ref: SessionRef, *, touch: bool) -> None:
         """The session's folder, sidecar and index row, created if missing; `touch` marks it used.
 
-        On a full disk an existing session is still usable (a run may be what frees the space); its
-        row is written by the next step that has room."""
+        A session this process made sure of moments ago, whose folder is still there, is not written
+        again (expiry counts in hours and days; a step should not pay a transaction for it). On a full
+        disk an existing session is still usable (a run may be what frees the space); its row is
+        written by the next step that has room."""
+        key = (ref.user_key, ref.chat_key)
+        seen = self._ensured.get(key)
+        if seen is not None and time.monotonic() - seen < ENSURED_FOR_S and ref.path.is_dir():
+            return
         try:
             created = await asyncio.to_thread(self.make_dirs, ref)
             now = time.time()
             await self.write(lambda tx: self.session_id(tx, ref, created, now if touch else None))
+            if touch:
+                if len(self._ensured) > 10_000:
+                    self._ensured.clear()
+                self._ensured[key] = time.monotonic()
         except (DiskFull, OSError) as error:
             full = isinstance(error, DiskFull) or error.errno in (errno.ENOSPC, errno.EDQUOT)
             if not full or not ref.path.is_dir():
@@ -203,7 +220,7 @@ class Core:
 
     async def remember_settings(self) -> None:
         """Store the quotas and expiry in use, so the CLI can show and apply the same ones."""
-        if not self.record_settings:
+        if not self.record_settings or self.policy is self._remembered_policy:
             return
         values = {
             "quotas": json.dumps(self.policy.quotas.to_dict(), sort_keys=True),
@@ -222,6 +239,7 @@ class Core:
         except DiskFull:
             return  # only the CLI reads these; the next call tries again
         self._remembered = values
+        self._remembered_policy = self.policy
 
 
 def _chown_existing(path: Path, owner: tuple[int, int]) -> None:

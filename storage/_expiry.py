@@ -205,6 +205,7 @@ async def _remove_session(
 
 async def delete_session(core: Core, row: SessionRow, reason: str) -> int:
     """Delete a session whose lock we hold; returns how many links went with it."""
+    core.forget_ensured(row.user_key, row.chat_key)
     layout = core.layout
     folder = layout.session_dir(row.user_key, row.chat_key)
     trash = layout.trash / f"{row.chat_key}.{secrets.token_hex(6)}"

@@ -8,8 +8,10 @@ Several processes (web workers, the CLI) use the file at once, so:
 * SQLite's busy_timeout waits for the lock; on top of that a whole transaction that still gets
   "database is locked"/"busy" is rolled back and re-run with backoff, so that error never reaches a
   caller. Only after `busy_total_s` (60 s) do we give up with StorageBusy.
-* An aiosqlite connection is one thread running one transaction at a time: a tiny pool hands each
-  transaction a connection of its own.
+* Each connection lives in a thread of its own, and a whole transaction runs there in one hand-off
+  from the event loop (the transaction's function only awaits the database, whose calls complete at
+  once in that thread): a step's few transactions cost a few thread hops, not one per statement. A
+  tiny pool hands each transaction a connection of its own.
 * A full disk is `DiskFull` (SQLite rolls the transaction back: nothing is half-written). A damaged
   file (truncated, overwritten, not a database) is `IndexDamaged`; `recover()` moves it aside and
   starts a new one, once for all the processes that share it.
@@ -28,11 +30,10 @@ import os
 import random
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
-
-import aiosqlite
 
 from ._backend import Opened, Row
 from ._lock import FileLock, is_locked
@@ -47,30 +48,96 @@ __all__ = ["SQLiteBackend"]
 
 
 class _Tx:
-    """The statements of one transaction; handed to the function given to read/write."""
+    """The statements of one transaction, run in the connection's own thread (see _Connection)."""
 
     __slots__ = ("_conn",)
 
-    def __init__(self, conn: aiosqlite.Connection) -> None:
+    def __init__(self, conn: sqlite3.Connection) -> None:
         self._conn = conn
 
     async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        return list(await self._conn.execute_fetchall(sql, params))
+        return self._conn.execute(sql, params).fetchall()
 
     async def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
-        rows = await self._conn.execute_fetchall(sql, params)
-        return next(iter(rows), None)
+        return self._conn.execute(sql, params).fetchone()
 
     async def run(self, sql: str, params: Sequence[Any] = ()) -> int:
-        async with self._conn.execute(sql, params) as cursor:
-            return cursor.rowcount
+        return self._conn.execute(sql, params).rowcount
 
     async def many(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
-        await self._conn.executemany(sql, rows)
+        self._conn.executemany(sql, rows)
 
     async def serialise_user(self, user_key: str) -> None:
         # BEGIN IMMEDIATE already made this the only writer of the whole file.
         return None
+
+
+class _Connection:
+    """One SQLite connection and the one thread that uses it."""
+
+    def __init__(self, path: Path, busy_timeout_ms: int) -> None:
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="code-sessions-index")
+        self._path = path
+        self._busy_timeout_ms = busy_timeout_ms
+        self._conn: sqlite3.Connection | None = None
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    def connect(self) -> None:
+        # isolation_level=None: the sqlite3 module must not open transactions behind our back.
+        conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
+            conn.execute("PRAGMA foreign_keys = ON")
+            # NORMAL is safe with WAL (no corruption); a power cut may lose the last transactions, which
+            # the next sync recovers from disk anyway.
+            conn.execute("PRAGMA synchronous = NORMAL")
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+
+    def execute(self, sql: str) -> list[Row]:
+        assert self._conn is not None
+        return self._conn.execute(sql).fetchall()
+
+    def transaction(self, begin: str, fn: Callable[[_Tx], Coroutine[Any, Any, T]]) -> T:
+        """Run in the connection's thread: BEGIN, the whole function, COMMIT (or ROLLBACK)."""
+        conn = self._conn
+        assert conn is not None
+        conn.execute(begin)
+        try:
+            result = _complete(fn(_Tx(conn)))
+            conn.execute("COMMIT")
+            return result
+        except BaseException:
+            # "no transaction is active" (a failed COMMIT already ended it) is fine.
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            raise
+
+    def close(self) -> None:
+        def work() -> None:
+            if self._conn is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    self._conn.close()
+                self._conn = None
+
+        with contextlib.suppress(RuntimeError):  # the interpreter is shutting down
+            self._executor.submit(work).result()
+        self._executor.shutdown(wait=False)
+
+
+def _complete(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Drive a transaction's function to its end in this thread: its database calls complete at
+    once, so it never has to wait; one that does awaited something else, which is a bug."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coroutine.close()
+    raise RuntimeError("a transaction's function awaited something other than the database")
 
 
 class _Corrupt(Exception):
@@ -104,9 +171,9 @@ class SQLiteBackend:
         self.pool_size = pool_size
         # SQLite's own wait per statement; our retry loop covers the rest of busy_total_s.
         self._busy_timeout_ms = int(max(0.05, min(5.0, busy_total_s / 4)) * 1000)
-        self._pool: asyncio.Queue[aiosqlite.Connection] | None = None
+        self._pool: asyncio.Queue[_Connection] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._all: list[aiosqlite.Connection] = []
+        self._all: list[_Connection] = []
 
     # ------------------------------------------------------------------ locks
 
@@ -166,10 +233,10 @@ class SQLiteBackend:
     async def _open(self) -> bool:
         first = await self._connect()
         self._all.append(first)
-        await self._retry(lambda: first.execute("PRAGMA journal_mode = WAL"))
-        check = await self._retry(lambda: first.execute_fetchall("PRAGMA quick_check(1)"))
-        if not check or next(iter(check))[0] != "ok":
-            raise _Corrupt(f"quick_check: {next(iter(check), ('?',))[0]}")
+        await self._retry(lambda: first.call(lambda: first.execute("PRAGMA journal_mode = WAL")))
+        check = await self._retry(lambda: first.call(lambda: first.execute("PRAGMA quick_check(1)")))
+        if not check or check[0][0] != "ok":
+            raise _Corrupt(f"quick_check: {check[0][0] if check else '?'}")
         for _ in range(self.pool_size - 1):
             self._all.append(await self._connect())
         self._pool = asyncio.Queue()
@@ -181,28 +248,13 @@ class SQLiteBackend:
         except IndexDamaged as exc:  # the version says current, but the tables are not there
             raise _Corrupt(str(exc)) from exc
 
-    async def _connect(self) -> aiosqlite.Connection:
-        # isolation_level=None: the sqlite3 module must not open transactions behind our back.
-        conn = aiosqlite.connect(self.path, isolation_level=None)
-        # aiosqlite runs each connection in a non-daemon thread: a Store never closed (a web server's
-        # lives as long as the process) would keep the interpreter from exiting. SQLite itself is
-        # crash-safe, so the thread may simply die with the process.
-        worker = getattr(conn, "_thread", None)
-        if worker is not None and not worker.is_alive():
-            worker.daemon = True
+    async def _connect(self) -> _Connection:
+        conn = _Connection(self.path, self._busy_timeout_ms)
         try:
-            conn = await conn
-        except sqlite3.OperationalError as exc:
+            await conn.call(conn.connect)
+        except sqlite3.Error as exc:
+            await asyncio.to_thread(conn.close)
             raise _storage_error(exc, self.path) from exc
-        try:
-            await conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
-            await conn.execute("PRAGMA foreign_keys = ON")
-            # NORMAL is safe with WAL (no corruption); a power cut may lose the last transactions, which
-            # the next reconcile recovers from disk anyway.
-            await conn.execute("PRAGMA synchronous = NORMAL")
-        except BaseException:
-            await conn.close()
-            raise
         return conn
 
     def _move_aside(self) -> Path:
@@ -221,20 +273,20 @@ class SQLiteBackend:
         conns, self._all, self._pool = self._all, [], None
         for conn in conns:
             with contextlib.suppress(Exception):
-                await conn.close()
+                await asyncio.to_thread(conn.close)
 
     # ------------------------------------------------------------------ transactions
 
-    async def read(self, fn: Callable[[_Tx], Awaitable[T]]) -> T:
+    async def read(self, fn: Callable[[_Tx], Coroutine[Any, Any, T]]) -> T:
         """Run fn in a read transaction (one consistent snapshot, never blocks writers)."""
         return await self._transaction("BEGIN", fn)
 
-    async def write(self, fn: Callable[[_Tx], Awaitable[T]]) -> T:
+    async def write(self, fn: Callable[[_Tx], Coroutine[Any, Any, T]]) -> T:
         """Run fn in a write transaction; fn may be run again after a busy error, so it must only
         touch the database."""
         return await self._transaction("BEGIN IMMEDIATE", fn)
 
-    async def _transaction(self, begin: str, fn: Callable[[_Tx], Awaitable[T]]) -> T:
+    async def _transaction(self, begin: str, fn: Callable[[_Tx], Coroutine[Any, Any, T]]) -> T:
         if self._pool is None:
             raise StorageError("the store is not open; use `async with store:` or `await store.open()`")
         if asyncio.get_running_loop() is not self._loop:
@@ -245,13 +297,7 @@ class SQLiteBackend:
         async def attempt() -> T:
             conn = await pool.get()
             try:
-                await conn.execute(begin)
-                result = await fn(_Tx(conn))
-                await conn.execute("COMMIT")
-                return result
-            except BaseException:
-                await _rollback(conn)
-                raise
+                return await conn.call(lambda: conn.transaction(begin, fn))
             finally:
                 pool.put_nowait(conn)
 
@@ -280,14 +326,6 @@ class SQLiteBackend:
                     ) from None
                 await asyncio.sleep(delay * random.uniform(0.5, 1.5))
                 delay = min(delay * 2, 1.0)
-
-
-async def _rollback(conn: aiosqlite.Connection) -> None:
-    # Shielded and unconditional: even if we are being cancelled, the ROLLBACK is queued on the
-    # connection's thread before anyone else can use it, so it never goes back to the pool inside a
-    # transaction. "no transaction is active" (BEGIN itself failed) is fine.
-    with contextlib.suppress(sqlite3.Error):
-        await asyncio.shield(conn.execute("ROLLBACK"))
 
 
 def _error_name(exc: BaseException) -> str:

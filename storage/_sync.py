@@ -119,6 +119,12 @@ async def apply(core: Core, ref: SessionRef, differences: Differences, *, enforc
     """Decide the quota and write the differences in one transaction; then unlink what goes."""
     found = differences.found
     listing: Listing = found.files
+    if not differences.full and not (
+        differences.added or differences.changed or differences.removed or found.rejected or found.renamed
+    ):
+        # Nothing changed (print(1)): nothing to write, only the totals to report.
+        usage = await core.read(lambda tx: _index.session_usage(tx, ref.user_key, ref.chat_key))
+        return ReconcileReport(files=usage.files, bytes=usage.bytes, full=False)
     if len(found.empty_folders) > MAX_EMPTY_FOLDERS:
         await asyncio.to_thread(_prune_empty_folders, ref, found)
     candidates = differences.growth() if enforce else []

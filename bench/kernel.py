@@ -1,0 +1,174 @@
+"""Section: the live kernel. What a warm step costs, what a chat's first step costs, what a kernel weighs.
+
+(a) warm step: `CodeSessions.chat()` -> `ChatSession.run("print(1)")` -> `rewrite()` of an answer with no
+    path, through the whole path with a live kernel (lock, budget, mark, kernel round trip, change
+    harvest, sync), against (b) the same step with `kernel=fresh` (a cold sandbox per run), and (c)
+    the bare warm round trip into the same kernel (`Kernel.run`: one frame out, frames back, no
+    storage). (a), (b) and (c) are interleaved in one run, so the shared machine's drift hits each.
+(d) first step of a chat: a chat without a kernel (a new key), so the step starts one, against a bare
+    `runsc run` of print(1) in the same sandbox setup (run_overhead.bare_run), interleaved.
+(e) kernel start: time from `KernelPool` starting a sandbox to the kernel's ready frame, and what the
+    kernel says it can import.
+(f) memory: the RSS of a kernel's host processes (runsc, the sentry, the gofer, ptrace stubs: every
+    process of its cgroup) when idle, for one kernel and for 20 at once, plus the growth of our own
+    process's RSS for those 20.
+
+Targets: warm step <= 0.1x the cold full path and <= 10 ms; first step <= 1.15x bare runsc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from engine import CodeSessions
+from runner import KernelPool, Limits
+
+from ._common import ANSWER_WITHOUT_PATHS, Context, ratio_summary, status_kib, summary
+from .run_overhead import bare_run
+
+SECTION = "kernel"
+CODE = "print(1)"
+TARGETS = {"warm_vs_cold": 0.1, "warm_ms": 10.0, "first_vs_bare": 1.15}
+
+
+async def _step(service: CodeSessions, user: str, chat_id: str) -> tuple[float, str]:
+    """One step through the whole path; returns (seconds, the chat's kernel key)."""
+    start = time.perf_counter()
+    chat = await service.chat(user, chat_id)
+    step = await chat.run(CODE, "python")
+    await chat.rewrite(ANSWER_WITHOUT_PATHS)
+    elapsed = time.perf_counter() - start
+    if step.run is None or step.run.stdout != "1\n":
+        raise RuntimeError(f"the step printed {step.run.stdout[:80] if step.run else step.refused!r}")
+    return elapsed, f"{chat.session.user_key}/{chat.session.chat_key}"
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {
+        "min": round(ordered[0], 1),
+        "median": round(ordered[len(ordered) // 2], 1),
+        "max": round(ordered[-1], 1),
+    }
+
+
+def _rss_kib(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+                for line in fh:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1])
+                        break
+        except OSError:
+            continue
+    return total
+
+
+async def run(ctx: Context) -> dict[str, Any]:
+    pairs = 5 if ctx.quick else 40
+    many = 3 if ctx.quick else 20
+    result: dict[str, Any] = {"code": CODE, "targets": TARGETS}
+    runner = ctx.runner()
+    limits = Limits()
+    async with ctx.store("kernel") as store:
+        pool = KernelPool(runner, ctx.scratch / "kernel" / "registry", max_kernels=max(many + 2, 20))
+        warm = CodeSessions(store, runner, limits, kernels=pool)
+        cold = CodeSessions(store, runner, limits)
+        setup = await runner.setup()
+        try:
+            # (a) (b) (c): one chat, its kernel warmed up; the cold path in another chat.
+            for _ in range(2):
+                await _step(warm, "bench", "warm")
+                await _step(cold, "bench", "cold")
+            [kernel] = pool.kernels().values()
+            warm_t: list[float] = []
+            cold_t: list[float] = []
+            bare_t: list[float] = []
+            ctx.log(f"{SECTION}: {pairs} interleaved rounds of warm, cold and bare kernel steps")
+            for i in range(pairs):
+                order = ("warm", "cold", "bare") if i % 2 == 0 else ("bare", "cold", "warm")
+                for which in order:
+                    if which == "warm":
+                        warm_t.append((await _step(warm, "bench", "warm"))[0])
+                    elif which == "cold":
+                        cold_t.append((await _step(cold, "bench", "cold"))[0])
+                    else:
+                        start = time.perf_counter()
+                        got = await kernel.run(CODE, "python", limits)
+                        bare_t.append(time.perf_counter() - start)
+                        if got.stdout != "1\n":
+                            raise RuntimeError(f"the bare kernel round trip printed {got.stdout[:80]!r}")
+            warm_s, cold_s, bare_s = summary(warm_t), summary(cold_t), summary(bare_t)
+            result["warm_step"] = {
+                "warm_full_path": warm_s,
+                "cold_full_path": cold_s,
+                "bare_kernel_round_trip": bare_s,
+                "warm_vs_cold": round(warm_s["median_ms"] / cold_s["median_ms"], 4),
+                "warm_vs_bare_kernel": round(warm_s["median_ms"] / bare_s["median_ms"], 3),
+                "pair_ratio_warm_vs_cold": ratio_summary(
+                    [w / c for w, c in zip(warm_t, cold_t, strict=True)]
+                ),
+            }
+
+            # (d) a chat's first step (it starts the kernel), against bare runsc.
+            session = await store.session("bench", "bare")
+            first_t: list[float] = []
+            bare_runsc_t: list[float] = []
+            rounds = 3 if ctx.quick else 12
+            ctx.log(f"{SECTION}: {rounds} interleaved first steps and bare runsc runs")
+            for i in range(rounds):
+                chat_id = f"first-{i}"
+
+                async def first(chat_id: str = chat_id) -> None:
+                    elapsed, key = await _step(warm, "bench", chat_id)
+                    first_t.append(elapsed)
+                    await pool.stop(key, "the benchmark is done with it", forget=True)
+
+                async def bare() -> None:
+                    elapsed, out = await bare_run(runner, setup, session.path, limits)
+                    if out != b"1\n":
+                        raise RuntimeError(f"bare runsc printed {out[:80]!r}")
+                    bare_runsc_t.append(elapsed)
+
+                for do in (first, bare) if i % 2 == 0 else (bare, first):
+                    await do()
+            first_s, bare_runsc_s = summary(first_t), summary(bare_runsc_t)
+            result["first_step"] = {
+                "first_step_full_path": first_s,
+                "bare_runsc_run": bare_runsc_s,
+                "first_vs_bare": round(first_s["median_ms"] / bare_runsc_s["median_ms"], 4),
+                "pair_ratio": ratio_summary([f / b for f, b in zip(first_t, bare_runsc_t, strict=True)]),
+            }
+
+            # (e) kernel start, and (f) memory, idle, one and many.
+            ours_before = status_kib("VmRSS") or 0
+            starts: list[float] = []
+            keys = []
+            for i in range(many):
+                chat = await warm.chat("bench", f"idle-{i}")
+                begin = time.perf_counter()
+                await chat.run("pass", "python")
+                starts.append(time.perf_counter() - begin)
+                keys.append(f"{chat.session.user_key}/{chat.session.chat_key}")
+            await asyncio.sleep(2.0 if not ctx.quick else 0.5)  # let them settle into idle
+            kernels = [k for key, k in pool.kernels().items() if key in keys]
+            per_kernel = [_rss_kib(k.host_pids()) / 1024 for k in kernels]
+            ready = kernels[0].ready
+            result["kernel_start"] = {
+                "start_and_first_run": summary(starts),
+                "python": ready.python if ready else None,
+                "packages": ready.packages if ready else None,
+            }
+            result["memory"] = {
+                "idle_kernel_mib": _spread(per_kernel),
+                "idle_kernels": len(per_kernel),
+                "idle_kernels_total_mib": round(sum(per_kernel), 1),
+                "our_process_growth_mib": round(((status_kib("VmRSS") or 0) - ours_before) / 1024, 1),
+            }
+        finally:
+            await pool.close()
+    return result
