@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_73eab7b5b652'
+_CS_PACKAGE = '_code_sessions_2a3eb7abe69d'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -10789,7 +10789,7 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_73eab7b5b652.runner import Outcome
+from _code_sessions_2a3eb7abe69d.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import escape_text
@@ -11011,7 +11011,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_73eab7b5b652.storage import human_bytes
+from _code_sessions_2a3eb7abe69d.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -11103,7 +11103,7 @@ def system_prompt(facts: PromptFacts) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_73eab7b5b652.storage import Purge, parse_duration
+from _code_sessions_2a3eb7abe69d.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -11527,12 +11527,13 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_73eab7b5b652.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_73eab7b5b652.storage import (
+from _code_sessions_2a3eb7abe69d.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_2a3eb7abe69d.storage import (
     CleanupReport,
     DiskFull,
     FileMissing,
     InvalidPath,
+    Link,
     Purge,
     ReconcileReport,
     Session,
@@ -11674,11 +11675,18 @@ class ChatSession:
         self._published: dict[Target, None] = {}
         # Files that exist but could not be linked (a full disk, the copies' quota), and why.
         self._unlinked: dict[str, str] = {}
+        # The published copies behind those targets, by ref (for attaching them to the message).
+        self._links: dict[str, Link] = {}
 
     @property
     def published(self) -> list[Target]:
         """Every file linked so far, in the order first linked."""
         return list(self._published)
+
+    @property
+    def links(self) -> list[Link]:
+        """The published copies behind every file linked so far, each once, in the order first linked."""
+        return list(self._links.values())
 
     def unlinked_notes(self) -> list[str]:
         """One sentence per file the answer named that exists but could not be linked; then forgotten."""
@@ -11767,6 +11775,7 @@ class ChatSession:
             return None
         target = Target(url=link.url, name=posixpath.basename(path), is_image=link.is_image)
         self._published.setdefault(target, None)
+        self._links.setdefault(link.ref, link)
         return target
 
     async def rewrite(self, text: str, *, inline_images: bool = True) -> str:
@@ -12029,9 +12038,208 @@ def events_from_message(payload: dict) -> list[TextDelta | ToolCall | ModelError
     'webui/__init__.py': r'''"""What code-sessions asks of the Open WebUI it runs in, in one place (only here and in the function
 file is `open_webui` imported, lazily, so the bundle loads without a running Open WebUI)."""
 
+from .files import FilesPublisher
 from .host import Locations, Misconfigured, OpenWebUI
 
-__all__ = ["Locations", "Misconfigured", "OpenWebUI"]
+__all__ = ["FilesPublisher", "Locations", "Misconfigured", "OpenWebUI"]
+''',
+    'webui/files.py': r'''"""Published copies as Open WebUI files: owner-only links, and attachments on the message.
+
+`FilesPublisher` implements storage's Publisher protocol on Open WebUI's Files API (0.12):
+
+* a copy is a `file` row owned by the chat's user, its bytes stored through Open WebUI's own storage
+  provider (local disk, or S3/GCS/Azure when Open WebUI is set up so), with no RAG processing;
+* its link is `/api/v1/files/<id>/content`, which Open WebUI serves to the owner, admins, and users the
+  chat is shared with (through the `chat_file` rows `attach` writes); anyone else gets 404;
+* active content can never run: only passive images keep their own type and extension; everything
+  else is stored under a `.bin` name with `application/octet-stream`, so every Files API route
+  (`/content`, `/content/{name}`, `/content/html`, which guesses from the stored name) hands it out as a
+  download, whoever owns it (an admin's HTML would otherwise run on Open WebUI's origin);
+* our ids start with `code-sessions-`, so copies of ours the index does not know (a crash between the
+  upload and the link's row) are found and removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from _code_sessions_2a3eb7abe69d.storage import Copy, DiskFull, Link, Published, StorageError
+
+__all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
+
+log = logging.getLogger("code_sessions.function")
+
+ID_PREFIX = "code-sessions-"
+KIND = "open-webui-files"
+_PASSIVE_EXTENSIONS = {
+    "image/png": ".png",
+    "image/jpeg": ".jpg",
+    "image/gif": ".gif",
+    "image/webp": ".webp",
+    "image/bmp": ".bmp",
+    "image/avif": ".avif",
+}
+_DOWNLOAD_TYPE = "application/octet-stream"
+_CHUNK = 500
+
+
+def _stored_as(copy: Copy) -> tuple[str, str]:
+    """(extension of the stored name, content type): passive images as themselves, the rest a download."""
+    if copy.inline and copy.content_type in _PASSIVE_EXTENSIONS:
+        return _PASSIVE_EXTENSIONS[copy.content_type], copy.content_type
+    return ".bin", _DOWNLOAD_TYPE
+
+
+def attachment_item(link: Link, content_type: str) -> dict[str, Any]:
+    """The item Open WebUI shows as a file chip (or an image) under the message."""
+    ref = link.ref
+    return {
+        "type": "image" if link.is_image else "file",
+        "id": ref,
+        "url": f"/api/v1/files/{ref}/content",
+        "name": link.name,
+        "content_type": content_type,
+        "size": link.size,
+    }
+
+
+class FilesPublisher:
+    kind = KIND
+
+    async def put(self, copy: Copy) -> Published:
+        from open_webui.models.files import FileForm, Files
+        from open_webui.storage.provider import Storage
+
+        if copy.size == 0:
+            raise StorageError(f"{copy.path} is empty: there is nothing to download")
+        file_id = ID_PREFIX + str(uuid.uuid4())
+        extension, content_type = _stored_as(copy)
+        data = await asyncio.to_thread(_read_all, copy.fd)
+        try:
+            _, stored = await asyncio.to_thread(
+                Storage.upload_file, io.BytesIO(data), file_id + extension, {}
+            )
+        except OSError as error:
+            if error.errno in (28, 122):  # ENOSPC, EDQUOT
+                raise DiskFull(
+                    f"Not enough disk space to publish {copy.path}; nothing was published."
+                ) from error
+            raise StorageError(f"{copy.path} could not be stored by Open WebUI: {error}") from error
+        except Exception as error:  # a cloud provider's own errors
+            raise StorageError(f"{copy.path} could not be stored by Open WebUI: {error}") from error
+        meta = {
+            "name": copy.name,
+            "content_type": content_type,
+            "size": copy.size,
+            # What the copy is, for an admin looking at Open WebUI's files (and for us, finding ours).
+            "code_sessions": {"chat_id": copy.chat_id, "path": copy.path, "sha256": copy.sha256},
+        }
+        form = FileForm(id=file_id, filename=copy.name, path=stored, meta=meta, data={})
+        row = await Files.insert_new_file(copy.user_id, form)
+        if row is None:  # Open WebUI logged why; keep no bytes of a record that does not exist
+            await asyncio.to_thread(_delete_stored, stored)
+            raise StorageError(f"{copy.path} could not be recorded by Open WebUI (see its log)")
+        return Published(file_id, f"/api/v1/files/{file_id}/content")
+
+    async def remove(self, refs: Sequence[str]) -> None:
+        from open_webui.models.files import Files
+
+        for start in range(0, len(refs), _CHUNK):
+            chunk = [r for r in refs[start : start + _CHUNK] if r.startswith(ID_PREFIX)]
+            for row in await Files.get_files_by_ids(chunk):
+                if row.path:
+                    await asyncio.to_thread(_delete_stored, row.path)
+                await Files.delete_file_by_id(row.id)
+                await _drop_chat_links(row.id)
+
+    async def missing(self, refs: Sequence[str]) -> set[str]:
+        from open_webui.models.files import Files
+
+        present: set[str] = set()
+        for start in range(0, len(refs), _CHUNK):
+            rows = await Files.get_files_by_ids(list(refs[start : start + _CHUNK]))
+            present.update(row.id for row in rows if await asyncio.to_thread(_bytes_there, row.path))
+        return set(refs) - present
+
+    async def strays(self, known: set[str], older_than_s: float) -> list[str]:
+        from open_webui.internal.db import get_async_db
+        from open_webui.models.files import File
+        from sqlalchemy import select
+
+        cutoff = time.time() - older_than_s
+        async with get_async_db() as session:
+            rows = (
+                await session.execute(select(File.id, File.created_at).where(File.id.like(ID_PREFIX + "%")))
+            ).all()
+        return [file_id for file_id, created in rows if file_id not in known and (created or 0) <= cutoff]
+
+
+async def attach(
+    chat_id: str, message_id: str, user_id: str, items: Iterable[dict[str, Any]]
+) -> list[dict] | None:
+    """Link the answer's files to the chat (shared-chat readers may then fetch them), and its other
+    files to the message as attachment chips, each once (images are already shown inline in the
+    text: as chips they would show twice). Returns the message's full list of files, for the UI."""
+    from open_webui.models.chats import Chats
+
+    items = list(items)
+    if not items:
+        return None
+    ids = [item["id"] for item in items]
+    await Chats.insert_chat_files(chat_id=chat_id, message_id=message_id, file_ids=ids, user_id=user_id)
+    message = await Chats.get_message_by_id_and_message_id(chat_id, message_id) or {}
+    already = {f.get("id") for f in message.get("files") or [] if isinstance(f, dict)}
+    new = [item for item in items if item["id"] not in already and item["type"] != "image"]
+    if not new:
+        return None
+    return await Chats.add_message_files_by_id_and_message_id(chat_id, message_id, new)
+
+
+async def _drop_chat_links(file_id: str) -> None:
+    # SQLite does not cascade Open WebUI's foreign keys: remove the chat_file rows ourselves.
+    from open_webui.internal.db import get_async_db
+    from open_webui.models.chats import ChatFile
+    from sqlalchemy import delete
+
+    try:
+        async with get_async_db() as session:
+            await session.execute(delete(ChatFile).where(ChatFile.file_id == file_id))
+            await session.commit()
+    except Exception as error:  # the row is harmless: its file is gone, so it grants nothing
+        log.warning("code-sessions: could not remove the chat links of %s: %s", file_id, error)
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    offset = 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+def _delete_stored(path: str) -> None:
+    from open_webui.storage.provider import Storage
+
+    try:
+        Storage.delete_file(path)
+    except Exception as error:  # already gone, or a provider's error: nothing more to do here
+        log.warning("code-sessions: could not delete %s: %s", path, error)
+
+
+def _bytes_there(path: str | None) -> bool:
+    if not path:
+        return False
+    if "://" in path:  # a cloud provider: its record is what we can check from here
+        return True
+    return os.path.isfile(path)
 ''',
     'webui/host.py': r'''"""The Open WebUI host: locations, users, the base models, uploads, valves, which chats exist.
 
@@ -12043,15 +12251,31 @@ else in the function reaches into Open WebUI.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import logging
+import mimetypes
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from _code_sessions_2a3eb7abe69d.storage import Link, Publisher
+
+from .files import FilesPublisher, attach, attachment_item
+
+log = logging.getLogger("code_sessions.function")
 
 __all__ = ["Locations", "Misconfigured", "OpenWebUI"]
 
 # Ids per IN (...) query: well under every database's limit on bound parameters.
 _ID_CHUNK = 500
+
+
+def _saved_chat(chat_id: str) -> bool:
+    return bool(chat_id) and not chat_id.startswith(("temporary:", "local:", "channel:"))
+
+
+def _content_type(name: str) -> str:
+    return mimetypes.guess_type(name, strict=False)[0] or "application/octet-stream"
 
 
 class Misconfigured(ValueError):
@@ -12078,6 +12302,35 @@ class OpenWebUI:
         if root == cache or cache in root.parents:
             raise Misconfigured(f"storage_root {root} is inside {cache}, which any logged-in user can read")
         return Locations(root, cache / "functions" / function_id, f"/cache/functions/{function_id}/")
+
+    def publisher(self, places: Locations) -> Publisher:
+        """Where published copies go: Open WebUI's Files API (owner, admins and shared-chat readers
+        only). Copies made earlier under /cache keep their own publisher (see storage.publishing)."""
+        return FilesPublisher()
+
+    async def attach(
+        self,
+        chat_id: str,
+        message_id: str | None,
+        user_id: str,
+        links: Sequence[Link],
+        emit: Callable[[dict], Awaitable[None]] | None,
+    ) -> None:
+        """Show the answer's files as attachments of its message (each once), and link them to the
+        chat so the people it is shared with can open them. Temporary chats have no message to
+        attach to: their links still work for their owner."""
+        if not links or not message_id or not _saved_chat(chat_id):
+            return
+        items = [
+            attachment_item(link, _content_type(link.name)) for link in links if link.url.startswith("/api/")
+        ]
+        try:
+            files = await attach(chat_id, message_id, user_id, items)
+        except Exception as error:  # the links in the text work anyway
+            log.warning("code-sessions: could not attach the files to message %s: %s", message_id, error)
+            return
+        if files and emit is not None:
+            await emit({"type": "chat:message:files", "data": {"files": files}})
 
     async def user(self, user_id: str) -> Any:
         from open_webui.models.users import Users
@@ -12196,7 +12449,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_73eab7b5b652.engine import (
+from _code_sessions_2a3eb7abe69d.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -12209,17 +12462,16 @@ from _code_sessions_73eab7b5b652.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_73eab7b5b652.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_73eab7b5b652.storage import (
+from _code_sessions_2a3eb7abe69d.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_2a3eb7abe69d.storage import (
     CLEAR_FILES_COMMAND,
-    DirectoryPublisher,
     Expiry,
     Policy,
     Quotas,
     StorageError,
     Store,
 )
-from _code_sessions_73eab7b5b652.webui import Misconfigured, OpenWebUI
+from _code_sessions_2a3eb7abe69d.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 
@@ -12308,7 +12560,9 @@ class Pipe:
             "'all', 'user:<user id>', 'chat:<chat id>' or 'idle:<duration>' such as idle:7d, idle:12h.",
         )
         attach_files: bool = Field(
-            default=False, description="Also list the linked files under the answer as Open WebUI file items."
+            default=True,
+            description="Also show the files an answer links as attachments of its message (and let the "
+            "people a chat is shared with open them).",
         )
         runsc_path: str = Field(default="runsc", description="The gVisor runsc binary.")
         runsc_platform: str = Field(
@@ -12355,6 +12609,7 @@ class Pipe:
         __chat_id__: str | None = None,
         __task__: str | None = None,
         __files__: list | None = None,
+        __message_id__: str | None = None,
     ) -> Any:
         self._function_id, _, base_model = str(body.get("model", "")).partition(".")
         host = self._host
@@ -12407,8 +12662,10 @@ class Pipe:
                 yield "".join(notes)
             async for piece in converse(chat, messages, call_model, options, status):
                 yield piece
-            if self.valves.attach_files and __event_emitter__ is not None:
-                await _emit_files(__event_emitter__, chat.published)
+            if self.valves.attach_files:
+                await host.attach(
+                    __chat_id__ or "", __message_id__, __user__["id"], chat.links, __event_emitter__
+                )
 
         return answer()
 
@@ -12441,8 +12698,7 @@ class Pipe:
                     )
                 )
                 owner = (runner.sandbox_uid, runner.sandbox_gid) if os.geteuid() == 0 else None
-                publisher = DirectoryPublisher(places.publish_dir, places.url_prefix)
-                store = Store(places.root, publisher=publisher, owner=owner)
+                store = Store(places.root, publisher=self._host.publisher(places), owner=owner)
                 await store.open()
                 kernels = None
                 if valves.kernel != "fresh":
@@ -12700,12 +12956,3 @@ def _status_emitter(emitter: Any) -> Any:
             await emitter({"type": "status", "data": {"description": description, "done": done}})
 
     return status
-
-
-async def _emit_files(emitter: Any, targets: list) -> None:
-    items = [
-        {"type": "image" if target.is_image else "file", "name": target.name, "url": target.url}
-        for target in targets
-    ]
-    if items:
-        await emitter({"type": "files", "data": {"files": items}})

@@ -19,6 +19,7 @@ from storage import (
     DiskFull,
     FileMissing,
     InvalidPath,
+    Link,
     Purge,
     ReconcileReport,
     Session,
@@ -160,11 +161,18 @@ class ChatSession:
         self._published: dict[Target, None] = {}
         # Files that exist but could not be linked (a full disk, the copies' quota), and why.
         self._unlinked: dict[str, str] = {}
+        # The published copies behind those targets, by ref (for attaching them to the message).
+        self._links: dict[str, Link] = {}
 
     @property
     def published(self) -> list[Target]:
         """Every file linked so far, in the order first linked."""
         return list(self._published)
+
+    @property
+    def links(self) -> list[Link]:
+        """The published copies behind every file linked so far, each once, in the order first linked."""
+        return list(self._links.values())
 
     def unlinked_notes(self) -> list[str]:
         """One sentence per file the answer named that exists but could not be linked; then forgotten."""
@@ -253,6 +261,7 @@ class ChatSession:
             return None
         target = Target(url=link.url, name=posixpath.basename(path), is_image=link.is_image)
         self._published.setdefault(target, None)
+        self._links.setdefault(link.ref, link)
         return target
 
     async def rewrite(self, text: str, *, inline_images: bool = True) -> str:

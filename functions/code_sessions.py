@@ -35,7 +35,6 @@ from engine import (
 from runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
 from storage import (
     CLEAR_FILES_COMMAND,
-    DirectoryPublisher,
     Expiry,
     Policy,
     Quotas,
@@ -131,7 +130,9 @@ class Pipe:
             "'all', 'user:<user id>', 'chat:<chat id>' or 'idle:<duration>' such as idle:7d, idle:12h.",
         )
         attach_files: bool = Field(
-            default=False, description="Also list the linked files under the answer as Open WebUI file items."
+            default=True,
+            description="Also show the files an answer links as attachments of its message (and let the "
+            "people a chat is shared with open them).",
         )
         runsc_path: str = Field(default="runsc", description="The gVisor runsc binary.")
         runsc_platform: str = Field(
@@ -178,6 +179,7 @@ class Pipe:
         __chat_id__: str | None = None,
         __task__: str | None = None,
         __files__: list | None = None,
+        __message_id__: str | None = None,
     ) -> Any:
         self._function_id, _, base_model = str(body.get("model", "")).partition(".")
         host = self._host
@@ -230,8 +232,10 @@ class Pipe:
                 yield "".join(notes)
             async for piece in converse(chat, messages, call_model, options, status):
                 yield piece
-            if self.valves.attach_files and __event_emitter__ is not None:
-                await _emit_files(__event_emitter__, chat.published)
+            if self.valves.attach_files:
+                await host.attach(
+                    __chat_id__ or "", __message_id__, __user__["id"], chat.links, __event_emitter__
+                )
 
         return answer()
 
@@ -264,8 +268,7 @@ class Pipe:
                     )
                 )
                 owner = (runner.sandbox_uid, runner.sandbox_gid) if os.geteuid() == 0 else None
-                publisher = DirectoryPublisher(places.publish_dir, places.url_prefix)
-                store = Store(places.root, publisher=publisher, owner=owner)
+                store = Store(places.root, publisher=self._host.publisher(places), owner=owner)
                 await store.open()
                 kernels = None
                 if valves.kernel != "fresh":
@@ -523,12 +526,3 @@ def _status_emitter(emitter: Any) -> Any:
             await emitter({"type": "status", "data": {"description": description, "done": done}})
 
     return status
-
-
-async def _emit_files(emitter: Any, targets: list) -> None:
-    items = [
-        {"type": "image" if target.is_image else "file", "name": target.name, "url": target.url}
-        for target in targets
-    ]
-    if items:
-        await emitter({"type": "files", "data": {"files": items}})

@@ -8,15 +8,31 @@ else in the function reaches into Open WebUI.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import logging
+import mimetypes
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from storage import Link, Publisher
+
+from .files import FilesPublisher, attach, attachment_item
+
+log = logging.getLogger("code_sessions.function")
 
 __all__ = ["Locations", "Misconfigured", "OpenWebUI"]
 
 # Ids per IN (...) query: well under every database's limit on bound parameters.
 _ID_CHUNK = 500
+
+
+def _saved_chat(chat_id: str) -> bool:
+    return bool(chat_id) and not chat_id.startswith(("temporary:", "local:", "channel:"))
+
+
+def _content_type(name: str) -> str:
+    return mimetypes.guess_type(name, strict=False)[0] or "application/octet-stream"
 
 
 class Misconfigured(ValueError):
@@ -43,6 +59,35 @@ class OpenWebUI:
         if root == cache or cache in root.parents:
             raise Misconfigured(f"storage_root {root} is inside {cache}, which any logged-in user can read")
         return Locations(root, cache / "functions" / function_id, f"/cache/functions/{function_id}/")
+
+    def publisher(self, places: Locations) -> Publisher:
+        """Where published copies go: Open WebUI's Files API (owner, admins and shared-chat readers
+        only). Copies made earlier under /cache keep their own publisher (see storage.publishing)."""
+        return FilesPublisher()
+
+    async def attach(
+        self,
+        chat_id: str,
+        message_id: str | None,
+        user_id: str,
+        links: Sequence[Link],
+        emit: Callable[[dict], Awaitable[None]] | None,
+    ) -> None:
+        """Show the answer's files as attachments of its message (each once), and link them to the
+        chat so the people it is shared with can open them. Temporary chats have no message to
+        attach to: their links still work for their owner."""
+        if not links or not message_id or not _saved_chat(chat_id):
+            return
+        items = [
+            attachment_item(link, _content_type(link.name)) for link in links if link.url.startswith("/api/")
+        ]
+        try:
+            files = await attach(chat_id, message_id, user_id, items)
+        except Exception as error:  # the links in the text work anyway
+            log.warning("code-sessions: could not attach the files to message %s: %s", message_id, error)
+            return
+        if files and emit is not None:
+            await emit({"type": "chat:message:files", "data": {"files": files}})
 
     async def user(self, user_id: str) -> Any:
         from open_webui.models.users import Users

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
+import uuid
 
 import httpx
 import pytest
@@ -36,16 +36,15 @@ def first_turn(open_webui: OpenWebUI) -> Reply:
 
 
 def test_turn_one_links_the_file_and_the_link_returns_its_bytes(open_webui: OpenWebUI, first_turn: Reply):
-    assert "Here is your report: [report.csv](/cache/functions/" in first_turn.content
+    assert "Here is your report: [report.csv](/api/v1/files/code-sessions-" in first_turn.content
     assert "/mnt/data/report.csv" not in first_turn.content.split("Here is your report:")[1]
     links = first_turn.links()
     assert links, first_turn.content
     download = open_webui.admin.download(links[-1])
     assert download.status_code == 200
     assert download.content == REPORT
-    assert "attachment" in download.headers.get("content-disposition", "")
-    token = links[-1].split("/")[-2]
-    assert len(token) >= 22  # >= 128 random bits, base64url
+    disposition = download.headers.get("content-disposition", "")
+    assert "attachment" in disposition and "report.csv" in disposition
 
 
 def test_the_saved_chat_holds_the_rewritten_answer(open_webui: OpenWebUI, first_turn: Reply):
@@ -71,10 +70,12 @@ def test_a_second_chat_does_not_see_the_file(open_webui: OpenWebUI, first_turn: 
 def test_a_second_user_can_neither_list_nor_guess_it(open_webui: OpenWebUI, first_turn: Reply):
     bob: Account = open_webui.accounts["bob"]
     assert bob.get(f"/api/v1/chats/{first_turn.chat_id}").status_code in (401, 403, 404)
-    assert bob.get(f"/cache/functions/{FUNCTION_ID}/").status_code == 404
     real = first_turn.links()[-1]
-    guessed = re.sub(r"/[A-Za-z0-9_-]{22,}/", f"/{secrets.token_urlsafe(24)}/", real)
+    assert bob.download(real).status_code == 404  # the link itself: owner-only
+    guessed = re.sub(r"code-sessions-[0-9a-f-]{36}", f"code-sessions-{uuid.uuid4()}", real)
     assert bob.download(guessed).status_code == 404
+    listed = bob.get("/api/v1/files/").json()["items"]
+    assert all(not f["id"].startswith("code-sessions-") for f in listed)
     reply = bob.say(run("import os\nprint('files:', sorted(os.listdir('/mnt/data')))"))
     assert "files: []" in reply.content
     assert not reply.links()
@@ -94,12 +95,11 @@ def test_an_uploaded_attachment_is_readable_at_mnt_data(open_webui: OpenWebUI):
 
 def test_an_image_renders_inline(open_webui: OpenWebUI):
     reply = open_webui.admin.say("please plot a chart\nreply: The chart: /mnt/data/chart.png")
-    match = re.search(r"!\[chart\.png\]\((/cache/functions/[^)]+/chart\.png)\)", reply.content)
+    match = re.search(r"!\[chart\.png\]\((" + LINK.pattern + r")\)", reply.content)
     assert match, reply.content
     image = open_webui.admin.download(match.group(1))
     assert image.status_code == 200
-    assert image.headers["content-type"] == "image/png"
-    assert "attachment" not in image.headers.get("content-disposition", "")
+    assert image.headers["content-type"] == "image/png"  # an <img> renders it, attachment or not
     assert image.content.startswith(b"\x89PNG")
 
 
@@ -169,6 +169,6 @@ def test_a_streamed_answer_carries_working_links(open_webui: OpenWebUI):
             for choice in event.get("choices", []):
                 pieces.append((choice.get("delta") or {}).get("content") or "")
     content = "".join(pieces)
-    assert "See [streamed.txt](/cache/functions/" in content, content
-    [link] = {link for link in LINK.findall(content) if link.endswith("/streamed.txt")}
+    assert "See [streamed.txt](/api/v1/files/code-sessions-" in content, content
+    [link] = set(LINK.findall(content))
     assert admin.download(link).content == b"s"

@@ -96,7 +96,7 @@ async def test_status_events_and_files_attached_to_the_message(harness: PipeHarn
     statuses = [e["data"] for e in harness.events if e["type"] == "status"]
     assert statuses[0] == {"description": "Running python...", "done": False}
     assert statuses[-1]["done"] and "saved 1 file" in statuses[-1]["description"]
-    [files_event] = [e for e in harness.events if e["type"] == "files"]
+    [files_event] = [e for e in harness.events if e["type"] == "chat:message:files"]
     [item] = files_event["data"]["files"]
     assert item["type"] == "file" and item["name"] == "r.csv" and item["url"] in answer
 

@@ -25,7 +25,8 @@ BUNDLE = launcher.BUNDLE
 OWUI_VENV = launcher.OWUI_VENV
 BASE_MODEL = "demo-scripted"
 MODEL = f"{FUNCTION_ID}.{BASE_MODEL}"
-LINK = re.compile(r"/cache/functions/" + FUNCTION_ID + r"/[A-Za-z0-9_-]{22,}/[^)\s\"]+")
+# What an answer links: a file of Open WebUI's Files API that code-sessions published.
+LINK = re.compile(r"/api/v1/files/code-sessions-[0-9a-f-]{36}/content")
 
 
 @dataclass

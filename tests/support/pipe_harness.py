@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import sys
 import types
@@ -151,6 +152,20 @@ class _HarnessHost:
             publish_dir=h.cache_dir / "functions" / function_id,
             url_prefix=f"/cache/functions/{function_id}/",
         )
+
+    def publisher(self, places: Any) -> Any:
+        # Open WebUI's Files API is not here: copies go to a folder (the publisher the store ships),
+        # served as /cache/... The Files API publisher is proven through a real Open WebUI (tests/e2e).
+        storage = importlib.import_module(self._module._CS_PACKAGE + ".storage")  # the bundle's own classes
+        return storage.DirectoryPublisher(places.publish_dir, places.url_prefix)
+
+    async def attach(self, chat_id: str, message_id: Any, user_id: str, links: list, emit: Any) -> None:
+        items = [
+            {"type": "image" if link.is_image else "file", "id": link.ref, "name": link.name, "url": link.url}
+            for link in links
+        ]
+        if items and emit is not None:
+            await emit({"type": "chat:message:files", "data": {"files": items}})
 
     async def user(self, user_id: str) -> Any:
         return types.SimpleNamespace(id=user_id, role="user")
