@@ -56,6 +56,9 @@ class Account:
     def get(self, path: str, **kwargs) -> httpx.Response:
         return httpx.get(self.server.url + path, headers=self.headers, timeout=60, **kwargs)
 
+    def delete(self, path: str) -> httpx.Response:
+        return httpx.delete(self.server.url + path, headers=self.headers, timeout=60)
+
     def post(self, path: str, payload: object = None, **kwargs) -> httpx.Response:
         return httpx.post(self.server.url + path, headers=self.headers, json=payload, timeout=300, **kwargs)
 
