@@ -204,3 +204,22 @@ async def test_the_folder_of_a_chat_deleted_in_open_webui_goes_at_the_next_clean
             break
     assert not list(sessions.rglob("deleted.txt"))
     assert list(sessions.rglob("kept.txt"))
+
+
+async def test_a_chat_being_created_during_a_cleanup_tick_keeps_its_folder(harness: PipeHarness):
+    """The race an hour of grace used to cover: a session whose chat Open WebUI does not have yet
+    (its row is being written) is seen missing by one look; the next look finds it, so it stays."""
+    harness.module._MINUTE = 0.05
+    harness.module._DELETED_AFTER_S = 0.5
+    await harness.say("u1", "older", code("open('/mnt/data/older.txt','w').write('1')"))
+    harness.unsaved_chats.add("new")
+    await harness.say("u1", "new", code("open('/mnt/data/new.txt','w').write('1')"))
+    store = harness.pipe._services.store
+    await wait_until(lambda: harness.pipe._host.lookups >= 2)  # a tick saw it missing
+    missing = [s for s in await store.sessions() if s.chat_id == "new"]
+    assert missing, "the new chat's session is gone after one miss"
+    harness.unsaved_chats.discard("new")  # Open WebUI has written the chat's row
+    looks = harness.pipe._host.lookups
+    await wait_until(lambda: harness.pipe._host.lookups >= looks + 20)  # 20 more ticks, > 0.5 s
+    sessions = harness.sessions_root / "sessions"
+    assert list(sessions.rglob("new.txt")) and list(sessions.rglob("older.txt"))

@@ -68,6 +68,7 @@ class PipeHarness:
         self.pipe._host = _HarnessHost(self)  # the one object through which the function asks Open WebUI
         self.chats: dict[str, str] = {}  # chat id -> owner, for every chat a message was sent in
         self.deleted_chats: set[tuple[str, str]] = set()  # what Open WebUI would no longer find
+        self.unsaved_chats: set[str] = set()  # chats Open WebUI has not written yet (being created)
         self.set_valves(base_models=scripted_model.MODEL_ID, **self.valves)
 
     # -- driving it ---------------------------------------------------------------------------------
@@ -193,7 +194,9 @@ class _HarnessHost:
         return {
             chat: h.chats[chat]
             for chat in chat_ids
-            if chat in h.chats and (h.chats[chat], chat) not in h.deleted_chats
+            if chat in h.chats
+            and (h.chats[chat], chat) not in h.deleted_chats
+            and chat not in h.unsaved_chats
         }
 
 
