@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import textwrap
 import threading
 import time
 import uuid
@@ -38,11 +39,44 @@ for month in ["Jan", "Feb", "Mar", "Apr", "May", "Jun"]:
     rows.append((month, visitors, visitors // random.randint(8, 15)))
 with open("/mnt/data/report.csv", "w", newline="") as handle:
     csv.writer(handle).writerows(rows)
-print(open("/mnt/data/report.csv").read())
+try:  # the data, loaded once: later steps of this chat use `df` (the kernel keeps it)
+    import pandas as pd
+    df = pd.read_csv("/mnt/data/report.csv")
+    print(df.to_string(index=False))
+except ImportError:
+    print(open("/mnt/data/report.csv").read())
 """
 
-# A bar chart drawn with the standard library only (zlib + struct), so the demo needs no matplotlib.
-_PLOT_CODE = """import csv, os, struct, zlib
+# A real chart when matplotlib is there (from the `df` the csv step loaded, if this chat's kernel still
+# has it); otherwise a bar chart drawn with the standard library only (zlib + struct).
+_PLOT_CODE = """try:
+    import matplotlib.pyplot as plt
+except ImportError:
+    plt = None
+if plt is not None:
+    if "df" not in globals():
+        import pandas as pd
+        df = pd.read_csv("/mnt/data/report.csv")
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    ax.bar(df["month"], df["visitors"], color="#3478f6")
+    ax.set_xlabel("month")
+    ax.set_ylabel("visitors")
+    ax.set_title("Visitors per month")
+    fig.tight_layout()
+    fig.savefig("/mnt/data/chart.png", dpi=100)
+    plt.close(fig)
+    print("chart.png: a bar chart of", len(df), "months")
+"""
+
+_SUMMARY_CODE = """if "df" in globals():
+    print("df is still loaded from the csv step:", len(df), "rows")
+    print(df.describe().round(1).to_string())
+else:
+    print("df is not loaded in this Python session (a fresh one): load the csv again")
+"""
+
+# The chart without matplotlib: the standard library only (zlib + struct).
+_PLAIN_PLOT_CODE = """import csv, os, struct, zlib
 rows = []
 if os.path.exists("/mnt/data/report.csv"):
     rows = [int(r["visitors"]) for r in csv.DictReader(open("/mnt/data/report.csv"))]
@@ -63,6 +97,7 @@ png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
 open("/mnt/data/chart.png", "wb").write(png)
 print("chart.png:", len(png), "bytes")
 """
+_PLOT_CODE += "else:\n" + textwrap.indent(_PLAIN_PLOT_CODE, "    ")
 
 _ZIP_CODE = """import os, zipfile
 names = sorted(n for n in os.listdir("/mnt/data") if os.path.isfile(n) and n != "bundle.zip")
@@ -78,8 +113,9 @@ for name in sorted(os.listdir("/mnt/data")):
 """
 
 _HELP = (
-    'I am the offline demo model of code-sessions. Try: "make a csv report", then "plot it", '
-    'then "zip both", or "list my files". You can also paste a ```python block and I will run it.'
+    'I am the offline demo model of code-sessions. Try: "make a csv report", then "plot it", then '
+    '"summarise it" (it reuses the data the first step loaded), then "zip both", or "list my files". '
+    "You can also paste a ```python block and I will run it."
 )
 
 
@@ -106,6 +142,7 @@ def _code_for(request: str) -> tuple[str, str] | None:
     for words, language, code in (
         (("zip",), "python", _ZIP_CODE),
         (("plot", "chart", "graph"), "python", _PLOT_CODE),
+        (("summar", "describe", "statistic"), "python", _SUMMARY_CODE),
         (("csv", "report"), "python", _CSV_CODE),
         (("list", "files", " ls"), "python", _LIST_CODE),
     ):

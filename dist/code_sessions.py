@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_2a3eb7abe69d'
+_CS_PACKAGE = '_code_sessions_a2f8129fa004'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -10789,7 +10789,7 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_2a3eb7abe69d.runner import Outcome
+from _code_sessions_a2f8129fa004.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import escape_text
@@ -11011,7 +11011,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_2a3eb7abe69d.storage import human_bytes
+from _code_sessions_a2f8129fa004.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -11103,7 +11103,7 @@ def system_prompt(facts: PromptFacts) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_2a3eb7abe69d.storage import Purge, parse_duration
+from _code_sessions_a2f8129fa004.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -11527,8 +11527,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_2a3eb7abe69d.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_2a3eb7abe69d.storage import (
+from _code_sessions_a2f8129fa004.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_a2f8129fa004.storage import (
     CleanupReport,
     DiskFull,
     FileMissing,
@@ -11593,7 +11593,9 @@ class StepResult:
             return f"Not run: {self.refused}"
         assert self.run is not None
         words = _OUTCOME_WORDS.get(self.run.outcome, str(self.run.outcome))
-        text = f"{self.language.capitalize()} {words} in {self.run.duration_s:.1f} s"
+        took = self.run.duration_s
+        spent = f"{took * 1000:.0f} ms" if took < 1 else f"{took:.1f} s"
+        text = f"{self.language.capitalize()} {words} in {spent}"
         if self.run.outcome == Outcome.ERROR and self.run.exit_code is not None:
             text += f" (exit code {self.run.exit_code})"
         return text
@@ -12070,7 +12072,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_2a3eb7abe69d.storage import Copy, DiskFull, Link, Published, StorageError
+from _code_sessions_a2f8129fa004.storage import Copy, DiskFull, Link, Published, StorageError
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -12258,7 +12260,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_2a3eb7abe69d.storage import Link, Publisher
+from _code_sessions_a2f8129fa004.storage import Link, Publisher
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -12449,7 +12451,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_2a3eb7abe69d.engine import (
+from _code_sessions_a2f8129fa004.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -12462,8 +12464,8 @@ from _code_sessions_2a3eb7abe69d.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_2a3eb7abe69d.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_2a3eb7abe69d.storage import (
+from _code_sessions_a2f8129fa004.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_a2f8129fa004.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -12471,7 +12473,7 @@ from _code_sessions_2a3eb7abe69d.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_2a3eb7abe69d.webui import Misconfigured, OpenWebUI
+from _code_sessions_a2f8129fa004.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

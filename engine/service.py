@@ -79,7 +79,9 @@ class StepResult:
             return f"Not run: {self.refused}"
         assert self.run is not None
         words = _OUTCOME_WORDS.get(self.run.outcome, str(self.run.outcome))
-        text = f"{self.language.capitalize()} {words} in {self.run.duration_s:.1f} s"
+        took = self.run.duration_s
+        spent = f"{took * 1000:.0f} ms" if took < 1 else f"{took:.1f} s"
+        text = f"{self.language.capitalize()} {words} in {spent}"
         if self.run.outcome == Outcome.ERROR and self.run.exit_code is not None:
             text += f" (exit code {self.run.exit_code})"
         return text
