@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_a2f8129fa004'
+_CS_PACKAGE = '_code_sessions_60926fa69d2e'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -9858,7 +9858,10 @@ __all__ = ["KernelPool", "reset_sentence"]
 
 log = logging.getLogger("code_sessions.runner")
 
-_REAP_EVERY_S = 30.0
+# How often this process looks at its kernels: idle ones stop, and ones another host asked to stop
+# (the chat moved there) stop within this.
+_REAP_EVERY_S = 2.0
+_HANDOVER_WAIT_S = 10.0  # how long a host waits for another one to stop a chat's kernel
 _TOUCH_EVERY_S = 30.0
 _CONNECT_TIMEOUT_S = 2.0
 _MAX_MESSAGE = 80 * 1024 * 1024  # a run request carries the code (the kernel takes up to 64 MiB)
@@ -9866,7 +9869,10 @@ _HEADER = struct.Struct(">I")
 
 
 def _host_id() -> str:
-    """This host, for the registry (shared by several hosts when the store is): name and boot."""
+    """This host, for the registry (shared by several hosts when the store is): its name and boot,
+    or CODE_SESSIONS_HOST_ID (replicas sharing one machine, as in the tests, are told apart by it)."""
+    if os.environ.get("CODE_SESSIONS_HOST_ID"):
+        return os.environ["CODE_SESSIONS_HOST_ID"][:200]
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
     except OSError:
@@ -9893,6 +9899,7 @@ class _Entry:
     last_used: float
     running: bool
     reason: str = ""  # why it ended, once it has
+    stop_requested: str = ""  # another host asks the owner to stop it (the chat moved there)
 
     @classmethod
     def load(cls, path: Path) -> _Entry | None:
@@ -9943,8 +9950,13 @@ class KernelPool:
             if entry is not None and entry.running and entry.owner != self._owner and self._owned_here(entry):
                 result = await self._run_remote(entry, code, language, limits)
                 if result is not None:
+                    log.info(
+                        "kernel %s of %s: run by the worker that holds it (%s)", entry.cid, key, entry.owner
+                    )
                     return result
                 entry = await asyncio.to_thread(self._entry, key)  # it ended meanwhile: why?
+            if entry is not None and entry.running and entry.host != _HOST:
+                await self._take_over(entry)
             reason = self._lost_reason(entry)
             if reason:
                 notes.append(reset_sentence(reason))
@@ -9997,13 +10009,18 @@ class KernelPool:
         return dict(self._mine)
 
     async def reap(self) -> None:
-        """Stop this process's kernels that have been idle too long (also run every 30 s)."""
+        """Stop this process's kernels that have been idle too long, or that another host asked to
+        stop (runs every couple of seconds)."""
         now = time.monotonic()
         for key, kernel in list(self._mine.items()):
             if not kernel.alive:
                 await self._end(key, kernel, kernel.lost or "the kernel stopped")
             elif now - kernel.last_used > self.idle_s and not kernel.busy:
                 await self._end(key, kernel, f"it was idle for more than {_minutes(self.idle_s)}")
+            else:
+                entry = await asyncio.to_thread(self._entry, key)
+                if entry is not None and (entry.cid != kernel.cid or entry.stop_requested):
+                    await self._end(key, kernel, entry.stop_requested or "another kernel took over its chat")
 
     # ------------------------------------------------------------------ starting and ending
 
@@ -10082,7 +10099,7 @@ class KernelPool:
 
     async def _reap_forever(self) -> None:
         while True:
-            await asyncio.sleep(min(_REAP_EVERY_S, self.idle_s / 4 or _REAP_EVERY_S))
+            await asyncio.sleep(min(_REAP_EVERY_S, self.idle_s / 4))
             try:
                 await self.reap()
             except Exception:
@@ -10109,6 +10126,26 @@ class KernelPool:
                 return "this chat's previous runs were on another server"
             return "Open WebUI restarted" if not self._owned_here(entry) else "the kernel stopped"
         return entry.reason or "the kernel stopped"
+
+    async def _take_over(self, entry: _Entry) -> None:
+        """The chat's kernel runs on another host (its runs reach that host's replica no longer): ask
+        that host to stop it, and wait until it has, so the chat never has two kernels at once. A host
+        that does not answer within _HANDOVER_WAIT_S is taken to be gone (its kernels died with it)."""
+        reason = "this chat's previous runs were on another server"
+        entry.stop_requested = reason
+        await asyncio.to_thread(self._save_if_same, entry)
+        deadline = time.monotonic() + _HANDOVER_WAIT_S
+        while time.monotonic() < deadline:
+            now = await asyncio.to_thread(self._entry, entry.key)
+            if now is None or now.cid != entry.cid or not now.running:
+                return
+            await asyncio.sleep(0.2)
+        log.warning(
+            "kernel %s of %s on %s did not stop when asked: taken to be gone",
+            entry.cid,
+            entry.key,
+            entry.host,
+        )
 
     async def _run_remote(self, entry: _Entry, code: str, language: str, limits: Limits) -> RunResult | None:
         reply = await self._ask(
@@ -10789,7 +10826,7 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_a2f8129fa004.runner import Outcome
+from _code_sessions_60926fa69d2e.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import escape_text
@@ -11011,7 +11048,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_a2f8129fa004.storage import human_bytes
+from _code_sessions_60926fa69d2e.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -11103,7 +11140,7 @@ def system_prompt(facts: PromptFacts) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_a2f8129fa004.storage import Purge, parse_duration
+from _code_sessions_60926fa69d2e.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -11527,8 +11564,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_a2f8129fa004.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_a2f8129fa004.storage import (
+from _code_sessions_60926fa69d2e.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_60926fa69d2e.storage import (
     CleanupReport,
     DiskFull,
     FileMissing,
@@ -12072,7 +12109,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_a2f8129fa004.storage import Copy, DiskFull, Link, Published, StorageError
+from _code_sessions_60926fa69d2e.storage import Copy, DiskFull, Link, Published, StorageError
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -12260,7 +12297,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_a2f8129fa004.storage import Link, Publisher
+from _code_sessions_60926fa69d2e.storage import Link, Publisher
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -12451,7 +12488,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_a2f8129fa004.engine import (
+from _code_sessions_60926fa69d2e.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -12464,8 +12501,8 @@ from _code_sessions_a2f8129fa004.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_a2f8129fa004.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_a2f8129fa004.storage import (
+from _code_sessions_60926fa69d2e.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_60926fa69d2e.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -12473,7 +12510,7 @@ from _code_sessions_a2f8129fa004.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_a2f8129fa004.webui import Misconfigured, OpenWebUI
+from _code_sessions_60926fa69d2e.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 
@@ -12583,7 +12620,6 @@ class Pipe:
         self._services_key: tuple | None = None
         self._services_lock = asyncio.Lock()  # two first messages at once must not open two stores
         self._function_id: str | None = None
-        self._last_cleanup = 0.0
         self._purge_pending: tuple[str, float, float] | None = None  # request, first and last try
         self._background: asyncio.Task | None = None
 
@@ -12627,7 +12663,8 @@ class Pipe:
         except Misconfigured as error:  # the admin's to fix; the user gets the sentence, not a crash
             return f"Code Sessions is not set up correctly: {error}"
         self._keep_background_running()
-        await self._run_requested_purge(services)
+        if self.valves.purge.strip():  # at the next message, not a minute later
+            await self._purge_now(services)
         chat = await services.chat(__user__["id"], __chat_id__ or "")
         status = _status_emitter(__event_emitter__)
         if _last_user_text(body.get("messages", [])).strip() == CLEAR_FILES_COMMAND:
@@ -12730,21 +12767,22 @@ class Pipe:
                     if stored:
                         self.valves = self.Valves(**{k: v for k, v in stored.items() if v is not None})
                 services = await self._services_for_valves()
-                await self._run_requested_purge(services)
                 await self._tick(services)
             except Exception:  # the loop must outlive a bad tick; the next one retries
                 log.exception("code-sessions background cleanup failed")
 
     async def _tick(self, services: CodeSessions) -> None:
-        """One background tick: chats deleted in Open WebUI go every tick, expiry when it is due. One
-        worker at a time does it (a lock shared by every process of the store)."""
-        lock = services.store.lock("background")
+        """One background tick: an admin's purge, chats deleted in Open WebUI, and expiry when it is
+        due. One worker (of every replica) at a time does it, under a lock every process of the store
+        shares, and the expiry interval is kept in the index, so several workers expire once."""
+        lock = services.store.lock("maintenance")
         if not await lock.try_acquire():
             return  # another worker (or replica) is on it
         try:
+            await self._run_requested_purge(services, fresh=True)
             await self._forget_deleted_chats(services)
-            if time.monotonic() - self._last_cleanup >= self.valves.cleanup_interval_minutes * _MINUTE:
-                self._last_cleanup = time.monotonic()
+            every = self.valves.cleanup_interval_minutes * _MINUTE
+            if await services.store.claim("expiry", every):
                 report = await services.expire()
                 log.info("code-sessions cleanup: %s", report.summary())
         finally:
@@ -12772,7 +12810,21 @@ class Pipe:
             report = await services.forget_chats(gone, "the chat was deleted in Open WebUI")
             log.info("code-sessions: %d chats deleted in Open WebUI: %s", len(gone), report.summary())
 
-    async def _run_requested_purge(self, services: CodeSessions) -> None:
+    async def _purge_now(self, services: CodeSessions) -> None:
+        lock = services.store.lock("maintenance")
+        if not await lock.try_acquire():
+            return  # another worker is doing maintenance: it runs the purge
+        try:
+            await self._run_requested_purge(services, fresh=True)
+        finally:
+            await lock.release()
+
+    async def _run_requested_purge(self, services: CodeSessions, *, fresh: bool) -> None:
+        """Run the purge the valve asks for (call it holding the maintenance lock). `fresh`: read the
+        valve as saved now: another worker may have run and cleared it a moment ago."""
+        if fresh and self._function_id:
+            stored = await self._host.stored_valves(self._function_id)
+            self.valves = self.valves.model_copy(update={"purge": str(stored.get("purge") or "")})
         request = self.valves.purge.strip()
         if not request:
             return

@@ -151,7 +151,6 @@ class Pipe:
         self._services_key: tuple | None = None
         self._services_lock = asyncio.Lock()  # two first messages at once must not open two stores
         self._function_id: str | None = None
-        self._last_cleanup = 0.0
         self._purge_pending: tuple[str, float, float] | None = None  # request, first and last try
         self._background: asyncio.Task | None = None
 
@@ -195,7 +194,8 @@ class Pipe:
         except Misconfigured as error:  # the admin's to fix; the user gets the sentence, not a crash
             return f"Code Sessions is not set up correctly: {error}"
         self._keep_background_running()
-        await self._run_requested_purge(services)
+        if self.valves.purge.strip():  # at the next message, not a minute later
+            await self._purge_now(services)
         chat = await services.chat(__user__["id"], __chat_id__ or "")
         status = _status_emitter(__event_emitter__)
         if _last_user_text(body.get("messages", [])).strip() == CLEAR_FILES_COMMAND:
@@ -298,21 +298,22 @@ class Pipe:
                     if stored:
                         self.valves = self.Valves(**{k: v for k, v in stored.items() if v is not None})
                 services = await self._services_for_valves()
-                await self._run_requested_purge(services)
                 await self._tick(services)
             except Exception:  # the loop must outlive a bad tick; the next one retries
                 log.exception("code-sessions background cleanup failed")
 
     async def _tick(self, services: CodeSessions) -> None:
-        """One background tick: chats deleted in Open WebUI go every tick, expiry when it is due. One
-        worker at a time does it (a lock shared by every process of the store)."""
-        lock = services.store.lock("background")
+        """One background tick: an admin's purge, chats deleted in Open WebUI, and expiry when it is
+        due. One worker (of every replica) at a time does it, under a lock every process of the store
+        shares, and the expiry interval is kept in the index, so several workers expire once."""
+        lock = services.store.lock("maintenance")
         if not await lock.try_acquire():
             return  # another worker (or replica) is on it
         try:
+            await self._run_requested_purge(services, fresh=True)
             await self._forget_deleted_chats(services)
-            if time.monotonic() - self._last_cleanup >= self.valves.cleanup_interval_minutes * _MINUTE:
-                self._last_cleanup = time.monotonic()
+            every = self.valves.cleanup_interval_minutes * _MINUTE
+            if await services.store.claim("expiry", every):
                 report = await services.expire()
                 log.info("code-sessions cleanup: %s", report.summary())
         finally:
@@ -340,7 +341,21 @@ class Pipe:
             report = await services.forget_chats(gone, "the chat was deleted in Open WebUI")
             log.info("code-sessions: %d chats deleted in Open WebUI: %s", len(gone), report.summary())
 
-    async def _run_requested_purge(self, services: CodeSessions) -> None:
+    async def _purge_now(self, services: CodeSessions) -> None:
+        lock = services.store.lock("maintenance")
+        if not await lock.try_acquire():
+            return  # another worker is doing maintenance: it runs the purge
+        try:
+            await self._run_requested_purge(services, fresh=True)
+        finally:
+            await lock.release()
+
+    async def _run_requested_purge(self, services: CodeSessions, *, fresh: bool) -> None:
+        """Run the purge the valve asks for (call it holding the maintenance lock). `fresh`: read the
+        valve as saved now: another worker may have run and cleared it a moment ago."""
+        if fresh and self._function_id:
+            stored = await self._host.stored_valves(self._function_id)
+            self.valves = self.valves.model_copy(update={"purge": str(stored.get("purge") or "")})
         request = self.valves.purge.strip()
         if not request:
             return

@@ -45,7 +45,10 @@ __all__ = ["KernelPool", "reset_sentence"]
 
 log = logging.getLogger("code_sessions.runner")
 
-_REAP_EVERY_S = 30.0
+# How often this process looks at its kernels: idle ones stop, and ones another host asked to stop
+# (the chat moved there) stop within this.
+_REAP_EVERY_S = 2.0
+_HANDOVER_WAIT_S = 10.0  # how long a host waits for another one to stop a chat's kernel
 _TOUCH_EVERY_S = 30.0
 _CONNECT_TIMEOUT_S = 2.0
 _MAX_MESSAGE = 80 * 1024 * 1024  # a run request carries the code (the kernel takes up to 64 MiB)
@@ -53,7 +56,10 @@ _HEADER = struct.Struct(">I")
 
 
 def _host_id() -> str:
-    """This host, for the registry (shared by several hosts when the store is): name and boot."""
+    """This host, for the registry (shared by several hosts when the store is): its name and boot,
+    or CODE_SESSIONS_HOST_ID (replicas sharing one machine, as in the tests, are told apart by it)."""
+    if os.environ.get("CODE_SESSIONS_HOST_ID"):
+        return os.environ["CODE_SESSIONS_HOST_ID"][:200]
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
     except OSError:
@@ -80,6 +86,7 @@ class _Entry:
     last_used: float
     running: bool
     reason: str = ""  # why it ended, once it has
+    stop_requested: str = ""  # another host asks the owner to stop it (the chat moved there)
 
     @classmethod
     def load(cls, path: Path) -> _Entry | None:
@@ -130,8 +137,13 @@ class KernelPool:
             if entry is not None and entry.running and entry.owner != self._owner and self._owned_here(entry):
                 result = await self._run_remote(entry, code, language, limits)
                 if result is not None:
+                    log.info(
+                        "kernel %s of %s: run by the worker that holds it (%s)", entry.cid, key, entry.owner
+                    )
                     return result
                 entry = await asyncio.to_thread(self._entry, key)  # it ended meanwhile: why?
+            if entry is not None and entry.running and entry.host != _HOST:
+                await self._take_over(entry)
             reason = self._lost_reason(entry)
             if reason:
                 notes.append(reset_sentence(reason))
@@ -184,13 +196,18 @@ class KernelPool:
         return dict(self._mine)
 
     async def reap(self) -> None:
-        """Stop this process's kernels that have been idle too long (also run every 30 s)."""
+        """Stop this process's kernels that have been idle too long, or that another host asked to
+        stop (runs every couple of seconds)."""
         now = time.monotonic()
         for key, kernel in list(self._mine.items()):
             if not kernel.alive:
                 await self._end(key, kernel, kernel.lost or "the kernel stopped")
             elif now - kernel.last_used > self.idle_s and not kernel.busy:
                 await self._end(key, kernel, f"it was idle for more than {_minutes(self.idle_s)}")
+            else:
+                entry = await asyncio.to_thread(self._entry, key)
+                if entry is not None and (entry.cid != kernel.cid or entry.stop_requested):
+                    await self._end(key, kernel, entry.stop_requested or "another kernel took over its chat")
 
     # ------------------------------------------------------------------ starting and ending
 
@@ -269,7 +286,7 @@ class KernelPool:
 
     async def _reap_forever(self) -> None:
         while True:
-            await asyncio.sleep(min(_REAP_EVERY_S, self.idle_s / 4 or _REAP_EVERY_S))
+            await asyncio.sleep(min(_REAP_EVERY_S, self.idle_s / 4))
             try:
                 await self.reap()
             except Exception:
@@ -296,6 +313,26 @@ class KernelPool:
                 return "this chat's previous runs were on another server"
             return "Open WebUI restarted" if not self._owned_here(entry) else "the kernel stopped"
         return entry.reason or "the kernel stopped"
+
+    async def _take_over(self, entry: _Entry) -> None:
+        """The chat's kernel runs on another host (its runs reach that host's replica no longer): ask
+        that host to stop it, and wait until it has, so the chat never has two kernels at once. A host
+        that does not answer within _HANDOVER_WAIT_S is taken to be gone (its kernels died with it)."""
+        reason = "this chat's previous runs were on another server"
+        entry.stop_requested = reason
+        await asyncio.to_thread(self._save_if_same, entry)
+        deadline = time.monotonic() + _HANDOVER_WAIT_S
+        while time.monotonic() < deadline:
+            now = await asyncio.to_thread(self._entry, entry.key)
+            if now is None or now.cid != entry.cid or not now.running:
+                return
+            await asyncio.sleep(0.2)
+        log.warning(
+            "kernel %s of %s on %s did not stop when asked: taken to be gone",
+            entry.cid,
+            entry.key,
+            entry.host,
+        )
 
     async def _run_remote(self, entry: _Entry, code: str, language: str, limits: Limits) -> RunResult | None:
         reply = await self._ask(

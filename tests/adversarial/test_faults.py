@@ -160,7 +160,6 @@ async def test_cleanup_racing_a_run_never_deletes_under_it(harness: PipeHarness)
     # Mid-run: the background loop's expiry tick, and an admin's purge of this very chat (run at the
     # next message of anyone).
     pipe = harness.pipe
-    pipe._last_cleanup = 0.0
     await pipe._tick(pipe._services)
     harness.set_valves(purge="chat:chat-x")
     other = await harness.say("bob", "chat-y", code("print('other chat')"))

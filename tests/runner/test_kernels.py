@@ -232,12 +232,14 @@ WORKER = textwrap.dedent(
 )
 
 
-def _worker(registry: Path, workdir: Path, code: str, hold: bool) -> subprocess.Popen[str]:
+def _worker(registry: Path, workdir: Path, code: str, hold: bool, host: str = "") -> subprocess.Popen[str]:
+    env = {**os.environ, "CODE_SESSIONS_HOST_ID": host} if host else None
     return subprocess.Popen(
         [sys.executable, "-c", WORKER, str(registry), str(workdir), code, "hold" if hold else "exit"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         text=True,
+        env=env,
     )
 
 
@@ -271,3 +273,22 @@ def _cmdline(pid: str) -> bytes:
             return fh.read()
     except OSError:
         return b""
+
+
+def test_a_chat_that_moves_to_another_host_never_has_two_kernels(tmp_path: Path, workdir: Path) -> None:
+    """Replicas on two hosts share the registry (and the folder): the second asks the first to stop the
+    chat's kernel and waits until it has, then starts its own and says the state was reset."""
+    registry = tmp_path / "registry"
+    first = _worker(registry, workdir, "here = 'host one'", hold=True, host="host-one")
+    try:
+        started = json.loads(first.stdout.readline())
+        second = _worker(registry, workdir, "print(globals().get('here'))", hold=False, host="host-two")
+        moved = json.loads(second.communicate(timeout=60)[0])
+        assert moved["stdout"] == "None\n" and moved["cid"] != started["cid"]
+        assert "previous runs were on another server" in moved["notes"][0]
+        # By the time the second host ran the cell, the first host's kernel was gone.
+        assert gone(Runner(), started["cid"]) == []
+        assert first.poll() is None  # the first host itself lives on
+    finally:
+        first.kill()
+        first.wait()
