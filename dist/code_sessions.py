@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_60926fa69d2e'
+_CS_PACKAGE = '_code_sessions_f2ec4f3e4945'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -9548,7 +9548,7 @@ from ._diagnose import DOCKER_UNCONFINED, explain
 from .capabilities import detect_runsc
 from .errors import RunnerError, RunscNotFound
 from .models import Outcome, RunnerConfig
-from .runner import PROBE_LIMITS, Runner
+from .runner import DATA_PACKAGES, PROBE_LIMITS, Runner
 
 
 class Check(BaseModel):
@@ -9717,6 +9717,22 @@ async def _sandbox_checks(config: RunnerConfig) -> tuple[list[Check], str | None
                         fix="use a newer gVisor release (see deploy/Dockerfile); Python code is unaffected",
                     )
                 )
+            found = dict(await runner.packages())
+            absent = [name for name in DATA_PACKAGES if name not in found]
+            listed = ", ".join(f"{name} {version}" for name, version in found.items()) or "none"
+            checks.append(
+                Check(
+                    name="data packages",
+                    ok=True,
+                    warning=bool(absent),
+                    detail=f"the sandbox's Python imports {listed}"
+                    + (f"; missing: {', '.join(absent)}" if absent else ""),
+                    fix="apt-get install python3-numpy python3-pandas python3-matplotlib python3-openpyxl "
+                    "python3-pil python3-scipy (Debian's /usr/bin/python3 is the sandbox's Python)"
+                    if absent
+                    else None,
+                )
+            )
         else:
             # A sandbox failure's reason already ends with the diagnosed fix; do not diagnose twice.
             found, _, fix = (res.reason or "").partition(" Fix: ")
@@ -10826,7 +10842,7 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_60926fa69d2e.runner import Outcome
+from _code_sessions_f2ec4f3e4945.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import escape_text
@@ -11048,7 +11064,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_60926fa69d2e.storage import human_bytes
+from _code_sessions_f2ec4f3e4945.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -11140,7 +11156,7 @@ def system_prompt(facts: PromptFacts) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_60926fa69d2e.storage import Purge, parse_duration
+from _code_sessions_f2ec4f3e4945.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -11564,8 +11580,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_60926fa69d2e.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_60926fa69d2e.storage import (
+from _code_sessions_f2ec4f3e4945.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_f2ec4f3e4945.storage import (
     CleanupReport,
     DiskFull,
     FileMissing,
@@ -12109,7 +12125,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_60926fa69d2e.storage import Copy, DiskFull, Link, Published, StorageError
+from _code_sessions_f2ec4f3e4945.storage import Copy, DiskFull, Link, Published, StorageError
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -12297,7 +12313,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_60926fa69d2e.storage import Link, Publisher
+from _code_sessions_f2ec4f3e4945.storage import Link, Publisher
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -12488,7 +12504,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_60926fa69d2e.engine import (
+from _code_sessions_f2ec4f3e4945.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -12501,8 +12517,8 @@ from _code_sessions_60926fa69d2e.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_60926fa69d2e.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_60926fa69d2e.storage import (
+from _code_sessions_f2ec4f3e4945.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_f2ec4f3e4945.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -12510,7 +12526,7 @@ from _code_sessions_60926fa69d2e.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_60926fa69d2e.webui import Misconfigured, OpenWebUI
+from _code_sessions_f2ec4f3e4945.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

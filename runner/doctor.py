@@ -20,7 +20,7 @@ from ._diagnose import DOCKER_UNCONFINED, explain
 from .capabilities import detect_runsc
 from .errors import RunnerError, RunscNotFound
 from .models import Outcome, RunnerConfig
-from .runner import PROBE_LIMITS, Runner
+from .runner import DATA_PACKAGES, PROBE_LIMITS, Runner
 
 
 class Check(BaseModel):
@@ -189,6 +189,22 @@ async def _sandbox_checks(config: RunnerConfig) -> tuple[list[Check], str | None
                         fix="use a newer gVisor release (see deploy/Dockerfile); Python code is unaffected",
                     )
                 )
+            found = dict(await runner.packages())
+            absent = [name for name in DATA_PACKAGES if name not in found]
+            listed = ", ".join(f"{name} {version}" for name, version in found.items()) or "none"
+            checks.append(
+                Check(
+                    name="data packages",
+                    ok=True,
+                    warning=bool(absent),
+                    detail=f"the sandbox's Python imports {listed}"
+                    + (f"; missing: {', '.join(absent)}" if absent else ""),
+                    fix="apt-get install python3-numpy python3-pandas python3-matplotlib python3-openpyxl "
+                    "python3-pil python3-scipy (Debian's /usr/bin/python3 is the sandbox's Python)"
+                    if absent
+                    else None,
+                )
+            )
         else:
             # A sandbox failure's reason already ends with the diagnosed fix; do not diagnose twice.
             found, _, fix = (res.reason or "").partition(" Fix: ")

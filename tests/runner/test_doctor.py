@@ -51,6 +51,11 @@ async def test_doctor_passes_on_this_host(tmp_path: Path) -> None:
     sandbox = report.check("sandbox")
     assert sandbox is not None and sandbox.ok
     assert report.runsc_version and report.platform
+    # scripts/setup installs the data environment: the doctor says the sandbox imports all of it
+    packages = report.check("data packages")
+    assert packages is not None and not packages.warning, packages
+    for name in ("numpy", "pandas", "matplotlib", "scipy", "openpyxl", "PIL"):
+        assert name in packages.detail
 
 
 async def test_doctor_says_how_to_install_a_missing_runsc(tmp_path: Path) -> None:
