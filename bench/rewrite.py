@@ -1,11 +1,16 @@
-"""Section 4: link rewriting of a 100 KB answer that names 1,000 session files.
+"""Section 4: link rewriting of a 100 KB answer that names 1,000 session files, and of 1 MB lines.
 
 * text: one `References` scan of the answer, its `paths`, and `rewrite` with the targets already
   resolved: the scan and substitution, what the <= 20 ms target is about;
 * streaming: the same answer through `StreamingRewriter` in 40-character chunks (how Open WebUI's
   stream arrives), resolver a dict lookup;
 * full: `ChatSession.rewrite`, which also publishes each file (a copy and an index row per file) on
-  the first call and finds the existing links on later calls.
+  the first call and finds the existing links on later calls;
+* pathological: a 1 MB answer on one line (no path at all, base64-like text, and `](/mnt/data/x `
+  repeated: 71,429 paths), rewritten (a) whole and (b) streamed in 4-character pieces through the sync
+  path (`push`, `resolve_pending` when something is pending, `flush`), each against <= 50 ms. Streaming
+  250,000 pieces costs at least 250,000 Python calls: `push_floor` is a loop calling a method that does
+  nothing with each piece, measured in the same run, the least any streaming rewriter could cost.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from ._common import Context, summary
 
 SECTION = "rewrite"
 TARGET_MS = 20.0
+PATHOLOGICAL_BYTES = 1_000_000
+PATHOLOGICAL_TARGET_MS = 50.0
+PIECE_CHARS = 4
 PATHS = 1000
 ANSWER_BYTES = 100_000
 FILLER = (
@@ -94,6 +102,94 @@ async def _streaming(text: str, known: dict[str, Target | None]) -> str:
     return "".join(parts)
 
 
+def pathological_answers(size: int = PATHOLOGICAL_BYTES) -> dict[str, str]:
+    """One-line answers of `size` characters that made the old rewriter quadratic (or are just large)."""
+    rng = random.Random(9)
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+    return {
+        "no path": (FILLER + " ") * (size // (len(FILLER) + 1)) + "x" * (size % (len(FILLER) + 1)),
+        "base64-like": "".join(rng.choices(alphabet, k=size)),
+        "](/mnt/data/x ": ("](/mnt/data/x " * (size // 14 + 1))[:size],
+    }
+
+
+class _Floor:
+    """The least a streaming rewriter can cost per piece: a method call that does nothing."""
+
+    pending = ()
+
+    def push(self, chunk: str) -> str:
+        return ""
+
+
+async def _stream_sync_path(pieces: list[str], known: dict[str, Target | None]) -> str:
+    async def resolve(path: str) -> Target | None:
+        return known.get(path)
+
+    rewriter = StreamingRewriter(resolve)
+    out: list[str] = []
+    for piece in pieces:
+        out.append(rewriter.push(piece))
+        if rewriter.pending:
+            out.append(await rewriter.resolve_pending())
+    out.append(await rewriter.flush())
+    return "".join(out)
+
+
+def _push_floor(pieces: list[str]) -> str:
+    rewriter = _Floor()
+    out: list[str] = []
+    for piece in pieces:
+        out.append(rewriter.push(piece))
+        if rewriter.pending:
+            out.append("")
+    return "".join(out)
+
+
+async def _pathological(ctx: Context) -> dict[str, Any]:
+    size = 100_000 if ctx.quick else PATHOLOGICAL_BYTES
+    reps = 2 if ctx.quick else 5
+    known: dict[str, Target | None] = {"x": Target("/cache/functions/code_sessions/" + "0" * 32 + "/x", "x")}
+    cases: dict[str, Any] = {}
+    floor_t: list[float] = []
+    for name, text in pathological_answers(size).items():
+        pieces = [text[i : i + PIECE_CHARS] for i in range(0, len(text), PIECE_CHARS)]
+        plain_t, stream_t = [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            references = References(text)
+            references.paths  # noqa: B018 (what the engine publishes)
+            whole = references.rewrite(known)
+            t1 = time.perf_counter()
+            streamed = await _stream_sync_path(pieces, known)
+            t2 = time.perf_counter()
+            _push_floor(pieces)
+            t3 = time.perf_counter()
+            plain_t.append(t1 - t0)
+            stream_t.append(t2 - t1)
+            floor_t.append(t3 - t2)
+        if streamed != whole:
+            raise RuntimeError(f"{name}: the streamed rewrite differs from the whole-text rewrite")
+        cases[name] = {"plain": summary(plain_t), f"streamed_{PIECE_CHARS}_char_pieces": summary(stream_t)}
+        ctx.log(
+            f"rewrite, {size // 1000} KB line, {name}: whole {cases[name]['plain']['median_ms']:.1f} ms, "
+            f"streamed {cases[name][f'streamed_{PIECE_CHARS}_char_pieces']['median_ms']:.1f} ms "
+            f"(target <= {PATHOLOGICAL_TARGET_MS:g} ms each)"
+        )
+    floor = summary(floor_t)
+    ctx.log(
+        f"rewrite, {len(pieces):,} pieces to a no-op push (streaming's floor): {floor['median_ms']:.1f} ms"
+    )
+    return {
+        "bytes": size,
+        "pieces": len(pieces),
+        "piece_chars": PIECE_CHARS,
+        "cases": cases,
+        "push_floor": floor,
+        "target_ms": PATHOLOGICAL_TARGET_MS,
+    }
+
+
 async def run(ctx: Context) -> dict[str, Any]:
     paths = 100 if ctx.quick else PATHS
     size = 10_000 if ctx.quick else ANSWER_BYTES
@@ -150,4 +246,5 @@ async def run(ctx: Context) -> dict[str, Any]:
         "streaming_40_char_chunks": summary(stream_t),
         "chat_session_rewrite": full,
         "target_ms": TARGET_MS,
+        "pathological": await _pathological(ctx),
     }

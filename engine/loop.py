@@ -7,14 +7,13 @@ model through Open WebUI), so this loop can be tested with a scripted model and 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from runner import Outcome
 
 from .blocks import runnable_blocks
-from .rewrite import escape_text
+from .rewrite import backtick_fence, escape_text
 from .service import ChatSession, StepResult
 from .sse import ModelError, TextDelta, ToolCall
 
@@ -54,8 +53,7 @@ class LoopOptions:
 
 
 def _fence(text: str) -> str:
-    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
-    return "`" * max(3, longest + 1)
+    return backtick_fence(text, minimum=3)
 
 
 def _block(text: str, language: str = "") -> str:

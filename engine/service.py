@@ -6,6 +6,7 @@ Open WebUI: the function adapter hands it ids, code and limits, and gets back re
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import posixpath
 import re
@@ -53,6 +54,7 @@ _OUTCOME_WORDS = {
     Outcome.KERNEL_LOST: "was stopped: the kernel stopped responding",
 }
 _FIGURE_SUFFIXES = (".png",)
+_SCAN_ON_LOOP_CHARS = 64 * 1024
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
 
 
@@ -267,8 +269,15 @@ class ChatSession:
         return target
 
     async def rewrite(self, text: str, *, inline_images: bool = True) -> str:
-        references = References(text)
+        # Scanning is linear (about 10 ms per MB of prose): a long text is scanned in a thread, so no
+        # answer holds Open WebUI's event loop for the other users.
+        if len(text) > _SCAN_ON_LOOP_CHARS:
+            references = await asyncio.to_thread(References, text)
+        else:
+            references = References(text)
         targets = await resolve_all(references.paths, self.resolve)
+        if len(text) > _SCAN_ON_LOOP_CHARS:
+            return await asyncio.to_thread(references.rewrite, targets, inline_images=inline_images)
         return references.rewrite(targets, inline_images=inline_images)
 
     def streaming_rewriter(self) -> StreamingRewriter:
