@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_5c602446dca4'
+_CS_PACKAGE = '_code_sessions_4b4174230e95'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -5864,6 +5864,24 @@ class Store:
 
         return await self._core.write(write)
 
+    async def claim(self, task: str, every_s: float) -> bool:
+        """True (and noted) if `task` last ran at least `every_s` ago, by any process of this store:
+        a periodic task several workers share runs once per interval."""
+        now = time.time()
+        key = f"last_run:{task}"
+
+        async def write(tx: Tx) -> bool:
+            last = await _index.get_meta(tx, key)
+            try:
+                due = last is None or now - float(last) >= every_s
+            except ValueError:
+                due = True
+            if due:
+                await _index.set_meta(tx, key, repr(now))
+            return due
+
+        return await self._core.write(write)
+
     async def rebuild(self) -> RebuildReport:
         """Rebuild the index from the session folders (ids from the sidecars); never enforces quotas."""
         return await _repair.rebuild(self._core)
@@ -10956,7 +10974,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_5c602446dca4.runner import Outcome
+from _code_sessions_4b4174230e95.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import backtick_fence, escape_text
@@ -11177,7 +11195,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_5c602446dca4.storage import human_bytes
+from _code_sessions_4b4174230e95.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -11269,7 +11287,7 @@ def system_prompt(facts: PromptFacts) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_5c602446dca4.storage import Purge, parse_duration
+from _code_sessions_4b4174230e95.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -12356,8 +12374,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_5c602446dca4.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_5c602446dca4.storage import (
+from _code_sessions_4b4174230e95.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_4b4174230e95.storage import (
     CleanupReport,
     DiskFull,
     FileMissing,
@@ -12909,7 +12927,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_5c602446dca4.storage import Copy, DiskFull, Link, Published, StorageError
+from _code_sessions_4b4174230e95.storage import Copy, DiskFull, Link, Published, StorageError
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -13097,7 +13115,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_5c602446dca4.storage import Link, Publisher
+from _code_sessions_4b4174230e95.storage import Link, Publisher
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -13288,7 +13306,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_5c602446dca4.engine import (
+from _code_sessions_4b4174230e95.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -13301,8 +13319,8 @@ from _code_sessions_5c602446dca4.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_5c602446dca4.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_5c602446dca4.storage import (
+from _code_sessions_4b4174230e95.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_4b4174230e95.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -13310,7 +13328,7 @@ from _code_sessions_5c602446dca4.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_5c602446dca4.webui import Misconfigured, OpenWebUI
+from _code_sessions_4b4174230e95.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

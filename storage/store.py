@@ -267,6 +267,24 @@ class Store:
 
         return await self._core.write(write)
 
+    async def claim(self, task: str, every_s: float) -> bool:
+        """True (and noted) if `task` last ran at least `every_s` ago, by any process of this store:
+        a periodic task several workers share runs once per interval."""
+        now = time.time()
+        key = f"last_run:{task}"
+
+        async def write(tx: Tx) -> bool:
+            last = await _index.get_meta(tx, key)
+            try:
+                due = last is None or now - float(last) >= every_s
+            except ValueError:
+                due = True
+            if due:
+                await _index.set_meta(tx, key, repr(now))
+            return due
+
+        return await self._core.write(write)
+
     async def rebuild(self) -> RebuildReport:
         """Rebuild the index from the session folders (ids from the sidecars); never enforces quotas."""
         return await _repair.rebuild(self._core)
