@@ -1,7 +1,8 @@
-"""Developer/admin CLI: `python -m storage [--root PATH] COMMAND [--json]` (also `code-sessions-store`).
+"""Developer/admin CLI: `python -m storage [--root PATH] [--database-url URL] COMMAND [--json]` (also
+`code-sessions-store`).
 
-Reads use short transactions on the WAL index, so the CLI can run against a live deployment
-without blocking the web workers.
+Reads use short transactions (on the WAL index, or PostgreSQL's snapshots), so the CLI can run against
+a live deployment without blocking the web workers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .models import Purge, SessionInfo
 from .store import Store
 
 ENV_ROOT = "CODE_SESSIONS_ROOT"
+ENV_DATABASE_URL = "CODE_SESSIONS_DATABASE_URL"
 EXIT_DRIFT = 1
 EXIT_ERROR = 2
 
@@ -34,7 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         root = _root(args.root)
-        return asyncio.run(_run(args, root))
+        url = args.database_url if args.database_url is not None else os.environ.get(ENV_DATABASE_URL, "")
+        return asyncio.run(_run(args, root, url))
     except (CliError, StorageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -48,6 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--root", help=f"store root (default: ${ENV_ROOT}, else $DATA_DIR/code_sessions)", default=None
+    )
+    parser.add_argument(
+        "--database-url",
+        default=None,
+        help=f"the index's database: postgresql://... (default: ${ENV_DATABASE_URL}, else the SQLite "
+        "index under the root)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     # Accept --json after the command too; SUPPRESS keeps a global --json from being reset.
@@ -97,8 +106,8 @@ def _root(given: str | None) -> Path:
     return root
 
 
-async def _run(args: argparse.Namespace, root: Path) -> int:
-    store = Store(root, record_settings=False)
+async def _run(args: argparse.Namespace, root: Path, database_url: str) -> int:
+    store = Store(root, record_settings=False, database_url=database_url)
     async with store:
         # The policy and publish folder the application last recorded, so the CLI applies the same.
         policy, publisher = await store.recorded_settings()

@@ -14,7 +14,9 @@ from ._backend import Backend, Lock, Tx
 from ._core import Core, Owner
 from ._fsops import make_dir
 from ._keys import id_key
+from ._postgres import PostgresBackend, is_postgres_url, redact_url
 from ._sqlite import SQLiteBackend
+from .errors import StorageError
 from .models import (
     ActivityEntry,
     CleanupReport,
@@ -41,7 +43,10 @@ class Store:
     changes settings); each operation reads the current value. `owner=(uid, gid)`: when running as
     root, every folder and file the store creates inside session folders is given to that user (the
     sandbox's). `busy_timeout_s`: how long an operation waits for a busy index before StorageBusy.
-    `backend`: the database (default: an SQLite file under root). `record_settings=False` (the CLI):
+    `database_url`: where the index lives: None or "" (or an `sqlite:` URL) for an SQLite file under
+    root; `postgresql://...` (also `postgres://`, `postgresql+psycopg://`) for tables in a schema of
+    their own in that PostgreSQL database, shared by every host that mounts root. `backend`: a
+    database backend given directly (overrides database_url). `record_settings=False` (the CLI):
     never write the policy in use into the index.
     """
 
@@ -56,13 +61,13 @@ class Store:
         busy_timeout_s: float = 60.0,
         backend: Backend | None = None,
         record_settings: bool = True,
+        database_url: str | None = None,
     ) -> None:
         self.root = Path(root).absolute()
         policy = Policy(quotas or Quotas(), expiry or Expiry())
         self._core = Core(
             self.root,
-            backend
-            or SQLiteBackend(self.root / "index.sqlite3", self.root / "state", busy_total_s=busy_timeout_s),
+            backend or _backend_for(self.root, database_url, busy_timeout_s),
             policy=policy,
             publisher=publisher,
             owner=owner,
@@ -292,3 +297,18 @@ class Store:
     async def check(self) -> list[Drift]:
         """Differences between the index and the disk; changes nothing. Sessions in use are skipped."""
         return await _repair.check(self._core)
+
+
+def _backend_for(root: Path, database_url: str | None, busy_timeout_s: float) -> Backend:
+    """The index database a URL names (see Store). The session folders stay under root either way."""
+    url = (database_url or "").strip()
+    if is_postgres_url(url):
+        return PostgresBackend(url, busy_total_s=busy_timeout_s)
+    if url and not url.lower().startswith("sqlite:"):
+        raise StorageError(
+            f"unsupported database URL {redact_url(url)!r}: use postgresql://... or leave it empty for "
+            "an SQLite index under the store's root"
+        )
+    # An `sqlite:` URL (Open WebUI's own database when it runs on SQLite) means our embedded index:
+    # the store never writes into another application's SQLite file.
+    return SQLiteBackend(root / "index.sqlite3", root / "state", busy_total_s=busy_timeout_s)

@@ -1,1 +1,1 @@
-pytest_plugins = ["tests.support.open_webui", "tests.support.browser"]
+pytest_plugins = ["tests.support.open_webui", "tests.support.browser", "tests.support.postgres"]

@@ -6,19 +6,64 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
+BACKENDS = ("sqlite", "postgresql")
+# For a test about the SQLite file itself (PRAGMAs, a corrupted file, old SQLite schemas).
+sqlite_only = pytest.mark.parametrize("backend_kind", ["sqlite"])
+postgres_only = pytest.mark.parametrize("backend_kind", ["postgresql"])
 
 
 def sql(root: Path, statement: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    """Run SQL on a store's index directly (to age rows, or to look at what was written)."""
+    """Run SQL on a store's SQLite index file directly (to age rows, or to look at what was written)."""
     conn = sqlite3.connect(root / "index.sqlite3", timeout=30, isolation_level=None)
     try:
         return conn.execute(statement, params).fetchall()
     finally:
         conn.close()
+
+
+def run_index_sql(
+    root: Path, database_url: str, statement: str, params: Sequence[Any] = ()
+) -> list[tuple[Any, ...]]:
+    """`sql` for either backend: the SQLite file under root, or the store's PostgreSQL schema."""
+    if not database_url:
+        return sql(root, statement, tuple(params))
+    import psycopg
+
+    from storage._postgres import DEFAULT_SCHEMA, to_pyformat
+
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("SELECT set_config('search_path', %s, false)", (DEFAULT_SCHEMA,))
+        # Without parameters the statement goes as it is (simple protocol: several statements allowed).
+        cursor = conn.execute(to_pyformat(statement), tuple(params)) if params else conn.execute(statement)
+        while cursor.nextset():  # the result of the last statement
+            pass
+        return cursor.fetchall() if cursor.description else []
+
+
+def lose_index(root: Path, database_url: str) -> None:
+    """The index is gone (a deleted file; a dropped schema): the next open rebuilds it from the folders."""
+    if not database_url:
+        for suffix in ("", "-wal", "-shm"):
+            (root / f"index.sqlite3{suffix}").unlink(missing_ok=True)
+        return
+    import psycopg
+
+    from storage._postgres import DEFAULT_SCHEMA
+
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA {DEFAULT_SCHEMA} CASCADE")
+
+
+def stored_id(value: str, database_url: str) -> str:
+    """An id as the index shows it: PostgreSQL text cannot hold NUL, stored as the characters `\\x00`."""
+    return value.replace("\x00", "\\x00") if database_url else value
 
 
 def run_python(code: str, *args: str, timeout: float = 60, **kwargs: Any) -> subprocess.CompletedProcess[str]:

@@ -5,26 +5,29 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from storage import Expiry, Purge, StorageBusy, Store
-from tests.storage.storage_helpers import sql, start_python
+from tests.storage.storage_helpers import start_python
 
 DAY = 86400
+Sql = Callable[..., list[tuple[Any, ...]]]
 
 
-def _age_session(root: Path, chat_id: str, seconds: float) -> None:
-    sql(root, "UPDATE sessions SET last_used_at = ? WHERE chat_id = ?", (time.time() - seconds, chat_id))
+def _age_session(sql: Sql, chat_id: str, seconds: float) -> None:
+    sql("UPDATE sessions SET last_used_at = ? WHERE chat_id = ?", (time.time() - seconds, chat_id))
 
 
-def _age_files(root: Path, seconds: float, path: str | None = None) -> None:
+def _age_files(sql: Sql, seconds: float, path: str | None = None) -> None:
     stamp = time.time() - seconds
     if path is None:
-        sql(root, "UPDATE files SET last_changed = ?", (stamp,))
+        sql("UPDATE files SET last_changed = ?", (stamp,))
     else:
-        sql(root, "UPDATE files SET last_changed = ? WHERE path = ?", (stamp, path))
+        sql("UPDATE files SET last_changed = ? WHERE path = ?", (stamp, path))
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
@@ -71,8 +74,8 @@ HOLDER = """
     import asyncio, sys
     from storage import Store
 
-    async def main(root):
-        async with Store(root) as store:
+    async def main(root, url):
+        async with Store(root, database_url=url) as store:
             s = await store.session("u", "busy")
             async with s.lock():
                 (s.path / "running.txt").write_text("sandbox at work")
@@ -80,14 +83,16 @@ HOLDER = """
                 await asyncio.to_thread(sys.stdin.readline)
         print("released", flush=True)
 
-    asyncio.run(main(sys.argv[1]))
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
 """
 
 
-async def test_cleanup_skips_a_session_locked_by_another_process(store: Store, root: Path) -> None:
+async def test_cleanup_skips_a_session_locked_by_another_process(
+    store: Store, root: Path, database_url: str
+) -> None:
     idle = await store.session("u", "idle")
     await idle.files.write("a", b"1")
-    proc = start_python(HOLDER, str(root))
+    proc = start_python(HOLDER, str(root), database_url)
     try:
         line = await asyncio.to_thread(proc.stdout.readline)  # type: ignore[union-attr]
         assert line.strip() == "locked", proc.stderr.read() if proc.stderr else ""
@@ -115,14 +120,14 @@ async def test_cleanup_skips_a_session_locked_by_another_process(store: Store, r
     assert os.listdir(root / "sessions") == [] and os.listdir(root / "state") == []
 
 
-async def test_expiry_by_idle_and_temporary(store: Store, root: Path) -> None:
+async def test_expiry_by_idle_and_temporary(store: Store, index_sql: Sql) -> None:
     fresh = await store.session("u", "fresh")
     old = await store.session("u", "old")
     temp = await store.session("u", "temporary:t")
     for s in (fresh, old, temp):
         await s.files.write("f.txt", b"12345")
-    _age_session(root, "old", 31 * DAY)
-    _age_session(root, "temporary:t", 2 * 3600)
+    _age_session(index_sql, "old", 31 * DAY)
+    _age_session(index_sql, "temporary:t", 2 * 3600)
     report = await store.cleanup()
     assert sorted(d.chat_id for d in report.details if d.action == "removed") == ["old", "temporary:t"]
     assert (report.sessions_removed, report.files_removed, report.bytes_freed) == (2, 2, 10)
@@ -131,24 +136,24 @@ async def test_expiry_by_idle_and_temporary(store: Store, root: Path) -> None:
     assert (again.sessions_removed, again.files_removed, again.links_removed) == (0, 0, 0)
     # 0 means never
     store.expiry = Expiry(session_idle_s=0, temporary_idle_s=0, file_max_age_s=0)
-    _age_session(root, "fresh", 1000 * DAY)
+    _age_session(index_sql, "fresh", 1000 * DAY)
     assert (await store.cleanup()).sessions_removed == 0
 
 
-async def test_using_a_session_saves_it_from_expiry(store: Store, root: Path) -> None:
+async def test_using_a_session_saves_it_from_expiry(store: Store, index_sql: Sql) -> None:
     await store.session("u", "c")
-    _age_session(root, "c", 40 * DAY)
+    _age_session(index_sql, "c", 40 * DAY)
     await store.session("u", "c")  # the chat is opened again
     assert (await store.cleanup()).sessions_removed == 0
 
 
-async def test_expiry_by_file_age(store: Store, root: Path) -> None:
+async def test_expiry_by_file_age(store: Store, index_sql: Sql) -> None:
     s = await store.session("u", "c")
     await s.files.write("old/report.csv", b"x" * 7)
     await s.files.write("new.csv", b"y")
     await s.files.write("changed.csv", b"z")
-    _age_files(root, 31 * DAY, "old/report.csv")
-    _age_files(root, 31 * DAY, "changed.csv")
+    _age_files(index_sql, 31 * DAY, "old/report.csv")
+    _age_files(index_sql, 31 * DAY, "changed.csv")
     (s.path / "changed.csv").write_text("changed since indexed")  # never deleted before reconcile sees it
     link = await s.publish("old/report.csv")
     report = await store.cleanup()
@@ -163,44 +168,51 @@ async def test_expiry_by_file_age(store: Store, root: Path) -> None:
 
 
 async def test_expiry_lets_a_run_in_between_batches(
-    store: Store, root: Path, monkeypatch: pytest.MonkeyPatch
+    store: Store, index_sql: Sql, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import storage._expiry as cleanup_module
-    from storage._lock import FileLock
 
     s = await store.session("alice", "big")
     for i in range(5):
         await s.files.write(f"f{i}.csv", b"x" * 10)
-    _age_files(root, 31 * DAY)
+    _age_files(index_sql, 31 * DAY)
     monkeypatch.setattr(cleanup_module, "_EXPIRY_BATCH", 2)
-    run = FileLock(root / "state" / s.user_key / f"{s.chat_key}.lock")
-    real_release = FileLock.release
-
-    def release_then_a_run_starts(self: FileLock, **kwargs: bool) -> None:
-        real_release(self, **kwargs)
-        if self is not run and self.path == run.path and not run_started:
-            # a user's step takes the lock the first batch let go
-            assert run.try_acquire()
-            run_started.append(True)
-
+    backend = store.backend
+    real_chat_lock = backend.chat_lock
+    run = real_chat_lock(s.user_key, s.chat_key)
     run_started: list[bool] = []
-    monkeypatch.setattr(FileLock, "release", release_then_a_run_starts)
+
+    def chat_lock(user_key: str, chat_key: str) -> Any:
+        lock = real_chat_lock(user_key, chat_key)
+        real_release = lock.release
+
+        async def release_then_a_run_starts(**kwargs: bool) -> None:
+            await real_release(**kwargs)
+            if (user_key, chat_key) == (s.user_key, s.chat_key) and not run_started:
+                # a user's step takes the lock the first batch let go
+                assert await run.try_acquire()
+                run_started.append(True)
+
+        lock.release = release_then_a_run_starts  # type: ignore[method-assign]
+        return lock
+
+    monkeypatch.setattr(backend, "chat_lock", chat_lock)
     report = await store.cleanup()
     assert report.files_removed == 2
     assert sorted(d.action for d in report.details) == ["files expired", "in use"]
     assert len(await s.files.list()) == 3
-    real_release(run)
+    await run.release()
     assert (await store.cleanup()).files_removed == 3
     assert await s.files.list() == []
 
 
-async def test_purge_user_and_idle(store: Store, root: Path) -> None:
+async def test_purge_user_and_idle(store: Store, index_sql: Sql) -> None:
     for user, chat in [("alice", "a1"), ("alice", "a2"), ("bob", "b1"), ("bob", "b2")]:
         s = await store.session(user, chat)
         await s.files.write("f", b"1")
     report = await store.cleanup(Purge(user_id="alice"))
     assert sorted(d.chat_id for d in report.details) == ["a1", "a2"]
-    _age_session(root, "b1", 3 * DAY)
+    _age_session(index_sql, "b1", 3 * DAY)
     report = await store.cleanup(Purge(idle_longer_than_s=2 * DAY))
     assert [d.chat_id for d in report.details] == ["b1"]
     report = await store.cleanup(Purge(chat_id="b2"))
@@ -209,38 +221,37 @@ async def test_purge_user_and_idle(store: Store, root: Path) -> None:
     assert (await store.cleanup(Purge())).sessions_removed == 0
 
 
-async def test_dry_run_touches_nothing(store: Store, root: Path) -> None:
+async def test_dry_run_touches_nothing(store: Store, root: Path, index_sql: Sql) -> None:
     a = await store.session("u", "a")
     await a.files.write("f.txt", b"1")
     await a.publish("f.txt")
     b = await store.session("u", "b")
     await b.files.write("old.txt", b"22")
-    _age_session(root, "a", 60 * DAY)
-    _age_files(root, 60 * DAY, "old.txt")
+    _age_session(index_sql, "a", 60 * DAY)
+    _age_files(index_sql, 60 * DAY, "old.txt")
     (root / "state" / "orphan-lock-dir").mkdir()
+
+    def rows() -> tuple[list[tuple[Any, ...]], ...]:
+        return (
+            index_sql("SELECT * FROM sessions ORDER BY id"),
+            index_sql("SELECT * FROM files ORDER BY session_id, path"),
+            index_sql("SELECT * FROM links ORDER BY token"),
+        )
+
     before_disk = _snapshot(root)
-    before_db = (
-        sql(root, "SELECT * FROM sessions"),
-        sql(root, "SELECT * FROM files"),
-        sql(root, "SELECT * FROM links"),
-    )
-    activity = sql(root, "SELECT count(*) FROM activity")
+    before_db = rows()
+    activity = index_sql("SELECT count(*) FROM activity")
     report = await store.cleanup(dry_run=True)
     assert report.dry_run
     assert (report.sessions_removed, report.files_removed, report.links_removed) == (1, 2, 1)
     assert _snapshot(root) == before_disk
-    after_db = (
-        sql(root, "SELECT * FROM sessions"),
-        sql(root, "SELECT * FROM files"),
-        sql(root, "SELECT * FROM links"),
-    )
-    assert after_db == before_db
-    assert sql(root, "SELECT count(*) FROM activity") == activity
+    assert rows() == before_db
+    assert index_sql("SELECT count(*) FROM activity") == activity
     real = await store.cleanup()
     assert (real.sessions_removed, real.files_removed, real.links_removed) == (1, 2, 1)
 
 
-async def test_cleanup_removes_stale_links_and_strays(store: Store, root: Path) -> None:
+async def test_cleanup_removes_stale_links_and_strays(store: Store, index_sql: Sql) -> None:
     s = await store.session("u", "c")
     await s.files.write("a.png", b"png")
     link = await s.publish("a.png")
@@ -260,13 +271,13 @@ async def test_cleanup_removes_stale_links_and_strays(store: Store, root: Path) 
     assert (pub / link.ref).exists()
     # the file changes: the old copy is stale once its grace period is over
     await s.files.write("a.png", b"png2")
-    sql(root, "UPDATE links SET created_at = created_at - 3600")
+    index_sql("UPDATE links SET created_at = created_at - 3600")
     report = await store.cleanup()
     assert report.links_removed == 1 and not (pub / link.ref).exists()
     assert await store.links() == []
 
 
-async def test_vanished_session_rows_are_dropped(store: Store, root: Path) -> None:
+async def test_vanished_session_rows_are_dropped(store: Store) -> None:
     import shutil
 
     s = await store.session("u", "c")

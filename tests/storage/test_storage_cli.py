@@ -6,16 +6,22 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from storage import DirectoryPublisher, Store
-from tests.storage.storage_helpers import REPO, sql
+from tests.storage.storage_helpers import REPO
+
+Cli = Callable[..., subprocess.CompletedProcess[str]]
+Sql = Callable[..., list[tuple[Any, ...]]]
+_ENV = ("CODE_SESSIONS_ROOT", "DATA_DIR", "CODE_SESSIONS_DATABASE_URL")
 
 
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full_env = {k: v for k, v in os.environ.items() if k not in ("CODE_SESSIONS_ROOT", "DATA_DIR")}
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if k not in _ENV}
     full_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "storage", *args],
@@ -28,8 +34,18 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 
 
 @pytest.fixture
-async def populated(root: Path, publisher: DirectoryPublisher) -> Path:
-    async with Store(root, publisher=publisher) as store:
+def cli(database_url: str) -> Cli:
+    """The CLI against the test's backend (the database URL from the environment, as an admin sets it)."""
+
+    def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return run_cli(*args, env={"CODE_SESSIONS_DATABASE_URL": database_url, **(env or {})})
+
+    return run
+
+
+@pytest.fixture
+async def populated(root: Path, publisher: DirectoryPublisher, database_url: str) -> Path:
+    async with Store(root, publisher=publisher, database_url=database_url) as store:
         a = await store.session("alice", "chat-1")
         await a.files.write("report.csv", b"a,b\n1,2\n")
         await a.files.write("plots/chart.png", b"\x89PNG")
@@ -40,7 +56,7 @@ async def populated(root: Path, publisher: DirectoryPublisher) -> Path:
     return root
 
 
-def test_listings_as_tables_and_json(populated: Path) -> None:
+def test_listings_as_tables_and_json(populated: Path, cli: Cli) -> None:
     root = str(populated)
     out = cli("--root", root, "sessions")
     assert out.returncode == 0, out.stderr
@@ -72,7 +88,7 @@ def test_listings_as_tables_and_json(populated: Path) -> None:
     assert json.loads(cli("--root", root, "links", "--chat", "other", "--json").stdout) == []
 
 
-def test_check_exit_code_and_rebuild(populated: Path) -> None:
+def test_check_exit_code_and_rebuild(populated: Path, cli: Cli) -> None:
     root = str(populated)
     ok = cli("--root", root, "check")
     assert ok.returncode == 0 and "matches" in ok.stdout
@@ -88,14 +104,14 @@ def test_check_exit_code_and_rebuild(populated: Path) -> None:
     assert cli("--root", root, "check").returncode == 0
 
 
-def test_cleanup_commands(populated: Path) -> None:
+def test_cleanup_commands(populated: Path, cli: Cli, index_sql: Sql) -> None:
     root = str(populated)
     dry = json.loads(cli("--root", root, "cleanup", "--dry-run", "--all", "--json").stdout)
     assert dry["dry_run"] and dry["sessions_removed"] == 2
     assert len(json.loads(cli("--root", root, "sessions", "--json").stdout)) == 2
     policy = cli("--root", root, "cleanup")
     assert policy.returncode == 0 and "policy:" in policy.stdout and "removed 0 sessions" in policy.stdout
-    sql(populated, "UPDATE sessions SET last_used_at = last_used_at - 3 * 86400 WHERE user_id = 'bob'")
+    index_sql("UPDATE sessions SET last_used_at = last_used_at - 3 * 86400 WHERE user_id = 'bob'")
     idle = json.loads(cli("--root", root, "cleanup", "--idle", "2d", "--json").stdout)
     assert [d["chat_id"] for d in idle["details"]] == ["temporary:x"]
     user = cli("--root", root, "cleanup", "--user", "alice")
@@ -108,7 +124,7 @@ def test_cleanup_commands(populated: Path) -> None:
     assert "session_removed" in cli("--root", root, "log").stdout
 
 
-def test_root_resolution(populated: Path, tmp_path: Path) -> None:
+def test_root_resolution(populated: Path, tmp_path: Path, cli: Cli) -> None:
     assert cli("sessions", env={"CODE_SESSIONS_ROOT": str(populated)}).returncode == 0
     data_dir = tmp_path / "data"
     data_dir.mkdir()

@@ -141,10 +141,10 @@ async def test_write_new_enforces_quotas(store: Store) -> None:
     await s.files.write_new("d", b"x" * 100)  # 0/None: no limit
 
 
-async def test_owner_is_applied_to_what_we_create(root: Path) -> None:
+async def test_owner_is_applied_to_what_we_create(root: Path, database_url: str) -> None:
     if os.geteuid() != 0:
         pytest.skip("chown needs root")
-    async with Store(root, owner=(4242, 4343)) as store:
+    async with Store(root, owner=(4242, 4343), database_url=database_url) as store:
         s = await store.session("u", "c")
         await s.files.write("sub/dir/f.txt", b"x")
         name = await s.files.write_new("up.csv", b"y")

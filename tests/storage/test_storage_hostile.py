@@ -16,6 +16,7 @@ import pytest
 from storage import DirectoryPublisher, QuotaExceeded, Quotas, Store
 from storage._fsops import remove_tree
 from storage._sync import MAX_EMPTY_FOLDERS
+from tests.storage.storage_helpers import sqlite_only
 
 
 def _chain(top: Path, levels: int) -> Path:
@@ -83,6 +84,8 @@ async def test_empty_folders_beyond_the_limit_are_removed(store: Store) -> None:
     assert (s.path / "keep" / "f").exists()
 
 
+# About the copy, which no index takes part in (and 20-30 s on this machine's disk): one backend is enough.
+@sqlite_only
 async def test_a_sparse_file_is_published_sparse(store: Store) -> None:
     store.quotas = Quotas(max_bytes_per_user=0)  # no quota: nothing else bounds the file
     s = await store.session("u", "c")
@@ -100,8 +103,11 @@ async def test_a_sparse_file_is_published_sparse(store: Store) -> None:
         assert f.read() == b"tail"
 
 
-async def test_published_copies_count_toward_the_quota(root: Path, publisher: DirectoryPublisher) -> None:
-    async with Store(root, publisher=publisher, quotas=Quotas(max_bytes_per_user=3000)) as store:
+async def test_published_copies_count_toward_the_quota(
+    root: Path, publisher: DirectoryPublisher, database_url: str
+) -> None:
+    quotas = Quotas(max_bytes_per_user=3000)
+    async with Store(root, publisher=publisher, quotas=quotas, database_url=database_url) as store:
         s = await store.session("u", "c")
         (s.path / "f.bin").write_bytes(b"0" * 1000)
         await s.reconcile()
@@ -121,9 +127,9 @@ async def test_published_copies_count_toward_the_quota(root: Path, publisher: Di
 
 
 async def test_a_run_its_process_did_not_index_is_indexed_at_the_next_open(
-    root: Path, publisher: DirectoryPublisher, caplog
+    root: Path, publisher: DirectoryPublisher, database_url: str, caplog
 ) -> None:
-    async with Store(root, publisher=publisher) as store:
+    async with Store(root, publisher=publisher, database_url=database_url) as store:
         s = await store.session("u", "c")
         async with s.lock():
             await s.begin_run()
@@ -131,7 +137,7 @@ async def test_a_run_its_process_did_not_index_is_indexed_at_the_next_open(
             # ... and the process dies here: no reconcile.
         assert [d.kind for d in await store.check()] == ["file not indexed"]
     caplog.set_level(logging.WARNING, logger="code_sessions.storage")
-    async with Store(root, publisher=publisher) as store:
+    async with Store(root, publisher=publisher, database_url=database_url) as store:
         assert await store.check() == []
         assert [f.path for f in await (await store.session("u", "c")).files.list()] == ["made-by-the-run.txt"]
     assert "ended with its process before its files were indexed" in caplog.text

@@ -1,4 +1,5 @@
-"""The SQLite index: migrations, corruption, rebuild from disk, several processes at once."""
+"""The index: migrations and corruption of the SQLite file; on both backends, rebuild from disk and
+several processes at once (PostgreSQL's own schema and locks: test_storage_postgres.py)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,20 @@ import asyncio
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from storage import DirectoryPublisher, Quotas, StorageBusy, StorageError, Store
 from storage._schema import CURRENT_VERSION, MIGRATIONS, statements
-from tests.storage.storage_helpers import sql, user_usage
+from tests.storage.storage_helpers import lose_index, sql, sqlite_only, stored_id, user_usage
+
+Sql = Callable[..., list[tuple[Any, ...]]]
 
 
+@sqlite_only
 async def test_new_index_is_wal_and_current(store: Store, root: Path) -> None:
     assert sql(root, "PRAGMA journal_mode") == [("wal",)]
     assert sql(root, "PRAGMA user_version") == [(CURRENT_VERSION,)]
@@ -49,8 +55,8 @@ async def test_newer_database_is_refused(root: Path) -> None:
             pass
 
 
-async def _populate(root: Path) -> None:
-    async with Store(root) as store:
+async def _populate(root: Path, database_url: str = "") -> None:
+    async with Store(root, database_url=database_url) as store:
         a = await store.session("alice\x00", "chat/1")
         await a.files.write("report.csv", b"1,2")
         b = await store.session("bob", "temporary:9")
@@ -81,28 +87,26 @@ async def test_corrupt_index_is_moved_aside_and_rebuilt(
     assert any("corrupt" in r.message for r in caplog.records)
 
 
-async def test_deleted_index_is_rebuilt_with_real_ids(root: Path) -> None:
-    await _populate(root)
-    for suffix in ("", "-wal", "-shm"):
-        (root / f"index.sqlite3{suffix}").unlink(missing_ok=True)
-    async with Store(root) as store:
+async def test_deleted_index_is_rebuilt_with_real_ids(root: Path, database_url: str) -> None:
+    await _populate(root, database_url)
+    lose_index(root, database_url)
+    async with Store(root, database_url=database_url) as store:
         rows = {(s.user_id, s.chat_id, s.files, s.bytes) for s in await store.sessions()}
-        assert rows == {("alice\x00", "chat/1", 1, 3), ("bob", "temporary:9", 1, 2)}
+        assert rows == {(stored_id("alice\x00", database_url), "chat/1", 1, 3), ("bob", "temporary:9", 1, 2)}
         a = await store.session("alice\x00", "chat/1")
         assert [f.path for f in await a.files.list()] == ["report.csv"]
         assert (await user_usage(store, "bob")).bytes == 2
 
 
-async def test_rebuild_without_sidecar_keeps_files(root: Path) -> None:
-    await _populate(root)
-    async with Store(root) as store:
+async def test_rebuild_without_sidecar_keeps_files(root: Path, database_url: str) -> None:
+    await _populate(root, database_url)
+    async with Store(root, database_url=database_url) as store:
         s = await store.session("bob", "temporary:9")
         (root / "state" / s.user_key / f"{s.chat_key}.json").unlink()
-    for suffix in ("", "-wal", "-shm"):
-        (root / f"index.sqlite3{suffix}").unlink(missing_ok=True)
-    async with Store(root) as store:
+    lose_index(root, database_url)
+    async with Store(root, database_url=database_url) as store:
         rows = {(s.user_id, s.files) for s in await store.sessions()}
-        assert ("alice\x00", 1) in rows
+        assert (stored_id("alice\x00", database_url), 1) in rows
         assert any(u.startswith("unknown:bob-") and n == 1 for u, n in rows)
         report = await store.rebuild()
         assert report.sessions == 2 and report.sessions_without_sidecar == 1 and report.added == 0
@@ -110,15 +114,15 @@ async def test_rebuild_without_sidecar_keeps_files(root: Path) -> None:
 
 
 async def test_a_session_rebuilt_under_unknown_ids_still_finds_its_links_and_usage(
-    root: Path, publisher: DirectoryPublisher
+    root: Path, publisher: DirectoryPublisher, database_url: str
 ) -> None:
-    async with Store(root, publisher=publisher, quotas=Quotas(max_files_per_user=1)) as store:
+    quotas = Quotas(max_files_per_user=1)
+    async with Store(root, publisher=publisher, quotas=quotas, database_url=database_url) as store:
         s = await store.session("bob", "c1")
         await s.files.write("a.txt", b"1")
         (root / "state" / s.user_key / f"{s.chat_key}.json").unlink()  # the ids are lost with it
-    for suffix in ("", "-wal", "-shm"):
-        (root / f"index.sqlite3{suffix}").unlink(missing_ok=True)
-    async with Store(root, publisher=publisher, quotas=Quotas(max_files_per_user=1)) as store:
+    lose_index(root, database_url)
+    async with Store(root, publisher=publisher, quotas=quotas, database_url=database_url) as store:
         [info] = await store.sessions()
         assert info.user_id.startswith("unknown:")
         rebuilt = store.session_at(info)
@@ -141,10 +145,12 @@ async def test_rebuild_drops_rows_without_folder(store: Store) -> None:
     assert await store.sessions() == []
 
 
-async def test_rebuild_repairs_drifted_totals_and_reports_the_repaired_ones(store: Store, root: Path) -> None:
+async def test_rebuild_repairs_drifted_totals_and_reports_the_repaired_ones(
+    store: Store, index_sql: Sql
+) -> None:
     s = await store.session("u", "c")
     await s.files.write("a", b"12345")
-    sql(root, "UPDATE sessions SET file_count = 7, bytes = 999")
+    index_sql("UPDATE sessions SET file_count = 7, bytes = 999")
     report = await store.rebuild()
     assert (report.files, report.bytes) == (1, 5)
     assert [(i.files, i.bytes) for i in await store.sessions()] == [(1, 5)]
@@ -177,8 +183,8 @@ WRITER = """
     import asyncio, sys
     from storage import Store
 
-    async def main(root, name):
-        async with Store(root, busy_timeout_s=60) as store:
+    async def main(root, name, url):
+        async with Store(root, busy_timeout_s=60, database_url=url) as store:
             for i in range(40):
                 s = await store.session(f"user-{i % 3}", f"{name}-{i % 5}")
                 await s.files.write(f"f{i}.txt", b"x" * (i + 1))
@@ -188,14 +194,14 @@ WRITER = """
                 await store.users_usage()
         print("done")
 
-    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3]))
 """
 
 
-def test_two_processes_write_the_index_at_once(root: Path) -> None:
+def test_two_processes_write_the_index_at_once(root: Path, database_url: str) -> None:
     from tests.storage.storage_helpers import start_python
 
-    procs = [start_python(WRITER, str(root), name) for name in ("p1", "p2")]
+    procs = [start_python(WRITER, str(root), name, database_url) for name in ("p1", "p2")]
     outputs = [p.communicate(timeout=120) for p in procs]
     for p, (out, err) in zip(procs, outputs, strict=True):
         assert p.returncode == 0, err
@@ -203,7 +209,7 @@ def test_two_processes_write_the_index_at_once(root: Path) -> None:
         assert "locked" not in err and "busy" not in err.lower()
 
     async def verify() -> None:
-        async with Store(root) as store:
+        async with Store(root, database_url=database_url) as store:
             assert await store.check() == []
             sessions = await store.sessions()
             assert len(sessions) == 2 * 15  # (i % 3, i % 5) covers 15 pairs per process
@@ -214,19 +220,37 @@ def test_two_processes_write_the_index_at_once(root: Path) -> None:
     asyncio.run(verify())
 
 
-async def test_index_locked_too_long_raises_storage_busy(root: Path) -> None:
-    async with Store(root, busy_timeout_s=0.5) as store:
+class _Blocker:
+    """Another client holding the index's write lock: SQLite's (BEGIN IMMEDIATE), or on PostgreSQL a
+    lock on the files table that lets readers through and no writer."""
+
+    def __init__(self, root: Path, database_url: str) -> None:
+        if database_url:
+            import psycopg
+
+            self.conn: Any = psycopg.connect(database_url, autocommit=True)
+            self.conn.execute("BEGIN")
+            self.conn.execute("LOCK TABLE code_sessions.files IN EXCLUSIVE MODE")
+        else:
+            self.conn = sqlite3.connect(root / "index.sqlite3", isolation_level=None)
+            self.conn.execute("BEGIN IMMEDIATE")
+
+    def release(self) -> None:
+        self.conn.execute("ROLLBACK")
+        self.conn.close()
+
+
+async def test_index_locked_too_long_raises_storage_busy(root: Path, database_url: str) -> None:
+    async with Store(root, busy_timeout_s=0.5, database_url=database_url) as store:
         s = await store.session("u", "c")
-        blocker = sqlite3.connect(root / "index.sqlite3", isolation_level=None)
-        blocker.execute("BEGIN IMMEDIATE")
+        blocker = _Blocker(root, database_url)
         try:
             with pytest.raises(StorageBusy, match="locked"):
                 await s.files.write("a", b"1")
-            # reads still work while a writer holds the lock (WAL)
+            # reads still work while a writer holds the lock (WAL; MVCC)
             assert (await s.usage()).files == 0
         finally:
-            blocker.execute("ROLLBACK")
-            blocker.close()
+            blocker.release()
         await s.files.write("a", b"1")
         assert (await s.usage()).files == 1
 
@@ -238,17 +262,17 @@ async def test_concurrent_tasks_share_the_pool(store: Store) -> None:
     assert await store.check() == []
 
 
-def test_a_store_never_closed_does_not_keep_the_process_alive(tmp_path: Path) -> None:
+def test_a_store_never_closed_does_not_keep_the_process_alive(tmp_path: Path, database_url: str) -> None:
     # A web server's Store lives until the process ends; its threads must not block that end.
     script = (
         "import asyncio, sys\n"
         "from pathlib import Path\n"
         "from storage import Store\n"
         "async def main():\n"
-        "    store = Store(Path(sys.argv[1]))\n"
+        "    store = Store(Path(sys.argv[1]), database_url=sys.argv[2])\n"
         "    await store.open()\n"
         "    await (await store.session('u', 'c')).usage()\n"
         "asyncio.run(main())\n"
     )
-    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "root")], timeout=30)
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "root"), database_url], timeout=30)
     assert result.returncode == 0

@@ -111,8 +111,8 @@ async def test_disk_full_leaves_nothing(
     assert await store.links() == []
 
 
-async def test_no_publisher_is_a_clear_error(root: Path) -> None:
-    async with Store(root) as store:
+async def test_no_publisher_is_a_clear_error(root: Path, database_url: str) -> None:
+    async with Store(root, database_url=database_url) as store:
         s = await store.session("u", "c")
         await s.files.write("a", b"1")
         with pytest.raises(StorageError, match="not configured"):
