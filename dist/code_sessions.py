@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_3657e90ac312'
+_CS_PACKAGE = '_code_sessions_c52089fb1095'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -260,12 +260,24 @@ class Core:
         self.record_settings = record_settings
         # Set by the Store: rebuilds the index from the folders after a damaged one was replaced.
         self.rebuild: Callable[[], Awaitable[object]] | None = None
+        # Set by the Store: the bookkeeping a full disk put off (see `catching_up`).
+        self.catch_up: Callable[[], Awaitable[None]] | None = None
+        # Sessions that went on without their sidecar or index row because the disk was full; written,
+        # and their folders indexed, by the first write that succeeds afterwards.
+        self.unsaved: dict[tuple[str, str], SessionRef] = {}
+        self.repairs_put_off = False  # the store opened on a full disk, without its start-up repairs
+        self._catching_up = False
         self._remembered: dict[str, str] = {}
         self._remembered_policy: Policy | None = None
         self._generation = 0  # how many times the database was replaced while open
         self._recovery: asyncio.Lock | None = None
         self._recovering = False
         self._ensured: dict[tuple[str, str], float] = {}  # sessions made sure of (and touched) lately
+
+    @property
+    def generation(self) -> int:
+        """How many times the database was replaced while open (a damaged index, rebuilt)."""
+        return self._generation
 
     def forget_ensured(self, user_key: str, chat_key: str) -> None:
         """The session was deleted: the next use makes sure of it again."""
@@ -319,47 +331,61 @@ class Core:
         async with self._recovery:
             if self._generation != generation:
                 return  # someone recovered it while we waited
-            log.warning("the index is damaged (%s): replacing it and rebuilding it from the folders", damage)
             self._recovering = True
             try:
                 opened = await self.backend.recover()
                 self._generation += 1
                 self._remembered, self._remembered_policy = {}, None
-                if opened.fresh and self.rebuild is not None:
-                    await self.rebuild()
+                rebuilt = await self.rebuild() if opened.fresh and self.rebuild is not None else None
             finally:
                 self._recovering = False
+            moved = f"moved it to {opened.moved_aside}, " if opened.moved_aside else ""
+            done = (
+                f"rebuilt it from the folders: {rebuilt.summary()}" if rebuilt is not None else "reconnected"
+            )  # type: ignore[attr-defined]
+            log.warning("the index was damaged (%s): %s%s", damage, moved, done)
 
     # ------------------------------------------------------------------ sessions
 
-    async def ensure(self, ref: SessionRef, *, touch: bool) -> None:
+    async def ensure(self, ref: SessionRef, *, touch: bool, cached: bool = False) -> None:
         """The session's folder, sidecar and index row, created if missing; `touch` marks it used.
 
-        A session this process made sure of moments ago, whose folder is still there, is not written
-        again (expiry counts in hours and days; a step should not pay a transaction for it). On a full
-        disk an existing session is still usable (a run may be what frees the space); its row is
-        written by the next step that has room."""
+        `cached`: a session this process made sure of moments ago, whose folder is still there, is not
+        written again (expiry counts in hours and days; a step should not pay a transaction for it).
+        On a full disk an existing session is still usable (a run may be what frees the space); its
+        sidecar and row are written by the first write that has room again."""
         key = (ref.user_key, ref.chat_key)
         seen = self._ensured.get(key)
-        if seen is not None and time.monotonic() - seen < ENSURED_FOR_S and ref.path.is_dir():
+        if cached and seen is not None and time.monotonic() - seen < ENSURED_FOR_S and ref.path.is_dir():
             return
         try:
             created = await asyncio.to_thread(self.make_dirs, ref)
             now = time.time()
             await self.write(lambda tx: self.session_id(tx, ref, created, now if touch else None))
-            if touch:
-                if len(self._ensured) > 10_000:
-                    self._ensured.clear()
-                self._ensured[key] = time.monotonic()
         except (DiskFull, OSError) as error:
             full = isinstance(error, DiskFull) or error.errno in (errno.ENOSPC, errno.EDQUOT)
             if not full or not ref.path.is_dir():
                 raise DiskFull() if full else error from None
-            log.warning(
-                "the disk is full: chat %r of user %r goes on without updating its index row",
-                ref.chat_id,
-                ref.user_id,
-            )
+            if key not in self.unsaved:
+                log.warning(
+                    "the disk is full: chat %r of user %r goes on without updating its index row",
+                    ref.chat_id,
+                    ref.user_id,
+                )
+            if len(self.unsaved) < 100_000:
+                self.unsaved[key] = ref
+            return
+        self.unsaved.pop(key, None)
+        if touch:
+            if len(self._ensured) > 10_000:
+                self._ensured.clear()
+            self._ensured[key] = time.monotonic()
+        if (self.unsaved or self.repairs_put_off) and self.catch_up is not None and not self._catching_up:
+            self._catching_up = True
+            try:
+                await self.catch_up()
+            finally:
+                self._catching_up = False
 
     async def session_id(
         self, tx: Tx, ref: SessionRef, created_at: float, used_at: float | None = None
@@ -3289,6 +3315,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -3302,7 +3329,7 @@ from ._backend import Tx
 from ._core import Core, SessionRef
 from ._fsops import fd_closing, open_dir, open_regular
 from ._names import is_passive_image, publish_name, split_path
-from .errors import StorageError
+from .errors import DiskFull, StorageError
 from .models import Link
 from .publishing import Copy, DirectoryPublisher, copy_present, remove_directory_copy
 
@@ -3407,12 +3434,20 @@ def _write_record(core: Core, record: dict) -> None:
     path = core.layout.link_record(record["kind"], record["ref"])
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(record), encoding="utf-8")
+        try:
+            tmp.write_text(json.dumps(record), encoding="utf-8")
+        except FileNotFoundError:  # the folder of a store made before records existed
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            tmp.write_text(json.dumps(record), encoding="utf-8")
         os.replace(tmp, path)
-    except FileNotFoundError:  # the folder of a store made before records existed
-        path.parent.mkdir(mode=0o700, exist_ok=True)
-        tmp.write_text(json.dumps(record), encoding="utf-8")
-        os.replace(tmp, path)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFull(
+                f"Not enough disk space to publish {record['path']}; nothing was published."
+            ) from error
+        raise
 
 
 def link_records(core: Core) -> list[dict]:
@@ -3508,6 +3543,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import time
@@ -3520,6 +3556,7 @@ from ._layout import read_sidecar, write_sidecar
 from ._publish import folder_copy_present, link_records
 from ._scan import Scan, scan
 from ._sync import sync_folder
+from .errors import DiskFull
 from .models import Drift, RebuildReport
 from .publishing import DirectoryPublisher
 
@@ -3597,7 +3634,7 @@ async def rebuild(core: Core) -> RebuildReport:
         finally:
             await lock.release()
 
-    links = await _adopt_links(core)
+    links = await adopt_links(core)
     result = RebuildReport(
         sessions=totals["sessions"],
         sessions_in_use=totals["in_use"],
@@ -3618,7 +3655,7 @@ async def rebuild(core: Core) -> RebuildReport:
     return result
 
 
-async def _adopt_links(core: Core) -> int:
+async def adopt_links(core: Core) -> int:
     """Links of published copies the index does not know, taken back from their records (an index
     lost or replaced): old answers keep working. Returns how many were taken back."""
     records = await asyncio.to_thread(link_records, core)
@@ -3698,6 +3735,33 @@ async def recover_interrupted_runs(core: Core) -> None:
             report.summary(),
         )
         await core.log("interrupted_run", row.user_id, row.chat_id, {"summary": report.summary()})
+
+
+async def save_unsaved_sessions(core: Core) -> None:
+    """Write the sidecar and row of each session used while the disk was full, and index its folder
+    (never deleting: like a rebuild). One in use elsewhere is left for a later call. Raises DiskFull
+    when the disk is still full."""
+    for key, ref in list(core.unsaved.items()):
+        lock = core.lock_of(ref)
+        if not await lock.try_acquire():
+            continue
+        try:
+            if not ref.path.is_dir():
+                core.unsaved.pop(key, None)
+                continue
+            try:
+                created = await asyncio.to_thread(core.make_dirs, ref)
+            except OSError as error:
+                if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise DiskFull() from error
+                log.warning("could not save the session of chat %r: %s", ref.chat_id, error)
+                core.unsaved.pop(key, None)
+                continue
+            await core.write(lambda tx, r=ref, c=created: core.session_id(tx, r, c))
+            await sync_folder(core, ref, enforce=False)
+            core.unsaved.pop(key, None)
+        finally:
+            await lock.release()
 
 
 async def check(core: Core) -> list[Drift]:
@@ -4338,6 +4402,8 @@ class SQLiteBackend:
         self._pool: asyncio.Queue[_Connection] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._all: list[_Connection] = []
+        self._inode: tuple[int, int] | None = None  # the file our connections have open
+        self._looked_at = 0.0  # when we last checked that the path still names it
 
     # ------------------------------------------------------------------ locks
 
@@ -4383,7 +4449,7 @@ class SQLiteBackend:
                 if not _is_corrupt(exc):
                     raise
             moved = self._move_aside()
-            log.warning(
+            log.info(
                 "the index %s was moved to %s because %s; a new one is rebuilt from the folders",
                 self.path,
                 moved,
@@ -4407,6 +4473,7 @@ class SQLiteBackend:
         self._loop = asyncio.get_running_loop()
         for conn in self._all:
             self._pool.put_nowait(conn)
+        self._inode = _inode_of(self.path)
         try:
             return await self.write(_migrate)
         except IndexDamaged as exc:  # the version says current, but the tables are not there
@@ -4456,6 +4523,12 @@ class SQLiteBackend:
         if asyncio.get_running_loop() is not self._loop:
             # The pool's queue belongs to one event loop; sharing it across loops fails obscurely.
             raise StorageError("a Store must be used from the event loop that opened it")
+        if time.monotonic() - self._looked_at >= _LOOK_EVERY_S:
+            # An index deleted (or replaced) under open connections goes on working for them alone,
+            # while another process makes a new one: two indexes, each enforcing quotas alone.
+            self._looked_at = time.monotonic()
+            if _inode_of(self.path) != self._inode:
+                raise IndexDamaged(f"the index {self.path} was deleted or replaced while in use")
         pool = self._pool
 
         async def attempt() -> T:
@@ -4490,6 +4563,17 @@ class SQLiteBackend:
                     ) from None
                 await asyncio.sleep(delay * random.uniform(0.5, 1.5))
                 delay = min(delay * 2, 1.0)
+
+
+_LOOK_EVERY_S = 1.0
+
+
+def _inode_of(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _error_name(exc: BaseException) -> str:
@@ -4603,13 +4687,14 @@ class Differences:
     """What differs between a folder (as found) and its index rows.
 
     `found.files` holds (at least) every added and changed path; `old_sizes` the indexed size of
-    every changed and removed path."""
+    every changed and removed path, `old_mtimes` the indexed mtime of every removed one."""
 
     found: Scan
     added: list[str] = field(default_factory=list)
     changed: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
     old_sizes: dict[str, int] = field(default_factory=dict)
+    old_mtimes: dict[str, int] = field(default_factory=dict)
     full: bool = True
 
     def usage_delta(self) -> Usage:
@@ -4623,9 +4708,21 @@ class Differences:
         return Usage(files, size)
 
     def growth(self) -> list[Growth]:
-        """The files the quota weighs: every added one, and every changed one that grew."""
+        """The files the quota weighs: every added one, and every changed one that grew. An added
+        file with the size and mtime of a removed one is that file moved (a rename keeps both): it
+        adds nothing, so it is not weighed."""
         listing = self.found.files
-        items = [Growth(p, *listing[p], new=True) for p in self.added]
+        moved_from: dict[tuple[int, int], int] = {}
+        for path in self.removed:
+            stat = (self.old_sizes[path], self.old_mtimes.get(path, -1))
+            moved_from[stat] = moved_from.get(stat, 0) + 1
+        items = []
+        for path in self.added:
+            stat = listing[path]
+            if moved_from.get(stat):
+                moved_from[stat] -= 1
+                continue
+            items.append(Growth(path, *stat, new=True))
         for path in self.changed:
             size, mtime_ns = listing[path]
             old = self.old_sizes[path]
@@ -4648,6 +4745,7 @@ def compare(found: Scan, index_rows: Iterable[tuple[str, int, int]]) -> Differen
             if not (unreadable and found.is_unreadable(path)):
                 removed.append(path)
                 old[path] = size
+                differences.old_mtimes[path] = mtime_ns
         elif seen[0] != size or seen[1] != mtime_ns:
             changed.append(path)
             old[path] = size
@@ -4953,6 +5051,7 @@ async def _apply(
     differences.changed = [p for p, seen in listing.items() if p in index and index[p] != seen]
     differences.removed = [p for p in index if p not in listing and not found.is_unreadable(p)]
     differences.old_sizes = {p: index[p][0] for p in (*differences.changed, *differences.removed)}
+    differences.old_mtimes = {p: index[p][1] for p in differences.removed}
     return await apply(core, ref, differences, enforce=enforce)
 ''',
     'storage/cli.py': r'''"""Developer/admin CLI: `python -m storage [--root PATH] [--database-url URL] COMMAND [--json]` (also
@@ -6099,7 +6198,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from pathlib import Path
 
-from . import _index, _publish, _sync, _sync_changed
+from . import _index, _publish, _repair, _sync, _sync_changed
 from ._backend import Tx
 from ._core import Core, SessionRef
 from ._fsops import (
@@ -6136,6 +6235,7 @@ class Session:
         self._ref = ref
         self.files = SessionFiles(core, ref)
         self._unindexed_run = False  # begin_run() found the mark of an earlier run never indexed
+        self._generation = core.generation  # the index this session's lock was taken with
 
     @property
     def user_id(self) -> str:
@@ -6177,8 +6277,9 @@ class Session:
             if waiting is not None:
                 await waiting()
             await lock.acquire(timeout)
+        self._generation = self._core.generation
         try:
-            await self._core.ensure(self._ref, touch=True)
+            await self._core.ensure(self._ref, touch=True, cached=True)
             yield self
         finally:
             await lock.release()
@@ -6227,10 +6328,19 @@ class Session:
             await core.remember_settings()
         if changed is not None and self._unindexed_run:
             changed = None  # an earlier run was never indexed: its changes are not among these
+        if core.generation != self._generation:
+            # The index was rebuilt while this session was locked (a damaged index, found during the
+            # run): the rebuild skipped it, so it is listed whole, and its links taken back.
+            changed = None
         if changed is not None:
             report = await _sync_changed.sync_paths(core, self._ref, changed, enforce=enforce_quotas)
         else:
             report = await _sync.sync_folder(core, self._ref, enforce=enforce_quotas)
+        if core.generation != self._generation:  # replaced while this sync ran
+            if changed is not None:  # the rebuild skipped this locked session: list it whole
+                report = await _sync.sync_folder(core, self._ref, enforce=enforce_quotas)
+            await _repair.adopt_links(core)
+            self._generation = core.generation
         marker = core.layout.running_marker(self.user_key, self.chat_key)
         await asyncio.to_thread(_unlink_missing_ok, marker)
         self._unindexed_run = False
@@ -6390,8 +6500,13 @@ class SessionFiles:
         Call it under the session's lock."""
         core, ref = self._core, self._ref
         before = await core.read(lambda tx: _index.session_usage(tx, ref.user_key, ref.chat_key))
+        marker = core.layout.running_marker(ref.user_key, ref.chat_key)
 
         def work() -> None:
+            # Marked first, like a run: if the index cannot be told (a full disk), the next sync lists
+            # the whole folder instead of trusting rows of files that are gone.
+            with contextlib.suppress(OSError):
+                os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
             with self._root() as root, os.scandir(root) as entries:
                 names = [entry.name for entry in entries]
                 for name in names:
@@ -6400,6 +6515,7 @@ class SessionFiles:
         with contextlib.suppress(FileMissing):
             await asyncio.to_thread(work)
         await _sync.sync_folder(core, ref, enforce=False)
+        await asyncio.to_thread(_unlink_missing_ok, marker)
 
         async def drop_links(tx: Tx) -> list[tuple[str, str, str]]:
             row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
@@ -6494,6 +6610,7 @@ class SessionFiles:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -6507,7 +6624,7 @@ from ._fsops import make_dir
 from ._keys import id_key
 from ._postgres import PostgresBackend, is_postgres_url, redact_url
 from ._sqlite import SQLiteBackend
-from .errors import StorageError
+from .errors import DiskFull, StorageError
 from .models import (
     ActivityEntry,
     CleanupReport,
@@ -6565,6 +6682,8 @@ class Store:
             record_settings=record_settings,
         )
         self._core.rebuild = self.rebuild
+        self._core.catch_up = self._catch_up
+        self._rebuild_put_off = False
         self._opened = False
 
     # ------------------------------------------------------------------ settings
@@ -6615,19 +6734,42 @@ class Store:
         opened = await core.backend.open()
         self._opened = True
         try:
-            await self._remember_publisher()
-            if opened.fresh and await asyncio.to_thread(core.layout.session_keys_on_disk):
-                log.warning(
-                    "the index %s is new but session folders exist: rebuilding it", core.backend.where
-                )
-                report = await self.rebuild()
-                log.warning("index rebuilt: %s", report.summary())
             if opened.moved_aside is not None:
-                await core.log("corrupt_index", detail={"moved_to": opened.moved_aside})
-            await _repair.recover_interrupted_runs(core)
+                with contextlib.suppress(DiskFull):
+                    await core.log("corrupt_index", detail={"moved_to": opened.moved_aside})
+            try:
+                await self._startup_repairs(rebuild=opened.fresh)
+            except DiskFull:
+                # Open anyway: every step then says the disk is full, and one that frees space works;
+                # the first write that succeeds afterwards does these repairs (Core.catch_up).
+                log.warning(
+                    "the disk holding %s is full: the store opened without its start-up repairs", self.root
+                )
+                self._rebuild_put_off = opened.fresh
+                core.repairs_put_off = True
         except BaseException:
             await self.close()
             raise
+
+    async def _startup_repairs(self, *, rebuild: bool) -> None:
+        core = self._core
+        await self._remember_publisher()
+        if rebuild and await asyncio.to_thread(core.layout.session_keys_on_disk):
+            log.warning("the index %s is new but session folders exist: rebuilding it", core.backend.where)
+            report = await self.rebuild()
+            log.warning("index rebuilt: %s", report.summary())
+        await _repair.recover_interrupted_runs(core)
+
+    async def _catch_up(self) -> None:
+        """What a full disk put off, done by the first write that had room again: the sessions used
+        meanwhile get their sidecar, row and file rows; the start-up repairs run."""
+        core = self._core
+        with contextlib.suppress(DiskFull):
+            await _repair.save_unsaved_sessions(core)
+            if core.repairs_put_off:
+                await self._startup_repairs(rebuild=self._rebuild_put_off)
+                core.repairs_put_off = False
+                log.warning("the disk has room again: the start-up repairs of %s are done", self.root)
 
     async def close(self) -> None:
         self._opened = False
@@ -8203,6 +8345,7 @@ class Kernel:
         self._exceeded: str | None = None  # the disk watcher's verdict, from its thread
         self._replies_ended = False
         self._closed = False
+        self._settling: asyncio.Future[None] | None = None  # stopping a cancelled run
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -8318,6 +8461,8 @@ class Kernel:
         """Run one cell. A kernel that is lost during it (killed on a limit, crashed, broke the
         protocol) is closed, `lost` says why, and the result says the state went with it."""
         async with self._busy:
+            if self._settling is not None:  # a cancelled run is still being stopped
+                await asyncio.shield(self._settling)
             if not self.alive:
                 why = self.lost or self._why_gone()
                 await self.close(why)
@@ -8325,8 +8470,32 @@ class Kernel:
             self.last_used = time.monotonic()
             try:
                 return await self._run(code, language, limits)
+            except asyncio.CancelledError:
+                # The caller gave up (the user stopped the answer): the cell must not run on, writing
+                # after the caller's bookkeeping is done. Interrupt it, kill the kernel if it does
+                # not stop, and only then let the next run in.
+                self._settling = asyncio.ensure_future(self._stop_cancelled_run())
+                await asyncio.shield(self._settling)
+                raise
             finally:
                 self.last_used = time.monotonic()
+
+    async def _stop_cancelled_run(self) -> None:
+        try:
+            if self._state.current is None or not self.alive:
+                return
+            await self._interrupt()
+            deadline = time.monotonic() + INTERRUPT_GRACE_S
+            while self._state.current is not None:
+                try:
+                    message = await asyncio.wait_for(self._inbox.get(), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    message = None
+                if message is None:
+                    await self.close("its answer was stopped while a cell ran, and the cell did not stop")
+                    return
+        finally:
+            self._settling = None
 
     async def _run(self, code: str, language: str, limits: Limits) -> RunResult:
         assert self._proc is not None and self._proc.stdin is not None and self._growth is not None
@@ -8425,7 +8594,10 @@ class Kernel:
         if watch is None or not self.alive:
             # A killed kernel's last writes may still be arriving: list the whole folder.
             return None
-        return watch.harvest()
+        changed = watch.harvest()
+        # A new kernel's first run: what happened in the folder before this kernel's watch began (a
+        # thread its predecessor left, writing) is nobody's to know: list the whole folder once.
+        return None if self._run_ids == 1 else changed
 
     async def _interrupt(self) -> None:
         """SIGINT to the kernel (PID 1 of its sandbox): KeyboardInterrupt in the cell, state kept."""
@@ -11165,11 +11337,19 @@ class KernelPool:
         return entry if entry is not None and entry.key == key else None
 
     def _save(self, entry: _Entry) -> None:
-        self.registry_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        """Best effort: a registry that cannot be written (a full disk) must not stop a chat from
+        running code (which may be what frees the space). Until it can, other workers do not find
+        this kernel, and a restart cannot say why the state went."""
         path = self._entry_path(entry.key)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(entry.__dict__), encoding="utf-8")
-        os.replace(tmp, path)
+        try:
+            self.registry_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(entry.__dict__), encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            log.warning("kernel registry: cannot record %s: %s", entry.cid, error)
 
     def _save_if_same(self, entry: _Entry) -> None:
         now = self._entry(entry.key)
@@ -11888,7 +12068,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_3657e90ac312.runner import Outcome
+from _code_sessions_c52089fb1095.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import backtick_fence, escape_text
@@ -12109,7 +12289,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_3657e90ac312.storage import human_bytes
+from _code_sessions_c52089fb1095.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12201,7 +12381,7 @@ def system_prompt(facts: PromptFacts) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_3657e90ac312.storage import Purge, parse_duration
+from _code_sessions_c52089fb1095.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13281,6 +13461,7 @@ Open WebUI: the function adapter hands it ids, code and limits, and gets back re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import posixpath
 import re
@@ -13288,8 +13469,9 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_3657e90ac312.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_3657e90ac312.storage import (
+from _code_sessions_c52089fb1095.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_c52089fb1095.storage import (
+    CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
     FileMissing,
@@ -13504,22 +13686,41 @@ class ChatSession:
         figures = _figures(result, report)
         return StepResult(language, code, run=result, files=report, notes=tuple(notes), figures=figures)
 
-    async def add_upload(self, name: str, data: bytes, *, source: str | None = None) -> str:
+    async def add_upload(
+        self, name: str, data: bytes, *, source: str | None = None, waiting: Waiting | None = None
+    ) -> str:
         """Copy a user's attachment into the folder under a safe, unused name; returns its path.
-        Raises StorageError (too large, over quota, disk full) with a sentence for the user.
+        Raises StorageError (too large, over quota, disk full, busy) with a sentence for the user.
 
         `source` names where it came from, so the same attachment is not copied again next turn."""
-        async with self.session.lock(timeout=self._service.lock_timeout_s):
+        async with self.session.lock(timeout=self._service.lock_timeout_s, waiting=waiting):
             return await self.session.files.write_new(name, data, source=source)
 
-    async def refuse_upload(self, source: str) -> None:
-        """An attachment that could not be taken: it is not tried (nor its refusal said) again."""
-        await self.session.files.refuse_import(source)
+    async def refuse_upload(self, source: str, why: str) -> bool:
+        """An attachment that could not be taken: it is not tried (nor its refusal said) again.
+        Returns whether to say it. On a full disk even that cannot be written: then it is tried again
+        at the next message, and said again only for a new reason."""
+        try:
+            await self.session.files.refuse_import(source)
+        except StorageError:
+            return self._service.remember_refusal(self.session, source, why)
+        return True
 
-    async def clear_files(self) -> str:
+    async def clear_files(self, *, waiting: Waiting | None = None) -> str:
         """Empty this chat's folder at the user's request; returns the sentence for the answer."""
-        async with self.session.lock(timeout=self._service.lock_timeout_s):
-            gone = await self.session.files.clear()
+        try:
+            async with self.session.lock(timeout=self._service.lock_timeout_s, waiting=waiting):
+                gone = await self.session.files.clear()
+        except StorageBusy:
+            return (
+                "This chat's files were not deleted: the chat is busy with a step that is still running. "
+                f"Send {CLEAR_FILES_COMMAND} again when it has finished."
+            )
+        except DiskFull:
+            return (
+                "Deleted every file in this chat's /mnt/data, but the disk is still full, so the file "
+                "list is brought up to date at the next step that has room."
+            )
         return (
             f"Deleted every file in this chat's /mnt/data ({gone.files} files, {human_bytes(gone.bytes)}), "
             "and the download copies linked in its earlier answers."
@@ -13624,6 +13825,18 @@ class CodeSessions:
         self.lock_timeout_s = lock_timeout_s
         # (user key, chat key) -> time.monotonic() of the session's last full reconcile here.
         self._full_at: dict[tuple[str, str], float] = {}
+        # Attachments refused when not even the refusal could be written (a full disk), with why.
+        self._refusals: dict[tuple[str, str, str], str] = {}
+
+    def remember_refusal(self, session: Session, source: str, why: str) -> bool:
+        """Note a refusal the index could not keep; False when the same one was said already."""
+        key = (session.user_id, session.chat_id, source)
+        if self._refusals.get(key) == why:
+            return False
+        if len(self._refusals) >= 10_000:
+            self._refusals.clear()
+        self._refusals[key] = why
+        return True
 
     async def chat(self, user_id: str, chat_id: str) -> ChatSession:
         return ChatSession(self, await self.store.session(user_id, chat_id))
@@ -13841,7 +14054,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_3657e90ac312.storage import Copy, DiskFull, Link, Published, StorageError
+from _code_sessions_c52089fb1095.storage import Copy, DiskFull, Link, Published, StorageError
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14029,7 +14242,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_3657e90ac312.storage import Link, Publisher
+from _code_sessions_c52089fb1095.storage import Link, Publisher
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14220,7 +14433,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_3657e90ac312.engine import (
+from _code_sessions_c52089fb1095.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14233,8 +14446,8 @@ from _code_sessions_3657e90ac312.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_3657e90ac312.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_3657e90ac312.storage import (
+from _code_sessions_c52089fb1095.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_c52089fb1095.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14242,7 +14455,7 @@ from _code_sessions_3657e90ac312.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_3657e90ac312.webui import Misconfigured, OpenWebUI
+from _code_sessions_c52089fb1095.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 
@@ -14400,7 +14613,7 @@ class Pipe:
         chat = await services.chat(__user__["id"], __chat_id__ or "")
         status = _status_emitter(__event_emitter__)
         if _last_user_text(body.get("messages", [])).strip() == CLEAR_FILES_COMMAND:
-            return await chat.clear_files()
+            return await chat.clear_files(waiting=_waiting(status))
 
         notes, refused = await self._import_uploads(chat, __user__["id"], __files__ or [], status)
         user_valves = __user__.get("valves") or self.UserValves()
@@ -14608,13 +14821,18 @@ class Pipe:
                 continue
             name = str(item.get("name") or (item.get("file") or {}).get("filename") or file_id)
             try:
-                data, name = await self._host.read_upload(file_id, user_id)
+                try:
+                    data, name = await self._host.read_upload(file_id, user_id)
+                except Exception as error:  # Open WebUI's storage providers raise what they like
+                    log.warning("code-sessions: attachment %s could not be read: %s", file_id, error)
+                    raise OSError(f"Open WebUI could not read it: {error}") from error
                 if data is None:
                     continue  # not this user's file, or gone: nothing to say about someone else's id
-                path = await chat.add_upload(name, data, source=source)
+                path = await chat.add_upload(name, data, source=source, waiting=_waiting(status))
             except (StorageError, OSError) as error:
                 why = str(error) if isinstance(error, StorageError) else f"it could not be read ({error})"
-                await chat.refuse_upload(source)
+                if not await chat.refuse_upload(source, why):
+                    continue
                 refused.append(f"The attachment {name} was not copied into /mnt/data: {why}")
                 shown = (
                     f"The attachment {escape_text(name)} was not copied into /mnt/data: {escape_text(why)}"
@@ -14734,6 +14952,13 @@ async def _model_events(response: Any) -> AsyncIterator:
         events = events_from_message(payload) if isinstance(payload, dict) else []
         for event in events or [ModelError(f"the base model answered with HTTP {status}")]:
             yield event
+
+
+def _waiting(status: Any) -> Any:
+    async def waiting() -> None:
+        await status("Waiting for this chat's previous step to finish...", False)
+
+    return waiting
 
 
 def _status_emitter(emitter: Any) -> Any:

@@ -7,6 +7,7 @@ Open WebUI: the function adapter hands it ids, code and limits, and gets back re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import posixpath
 import re
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 from runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
 from storage import (
+    CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
     FileMissing,
@@ -230,22 +232,41 @@ class ChatSession:
         figures = _figures(result, report)
         return StepResult(language, code, run=result, files=report, notes=tuple(notes), figures=figures)
 
-    async def add_upload(self, name: str, data: bytes, *, source: str | None = None) -> str:
+    async def add_upload(
+        self, name: str, data: bytes, *, source: str | None = None, waiting: Waiting | None = None
+    ) -> str:
         """Copy a user's attachment into the folder under a safe, unused name; returns its path.
-        Raises StorageError (too large, over quota, disk full) with a sentence for the user.
+        Raises StorageError (too large, over quota, disk full, busy) with a sentence for the user.
 
         `source` names where it came from, so the same attachment is not copied again next turn."""
-        async with self.session.lock(timeout=self._service.lock_timeout_s):
+        async with self.session.lock(timeout=self._service.lock_timeout_s, waiting=waiting):
             return await self.session.files.write_new(name, data, source=source)
 
-    async def refuse_upload(self, source: str) -> None:
-        """An attachment that could not be taken: it is not tried (nor its refusal said) again."""
-        await self.session.files.refuse_import(source)
+    async def refuse_upload(self, source: str, why: str) -> bool:
+        """An attachment that could not be taken: it is not tried (nor its refusal said) again.
+        Returns whether to say it. On a full disk even that cannot be written: then it is tried again
+        at the next message, and said again only for a new reason."""
+        try:
+            await self.session.files.refuse_import(source)
+        except StorageError:
+            return self._service.remember_refusal(self.session, source, why)
+        return True
 
-    async def clear_files(self) -> str:
+    async def clear_files(self, *, waiting: Waiting | None = None) -> str:
         """Empty this chat's folder at the user's request; returns the sentence for the answer."""
-        async with self.session.lock(timeout=self._service.lock_timeout_s):
-            gone = await self.session.files.clear()
+        try:
+            async with self.session.lock(timeout=self._service.lock_timeout_s, waiting=waiting):
+                gone = await self.session.files.clear()
+        except StorageBusy:
+            return (
+                "This chat's files were not deleted: the chat is busy with a step that is still running. "
+                f"Send {CLEAR_FILES_COMMAND} again when it has finished."
+            )
+        except DiskFull:
+            return (
+                "Deleted every file in this chat's /mnt/data, but the disk is still full, so the file "
+                "list is brought up to date at the next step that has room."
+            )
         return (
             f"Deleted every file in this chat's /mnt/data ({gone.files} files, {human_bytes(gone.bytes)}), "
             "and the download copies linked in its earlier answers."
@@ -350,6 +371,18 @@ class CodeSessions:
         self.lock_timeout_s = lock_timeout_s
         # (user key, chat key) -> time.monotonic() of the session's last full reconcile here.
         self._full_at: dict[tuple[str, str], float] = {}
+        # Attachments refused when not even the refusal could be written (a full disk), with why.
+        self._refusals: dict[tuple[str, str, str], str] = {}
+
+    def remember_refusal(self, session: Session, source: str, why: str) -> bool:
+        """Note a refusal the index could not keep; False when the same one was said already."""
+        key = (session.user_id, session.chat_id, source)
+        if self._refusals.get(key) == why:
+            return False
+        if len(self._refusals) >= 10_000:
+            self._refusals.clear()
+        self._refusals[key] = why
+        return True
 
     async def chat(self, user_id: str, chat_id: str) -> ChatSession:
         return ChatSession(self, await self.store.session(user_id, chat_id))

@@ -199,7 +199,7 @@ class Pipe:
         chat = await services.chat(__user__["id"], __chat_id__ or "")
         status = _status_emitter(__event_emitter__)
         if _last_user_text(body.get("messages", [])).strip() == CLEAR_FILES_COMMAND:
-            return await chat.clear_files()
+            return await chat.clear_files(waiting=_waiting(status))
 
         notes, refused = await self._import_uploads(chat, __user__["id"], __files__ or [], status)
         user_valves = __user__.get("valves") or self.UserValves()
@@ -407,13 +407,18 @@ class Pipe:
                 continue
             name = str(item.get("name") or (item.get("file") or {}).get("filename") or file_id)
             try:
-                data, name = await self._host.read_upload(file_id, user_id)
+                try:
+                    data, name = await self._host.read_upload(file_id, user_id)
+                except Exception as error:  # Open WebUI's storage providers raise what they like
+                    log.warning("code-sessions: attachment %s could not be read: %s", file_id, error)
+                    raise OSError(f"Open WebUI could not read it: {error}") from error
                 if data is None:
                     continue  # not this user's file, or gone: nothing to say about someone else's id
-                path = await chat.add_upload(name, data, source=source)
+                path = await chat.add_upload(name, data, source=source, waiting=_waiting(status))
             except (StorageError, OSError) as error:
                 why = str(error) if isinstance(error, StorageError) else f"it could not be read ({error})"
-                await chat.refuse_upload(source)
+                if not await chat.refuse_upload(source, why):
+                    continue
                 refused.append(f"The attachment {name} was not copied into /mnt/data: {why}")
                 shown = (
                     f"The attachment {escape_text(name)} was not copied into /mnt/data: {escape_text(why)}"
@@ -533,6 +538,13 @@ async def _model_events(response: Any) -> AsyncIterator:
         events = events_from_message(payload) if isinstance(payload, dict) else []
         for event in events or [ModelError(f"the base model answered with HTTP {status}")]:
             yield event
+
+
+def _waiting(status: Any) -> Any:
+    async def waiting() -> None:
+        await status("Waiting for this chat's previous step to finish...", False)
+
+    return waiting
 
 
 def _status_emitter(emitter: Any) -> Any:

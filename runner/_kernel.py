@@ -85,6 +85,7 @@ class Kernel:
         self._exceeded: str | None = None  # the disk watcher's verdict, from its thread
         self._replies_ended = False
         self._closed = False
+        self._settling: asyncio.Future[None] | None = None  # stopping a cancelled run
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -200,6 +201,8 @@ class Kernel:
         """Run one cell. A kernel that is lost during it (killed on a limit, crashed, broke the
         protocol) is closed, `lost` says why, and the result says the state went with it."""
         async with self._busy:
+            if self._settling is not None:  # a cancelled run is still being stopped
+                await asyncio.shield(self._settling)
             if not self.alive:
                 why = self.lost or self._why_gone()
                 await self.close(why)
@@ -207,8 +210,32 @@ class Kernel:
             self.last_used = time.monotonic()
             try:
                 return await self._run(code, language, limits)
+            except asyncio.CancelledError:
+                # The caller gave up (the user stopped the answer): the cell must not run on, writing
+                # after the caller's bookkeeping is done. Interrupt it, kill the kernel if it does
+                # not stop, and only then let the next run in.
+                self._settling = asyncio.ensure_future(self._stop_cancelled_run())
+                await asyncio.shield(self._settling)
+                raise
             finally:
                 self.last_used = time.monotonic()
+
+    async def _stop_cancelled_run(self) -> None:
+        try:
+            if self._state.current is None or not self.alive:
+                return
+            await self._interrupt()
+            deadline = time.monotonic() + INTERRUPT_GRACE_S
+            while self._state.current is not None:
+                try:
+                    message = await asyncio.wait_for(self._inbox.get(), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    message = None
+                if message is None:
+                    await self.close("its answer was stopped while a cell ran, and the cell did not stop")
+                    return
+        finally:
+            self._settling = None
 
     async def _run(self, code: str, language: str, limits: Limits) -> RunResult:
         assert self._proc is not None and self._proc.stdin is not None and self._growth is not None
@@ -307,7 +334,10 @@ class Kernel:
         if watch is None or not self.alive:
             # A killed kernel's last writes may still be arriving: list the whole folder.
             return None
-        return watch.harvest()
+        changed = watch.harvest()
+        # A new kernel's first run: what happened in the folder before this kernel's watch began (a
+        # thread its predecessor left, writing) is nobody's to know: list the whole folder once.
+        return None if self._run_ids == 1 else changed
 
     async def _interrupt(self) -> None:
         """SIGINT to the kernel (PID 1 of its sandbox): KeyboardInterrupt in the cell, state kept."""

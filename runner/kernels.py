@@ -404,11 +404,19 @@ class KernelPool:
         return entry if entry is not None and entry.key == key else None
 
     def _save(self, entry: _Entry) -> None:
-        self.registry_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        """Best effort: a registry that cannot be written (a full disk) must not stop a chat from
+        running code (which may be what frees the space). Until it can, other workers do not find
+        this kernel, and a restart cannot say why the state went."""
         path = self._entry_path(entry.key)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(entry.__dict__), encoding="utf-8")
-        os.replace(tmp, path)
+        try:
+            self.registry_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(entry.__dict__), encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            log.warning("kernel registry: cannot record %s: %s", entry.cid, error)
 
     def _save_if_same(self, entry: _Entry) -> None:
         now = self._entry(entry.key)

@@ -74,12 +74,24 @@ class Core:
         self.record_settings = record_settings
         # Set by the Store: rebuilds the index from the folders after a damaged one was replaced.
         self.rebuild: Callable[[], Awaitable[object]] | None = None
+        # Set by the Store: the bookkeeping a full disk put off (see `catching_up`).
+        self.catch_up: Callable[[], Awaitable[None]] | None = None
+        # Sessions that went on without their sidecar or index row because the disk was full; written,
+        # and their folders indexed, by the first write that succeeds afterwards.
+        self.unsaved: dict[tuple[str, str], SessionRef] = {}
+        self.repairs_put_off = False  # the store opened on a full disk, without its start-up repairs
+        self._catching_up = False
         self._remembered: dict[str, str] = {}
         self._remembered_policy: Policy | None = None
         self._generation = 0  # how many times the database was replaced while open
         self._recovery: asyncio.Lock | None = None
         self._recovering = False
         self._ensured: dict[tuple[str, str], float] = {}  # sessions made sure of (and touched) lately
+
+    @property
+    def generation(self) -> int:
+        """How many times the database was replaced while open (a damaged index, rebuilt)."""
+        return self._generation
 
     def forget_ensured(self, user_key: str, chat_key: str) -> None:
         """The session was deleted: the next use makes sure of it again."""
@@ -133,47 +145,61 @@ class Core:
         async with self._recovery:
             if self._generation != generation:
                 return  # someone recovered it while we waited
-            log.warning("the index is damaged (%s): replacing it and rebuilding it from the folders", damage)
             self._recovering = True
             try:
                 opened = await self.backend.recover()
                 self._generation += 1
                 self._remembered, self._remembered_policy = {}, None
-                if opened.fresh and self.rebuild is not None:
-                    await self.rebuild()
+                rebuilt = await self.rebuild() if opened.fresh and self.rebuild is not None else None
             finally:
                 self._recovering = False
+            moved = f"moved it to {opened.moved_aside}, " if opened.moved_aside else ""
+            done = (
+                f"rebuilt it from the folders: {rebuilt.summary()}" if rebuilt is not None else "reconnected"
+            )  # type: ignore[attr-defined]
+            log.warning("the index was damaged (%s): %s%s", damage, moved, done)
 
     # ------------------------------------------------------------------ sessions
 
-    async def ensure(self, ref: SessionRef, *, touch: bool) -> None:
+    async def ensure(self, ref: SessionRef, *, touch: bool, cached: bool = False) -> None:
         """The session's folder, sidecar and index row, created if missing; `touch` marks it used.
 
-        A session this process made sure of moments ago, whose folder is still there, is not written
-        again (expiry counts in hours and days; a step should not pay a transaction for it). On a full
-        disk an existing session is still usable (a run may be what frees the space); its row is
-        written by the next step that has room."""
+        `cached`: a session this process made sure of moments ago, whose folder is still there, is not
+        written again (expiry counts in hours and days; a step should not pay a transaction for it).
+        On a full disk an existing session is still usable (a run may be what frees the space); its
+        sidecar and row are written by the first write that has room again."""
         key = (ref.user_key, ref.chat_key)
         seen = self._ensured.get(key)
-        if seen is not None and time.monotonic() - seen < ENSURED_FOR_S and ref.path.is_dir():
+        if cached and seen is not None and time.monotonic() - seen < ENSURED_FOR_S and ref.path.is_dir():
             return
         try:
             created = await asyncio.to_thread(self.make_dirs, ref)
             now = time.time()
             await self.write(lambda tx: self.session_id(tx, ref, created, now if touch else None))
-            if touch:
-                if len(self._ensured) > 10_000:
-                    self._ensured.clear()
-                self._ensured[key] = time.monotonic()
         except (DiskFull, OSError) as error:
             full = isinstance(error, DiskFull) or error.errno in (errno.ENOSPC, errno.EDQUOT)
             if not full or not ref.path.is_dir():
                 raise DiskFull() if full else error from None
-            log.warning(
-                "the disk is full: chat %r of user %r goes on without updating its index row",
-                ref.chat_id,
-                ref.user_id,
-            )
+            if key not in self.unsaved:
+                log.warning(
+                    "the disk is full: chat %r of user %r goes on without updating its index row",
+                    ref.chat_id,
+                    ref.user_id,
+                )
+            if len(self.unsaved) < 100_000:
+                self.unsaved[key] = ref
+            return
+        self.unsaved.pop(key, None)
+        if touch:
+            if len(self._ensured) > 10_000:
+                self._ensured.clear()
+            self._ensured[key] = time.monotonic()
+        if (self.unsaved or self.repairs_put_off) and self.catch_up is not None and not self._catching_up:
+            self._catching_up = True
+            try:
+                await self.catch_up()
+            finally:
+                self._catching_up = False
 
     async def session_id(
         self, tx: Tx, ref: SessionRef, created_at: float, used_at: float | None = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -29,7 +30,7 @@ from ._backend import Tx
 from ._core import Core, SessionRef
 from ._fsops import fd_closing, open_dir, open_regular
 from ._names import is_passive_image, publish_name, split_path
-from .errors import StorageError
+from .errors import DiskFull, StorageError
 from .models import Link
 from .publishing import Copy, DirectoryPublisher, copy_present, remove_directory_copy
 
@@ -134,12 +135,20 @@ def _write_record(core: Core, record: dict) -> None:
     path = core.layout.link_record(record["kind"], record["ref"])
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(record), encoding="utf-8")
+        try:
+            tmp.write_text(json.dumps(record), encoding="utf-8")
+        except FileNotFoundError:  # the folder of a store made before records existed
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            tmp.write_text(json.dumps(record), encoding="utf-8")
         os.replace(tmp, path)
-    except FileNotFoundError:  # the folder of a store made before records existed
-        path.parent.mkdir(mode=0o700, exist_ok=True)
-        tmp.write_text(json.dumps(record), encoding="utf-8")
-        os.replace(tmp, path)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFull(
+                f"Not enough disk space to publish {record['path']}; nothing was published."
+            ) from error
+        raise
 
 
 def link_records(core: Core) -> list[dict]:

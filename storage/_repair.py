@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import time
@@ -17,6 +18,7 @@ from ._layout import read_sidecar, write_sidecar
 from ._publish import folder_copy_present, link_records
 from ._scan import Scan, scan
 from ._sync import sync_folder
+from .errors import DiskFull
 from .models import Drift, RebuildReport
 from .publishing import DirectoryPublisher
 
@@ -94,7 +96,7 @@ async def rebuild(core: Core) -> RebuildReport:
         finally:
             await lock.release()
 
-    links = await _adopt_links(core)
+    links = await adopt_links(core)
     result = RebuildReport(
         sessions=totals["sessions"],
         sessions_in_use=totals["in_use"],
@@ -115,7 +117,7 @@ async def rebuild(core: Core) -> RebuildReport:
     return result
 
 
-async def _adopt_links(core: Core) -> int:
+async def adopt_links(core: Core) -> int:
     """Links of published copies the index does not know, taken back from their records (an index
     lost or replaced): old answers keep working. Returns how many were taken back."""
     records = await asyncio.to_thread(link_records, core)
@@ -195,6 +197,33 @@ async def recover_interrupted_runs(core: Core) -> None:
             report.summary(),
         )
         await core.log("interrupted_run", row.user_id, row.chat_id, {"summary": report.summary()})
+
+
+async def save_unsaved_sessions(core: Core) -> None:
+    """Write the sidecar and row of each session used while the disk was full, and index its folder
+    (never deleting: like a rebuild). One in use elsewhere is left for a later call. Raises DiskFull
+    when the disk is still full."""
+    for key, ref in list(core.unsaved.items()):
+        lock = core.lock_of(ref)
+        if not await lock.try_acquire():
+            continue
+        try:
+            if not ref.path.is_dir():
+                core.unsaved.pop(key, None)
+                continue
+            try:
+                created = await asyncio.to_thread(core.make_dirs, ref)
+            except OSError as error:
+                if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise DiskFull() from error
+                log.warning("could not save the session of chat %r: %s", ref.chat_id, error)
+                core.unsaved.pop(key, None)
+                continue
+            await core.write(lambda tx, r=ref, c=created: core.session_id(tx, r, c))
+            await sync_folder(core, ref, enforce=False)
+            core.unsaved.pop(key, None)
+        finally:
+            await lock.release()
 
 
 async def check(core: Core) -> list[Drift]:

@@ -174,6 +174,8 @@ class SQLiteBackend:
         self._pool: asyncio.Queue[_Connection] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._all: list[_Connection] = []
+        self._inode: tuple[int, int] | None = None  # the file our connections have open
+        self._looked_at = 0.0  # when we last checked that the path still names it
 
     # ------------------------------------------------------------------ locks
 
@@ -219,7 +221,7 @@ class SQLiteBackend:
                 if not _is_corrupt(exc):
                     raise
             moved = self._move_aside()
-            log.warning(
+            log.info(
                 "the index %s was moved to %s because %s; a new one is rebuilt from the folders",
                 self.path,
                 moved,
@@ -243,6 +245,7 @@ class SQLiteBackend:
         self._loop = asyncio.get_running_loop()
         for conn in self._all:
             self._pool.put_nowait(conn)
+        self._inode = _inode_of(self.path)
         try:
             return await self.write(_migrate)
         except IndexDamaged as exc:  # the version says current, but the tables are not there
@@ -292,6 +295,12 @@ class SQLiteBackend:
         if asyncio.get_running_loop() is not self._loop:
             # The pool's queue belongs to one event loop; sharing it across loops fails obscurely.
             raise StorageError("a Store must be used from the event loop that opened it")
+        if time.monotonic() - self._looked_at >= _LOOK_EVERY_S:
+            # An index deleted (or replaced) under open connections goes on working for them alone,
+            # while another process makes a new one: two indexes, each enforcing quotas alone.
+            self._looked_at = time.monotonic()
+            if _inode_of(self.path) != self._inode:
+                raise IndexDamaged(f"the index {self.path} was deleted or replaced while in use")
         pool = self._pool
 
         async def attempt() -> T:
@@ -326,6 +335,17 @@ class SQLiteBackend:
                     ) from None
                 await asyncio.sleep(delay * random.uniform(0.5, 1.5))
                 delay = min(delay * 2, 1.0)
+
+
+_LOOK_EVERY_S = 1.0
+
+
+def _inode_of(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _error_name(exc: BaseException) -> str:

@@ -41,13 +41,14 @@ class Differences:
     """What differs between a folder (as found) and its index rows.
 
     `found.files` holds (at least) every added and changed path; `old_sizes` the indexed size of
-    every changed and removed path."""
+    every changed and removed path, `old_mtimes` the indexed mtime of every removed one."""
 
     found: Scan
     added: list[str] = field(default_factory=list)
     changed: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
     old_sizes: dict[str, int] = field(default_factory=dict)
+    old_mtimes: dict[str, int] = field(default_factory=dict)
     full: bool = True
 
     def usage_delta(self) -> Usage:
@@ -61,9 +62,21 @@ class Differences:
         return Usage(files, size)
 
     def growth(self) -> list[Growth]:
-        """The files the quota weighs: every added one, and every changed one that grew."""
+        """The files the quota weighs: every added one, and every changed one that grew. An added
+        file with the size and mtime of a removed one is that file moved (a rename keeps both): it
+        adds nothing, so it is not weighed."""
         listing = self.found.files
-        items = [Growth(p, *listing[p], new=True) for p in self.added]
+        moved_from: dict[tuple[int, int], int] = {}
+        for path in self.removed:
+            stat = (self.old_sizes[path], self.old_mtimes.get(path, -1))
+            moved_from[stat] = moved_from.get(stat, 0) + 1
+        items = []
+        for path in self.added:
+            stat = listing[path]
+            if moved_from.get(stat):
+                moved_from[stat] -= 1
+                continue
+            items.append(Growth(path, *stat, new=True))
         for path in self.changed:
             size, mtime_ns = listing[path]
             old = self.old_sizes[path]
@@ -86,6 +99,7 @@ def compare(found: Scan, index_rows: Iterable[tuple[str, int, int]]) -> Differen
             if not (unreadable and found.is_unreadable(path)):
                 removed.append(path)
                 old[path] = size
+                differences.old_mtimes[path] = mtime_ns
         elif seen[0] != size or seen[1] != mtime_ns:
             changed.append(path)
             old[path] = size

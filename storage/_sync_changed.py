@@ -165,4 +165,5 @@ async def _apply(
     differences.changed = [p for p, seen in listing.items() if p in index and index[p] != seen]
     differences.removed = [p for p in index if p not in listing and not found.is_unreadable(p)]
     differences.old_sizes = {p: index[p][0] for p in (*differences.changed, *differences.removed)}
+    differences.old_mtimes = {p: index[p][1] for p in differences.removed}
     return await apply(core, ref, differences, enforce=enforce)

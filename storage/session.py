@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from pathlib import Path
 
-from . import _index, _publish, _sync, _sync_changed
+from . import _index, _publish, _repair, _sync, _sync_changed
 from ._backend import Tx
 from ._core import Core, SessionRef
 from ._fsops import (
@@ -51,6 +51,7 @@ class Session:
         self._ref = ref
         self.files = SessionFiles(core, ref)
         self._unindexed_run = False  # begin_run() found the mark of an earlier run never indexed
+        self._generation = core.generation  # the index this session's lock was taken with
 
     @property
     def user_id(self) -> str:
@@ -92,8 +93,9 @@ class Session:
             if waiting is not None:
                 await waiting()
             await lock.acquire(timeout)
+        self._generation = self._core.generation
         try:
-            await self._core.ensure(self._ref, touch=True)
+            await self._core.ensure(self._ref, touch=True, cached=True)
             yield self
         finally:
             await lock.release()
@@ -142,10 +144,19 @@ class Session:
             await core.remember_settings()
         if changed is not None and self._unindexed_run:
             changed = None  # an earlier run was never indexed: its changes are not among these
+        if core.generation != self._generation:
+            # The index was rebuilt while this session was locked (a damaged index, found during the
+            # run): the rebuild skipped it, so it is listed whole, and its links taken back.
+            changed = None
         if changed is not None:
             report = await _sync_changed.sync_paths(core, self._ref, changed, enforce=enforce_quotas)
         else:
             report = await _sync.sync_folder(core, self._ref, enforce=enforce_quotas)
+        if core.generation != self._generation:  # replaced while this sync ran
+            if changed is not None:  # the rebuild skipped this locked session: list it whole
+                report = await _sync.sync_folder(core, self._ref, enforce=enforce_quotas)
+            await _repair.adopt_links(core)
+            self._generation = core.generation
         marker = core.layout.running_marker(self.user_key, self.chat_key)
         await asyncio.to_thread(_unlink_missing_ok, marker)
         self._unindexed_run = False
@@ -305,8 +316,13 @@ class SessionFiles:
         Call it under the session's lock."""
         core, ref = self._core, self._ref
         before = await core.read(lambda tx: _index.session_usage(tx, ref.user_key, ref.chat_key))
+        marker = core.layout.running_marker(ref.user_key, ref.chat_key)
 
         def work() -> None:
+            # Marked first, like a run: if the index cannot be told (a full disk), the next sync lists
+            # the whole folder instead of trusting rows of files that are gone.
+            with contextlib.suppress(OSError):
+                os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
             with self._root() as root, os.scandir(root) as entries:
                 names = [entry.name for entry in entries]
                 for name in names:
@@ -315,6 +331,7 @@ class SessionFiles:
         with contextlib.suppress(FileMissing):
             await asyncio.to_thread(work)
         await _sync.sync_folder(core, ref, enforce=False)
+        await asyncio.to_thread(_unlink_missing_ok, marker)
 
         async def drop_links(tx: Tx) -> list[tuple[str, str, str]]:
             row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -16,7 +17,7 @@ from ._fsops import make_dir
 from ._keys import id_key
 from ._postgres import PostgresBackend, is_postgres_url, redact_url
 from ._sqlite import SQLiteBackend
-from .errors import StorageError
+from .errors import DiskFull, StorageError
 from .models import (
     ActivityEntry,
     CleanupReport,
@@ -74,6 +75,8 @@ class Store:
             record_settings=record_settings,
         )
         self._core.rebuild = self.rebuild
+        self._core.catch_up = self._catch_up
+        self._rebuild_put_off = False
         self._opened = False
 
     # ------------------------------------------------------------------ settings
@@ -124,19 +127,42 @@ class Store:
         opened = await core.backend.open()
         self._opened = True
         try:
-            await self._remember_publisher()
-            if opened.fresh and await asyncio.to_thread(core.layout.session_keys_on_disk):
-                log.warning(
-                    "the index %s is new but session folders exist: rebuilding it", core.backend.where
-                )
-                report = await self.rebuild()
-                log.warning("index rebuilt: %s", report.summary())
             if opened.moved_aside is not None:
-                await core.log("corrupt_index", detail={"moved_to": opened.moved_aside})
-            await _repair.recover_interrupted_runs(core)
+                with contextlib.suppress(DiskFull):
+                    await core.log("corrupt_index", detail={"moved_to": opened.moved_aside})
+            try:
+                await self._startup_repairs(rebuild=opened.fresh)
+            except DiskFull:
+                # Open anyway: every step then says the disk is full, and one that frees space works;
+                # the first write that succeeds afterwards does these repairs (Core.catch_up).
+                log.warning(
+                    "the disk holding %s is full: the store opened without its start-up repairs", self.root
+                )
+                self._rebuild_put_off = opened.fresh
+                core.repairs_put_off = True
         except BaseException:
             await self.close()
             raise
+
+    async def _startup_repairs(self, *, rebuild: bool) -> None:
+        core = self._core
+        await self._remember_publisher()
+        if rebuild and await asyncio.to_thread(core.layout.session_keys_on_disk):
+            log.warning("the index %s is new but session folders exist: rebuilding it", core.backend.where)
+            report = await self.rebuild()
+            log.warning("index rebuilt: %s", report.summary())
+        await _repair.recover_interrupted_runs(core)
+
+    async def _catch_up(self) -> None:
+        """What a full disk put off, done by the first write that had room again: the sessions used
+        meanwhile get their sidecar, row and file rows; the start-up repairs run."""
+        core = self._core
+        with contextlib.suppress(DiskFull):
+            await _repair.save_unsaved_sessions(core)
+            if core.repairs_put_off:
+                await self._startup_repairs(rebuild=self._rebuild_put_off)
+                core.repairs_put_off = False
+                log.warning("the disk has room again: the start-up repairs of %s are done", self.root)
 
     async def close(self) -> None:
         self._opened = False
