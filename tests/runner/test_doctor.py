@@ -4,6 +4,7 @@ runsc that fails the way gVisor does in a locked-down container)."""
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -132,3 +133,21 @@ def test_cli_json_and_exit_status(tmp_path: Path) -> None:
     )
     assert good.returncode == 0, good.stdout + good.stderr
     assert "gVisor sandbox works." in good.stdout
+
+
+def test_a_low_open_files_limit_is_a_warning_with_the_flag_that_fixes_it(tmp_path: Path) -> None:
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+    # A missing runsc: the host checks still run, and the report comes back quickly.
+    done = subprocess.run(
+        [sys.executable, "-m", "runner", "doctor", "--json", "--runsc", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=low_limit,
+    )
+    checks = {c["name"]: c for c in json.loads(done.stdout)["checks"]}
+    assert checks["open files"]["warning"] is True, checks["open files"]
+    assert "--ulimit nofile=" in checks["open files"]["fix"]
+    assert "1024" in checks["open files"]["detail"]
