@@ -89,7 +89,10 @@ def test_crash_mid_run_then_restart(site: CrashSite):
         other = admin.say("```python\nopen('/mnt/data/other.txt', 'w').write('other')\n```\nreply: ok")
         sessions = data_dir / "code_sessions" / "sessions"
         before = {p: digest(p) for p in sessions.rglob("*") if p.is_file()}
-        before[data_dir / "cache" / link.removeprefix("/cache/")] = hashlib.sha256(b"keep").hexdigest()
+        # The published copy: an Open WebUI file, its bytes where Open WebUI's storage put them.
+        record = admin.get(link.removesuffix("/content")).json()
+        assert Path(record["path"]).is_relative_to(data_dir), record
+        before[Path(record["path"])] = hashlib.sha256(b"keep").hexdigest()
 
         # The run that the crash interrupts: it never ends by itself (timeout 120 s).
         threading.Thread(

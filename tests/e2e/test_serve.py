@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from demo import launcher
-from tests.support.open_webui import MODEL, Account, OpenWebUI
+from tests.support.open_webui import LINK, MODEL, Account, OpenWebUI, Reply
 
 pytestmark = [pytest.mark.e2e, pytest.mark.runsc]
 
@@ -66,6 +66,14 @@ class Serve:
         return account
 
 
+def link_named(reply: Reply, name: str, image: bool = False) -> str:
+    """The one Files API URL the answer links (or, with image=True, shows) under this name."""
+    pattern = ("!" if image else r"(?<!!)") + r"\[" + re.escape(name) + r"\]\((" + LINK.pattern + r")\)"
+    urls = set(re.findall(pattern, reply.content))
+    assert len(urls) == 1, (name, reply.content)
+    return urls.pop()
+
+
 def model_url(serve: Serve) -> str:
     [url] = re.findall(r"scripted demo model \((http://127\.0\.0\.1:\d+/v1)\)", serve.printed())
     return url
@@ -84,14 +92,21 @@ def test_the_readme_product_command_runs_the_file_workflow_offline_and_keeps_fil
         user = serve.account()
 
         report = user.say("make a csv report of visitors per month", model=MODEL)
-        [report_link] = {link for link in report.links() if link.endswith("/report.csv")}
-        assert user.download(report_link).content.startswith(b"month,visitors")
+        report_link = link_named(report, "report.csv")
+        csv = user.download(report_link)
+        assert csv.status_code == 200 and csv.content.startswith(b"month,visitors")
         chart = user.say("now plot it as a chart", previous=report, model=MODEL)
-        assert "![chart.png](/cache/" in chart.content
+        chart_link = link_named(chart, "chart.png", image=True)
+        png = user.download(chart_link)
+        assert png.headers["content-type"] == "image/png" and png.content.startswith(b"\x89PNG")
         bundle = user.say("zip both", previous=chart, model=MODEL)
-        [zip_link] = {link for link in bundle.links() if link.endswith("/bundle.zip")}
+        zip_link = link_named(bundle, "bundle.zip")
         archive = zipfile.ZipFile(io.BytesIO(user.download(zip_link).content))
         assert sorted(archive.namelist()) == ["chart.png", "report.csv"]
+        # The page shows the answer's non-image files as chips under it: the saved chat holds them.
+        messages = user.get(f"/api/v1/chats/{report.chat_id}").json()["chat"]["history"]["messages"]
+        assert [f["url"] for f in messages[report.message_id]["files"]] == [report_link]
+        assert [f["url"] for f in messages[bundle.message_id]["files"]] == [zip_link]
     finally:
         serve.stop()
     with pytest.raises(httpx.HTTPError):  # stopping the command stopped Open WebUI too
@@ -114,6 +129,12 @@ def test_the_readme_product_command_runs_the_file_workflow_offline_and_keeps_fil
         listing = user.say("list my files", previous=bundle, model=MODEL)
         for name in ("bundle.zip", "chart.png", "report.csv"):
             assert name in listing.content, listing.content
-        assert user.download(report_link).content.startswith(b"month,visitors")  # links outlive restarts
+        # Links outlive restarts: the same URLs, with a new login, give the same bytes.
+        assert user.download(report_link).content == csv.content
+        assert user.download(chart_link).content == png.content
+        assert sorted(zipfile.ZipFile(io.BytesIO(user.download(zip_link).content)).namelist()) == [
+            "chart.png",
+            "report.csv",
+        ]
     finally:
         again.stop()

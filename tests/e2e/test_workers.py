@@ -18,7 +18,8 @@ from demo import launcher
 from storage import Store
 from tests.support.open_webui import BASE_MODEL, MODEL, OpenWebUI, Reply
 
-pytestmark = [pytest.mark.e2e, pytest.mark.runsc]
+# Starting four workers on two cores takes a few minutes: more than the default hang guard.
+pytestmark = [pytest.mark.e2e, pytest.mark.runsc, pytest.mark.timeout(900)]
 
 WORKERS = 4
 
