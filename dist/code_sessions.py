@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_7d547bd4fe49'
+_CS_PACKAGE = '_code_sessions_3d03860722a2'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -12105,7 +12105,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_7d547bd4fe49.runner import Outcome
+from _code_sessions_3d03860722a2.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import backtick_fence, escape_text
@@ -12326,7 +12326,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_7d547bd4fe49.storage import human_bytes
+from _code_sessions_3d03860722a2.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12418,7 +12418,7 @@ def system_prompt(facts: PromptFacts) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_7d547bd4fe49.storage import Purge, parse_duration
+from _code_sessions_3d03860722a2.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13498,7 +13498,6 @@ Open WebUI: the function adapter hands it ids, code and limits, and gets back re
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import posixpath
 import re
@@ -13506,8 +13505,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_7d547bd4fe49.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_7d547bd4fe49.storage import (
+from _code_sessions_3d03860722a2.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_3d03860722a2.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -14091,7 +14090,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_7d547bd4fe49.storage import Copy, DiskFull, Link, Published, StorageError
+from _code_sessions_3d03860722a2.storage import Copy, DiskFull, Link, Published, StorageError
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14279,7 +14278,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_7d547bd4fe49.storage import Link, Publisher
+from _code_sessions_3d03860722a2.storage import Link, Publisher
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14470,7 +14469,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_7d547bd4fe49.engine import (
+from _code_sessions_3d03860722a2.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14483,8 +14482,8 @@ from _code_sessions_7d547bd4fe49.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_7d547bd4fe49.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_7d547bd4fe49.storage import (
+from _code_sessions_3d03860722a2.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_3d03860722a2.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14492,7 +14491,7 @@ from _code_sessions_7d547bd4fe49.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_7d547bd4fe49.webui import Misconfigured, OpenWebUI
+from _code_sessions_3d03860722a2.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

@@ -7,7 +7,6 @@ Open WebUI: the function adapter hands it ids, code and limits, and gets back re
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import posixpath
 import re
