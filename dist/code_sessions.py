@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_3d03860722a2'
+_CS_PACKAGE = '_code_sessions_4c0c1a2137c3'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -20,6 +20,7 @@ It knows nothing of the web UI or of the sandbox; see docs/storage.md.
 """
 
 from ._format import human_bytes, parse_duration
+from ._postgres import is_postgres_url
 from .errors import (
     DiskFull,
     FileExists,
@@ -96,6 +97,7 @@ __all__ = [
     "Usage",
     "UserUsage",
     "human_bytes",
+    "is_postgres_url",
     "parse_duration",
 ]
 ''',
@@ -6937,12 +6939,14 @@ def _backend_for(root: Path, database_url: str | None, busy_timeout_s: float) ->
     url = (database_url or "").strip()
     if is_postgres_url(url):
         return PostgresBackend(url, busy_total_s=busy_timeout_s)
-    if url and not url.lower().startswith("sqlite:"):
+    scheme = url.partition(":")[0].lower()
+    if url and scheme != "sqlite" and not scheme.startswith("sqlite+"):
         raise StorageError(
             f"unsupported database URL {redact_url(url)!r}: use postgresql://... or leave it empty for "
             "an SQLite index under the store's root"
         )
-    # An `sqlite:` URL (Open WebUI's own database when it runs on SQLite) means our embedded index:
+    # An `sqlite:` URL (Open WebUI's own database when it runs on SQLite, `sqlite+sqlcipher:` too) means
+    # our embedded index:
     # the store never writes into another application's SQLite file.
     return SQLiteBackend(root / "index.sqlite3", root / "state", busy_total_s=busy_timeout_s)
 ''',
@@ -12105,7 +12109,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_3d03860722a2.runner import Outcome
+from _code_sessions_4c0c1a2137c3.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import backtick_fence, escape_text
@@ -12326,7 +12330,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_3d03860722a2.storage import human_bytes
+from _code_sessions_4c0c1a2137c3.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12418,7 +12422,7 @@ def system_prompt(facts: PromptFacts) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_3d03860722a2.storage import Purge, parse_duration
+from _code_sessions_4c0c1a2137c3.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13505,8 +13509,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_3d03860722a2.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_3d03860722a2.storage import (
+from _code_sessions_4c0c1a2137c3.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_4c0c1a2137c3.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -14090,7 +14094,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_3d03860722a2.storage import Copy, DiskFull, Link, Published, StorageError
+from _code_sessions_4c0c1a2137c3.storage import Copy, DiskFull, Link, Published, StorageError
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14278,7 +14282,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_3d03860722a2.storage import Link, Publisher
+from _code_sessions_4c0c1a2137c3.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14322,6 +14326,18 @@ class OpenWebUI:
         if root == cache or cache in root.parents:
             raise Misconfigured(f"storage_root {root} is inside {cache}, which any logged-in user can read")
         return Locations(root, cache / "functions" / function_id, f"/cache/functions/{function_id}/")
+
+    def index_url(self, choice: str) -> str:
+        """The database for the session index, from the `index_database` valve: a URL as given;
+        "sqlite" (or anything else that is not PostgreSQL) for the SQLite file under the storage root;
+        empty: Open WebUI's own database when that is PostgreSQL (the index's tables go in a schema of
+        their own), so every replica that shares Open WebUI's database shares the index too."""
+        choice = choice.strip()
+        if choice:
+            return "" if choice.lower() == "sqlite" else choice
+        from open_webui.env import DATABASE_URL
+
+        return DATABASE_URL if is_postgres_url(DATABASE_URL) else ""
 
     def publisher(self, places: Locations) -> Publisher:
         """Where published copies go: Open WebUI's Files API (owner, admins and shared-chat readers
@@ -14469,7 +14485,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_3d03860722a2.engine import (
+from _code_sessions_4c0c1a2137c3.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14482,8 +14498,8 @@ from _code_sessions_3d03860722a2.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_3d03860722a2.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_3d03860722a2.storage import (
+from _code_sessions_4c0c1a2137c3.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_4c0c1a2137c3.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14491,7 +14507,7 @@ from _code_sessions_3d03860722a2.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_3d03860722a2.webui import Misconfigured, OpenWebUI
+from _code_sessions_4c0c1a2137c3.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 
@@ -14542,8 +14558,15 @@ class Pipe:
         )
         storage_root: str = Field(
             default="",
-            description="Folder for sessions and the index. Empty: <DATA_DIR>/code_sessions. Never inside "
-            "<DATA_DIR>/cache, which Open WebUI serves to every logged-in user.",
+            description="Folder for the chats' files (and the SQLite index). Empty: <DATA_DIR>/code_sessions. "
+            "Never inside <DATA_DIR>/cache, which Open WebUI serves to every logged-in user. With several "
+            "replicas: one shared folder every replica mounts at this same path.",
+        )
+        index_database: str = Field(
+            default="",
+            description="Where the file index lives. Empty: Open WebUI's own database when it is "
+            "PostgreSQL (tables in a schema code_sessions; needed with several replicas), else an SQLite "
+            "file in storage_root. sqlite: always that file. Or a postgresql:// URL.",
         )
         timeout_seconds: float = Field(default=30.0, gt=0, le=3600, description="Wall time per run.")
         memory_mb: int = Field(default=512, ge=64, description="Memory per run.")
@@ -14696,8 +14719,10 @@ class Pipe:
         changes), with the current limits and policy applied."""
         valves = self.valves
         places = self._host.locations(valves.storage_root, self._function_id or "code_sessions")
+        index_url = self._host.index_url(valves.index_database)
         key = (
             str(places.root),
+            index_url,
             str(places.publish_dir),
             valves.runsc_path,
             valves.runsc_platform,
@@ -14718,7 +14743,9 @@ class Pipe:
                     )
                 )
                 owner = (runner.sandbox_uid, runner.sandbox_gid) if os.geteuid() == 0 else None
-                store = Store(places.root, publisher=self._host.publisher(places), owner=owner)
+                store = Store(
+                    places.root, publisher=self._host.publisher(places), owner=owner, database_url=index_url
+                )
                 await store.open()
                 kernels = None
                 if valves.kernel != "fresh":

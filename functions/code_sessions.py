@@ -92,8 +92,15 @@ class Pipe:
         )
         storage_root: str = Field(
             default="",
-            description="Folder for sessions and the index. Empty: <DATA_DIR>/code_sessions. Never inside "
-            "<DATA_DIR>/cache, which Open WebUI serves to every logged-in user.",
+            description="Folder for the chats' files (and the SQLite index). Empty: <DATA_DIR>/code_sessions. "
+            "Never inside <DATA_DIR>/cache, which Open WebUI serves to every logged-in user. With several "
+            "replicas: one shared folder every replica mounts at this same path.",
+        )
+        index_database: str = Field(
+            default="",
+            description="Where the file index lives. Empty: Open WebUI's own database when it is "
+            "PostgreSQL (tables in a schema code_sessions; needed with several replicas), else an SQLite "
+            "file in storage_root. sqlite: always that file. Or a postgresql:// URL.",
         )
         timeout_seconds: float = Field(default=30.0, gt=0, le=3600, description="Wall time per run.")
         memory_mb: int = Field(default=512, ge=64, description="Memory per run.")
@@ -246,8 +253,10 @@ class Pipe:
         changes), with the current limits and policy applied."""
         valves = self.valves
         places = self._host.locations(valves.storage_root, self._function_id or "code_sessions")
+        index_url = self._host.index_url(valves.index_database)
         key = (
             str(places.root),
+            index_url,
             str(places.publish_dir),
             valves.runsc_path,
             valves.runsc_platform,
@@ -268,7 +277,9 @@ class Pipe:
                     )
                 )
                 owner = (runner.sandbox_uid, runner.sandbox_gid) if os.geteuid() == 0 else None
-                store = Store(places.root, publisher=self._host.publisher(places), owner=owner)
+                store = Store(
+                    places.root, publisher=self._host.publisher(places), owner=owner, database_url=index_url
+                )
                 await store.open()
                 kernels = None
                 if valves.kernel != "fresh":

@@ -4,6 +4,7 @@ It knows nothing of the web UI or of the sandbox; see docs/storage.md.
 """
 
 from ._format import human_bytes, parse_duration
+from ._postgres import is_postgres_url
 from .errors import (
     DiskFull,
     FileExists,
@@ -80,5 +81,6 @@ __all__ = [
     "Usage",
     "UserUsage",
     "human_bytes",
+    "is_postgres_url",
     "parse_duration",
 ]

@@ -330,11 +330,13 @@ def _backend_for(root: Path, database_url: str | None, busy_timeout_s: float) ->
     url = (database_url or "").strip()
     if is_postgres_url(url):
         return PostgresBackend(url, busy_total_s=busy_timeout_s)
-    if url and not url.lower().startswith("sqlite:"):
+    scheme = url.partition(":")[0].lower()
+    if url and scheme != "sqlite" and not scheme.startswith("sqlite+"):
         raise StorageError(
             f"unsupported database URL {redact_url(url)!r}: use postgresql://... or leave it empty for "
             "an SQLite index under the store's root"
         )
-    # An `sqlite:` URL (Open WebUI's own database when it runs on SQLite) means our embedded index:
+    # An `sqlite:` URL (Open WebUI's own database when it runs on SQLite, `sqlite+sqlcipher:` too) means
+    # our embedded index:
     # the store never writes into another application's SQLite file.
     return SQLiteBackend(root / "index.sqlite3", root / "state", busy_total_s=busy_timeout_s)

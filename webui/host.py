@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from storage import Link, Publisher
+from storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -59,6 +59,18 @@ class OpenWebUI:
         if root == cache or cache in root.parents:
             raise Misconfigured(f"storage_root {root} is inside {cache}, which any logged-in user can read")
         return Locations(root, cache / "functions" / function_id, f"/cache/functions/{function_id}/")
+
+    def index_url(self, choice: str) -> str:
+        """The database for the session index, from the `index_database` valve: a URL as given;
+        "sqlite" (or anything else that is not PostgreSQL) for the SQLite file under the storage root;
+        empty: Open WebUI's own database when that is PostgreSQL (the index's tables go in a schema of
+        their own), so every replica that shares Open WebUI's database shares the index too."""
+        choice = choice.strip()
+        if choice:
+            return "" if choice.lower() == "sqlite" else choice
+        from open_webui.env import DATABASE_URL
+
+        return DATABASE_URL if is_postgres_url(DATABASE_URL) else ""
 
     def publisher(self, places: Locations) -> Publisher:
         """Where published copies go: Open WebUI's Files API (owner, admins and shared-chat readers

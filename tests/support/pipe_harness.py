@@ -154,6 +154,10 @@ class _HarnessHost:
             url_prefix=f"/cache/functions/{function_id}/",
         )
 
+    def index_url(self, choice: str) -> str:
+        # Open WebUI's own database is SQLite here: empty and "sqlite" both mean the index file.
+        return "" if choice.strip().lower() in ("", "sqlite") else choice.strip()
+
     def publisher(self, places: Any) -> Any:
         # Open WebUI's Files API is not here: copies go to a folder (the publisher the store ships),
         # served as /cache/... The Files API publisher is proven through a real Open WebUI (tests/e2e).
