@@ -158,7 +158,9 @@ async def _turns(
         async for event in call_model(messages, [RUN_CODE_TOOL] if offer_tools else None):
             if isinstance(event, TextDelta):
                 text += event.text
-                visible = await rewriter.feed(event.text)
+                visible = rewriter.push(event.text)  # sync: no coroutine per streamed piece
+                if rewriter.pending:
+                    visible += await rewriter.resolve_pending()
                 if visible:
                     yield visible
             elif isinstance(event, ToolCall):

@@ -907,16 +907,20 @@ class StreamingRewriter:
         self._out = 0  # the answer before this has been released
         self._ready: deque[_Ref] = deque()  # decided references not released yet
         self._wanted: dict[str, None] = {}  # the paths they name that are not resolved yet
-        self._pending: tuple[str, ...] = ()  # the same, once the first of them waits for one
+        # Paths to resolve (`resolve_pending`) before more text can be released; usually empty. A plain
+        # attribute, not a property: the stream loop reads it after every piece.
+        self.pending: tuple[str, ...] = ()
         self._replace = _Substitution(self._known, True)
 
     # ------------------------------------------------------------------------------------ sync API
 
     def push(self, chunk: str) -> str:
         """Take the next piece of the answer; return the text that can be shown now. Never awaits."""
+        # Called once per streamed piece (250,000 times for a 1 MB answer in 4-character pieces): the
+        # common case is an append and one comparison.
         self._parts.append(chunk)
         waiting = self._waiting = self._waiting + len(chunk)
-        if waiting < _BATCH and (waiting < _BATCH_AT_NEWLINE or "\n" not in chunk):
+        if waiting < _BATCH_AT_NEWLINE or (waiting < _BATCH and "\n" not in chunk):
             return ""
         return self._advance(False)
 
@@ -924,16 +928,11 @@ class StreamingRewriter:
         """The answer is complete: decide the rest, return what can be shown without resolving."""
         return self._advance(True)
 
-    @property
-    def pending(self) -> tuple[str, ...]:
-        """Paths to resolve (`resolve_pending`) before more text can be released; usually empty."""
-        return self._pending
-
     # ----------------------------------------------------------------------------------- async API
 
     async def resolve_pending(self) -> str:
         """Resolve the pending paths (each once per rewriter); return the text this releases."""
-        for path in self._pending:
+        for path in self.pending:
             if path not in self._known:
                 self._known[path] = await self._resolve(path)
         self._wanted.clear()
@@ -941,7 +940,7 @@ class StreamingRewriter:
 
     async def feed(self, chunk: str) -> str:
         text = self.push(chunk)
-        if self._pending:
+        if self.pending:
             text += await self.resolve_pending()
         return text
 
@@ -949,7 +948,7 @@ class StreamingRewriter:
         """The answer is complete: the rest of it, rewritten. The rewriter then takes a new answer (and
         keeps what it resolved)."""
         text = self.finish()
-        if self._pending:
+        if self.pending:
             text += await self.resolve_pending()
         self._start()
         return text
@@ -1015,10 +1014,10 @@ class StreamingRewriter:
             ready.popleft()
         if ready:
             upto = ready[0][0]
-            self._pending = tuple(self._wanted)
+            self.pending = tuple(self._wanted)
         else:
             upto = self._unchangeable(max(position, self._clean), quiet)
-            self._pending = ()
+            self.pending = ()
         if upto > position:
             pieces.append(text[position - base : upto - base])
             position = upto
