@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_b27cd7974232'
+_CS_PACKAGE = '_code_sessions_8d57fde1dd52'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -3261,7 +3261,7 @@ class PostgresBackend:
 
 
 def _psycopg() -> Any:
-    # Imported on first use: `storage` must work where only aiosqlite is installed.
+    # Imported on first use: `storage` works on the standard library's sqlite3 without it.
     try:
         import psycopg
     except ImportError as exc:
@@ -12109,7 +12109,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_b27cd7974232.runner import Outcome
+from _code_sessions_8d57fde1dd52.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import backtick_fence, escape_text
@@ -12332,7 +12332,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b27cd7974232.storage import human_bytes
+from _code_sessions_8d57fde1dd52.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12424,7 +12424,7 @@ def system_prompt(facts: PromptFacts) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_b27cd7974232.storage import Purge, parse_duration
+from _code_sessions_8d57fde1dd52.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13510,8 +13510,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b27cd7974232.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_b27cd7974232.storage import (
+from _code_sessions_8d57fde1dd52.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_8d57fde1dd52.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -14095,7 +14095,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_b27cd7974232.storage import Copy, DiskFull, Link, Published, StorageError
+from _code_sessions_8d57fde1dd52.storage import Copy, DiskFull, Link, Published, StorageError
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14283,7 +14283,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_b27cd7974232.storage import Link, Publisher, is_postgres_url
+from _code_sessions_8d57fde1dd52.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14486,7 +14486,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_b27cd7974232.engine import (
+from _code_sessions_8d57fde1dd52.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14499,8 +14499,8 @@ from _code_sessions_b27cd7974232.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_b27cd7974232.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_b27cd7974232.storage import (
+from _code_sessions_8d57fde1dd52.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_8d57fde1dd52.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14508,7 +14508,7 @@ from _code_sessions_b27cd7974232.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_b27cd7974232.webui import Misconfigured, OpenWebUI
+from _code_sessions_8d57fde1dd52.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

@@ -845,7 +845,7 @@ class PostgresBackend:
 
 
 def _psycopg() -> Any:
-    # Imported on first use: `storage` must work where only aiosqlite is installed.
+    # Imported on first use: `storage` works on the standard library's sqlite3 without it.
     try:
         import psycopg
     except ImportError as exc:
