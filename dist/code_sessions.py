@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_8d57fde1dd52'
+_CS_PACKAGE = '_code_sessions_1591f3cac47d'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -119,9 +119,14 @@ dialect with `?` placeholders, and needs from a backend only:
 
 from __future__ import annotations
 
+import asyncio
+import random
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
+
+from .errors import StorageBusy
 
 __all__ = ["Backend", "Lock", "Opened", "Row", "Tx"]
 
@@ -185,6 +190,26 @@ class Backend(Protocol):
 
     async def chat_locked(self, user_key: str, chat_key: str) -> bool:
         """Whether someone holds the chat's lock; creates nothing (dry runs, check)."""
+
+
+class BusyBackoff:
+    """Waits between attempts at a transaction that another process holds up: jittered (so processes
+    that collided do not collide again) and doubling up to 1 s, until `total_s` has gone, then
+    StorageBusy with a sentence."""
+
+    def __init__(self, total_s: float) -> None:
+        self._total_s = total_s
+        self._deadline = time.monotonic() + total_s
+        self._delay = 0.01
+
+    async def wait(self) -> None:
+        if time.monotonic() + self._delay >= self._deadline:
+            raise StorageBusy(
+                f"the file index stayed locked by other processes for {self._total_s:g} s; "
+                "try again in a moment"
+            ) from None
+        await asyncio.sleep(self._delay * random.uniform(0.5, 1.5))
+        self._delay = min(self._delay * 2, 1.0)
 ''',
     'storage/_core.py': r'''"""The storage core every internal module works with, and nothing in it imports back up.
 
@@ -2464,7 +2489,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import random
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -2472,7 +2496,7 @@ from functools import lru_cache
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from ._backend import Opened, Row
+from ._backend import BusyBackoff, Opened, Row
 from .errors import DiskFull, IndexDamaged, StorageBusy, StorageError
 
 log = logging.getLogger("code_sessions.storage")
@@ -3173,20 +3197,13 @@ class PostgresBackend:
     async def _transaction(self, begin: str | None, fn: Callable[[_Tx], Awaitable[T]]) -> T:
         """begin=None: fn's one statement alone (see _Tx)."""
         self._check_open()
-        deadline = time.monotonic() + self.busy_total_s
-        delay = 0.01
+        backoff = BusyBackoff(self.busy_total_s)
         lost = 0
         while True:
             try:
                 return await self._attempt(begin, fn)
             except _Conflict:
-                if time.monotonic() + delay >= deadline:
-                    raise StorageBusy(
-                        f"the file index stayed locked by other processes for {self.busy_total_s:g} s; "
-                        "try again in a moment"
-                    ) from None
-                await asyncio.sleep(delay * random.uniform(0.5, 1.5))
-                delay = min(delay * 2, 1.0)
+                await backoff.wait()
             except _Lost as exc:
                 # Every pooled connection may be dead after a server restart: each is replaced once.
                 lost += 1
@@ -4257,7 +4274,6 @@ import contextlib
 import errno
 import logging
 import os
-import random
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
@@ -4265,10 +4281,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ._backend import Opened, Row
+from ._backend import BusyBackoff, Opened, Row
 from ._lock import FileLock, is_locked
 from ._schema import CURRENT_VERSION, MIGRATIONS, statements
-from .errors import DiskFull, IndexDamaged, StorageBusy, StorageError
+from .errors import DiskFull, IndexDamaged, StorageError
 
 log = logging.getLogger("code_sessions.storage")
 
@@ -4550,21 +4566,14 @@ class SQLiteBackend:
             raise
 
     async def _retry(self, op: Callable[[], Awaitable[T]]) -> T:
-        deadline = time.monotonic() + self.busy_total_s
-        delay = 0.01
+        backoff = BusyBackoff(self.busy_total_s)
         while True:
             try:
                 return await op()
             except sqlite3.OperationalError as exc:
                 if not _is_busy(exc):
                     raise
-                if time.monotonic() + delay >= deadline:
-                    raise StorageBusy(
-                        f"the file index stayed locked by other processes for {self.busy_total_s:g} s; "
-                        "try again in a moment"
-                    ) from None
-                await asyncio.sleep(delay * random.uniform(0.5, 1.5))
-                delay = min(delay * 2, 1.0)
+                await backoff.wait()
 
 
 _LOOK_EVERY_S = 1.0
@@ -12109,7 +12118,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_8d57fde1dd52.runner import Outcome
+from _code_sessions_1591f3cac47d.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import backtick_fence, escape_text
@@ -12332,7 +12341,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_8d57fde1dd52.storage import human_bytes
+from _code_sessions_1591f3cac47d.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12424,7 +12433,7 @@ def system_prompt(facts: PromptFacts) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_8d57fde1dd52.storage import Purge, parse_duration
+from _code_sessions_1591f3cac47d.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13510,8 +13519,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_8d57fde1dd52.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_8d57fde1dd52.storage import (
+from _code_sessions_1591f3cac47d.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_1591f3cac47d.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -14095,7 +14104,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_8d57fde1dd52.storage import Copy, DiskFull, Link, Published, StorageError
+from _code_sessions_1591f3cac47d.storage import Copy, DiskFull, Link, Published, StorageError
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14283,7 +14292,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_8d57fde1dd52.storage import Link, Publisher, is_postgres_url
+from _code_sessions_1591f3cac47d.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14486,7 +14495,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_8d57fde1dd52.engine import (
+from _code_sessions_1591f3cac47d.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14499,8 +14508,8 @@ from _code_sessions_8d57fde1dd52.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_8d57fde1dd52.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_8d57fde1dd52.storage import (
+from _code_sessions_1591f3cac47d.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_1591f3cac47d.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14508,7 +14517,7 @@ from _code_sessions_8d57fde1dd52.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_8d57fde1dd52.webui import Misconfigured, OpenWebUI
+from _code_sessions_1591f3cac47d.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

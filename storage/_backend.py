@@ -16,9 +16,14 @@ dialect with `?` placeholders, and needs from a backend only:
 
 from __future__ import annotations
 
+import asyncio
+import random
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
+
+from .errors import StorageBusy
 
 __all__ = ["Backend", "Lock", "Opened", "Row", "Tx"]
 
@@ -82,3 +87,23 @@ class Backend(Protocol):
 
     async def chat_locked(self, user_key: str, chat_key: str) -> bool:
         """Whether someone holds the chat's lock; creates nothing (dry runs, check)."""
+
+
+class BusyBackoff:
+    """Waits between attempts at a transaction that another process holds up: jittered (so processes
+    that collided do not collide again) and doubling up to 1 s, until `total_s` has gone, then
+    StorageBusy with a sentence."""
+
+    def __init__(self, total_s: float) -> None:
+        self._total_s = total_s
+        self._deadline = time.monotonic() + total_s
+        self._delay = 0.01
+
+    async def wait(self) -> None:
+        if time.monotonic() + self._delay >= self._deadline:
+            raise StorageBusy(
+                f"the file index stayed locked by other processes for {self._total_s:g} s; "
+                "try again in a moment"
+            ) from None
+        await asyncio.sleep(self._delay * random.uniform(0.5, 1.5))
+        self._delay = min(self._delay * 2, 1.0)

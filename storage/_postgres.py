@@ -48,7 +48,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import random
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -56,7 +55,7 @@ from functools import lru_cache
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from ._backend import Opened, Row
+from ._backend import BusyBackoff, Opened, Row
 from .errors import DiskFull, IndexDamaged, StorageBusy, StorageError
 
 log = logging.getLogger("code_sessions.storage")
@@ -757,20 +756,13 @@ class PostgresBackend:
     async def _transaction(self, begin: str | None, fn: Callable[[_Tx], Awaitable[T]]) -> T:
         """begin=None: fn's one statement alone (see _Tx)."""
         self._check_open()
-        deadline = time.monotonic() + self.busy_total_s
-        delay = 0.01
+        backoff = BusyBackoff(self.busy_total_s)
         lost = 0
         while True:
             try:
                 return await self._attempt(begin, fn)
             except _Conflict:
-                if time.monotonic() + delay >= deadline:
-                    raise StorageBusy(
-                        f"the file index stayed locked by other processes for {self.busy_total_s:g} s; "
-                        "try again in a moment"
-                    ) from None
-                await asyncio.sleep(delay * random.uniform(0.5, 1.5))
-                delay = min(delay * 2, 1.0)
+                await backoff.wait()
             except _Lost as exc:
                 # Every pooled connection may be dead after a server restart: each is replaced once.
                 lost += 1

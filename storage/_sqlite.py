@@ -27,7 +27,6 @@ import contextlib
 import errno
 import logging
 import os
-import random
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
@@ -35,10 +34,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ._backend import Opened, Row
+from ._backend import BusyBackoff, Opened, Row
 from ._lock import FileLock, is_locked
 from ._schema import CURRENT_VERSION, MIGRATIONS, statements
-from .errors import DiskFull, IndexDamaged, StorageBusy, StorageError
+from .errors import DiskFull, IndexDamaged, StorageError
 
 log = logging.getLogger("code_sessions.storage")
 
@@ -320,21 +319,14 @@ class SQLiteBackend:
             raise
 
     async def _retry(self, op: Callable[[], Awaitable[T]]) -> T:
-        deadline = time.monotonic() + self.busy_total_s
-        delay = 0.01
+        backoff = BusyBackoff(self.busy_total_s)
         while True:
             try:
                 return await op()
             except sqlite3.OperationalError as exc:
                 if not _is_busy(exc):
                     raise
-                if time.monotonic() + delay >= deadline:
-                    raise StorageBusy(
-                        f"the file index stayed locked by other processes for {self.busy_total_s:g} s; "
-                        "try again in a moment"
-                    ) from None
-                await asyncio.sleep(delay * random.uniform(0.5, 1.5))
-                delay = min(delay * 2, 1.0)
+                await backoff.wait()
 
 
 _LOOK_EVERY_S = 1.0
