@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_1591f3cac47d'
+_CS_PACKAGE = '_code_sessions_236e504e7ca3'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -20,6 +20,7 @@ It knows nothing of the web UI or of the sandbox; see docs/storage.md.
 """
 
 from ._format import human_bytes, parse_duration
+from ._names import MAX_PATH_BYTES
 from ._postgres import is_postgres_url
 from .errors import (
     DiskFull,
@@ -60,6 +61,7 @@ from .store import Store
 
 __all__ = [
     "CLEAR_FILES_COMMAND",
+    "MAX_PATH_BYTES",
     "ActivityEntry",
     "CleanupReport",
     "Copy",
@@ -249,6 +251,7 @@ log = logging.getLogger("code_sessions.storage")
 T = TypeVar("T")
 Owner = tuple[int, int] | None
 ENSURED_FOR_S = 30.0
+MAX_ID_CHARS = 512  # the index keeps ids whole (unique, indexed): within every backend's key limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,6 +318,9 @@ class Core:
     def ref(self, user_id: str, chat_id: str) -> SessionRef:
         if not isinstance(user_id, str) or not isinstance(chat_id, str):
             raise StorageError("user_id and chat_id must be str")
+        if len(user_id) > MAX_ID_CHARS or len(chat_id) > MAX_ID_CHARS:
+            # Open WebUI's ids are 36-character UUIDs; a client can send any chat id through the API.
+            raise StorageError(f"a user or chat id longer than {MAX_ID_CHARS} characters is not accepted")
         return self.ref_at(user_id, chat_id, id_key(user_id), id_key(chat_id))
 
     def ref_at(self, user_id: str, chat_id: str, user_key: str, chat_key: str) -> SessionRef:
@@ -2266,6 +2272,9 @@ from .errors import InvalidPath
 
 MAX_DEPTH = 32  # path components; deeper content is removed by reconcile
 MAX_NAME_BYTES = 255  # Linux NAME_MAX
+# A whole relative path, in UTF-8: within what every index backend can key (PostgreSQL's btree entries
+# stop near 2.7 KB); longer content is removed by reconcile, like content too deep.
+MAX_PATH_BYTES = 2048
 
 _PUBLISH_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _PUBLISH_NAME_MAX = 100
@@ -2316,7 +2325,8 @@ def split_path(path: str) -> tuple[str, ...]:
     """Validate a caller's relative POSIX path and return its components.
 
     `.` components are dropped; absolute paths, `..`, empty components (`a//b`, trailing `/`), NUL,
-    names that cannot be encoded as UTF-8, over-long names and paths deeper than MAX_DEPTH are refused.
+    names that cannot be encoded as UTF-8, over-long names, paths deeper than MAX_DEPTH and paths
+    longer than MAX_PATH_BYTES are refused.
     """
     if not isinstance(path, str):
         raise InvalidPath(f"a path must be a str, not {type(path).__name__}")
@@ -2345,6 +2355,8 @@ def split_path(path: str) -> tuple[str, ...]:
         raise InvalidPath(f"the path {path!r} names the session folder itself, not a file")
     if len(parts) > MAX_DEPTH:
         raise InvalidPath(f"the path {path!r} is deeper than {MAX_DEPTH} levels")
+    if len("/".join(parts).encode("utf-8")) > MAX_PATH_BYTES:
+        raise InvalidPath(f"the path {path[:80]!r}... is longer than {MAX_PATH_BYTES} bytes")
     return tuple(parts)
 
 
@@ -3892,7 +3904,8 @@ async def _link_drift(core: Core) -> list[Drift]:
 
 With `fix=True` (reconcile) anything that is not a regular file or a directory is unlinked (never
 opened: opening a FIFO blocks), names that are not valid UTF-8 are renamed, and content deeper than
-MAX_DEPTH is deleted; each is reported. With `fix=False` (check) the same things are only reported.
+MAX_DEPTH, or at a path longer than MAX_PATH_BYTES, is deleted; each is reported. With `fix=False`
+(check) the same things are only reported.
 """
 
 from __future__ import annotations
@@ -3906,7 +3919,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._fsops import DIR_FLAGS, fd_closing, kind_of, lstat_at, remove_tree_at
-from ._names import MAX_DEPTH, display, numbered
+from ._names import MAX_DEPTH, MAX_PATH_BYTES, display, numbered
 from .models import Rejected, Renamed
 
 log = logging.getLogger("code_sessions.storage")
@@ -3923,10 +3936,10 @@ class Scan:
     # Folders we could not open: index entries under them are kept as they are, not dropped.
     unreadable: list[str] = field(default_factory=list)
     # Regular files with more than one link: a write through another name changes them without an
-    # event on this name, so a change-driven reconcile cannot trust its other rows (see _partial).
+    # event on this name, so a change-driven reconcile cannot trust its other rows (see _sync_changed).
     linked: list[str] = field(default_factory=list)
     # Folders found empty (with fix=True): folders are not files, so no quota counts them; see
-    # _reconcile.MAX_EMPTY_FOLDERS.
+    # _sync.MAX_EMPTY_FOLDERS.
     empty_folders: list[str] = field(default_factory=list)
 
     def is_unreadable(self, path: str) -> bool:
@@ -3981,6 +3994,9 @@ def _scan_dir(
             if entry.is_file(follow_symlinks=False):
                 st = entry.stat(follow_symlinks=False)
                 if is_reg(st.st_mode):
+                    if len(prefix) + len(name) > _SURELY_SHORT and _too_long(prefix + name):
+                        _remove_long(fd, name, prefix + name, fix, result)
+                        continue
                     files[prefix + name] = (st.st_size, st.st_mtime_ns)
                     if st.st_nlink > 1:
                         result.linked.append(prefix + name)
@@ -4016,6 +4032,9 @@ def _classify(
     if st is None:
         return
     if stat.S_ISREG(st.st_mode):
+        if _too_long(path):
+            _remove_long(fd, name, path, fix, result)
+            return
         result.files[path] = (st.st_size, st.st_mtime_ns)
         if st.st_nlink > 1:
             result.linked.append(path)
@@ -4042,6 +4061,9 @@ def _enter_dir(
         if fix:
             remove_tree_at(fd, name)
         return
+    if _too_long(path + "/x"):  # nothing in it could have a path short enough
+        _remove_long(fd, name, path + "/", fix, result, folder=True)
+        return
     try:
         child = os.open(name, DIR_FLAGS, dir_fd=fd)
     except OSError as exc:
@@ -4059,6 +4081,25 @@ def _enter_dir(
         raise
     with fd_closing(child):
         _scan_dir(child, path + "/", depth, fix, max_depth, result)
+
+
+# A path of this many characters or fewer is within MAX_PATH_BYTES whatever it holds (UTF-8 takes at
+# most 4 bytes a character): the scan measures only longer ones.
+_SURELY_SHORT = MAX_PATH_BYTES // 4
+
+
+def _too_long(path: str) -> bool:
+    return len(path) > _SURELY_SHORT and len(path.encode("utf-8", "surrogateescape")) > MAX_PATH_BYTES
+
+
+def _remove_long(fd: int, name: str, path: str, fix: bool, result: Scan, *, folder: bool = False) -> None:
+    result.rejected.append(Rejected(display(path), "path too long"))
+    if fix:
+        if folder:
+            remove_tree_at(fd, name)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=fd)
 
 
 def reject(fd: int, name: str, path: str, kind: str, fix: bool, result: Scan) -> None:
@@ -5630,9 +5671,11 @@ class FileEntry(_Dictable):
 
 @dataclass(frozen=True, slots=True)
 class Rejected(_Dictable):
-    """An entry reconcile removed because it is not a regular file or directory, or is too deep.
+    """An entry reconcile removed because it is not a regular file or directory, or is too deep, or
+    its path too long.
 
-    kind is one of: symlink, fifo, socket, char device, block device, unknown, too deep, empty folder.
+    kind is one of: symlink, fifo, socket, char device, block device, unknown, too deep, path too long,
+    empty folder.
     Non-UTF-8 bytes in `path` are shown as \\xNN.
     """
 
@@ -5797,7 +5840,7 @@ class Drift(_Dictable):
     """A difference between the index and the disk found by `Store.check()`.
 
     kind: file not indexed, file missing, file changed, totals mismatch, session folder missing,
-    session not indexed, special file, link copy missing.
+    session not indexed, special file, bad name, link copy missing, stray copy.
     """
 
     kind: str
@@ -12118,7 +12161,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_1591f3cac47d.runner import Outcome
+from _code_sessions_236e504e7ca3.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import backtick_fence, escape_text
@@ -12341,7 +12384,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_1591f3cac47d.storage import human_bytes
+from _code_sessions_236e504e7ca3.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12433,7 +12476,7 @@ def system_prompt(facts: PromptFacts) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_1591f3cac47d.storage import Purge, parse_duration
+from _code_sessions_236e504e7ca3.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13519,9 +13562,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_1591f3cac47d.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_1591f3cac47d.storage import (
+from _code_sessions_236e504e7ca3.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_236e504e7ca3.storage import (
     CLEAR_FILES_COMMAND,
+    MAX_PATH_BYTES,
     CleanupReport,
     DiskFull,
     FileMissing,
@@ -13640,6 +13684,8 @@ class StepResult:
 def _why_rejected(kind: str) -> str:
     if kind == "too deep":
         return "nested too deep; folders that far down are not kept"
+    if kind == "path too long":
+        return f"its path is longer than {MAX_PATH_BYTES} bytes; files that far down are not kept"
     if kind == "empty folder":
         return "too many empty folders; only the first 1000 are kept"
     return f"a {kind} is not allowed, only files and folders"
@@ -14104,7 +14150,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_1591f3cac47d.storage import Copy, DiskFull, Link, Published, StorageError
+from _code_sessions_236e504e7ca3.storage import Copy, DiskFull, Link, Published, StorageError
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14292,7 +14338,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_1591f3cac47d.storage import Link, Publisher, is_postgres_url
+from _code_sessions_236e504e7ca3.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14495,7 +14541,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_1591f3cac47d.engine import (
+from _code_sessions_236e504e7ca3.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14508,8 +14554,8 @@ from _code_sessions_1591f3cac47d.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_1591f3cac47d.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_1591f3cac47d.storage import (
+from _code_sessions_236e504e7ca3.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_236e504e7ca3.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14517,7 +14563,7 @@ from _code_sessions_1591f3cac47d.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_1591f3cac47d.webui import Misconfigured, OpenWebUI
+from _code_sessions_236e504e7ca3.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 
@@ -14568,9 +14614,9 @@ class Pipe:
         )
         storage_root: str = Field(
             default="",
-            description="Folder for the chats' files (and the SQLite index). Empty: <DATA_DIR>/code_sessions. "
-            "Never inside <DATA_DIR>/cache, which Open WebUI serves to every logged-in user. With several "
-            "replicas: one shared folder every replica mounts at this same path.",
+            description="Folder for the chats' files (and the SQLite index). Empty: "
+            "<DATA_DIR>/code_sessions. Never inside <DATA_DIR>/cache, which Open WebUI serves to every "
+            "logged-in user. With several replicas: one shared folder every replica mounts at this path.",
         )
         index_database: str = Field(
             default="",
@@ -14679,7 +14725,11 @@ class Pipe:
         self._keep_background_running()
         if self.valves.purge.strip():  # at the next message, not a minute later
             await self._purge_now(services)
-        chat = await services.chat(__user__["id"], __chat_id__ or "")
+        try:
+            chat = await services.chat(__user__["id"], __chat_id__ or "")
+        except StorageError as error:  # a new chat on a full disk, an id the index refuses
+            log.warning("code-sessions: no session for chat %r: %s", (__chat_id__ or "")[:80], error)
+            return f"This chat's files are not available right now: {escape_text(str(error))}"
         status = _status_emitter(__event_emitter__)
         if _last_user_text(body.get("messages", [])).strip() == CLEAR_FILES_COMMAND:
             return await chat.clear_files(waiting=_waiting(status))

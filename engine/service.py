@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
 from storage import (
     CLEAR_FILES_COMMAND,
+    MAX_PATH_BYTES,
     CleanupReport,
     DiskFull,
     FileMissing,
@@ -135,6 +136,8 @@ class StepResult:
 def _why_rejected(kind: str) -> str:
     if kind == "too deep":
         return "nested too deep; folders that far down are not kept"
+    if kind == "path too long":
+        return f"its path is longer than {MAX_PATH_BYTES} bytes; files that far down are not kept"
     if kind == "empty folder":
         return "too many empty folders; only the first 1000 are kept"
     return f"a {kind} is not allowed, only files and folders"

@@ -92,9 +92,9 @@ class Pipe:
         )
         storage_root: str = Field(
             default="",
-            description="Folder for the chats' files (and the SQLite index). Empty: <DATA_DIR>/code_sessions. "
-            "Never inside <DATA_DIR>/cache, which Open WebUI serves to every logged-in user. With several "
-            "replicas: one shared folder every replica mounts at this same path.",
+            description="Folder for the chats' files (and the SQLite index). Empty: "
+            "<DATA_DIR>/code_sessions. Never inside <DATA_DIR>/cache, which Open WebUI serves to every "
+            "logged-in user. With several replicas: one shared folder every replica mounts at this path.",
         )
         index_database: str = Field(
             default="",
@@ -203,7 +203,11 @@ class Pipe:
         self._keep_background_running()
         if self.valves.purge.strip():  # at the next message, not a minute later
             await self._purge_now(services)
-        chat = await services.chat(__user__["id"], __chat_id__ or "")
+        try:
+            chat = await services.chat(__user__["id"], __chat_id__ or "")
+        except StorageError as error:  # a new chat on a full disk, an id the index refuses
+            log.warning("code-sessions: no session for chat %r: %s", (__chat_id__ or "")[:80], error)
+            return f"This chat's files are not available right now: {escape_text(str(error))}"
         status = _status_emitter(__event_emitter__)
         if _last_user_text(body.get("messages", [])).strip() == CLEAR_FILES_COMMAND:
             return await chat.clear_files(waiting=_waiting(status))

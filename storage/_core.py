@@ -36,6 +36,7 @@ log = logging.getLogger("code_sessions.storage")
 T = TypeVar("T")
 Owner = tuple[int, int] | None
 ENSURED_FOR_S = 30.0
+MAX_ID_CHARS = 512  # the index keeps ids whole (unique, indexed): within every backend's key limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +103,9 @@ class Core:
     def ref(self, user_id: str, chat_id: str) -> SessionRef:
         if not isinstance(user_id, str) or not isinstance(chat_id, str):
             raise StorageError("user_id and chat_id must be str")
+        if len(user_id) > MAX_ID_CHARS or len(chat_id) > MAX_ID_CHARS:
+            # Open WebUI's ids are 36-character UUIDs; a client can send any chat id through the API.
+            raise StorageError(f"a user or chat id longer than {MAX_ID_CHARS} characters is not accepted")
         return self.ref_at(user_id, chat_id, id_key(user_id), id_key(chat_id))
 
     def ref_at(self, user_id: str, chat_id: str, user_key: str, chat_key: str) -> SessionRef:

@@ -10,6 +10,9 @@ from .errors import InvalidPath
 
 MAX_DEPTH = 32  # path components; deeper content is removed by reconcile
 MAX_NAME_BYTES = 255  # Linux NAME_MAX
+# A whole relative path, in UTF-8: within what every index backend can key (PostgreSQL's btree entries
+# stop near 2.7 KB); longer content is removed by reconcile, like content too deep.
+MAX_PATH_BYTES = 2048
 
 _PUBLISH_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _PUBLISH_NAME_MAX = 100
@@ -60,7 +63,8 @@ def split_path(path: str) -> tuple[str, ...]:
     """Validate a caller's relative POSIX path and return its components.
 
     `.` components are dropped; absolute paths, `..`, empty components (`a//b`, trailing `/`), NUL,
-    names that cannot be encoded as UTF-8, over-long names and paths deeper than MAX_DEPTH are refused.
+    names that cannot be encoded as UTF-8, over-long names, paths deeper than MAX_DEPTH and paths
+    longer than MAX_PATH_BYTES are refused.
     """
     if not isinstance(path, str):
         raise InvalidPath(f"a path must be a str, not {type(path).__name__}")
@@ -89,6 +93,8 @@ def split_path(path: str) -> tuple[str, ...]:
         raise InvalidPath(f"the path {path!r} names the session folder itself, not a file")
     if len(parts) > MAX_DEPTH:
         raise InvalidPath(f"the path {path!r} is deeper than {MAX_DEPTH} levels")
+    if len("/".join(parts).encode("utf-8")) > MAX_PATH_BYTES:
+        raise InvalidPath(f"the path {path[:80]!r}... is longer than {MAX_PATH_BYTES} bytes")
     return tuple(parts)
 
 

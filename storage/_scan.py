@@ -2,7 +2,8 @@
 
 With `fix=True` (reconcile) anything that is not a regular file or a directory is unlinked (never
 opened: opening a FIFO blocks), names that are not valid UTF-8 are renamed, and content deeper than
-MAX_DEPTH is deleted; each is reported. With `fix=False` (check) the same things are only reported.
+MAX_DEPTH, or at a path longer than MAX_PATH_BYTES, is deleted; each is reported. With `fix=False`
+(check) the same things are only reported.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._fsops import DIR_FLAGS, fd_closing, kind_of, lstat_at, remove_tree_at
-from ._names import MAX_DEPTH, display, numbered
+from ._names import MAX_DEPTH, MAX_PATH_BYTES, display, numbered
 from .models import Rejected, Renamed
 
 log = logging.getLogger("code_sessions.storage")
@@ -33,10 +34,10 @@ class Scan:
     # Folders we could not open: index entries under them are kept as they are, not dropped.
     unreadable: list[str] = field(default_factory=list)
     # Regular files with more than one link: a write through another name changes them without an
-    # event on this name, so a change-driven reconcile cannot trust its other rows (see _partial).
+    # event on this name, so a change-driven reconcile cannot trust its other rows (see _sync_changed).
     linked: list[str] = field(default_factory=list)
     # Folders found empty (with fix=True): folders are not files, so no quota counts them; see
-    # _reconcile.MAX_EMPTY_FOLDERS.
+    # _sync.MAX_EMPTY_FOLDERS.
     empty_folders: list[str] = field(default_factory=list)
 
     def is_unreadable(self, path: str) -> bool:
@@ -91,6 +92,9 @@ def _scan_dir(
             if entry.is_file(follow_symlinks=False):
                 st = entry.stat(follow_symlinks=False)
                 if is_reg(st.st_mode):
+                    if len(prefix) + len(name) > _SURELY_SHORT and _too_long(prefix + name):
+                        _remove_long(fd, name, prefix + name, fix, result)
+                        continue
                     files[prefix + name] = (st.st_size, st.st_mtime_ns)
                     if st.st_nlink > 1:
                         result.linked.append(prefix + name)
@@ -126,6 +130,9 @@ def _classify(
     if st is None:
         return
     if stat.S_ISREG(st.st_mode):
+        if _too_long(path):
+            _remove_long(fd, name, path, fix, result)
+            return
         result.files[path] = (st.st_size, st.st_mtime_ns)
         if st.st_nlink > 1:
             result.linked.append(path)
@@ -152,6 +159,9 @@ def _enter_dir(
         if fix:
             remove_tree_at(fd, name)
         return
+    if _too_long(path + "/x"):  # nothing in it could have a path short enough
+        _remove_long(fd, name, path + "/", fix, result, folder=True)
+        return
     try:
         child = os.open(name, DIR_FLAGS, dir_fd=fd)
     except OSError as exc:
@@ -169,6 +179,25 @@ def _enter_dir(
         raise
     with fd_closing(child):
         _scan_dir(child, path + "/", depth, fix, max_depth, result)
+
+
+# A path of this many characters or fewer is within MAX_PATH_BYTES whatever it holds (UTF-8 takes at
+# most 4 bytes a character): the scan measures only longer ones.
+_SURELY_SHORT = MAX_PATH_BYTES // 4
+
+
+def _too_long(path: str) -> bool:
+    return len(path) > _SURELY_SHORT and len(path.encode("utf-8", "surrogateescape")) > MAX_PATH_BYTES
+
+
+def _remove_long(fd: int, name: str, path: str, fix: bool, result: Scan, *, folder: bool = False) -> None:
+    result.rejected.append(Rejected(display(path), "path too long"))
+    if fix:
+        if folder:
+            remove_tree_at(fd, name)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=fd)
 
 
 def reject(fd: int, name: str, path: str, kind: str, fix: bool, result: Scan) -> None:

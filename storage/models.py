@@ -198,9 +198,11 @@ class FileEntry(_Dictable):
 
 @dataclass(frozen=True, slots=True)
 class Rejected(_Dictable):
-    """An entry reconcile removed because it is not a regular file or directory, or is too deep.
+    """An entry reconcile removed because it is not a regular file or directory, or is too deep, or
+    its path too long.
 
-    kind is one of: symlink, fifo, socket, char device, block device, unknown, too deep, empty folder.
+    kind is one of: symlink, fifo, socket, char device, block device, unknown, too deep, path too long,
+    empty folder.
     Non-UTF-8 bytes in `path` are shown as \\xNN.
     """
 
@@ -365,7 +367,7 @@ class Drift(_Dictable):
     """A difference between the index and the disk found by `Store.check()`.
 
     kind: file not indexed, file missing, file changed, totals mismatch, session folder missing,
-    session not indexed, special file, link copy missing.
+    session not indexed, special file, bad name, link copy missing, stray copy.
     """
 
     kind: str

@@ -223,3 +223,12 @@ async def test_a_chat_being_created_during_a_cleanup_tick_keeps_its_folder(harne
     await wait_until(lambda: harness.pipe._host.lookups >= looks + 20)  # 20 more ticks, > 0.5 s
     sessions = harness.sessions_root / "sessions"
     assert list(sessions.rglob("new.txt")) and list(sessions.rglob("older.txt"))
+
+
+async def test_a_chat_id_the_index_refuses_is_a_sentence_and_other_chats_go_on(harness: PipeHarness):
+    """Open WebUI passes on whatever chat id a client sends through its API."""
+    answer = await harness.say("u1", "x" * 6000, code("print('never')"))
+    assert "This chat's files are not available right now" in answer and "512 characters" in answer
+    assert "never" not in answer and not harness.requests  # no model call, no run
+    fine = await harness.say("u1", "chat-1", code("print('fine')"))
+    assert "fine" in fine

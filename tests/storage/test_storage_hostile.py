@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from storage import DirectoryPublisher, QuotaExceeded, Quotas, Store
+from storage import DirectoryPublisher, InvalidPath, QuotaExceeded, Quotas, StorageError, Store
 from storage._fsops import remove_tree
 from storage._sync import MAX_EMPTY_FOLDERS
 from tests.storage.storage_helpers import sqlite_only
@@ -142,3 +142,31 @@ async def test_a_run_its_process_did_not_index_is_indexed_at_the_next_open(
         assert [f.path for f in await (await store.session("u", "c")).files.list()] == ["made-by-the-run.txt"]
     assert "ended with its process before its files were indexed" in caplog.text
     assert not any((root / "running").iterdir())
+
+
+async def test_a_path_longer_than_any_index_can_key_is_removed_and_said(store: Store) -> None:
+    """PostgreSQL refuses an index entry of more than about 2.7 KB: a path that long would make every
+    write of the session fail. Such content goes, like content too deep, and the report says so."""
+    s = await store.session("u", "c")
+    deep = s.path
+    for _ in range(9):  # 9 levels of 240-byte names: over MAX_PATH_BYTES, within MAX_DEPTH
+        deep = deep / ("d" * 240)
+    deep.mkdir(parents=True)
+    (deep / "far.txt").write_bytes(b"far")
+    near = s.path / ("n" * 240) / ("é" * 120)  # long in characters, short enough in bytes
+    near.mkdir(parents=True)
+    (near / "near.txt").write_bytes(b"near")
+    async with s.lock():
+        report = await s.reconcile()
+    assert {r.kind for r in report.rejected} == {"path too long"}
+    assert [f.path for f in await s.files.list()] == [f"{'n' * 240}/{'é' * 120}/near.txt"]
+    assert not any(s.path.rglob("far.txt"))
+    assert await store.check() == []
+    with pytest.raises(InvalidPath, match="longer than"):
+        await s.files.write("/".join(["f" * 250] * 9), b"x")
+
+
+async def test_an_id_longer_than_the_index_keeps_is_refused_with_a_sentence(store: Store) -> None:
+    with pytest.raises(StorageError, match="longer than 512 characters"):
+        await store.session("u", "c" * 6000)
+    assert (await store.session("u", "c" * 512)).chat_id == "c" * 512
