@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_236e504e7ca3'
+_CS_PACKAGE = '_code_sessions_28f4abcf56b2'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -3706,7 +3706,12 @@ async def adopt_links(core: Core) -> int:
     def present(rec: dict) -> bool:
         if rec["kind"] == DirectoryPublisher.kind:
             return folder_copy_present(rec["directory"], rec["ref"], rec["name"])
-        return publisher is not None and rec["kind"] == publisher.kind and rec["ref"] not in gone
+        if publisher is None or rec["kind"] != publisher.kind:
+            # No publisher of that kind here (the CLI rebuilding an index of an application that
+            # publishes to Open WebUI's files): keep the record's word. A link row for a copy that is
+            # gone only fails to open; a copy without a row would be deleted as a stray.
+            return True
+        return rec["ref"] not in gone
 
     adopt = [rec for rec in await asyncio.to_thread(lambda: [r for r in wanted if present(r)])]
     if not adopt:
@@ -12161,7 +12166,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_236e504e7ca3.runner import Outcome
+from _code_sessions_28f4abcf56b2.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import backtick_fence, escape_text
@@ -12384,7 +12389,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_236e504e7ca3.storage import human_bytes
+from _code_sessions_28f4abcf56b2.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12476,7 +12481,7 @@ def system_prompt(facts: PromptFacts) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_236e504e7ca3.storage import Purge, parse_duration
+from _code_sessions_28f4abcf56b2.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13562,8 +13567,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_236e504e7ca3.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_236e504e7ca3.storage import (
+from _code_sessions_28f4abcf56b2.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_28f4abcf56b2.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14150,7 +14155,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_236e504e7ca3.storage import Copy, DiskFull, Link, Published, StorageError
+from _code_sessions_28f4abcf56b2.storage import Copy, DiskFull, Link, Published, StorageError
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14338,7 +14343,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_236e504e7ca3.storage import Link, Publisher, is_postgres_url
+from _code_sessions_28f4abcf56b2.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14541,7 +14546,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_236e504e7ca3.engine import (
+from _code_sessions_28f4abcf56b2.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14554,8 +14559,8 @@ from _code_sessions_236e504e7ca3.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_236e504e7ca3.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_236e504e7ca3.storage import (
+from _code_sessions_28f4abcf56b2.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_28f4abcf56b2.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14563,7 +14568,7 @@ from _code_sessions_236e504e7ca3.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_236e504e7ca3.webui import Misconfigured, OpenWebUI
+from _code_sessions_28f4abcf56b2.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

@@ -137,7 +137,12 @@ async def adopt_links(core: Core) -> int:
     def present(rec: dict) -> bool:
         if rec["kind"] == DirectoryPublisher.kind:
             return folder_copy_present(rec["directory"], rec["ref"], rec["name"])
-        return publisher is not None and rec["kind"] == publisher.kind and rec["ref"] not in gone
+        if publisher is None or rec["kind"] != publisher.kind:
+            # No publisher of that kind here (the CLI rebuilding an index of an application that
+            # publishes to Open WebUI's files): keep the record's word. A link row for a copy that is
+            # gone only fails to open; a copy without a row would be deleted as a stray.
+            return True
+        return rec["ref"] not in gone
 
     adopt = [rec for rec in await asyncio.to_thread(lambda: [r for r in wanted if present(r)])]
     if not adopt:

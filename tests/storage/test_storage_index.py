@@ -4,16 +4,17 @@ several processes at once (PostgreSQL's own schema and locks: test_storage_postg
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from storage import DirectoryPublisher, Quotas, StorageBusy, StorageError, Store
+from storage import Copy, DirectoryPublisher, Published, Quotas, StorageBusy, StorageError, Store
 from storage._schema import CURRENT_VERSION, MIGRATIONS, statements
 from tests.storage.storage_helpers import lose_index, sql, sqlite_only, stored_id, user_usage
 
@@ -276,3 +277,49 @@ def test_a_store_never_closed_does_not_keep_the_process_alive(tmp_path: Path, da
     )
     result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "root"), database_url], timeout=30)
     assert result.returncode == 0
+
+
+class _ElsewherePublisher:
+    """Copies held by another system (as Open WebUI's Files API holds the application's): a dict."""
+
+    kind = "elsewhere"
+
+    def __init__(self) -> None:
+        self.held: dict[str, bytes] = {}
+
+    async def put(self, copy: Copy) -> Published:
+        ref = f"copy-{len(self.held)}"
+        self.held[ref] = os.pread(copy.fd, copy.size, 0)
+        return Published(ref, f"/elsewhere/{ref}")
+
+    async def remove(self, refs: Sequence[str]) -> None:
+        for ref in refs:
+            self.held.pop(ref, None)
+
+    async def missing(self, refs: Sequence[str]) -> set[str]:
+        return {ref for ref in refs if ref not in self.held}
+
+    async def strays(self, known: set[str], older_than_s: float) -> list[str]:
+        return [ref for ref in self.held if ref not in known]
+
+
+async def test_a_lost_index_rebuilt_where_its_copies_cannot_be_checked_keeps_their_links(
+    root: Path, database_url: str
+) -> None:
+    """The CLI rebuilds an index lost by an application that publishes elsewhere (Open WebUI's files):
+    it cannot look at those copies, so it keeps their records' links; the application's next cleanup
+    must not then delete the copies as strays, breaking the links in old answers."""
+    elsewhere = _ElsewherePublisher()
+    async with Store(root, publisher=elsewhere, database_url=database_url) as store:
+        s = await store.session("alice", "chat")
+        await s.files.write("report.csv", b"a,b\n")
+        link = await s.publish("report.csv")
+    lose_index(root, database_url)
+    async with Store(root, database_url=database_url) as cli:  # no publisher of that kind
+        await cli.rebuild()
+        assert [(i.path, i.url) for i in await cli.links()] == [("report.csv", link.url)]
+    async with Store(root, publisher=elsewhere, database_url=database_url) as store:
+        await store.cleanup()
+        assert list(elsewhere.held) == [link.ref]
+        s = await store.session("alice", "chat")
+        assert (await s.publish("report.csv")).url == link.url  # the same copy, reused
