@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_28f4abcf56b2'
+_CS_PACKAGE = '_code_sessions_a05c964f26ac'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -12166,7 +12166,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_28f4abcf56b2.runner import Outcome
+from _code_sessions_a05c964f26ac.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import backtick_fence, escape_text
@@ -12389,7 +12389,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_28f4abcf56b2.storage import human_bytes
+from _code_sessions_a05c964f26ac.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12481,7 +12481,7 @@ def system_prompt(facts: PromptFacts) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_28f4abcf56b2.storage import Purge, parse_duration
+from _code_sessions_a05c964f26ac.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13567,8 +13567,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_28f4abcf56b2.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_28f4abcf56b2.storage import (
+from _code_sessions_a05c964f26ac.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_a05c964f26ac.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14147,7 +14147,6 @@ __all__ = ["FilesPublisher", "Locations", "Misconfigured", "OpenWebUI"]
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import os
 import time
@@ -14155,7 +14154,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_28f4abcf56b2.storage import Copy, DiskFull, Link, Published, StorageError
+from _code_sessions_a05c964f26ac.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14166,12 +14165,20 @@ KIND = "open-webui-files"
 _PASSIVE_EXTENSIONS = {
     "image/png": ".png",
     "image/jpeg": ".jpg",
+    "image/pjpeg": ".jpg",
     "image/gif": ".gif",
     "image/webp": ".webp",
     "image/bmp": ".bmp",
+    "image/x-ms-bmp": ".bmp",
+    "image/x-icon": ".ico",
+    "image/vnd.microsoft.icon": ".ico",
     "image/avif": ".avif",
 }
 _DOWNLOAD_TYPE = "application/octet-stream"
+# Open WebUI's storage providers read an uploaded file into memory whole (storage/provider.py,
+# upload_file): the largest copy published through them, whatever max_file_mb allows (a sparse file
+# of a terabyte would otherwise be read, and written, dense).
+MAX_STORED_BYTES = 1 << 30
 _CHUNK = 500
 
 
@@ -14199,17 +14206,21 @@ class FilesPublisher:
     kind = KIND
 
     async def put(self, copy: Copy) -> Published:
+        if copy.size == 0:
+            raise StorageError(f"{copy.path} is empty: there is nothing to download")
+        if copy.size > MAX_STORED_BYTES:
+            raise StorageError(
+                f"{copy.path} is too large to link ({human_bytes(copy.size)}; Open WebUI holds a file in "
+                f"memory while it stores it, so links stop at {human_bytes(MAX_STORED_BYTES)})"
+            )
         from open_webui.models.files import FileForm, Files
         from open_webui.storage.provider import Storage
 
-        if copy.size == 0:
-            raise StorageError(f"{copy.path} is empty: there is nothing to download")
         file_id = ID_PREFIX + str(uuid.uuid4())
         extension, content_type = _stored_as(copy)
-        data = await asyncio.to_thread(_read_all, copy.fd)
         try:
             _, stored = await asyncio.to_thread(
-                Storage.upload_file, io.BytesIO(data), file_id + extension, {}
+                Storage.upload_file, _WholeFile(copy.fd, copy.size), file_id + extension, {}
             )
         except OSError as error:
             if error.errno in (28, 122):  # ENOSPC, EDQUOT
@@ -14301,13 +14312,26 @@ async def _drop_chat_links(file_id: str) -> None:
         log.warning("code-sessions: could not remove the chat links of %s: %s", file_id, error)
 
 
-def _read_all(fd: int) -> bytes:
-    chunks = []
-    offset = 0
-    while chunk := os.pread(fd, 1 << 20, offset):
-        chunks.append(chunk)
-        offset += len(chunk)
-    return b"".join(chunks)
+class _WholeFile:
+    """The copy as Open WebUI's `Storage.upload_file` takes it: it calls read() once for everything.
+    Read into one buffer of the copy's size (a list of chunks joined would hold it twice)."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._fd, self._size = fd, size
+
+    def read(self, size: int = -1) -> bytearray:
+        buffer = bytearray(self._size)
+        view = memoryview(buffer)
+        got = 0
+        while got < self._size:
+            n = os.preadv(self._fd, [view[got:]], got)
+            if n == 0:  # shorter now than when it was hashed: what is there is what goes
+                break
+            got += n
+        view.release()
+        if got < self._size:
+            del buffer[got:]
+        return buffer
 
 
 def _delete_stored(path: str) -> None:
@@ -14343,7 +14367,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_28f4abcf56b2.storage import Link, Publisher, is_postgres_url
+from _code_sessions_a05c964f26ac.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14546,7 +14570,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_28f4abcf56b2.engine import (
+from _code_sessions_a05c964f26ac.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14559,8 +14583,8 @@ from _code_sessions_28f4abcf56b2.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_28f4abcf56b2.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_28f4abcf56b2.storage import (
+from _code_sessions_a05c964f26ac.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_a05c964f26ac.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14568,7 +14592,7 @@ from _code_sessions_28f4abcf56b2.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_28f4abcf56b2.webui import Misconfigured, OpenWebUI
+from _code_sessions_a05c964f26ac.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

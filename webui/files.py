@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import os
 import time
@@ -25,7 +24,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from storage import Copy, DiskFull, Link, Published, StorageError
+from storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -36,12 +35,20 @@ KIND = "open-webui-files"
 _PASSIVE_EXTENSIONS = {
     "image/png": ".png",
     "image/jpeg": ".jpg",
+    "image/pjpeg": ".jpg",
     "image/gif": ".gif",
     "image/webp": ".webp",
     "image/bmp": ".bmp",
+    "image/x-ms-bmp": ".bmp",
+    "image/x-icon": ".ico",
+    "image/vnd.microsoft.icon": ".ico",
     "image/avif": ".avif",
 }
 _DOWNLOAD_TYPE = "application/octet-stream"
+# Open WebUI's storage providers read an uploaded file into memory whole (storage/provider.py,
+# upload_file): the largest copy published through them, whatever max_file_mb allows (a sparse file
+# of a terabyte would otherwise be read, and written, dense).
+MAX_STORED_BYTES = 1 << 30
 _CHUNK = 500
 
 
@@ -69,17 +76,21 @@ class FilesPublisher:
     kind = KIND
 
     async def put(self, copy: Copy) -> Published:
+        if copy.size == 0:
+            raise StorageError(f"{copy.path} is empty: there is nothing to download")
+        if copy.size > MAX_STORED_BYTES:
+            raise StorageError(
+                f"{copy.path} is too large to link ({human_bytes(copy.size)}; Open WebUI holds a file in "
+                f"memory while it stores it, so links stop at {human_bytes(MAX_STORED_BYTES)})"
+            )
         from open_webui.models.files import FileForm, Files
         from open_webui.storage.provider import Storage
 
-        if copy.size == 0:
-            raise StorageError(f"{copy.path} is empty: there is nothing to download")
         file_id = ID_PREFIX + str(uuid.uuid4())
         extension, content_type = _stored_as(copy)
-        data = await asyncio.to_thread(_read_all, copy.fd)
         try:
             _, stored = await asyncio.to_thread(
-                Storage.upload_file, io.BytesIO(data), file_id + extension, {}
+                Storage.upload_file, _WholeFile(copy.fd, copy.size), file_id + extension, {}
             )
         except OSError as error:
             if error.errno in (28, 122):  # ENOSPC, EDQUOT
@@ -171,13 +182,26 @@ async def _drop_chat_links(file_id: str) -> None:
         log.warning("code-sessions: could not remove the chat links of %s: %s", file_id, error)
 
 
-def _read_all(fd: int) -> bytes:
-    chunks = []
-    offset = 0
-    while chunk := os.pread(fd, 1 << 20, offset):
-        chunks.append(chunk)
-        offset += len(chunk)
-    return b"".join(chunks)
+class _WholeFile:
+    """The copy as Open WebUI's `Storage.upload_file` takes it: it calls read() once for everything.
+    Read into one buffer of the copy's size (a list of chunks joined would hold it twice)."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._fd, self._size = fd, size
+
+    def read(self, size: int = -1) -> bytearray:
+        buffer = bytearray(self._size)
+        view = memoryview(buffer)
+        got = 0
+        while got < self._size:
+            n = os.preadv(self._fd, [view[got:]], got)
+            if n == 0:  # shorter now than when it was hashed: what is there is what goes
+                break
+            got += n
+        view.release()
+        if got < self._size:
+            del buffer[got:]
+        return buffer
 
 
 def _delete_stored(path: str) -> None:
