@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_a05c964f26ac'
+_CS_PACKAGE = '_code_sessions_feeaa2b98258'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -8733,8 +8733,8 @@ class Kernel:
 ''',
     'runner/_kernel_program.py': r'''"""The persistent kernel: PID 1 of a chat's long-lived gVisor sandbox, running every cell of the chat.
 
-The host writes this module's source (``inspect.getsource``) into the sandbox as /run/code/kernel.py and
-starts ``python3 /run/code/kernel.py`` with cwd /mnt/data. Importing the module does nothing: everything
+The host writes this module's source (``inspect.getsource``) into the sandbox as /run/code/main.py and
+starts ``python3 /run/code/main.py`` with cwd /mnt/data. Importing the module does nothing: everything
 happens in ``main()``. Standard library only, and no imports of the runner package: the file stands alone.
 
 Wire, both directions: a frame is a 4-byte big-endian length N, then N bytes of UTF-8 JSON encoding one
@@ -12166,7 +12166,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_a05c964f26ac.runner import Outcome
+from _code_sessions_feeaa2b98258.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import backtick_fence, escape_text
@@ -12389,7 +12389,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_a05c964f26ac.storage import human_bytes
+from _code_sessions_feeaa2b98258.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12471,17 +12471,29 @@ def system_prompt(facts: PromptFacts) -> str:
         "- To give the user a file, write its full path, e.g. /mnt/data/report.csv, in your answer as plain "
         "text (not in a code block): it becomes a download link, and an image is shown inline.\n"
         + _state_line(facts)
-        + f"- Limits per run: {facts.timeout_s:g} s, {facts.memory_mb} MB of memory; the sandbox {network}.\n"
+        + _limits_line(facts, network)
         + _quota_line(facts)
         + "".join(f"- Note: {note}\n" for note in facts.sandbox_notes)
         + _file_lines(facts)
+    )
+
+
+def _limits_line(facts: PromptFacts, network: str) -> str:
+    if facts.kernel_idle_minutes is None:
+        return (
+            f"- Limits per run: {facts.timeout_s:g} s, {facts.memory_mb} MB of memory; "
+            f"the sandbox {network}.\n"
+        )
+    return (
+        f"- Limits: {facts.timeout_s:g} s per run; {facts.memory_mb} MB of memory for the kernel, with "
+        f"everything it holds (going over resets it); the sandbox {network}.\n"
     )
 ''',
     'engine/purge.py': r'''"""The admin's one-shot purge request, as typed into a valve: `all`, `user:ID`, `chat:ID`, `idle:7d`."""
 
 from __future__ import annotations
 
-from _code_sessions_a05c964f26ac.storage import Purge, parse_duration
+from _code_sessions_feeaa2b98258.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13567,8 +13579,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_a05c964f26ac.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_a05c964f26ac.storage import (
+from _code_sessions_feeaa2b98258.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_feeaa2b98258.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14154,7 +14166,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_a05c964f26ac.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_feeaa2b98258.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14367,7 +14379,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_a05c964f26ac.storage import Link, Publisher, is_postgres_url
+from _code_sessions_feeaa2b98258.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14570,7 +14582,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_a05c964f26ac.engine import (
+from _code_sessions_feeaa2b98258.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14583,8 +14595,8 @@ from _code_sessions_a05c964f26ac.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_a05c964f26ac.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_a05c964f26ac.storage import (
+from _code_sessions_feeaa2b98258.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_feeaa2b98258.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14592,7 +14604,7 @@ from _code_sessions_a05c964f26ac.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_a05c964f26ac.webui import Misconfigured, OpenWebUI
+from _code_sessions_feeaa2b98258.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

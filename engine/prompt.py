@@ -87,8 +87,20 @@ def system_prompt(facts: PromptFacts) -> str:
         "- To give the user a file, write its full path, e.g. /mnt/data/report.csv, in your answer as plain "
         "text (not in a code block): it becomes a download link, and an image is shown inline.\n"
         + _state_line(facts)
-        + f"- Limits per run: {facts.timeout_s:g} s, {facts.memory_mb} MB of memory; the sandbox {network}.\n"
+        + _limits_line(facts, network)
         + _quota_line(facts)
         + "".join(f"- Note: {note}\n" for note in facts.sandbox_notes)
         + _file_lines(facts)
+    )
+
+
+def _limits_line(facts: PromptFacts, network: str) -> str:
+    if facts.kernel_idle_minutes is None:
+        return (
+            f"- Limits per run: {facts.timeout_s:g} s, {facts.memory_mb} MB of memory; "
+            f"the sandbox {network}.\n"
+        )
+    return (
+        f"- Limits: {facts.timeout_s:g} s per run; {facts.memory_mb} MB of memory for the kernel, with "
+        f"everything it holds (going over resets it); the sandbox {network}.\n"
     )

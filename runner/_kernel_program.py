@@ -1,7 +1,7 @@
 """The persistent kernel: PID 1 of a chat's long-lived gVisor sandbox, running every cell of the chat.
 
-The host writes this module's source (``inspect.getsource``) into the sandbox as /run/code/kernel.py and
-starts ``python3 /run/code/kernel.py`` with cwd /mnt/data. Importing the module does nothing: everything
+The host writes this module's source (``inspect.getsource``) into the sandbox as /run/code/main.py and
+starts ``python3 /run/code/main.py`` with cwd /mnt/data. Importing the module does nothing: everything
 happens in ``main()``. Standard library only, and no imports of the runner package: the file stands alone.
 
 Wire, both directions: a frame is a 4-byte big-endian length N, then N bytes of UTF-8 JSON encoding one

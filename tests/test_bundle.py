@@ -24,7 +24,8 @@ def test_frontmatter_is_what_open_webui_reads():
     header = dict(line.split(":", 1) for line in lines[1 : lines.index('"""', 1)])
     assert header["title"].strip() == "Code Sessions"
     assert header["required_open_webui_version"].strip()
-    assert header["requirements"].strip() == ""  # pydantic (and psycopg, for a PostgreSQL index) ship with Open WebUI
+    # pydantic (and psycopg, for a PostgreSQL index) ship with Open WebUI
+    assert header["requirements"].strip() == ""
 
 
 def test_bundle_loads_in_open_webuis_python_without_the_repository(tmp_path):

@@ -206,6 +206,8 @@ async def test_changes_made_between_runs_are_seen_by_the_next(pool: KernelPool, 
         "import threading, time\n"
         "threading.Thread(target=lambda: (time.sleep(0.5), open('late.txt', 'w').write('x'))).start()"
     )
+    # A new kernel's first run cannot know what happened in the folder before its watch began.
+    assert (await pool.run("u/c", workdir, "pass", "python", LIMITS)).changed is None
     assert (await pool.run("u/c", workdir, later, "python", LIMITS)).changed == ()
     await asyncio.sleep(1.0)
     assert (workdir / "late.txt").exists()
