@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_feeaa2b98258'
+_CS_PACKAGE = '_code_sessions_3f9e84447184'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -8542,18 +8542,27 @@ class Kernel:
                 self.last_used = time.monotonic()
 
     async def _stop_cancelled_run(self) -> None:
+        """Interrupt the cancelled cell and take its replies off the inbox, its "done" included: the
+        reader marks the run finished when it queues that "done", before anyone reads it, and a next
+        run must not read it as its own."""
+        run_id = self._run_ids
         try:
-            if self._state.current is None or not self.alive:
+            if not self.alive:
                 return
-            await self._interrupt()
+            if self._state.current == run_id:
+                await self._interrupt()
             deadline = time.monotonic() + INTERRUPT_GRACE_S
-            while self._state.current is not None:
+            while True:
+                if self._state.current != run_id and self._inbox.empty():
+                    return  # its "done" was read (or it never started), and nothing of it is left
                 try:
                     message = await asyncio.wait_for(self._inbox.get(), max(0.0, deadline - time.monotonic()))
                 except TimeoutError:
                     message = None
                 if message is None:
                     await self.close("its answer was stopped while a cell ran, and the cell did not stop")
+                    return
+                if isinstance(message, _wire.Done) and message.run_id == run_id:
                     return
         finally:
             self._settling = None
@@ -8598,13 +8607,13 @@ class Kernel:
                 if self._exceeded is not None:
                     outcome = Outcome.DISK_LIMIT
                 return self._result(outcome, None, stdout, stderr, t0, why, watch)
-            if isinstance(message, _wire.Output):
+            if isinstance(message, _wire.Output) and message.run_id == run_id:
                 capture = stdout if message.stream == "stdout" else stderr
                 if capture.feed(message.text.encode("utf-8", "surrogatepass")) and interrupted is None:
                     interrupted, detail = "output", f"{message.stream} passed {human_bytes(capture.cap)}"
                     await self._interrupt()
                     deadline = time.monotonic() + INTERRUPT_GRACE_S
-            elif isinstance(message, _wire.Done):
+            elif isinstance(message, _wire.Done) and message.run_id == run_id:
                 done = message
         if interrupted == "timeout":
             outcome, reason = Outcome.TIMEOUT, f"{detail}; the Python state is kept"
@@ -12166,7 +12175,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_feeaa2b98258.runner import Outcome
+from _code_sessions_3f9e84447184.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import backtick_fence, escape_text
@@ -12389,7 +12398,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_feeaa2b98258.storage import human_bytes
+from _code_sessions_3f9e84447184.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12493,7 +12502,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_feeaa2b98258.storage import Purge, parse_duration
+from _code_sessions_3f9e84447184.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13579,8 +13588,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_feeaa2b98258.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_feeaa2b98258.storage import (
+from _code_sessions_3f9e84447184.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_3f9e84447184.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14166,7 +14175,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_feeaa2b98258.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_3f9e84447184.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14379,7 +14388,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_feeaa2b98258.storage import Link, Publisher, is_postgres_url
+from _code_sessions_3f9e84447184.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14582,7 +14591,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_feeaa2b98258.engine import (
+from _code_sessions_3f9e84447184.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14595,8 +14604,8 @@ from _code_sessions_feeaa2b98258.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_feeaa2b98258.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_feeaa2b98258.storage import (
+from _code_sessions_3f9e84447184.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_3f9e84447184.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14604,7 +14613,7 @@ from _code_sessions_feeaa2b98258.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_feeaa2b98258.webui import Misconfigured, OpenWebUI
+from _code_sessions_3f9e84447184.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

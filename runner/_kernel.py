@@ -221,18 +221,27 @@ class Kernel:
                 self.last_used = time.monotonic()
 
     async def _stop_cancelled_run(self) -> None:
+        """Interrupt the cancelled cell and take its replies off the inbox, its "done" included: the
+        reader marks the run finished when it queues that "done", before anyone reads it, and a next
+        run must not read it as its own."""
+        run_id = self._run_ids
         try:
-            if self._state.current is None or not self.alive:
+            if not self.alive:
                 return
-            await self._interrupt()
+            if self._state.current == run_id:
+                await self._interrupt()
             deadline = time.monotonic() + INTERRUPT_GRACE_S
-            while self._state.current is not None:
+            while True:
+                if self._state.current != run_id and self._inbox.empty():
+                    return  # its "done" was read (or it never started), and nothing of it is left
                 try:
                     message = await asyncio.wait_for(self._inbox.get(), max(0.0, deadline - time.monotonic()))
                 except TimeoutError:
                     message = None
                 if message is None:
                     await self.close("its answer was stopped while a cell ran, and the cell did not stop")
+                    return
+                if isinstance(message, _wire.Done) and message.run_id == run_id:
                     return
         finally:
             self._settling = None
@@ -277,13 +286,13 @@ class Kernel:
                 if self._exceeded is not None:
                     outcome = Outcome.DISK_LIMIT
                 return self._result(outcome, None, stdout, stderr, t0, why, watch)
-            if isinstance(message, _wire.Output):
+            if isinstance(message, _wire.Output) and message.run_id == run_id:
                 capture = stdout if message.stream == "stdout" else stderr
                 if capture.feed(message.text.encode("utf-8", "surrogatepass")) and interrupted is None:
                     interrupted, detail = "output", f"{message.stream} passed {human_bytes(capture.cap)}"
                     await self._interrupt()
                     deadline = time.monotonic() + INTERRUPT_GRACE_S
-            elif isinstance(message, _wire.Done):
+            elif isinstance(message, _wire.Done) and message.run_id == run_id:
                 done = message
         if interrupted == "timeout":
             outcome, reason = Outcome.TIMEOUT, f"{detail}; the Python state is kept"

@@ -14,6 +14,7 @@ import contextlib
 import inspect
 import json
 import os
+import re
 import select
 import signal
 import statistics
@@ -478,7 +479,9 @@ def test_interrupting_a_sleep_keeps_the_namespace(kernel: Kernel) -> None:
     assert time.monotonic() - began < 5
     assert (res.status, res.done.exit_code) == ("interrupted", None)
     assert res.stderr.startswith("Traceback (most recent call last):\n")
-    assert "time.sleep(100)" in res.stderr and res.stderr.endswith("KeyboardInterrupt\n")
+    # In the sleep, or (the signal checked as print returns, after its output left) on the print line.
+    assert re.search(r'File "<cell-\d+>", line [23], in <module>\n', res.stderr), res.stderr
+    assert res.stderr.endswith("KeyboardInterrupt\n")
     assert "kernel.py" not in res.stderr
     assert kernel.run("x + 1").stdout == "42\n"
 

@@ -8,6 +8,7 @@ that says the state was reset, and the host (no sandbox left once a kernel ends)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -294,3 +295,20 @@ def test_a_chat_that_moves_to_another_host_never_has_two_kernels(tmp_path: Path,
     finally:
         first.kill()
         first.wait()
+
+
+async def test_a_run_cancelled_around_the_end_of_its_cell_leaves_nothing_for_the_next(
+    pool: KernelPool, workdir: Path
+) -> None:
+    """The answer is stopped (the task cancelled) while the cell's replies are still arriving, or just
+    after the last: the next run gets its own output and outcome, never the cancelled cell's."""
+    await pool.run("u/c", workdir, "x = 1", "python", LIMITS)
+    noisy = "for i in range(2000):\n    print('old', i)\nimport time\ntime.sleep(0.02)"
+    for delay in (0.0, 0.01, 0.02, 0.04, 0.06, 0.1):
+        task = asyncio.create_task(pool.run("u/c", workdir, noisy, "python", LIMITS))
+        await asyncio.sleep(delay)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        after = await pool.run("u/c", workdir, "print('new', x)", "python", LIMITS)
+        assert (after.outcome, after.stdout) == (Outcome.OK, "new 1\n"), (delay, after)
