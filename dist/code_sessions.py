@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_3f9e84447184'
+_CS_PACKAGE = '_code_sessions_db671c832f9a'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -6794,10 +6794,17 @@ class Store:
         self._opened = True
         try:
             if opened.moved_aside is not None:
+                # The one line that says so (the backend's own is at INFO; Core._recover says it
+                # for a damage found while open).
+                log.warning(
+                    "the index %s is corrupt: moved it to %s, and rebuilding it from the folders",
+                    core.backend.where,
+                    opened.moved_aside,
+                )
                 with contextlib.suppress(DiskFull):
                     await core.log("corrupt_index", detail={"moved_to": opened.moved_aside})
             try:
-                await self._startup_repairs(rebuild=opened.fresh)
+                await self._startup_repairs(rebuild=opened.fresh, moved_aside=opened.moved_aside is not None)
             except DiskFull:
                 # Open anyway: every step then says the disk is full, and one that frees space works;
                 # the first write that succeeds afterwards does these repairs (Core.catch_up).
@@ -6810,11 +6817,14 @@ class Store:
             await self.close()
             raise
 
-    async def _startup_repairs(self, *, rebuild: bool) -> None:
+    async def _startup_repairs(self, *, rebuild: bool, moved_aside: bool = False) -> None:
         core = self._core
         await self._remember_publisher()
         if rebuild and await asyncio.to_thread(core.layout.session_keys_on_disk):
-            log.warning("the index %s is new but session folders exist: rebuilding it", core.backend.where)
+            if not moved_aside:
+                log.warning(
+                    "the index %s is new but session folders exist: rebuilding it", core.backend.where
+                )
             report = await self.rebuild()
             log.warning("index rebuilt: %s", report.summary())
         await _repair.recover_interrupted_runs(core)
@@ -12175,7 +12185,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_3f9e84447184.runner import Outcome
+from _code_sessions_db671c832f9a.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import backtick_fence, escape_text
@@ -12398,7 +12408,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_3f9e84447184.storage import human_bytes
+from _code_sessions_db671c832f9a.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12502,7 +12512,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_3f9e84447184.storage import Purge, parse_duration
+from _code_sessions_db671c832f9a.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13588,8 +13598,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_3f9e84447184.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_3f9e84447184.storage import (
+from _code_sessions_db671c832f9a.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_db671c832f9a.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14175,7 +14185,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_3f9e84447184.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_db671c832f9a.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14388,7 +14398,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_3f9e84447184.storage import Link, Publisher, is_postgres_url
+from _code_sessions_db671c832f9a.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14591,7 +14601,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_3f9e84447184.engine import (
+from _code_sessions_db671c832f9a.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14604,8 +14614,8 @@ from _code_sessions_3f9e84447184.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_3f9e84447184.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_3f9e84447184.storage import (
+from _code_sessions_db671c832f9a.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_db671c832f9a.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14613,7 +14623,7 @@ from _code_sessions_3f9e84447184.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_3f9e84447184.webui import Misconfigured, OpenWebUI
+from _code_sessions_db671c832f9a.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

@@ -128,10 +128,17 @@ class Store:
         self._opened = True
         try:
             if opened.moved_aside is not None:
+                # The one line that says so (the backend's own is at INFO; Core._recover says it
+                # for a damage found while open).
+                log.warning(
+                    "the index %s is corrupt: moved it to %s, and rebuilding it from the folders",
+                    core.backend.where,
+                    opened.moved_aside,
+                )
                 with contextlib.suppress(DiskFull):
                     await core.log("corrupt_index", detail={"moved_to": opened.moved_aside})
             try:
-                await self._startup_repairs(rebuild=opened.fresh)
+                await self._startup_repairs(rebuild=opened.fresh, moved_aside=opened.moved_aside is not None)
             except DiskFull:
                 # Open anyway: every step then says the disk is full, and one that frees space works;
                 # the first write that succeeds afterwards does these repairs (Core.catch_up).
@@ -144,11 +151,14 @@ class Store:
             await self.close()
             raise
 
-    async def _startup_repairs(self, *, rebuild: bool) -> None:
+    async def _startup_repairs(self, *, rebuild: bool, moved_aside: bool = False) -> None:
         core = self._core
         await self._remember_publisher()
         if rebuild and await asyncio.to_thread(core.layout.session_keys_on_disk):
-            log.warning("the index %s is new but session folders exist: rebuilding it", core.backend.where)
+            if not moved_aside:
+                log.warning(
+                    "the index %s is new but session folders exist: rebuilding it", core.backend.where
+                )
             report = await self.rebuild()
             log.warning("index rebuilt: %s", report.summary())
         await _repair.recover_interrupted_runs(core)
