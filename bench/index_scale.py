@@ -192,11 +192,11 @@ async def _quota_check(ctx: Context, base: Path) -> dict[str, Any]:
         finally:
             conn.close()
         session = await store.session("user-0", "chat-0")
-        await session.check_quota()
+        await session.run_budget()
         times = []
         for _ in range(20 if ctx.quick else 300):
             t = time.perf_counter()
-            await session.check_quota()
+            await session.run_budget()
             times.append(time.perf_counter() - t)
     return {"user_sessions": 100, "session_rows": users * 100, **summary(times), "target_ms": TARGET_QUOTA_MS}
 

@@ -103,7 +103,7 @@ async def full_step(
     if probe is not None:
         probe.current = {}
         session = chat.session
-        session.run_budget = probe.wrap("check_quota", session.run_budget)  # type: ignore[method-assign]
+        session.run_budget = probe.wrap("run_budget", session.run_budget)  # type: ignore[method-assign]
         session.reconcile = probe.wrap("reconcile", session.reconcile)  # type: ignore[method-assign]
     step = await chat.run(code, "python")
     t_run = time.perf_counter()
@@ -120,12 +120,12 @@ async def full_step(
         runsc = step.run.duration_s
         phases = {
             "chat() (session row)": t_chat - start,
-            "check_quota": got.get("check_quota", 0.0),
+            "run_budget (quota)": got.get("run_budget", 0.0),
             "runsc process": runsc,
             "runner around runsc": runner_total - runsc,
             "reconcile": got.get("reconcile", 0.0),
             "lock and the rest": (t_run - t_chat)
-            - got.get("check_quota", 0.0)
+            - got.get("run_budget", 0.0)
             - runner_total
             - got.get("reconcile", 0.0),
             "rewrite": end - t_run,
