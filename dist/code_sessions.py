@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_db671c832f9a'
+_CS_PACKAGE = '_code_sessions_3b4989238dfd'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -5220,7 +5220,10 @@ def _root(given: str | None) -> Path:
 
 
 async def _run(args: argparse.Namespace, root: Path, database_url: str) -> int:
-    store = Store(root, record_settings=False, database_url=database_url)
+    # Listings, check and a dry run show the index as it is; cleanup and rebuild first repair it as
+    # the application does when it starts.
+    repair = args.command == "rebuild" or (args.command == "cleanup" and not args.dry_run)
+    store = Store(root, record_settings=False, database_url=database_url, repair_at_open=repair)
     async with store:
         # The policy and publish folder the application last recorded, so the CLI applies the same.
         policy, publisher = await store.recorded_settings()
@@ -6714,7 +6717,9 @@ class Store:
     root; `postgresql://...` (also `postgres://`, `postgresql+psycopg://`) for tables in a schema of
     their own in that PostgreSQL database, shared by every host that mounts root. `backend`: a
     database backend given directly (overrides database_url). `record_settings=False` (the CLI):
-    never write the policy in use into the index.
+    never write the policy in use into the index. `repair_at_open=False` (the CLI's listings and
+    check): open without the start-up repairs (rebuilding a new index from the folders, indexing what
+    dead runs left), so they show the index as it is.
     """
 
     def __init__(
@@ -6729,6 +6734,7 @@ class Store:
         backend: Backend | None = None,
         record_settings: bool = True,
         database_url: str | None = None,
+        repair_at_open: bool = True,
     ) -> None:
         self.root = Path(root).absolute()
         policy = Policy(quotas or Quotas(), expiry or Expiry())
@@ -6743,6 +6749,7 @@ class Store:
         self._core.rebuild = self.rebuild
         self._core.catch_up = self._catch_up
         self._rebuild_put_off = False
+        self._repair_at_open = repair_at_open
         self._opened = False
 
     # ------------------------------------------------------------------ settings
@@ -6803,6 +6810,8 @@ class Store:
                 )
                 with contextlib.suppress(DiskFull):
                     await core.log("corrupt_index", detail={"moved_to": opened.moved_aside})
+            if not self._repair_at_open:
+                return
             try:
                 await self._startup_repairs(rebuild=opened.fresh, moved_aside=opened.moved_aside is not None)
             except DiskFull:
@@ -12185,7 +12194,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_db671c832f9a.runner import Outcome
+from _code_sessions_3b4989238dfd.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import backtick_fence, escape_text
@@ -12408,7 +12417,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_db671c832f9a.storage import human_bytes
+from _code_sessions_3b4989238dfd.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12512,7 +12521,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_db671c832f9a.storage import Purge, parse_duration
+from _code_sessions_3b4989238dfd.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13598,8 +13607,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_db671c832f9a.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_db671c832f9a.storage import (
+from _code_sessions_3b4989238dfd.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_3b4989238dfd.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14185,7 +14194,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_db671c832f9a.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_3b4989238dfd.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14398,7 +14407,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_db671c832f9a.storage import Link, Publisher, is_postgres_url
+from _code_sessions_3b4989238dfd.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14601,7 +14610,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_db671c832f9a.engine import (
+from _code_sessions_3b4989238dfd.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14614,8 +14623,8 @@ from _code_sessions_db671c832f9a.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_db671c832f9a.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_db671c832f9a.storage import (
+from _code_sessions_3b4989238dfd.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_3b4989238dfd.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14623,7 +14632,7 @@ from _code_sessions_db671c832f9a.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_db671c832f9a.webui import Misconfigured, OpenWebUI
+from _code_sessions_3b4989238dfd.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

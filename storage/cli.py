@@ -107,7 +107,10 @@ def _root(given: str | None) -> Path:
 
 
 async def _run(args: argparse.Namespace, root: Path, database_url: str) -> int:
-    store = Store(root, record_settings=False, database_url=database_url)
+    # Listings, check and a dry run show the index as it is; cleanup and rebuild first repair it as
+    # the application does when it starts.
+    repair = args.command == "rebuild" or (args.command == "cleanup" and not args.dry_run)
+    store = Store(root, record_settings=False, database_url=database_url, repair_at_open=repair)
     async with store:
         # The policy and publish folder the application last recorded, so the CLI applies the same.
         policy, publisher = await store.recorded_settings()

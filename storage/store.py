@@ -48,7 +48,9 @@ class Store:
     root; `postgresql://...` (also `postgres://`, `postgresql+psycopg://`) for tables in a schema of
     their own in that PostgreSQL database, shared by every host that mounts root. `backend`: a
     database backend given directly (overrides database_url). `record_settings=False` (the CLI):
-    never write the policy in use into the index.
+    never write the policy in use into the index. `repair_at_open=False` (the CLI's listings and
+    check): open without the start-up repairs (rebuilding a new index from the folders, indexing what
+    dead runs left), so they show the index as it is.
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class Store:
         backend: Backend | None = None,
         record_settings: bool = True,
         database_url: str | None = None,
+        repair_at_open: bool = True,
     ) -> None:
         self.root = Path(root).absolute()
         policy = Policy(quotas or Quotas(), expiry or Expiry())
@@ -77,6 +80,7 @@ class Store:
         self._core.rebuild = self.rebuild
         self._core.catch_up = self._catch_up
         self._rebuild_put_off = False
+        self._repair_at_open = repair_at_open
         self._opened = False
 
     # ------------------------------------------------------------------ settings
@@ -137,6 +141,8 @@ class Store:
                 )
                 with contextlib.suppress(DiskFull):
                     await core.log("corrupt_index", detail={"moved_to": opened.moved_aside})
+            if not self._repair_at_open:
+                return
             try:
                 await self._startup_repairs(rebuild=opened.fresh, moved_aside=opened.moved_aside is not None)
             except DiskFull:

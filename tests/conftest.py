@@ -1,1 +1,6 @@
-pytest_plugins = ["tests.support.open_webui", "tests.support.browser", "tests.support.postgres"]
+pytest_plugins = [
+    "tests.support.open_webui",
+    "tests.support.browser",
+    "tests.support.postgres",
+    "tests.support.redis",
+]

@@ -134,3 +134,22 @@ def test_root_resolution(populated: Path, tmp_path: Path, cli: Cli) -> None:
     assert none.returncode == 2 and "--root" in none.stderr
     missing = cli("--root", str(tmp_path / "nowhere"), "sessions")
     assert missing.returncode == 2 and "no store" in missing.stderr
+
+
+async def test_check_shows_what_a_dead_run_left_unindexed_and_rebuild_indexes_it(
+    populated: Path, database_url: str, cli: Cli
+) -> None:
+    async with Store(populated, database_url=database_url) as store:
+        s = await store.session("alice", "chat-1")
+        async with s.lock():
+            await s.begin_run()  # the run's process dies before its reconcile: the mark stays
+            (s.path / "left.txt").write_bytes(b"left by the dead run")
+    check = cli("--root", str(populated), "check", "--json")
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert [(d["kind"], d["path"]) for d in json.loads(check.stdout)] == [("file not indexed", "left.txt")]
+    assert cli("--root", str(populated), "check").returncode == 1  # it repaired nothing
+    assert cli("--root", str(populated), "cleanup", "--dry-run").returncode == 0
+    assert cli("--root", str(populated), "check").returncode == 1  # a dry run changes nothing either
+    assert cli("--root", str(populated), "rebuild").returncode == 0
+    again = cli("--root", str(populated), "check")
+    assert again.returncode == 0, again.stdout + again.stderr
