@@ -207,7 +207,7 @@ def kernel(tmp_path: Path) -> Iterator[Kernel]:
 def test_the_module_is_inert_on_import_and_fit_for_embedding() -> None:
     # Importing it (done above, for getsource) started nothing and rebound nothing.
     assert sys.stdout is not None and not any(t.name.startswith("kernel-pump") for t in threading.enumerate())
-    assert not any(type(f).__name__ == "_PyplotFinder" for f in sys.meta_path)
+    assert not any(type(f).__name__ == "_ImportHooks" for f in sys.meta_path)
     for word in ["'" * 3, "__" + "file__", "from runner"] + ["from " + w for w in ("utils", "apps", "main")]:
         assert word not in KERNEL_SOURCE, word
     assert "from " + "config" not in KERNEL_SOURCE
