@@ -198,7 +198,20 @@ def _rewrite(r: dict[str, Any]) -> str:
         ["ChatSession.rewrite, again (links reused)", ms(full.get("later_calls_reuse_links")), ""],
     ]
     head = f"an answer of {r['answer_bytes'] / 1000:.0f} KB naming {r['paths']} files"
-    return head + "\n" + table(["", "ms", "target"], rows, right=(1,))
+    text = head + "\n" + table(["", "ms", "target"], rows, right=(1,))
+    p = r.get("pathological")
+    if p:
+        long_rows = []
+        for name, case in p["cases"].items():
+            streamed = case[f"streamed_{p['piece_chars']}_char_pieces"]
+            target = f"<= {p['target_ms']:g}"
+            long_rows.append([f"{name!r}: whole", ms(case["plain"]), target])
+            long_rows.append([f"{name!r}: streamed, {p['piece_chars']}-char pieces", ms(streamed), target])
+        long_rows.append([f"floor: {p['pieces']:,} calls of a no-op push", ms(p["push_floor"]), ""])
+        text += f"\n\none line of {p['bytes'] / 1e6:g} MB\n" + table(
+            ["", "ms", "target"], long_rows, right=(1,)
+        )
+    return text
 
 
 def _memory(r: dict[str, Any]) -> str:
@@ -306,6 +319,13 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     rw = s.get("rewrite", {})
     value = rw["text"]["median_ms"] if rw.get("paths") == 1000 and "text" in rw else None
     add("rewrite, 100 KB answer with 1,000 paths", value, 20.0, "ms")
+    long = rw.get("pathological")
+    if long and long["bytes"] == 1_000_000:
+        for name in ("no path", "](/mnt/data/x "):
+            case = long["cases"].get(name, {})
+            for how, key in (("whole", "plain"), ("streamed", f"streamed_{long['piece_chars']}_char_pieces")):
+                got = case.get(key)
+                add(f"rewrite, 1 MB line, {name!r}, {how}", got and got["median_ms"], long["target_ms"], "ms")
     conc = s.get("concurrency", {})
     add("8 concurrent chats: errors", conc.get("errors"), 0, "errors")
     kern = s.get("kernel", {})
