@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_826a89f62166'
+_CS_PACKAGE = '_code_sessions_eaf6c3dd576e'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -7250,15 +7250,26 @@ def build_image(base: Path, uid: int, gid: int, network: bool) -> Path:
     return final / "rootfs"
 
 
-def write_bundle(base: Path, container_id: str, code: str, language: str) -> Path:
+def code_file_name(language: str, bytecode: bool) -> str:
+    """The file the interpreter starts, in the bundle's code/ folder (/run/code in the sandbox)."""
+    return "main.pyc" if bytecode else f"main.{_LANG_EXT[language]}"
+
+
+def write_bundle(
+    base: Path, container_id: str, code: str, language: str, bytecode: bytes | None = None
+) -> Path:
+    """``bytecode``, if given, is ``code`` compiled by the sandbox's interpreter, and is what starts."""
     bundle = base / container_id
     code_dir = bundle / "code"
     code_dir.mkdir(parents=True, mode=0o700)
     # Who supervises this run: if that process dies, the next Runner removes what the run left.
     (bundle / _orphans.OWNER_FILE).write_text(_orphans.owner_stamp(), encoding="ascii")
     code_dir.chmod(0o755)  # the sandbox user must be able to read it
-    code_file = code_dir / f"main.{_LANG_EXT[language]}"
-    code_file.write_text(code, encoding="utf-8", errors="surrogateescape")
+    code_file = code_dir / code_file_name(language, bytecode is not None)
+    if bytecode is not None:
+        code_file.write_bytes(bytecode)
+    else:
+        code_file.write_text(code, encoding="utf-8", errors="surrogateescape")
     code_file.chmod(0o644)
     return bundle
 
@@ -7281,6 +7292,7 @@ def make_spec(
     cgroups_path: str | None,
     rlimit_as: bool,
     netns_path: Path | None,
+    bytecode: bool = False,
 ) -> dict[str, Any]:
     memory = limits.memory_mb * 1024 * 1024
     rlimits = [
@@ -7336,7 +7348,7 @@ def make_spec(
         "process": {
             "terminal": False,
             "user": {"uid": uid, "gid": gid, "additionalGids": []},
-            "args": [interpreter, f"{CODE_MOUNT}/main.{_LANG_EXT[language]}"],
+            "args": [interpreter, f"{CODE_MOUNT}/{code_file_name(language, bytecode)}"],
             "env": list(_ENV),
             "cwd": DATA_MOUNT,
             "capabilities": {k: [] for k in ("bounding", "effective", "inheritable", "permitted", "ambient")},
@@ -7355,6 +7367,81 @@ def pids_backstop(limits: Limits) -> int:
     # (each sandbox process has a stub process with one thread per sentry thread). Generous on purpose:
     # hitting this limit crashes gVisor instead of failing a fork inside the sandbox.
     return 128 * limits.max_processes
+''',
+    'runner/_bytecode.py': r'''"""Bytecode for a program the sandbox starts again and again (the kernel), compiled once per Runner.
+
+Python compiles a script it is given on every start, and inside gVisor that costs 30-50 ms for the
+kernel program (its parser allocates, and every mmap is a trip through the sentry): a tenth of a chat's
+first step. The sandbox runs the host's own interpreter (it sees /usr at the same path), so that very
+binary, run once on the host, makes bytecode the sandbox can start from: `python3 main.pyc` skips the
+compile. Anything wrong on the way (no such binary on the host, a timeout, odd output) means the
+source is used, as before: slower, never broken.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import subprocess
+import threading
+
+log = logging.getLogger(__name__)
+
+# Run by the sandbox's interpreter on the host: source on stdin, a .pyc on stdout. A .pyc run as a
+# script needs only the interpreter's magic number in front; the 12 bytes after it are not read there.
+_COMPILE = (
+    "import importlib.util, marshal, sys\n"
+    "code = compile(sys.stdin.buffer.read(), sys.argv[1], 'exec', dont_inherit=True)\n"
+    "sys.stdout.buffer.write(importlib.util.MAGIC_NUMBER + bytes(12) + marshal.dumps(code))\n"
+)
+_TIMEOUT_S = 30.0
+
+
+class BytecodeCache:
+    """Compiled programs by (interpreter, in-sandbox file name, source); None where compiling failed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # callers are worker threads; one compile per program
+        self._compiled: dict[str, bytes | None] = {}
+
+    def get(self, interpreter: str, filename: str, source: str) -> bytes | None:
+        key = hashlib.sha256(
+            "\0".join((interpreter, filename, source)).encode("utf-8", "surrogatepass")
+        ).hexdigest()
+        with self._lock:
+            if key not in self._compiled:
+                self._compiled[key] = _compile(interpreter, filename, source)
+            return self._compiled[key]
+
+
+def _compile(interpreter: str, filename: str, source: str) -> bytes | None:
+    try:
+        done = subprocess.run(
+            [interpreter, "-I", "-S", "-c", _COMPILE, filename],
+            input=source.encode("utf-8", "surrogateescape"),
+            capture_output=True,
+            timeout=_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning(
+            "code-sessions: could not precompile %s with %s (%s); the sandbox compiles it",
+            filename,
+            interpreter,
+            exc,
+        )
+        return None
+    if done.returncode != 0 or len(done.stdout) < 17:
+        detail = done.stderr.decode("utf-8", "replace").strip()[-300:]
+        log.warning(
+            "code-sessions: could not precompile %s with %s (exit %s: %s); the sandbox compiles it",
+            filename,
+            interpreter,
+            done.returncode,
+            detail,
+        )
+        return None
+    return done.stdout
 ''',
     'runner/_cgroups.py': r'''"""Per-run cgroups for memory and process limits, owned by the runner rather than by runsc.
 
@@ -11318,7 +11405,9 @@ class KernelPool:
 
     async def _start(self, key: str, workdir: Path, limits: Limits) -> Kernel:
         await self._make_room()
-        sandbox, watch = await self.runner.prepare(KERNEL_SOURCE, "python", workdir, limits, prefix="cs-k-")
+        sandbox, watch = await self.runner.prepare(
+            KERNEL_SOURCE, "python", workdir, limits, prefix="cs-k-", compile_once=True
+        )
         kernel = Kernel(sandbox, limits)
         try:
             await kernel.start(watch)
@@ -11696,6 +11785,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import _bundle, _cgroups, _orphans
+from ._bytecode import BytecodeCache
 from ._changes import ChangeWatch
 from ._diagnose import read_runsc_errors
 from ._outcome import classify
@@ -11746,6 +11836,7 @@ class Runner:
         self.state_dir = self.config.state_dir or DEFAULT_STATE_DIR
         self.bundle_dir = self.config.bundle_dir or DEFAULT_BUNDLE_DIR
         self._setup: HostSetup | None = None
+        self._bytecode = BytecodeCache()
         self._setup_lock = threading.Lock()  # not asyncio.Lock: a Runner may outlive one event loop
         self._interpreters: dict[str, str] = {}
         self._probed: tuple[tuple[str, ...], tuple[tuple[str, str], ...]] | None = None
@@ -11838,7 +11929,14 @@ class Runner:
         return path
 
     def _prepare_files(
-        self, setup: HostSetup, cid: str, code: str, language: str, workdir: Path, limits: Limits
+        self,
+        setup: HostSetup,
+        cid: str,
+        code: str,
+        language: str,
+        workdir: Path,
+        limits: Limits,
+        compile_once: bool = False,
     ) -> tuple[Path, _cgroups.RunCgroup | None]:
         if os.geteuid() == 0:
             st = workdir.stat()
@@ -11848,7 +11946,12 @@ class Runner:
                 os.chown(workdir, self.sandbox_uid, self.sandbox_gid)
             if st.st_mode & 0o700 != 0o700:
                 workdir.chmod(st.st_mode | 0o700)
-        bundle = _bundle.write_bundle(self.bundle_dir, cid, code, language)
+        interpreter = self._interpreter(language)
+        bytecode = None
+        if compile_once and language == "python":
+            main = f"{_bundle.CODE_MOUNT}/{_bundle.code_file_name(language, False)}"
+            bytecode = self._bytecode.get(interpreter, main, code)
+        bundle = _bundle.write_bundle(self.bundle_dir, cid, code, language, bytecode)
         cgroup = None
         try:
             if setup.cgroups is not None:
@@ -11859,13 +11962,14 @@ class Runner:
                 bundle=bundle,
                 workdir=workdir,
                 language=language,
-                interpreter=self._interpreter(language),
+                interpreter=interpreter,
                 limits=limits,
                 uid=self.sandbox_uid,
                 gid=self.sandbox_gid,
                 cgroups_path=cgroup.path if cgroup else None,
                 rlimit_as=cgroup is None,
                 netns_path=self.config.netns_path if self.config.network else None,
+                bytecode=bytecode is not None,
             )
             (bundle / "config.json").write_text(json.dumps(spec, indent=1), encoding="utf-8")
         except BaseException as exc:
@@ -11878,9 +11982,16 @@ class Runner:
         return bundle, cgroup
 
     def _prepare_and_watch(
-        self, setup: HostSetup, cid: str, code: str, language: str, workdir: Path, limits: Limits
+        self,
+        setup: HostSetup,
+        cid: str,
+        code: str,
+        language: str,
+        workdir: Path,
+        limits: Limits,
+        compile_once: bool,
     ) -> tuple[Sandbox, ChangeWatch]:
-        bundle, cgroup = self._prepare_files(setup, cid, code, language, workdir, limits)
+        bundle, cgroup = self._prepare_files(setup, cid, code, language, workdir, limits, compile_once)
         sandbox = Sandbox(
             cid=cid,
             bundle=bundle,
@@ -11893,15 +12004,27 @@ class Runner:
         return sandbox, ChangeWatch.start(str(workdir))
 
     async def prepare(
-        self, code: str, language: str, workdir: Path | str, limits: Limits, *, prefix: str = "cs-"
+        self,
+        code: str,
+        language: str,
+        workdir: Path | str,
+        limits: Limits,
+        *,
+        prefix: str = "cs-",
+        compile_once: bool = False,
     ) -> tuple[Sandbox, ChangeWatch]:
         """Everything a sandbox needs before it starts (bundle, cgroup, command), and a watch of the
-        workdir set up before anything in the sandbox can write. `discard()` undoes it."""
+        workdir set up before anything in the sandbox can write. `discard()` undoes it.
+
+        ``compile_once``: Python ``code`` that this Runner starts many times (the kernel program) is
+        compiled once by the sandbox's interpreter and started from bytecode (see _bytecode)."""
         self._interpreter(language)  # fail fast on an unknown language or a missing interpreter
         wd = self._check_workdir(workdir)
         setup = await self.setup()
         cid = prefix + secrets.token_hex(8)
-        return await asyncio.to_thread(self._prepare_and_watch, setup, cid, code, language, wd, limits)
+        return await asyncio.to_thread(
+            self._prepare_and_watch, setup, cid, code, language, wd, limits, compile_once
+        )
 
     async def discard(self, sandbox: Sandbox) -> None:
         """Remove a sandbox's bundle (its processes must be gone; its cgroup is the caller's)."""
@@ -12230,7 +12353,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_826a89f62166.runner import Outcome
+from _code_sessions_eaf6c3dd576e.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import backtick_fence, escape_text
@@ -12453,7 +12576,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_826a89f62166.storage import human_bytes
+from _code_sessions_eaf6c3dd576e.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12557,7 +12680,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_826a89f62166.storage import Purge, parse_duration
+from _code_sessions_eaf6c3dd576e.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13643,8 +13766,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_826a89f62166.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_826a89f62166.storage import (
+from _code_sessions_eaf6c3dd576e.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_eaf6c3dd576e.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14230,7 +14353,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_826a89f62166.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_eaf6c3dd576e.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14443,7 +14566,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_826a89f62166.storage import Link, Publisher, is_postgres_url
+from _code_sessions_eaf6c3dd576e.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14646,7 +14769,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_826a89f62166.engine import (
+from _code_sessions_eaf6c3dd576e.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14659,8 +14782,8 @@ from _code_sessions_826a89f62166.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_826a89f62166.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_826a89f62166.storage import (
+from _code_sessions_eaf6c3dd576e.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_eaf6c3dd576e.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14668,7 +14791,7 @@ from _code_sessions_826a89f62166.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_826a89f62166.webui import Misconfigured, OpenWebUI
+from _code_sessions_eaf6c3dd576e.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

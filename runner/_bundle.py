@@ -181,15 +181,26 @@ def build_image(base: Path, uid: int, gid: int, network: bool) -> Path:
     return final / "rootfs"
 
 
-def write_bundle(base: Path, container_id: str, code: str, language: str) -> Path:
+def code_file_name(language: str, bytecode: bool) -> str:
+    """The file the interpreter starts, in the bundle's code/ folder (/run/code in the sandbox)."""
+    return "main.pyc" if bytecode else f"main.{_LANG_EXT[language]}"
+
+
+def write_bundle(
+    base: Path, container_id: str, code: str, language: str, bytecode: bytes | None = None
+) -> Path:
+    """``bytecode``, if given, is ``code`` compiled by the sandbox's interpreter, and is what starts."""
     bundle = base / container_id
     code_dir = bundle / "code"
     code_dir.mkdir(parents=True, mode=0o700)
     # Who supervises this run: if that process dies, the next Runner removes what the run left.
     (bundle / _orphans.OWNER_FILE).write_text(_orphans.owner_stamp(), encoding="ascii")
     code_dir.chmod(0o755)  # the sandbox user must be able to read it
-    code_file = code_dir / f"main.{_LANG_EXT[language]}"
-    code_file.write_text(code, encoding="utf-8", errors="surrogateescape")
+    code_file = code_dir / code_file_name(language, bytecode is not None)
+    if bytecode is not None:
+        code_file.write_bytes(bytecode)
+    else:
+        code_file.write_text(code, encoding="utf-8", errors="surrogateescape")
     code_file.chmod(0o644)
     return bundle
 
@@ -212,6 +223,7 @@ def make_spec(
     cgroups_path: str | None,
     rlimit_as: bool,
     netns_path: Path | None,
+    bytecode: bool = False,
 ) -> dict[str, Any]:
     memory = limits.memory_mb * 1024 * 1024
     rlimits = [
@@ -267,7 +279,7 @@ def make_spec(
         "process": {
             "terminal": False,
             "user": {"uid": uid, "gid": gid, "additionalGids": []},
-            "args": [interpreter, f"{CODE_MOUNT}/main.{_LANG_EXT[language]}"],
+            "args": [interpreter, f"{CODE_MOUNT}/{code_file_name(language, bytecode)}"],
             "env": list(_ENV),
             "cwd": DATA_MOUNT,
             "capabilities": {k: [] for k in ("bounding", "effective", "inheritable", "permitted", "ambient")},

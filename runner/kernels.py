@@ -223,7 +223,9 @@ class KernelPool:
 
     async def _start(self, key: str, workdir: Path, limits: Limits) -> Kernel:
         await self._make_room()
-        sandbox, watch = await self.runner.prepare(KERNEL_SOURCE, "python", workdir, limits, prefix="cs-k-")
+        sandbox, watch = await self.runner.prepare(
+            KERNEL_SOURCE, "python", workdir, limits, prefix="cs-k-", compile_once=True
+        )
         kernel = Kernel(sandbox, limits)
         try:
             await kernel.start(watch)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import _bundle, _cgroups, _orphans
+from ._bytecode import BytecodeCache
 from ._changes import ChangeWatch
 from ._diagnose import read_runsc_errors
 from ._outcome import classify
@@ -64,6 +65,7 @@ class Runner:
         self.state_dir = self.config.state_dir or DEFAULT_STATE_DIR
         self.bundle_dir = self.config.bundle_dir or DEFAULT_BUNDLE_DIR
         self._setup: HostSetup | None = None
+        self._bytecode = BytecodeCache()
         self._setup_lock = threading.Lock()  # not asyncio.Lock: a Runner may outlive one event loop
         self._interpreters: dict[str, str] = {}
         self._probed: tuple[tuple[str, ...], tuple[tuple[str, str], ...]] | None = None
@@ -156,7 +158,14 @@ class Runner:
         return path
 
     def _prepare_files(
-        self, setup: HostSetup, cid: str, code: str, language: str, workdir: Path, limits: Limits
+        self,
+        setup: HostSetup,
+        cid: str,
+        code: str,
+        language: str,
+        workdir: Path,
+        limits: Limits,
+        compile_once: bool = False,
     ) -> tuple[Path, _cgroups.RunCgroup | None]:
         if os.geteuid() == 0:
             st = workdir.stat()
@@ -166,7 +175,12 @@ class Runner:
                 os.chown(workdir, self.sandbox_uid, self.sandbox_gid)
             if st.st_mode & 0o700 != 0o700:
                 workdir.chmod(st.st_mode | 0o700)
-        bundle = _bundle.write_bundle(self.bundle_dir, cid, code, language)
+        interpreter = self._interpreter(language)
+        bytecode = None
+        if compile_once and language == "python":
+            main = f"{_bundle.CODE_MOUNT}/{_bundle.code_file_name(language, False)}"
+            bytecode = self._bytecode.get(interpreter, main, code)
+        bundle = _bundle.write_bundle(self.bundle_dir, cid, code, language, bytecode)
         cgroup = None
         try:
             if setup.cgroups is not None:
@@ -177,13 +191,14 @@ class Runner:
                 bundle=bundle,
                 workdir=workdir,
                 language=language,
-                interpreter=self._interpreter(language),
+                interpreter=interpreter,
                 limits=limits,
                 uid=self.sandbox_uid,
                 gid=self.sandbox_gid,
                 cgroups_path=cgroup.path if cgroup else None,
                 rlimit_as=cgroup is None,
                 netns_path=self.config.netns_path if self.config.network else None,
+                bytecode=bytecode is not None,
             )
             (bundle / "config.json").write_text(json.dumps(spec, indent=1), encoding="utf-8")
         except BaseException as exc:
@@ -196,9 +211,16 @@ class Runner:
         return bundle, cgroup
 
     def _prepare_and_watch(
-        self, setup: HostSetup, cid: str, code: str, language: str, workdir: Path, limits: Limits
+        self,
+        setup: HostSetup,
+        cid: str,
+        code: str,
+        language: str,
+        workdir: Path,
+        limits: Limits,
+        compile_once: bool,
     ) -> tuple[Sandbox, ChangeWatch]:
-        bundle, cgroup = self._prepare_files(setup, cid, code, language, workdir, limits)
+        bundle, cgroup = self._prepare_files(setup, cid, code, language, workdir, limits, compile_once)
         sandbox = Sandbox(
             cid=cid,
             bundle=bundle,
@@ -211,15 +233,27 @@ class Runner:
         return sandbox, ChangeWatch.start(str(workdir))
 
     async def prepare(
-        self, code: str, language: str, workdir: Path | str, limits: Limits, *, prefix: str = "cs-"
+        self,
+        code: str,
+        language: str,
+        workdir: Path | str,
+        limits: Limits,
+        *,
+        prefix: str = "cs-",
+        compile_once: bool = False,
     ) -> tuple[Sandbox, ChangeWatch]:
         """Everything a sandbox needs before it starts (bundle, cgroup, command), and a watch of the
-        workdir set up before anything in the sandbox can write. `discard()` undoes it."""
+        workdir set up before anything in the sandbox can write. `discard()` undoes it.
+
+        ``compile_once``: Python ``code`` that this Runner starts many times (the kernel program) is
+        compiled once by the sandbox's interpreter and started from bytecode (see _bytecode)."""
         self._interpreter(language)  # fail fast on an unknown language or a missing interpreter
         wd = self._check_workdir(workdir)
         setup = await self.setup()
         cid = prefix + secrets.token_hex(8)
-        return await asyncio.to_thread(self._prepare_and_watch, setup, cid, code, language, wd, limits)
+        return await asyncio.to_thread(
+            self._prepare_and_watch, setup, cid, code, language, wd, limits, compile_once
+        )
 
     async def discard(self, sandbox: Sandbox) -> None:
         """Remove a sandbox's bundle (its processes must be gone; its cgroup is the caller's)."""

@@ -312,3 +312,27 @@ async def test_a_run_cancelled_around_the_end_of_its_cell_leaves_nothing_for_the
             await task
         after = await pool.run("u/c", workdir, "print('new', x)", "python", LIMITS)
         assert (after.outcome, after.stdout) == (Outcome.OK, "new 1\n"), (delay, after)
+
+
+async def test_the_kernel_starts_from_bytecode_and_from_source_when_that_fails(
+    pool: KernelPool, workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Compiled once by the sandbox's own interpreter on the host: the sandbox starts main.pyc.
+    code = "import os, sys\nprint(os.listdir('/run/code'), sys.argv)\nraise ValueError('cell')"
+    result = await pool.run("u/c", workdir, code, "python", LIMITS)
+    assert result.stdout == "['main.pyc'] ['']\n"
+    # A traceback shows the cell, and nothing of the kernel (its frames carry the same file name).
+    assert "ValueError: cell" in result.stderr and "main.py" not in result.stderr, result.stderr
+    # When no bytecode can be made (say the interpreter will not run on the host), the source starts.
+    import runner._bytecode as bytecode
+
+    def fail(*args: object) -> None:
+        return None
+
+    monkeypatch.setattr(bytecode, "_compile", fail)
+    fresh = KernelPool(Runner(), workdir.parent / "registry-2")
+    try:
+        again = await fresh.run("u/d", workdir, code, "python", LIMITS)
+    finally:
+        await fresh.close()
+    assert again.stdout == "['main.py'] ['']\n" and "ValueError: cell" in again.stderr
