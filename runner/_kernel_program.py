@@ -28,8 +28,6 @@ import codecs
 import contextlib
 import functools
 import os
-import signal
-import struct
 import sys
 import threading
 import time
@@ -37,9 +35,11 @@ import types
 from _json import encode_basestring as _json_string  # the C escaper json itself uses
 
 # Startup and the first cell are on the critical path of a new chat, and imports are slow in the
-# sandbox (measured in gVisor: re 34 ms, json 24 ms on top, linecache 11-21 ms, traceback 11 ms):
-# annotations are strings here, requests are decoded by json's C scanner without the json package
-# (which needs re), replies are encoded below, and linecache and traceback wait until they are needed.
+# sandbox (measured in gVisor: re 34 ms, json 24 ms on top, linecache 11-21 ms, traceback 11 ms,
+# signal with enum 7-11 ms, struct 3-7 ms): annotations are strings here, requests are decoded by
+# json's C scanner without the json package (which needs re), replies are encoded below, signals go
+# through the builtin _signal, frame lengths through int.to_bytes, and linecache and traceback wait
+# until they are needed. (site has already imported contextlib, functools and types.)
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import importlib.machinery
@@ -83,7 +83,6 @@ _os_getpid = os.getpid
 _os_fstat = os.fstat
 _monotonic = time.monotonic
 _perf_counter = time.perf_counter
-_header = struct.Struct(">I")
 # Frames of this file are kernel frames: hidden from the cell's tracebacks.
 _KERNEL_SOURCE = (lambda: None).__code__.co_filename
 
@@ -132,7 +131,7 @@ class _Channel:
 
     def send(self, message: dict[str, Any]) -> None:
         body = to_json(message).encode("utf-8")
-        frame = _header.pack(len(body)) + body
+        frame = len(body).to_bytes(4, "big") + body
         try:
             with self._lock:
                 _write_all(self.fd, frame)
@@ -574,7 +573,7 @@ class Kernel:
         self._cell_names: set[str] = set()
         self._bash_dir: str | None = None
         self._bash_count = 0
-        self._catchable = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
+        self._catchable = [s for s in _signal.valid_signals() if s not in (_signal.SIGKILL, _signal.SIGSTOP)]
         self._recursion_limit = sys.getrecursionlimit()
 
     # -- setup ---------------------------------------------------------------------------------------
@@ -583,9 +582,9 @@ class Kernel:
         global _diag_fd
         # The pumps must never take a SIGINT: a signal delivered to a thread blocked in read() would
         # not wake the main thread's sleep(). Threads inherit the mask, so block before creating them.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT})
         self._on_sigint_bound = self._on_sigint
-        signal.signal(signal.SIGINT, self._on_sigint_bound)
+        _signal.signal(_signal.SIGINT, self._on_sigint_bound)
         # os.dup and os.pipe give non-inheritable fds: no child (bash, subprocess) gets the channel.
         self.in_fd = os.dup(0)
         self.out_fd = os.dup(1)
@@ -605,7 +604,7 @@ class Kernel:
         )
         for pump in self._pumps:
             pump.thread.start()
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        _signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_signal.SIGINT})
         os.chdir(self.workdir)
         main_module = types.ModuleType("__main__")
         main_module.__dict__["__builtins__"] = builtins
@@ -714,7 +713,7 @@ class Kernel:
         header = self._read_exact(4)
         if header is None:
             return None
-        (length,) = _header.unpack(header)
+        length = int.from_bytes(header, "big")
         if not 0 < length <= MAX_REQUEST:
             _fatal(f"request frame of {length} bytes")
         body = self._read_exact(length)
@@ -907,7 +906,7 @@ class Kernel:
                 setpgroup=0,  # its own group: an interrupt reaches the whole pipeline
                 setsigmask=(),
                 # Python ignores these; ignored signals survive exec. A shell expects the defaults.
-                setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT),
+                setsigdef=(_signal.SIGPIPE, _signal.SIGXFSZ, _signal.SIGINT),
             )
         except OSError as exc:
             return "error", None, f"[code-sessions: cannot start {BASH}: {exc}]\n"
@@ -938,7 +937,7 @@ class Kernel:
     @staticmethod
     def _stop_group(pid: int) -> int | None:
         """SIGINT to the shell's group, SIGKILL after a grace period; the shell's wait status."""
-        for sig, patience in ((signal.SIGINT, _BASH_SIGINT_GRACE_S), (signal.SIGKILL, _KILL_PATIENCE_S)):
+        for sig, patience in ((_signal.SIGINT, _BASH_SIGINT_GRACE_S), (_signal.SIGKILL, _KILL_PATIENCE_S)):
             with contextlib.suppress(OSError):
                 os.killpg(pid, sig)
             deadline = _monotonic() + patience
@@ -968,22 +967,22 @@ class Kernel:
             sys.setrecursionlimit(self._recursion_limit)
         threading.settrace(None)  # type: ignore[arg-type]
         threading.setprofile(None)  # type: ignore[arg-type]
-        for which in (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF):
-            signal.setitimer(which, 0)
+        for which in (_signal.ITIMER_REAL, _signal.ITIMER_VIRTUAL, _signal.ITIMER_PROF):
+            _signal.setitimer(which, 0)
         # _signal, not signal: the latter wraps every answer in an enum, 50 µs for the loop instead of 5.
         getsignal, setsignal = _signal.getsignal, _signal.signal
         for sig in self._catchable:
             handler = getsignal(sig)
             if callable(handler) and handler is not self._on_sigint_bound:
                 setsignal(sig, _signal.SIG_DFL)
-        if getsignal(signal.SIGINT) is not self._on_sigint_bound:
-            setsignal(signal.SIGINT, self._on_sigint_bound)
-        if getsignal(signal.SIGCHLD) != _signal.SIG_DFL:  # SIG_IGN would reap children before our waitpid
-            setsignal(signal.SIGCHLD, _signal.SIG_DFL)
-        for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # as Python starts: errors, not deaths
+        if getsignal(_signal.SIGINT) is not self._on_sigint_bound:
+            setsignal(_signal.SIGINT, self._on_sigint_bound)
+        if getsignal(_signal.SIGCHLD) != _signal.SIG_DFL:  # SIG_IGN would reap children before our waitpid
+            setsignal(_signal.SIGCHLD, _signal.SIG_DFL)
+        for sig in (_signal.SIGPIPE, _signal.SIGXFSZ):  # as Python starts: errors, not deaths
             if getsignal(sig) != _signal.SIG_IGN:
                 setsignal(sig, _signal.SIG_IGN)
-        signal.pthread_sigmask(signal.SIG_SETMASK, ())
+        _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
 
     def _flush_streams(self) -> None:
         for stream in (self._stdout, self._stderr):
@@ -1003,7 +1002,7 @@ class Kernel:
         deadline = _monotonic() + _KILL_PATIENCE_S
         while True:
             try:
-                _os_kill(-1, signal.SIGKILL)  # zombies count too, so ESRCH means: nobody else is left
+                _os_kill(-1, _signal.SIGKILL)  # zombies count too, so ESRCH means: nobody else is left
             except ProcessLookupError:
                 break
             except PermissionError:  # only processes we may not signal are left: nothing to do
