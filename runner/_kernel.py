@@ -32,7 +32,7 @@ from ._changes import ChangeWatch
 from ._disk import MAX_DEPTH, GrowthWatch
 from ._plan import Sandbox
 from ._procs import pids_by_marker, sigkill
-from ._supervise import Capture, die_with, human_bytes
+from ._supervise import Capture, dying_with_us, human_bytes
 from .capabilities import run_quick
 from .models import MIB, Limits, Outcome, RunResult
 
@@ -122,13 +122,14 @@ class Kernel:
             pids=self.host_pids,
         )
         try:
+            argv, preexec = dying_with_us(self.sandbox.argv)
             self._proc = await asyncio.create_subprocess_exec(
-                *self.sandbox.argv,
+                *argv,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,  # one process group to kill if runsc itself hangs
-                preexec_fn=die_with(os.getpid()),
+                preexec_fn=preexec,
             )
         except BaseException:
             await self.close()
