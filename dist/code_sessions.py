@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_5d10003d65e0'
+_CS_PACKAGE = '_code_sessions_0b003b4a03f5'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -8872,23 +8872,24 @@ from __future__ import annotations
 import _ast
 import _json
 import _signal
+import _thread
 import builtins
 import codecs
 import contextlib
 import functools
 import os
 import sys
-import threading
 import time
 import types
 from _json import encode_basestring as _json_string  # the C escaper json itself uses
 
 # Startup and the first cell are on the critical path of a new chat, and imports are slow in the
 # sandbox (measured in gVisor: re 34 ms, json 24 ms on top, linecache 11-21 ms, traceback 11 ms,
-# signal with enum 7-11 ms, struct 3-7 ms): annotations are strings here, requests are decoded by
-# json's C scanner without the json package (which needs re), replies are encoded below, signals go
-# through the builtin _signal, frame lengths through int.to_bytes, and linecache and traceback wait
-# until they are needed. (site has already imported contextlib, functools and types.)
+# threading 5-21 ms, signal with enum 7-11 ms, struct 3-7 ms). So: annotations are strings here;
+# requests are decoded by json's C scanner without the json package (which needs re), and replies
+# are encoded below; signals go through the builtin _signal, threads and locks through _thread, frame
+# lengths through int.to_bytes; linecache and traceback wait until they are needed. (site has
+# already imported contextlib, functools and types.)
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import importlib.machinery
@@ -8971,12 +8972,47 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[_os_write(fd, view) :]
 
 
+class _Condition:
+    """threading.Condition's `with`, wait(timeout) and notify_all(), on _thread's locks."""
+
+    def __init__(self) -> None:
+        self._lock = _thread.allocate_lock()
+        self._waiters: list[Any] = []
+
+    def __enter__(self) -> _Condition:
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Called holding the lock; gives it up until notified (or the timeout), then takes it back."""
+        waiter = _thread.allocate_lock()
+        waiter.acquire()
+        self._waiters.append(waiter)
+        self._lock.release()
+        got = False
+        try:
+            got = waiter.acquire(True, -1 if timeout is None else timeout)
+        finally:
+            self._lock.acquire()
+            if not got and waiter in self._waiters:
+                self._waiters.remove(waiter)
+        return got
+
+    def notify_all(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            waiter.release()
+
+
 class _Channel:
     """The reply channel: whole frames, one writer at a time (the pumps and the main thread share it)."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self._lock = threading.Lock()
+        self._lock = _thread.allocate_lock()
 
     def send(self, message: dict[str, Any]) -> None:
         body = to_json(message).encode("utf-8")
@@ -9015,7 +9051,7 @@ class _Pump:
         self.write_fd = write_fd  # the kernel's own write end: the sentinel gets in even if fd 1 is gone
         self._send = send
         self._tag = tag
-        self._cond = threading.Condition(threading.Lock())
+        self._cond = _Condition()
         self._run_id = 0
         self._sentinel: bytes | None = None
         self._seen = True  # idle until the first run: nothing is forwarded
@@ -9027,7 +9063,7 @@ class _Pump:
         self._busy = False  # blocked writing a frame: a slow host, not a lost sentinel
         self._activity = _monotonic()
         self._drain_started = 0.0
-        self.thread = threading.Thread(target=self._main, name=f"kernel-pump-{tag}", daemon=True)
+        self.running = False  # the pump thread is between start() and its end
 
     # -- main thread ---------------------------------------------------------------------------------
 
@@ -9055,7 +9091,7 @@ class _Pump:
                 self._cond.wait(0.25)
                 if self._seen:
                     break
-                if not self.thread.is_alive():
+                if not self.running:
                     _fatal(f"the {self._tag} pump is gone")
                 quiet = _monotonic() - max(self._activity, self._drain_started)
                 if not self._busy and quiet > _SENTINEL_STALL_S:
@@ -9063,11 +9099,17 @@ class _Pump:
 
     # -- pump thread ---------------------------------------------------------------------------------
 
+    def start(self) -> None:
+        self.running = True
+        _thread.start_new_thread(self._main, ())
+
     def _main(self) -> None:
         try:
             self._loop()
         except BaseException as exc:  # a pump that stops would make "done" lie or never come
             _fatal(f"the {self._tag} pump failed: {exc!r}")
+        finally:
+            self.running = False
 
     def _loop(self) -> None:
         while True:
@@ -9452,7 +9494,7 @@ class Kernel:
             _Pump(self.channel.send, err_r, self.err_w, "e"),
         )
         for pump in self._pumps:
-            pump.thread.start()
+            pump.start()
         _signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_signal.SIGINT})
         os.chdir(self.workdir)
         main_module = types.ModuleType("__main__")
@@ -9814,8 +9856,10 @@ class Kernel:
         sys.setprofile(None)
         if sys.getrecursionlimit() < self._recursion_limit:  # the kernel's own code needs some depth
             sys.setrecursionlimit(self._recursion_limit)
-        threading.settrace(None)  # type: ignore[arg-type]
-        threading.setprofile(None)  # type: ignore[arg-type]
+        threading = sys.modules.get("threading")  # hooks for the threads a cell starts, if it can
+        if threading is not None:
+            threading.settrace(None)  # type: ignore[arg-type]
+            threading.setprofile(None)  # type: ignore[arg-type]
         for which in (_signal.ITIMER_REAL, _signal.ITIMER_VIRTUAL, _signal.ITIMER_PROF):
             _signal.setitimer(which, 0)
         # _signal, not signal: the latter wraps every answer in an enum, 50 µs for the loop instead of 5.
@@ -12387,7 +12431,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_5d10003d65e0.runner import Outcome
+from _code_sessions_0b003b4a03f5.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import backtick_fence, escape_text
@@ -12610,7 +12654,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_5d10003d65e0.storage import human_bytes
+from _code_sessions_0b003b4a03f5.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12714,7 +12758,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_5d10003d65e0.storage import Purge, parse_duration
+from _code_sessions_0b003b4a03f5.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13800,8 +13844,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_5d10003d65e0.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_5d10003d65e0.storage import (
+from _code_sessions_0b003b4a03f5.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_0b003b4a03f5.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14387,7 +14431,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_5d10003d65e0.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_0b003b4a03f5.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14600,7 +14644,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_5d10003d65e0.storage import Link, Publisher, is_postgres_url
+from _code_sessions_0b003b4a03f5.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14803,7 +14847,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_5d10003d65e0.engine import (
+from _code_sessions_0b003b4a03f5.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14816,8 +14860,8 @@ from _code_sessions_5d10003d65e0.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_5d10003d65e0.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_5d10003d65e0.storage import (
+from _code_sessions_0b003b4a03f5.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_0b003b4a03f5.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14825,7 +14869,7 @@ from _code_sessions_5d10003d65e0.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_5d10003d65e0.webui import Misconfigured, OpenWebUI
+from _code_sessions_0b003b4a03f5.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

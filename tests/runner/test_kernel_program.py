@@ -306,7 +306,7 @@ def test_a_forged_sentinel_and_a_full_pipe_do_not_deadlock_the_drain() -> None:
     drained = threading.Thread(target=lambda: (pump.drain(sentinel), pump.wait_drained()), daemon=True)
     drained.start()
     time.sleep(0.2)  # the real sentinel waits for room in the pipe
-    pump.thread.start()  # finds the forged one first; must read on until the real one is in
+    pump.start()  # finds the forged one first; must read on until the real one is in
     drained.join(10)
     assert not drained.is_alive(), "drain deadlocked"
     assert pump._seen and pump._written
@@ -780,3 +780,30 @@ def test_startup_and_round_trip_times(tmp_path: Path) -> None:
     )
     assert statistics.median(plain_times) < 1.0
     assert median < 0.02
+
+
+def test_the_condition_on_thread_locks_times_out_and_wakes_every_waiter() -> None:
+    cond = kp._Condition()
+    with cond:
+        started = time.monotonic()
+        assert cond.wait(0.05) is False and time.monotonic() - started >= 0.04
+    woken: list[bool] = []
+
+    def waiter() -> None:
+        with cond:
+            woken.append(cond.wait(10))
+
+    threads = [threading.Thread(target=waiter) for _ in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with cond:
+            if len(cond._waiters) == 3:
+                cond.notify_all()
+                break
+        time.sleep(0.01)
+    for t in threads:
+        t.join(5)
+    assert woken == [True, True, True]
+    assert cond._waiters == []
