@@ -118,7 +118,7 @@ async def run(ctx: Context) -> dict[str, Any]:
             session = await store.session("bench", "bare")
             first_t: list[float] = []
             bare_runsc_t: list[float] = []
-            rounds = 3 if ctx.quick else 12
+            rounds = 3 if ctx.quick else 24
             ctx.log(f"{SECTION}: {rounds} interleaved first steps and bare runsc runs")
             for i in range(rounds):
                 chat_id = f"first-{i}"

@@ -7,16 +7,13 @@ once, and the background maintenance (purge, deleted chats, expiry) runs once ac
 
 from __future__ import annotations
 
-import sys
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from demo import launcher
 from storage import Store
-from tests.support.open_webui import BASE_MODEL, MODEL, OpenWebUI, Reply
+from tests.support.open_webui import OpenWebUI, Reply, running_open_webui
 
 # Starting four workers on two cores takes a few minutes: more than the default hang guard.
 pytestmark = [pytest.mark.e2e, pytest.mark.runsc, pytest.mark.timeout(900)]
@@ -31,32 +28,9 @@ def run(code: str, reply: str = "") -> str:
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory: pytest.TempPathFactory, model_server: str) -> Iterator[OpenWebUI]:
     home = tmp_path_factory.mktemp("open-webui-workers")
-    data_dir, log = home / "data", home / "open-webui.log"
-    port = launcher.free_port()
-    env = {
-        "WEBUI_SECRET_KEY": uuid.uuid4().hex,
-        "ENABLE_OLLAMA_API": "false",
-        "OPENAI_API_BASE_URL": model_server + "/v1",
-        "OPENAI_API_KEY": "scripted",
-        "UVICORN_WORKERS": str(WORKERS),
-    }
-    process = launcher.start_open_webui(data_dir, port, log, env, timeout=600)
-    server = OpenWebUI(f"http://127.0.0.1:{port}", data_dir, log, model_server, process)
-    try:
-        server.accounts["admin"] = server.account("admin@example.com", "Admin-Passw0rd", admin=True)
-        for name in ("ann", "ben", "cid"):
-            password = f"{name.title()}-Passw0rd"
-            server.accounts[name] = server.account(f"{name}@example.com", password, admin=False)
-        admin = server.admin_http
-        admin.install_function()
-        admin.set_valves(base_models=BASE_MODEL, timeout_seconds=20)
-        admin.share_model(MODEL, f"Code · {BASE_MODEL}")
+    env = {"UVICORN_WORKERS": str(WORKERS)}
+    with running_open_webui(home, model_server, ("ann", "ben", "cid"), env=env, timeout=600) as server:
         yield server
-    except BaseException:
-        print(f"--- open-webui log ---\n{launcher.tail(log, 120)}", file=sys.stderr)
-        raise
-    finally:
-        launcher.stop(process)
 
 
 def test_a_variable_lives_through_the_turns_of_one_chat_whichever_worker_answers(workers: OpenWebUI):

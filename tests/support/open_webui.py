@@ -6,12 +6,13 @@ function installed through the HTTP API the way an admin would, an admin and a s
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -183,24 +184,36 @@ def model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         launcher.stop(process)
 
 
-@pytest.fixture(scope="session")
-def open_webui(tmp_path_factory: pytest.TempPathFactory, model_server: str) -> Iterator[OpenWebUI]:
+@contextlib.contextmanager
+def running_open_webui(
+    home: Path,
+    model_server: str,
+    users: Iterable[str],
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+) -> Iterator[OpenWebUI]:
+    """Open WebUI started in `home` with the bundled function installed and its model shared: an admin
+    and one ordinary account per name in `users` (password `<Name>-Passw0rd`). Stopped at the end; its
+    log's tail is printed if anything fails."""
     assert shutil.which("runsc"), "runsc is missing: run ./scripts/setup"
     assert BUNDLE.exists(), "dist/code_sessions.py is missing: run python tools/bundle.py"
-    home = tmp_path_factory.mktemp("open-webui")
     data_dir, log = home / "data", home / "open-webui.log"
     port = launcher.free_port()
-    env = {
+    environment = {
         "WEBUI_SECRET_KEY": uuid.uuid4().hex,
         "ENABLE_OLLAMA_API": "false",
         "OPENAI_API_BASE_URL": model_server + "/v1",
         "OPENAI_API_KEY": "scripted",
+        **(env or {}),
     }
-    process = launcher.start_open_webui(data_dir, port, log, env)
+    process = launcher.start_open_webui(data_dir, port, log, environment, timeout=timeout)
     server = OpenWebUI(f"http://127.0.0.1:{port}", data_dir, log, model_server, process)
     try:
         server.accounts["admin"] = server.account("admin@example.com", "Admin-Passw0rd", admin=True)
-        server.accounts["bob"] = server.account("bob@example.com", "Bob-Passw0rd", admin=False)
+        for name in users:
+            password = f"{name.title()}-Passw0rd"
+            server.accounts[name] = server.account(f"{name}@example.com", password, admin=False)
         admin = server.admin_http
         admin.install_function()
         admin.set_valves(base_models=BASE_MODEL, timeout_seconds=20)
@@ -211,3 +224,9 @@ def open_webui(tmp_path_factory: pytest.TempPathFactory, model_server: str) -> I
         raise
     finally:
         launcher.stop(process)
+
+
+@pytest.fixture(scope="session")
+def open_webui(tmp_path_factory: pytest.TempPathFactory, model_server: str) -> Iterator[OpenWebUI]:
+    with running_open_webui(tmp_path_factory.mktemp("open-webui"), model_server, ["bob"]) as server:
+        yield server
