@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_0b003b4a03f5'
+_CS_PACKAGE = '_code_sessions_333fccba4746'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -5866,7 +5866,7 @@ class ActivityEntry(_Dictable):
     chat_id: str | None
     detail: dict[str, Any]
 ''',
-    'storage/policy.py': r'''"""Every limit the store enforces, decided in one place, each with the sentence a user reads.
+    'storage/policy.py': r'''"""Every limit the admin sets, decided in one place, each with the sentence a user reads.
 
 The rest of the package asks the `Policy` and acts on the answer; nothing else compares a size or a
 count with a limit. A decision is a pure function of the settings and of usage figures the caller
@@ -5879,6 +5879,9 @@ read from the index, so the callers decide *when* (inside which transaction) and
   (`plan_removals`) and when publishing (`refuse_publish`);
 * new files per run: inside `plan_removals`;
 * expiry: `session_expired`, `file_cutoff`, `activity_cutoff`.
+
+Not here: the fixed bounds of what the index can key, which no setting changes and which refuse a
+name rather than usage: a path's length (`_names.MAX_PATH_BYTES`) and an id's (`_core.MAX_ID_CHARS`).
 """
 
 from __future__ import annotations
@@ -12431,7 +12434,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_0b003b4a03f5.runner import Outcome
+from _code_sessions_333fccba4746.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import backtick_fence, escape_text
@@ -12654,7 +12657,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_0b003b4a03f5.storage import human_bytes
+from _code_sessions_333fccba4746.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12758,7 +12761,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_0b003b4a03f5.storage import Purge, parse_duration
+from _code_sessions_333fccba4746.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13844,8 +13847,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_0b003b4a03f5.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_0b003b4a03f5.storage import (
+from _code_sessions_333fccba4746.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_333fccba4746.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14431,7 +14434,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_0b003b4a03f5.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_333fccba4746.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14644,7 +14647,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_0b003b4a03f5.storage import Link, Publisher, is_postgres_url
+from _code_sessions_333fccba4746.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14847,7 +14850,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_0b003b4a03f5.engine import (
+from _code_sessions_333fccba4746.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14860,8 +14863,8 @@ from _code_sessions_0b003b4a03f5.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_0b003b4a03f5.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_0b003b4a03f5.storage import (
+from _code_sessions_333fccba4746.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_333fccba4746.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14869,7 +14872,7 @@ from _code_sessions_0b003b4a03f5.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_0b003b4a03f5.webui import Misconfigured, OpenWebUI
+from _code_sessions_333fccba4746.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

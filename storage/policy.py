@@ -1,4 +1,4 @@
-"""Every limit the store enforces, decided in one place, each with the sentence a user reads.
+"""Every limit the admin sets, decided in one place, each with the sentence a user reads.
 
 The rest of the package asks the `Policy` and acts on the answer; nothing else compares a size or a
 count with a limit. A decision is a pure function of the settings and of usage figures the caller
@@ -11,6 +11,9 @@ read from the index, so the callers decide *when* (inside which transaction) and
   (`plan_removals`) and when publishing (`refuse_publish`);
 * new files per run: inside `plan_removals`;
 * expiry: `session_expired`, `file_cutoff`, `activity_cutoff`.
+
+Not here: the fixed bounds of what the index can key, which no setting changes and which refuse a
+name rather than usage: a path's length (`_names.MAX_PATH_BYTES`) and an id's (`_core.MAX_ID_CHARS`).
 """
 
 from __future__ import annotations
