@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_333fccba4746'
+_CS_PACKAGE = '_code_sessions_e27d81382b97'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -11293,6 +11293,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import struct
 import time
 from dataclasses import dataclass
@@ -11712,7 +11713,14 @@ class KernelPool:
         return found
 
     def _prepare_socket(self, path: Path) -> None:
+        # The folder is what keeps other users off the socket (which is 0600 only once bound): 0700
+        # and ours, even if it was there before with another mode.
         self.socket_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = self.socket_dir.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise OSError(f"{self.socket_dir} is not a folder of ours")
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(self.socket_dir, 0o700)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
@@ -12434,7 +12442,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_333fccba4746.runner import Outcome
+from _code_sessions_e27d81382b97.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import backtick_fence, escape_text
@@ -12657,7 +12665,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_333fccba4746.storage import human_bytes
+from _code_sessions_e27d81382b97.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12761,7 +12769,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_333fccba4746.storage import Purge, parse_duration
+from _code_sessions_e27d81382b97.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13847,8 +13855,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_333fccba4746.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_333fccba4746.storage import (
+from _code_sessions_e27d81382b97.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_e27d81382b97.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14434,7 +14442,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_333fccba4746.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_e27d81382b97.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14647,7 +14655,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_333fccba4746.storage import Link, Publisher, is_postgres_url
+from _code_sessions_e27d81382b97.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14850,7 +14858,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_333fccba4746.engine import (
+from _code_sessions_e27d81382b97.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14863,8 +14871,8 @@ from _code_sessions_333fccba4746.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_333fccba4746.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_333fccba4746.storage import (
+from _code_sessions_e27d81382b97.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_e27d81382b97.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14872,7 +14880,7 @@ from _code_sessions_333fccba4746.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_333fccba4746.webui import Misconfigured, OpenWebUI
+from _code_sessions_e27d81382b97.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import struct
 import time
 from dataclasses import dataclass
@@ -449,7 +450,14 @@ class KernelPool:
         return found
 
     def _prepare_socket(self, path: Path) -> None:
+        # The folder is what keeps other users off the socket (which is 0600 only once bound): 0700
+        # and ours, even if it was there before with another mode.
         self.socket_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = self.socket_dir.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise OSError(f"{self.socket_dir} is not a folder of ours")
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(self.socket_dir, 0o700)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 

@@ -336,3 +336,17 @@ async def test_the_kernel_starts_from_bytecode_and_from_source_when_that_fails(
     finally:
         await fresh.close()
     assert again.stdout == "['main.py'] ['']\n" and "ValueError: cell" in again.stderr
+
+
+async def test_the_socket_folder_is_made_private_even_if_it_was_there_before(
+    tmp_path: Path, workdir: Path
+) -> None:
+    sockets = tmp_path / "sockets"
+    sockets.mkdir(mode=0o755)
+    os.chmod(sockets, 0o755)
+    pool = KernelPool(Runner(), tmp_path / "registry", socket_dir=sockets)
+    try:
+        assert (await pool.run("u/c", workdir, "print(1)", "python", LIMITS)).stdout == "1\n"
+    finally:
+        await pool.close()
+    assert sockets.stat().st_mode & 0o777 == 0o700
