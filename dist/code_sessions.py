@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_e27d81382b97'
+_CS_PACKAGE = '_code_sessions_c5cfda5d1023'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -10238,7 +10238,7 @@ def die_with(parent: int) -> Callable[[], None]:
 
 
 @functools.cache
-def _setpriv_prefix() -> tuple[str, ...] | None:
+def setpriv_prefix() -> tuple[str, ...] | None:
     """util-linux's `setpriv --pdeathsig KILL --`, if it is here and works (looked for once)."""
     found = shutil.which("setpriv")
     if found is None:
@@ -10258,7 +10258,7 @@ def dying_with_us(argv: list[str]) -> tuple[list[str], Callable[[], None] | None
     Open WebUI worker copies its page tables in the event loop's thread. Measured here: 49 ms with a
     1.2 GB RSS, against 2 ms for a vfork. setpriv asks for the signal between its exec and runsc's; if
     we die in that instant, runsc runs on, and the next start sweeps it (_orphans)."""
-    prefix = _setpriv_prefix()
+    prefix = setpriv_prefix()
     if prefix is None:
         return argv, die_with(os.getpid())
     if not os.access(argv[0], os.X_OK):  # what the spawn would raise without setpriv in between
@@ -11873,7 +11873,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import _bundle, _cgroups, _orphans
+from . import _bundle, _cgroups, _orphans, _supervise
 from ._bytecode import BytecodeCache
 from ._changes import ChangeWatch
 from ._diagnose import read_runsc_errors
@@ -11957,6 +11957,8 @@ class Runner:
                     "network=True needs RunnerConfig.netns_path: a network namespace prepared for the "
                     "sandbox (e.g. `ip netns add code-sessions` plus a veth pair and NAT); see docs/runner.md"
                 )
+            # Looked for here, in a worker thread, so that no spawn on the event loop waits for it.
+            _supervise.setpriv_prefix()
             platform = self.config.platform or info.auto_platform()
             if info.platforms and platform not in info.platforms:
                 raise RunnerError(
@@ -12017,7 +12019,7 @@ class Runner:
             raise WorkdirError("refusing to mount / as the session folder")
         return path
 
-    def _prepare_files(
+    def _prepare_and_watch(
         self,
         setup: HostSetup,
         cid: str,
@@ -12025,8 +12027,10 @@ class Runner:
         language: str,
         workdir: Path,
         limits: Limits,
-        compile_once: bool = False,
-    ) -> tuple[Path, _cgroups.RunCgroup | None]:
+        compile_once: bool,
+    ) -> tuple[Sandbox, ChangeWatch]:
+        """prepare()'s work, in a worker thread: the workdir's owner, the bundle, the cgroup, the
+        spec, then the watch."""
         if os.geteuid() == 0:
             st = workdir.stat()
             # Only the top directory: the sandbox user must create files in it; what is inside
@@ -12068,19 +12072,6 @@ class Runner:
             if isinstance(exc, OSError):
                 raise RunnerError(f"cannot prepare the sandbox: {exc}") from exc
             raise
-        return bundle, cgroup
-
-    def _prepare_and_watch(
-        self,
-        setup: HostSetup,
-        cid: str,
-        code: str,
-        language: str,
-        workdir: Path,
-        limits: Limits,
-        compile_once: bool,
-    ) -> tuple[Sandbox, ChangeWatch]:
-        bundle, cgroup = self._prepare_files(setup, cid, code, language, workdir, limits, compile_once)
         sandbox = Sandbox(
             cid=cid,
             bundle=bundle,
@@ -12442,7 +12433,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_e27d81382b97.runner import Outcome
+from _code_sessions_c5cfda5d1023.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import backtick_fence, escape_text
@@ -12665,7 +12656,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_e27d81382b97.storage import human_bytes
+from _code_sessions_c5cfda5d1023.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12769,7 +12760,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_e27d81382b97.storage import Purge, parse_duration
+from _code_sessions_c5cfda5d1023.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13855,8 +13846,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_e27d81382b97.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_e27d81382b97.storage import (
+from _code_sessions_c5cfda5d1023.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_c5cfda5d1023.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14442,7 +14433,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_e27d81382b97.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_c5cfda5d1023.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14655,7 +14646,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_e27d81382b97.storage import Link, Publisher, is_postgres_url
+from _code_sessions_c5cfda5d1023.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14858,7 +14849,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_e27d81382b97.engine import (
+from _code_sessions_c5cfda5d1023.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14871,8 +14862,8 @@ from _code_sessions_e27d81382b97.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_e27d81382b97.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_e27d81382b97.storage import (
+from _code_sessions_c5cfda5d1023.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_c5cfda5d1023.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14880,7 +14871,7 @@ from _code_sessions_e27d81382b97.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_e27d81382b97.webui import Misconfigured, OpenWebUI
+from _code_sessions_c5cfda5d1023.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

@@ -59,7 +59,7 @@ def die_with(parent: int) -> Callable[[], None]:
 
 
 @functools.cache
-def _setpriv_prefix() -> tuple[str, ...] | None:
+def setpriv_prefix() -> tuple[str, ...] | None:
     """util-linux's `setpriv --pdeathsig KILL --`, if it is here and works (looked for once)."""
     found = shutil.which("setpriv")
     if found is None:
@@ -79,7 +79,7 @@ def dying_with_us(argv: list[str]) -> tuple[list[str], Callable[[], None] | None
     Open WebUI worker copies its page tables in the event loop's thread. Measured here: 49 ms with a
     1.2 GB RSS, against 2 ms for a vfork. setpriv asks for the signal between its exec and runsc's; if
     we die in that instant, runsc runs on, and the next start sweeps it (_orphans)."""
-    prefix = _setpriv_prefix()
+    prefix = setpriv_prefix()
     if prefix is None:
         return argv, die_with(os.getpid())
     if not os.access(argv[0], os.X_OK):  # what the spawn would raise without setpriv in between

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import _bundle, _cgroups, _orphans
+from . import _bundle, _cgroups, _orphans, _supervise
 from ._bytecode import BytecodeCache
 from ._changes import ChangeWatch
 from ._diagnose import read_runsc_errors
@@ -97,6 +97,8 @@ class Runner:
                     "network=True needs RunnerConfig.netns_path: a network namespace prepared for the "
                     "sandbox (e.g. `ip netns add code-sessions` plus a veth pair and NAT); see docs/runner.md"
                 )
+            # Looked for here, in a worker thread, so that no spawn on the event loop waits for it.
+            _supervise.setpriv_prefix()
             platform = self.config.platform or info.auto_platform()
             if info.platforms and platform not in info.platforms:
                 raise RunnerError(
@@ -157,7 +159,7 @@ class Runner:
             raise WorkdirError("refusing to mount / as the session folder")
         return path
 
-    def _prepare_files(
+    def _prepare_and_watch(
         self,
         setup: HostSetup,
         cid: str,
@@ -165,8 +167,10 @@ class Runner:
         language: str,
         workdir: Path,
         limits: Limits,
-        compile_once: bool = False,
-    ) -> tuple[Path, _cgroups.RunCgroup | None]:
+        compile_once: bool,
+    ) -> tuple[Sandbox, ChangeWatch]:
+        """prepare()'s work, in a worker thread: the workdir's owner, the bundle, the cgroup, the
+        spec, then the watch."""
         if os.geteuid() == 0:
             st = workdir.stat()
             # Only the top directory: the sandbox user must create files in it; what is inside
@@ -208,19 +212,6 @@ class Runner:
             if isinstance(exc, OSError):
                 raise RunnerError(f"cannot prepare the sandbox: {exc}") from exc
             raise
-        return bundle, cgroup
-
-    def _prepare_and_watch(
-        self,
-        setup: HostSetup,
-        cid: str,
-        code: str,
-        language: str,
-        workdir: Path,
-        limits: Limits,
-        compile_once: bool,
-    ) -> tuple[Sandbox, ChangeWatch]:
-        bundle, cgroup = self._prepare_files(setup, cid, code, language, workdir, limits, compile_once)
         sandbox = Sandbox(
             cid=cid,
             bundle=bundle,

@@ -22,7 +22,7 @@ HELPER = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     from runner import _supervise
     if sys.argv[2] == "fallback":
-        _supervise._setpriv_prefix = lambda: None
+        _supervise.setpriv_prefix = lambda: None
     argv, preexec = _supervise.dying_with_us(["/bin/sleep", "300"])
     child = subprocess.Popen(argv, preexec_fn=preexec, start_new_session=True)
     print(child.pid, preexec is None, flush=True)
@@ -42,7 +42,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("route", ["setpriv", "fallback"])
 def test_the_child_dies_with_its_starter(route: str) -> None:
     if route == "setpriv":
-        assert _supervise._setpriv_prefix() is not None, "util-linux's setpriv is part of Debian's base"
+        assert _supervise.setpriv_prefix() is not None, "util-linux's setpriv is part of Debian's base"
     helper = subprocess.Popen(
         [sys.executable, "-c", HELPER, str(REPO), route], stdout=subprocess.PIPE, text=True
     )
@@ -65,7 +65,7 @@ def test_the_child_dies_with_its_starter(route: str) -> None:
 
 
 def test_a_vanished_runsc_is_still_a_file_not_found(tmp_path: Path) -> None:
-    if _supervise._setpriv_prefix() is None:
+    if _supervise.setpriv_prefix() is None:
         pytest.fail("util-linux's setpriv is part of Debian's base")
     with pytest.raises(FileNotFoundError):
         _supervise.dying_with_us([str(tmp_path / "runsc")])
