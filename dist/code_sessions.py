@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_c5cfda5d1023'
+_CS_PACKAGE = '_code_sessions_c01a07b602e3'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -12433,7 +12433,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_c5cfda5d1023.runner import Outcome
+from _code_sessions_c01a07b602e3.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import backtick_fence, escape_text
@@ -12656,7 +12656,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_c5cfda5d1023.storage import human_bytes
+from _code_sessions_c01a07b602e3.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12760,7 +12760,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_c5cfda5d1023.storage import Purge, parse_duration
+from _code_sessions_c01a07b602e3.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13846,8 +13846,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_c5cfda5d1023.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_c5cfda5d1023.storage import (
+from _code_sessions_c01a07b602e3.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_c01a07b602e3.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14433,7 +14433,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_c5cfda5d1023.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_c01a07b602e3.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14646,7 +14646,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_c5cfda5d1023.storage import Link, Publisher, is_postgres_url
+from _code_sessions_c01a07b602e3.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14692,13 +14692,22 @@ class OpenWebUI:
         return Locations(root, cache / "functions" / function_id, f"/cache/functions/{function_id}/")
 
     def index_url(self, choice: str) -> str:
-        """The database for the session index, from the `index_database` valve: a URL as given;
-        "sqlite" (or anything else that is not PostgreSQL) for the SQLite file under the storage root;
-        empty: Open WebUI's own database when that is PostgreSQL (the index's tables go in a schema of
-        their own), so every replica that shares Open WebUI's database shares the index too."""
+        """The database for the session index, from the `index_database` valve: a postgresql:// URL as
+        given; "sqlite" (or an sqlite: URL) for the SQLite file under the storage root; empty: Open
+        WebUI's own database when that is PostgreSQL (the index's tables go in a schema of their own),
+        so every replica that shares Open WebUI's database shares the index too. Anything else is the
+        admin's to fix (Misconfigured), said at the first message instead of failing every one."""
         choice = choice.strip()
         if choice:
-            return "" if choice.lower() == "sqlite" else choice
+            if is_postgres_url(choice):
+                return choice
+            if choice.lower() == "sqlite" or choice.partition(":")[0].lower().split("+")[0] == "sqlite":
+                return ""
+            scheme = choice.partition(":")[0] or choice
+            raise Misconfigured(
+                f"index_database {scheme!r}... is not a database the index can use: leave it empty, or "
+                "set sqlite or a postgresql:// URL"
+            )
         from open_webui.env import DATABASE_URL
 
         return DATABASE_URL if is_postgres_url(DATABASE_URL) else ""
@@ -14849,7 +14858,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_c5cfda5d1023.engine import (
+from _code_sessions_c01a07b602e3.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14862,8 +14871,8 @@ from _code_sessions_c5cfda5d1023.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_c5cfda5d1023.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_c5cfda5d1023.storage import (
+from _code_sessions_c01a07b602e3.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_c01a07b602e3.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14871,7 +14880,7 @@ from _code_sessions_c5cfda5d1023.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_c5cfda5d1023.webui import Misconfigured, OpenWebUI
+from _code_sessions_c01a07b602e3.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

@@ -61,13 +61,22 @@ class OpenWebUI:
         return Locations(root, cache / "functions" / function_id, f"/cache/functions/{function_id}/")
 
     def index_url(self, choice: str) -> str:
-        """The database for the session index, from the `index_database` valve: a URL as given;
-        "sqlite" (or anything else that is not PostgreSQL) for the SQLite file under the storage root;
-        empty: Open WebUI's own database when that is PostgreSQL (the index's tables go in a schema of
-        their own), so every replica that shares Open WebUI's database shares the index too."""
+        """The database for the session index, from the `index_database` valve: a postgresql:// URL as
+        given; "sqlite" (or an sqlite: URL) for the SQLite file under the storage root; empty: Open
+        WebUI's own database when that is PostgreSQL (the index's tables go in a schema of their own),
+        so every replica that shares Open WebUI's database shares the index too. Anything else is the
+        admin's to fix (Misconfigured), said at the first message instead of failing every one."""
         choice = choice.strip()
         if choice:
-            return "" if choice.lower() == "sqlite" else choice
+            if is_postgres_url(choice):
+                return choice
+            if choice.lower() == "sqlite" or choice.partition(":")[0].lower().split("+")[0] == "sqlite":
+                return ""
+            scheme = choice.partition(":")[0] or choice
+            raise Misconfigured(
+                f"index_database {scheme!r}... is not a database the index can use: leave it empty, or "
+                "set sqlite or a postgresql:// URL"
+            )
         from open_webui.env import DATABASE_URL
 
         return DATABASE_URL if is_postgres_url(DATABASE_URL) else ""
