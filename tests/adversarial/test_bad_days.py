@@ -613,7 +613,11 @@ async def test_full_disk_while_linking_a_file_gives_a_sentence(small_disk):
     answer = await bd.say(harness, "alice", "chat-1", code("print('still', 'here')", "See /mnt/data/att.txt"))
     assert "still here" in answer
     [reply] = [line for line in answer.splitlines() if line.startswith("See")]
-    if not links(reply):
+    found = links(reply)
+    if found:  # the copy fitted after all: then it is whole
+        [url] = found
+        assert published(harness, url) == b"attached"
+    else:
         assert "Not linked: /mnt/data/att.txt" in answer
 
 
@@ -868,9 +872,11 @@ async def test_index_deleted_while_open_is_noticed_before_another_worker_splits_
     second = PipeHarness(harness.data_dir, valves=dict(SMALL, max_mb_per_user=4))  # a worker starting now
     try:
         await bd.say(second, "alice", "chat-2", code("print('warm')", "warm"))
-        await bd.say(harness, "alice", "chat-1", code(bd.write("/mnt/data/one data.bin", 3 * MB), "ok"))
-        await bd.say(second, "alice", "chat-2", code(bd.write("/mnt/data/two data.bin", 3 * MB), "ok"))
+        one = await bd.say(harness, "alice", "chat-1", code(bd.write("/mnt/data/one data.bin", 3 * MB), "ok"))
+        two = await bd.say(second, "alice", "chat-2", code(bd.write("/mnt/data/two data.bin", 3 * MB), "ok"))
         assert bd.user_files(harness.sessions_root, "alice")[1] <= 4 * MB
+        assert damage_warnings(caplog), "the deleted index went unnoticed"
+        assert over("4 MiB") in one + two, (one, two)
     finally:
         await second.aclose()
 
