@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_c01a07b602e3'
+_CS_PACKAGE = '_code_sessions_b6e840e59f27'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -12429,14 +12429,15 @@ model through Open WebUI), so this loop can be tested with a scripted model and 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_c01a07b602e3.runner import Outcome
+from _code_sessions_b6e840e59f27.runner import Outcome
 
 from .blocks import runnable_blocks
-from .rewrite import backtick_fence, escape_text
+from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
 from .service import ChatSession, StepResult
 from .sse import ModelError, TextDelta, ToolCall
 
@@ -12581,7 +12582,10 @@ async def _turns(
         async for event in call_model(messages, [RUN_CODE_TOOL] if offer_tools else None):
             if isinstance(event, TextDelta):
                 text += event.text
-                visible = rewriter.push(event.text)  # sync: no coroutine per streamed piece
+                if len(event.text) > SCAN_ON_LOOP_CHARS:  # a whole answer in one piece (not streamed)
+                    visible = await asyncio.to_thread(rewriter.push, event.text)
+                else:
+                    visible = rewriter.push(event.text)  # sync: no coroutine per streamed piece
                 if rewriter.pending:
                     visible += await rewriter.resolve_pending()
                 if visible:
@@ -12627,7 +12631,11 @@ async def _turns(
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
             continue
 
-        blocks = runnable_blocks(text)
+        blocks = (
+            await asyncio.to_thread(runnable_blocks, text)
+            if len(text) > SCAN_ON_LOOP_CHARS
+            else runnable_blocks(text)
+        )
         if not blocks:
             return
         if steps >= options.max_steps:
@@ -12656,7 +12664,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_c01a07b602e3.storage import human_bytes
+from _code_sessions_b6e840e59f27.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12760,7 +12768,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_c01a07b602e3.storage import Purge, parse_duration
+from _code_sessions_b6e840e59f27.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -12837,6 +12845,9 @@ __all__ = [
 ]
 
 MOUNT = "/mnt/data/"
+# Scanning is linear (about 10 ms per MB of prose): a text or a piece longer than this is scanned in a
+# worker thread, so no answer holds Open WebUI's event loop for the other users.
+SCAN_ON_LOOP_CHARS = 64 * 1024
 _SANDBOX = "sandbox:"
 
 # How far one construct may reach, in characters. Beyond these, the text is read as if the construct were
@@ -13846,8 +13857,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_c01a07b602e3.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_c01a07b602e3.storage import (
+from _code_sessions_b6e840e59f27.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_b6e840e59f27.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -13864,7 +13875,15 @@ from _code_sessions_c01a07b602e3.storage import (
     human_bytes,
 )
 
-from .rewrite import References, StreamingRewriter, Target, escape_text, mention, resolve_all
+from .rewrite import (
+    SCAN_ON_LOOP_CHARS,
+    References,
+    StreamingRewriter,
+    Target,
+    escape_text,
+    mention,
+    resolve_all,
+)
 
 __all__ = ["ChatSession", "CodeSessions", "StepResult", "Waiting"]
 
@@ -13888,7 +13907,6 @@ _OUTCOME_WORDS = {
     Outcome.KERNEL_LOST: "was stopped: the kernel stopped responding",
 }
 _FIGURE_SUFFIXES = (".png",)
-_SCAN_ON_LOOP_CHARS = 64 * 1024
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
 
 
@@ -14124,14 +14142,10 @@ class ChatSession:
         return target
 
     async def rewrite(self, text: str, *, inline_images: bool = True) -> str:
-        # Scanning is linear (about 10 ms per MB of prose): a long text is scanned in a thread, so no
-        # answer holds Open WebUI's event loop for the other users.
-        if len(text) > _SCAN_ON_LOOP_CHARS:
-            references = await asyncio.to_thread(References, text)
-        else:
-            references = References(text)
+        big = len(text) > SCAN_ON_LOOP_CHARS  # scanned in a thread (see SCAN_ON_LOOP_CHARS)
+        references = await asyncio.to_thread(References, text) if big else References(text)
         targets = await resolve_all(references.paths, self.resolve)
-        if len(text) > _SCAN_ON_LOOP_CHARS:
+        if big:
             return await asyncio.to_thread(references.rewrite, targets, inline_images=inline_images)
         return references.rewrite(targets, inline_images=inline_images)
 
@@ -14433,7 +14447,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_c01a07b602e3.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_b6e840e59f27.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14646,7 +14660,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_c01a07b602e3.storage import Link, Publisher, is_postgres_url
+from _code_sessions_b6e840e59f27.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14858,7 +14872,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_c01a07b602e3.engine import (
+from _code_sessions_b6e840e59f27.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14871,8 +14885,8 @@ from _code_sessions_c01a07b602e3.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_c01a07b602e3.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_c01a07b602e3.storage import (
+from _code_sessions_b6e840e59f27.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_b6e840e59f27.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14880,7 +14894,7 @@ from _code_sessions_c01a07b602e3.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_c01a07b602e3.webui import Misconfigured, OpenWebUI
+from _code_sessions_b6e840e59f27.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

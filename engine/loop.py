@@ -6,6 +6,7 @@ model through Open WebUI), so this loop can be tested with a scripted model and 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from runner import Outcome
 
 from .blocks import runnable_blocks
-from .rewrite import backtick_fence, escape_text
+from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
 from .service import ChatSession, StepResult
 from .sse import ModelError, TextDelta, ToolCall
 
@@ -158,7 +159,10 @@ async def _turns(
         async for event in call_model(messages, [RUN_CODE_TOOL] if offer_tools else None):
             if isinstance(event, TextDelta):
                 text += event.text
-                visible = rewriter.push(event.text)  # sync: no coroutine per streamed piece
+                if len(event.text) > SCAN_ON_LOOP_CHARS:  # a whole answer in one piece (not streamed)
+                    visible = await asyncio.to_thread(rewriter.push, event.text)
+                else:
+                    visible = rewriter.push(event.text)  # sync: no coroutine per streamed piece
                 if rewriter.pending:
                     visible += await rewriter.resolve_pending()
                 if visible:
@@ -204,7 +208,11 @@ async def _turns(
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
             continue
 
-        blocks = runnable_blocks(text)
+        blocks = (
+            await asyncio.to_thread(runnable_blocks, text)
+            if len(text) > SCAN_ON_LOOP_CHARS
+            else runnable_blocks(text)
+        )
         if not blocks:
             return
         if steps >= options.max_steps:

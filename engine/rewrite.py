@@ -56,6 +56,9 @@ __all__ = [
 ]
 
 MOUNT = "/mnt/data/"
+# Scanning is linear (about 10 ms per MB of prose): a text or a piece longer than this is scanned in a
+# worker thread, so no answer holds Open WebUI's event loop for the other users.
+SCAN_ON_LOOP_CHARS = 64 * 1024
 _SANDBOX = "sandbox:"
 
 # How far one construct may reach, in characters. Beyond these, the text is read as if the construct were

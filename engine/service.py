@@ -32,7 +32,15 @@ from storage import (
     human_bytes,
 )
 
-from .rewrite import References, StreamingRewriter, Target, escape_text, mention, resolve_all
+from .rewrite import (
+    SCAN_ON_LOOP_CHARS,
+    References,
+    StreamingRewriter,
+    Target,
+    escape_text,
+    mention,
+    resolve_all,
+)
 
 __all__ = ["ChatSession", "CodeSessions", "StepResult", "Waiting"]
 
@@ -56,7 +64,6 @@ _OUTCOME_WORDS = {
     Outcome.KERNEL_LOST: "was stopped: the kernel stopped responding",
 }
 _FIGURE_SUFFIXES = (".png",)
-_SCAN_ON_LOOP_CHARS = 64 * 1024
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
 
 
@@ -292,14 +299,10 @@ class ChatSession:
         return target
 
     async def rewrite(self, text: str, *, inline_images: bool = True) -> str:
-        # Scanning is linear (about 10 ms per MB of prose): a long text is scanned in a thread, so no
-        # answer holds Open WebUI's event loop for the other users.
-        if len(text) > _SCAN_ON_LOOP_CHARS:
-            references = await asyncio.to_thread(References, text)
-        else:
-            references = References(text)
+        big = len(text) > SCAN_ON_LOOP_CHARS  # scanned in a thread (see SCAN_ON_LOOP_CHARS)
+        references = await asyncio.to_thread(References, text) if big else References(text)
         targets = await resolve_all(references.paths, self.resolve)
-        if len(text) > _SCAN_ON_LOOP_CHARS:
+        if big:
             return await asyncio.to_thread(references.rewrite, targets, inline_images=inline_images)
         return references.rewrite(targets, inline_images=inline_images)
 

@@ -128,3 +128,32 @@ async def test_model_error_is_shown_and_ends_the_answer():
     model, _ = scripted([TextDelta("partial"), ModelError("rate limited")])
     answer = await collect(converse(chat, [], model, LoopOptions(), no_status))
     assert "partial" in answer and "rate limited" in answer
+
+
+async def test_an_answer_that_comes_in_one_large_piece_is_scanned_off_the_event_loop(monkeypatch):
+    # A base model that does not stream sends its whole answer as one piece: scanning it (and looking
+    # for code blocks in it) grows with its length, so it must not run on Open WebUI's event loop.
+    import threading
+
+    import engine.loop as loop_module
+
+    where: dict[str, list[bool]] = {"push": [], "blocks": []}
+    loop_thread = threading.get_ident()
+    real_push, real_blocks = StreamingRewriter.push, loop_module.runnable_blocks
+
+    def push(self, piece):
+        where["push"].append(threading.get_ident() == loop_thread)
+        return real_push(self, piece)
+
+    def blocks(text):
+        where["blocks"].append(threading.get_ident() == loop_thread)
+        return real_blocks(text)
+
+    monkeypatch.setattr(StreamingRewriter, "push", push)
+    monkeypatch.setattr(loop_module, "runnable_blocks", blocks)
+    big = "x " * 200_000 + "see /mnt/data/out.csv"
+    model, _ = scripted([TextDelta("small piece, "), TextDelta(big)])
+    chat = StandInChat()
+    answer = await collect(converse(chat, [], model, LoopOptions(tool_mode=False), no_status))
+    assert answer.endswith(f"see [out.csv]({LINK.url})") and chat.ran == []
+    assert where == {"push": [True, False], "blocks": [False]}
