@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_b6e840e59f27'
+_CS_PACKAGE = '_code_sessions_b183483a4f27'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -7383,7 +7383,6 @@ source is used, as before: slower, never broken.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import subprocess
 import threading
@@ -7405,12 +7404,10 @@ class BytecodeCache:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # callers are worker threads; one compile per program
-        self._compiled: dict[str, bytes | None] = {}
+        self._compiled: dict[tuple[str, str, str], bytes | None] = {}
 
     def get(self, interpreter: str, filename: str, source: str) -> bytes | None:
-        key = hashlib.sha256(
-            "\0".join((interpreter, filename, source)).encode("utf-8", "surrogatepass")
-        ).hexdigest()
+        key = (interpreter, filename, source)  # the kernel's source is one str: its hash is cached
         with self._lock:
             if key not in self._compiled:
                 self._compiled[key] = _compile(interpreter, filename, source)
@@ -9215,7 +9212,6 @@ class _JsonContext:
     object_pairs_hook = None
     parse_float = float
     parse_int = int
-    memo: dict = {}  # noqa: RUF012 (read by the scanner, never written here)
 
     @staticmethod
     def parse_constant(name: str) -> NoReturn:
@@ -9456,6 +9452,11 @@ def _exit_code_of(code: object) -> tuple[int, str | None]:
         return 1, None
 
 
+def _into_linecache(linecache: types.ModuleType, filename: str, code: str) -> None:
+    """A cell's source where tracebacks look (no mtime: linecache.checkcache leaves it alone)."""
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+
+
 class Kernel:
     def __init__(self, workdir: str) -> None:
         self.workdir = os.path.abspath(workdir)
@@ -9563,7 +9564,8 @@ class Kernel:
 
     def _on_linecache_import(self, module: types.ModuleType) -> None:
         for filename, code in self._cell_sources.items():
-            module.cache[filename] = (len(code), None, code.splitlines(True), filename)
+            _into_linecache(module, filename, code)
+        self._cell_sources.clear()  # from now on _compile puts them straight into linecache
 
     def _on_pyplot_import(self, module: types.ModuleType) -> None:
         try:
@@ -9686,10 +9688,11 @@ class Kernel:
         """(statements, last expression or None), IPython style: a last expression statement is
         evaluated apart so its value can be shown."""
         filename = self._cell_filename(run_id)
-        self._cell_sources[filename] = code
         linecache = sys.modules.get("linecache")
         if linecache is not None:
-            linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+            _into_linecache(linecache, filename, code)
+        else:
+            self._cell_sources[filename] = code
         # The builtin _ast, not the ast module (a few ms more to import in the sandbox): the same nodes.
         tree = compile(code, filename, "exec", _ast.PyCF_ONLY_AST, dont_inherit=True)
         last = None
@@ -12434,7 +12437,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_b6e840e59f27.runner import Outcome
+from _code_sessions_b183483a4f27.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12664,7 +12667,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b6e840e59f27.storage import human_bytes
+from _code_sessions_b183483a4f27.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12768,7 +12771,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_b6e840e59f27.storage import Purge, parse_duration
+from _code_sessions_b183483a4f27.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13857,8 +13860,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b6e840e59f27.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_b6e840e59f27.storage import (
+from _code_sessions_b183483a4f27.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_b183483a4f27.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14447,7 +14450,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_b6e840e59f27.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_b183483a4f27.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14660,7 +14663,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_b6e840e59f27.storage import Link, Publisher, is_postgres_url
+from _code_sessions_b183483a4f27.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14872,7 +14875,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_b6e840e59f27.engine import (
+from _code_sessions_b183483a4f27.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14885,8 +14888,8 @@ from _code_sessions_b6e840e59f27.engine import (
     parse_purge,
     system_prompt,
 )
-from _code_sessions_b6e840e59f27.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_b6e840e59f27.storage import (
+from _code_sessions_b183483a4f27.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_b183483a4f27.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14894,7 +14897,7 @@ from _code_sessions_b6e840e59f27.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_b6e840e59f27.webui import Misconfigured, OpenWebUI
+from _code_sessions_b183483a4f27.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

@@ -10,7 +10,6 @@ source is used, as before: slower, never broken.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import subprocess
 import threading
@@ -32,12 +31,10 @@ class BytecodeCache:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # callers are worker threads; one compile per program
-        self._compiled: dict[str, bytes | None] = {}
+        self._compiled: dict[tuple[str, str, str], bytes | None] = {}
 
     def get(self, interpreter: str, filename: str, source: str) -> bytes | None:
-        key = hashlib.sha256(
-            "\0".join((interpreter, filename, source)).encode("utf-8", "surrogatepass")
-        ).hexdigest()
+        key = (interpreter, filename, source)  # the kernel's source is one str: its hash is cached
         with self._lock:
             if key not in self._compiled:
                 self._compiled[key] = _compile(interpreter, filename, source)

@@ -363,7 +363,6 @@ class _JsonContext:
     object_pairs_hook = None
     parse_float = float
     parse_int = int
-    memo: dict = {}  # noqa: RUF012 (read by the scanner, never written here)
 
     @staticmethod
     def parse_constant(name: str) -> NoReturn:
@@ -604,6 +603,11 @@ def _exit_code_of(code: object) -> tuple[int, str | None]:
         return 1, None
 
 
+def _into_linecache(linecache: types.ModuleType, filename: str, code: str) -> None:
+    """A cell's source where tracebacks look (no mtime: linecache.checkcache leaves it alone)."""
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+
+
 class Kernel:
     def __init__(self, workdir: str) -> None:
         self.workdir = os.path.abspath(workdir)
@@ -711,7 +715,8 @@ class Kernel:
 
     def _on_linecache_import(self, module: types.ModuleType) -> None:
         for filename, code in self._cell_sources.items():
-            module.cache[filename] = (len(code), None, code.splitlines(True), filename)
+            _into_linecache(module, filename, code)
+        self._cell_sources.clear()  # from now on _compile puts them straight into linecache
 
     def _on_pyplot_import(self, module: types.ModuleType) -> None:
         try:
@@ -834,10 +839,11 @@ class Kernel:
         """(statements, last expression or None), IPython style: a last expression statement is
         evaluated apart so its value can be shown."""
         filename = self._cell_filename(run_id)
-        self._cell_sources[filename] = code
         linecache = sys.modules.get("linecache")
         if linecache is not None:
-            linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+            _into_linecache(linecache, filename, code)
+        else:
+            self._cell_sources[filename] = code
         # The builtin _ast, not the ast module (a few ms more to import in the sandbox): the same nodes.
         tree = compile(code, filename, "exec", _ast.PyCF_ONLY_AST, dont_inherit=True)
         last = None
