@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_b183483a4f27'
+_CS_PACKAGE = '_code_sessions_40b9f6ebb0c8'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -12208,7 +12208,7 @@ class Runner:
     'engine/__init__.py': r'''"""A chat step without Open WebUI: sandbox runs over a persistent session, links, the conversation loop."""
 
 from .blocks import CodeBlock, runnable_blocks
-from .loop import RUN_CODE_TOOL, LoopOptions, ModelCall, StatusCall, converse, render_step
+from .loop import RUN_CODE_TOOL, LoopOptions, ModelCall, StatusCall, converse, render_step, waiting_status
 from .prompt import PromptFacts, system_prompt
 from .purge import parse_purge
 from .rewrite import (
@@ -12252,6 +12252,7 @@ __all__ = [
     "rewrite",
     "runnable_blocks",
     "system_prompt",
+    "waiting_status",
 ]
 ''',
     'engine/blocks.py': r'''"""Fenced code blocks: the one parser behind the fenced execution mode and the link rewriter.
@@ -12437,14 +12438,22 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_b183483a4f27.runner import Outcome
+from _code_sessions_40b9f6ebb0c8.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
 from .service import ChatSession, StepResult
 from .sse import ModelError, TextDelta, ToolCall
 
-__all__ = ["RUN_CODE_TOOL", "LoopOptions", "ModelCall", "StatusCall", "converse", "render_step"]
+__all__ = [
+    "RUN_CODE_TOOL",
+    "LoopOptions",
+    "ModelCall",
+    "StatusCall",
+    "converse",
+    "render_step",
+    "waiting_status",
+]
 
 RUN_CODE_TOOL = {
     "type": "function",
@@ -12541,12 +12550,18 @@ def _arguments(call: ToolCall) -> tuple[str, str] | str:
     return str(language), arguments["code"]
 
 
-async def _run(chat: ChatSession, language: str, code: str, status: StatusCall) -> StepResult:
+def waiting_status(status: StatusCall) -> Callable[[], Awaitable[None]]:
+    """What a step waiting for the chat's lock shows (passed as `waiting=` to ChatSession calls)."""
+
     async def waiting() -> None:
         await status("Waiting for this chat's previous step to finish...", False)
 
+    return waiting
+
+
+async def _run(chat: ChatSession, language: str, code: str, status: StatusCall) -> StepResult:
     await status(f"Running {language}...", False)
-    step = await chat.run(code, language, waiting=waiting)
+    step = await chat.run(code, language, waiting=waiting_status(status))
     for note in step.run.notes if step.run is not None else ():
         await status(note, True)  # the state was reset: said where the user looks, not only in the text
     await status(_status_after(step), True)
@@ -12667,7 +12682,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b183483a4f27.storage import human_bytes
+from _code_sessions_40b9f6ebb0c8.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12771,7 +12786,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_b183483a4f27.storage import Purge, parse_duration
+from _code_sessions_40b9f6ebb0c8.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13860,8 +13875,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b183483a4f27.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_b183483a4f27.storage import (
+from _code_sessions_40b9f6ebb0c8.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_40b9f6ebb0c8.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14450,7 +14465,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_b183483a4f27.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_40b9f6ebb0c8.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14663,7 +14678,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_b183483a4f27.storage import Link, Publisher, is_postgres_url
+from _code_sessions_40b9f6ebb0c8.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14875,7 +14890,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_b183483a4f27.engine import (
+from _code_sessions_40b9f6ebb0c8.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14887,9 +14902,10 @@ from _code_sessions_b183483a4f27.engine import (
     events_from_sse,
     parse_purge,
     system_prompt,
+    waiting_status,
 )
-from _code_sessions_b183483a4f27.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_b183483a4f27.storage import (
+from _code_sessions_40b9f6ebb0c8.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_40b9f6ebb0c8.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14897,7 +14913,7 @@ from _code_sessions_b183483a4f27.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_b183483a4f27.webui import Misconfigured, OpenWebUI
+from _code_sessions_40b9f6ebb0c8.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 
@@ -15066,7 +15082,7 @@ class Pipe:
             return f"This chat's files are not available right now: {escape_text(str(error))}"
         status = _status_emitter(__event_emitter__)
         if _last_user_text(body.get("messages", [])).strip() == CLEAR_FILES_COMMAND:
-            return await chat.clear_files(waiting=_waiting(status))
+            return await chat.clear_files(waiting=waiting_status(status))
 
         notes, refused = await self._import_uploads(chat, __user__["id"], __files__ or [], status)
         user_valves = __user__.get("valves") or self.UserValves()
@@ -15285,7 +15301,7 @@ class Pipe:
                     raise OSError(f"Open WebUI could not read it: {error}") from error
                 if data is None:
                     continue  # not this user's file, or gone: nothing to say about someone else's id
-                path = await chat.add_upload(name, data, source=source, waiting=_waiting(status))
+                path = await chat.add_upload(name, data, source=source, waiting=waiting_status(status))
             except (StorageError, OSError) as error:
                 why = str(error) if isinstance(error, StorageError) else f"it could not be read ({error})"
                 if not await chat.refuse_upload(source, why):
@@ -15409,13 +15425,6 @@ async def _model_events(response: Any) -> AsyncIterator:
         events = events_from_message(payload) if isinstance(payload, dict) else []
         for event in events or [ModelError(f"the base model answered with HTTP {status}")]:
             yield event
-
-
-def _waiting(status: Any) -> Any:
-    async def waiting() -> None:
-        await status("Waiting for this chat's previous step to finish...", False)
-
-    return waiting
 
 
 def _status_emitter(emitter: Any) -> Any:

@@ -1,7 +1,7 @@
 """A chat step without Open WebUI: sandbox runs over a persistent session, links, the conversation loop."""
 
 from .blocks import CodeBlock, runnable_blocks
-from .loop import RUN_CODE_TOOL, LoopOptions, ModelCall, StatusCall, converse, render_step
+from .loop import RUN_CODE_TOOL, LoopOptions, ModelCall, StatusCall, converse, render_step, waiting_status
 from .prompt import PromptFacts, system_prompt
 from .purge import parse_purge
 from .rewrite import (
@@ -45,4 +45,5 @@ __all__ = [
     "rewrite",
     "runnable_blocks",
     "system_prompt",
+    "waiting_status",
 ]

@@ -18,7 +18,15 @@ from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
 from .service import ChatSession, StepResult
 from .sse import ModelError, TextDelta, ToolCall
 
-__all__ = ["RUN_CODE_TOOL", "LoopOptions", "ModelCall", "StatusCall", "converse", "render_step"]
+__all__ = [
+    "RUN_CODE_TOOL",
+    "LoopOptions",
+    "ModelCall",
+    "StatusCall",
+    "converse",
+    "render_step",
+    "waiting_status",
+]
 
 RUN_CODE_TOOL = {
     "type": "function",
@@ -115,12 +123,18 @@ def _arguments(call: ToolCall) -> tuple[str, str] | str:
     return str(language), arguments["code"]
 
 
-async def _run(chat: ChatSession, language: str, code: str, status: StatusCall) -> StepResult:
+def waiting_status(status: StatusCall) -> Callable[[], Awaitable[None]]:
+    """What a step waiting for the chat's lock shows (passed as `waiting=` to ChatSession calls)."""
+
     async def waiting() -> None:
         await status("Waiting for this chat's previous step to finish...", False)
 
+    return waiting
+
+
+async def _run(chat: ChatSession, language: str, code: str, status: StatusCall) -> StepResult:
     await status(f"Running {language}...", False)
-    step = await chat.run(code, language, waiting=waiting)
+    step = await chat.run(code, language, waiting=waiting_status(status))
     for note in step.run.notes if step.run is not None else ():
         await status(note, True)  # the state was reset: said where the user looks, not only in the text
     await status(_status_after(step), True)

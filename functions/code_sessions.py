@@ -31,6 +31,7 @@ from engine import (
     events_from_sse,
     parse_purge,
     system_prompt,
+    waiting_status,
 )
 from runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
 from storage import (
@@ -210,7 +211,7 @@ class Pipe:
             return f"This chat's files are not available right now: {escape_text(str(error))}"
         status = _status_emitter(__event_emitter__)
         if _last_user_text(body.get("messages", [])).strip() == CLEAR_FILES_COMMAND:
-            return await chat.clear_files(waiting=_waiting(status))
+            return await chat.clear_files(waiting=waiting_status(status))
 
         notes, refused = await self._import_uploads(chat, __user__["id"], __files__ or [], status)
         user_valves = __user__.get("valves") or self.UserValves()
@@ -429,7 +430,7 @@ class Pipe:
                     raise OSError(f"Open WebUI could not read it: {error}") from error
                 if data is None:
                     continue  # not this user's file, or gone: nothing to say about someone else's id
-                path = await chat.add_upload(name, data, source=source, waiting=_waiting(status))
+                path = await chat.add_upload(name, data, source=source, waiting=waiting_status(status))
             except (StorageError, OSError) as error:
                 why = str(error) if isinstance(error, StorageError) else f"it could not be read ({error})"
                 if not await chat.refuse_upload(source, why):
@@ -553,13 +554,6 @@ async def _model_events(response: Any) -> AsyncIterator:
         events = events_from_message(payload) if isinstance(payload, dict) else []
         for event in events or [ModelError(f"the base model answered with HTTP {status}")]:
             yield event
-
-
-def _waiting(status: Any) -> Any:
-    async def waiting() -> None:
-        await status("Waiting for this chat's previous step to finish...", False)
-
-    return waiting
 
 
 def _status_emitter(emitter: Any) -> Any:
