@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_40b9f6ebb0c8'
+_CS_PACKAGE = '_code_sessions_7ce5811c8f03'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -380,17 +380,21 @@ class Core:
 
     # ------------------------------------------------------------------ sessions
 
-    async def ensure(self, ref: SessionRef, *, touch: bool, cached: bool = False) -> None:
+    async def ensure(self, ref: SessionRef, *, touch: bool, cached: bool = False) -> bool:
         """The session's folder, sidecar and index row, created if missing; `touch` marks it used.
 
         `cached`: a session this process made sure of moments ago, whose folder is still there, is not
         written again (expiry counts in hours and days; a step should not pay a transaction for it).
         On a full disk an existing session is still usable (a run may be what frees the space); its
-        sidecar and row are written by the first write that has room again."""
+        sidecar and row are written by the first write that has room again.
+
+        True when this session went on without its index on a full disk until now: what its runs
+        wrote then is not in the index, and only a full listing finds it (the catch-up skips a
+        session its caller holds)."""
         key = (ref.user_key, ref.chat_key)
         seen = self._ensured.get(key)
         if cached and seen is not None and time.monotonic() - seen < ENSURED_FOR_S and ref.path.is_dir():
-            return
+            return False
         try:
             created = await asyncio.to_thread(self.make_dirs, ref)
             now = time.time()
@@ -407,8 +411,8 @@ class Core:
                 )
             if len(self.unsaved) < 100_000:
                 self.unsaved[key] = ref
-            return
-        self.unsaved.pop(key, None)
+            return False
+        was_unsaved = self.unsaved.pop(key, None) is not None
         if touch:
             if len(self._ensured) > 10_000:
                 self._ensured.clear()
@@ -419,6 +423,7 @@ class Core:
                 await self.catch_up()
             finally:
                 self._catching_up = False
+        return was_unsaved
 
     async def session_id(
         self, tx: Tx, ref: SessionRef, created_at: float, used_at: float | None = None
@@ -6295,11 +6300,12 @@ class Session:
     so budget, run, sync and publish of one chat never interleave (across processes too).
     """
 
-    def __init__(self, core: Core, ref: SessionRef) -> None:
+    def __init__(self, core: Core, ref: SessionRef, *, unindexed: bool = False) -> None:
         self._core = core
         self._ref = ref
         self.files = SessionFiles(core, ref)
-        self._unindexed_run = False  # begin_run() found the mark of an earlier run never indexed
+        # An earlier run was never indexed (its mark, or runs on a full disk): list the folder whole.
+        self._unindexed_run = unindexed
         self._generation = core.generation  # the index this session's lock was taken with
 
     @property
@@ -6344,7 +6350,8 @@ class Session:
             await lock.acquire(timeout)
         self._generation = self._core.generation
         try:
-            await self._core.ensure(self._ref, touch=True, cached=True)
+            if await self._core.ensure(self._ref, touch=True, cached=True):
+                self._unindexed_run = True  # runs on the full disk were never indexed
             yield self
         finally:
             await lock.release()
@@ -6374,7 +6381,7 @@ class Session:
             return False
 
         try:
-            self._unindexed_run = await asyncio.to_thread(mark)
+            self._unindexed_run = await asyncio.to_thread(mark) or self._unindexed_run
         except OSError:  # a full disk: the run may still free space; its sync lists the whole folder
             self._unindexed_run = True
 
@@ -6913,8 +6920,8 @@ class Store:
         """The session of (user_id, chat_id): creates its folder and index row if needed and marks it
         used now. Ids are untrusted strings; any value maps to a safe folder name."""
         ref = self._core.ref(user_id, chat_id)
-        await self._core.ensure(ref, touch=True)
-        return Session(self._core, ref)
+        unindexed = await self._core.ensure(ref, touch=True)
+        return Session(self._core, ref, unindexed=unindexed)
 
     def session_at(self, info: SessionInfo) -> Session:
         """The Session of a listed session row (by its folder keys), without touching it."""
@@ -12438,7 +12445,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_40b9f6ebb0c8.runner import Outcome
+from _code_sessions_7ce5811c8f03.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12682,7 +12689,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_40b9f6ebb0c8.storage import human_bytes
+from _code_sessions_7ce5811c8f03.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12786,7 +12793,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_40b9f6ebb0c8.storage import Purge, parse_duration
+from _code_sessions_7ce5811c8f03.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13875,8 +13882,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_40b9f6ebb0c8.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_40b9f6ebb0c8.storage import (
+from _code_sessions_7ce5811c8f03.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_7ce5811c8f03.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14465,7 +14472,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_40b9f6ebb0c8.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_7ce5811c8f03.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14678,7 +14685,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_40b9f6ebb0c8.storage import Link, Publisher, is_postgres_url
+from _code_sessions_7ce5811c8f03.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14890,7 +14897,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_40b9f6ebb0c8.engine import (
+from _code_sessions_7ce5811c8f03.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14904,8 +14911,8 @@ from _code_sessions_40b9f6ebb0c8.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_40b9f6ebb0c8.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_40b9f6ebb0c8.storage import (
+from _code_sessions_7ce5811c8f03.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_7ce5811c8f03.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14913,7 +14920,7 @@ from _code_sessions_40b9f6ebb0c8.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_40b9f6ebb0c8.webui import Misconfigured, OpenWebUI
+from _code_sessions_7ce5811c8f03.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

@@ -165,17 +165,21 @@ class Core:
 
     # ------------------------------------------------------------------ sessions
 
-    async def ensure(self, ref: SessionRef, *, touch: bool, cached: bool = False) -> None:
+    async def ensure(self, ref: SessionRef, *, touch: bool, cached: bool = False) -> bool:
         """The session's folder, sidecar and index row, created if missing; `touch` marks it used.
 
         `cached`: a session this process made sure of moments ago, whose folder is still there, is not
         written again (expiry counts in hours and days; a step should not pay a transaction for it).
         On a full disk an existing session is still usable (a run may be what frees the space); its
-        sidecar and row are written by the first write that has room again."""
+        sidecar and row are written by the first write that has room again.
+
+        True when this session went on without its index on a full disk until now: what its runs
+        wrote then is not in the index, and only a full listing finds it (the catch-up skips a
+        session its caller holds)."""
         key = (ref.user_key, ref.chat_key)
         seen = self._ensured.get(key)
         if cached and seen is not None and time.monotonic() - seen < ENSURED_FOR_S and ref.path.is_dir():
-            return
+            return False
         try:
             created = await asyncio.to_thread(self.make_dirs, ref)
             now = time.time()
@@ -192,8 +196,8 @@ class Core:
                 )
             if len(self.unsaved) < 100_000:
                 self.unsaved[key] = ref
-            return
-        self.unsaved.pop(key, None)
+            return False
+        was_unsaved = self.unsaved.pop(key, None) is not None
         if touch:
             if len(self._ensured) > 10_000:
                 self._ensured.clear()
@@ -204,6 +208,7 @@ class Core:
                 await self.catch_up()
             finally:
                 self._catching_up = False
+        return was_unsaved
 
     async def session_id(
         self, tx: Tx, ref: SessionRef, created_at: float, used_at: float | None = None

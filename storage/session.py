@@ -46,11 +46,12 @@ class Session:
     so budget, run, sync and publish of one chat never interleave (across processes too).
     """
 
-    def __init__(self, core: Core, ref: SessionRef) -> None:
+    def __init__(self, core: Core, ref: SessionRef, *, unindexed: bool = False) -> None:
         self._core = core
         self._ref = ref
         self.files = SessionFiles(core, ref)
-        self._unindexed_run = False  # begin_run() found the mark of an earlier run never indexed
+        # An earlier run was never indexed (its mark, or runs on a full disk): list the folder whole.
+        self._unindexed_run = unindexed
         self._generation = core.generation  # the index this session's lock was taken with
 
     @property
@@ -95,7 +96,8 @@ class Session:
             await lock.acquire(timeout)
         self._generation = self._core.generation
         try:
-            await self._core.ensure(self._ref, touch=True, cached=True)
+            if await self._core.ensure(self._ref, touch=True, cached=True):
+                self._unindexed_run = True  # runs on the full disk were never indexed
             yield self
         finally:
             await lock.release()
@@ -125,7 +127,7 @@ class Session:
             return False
 
         try:
-            self._unindexed_run = await asyncio.to_thread(mark)
+            self._unindexed_run = await asyncio.to_thread(mark) or self._unindexed_run
         except OSError:  # a full disk: the run may still free space; its sync lists the whole folder
             self._unindexed_run = True
 

@@ -241,8 +241,8 @@ class Store:
         """The session of (user_id, chat_id): creates its folder and index row if needed and marks it
         used now. Ids are untrusted strings; any value maps to a safe folder name."""
         ref = self._core.ref(user_id, chat_id)
-        await self._core.ensure(ref, touch=True)
-        return Session(self._core, ref)
+        unindexed = await self._core.ensure(ref, touch=True)
+        return Session(self._core, ref, unindexed=unindexed)
 
     def session_at(self, info: SessionInfo) -> Session:
         """The Session of a listed session row (by its folder keys), without touching it."""

@@ -246,3 +246,18 @@ async def test_rows_are_read_per_path(store: Store) -> None:
     assert (report.full, report.changed, report.removed) == (False, ["a.txt"], [])
     assert [d.path for d in await store.check()] == ["b.txt"]
     assert (await session.reconcile()).removed == ["b.txt"]
+
+
+async def test_a_chat_that_went_on_without_its_index_on_a_full_disk_is_listed_whole(store: Store) -> None:
+    # Its index row could not be written on the full disk (Core.ensure kept it in `unsaved`), and a
+    # run then wrote a file that no sync indexed. Back with room, the chat's next step must list the
+    # folder whole: the catch-up of unsaved sessions skips the one its caller is about to lock.
+    session = await store.session("u", "c")
+    (session.path / "written-then.txt").write_bytes(b"x")
+    store._core.unsaved[(session.user_key, session.chat_key)] = store._core.ref("u", "c")
+    again = await store.session("u", "c")
+    async with again.lock():
+        await again.begin_run()
+        report = await again.reconcile(changed=[])
+    assert report.full
+    assert [f.path for f in await again.files.list()] == ["written-then.txt"]
