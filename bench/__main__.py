@@ -47,7 +47,6 @@ SECTIONS: dict[str, Callable[[Context], Awaitable[dict[str, Any]]]] = {
     "index_backends": index_backends.run,
 }
 # Sections that render their own table and targets (bench/report.py renders the others).
-OWN_REPORT = {"index_backends": ("Index backends: SQLite vs PostgreSQL", index_backends)}
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -146,29 +145,14 @@ async def _main(args: argparse.Namespace) -> int:
     results["meta"]["load_after"] = _load()
     results["meta"]["seconds"] = round(time.perf_counter() - started, 1)
     results["targets"] = report.targets(results)
-    for key, (_, module) in OWN_REPORT.items():
-        if key in results["sections"]:
-            results["targets"] += module.targets(results["sections"][key])
     results["errors"] = ctx.errors
 
     path = args.json or REPO / "bench" / "results" / f"{stamp}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    print(_render(results))
+    print(report.render(results))
     print(f"\nresults: {path} ({results['meta']['seconds']:.0f} s)")
     return 1 if ctx.errors else 0
-
-
-def _render(results: dict[str, Any]) -> str:
-    """report.render, with the sections of OWN_REPORT before its targets table."""
-    text = report.render(results)
-    own = "".join(
-        f"\n\n== {title} ==\n{module.render(results['sections'][key])}"
-        for key, (title, module) in OWN_REPORT.items()
-        if key in results["sections"]
-    )
-    head, sep, tail = text.partition("\n\n== Targets ==")
-    return head + own + sep + tail
 
 
 def main(argv: list[str] | None = None) -> int:

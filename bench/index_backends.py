@@ -287,18 +287,3 @@ def render(r: dict[str, Any]) -> str:
         ),
     ]
     return "\n".join(lines)
-
-
-def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
-    step = r.get("step", {})
-    value = step.get("ratio_of_medians")
-    met = None if value is None else value <= TARGET_STEP_RATIO
-    return [
-        {
-            "target": "chat step storage, PostgreSQL / SQLite",
-            "value": value,
-            "limit": TARGET_STEP_RATIO,
-            "unit": "x",
-            "met": met,
-        }
-    ]

@@ -6,6 +6,9 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from . import index_backends
+from .index_backends import TARGET_STEP_RATIO
+
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> str:
     width = len(headers)
@@ -337,6 +340,9 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     tick = s.get("deleted_chats", {})
     value = tick["tick"]["median_ms"] if tick.get("sessions") == 10_000 else None
     add("deleted-chat tick, 10,000 sessions", value, 500.0, "ms")
+    if "index_backends" in s:
+        ratio = s["index_backends"].get("step", {}).get("ratio_of_medians")
+        add("chat step storage, PostgreSQL / SQLite", ratio, TARGET_STEP_RATIO, "x")
     return found
 
 
@@ -367,6 +373,7 @@ def render(results: dict[str, Any]) -> str:
         ("5. Memory: peak RSS of the host side", "memory", _memory),
         ("6. The live kernel", "kernel", _kernel),
         ("7. Chats deleted in Open WebUI: one background tick", "deleted_chats", _deleted_chats),
+        ("Index backends: SQLite vs PostgreSQL", "index_backends", index_backends.render),
     ]
     for title, key, fn in sections:
         if key in s:
