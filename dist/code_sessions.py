@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_7ce5811c8f03'
+_CS_PACKAGE = '_code_sessions_c7233a2142b6'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -7000,6 +7000,9 @@ class Store:
         key = f"last_run:{task}"
 
         async def write(tx: Tx) -> bool:
+            # Read, then write what was read: one process at a time (on PostgreSQL a transaction lock
+            # on the key, which has a ':' no user key has; SQLite's writer is alone already).
+            await tx.serialise_user(key)
             last = await _index.get_meta(tx, key)
             try:
                 due = last is None or now - float(last) >= every_s
@@ -12445,7 +12448,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_7ce5811c8f03.runner import Outcome
+from _code_sessions_c7233a2142b6.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12689,7 +12692,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_7ce5811c8f03.storage import human_bytes
+from _code_sessions_c7233a2142b6.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12793,7 +12796,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_7ce5811c8f03.storage import Purge, parse_duration
+from _code_sessions_c7233a2142b6.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13882,8 +13885,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_7ce5811c8f03.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_7ce5811c8f03.storage import (
+from _code_sessions_c7233a2142b6.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_c7233a2142b6.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14472,7 +14475,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_7ce5811c8f03.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_c7233a2142b6.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14685,7 +14688,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_7ce5811c8f03.storage import Link, Publisher, is_postgres_url
+from _code_sessions_c7233a2142b6.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14897,7 +14900,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_7ce5811c8f03.engine import (
+from _code_sessions_c7233a2142b6.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14911,8 +14914,8 @@ from _code_sessions_7ce5811c8f03.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_7ce5811c8f03.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_7ce5811c8f03.storage import (
+from _code_sessions_c7233a2142b6.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_c7233a2142b6.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14920,7 +14923,7 @@ from _code_sessions_7ce5811c8f03.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_7ce5811c8f03.webui import Misconfigured, OpenWebUI
+from _code_sessions_c7233a2142b6.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

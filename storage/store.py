@@ -321,6 +321,9 @@ class Store:
         key = f"last_run:{task}"
 
         async def write(tx: Tx) -> bool:
+            # Read, then write what was read: one process at a time (on PostgreSQL a transaction lock
+            # on the key, which has a ':' no user key has; SQLite's writer is alone already).
+            await tx.serialise_user(key)
             last = await _index.get_meta(tx, key)
             try:
                 due = last is None or now - float(last) >= every_s

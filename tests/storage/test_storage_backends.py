@@ -4,6 +4,8 @@ of a change-driven reconcile rely on it), and the Python types that totals and l
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
 
 from storage import Store, _index
@@ -134,3 +136,18 @@ async def test_totals_follow_bulk_writes(store: Store) -> None:
     assert (await s.user_usage()).bytes == (await s.usage()).bytes + (await other.usage()).bytes + 101
     await backend.write(lambda tx: _index.delete_session(tx, oid))  # its files go by cascade
     await check()
+
+
+async def test_a_periodic_task_is_claimed_by_one_process_per_interval(root: Path, database_url: str) -> None:
+    # Six processes (six stores, each with its own connections) ask at once whether the task is due.
+    stores = [Store(root, busy_timeout_s=20, database_url=database_url) for _ in range(6)]
+    for s in stores:
+        await s.open()
+    try:
+        rounds = [await asyncio.gather(*(s.claim("maintenance", 3600) for s in stores)) for _ in range(3)]
+        assert [r.count(True) for r in rounds] == [1, 0, 0], rounds
+        assert await stores[0].claim("maintenance", 0) is True  # due again at once with no interval
+        assert await stores[1].claim("other task", 3600) is True
+    finally:
+        for s in stores:
+            await s.close()
