@@ -95,6 +95,22 @@ def _overhead(r: dict[str, Any]) -> str:
             right=tuple(range(1, len(scenarios) + 1)),
         )
     )
+    spawn = r.get("spawn")
+    if spawn:
+        rows = [
+            [
+                f"+{spawn['ballast_mib']} MiB" if label != "as is" else label,
+                ms(v["setpriv"]),
+                ms(v["preexec_fn"]),
+            ]
+            for label, v in spawn.items()
+            if label != "ballast_mib"
+        ]
+        out += [
+            "",
+            "starting a process that dies with us (runsc's way), event-loop time, ms: median (p25-p75)",
+            table(["our process", "setpriv (vfork)", "preexec_fn (fork)"], rows),
+        ]
     return "\n".join(out)
 
 
@@ -297,6 +313,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     scen = s.get("run_overhead", {}).get("scenarios", {})
     add("run overhead b/a, empty session", scen.get("empty", {}).get("ratio_of_medians"), 1.15, "x")
     add("run overhead b/a, 10k-file session", scen.get("10k files", {}).get("ratio_of_medians"), 1.25, "x")
+    heavy = s.get("run_overhead", {}).get("spawn", {}).get("holding ballast")
+    add("spawn of runsc, 1 GiB process (event loop)", heavy and heavy["setpriv"]["median_ms"], 5.0, "ms")
     disk = s.get("index_scale", {}).get("filesystems", {}).get("disk", {})
     for size, limit in (("10000", 50.0), ("100000", 500.0)):
         # As a step does it: the runner names the changed path (see the full-listing rows too).

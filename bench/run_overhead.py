@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 import shutil
 import time
@@ -214,4 +215,49 @@ async def run(ctx: Context) -> dict[str, Any]:
                     ctx.error(SECTION, f"{name}: {type(exc).__name__}: {exc}")
     finally:
         del runner.run  # back to the class's method
+    try:
+        result["spawn"] = await _spawn(ctx)
+    except Exception as exc:
+        ctx.error(SECTION, f"spawn: {type(exc).__name__}: {exc}")
     return result
+
+
+SPAWN_BALLAST_MIB = 1024  # an Open WebUI worker's size, roughly (1.2 GB RSS measured)
+
+
+async def _spawn(ctx: Context) -> dict[str, Any]:
+    """Starting a process that must die with us, as runsc is started: through setpriv (a vfork) and
+    through the preexec_fn fallback (a fork), interleaved, from this process as it is and holding
+    SPAWN_BALLAST_MIB of touched memory. The time is the event loop's: from the call to the child's
+    existence."""
+    from runner import _supervise
+
+    if _supervise.setpriv_prefix() is None:
+        raise RuntimeError("setpriv is missing: the preexec_fn fallback is all there is")
+    reps = 5 if ctx.quick else 30
+
+    async def spawn(fallback: bool) -> float:
+        argv, preexec = (
+            (["/bin/true"], _supervise.die_with(os.getpid()))
+            if fallback
+            else _supervise.dying_with_us(["/bin/true"])
+        )
+        start = time.perf_counter()
+        proc = await asyncio.create_subprocess_exec(*argv, preexec_fn=preexec, start_new_session=True)
+        elapsed = time.perf_counter() - start
+        if await proc.wait() != 0:
+            raise RuntimeError(f"{argv} exited {proc.returncode}")
+        return elapsed
+
+    out: dict[str, Any] = {"ballast_mib": SPAWN_BALLAST_MIB}
+    for label, mib in (("as is", 0), ("holding ballast", SPAWN_BALLAST_MIB)):
+        ballast = bytearray(mib * 1024 * 1024)
+        for i in range(0, len(ballast), 4096):  # touched: page tables a fork must copy
+            ballast[i] = 1
+        times: dict[str, list[float]] = {"setpriv": [], "preexec_fn": []}
+        for i in range(reps):
+            for fallback in (False, True) if i % 2 == 0 else (True, False):
+                times["preexec_fn" if fallback else "setpriv"].append(await spawn(fallback))
+        del ballast
+        out[label] = {name: summary(t) for name, t in times.items()}
+    return out
