@@ -21,7 +21,6 @@ import os
 import pwd
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -29,6 +28,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.support.servers import free_port, log_tail, missing
 
 TEMPLATE = "cs_template"
 _counter = itertools.count()
@@ -45,12 +46,6 @@ def find_bindir() -> Path | None:
         return max(found)[1]
     on_path = shutil.which("initdb")
     return Path(on_path).resolve().parent if on_path else None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class PostgresServer:
@@ -111,7 +106,7 @@ class PostgresServer:
 
     def start(self) -> None:
         for attempt in range(3):
-            self.port = _free_port()
+            self.port = free_port()
             try:
                 self._pg_ctl("start", "-o", self._options(), "-l", str(self.log))
                 return
@@ -131,9 +126,7 @@ class PostgresServer:
             self._pg_ctl("stop", "-m", "immediate")
 
     def log_tail(self, lines: int = 20) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        return "(no server log)"
+        return log_tail(self.log, lines)
 
     # ------------------------------------------------------------------ databases
 
@@ -187,9 +180,9 @@ def postgres_server() -> Iterator[PostgresServer]:
     try:
         import psycopg  # noqa: F401
     except ImportError:
-        _missing("psycopg is not installed (pip install -e '.[dev]')")
+        missing("psycopg is not installed (pip install -e '.[dev]')")
     if find_bindir() is None:
-        _missing("PostgreSQL's server programs were not found (apt-get install postgresql)")
+        missing("PostgreSQL's server programs were not found (apt-get install postgresql)")
     started = time.monotonic()
     server = start_server()
     print(f"\n[postgres] server on 127.0.0.1:{server.port} in {time.monotonic() - started:.1f} s")
@@ -208,10 +201,3 @@ def postgres_url(postgres_server: PostgresServer) -> Iterator[str]:
         yield url
     finally:
         postgres_server.drop_database(url)
-
-
-def _missing(why: str) -> None:
-    # On CI the server must be there (scripts/setup installs it): a skip there would hide a gap.
-    if os.environ.get("CI"):
-        pytest.fail(why)
-    pytest.skip(why)

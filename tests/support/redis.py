@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.servers import free_port, log_tail, missing
+
 _START_TIMEOUT_S = 30.0
 
 
@@ -27,12 +29,6 @@ def find_server() -> Path | None:
     """Debian's redis-server is /usr/bin/redis-server (on PATH for root and users alike)."""
     found = shutil.which("redis-server", path=os.environ.get("PATH", "") + ":/usr/bin:/usr/sbin")
     return Path(found) if found else None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RedisError(RuntimeError):
@@ -52,7 +48,7 @@ class RedisServer:
     def start(self) -> None:
         self.base.mkdir(parents=True, exist_ok=True)
         for attempt in range(3):
-            self.port = _free_port()
+            self.port = free_port()
             argv = [
                 str(self.executable),
                 "--port",
@@ -101,9 +97,7 @@ class RedisServer:
                 self.process.wait()
 
     def log_tail(self, lines: int = 20) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        return "(no server log)"
+        return log_tail(self.log, lines)
 
     def url(self, db: int = 0) -> str:
         return f"redis://127.0.0.1:{self.port}/{db}"
@@ -173,7 +167,7 @@ def start_server() -> RedisServer:
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     if find_server() is None:
-        _missing("redis-server was not found (apt-get install redis-server)")
+        missing("redis-server was not found (apt-get install redis-server)")
     started = time.monotonic()
     server = start_server()
     print(f"\n[redis] server on 127.0.0.1:{server.port} in {time.monotonic() - started:.1f} s")
@@ -182,10 +176,3 @@ def redis_server() -> Iterator[RedisServer]:
     finally:
         server.stop()
         shutil.rmtree(server.base, ignore_errors=True)
-
-
-def _missing(why: str) -> None:
-    # On CI the server must be there (scripts/setup installs it): a skip there would hide a gap.
-    if os.environ.get("CI"):
-        pytest.fail(why)
-    pytest.skip(why)
