@@ -2,7 +2,9 @@
 
 A chat's runs reach the same live kernel whichever worker answers the message (the kernel lives in
 the worker that started it; the others reach it over a unix socket), several users' chats run at
-once, and the background maintenance (purge, deleted chats, expiry) runs once across the workers.
+once, and the background maintenance runs in one worker at a time (shown with a purge: the deleted
+chats' tick shares its `maintenance` lock, and expiry also needs Store.claim, tested across processes
+in tests/storage).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from demo import launcher
 from storage import Store
+from storage._keys import id_key
 from tests.support.open_webui import OpenWebUI, Reply, running_open_webui
 
 # Starting four workers on two cores takes a few minutes: more than the default hang guard.
@@ -28,6 +32,18 @@ def run(code: str, reply: str = "") -> str:
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory: pytest.TempPathFactory, model_server: str) -> Iterator[OpenWebUI]:
     home = tmp_path_factory.mktemp("open-webui-workers")
+    # Open WebUI 0.12.4's workers race to write their config rows into a new database: one can fail
+    # with "UNIQUE constraint failed: config.key", and uvicorn then stops them all. One worker creates
+    # the database first, as an admin's first start would.
+    # (Its first start also persists the model connection: the same as the real start's.)
+    connection = {
+        "ENABLE_OLLAMA_API": "false",
+        "OPENAI_API_BASE_URL": model_server + "/v1",
+        "OPENAI_API_KEY": "scripted",
+    }
+    data_dir, log = home / "data", home / "open-webui.log"
+    first = launcher.start_open_webui(data_dir, launcher.free_port(), log, connection, timeout=600)
+    launcher.stop(first)
     env = {"UVICORN_WORKERS": str(WORKERS)}
     with running_open_webui(home, model_server, ("ann", "ben", "cid"), env=env, timeout=600) as server:
         yield server
@@ -73,6 +89,8 @@ async def test_the_index_matches_the_disk_after_it_all(workers: OpenWebUI):
 def test_a_purge_runs_once_across_the_workers(workers: OpenWebUI):
     ann = workers.accounts["ann"]
     reply = ann.say(run("open('/mnt/data/p.txt', 'w').write('p')", "/mnt/data/p.txt"))
+    [link] = set(reply.links())  # in the answer and in its Saved: line
+    assert ann.download(link).content == b"p"
     workers.set_valves(purge=f"chat:{reply.chat_id}")
     # Every worker reads the valves each minute, and the next message runs it too; only one may.
     ann.say(run("print('after')"), previous=reply)
@@ -80,3 +98,7 @@ def test_a_purge_runs_once_across_the_workers(workers: OpenWebUI):
     assert workers.valves()["purge"] == ""
     text = workers.log.read_text(errors="replace")
     assert text.count(f"code-sessions purge 'chat:{reply.chat_id}'") == 1, text[-3000:]
+    # And it did its work: the file and its link are gone (the chat goes on in a fresh folder).
+    assert ann.download(link).status_code == 404
+    folder = workers.sessions_root / "sessions" / id_key(ann.user_id) / id_key(reply.chat_id)
+    assert not (folder / "p.txt").exists()
