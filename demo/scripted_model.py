@@ -5,7 +5,8 @@ It serves `GET /v1/models` and `POST /v1/chat/completions` (streamed or not, wit
 
 * a user message with a ```python or ```bash block: it runs that block (a `run_code` tool call when tools
   are offered, else it repeats the block so fenced-block mode runs it);
-* a user message asking for a csv/report, a plot/chart, a zip or a listing: it writes that code itself;
+* a user message asking for a csv/report, a plot/chart, a Word document, a zip or a listing: it writes
+  that code itself;
 * after a tool result (or code output): it answers with the text of a `reply:` line of the last user
   message if there is one, else it names the files the run saved, as /mnt/data paths;
 * anything else: a short help text.
@@ -111,6 +112,27 @@ with zipfile.ZipFile("/mnt/data/bundle.zip", "w", zipfile.ZIP_DEFLATED) as archi
 print("zipped:", ", ".join(names))
 """
 
+# A Word document of the report (python-docx, from the sandbox environment), with the chart if there is one.
+_DOCX_CODE = """import csv, os
+from docx import Document
+from docx.shared import Inches
+doc = Document()
+doc.add_heading("Visitors report", level=1)
+rows = list(csv.reader(open("/mnt/data/report.csv"))) if os.path.exists("/mnt/data/report.csv") else [
+    ("month", "visitors"), ("Jan", "1200"), ("Feb", "1500")]
+doc.add_paragraph(f"{len(rows) - 1} months of visitors and signups.")
+table = doc.add_table(rows=0, cols=len(rows[0]))
+table.style = "Light Grid Accent 1"
+for row in rows:
+    cells = table.add_row().cells
+    for cell, value in zip(cells, row):
+        cell.text = str(value)
+if os.path.exists("/mnt/data/chart.png"):
+    doc.add_picture("/mnt/data/chart.png", width=Inches(5.5))
+doc.save("/mnt/data/report.docx")
+print("report.docx:", len(doc.paragraphs), "paragraphs,", len(rows), "table rows")
+"""
+
 _LIST_CODE = """import os
 for name in sorted(os.listdir("/mnt/data")):
     print(f"{os.path.getsize(name):>10}  {name}")
@@ -147,6 +169,7 @@ def _code_for(request: str) -> tuple[str, str] | None:
         (("zip",), "python", _ZIP_CODE),
         (("plot", "chart", "graph"), "python", _PLOT_CODE),
         (("summar", "describe", "statistic"), "python", _SUMMARY_CODE),
+        (("word", "docx"), "python", _DOCX_CODE),
         (("csv", "report"), "python", _CSV_CODE),
         (("list", "files", " ls"), "python", _LIST_CODE),
     ):

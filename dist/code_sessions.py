@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_c7233a2142b6'
+_CS_PACKAGE = '_code_sessions_8baba19be368'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -7098,6 +7098,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _orphans
+from .environment import HOST, SandboxEnvironment
 from .errors import InterpreterNotFound, StateDirError, UnsupportedLanguage
 from .models import Limits
 
@@ -7106,9 +7107,11 @@ SANDBOX_USER = "sandbox"
 DATA_MOUNT = "/mnt/data"
 CODE_MOUNT = "/run/code"
 _LANG_EXT = {"python": "py", "bash": "sh"}
+LANGUAGES = tuple(_LANG_EXT)
 # Debian's usrmerge makes these symlinks into /usr; older layouts have real directories.
 _TOP_LEVEL_SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
-# Host /etc entries interpreters need; nothing secret (no shadow, no ssl/private, no host env files).
+# /etc entries of the environment (or the host) that interpreters need; nothing secret (no shadow,
+# no ssl/private, no host env files).
 _ETC_COPIES = (
     "ld.so.cache",
     "localtime",
@@ -7118,6 +7121,8 @@ _ETC_COPIES = (
     "ssl/openssl.cnf",
     "matplotlibrc",  # Debian's matplotlib reads its defaults here
     "fonts",  # fontconfig's configuration, for libraries that render text
+    "os-release",  # what platform.freedesktop_os_release() and tools read
+    "debian_version",
 )
 _ENV = (
     "PATH=/usr/local/bin:/usr/bin:/bin",
@@ -7147,50 +7152,84 @@ def ensure_private_dir(path: Path) -> Path:
     return path
 
 
-def _system_dirs() -> tuple[list[tuple[str, str]], list[str]]:
-    """(symlinks to recreate as (name, target), real directories to bind read-only) at the host's /."""
+def _system_dirs(env: SandboxEnvironment) -> tuple[list[tuple[str, str]], list[str]]:
+    """(symlinks to recreate as (name, target), real directories to bind read-only) at the root the
+    sandbox runs on: a built environment's, or the host's own /."""
     links, binds = [], []
     for name in _TOP_LEVEL_SYSTEM_DIRS:
-        host = f"/{name}"
-        if os.path.islink(host):
+        host = env.root / name
+        if host.is_symlink():
             links.append((name, os.readlink(host)))
-        elif os.path.isdir(host):
-            binds.append(host)
+        elif host.is_dir():
+            binds.append(f"/{name}")
     return links, binds
 
 
-def visible_roots() -> tuple[str, ...]:
-    """Host directories the sandbox sees at the same path, read-only."""
-    return ("/usr", *_system_dirs()[1])
+def visible_roots(env: SandboxEnvironment = HOST) -> tuple[str, ...]:
+    """Directories the sandbox sees read-only (sandbox paths; on the host they lie under env.root)."""
+    return ("/usr", *_system_dirs(env)[1])
 
 
-def find_interpreter(language: str, configured: Path | None) -> str:
-    """Host path of the interpreter, which must lie inside a directory the sandbox sees."""
+def find_interpreter(language: str, configured: Path | None, env: SandboxEnvironment = HOST) -> str:
+    """The interpreter's path inside the sandbox, which must lie inside a directory the sandbox sees
+    (on the host it lies under env.root)."""
     if language not in _LANG_EXT:
         raise UnsupportedLanguage(f"language must be 'python' or 'bash', not {language!r}")
     exe = "python3" if language == "python" else "bash"
-    # Debian's /usr/bin/python3 first: its python3-* packages (numpy, pandas, matplotlib...) are the
-    # sandbox's data environment (see docs/runner.md). An image's own /usr/local Python is next.
+    # A built environment's python3 is Debian's /usr/bin/python3 with the wheels in /usr/local/lib. On
+    # the host's own /usr, Debian's /usr/bin/python3 comes first too (its python3-* packages), then an
+    # image's own /usr/local Python.
     folders = (
         ("/usr/bin", "/usr/local/bin", "/bin")
         if language == "python"
         else ("/usr/local/bin", "/usr/bin", "/bin")
     )
     candidates = [str(configured)] if configured else [f"{d}/{exe}" for d in folders]
-    roots = visible_roots()
+    roots = visible_roots(env)
     for cand in candidates:
-        if not (os.path.isfile(cand) and os.access(cand, os.X_OK)):
+        host = str(env.host_path(cand))
+        if not (os.path.isfile(host) and os.access(host, os.X_OK)):
             continue
-        real = os.path.realpath(cand)
-        if any(real == r or real.startswith(r + "/") for r in roots):
+        real = _resolve_inside(env, cand)
+        if real is not None and any(real == r or real.startswith(r + "/") for r in roots):
             return cand
         if configured:
             raise InterpreterNotFound(
                 f"{cand} resolves to {real}, outside what the sandbox sees ({', '.join(roots)})"
             )
+    where = f" in {env.root}" if env.built else ""
     raise InterpreterNotFound(
-        f"no {exe} found ({', '.join(candidates)}); install it on the host or set RunnerConfig.{language}"
+        f"no {exe} found{where} ({', '.join(candidates)}); install it or set RunnerConfig.{language}"
     )
+
+
+def _resolve_inside(env: SandboxEnvironment, path: str) -> str | None:
+    """``path`` with its symlinks resolved as the sandbox would (absolute links stay in env.root)."""
+    if not env.built:
+        return os.path.realpath(path)
+    parts: list[str] = []
+    todo = [p for p in path.split("/") if p]
+    hops = 0
+    while todo:
+        part = todo.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if parts:
+                parts.pop()
+            continue
+        host = env.root.joinpath(*parts, part)
+        if host.is_symlink():
+            hops += 1
+            if hops > 40:
+                return None
+            target = os.readlink(host)
+            if target.startswith("/"):
+                parts = []
+            todo = [p for p in target.split("/") if p] + todo
+            continue
+        parts.append(part)
+    return "/" + "/".join(parts)
 
 
 def _etc_files(uid: int, gid: int, network: bool) -> dict[str, str]:
@@ -7210,28 +7249,33 @@ def _etc_files(uid: int, gid: int, network: bool) -> dict[str, str]:
     return files
 
 
-def _image_key(etc_files: dict[str, str], links: list[tuple[str, str]], binds: list[str]) -> str:
+def _image_key(
+    env: SandboxEnvironment, etc_files: dict[str, str], links: list[tuple[str, str]], binds: list[str]
+) -> str:
     """Digest of everything an image is built from, so an existing identical image is reused as is."""
-    h = hashlib.sha256(repr((sorted(etc_files.items()), links, binds)).encode())
+    h = hashlib.sha256(repr((env.key, str(env.root), sorted(etc_files.items()), links, binds)).encode())
+    etc_root = env.host_path("/etc")
     for rel in _ETC_COPIES:
-        for dirpath, dirnames, filenames in os.walk(Path("/etc") / rel):
+        for dirpath, dirnames, filenames in os.walk(etc_root / rel):
             dirnames.sort()
             for name in sorted(filenames) or [""]:
                 with contextlib.suppress(OSError):
                     st = os.lstat(os.path.join(dirpath, name))
                     h.update(f"{dirpath}/{name}:{st.st_mode}:{st.st_size}:{st.st_mtime_ns}".encode())
         with contextlib.suppress(OSError):
-            st = os.lstat(Path("/etc") / rel)
+            st = os.lstat(etc_root / rel)
             h.update(f"{rel}:{st.st_mode}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:16]
 
 
-def build_image(base: Path, uid: int, gid: int, network: bool) -> Path:
-    """The shared read-only root skeleton. Content-addressed: built once per distinct host /etc and
-    reused by every runner process; concurrent builders agree on the result."""
+def build_image(
+    base: Path, uid: int, gid: int, network: bool, env: SandboxEnvironment = HOST
+) -> Path:
+    """The shared read-only root skeleton over ``env``'s /usr. Content-addressed: built once per
+    environment and distinct /etc, reused by every runner process; concurrent builders agree."""
     etc_files = _etc_files(uid, gid, network)
-    links, binds = _system_dirs()
-    final = base / f"image-{_image_key(etc_files, links, binds)}"
+    links, binds = _system_dirs(env)
+    final = base / f"image-{_image_key(env, etc_files, links, binds)}"
     if (final / "rootfs").is_dir():
         return final / "rootfs"
     tmp = base / f".image-{secrets.token_hex(6)}"
@@ -7240,13 +7284,13 @@ def build_image(base: Path, uid: int, gid: int, network: bool) -> Path:
         (rootfs / d).mkdir(parents=True, exist_ok=True)
     for name, target in links:
         (rootfs / name).symlink_to(target)
-    for host in binds:
-        (rootfs / host.lstrip("/")).mkdir(exist_ok=True)
+    for path in binds:
+        (rootfs / path.lstrip("/")).mkdir(exist_ok=True)
     etc = rootfs / "etc"
     for name, text in etc_files.items():
         (etc / name).write_text(text, encoding="utf-8")
     for rel in _ETC_COPIES:
-        src, dst = Path("/etc") / rel, etc / rel
+        src, dst = env.host_path("/etc") / rel, etc / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(OSError):
             if src.is_dir() and not src.is_symlink():
@@ -7306,6 +7350,7 @@ def make_spec(
     rlimit_as: bool,
     netns_path: Path | None,
     bytecode: bool = False,
+    env: SandboxEnvironment = HOST,
 ) -> dict[str, Any]:
     memory = limits.memory_mb * 1024 * 1024
     rlimits = [
@@ -7340,8 +7385,7 @@ def make_spec(
             "source": "tmpfs",
             "options": ["nosuid", "nodev", "mode=700", f"uid={uid}", f"gid={gid}"],
         },
-        _bind("/usr", "/usr"),
-        *(_bind(d, d) for d in visible_roots()[1:]),
+        *(_bind(str(env.host_path(d)), d) for d in visible_roots(env)),
         _bind(str(bundle / "code"), CODE_MOUNT),
         _bind(str(workdir), DATA_MOUNT, writable=True),
     ]
@@ -7385,8 +7429,9 @@ def pids_backstop(limits: Limits) -> int:
 
 Python compiles a script it is given on every start, and inside gVisor that costs 30-50 ms for the
 kernel program (its parser allocates, and every mmap is a trip through the sentry): a tenth of a chat's
-first step. The sandbox runs the host's own interpreter (it sees /usr at the same path), so that very
-binary, run once on the host, makes bytecode the sandbox can start from: `python3 main.pyc` skips the
+first step. The sandbox's interpreter is a file on the host (under the sandbox environment's root,
+run chrooted into it; or the host's own /usr), so that very binary, run once on the host, makes
+bytecode the sandbox can start from: `python3 main.pyc` skips the
 compile. Anything wrong on the way (no such binary on the host, a timeout, odd output) means the
 source is used, as before: slower, never broken.
 """
@@ -7416,18 +7461,19 @@ class BytecodeCache:
         self._lock = threading.Lock()  # callers are worker threads; one compile per program
         self._compiled: dict[tuple[str, str, str], bytes | None] = {}
 
-    def get(self, interpreter: str, filename: str, source: str) -> bytes | None:
-        key = (interpreter, filename, source)  # the kernel's source is one str: its hash is cached
+    def get(self, interpreter: list[str], filename: str, source: str) -> bytes | None:
+        """``interpreter``: the command that runs the sandbox's interpreter on the host."""
+        key = (" ".join(interpreter), filename, source)  # the kernel's source is one str: its hash is cached
         with self._lock:
             if key not in self._compiled:
                 self._compiled[key] = _compile(interpreter, filename, source)
             return self._compiled[key]
 
 
-def _compile(interpreter: str, filename: str, source: str) -> bytes | None:
+def _compile(interpreter: list[str], filename: str, source: str) -> bytes | None:
     try:
         done = subprocess.run(
-            [interpreter, "-I", "-S", "-c", _COMPILE, filename],
+            [*interpreter, "-I", "-S", "-c", _COMPILE, filename],
             input=source.encode("utf-8", "surrogateescape"),
             capture_output=True,
             timeout=_TIMEOUT_S,
@@ -10954,7 +11000,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from . import _bundle, _cgroups
+from . import _bundle, _cgroups, environment
 from ._diagnose import DOCKER_UNCONFINED, explain
 from .capabilities import detect_runsc
 from .errors import RunnerError, RunscNotFound
@@ -11109,13 +11155,28 @@ def _host_checks(config: RunnerConfig) -> list[Check]:
                 else "docker: --cgroupns=host -v /sys/fs/cgroup:/sys/fs/cgroup:rw (or --privileged)",
             )
         )
+    try:
+        env = environment.locate(config.environment)
+    except RunnerError as exc:
+        checks.append(Check(name="environment", ok=False, detail=str(exc), fix=_BUILD_ENV))
+        return checks
+    checks.append(
+        Check(name="environment", ok=True, warning=not env.built, detail=env.describe(), fix=_BUILD_ENV)
+    )
     for language in ("python", "bash"):
         try:
-            path = _bundle.find_interpreter(language, config.python if language == "python" else config.bash)
+            configured = config.python if language == "python" else config.bash
+            path = _bundle.find_interpreter(language, configured, env)
             checks.append(Check(name=language, ok=True, detail=path))
         except RunnerError as exc:
-            checks.append(Check(name=language, ok=False, detail=str(exc), fix="install it under /usr"))
+            checks.append(Check(name=language, ok=False, detail=str(exc), fix=_BUILD_ENV))
     return checks
+
+
+_BUILD_ENV = (
+    "build the sandbox environment: sandbox/build (scripts/setup and deploy/Dockerfile run it), "
+    "or set CODE_SESSIONS_SANDBOX_ENV to where it was built"
+)
 
 
 async def _sandbox_checks(config: RunnerConfig) -> tuple[list[Check], str | None]:
@@ -11137,30 +11198,29 @@ async def _sandbox_checks(config: RunnerConfig) -> tuple[list[Check], str | None
             checks.append(
                 Check(name="sandbox", ok=True, detail=f"python ran in gVisor in {res.duration_s:.2f} s")
             )
-            for issue in await runner.known_issues():
-                checks.append(
-                    Check(
-                        name="coreutils",
-                        ok=True,
-                        warning=True,
-                        detail=issue,
-                        fix="use a newer gVisor release (see deploy/Dockerfile); Python code is unaffected",
-                    )
-                )
-            found = dict(await runner.packages())
-            absent = [name for name in DATA_PACKAGES if name not in found]
-            listed = ", ".join(f"{name} {version}" for name, version in found.items()) or "none"
+            issues = await runner.known_issues()
             checks.append(
                 Check(
-                    name="data packages",
+                    name="coreutils",
+                    ok=not issues,
+                    detail="; ".join(issues) or "`ls` and `stat` work in the sandbox",
+                    fix="install gVisor 20240729 or newer: Debian 13's runsc (scripts/setup fetches it on "
+                    "Debian 12; deploy/Dockerfile's Debian 13 base has it)"
+                    if issues
+                    else None,
+                )
+            )
+            imported = dict(await runner.data_packages())
+            absent = [name for name in DATA_PACKAGES if name not in imported]
+            listed = ", ".join(f"{name} {version}" for name, version in await runner.packages()) or "none"
+            checks.append(
+                Check(
+                    name="packages",
                     ok=True,
                     warning=bool(absent),
-                    detail=f"the sandbox's Python imports {listed}"
-                    + (f"; missing: {', '.join(absent)}" if absent else ""),
-                    fix="apt-get install python3-numpy python3-pandas python3-matplotlib python3-openpyxl "
-                    "python3-pil python3-scipy (Debian's /usr/bin/python3 is the sandbox's Python)"
-                    if absent
-                    else None,
+                    detail=f"the sandbox's Python has {listed}"
+                    + (f"; does not import: {', '.join(absent)}" if absent else ""),
+                    fix=_BUILD_ENV if absent else None,
                 )
             )
         else:
@@ -11232,6 +11292,141 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+''',
+    'runner/environment.py': r'''"""The sandbox environment: the root filesystem every sandbox runs on, read-only.
+
+Built by ``sandbox/build`` (setup and the Dockerfile run it): a Debian 13 minbase with its python3, the
+shell tools and pinned PyPI wheels, in ``<home>/env-<key>/rootfs`` beside a ``manifest.json`` that says
+what is in it. ``<home>/current`` names the newest build; it is resolved once, when a Runner starts, so a
+rebuild never changes the root under a sandbox that is running.
+
+Without a built environment the runner falls back to the host's own ``/usr`` (the sandbox then sees the
+host's interpreter and whatever is installed there); the doctor warns about it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import RunnerError
+
+DEFAULT_HOME = Path("/opt/code-sessions/sandbox-env")
+HOME_VARIABLE = "CODE_SESSIONS_SANDBOX_ENV"
+_MANIFEST = "manifest.json"
+_MAX_MANIFEST_BYTES = 1 << 20
+_MAX_NAME = 100
+
+
+class EnvironmentNotFound(RunnerError):
+    """The configured sandbox environment is missing or damaged."""
+
+
+@dataclass(frozen=True)
+class Package:
+    name: str  # the distribution's name (python-docx)
+    version: str
+    imports: tuple[str, ...]  # its top-level modules (docx)
+
+    @property
+    def label(self) -> str:
+        """How the prompt and the doctor name it: what to import, and the distribution where that
+        differs (``docx (python-docx)``)."""
+        if not self.imports:
+            return self.name
+        own = self.name.lower().replace("-", "_")
+        if own in (i.lower() for i in self.imports):  # numpy; duckdb beside its adbc_driver_duckdb
+            return next(i for i in self.imports if i.lower() == own)
+        return f"{', '.join(self.imports)} ({self.name})"
+
+
+@dataclass(frozen=True)
+class SandboxEnvironment:
+    """Where the sandbox's / comes from, and what it holds."""
+
+    root: Path  # host path of the tree the sandbox sees at / (the host's own / without a build)
+    key: str  # identifies the contents: a build's key, or "host"
+    built: bool  # False: the host's own /usr (the fallback)
+    os_name: str = ""
+    python: str = ""
+    packages: tuple[Package, ...] = ()
+    tools: tuple[str, ...] = ()
+
+    def host_path(self, sandbox_path: str) -> Path:
+        """Where a path the sandbox sees lies on the host."""
+        return self.root / sandbox_path.lstrip("/")
+
+    def host_command(self, interpreter: str) -> list[str]:
+        """How the host runs the sandbox's interpreter itself (to precompile the kernel program): a
+        built environment has its own libc, so its binaries run chrooted into it."""
+        return ["chroot", str(self.root), interpreter] if self.built else [interpreter]
+
+    def describe(self) -> str:
+        if not self.built:
+            return "the host's own /usr (no sandbox environment built)"
+        return f"{self.os_name}, Python {self.python}, {len(self.packages)} packages ({self.root.parent})"
+
+
+HOST = SandboxEnvironment(root=Path("/"), key="host", built=False)
+
+
+def locate(configured: Path | None = None) -> SandboxEnvironment:
+    """The environment to run on: ``configured`` (an environments folder, or one build), else
+    $CODE_SESSIONS_SANDBOX_ENV, else /opt/code-sessions/sandbox-env; the host's /usr if none of these
+    holds a build. A folder named explicitly that holds no usable build is an error, not a fallback."""
+    explicit = configured is not None or bool(os.environ.get(HOME_VARIABLE))
+    home = configured or Path(os.environ.get(HOME_VARIABLE) or DEFAULT_HOME)
+    build = home / "current" if (home / "current").exists() else home
+    if not (build / _MANIFEST).is_file():
+        if explicit:
+            raise EnvironmentNotFound(
+                f"no sandbox environment in {home} (build one with sandbox/build --dest {home})"
+            )
+        return HOST
+    return load(build.resolve())
+
+
+def load(build: Path) -> SandboxEnvironment:
+    """One build: ``build/rootfs`` and ``build/manifest.json``."""
+    rootfs = build / "rootfs"
+    try:
+        raw = (build / _MANIFEST).read_bytes()[:_MAX_MANIFEST_BYTES]
+        manifest = json.loads(raw)
+        packages = tuple(
+            Package(
+                name=_word(p["name"]),
+                version=_word(p["version"]),
+                imports=tuple(_word(i) for i in p.get("imports", ())),
+            )
+            for p in manifest.get("packages", ())
+        )
+        env = SandboxEnvironment(
+            root=rootfs,
+            key=_word(manifest["key"]),
+            built=True,
+            os_name=str(manifest.get("os", ""))[:_MAX_NAME],
+            python=_word(manifest.get("python", "")),
+            packages=packages,
+            tools=tuple(_word(t) for t in manifest.get("tools", ())),
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise EnvironmentNotFound(
+            f"the sandbox environment in {build} is damaged ({exc}); run sandbox/build"
+        ) from exc
+    if not (rootfs / "usr" / "bin").is_dir():
+        raise EnvironmentNotFound(
+            f"the sandbox environment in {build} has no root filesystem; run sandbox/build"
+        )
+    return env
+
+
+def _word(value: object) -> str:
+    text = str(value)
+    if not text or len(text) > _MAX_NAME or any(c.isspace() or not c.isprintable() for c in text):
+        raise ValueError(f"unexpected value {text[:_MAX_NAME]!r}")
+    return text
 ''',
     'runner/errors.py': r'''"""The runner's one exception hierarchy.
 
@@ -11831,7 +12026,10 @@ class RunnerConfig(BaseModel):
     netns_path: Path | None = None
     sandbox_uid: int = Field(65534, gt=0)
     sandbox_gid: int = Field(65534, gt=0)
-    # Host interpreters; None = auto-detect python3/bash in /usr/local/bin then /usr/bin.
+    # The sandbox environment (runner/environment.py): an environments folder or one build. None:
+    # $CODE_SESSIONS_SANDBOX_ENV, else /opt/code-sessions/sandbox-env, else the host's own /usr.
+    environment: Path | None = None
+    # Interpreters, as paths inside the sandbox; None = python3/bash in /usr/bin, /usr/local/bin.
     python: Path | None = None
     bash: Path | None = None
     # None = use cgroups for memory/pids when they are writable; False = never (RLIMIT_AS fallback).
@@ -11886,7 +12084,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import _bundle, _cgroups, _orphans, _supervise
+from . import _bundle, _cgroups, _orphans, _supervise, environment
 from ._bytecode import BytecodeCache
 from ._changes import ChangeWatch
 from ._diagnose import read_runsc_errors
@@ -11894,7 +12092,8 @@ from ._outcome import classify
 from ._plan import Sandbox
 from ._supervise import Supervision
 from .capabilities import RunscInfo, detect_runsc
-from .errors import RunnerError, RunscNotFound, WorkdirError
+from .environment import SandboxEnvironment
+from .errors import RunnerError, RunscNotFound, UnsupportedLanguage, WorkdirError
 from .models import Limits, RunnerConfig, RunResult
 
 DEFAULT_STATE_DIR = Path("/run/code-sessions-runsc")
@@ -11921,6 +12120,7 @@ class HostSetup:
 
     runsc: RunscInfo
     platform: str
+    environment: SandboxEnvironment  # what the sandbox's / holds (see runner/environment.py)
     rootfs: Path
     cgroups: _cgroups.CgroupSupport | None
     cgroups_note: str  # why cgroups are not used, when they are not
@@ -11978,10 +12178,11 @@ class Runner:
                     f"platform {platform!r} is not offered by {info.path} {info.version} "
                     f"(it offers: {', '.join(info.platforms)})"
                 )
+            env = environment.locate(self.config.environment)
             _bundle.ensure_private_dir(self.state_dir)
             _bundle.ensure_private_dir(self.bundle_dir)
             rootfs = _bundle.build_image(
-                self.bundle_dir, self.sandbox_uid, self.sandbox_gid, self.config.network
+                self.bundle_dir, self.sandbox_uid, self.sandbox_gid, self.config.network, env
             )
             support: _cgroups.CgroupSupport | None = None
             note = "disabled by RunnerConfig(use_cgroups=False)"
@@ -11995,12 +12196,15 @@ class Runner:
                     support, note = found, ""
             # A process that died mid-run (a crash) left its runs' state, bundles and cgroups here.
             _orphans.sweep(info.path, self.state_dir, self.bundle_dir, support, self.config.cgroup_parent)
-            return HostSetup(info, platform, rootfs, support, note)
+            for language in ("python", "bash"):  # fail at setup on a missing interpreter
+                configured = self.config.python if language == "python" else self.config.bash
+                self._interpreters[language] = _bundle.find_interpreter(language, configured, env)
+            return HostSetup(info, platform, env, rootfs, support, note)
 
     def _interpreter(self, language: str) -> str:
-        if language not in self._interpreters:
-            configured = self.config.python if language == "python" else self.config.bash
-            self._interpreters[language] = _bundle.find_interpreter(language, configured)
+        """The interpreter's path in the sandbox (known once setup() has run)."""
+        if language not in _bundle.LANGUAGES:
+            raise UnsupportedLanguage(f"language must be 'python' or 'bash', not {language!r}")
         return self._interpreters[language]
 
     def _runsc_argv(self, setup: HostSetup, bundle: Path) -> list[str]:
@@ -12056,7 +12260,7 @@ class Runner:
         bytecode = None
         if compile_once and language == "python":
             main = f"{_bundle.CODE_MOUNT}/{_bundle.code_file_name(language, False)}"
-            bytecode = self._bytecode.get(interpreter, main, code)
+            bytecode = self._bytecode.get(setup.environment.host_command(interpreter), main, code)
         bundle = _bundle.write_bundle(self.bundle_dir, cid, code, language, bytecode)
         cgroup = None
         try:
@@ -12076,6 +12280,7 @@ class Runner:
                 rlimit_as=cgroup is None,
                 netns_path=self.config.netns_path if self.config.network else None,
                 bytecode=bytecode is not None,
+                env=setup.environment,
             )
             (bundle / "config.json").write_text(json.dumps(spec, indent=1), encoding="utf-8")
         except BaseException as exc:
@@ -12111,7 +12316,8 @@ class Runner:
 
         ``compile_once``: Python ``code`` that this Runner starts many times (the kernel program) is
         compiled once by the sandbox's interpreter and started from bytecode (see _bytecode)."""
-        self._interpreter(language)  # fail fast on an unknown language or a missing interpreter
+        if language not in _bundle.LANGUAGES:  # fail fast, before anything is prepared
+            raise UnsupportedLanguage(f"language must be 'python' or 'bash', not {language!r}")
         wd = self._check_workdir(workdir)
         setup = await self.setup()
         cid = prefix + secrets.token_hex(8)
@@ -12192,11 +12398,24 @@ class Runner:
         return (await self._probe())[0]
 
     async def packages(self) -> tuple[tuple[str, str], ...]:
-        """The data packages the sandbox's Python can import, with their versions, probed once."""
+        """The packages the sandbox's Python can import, as (what to import, version): a built
+        environment's from its manifest; on the host's /usr, the data packages a probe finds."""
+        env = (await self.setup()).environment
+        if env.built:
+            return tuple((p.label, p.version) for p in env.packages)
         return (await self._probe())[1]
+
+    async def data_packages(self) -> tuple[tuple[str, str], ...]:
+        """Which of DATA_PACKAGES the sandbox's Python really imports, with versions (a probe run)."""
+        return (await self._probe())[1]
+
+    async def environment(self) -> SandboxEnvironment:
+        """The sandbox environment this Runner runs on."""
+        return (await self.setup()).environment
 
     async def _probe(self) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
         if self._probed is None:  # two first callers at once both probe: harmless
+            await self.setup()
             python = self._interpreter("python")
             script = f"ls / >/dev/null\n{python} - <<'PY'\n{_PACKAGES_PROBE}PY\n"
             with tempfile.TemporaryDirectory(prefix="runner-probe-") as tmp:
@@ -12448,7 +12667,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_c7233a2142b6.runner import Outcome
+from _code_sessions_8baba19be368.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12692,7 +12911,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_c7233a2142b6.storage import human_bytes
+from _code_sessions_8baba19be368.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12713,6 +12932,7 @@ class PromptFacts:
     max_listed: int = 40
     kernel_idle_minutes: float | None = None  # a live kernel per chat (None: every run starts fresh)
     packages: Sequence[tuple[str, str]] = ()  # (import name, version) importable in the sandbox
+    tools: Sequence[str] = ()  # command-line tools the sandbox has beyond coreutils
 
 
 def _file_lines(facts: PromptFacts) -> str:
@@ -12741,6 +12961,8 @@ def _quota_line(facts: PromptFacts) -> str:
 def _state_line(facts: PromptFacts) -> str:
     packages = ", ".join(f"{name} {version}" for name, version in facts.packages)
     have = f"- Python packages you can import: {packages}.\n" if packages else ""
+    if facts.tools:
+        have += f"- Command-line tools in bash, besides coreutils: {', '.join(facts.tools)}.\n"
     if facts.kernel_idle_minutes is None:
         return have + "- Every run starts a fresh Python: variables do not carry over, only files do.\n"
     return have + (
@@ -12796,7 +13018,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_c7233a2142b6.storage import Purge, parse_duration
+from _code_sessions_8baba19be368.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13885,8 +14107,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_c7233a2142b6.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_c7233a2142b6.storage import (
+from _code_sessions_8baba19be368.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_8baba19be368.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14475,7 +14697,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_c7233a2142b6.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_8baba19be368.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14688,7 +14910,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_c7233a2142b6.storage import Link, Publisher, is_postgres_url
+from _code_sessions_8baba19be368.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14900,7 +15122,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_c7233a2142b6.engine import (
+from _code_sessions_8baba19be368.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14914,8 +15136,8 @@ from _code_sessions_c7233a2142b6.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_c7233a2142b6.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_c7233a2142b6.storage import (
+from _code_sessions_8baba19be368.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_8baba19be368.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14923,7 +15145,7 @@ from _code_sessions_c7233a2142b6.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_c7233a2142b6.webui import Misconfigured, OpenWebUI
+from _code_sessions_8baba19be368.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 
@@ -15345,6 +15567,7 @@ class Pipe:
             sandbox_notes=(*await _sandbox_notes(services.runner), *notes),
             kernel_idle_minutes=self.valves.kernel_idle_minutes if services.kernels is not None else None,
             packages=await _packages(services.runner),
+            tools=await _tools(services.runner),
         )
         prompt = system_prompt(facts)
         history = [dict(message) for message in await chat.sandbox_view(messages)]
@@ -15413,6 +15636,13 @@ async def _sandbox_notes(runner: Runner) -> tuple[str, ...]:
 async def _packages(runner: Runner) -> tuple[tuple[str, str], ...]:
     try:
         return await runner.packages()
+    except RunnerError:
+        return ()
+
+
+async def _tools(runner: Runner) -> tuple[str, ...]:
+    try:
+        return (await runner.environment()).tools
     except RunnerError:
         return ()
 

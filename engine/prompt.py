@@ -26,6 +26,7 @@ class PromptFacts:
     max_listed: int = 40
     kernel_idle_minutes: float | None = None  # a live kernel per chat (None: every run starts fresh)
     packages: Sequence[tuple[str, str]] = ()  # (import name, version) importable in the sandbox
+    tools: Sequence[str] = ()  # command-line tools the sandbox has beyond coreutils
 
 
 def _file_lines(facts: PromptFacts) -> str:
@@ -54,6 +55,8 @@ def _quota_line(facts: PromptFacts) -> str:
 def _state_line(facts: PromptFacts) -> str:
     packages = ", ".join(f"{name} {version}" for name, version in facts.packages)
     have = f"- Python packages you can import: {packages}.\n" if packages else ""
+    if facts.tools:
+        have += f"- Command-line tools in bash, besides coreutils: {', '.join(facts.tools)}.\n"
     if facts.kernel_idle_minutes is None:
         return have + "- Every run starts a fresh Python: variables do not carry over, only files do.\n"
     return have + (

@@ -464,6 +464,7 @@ class Pipe:
             sandbox_notes=(*await _sandbox_notes(services.runner), *notes),
             kernel_idle_minutes=self.valves.kernel_idle_minutes if services.kernels is not None else None,
             packages=await _packages(services.runner),
+            tools=await _tools(services.runner),
         )
         prompt = system_prompt(facts)
         history = [dict(message) for message in await chat.sandbox_view(messages)]
@@ -532,6 +533,13 @@ async def _sandbox_notes(runner: Runner) -> tuple[str, ...]:
 async def _packages(runner: Runner) -> tuple[tuple[str, str], ...]:
     try:
         return await runner.packages()
+    except RunnerError:
+        return ()
+
+
+async def _tools(runner: Runner) -> tuple[str, ...]:
+    try:
+        return (await runner.environment()).tools
     except RunnerError:
         return ()
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _orphans
+from .environment import HOST, SandboxEnvironment
 from .errors import InterpreterNotFound, StateDirError, UnsupportedLanguage
 from .models import Limits
 
@@ -24,9 +25,11 @@ SANDBOX_USER = "sandbox"
 DATA_MOUNT = "/mnt/data"
 CODE_MOUNT = "/run/code"
 _LANG_EXT = {"python": "py", "bash": "sh"}
+LANGUAGES = tuple(_LANG_EXT)
 # Debian's usrmerge makes these symlinks into /usr; older layouts have real directories.
 _TOP_LEVEL_SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
-# Host /etc entries interpreters need; nothing secret (no shadow, no ssl/private, no host env files).
+# /etc entries of the environment (or the host) that interpreters need; nothing secret (no shadow,
+# no ssl/private, no host env files).
 _ETC_COPIES = (
     "ld.so.cache",
     "localtime",
@@ -36,6 +39,8 @@ _ETC_COPIES = (
     "ssl/openssl.cnf",
     "matplotlibrc",  # Debian's matplotlib reads its defaults here
     "fonts",  # fontconfig's configuration, for libraries that render text
+    "os-release",  # what platform.freedesktop_os_release() and tools read
+    "debian_version",
 )
 _ENV = (
     "PATH=/usr/local/bin:/usr/bin:/bin",
@@ -65,50 +70,84 @@ def ensure_private_dir(path: Path) -> Path:
     return path
 
 
-def _system_dirs() -> tuple[list[tuple[str, str]], list[str]]:
-    """(symlinks to recreate as (name, target), real directories to bind read-only) at the host's /."""
+def _system_dirs(env: SandboxEnvironment) -> tuple[list[tuple[str, str]], list[str]]:
+    """(symlinks to recreate as (name, target), real directories to bind read-only) at the root the
+    sandbox runs on: a built environment's, or the host's own /."""
     links, binds = [], []
     for name in _TOP_LEVEL_SYSTEM_DIRS:
-        host = f"/{name}"
-        if os.path.islink(host):
+        host = env.root / name
+        if host.is_symlink():
             links.append((name, os.readlink(host)))
-        elif os.path.isdir(host):
-            binds.append(host)
+        elif host.is_dir():
+            binds.append(f"/{name}")
     return links, binds
 
 
-def visible_roots() -> tuple[str, ...]:
-    """Host directories the sandbox sees at the same path, read-only."""
-    return ("/usr", *_system_dirs()[1])
+def visible_roots(env: SandboxEnvironment = HOST) -> tuple[str, ...]:
+    """Directories the sandbox sees read-only (sandbox paths; on the host they lie under env.root)."""
+    return ("/usr", *_system_dirs(env)[1])
 
 
-def find_interpreter(language: str, configured: Path | None) -> str:
-    """Host path of the interpreter, which must lie inside a directory the sandbox sees."""
+def find_interpreter(language: str, configured: Path | None, env: SandboxEnvironment = HOST) -> str:
+    """The interpreter's path inside the sandbox, which must lie inside a directory the sandbox sees
+    (on the host it lies under env.root)."""
     if language not in _LANG_EXT:
         raise UnsupportedLanguage(f"language must be 'python' or 'bash', not {language!r}")
     exe = "python3" if language == "python" else "bash"
-    # Debian's /usr/bin/python3 first: its python3-* packages (numpy, pandas, matplotlib...) are the
-    # sandbox's data environment (see docs/runner.md). An image's own /usr/local Python is next.
+    # A built environment's python3 is Debian's /usr/bin/python3 with the wheels in /usr/local/lib. On
+    # the host's own /usr, Debian's /usr/bin/python3 comes first too (its python3-* packages), then an
+    # image's own /usr/local Python.
     folders = (
         ("/usr/bin", "/usr/local/bin", "/bin")
         if language == "python"
         else ("/usr/local/bin", "/usr/bin", "/bin")
     )
     candidates = [str(configured)] if configured else [f"{d}/{exe}" for d in folders]
-    roots = visible_roots()
+    roots = visible_roots(env)
     for cand in candidates:
-        if not (os.path.isfile(cand) and os.access(cand, os.X_OK)):
+        host = str(env.host_path(cand))
+        if not (os.path.isfile(host) and os.access(host, os.X_OK)):
             continue
-        real = os.path.realpath(cand)
-        if any(real == r or real.startswith(r + "/") for r in roots):
+        real = _resolve_inside(env, cand)
+        if real is not None and any(real == r or real.startswith(r + "/") for r in roots):
             return cand
         if configured:
             raise InterpreterNotFound(
                 f"{cand} resolves to {real}, outside what the sandbox sees ({', '.join(roots)})"
             )
+    where = f" in {env.root}" if env.built else ""
     raise InterpreterNotFound(
-        f"no {exe} found ({', '.join(candidates)}); install it on the host or set RunnerConfig.{language}"
+        f"no {exe} found{where} ({', '.join(candidates)}); install it or set RunnerConfig.{language}"
     )
+
+
+def _resolve_inside(env: SandboxEnvironment, path: str) -> str | None:
+    """``path`` with its symlinks resolved as the sandbox would (absolute links stay in env.root)."""
+    if not env.built:
+        return os.path.realpath(path)
+    parts: list[str] = []
+    todo = [p for p in path.split("/") if p]
+    hops = 0
+    while todo:
+        part = todo.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if parts:
+                parts.pop()
+            continue
+        host = env.root.joinpath(*parts, part)
+        if host.is_symlink():
+            hops += 1
+            if hops > 40:
+                return None
+            target = os.readlink(host)
+            if target.startswith("/"):
+                parts = []
+            todo = [p for p in target.split("/") if p] + todo
+            continue
+        parts.append(part)
+    return "/" + "/".join(parts)
 
 
 def _etc_files(uid: int, gid: int, network: bool) -> dict[str, str]:
@@ -128,28 +167,33 @@ def _etc_files(uid: int, gid: int, network: bool) -> dict[str, str]:
     return files
 
 
-def _image_key(etc_files: dict[str, str], links: list[tuple[str, str]], binds: list[str]) -> str:
+def _image_key(
+    env: SandboxEnvironment, etc_files: dict[str, str], links: list[tuple[str, str]], binds: list[str]
+) -> str:
     """Digest of everything an image is built from, so an existing identical image is reused as is."""
-    h = hashlib.sha256(repr((sorted(etc_files.items()), links, binds)).encode())
+    h = hashlib.sha256(repr((env.key, str(env.root), sorted(etc_files.items()), links, binds)).encode())
+    etc_root = env.host_path("/etc")
     for rel in _ETC_COPIES:
-        for dirpath, dirnames, filenames in os.walk(Path("/etc") / rel):
+        for dirpath, dirnames, filenames in os.walk(etc_root / rel):
             dirnames.sort()
             for name in sorted(filenames) or [""]:
                 with contextlib.suppress(OSError):
                     st = os.lstat(os.path.join(dirpath, name))
                     h.update(f"{dirpath}/{name}:{st.st_mode}:{st.st_size}:{st.st_mtime_ns}".encode())
         with contextlib.suppress(OSError):
-            st = os.lstat(Path("/etc") / rel)
+            st = os.lstat(etc_root / rel)
             h.update(f"{rel}:{st.st_mode}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:16]
 
 
-def build_image(base: Path, uid: int, gid: int, network: bool) -> Path:
-    """The shared read-only root skeleton. Content-addressed: built once per distinct host /etc and
-    reused by every runner process; concurrent builders agree on the result."""
+def build_image(
+    base: Path, uid: int, gid: int, network: bool, env: SandboxEnvironment = HOST
+) -> Path:
+    """The shared read-only root skeleton over ``env``'s /usr. Content-addressed: built once per
+    environment and distinct /etc, reused by every runner process; concurrent builders agree."""
     etc_files = _etc_files(uid, gid, network)
-    links, binds = _system_dirs()
-    final = base / f"image-{_image_key(etc_files, links, binds)}"
+    links, binds = _system_dirs(env)
+    final = base / f"image-{_image_key(env, etc_files, links, binds)}"
     if (final / "rootfs").is_dir():
         return final / "rootfs"
     tmp = base / f".image-{secrets.token_hex(6)}"
@@ -158,13 +202,13 @@ def build_image(base: Path, uid: int, gid: int, network: bool) -> Path:
         (rootfs / d).mkdir(parents=True, exist_ok=True)
     for name, target in links:
         (rootfs / name).symlink_to(target)
-    for host in binds:
-        (rootfs / host.lstrip("/")).mkdir(exist_ok=True)
+    for path in binds:
+        (rootfs / path.lstrip("/")).mkdir(exist_ok=True)
     etc = rootfs / "etc"
     for name, text in etc_files.items():
         (etc / name).write_text(text, encoding="utf-8")
     for rel in _ETC_COPIES:
-        src, dst = Path("/etc") / rel, etc / rel
+        src, dst = env.host_path("/etc") / rel, etc / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(OSError):
             if src.is_dir() and not src.is_symlink():
@@ -224,6 +268,7 @@ def make_spec(
     rlimit_as: bool,
     netns_path: Path | None,
     bytecode: bool = False,
+    env: SandboxEnvironment = HOST,
 ) -> dict[str, Any]:
     memory = limits.memory_mb * 1024 * 1024
     rlimits = [
@@ -258,8 +303,7 @@ def make_spec(
             "source": "tmpfs",
             "options": ["nosuid", "nodev", "mode=700", f"uid={uid}", f"gid={gid}"],
         },
-        _bind("/usr", "/usr"),
-        *(_bind(d, d) for d in visible_roots()[1:]),
+        *(_bind(str(env.host_path(d)), d) for d in visible_roots(env)),
         _bind(str(bundle / "code"), CODE_MOUNT),
         _bind(str(workdir), DATA_MOUNT, writable=True),
     ]

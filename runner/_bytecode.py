@@ -2,8 +2,9 @@
 
 Python compiles a script it is given on every start, and inside gVisor that costs 30-50 ms for the
 kernel program (its parser allocates, and every mmap is a trip through the sentry): a tenth of a chat's
-first step. The sandbox runs the host's own interpreter (it sees /usr at the same path), so that very
-binary, run once on the host, makes bytecode the sandbox can start from: `python3 main.pyc` skips the
+first step. The sandbox's interpreter is a file on the host (under the sandbox environment's root,
+run chrooted into it; or the host's own /usr), so that very binary, run once on the host, makes
+bytecode the sandbox can start from: `python3 main.pyc` skips the
 compile. Anything wrong on the way (no such binary on the host, a timeout, odd output) means the
 source is used, as before: slower, never broken.
 """
@@ -33,18 +34,19 @@ class BytecodeCache:
         self._lock = threading.Lock()  # callers are worker threads; one compile per program
         self._compiled: dict[tuple[str, str, str], bytes | None] = {}
 
-    def get(self, interpreter: str, filename: str, source: str) -> bytes | None:
-        key = (interpreter, filename, source)  # the kernel's source is one str: its hash is cached
+    def get(self, interpreter: list[str], filename: str, source: str) -> bytes | None:
+        """``interpreter``: the command that runs the sandbox's interpreter on the host."""
+        key = (" ".join(interpreter), filename, source)  # the kernel's source is one str: its hash is cached
         with self._lock:
             if key not in self._compiled:
                 self._compiled[key] = _compile(interpreter, filename, source)
             return self._compiled[key]
 
 
-def _compile(interpreter: str, filename: str, source: str) -> bytes | None:
+def _compile(interpreter: list[str], filename: str, source: str) -> bytes | None:
     try:
         done = subprocess.run(
-            [interpreter, "-I", "-S", "-c", _COMPILE, filename],
+            [*interpreter, "-I", "-S", "-c", _COMPILE, filename],
             input=source.encode("utf-8", "surrogateescape"),
             capture_output=True,
             timeout=_TIMEOUT_S,

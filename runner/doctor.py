@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from . import _bundle, _cgroups
+from . import _bundle, _cgroups, environment
 from ._diagnose import DOCKER_UNCONFINED, explain
 from .capabilities import detect_runsc
 from .errors import RunnerError, RunscNotFound
@@ -171,13 +171,28 @@ def _host_checks(config: RunnerConfig) -> list[Check]:
                 else "docker: --cgroupns=host -v /sys/fs/cgroup:/sys/fs/cgroup:rw (or --privileged)",
             )
         )
+    try:
+        env = environment.locate(config.environment)
+    except RunnerError as exc:
+        checks.append(Check(name="environment", ok=False, detail=str(exc), fix=_BUILD_ENV))
+        return checks
+    checks.append(
+        Check(name="environment", ok=True, warning=not env.built, detail=env.describe(), fix=_BUILD_ENV)
+    )
     for language in ("python", "bash"):
         try:
-            path = _bundle.find_interpreter(language, config.python if language == "python" else config.bash)
+            configured = config.python if language == "python" else config.bash
+            path = _bundle.find_interpreter(language, configured, env)
             checks.append(Check(name=language, ok=True, detail=path))
         except RunnerError as exc:
-            checks.append(Check(name=language, ok=False, detail=str(exc), fix="install it under /usr"))
+            checks.append(Check(name=language, ok=False, detail=str(exc), fix=_BUILD_ENV))
     return checks
+
+
+_BUILD_ENV = (
+    "build the sandbox environment: sandbox/build (scripts/setup and deploy/Dockerfile run it), "
+    "or set CODE_SESSIONS_SANDBOX_ENV to where it was built"
+)
 
 
 async def _sandbox_checks(config: RunnerConfig) -> tuple[list[Check], str | None]:
@@ -199,30 +214,29 @@ async def _sandbox_checks(config: RunnerConfig) -> tuple[list[Check], str | None
             checks.append(
                 Check(name="sandbox", ok=True, detail=f"python ran in gVisor in {res.duration_s:.2f} s")
             )
-            for issue in await runner.known_issues():
-                checks.append(
-                    Check(
-                        name="coreutils",
-                        ok=True,
-                        warning=True,
-                        detail=issue,
-                        fix="use a newer gVisor release (see deploy/Dockerfile); Python code is unaffected",
-                    )
-                )
-            found = dict(await runner.packages())
-            absent = [name for name in DATA_PACKAGES if name not in found]
-            listed = ", ".join(f"{name} {version}" for name, version in found.items()) or "none"
+            issues = await runner.known_issues()
             checks.append(
                 Check(
-                    name="data packages",
+                    name="coreutils",
+                    ok=not issues,
+                    detail="; ".join(issues) or "`ls` and `stat` work in the sandbox",
+                    fix="install gVisor 20240729 or newer: Debian 13's runsc (scripts/setup fetches it on "
+                    "Debian 12; deploy/Dockerfile's Debian 13 base has it)"
+                    if issues
+                    else None,
+                )
+            )
+            imported = dict(await runner.data_packages())
+            absent = [name for name in DATA_PACKAGES if name not in imported]
+            listed = ", ".join(f"{name} {version}" for name, version in await runner.packages()) or "none"
+            checks.append(
+                Check(
+                    name="packages",
                     ok=True,
                     warning=bool(absent),
-                    detail=f"the sandbox's Python imports {listed}"
-                    + (f"; missing: {', '.join(absent)}" if absent else ""),
-                    fix="apt-get install python3-numpy python3-pandas python3-matplotlib python3-openpyxl "
-                    "python3-pil python3-scipy (Debian's /usr/bin/python3 is the sandbox's Python)"
-                    if absent
-                    else None,
+                    detail=f"the sandbox's Python has {listed}"
+                    + (f"; does not import: {', '.join(absent)}" if absent else ""),
+                    fix=_BUILD_ENV if absent else None,
                 )
             )
         else:

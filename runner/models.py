@@ -59,7 +59,10 @@ class RunnerConfig(BaseModel):
     netns_path: Path | None = None
     sandbox_uid: int = Field(65534, gt=0)
     sandbox_gid: int = Field(65534, gt=0)
-    # Host interpreters; None = auto-detect python3/bash in /usr/local/bin then /usr/bin.
+    # The sandbox environment (runner/environment.py): an environments folder or one build. None:
+    # $CODE_SESSIONS_SANDBOX_ENV, else /opt/code-sessions/sandbox-env, else the host's own /usr.
+    environment: Path | None = None
+    # Interpreters, as paths inside the sandbox; None = python3/bash in /usr/bin, /usr/local/bin.
     python: Path | None = None
     bash: Path | None = None
     # None = use cgroups for memory/pids when they are writable; False = never (RLIMIT_AS fallback).

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import _bundle, _cgroups, _orphans, _supervise
+from . import _bundle, _cgroups, _orphans, _supervise, environment
 from ._bytecode import BytecodeCache
 from ._changes import ChangeWatch
 from ._diagnose import read_runsc_errors
@@ -21,7 +21,8 @@ from ._outcome import classify
 from ._plan import Sandbox
 from ._supervise import Supervision
 from .capabilities import RunscInfo, detect_runsc
-from .errors import RunnerError, RunscNotFound, WorkdirError
+from .environment import SandboxEnvironment
+from .errors import RunnerError, RunscNotFound, UnsupportedLanguage, WorkdirError
 from .models import Limits, RunnerConfig, RunResult
 
 DEFAULT_STATE_DIR = Path("/run/code-sessions-runsc")
@@ -48,6 +49,7 @@ class HostSetup:
 
     runsc: RunscInfo
     platform: str
+    environment: SandboxEnvironment  # what the sandbox's / holds (see runner/environment.py)
     rootfs: Path
     cgroups: _cgroups.CgroupSupport | None
     cgroups_note: str  # why cgroups are not used, when they are not
@@ -105,10 +107,11 @@ class Runner:
                     f"platform {platform!r} is not offered by {info.path} {info.version} "
                     f"(it offers: {', '.join(info.platforms)})"
                 )
+            env = environment.locate(self.config.environment)
             _bundle.ensure_private_dir(self.state_dir)
             _bundle.ensure_private_dir(self.bundle_dir)
             rootfs = _bundle.build_image(
-                self.bundle_dir, self.sandbox_uid, self.sandbox_gid, self.config.network
+                self.bundle_dir, self.sandbox_uid, self.sandbox_gid, self.config.network, env
             )
             support: _cgroups.CgroupSupport | None = None
             note = "disabled by RunnerConfig(use_cgroups=False)"
@@ -122,12 +125,15 @@ class Runner:
                     support, note = found, ""
             # A process that died mid-run (a crash) left its runs' state, bundles and cgroups here.
             _orphans.sweep(info.path, self.state_dir, self.bundle_dir, support, self.config.cgroup_parent)
-            return HostSetup(info, platform, rootfs, support, note)
+            for language in ("python", "bash"):  # fail at setup on a missing interpreter
+                configured = self.config.python if language == "python" else self.config.bash
+                self._interpreters[language] = _bundle.find_interpreter(language, configured, env)
+            return HostSetup(info, platform, env, rootfs, support, note)
 
     def _interpreter(self, language: str) -> str:
-        if language not in self._interpreters:
-            configured = self.config.python if language == "python" else self.config.bash
-            self._interpreters[language] = _bundle.find_interpreter(language, configured)
+        """The interpreter's path in the sandbox (known once setup() has run)."""
+        if language not in _bundle.LANGUAGES:
+            raise UnsupportedLanguage(f"language must be 'python' or 'bash', not {language!r}")
         return self._interpreters[language]
 
     def _runsc_argv(self, setup: HostSetup, bundle: Path) -> list[str]:
@@ -183,7 +189,7 @@ class Runner:
         bytecode = None
         if compile_once and language == "python":
             main = f"{_bundle.CODE_MOUNT}/{_bundle.code_file_name(language, False)}"
-            bytecode = self._bytecode.get(interpreter, main, code)
+            bytecode = self._bytecode.get(setup.environment.host_command(interpreter), main, code)
         bundle = _bundle.write_bundle(self.bundle_dir, cid, code, language, bytecode)
         cgroup = None
         try:
@@ -203,6 +209,7 @@ class Runner:
                 rlimit_as=cgroup is None,
                 netns_path=self.config.netns_path if self.config.network else None,
                 bytecode=bytecode is not None,
+                env=setup.environment,
             )
             (bundle / "config.json").write_text(json.dumps(spec, indent=1), encoding="utf-8")
         except BaseException as exc:
@@ -238,7 +245,8 @@ class Runner:
 
         ``compile_once``: Python ``code`` that this Runner starts many times (the kernel program) is
         compiled once by the sandbox's interpreter and started from bytecode (see _bytecode)."""
-        self._interpreter(language)  # fail fast on an unknown language or a missing interpreter
+        if language not in _bundle.LANGUAGES:  # fail fast, before anything is prepared
+            raise UnsupportedLanguage(f"language must be 'python' or 'bash', not {language!r}")
         wd = self._check_workdir(workdir)
         setup = await self.setup()
         cid = prefix + secrets.token_hex(8)
@@ -319,11 +327,24 @@ class Runner:
         return (await self._probe())[0]
 
     async def packages(self) -> tuple[tuple[str, str], ...]:
-        """The data packages the sandbox's Python can import, with their versions, probed once."""
+        """The packages the sandbox's Python can import, as (what to import, version): a built
+        environment's from its manifest; on the host's /usr, the data packages a probe finds."""
+        env = (await self.setup()).environment
+        if env.built:
+            return tuple((p.label, p.version) for p in env.packages)
         return (await self._probe())[1]
+
+    async def data_packages(self) -> tuple[tuple[str, str], ...]:
+        """Which of DATA_PACKAGES the sandbox's Python really imports, with versions (a probe run)."""
+        return (await self._probe())[1]
+
+    async def environment(self) -> SandboxEnvironment:
+        """The sandbox environment this Runner runs on."""
+        return (await self.setup()).environment
 
     async def _probe(self) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
         if self._probed is None:  # two first callers at once both probe: harmless
+            await self.setup()
             python = self._interpreter("python")
             script = f"ls / >/dev/null\n{python} - <<'PY'\n{_PACKAGES_PROBE}PY\n"
             with tempfile.TemporaryDirectory(prefix="runner-probe-") as tmp:

@@ -52,11 +52,45 @@ async def test_doctor_passes_on_this_host(tmp_path: Path) -> None:
     sandbox = report.check("sandbox")
     assert sandbox is not None and sandbox.ok
     assert report.runsc_version and report.platform
-    # scripts/setup installs the data environment: the doctor says the sandbox imports all of it
-    packages = report.check("data packages")
+    # scripts/setup builds the sandbox environment: the doctor names it and what the sandbox imports
+    env = report.check("environment")
+    assert env is not None and env.ok and not env.warning, env
+    assert "Debian GNU/Linux 13" in env.detail and "Python 3.13" in env.detail
+    packages = report.check("packages")
     assert packages is not None and not packages.warning, packages
-    for name in ("numpy", "pandas", "matplotlib", "scipy", "openpyxl", "PIL"):
+    expected = ("numpy 2.", "pandas 3.", "matplotlib", "scipy", "PIL (pillow)", "docx (python-docx)")
+    for name in expected:
         assert name in packages.detail
+    coreutils = report.check("coreutils")
+    assert coreutils is not None and coreutils.ok and "work" in coreutils.detail
+
+
+# scripts/fetch-trixie-runsc keeps the runsc it replaced (Debian 12's 20221219) here.
+OLD_RUNSC = Path("/var/cache/code-sessions/apt-trixie/old/runsc")
+
+
+async def test_doctor_fails_with_the_fix_on_a_runsc_whose_ls_breaks(tmp_path: Path) -> None:
+    if not OLD_RUNSC.exists():
+        pytest.skip("no old runsc kept on this host (it never had Debian 12's)")
+    report = await doctor(config_for(tmp_path, str(OLD_RUNSC)))
+    assert not report.ok, report.to_text()
+    sandbox, coreutils = report.check("sandbox"), report.check("coreutils")
+    assert sandbox is not None and sandbox.ok  # python runs; the shell's ls does not
+    assert coreutils is not None and not coreutils.ok
+    assert "Invalid argument" in coreutils.detail and "20240729" in (coreutils.fix or "")
+
+
+async def test_doctor_fails_on_a_damaged_environment(tmp_path: Path) -> None:
+    build = tmp_path / "envs" / "env-0"
+    (build / "rootfs" / "usr" / "bin").mkdir(parents=True)
+    (build / "manifest.json").write_text("{not json", encoding="utf-8")
+    (tmp_path / "envs" / "current").symlink_to("env-0")
+    config = config_for(tmp_path, RUNSC).model_copy(update={"environment": tmp_path / "envs"})
+    report = await doctor(config)
+    assert not report.ok
+    check = report.check("environment")
+    assert check is not None and not check.ok and "damaged" in check.detail
+    assert "sandbox/build" in (check.fix or "")
 
 
 async def test_doctor_says_how_to_install_a_missing_runsc(tmp_path: Path) -> None:

@@ -85,7 +85,14 @@ def test_a_supervisor_killed_mid_run_takes_its_sandbox_with_it(tmp_path: Path) -
         from pathlib import Path
         from runner import Limits, Runner, RunnerConfig
         config = RunnerConfig.model_validate_json({config.model_dump_json()!r})
-        threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        def kill_once_running():  # mid-run: once the code has written, however slow the start
+            beat = Path({str(workdir / "beat")!r})
+            for _ in range(600):
+                if beat.exists():
+                    break
+                threading.Event().wait(0.1)
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Thread(target=kill_once_running, daemon=True).start()
         code = "import time\\nwhile True:\\n    open('/mnt/data/beat', 'w').write(str(time.time()))"
         asyncio.run(Runner(config).run(code, "python", Path({str(workdir)!r}), Limits(timeout_s=60)))
     """
