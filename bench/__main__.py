@@ -25,6 +25,7 @@ from typing import Any
 from . import (
     concurrency,
     deleted_chats,
+    environment,
     index_backends,
     index_scale,
     kernel,
@@ -45,6 +46,7 @@ SECTIONS: dict[str, Callable[[Context], Awaitable[dict[str, Any]]]] = {
     "kernel": kernel.run,
     "deleted_chats": deleted_chats.run,
     "index_backends": index_backends.run,
+    "environment": environment.run,
 }
 # Sections that render their own table and targets (bench/report.py renders the others).
 

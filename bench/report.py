@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from . import index_backends
+from . import environment, index_backends
 from .index_backends import TARGET_STEP_RATIO
 
 
@@ -361,6 +361,9 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     if "index_backends" in s:
         ratio = s["index_backends"].get("step", {}).get("ratio_of_medians")
         add("chat step storage, PostgreSQL / SQLite", ratio, TARGET_STEP_RATIO, "x")
+    if "environment" in s:
+        for name, value, limit, unit in environment.targets(s["environment"]):
+            add(name, value, limit, unit)
     return found
 
 
@@ -392,6 +395,7 @@ def render(results: dict[str, Any]) -> str:
         ("6. The live kernel", "kernel", _kernel),
         ("7. Chats deleted in Open WebUI: one background tick", "deleted_chats", _deleted_chats),
         ("Index backends: SQLite vs PostgreSQL", "index_backends", index_backends.render),
+        ("The sandbox environment", "environment", environment.render),
     ]
     for title, key, fn in sections:
         if key in s:

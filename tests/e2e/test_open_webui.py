@@ -3,9 +3,11 @@ as an admin would, a scripted model, real gVisor. Each test is one user-visible 
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import uuid
+import zipfile
 
 import httpx
 import pytest
@@ -174,3 +176,18 @@ def test_a_streamed_answer_carries_working_links(open_webui: OpenWebUI):
     assert "See [streamed.txt](/api/v1/files/code-sessions-" in content, content
     [link] = set(LINK.findall(content))
     assert admin.download(link).content == b"s"
+
+
+def test_make_a_word_document_gives_a_link_to_a_real_docx(open_webui: OpenWebUI):
+    """The demo model's own Word step (python-docx from the sandbox environment), as a user asks it."""
+    reply = open_webui.admin.say("make a Word document")
+    links = reply.links()
+    assert links, reply.content
+    download = open_webui.admin.download(links[-1])
+    assert download.status_code == 200
+    disposition = download.headers.get("content-disposition", "")
+    assert "attachment" in disposition and "report.docx" in disposition
+    with zipfile.ZipFile(io.BytesIO(download.content)) as docx:
+        assert "word/document.xml" in docx.namelist()
+        body = docx.read("word/document.xml").decode()
+    assert "Visitors report" in body and "months of visitors" in body
