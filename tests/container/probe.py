@@ -21,7 +21,8 @@ from pathlib import Path
 
 from runner import Limits, Runner, RunnerConfig
 
-STACK = "numpy, pandas, matplotlib, openpyxl, PIL, scipy"
+# A sample of the sandbox environment's packages (sandbox/requirements.txt)
+STACK = "numpy, pandas, matplotlib, openpyxl, PIL, scipy, docx, pptx, polars, duckdb, pyarrow, sklearn, cv2"
 STACK_CODE = f"""import sys
 missing = []
 for name in "{STACK}".split(", "):
@@ -80,6 +81,7 @@ async def probe(flags: tuple[str, ...], only: list[str]) -> dict:
             "stack_usr_bin_python3", f"/usr/bin/python3 - <<'EOF'\n{STACK_CODE}EOF\n", "bash"
         ),
         "matplotlib": lambda: run("matplotlib", MPL_CODE),
+        "shell": lambda: run("shell", "ls -la /mnt/data && stat /mnt/data >/dev/null && jq -n 1", "bash"),
         "memory": lambda: run(
             "memory", "x = bytearray(400 * 2**20)\nfor i in range(0, len(x), 4096): x[i] = 1\n", memory_mb=128
         ),

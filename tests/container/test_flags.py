@@ -41,6 +41,7 @@ WORKING = {
     "stack_default_python": "ok",
     "stack_usr_bin_python3": "ok",
     "matplotlib": "ok",
+    "shell": "ok",
     "memory": "out_of_memory",
     "timeout": "timeout",
     "unlinked_flood": "disk_limit",
