@@ -7,7 +7,8 @@ It serves `GET /v1/models` and `POST /v1/chat/completions` (streamed or not, wit
   are offered, else it repeats the block so fenced-block mode runs it);
 * a user message asking for a csv/report, a plot/chart, a zip or a listing: it writes that code itself;
 * after a tool result (or code output): it answers with the text of a `reply:` line of the last user
-  message if there is one, else it names the files the run saved, as /mnt/data paths;
+  message if there is one, else it names each file the run saved once, as a /mnt/data path (a picture
+  on a line of its own, so it is shown);
 * anything else: a short help text.
 
 `GET /_requests` returns the chat requests received so far (tests read the system prompt there).
@@ -165,11 +166,15 @@ def _after_run(messages: list[dict]) -> str:
         r"/mnt/data/[^\s,]+", "\n".join(line for line in result.splitlines() if line.startswith("Saved:"))
     )
     if saved:
+        # Each file once, where the answer names it: a picture shown, the others as links.
         images = [p for p in saved if p.lower().endswith((".png", ".jpg", ".jpeg", ".gif", ".webp"))]
         others = [p for p in saved if p not in images]
-        parts = ["Done."]
-        parts += [f"Download: {path}" for path in others]
-        parts += [f"Here it is:\n\n{path}" for path in images]
+        parts = []
+        if others:
+            files = "Your file is ready" if len(others) == 1 else "Your files are ready"
+            parts.append(f"{files}: {', '.join(others)}")
+        if images:
+            parts.append("Here it is:\n\n" + "\n\n".join(images))
         return "\n\n".join(parts)
     if "Not run" in result or "error" in result.lower():
         return "The code did not work:\n\n" + result[:500]

@@ -220,6 +220,8 @@ class Pipe:
             max_steps=self.valves.max_steps,
             show_code=bool(getattr(user_valves, "show_code", True)),
             show_output=bool(getattr(user_valves, "show_output", True)),
+            # Files saved but not named are then only attachments; else one line names them.
+            attachments=self.valves.attach_files and host.can_attach(__chat_id__ or "", __message_id__),
         )
         messages = await self._messages_with_prompt(
             body.get("messages", []), chat, services, options, refused
@@ -246,7 +248,12 @@ class Pipe:
                 yield piece
             if self.valves.attach_files:
                 await host.attach(
-                    __chat_id__ or "", __message_id__, __user__["id"], chat.links, __event_emitter__
+                    __chat_id__ or "",
+                    __message_id__,
+                    __user__["id"],
+                    chat.links,
+                    __event_emitter__,
+                    inline_urls=chat.inline_urls,
                 )
 
         return answer()
@@ -557,8 +564,12 @@ async def _model_events(response: Any) -> AsyncIterator:
 
 
 def _status_emitter(emitter: Any) -> Any:
-    async def status(description: str, done: bool) -> None:
+    async def status(description: str, done: bool, *, hidden: bool = False) -> None:
+        # Open WebUI 0.12 shows the last status of a message, and nothing when that one is hidden.
         if emitter is not None:
-            await emitter({"type": "status", "data": {"description": description, "done": done}})
+            data: dict[str, Any] = {"description": description, "done": done}
+            if hidden:
+                data["hidden"] = True
+            await emitter({"type": "status", "data": data})
 
     return status
