@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_f45de7f37510'
+_CS_PACKAGE = '_code_sessions_f5298e92075e'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -12449,7 +12449,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_f45de7f37510.runner import Outcome
+from _code_sessions_f5298e92075e.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12549,19 +12549,21 @@ async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions)
     notes = step.attention()
     if not notes:
         return details + pictures
-    listing = "\n".join(f"- {note}" for note in notes) + "\n"
-    return details + pictures + await chat.rewrite(listing, inline_images=False) + "\n"
+    if step.stopped_by_limit and step.run is not None and step.run.reason:
+        notes[0] = f"Why: {escape_text(step.run.reason)}."  # the reason is the sandbox's words
+    # Each sentence its own paragraph, in italics: ours, not the model's.
+    said = "".join(f"_{note}_\n\n" for note in notes)
+    return details + pictures + await chat.rewrite(said, inline_images=False)
 
 
 def _status_after(step: StepResult) -> str | None:
-    """What the status line says once the run is over: None when the block says it all (it is then
-    cleared), else what the block's headline does not say (a limit, a lost state, the quota)."""
+    """What the status line says once the run is over: None when the message's text says it all (the
+    line is cleared), else the first sentence the run's block does not say: a lost Python state, the
+    quota, files a limit removed. (A limit that stopped the run is in the block's headline.)"""
     notes = step.attention()
-    if not notes:
-        return None
     if step.stopped_by_limit and step.run is not None and step.run.reason:
-        return f"{step.headline()} ({step.run.reason})"
-    return notes[0]
+        notes = notes[1:]
+    return notes[0] if notes else None
 
 
 def _arguments(call: ToolCall) -> tuple[str, str] | str:
@@ -12722,7 +12724,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_f45de7f37510.storage import human_bytes
+from _code_sessions_f5298e92075e.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12826,7 +12828,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_f45de7f37510.storage import Purge, parse_duration
+from _code_sessions_f5298e92075e.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13915,8 +13917,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_f45de7f37510.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_f45de7f37510.storage import (
+from _code_sessions_f5298e92075e.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_f5298e92075e.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14598,7 +14600,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_f45de7f37510.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_f5298e92075e.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14815,7 +14817,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_f45de7f37510.storage import Link, Publisher, is_postgres_url
+from _code_sessions_f5298e92075e.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -15034,7 +15036,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_f45de7f37510.engine import (
+from _code_sessions_f5298e92075e.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -15048,8 +15050,8 @@ from _code_sessions_f45de7f37510.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_f45de7f37510.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_f45de7f37510.storage import (
+from _code_sessions_f5298e92075e.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_f5298e92075e.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -15057,7 +15059,7 @@ from _code_sessions_f45de7f37510.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_f45de7f37510.webui import Misconfigured, OpenWebUI
+from _code_sessions_f5298e92075e.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

@@ -112,19 +112,21 @@ async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions)
     notes = step.attention()
     if not notes:
         return details + pictures
-    listing = "\n".join(f"- {note}" for note in notes) + "\n"
-    return details + pictures + await chat.rewrite(listing, inline_images=False) + "\n"
+    if step.stopped_by_limit and step.run is not None and step.run.reason:
+        notes[0] = f"Why: {escape_text(step.run.reason)}."  # the reason is the sandbox's words
+    # Each sentence its own paragraph, in italics: ours, not the model's.
+    said = "".join(f"_{note}_\n\n" for note in notes)
+    return details + pictures + await chat.rewrite(said, inline_images=False)
 
 
 def _status_after(step: StepResult) -> str | None:
-    """What the status line says once the run is over: None when the block says it all (it is then
-    cleared), else what the block's headline does not say (a limit, a lost state, the quota)."""
+    """What the status line says once the run is over: None when the message's text says it all (the
+    line is cleared), else the first sentence the run's block does not say: a lost Python state, the
+    quota, files a limit removed. (A limit that stopped the run is in the block's headline.)"""
     notes = step.attention()
-    if not notes:
-        return None
     if step.stopped_by_limit and step.run is not None and step.run.reason:
-        return f"{step.headline()} ({step.run.reason})"
-    return notes[0]
+        notes = notes[1:]
+    return notes[0] if notes else None
 
 
 def _arguments(call: ToolCall) -> tuple[str, str] | str:

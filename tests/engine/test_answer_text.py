@@ -152,15 +152,25 @@ async def test_a_picture_saved_but_not_shown_is_attached_as_an_image(service: Ho
     assert {link.name for link in chat.links} == {"plot.png", "shown.png"}  # both linked to the chat
 
 
-async def test_a_limit_is_said_under_the_block_and_stays_in_the_status(service: HostRuns):
+async def test_a_limit_is_said_once_under_the_block_and_the_status_goes(service: HostRuns):
     why = "interrupted after 30 s; the Python state is kept"
-    service.plans = [{"outcome": Outcome.TIMEOUT, "exit_code": None, "reason": why}]
-    text, _, status, seen = await answer(service, None, "It took too long.")
+    service.plans = [{"outcome": Outcome.TIMEOUT, "exit_code": None, "reason": why, "files": {"p.csv": b"1"}}]
+    text, chat, status, seen = await answer(service, None, "It took too long.")
     visible = outside_blocks(text)
     assert text.count("<details>") == 1 and visible.count(why) == 1
-    assert "Python was stopped: time limit reached" in visible  # the block's headline
-    assert status.shown_at_the_end() == f"Python was stopped: time limit reached in 250 ms ({why})"
+    assert f"_Why: {why}._" in visible  # the block's headline says which limit; this line says why
+    assert "Python was stopped: time limit reached in 250 ms" in visible  # the block's headline
+    assert status.shown_at_the_end() is None  # the text says it all
     assert f"Reason: {why}" in seen[1][-1]["content"]
+    assert [link.name for link in chat.attachments] == ["p.csv"]  # what it wrote before: kept, given
+
+
+async def test_the_reason_a_limit_gives_is_shown_as_text_never_as_markup(service: HostRuns):
+    hostile = "the kernel stopped responding: it exited (<img src=x onerror=alert(1)> [x](javascript:y))"
+    service.plans = [{"outcome": Outcome.KERNEL_LOST, "exit_code": None, "reason": hostile}]
+    text, _, _, _ = await answer(service, None, "Gone.")
+    visible = outside_blocks(text)
+    assert "<img" not in visible and "](javascript" not in visible and "Why: the kernel" in visible
 
 
 async def test_a_reset_is_said_once_in_the_text_and_stays_in_the_status(service: HostRuns):
