@@ -98,7 +98,7 @@ async def test_chats_of_one_user_growing_indexed_files_at_once_stay_within_the_q
     """Naive: each run weighs its growth against the totals from before the others (10.5 MiB of 4)."""
     harness.set_valves(max_mb_per_user=4, timeout_seconds=20)
     chats = ["grow-1", "grow-2", "grow-3"]
-    for chat in chats:  # indexed, and linked by the "Saved:" note (a copy each)
+    for chat in chats:  # indexed, and linked by the answer (a copy each)
         await bd.say(harness, "alice", chat, code(bd.write("/mnt/data/g.bin", 256 * KB)))
     deadline = time.time() + 4
     grow = bd.at(deadline, bd.write("/mnt/data/g.bin", MB + 512 * KB, "ab"))
@@ -214,7 +214,7 @@ async def test_published_copies_count_toward_the_quota(harness: PipeHarness):
     or counted twice (room refused that is there)."""
     harness.set_valves(max_mb_per_user=4)
     one = await bd.say(harness, "alice", "c", code(bd.write("/mnt/data/a.bin", MB + 512 * KB)))
-    assert "Saved: [a.bin]" in one  # linked: 1.5 MiB of file and 1.5 MiB of copy
+    assert "ready: [a.bin](" in one  # linked: 1.5 MiB of file and 1.5 MiB of copy
     two = await bd.say(harness, "alice", "c", code(bd.write("/mnt/data/b.bin", 768 * KB)))
     # 3.75 MiB with b.bin: its copy would not fit, the file does.
     assert "Not linked: /mnt/data/b.bin: b.bin was not linked: a copy for download would take 768 KiB" in two
