@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_f5298e92075e'
+_CS_PACKAGE = '_code_sessions_b262e28bb38a'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -12449,7 +12449,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_f5298e92075e.runner import Outcome
+from _code_sessions_b262e28bb38a.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12724,7 +12724,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_f5298e92075e.storage import human_bytes
+from _code_sessions_b262e28bb38a.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12781,7 +12781,7 @@ def _state_line(facts: PromptFacts) -> str:
         f"reset after {facts.kernel_idle_minutes:g} minutes without a run; you are told when that "
         "happens, and files in /mnt/data are always kept. Bash runs in the same sandbox.\n"
         "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data and shown "
-        "to the user; you are told their paths.\n"
+        "to the user under the run (do not link them again); you are told their paths.\n"
     )
 
 
@@ -12804,7 +12804,8 @@ def system_prompt(facts: PromptFacts) -> str:
         "next. Files the user attached to the chat are copied there too.\n"
         "- Save every file the user should get in /mnt/data (not /tmp, which is not kept).\n"
         "- To give the user a file, write its full path, e.g. /mnt/data/report.csv, in your answer as plain "
-        "text (not in a code block): it becomes a download link, and an image is shown inline.\n"
+        "text (not in a code block): it becomes a download link, and an image is shown inline. Name each "
+        "file once.\n"
         + _state_line(facts)
         + _limits_line(facts, network)
         + _quota_line(facts)
@@ -12828,7 +12829,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_f5298e92075e.storage import Purge, parse_duration
+from _code_sessions_b262e28bb38a.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13917,8 +13918,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_f5298e92075e.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_f5298e92075e.storage import (
+from _code_sessions_b262e28bb38a.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_b262e28bb38a.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14600,7 +14601,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_f5298e92075e.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_b262e28bb38a.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14817,7 +14818,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_f5298e92075e.storage import Link, Publisher, is_postgres_url
+from _code_sessions_b262e28bb38a.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -15036,7 +15037,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_f5298e92075e.engine import (
+from _code_sessions_b262e28bb38a.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -15050,8 +15051,8 @@ from _code_sessions_f5298e92075e.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_f5298e92075e.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_f5298e92075e.storage import (
+from _code_sessions_b262e28bb38a.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_b262e28bb38a.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -15059,7 +15060,7 @@ from _code_sessions_f5298e92075e.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_f5298e92075e.webui import Misconfigured, OpenWebUI
+from _code_sessions_b262e28bb38a.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 
@@ -15156,8 +15157,9 @@ class Pipe:
         )
         attach_files: bool = Field(
             default=True,
-            description="Also show the files an answer links as attachments of its message (and let the "
-            "people a chat is shared with open them).",
+            description="Show an answer's files as attachments of its message (and let the people a chat "
+            "is shared with open them). Off: a file a run saved that the answer does not name is named in "
+            "one line at the end of the answer instead.",
         )
         runsc_path: str = Field(default="runsc", description="The gVisor runsc binary.")
         runsc_platform: str = Field(
@@ -15226,9 +15228,11 @@ class Pipe:
         except StorageError as error:  # a new chat on a full disk, an id the index refuses
             log.warning("code-sessions: no session for chat %r: %s", (__chat_id__ or "")[:80], error)
             return f"This chat's files are not available right now: {escape_text(str(error))}"
-        status = _status_emitter(__event_emitter__)
+        status = _Status(__event_emitter__)
         if _last_user_text(body.get("messages", [])).strip() == CLEAR_FILES_COMMAND:
-            return await chat.clear_files(waiting=waiting_status(status))
+            said = await chat.clear_files(waiting=waiting_status(status))
+            await status.settle()
+            return said
 
         notes, refused = await self._import_uploads(chat, __user__["id"], __files__ or [], status)
         user_valves = __user__.get("valves") or self.UserValves()
@@ -15263,6 +15267,7 @@ class Pipe:
                 yield "".join(notes)
             async for piece in converse(chat, messages, call_model, options, status):
                 yield piece
+            await status.settle()
             if self.valves.attach_files:
                 await host.attach(
                     __chat_id__ or "",
@@ -15465,7 +15470,7 @@ class Pipe:
                 )
                 notes.append(f"_{shown}_\n\n")
                 continue
-            await status(f"Copied {name} to /mnt/data/{path}", True)
+            await status(f"Copied {name} to /mnt/data/{path}", True, hidden=True)  # the answer says so
             notes.append(f"_Attached file available as {code_span('/mnt/data/' + path)}._\n\n")
         return notes, refused
 
@@ -15580,13 +15585,23 @@ async def _model_events(response: Any) -> AsyncIterator:
             yield event
 
 
-def _status_emitter(emitter: Any) -> Any:
-    async def status(description: str, done: bool, *, hidden: bool = False) -> None:
-        # Open WebUI 0.12 shows the last status of a message, and nothing when that one is hidden.
-        if emitter is not None:
+class _Status:
+    """The message's status line (engine.StatusCall). Open WebUI 0.12 shows a message's last status,
+    and nothing when that one is hidden."""
+
+    def __init__(self, emitter: Any) -> None:
+        self._emit = emitter
+        self._going: str | None = None  # the description of a status still in progress
+
+    async def __call__(self, description: str, done: bool, *, hidden: bool = False) -> None:
+        self._going = None if done else description
+        if self._emit is not None:
             data: dict[str, Any] = {"description": description, "done": done}
             if hidden:
                 data["hidden"] = True
-            await emitter({"type": "status", "data": data})
+            await self._emit({"type": "status", "data": data})
 
-    return status
+    async def settle(self) -> None:
+        """The message is over: a status still in progress (a wait for the chat) must not stay."""
+        if self._going is not None:
+            await self(self._going, True, hidden=True)

@@ -944,7 +944,8 @@ WAIT_KINDS = {
 
 @pytest.mark.parametrize("kind", ["run", "attachment", "clear"])
 async def test_a_message_waiting_for_a_busy_chat_says_it_waits(harness: PipeHarness, kind: str):
-    """Naive: the second message shows "Running python..." (or nothing) for the whole time it waits."""
+    """Naive: the second message shows "Running Python…" (or nothing) for the whole time it waits, or
+    still shows that it waits once it is over."""
     harness.set_valves(timeout_seconds=15)
     await bd.say(harness, "alice", "chat-1", code("print('warm')", "warm"))
     first, first_events = await bd.start_running(
@@ -954,6 +955,9 @@ async def test_a_message_waiting_for_a_busy_chat_says_it_waits(harness: PipeHarn
     _, events = await bd.say_with_events(harness, "alice", "chat-1", message.pop("text"), **message)
     said = bd.statuses(events)
     assert any(bd.WAITING in s for s in said), said
+    # Then it goes: once the message is over, no status in progress (nor a copy of its text) stays.
+    last = [e["data"] for e in events if e.get("type") == "status"][-1]
+    assert last["done"] and last.get("hidden") is True, last
     await first
     assert not any(bd.WAITING in s for s in bd.statuses(first_events))  # only when it really waits
 
