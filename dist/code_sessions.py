@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_b262e28bb38a'
+_CS_PACKAGE = '_code_sessions_94d4e7ec3a6f'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -12449,7 +12449,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_b262e28bb38a.runner import Outcome
+from _code_sessions_94d4e7ec3a6f.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12546,11 +12546,10 @@ async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions)
             "".join(f"![{p.rsplit('/', 1)[-1]}](/mnt/data/{p})\n" for p in step.figures)
         )
         pictures += "\n"
-    notes = step.attention()
+    why = step.why_stopped()
+    notes = ([f"Why: {escape_text(why)}."] if why else []) + step.attention()
     if not notes:
         return details + pictures
-    if step.stopped_by_limit and step.run is not None and step.run.reason:
-        notes[0] = f"Why: {escape_text(step.run.reason)}."  # the reason is the sandbox's words
     # Each sentence its own paragraph, in italics: ours, not the model's.
     said = "".join(f"_{note}_\n\n" for note in notes)
     return details + pictures + await chat.rewrite(said, inline_images=False)
@@ -12559,10 +12558,9 @@ async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions)
 def _status_after(step: StepResult) -> str | None:
     """What the status line says once the run is over: None when the message's text says it all (the
     line is cleared), else the first sentence the run's block does not say: a lost Python state, the
-    quota, files a limit removed. (A limit that stopped the run is in the block's headline.)"""
+    quota, files a limit removed. (A limit that stopped the run is in the block's headline, and why
+    in the line under it.)"""
     notes = step.attention()
-    if step.stopped_by_limit and step.run is not None and step.run.reason:
-        notes = notes[1:]
     return notes[0] if notes else None
 
 
@@ -12724,7 +12722,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b262e28bb38a.storage import human_bytes
+from _code_sessions_94d4e7ec3a6f.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12829,7 +12827,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_b262e28bb38a.storage import Purge, parse_duration
+from _code_sessions_94d4e7ec3a6f.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13918,8 +13916,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b262e28bb38a.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_b262e28bb38a.storage import (
+from _code_sessions_94d4e7ec3a6f.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_94d4e7ec3a6f.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14003,11 +14001,6 @@ class StepResult:
             text += f" (exit code {self.run.exit_code})"
         return text
 
-    @property
-    def stopped_by_limit(self) -> bool:
-        """The run ended at a limit or a failure of the sandbox, not by the code's own doing."""
-        return self.run is not None and self.run.outcome not in (Outcome.OK, Outcome.ERROR)
-
     def saved(self) -> list[str]:
         """The files this run added or changed and kept, figures aside (they are shown inline)."""
         report = self.files
@@ -14019,21 +14012,24 @@ class StepResult:
             path for path in {*report.added, *report.changed} if path not in removed and path not in figures
         )
 
+    def why_stopped(self) -> str | None:
+        """Why a limit (or the sandbox) stopped the run, in the sandbox's words; None otherwise."""
+        if self.run is None or self.run.outcome in (Outcome.OK, Outcome.ERROR):
+            return None
+        return self.run.reason
+
     def attention(self) -> list[str]:
-        """What the user must read beyond the block's headline: why a limit stopped the run, a lost
-        Python state, the quota, files a limit removed. The step's files are not listed here: the
-        answer names them, and the message's attachments hold them (see ChatSession.hand_over)."""
-        notes: list[str] = []
-        if self.stopped_by_limit and self.run is not None and self.run.reason:
-            notes.append(f"Why: {self.run.reason}.")
-        if self.run is not None:
-            notes.extend(self.run.notes)
-        notes.extend(self.notes)
+        """What the user must read that the run's block does not say: a lost Python state, the quota,
+        files a limit removed. (Why a limit stopped the run: `why_stopped`. The files the run saved are
+        not here: the answer names them, and the message's attachments hold them.)"""
+        notes = [*(self.run.notes if self.run is not None else ()), *self.notes]
+        return notes + self._removals()
+
+    def _removals(self) -> list[str]:
         report = self.files
         if report is None:
-            return notes
-        for removal in report.quota_removed[:20]:
-            notes.append(f"Removed {mention(removal.path)}: {removal.reason}")
+            return []
+        notes = [f"Removed {mention(r.path)}: {r.reason}" for r in report.quota_removed[:20]]
         notes.extend(_more_line(report.quota_removed, 20, "more files removed by limits"))
         for rejected in report.rejected[:20]:
             notes.append(f"Removed {mention(rejected.path.rstrip('/'))}: {_why_rejected(rejected.kind)}")
@@ -14065,13 +14061,7 @@ class StepResult:
         deleted = self.deleted_note()
         if deleted:
             notes.append(deleted)
-        for removal in report.quota_removed[:20]:
-            notes.append(f"Removed {mention(removal.path)}: {removal.reason}")
-        notes.extend(_more_line(report.quota_removed, 20, "more files removed by limits"))
-        for rejected in report.rejected[:20]:
-            notes.append(f"Removed {mention(rejected.path.rstrip('/'))}: {_why_rejected(rejected.kind)}")
-        notes.extend(_more_line(report.rejected, 20, "more entries removed"))
-        return notes
+        return notes + self._removals()
 
     def for_model(self, max_chars: int = 8000) -> str:
         """The tool result the model reads: outcome, output (bounded), file changes."""
@@ -14601,7 +14591,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_b262e28bb38a.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_94d4e7ec3a6f.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14818,7 +14808,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_b262e28bb38a.storage import Link, Publisher, is_postgres_url
+from _code_sessions_94d4e7ec3a6f.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -15037,7 +15027,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_b262e28bb38a.engine import (
+from _code_sessions_94d4e7ec3a6f.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -15051,8 +15041,8 @@ from _code_sessions_b262e28bb38a.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_b262e28bb38a.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_b262e28bb38a.storage import (
+from _code_sessions_94d4e7ec3a6f.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_94d4e7ec3a6f.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -15060,7 +15050,7 @@ from _code_sessions_b262e28bb38a.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_b262e28bb38a.webui import Misconfigured, OpenWebUI
+from _code_sessions_94d4e7ec3a6f.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

@@ -109,11 +109,10 @@ async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions)
             "".join(f"![{p.rsplit('/', 1)[-1]}](/mnt/data/{p})\n" for p in step.figures)
         )
         pictures += "\n"
-    notes = step.attention()
+    why = step.why_stopped()
+    notes = ([f"Why: {escape_text(why)}."] if why else []) + step.attention()
     if not notes:
         return details + pictures
-    if step.stopped_by_limit and step.run is not None and step.run.reason:
-        notes[0] = f"Why: {escape_text(step.run.reason)}."  # the reason is the sandbox's words
     # Each sentence its own paragraph, in italics: ours, not the model's.
     said = "".join(f"_{note}_\n\n" for note in notes)
     return details + pictures + await chat.rewrite(said, inline_images=False)
@@ -122,10 +121,9 @@ async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions)
 def _status_after(step: StepResult) -> str | None:
     """What the status line says once the run is over: None when the message's text says it all (the
     line is cleared), else the first sentence the run's block does not say: a lost Python state, the
-    quota, files a limit removed. (A limit that stopped the run is in the block's headline.)"""
+    quota, files a limit removed. (A limit that stopped the run is in the block's headline, and why
+    in the line under it.)"""
     notes = step.attention()
-    if step.stopped_by_limit and step.run is not None and step.run.reason:
-        notes = notes[1:]
     return notes[0] if notes else None
 
 

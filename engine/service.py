@@ -99,11 +99,6 @@ class StepResult:
             text += f" (exit code {self.run.exit_code})"
         return text
 
-    @property
-    def stopped_by_limit(self) -> bool:
-        """The run ended at a limit or a failure of the sandbox, not by the code's own doing."""
-        return self.run is not None and self.run.outcome not in (Outcome.OK, Outcome.ERROR)
-
     def saved(self) -> list[str]:
         """The files this run added or changed and kept, figures aside (they are shown inline)."""
         report = self.files
@@ -115,21 +110,24 @@ class StepResult:
             path for path in {*report.added, *report.changed} if path not in removed and path not in figures
         )
 
+    def why_stopped(self) -> str | None:
+        """Why a limit (or the sandbox) stopped the run, in the sandbox's words; None otherwise."""
+        if self.run is None or self.run.outcome in (Outcome.OK, Outcome.ERROR):
+            return None
+        return self.run.reason
+
     def attention(self) -> list[str]:
-        """What the user must read beyond the block's headline: why a limit stopped the run, a lost
-        Python state, the quota, files a limit removed. The step's files are not listed here: the
-        answer names them, and the message's attachments hold them (see ChatSession.hand_over)."""
-        notes: list[str] = []
-        if self.stopped_by_limit and self.run is not None and self.run.reason:
-            notes.append(f"Why: {self.run.reason}.")
-        if self.run is not None:
-            notes.extend(self.run.notes)
-        notes.extend(self.notes)
+        """What the user must read that the run's block does not say: a lost Python state, the quota,
+        files a limit removed. (Why a limit stopped the run: `why_stopped`. The files the run saved are
+        not here: the answer names them, and the message's attachments hold them.)"""
+        notes = [*(self.run.notes if self.run is not None else ()), *self.notes]
+        return notes + self._removals()
+
+    def _removals(self) -> list[str]:
         report = self.files
         if report is None:
-            return notes
-        for removal in report.quota_removed[:20]:
-            notes.append(f"Removed {mention(removal.path)}: {removal.reason}")
+            return []
+        notes = [f"Removed {mention(r.path)}: {r.reason}" for r in report.quota_removed[:20]]
         notes.extend(_more_line(report.quota_removed, 20, "more files removed by limits"))
         for rejected in report.rejected[:20]:
             notes.append(f"Removed {mention(rejected.path.rstrip('/'))}: {_why_rejected(rejected.kind)}")
@@ -161,13 +159,7 @@ class StepResult:
         deleted = self.deleted_note()
         if deleted:
             notes.append(deleted)
-        for removal in report.quota_removed[:20]:
-            notes.append(f"Removed {mention(removal.path)}: {removal.reason}")
-        notes.extend(_more_line(report.quota_removed, 20, "more files removed by limits"))
-        for rejected in report.rejected[:20]:
-            notes.append(f"Removed {mention(rejected.path.rstrip('/'))}: {_why_rejected(rejected.kind)}")
-        notes.extend(_more_line(report.rejected, 20, "more entries removed"))
-        return notes
+        return notes + self._removals()
 
     def for_model(self, max_chars: int = 8000) -> str:
         """The tool result the model reads: outcome, output (bounded), file changes."""
