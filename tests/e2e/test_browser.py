@@ -222,7 +222,7 @@ def test_a_run_stopped_by_a_limit_says_why_once_and_still_gives_the_file_it_wrot
     data = chat_file(open_webui, reply.chat_id, "progress.csv").read_bytes()
     assert data.startswith(b"step,seconds\r\n1,1\r\n2,2\r\n") and len(data.splitlines()) < 10, data
 
-    context = logged_in(browser, open_webui, admin, height=480)
+    context = logged_in(browser, open_webui, admin, height=560)
     page = context.new_page()
     answer = Rendered(page, reply)
     chip = answer.message.locator("button", has_text="progress.csv")
