@@ -5,10 +5,12 @@ It serves `GET /v1/models` and `POST /v1/chat/completions` (streamed or not, wit
 
 * a user message with a ```python or ```bash block: it runs that block (a `run_code` tool call when tools
   are offered, else it repeats the block so fenced-block mode runs it);
-* a user message asking for a csv/report, a plot/chart, a Word document, a zip or a listing: it writes
-  that code itself;
+* a user message asking for a csv/report, a plot/chart, a Word document, a zip, a listing or a long job:
+  it writes that code itself;
 * after a tool result (or code output): it answers with the text of a `reply:` line of the last user
-  message if there is one, else it names the files the run saved, as /mnt/data paths;
+  message if there is one; after a run that was stopped or failed, a sentence that points at the block
+  above; else it names each file the run saved once, as a /mnt/data path (a picture on a line of its
+  own, so it is shown);
 * anything else: a short help text.
 
 `GET /_requests` returns the chat requests received so far (tests read the system prompt there).
@@ -138,10 +140,22 @@ for name in sorted(os.listdir("/mnt/data")):
     print(f"{os.path.getsize(name):>10}  {name}")
 """
 
+# Longer than the time limit: the run is stopped, and the rows written until then stay.
+_LONG_CODE = """import csv, time
+with open("/mnt/data/progress.csv", "w", newline="") as handle:
+    writer = csv.writer(handle)
+    writer.writerow(("step", "seconds"))
+    for step in range(1, 601):
+        writer.writerow((step, step))
+        handle.flush()
+        time.sleep(1)
+print("all 600 steps done")
+"""
+
 _HELP = (
     'I am the offline demo model of code-sessions. Try: "make a csv report", then "plot it", then '
-    '"summarise it" (it reuses the data the first step loaded), then "zip both", or "list my files". '
-    "You can also paste a ```python block and I will run it."
+    '"summarise it" (it reuses the data the first step loaded), then "zip both", or "list my files", or '
+    '"run a long job" (it meets the time limit). You can also paste a ```python block and I will run it.'
 )
 
 
@@ -166,6 +180,7 @@ def _code_for(request: str) -> tuple[str, str] | None:
         return ("bash" if block.group(1) in ("bash", "sh") else "python"), block.group(2)
     lowered = request.lower()
     for words, language, code in (
+        (("long job",), "python", _LONG_CODE),
         (("zip",), "python", _ZIP_CODE),
         (("plot", "chart", "graph"), "python", _PLOT_CODE),
         (("summar", "describe", "statistic"), "python", _SUMMARY_CODE),
@@ -184,18 +199,25 @@ def _after_run(messages: list[dict]) -> str:
         if line.lower().startswith("reply:"):
             return line.split(":", 1)[1].strip()
     result = _text(messages[-1].get("content"))
+    headline = result.split("\n", 1)[0]
+    if " was stopped" in headline:  # the block above says which limit, and why
+        return "It was stopped before it finished; what it wrote until then is kept."
+    if headline.startswith("Not run") or " exited with an error" in headline:
+        return "The code did not work; what went wrong is in the block above."
     saved = re.findall(
         r"/mnt/data/[^\s,]+", "\n".join(line for line in result.splitlines() if line.startswith("Saved:"))
     )
     if saved:
+        # Each file once, where the answer names it: a picture shown, the others as links.
         images = [p for p in saved if p.lower().endswith((".png", ".jpg", ".jpeg", ".gif", ".webp"))]
         others = [p for p in saved if p not in images]
-        parts = ["Done."]
-        parts += [f"Download: {path}" for path in others]
-        parts += [f"Here it is:\n\n{path}" for path in images]
+        parts = []
+        if others:
+            files = "Your file is ready" if len(others) == 1 else "Your files are ready"
+            parts.append(f"{files}: {', '.join(others)}")
+        if images:
+            parts.append("Here it is:\n\n" + "\n\n".join(images))
         return "\n\n".join(parts)
-    if "Not run" in result or "error" in result.lower():
-        return "The code did not work:\n\n" + result[:500]
     return "Done. The output is above."
 
 

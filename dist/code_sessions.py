@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_8baba19be368'
+_CS_PACKAGE = '_code_sessions_fc66f82a127e'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -12666,8 +12666,9 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-from _code_sessions_8baba19be368.runner import Outcome
+from _code_sessions_fc66f82a127e.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12705,7 +12706,13 @@ RUN_CODE_TOOL = {
 }
 
 ModelCall = Callable[[list[dict], list[dict] | None], AsyncIterator[TextDelta | ToolCall | ModelError]]
-StatusCall = Callable[[str, bool], Awaitable[None]]
+
+
+class StatusCall(Protocol):
+    """The status line over the message: `done` False while something goes on; `hidden` clears it
+    (the step's block is its record, so a status that says nothing more does not stay)."""
+
+    def __call__(self, description: str, done: bool, *, hidden: bool = False) -> Awaitable[None]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -12715,6 +12722,10 @@ class LoopOptions:
     show_code: bool = True
     show_output: bool = True
     max_result_chars: int = 8000
+    # The host shows every file the answer links as an attachment of the message (Open WebUI's chips,
+    # `attach_files`). Then a file saved but not named in the text is only attached; without it, it is
+    # named in one line at the end of the answer.
+    attachments: bool = False
 
 
 def _fence(text: str) -> str:
@@ -12729,7 +12740,10 @@ def _block(text: str, language: str = "") -> str:
 
 
 async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions) -> str:
-    """Markdown for the user: a collapsible block with code and output, then file notes with links."""
+    """Markdown for the user: one collapsible block, the record of the run (headline; code, output and
+    what it deleted inside), its figures inline under it, and the sentences the user must not miss (a
+    limit, a lost state, the quota). The files it saved are not listed: the answer names them, and the
+    rest reach the user once at the end (`ChatSession.hand_over`)."""
     body: list[str] = []
     if options.show_code:
         body.append(_block(step.code, step.language))
@@ -12738,31 +12752,35 @@ async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions)
             ("\n" if step.run.stdout else "") + step.run.stderr if step.run.stderr else ""
         )
         body.append("Output:\n" + _block(output) if output.strip() else "_(no output)_\n")
-    if step.run is not None and step.run.reason and step.run.outcome != Outcome.OK:
+    if step.run is not None and step.run.reason and step.run.outcome == Outcome.ERROR:
         body.append(f"_Why: {escape_text(step.run.reason)}_\n")
+    deleted = step.deleted_note()
+    if deleted:
+        body.append(deleted + "\n")
     summary = step.headline().replace("<", "&lt;")
     details = f"\n<details>\n<summary>{summary}</summary>\n\n" + "\n".join(body) + "\n</details>\n\n"
-    notes = step.file_notes()
     pictures = ""
     if step.figures:  # shown like a notebook shows them: inline, under the step
         pictures = await chat.rewrite(
             "".join(f"![{p.rsplit('/', 1)[-1]}](/mnt/data/{p})\n" for p in step.figures)
         )
         pictures += "\n"
+    why = step.why_stopped()
+    notes = ([f"Why: {escape_text(why)}."] if why else []) + step.attention()
     if not notes:
         return details + pictures
-    listing = "\n".join(f"- {note}" for note in notes) + "\n"
-    return details + pictures + await chat.rewrite(listing, inline_images=False) + "\n"
+    # Each sentence its own paragraph, in italics: ours, not the model's.
+    said = "".join(f"_{note}_\n\n" for note in notes)
+    return details + pictures + await chat.rewrite(said, inline_images=False)
 
 
-def _status_after(step: StepResult) -> str:
-    if step.refused is not None:
-        return step.headline()
-    saved = len(step.files.added) + len(step.files.changed) if step.files else 0
-    text = step.headline()
-    if saved:
-        text += f"; saved {saved} file{'s' if saved != 1 else ''}"
-    return text
+def _status_after(step: StepResult) -> str | None:
+    """What the status line says once the run is over: None when the message's text says it all (the
+    line is cleared), else the first sentence the run's block does not say: a lost Python state, the
+    quota, files a limit removed. (A limit that stopped the run is in the block's headline, and why
+    in the line under it.)"""
+    notes = step.attention()
+    return notes[0] if notes else None
 
 
 def _arguments(call: ToolCall) -> tuple[str, str] | str:
@@ -12789,11 +12807,13 @@ def waiting_status(status: StatusCall) -> Callable[[], Awaitable[None]]:
 
 
 async def _run(chat: ChatSession, language: str, code: str, status: StatusCall) -> StepResult:
-    await status(f"Running {language}...", False)
+    await status(f"Running {language.capitalize()}\u2026", False)
     step = await chat.run(code, language, waiting=waiting_status(status))
-    for note in step.run.notes if step.run is not None else ():
-        await status(note, True)  # the state was reset: said where the user looks, not only in the text
-    await status(_status_after(step), True)
+    said = _status_after(step)
+    if said is None:
+        await status(step.headline(), True, hidden=True)  # the block is the run's one mark
+    else:
+        await status(said, True)  # a limit or a reset: said where the user looks, and in the text
     return step
 
 
@@ -12805,8 +12825,14 @@ async def converse(
     status: StatusCall,
 ) -> AsyncIterator[str]:
     """Yield the user-visible answer (already link-rewritten) while running the model's code."""
-    async for piece in _turns(chat, messages, call_model, options, status):
+    saved: list[str] = []
+    async for piece in _turns(chat, messages, call_model, options, status, saved):
         yield piece
+    # Every file the runs saved reaches the user once: where the text names it, else as an attachment
+    # or in one line here.
+    handed = await chat.hand_over(saved, attachments=options.attachments)
+    if handed:
+        yield handed
     # A file the answer named that exists but could not be linked: say why, rather than stay silent.
     notes = chat.unlinked_notes()
     if notes:
@@ -12819,7 +12845,9 @@ async def _turns(
     call_model: ModelCall,
     options: LoopOptions,
     status: StatusCall,
+    saved: list[str],
 ) -> AsyncIterator[str]:
+    """The model's turns; `saved` collects the files every run saved, in order."""
     steps = 0
     while True:
         offer_tools = options.tool_mode and steps < options.max_steps
@@ -12873,6 +12901,7 @@ async def _turns(
                 else:
                     steps += 1
                     step = await _run(chat, parsed[0], parsed[1], status)
+                    saved.extend(step.saved())
                     yield await render_step(chat, step, options)
                     result = step.for_model(options.max_result_chars)
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
@@ -12893,6 +12922,7 @@ async def _turns(
         for block in blocks:
             steps += 1
             step = await _run(chat, block.language, block.code, status)
+            saved.extend(step.saved())
             yield await render_step(chat, step, options)
             results.append(step.for_model(options.max_result_chars))
         messages.append(
@@ -12911,7 +12941,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_8baba19be368.storage import human_bytes
+from _code_sessions_fc66f82a127e.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12971,7 +13001,7 @@ def _state_line(facts: PromptFacts) -> str:
         f"reset after {facts.kernel_idle_minutes:g} minutes without a run; you are told when that "
         "happens, and files in /mnt/data are always kept. Bash runs in the same sandbox.\n"
         "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data and shown "
-        "to the user; you are told their paths.\n"
+        "to the user under the run (do not link them again); you are told their paths.\n"
     )
 
 
@@ -12994,7 +13024,8 @@ def system_prompt(facts: PromptFacts) -> str:
         "next. Files the user attached to the chat are copied there too.\n"
         "- Save every file the user should get in /mnt/data (not /tmp, which is not kept).\n"
         "- To give the user a file, write its full path, e.g. /mnt/data/report.csv, in your answer as plain "
-        "text (not in a code block): it becomes a download link, and an image is shown inline.\n"
+        "text (not in a code block): it becomes a download link, and an image is shown inline. Name each "
+        "file once.\n"
         + _state_line(facts)
         + _limits_line(facts, network)
         + _quota_line(facts)
@@ -13018,7 +13049,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_8baba19be368.storage import Purge, parse_duration
+from _code_sessions_fc66f82a127e.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -14107,8 +14138,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_8baba19be368.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_8baba19be368.storage import (
+from _code_sessions_fc66f82a127e.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_fc66f82a127e.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14157,6 +14188,8 @@ _OUTCOME_WORDS = {
     Outcome.KERNEL_LOST: "was stopped: the kernel stopped responding",
 }
 _FIGURE_SUFFIXES = (".png",)
+# Files an answer saved without naming them, handed over by name (or attached) at most this many.
+_HANDED_OVER = 20
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
 
 
@@ -14190,8 +14223,51 @@ class StepResult:
             text += f" (exit code {self.run.exit_code})"
         return text
 
+    def saved(self) -> list[str]:
+        """The files this run added or changed and kept, figures aside (they are shown inline)."""
+        report = self.files
+        if report is None:
+            return []
+        removed = {r.path for r in report.quota_removed}
+        figures = set(self.figures)
+        return sorted(
+            path for path in {*report.added, *report.changed} if path not in removed and path not in figures
+        )
+
+    def why_stopped(self) -> str | None:
+        """Why a limit (or the sandbox) stopped the run, in the sandbox's words; None otherwise."""
+        if self.run is None or self.run.outcome in (Outcome.OK, Outcome.ERROR):
+            return None
+        return self.run.reason
+
+    def attention(self) -> list[str]:
+        """What the user must read that the run's block does not say: a lost Python state, the quota,
+        files a limit removed. (Why a limit stopped the run: `why_stopped`. The files the run saved are
+        not here: the answer names them, and the message's attachments hold them.)"""
+        notes = [*(self.run.notes if self.run is not None else ()), *self.notes]
+        return notes + self._removals()
+
+    def _removals(self) -> list[str]:
+        report = self.files
+        if report is None:
+            return []
+        notes = [f"Removed {mention(r.path)}: {r.reason}" for r in report.quota_removed[:20]]
+        notes.extend(_more_line(report.quota_removed, 20, "more files removed by limits"))
+        for rejected in report.rejected[:20]:
+            notes.append(f"Removed {mention(rejected.path.rstrip('/'))}: {_why_rejected(rejected.kind)}")
+        notes.extend(_more_line(report.rejected, 20, "more entries removed"))
+        return notes
+
+    def deleted_note(self) -> str | None:
+        """The files the run deleted, for the record inside the block."""
+        report = self.files
+        if report is None or not report.removed:
+            return None
+        return "Deleted: " + ", ".join(mention(p) for p in report.removed[:20]) + _more(report.removed, 20)
+
     def file_notes(self) -> list[str]:
-        """Plain sentences about files: what changed, what limits removed, what was rejected."""
+        """Plain sentences about files for the model: every one the run saved, the figures, what was
+        deleted, what limits removed, what was rejected (the model learns all of it)."""
         report = self.files
         notes: list[str] = list(self.notes)
         if self.run is not None:
@@ -14199,23 +14275,15 @@ class StepResult:
         if report is None:
             return notes
         if self.figures:
-            notes.append("Figures: " + ", ".join(mention(p) for p in self.figures[:20]))
-        saved = sorted((set(report.added) | set(report.changed)) - set(self.figures))
-        quota_removed = {r.path for r in report.quota_removed}
-        kept = [path for path in saved if path not in quota_removed]
+            shown = ", ".join(mention(p) for p in self.figures[:20])
+            notes.append(f"Figures: {shown} (already shown to the user, under the run)")
+        kept = self.saved()
         if kept:
             notes.append("Saved: " + ", ".join(mention(p) for p in kept[:20]) + _more(kept, 20))
-        if report.removed:
-            notes.append(
-                "Deleted: " + ", ".join(mention(p) for p in report.removed[:20]) + _more(report.removed, 20)
-            )
-        for removal in report.quota_removed[:20]:
-            notes.append(f"Removed {mention(removal.path)}: {removal.reason}")
-        notes.extend(_more_line(report.quota_removed, 20, "more files removed by limits"))
-        for rejected in report.rejected[:20]:
-            notes.append(f"Removed {mention(rejected.path.rstrip('/'))}: {_why_rejected(rejected.kind)}")
-        notes.extend(_more_line(report.rejected, 20, "more entries removed"))
-        return notes
+        deleted = self.deleted_note()
+        if deleted:
+            notes.append(deleted)
+        return notes + self._removals()
 
     def for_model(self, max_chars: int = 8000) -> str:
         """The tool result the model reads: outcome, output (bounded), file changes."""
@@ -14271,6 +14339,10 @@ class ChatSession:
         self._unlinked: dict[str, str] = {}
         # The published copies behind those targets, by ref (for attaching them to the message).
         self._links: dict[str, Link] = {}
+        # Files the answer's text names (as links or inline images), and the images it shows inline:
+        # a file is shown once in the text, and an image shown inline is not an attachment as well.
+        self._shown: set[str] = set()
+        self._inline: set[str] = set()
 
     @property
     def published(self) -> list[Target]:
@@ -14281,6 +14353,33 @@ class ChatSession:
     def links(self) -> list[Link]:
         """The published copies behind every file linked so far, each once, in the order first linked."""
         return list(self._links.values())
+
+    @property
+    def attachments(self) -> list[Link]:
+        """The copies to show as the message's attachments: every file linked, except the images the
+        text already shows inline."""
+        return [link for link in self._links.values() if link.url not in self._inline]
+
+    @property
+    def inline_urls(self) -> frozenset[str]:
+        """The URLs of the images the answer's text shows inline."""
+        return frozenset(self._inline)
+
+    async def hand_over(self, paths: Sequence[str], *, attachments: bool) -> str:
+        """Make sure every file the answer's runs saved reaches the user once: the files the text has
+        not named are published, then either left to the message's attachments (`attachments`: the
+        host shows every linked file under the message) or named in one short line, which is returned."""
+        missing = [p for p in dict.fromkeys(paths) if p not in self._shown and p not in self._unlinked]
+        if not missing:
+            return ""
+        shown, more = missing[:_HANDED_OVER], len(missing) - _HANDED_OVER
+        tail = f" and {more} more in /mnt/data" if more > 0 else ""
+        if not attachments:
+            line = "Saved: " + ", ".join(mention(p) for p in shown) + tail
+            return "\n\n" + await self.rewrite(line, inline_images=False) + "\n"
+        for path in shown:
+            await self._publish(path)
+        return f"\n\n_{more} more files saved in /mnt/data._\n" if more > 0 else ""
 
     def unlinked_notes(self) -> list[str]:
         """One sentence per file the answer named that exists but could not be linked; then forgotten."""
@@ -14375,7 +14474,23 @@ class ChatSession:
         )
 
     async def resolve(self, path: str) -> Target | None:
-        """Publish a file for the browser, or None when it is not a regular file of this session."""
+        """Publish a file for the browser, or None when it is not a regular file of this session.
+        The text names it: it counts as shown."""
+        found = await self._publish(path)
+        if found is None:
+            return None
+        link, target = found
+        self._shown.add(link.path)
+        return target
+
+    async def _resolve_inline(self, path: str) -> Target | None:
+        """`resolve`, for text where an image is shown inline (the streamed answer, figures)."""
+        target = await self.resolve(path)
+        if target is not None and target.is_image:
+            self._inline.add(target.url)
+        return target
+
+    async def _publish(self, path: str) -> tuple[Link, Target] | None:
         try:
             # Under the lock: another message of this chat may be running code that rewrites the file.
             async with self.session.lock(timeout=self._service.lock_timeout_s):
@@ -14389,18 +14504,19 @@ class ChatSession:
         target = Target(url=link.url, name=posixpath.basename(path), is_image=link.is_image)
         self._published.setdefault(target, None)
         self._links.setdefault(link.ref, link)
-        return target
+        return link, target
 
     async def rewrite(self, text: str, *, inline_images: bool = True) -> str:
         big = len(text) > SCAN_ON_LOOP_CHARS  # scanned in a thread (see SCAN_ON_LOOP_CHARS)
         references = await asyncio.to_thread(References, text) if big else References(text)
-        targets = await resolve_all(references.paths, self.resolve)
+        resolve = self._resolve_inline if inline_images else self.resolve
+        targets = await resolve_all(references.paths, resolve)
         if big:
             return await asyncio.to_thread(references.rewrite, targets, inline_images=inline_images)
         return references.rewrite(targets, inline_images=inline_images)
 
     def streaming_rewriter(self) -> StreamingRewriter:
-        return StreamingRewriter(self.resolve)
+        return StreamingRewriter(self._resolve_inline)  # the answer itself: images are shown inline
 
     async def sandbox_view(self, messages: list[dict]) -> list[dict]:
         """Earlier answers as the model should read them: our links turned back into /mnt/data paths.
@@ -14694,10 +14810,10 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_8baba19be368.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_fc66f82a127e.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14821,11 +14937,15 @@ class FilesPublisher:
 
 
 async def attach(
-    chat_id: str, message_id: str, user_id: str, items: Iterable[dict[str, Any]]
+    chat_id: str,
+    message_id: str,
+    user_id: str,
+    items: Iterable[dict[str, Any]],
+    inline_urls: Collection[str] = (),
 ) -> list[dict] | None:
-    """Link the answer's files to the chat (shared-chat readers may then fetch them), and its other
-    files to the message as attachment chips, each once (images are already shown inline in the
-    text: as chips they would show twice). Returns the message's full list of files, for the UI."""
+    """Link the answer's files to the chat (shared-chat readers may then fetch them), and to the
+    message as attachments, each once, except the images the text shows inline (`inline_urls`: as
+    attachments they would show twice). Returns the message's full list of files, for the UI."""
     from open_webui.models.chats import Chats
 
     items = list(items)
@@ -14835,7 +14955,7 @@ async def attach(
     await Chats.insert_chat_files(chat_id=chat_id, message_id=message_id, file_ids=ids, user_id=user_id)
     message = await Chats.get_message_by_id_and_message_id(chat_id, message_id) or {}
     already = {f.get("id") for f in message.get("files") or [] if isinstance(f, dict)}
-    new = [item for item in items if item["id"] not in already and item["type"] != "image"]
+    new = [item for item in items if item["id"] not in already and item["url"] not in inline_urls]
     if not new:
         return None
     return await Chats.add_message_files_by_id_and_message_id(chat_id, message_id, new)
@@ -14905,12 +15025,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import mimetypes
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_8baba19be368.storage import Link, Publisher, is_postgres_url
+from _code_sessions_fc66f82a127e.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14981,6 +15101,10 @@ class OpenWebUI:
         only). Copies made earlier under /cache keep their own publisher (see storage.publishing)."""
         return FilesPublisher()
 
+    def can_attach(self, chat_id: str, message_id: str | None) -> bool:
+        """Whether a message of this chat can hold attachments (a saved chat's message)."""
+        return bool(message_id) and _saved_chat(chat_id)
+
     async def attach(
         self,
         chat_id: str,
@@ -14988,17 +15112,20 @@ class OpenWebUI:
         user_id: str,
         links: Sequence[Link],
         emit: Callable[[dict], Awaitable[None]] | None,
+        *,
+        inline_urls: Collection[str] = (),
     ) -> None:
         """Show the answer's files as attachments of its message (each once), and link them to the
-        chat so the people it is shared with can open them. Temporary chats have no message to
-        attach to: their links still work for their owner."""
-        if not links or not message_id or not _saved_chat(chat_id):
+        chat so the people it is shared with can open them. `inline_urls`: the images the text shows
+        inline, linked to the chat but not shown again as attachments. Temporary chats have no
+        message to attach to: their links still work for their owner."""
+        if not links or not self.can_attach(chat_id, message_id):
             return
         items = [
             attachment_item(link, _content_type(link.name)) for link in links if link.url.startswith("/api/")
         ]
         try:
-            files = await attach(chat_id, message_id, user_id, items)
+            files = await attach(chat_id, message_id, user_id, items, inline_urls)
         except Exception as error:  # the links in the text work anyway
             log.warning("code-sessions: could not attach the files to message %s: %s", message_id, error)
             return
@@ -15122,7 +15249,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_8baba19be368.engine import (
+from _code_sessions_fc66f82a127e.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -15136,8 +15263,8 @@ from _code_sessions_8baba19be368.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_8baba19be368.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_8baba19be368.storage import (
+from _code_sessions_fc66f82a127e.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_fc66f82a127e.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -15145,7 +15272,7 @@ from _code_sessions_8baba19be368.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_8baba19be368.webui import Misconfigured, OpenWebUI
+from _code_sessions_fc66f82a127e.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 
@@ -15242,8 +15369,9 @@ class Pipe:
         )
         attach_files: bool = Field(
             default=True,
-            description="Also show the files an answer links as attachments of its message (and let the "
-            "people a chat is shared with open them).",
+            description="Show an answer's files as attachments of its message (and let the people a chat "
+            "is shared with open them). Off: a file a run saved that the answer does not name is named in "
+            "one line at the end of the answer instead.",
         )
         runsc_path: str = Field(default="runsc", description="The gVisor runsc binary.")
         runsc_platform: str = Field(
@@ -15312,9 +15440,11 @@ class Pipe:
         except StorageError as error:  # a new chat on a full disk, an id the index refuses
             log.warning("code-sessions: no session for chat %r: %s", (__chat_id__ or "")[:80], error)
             return f"This chat's files are not available right now: {escape_text(str(error))}"
-        status = _status_emitter(__event_emitter__)
+        status = _Status(__event_emitter__)
         if _last_user_text(body.get("messages", [])).strip() == CLEAR_FILES_COMMAND:
-            return await chat.clear_files(waiting=waiting_status(status))
+            said = await chat.clear_files(waiting=waiting_status(status))
+            await status.settle()
+            return said
 
         notes, refused = await self._import_uploads(chat, __user__["id"], __files__ or [], status)
         user_valves = __user__.get("valves") or self.UserValves()
@@ -15323,6 +15453,8 @@ class Pipe:
             max_steps=self.valves.max_steps,
             show_code=bool(getattr(user_valves, "show_code", True)),
             show_output=bool(getattr(user_valves, "show_output", True)),
+            # Files saved but not named are then only attachments; else one line names them.
+            attachments=self.valves.attach_files and host.can_attach(__chat_id__ or "", __message_id__),
         )
         messages = await self._messages_with_prompt(
             body.get("messages", []), chat, services, options, refused
@@ -15347,9 +15479,15 @@ class Pipe:
                 yield "".join(notes)
             async for piece in converse(chat, messages, call_model, options, status):
                 yield piece
+            await status.settle()
             if self.valves.attach_files:
                 await host.attach(
-                    __chat_id__ or "", __message_id__, __user__["id"], chat.links, __event_emitter__
+                    __chat_id__ or "",
+                    __message_id__,
+                    __user__["id"],
+                    chat.links,
+                    __event_emitter__,
+                    inline_urls=chat.inline_urls,
                 )
 
         return answer()
@@ -15544,7 +15682,7 @@ class Pipe:
                 )
                 notes.append(f"_{shown}_\n\n")
                 continue
-            await status(f"Copied {name} to /mnt/data/{path}", True)
+            await status(f"Copied {name} to /mnt/data/{path}", True, hidden=True)  # the answer says so
             notes.append(f"_Attached file available as {code_span('/mnt/data/' + path)}._\n\n")
         return notes, refused
 
@@ -15667,9 +15805,23 @@ async def _model_events(response: Any) -> AsyncIterator:
             yield event
 
 
-def _status_emitter(emitter: Any) -> Any:
-    async def status(description: str, done: bool) -> None:
-        if emitter is not None:
-            await emitter({"type": "status", "data": {"description": description, "done": done}})
+class _Status:
+    """The message's status line (engine.StatusCall). Open WebUI 0.12 shows a message's last status,
+    and nothing when that one is hidden."""
 
-    return status
+    def __init__(self, emitter: Any) -> None:
+        self._emit = emitter
+        self._going: str | None = None  # the description of a status still in progress
+
+    async def __call__(self, description: str, done: bool, *, hidden: bool = False) -> None:
+        self._going = None if done else description
+        if self._emit is not None:
+            data: dict[str, Any] = {"description": description, "done": done}
+            if hidden:
+                data["hidden"] = True
+            await self._emit({"type": "status", "data": data})
+
+    async def settle(self) -> None:
+        """The message is over: a status still in progress (a wait for the chat) must not stay."""
+        if self._going is not None:
+            await self(self._going, True, hidden=True)

@@ -10,6 +10,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from runner import Outcome
 
@@ -49,7 +50,13 @@ RUN_CODE_TOOL = {
 }
 
 ModelCall = Callable[[list[dict], list[dict] | None], AsyncIterator[TextDelta | ToolCall | ModelError]]
-StatusCall = Callable[[str, bool], Awaitable[None]]
+
+
+class StatusCall(Protocol):
+    """The status line over the message: `done` False while something goes on; `hidden` clears it
+    (the step's block is its record, so a status that says nothing more does not stay)."""
+
+    def __call__(self, description: str, done: bool, *, hidden: bool = False) -> Awaitable[None]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +66,10 @@ class LoopOptions:
     show_code: bool = True
     show_output: bool = True
     max_result_chars: int = 8000
+    # The host shows every file the answer links as an attachment of the message (Open WebUI's chips,
+    # `attach_files`). Then a file saved but not named in the text is only attached; without it, it is
+    # named in one line at the end of the answer.
+    attachments: bool = False
 
 
 def _fence(text: str) -> str:
@@ -73,7 +84,10 @@ def _block(text: str, language: str = "") -> str:
 
 
 async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions) -> str:
-    """Markdown for the user: a collapsible block with code and output, then file notes with links."""
+    """Markdown for the user: one collapsible block, the record of the run (headline; code, output and
+    what it deleted inside), its figures inline under it, and the sentences the user must not miss (a
+    limit, a lost state, the quota). The files it saved are not listed: the answer names them, and the
+    rest reach the user once at the end (`ChatSession.hand_over`)."""
     body: list[str] = []
     if options.show_code:
         body.append(_block(step.code, step.language))
@@ -82,31 +96,35 @@ async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions)
             ("\n" if step.run.stdout else "") + step.run.stderr if step.run.stderr else ""
         )
         body.append("Output:\n" + _block(output) if output.strip() else "_(no output)_\n")
-    if step.run is not None and step.run.reason and step.run.outcome != Outcome.OK:
+    if step.run is not None and step.run.reason and step.run.outcome == Outcome.ERROR:
         body.append(f"_Why: {escape_text(step.run.reason)}_\n")
+    deleted = step.deleted_note()
+    if deleted:
+        body.append(deleted + "\n")
     summary = step.headline().replace("<", "&lt;")
     details = f"\n<details>\n<summary>{summary}</summary>\n\n" + "\n".join(body) + "\n</details>\n\n"
-    notes = step.file_notes()
     pictures = ""
     if step.figures:  # shown like a notebook shows them: inline, under the step
         pictures = await chat.rewrite(
             "".join(f"![{p.rsplit('/', 1)[-1]}](/mnt/data/{p})\n" for p in step.figures)
         )
         pictures += "\n"
+    why = step.why_stopped()
+    notes = ([f"Why: {escape_text(why)}."] if why else []) + step.attention()
     if not notes:
         return details + pictures
-    listing = "\n".join(f"- {note}" for note in notes) + "\n"
-    return details + pictures + await chat.rewrite(listing, inline_images=False) + "\n"
+    # Each sentence its own paragraph, in italics: ours, not the model's.
+    said = "".join(f"_{note}_\n\n" for note in notes)
+    return details + pictures + await chat.rewrite(said, inline_images=False)
 
 
-def _status_after(step: StepResult) -> str:
-    if step.refused is not None:
-        return step.headline()
-    saved = len(step.files.added) + len(step.files.changed) if step.files else 0
-    text = step.headline()
-    if saved:
-        text += f"; saved {saved} file{'s' if saved != 1 else ''}"
-    return text
+def _status_after(step: StepResult) -> str | None:
+    """What the status line says once the run is over: None when the message's text says it all (the
+    line is cleared), else the first sentence the run's block does not say: a lost Python state, the
+    quota, files a limit removed. (A limit that stopped the run is in the block's headline, and why
+    in the line under it.)"""
+    notes = step.attention()
+    return notes[0] if notes else None
 
 
 def _arguments(call: ToolCall) -> tuple[str, str] | str:
@@ -133,11 +151,13 @@ def waiting_status(status: StatusCall) -> Callable[[], Awaitable[None]]:
 
 
 async def _run(chat: ChatSession, language: str, code: str, status: StatusCall) -> StepResult:
-    await status(f"Running {language}...", False)
+    await status(f"Running {language.capitalize()}\u2026", False)
     step = await chat.run(code, language, waiting=waiting_status(status))
-    for note in step.run.notes if step.run is not None else ():
-        await status(note, True)  # the state was reset: said where the user looks, not only in the text
-    await status(_status_after(step), True)
+    said = _status_after(step)
+    if said is None:
+        await status(step.headline(), True, hidden=True)  # the block is the run's one mark
+    else:
+        await status(said, True)  # a limit or a reset: said where the user looks, and in the text
     return step
 
 
@@ -149,8 +169,14 @@ async def converse(
     status: StatusCall,
 ) -> AsyncIterator[str]:
     """Yield the user-visible answer (already link-rewritten) while running the model's code."""
-    async for piece in _turns(chat, messages, call_model, options, status):
+    saved: list[str] = []
+    async for piece in _turns(chat, messages, call_model, options, status, saved):
         yield piece
+    # Every file the runs saved reaches the user once: where the text names it, else as an attachment
+    # or in one line here.
+    handed = await chat.hand_over(saved, attachments=options.attachments)
+    if handed:
+        yield handed
     # A file the answer named that exists but could not be linked: say why, rather than stay silent.
     notes = chat.unlinked_notes()
     if notes:
@@ -163,7 +189,9 @@ async def _turns(
     call_model: ModelCall,
     options: LoopOptions,
     status: StatusCall,
+    saved: list[str],
 ) -> AsyncIterator[str]:
+    """The model's turns; `saved` collects the files every run saved, in order."""
     steps = 0
     while True:
         offer_tools = options.tool_mode and steps < options.max_steps
@@ -217,6 +245,7 @@ async def _turns(
                 else:
                     steps += 1
                     step = await _run(chat, parsed[0], parsed[1], status)
+                    saved.extend(step.saved())
                     yield await render_step(chat, step, options)
                     result = step.for_model(options.max_result_chars)
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
@@ -237,6 +266,7 @@ async def _turns(
         for block in blocks:
             steps += 1
             step = await _run(chat, block.language, block.code, status)
+            saved.extend(step.saved())
             yield await render_step(chat, step, options)
             results.append(step.for_model(options.max_result_chars))
         messages.append(

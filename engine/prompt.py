@@ -65,7 +65,7 @@ def _state_line(facts: PromptFacts) -> str:
         f"reset after {facts.kernel_idle_minutes:g} minutes without a run; you are told when that "
         "happens, and files in /mnt/data are always kept. Bash runs in the same sandbox.\n"
         "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data and shown "
-        "to the user; you are told their paths.\n"
+        "to the user under the run (do not link them again); you are told their paths.\n"
     )
 
 
@@ -88,7 +88,8 @@ def system_prompt(facts: PromptFacts) -> str:
         "next. Files the user attached to the chat are copied there too.\n"
         "- Save every file the user should get in /mnt/data (not /tmp, which is not kept).\n"
         "- To give the user a file, write its full path, e.g. /mnt/data/report.csv, in your answer as plain "
-        "text (not in a code block): it becomes a download link, and an image is shown inline.\n"
+        "text (not in a code block): it becomes a download link, and an image is shown inline. Name each "
+        "file once.\n"
         + _state_line(facts)
         + _limits_line(facts, network)
         + _quota_line(facts)

@@ -64,6 +64,8 @@ _OUTCOME_WORDS = {
     Outcome.KERNEL_LOST: "was stopped: the kernel stopped responding",
 }
 _FIGURE_SUFFIXES = (".png",)
+# Files an answer saved without naming them, handed over by name (or attached) at most this many.
+_HANDED_OVER = 20
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
 
 
@@ -97,8 +99,51 @@ class StepResult:
             text += f" (exit code {self.run.exit_code})"
         return text
 
+    def saved(self) -> list[str]:
+        """The files this run added or changed and kept, figures aside (they are shown inline)."""
+        report = self.files
+        if report is None:
+            return []
+        removed = {r.path for r in report.quota_removed}
+        figures = set(self.figures)
+        return sorted(
+            path for path in {*report.added, *report.changed} if path not in removed and path not in figures
+        )
+
+    def why_stopped(self) -> str | None:
+        """Why a limit (or the sandbox) stopped the run, in the sandbox's words; None otherwise."""
+        if self.run is None or self.run.outcome in (Outcome.OK, Outcome.ERROR):
+            return None
+        return self.run.reason
+
+    def attention(self) -> list[str]:
+        """What the user must read that the run's block does not say: a lost Python state, the quota,
+        files a limit removed. (Why a limit stopped the run: `why_stopped`. The files the run saved are
+        not here: the answer names them, and the message's attachments hold them.)"""
+        notes = [*(self.run.notes if self.run is not None else ()), *self.notes]
+        return notes + self._removals()
+
+    def _removals(self) -> list[str]:
+        report = self.files
+        if report is None:
+            return []
+        notes = [f"Removed {mention(r.path)}: {r.reason}" for r in report.quota_removed[:20]]
+        notes.extend(_more_line(report.quota_removed, 20, "more files removed by limits"))
+        for rejected in report.rejected[:20]:
+            notes.append(f"Removed {mention(rejected.path.rstrip('/'))}: {_why_rejected(rejected.kind)}")
+        notes.extend(_more_line(report.rejected, 20, "more entries removed"))
+        return notes
+
+    def deleted_note(self) -> str | None:
+        """The files the run deleted, for the record inside the block."""
+        report = self.files
+        if report is None or not report.removed:
+            return None
+        return "Deleted: " + ", ".join(mention(p) for p in report.removed[:20]) + _more(report.removed, 20)
+
     def file_notes(self) -> list[str]:
-        """Plain sentences about files: what changed, what limits removed, what was rejected."""
+        """Plain sentences about files for the model: every one the run saved, the figures, what was
+        deleted, what limits removed, what was rejected (the model learns all of it)."""
         report = self.files
         notes: list[str] = list(self.notes)
         if self.run is not None:
@@ -106,23 +151,15 @@ class StepResult:
         if report is None:
             return notes
         if self.figures:
-            notes.append("Figures: " + ", ".join(mention(p) for p in self.figures[:20]))
-        saved = sorted((set(report.added) | set(report.changed)) - set(self.figures))
-        quota_removed = {r.path for r in report.quota_removed}
-        kept = [path for path in saved if path not in quota_removed]
+            shown = ", ".join(mention(p) for p in self.figures[:20])
+            notes.append(f"Figures: {shown} (already shown to the user, under the run)")
+        kept = self.saved()
         if kept:
             notes.append("Saved: " + ", ".join(mention(p) for p in kept[:20]) + _more(kept, 20))
-        if report.removed:
-            notes.append(
-                "Deleted: " + ", ".join(mention(p) for p in report.removed[:20]) + _more(report.removed, 20)
-            )
-        for removal in report.quota_removed[:20]:
-            notes.append(f"Removed {mention(removal.path)}: {removal.reason}")
-        notes.extend(_more_line(report.quota_removed, 20, "more files removed by limits"))
-        for rejected in report.rejected[:20]:
-            notes.append(f"Removed {mention(rejected.path.rstrip('/'))}: {_why_rejected(rejected.kind)}")
-        notes.extend(_more_line(report.rejected, 20, "more entries removed"))
-        return notes
+        deleted = self.deleted_note()
+        if deleted:
+            notes.append(deleted)
+        return notes + self._removals()
 
     def for_model(self, max_chars: int = 8000) -> str:
         """The tool result the model reads: outcome, output (bounded), file changes."""
@@ -178,6 +215,10 @@ class ChatSession:
         self._unlinked: dict[str, str] = {}
         # The published copies behind those targets, by ref (for attaching them to the message).
         self._links: dict[str, Link] = {}
+        # Files the answer's text names (as links or inline images), and the images it shows inline:
+        # a file is shown once in the text, and an image shown inline is not an attachment as well.
+        self._shown: set[str] = set()
+        self._inline: set[str] = set()
 
     @property
     def published(self) -> list[Target]:
@@ -188,6 +229,33 @@ class ChatSession:
     def links(self) -> list[Link]:
         """The published copies behind every file linked so far, each once, in the order first linked."""
         return list(self._links.values())
+
+    @property
+    def attachments(self) -> list[Link]:
+        """The copies to show as the message's attachments: every file linked, except the images the
+        text already shows inline."""
+        return [link for link in self._links.values() if link.url not in self._inline]
+
+    @property
+    def inline_urls(self) -> frozenset[str]:
+        """The URLs of the images the answer's text shows inline."""
+        return frozenset(self._inline)
+
+    async def hand_over(self, paths: Sequence[str], *, attachments: bool) -> str:
+        """Make sure every file the answer's runs saved reaches the user once: the files the text has
+        not named are published, then either left to the message's attachments (`attachments`: the
+        host shows every linked file under the message) or named in one short line, which is returned."""
+        missing = [p for p in dict.fromkeys(paths) if p not in self._shown and p not in self._unlinked]
+        if not missing:
+            return ""
+        shown, more = missing[:_HANDED_OVER], len(missing) - _HANDED_OVER
+        tail = f" and {more} more in /mnt/data" if more > 0 else ""
+        if not attachments:
+            line = "Saved: " + ", ".join(mention(p) for p in shown) + tail
+            return "\n\n" + await self.rewrite(line, inline_images=False) + "\n"
+        for path in shown:
+            await self._publish(path)
+        return f"\n\n_{more} more files saved in /mnt/data._\n" if more > 0 else ""
 
     def unlinked_notes(self) -> list[str]:
         """One sentence per file the answer named that exists but could not be linked; then forgotten."""
@@ -282,7 +350,23 @@ class ChatSession:
         )
 
     async def resolve(self, path: str) -> Target | None:
-        """Publish a file for the browser, or None when it is not a regular file of this session."""
+        """Publish a file for the browser, or None when it is not a regular file of this session.
+        The text names it: it counts as shown."""
+        found = await self._publish(path)
+        if found is None:
+            return None
+        link, target = found
+        self._shown.add(link.path)
+        return target
+
+    async def _resolve_inline(self, path: str) -> Target | None:
+        """`resolve`, for text where an image is shown inline (the streamed answer, figures)."""
+        target = await self.resolve(path)
+        if target is not None and target.is_image:
+            self._inline.add(target.url)
+        return target
+
+    async def _publish(self, path: str) -> tuple[Link, Target] | None:
         try:
             # Under the lock: another message of this chat may be running code that rewrites the file.
             async with self.session.lock(timeout=self._service.lock_timeout_s):
@@ -296,18 +380,19 @@ class ChatSession:
         target = Target(url=link.url, name=posixpath.basename(path), is_image=link.is_image)
         self._published.setdefault(target, None)
         self._links.setdefault(link.ref, link)
-        return target
+        return link, target
 
     async def rewrite(self, text: str, *, inline_images: bool = True) -> str:
         big = len(text) > SCAN_ON_LOOP_CHARS  # scanned in a thread (see SCAN_ON_LOOP_CHARS)
         references = await asyncio.to_thread(References, text) if big else References(text)
-        targets = await resolve_all(references.paths, self.resolve)
+        resolve = self._resolve_inline if inline_images else self.resolve
+        targets = await resolve_all(references.paths, resolve)
         if big:
             return await asyncio.to_thread(references.rewrite, targets, inline_images=inline_images)
         return references.rewrite(targets, inline_images=inline_images)
 
     def streaming_rewriter(self) -> StreamingRewriter:
-        return StreamingRewriter(self.resolve)
+        return StreamingRewriter(self._resolve_inline)  # the answer itself: images are shown inline
 
     async def sandbox_view(self, messages: list[dict]) -> list[dict]:
         """Earlier answers as the model should read them: our links turned back into /mnt/data paths.

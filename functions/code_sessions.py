@@ -139,8 +139,9 @@ class Pipe:
         )
         attach_files: bool = Field(
             default=True,
-            description="Also show the files an answer links as attachments of its message (and let the "
-            "people a chat is shared with open them).",
+            description="Show an answer's files as attachments of its message (and let the people a chat "
+            "is shared with open them). Off: a file a run saved that the answer does not name is named in "
+            "one line at the end of the answer instead.",
         )
         runsc_path: str = Field(default="runsc", description="The gVisor runsc binary.")
         runsc_platform: str = Field(
@@ -209,9 +210,11 @@ class Pipe:
         except StorageError as error:  # a new chat on a full disk, an id the index refuses
             log.warning("code-sessions: no session for chat %r: %s", (__chat_id__ or "")[:80], error)
             return f"This chat's files are not available right now: {escape_text(str(error))}"
-        status = _status_emitter(__event_emitter__)
+        status = _Status(__event_emitter__)
         if _last_user_text(body.get("messages", [])).strip() == CLEAR_FILES_COMMAND:
-            return await chat.clear_files(waiting=waiting_status(status))
+            said = await chat.clear_files(waiting=waiting_status(status))
+            await status.settle()
+            return said
 
         notes, refused = await self._import_uploads(chat, __user__["id"], __files__ or [], status)
         user_valves = __user__.get("valves") or self.UserValves()
@@ -220,6 +223,8 @@ class Pipe:
             max_steps=self.valves.max_steps,
             show_code=bool(getattr(user_valves, "show_code", True)),
             show_output=bool(getattr(user_valves, "show_output", True)),
+            # Files saved but not named are then only attachments; else one line names them.
+            attachments=self.valves.attach_files and host.can_attach(__chat_id__ or "", __message_id__),
         )
         messages = await self._messages_with_prompt(
             body.get("messages", []), chat, services, options, refused
@@ -244,9 +249,15 @@ class Pipe:
                 yield "".join(notes)
             async for piece in converse(chat, messages, call_model, options, status):
                 yield piece
+            await status.settle()
             if self.valves.attach_files:
                 await host.attach(
-                    __chat_id__ or "", __message_id__, __user__["id"], chat.links, __event_emitter__
+                    __chat_id__ or "",
+                    __message_id__,
+                    __user__["id"],
+                    chat.links,
+                    __event_emitter__,
+                    inline_urls=chat.inline_urls,
                 )
 
         return answer()
@@ -441,7 +452,7 @@ class Pipe:
                 )
                 notes.append(f"_{shown}_\n\n")
                 continue
-            await status(f"Copied {name} to /mnt/data/{path}", True)
+            await status(f"Copied {name} to /mnt/data/{path}", True, hidden=True)  # the answer says so
             notes.append(f"_Attached file available as {code_span('/mnt/data/' + path)}._\n\n")
         return notes, refused
 
@@ -564,9 +575,23 @@ async def _model_events(response: Any) -> AsyncIterator:
             yield event
 
 
-def _status_emitter(emitter: Any) -> Any:
-    async def status(description: str, done: bool) -> None:
-        if emitter is not None:
-            await emitter({"type": "status", "data": {"description": description, "done": done}})
+class _Status:
+    """The message's status line (engine.StatusCall). Open WebUI 0.12 shows a message's last status,
+    and nothing when that one is hidden."""
 
-    return status
+    def __init__(self, emitter: Any) -> None:
+        self._emit = emitter
+        self._going: str | None = None  # the description of a status still in progress
+
+    async def __call__(self, description: str, done: bool, *, hidden: bool = False) -> None:
+        self._going = None if done else description
+        if self._emit is not None:
+            data: dict[str, Any] = {"description": description, "done": done}
+            if hidden:
+                data["hidden"] = True
+            await self._emit({"type": "status", "data": data})
+
+    async def settle(self) -> None:
+        """The message is over: a status still in progress (a wait for the chat) must not stay."""
+        if self._going is not None:
+            await self(self._going, True, hidden=True)

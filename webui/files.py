@@ -21,7 +21,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
@@ -148,11 +148,15 @@ class FilesPublisher:
 
 
 async def attach(
-    chat_id: str, message_id: str, user_id: str, items: Iterable[dict[str, Any]]
+    chat_id: str,
+    message_id: str,
+    user_id: str,
+    items: Iterable[dict[str, Any]],
+    inline_urls: Collection[str] = (),
 ) -> list[dict] | None:
-    """Link the answer's files to the chat (shared-chat readers may then fetch them), and its other
-    files to the message as attachment chips, each once (images are already shown inline in the
-    text: as chips they would show twice). Returns the message's full list of files, for the UI."""
+    """Link the answer's files to the chat (shared-chat readers may then fetch them), and to the
+    message as attachments, each once, except the images the text shows inline (`inline_urls`: as
+    attachments they would show twice). Returns the message's full list of files, for the UI."""
     from open_webui.models.chats import Chats
 
     items = list(items)
@@ -162,7 +166,7 @@ async def attach(
     await Chats.insert_chat_files(chat_id=chat_id, message_id=message_id, file_ids=ids, user_id=user_id)
     message = await Chats.get_message_by_id_and_message_id(chat_id, message_id) or {}
     already = {f.get("id") for f in message.get("files") or [] if isinstance(f, dict)}
-    new = [item for item in items if item["id"] not in already and item["type"] != "image"]
+    new = [item for item in items if item["id"] not in already and item["url"] not in inline_urls]
     if not new:
         return None
     return await Chats.add_message_files_by_id_and_message_id(chat_id, message_id, new)

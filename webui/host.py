@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import mimetypes
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +86,10 @@ class OpenWebUI:
         only). Copies made earlier under /cache keep their own publisher (see storage.publishing)."""
         return FilesPublisher()
 
+    def can_attach(self, chat_id: str, message_id: str | None) -> bool:
+        """Whether a message of this chat can hold attachments (a saved chat's message)."""
+        return bool(message_id) and _saved_chat(chat_id)
+
     async def attach(
         self,
         chat_id: str,
@@ -93,17 +97,20 @@ class OpenWebUI:
         user_id: str,
         links: Sequence[Link],
         emit: Callable[[dict], Awaitable[None]] | None,
+        *,
+        inline_urls: Collection[str] = (),
     ) -> None:
         """Show the answer's files as attachments of its message (each once), and link them to the
-        chat so the people it is shared with can open them. Temporary chats have no message to
-        attach to: their links still work for their owner."""
-        if not links or not message_id or not _saved_chat(chat_id):
+        chat so the people it is shared with can open them. `inline_urls`: the images the text shows
+        inline, linked to the chat but not shown again as attachments. Temporary chats have no
+        message to attach to: their links still work for their owner."""
+        if not links or not self.can_attach(chat_id, message_id):
             return
         items = [
             attachment_item(link, _content_type(link.name)) for link in links if link.url.startswith("/api/")
         ]
         try:
-            files = await attach(chat_id, message_id, user_id, items)
+            files = await attach(chat_id, message_id, user_id, items, inline_urls)
         except Exception as error:  # the links in the text work anyway
             log.warning("code-sessions: could not attach the files to message %s: %s", message_id, error)
             return

@@ -98,7 +98,7 @@ async def test_chats_of_one_user_growing_indexed_files_at_once_stay_within_the_q
     """Naive: each run weighs its growth against the totals from before the others (10.5 MiB of 4)."""
     harness.set_valves(max_mb_per_user=4, timeout_seconds=20)
     chats = ["grow-1", "grow-2", "grow-3"]
-    for chat in chats:  # indexed, and linked by the "Saved:" note (a copy each)
+    for chat in chats:  # indexed, and linked by the answer (a copy each)
         await bd.say(harness, "alice", chat, code(bd.write("/mnt/data/g.bin", 256 * KB)))
     deadline = time.time() + 4
     grow = bd.at(deadline, bd.write("/mnt/data/g.bin", MB + 512 * KB, "ab"))
@@ -214,7 +214,7 @@ async def test_published_copies_count_toward_the_quota(harness: PipeHarness):
     or counted twice (room refused that is there)."""
     harness.set_valves(max_mb_per_user=4)
     one = await bd.say(harness, "alice", "c", code(bd.write("/mnt/data/a.bin", MB + 512 * KB)))
-    assert "Saved: [a.bin]" in one  # linked: 1.5 MiB of file and 1.5 MiB of copy
+    assert "ready: [a.bin](" in one  # linked: 1.5 MiB of file and 1.5 MiB of copy
     two = await bd.say(harness, "alice", "c", code(bd.write("/mnt/data/b.bin", 768 * KB)))
     # 3.75 MiB with b.bin: its copy would not fit, the file does.
     assert "Not linked: /mnt/data/b.bin: b.bin was not linked: a copy for download would take 768 KiB" in two
@@ -944,7 +944,8 @@ WAIT_KINDS = {
 
 @pytest.mark.parametrize("kind", ["run", "attachment", "clear"])
 async def test_a_message_waiting_for_a_busy_chat_says_it_waits(harness: PipeHarness, kind: str):
-    """Naive: the second message shows "Running python..." (or nothing) for the whole time it waits."""
+    """Naive: the second message shows "Running Python…" (or nothing) for the whole time it waits, or
+    still shows that it waits once it is over."""
     harness.set_valves(timeout_seconds=15)
     await bd.say(harness, "alice", "chat-1", code("print('warm')", "warm"))
     first, first_events = await bd.start_running(
@@ -954,6 +955,9 @@ async def test_a_message_waiting_for_a_busy_chat_says_it_waits(harness: PipeHarn
     _, events = await bd.say_with_events(harness, "alice", "chat-1", message.pop("text"), **message)
     said = bd.statuses(events)
     assert any(bd.WAITING in s for s in said), said
+    # Then it goes: once the message is over, no status in progress (nor a copy of its text) stays.
+    last = [e["data"] for e in events if e.get("type") == "status"][-1]
+    assert last["done"] and last.get("hidden") is True, last
     await first
     assert not any(bd.WAITING in s for s in bd.statuses(first_events))  # only when it really waits
 

@@ -71,7 +71,8 @@ HOSTILE_NAMES = [
 
 
 async def test_markup_and_control_characters_in_file_names_stay_literal(harness: PipeHarness):
-    """Naive: the 'Saved: /mnt/data/<name>' note pastes names as markdown: HTML, links, headings, bidi."""
+    """Naive: the 'Saved: /mnt/data/<name>' line pastes names as markdown: HTML, links, headings, bidi.
+    (The line names the files the answer did not: the harness's message holds no attachments.)"""
     make = (
         "import os\nnames = " + repr(HOSTILE_NAMES).replace("`", "\\x60") + "\n"
         "for name in names:\n"
@@ -84,8 +85,7 @@ async def test_markup_and_control_characters_in_file_names_stay_literal(harness:
         assert markup not in interpreted, interpreted
     assert "\u202e" not in answer
     assert "# Injected heading" not in interpreted.splitlines()
-    notes = [line for line in prose(answer).splitlines() if line.startswith("- ")]
-    [saved] = [line for line in notes if line.startswith("- Saved:")]  # one line, not broken apart
+    [saved] = [line for line in prose(answer).splitlines() if line.startswith("Saved:")]  # not broken apart
     [url] = links(saved)  # the plain name is still a working link
     assert saved.count("/mnt/data/") == len(HOSTILE_NAMES) - 1
     assert url.endswith("/plain.txt") and published(harness, url) == b"x"

@@ -1,7 +1,11 @@
-"""The real Open WebUI page in headless Chromium: the chart shows inline, the CSV is a file chip under the
-answer, and the chip's link, opened in a new tab, downloads the report.
+"""The real Open WebUI page in headless Chromium: how the demo's answers read, counted on the rendered page.
 
-Its screenshot is the README's picture: with UPDATE_SCREENSHOTS=1 set, it is written to docs/images/chat.png
+Each run is one collapsible block and leaves no status line; each file shows once in the answer's text
+(where the model names it) and once among its attachments; a chart shows inline and nowhere else; a file
+the model did not name is an attachment that downloads; a run stopped by a limit says why, once.
+
+Its screenshots are the README's pictures: with UPDATE_SCREENSHOTS=1 set, they are written to
+docs/images/chat.png and docs/images/limit.png
 (`UPDATE_SCREENSHOTS=1 ./scripts/test tests/e2e/test_browser.py`).
 """
 
@@ -23,10 +27,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.runsc, pytest.mark.browser]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def logged_in(browser: Browser, server: OpenWebUI, account: Account) -> BrowserContext:
+def logged_in(browser: Browser, server: OpenWebUI, account: Account, height: int = 1250) -> BrowserContext:
     """A browser session of the user as Open WebUI's own login leaves it: the token in localStorage (what
     the app's API calls send) and the `token` cookie (what an <img> or a new tab sends to the Files API)."""
-    context = browser.new_context(viewport={"width": 1200, "height": 1250}, accept_downloads=True)
+    context = browser.new_context(viewport={"width": 1200, "height": height}, accept_downloads=True)
     context.add_cookies([{"name": "token", "value": account.token, "url": server.url}])
     context.add_init_script(
         f"localStorage.setItem('token', {account.token!r}); localStorage.setItem('version', '0.12.4');"
@@ -37,8 +41,8 @@ def logged_in(browser: Browser, server: OpenWebUI, account: Account) -> BrowserC
 def link_named(reply: Reply, name: str, image: bool = False) -> str:
     """The one Files API URL the answer links (or, with image=True, shows) under this name."""
     pattern = ("!" if image else r"(?<!!)") + r"\[" + re.escape(name) + r"\]\((" + LINK.pattern + r")\)"
-    urls = set(re.findall(pattern, reply.content))
-    assert len(urls) == 1, (name, reply.content)
+    urls = re.findall(pattern, reply.content)
+    assert len(urls) == 1, (name, reply.content)  # once, not also in a list of saved files
     return urls.pop()
 
 
@@ -49,11 +53,17 @@ def chat_file(server: OpenWebUI, chat_id: str, name: str) -> Path:
     return found[0]
 
 
+def attachments(account: Account, reply: Reply) -> list[dict]:
+    """The files of the answer's message in the saved chat (what the page renders as attachments)."""
+    messages = account.get(f"/api/v1/chats/{reply.chat_id}").json()["chat"]["history"]["messages"]
+    return messages[reply.message_id].get("files") or []
+
+
 def wait_for_messages(
-    page: Page, chip: Locator, errors: list[str], console: list[str], tmp_path: Path
+    page: Page, ready: Locator, errors: list[str], console: list[str], tmp_path: Path
 ) -> None:
     try:
-        chip.wait_for(timeout=30_000)
+        ready.wait_for(timeout=30_000)
     except Exception:
         # Once in a full run the chat page came up without its messages (Open WebUI's page, not the
         # stored answer, which the HTTP tests check): keep what it showed, then load it once more.
@@ -66,78 +76,164 @@ def wait_for_messages(
         warnings.warn(f"the chat page needed a reload ({first_load}); console errors: {said}", stacklevel=1)
         page.reload()
     try:
-        chip.wait_for(timeout=45_000)
+        ready.wait_for(timeout=45_000)
     except Exception as error:
         shot = tmp_path / "failed.png"
         page.screenshot(path=str(shot))
         text = page.evaluate("document.body.innerText")[:2000]
-        raise AssertionError(f"no report.csv chip; page at {page.url} ({shot}):\n{text}") from error
+        raise AssertionError(f"the answers did not render; page at {page.url} ({shot}):\n{text}") from error
 
 
-def test_a_chat_shows_its_chart_inline_and_its_csv_as_a_chip_that_downloads(
+def open_chat(page: Page, server: OpenWebUI, reply: Reply, ready: Locator, tmp_path: Path) -> list[str]:
+    """Load the chat's page until `ready` shows; returns the list its script errors are collected in."""
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    console: list[str] = []
+    page.on("console", lambda message: console.append(message.text) if message.type == "error" else None)
+    page.goto(f"{server.url}/c/{reply.chat_id}")
+    wait_for_messages(page, ready, errors, console, tmp_path)
+    page.keyboard.press("Escape")  # the admin's "What's new" dialog, which covers the chat
+    page.get_by_role("dialog").first.wait_for(state="detached", timeout=10_000)
+    return errors
+
+
+class Rendered:
+    """One answer as the page renders it."""
+
+    def __init__(self, page: Page, reply: Reply) -> None:
+        self.message = page.locator(f"#message-{reply.message_id}")
+        self.content = self.message.locator("#response-content-container")
+
+    def text(self) -> str:
+        """What a reader sees of the answer's text (a closed block shows its title only)."""
+        return self.content.inner_text()
+
+    def chips(self, name: str) -> int:
+        """Attachments of the message shown with this name (outside the text)."""
+        return self.message.locator("button", has_text=name).count()
+
+    def status_lines(self) -> int:
+        return self.message.locator(".status-description").count()
+
+
+def assert_reads_cleanly(answer: Rendered, runs: str, files: dict[str, tuple[int, int]]) -> None:
+    """One block for the answer's one run (its title matches `runs`), no status line left, and each file
+    (name: times in the text, attachments) shown as often as expected."""
+    text = answer.text()
+    assert len(re.findall(runs, text)) == 1, text
+    assert answer.status_lines() == 0, answer.message.inner_text()
+    assert "Saved" not in text, text
+    for name, (in_text, chips) in files.items():
+        assert (text.count(name), answer.chips(name)) == (in_text, chips), (name, answer.message.inner_text())
+
+
+def download_through_chip(
+    page: Page, context: BrowserContext, answer: Rendered, name: str, url: str, data: bytes
+) -> None:
+    """What a user does: click the chip, then the file's name in the dialog it opens, which opens the
+    Files API link in a new tab of the same browser (so with the cookie): the file downloads."""
+    answer.message.locator("button", has_text=name).click()
+    link = page.get_by_role("dialog").get_by_role("link", name=name)
+    link.wait_for(timeout=30_000)
+    assert link.get_attribute("href") == url
+    assert link.get_attribute("target") == "_blank"
+    with context.expect_page(), page.expect_download() as download:  # a new tab, which downloads
+        link.click()
+    assert download.value.url == page.url.split("/c/")[0] + url
+    assert download.value.suggested_filename == name
+    assert Path(download.value.path()).read_bytes() == data
+    page.keyboard.press("Escape")
+
+
+def keep_screenshot(page: Page, tmp_path: Path, name: str) -> None:
+    page.evaluate("document.getElementById('messages-container')?.scrollTo(0, 0)")
+    page.wait_for_timeout(300)
+    shot = tmp_path / name
+    page.screenshot(path=str(shot), full_page=False)
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("UPDATE_SCREENSHOTS"):
+        target = REPO / "docs" / "images" / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, target)
+
+
+def test_the_demo_shows_each_run_once_and_each_file_once(
     browser: Browser, open_webui: OpenWebUI, tmp_path: Path
 ):
     admin = open_webui.admin
-    first = admin.say("make a csv report of visitors per month")
-    second = admin.say("now plot it as a chart", previous=first)
+    first = admin.say("make a csv report")
+    second = admin.say("plot it", previous=first)
+    third = admin.say("zip both", previous=second)
     report_url = link_named(first, "report.csv")
     chart_url = link_named(second, "chart.png", image=True)
+    bundle_url = link_named(third, "bundle.zip")
     report = chat_file(open_webui, first.chat_id, "report.csv").read_bytes()
     assert report.startswith(b"month,visitors")
 
-    # What the page renders from: the saved chat. The CSV is a file of its answer; the chart is not (it
-    # shows inline in the text, a chip would show it twice).
-    messages = admin.get(f"/api/v1/chats/{first.chat_id}").json()["chat"]["history"]["messages"]
-    [item] = messages[first.message_id]["files"]
+    # What the page renders from: the saved chat. Each file the answer names is an attachment of its
+    # message; the chart is not (it shows inline in the text: an attachment would show it twice).
+    [item] = attachments(admin, first)
     assert item["type"] == "file" and item["name"] == "report.csv", item
     assert item["url"] == report_url and report_url == f"/api/v1/files/{item['id']}/content", item
-    assert not [f for f in messages[second.message_id].get("files") or [] if f.get("url") == chart_url]
+    assert attachments(admin, second) == []
+    assert [f["url"] for f in attachments(admin, third)] == [bundle_url]
 
-    context = logged_in(browser, open_webui, admin)
+    context = logged_in(browser, open_webui, admin, height=1320)
     page = context.new_page()
-    page_errors: list[str] = []
-    page.on("pageerror", lambda error: page_errors.append(str(error)))
-    console: list[str] = []
-    page.on("console", lambda message: console.append(message.text) if message.type == "error" else None)
-    page.goto(f"{open_webui.url}/c/{first.chat_id}")
-    answer = page.locator(f"#message-{first.message_id}")
-    # The chip: a FileItem button under the answer, outside its text (which links report.csv too).
-    chip = answer.locator("button", has_text="report.csv")
-    wait_for_messages(page, chip, page_errors, console, tmp_path)
-    assert chip.count() == 1
-    assert answer.locator(f'#response-content-container a[href="{report_url}"]').count() >= 1
+    one, two, three = Rendered(page, first), Rendered(page, second), Rendered(page, third)
+    errors = open_chat(
+        page, open_webui, first, three.message.locator("button", has_text="bundle.zip"), tmp_path
+    )
 
-    image = page.locator(f"#message-{second.message_id} #response-content-container img").first
-    image.wait_for(timeout=60_000)
-    assert image.get_attribute("src") == chart_url and LINK.fullmatch(chart_url)
-    page.keyboard.press("Escape")  # the admin's "What's new" dialog, which covers the chat
-    page.get_by_role("dialog").first.wait_for(state="detached", timeout=10_000)
+    image = two.content.locator("img")
+    image.first.wait_for(timeout=60_000)
+    assert image.count() == 1 and image.get_attribute("src") == chart_url
     image.scroll_into_view_if_needed()
     # Loaded and decoded: the browser sent the cookie, Open WebUI answered with the PNG.
     loaded = "img => img.complete && img.naturalWidth > 0"
     page.wait_for_function(loaded, arg=image.element_handle(), timeout=30_000)
 
-    page.evaluate("document.getElementById('messages-container')?.scrollTo(0, 0)")
-    page.wait_for_timeout(300)
-    shot = tmp_path / "chat.png"
-    page.screenshot(path=str(shot), full_page=False)
-    assert shot.stat().st_size > 10_000
-    if os.environ.get("UPDATE_SCREENSHOTS"):
-        target = REPO / "docs" / "images" / "chat.png"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(shot, target)
+    finished = r"Python finished in [0-9.]+ m?s"
+    # The chart's name is not shown at all: the picture is (an <img>'s alt is not text on the page).
+    assert_reads_cleanly(one, finished, {"report.csv": (1, 1)})
+    assert_reads_cleanly(two, finished, {"chart.png": (0, 0), "report.csv": (0, 0)})
+    assert_reads_cleanly(three, finished, {"bundle.zip": (1, 1), "report.csv": (0, 0), "chart.png": (0, 0)})
+    keep_screenshot(page, tmp_path, "chat.png")
 
-    # What a user does: click the chip, then the file's name in the dialog it opens, which opens the
-    # Files API link in a new tab of the same browser (so with the cookie): the report downloads.
-    chip.click()
-    name = page.get_by_role("dialog").get_by_role("link", name="report.csv")
-    name.wait_for(timeout=30_000)
-    assert name.get_attribute("href") == report_url
-    assert name.get_attribute("target") == "_blank"
-    with context.expect_page(), page.expect_download() as download:  # a new tab, which downloads
-        name.click()
-    assert download.value.url == open_webui.url + report_url
-    assert download.value.suggested_filename == "report.csv"
-    assert Path(download.value.path()).read_bytes() == report
-    assert not page_errors, page_errors
+    download_through_chip(page, context, one, "report.csv", report_url, report)
+    assert not errors, errors
+    context.close()
+
+
+def test_a_run_stopped_by_a_limit_says_why_once_and_still_gives_the_file_it_wrote(
+    browser: Browser, open_webui: OpenWebUI, tmp_path: Path
+):
+    admin = open_webui.admin
+    open_webui.set_valves(timeout_seconds=3)
+    try:
+        reply = admin.say("run a long job")  # the demo model's job writes a row a second, for 10 minutes
+    finally:
+        open_webui.set_valves(timeout_seconds=20)
+    why = "Why: interrupted after 3 s; the Python state is kept."
+    assert reply.content.count(why) == 1, reply.content
+    assert not reply.links()  # the model did not name progress.csv ...
+    [item] = attachments(admin, reply)  # ... so it reaches the user as the message's attachment
+    assert item["name"] == "progress.csv", item
+    data = chat_file(open_webui, reply.chat_id, "progress.csv").read_bytes()
+    assert data.startswith(b"step,seconds\r\n1,1\r\n2,2\r\n") and len(data.splitlines()) < 10, data
+
+    context = logged_in(browser, open_webui, admin, height=560)
+    page = context.new_page()
+    answer = Rendered(page, reply)
+    chip = answer.message.locator("button", has_text="progress.csv")
+    errors = open_chat(page, open_webui, reply, chip, tmp_path)
+    text = answer.text()
+    assert text.count(why) == 1 and "progress.csv" not in text, text
+    assert_reads_cleanly(
+        answer, r"Python was stopped: time limit reached in [0-9.]+ s", {"progress.csv": (0, 1)}
+    )
+    keep_screenshot(page, tmp_path, "limit.png")
+
+    download_through_chip(page, context, answer, "progress.csv", item["url"], data)
+    assert not errors, errors
     context.close()

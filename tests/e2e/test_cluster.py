@@ -297,15 +297,20 @@ class Cluster:
         raise AssertionError(f"no kernel registry entry for {folder}")
 
     def check_links(self, reply: Reply, expected: dict[str, bytes], owner: str, stranger: str) -> None:
-        """Every link of the answer, by the file name it shows, and nothing else: the owner downloads
-        the right bytes from every live replica, another user gets 404 from every live replica, and
-        each copy lives in the shared uploads folder."""
+        """Every file of the answer, by the name it shows, and nothing else: its links, and the
+        message's attachments (where a file the answer did not name is). The owner downloads the right
+        bytes from every live replica, another user gets 404 from every live replica, and each copy
+        lives in the shared uploads folder."""
         named: dict[str, set[str]] = {}
         for name, url in MARKDOWN_LINK.findall(reply.content):
             named.setdefault(name, set()).add(url)
         assert set(reply.links()) == {url for urls in named.values() for url in urls}, reply.content
-        assert set(named) == set(expected), reply.content
         live = [name for name, replica in self.replicas.items() if replica.alive]
+        chat = self.user(owner, live[0]).get(f"/api/v1/chats/{reply.chat_id}").json()["chat"]
+        for item in chat["history"]["messages"][reply.message_id].get("files") or []:
+            if str(item.get("id", "")).startswith("code-sessions-"):
+                named.setdefault(item["name"], set()).add(item["url"])
+        assert set(named) == set(expected), (reply.content, named)
         for file_name, urls in named.items():
             assert len(urls) == 1, (file_name, reply.content)
             [link] = urls
@@ -627,7 +632,7 @@ def test_a_replica_killed_mid_run(cluster: Cluster):
         # B asked A to stop ann's and ben's kernels, waited, and took A to be gone (the bounded wait).
         assert cluster.log_count("b", GONE) - gone_before == 2
         assert RESET not in after["cid"].content, after["cid"].content  # B's own kernel went on
-        # The dead run's files are new to the index: the turn that indexed them lists them as saved.
+        # The dead run's files are new to the index: the turn that indexed them gives them as saved.
         dead_run = {slow_name: b"started", "beat.txt": beat.encode()}
         cluster.check_links(after["ann"], {"keep.txt": b"ann keeps this", **dead_run}, "ann", "ben")
         cluster.check_links(after["ben"], {"ben.txt": b"ben on a"}, "ben", "cid")

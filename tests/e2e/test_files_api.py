@@ -42,7 +42,16 @@ def carol(open_webui: OpenWebUI) -> Account:
 @pytest.fixture(scope="module")
 def bobs_report(open_webui: OpenWebUI) -> Reply:
     bob = open_webui.accounts["bob"]
-    return bob.say(run("open('/mnt/data/bob.csv', 'w').write('bob,1\\n')", "Bob's file: /mnt/data/bob.csv"))
+    # Two files; the answer names one: the other is only the message's attachment.
+    write = "open('/mnt/data/bob.csv', 'w').write('bob,1\\n')\nopen('/mnt/data/notes.txt', 'w').write('n')"
+    return bob.say(run(write, "Bob's file: /mnt/data/bob.csv"))
+
+
+def attached(account: Account, reply: Reply) -> dict[str, dict]:
+    """The message's attachments that code-sessions made, by name."""
+    chat = account.get(f"/api/v1/chats/{reply.chat_id}").json()
+    files = chat["chat"]["history"]["messages"][reply.message_id].get("files") or []
+    return {f["name"]: f for f in files if str(f.get("id", "")).startswith("code-sessions-")}
 
 
 def test_the_owner_and_an_admin_open_a_link_and_nobody_else(open_webui: OpenWebUI, bobs_report: Reply, carol):
@@ -54,15 +63,17 @@ def test_the_owner_and_an_admin_open_a_link_and_nobody_else(open_webui: OpenWebU
     assert httpx.get(open_webui.url + link, timeout=30).status_code == 401  # no login at all
 
 
-def test_the_file_is_an_attachment_of_the_message_once(open_webui: OpenWebUI, bobs_report: Reply):
+def test_each_file_is_an_attachment_of_the_message_once(open_webui: OpenWebUI, bobs_report: Reply):
     bob = open_webui.accounts["bob"]
-    chat = bob.get(f"/api/v1/chats/{bobs_report.chat_id}").json()
-    files = chat["chat"]["history"]["messages"][bobs_report.message_id].get("files") or []
-    ours = [f for f in files if str(f.get("id", "")).startswith("code-sessions-")]
-    [item] = ours  # linked twice in the answer (the step's note and the reply), attached once
-    assert item["name"] == "bob.csv" and item["type"] == "file"
-    assert item["url"] == f"/api/v1/files/{item['id']}/content"
+    files = attached(bob, bobs_report)
+    assert sorted(files) == ["bob.csv", "notes.txt"]
+    item, unnamed = files["bob.csv"], files["notes.txt"]
+    assert item["type"] == "file" and item["url"] == f"/api/v1/files/{item['id']}/content"
+    assert LINK.findall(bobs_report.content) == [item["url"]]  # linked once, where the reply names it
     assert bob.download(item["url"]).content == b"bob,1\n"
+    # The file the reply did not name is not in the text, and reaches bob as an attachment.
+    assert "notes.txt" not in bobs_report.content.split("</details>")[-1]
+    assert bob.download(unnamed["url"]).content == b"n"
 
 
 def test_a_shared_chat_lets_the_user_it_is_shared_with_open_its_files(
@@ -80,6 +91,7 @@ def test_a_shared_chat_lets_the_user_it_is_shared_with_open_its_files(
     response = bob.post(f"/api/v1/chats/shared/{bobs_report.chat_id}/access/update", grant)
     assert response.status_code == 200, response.text
     assert carol.download(link).content == b"bob,1\n"
+    assert carol.download(attached(bob, bobs_report)["notes.txt"]["url"]).content == b"n"  # not named, too
     assert open_webui.accounts["admin"].download(link).status_code == 200
 
 

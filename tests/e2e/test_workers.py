@@ -89,7 +89,7 @@ async def test_the_index_matches_the_disk_after_it_all(workers: OpenWebUI):
 def test_a_purge_runs_once_across_the_workers(workers: OpenWebUI):
     ann = workers.accounts["ann"]
     reply = ann.say(run("open('/mnt/data/p.txt', 'w').write('p')", "/mnt/data/p.txt"))
-    [link] = set(reply.links())  # in the answer and in its Saved: line
+    [link] = reply.links()  # once: where the answer names it
     assert ann.download(link).content == b"p"
     workers.set_valves(purge=f"chat:{reply.chat_id}")
     # Every worker reads the valves each minute, and the next message runs it too; only one may.

@@ -41,6 +41,9 @@ class StandInChat:
     def unlinked_notes(self) -> list[str]:
         return []
 
+    async def hand_over(self, paths, *, attachments: bool) -> str:
+        return ""
+
     def streaming_rewriter(self) -> StreamingRewriter:
         return StreamingRewriter(self.resolve)
 
@@ -61,7 +64,7 @@ async def collect(gen) -> str:
     return "".join([piece async for piece in gen])
 
 
-async def no_status(text, done):
+async def no_status(text, done, *, hidden=False):
     pass
 
 

@@ -88,17 +88,38 @@ async def test_unconfigured_function_explains_itself(tmp_path):
     assert "base_models" in answer
 
 
-async def test_status_events_and_files_attached_to_the_message(harness: PipeHarness):
+async def test_a_run_is_announced_while_it_goes_and_its_files_shown_once(harness: PipeHarness):
     harness.set_valves(attach_files=True)
-    answer = await harness.say(
-        "u1", "chat-1", code("open('/mnt/data/r.csv','w').write('1')", "See /mnt/data/r.csv")
-    )
+    write = "open('/mnt/data/r.csv','w').write('1')\nopen('/mnt/data/extra.txt','w').write('2')"
+    answer = await harness.say("u1", "chat-1", code(write, "See /mnt/data/r.csv"), message_id="m1")
     statuses = [e["data"] for e in harness.events if e["type"] == "status"]
-    assert statuses[0] == {"description": "Running python...", "done": False}
-    assert statuses[-1]["done"] and "saved 1 file" in statuses[-1]["description"]
+    assert statuses[0] == {"description": "Running Python\u2026", "done": False}
+    # Then cleared: Open WebUI 0.12 shows a message's last status unless it is hidden.
+    assert statuses[-1]["done"] and statuses[-1]["hidden"] is True, statuses
+    assert answer.count("<details>") == 1
+    shown = re.sub(r"<details>.*?</details>", "", answer, flags=re.S)
+    assert shown.count("[r.csv](") == 1 and "extra.txt" not in shown and "Saved" not in shown
+    # Both files are the message's attachments: the named one, and the one the answer left unnamed.
     [files_event] = [e for e in harness.events if e["type"] == "chat:message:files"]
-    [item] = files_event["data"]["files"]
-    assert item["type"] == "file" and item["name"] == "r.csv" and item["url"] in answer
+    items = files_event["data"]["files"]
+    assert [(i["type"], i["name"]) for i in items] == [("file", "r.csv"), ("file", "extra.txt")]
+    assert items[0]["url"] in answer and items[1]["url"] not in answer
+    assert "Saved: /mnt/data/extra.txt, /mnt/data/r.csv" in harness.requests[-1]["messages"][-1]["content"]
+
+
+@pytest.mark.parametrize("why", ["attach_files off", "temporary chat"])
+async def test_without_attachments_a_file_the_answer_left_unnamed_is_named_in_one_line(
+    harness: PipeHarness, why: str
+):
+    harness.set_valves(attach_files=why != "attach_files off")
+    chat = "temporary:abc" if why == "temporary chat" else "chat-1"
+    answer = await harness.say(
+        "u1", chat, code("open('/mnt/data/extra.txt','w').write('2')", "Done."), message_id="m1"
+    )
+    shown = re.sub(r"<details>.*?</details>", "", answer, flags=re.S)
+    [line] = [line for line in shown.splitlines() if "extra.txt" in line]
+    assert line.startswith("Saved: [extra.txt](/cache/") and shown.count("extra.txt") == 2  # label, URL
+    assert not [e for e in harness.events if e["type"] == "chat:message:files"]
 
 
 async def test_background_cleanup_runs_a_purge_typed_into_the_valves_without_any_message(

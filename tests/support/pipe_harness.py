@@ -92,8 +92,11 @@ class PipeHarness:
         history: list[dict] | None = None,
         files: list[dict] | None = None,
         task: str | None = None,
+        message_id: str | None = None,
     ) -> str:
-        """One user message through Pipe.pipe, as Open WebUI calls it; returns the visible answer."""
+        """One user message through Pipe.pipe, as Open WebUI calls it; returns the visible answer.
+        `message_id`: the answer's message, which can hold attachments (Open WebUI always names it; the
+        default None stands for a message that cannot, so that files not named are named in the text)."""
         self.pipe.valves = self.pipe.Valves(**self.stored_valves)
         body = {
             "model": MODEL,
@@ -115,6 +118,7 @@ class PipeHarness:
             __chat_id__=chat_id,
             __task__=task,
             __files__=files or [],
+            __message_id__=message_id,
         )
         if isinstance(result, str):
             return result
@@ -164,10 +168,21 @@ class _HarnessHost:
         storage = importlib.import_module(self._module._CS_PACKAGE + ".storage")  # the bundle's own classes
         return storage.DirectoryPublisher(places.publish_dir, places.url_prefix)
 
-    async def attach(self, chat_id: str, message_id: Any, user_id: str, links: list, emit: Any) -> None:
+    def can_attach(self, chat_id: str, message_id: str | None) -> bool:
+        return bool(message_id) and not chat_id.startswith(("temporary:", "local:", "channel:"))
+
+    async def attach(
+        self, chat_id: str, message_id: Any, user_id: str, links: list, emit: Any, *, inline_urls=()
+    ) -> None:
+        """The message's attachments as Open WebUI's `attach` makes them (webui/files.py; proven in
+        tests/e2e): every linked file but the images the text shows inline."""
+        self.attached = list(links)
+        if not self.can_attach(chat_id, message_id):
+            return
         items = [
             {"type": "image" if link.is_image else "file", "id": link.ref, "name": link.name, "url": link.url}
             for link in links
+            if link.url not in inline_urls
         ]
         if items and emit is not None:
             await emit({"type": "chat:message:files", "data": {"files": items}})
