@@ -25,6 +25,7 @@ __all__ = [
     "StatusCall",
     "converse",
     "render_step",
+    "run_step",
     "waiting_status",
 ]
 
@@ -132,7 +133,8 @@ def waiting_status(status: StatusCall) -> Callable[[], Awaitable[None]]:
     return waiting
 
 
-async def _run(chat: ChatSession, language: str, code: str, status: StatusCall) -> StepResult:
+async def run_step(chat: ChatSession, language: str, code: str, status: StatusCall) -> StepResult:
+    """Run one piece of code in the chat, saying in statuses that it runs, waits or was reset."""
     await status(f"Running {language}...", False)
     step = await chat.run(code, language, waiting=waiting_status(status))
     for note in step.run.notes if step.run is not None else ():
@@ -216,7 +218,7 @@ async def _turns(
                     result = "Not run: the step limit for this answer is reached. Answer with what you have."
                 else:
                     steps += 1
-                    step = await _run(chat, parsed[0], parsed[1], status)
+                    step = await run_step(chat, parsed[0], parsed[1], status)
                     yield await render_step(chat, step, options)
                     result = step.for_model(options.max_result_chars)
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
@@ -236,7 +238,7 @@ async def _turns(
         results = []
         for block in blocks:
             steps += 1
-            step = await _run(chat, block.language, block.code, status)
+            step = await run_step(chat, block.language, block.code, status)
             yield await render_step(chat, step, options)
             results.append(step.for_model(options.max_result_chars))
         messages.append(
