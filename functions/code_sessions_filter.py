@@ -121,7 +121,7 @@ class FilterSessions(SessionsAdapter):
     async def inlet(self, body: dict, user: dict, metadata: dict, emitter: Any) -> dict:
         user_id = str(user.get("id") or "")
         messages = body.get("messages")
-        if not user_id or not isinstance(messages, list):
+        if not user_id or not isinstance(messages, list) or not self._tool_enabled(body, metadata):
             return body
         chat_id = str(metadata.get("chat_id") or "")
         found = await self._chat(user_id, chat_id)
@@ -147,6 +147,14 @@ class FilterSessions(SessionsAdapter):
             while len(self._answers) > _MAX_ANSWERS:
                 self._answers.popitem(last=False)
         return body
+
+    def _tool_enabled(self, body: dict, metadata: dict) -> bool:
+        """Whether this request offers the Tool: the web UI sends the tools of the model and those the
+        user picked in the chat as `tool_ids` (read by Open WebUI after the inlets). Without the Tool
+        the model cannot run code, so the filter stays out of the way (a Filter made global thus
+        serves exactly the chats that use the Tool)."""
+        tool_ids = body.get("tool_ids") or metadata.get("tool_ids") or ()
+        return isinstance(tool_ids, list | tuple) and self._filter.valves.tool_id in tool_ids
 
     # ---- while it streams -------------------------------------------------------------------------------
 
@@ -192,7 +200,7 @@ class FilterSessions(SessionsAdapter):
         if answer is not None:
             chat, tail = answer.chat, await answer.rewriter.flush()
         else:
-            if not user_id:
+            if not user_id or not self._tool_enabled({}, metadata):
                 return body
             found = await self._chat(user_id, chat_id)
             if found is None:

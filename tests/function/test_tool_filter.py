@@ -53,6 +53,14 @@ async def test_a_plain_model_runs_code_in_mnt_data_and_the_answer_links_the_file
     assert files and files[-1]["data"]["files"][0]["name"] == "report.csv"
 
 
+async def test_the_filter_leaves_a_chat_without_the_tool_alone(tool: ToolHarness):
+    turn = await tool.say("u1", "chat-1", "hello /mnt/data/x.csv", tool_enabled=False)
+    [request] = tool.requests
+    assert [m["role"] for m in request["messages"]] == ["user"]  # no system prompt about a sandbox
+    assert not tool.sessions_root.exists()  # and no session made for it
+    assert turn.saved == turn.streamed
+
+
 async def test_kernel_state_and_files_persist_across_turns(tool: ToolHarness):
     first = await tool.say("u1", "chat-1", WRITE_REPORT)
     second = await tool.say(

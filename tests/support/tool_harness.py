@@ -83,8 +83,10 @@ class ToolHarness:
         *,
         history: list[dict] | None = None,
         files: list[dict] | None = None,
+        tool_enabled: bool = True,
     ) -> Turn:
-        """One user message with the Tool and the Filter enabled, as Open WebUI's native tool loop runs it."""
+        """One user message with the Tool and the Filter enabled, as Open WebUI's native tool loop runs it.
+        `tool_enabled=False`: the Filter is on (say, global) but this chat does not offer the Tool."""
         self.chats.setdefault(chat_id, user_id)
         message_id = str(uuid.uuid4())
         events: list[dict] = []
@@ -93,7 +95,8 @@ class ToolHarness:
             events.append(event)
 
         user = {"id": user_id, "name": user_id, "role": "user"}
-        metadata = {"chat_id": chat_id, "message_id": message_id, "files": files or []}
+        tool_ids = [TOOL_ID] if tool_enabled else []
+        metadata = {"chat_id": chat_id, "message_id": message_id, "files": files or [], "tool_ids": tool_ids}
         # Open WebUI assigns the saved valves before every call.
         self.tools.valves = self.tools.Valves(**self.stored_tool_valves)
         body = {
@@ -101,6 +104,7 @@ class ToolHarness:
             "messages": [*(history or []), {"role": "user", "content": text}],
             "stream": True,
             "files": files or [],
+            "tool_ids": tool_ids,
         }
         body = await self.filter.inlet(
             body, __user__=dict(user), __metadata__=metadata, __event_emitter__=emit
@@ -110,7 +114,7 @@ class ToolHarness:
         streamed = ""
         results: list[str] = []
         for _ in range(MAX_TOOL_ROUNDS):
-            form = {**body, "messages": messages, "tools": [spec]}
+            form = {**body, "messages": messages, "tools": [spec] if tool_enabled else []}
             self.requests.append(json.loads(json.dumps(form)))
             reply = scripted_model.answer(form)
             text_parts: list[str] = []
