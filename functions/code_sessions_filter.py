@@ -61,7 +61,37 @@ class Filter:
         return await self._sessions.inlet(body, __user__ or {}, __metadata__ or {}, __event_emitter__)
 
     async def stream(self, event: dict, __metadata__: dict | None = None) -> dict:
-        return await self._sessions.stream(event, __metadata__ or {})
+        """Rewrite the chunk's text: paths become links as they complete; a path split across chunks is
+        held back until it is whole, and the end of each model call (its finish_reason) releases the
+        rest. Chunks are the upstream's chat.completion.chunk events.
+
+        Called for every chunk of every answer of the models this filter is on, so the common cases
+        (not an answer of ours, a chunk of plain text) are a lookup, a few reads and a sync push."""
+        answer = self._sessions.answers.get((__metadata__ or {}).get("message_id"))
+        if answer is None or not isinstance(event, dict):
+            return event
+        rewriter = answer.rewriter
+        for choice in event.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta")
+            if not isinstance(delta, dict):
+                delta = {}
+            text = delta.get("content")
+            if text and isinstance(text, str):
+                if len(text) > SCAN_ON_LOOP_CHARS:  # a whole answer in one piece: scanned in a thread
+                    visible = await asyncio.to_thread(rewriter.push, text)
+                else:
+                    visible = rewriter.push(text)
+                if rewriter.pending:
+                    visible += await rewriter.resolve_pending()
+                delta["content"] = visible
+            if choice.get("finish_reason"):
+                tail = await rewriter.flush()
+                if tail:
+                    delta["content"] = (delta.get("content") or "") + tail
+                    choice["delta"] = delta
+        return event
 
     async def outlet(
         self,
@@ -80,7 +110,8 @@ class FilterSessions(SessionsAdapter):
         super().__init__()
         self._filter = owner
         self._settings = SessionValves()
-        self._answers: OrderedDict[str, _Answer] = OrderedDict()
+        # Answers in flight, by message id: the inlet adds one, the outlet takes it.
+        self.answers: OrderedDict[str, _Answer] = OrderedDict()
 
     @property
     def settings(self) -> SessionValves:
@@ -143,9 +174,9 @@ class FilterSessions(SessionsAdapter):
         body["messages"] = await self._messages_with_prompt(messages, chat, services, options, sentences)
         message_id = metadata.get("message_id")
         if message_id:
-            self._answers[str(message_id)] = _Answer(chat, chat.streaming_rewriter(), user_id)
-            while len(self._answers) > _MAX_ANSWERS:
-                self._answers.popitem(last=False)
+            self.answers[str(message_id)] = _Answer(chat, chat.streaming_rewriter(), user_id)
+            while len(self.answers) > _MAX_ANSWERS:
+                self.answers.popitem(last=False)
         return body
 
     def _tool_enabled(self, body: dict, metadata: dict) -> bool:
@@ -158,36 +189,6 @@ class FilterSessions(SessionsAdapter):
 
     # ---- while it streams -------------------------------------------------------------------------------
 
-    async def stream(self, event: dict, metadata: dict) -> dict:
-        """Rewrite the chunk's text: paths become links as they complete; a path split across chunks is
-        held back until it is whole, and the end of each model call (its finish_reason) releases the
-        rest. Chunks are the upstream's chat.completion.chunk events."""
-        answer = self._answers.get(str(metadata.get("message_id") or ""))
-        if answer is None or not isinstance(event, dict):
-            return event
-        for choice in event.get("choices") or ():
-            if not isinstance(choice, dict):
-                continue
-            delta = choice.get("delta")
-            if not isinstance(delta, dict):
-                delta = {}
-            text = delta.get("content")
-            if isinstance(text, str) and text:
-                if len(text) > SCAN_ON_LOOP_CHARS:  # a whole answer in one piece: scanned in a thread
-                    visible = await asyncio.to_thread(answer.rewriter.push, text)
-                else:
-                    visible = answer.rewriter.push(text)
-                if answer.rewriter.pending:
-                    visible += await answer.rewriter.resolve_pending()
-                delta["content"] = visible
-            if choice.get("finish_reason"):
-                tail = await answer.rewriter.flush()
-                if tail:
-                    delta["content"] = (delta.get("content") or "") + tail
-            if delta:
-                choice["delta"] = delta
-        return event
-
     # ---- once it is saved ----------------------------------------------------------------------------
 
     async def outlet(self, body: dict, user: dict, metadata: dict, emitter: Any) -> dict:
@@ -196,7 +197,7 @@ class FilterSessions(SessionsAdapter):
         message_id = str(body.get("id") or metadata.get("message_id") or "")
         chat_id = str(body.get("chat_id") or metadata.get("chat_id") or "")
         user_id = str(user.get("id") or "")
-        answer = self._answers.pop(message_id, None)
+        answer = self.answers.pop(message_id, None)
         if answer is not None:
             chat, tail = answer.chat, await answer.rewriter.flush()
         else:
