@@ -15475,7 +15475,6 @@ class Tools:
         language: str = "python",
         __user__: dict | None = None,
         __chat_id__: str | None = None,
-        __message_id__: str | None = None,
         __files__: list | None = None,
         __event_emitter__: Any = None,
         __id__: str | None = None,
@@ -15493,7 +15492,6 @@ class Tools:
             language or "python",
             user=__user__ or {},
             chat_id=__chat_id__ or "",
-            message_id=__message_id__,
             files=__files__ or [],
             emitter=__event_emitter__,
             tool_id=__id__,
@@ -15529,7 +15527,6 @@ class ToolSessions(SessionsAdapter):
         *,
         user: dict,
         chat_id: str,
-        message_id: str | None,
         files: list,
         emitter: Any,
         tool_id: str | None,
@@ -15556,12 +15553,11 @@ class ToolSessions(SessionsAdapter):
         # between two runs of one answer) the Tool does, once each: nothing is copied twice.
         notes, _ = await self._import_uploads(chat, user_id, files, status)
         step = await run_step(chat, language, code, status)
-        if step.figures and self.settings.attach_files:
-            # Shown under the message whether or not the answer names them, as a notebook would.
-            for path in step.figures:
-                await chat.resolve(path)
-            await self._host.attach(chat_id, message_id, user_id, chat.links, emitter)
+        # The user sees the files (and figures) the answer names: the Filter turns their paths into
+        # links and images, so the result tells the model which paths to write.
         result = step.for_model(LoopOptions().max_result_chars)
+        if step.figures:
+            result += "\nTo show a figure, write its /mnt/data path in your answer."
         return "".join(_plain(note) for note in notes) + result
 
 

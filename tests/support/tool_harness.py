@@ -4,9 +4,9 @@ loaded the way Open WebUI loads a file) in-process, with Open WebUI's native too
 What Open WebUI 0.12.4 does for a model with the Tool and the Filter enabled, in the order it does it
 (utils/middleware.py): the Filter's `inlet` gets the request body; the model is called with the tools'
 specs and streams chat.completion.chunk events, each passed through the Filter's `stream`; a tool call
-runs `Tools.run_code` with the reserved arguments it names (`__user__`, `__chat_id__`, `__message_id__`,
-`__files__`, `__event_emitter__`, `__id__`), its result goes back to the model, and so on; the saved
-answer goes through the Filter's `outlet`. The claims about Open WebUI itself are made in tests/e2e with
+runs `Tools.run_code` with the reserved arguments it names (`__user__`, `__chat_id__`, `__files__`,
+`__event_emitter__`, `__id__`), its result goes back to the model, and so on; the saved answer goes
+through the Filter's `outlet`. The claims about Open WebUI itself are made in tests/e2e with
 a real server.
 """
 
@@ -155,7 +155,6 @@ class ToolHarness:
                     **arguments,
                     __user__={**user, "valves": None},
                     __chat_id__=chat_id,
-                    __message_id__=message_id,
                     __files__=files or [],
                     __event_emitter__=emit,
                     __id__=TOOL_ID,
