@@ -162,8 +162,7 @@ def _after_run(messages: list[dict]) -> str:
             return line.split(":", 1)[1].strip()
     result = _text(messages[-1].get("content"))
     saved = re.findall(
-        r"/mnt/data/[^\s,]+",
-        "\n".join(line for line in result.splitlines() if line.startswith(("Saved:", "Figures:"))),
+        r"/mnt/data/[^\s,]+", "\n".join(line for line in result.splitlines() if line.startswith("Saved:"))
     )
     if saved:
         images = [p for p in saved if p.lower().endswith((".png", ".jpg", ".jpeg", ".gif", ".webp"))]

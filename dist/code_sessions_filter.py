@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_5f3ba60745c3'
+_CS_PACKAGE = '_code_sessions_863ae7ff4101'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -11305,6 +11305,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import socket
 import stat
 import struct
@@ -11356,7 +11357,7 @@ class _Entry:
     key: str
     cid: str
     host: str
-    owner: str  # "<pid> <start time>" of the process that started it
+    owner: str  # "<pid> <start time> <pool>" of the process (and its pool) that started it
     socket: str
     workdir: str
     started_at: float
@@ -11392,7 +11393,9 @@ class KernelPool:
         self._mine: dict[str, Kernel] = {}
         self._servers: dict[str, asyncio.AbstractServer] = {}
         self._reaper: asyncio.Task[None] | None = None
-        self._owner = owner_stamp()
+        # "<pid> <start time> <pool>": two pools of one process (files of two versions of the function
+        # loaded side by side) reach each other's kernels over the socket, as two workers do.
+        self._owner = f"{owner_stamp()} {secrets.token_hex(4)}"
         self._touched: dict[str, float] = {}
 
     # ------------------------------------------------------------------ public
@@ -11578,7 +11581,7 @@ class KernelPool:
         if entry.host != _HOST:
             return False
         try:
-            pid, started = entry.owner.split()
+            pid, started = entry.owner.split()[:2]
             with open(f"/proc/{int(pid)}/stat", "rb") as fh:
                 return fh.read().rsplit(b")", 1)[1].split()[19].decode() == started
         except (OSError, ValueError, IndexError):
@@ -12458,7 +12461,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_5f3ba60745c3.runner import Outcome
+from _code_sessions_863ae7ff4101.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12704,7 +12707,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_5f3ba60745c3.storage import human_bytes
+from _code_sessions_863ae7ff4101.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12808,7 +12811,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_5f3ba60745c3.storage import Purge, parse_duration
+from _code_sessions_863ae7ff4101.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13897,8 +13900,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_5f3ba60745c3.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_5f3ba60745c3.storage import (
+from _code_sessions_863ae7ff4101.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_863ae7ff4101.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14487,7 +14490,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_5f3ba60745c3.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_863ae7ff4101.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14700,7 +14703,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_5f3ba60745c3.storage import Link, Publisher, is_postgres_url
+from _code_sessions_863ae7ff4101.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14883,7 +14886,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_5f3ba60745c3.engine import (
+from _code_sessions_863ae7ff4101.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -14893,9 +14896,9 @@ from _code_sessions_5f3ba60745c3.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_5f3ba60745c3.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_5f3ba60745c3.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_5f3ba60745c3.webui import OpenWebUI
+from _code_sessions_863ae7ff4101.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_863ae7ff4101.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_863ae7ff4101.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -15456,11 +15459,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_5f3ba60745c3.engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
-from _code_sessions_5f3ba60745c3.engine.rewrite import SCAN_ON_LOOP_CHARS
-from _code_sessions_5f3ba60745c3.functions.adapter import SessionsAdapter, SessionValves, last_user_text, status_emitter
-from _code_sessions_5f3ba60745c3.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_5f3ba60745c3.webui import Misconfigured
+from _code_sessions_863ae7ff4101.engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
+from _code_sessions_863ae7ff4101.engine.rewrite import SCAN_ON_LOOP_CHARS
+from _code_sessions_863ae7ff4101.functions.adapter import SessionsAdapter, SessionValves, last_user_text, status_emitter
+from _code_sessions_863ae7ff4101.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_863ae7ff4101.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 
