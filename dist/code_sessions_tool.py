@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_863ae7ff4101'
+_CS_PACKAGE = '_code_sessions_2ce6abee6204'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -12461,7 +12461,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_863ae7ff4101.runner import Outcome
+from _code_sessions_2ce6abee6204.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12707,7 +12707,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_863ae7ff4101.storage import human_bytes
+from _code_sessions_2ce6abee6204.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12728,6 +12728,9 @@ class PromptFacts:
     max_listed: int = 40
     kernel_idle_minutes: float | None = None  # a live kernel per chat (None: every run starts fresh)
     packages: Sequence[tuple[str, str]] = ()  # (import name, version) importable in the sandbox
+    # Whether the run's figures are shown to the user by themselves (the Pipe shows them under each
+    # step); False: only when the answer writes their paths (the Tool's results are the model's).
+    figures_shown: bool = True
 
 
 def _file_lines(facts: PromptFacts) -> str:
@@ -12758,13 +12761,20 @@ def _state_line(facts: PromptFacts) -> str:
     have = f"- Python packages you can import: {packages}.\n" if packages else ""
     if facts.kernel_idle_minutes is None:
         return have + "- Every run starts a fresh Python: variables do not carry over, only files do.\n"
-    return have + (
-        "- Python runs in a live kernel that belongs to this chat: variables, imports and functions carry "
+    figures = (
+        "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data and shown "
+        "to the user; you are told their paths.\n"
+        if facts.figures_shown
+        else "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data; you "
+        "are told their paths. Write a figure's path in your answer to show it to the user.\n"
+    )
+    return (
+        have
+        + "- Python runs in a live kernel that belongs to this chat: variables, imports and functions carry "
         "over from one run to the next (do not reload or recompute what you already have). The kernel is "
         f"reset after {facts.kernel_idle_minutes:g} minutes without a run; you are told when that "
         "happens, and files in /mnt/data are always kept. Bash runs in the same sandbox.\n"
-        "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data and shown "
-        "to the user; you are told their paths.\n"
+        + figures
     )
 
 
@@ -12811,7 +12821,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_863ae7ff4101.storage import Purge, parse_duration
+from _code_sessions_2ce6abee6204.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13900,8 +13910,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_863ae7ff4101.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_863ae7ff4101.storage import (
+from _code_sessions_2ce6abee6204.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_2ce6abee6204.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14490,7 +14500,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_863ae7ff4101.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_2ce6abee6204.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14703,7 +14713,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_863ae7ff4101.storage import Link, Publisher, is_postgres_url
+from _code_sessions_2ce6abee6204.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14886,7 +14896,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_863ae7ff4101.engine import (
+from _code_sessions_2ce6abee6204.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -14896,9 +14906,9 @@ from _code_sessions_863ae7ff4101.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_863ae7ff4101.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_863ae7ff4101.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_863ae7ff4101.webui import OpenWebUI
+from _code_sessions_2ce6abee6204.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_2ce6abee6204.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_2ce6abee6204.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -15278,7 +15288,14 @@ class SessionsAdapter:
         return notes, refused
 
     async def _messages_with_prompt(
-        self, messages: list[dict], chat: Any, services: CodeSessions, options: LoopOptions, notes: list[str]
+        self,
+        messages: list[dict],
+        chat: Any,
+        services: CodeSessions,
+        options: LoopOptions,
+        notes: list[str],
+        *,
+        figures_shown: bool = True,
     ) -> list[dict]:
         entries = sorted(await chat.session.files.list(), key=lambda e: e.mtime, reverse=True)
         quotas = services.store.quotas
@@ -15296,6 +15313,7 @@ class SessionsAdapter:
             sandbox_notes=(*await _sandbox_notes(services.runner), *notes),
             kernel_idle_minutes=self.settings.kernel_idle_minutes if services.kernels is not None else None,
             packages=await _packages(services.runner),
+            figures_shown=figures_shown,
         )
         prompt = system_prompt(facts)
         history = [dict(message) for message in await chat.sandbox_view(messages)]
@@ -15456,10 +15474,10 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_863ae7ff4101.engine import LoopOptions, escape_text, run_step
-from _code_sessions_863ae7ff4101.functions.adapter import SessionsAdapter, SessionValves, status_emitter
-from _code_sessions_863ae7ff4101.storage import StorageError
-from _code_sessions_863ae7ff4101.webui import Misconfigured
+from _code_sessions_2ce6abee6204.engine import LoopOptions, escape_text, run_step
+from _code_sessions_2ce6abee6204.functions.adapter import SessionsAdapter, SessionValves, status_emitter
+from _code_sessions_2ce6abee6204.storage import StorageError
+from _code_sessions_2ce6abee6204.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

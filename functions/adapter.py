@@ -412,7 +412,14 @@ class SessionsAdapter:
         return notes, refused
 
     async def _messages_with_prompt(
-        self, messages: list[dict], chat: Any, services: CodeSessions, options: LoopOptions, notes: list[str]
+        self,
+        messages: list[dict],
+        chat: Any,
+        services: CodeSessions,
+        options: LoopOptions,
+        notes: list[str],
+        *,
+        figures_shown: bool = True,
     ) -> list[dict]:
         entries = sorted(await chat.session.files.list(), key=lambda e: e.mtime, reverse=True)
         quotas = services.store.quotas
@@ -430,6 +437,7 @@ class SessionsAdapter:
             sandbox_notes=(*await _sandbox_notes(services.runner), *notes),
             kernel_idle_minutes=self.settings.kernel_idle_minutes if services.kernels is not None else None,
             packages=await _packages(services.runner),
+            figures_shown=figures_shown,
         )
         prompt = system_prompt(facts)
         history = [dict(message) for message in await chat.sandbox_view(messages)]

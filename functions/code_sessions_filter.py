@@ -171,7 +171,9 @@ class FilterSessions(SessionsAdapter):
         notes, refused = await self._import_uploads(chat, user_id, files, status)
         sentences = [*refused, *(note.strip().strip("_") for note in notes if note not in refused)]
         options = LoopOptions(tool_mode=True)
-        body["messages"] = await self._messages_with_prompt(messages, chat, services, options, sentences)
+        body["messages"] = await self._messages_with_prompt(
+            messages, chat, services, options, sentences, figures_shown=False
+        )
         message_id = metadata.get("message_id")
         if message_id:
             self.answers[str(message_id)] = _Answer(chat, chat.streaming_rewriter(), user_id)

@@ -48,6 +48,7 @@ async def test_a_plain_model_runs_code_in_mnt_data_and_the_answer_links_the_file
     # The Filter told the model about the folder and that the tool runs its code.
     system = tool.requests[0]["messages"][0]
     assert system["role"] == "system" and "`run_code` tool" in system["content"]
+    assert "Write a figure's path in your answer to show it" in system["content"]  # none shows by itself
     # The linked file is attached to the message.
     files = [e for e in turn.events if e["type"] == "chat:message:files"]
     assert files and files[-1]["data"]["files"][0]["name"] == "report.csv"
