@@ -32,21 +32,27 @@ from webui import Misconfigured
 log = logging.getLogger("code_sessions.function")
 
 
+class _PipeValves(BaseModel):
+    """The Pipe's own valves, shown first (before the session valves it shares with the Tool)."""
+
+    base_models: str = Field(
+        default="",
+        description="Comma-separated ids of models already in Open WebUI (e.g. gpt-4o,llama3.1:8b). "
+        "Each appears as its own model with code sessions.",
+    )
+    model_name_prefix: str = Field(default="Code · ", description="Shown before each base model's name.")
+    execution_mode: str = Field(
+        default="native",
+        description="native: the model calls a run_code tool (needs tool calling). fenced: every "
+        "```python / ```bash block in the reply is run (for models without tool calling).",
+        json_schema_extra={"input": {"type": "select", "options": ["native", "fenced"]}},
+    )
+    max_steps: int = Field(default=8, ge=1, le=50, description="Code runs allowed per answer.")
+
+
 class Pipe(SessionsAdapter):
-    class Valves(SessionValves):
-        base_models: str = Field(
-            default="",
-            description="Comma-separated ids of models already in Open WebUI (e.g. gpt-4o,llama3.1:8b). "
-            "Each appears as its own model with code sessions.",
-        )
-        model_name_prefix: str = Field(default="Code · ", description="Shown before each base model's name.")
-        execution_mode: str = Field(
-            default="native",
-            description="native: the model calls a run_code tool (needs tool calling). fenced: every "
-            "```python / ```bash block in the reply is run (for models without tool calling).",
-            json_schema_extra={"input": {"type": "select", "options": ["native", "fenced"]}},
-        )
-        max_steps: int = Field(default=8, ge=1, le=50, description="Code runs allowed per answer.")
+    class Valves(SessionValves, _PipeValves):
+        pass
 
     class UserValves(BaseModel):
         show_code: bool = Field(default=True, description="Show the code that ran.")
