@@ -208,9 +208,14 @@ def test_a_plain_model_with_the_tool_writes_a_csv_whose_link_downloads(server: O
     assert system["role"] == "system" and "`run_code` tool" in system["content"], system
 
 
-def test_the_linked_file_is_attached_to_the_saved_message(server: OpenWebUI, first: Reply):
+def test_the_answer_was_linked_as_it_streamed_and_its_file_attached(server: OpenWebUI, first: Reply):
     chat = server.admin.get(f"/api/v1/chats/{first.chat_id}").json()["chat"]
-    files = chat["history"]["messages"][first.message_id].get("files") or []
+    message = chat["history"]["messages"][first.message_id]
+    # What streamed (and Open WebUI saved as the output) already had the link: the outlet changed
+    # nothing, so Open WebUI kept no `originalContent` beside it.
+    assert LINK.search(message_text(message)), message
+    assert "originalContent" not in message, message.get("originalContent")
+    files = message.get("files") or []
     assert [f["name"] for f in files] == ["report.csv"], files
     assert files[0]["url"] == first.links()[0]
 
