@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_2ce6abee6204'
+_CS_PACKAGE = '_code_sessions_caa0b1b67358'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -12461,7 +12461,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_2ce6abee6204.runner import Outcome
+from _code_sessions_caa0b1b67358.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12707,7 +12707,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_2ce6abee6204.storage import human_bytes
+from _code_sessions_caa0b1b67358.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12821,7 +12821,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_2ce6abee6204.storage import Purge, parse_duration
+from _code_sessions_caa0b1b67358.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13910,8 +13910,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_2ce6abee6204.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_2ce6abee6204.storage import (
+from _code_sessions_caa0b1b67358.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_caa0b1b67358.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14500,7 +14500,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_2ce6abee6204.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_caa0b1b67358.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14713,7 +14713,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_2ce6abee6204.storage import Link, Publisher, is_postgres_url
+from _code_sessions_caa0b1b67358.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14863,6 +14863,29 @@ class OpenWebUI:
 
         await Tools.update_tool_valves_by_id(tool_id, valves)
 
+    async def may_use_tool(self, user_id: str, role: str, tool_id: str) -> bool:
+        """Whether Open WebUI would run this tool for this user, by the check `utils/tools.py get_tools`
+        makes before it offers a tool: an admin (unless admins obey access control), its owner, or a
+        read grant to the user or one of their groups."""
+        from open_webui.config import BYPASS_ADMIN_ACCESS_CONTROL
+        from open_webui.models.access_grants import AccessGrants
+        from open_webui.models.groups import Groups
+        from open_webui.models.tools import Tools
+
+        tool = await Tools.get_tool_by_id(tool_id)
+        if tool is None:
+            return False
+        if (role == "admin" and BYPASS_ADMIN_ACCESS_CONTROL) or tool.user_id == user_id:
+            return True
+        groups = {g.id for g in await Groups.get_groups_by_member_id(user_id, include_inherited=True)}
+        return await AccessGrants.has_access(
+            user_id=user_id,
+            resource_type="tool",
+            resource_id=tool_id,
+            permission="read",
+            user_group_ids=groups,
+        )
+
     async def chat_owners(self, chat_ids: Sequence[str]) -> dict[str, str]:
         """{chat id: owner's user id} for those of these chats that exist: one query per 500 ids.
         Raises when the database does (never an empty answer for an error)."""
@@ -14896,7 +14919,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_2ce6abee6204.engine import (
+from _code_sessions_caa0b1b67358.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -14906,9 +14929,9 @@ from _code_sessions_2ce6abee6204.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_2ce6abee6204.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_2ce6abee6204.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_2ce6abee6204.webui import OpenWebUI
+from _code_sessions_caa0b1b67358.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_caa0b1b67358.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_caa0b1b67358.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -15477,11 +15500,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_2ce6abee6204.engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
-from _code_sessions_2ce6abee6204.engine.rewrite import SCAN_ON_LOOP_CHARS
-from _code_sessions_2ce6abee6204.functions.adapter import SessionsAdapter, SessionValves, last_user_text, status_emitter
-from _code_sessions_2ce6abee6204.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_2ce6abee6204.webui import Misconfigured
+from _code_sessions_caa0b1b67358.engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
+from _code_sessions_caa0b1b67358.engine.rewrite import SCAN_ON_LOOP_CHARS
+from _code_sessions_caa0b1b67358.functions.adapter import SessionsAdapter, SessionValves, last_user_text, status_emitter
+from _code_sessions_caa0b1b67358.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_caa0b1b67358.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 
@@ -15615,6 +15638,9 @@ class FilterSessions(SessionsAdapter):
         messages = body.get("messages")
         if not user_id or not isinstance(messages, list) or not self._tool_enabled(body, metadata):
             return body
+        role = str(user.get("role") or "")
+        if not await self._host.may_use_tool(user_id, role, self._filter.valves.tool_id):
+            return body  # Open WebUI will not run the Tool for this user: nothing to prepare for it
         chat_id = str(metadata.get("chat_id") or "")
         found = await self._chat(user_id, chat_id)
         if found is None:
@@ -15646,7 +15672,8 @@ class FilterSessions(SessionsAdapter):
         """Whether this request offers the Tool: the web UI sends the tools of the model and those the
         user picked in the chat as `tool_ids` (read by Open WebUI after the inlets). Without the Tool
         the model cannot run code, so the filter stays out of the way (a Filter made global thus
-        serves exactly the chats that use the Tool)."""
+        serves exactly the chats that use the Tool). The ids are the caller's to choose: the inlet
+        also checks that the user may use the Tool (`OpenWebUI.may_use_tool`)."""
         tool_ids = body.get("tool_ids") or metadata.get("tool_ids") or ()
         return isinstance(tool_ids, list | tuple) and self._filter.valves.tool_id in tool_ids
 
@@ -15665,6 +15692,9 @@ class FilterSessions(SessionsAdapter):
             chat, tail = answer.chat, await answer.rewriter.flush()
         else:
             if not user_id or not self._tool_enabled({}, metadata):
+                return body
+            role = str(user.get("role") or "")
+            if not await self._host.may_use_tool(user_id, role, self._filter.valves.tool_id):
                 return body
             found = await self._chat(user_id, chat_id)
             if found is None:

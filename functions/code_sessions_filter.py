@@ -154,6 +154,9 @@ class FilterSessions(SessionsAdapter):
         messages = body.get("messages")
         if not user_id or not isinstance(messages, list) or not self._tool_enabled(body, metadata):
             return body
+        role = str(user.get("role") or "")
+        if not await self._host.may_use_tool(user_id, role, self._filter.valves.tool_id):
+            return body  # Open WebUI will not run the Tool for this user: nothing to prepare for it
         chat_id = str(metadata.get("chat_id") or "")
         found = await self._chat(user_id, chat_id)
         if found is None:
@@ -185,7 +188,8 @@ class FilterSessions(SessionsAdapter):
         """Whether this request offers the Tool: the web UI sends the tools of the model and those the
         user picked in the chat as `tool_ids` (read by Open WebUI after the inlets). Without the Tool
         the model cannot run code, so the filter stays out of the way (a Filter made global thus
-        serves exactly the chats that use the Tool)."""
+        serves exactly the chats that use the Tool). The ids are the caller's to choose: the inlet
+        also checks that the user may use the Tool (`OpenWebUI.may_use_tool`)."""
         tool_ids = body.get("tool_ids") or metadata.get("tool_ids") or ()
         return isinstance(tool_ids, list | tuple) and self._filter.valves.tool_id in tool_ids
 
@@ -204,6 +208,9 @@ class FilterSessions(SessionsAdapter):
             chat, tail = answer.chat, await answer.rewriter.flush()
         else:
             if not user_id or not self._tool_enabled({}, metadata):
+                return body
+            role = str(user.get("role") or "")
+            if not await self._host.may_use_tool(user_id, role, self._filter.valves.tool_id):
                 return body
             found = await self._chat(user_id, chat_id)
             if found is None:

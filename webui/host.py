@@ -165,6 +165,29 @@ class OpenWebUI:
 
         await Tools.update_tool_valves_by_id(tool_id, valves)
 
+    async def may_use_tool(self, user_id: str, role: str, tool_id: str) -> bool:
+        """Whether Open WebUI would run this tool for this user, by the check `utils/tools.py get_tools`
+        makes before it offers a tool: an admin (unless admins obey access control), its owner, or a
+        read grant to the user or one of their groups."""
+        from open_webui.config import BYPASS_ADMIN_ACCESS_CONTROL
+        from open_webui.models.access_grants import AccessGrants
+        from open_webui.models.groups import Groups
+        from open_webui.models.tools import Tools
+
+        tool = await Tools.get_tool_by_id(tool_id)
+        if tool is None:
+            return False
+        if (role == "admin" and BYPASS_ADMIN_ACCESS_CONTROL) or tool.user_id == user_id:
+            return True
+        groups = {g.id for g in await Groups.get_groups_by_member_id(user_id, include_inherited=True)}
+        return await AccessGrants.has_access(
+            user_id=user_id,
+            resource_type="tool",
+            resource_id=tool_id,
+            permission="read",
+            user_group_ids=groups,
+        )
+
     async def chat_owners(self, chat_ids: Sequence[str]) -> dict[str, str]:
         """{chat id: owner's user id} for those of these chats that exist: one query per 500 ids.
         Raises when the database does (never an empty answer for an error)."""

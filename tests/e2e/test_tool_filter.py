@@ -260,6 +260,27 @@ def test_a_chat_without_the_tool_is_left_alone(server: OpenWebUI):
     assert not folder.exists()
 
 
+def test_a_user_the_tool_is_not_shared_with_gets_nothing_from_the_filter(server: OpenWebUI):
+    # tool_ids are the caller's to send: carol names the Tool although it is not shared with her.
+    carol = server.account(f"carol-{uuid.uuid4().hex[:6]}@example.com", "Carol-Passw0rd", admin=False)
+    bob = server.accounts["bob"].user_id
+    only_bob = [{"principal_type": "user", "principal_id": bob, "permission": "read"}]
+    update = f"/api/v1/tools/id/{TOOL_ID}/access/update"
+    server.admin.post(update, {"access_grants": only_bob}).raise_for_status()
+    try:
+        upload = carol.upload("big.csv", b"x" * 1000)
+        reply = say(carol, run("print('never run')", "ok"), files=[upload])
+        request = server.model_requests()[-1]
+        offered = {t["function"]["name"] for t in request.get("tools") or []}
+        assert "run_code" not in offered, sorted(offered)  # Open WebUI did not offer her the Tool
+        system = [m for m in request["messages"] if m["role"] == "system"]
+        assert not any("/mnt/data" in str(m.get("content")) for m in system), system
+        assert not (server.sessions_root / "sessions" / id_key(carol.user_id)).exists()  # nothing copied
+        assert not LINK.search(reply.content)
+    finally:
+        server.admin.post(update, {"access_grants": EVERYONE}).raise_for_status()
+
+
 def test_a_deleted_chats_files_go(server: OpenWebUI):
     bob = server.accounts["bob"]
     reply = say(bob, run("open('/mnt/data/doomed.txt', 'w').write('d')", "Doomed: /mnt/data/doomed.txt"))

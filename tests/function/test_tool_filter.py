@@ -62,6 +62,16 @@ async def test_the_filter_leaves_a_chat_without_the_tool_alone(tool: ToolHarness
     assert turn.saved == turn.streamed
 
 
+async def test_the_filter_does_nothing_for_a_user_the_tool_is_not_shared_with(tool: ToolHarness):
+    # tool_ids come from the caller: a user without a grant on the Tool can name it anyway.
+    tool.no_tool_access.add("mallory")
+    upload = tool.upload("mallory", "big.csv", b"x" * 1000)
+    turn = await tool.say("mallory", "chat-1", "hello /mnt/data/big.csv", files=[upload])
+    assert [m["role"] for m in tool.requests[0]["messages"]] == ["user"]  # no prompt about a sandbox
+    assert not tool.sessions_root.exists()  # nothing copied in, no session made
+    assert turn.saved == turn.streamed
+
+
 async def test_kernel_state_and_files_persist_across_turns(tool: ToolHarness):
     first = await tool.say("u1", "chat-1", WRITE_REPORT)
     second = await tool.say(

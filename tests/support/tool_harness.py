@@ -43,6 +43,8 @@ class ToolHarness:
     valves: dict[str, Any] = field(default_factory=dict)
     process: dict = field(default_factory=dict)  # share a PipeHarness's to be the same worker
     uploads: dict[str, tuple[str, str, bytes]] = field(default_factory=dict)
+    # Users Open WebUI would not run the Tool for (no read grant on it).
+    no_tool_access: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.tool_module = load_like_open_webui(TOOL_BUNDLE.read_text())
@@ -111,10 +113,12 @@ class ToolHarness:
         )
         messages = list(body["messages"])
         spec = {"type": "function", "function": _run_code_spec()}
+        # Open WebUI offers the model only the tools this user may use (utils/tools.py get_tools).
+        offered = tool_enabled and user_id not in self.no_tool_access
         streamed = ""
         results: list[str] = []
         for _ in range(MAX_TOOL_ROUNDS):
-            form = {**body, "messages": messages, "tools": [spec] if tool_enabled else []}
+            form = {**body, "messages": messages, "tools": [spec] if offered else []}
             self.requests.append(json.loads(json.dumps(form)))
             reply = scripted_model.answer(form)
             text_parts: list[str] = []
@@ -204,6 +208,9 @@ class _ToolHost(_HarnessHost):
     def __init__(self, harness: ToolHarness, module: Any) -> None:
         self._harness = harness  # type: ignore[assignment]
         self._module = module
+
+    async def may_use_tool(self, user_id: str, role: str, tool_id: str) -> bool:
+        return tool_id == TOOL_ID and user_id not in self._harness.no_tool_access
 
     async def stored_tool_valves(self, tool_id: str) -> dict:
         return dict(self._harness.stored_tool_valves) if tool_id == TOOL_ID else {}
