@@ -26,6 +26,7 @@ from . import (
     concurrency,
     deleted_chats,
     environment,
+    filter_stream,
     index_backends,
     index_scale,
     kernel,
@@ -45,6 +46,7 @@ SECTIONS: dict[str, Callable[[Context], Awaitable[dict[str, Any]]]] = {
     "memory": memory.run,
     "kernel": kernel.run,
     "deleted_chats": deleted_chats.run,
+    "filter_stream": filter_stream.run,
     "index_backends": index_backends.run,
     "environment": environment.run,
 }

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from . import environment, index_backends
+from . import environment, filter_stream, index_backends
 from .index_backends import TARGET_STEP_RATIO
 
 
@@ -358,6 +358,10 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     tick = s.get("deleted_chats", {})
     value = tick["tick"]["median_ms"] if tick.get("sessions") == 10_000 else None
     add("deleted-chat tick, 10,000 sessions", value, 500.0, "ms")
+    hook = s.get("filter_stream", {})
+    value = hook.get("ratio_of_medians") if hook.get("paths") == 1000 else None
+    limit = hook.get("target_ratio", 1.5)
+    add("Filter stream hook / a minimal rewriting hook, 100 KB answer", value, limit, "x")
     if "index_backends" in s:
         ratio = s["index_backends"].get("step", {}).get("ratio_of_medians")
         add("chat step storage, PostgreSQL / SQLite", ratio, TARGET_STEP_RATIO, "x")
@@ -394,6 +398,7 @@ def render(results: dict[str, Any]) -> str:
         ("5. Memory: peak RSS of the host side", "memory", _memory),
         ("6. The live kernel", "kernel", _kernel),
         ("7. Chats deleted in Open WebUI: one background tick", "deleted_chats", _deleted_chats),
+        ("9. The Filter's stream hook", "filter_stream", filter_stream.render),
         ("Index backends: SQLite vs PostgreSQL", "index_backends", index_backends.render),
         ("The sandbox environment", "environment", environment.render),
     ]

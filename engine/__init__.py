@@ -1,7 +1,16 @@
 """A chat step without Open WebUI: sandbox runs over a persistent session, links, the conversation loop."""
 
 from .blocks import CodeBlock, runnable_blocks
-from .loop import RUN_CODE_TOOL, LoopOptions, ModelCall, StatusCall, converse, render_step, waiting_status
+from .loop import (
+    RUN_CODE_TOOL,
+    LoopOptions,
+    ModelCall,
+    StatusCall,
+    converse,
+    render_step,
+    run_step,
+    waiting_status,
+)
 from .prompt import PromptFacts, system_prompt
 from .purge import parse_purge
 from .rewrite import (
@@ -43,6 +52,7 @@ __all__ = [
     "parse_purge",
     "render_step",
     "rewrite",
+    "run_step",
     "runnable_blocks",
     "system_prompt",
     "waiting_status",

@@ -26,6 +26,7 @@ __all__ = [
     "StatusCall",
     "converse",
     "render_step",
+    "run_step",
     "waiting_status",
 ]
 
@@ -150,7 +151,8 @@ def waiting_status(status: StatusCall) -> Callable[[], Awaitable[None]]:
     return waiting
 
 
-async def _run(chat: ChatSession, language: str, code: str, status: StatusCall) -> StepResult:
+async def run_step(chat: ChatSession, language: str, code: str, status: StatusCall) -> StepResult:
+    """Run one piece of code in the chat, saying in statuses that it runs, waits or was reset."""
     await status(f"Running {language.capitalize()}\u2026", False)
     step = await chat.run(code, language, waiting=waiting_status(status))
     said = _status_after(step)
@@ -244,7 +246,7 @@ async def _turns(
                     result = "Not run: the step limit for this answer is reached. Answer with what you have."
                 else:
                     steps += 1
-                    step = await _run(chat, parsed[0], parsed[1], status)
+                    step = await run_step(chat, parsed[0], parsed[1], status)
                     saved.extend(step.saved())
                     yield await render_step(chat, step, options)
                     result = step.for_model(options.max_result_chars)
@@ -265,7 +267,7 @@ async def _turns(
         results = []
         for block in blocks:
             steps += 1
-            step = await _run(chat, block.language, block.code, status)
+            step = await run_step(chat, block.language, block.code, status)
             saved.extend(step.saved())
             yield await render_step(chat, step, options)
             results.append(step.for_model(options.max_result_chars))

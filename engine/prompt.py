@@ -27,6 +27,9 @@ class PromptFacts:
     kernel_idle_minutes: float | None = None  # a live kernel per chat (None: every run starts fresh)
     packages: Sequence[tuple[str, str]] = ()  # (import name, version) importable in the sandbox
     tools: Sequence[str] = ()  # command-line tools the sandbox has beyond coreutils
+    # Whether the run's figures are shown to the user by themselves (the Pipe shows them under each
+    # step); False: only when the answer writes their paths (the Tool's results are the model's).
+    figures_shown: bool = True
 
 
 def _file_lines(facts: PromptFacts) -> str:
@@ -59,13 +62,20 @@ def _state_line(facts: PromptFacts) -> str:
         have += f"- Command-line tools in bash, besides coreutils: {', '.join(facts.tools)}.\n"
     if facts.kernel_idle_minutes is None:
         return have + "- Every run starts a fresh Python: variables do not carry over, only files do.\n"
-    return have + (
-        "- Python runs in a live kernel that belongs to this chat: variables, imports and functions carry "
+    figures = (
+        "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data and shown "
+        "to the user under the run (do not link them again); you are told their paths.\n"
+        if facts.figures_shown
+        else "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data; you "
+        "are told their paths. Write a figure's path in your answer to show it to the user.\n"
+    )
+    return (
+        have
+        + "- Python runs in a live kernel that belongs to this chat: variables, imports and functions carry "
         "over from one run to the next (do not reload or recompute what you already have). The kernel is "
         f"reset after {facts.kernel_idle_minutes:g} minutes without a run; you are told when that "
         "happens, and files in /mnt/data are always kept. Bash runs in the same sandbox.\n"
-        "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data and shown "
-        "to the user under the run (do not link them again); you are told their paths.\n"
+        + figures
     )
 
 

@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import socket
 import stat
 import struct
@@ -80,7 +81,7 @@ class _Entry:
     key: str
     cid: str
     host: str
-    owner: str  # "<pid> <start time>" of the process that started it
+    owner: str  # "<pid> <start time> <pool>" of the process (and its pool) that started it
     socket: str
     workdir: str
     started_at: float
@@ -116,7 +117,9 @@ class KernelPool:
         self._mine: dict[str, Kernel] = {}
         self._servers: dict[str, asyncio.AbstractServer] = {}
         self._reaper: asyncio.Task[None] | None = None
-        self._owner = owner_stamp()
+        # "<pid> <start time> <pool>": two pools of one process (files of two versions of the function
+        # loaded side by side) reach each other's kernels over the socket, as two workers do.
+        self._owner = f"{owner_stamp()} {secrets.token_hex(4)}"
         self._touched: dict[str, float] = {}
 
     # ------------------------------------------------------------------ public
@@ -302,7 +305,7 @@ class KernelPool:
         if entry.host != _HOST:
             return False
         try:
-            pid, started = entry.owner.split()
+            pid, started = entry.owner.split()[:2]
             with open(f"/proc/{int(pid)}/stat", "rb") as fh:
                 return fh.read().rsplit(b")", 1)[1].split()[19].decode() == started
         except (OSError, ValueError, IndexError):

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.open_webui import OWUI_VENV
 from tests.support.pipe_harness import load_like_open_webui
 
@@ -57,3 +59,54 @@ def test_loaded_like_open_webui_the_pipe_has_its_valves():
         assert schema[valve]["description"]
     assert pipe.valves.network is False
     assert module.Pipe.UserValves().show_code is True
+
+
+TOOL = REPO / "dist" / "code_sessions_tool.py"
+FILTER = REPO / "dist" / "code_sessions_filter.py"
+
+
+@pytest.mark.parametrize(
+    ("bundle", "title"),
+    [(TOOL, "Code Sessions Tool"), (FILTER, "Code Sessions Filter")],
+    ids=["tool", "filter"],
+)
+def test_the_tool_and_the_filter_have_their_frontmatter_and_nothing_the_loader_rewrites(bundle, title):
+    text = bundle.read_text()
+    lines = text.splitlines()
+    assert lines[0] == '"""'
+    header = dict(line.split(":", 1) for line in lines[1 : lines.index('"""', 1)])
+    assert header["title"].strip() == title
+    assert header["requirements"].strip() == ""
+    for needle in ("from utils", "from apps", "from main", "from config"):
+        assert needle not in text, needle
+
+
+def test_each_file_loads_alone_in_open_webuis_python(tmp_path):
+    # Each in a process of its own, outside the repository: one file is all an admin installs.
+    python = OWUI_VENV / "bin" / "python"
+    assert python.exists(), f"{python} is missing: run ./scripts/setup"
+    checks = {
+        TOOL: "t = m.Tools(); print(sorted(n for n in dir(t) if not n.startswith('_')"
+        " and callable(getattr(t, n)) and not isinstance(getattr(t, n), type)), t.valves.kernel)",
+        FILTER: "f = m.Filter(); print(f.valves.tool_id, *(callable(getattr(f, n)) for n in "
+        "('inlet', 'stream', 'outlet')))",
+    }
+    outputs = {}
+    for bundle, check in checks.items():
+        script = tmp_path / f"load_{bundle.stem}.py"
+        script.write_text(
+            "import types\n"
+            f"content = open({str(bundle)!r}).read()\n"
+            "m = types.ModuleType('x'); exec(content, m.__dict__)\n" + check + "\n"
+        )
+        command = [str(python), "-I", str(script)]
+        result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        outputs[bundle] = result.stdout.strip()
+    assert outputs[TOOL] == "['run_code'] persistent"  # Open WebUI offers every public method to the model
+    assert outputs[FILTER] == "code_sessions_tool True True True"
+
+
+def test_the_three_files_of_one_version_share_their_embedded_packages():
+    packages = {load_like_open_webui(b.read_text())._CS_PACKAGE for b in (BUNDLE, TOOL, FILTER)}
+    assert len(packages) == 1, packages

@@ -1,13 +1,16 @@
-"""Bundle the function and the packages it uses into the single file Open WebUI installs.
+"""Bundle each Open WebUI file (the Pipe, the Tool, the Filter) with the packages it uses into the single
+file Open WebUI installs.
 
-Open WebUI stores a function's source in its database and `exec`s it in a fresh module: there is no
-sys.path entry for sibling files, so the packages travel inside the file. Each module is embedded as a raw
-string and served by a small import hook under a private parent package whose name carries a hash of the
-bundle, so two versions loaded in one process never share modules. The function module itself becomes the
-body of the file, with its imports of our packages pointed at that parent package.
+Open WebUI stores a function's (or a tool's) source in its database and `exec`s it in a fresh module:
+there is no sys.path entry for sibling files, so the packages travel inside the file. Each module is
+embedded as a raw string and served by a small import hook under a private parent package whose name
+carries a hash of the embedded sources: two versions loaded in one process never share modules, and the
+three files of one version do (so they share one store and one set of kernels, see
+functions/adapter.py). The entry module itself becomes the body of the file, with its imports of our
+packages pointed at that parent package.
 
-    python tools/bundle.py           # write dist/code_sessions.py
-    python tools/bundle.py --check   # exit 1 if the committed bundle is not what the sources give
+    python tools/bundle.py           # write dist/code_sessions.py, code_sessions_tool.py, ..._filter.py
+    python tools/bundle.py --check   # exit 1 if a committed bundle is not what the sources give
 """
 
 from __future__ import annotations
@@ -17,13 +20,50 @@ import ast
 import hashlib
 import sys
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FUNCTION = ROOT / "functions" / "code_sessions.py"
-PACKAGES = ("storage", "runner", "engine", "webui")
-OUTPUT = ROOT / "dist" / "code_sessions.py"
+PACKAGES = ("storage", "runner", "engine", "webui", "functions")
 OPEN_WEBUI_VERSION = "0.12.0"
+
+
+@dataclass(frozen=True)
+class Target:
+    entry: str  # the module under functions/ that becomes the file's body
+    title: str
+    description: str
+
+    @property
+    def source(self) -> Path:
+        return ROOT / "functions" / self.entry
+
+    @property
+    def output(self) -> Path:
+        return ROOT / "dist" / self.entry
+
+
+TARGETS = (
+    Target(
+        "code_sessions.py",
+        "Code Sessions",
+        "Per-chat /mnt/data folders, code run in gVisor, working download links.",
+    ),
+    Target(
+        "code_sessions_tool.py",
+        "Code Sessions Tool",
+        "run_code for any model with tool calling: the chat's /mnt/data folder and live kernel, in gVisor.",
+    ),
+    Target(
+        "code_sessions_filter.py",
+        "Code Sessions Filter",
+        "With the Code Sessions Tool: tells the model about /mnt/data, copies uploads in, links files.",
+    ),
+)
+ENTRIES = {target.entry for target in TARGETS}
+# Kept for callers that name the Pipe's bundle.
+FUNCTION = TARGETS[0].source
+OUTPUT = TARGETS[0].output
 
 # Open WebUI's loader runs `content.replace(old, new)` for these over the whole file (utils/plugin.py,
 # replace_imports), so any occurrence, even in a comment or string, would be corrupted at load time.
@@ -95,6 +135,8 @@ def _package_sources() -> dict[str, str]:
         for path in sorted((ROOT / package).rglob("*.py")):
             if path.name == "__main__.py" or "__pycache__" in path.parts:
                 continue
+            if package == "functions" and path.name in ENTRIES:
+                continue  # an entry is the body of its own file, not a module the others import
             sources[path.relative_to(ROOT).as_posix()] = path.read_text(encoding="utf-8")
     return sources
 
@@ -125,54 +167,58 @@ def _embed(key: str, source: str) -> str:
     return f"    {key!r}: r'''{source}''',\n"
 
 
-def _frontmatter(version: str) -> str:
+def _frontmatter(version: str, target: Target) -> str:
     return (
         '"""\n'
-        "title: Code Sessions\n"
+        f"title: {target.title}\n"
         "author: code-sessions\n"
         "author_url: https://github.com/code-sessions/code-sessions\n"
         f"version: {version}\n"
         "license: MIT\n"
-        "description: Per-chat /mnt/data folders, code run in gVisor, working download links.\n"
+        f"description: {target.description}\n"
         "requirements: \n"
         f"required_open_webui_version: {OPEN_WEBUI_VERSION}\n"
         '"""\n'
     )
 
 
-def build() -> str:
+def build(target: Target = TARGETS[0]) -> str:
     version = _project_version()
     sources = _package_sources()
-    function_source = FUNCTION.read_text(encoding="utf-8")
+    function_source = target.source.read_text(encoding="utf-8")
+    # The hash covers what is embedded, not the entry: the three files of one version share modules.
     digest = hashlib.sha256()
-    for key, source in [*sorted(sources.items()), ("function", function_source)]:
+    for key, source in sorted(sources.items()):
         digest.update(key.encode() + b"\0" + source.encode() + b"\0")
     parent = f"_code_sessions_{digest.hexdigest()[:12]}"
 
     embedded = {key: _point_imports_at(source, parent, key) for key, source in sources.items()}
-    body = _point_imports_at(function_source, parent, "functions/code_sessions.py")
+    name = f"functions/{target.entry}"
+    body = _point_imports_at(function_source, parent, name)
     if body.startswith('"""'):
-        raise BundleError("functions/code_sessions.py must not start with a docstring; the bundle adds one")
+        raise BundleError(f"{name} must not start with a docstring; the bundle adds one")
 
     parts = [
-        _frontmatter(version),
+        _frontmatter(version, target),
         "# Generated by tools/bundle.py from the code-sessions repository; edit the sources, not this.\n",
-        "# The packages storage/, runner/ and engine/ are embedded below and imported through a small\n",
-        "# import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.\n\n",
+        "# The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported\n",
+        f"# through a small import hook; the Open WebUI adapter ({name}) follows them.\n\n",
         f"_CS_PACKAGE = {parent!r}\n",
         "_CS_SOURCES = {\n",
         *(_embed(key, source) for key, source in embedded.items()),
         "}\n",
         _BOOTSTRAP,
-        "\n# ---- functions/code_sessions.py ----\n",
+        f"\n# ---- {name} ----\n",
         body,
     ]
     bundle = "".join(parts)
     for needle in FORBIDDEN:
         if needle in bundle:
             line = bundle[: bundle.index(needle)].count("\n") + 1
-            raise BundleError(f"bundle line {line} contains {needle!r}, which Open WebUI's loader rewrites")
-    compile(bundle, str(OUTPUT), "exec")
+            raise BundleError(
+                f"{target.entry}: bundle line {line} contains {needle!r}, which Open WebUI's loader rewrites"
+            )
+    compile(bundle, str(target.output), "exec")
     return bundle
 
 
@@ -181,26 +227,30 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--check", action="store_true", help="fail if dist/ is stale instead of writing it")
-    parser.add_argument("--output", type=Path, default=OUTPUT)
+    parser.add_argument("--output", type=Path, help="write (or check) the Pipe's bundle here instead")
     args = parser.parse_args(argv)
-    try:
-        bundle = build()
-    except BundleError as error:
-        print(f"bundle: {error}", file=sys.stderr)
-        return 2
-    if args.check:
-        current = args.output.read_text(encoding="utf-8") if args.output.exists() else ""
-        if current != bundle:
-            print(
-                f"bundle: {args.output} is stale; run `python tools/bundle.py` and commit it", file=sys.stderr
-            )
-            return 1
-        print(f"bundle: {args.output} is current")
-        return 0
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(bundle, encoding="utf-8")
-    print(f"bundle: wrote {args.output} ({len(bundle):,} bytes)")
-    return 0
+    targets = [(TARGETS[0], args.output)] if args.output else [(t, t.output) for t in TARGETS]
+    stale = False
+    for target, output in targets:
+        try:
+            bundle = build(target)
+        except BundleError as error:
+            print(f"bundle: {error}", file=sys.stderr)
+            return 2
+        if args.check:
+            current = output.read_text(encoding="utf-8") if output.exists() else ""
+            if current != bundle:
+                print(
+                    f"bundle: {output} is stale; run `python tools/bundle.py` and commit it", file=sys.stderr
+                )
+                stale = True
+            else:
+                print(f"bundle: {output} is current")
+            continue
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(bundle, encoding="utf-8")
+        print(f"bundle: wrote {output} ({len(bundle):,} bytes)")
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@ __all__ = ["Locations", "Misconfigured", "OpenWebUI"]
 # Ids per IN (...) query: well under every database's limit on bound parameters.
 _ID_CHUNK = 500
 
+# What the files of one bundle version share in this process (see `OpenWebUI.shared`).
+_PROCESS: dict = {}
+
 
 def _saved_chat(chat_id: str) -> bool:
     return bool(chat_id) and not chat_id.startswith(("temporary:", "local:", "channel:"))
@@ -59,6 +62,12 @@ class OpenWebUI:
         if root == cache or cache in root.parents:
             raise Misconfigured(f"storage_root {root} is inside {cache}, which any logged-in user can read")
         return Locations(root, cache / "functions" / function_id, f"/cache/functions/{function_id}/")
+
+    def shared(self) -> dict:
+        """A dict every file of this bundle version sees in this process: Open WebUI loads the Pipe,
+        the Tool and the Filter as three modules, but their embedded packages are one (see
+        tools/bundle.py), so their services can be too."""
+        return _PROCESS
 
     def index_url(self, choice: str) -> str:
         """The database for the session index, from the `index_database` valve: a postgresql:// URL as
@@ -151,6 +160,40 @@ class OpenWebUI:
         from open_webui.models.functions import Functions
 
         await Functions.update_function_valves_by_id(function_id, valves)
+
+    async def stored_tool_valves(self, tool_id: str) -> dict:
+        """A Tool's valves as saved now (Tools keep theirs apart from functions)."""
+        from open_webui.models.tools import Tools
+
+        return await Tools.get_tool_valves_by_id(tool_id) or {}
+
+    async def store_tool_valves(self, tool_id: str, valves: dict) -> None:
+        from open_webui.models.tools import Tools
+
+        await Tools.update_tool_valves_by_id(tool_id, valves)
+
+    async def may_use_tool(self, user_id: str, role: str, tool_id: str) -> bool:
+        """Whether Open WebUI would run this tool for this user, by the check `utils/tools.py get_tools`
+        makes before it offers a tool: an admin (unless admins obey access control), its owner, or a
+        read grant to the user or one of their groups."""
+        from open_webui.config import BYPASS_ADMIN_ACCESS_CONTROL
+        from open_webui.models.access_grants import AccessGrants
+        from open_webui.models.groups import Groups
+        from open_webui.models.tools import Tools
+
+        tool = await Tools.get_tool_by_id(tool_id)
+        if tool is None:
+            return False
+        if (role == "admin" and BYPASS_ADMIN_ACCESS_CONTROL) or tool.user_id == user_id:
+            return True
+        groups = {g.id for g in await Groups.get_groups_by_member_id(user_id, include_inherited=True)}
+        return await AccessGrants.has_access(
+            user_id=user_id,
+            resource_type="tool",
+            resource_id=tool_id,
+            permission="read",
+            user_group_ids=groups,
+        )
 
     async def chat_owners(self, chat_ids: Sequence[str]) -> dict[str, str]:
         """{chat id: owner's user id} for those of these chats that exist: one query per 500 ids.

@@ -350,3 +350,17 @@ async def test_the_socket_folder_is_made_private_even_if_it_was_there_before(
     finally:
         await pool.close()
     assert sockets.stat().st_mode & 0o777 == 0o700
+
+
+async def test_two_pools_of_one_process_share_a_chats_kernel(pool: KernelPool, tmp_path: Path, workdir: Path):
+    """Two files of different versions loaded in one Open WebUI worker have a pool each: the second
+    must reach the first's kernel (over its socket, as another worker would), not start a second."""
+    first = await pool.run("u/c", workdir, "shared = 'from the first pool'", "python", LIMITS)
+    other = KernelPool(Runner(), tmp_path / "registry")
+    try:
+        reached = await other.run("u/c", workdir, "print(shared)", "python", LIMITS)
+        assert reached.stdout == "from the first pool\n", reached
+        assert reached.container_id == first.container_id and reached.notes == ()
+        assert other.kernels() == {}  # it started none of its own
+    finally:
+        await other.close()

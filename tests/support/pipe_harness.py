@@ -60,6 +60,9 @@ class PipeHarness:
     uploads: dict[str, tuple[str, str, bytes]] = field(default_factory=dict)  # id -> (owner, name, bytes)
     requests: list[dict] = field(default_factory=list)
     stored_valves: dict[str, Any] = field(default_factory=dict)
+    # What Open WebUI's process holds for every file of one bundle (OpenWebUI.shared): pass another
+    # harness's to be the same worker process, so that their files share one store and set of kernels.
+    process: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.module = load_like_open_webui(BUNDLE.read_text())
@@ -128,17 +131,28 @@ class PipeHarness:
 
     async def aclose(self) -> None:
         """What the end of the Open WebUI process would do: stop the background loop, close the store."""
-        task = self.pipe._background
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if self.pipe._services is not None:
-            await self.pipe._services.close()  # its kernels stop with it, as with Open WebUI's process
+        await stop_adapter(self.pipe)
 
     @property
     def sessions_root(self) -> Path:
         return self.data_dir / "code_sessions"
+
+
+async def stop_adapter(adapter: Any) -> None:
+    """Stop an adapter's background loop and close its services (its kernels stop with them, as with
+    Open WebUI's process), also for the other files of its process that share them."""
+    task = adapter._background
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    services = adapter._services
+    if services is not None:
+        shared = adapter._host.shared()
+        for key in [k for k, entry in shared.items() if isinstance(entry, list) and entry[0] is services]:
+            del shared[key]
+        await services.close()
+        adapter._services = adapter._services_key = None
 
 
 class _HarnessHost:
@@ -157,6 +171,9 @@ class _HarnessHost:
             publish_dir=h.cache_dir / "functions" / function_id,
             url_prefix=f"/cache/functions/{function_id}/",
         )
+
+    def shared(self) -> dict:
+        return self._harness.process
 
     def index_url(self, choice: str) -> str:
         # Open WebUI's own database is SQLite here: empty and "sqlite" both mean the index file.

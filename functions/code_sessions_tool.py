@@ -1,0 +1,126 @@
+# Open WebUI Tool for code-sessions: `run_code` for any model with tool calling, in the chat's persistent
+# /mnt/data folder and live Python kernel, in gVisor. Install it beside the Filter
+# (functions/code_sessions_filter.py), which tells the model about the folder, copies the chat's
+# uploads in and turns /mnt/data paths in the answer into links.
+#
+# This file is a thin adapter: its valves are the session valves every file shares, and the services,
+# background maintenance and attachments are functions/adapter.py's, the step is engine's. Open WebUI
+# offers every public method of `Tools` to the model, so `run_code` is the only one.
+#
+# No `from __future__` import here: Open WebUI reads run_code's annotations to build its schema, and in
+# the bundle this module's body does not start the file.
+
+import logging
+from typing import Any
+
+from engine import LoopOptions, escape_text, run_step
+from functions.adapter import SessionsAdapter, SessionValves, Status
+from storage import StorageError
+from webui import Misconfigured
+
+log = logging.getLogger("code_sessions.function")
+
+
+class Tools:
+    class Valves(SessionValves):
+        pass
+
+    def __init__(self) -> None:
+        self.valves = self.Valves()
+        self._sessions = ToolSessions(self)
+
+    async def run_code(
+        self,
+        code: str,
+        language: str = "python",
+        __user__: dict | None = None,
+        __chat_id__: str | None = None,
+        __files__: list | None = None,
+        __event_emitter__: Any = None,
+        __id__: str | None = None,
+    ) -> str:
+        """
+        Run Python or bash in a sandbox. The working directory is /mnt/data, this chat's persistent
+        folder: files written there stay for the next steps and can be linked in the answer by writing
+        their /mnt/data path. Python runs in a live kernel: variables carry over between runs.
+        Returns the outcome, stdout, stderr and which files changed.
+        :param code: the program to run
+        :param language: python (the default) or bash
+        """
+        return await self._sessions.run_code(
+            code,
+            language or "python",
+            user=__user__ or {},
+            chat_id=__chat_id__ or "",
+            files=__files__ or [],
+            emitter=__event_emitter__,
+            tool_id=__id__,
+        )
+
+
+class ToolSessions(SessionsAdapter):
+    """The Tool's side of the shared adapter: its settings are the Tool's valves, saved with the tool."""
+
+    def __init__(self, tool: Tools) -> None:
+        super().__init__()
+        self._tool = tool
+
+    @property
+    def settings(self) -> SessionValves:
+        return self._tool.valves
+
+    @settings.setter
+    def settings(self, value: SessionValves) -> None:
+        self._tool.valves = value
+
+    async def _read_settings(self) -> dict:
+        return await self._host.stored_tool_valves(self._function_id) if self._function_id else {}
+
+    async def _write_settings(self, stored: dict) -> None:
+        if self._function_id:
+            await self._host.store_tool_valves(self._function_id, stored)
+
+    async def run_code(
+        self,
+        code: str,
+        language: str,
+        *,
+        user: dict,
+        chat_id: str,
+        files: list,
+        emitter: Any,
+        tool_id: str | None,
+    ) -> str:
+        """One run for the model: the result it reads, with any sentence about the chat's files."""
+        self._function_id = tool_id or self._function_id
+        user_id = str(user.get("id") or "")
+        if not user_id:
+            return "Not run: Open WebUI did not say which user this is."
+        try:
+            services = await self._services_for_valves()
+        except Misconfigured as error:
+            return f"Not run: Code Sessions is not set up correctly: {error}"
+        self._keep_background_running()
+        if self.settings.purge.strip():
+            await self._purge_now(services)
+        try:
+            chat = await services.chat(user_id, chat_id)
+        except StorageError as error:
+            log.warning("code-sessions: no session for chat %r: %s", chat_id[:80], error)
+            return f"Not run: this chat's files are not available right now: {escape_text(str(error))}"
+        status = Status(emitter)
+        # The Filter copies uploads in before the model is asked; without it (or when a file arrives
+        # between two runs of one answer) the Tool does, once each: nothing is copied twice.
+        notes, _ = await self._import_uploads(chat, user_id, files, status)
+        step = await run_step(chat, language, code, status)
+        # The user sees the files (and figures) the answer names: the Filter turns their paths into
+        # links and images, so the result tells the model which paths to write.
+        result = step.for_model(LoopOptions().max_result_chars)
+        if step.figures:
+            result += "\nTo show a figure, write its /mnt/data path in your answer."
+        return "".join(_plain(note) for note in notes) + result
+
+
+def _plain(note: str) -> str:
+    # The attachment notes are Markdown for an answer (`_..._`); the model reads them as sentences.
+    return note.strip().strip("_") + "\n"

@@ -1,0 +1,215 @@
+"""The installed Tool and Filter, driven in-process with real storage and real gVisor (see tool_harness):
+a plain model with both enabled gets what the Pipe gives, on the same store and kernels as the Pipe."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+
+from tests.support.pipe_harness import PipeHarness, code
+from tests.support.tool_harness import ToolHarness
+
+pytestmark = pytest.mark.runsc
+
+LINK = re.compile(r"\((/cache/functions/code_sessions/[A-Za-z0-9_-]{22,}/[^)]+)\)")
+WRITE_REPORT = code(
+    "import csv\n"
+    "with open('/mnt/data/report.csv', 'w', newline='') as f:\n"
+    "    csv.writer(f).writerows([('name', 'score'), ('ada', 3)])\n"
+    "rows = 1",
+    "Here is your report: /mnt/data/report.csv",
+)
+
+
+@pytest.fixture
+async def tool(tmp_path) -> ToolHarness:
+    harness = ToolHarness(tmp_path / "data", valves={"timeout_seconds": 15})
+    yield harness
+    await harness.aclose()
+
+
+def published(harness, url: str) -> bytes:
+    return (harness.cache_dir / url.removeprefix("/cache/")).read_bytes()
+
+
+async def test_a_plain_model_runs_code_in_mnt_data_and_the_answer_links_the_file(tool: ToolHarness):
+    turn = await tool.say("u1", "chat-1", WRITE_REPORT)
+    [result] = turn.tool_results
+    assert result.startswith("Python finished"), result
+    assert "/mnt/data/report.csv" in result  # the model is told what its run saved
+    # Linked while streaming (the path arrives in 7-character pieces) and in the saved message.
+    for text in (turn.streamed, turn.saved):
+        assert "Here is your report: [report.csv](/cache/functions/code_sessions/" in text, text
+        assert "/mnt/data/report.csv" not in text
+    url = LINK.findall(turn.saved)[-1]
+    assert published(tool, url) == b"name,score\r\nada,3\r\n"
+    # The Filter told the model about the folder and that the tool runs its code.
+    system = tool.requests[0]["messages"][0]
+    assert system["role"] == "system" and "`run_code` tool" in system["content"]
+    assert "Write a figure's path in your answer to show it" in system["content"]  # none shows by itself
+    # The linked file is attached to the message.
+    files = [e for e in turn.events if e["type"] == "chat:message:files"]
+    assert files and files[-1]["data"]["files"][0]["name"] == "report.csv"
+
+
+async def test_the_filter_leaves_a_chat_without_the_tool_alone(tool: ToolHarness):
+    turn = await tool.say("u1", "chat-1", "hello /mnt/data/x.csv", tool_enabled=False)
+    [request] = tool.requests
+    assert [m["role"] for m in request["messages"]] == ["user"]  # no system prompt about a sandbox
+    assert not tool.sessions_root.exists()  # and no session made for it
+    assert turn.saved == turn.streamed
+
+
+async def test_the_filter_does_nothing_for_a_user_the_tool_is_not_shared_with(tool: ToolHarness):
+    # tool_ids come from the caller: a user without a grant on the Tool can name it anyway.
+    tool.no_tool_access.add("mallory")
+    upload = tool.upload("mallory", "big.csv", b"x" * 1000)
+    turn = await tool.say("mallory", "chat-1", "hello /mnt/data/big.csv", files=[upload])
+    assert [m["role"] for m in tool.requests[0]["messages"]] == ["user"]  # no prompt about a sandbox
+    assert not tool.sessions_root.exists()  # nothing copied in, no session made
+    assert turn.saved == turn.streamed
+
+
+async def test_kernel_state_and_files_persist_across_turns(tool: ToolHarness):
+    first = await tool.say("u1", "chat-1", WRITE_REPORT)
+    second = await tool.say(
+        "u1",
+        "chat-1",
+        code("print('rows', rows + 1, open('/mnt/data/report.csv').read().splitlines()[1])"),
+        history=[{"role": "user", "content": WRITE_REPORT}, {"role": "assistant", "content": first.saved}],
+    )
+    assert "rows 2 ada,3" in second.tool_results[0], second.tool_results
+    # The earlier answer reaches the model with its link turned back into the path it named.
+    earlier = next(m for m in tool.requests[-1]["messages"] if m["role"] == "assistant")
+    assert "/mnt/data/report.csv" in earlier["content"] and "/cache/" not in earlier["content"]
+    # And the folder's files are listed for it.
+    assert "/mnt/data/report.csv" in tool.requests[-1]["messages"][0]["content"]
+
+
+async def test_another_chat_sees_neither_the_files_nor_the_variables(tool: ToolHarness):
+    await tool.say("u1", "chat-1", WRITE_REPORT)
+    other = await tool.say(
+        "u1", "chat-2", code("import os\nprint(sorted(os.listdir('/mnt/data')), 'rows' in globals())")
+    )
+    assert "[] False" in other.tool_results[0], other.tool_results
+
+
+async def test_the_filter_copies_an_upload_in_and_tells_the_model(tool: ToolHarness):
+    upload = tool.upload("u1", "scores.csv", b"a,b\n1,2\n")
+    turn = await tool.say(
+        "u1", "chat-1", code("print(open('/mnt/data/scores.csv').read())"), files=[upload]
+    )
+    assert "a,b\n1,2" in turn.tool_results[0], turn.tool_results
+    assert "/mnt/data/scores.csv" in tool.requests[0]["messages"][0]["content"]
+    # Someone else's file id in a request copies nothing.
+    theirs = tool.upload("u2", "secret.csv", b"secret")
+    listing = code("import os\nprint(sorted(os.listdir('/mnt/data')))")
+    again = await tool.say("u1", "chat-1", listing, files=[theirs])
+    assert "['scores.csv']" in again.tool_results[0], again.tool_results
+
+
+async def test_a_run_over_the_limit_says_why_to_the_model(tool: ToolHarness):
+    tool.set_valves(timeout_seconds=2)
+    turn = await tool.say("u1", "chat-1", code("import time\ntime.sleep(30)"))
+    assert "time limit" in turn.tool_results[0], turn.tool_results
+
+
+async def test_clear_files_through_the_filter_empties_the_folder(tool: ToolHarness):
+    await tool.say("u1", "chat-1", WRITE_REPORT)
+    await tool.say("u1", "chat-1", "!clear-files")
+    asked = next(
+        r["messages"][-1]["content"] for r in tool.requests if "!clear-files" in r["messages"][-1]["content"]
+    )
+    assert "Deleted every file in this chat's /mnt/data (1 files" in asked, asked
+    listing = await tool.say("u1", "chat-1", code("import os\nprint(sorted(os.listdir('/mnt/data')))"))
+    assert "[]" in listing.tool_results[0]
+
+
+async def test_a_chat_used_through_the_pipe_then_the_tool_shares_folder_and_state(tmp_path):
+    pipe = PipeHarness(tmp_path / "data", valves={"timeout_seconds": 15})
+    tool = ToolHarness.beside(pipe)
+    try:
+        await pipe.say("u1", "chat-1", code("open('/mnt/data/a.txt','w').write('from the pipe')\nx = 41"))
+        turn = await tool.say("u1", "chat-1", code("print(x + 1, open('/mnt/data/a.txt').read())"))
+        assert "42 from the pipe" in turn.tool_results[0], turn.tool_results
+        # One store and one kernel pool for the process, whichever file asked first.
+        assert tool.tools._sessions._services is pipe.pipe._services
+        assert tool.filter._sessions._services is pipe.pipe._services
+        kernels = pipe.pipe._services.kernels.kernels()
+        assert len(kernels) == 1, kernels
+        # And back: the Pipe sees what the Tool did.
+        await tool.say("u1", "chat-1", code("open('/mnt/data/b.txt','w').write('from the tool')\ny = 7"))
+        answer = await pipe.say("u1", "chat-1", code("print(x + y, open('/mnt/data/b.txt').read())"))
+        assert "48 from the tool" in answer, answer
+    finally:
+        await tool.aclose()
+        await pipe.aclose()
+
+
+async def test_a_valve_change_in_one_file_does_not_close_the_services_another_uses(tmp_path):
+    pipe = PipeHarness(tmp_path / "data", valves={"timeout_seconds": 15})
+    tool = ToolHarness.beside(pipe)
+    try:
+        await pipe.say("u1", "chat-1", code("x = 1"))
+        await tool.say("u1", "chat-1", code("print(x)"))
+        shared = pipe.pipe._services
+        tool.set_valves(kernel="fresh")  # the Tool's admin switches kernels off; the Pipe keeps its own
+        turn = await tool.say("u1", "chat-1", code("print('x' in globals())"))
+        assert "False" in turn.tool_results[0], turn.tool_results
+        assert tool.tools._sessions._services is not shared
+        answer = await pipe.say("u1", "chat-1", code("print('x is', x)"))
+        assert "x is 1" in answer, answer  # the Pipe's kernel was not stopped under it
+    finally:
+        await tool.aclose()
+        await pipe.aclose()
+
+
+async def test_maintenance_looks_at_open_webuis_chats_once_per_minute_whichever_files_run(tmp_path):
+    pipe = PipeHarness(tmp_path / "data", valves={"timeout_seconds": 15})
+    tool = ToolHarness.beside(pipe)
+    adapters = [pipe.pipe, tool.tools._sessions, tool.filter._sessions]
+    for adapter in adapters:
+        adapter.minute_s = 0.3
+    try:
+        await pipe.say("u1", "chat-1", code("print(1)"))  # the Pipe's loop starts
+        await asyncio.sleep(0.1)  # the loops tick at different moments, as files first used apart do
+        await tool.say("u1", "chat-1", code("print(2)"))  # the Filter's, then the Tool's loops start
+        hosts = [adapter._host for adapter in adapters]
+        for host in hosts:
+            host.lookups = 0
+        await asyncio.sleep(3.0)  # ten "minutes", three loops ticking in each
+        lookups = sum(getattr(host, "lookups", 0) for host in hosts)
+        assert 3 <= lookups <= 13, lookups  # about one per minute, not three
+    finally:
+        await tool.aclose()
+        await pipe.aclose()
+
+
+async def test_a_chat_deleted_in_open_webui_loses_its_files_with_only_the_tool_and_filter(tool: ToolHarness):
+    for adapter in (tool.tools._sessions, tool.filter._sessions):
+        adapter.minute_s = 0.05  # set before the loops start, at the first message
+        adapter.deleted_after_s = 0.2
+    await tool.say("u1", "chat-1", WRITE_REPORT)
+    [folder] = [p for p in (tool.sessions_root / "sessions").glob("*/*") if p.is_dir()]
+    tool.deleted_chats.add(("u1", "chat-1"))
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if not folder.exists():
+            break
+    assert not folder.exists()
+
+
+async def test_a_purge_typed_into_the_tools_valves_runs_and_is_cleared(tool: ToolHarness):
+    for adapter in (tool.tools._sessions, tool.filter._sessions):
+        adapter.minute_s = 0.05
+    await tool.say("u1", "chat-1", WRITE_REPORT)
+    [folder] = [p for p in (tool.sessions_root / "sessions").glob("*/*") if p.is_dir()]
+    tool.set_valves(purge="user:u1")
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if not folder.exists() and tool.stored_tool_valves["purge"] == "":
+            break
+    assert not folder.exists()
+    assert tool.stored_tool_valves["purge"] == ""
