@@ -204,6 +204,10 @@ def _concurrency(r: dict[str, Any]) -> str:
     )
 
 
+def _ratio(got: dict[str, Any], floor: dict[str, Any] | None) -> str:
+    return f"{got['median_ms'] / floor['median_ms']:.2f}x" if floor and floor.get("median_ms") else ""
+
+
 def _rewrite(r: dict[str, Any]) -> str:
     if "text" not in r:
         return "(no data)"
@@ -224,12 +228,30 @@ def _rewrite(r: dict[str, Any]) -> str:
         for name, case in p["cases"].items():
             streamed = case[f"streamed_{p['piece_chars']}_char_pieces"]
             target = f"<= {p['target_ms']:g}"
-            long_rows.append([f"{name!r}: whole", ms(case["plain"]), target])
-            long_rows.append([f"{name!r}: streamed, {p['piece_chars']}-char pieces", ms(streamed), target])
-        long_rows.append([f"floor: {p['pieces']:,} calls of a no-op push", ms(p["push_floor"]), ""])
-        text += f"\n\none line of {p['bytes'] / 1e6:g} MB\n" + table(
-            ["", "ms", "target"], long_rows, right=(1,)
-        )
+            floor = case.get("substitution_floor")
+            long_rows.append([f"{name!r}: whole", ms(case["plain"]), _ratio(case["plain"], floor), target])
+            long_rows.append(
+                [
+                    f"{name!r}: streamed, {p['piece_chars']}-char pieces",
+                    ms(streamed),
+                    _ratio(streamed, p["push_floor"]),
+                    target,
+                ]
+            )
+            if floor:
+                long_rows.append(["  floor: one re.sub, same output size", ms(floor), "", ""])
+            if "first_out_after_chars" in case:
+                long_rows.append(
+                    [
+                        "  first text out after / most held (characters)",
+                        f"{case['first_out_after_chars']:,} / {case['most_held_chars']:,}",
+                        "",
+                        "",
+                    ]
+                )
+        long_rows.append([f"floor: {p['pieces']:,} calls of a no-op push", ms(p["push_floor"]), "", ""])
+        head = f"one line of {p['bytes'] / 1e6:g} MB (ratios: whole / re.sub, streamed / no-op push)"
+        text += f"\n\n{head}\n" + table(["", "ms", "ratio", "target"], long_rows, right=(1, 2))
     return text
 
 
