@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_e4eb084efb26'
+_CS_PACKAGE = '_code_sessions_fa1020139abd'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -303,6 +303,10 @@ class Core:
         self._recovery: asyncio.Lock | None = None
         self._recovering = False
         self._ensured: dict[tuple[str, str], float] = {}  # sessions made sure of (and touched) lately
+        # The trash's emptying, in the background (storage/_expiry.py): the task, and whether more was
+        # put there since it last looked.
+        self.trash_task: asyncio.Task[None] | None = None
+        self.trash_wanted = False
 
     @property
     def generation(self) -> int:
@@ -516,11 +520,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import secrets
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -528,13 +533,15 @@ from . import _index
 from ._backend import Tx
 from ._core import Core, SessionRef
 from ._format import human_duration
-from ._fsops import fd_closing, open_dir, remove_tree, unlink_name_if_unchanged, walk_dirs
+from ._fsops import DIR_FLAGS, fd_closing, move_aside_unchanged, open_dir, remove_tree
 from ._index import SessionRow
 from ._keys import id_key
 from ._publish import drain_unpublished, folder_copy_present, link_records, remove_copies
 from .errors import FileMissing, InvalidPath
 from .models import CleanupReport, Purge, SessionCleanup
 from .publishing import DirectoryPublisher
+
+log = logging.getLogger("code_sessions.storage")
 
 # Published copies not in the index are removed only after this long, so a publish that has stored
 # its copy but not yet written its row is never swept.
@@ -543,6 +550,8 @@ STRAY_GRACE_S = 600.0
 # before the sync of the same step.
 STALE_LINK_GRACE_S = 600.0
 _EXPIRY_BATCH = 2000
+_Expired = tuple[str, int, int]  # an expired file as the index saw it: (path, size, mtime_ns)
+_ByFolder = dict[tuple[str, ...], list[_Expired]]  # by the path of their folder in the session
 
 
 @dataclass
@@ -619,7 +628,7 @@ async def cleanup(core: Core, purge: Purge | None, *, dry_run: bool) -> CleanupR
 
     if dry_run:
         return tally.report()
-    await asyncio.to_thread(_empty_trash, core)
+    empty_trash_soon(core)  # what this and any earlier, interrupted cleanup moved there
     await drain_unpublished(core)
     report = tally.report()
     pruned = policy.activity_cutoff(now)
@@ -644,7 +653,7 @@ async def delete_sessions(core: Core, keys: Iterable[tuple[str, str]], reason: s
     for row in rows:
         await _remove_session(core, row, reason, lambda fresh, at: reason, tally)
     if rows:
-        await asyncio.to_thread(_empty_trash, core)
+        empty_trash_soon(core)
     return tally.report()
 
 
@@ -780,21 +789,28 @@ async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally
         ref = core.ref_at(row.user_id, row.chat_id, row.user_key, row.chat_key)
         removed_files, removed_bytes = 0, 0
         # The chat's lock is held one batch at a time, so a user's next step waits for at most one
-        # batch of unlinks, not for an old session's whole expiry.
-        for start in range(0, len(files), _EXPIRY_BATCH):
+        # batch, not for an old session's whole expiry. A batch is whole folders: a folder whose files
+        # all expired leaves in one rename; of a folder that cannot, a batch moves _EXPIRY_BATCH files.
+        pending = deque(_batches(files))
+        while pending:
+            batch = pending.popleft()
             lock = core.lock_of(ref)
             if not await lock.try_acquire():
                 tally.busy(row, reason)
                 break
             try:
-                batch = files[start : start + _EXPIRY_BATCH]
-                gone = await asyncio.to_thread(_unlink_unchanged, ref.path, batch)
+                gone = await asyncio.to_thread(_move_unchanged, ref.path, core.layout.trash, batch)
                 if gone:
                     tally.links_removed += await _forget_files(core, ref, row.id, gone, reason)
             finally:
                 await lock.release()
             removed_files += len(gone)
             removed_bytes += sum(size for _, size in gone)
+            if len(batch) == 1 and len(gone) == _EXPIRY_BATCH:
+                ((parent, entries),) = batch.items()
+                if len(entries) > _EXPIRY_BATCH:  # a large folder moved file by file: the rest of it next
+                    moved = {path for path, _ in gone}
+                    pending.appendleft({parent: [e for e in entries if e[0] not in moved]})
         if removed_files:
             tally.files_removed += removed_files
             tally.bytes_freed += removed_bytes
@@ -803,6 +819,23 @@ async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally
                     row.user_id, row.chat_id, "files expired", removed_files, removed_bytes, reason
                 )
             )
+
+
+def _batches(files: list[_Expired]) -> Iterator[_ByFolder]:
+    """The expired files by folder, in batches of whole folders of about _EXPIRY_BATCH files."""
+    by_parent: _ByFolder = defaultdict(list)
+    for entry in files:
+        by_parent[tuple(entry[0].split("/")[:-1])].append(entry)
+    batch: _ByFolder = {}
+    count = 0
+    for parent, entries in by_parent.items():
+        batch[parent] = entries
+        count += len(entries)
+        if count >= _EXPIRY_BATCH:
+            yield batch
+            batch, count = {}, 0
+    if batch:
+        yield batch
 
 
 async def _count_files(
@@ -816,28 +849,29 @@ async def _count_files(
     tally.details.append(SessionCleanup(row.user_id, row.chat_id, "files expired", len(files), size, reason))
 
 
-def _unlink_unchanged(folder: Path, files: list[tuple[str, int, int]]) -> list[tuple[str, int]]:
-    """Delete expired files that still match the index; each parent folder is opened once."""
+def _move_unchanged(folder: Path, trash: Path, by_parent: _ByFolder) -> list[tuple[str, int]]:
+    """Move the expired files that still match the index out of the session into the trash (one rename
+    per folder whose files all expired, else one per file); the trash is emptied in the background."""
     gone: list[tuple[str, int]] = []
     try:
         root = open_dir(folder)
     except (FileMissing, InvalidPath):
         return gone
-    by_parent: dict[tuple[str, ...], list[tuple[str, int, int]]] = defaultdict(list)
-    for path, size, mtime_ns in files:
-        parts = tuple(path.split("/"))
-        by_parent[parts[:-1]].append((path, size, mtime_ns))
-    with fd_closing(root):
+    with fd_closing(root), fd_closing(os.open(trash, DIR_FLAGS)) as trash_fd:
         for parent_parts, entries in by_parent.items():
-            try:
-                parent = walk_dirs(root, parent_parts)
-            except (FileMissing, InvalidPath):
-                continue
-            with fd_closing(parent):
-                for path, size, mtime_ns in entries:
-                    if unlink_name_if_unchanged(parent, path.rsplit("/", 1)[-1], size, mtime_ns):
-                        gone.append((path, size))
+            wanted = {path.rsplit("/", 1)[-1]: (size, mtime_ns) for path, size, mtime_ns in entries}
+            moved = move_aside_unchanged(root, parent_parts, wanted, trash_fd, _bin_name(), _EXPIRY_BATCH)
+            if moved:
+                prefix = "/".join(parent_parts)
+                sizes = {path: size for path, size, _ in entries}
+                for name in moved:
+                    path = f"{prefix}/{name}" if prefix else name
+                    gone.append((path, sizes[path]))
     return gone
+
+
+def _bin_name() -> str:
+    return f"expired.{time.time_ns()}.{secrets.token_hex(6)}"
 
 
 async def _forget_files(
@@ -941,6 +975,33 @@ async def _stray_copies(core: Core, tally: _Tally) -> None:
                     os.unlink(core.layout.link_record(rec["kind"], rec["ref"]))
 
     await asyncio.to_thread(forget)
+
+
+def empty_trash_soon(core: Core) -> None:
+    """Empty the trash in a background thread: expired files are out of the sessions once renamed
+    there, and the kernel's unlinks (10 s for 100k files on a disk mounted with `discard`) need not
+    hold up the cleanup that moved them. One task per store; what is moved while it runs is emptied
+    by it too. What a crash leaves in the trash is emptied by the next cleanup."""
+    core.trash_wanted = True
+    if core.trash_task is None or core.trash_task.done():
+        core.trash_task = asyncio.get_running_loop().create_task(_empty_trash_while_wanted(core))
+
+
+async def trash_emptied(core: Core) -> None:
+    """Wait for the background emptying of the trash, if one is under way (closing the store)."""
+    task = core.trash_task
+    if task is not None:
+        await asyncio.shield(task)
+
+
+async def _empty_trash_while_wanted(core: Core) -> None:
+    while core.trash_wanted:  # (set and cleared on the event loop: no wish is lost between rounds)
+        core.trash_wanted = False
+        try:
+            await asyncio.to_thread(_empty_trash, core)
+        except OSError as exc:
+            log.warning("emptying the trash of %s failed (the next cleanup tries again): %s", core.root, exc)
+            return
 
 
 def _empty_trash(core: Core) -> None:
@@ -1292,15 +1353,6 @@ def unlink_file(root_fd: int, parts: tuple[str, ...]) -> os.stat_result:
         return st
 
 
-def unlink_name_if_unchanged(dir_fd: int, name: str, size: int, mtime_ns: int) -> bool:
-    st = lstat_at(dir_fd, name)
-    if st is None or not stat.S_ISREG(st.st_mode) or (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
-        return False
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(name, dir_fd=dir_fd)
-    return True
-
-
 def rename_file(
     root_fd: int, src: tuple[str, ...], dst: tuple[str, ...], *, overwrite: bool, owner: Owner
 ) -> tuple[os.stat_result, os.stat_result | None]:
@@ -1448,6 +1500,67 @@ def _copy_range(src: int, dst: int, count: int) -> None:
     while count > 0 and (chunk := os.read(src, min(count, _CHUNK))):
         _write_all(dst, chunk)
         count -= len(chunk)
+
+
+def move_aside_unchanged(
+    root_fd: int,
+    parts: tuple[str, ...],
+    wanted: dict[str, tuple[int, int]],
+    trash_fd: int,
+    bin_name: str,
+    limit: int,
+) -> list[str] | None:
+    """Move the regular files of the folder `parts` (under root_fd) whose (size, mtime_ns) still match
+    `wanted` out of the session into the trash (trash_fd, ours), without unlinking anything.
+
+    When such files are all the folder holds (and it is not the session folder itself), the folder goes
+    in one rename and an empty one of the same mode and owner takes its place; otherwise each file goes
+    in one rename into trash/<bin_name>/ (made on first use; `bin_name` is new for each call), at most
+    `limit` of them. Returns the names moved (None: the folder
+    is missing or not a folder). A rename is atomic: a name is either still in the session or already
+    out of it, whatever happens when."""
+    try:
+        folder = walk_dirs(root_fd, parts)
+    except (FileMissing, InvalidPath):
+        return None
+    with fd_closing(folder):
+        with os.scandir(folder) as listing:
+            entries = [(entry.name, entry.stat(follow_symlinks=False)) for entry in listing]
+        moving = [
+            name
+            for name, st in entries
+            if stat.S_ISREG(st.st_mode) and wanted.get(name) == (st.st_size, st.st_mtime_ns)
+        ]
+        if not moving:
+            return moving
+        if parts and len(moving) == len(entries):
+            st = os.fstat(folder)
+            try:
+                parent = walk_dirs(root_fd, parts[:-1])
+            except (FileMissing, InvalidPath):
+                return None
+            with fd_closing(parent):
+                named = lstat_at(parent, parts[-1])
+                if named is None or (named.st_dev, named.st_ino) != (st.st_dev, st.st_ino):
+                    return None  # the name no longer leads to the folder we listed
+                os.rename(parts[-1], f"{bin_name}.dir", src_dir_fd=parent, dst_dir_fd=trash_fd)
+                # The folder stays (empty), as unlinking its files would have left it.
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(parts[-1], DIR_MODE, dir_fd=parent)
+                    with fd_closing(os.open(parts[-1], DIR_FLAGS, dir_fd=parent)) as made:
+                        if os.geteuid() == 0:
+                            os.fchown(made, st.st_uid, st.st_gid)
+                        os.fchmod(made, stat.S_IMODE(st.st_mode))
+            return moving
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(bin_name, DIR_MODE, dir_fd=trash_fd)
+        moved = []
+        with fd_closing(os.open(bin_name, DIR_FLAGS, dir_fd=trash_fd)) as bin_fd:
+            for i, name in enumerate(moving[:limit]):
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(name, str(i), src_dir_fd=folder, dst_dir_fd=bin_fd)
+                    moved.append(name)
+        return moved
 ''',
     'storage/_index.py': r'''"""Every SQL statement of the store, as functions over a transaction (`_backend.Tx`).
 
@@ -6861,7 +6974,13 @@ class Store:
 
     async def close(self) -> None:
         self._opened = False
+        await self.trash_emptied()  # (unlinks in a thread: they would outlive the event loop)
         await self._core.backend.close()
+
+    async def trash_emptied(self) -> None:
+        """Wait until the trash that cleanups move expired files into is empty, if its emptying (in the
+        background) is under way."""
+        await _expiry.trash_emptied(self._core)
 
     async def __aenter__(self) -> Store:
         await self.open()
@@ -12448,7 +12567,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_e4eb084efb26.runner import Outcome
+from _code_sessions_fa1020139abd.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12692,7 +12811,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_e4eb084efb26.storage import human_bytes
+from _code_sessions_fa1020139abd.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12796,7 +12915,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_e4eb084efb26.storage import Purge, parse_duration
+from _code_sessions_fa1020139abd.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13915,8 +14034,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_e4eb084efb26.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_e4eb084efb26.storage import (
+from _code_sessions_fa1020139abd.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_fa1020139abd.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14505,7 +14624,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_e4eb084efb26.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_fa1020139abd.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14718,7 +14837,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_e4eb084efb26.storage import Link, Publisher, is_postgres_url
+from _code_sessions_fa1020139abd.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14930,7 +15049,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_e4eb084efb26.engine import (
+from _code_sessions_fa1020139abd.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14944,8 +15063,8 @@ from _code_sessions_e4eb084efb26.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_e4eb084efb26.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_e4eb084efb26.storage import (
+from _code_sessions_fa1020139abd.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_fa1020139abd.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14953,7 +15072,7 @@ from _code_sessions_e4eb084efb26.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_e4eb084efb26.webui import Misconfigured, OpenWebUI
+from _code_sessions_fa1020139abd.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 
