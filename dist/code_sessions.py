@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_fa1020139abd'
+_CS_PACKAGE = '_code_sessions_cae89ec81bf4'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -142,6 +142,11 @@ class Tx(Protocol):
     async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
 
     async def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None: ...
+
+    async def one_later(self, sql: str, params: Sequence[Any] = ()) -> Callable[[], Awaitable[Row | None]]:
+        """`one`, read once the transaction is over (await what it returns after read/write returned):
+        on a network database the statement then travels with the COMMIT, not in a round trip of its
+        own. It runs where it is in the transaction and sees what the statements before it wrote."""
 
     async def run(self, sql: str, params: Sequence[Any] = ()) -> int: ...
 
@@ -1574,7 +1579,7 @@ transactions, its locks and its migrations.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -1640,6 +1645,16 @@ class SessionRow:
         )
 
 
+_INSERT_SESSION = (
+    "INSERT INTO sessions (user_id, chat_id, user_key, chat_key, temporary, created_at, last_used_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+_ENSURE_SESSION = (
+    _INSERT_SESSION + " ON CONFLICT (user_key, chat_key) DO UPDATE SET last_used_at ="
+    " CASE WHEN sessions.last_used_at > ? THEN sessions.last_used_at ELSE ? END"
+)
+
+
 async def ensure_session(
     tx: Tx,
     *,
@@ -1652,27 +1667,52 @@ async def ensure_session(
     used_at: float | None,
 ) -> int:
     """Insert the session row if missing; with used_at, move last_used_at forward. Returns its id."""
-    used = used_at if used_at is not None else 0.0
-    row = await tx.one(
-        "INSERT INTO sessions (user_id, chat_id, user_key, chat_key, temporary, created_at, last_used_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?)"
-        " ON CONFLICT (user_key, chat_key) DO UPDATE SET last_used_at ="
-        " CASE WHEN sessions.last_used_at > ? THEN sessions.last_used_at ELSE ? END"
-        " RETURNING id",
-        (
-            db_text(user_id),
-            db_text(chat_id),
-            user_key,
-            chat_key,
-            int(temporary),
-            created_at,
-            used_at if used_at is not None else created_at,
-            used,
-            used,
-        ),
-    )
+    if used_at is None:
+        # The usual case, a row that exists and is not to be touched: read its id. An upsert would
+        # update the row all the same (a new row version and its index entries, on PostgreSQL the
+        # most costly statement of a step).
+        row = await tx.one(
+            "SELECT id FROM sessions WHERE user_key = ? AND chat_key = ?", (user_key, chat_key)
+        )
+        if row is not None:
+            return int(row[0])
+    params = _ensure_params(user_id, chat_id, user_key, chat_key, temporary, created_at, used_at)
+    row = await tx.one(_ENSURE_SESSION + " RETURNING id", params)
     assert row is not None
     return int(row[0])
+
+
+def _ensure_params(
+    user_id: str,
+    chat_id: str,
+    user_key: str,
+    chat_key: str,
+    temporary: bool,
+    created_at: float,
+    used_at: float | None,
+) -> tuple[Any, ...]:
+    used = used_at if used_at is not None else 0.0
+    return (
+        db_text(user_id),
+        db_text(chat_id),
+        user_key,
+        chat_key,
+        int(temporary),
+        created_at,
+        used_at if used_at is not None else created_at,
+        used,
+        used,
+    )
+
+
+async def ensure_session_queued(
+    tx: Tx, *, user_id: str, chat_id: str, user_key: str, chat_key: str, temporary: bool, created_at: float
+) -> None:
+    """`ensure_session` (without touching) that waits for nothing (on PostgreSQL it goes with the next
+    statement that needs an answer): the statements after it name the session by its keys. A row that
+    exists is left alone."""
+    params = _ensure_params(user_id, chat_id, user_key, chat_key, temporary, created_at, None)
+    await tx.many(_INSERT_SESSION + " ON CONFLICT (user_key, chat_key) DO NOTHING", [params[:7]])
 
 
 async def session_by_keys(tx: Tx, user_key: str, chat_key: str) -> SessionRow | None:
@@ -1744,6 +1784,32 @@ async def session_totals(tx: Tx, session_id: int) -> tuple[int, int]:
     return (int(row[0]), int(row[1])) if row else (0, 0)
 
 
+async def session_totals_later(tx: Tx, session_id: int) -> Callable[[], Awaitable[tuple[int, int]]]:
+    """`session_totals` as the transaction leaves them, read with its COMMIT (see Tx.one_later)."""
+    later = await tx.one_later("SELECT file_count, bytes FROM sessions WHERE id = ?", (session_id,))
+
+    async def totals() -> tuple[int, int]:
+        row = await later()
+        return (int(row[0]), int(row[1])) if row else (0, 0)
+
+    return totals
+
+
+async def session_usage_later(
+    tx: Tx, user_key: str, chat_key: str
+) -> Callable[[], Awaitable[tuple[int, int]]]:
+    """The session's (files, bytes) as the transaction leaves them, read with its COMMIT."""
+    later = await tx.one_later(
+        "SELECT file_count, bytes FROM sessions WHERE user_key = ? AND chat_key = ?", (user_key, chat_key)
+    )
+
+    async def totals() -> tuple[int, int]:
+        row = await later()
+        return (int(row[0]), int(row[1])) if row else (0, 0)
+
+    return totals
+
+
 async def session_usage(tx: Tx, user_key: str, chat_key: str) -> Usage:
     row = await tx.one(
         "SELECT file_count, bytes FROM sessions WHERE user_key = ? AND chat_key = ?", (user_key, chat_key)
@@ -1760,6 +1826,21 @@ async def user_usage(tx: Tx, user_key: str) -> Usage:
         (user_key,),
     )
     return Usage(int(row[0]), int(row[1])) if row else Usage(0, 0)
+
+
+async def user_usage_later(tx: Tx, user_key: str) -> Callable[[], Awaitable[Usage]]:
+    """`user_usage` as the transaction leaves it, read with its COMMIT (see Tx.one_later)."""
+    later = await tx.one_later(
+        "SELECT coalesce(sum(file_count), 0), coalesce(sum(bytes + published_bytes), 0)"
+        " FROM sessions WHERE user_key = ?",
+        (user_key,),
+    )
+
+    async def usage() -> Usage:
+        row = await later()
+        return Usage(int(row[0]), int(row[1])) if row else Usage(0, 0)
+
+    return usage
 
 
 async def users_usage(tx: Tx) -> list[UserUsage]:
@@ -1782,6 +1863,38 @@ _UPSERT_FILE = (
 async def upsert_files(tx: Tx, session_id: int, rows: Iterable[tuple[str, int, int, float]]) -> None:
     """(path, size, mtime_ns, now): insert, or update a changed file (first_seen is kept)."""
     await tx.many(_UPSERT_FILE, [(session_id, p, size, ns, now, now) for p, size, ns, now in rows])
+
+
+# One row of VALUES, typed (PostgreSQL would take untyped parameters of a VALUES list for text).
+_BY_KEYS_ROW = (
+    "(CAST(? AS TEXT), CAST(? AS BIGINT), CAST(? AS BIGINT), CAST(? AS DOUBLE PRECISION),"
+    " CAST(? AS DOUBLE PRECISION))"
+)
+
+
+async def upsert_files_by_keys(
+    tx: Tx, user_key: str, chat_key: str, rows: Sequence[tuple[str, int, int, float]]
+) -> None:
+    """`upsert_files` for the session named by its keys, in one statement that waits for nothing (a
+    step's few changed files: on PostgreSQL it travels with the COMMIT)."""
+    values = ", ".join([_BY_KEYS_ROW] * len(rows))
+    await tx.many(
+        "INSERT INTO files (session_id, path, size, mtime_ns, first_seen, last_changed)"
+        " SELECT s.id, v.column1, v.column2, v.column3, v.column4, v.column5"
+        f" FROM sessions s JOIN (VALUES {values}) AS v ON 1 = 1 WHERE s.user_key = ? AND s.chat_key = ?"
+        " ON CONFLICT (session_id, path) DO UPDATE"
+        " SET size = excluded.size, mtime_ns = excluded.mtime_ns, last_changed = excluded.last_changed",
+        [(*(v for p, size, ns, now in rows for v in (p, size, ns, now, now)), user_key, chat_key)],
+    )
+
+
+async def delete_files_by_keys(tx: Tx, user_key: str, chat_key: str, paths: Sequence[str]) -> None:
+    """`delete_files` for the session named by its keys, in one statement that waits for nothing."""
+    await tx.many(
+        "DELETE FROM files WHERE session_id = (SELECT id FROM sessions WHERE user_key = ? AND chat_key = ?)"
+        f" AND path IN ({', '.join('?' * len(paths))})",
+        [(user_key, chat_key, *paths)],
+    )
 
 
 async def delete_files(tx: Tx, session_id: int, paths: Sequence[str]) -> None:
@@ -1847,6 +1960,30 @@ async def rows_at_and_under(tx: Tx, session_id: int, paths: Sequence[str]) -> di
     return index
 
 
+async def session_rows_at_and_under(
+    tx: Tx, user_key: str, chat_key: str, paths: Sequence[str]
+) -> tuple[int, int, dict[str, tuple[int, int]]] | None:
+    """(session id, linked_files, rows_at_and_under) in one statement for at most CHUNK paths: a step's
+    reconcile reads this, and on a network database each statement is a round trip. None: no row."""
+    assert len(paths) <= CHUNK
+    values = ", ".join("(?, ?, ?)" for _ in paths)
+    bounds = [b for p in paths for b in (p, p + "/", p + "0")]
+    rows = await tx.all(
+        f"WITH s AS (SELECT id, linked_files FROM sessions WHERE user_key = ? AND chat_key = ?),"
+        f" q(p, lo, hi) AS (VALUES {values})"
+        " SELECT s.id, s.linked_files, NULL, NULL, NULL FROM s"
+        " UNION ALL SELECT s.id, s.linked_files, f.path, f.size, f.mtime_ns"
+        " FROM s JOIN q ON 1 = 1 JOIN files f ON f.session_id = s.id AND f.path = q.p"
+        " UNION ALL SELECT s.id, s.linked_files, f.path, f.size, f.mtime_ns"
+        " FROM s JOIN q ON 1 = 1 JOIN files f ON f.session_id = s.id AND f.path >= q.lo AND f.path < q.hi",
+        (user_key, chat_key, *bounds),
+    )
+    if not rows:
+        return None
+    index = {path: (int(size), int(mtime_ns)) for _, _, path, size, mtime_ns in rows if path is not None}
+    return int(rows[0][0]), int(rows[0][1]), index
+
+
 async def expired_files(tx: Tx, cutoff: float) -> list[tuple[int, str, int, int]]:
     """(session id, path, size, mtime_ns) of files the index last saw change before cutoff."""
     return await tx.all(  # type: ignore[return-value]
@@ -1896,18 +2033,86 @@ async def insert_link(
     )
 
 
-async def links_of_file(tx: Tx, user_key: str, chat_key: str, path: str, kind: str) -> list[LinkRow]:
-    """A file's links held by one publisher, newest first."""
-    rows = await tx.all(
-        "SELECT l.token, l.kind, l.name, l.url, l.size, l.created_at, l.sha256, l.mtime_ns, l.inode,"
-        " l.ctime_ns FROM links l JOIN sessions s ON s.id = l.session_id"
-        " WHERE s.user_key = ? AND s.chat_key = ? AND l.path = ? AND l.kind = ? ORDER BY l.created_at DESC",
-        (user_key, chat_key, path, kind),
+async def insert_link_by_keys(
+    tx: Tx,
+    user_key: str,
+    chat_key: str,
+    *,
+    ref: str,
+    kind: str,
+    path: str,
+    name: str,
+    url: str,
+    directory: str,
+    size: int,
+    mtime_ns: int,
+    inode: int,
+    ctime_ns: int,
+    sha256: str,
+    now: float,
+    ceiling: int | None,
+) -> Callable[[], Awaitable[bool]]:
+    """`insert_link` for the session named by its keys, only while the user uses at most `ceiling`
+    bytes (None: always; see Policy.publish_ceiling), in statements that wait for nothing. Returns
+    whether the row went in, known once the transaction is over."""
+    condition: str = ""
+    extra: tuple[Any, ...] = ()
+    if ceiling is not None:
+        condition = (
+            " AND (SELECT coalesce(sum(bytes + published_bytes), 0) FROM sessions WHERE user_key = ?) <= ?"
+        )
+        extra = (user_key, ceiling)
+    row = (
+        ref,
+        kind,
+        path,
+        name,
+        url,
+        directory,
+        size,
+        mtime_ns,
+        inode,
+        ctime_ns,
+        sha256,
+        now,
+        user_key,
+        chat_key,
     )
-    return [
-        LinkRow(r[0], r[1], r[2], r[3], int(r[4]), float(r[5]), r[6], int(r[7]), int(r[8]), int(r[9]))
+    await tx.many(
+        "INSERT INTO links (token, session_id, kind, path, name, url, directory, size, mtime_ns, inode,"
+        " ctime_ns, sha256, created_at) SELECT ?, s.id, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ? FROM sessions s"
+        f" WHERE s.user_key = ? AND s.chat_key = ?{condition}",
+        [(*row, *extra)],
+    )
+    later = await tx.one_later("SELECT count(*) FROM links WHERE token = ?", (ref,))
+
+    async def inserted() -> bool:
+        found = await later()
+        return bool(found and found[0])
+
+    return inserted
+
+
+async def links_of_file_and_usage(
+    tx: Tx, user_key: str, chat_key: str, path: str, kind: str
+) -> tuple[list[LinkRow], Usage]:
+    """`links_of_file` and the user's `user_usage`, in one statement (what publish reads first)."""
+    rows = await tx.all(
+        "SELECT u.files, u.bytes, l.token, l.kind, l.name, l.url, l.size, l.created_at, l.sha256,"
+        " l.mtime_ns, l.inode, l.ctime_ns FROM (SELECT coalesce(sum(file_count), 0) AS files,"
+        " coalesce(sum(bytes + published_bytes), 0) AS bytes FROM sessions WHERE user_key = ?) u"
+        " LEFT JOIN (SELECT l.* FROM links l JOIN sessions s ON s.id = l.session_id"
+        " WHERE s.user_key = ? AND s.chat_key = ? AND l.path = ? AND l.kind = ?) l ON 1 = 1"
+        " ORDER BY l.created_at DESC",
+        (user_key, user_key, chat_key, path, kind),
+    )
+    usage = Usage(int(rows[0][0]), int(rows[0][1])) if rows else Usage(0, 0)
+    links = [
+        LinkRow(r[2], r[3], r[4], r[5], int(r[6]), float(r[7]), r[8], int(r[9]), int(r[10]), int(r[11]))
         for r in rows
+        if r[2] is not None
     ]
+    return links, usage
 
 
 async def note_link_signature(tx: Tx, ref: str, mtime_ns: int, inode: int, ctime_ns: int) -> None:
@@ -2590,9 +2795,10 @@ shares one index in that database. What differs from the embedded backend (_sqli
   the chat's, a named one, or `serialise_user`.) Reads are REPEATABLE READ, READ ONLY: one snapshot
   for all their statements, and such a transaction never fails with a serialization error.
 * Round trips are what a network database costs, so: a transaction's statements are pipelined (sent
-  when an answer is needed), a read of one statement goes alone without BEGIN/COMMIT, and `many`
-  sends batches of rows as one statement. The totals' triggers run per statement (a row updated
-  again and again in one transaction costs PostgreSQL more each time).
+  when an answer is needed), a read of one statement goes alone without BEGIN/COMMIT, `many` sends
+  batches of rows as one statement, and `one_later` reads an answer with the COMMIT's. Statements are
+  prepared on first use and planned once (see `_connect`). The totals' triggers run per statement (a
+  row updated again and again in one transaction costs PostgreSQL more each time).
 * A write that meets a serialization failure, a deadlock or a lock wait longer than `lock_timeout`
   is rolled back and run again with backoff (its function only touches the database), up to
   `busy_total_s`, then StorageBusy. A full disk (SQLSTATE 53100) is DiskFull.
@@ -2975,6 +3181,16 @@ class _Tx:
         cursor = await self._conn.execute(to_pyformat(sql), _no_nul(params))
         return await cursor.fetchone()
 
+    async def one_later(self, sql: str, params: Sequence[Any] = ()) -> Callable[[], Awaitable[Row | None]]:
+        self._statement()
+        # Queued in a pipeline: its answer comes with the COMMIT's (leaving the pipeline reads both).
+        cursor = await self._conn.execute(to_pyformat(sql), _no_nul(params))
+
+        async def later() -> Row | None:
+            return await cursor.fetchone()
+
+        return later
+
     async def run(self, sql: str, params: Sequence[Any] = ()) -> int:
         if self._single:
             raise _NeedsTransaction()  # a read that writes must meet READ ONLY
@@ -3234,8 +3450,10 @@ class PostgresBackend:
     async def _connect(self) -> Any:
         psycopg = _psycopg()
         try:
+            # Every statement prepared on its first use (psycopg's default waits for the fifth, on each
+            # connection of the pool): a step's statements are parsed and planned once per connection.
             conn = await psycopg.AsyncConnection.connect(
-                self.url, autocommit=True, **self._connect_options(psycopg)
+                self.url, autocommit=True, prepare_threshold=0, **self._connect_options(psycopg)
             )
         except psycopg.Error as exc:
             raise StorageError(
@@ -3245,7 +3463,8 @@ class PostgresBackend:
             # Only our schema: unqualified names are our tables, never Open WebUI's.
             await conn.execute(
                 "SELECT set_config('search_path', %s, false), set_config('synchronous_commit', 'off', false),"
-                " set_config('lock_timeout', %s, false)",
+                " set_config('lock_timeout', %s, false),"
+                " set_config('plan_cache_mode', 'force_generic_plan', false)",
                 (_quoted(self.schema), f"{self._lock_timeout_ms}ms"),
             )
         except BaseException as exc:
@@ -3470,7 +3689,7 @@ import json
 import os
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from . import _index
@@ -3479,7 +3698,7 @@ from ._core import Core, SessionRef
 from ._fsops import fd_closing, open_dir, open_regular
 from ._names import is_passive_image, publish_name, split_path
 from .errors import DiskFull, StorageError
-from .models import Link
+from .models import Link, Usage
 from .publishing import Copy, DirectoryPublisher, copy_present, remove_directory_copy
 
 _HASH_CHUNK = 1 << 20
@@ -3501,8 +3720,10 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
         st = os.fstat(fd)
         name, content_type = publish_name(rel)
         inline = is_passive_image(content_type)
-        rows = await core.read(
-            lambda tx: _index.links_of_file(tx, ref.user_key, ref.chat_key, rel, publisher.kind)
+        # The user's usage comes with the links, one statement: the quota decision below is made again
+        # in the transaction that counts the copy, so reading it early changes no outcome.
+        rows, usage = await core.read(
+            lambda tx: _index.links_of_file_and_usage(tx, ref.user_key, ref.chat_key, rel, publisher.kind)
         )
         rows = [r for r in rows if _usable(publisher, r.ref, r.name)]
         for row in rows:
@@ -3522,7 +3743,6 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
                     )
                 )
                 return Link(row.ref, row.url, rel, row.name, row.size, inline, row.created_at)
-        usage = await core.read(lambda tx: _index.user_usage(tx, ref.user_key))
         core.policy.refuse_publish(usage, st.st_size, rel)
         copy = Copy(fd, st.st_size, name, content_type, inline, rel, ref.user_id, ref.chat_id, digest)
         published = await publisher.put(copy)
@@ -3546,15 +3766,24 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
         "created_at": now,
     }
 
-    async def write(tx: Tx) -> None:
-        # The quota decision again, in the transaction that counts the copy: two chats of one user
-        # publishing at once cannot both take the last room.
+    async def write(tx: Tx) -> tuple[Callable[[], Awaitable[bool]], Callable[[], Awaitable[Usage]]]:
+        # The quota decision again, in the transaction that counts the copy (two chats of one user
+        # publishing at once cannot both take the last room), made by the INSERT itself: every
+        # statement here is queued, and the transaction is one round trip on PostgreSQL.
         await tx.serialise_user(ref.user_key)
-        core.policy.refuse_publish(await _index.user_usage(tx, ref.user_key), st.st_size, rel)
-        sid = await core.session_id(tx, ref, now)
-        await _index.insert_link(
+        await _index.ensure_session_queued(
             tx,
-            sid,
+            user_id=ref.user_id,
+            chat_id=ref.chat_id,
+            user_key=ref.user_key,
+            chat_key=ref.chat_key,
+            temporary=ref.temporary,
+            created_at=now,
+        )
+        inserted = await _index.insert_link_by_keys(
+            tx,
+            ref.user_key,
+            ref.chat_key,
             ref=published.ref,
             kind=publisher.kind,
             path=rel,
@@ -3567,11 +3796,16 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
             ctime_ns=st.st_ctime_ns,
             sha256=digest,
             now=now,
+            ceiling=core.policy.publish_ceiling(st.st_size),
         )
+        return inserted, await _index.user_usage_later(tx, ref.user_key)
 
     try:
         await asyncio.to_thread(_write_record, core, record)
-        await core.write(write)
+        inserted, usage_then = await core.write(write)
+        if not await inserted():
+            core.policy.refuse_publish(await usage_then(), st.st_size, rel)  # raises: the same rule
+            raise StorageError(f"{rel} was not linked: its session is gone from the index")
     except BaseException:
         await asyncio.shield(remove_copies(core, [(published.ref, publisher.kind, directory)]))
         raise
@@ -4471,6 +4705,14 @@ class _Tx:
     async def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
         return self._conn.execute(sql, params).fetchone()
 
+    async def one_later(self, sql: str, params: Sequence[Any] = ()) -> Callable[[], Awaitable[Row | None]]:
+        row = self._conn.execute(sql, params).fetchone()
+
+        async def later() -> Row | None:
+            return row
+
+        return later
+
     async def run(self, sql: str, params: Sequence[Any] = ()) -> int:
         return self._conn.execute(sql, params).rowcount
 
@@ -4840,7 +5082,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from . import _index
@@ -4950,6 +5192,10 @@ async def sync_folder(
     return await apply(core, ref, differences, enforce=enforce)
 
 
+# Up to this many changed paths, a reconcile's write names the session by its keys (write_by_keys).
+_BY_KEYS_MAX = 64
+
+
 async def apply(core: Core, ref: SessionRef, differences: Differences, *, enforce: bool) -> ReconcileReport:
     """Decide the quota and write the differences in one transaction; then unlink what goes."""
     found = differences.found
@@ -4966,8 +5212,26 @@ async def apply(core: Core, ref: SessionRef, differences: Differences, *, enforc
     delta = differences.usage_delta() if candidates else Usage(0, 0)
     now = time.time()
 
-    async def write(tx: Tx) -> tuple[list[QuotaRemoval], int, int]:
-        sid = await core.session_id(tx, ref, now)
+    # A step's few changes name the session by its keys: no statement waits for its id, and the
+    # transaction is one round trip on PostgreSQL (two when the quota must be decided).
+    by_keys = not differences.full and (
+        len(differences.added) + len(differences.changed) + len(differences.removed) <= _BY_KEYS_MAX
+    )
+
+    async def write(tx: Tx) -> tuple[list[QuotaRemoval], Callable[[], Awaitable[tuple[int, int]]]]:
+        sid = None
+        if by_keys:
+            await _index.ensure_session_queued(
+                tx,
+                user_id=ref.user_id,
+                chat_id=ref.chat_id,
+                user_key=ref.user_key,
+                chat_key=ref.chat_key,
+                temporary=ref.temporary,
+                created_at=now,
+            )
+        else:
+            sid = await core.session_id(tx, ref, now)
         removals: list[QuotaRemoval] = []
         if candidates:
             await tx.serialise_user(ref.user_key)
@@ -4976,19 +5240,27 @@ async def apply(core: Core, ref: SessionRef, differences: Differences, *, enforc
                 candidates, Usage(usage.files + delta.files, usage.bytes + delta.bytes)
             )
         going = {r.path for r in removals}
-        if differences.full:  # only a full listing can tell that no file of the session has several links
+        if sid is not None and differences.full:  # only a full listing tells no file has several links
             await _index.set_linked_files(tx, sid, len(found.linked))
-        kept = [p for p in differences.added + differences.changed if p not in going]
-        if kept:
-            await _index.upsert_files(tx, sid, [(p, *listing[p], now) for p in kept])
+        kept = [(p, *listing[p], now) for p in differences.added + differences.changed if p not in going]
         dropped = differences.removed + [p for p in differences.changed if p in going]
-        if dropped:
-            await _index.delete_files(tx, sid, dropped)
+        if sid is None:
+            if kept:
+                await _index.upsert_files_by_keys(tx, ref.user_key, ref.chat_key, kept)
+            if dropped:
+                await _index.delete_files_by_keys(tx, ref.user_key, ref.chat_key, dropped)
+        else:
+            if kept:
+                await _index.upsert_files(tx, sid, kept)
+            if dropped:
+                await _index.delete_files(tx, sid, dropped)
         await _audit(tx, ref, found, removals, now)
-        files, size = await _index.session_totals(tx, sid)
-        return removals, files, size
+        if sid is None:
+            return removals, await _index.session_usage_later(tx, ref.user_key, ref.chat_key)
+        return removals, await _index.session_totals_later(tx, sid)
 
-    removals, files, size = await core.write(write)
+    removals, totals = await core.write(write)
+    files, size = await totals()
     quota_removed: list[QuotaRemoval] = []
     if removals:
         # After the commit: a file that cannot be unlinked stays on disk, unindexed, and the next
@@ -5206,6 +5478,11 @@ def _look_at(parent: int, name: str, path: str, found: Scan) -> None:
         reject(parent, name, path, kind_of(st.st_mode), True, found)
 
 
+# Written through one name, the other names of such a file change without an event naming them (and
+# the written name may be gone by now).
+_LINKED = "the session holds files with several hard links"
+
+
 async def _apply(
     core: Core, ref: SessionRef, scopes: list[str], found: Scan, *, enforce: bool
 ) -> ReconcileReport:
@@ -5214,12 +5491,19 @@ async def _apply(
         if row is None:
             raise _Fallback("the session has no index row")  # nothing to compare with
         if row.linked_files:
-            # Written through one name, the other names of such a file change without an event
-            # naming them (and the written name may be gone by now).
-            raise _Fallback("the session holds files with several hard links")
+            raise _Fallback(_LINKED)
         return await _index.rows_at_and_under(tx, row.id, scopes)
 
-    index = await core.read(read)
+    async def read_one(tx: Tx) -> dict[str, tuple[int, int]]:
+        # The usual case (a few paths): one statement, so one round trip on PostgreSQL.
+        found = await _index.session_rows_at_and_under(tx, ref.user_key, ref.chat_key, scopes)
+        if found is None:
+            raise _Fallback("the session has no index row")  # nothing to compare with
+        if found[1]:
+            raise _Fallback(_LINKED)
+        return found[2]
+
+    index = await core.read(read_one if len(scopes) <= _index.CHUNK else read)
     listing = found.files
     differences = Differences(found, full=False)
     differences.added = [p for p in listing if p not in index]
@@ -6158,10 +6442,17 @@ class Policy:
             size -= item.size
         return removals
 
+    def publish_ceiling(self, size: int) -> int | None:
+        """The most bytes a user may use already for a copy of `size` bytes to be allowed (None: any);
+        what `refuse_publish` decides, as a number a database can compare with."""
+        max_bytes = self.quotas.max_bytes_per_user or None
+        return None if max_bytes is None or size <= 0 else max_bytes - size
+
     def refuse_publish(self, usage: Usage, size: int, path: str) -> None:
         """Published copies count toward the user's storage limit."""
         room = self.room(usage)
-        if room is not None and size > room:
+        ceiling = self.publish_ceiling(size)
+        if ceiling is not None and usage.bytes > ceiling:
             raise QuotaExceeded(
                 f"{path} was not linked: a copy for download would take {human_bytes(size)} and your "
                 f"storage limit of {human_bytes(self.quotas.max_bytes_per_user)} across your chats has "
@@ -12567,7 +12858,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_fa1020139abd.runner import Outcome
+from _code_sessions_cae89ec81bf4.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12811,7 +13102,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_fa1020139abd.storage import human_bytes
+from _code_sessions_cae89ec81bf4.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12915,7 +13206,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_fa1020139abd.storage import Purge, parse_duration
+from _code_sessions_cae89ec81bf4.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -14034,8 +14325,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_fa1020139abd.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_fa1020139abd.storage import (
+from _code_sessions_cae89ec81bf4.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_cae89ec81bf4.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14624,7 +14915,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_fa1020139abd.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_cae89ec81bf4.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14837,7 +15128,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_fa1020139abd.storage import Link, Publisher, is_postgres_url
+from _code_sessions_cae89ec81bf4.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -15049,7 +15340,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_fa1020139abd.engine import (
+from _code_sessions_cae89ec81bf4.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -15063,8 +15354,8 @@ from _code_sessions_fa1020139abd.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_fa1020139abd.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_fa1020139abd.storage import (
+from _code_sessions_cae89ec81bf4.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_cae89ec81bf4.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -15072,7 +15363,7 @@ from _code_sessions_fa1020139abd.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_fa1020139abd.webui import Misconfigured, OpenWebUI
+from _code_sessions_cae89ec81bf4.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 
