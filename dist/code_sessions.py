@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_cae89ec81bf4'
+_CS_PACKAGE = '_code_sessions_76b9747715e8'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -3460,11 +3460,17 @@ class PostgresBackend:
                 f"cannot connect to the index database {self.where}: {_first_line(exc)}"
             ) from exc
         try:
-            # Only our schema: unqualified names are our tables, never Open WebUI's.
+            # Only our schema: unqualified names are our tables, never Open WebUI's. Our statements are
+            # key and range lookups whose plan does not depend on the values: planned once, not at
+            # every execution (plan_cache_mode exists from PostgreSQL 12 on).
+            generic = (
+                ", set_config('plan_cache_mode', 'force_generic_plan', false)"
+                if conn.info.server_version >= 120000
+                else ""
+            )
             await conn.execute(
                 "SELECT set_config('search_path', %s, false), set_config('synchronous_commit', 'off', false),"
-                " set_config('lock_timeout', %s, false),"
-                " set_config('plan_cache_mode', 'force_generic_plan', false)",
+                f" set_config('lock_timeout', %s, false){generic}",
                 (_quoted(self.schema), f"{self._lock_timeout_ms}ms"),
             )
         except BaseException as exc:
@@ -12858,7 +12864,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_cae89ec81bf4.runner import Outcome
+from _code_sessions_76b9747715e8.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -13102,7 +13108,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_cae89ec81bf4.storage import human_bytes
+from _code_sessions_76b9747715e8.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -13206,7 +13212,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_cae89ec81bf4.storage import Purge, parse_duration
+from _code_sessions_76b9747715e8.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -14325,8 +14331,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_cae89ec81bf4.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_cae89ec81bf4.storage import (
+from _code_sessions_76b9747715e8.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_76b9747715e8.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14915,7 +14921,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_cae89ec81bf4.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_76b9747715e8.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -15128,7 +15134,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_cae89ec81bf4.storage import Link, Publisher, is_postgres_url
+from _code_sessions_76b9747715e8.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -15340,7 +15346,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_cae89ec81bf4.engine import (
+from _code_sessions_76b9747715e8.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -15354,8 +15360,8 @@ from _code_sessions_cae89ec81bf4.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_cae89ec81bf4.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_cae89ec81bf4.storage import (
+from _code_sessions_76b9747715e8.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_76b9747715e8.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -15363,7 +15369,7 @@ from _code_sessions_cae89ec81bf4.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_cae89ec81bf4.webui import Misconfigured, OpenWebUI
+from _code_sessions_76b9747715e8.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

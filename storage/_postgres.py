@@ -684,11 +684,17 @@ class PostgresBackend:
                 f"cannot connect to the index database {self.where}: {_first_line(exc)}"
             ) from exc
         try:
-            # Only our schema: unqualified names are our tables, never Open WebUI's.
+            # Only our schema: unqualified names are our tables, never Open WebUI's. Our statements are
+            # key and range lookups whose plan does not depend on the values: planned once, not at
+            # every execution (plan_cache_mode exists from PostgreSQL 12 on).
+            generic = (
+                ", set_config('plan_cache_mode', 'force_generic_plan', false)"
+                if conn.info.server_version >= 120000
+                else ""
+            )
             await conn.execute(
                 "SELECT set_config('search_path', %s, false), set_config('synchronous_commit', 'off', false),"
-                " set_config('lock_timeout', %s, false),"
-                " set_config('plan_cache_mode', 'force_generic_plan', false)",
+                f" set_config('lock_timeout', %s, false){generic}",
                 (_quoted(self.schema), f"{self._lock_timeout_ms}ms"),
             )
         except BaseException as exc:
