@@ -136,6 +136,16 @@ def bare_walk(folder: Path) -> int:
     return n
 
 
+def bare_rename(folders: Sequence[Path], aside: Path) -> list[Path]:
+    """The floor of moving expired folders out of a session: one rename per folder, nothing else."""
+    moved = []
+    for sub in folders:
+        target = aside / sub.name
+        os.rename(sub, target)
+        moved.append(target)
+    return moved
+
+
 def bare_unlink(folders: Sequence[Path]) -> int:
     """The floor of expiring files: one unlinkat per file, nothing else."""
     n = 0

@@ -10,12 +10,18 @@
   repeated: 71,429 paths), rewritten (a) whole and (b) streamed in 4-character pieces through the sync
   path (`push`, `resolve_pending` when something is pending, `flush`), each against <= 50 ms. Streaming
   250,000 pieces costs at least 250,000 Python calls: `push_floor` is a loop calling a method that does
-  nothing with each piece, measured in the same run, the least any streaming rewriter could cost.
+  nothing with each piece, measured in the same run, the least any streaming rewriter could cost. For
+  the whole text, `substitution_floor` is one `re.sub` with a fixed replacement of the same length as
+  the rewriter's link (C from start to end, no judgement of any reference): the least a rewriter that
+  writes that output could cost. Latency: `first_out_after_chars` is how many characters of the line
+  had been pushed when the first text came out, and `most_held_chars` the most pushed but not out yet
+  ('no path': the batching's hold-back, which grows to an eighth of the line so far, at most 4 KB).
 """
 
 from __future__ import annotations
 
 import random
+import re
 import time
 from typing import Any
 
@@ -136,6 +142,30 @@ async def _stream_sync_path(pieces: list[str], known: dict[str, Target | None]) 
     return "".join(out)
 
 
+async def _latency(pieces: list[str]) -> dict[str, int]:
+    """Characters pushed when the first text came out, and the most pushed but not out yet (in the
+    answer's characters: no path names a file here, so the output is the text as written)."""
+    rewriter = StreamingRewriter(_no_file)
+    pushed = out = most = 0
+    first = -1
+    for piece in pieces:
+        pushed += len(piece)
+        out += len(rewriter.push(piece))
+        if rewriter.pending:
+            out += len(await rewriter.resolve_pending())
+        if out and first < 0:
+            first = pushed
+        most = max(most, pushed - out)
+    return {"first_out_after_chars": first, "most_held_chars": most}
+
+
+async def _no_file(path: str) -> Target | None:
+    return None
+
+
+_SUBSTITUTED = re.compile(r"/mnt/data/[^\s<>()\[\]{}`\"'|*]+")
+
+
 def _push_floor(pieces: list[str]) -> str:
     rewriter = _Floor()
     out: list[str] = []
@@ -152,9 +182,10 @@ async def _pathological(ctx: Context) -> dict[str, Any]:
     known: dict[str, Target | None] = {"x": Target("/cache/functions/code_sessions/" + "0" * 32 + "/x", "x")}
     cases: dict[str, Any] = {}
     floor_t: list[float] = []
+    link = "[x](" + known["x"].url + ")"
     for name, text in pathological_answers(size).items():
         pieces = [text[i : i + PIECE_CHARS] for i in range(0, len(text), PIECE_CHARS)]
-        plain_t, stream_t = [], []
+        plain_t, stream_t, sub_t = [], [], []
         for _ in range(reps):
             t0 = time.perf_counter()
             references = References(text)
@@ -165,16 +196,30 @@ async def _pathological(ctx: Context) -> dict[str, Any]:
             t2 = time.perf_counter()
             _push_floor(pieces)
             t3 = time.perf_counter()
+            substituted = _SUBSTITUTED.sub(link, text)
+            t4 = time.perf_counter()
             plain_t.append(t1 - t0)
             stream_t.append(t2 - t1)
             floor_t.append(t3 - t2)
+            sub_t.append(t4 - t3)
         if streamed != whole:
             raise RuntimeError(f"{name}: the streamed rewrite differs from the whole-text rewrite")
-        cases[name] = {"plain": summary(plain_t), f"streamed_{PIECE_CHARS}_char_pieces": summary(stream_t)}
+        if len(substituted) != len(whole):
+            raise RuntimeError(f"{name}: the floor writes {len(substituted)} characters, not {len(whole)}")
+        case = cases[name] = {
+            "plain": summary(plain_t),
+            f"streamed_{PIECE_CHARS}_char_pieces": summary(stream_t),
+            "substitution_floor": summary(sub_t),
+            **await _latency(pieces),
+        }
+        whole_ms = case["plain"]["median_ms"]
+        streamed_ms = case[f"streamed_{PIECE_CHARS}_char_pieces"]["median_ms"]
+        floor_ms = case["substitution_floor"]["median_ms"]
         ctx.log(
-            f"rewrite, {size // 1000} KB line, {name}: whole {cases[name]['plain']['median_ms']:.1f} ms, "
-            f"streamed {cases[name][f'streamed_{PIECE_CHARS}_char_pieces']['median_ms']:.1f} ms "
-            f"(target <= {PATHOLOGICAL_TARGET_MS:g} ms each)"
+            f"rewrite, {size // 1000} KB line, {name}: whole {whole_ms:.1f} ms, "
+            f"streamed {streamed_ms:.1f} ms (target <= {PATHOLOGICAL_TARGET_MS:g} ms each); "
+            f"one re.sub {floor_ms:.1f} ms; first text out after {case['first_out_after_chars']} "
+            f"characters, at most {case['most_held_chars']} held"
         )
     floor = summary(floor_t)
     ctx.log(

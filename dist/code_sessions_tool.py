@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_41fc8e07524e'
+_CS_PACKAGE = '_code_sessions_dd357fd198f4'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -142,6 +142,11 @@ class Tx(Protocol):
     async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
 
     async def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None: ...
+
+    async def one_later(self, sql: str, params: Sequence[Any] = ()) -> Callable[[], Awaitable[Row | None]]:
+        """`one`, read once the transaction is over (await what it returns after read/write returned):
+        on a network database the statement then travels with the COMMIT, not in a round trip of its
+        own. It runs where it is in the transaction and sees what the statements before it wrote."""
 
     async def run(self, sql: str, params: Sequence[Any] = ()) -> int: ...
 
@@ -303,6 +308,10 @@ class Core:
         self._recovery: asyncio.Lock | None = None
         self._recovering = False
         self._ensured: dict[tuple[str, str], float] = {}  # sessions made sure of (and touched) lately
+        # The trash's emptying, in the background (storage/_expiry.py): the task, and whether more was
+        # put there since it last looked.
+        self.trash_task: asyncio.Task[None] | None = None
+        self.trash_wanted = False
 
     @property
     def generation(self) -> int:
@@ -516,11 +525,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import secrets
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -528,13 +538,15 @@ from . import _index
 from ._backend import Tx
 from ._core import Core, SessionRef
 from ._format import human_duration
-from ._fsops import fd_closing, open_dir, remove_tree, unlink_name_if_unchanged, walk_dirs
+from ._fsops import DIR_FLAGS, fd_closing, move_aside_unchanged, open_dir, remove_tree
 from ._index import SessionRow
 from ._keys import id_key
 from ._publish import drain_unpublished, folder_copy_present, link_records, remove_copies
 from .errors import FileMissing, InvalidPath
 from .models import CleanupReport, Purge, SessionCleanup
 from .publishing import DirectoryPublisher
+
+log = logging.getLogger("code_sessions.storage")
 
 # Published copies not in the index are removed only after this long, so a publish that has stored
 # its copy but not yet written its row is never swept.
@@ -543,6 +555,8 @@ STRAY_GRACE_S = 600.0
 # before the sync of the same step.
 STALE_LINK_GRACE_S = 600.0
 _EXPIRY_BATCH = 2000
+_Expired = tuple[str, int, int]  # an expired file as the index saw it: (path, size, mtime_ns)
+_ByFolder = dict[tuple[str, ...], list[_Expired]]  # by the path of their folder in the session
 
 
 @dataclass
@@ -619,7 +633,7 @@ async def cleanup(core: Core, purge: Purge | None, *, dry_run: bool) -> CleanupR
 
     if dry_run:
         return tally.report()
-    await asyncio.to_thread(_empty_trash, core)
+    empty_trash_soon(core)  # what this and any earlier, interrupted cleanup moved there
     await drain_unpublished(core)
     report = tally.report()
     pruned = policy.activity_cutoff(now)
@@ -644,7 +658,7 @@ async def delete_sessions(core: Core, keys: Iterable[tuple[str, str]], reason: s
     for row in rows:
         await _remove_session(core, row, reason, lambda fresh, at: reason, tally)
     if rows:
-        await asyncio.to_thread(_empty_trash, core)
+        empty_trash_soon(core)
     return tally.report()
 
 
@@ -780,21 +794,28 @@ async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally
         ref = core.ref_at(row.user_id, row.chat_id, row.user_key, row.chat_key)
         removed_files, removed_bytes = 0, 0
         # The chat's lock is held one batch at a time, so a user's next step waits for at most one
-        # batch of unlinks, not for an old session's whole expiry.
-        for start in range(0, len(files), _EXPIRY_BATCH):
+        # batch, not for an old session's whole expiry. A batch is whole folders: a folder whose files
+        # all expired leaves in one rename; of a folder that cannot, a batch moves _EXPIRY_BATCH files.
+        pending = deque(_batches(files))
+        while pending:
+            batch = pending.popleft()
             lock = core.lock_of(ref)
             if not await lock.try_acquire():
                 tally.busy(row, reason)
                 break
             try:
-                batch = files[start : start + _EXPIRY_BATCH]
-                gone = await asyncio.to_thread(_unlink_unchanged, ref.path, batch)
+                gone = await asyncio.to_thread(_move_unchanged, ref.path, core.layout.trash, batch)
                 if gone:
                     tally.links_removed += await _forget_files(core, ref, row.id, gone, reason)
             finally:
                 await lock.release()
             removed_files += len(gone)
             removed_bytes += sum(size for _, size in gone)
+            if len(batch) == 1 and len(gone) == _EXPIRY_BATCH:
+                ((parent, entries),) = batch.items()
+                if len(entries) > _EXPIRY_BATCH:  # a large folder moved file by file: the rest of it next
+                    moved = {path for path, _ in gone}
+                    pending.appendleft({parent: [e for e in entries if e[0] not in moved]})
         if removed_files:
             tally.files_removed += removed_files
             tally.bytes_freed += removed_bytes
@@ -803,6 +824,23 @@ async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally
                     row.user_id, row.chat_id, "files expired", removed_files, removed_bytes, reason
                 )
             )
+
+
+def _batches(files: list[_Expired]) -> Iterator[_ByFolder]:
+    """The expired files by folder, in batches of whole folders of about _EXPIRY_BATCH files."""
+    by_parent: _ByFolder = defaultdict(list)
+    for entry in files:
+        by_parent[tuple(entry[0].split("/")[:-1])].append(entry)
+    batch: _ByFolder = {}
+    count = 0
+    for parent, entries in by_parent.items():
+        batch[parent] = entries
+        count += len(entries)
+        if count >= _EXPIRY_BATCH:
+            yield batch
+            batch, count = {}, 0
+    if batch:
+        yield batch
 
 
 async def _count_files(
@@ -816,28 +854,29 @@ async def _count_files(
     tally.details.append(SessionCleanup(row.user_id, row.chat_id, "files expired", len(files), size, reason))
 
 
-def _unlink_unchanged(folder: Path, files: list[tuple[str, int, int]]) -> list[tuple[str, int]]:
-    """Delete expired files that still match the index; each parent folder is opened once."""
+def _move_unchanged(folder: Path, trash: Path, by_parent: _ByFolder) -> list[tuple[str, int]]:
+    """Move the expired files that still match the index out of the session into the trash (one rename
+    per folder whose files all expired, else one per file); the trash is emptied in the background."""
     gone: list[tuple[str, int]] = []
     try:
         root = open_dir(folder)
     except (FileMissing, InvalidPath):
         return gone
-    by_parent: dict[tuple[str, ...], list[tuple[str, int, int]]] = defaultdict(list)
-    for path, size, mtime_ns in files:
-        parts = tuple(path.split("/"))
-        by_parent[parts[:-1]].append((path, size, mtime_ns))
-    with fd_closing(root):
+    with fd_closing(root), fd_closing(os.open(trash, DIR_FLAGS)) as trash_fd:
         for parent_parts, entries in by_parent.items():
-            try:
-                parent = walk_dirs(root, parent_parts)
-            except (FileMissing, InvalidPath):
-                continue
-            with fd_closing(parent):
-                for path, size, mtime_ns in entries:
-                    if unlink_name_if_unchanged(parent, path.rsplit("/", 1)[-1], size, mtime_ns):
-                        gone.append((path, size))
+            wanted = {path.rsplit("/", 1)[-1]: (size, mtime_ns) for path, size, mtime_ns in entries}
+            moved = move_aside_unchanged(root, parent_parts, wanted, trash_fd, _bin_name(), _EXPIRY_BATCH)
+            if moved:
+                prefix = "/".join(parent_parts)
+                sizes = {path: size for path, size, _ in entries}
+                for name in moved:
+                    path = f"{prefix}/{name}" if prefix else name
+                    gone.append((path, sizes[path]))
     return gone
+
+
+def _bin_name() -> str:
+    return f"expired.{time.time_ns()}.{secrets.token_hex(6)}"
 
 
 async def _forget_files(
@@ -941,6 +980,33 @@ async def _stray_copies(core: Core, tally: _Tally) -> None:
                     os.unlink(core.layout.link_record(rec["kind"], rec["ref"]))
 
     await asyncio.to_thread(forget)
+
+
+def empty_trash_soon(core: Core) -> None:
+    """Empty the trash in a background thread: expired files are out of the sessions once renamed
+    there, and the kernel's unlinks (10 s for 100k files on a disk mounted with `discard`) need not
+    hold up the cleanup that moved them. One task per store; what is moved while it runs is emptied
+    by it too. What a crash leaves in the trash is emptied by the next cleanup."""
+    core.trash_wanted = True
+    if core.trash_task is None or core.trash_task.done():
+        core.trash_task = asyncio.get_running_loop().create_task(_empty_trash_while_wanted(core))
+
+
+async def trash_emptied(core: Core) -> None:
+    """Wait for the background emptying of the trash, if one is under way (closing the store)."""
+    task = core.trash_task
+    if task is not None:
+        await asyncio.shield(task)
+
+
+async def _empty_trash_while_wanted(core: Core) -> None:
+    while core.trash_wanted:  # (set and cleared on the event loop: no wish is lost between rounds)
+        core.trash_wanted = False
+        try:
+            await asyncio.to_thread(_empty_trash, core)
+        except OSError as exc:
+            log.warning("emptying the trash of %s failed (the next cleanup tries again): %s", core.root, exc)
+            return
 
 
 def _empty_trash(core: Core) -> None:
@@ -1292,15 +1358,6 @@ def unlink_file(root_fd: int, parts: tuple[str, ...]) -> os.stat_result:
         return st
 
 
-def unlink_name_if_unchanged(dir_fd: int, name: str, size: int, mtime_ns: int) -> bool:
-    st = lstat_at(dir_fd, name)
-    if st is None or not stat.S_ISREG(st.st_mode) or (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
-        return False
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(name, dir_fd=dir_fd)
-    return True
-
-
 def rename_file(
     root_fd: int, src: tuple[str, ...], dst: tuple[str, ...], *, overwrite: bool, owner: Owner
 ) -> tuple[os.stat_result, os.stat_result | None]:
@@ -1448,6 +1505,67 @@ def _copy_range(src: int, dst: int, count: int) -> None:
     while count > 0 and (chunk := os.read(src, min(count, _CHUNK))):
         _write_all(dst, chunk)
         count -= len(chunk)
+
+
+def move_aside_unchanged(
+    root_fd: int,
+    parts: tuple[str, ...],
+    wanted: dict[str, tuple[int, int]],
+    trash_fd: int,
+    bin_name: str,
+    limit: int,
+) -> list[str] | None:
+    """Move the regular files of the folder `parts` (under root_fd) whose (size, mtime_ns) still match
+    `wanted` out of the session into the trash (trash_fd, ours), without unlinking anything.
+
+    When such files are all the folder holds (and it is not the session folder itself), the folder goes
+    in one rename and an empty one of the same mode and owner takes its place; otherwise each file goes
+    in one rename into trash/<bin_name>/ (made on first use; `bin_name` is new for each call), at most
+    `limit` of them. Returns the names moved (None: the folder
+    is missing or not a folder). A rename is atomic: a name is either still in the session or already
+    out of it, whatever happens when."""
+    try:
+        folder = walk_dirs(root_fd, parts)
+    except (FileMissing, InvalidPath):
+        return None
+    with fd_closing(folder):
+        with os.scandir(folder) as listing:
+            entries = [(entry.name, entry.stat(follow_symlinks=False)) for entry in listing]
+        moving = [
+            name
+            for name, st in entries
+            if stat.S_ISREG(st.st_mode) and wanted.get(name) == (st.st_size, st.st_mtime_ns)
+        ]
+        if not moving:
+            return moving
+        if parts and len(moving) == len(entries):
+            st = os.fstat(folder)
+            try:
+                parent = walk_dirs(root_fd, parts[:-1])
+            except (FileMissing, InvalidPath):
+                return None
+            with fd_closing(parent):
+                named = lstat_at(parent, parts[-1])
+                if named is None or (named.st_dev, named.st_ino) != (st.st_dev, st.st_ino):
+                    return None  # the name no longer leads to the folder we listed
+                os.rename(parts[-1], f"{bin_name}.dir", src_dir_fd=parent, dst_dir_fd=trash_fd)
+                # The folder stays (empty), as unlinking its files would have left it.
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(parts[-1], DIR_MODE, dir_fd=parent)
+                    with fd_closing(os.open(parts[-1], DIR_FLAGS, dir_fd=parent)) as made:
+                        if os.geteuid() == 0:
+                            os.fchown(made, st.st_uid, st.st_gid)
+                        os.fchmod(made, stat.S_IMODE(st.st_mode))
+            return moving
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(bin_name, DIR_MODE, dir_fd=trash_fd)
+        moved = []
+        with fd_closing(os.open(bin_name, DIR_FLAGS, dir_fd=trash_fd)) as bin_fd:
+            for i, name in enumerate(moving[:limit]):
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(name, str(i), src_dir_fd=folder, dst_dir_fd=bin_fd)
+                    moved.append(name)
+        return moved
 ''',
     'storage/_index.py': r'''"""Every SQL statement of the store, as functions over a transaction (`_backend.Tx`).
 
@@ -1461,7 +1579,7 @@ transactions, its locks and its migrations.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -1527,6 +1645,16 @@ class SessionRow:
         )
 
 
+_INSERT_SESSION = (
+    "INSERT INTO sessions (user_id, chat_id, user_key, chat_key, temporary, created_at, last_used_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+_ENSURE_SESSION = (
+    _INSERT_SESSION + " ON CONFLICT (user_key, chat_key) DO UPDATE SET last_used_at ="
+    " CASE WHEN sessions.last_used_at > ? THEN sessions.last_used_at ELSE ? END"
+)
+
+
 async def ensure_session(
     tx: Tx,
     *,
@@ -1539,27 +1667,52 @@ async def ensure_session(
     used_at: float | None,
 ) -> int:
     """Insert the session row if missing; with used_at, move last_used_at forward. Returns its id."""
-    used = used_at if used_at is not None else 0.0
-    row = await tx.one(
-        "INSERT INTO sessions (user_id, chat_id, user_key, chat_key, temporary, created_at, last_used_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?)"
-        " ON CONFLICT (user_key, chat_key) DO UPDATE SET last_used_at ="
-        " CASE WHEN sessions.last_used_at > ? THEN sessions.last_used_at ELSE ? END"
-        " RETURNING id",
-        (
-            db_text(user_id),
-            db_text(chat_id),
-            user_key,
-            chat_key,
-            int(temporary),
-            created_at,
-            used_at if used_at is not None else created_at,
-            used,
-            used,
-        ),
-    )
+    if used_at is None:
+        # The usual case, a row that exists and is not to be touched: read its id. An upsert would
+        # update the row all the same (a new row version and its index entries, on PostgreSQL the
+        # most costly statement of a step).
+        row = await tx.one(
+            "SELECT id FROM sessions WHERE user_key = ? AND chat_key = ?", (user_key, chat_key)
+        )
+        if row is not None:
+            return int(row[0])
+    params = _ensure_params(user_id, chat_id, user_key, chat_key, temporary, created_at, used_at)
+    row = await tx.one(_ENSURE_SESSION + " RETURNING id", params)
     assert row is not None
     return int(row[0])
+
+
+def _ensure_params(
+    user_id: str,
+    chat_id: str,
+    user_key: str,
+    chat_key: str,
+    temporary: bool,
+    created_at: float,
+    used_at: float | None,
+) -> tuple[Any, ...]:
+    used = used_at if used_at is not None else 0.0
+    return (
+        db_text(user_id),
+        db_text(chat_id),
+        user_key,
+        chat_key,
+        int(temporary),
+        created_at,
+        used_at if used_at is not None else created_at,
+        used,
+        used,
+    )
+
+
+async def ensure_session_queued(
+    tx: Tx, *, user_id: str, chat_id: str, user_key: str, chat_key: str, temporary: bool, created_at: float
+) -> None:
+    """`ensure_session` (without touching) that waits for nothing (on PostgreSQL it goes with the next
+    statement that needs an answer): the statements after it name the session by its keys. A row that
+    exists is left alone."""
+    params = _ensure_params(user_id, chat_id, user_key, chat_key, temporary, created_at, None)
+    await tx.many(_INSERT_SESSION + " ON CONFLICT (user_key, chat_key) DO NOTHING", [params[:7]])
 
 
 async def session_by_keys(tx: Tx, user_key: str, chat_key: str) -> SessionRow | None:
@@ -1631,6 +1784,32 @@ async def session_totals(tx: Tx, session_id: int) -> tuple[int, int]:
     return (int(row[0]), int(row[1])) if row else (0, 0)
 
 
+async def session_totals_later(tx: Tx, session_id: int) -> Callable[[], Awaitable[tuple[int, int]]]:
+    """`session_totals` as the transaction leaves them, read with its COMMIT (see Tx.one_later)."""
+    later = await tx.one_later("SELECT file_count, bytes FROM sessions WHERE id = ?", (session_id,))
+
+    async def totals() -> tuple[int, int]:
+        row = await later()
+        return (int(row[0]), int(row[1])) if row else (0, 0)
+
+    return totals
+
+
+async def session_usage_later(
+    tx: Tx, user_key: str, chat_key: str
+) -> Callable[[], Awaitable[tuple[int, int]]]:
+    """The session's (files, bytes) as the transaction leaves them, read with its COMMIT."""
+    later = await tx.one_later(
+        "SELECT file_count, bytes FROM sessions WHERE user_key = ? AND chat_key = ?", (user_key, chat_key)
+    )
+
+    async def totals() -> tuple[int, int]:
+        row = await later()
+        return (int(row[0]), int(row[1])) if row else (0, 0)
+
+    return totals
+
+
 async def session_usage(tx: Tx, user_key: str, chat_key: str) -> Usage:
     row = await tx.one(
         "SELECT file_count, bytes FROM sessions WHERE user_key = ? AND chat_key = ?", (user_key, chat_key)
@@ -1647,6 +1826,21 @@ async def user_usage(tx: Tx, user_key: str) -> Usage:
         (user_key,),
     )
     return Usage(int(row[0]), int(row[1])) if row else Usage(0, 0)
+
+
+async def user_usage_later(tx: Tx, user_key: str) -> Callable[[], Awaitable[Usage]]:
+    """`user_usage` as the transaction leaves it, read with its COMMIT (see Tx.one_later)."""
+    later = await tx.one_later(
+        "SELECT coalesce(sum(file_count), 0), coalesce(sum(bytes + published_bytes), 0)"
+        " FROM sessions WHERE user_key = ?",
+        (user_key,),
+    )
+
+    async def usage() -> Usage:
+        row = await later()
+        return Usage(int(row[0]), int(row[1])) if row else Usage(0, 0)
+
+    return usage
 
 
 async def users_usage(tx: Tx) -> list[UserUsage]:
@@ -1669,6 +1863,38 @@ _UPSERT_FILE = (
 async def upsert_files(tx: Tx, session_id: int, rows: Iterable[tuple[str, int, int, float]]) -> None:
     """(path, size, mtime_ns, now): insert, or update a changed file (first_seen is kept)."""
     await tx.many(_UPSERT_FILE, [(session_id, p, size, ns, now, now) for p, size, ns, now in rows])
+
+
+# One row of VALUES, typed (PostgreSQL would take untyped parameters of a VALUES list for text).
+_BY_KEYS_ROW = (
+    "(CAST(? AS TEXT), CAST(? AS BIGINT), CAST(? AS BIGINT), CAST(? AS DOUBLE PRECISION),"
+    " CAST(? AS DOUBLE PRECISION))"
+)
+
+
+async def upsert_files_by_keys(
+    tx: Tx, user_key: str, chat_key: str, rows: Sequence[tuple[str, int, int, float]]
+) -> None:
+    """`upsert_files` for the session named by its keys, in one statement that waits for nothing (a
+    step's few changed files: on PostgreSQL it travels with the COMMIT)."""
+    values = ", ".join([_BY_KEYS_ROW] * len(rows))
+    await tx.many(
+        "INSERT INTO files (session_id, path, size, mtime_ns, first_seen, last_changed)"
+        " SELECT s.id, v.column1, v.column2, v.column3, v.column4, v.column5"
+        f" FROM sessions s JOIN (VALUES {values}) AS v ON 1 = 1 WHERE s.user_key = ? AND s.chat_key = ?"
+        " ON CONFLICT (session_id, path) DO UPDATE"
+        " SET size = excluded.size, mtime_ns = excluded.mtime_ns, last_changed = excluded.last_changed",
+        [(*(v for p, size, ns, now in rows for v in (p, size, ns, now, now)), user_key, chat_key)],
+    )
+
+
+async def delete_files_by_keys(tx: Tx, user_key: str, chat_key: str, paths: Sequence[str]) -> None:
+    """`delete_files` for the session named by its keys, in one statement that waits for nothing."""
+    await tx.many(
+        "DELETE FROM files WHERE session_id = (SELECT id FROM sessions WHERE user_key = ? AND chat_key = ?)"
+        f" AND path IN ({', '.join('?' * len(paths))})",
+        [(user_key, chat_key, *paths)],
+    )
 
 
 async def delete_files(tx: Tx, session_id: int, paths: Sequence[str]) -> None:
@@ -1734,6 +1960,30 @@ async def rows_at_and_under(tx: Tx, session_id: int, paths: Sequence[str]) -> di
     return index
 
 
+async def session_rows_at_and_under(
+    tx: Tx, user_key: str, chat_key: str, paths: Sequence[str]
+) -> tuple[int, int, dict[str, tuple[int, int]]] | None:
+    """(session id, linked_files, rows_at_and_under) in one statement for at most CHUNK paths: a step's
+    reconcile reads this, and on a network database each statement is a round trip. None: no row."""
+    assert len(paths) <= CHUNK
+    values = ", ".join("(?, ?, ?)" for _ in paths)
+    bounds = [b for p in paths for b in (p, p + "/", p + "0")]
+    rows = await tx.all(
+        f"WITH s AS (SELECT id, linked_files FROM sessions WHERE user_key = ? AND chat_key = ?),"
+        f" q(p, lo, hi) AS (VALUES {values})"
+        " SELECT s.id, s.linked_files, NULL, NULL, NULL FROM s"
+        " UNION ALL SELECT s.id, s.linked_files, f.path, f.size, f.mtime_ns"
+        " FROM s JOIN q ON 1 = 1 JOIN files f ON f.session_id = s.id AND f.path = q.p"
+        " UNION ALL SELECT s.id, s.linked_files, f.path, f.size, f.mtime_ns"
+        " FROM s JOIN q ON 1 = 1 JOIN files f ON f.session_id = s.id AND f.path >= q.lo AND f.path < q.hi",
+        (user_key, chat_key, *bounds),
+    )
+    if not rows:
+        return None
+    index = {path: (int(size), int(mtime_ns)) for _, _, path, size, mtime_ns in rows if path is not None}
+    return int(rows[0][0]), int(rows[0][1]), index
+
+
 async def expired_files(tx: Tx, cutoff: float) -> list[tuple[int, str, int, int]]:
     """(session id, path, size, mtime_ns) of files the index last saw change before cutoff."""
     return await tx.all(  # type: ignore[return-value]
@@ -1783,18 +2033,86 @@ async def insert_link(
     )
 
 
-async def links_of_file(tx: Tx, user_key: str, chat_key: str, path: str, kind: str) -> list[LinkRow]:
-    """A file's links held by one publisher, newest first."""
-    rows = await tx.all(
-        "SELECT l.token, l.kind, l.name, l.url, l.size, l.created_at, l.sha256, l.mtime_ns, l.inode,"
-        " l.ctime_ns FROM links l JOIN sessions s ON s.id = l.session_id"
-        " WHERE s.user_key = ? AND s.chat_key = ? AND l.path = ? AND l.kind = ? ORDER BY l.created_at DESC",
-        (user_key, chat_key, path, kind),
+async def insert_link_by_keys(
+    tx: Tx,
+    user_key: str,
+    chat_key: str,
+    *,
+    ref: str,
+    kind: str,
+    path: str,
+    name: str,
+    url: str,
+    directory: str,
+    size: int,
+    mtime_ns: int,
+    inode: int,
+    ctime_ns: int,
+    sha256: str,
+    now: float,
+    ceiling: int | None,
+) -> Callable[[], Awaitable[bool]]:
+    """`insert_link` for the session named by its keys, only while the user uses at most `ceiling`
+    bytes (None: always; see Policy.publish_ceiling), in statements that wait for nothing. Returns
+    whether the row went in, known once the transaction is over."""
+    condition: str = ""
+    extra: tuple[Any, ...] = ()
+    if ceiling is not None:
+        condition = (
+            " AND (SELECT coalesce(sum(bytes + published_bytes), 0) FROM sessions WHERE user_key = ?) <= ?"
+        )
+        extra = (user_key, ceiling)
+    row = (
+        ref,
+        kind,
+        path,
+        name,
+        url,
+        directory,
+        size,
+        mtime_ns,
+        inode,
+        ctime_ns,
+        sha256,
+        now,
+        user_key,
+        chat_key,
     )
-    return [
-        LinkRow(r[0], r[1], r[2], r[3], int(r[4]), float(r[5]), r[6], int(r[7]), int(r[8]), int(r[9]))
+    await tx.many(
+        "INSERT INTO links (token, session_id, kind, path, name, url, directory, size, mtime_ns, inode,"
+        " ctime_ns, sha256, created_at) SELECT ?, s.id, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ? FROM sessions s"
+        f" WHERE s.user_key = ? AND s.chat_key = ?{condition}",
+        [(*row, *extra)],
+    )
+    later = await tx.one_later("SELECT count(*) FROM links WHERE token = ?", (ref,))
+
+    async def inserted() -> bool:
+        found = await later()
+        return bool(found and found[0])
+
+    return inserted
+
+
+async def links_of_file_and_usage(
+    tx: Tx, user_key: str, chat_key: str, path: str, kind: str
+) -> tuple[list[LinkRow], Usage]:
+    """`links_of_file` and the user's `user_usage`, in one statement (what publish reads first)."""
+    rows = await tx.all(
+        "SELECT u.files, u.bytes, l.token, l.kind, l.name, l.url, l.size, l.created_at, l.sha256,"
+        " l.mtime_ns, l.inode, l.ctime_ns FROM (SELECT coalesce(sum(file_count), 0) AS files,"
+        " coalesce(sum(bytes + published_bytes), 0) AS bytes FROM sessions WHERE user_key = ?) u"
+        " LEFT JOIN (SELECT l.* FROM links l JOIN sessions s ON s.id = l.session_id"
+        " WHERE s.user_key = ? AND s.chat_key = ? AND l.path = ? AND l.kind = ?) l ON 1 = 1"
+        " ORDER BY l.created_at DESC",
+        (user_key, user_key, chat_key, path, kind),
+    )
+    usage = Usage(int(rows[0][0]), int(rows[0][1])) if rows else Usage(0, 0)
+    links = [
+        LinkRow(r[2], r[3], r[4], r[5], int(r[6]), float(r[7]), r[8], int(r[9]), int(r[10]), int(r[11]))
         for r in rows
+        if r[2] is not None
     ]
+    return links, usage
 
 
 async def note_link_signature(tx: Tx, ref: str, mtime_ns: int, inode: int, ctime_ns: int) -> None:
@@ -2477,9 +2795,10 @@ shares one index in that database. What differs from the embedded backend (_sqli
   the chat's, a named one, or `serialise_user`.) Reads are REPEATABLE READ, READ ONLY: one snapshot
   for all their statements, and such a transaction never fails with a serialization error.
 * Round trips are what a network database costs, so: a transaction's statements are pipelined (sent
-  when an answer is needed), a read of one statement goes alone without BEGIN/COMMIT, and `many`
-  sends batches of rows as one statement. The totals' triggers run per statement (a row updated
-  again and again in one transaction costs PostgreSQL more each time).
+  when an answer is needed), a read of one statement goes alone without BEGIN/COMMIT, `many` sends
+  batches of rows as one statement, and `one_later` reads an answer with the COMMIT's. Statements are
+  prepared on first use and planned once (see `_connect`). The totals' triggers run per statement (a
+  row updated again and again in one transaction costs PostgreSQL more each time).
 * A write that meets a serialization failure, a deadlock or a lock wait longer than `lock_timeout`
   is rolled back and run again with backoff (its function only touches the database), up to
   `busy_total_s`, then StorageBusy. A full disk (SQLSTATE 53100) is DiskFull.
@@ -2862,6 +3181,16 @@ class _Tx:
         cursor = await self._conn.execute(to_pyformat(sql), _no_nul(params))
         return await cursor.fetchone()
 
+    async def one_later(self, sql: str, params: Sequence[Any] = ()) -> Callable[[], Awaitable[Row | None]]:
+        self._statement()
+        # Queued in a pipeline: its answer comes with the COMMIT's (leaving the pipeline reads both).
+        cursor = await self._conn.execute(to_pyformat(sql), _no_nul(params))
+
+        async def later() -> Row | None:
+            return await cursor.fetchone()
+
+        return later
+
     async def run(self, sql: str, params: Sequence[Any] = ()) -> int:
         if self._single:
             raise _NeedsTransaction()  # a read that writes must meet READ ONLY
@@ -3121,18 +3450,27 @@ class PostgresBackend:
     async def _connect(self) -> Any:
         psycopg = _psycopg()
         try:
+            # Every statement prepared on its first use (psycopg's default waits for the fifth, on each
+            # connection of the pool): a step's statements are parsed and planned once per connection.
             conn = await psycopg.AsyncConnection.connect(
-                self.url, autocommit=True, **self._connect_options(psycopg)
+                self.url, autocommit=True, prepare_threshold=0, **self._connect_options(psycopg)
             )
         except psycopg.Error as exc:
             raise StorageError(
                 f"cannot connect to the index database {self.where}: {_first_line(exc)}"
             ) from exc
         try:
-            # Only our schema: unqualified names are our tables, never Open WebUI's.
+            # Only our schema: unqualified names are our tables, never Open WebUI's. Our statements are
+            # key and range lookups whose plan does not depend on the values: planned once, not at
+            # every execution (plan_cache_mode exists from PostgreSQL 12 on).
+            generic = (
+                ", set_config('plan_cache_mode', 'force_generic_plan', false)"
+                if conn.info.server_version >= 120000
+                else ""
+            )
             await conn.execute(
                 "SELECT set_config('search_path', %s, false), set_config('synchronous_commit', 'off', false),"
-                " set_config('lock_timeout', %s, false)",
+                f" set_config('lock_timeout', %s, false){generic}",
                 (_quoted(self.schema), f"{self._lock_timeout_ms}ms"),
             )
         except BaseException as exc:
@@ -3357,7 +3695,7 @@ import json
 import os
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from . import _index
@@ -3366,7 +3704,7 @@ from ._core import Core, SessionRef
 from ._fsops import fd_closing, open_dir, open_regular
 from ._names import is_passive_image, publish_name, split_path
 from .errors import DiskFull, StorageError
-from .models import Link
+from .models import Link, Usage
 from .publishing import Copy, DirectoryPublisher, copy_present, remove_directory_copy
 
 _HASH_CHUNK = 1 << 20
@@ -3388,8 +3726,10 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
         st = os.fstat(fd)
         name, content_type = publish_name(rel)
         inline = is_passive_image(content_type)
-        rows = await core.read(
-            lambda tx: _index.links_of_file(tx, ref.user_key, ref.chat_key, rel, publisher.kind)
+        # The user's usage comes with the links, one statement: the quota decision below is made again
+        # in the transaction that counts the copy, so reading it early changes no outcome.
+        rows, usage = await core.read(
+            lambda tx: _index.links_of_file_and_usage(tx, ref.user_key, ref.chat_key, rel, publisher.kind)
         )
         rows = [r for r in rows if _usable(publisher, r.ref, r.name)]
         for row in rows:
@@ -3409,7 +3749,6 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
                     )
                 )
                 return Link(row.ref, row.url, rel, row.name, row.size, inline, row.created_at)
-        usage = await core.read(lambda tx: _index.user_usage(tx, ref.user_key))
         core.policy.refuse_publish(usage, st.st_size, rel)
         copy = Copy(fd, st.st_size, name, content_type, inline, rel, ref.user_id, ref.chat_id, digest)
         published = await publisher.put(copy)
@@ -3433,15 +3772,24 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
         "created_at": now,
     }
 
-    async def write(tx: Tx) -> None:
-        # The quota decision again, in the transaction that counts the copy: two chats of one user
-        # publishing at once cannot both take the last room.
+    async def write(tx: Tx) -> tuple[Callable[[], Awaitable[bool]], Callable[[], Awaitable[Usage]]]:
+        # The quota decision again, in the transaction that counts the copy (two chats of one user
+        # publishing at once cannot both take the last room), made by the INSERT itself: every
+        # statement here is queued, and the transaction is one round trip on PostgreSQL.
         await tx.serialise_user(ref.user_key)
-        core.policy.refuse_publish(await _index.user_usage(tx, ref.user_key), st.st_size, rel)
-        sid = await core.session_id(tx, ref, now)
-        await _index.insert_link(
+        await _index.ensure_session_queued(
             tx,
-            sid,
+            user_id=ref.user_id,
+            chat_id=ref.chat_id,
+            user_key=ref.user_key,
+            chat_key=ref.chat_key,
+            temporary=ref.temporary,
+            created_at=now,
+        )
+        inserted = await _index.insert_link_by_keys(
+            tx,
+            ref.user_key,
+            ref.chat_key,
             ref=published.ref,
             kind=publisher.kind,
             path=rel,
@@ -3454,11 +3802,16 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
             ctime_ns=st.st_ctime_ns,
             sha256=digest,
             now=now,
+            ceiling=core.policy.publish_ceiling(st.st_size),
         )
+        return inserted, await _index.user_usage_later(tx, ref.user_key)
 
     try:
         await asyncio.to_thread(_write_record, core, record)
-        await core.write(write)
+        inserted, usage_then = await core.write(write)
+        if not await inserted():
+            core.policy.refuse_publish(await usage_then(), st.st_size, rel)  # raises: the same rule
+            raise StorageError(f"{rel} was not linked: its session is gone from the index")
     except BaseException:
         await asyncio.shield(remove_copies(core, [(published.ref, publisher.kind, directory)]))
         raise
@@ -4358,6 +4711,14 @@ class _Tx:
     async def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
         return self._conn.execute(sql, params).fetchone()
 
+    async def one_later(self, sql: str, params: Sequence[Any] = ()) -> Callable[[], Awaitable[Row | None]]:
+        row = self._conn.execute(sql, params).fetchone()
+
+        async def later() -> Row | None:
+            return row
+
+        return later
+
     async def run(self, sql: str, params: Sequence[Any] = ()) -> int:
         return self._conn.execute(sql, params).rowcount
 
@@ -4727,7 +5088,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from . import _index
@@ -4837,6 +5198,10 @@ async def sync_folder(
     return await apply(core, ref, differences, enforce=enforce)
 
 
+# Up to this many changed paths, a reconcile's write names the session by its keys (write_by_keys).
+_BY_KEYS_MAX = 64
+
+
 async def apply(core: Core, ref: SessionRef, differences: Differences, *, enforce: bool) -> ReconcileReport:
     """Decide the quota and write the differences in one transaction; then unlink what goes."""
     found = differences.found
@@ -4853,8 +5218,26 @@ async def apply(core: Core, ref: SessionRef, differences: Differences, *, enforc
     delta = differences.usage_delta() if candidates else Usage(0, 0)
     now = time.time()
 
-    async def write(tx: Tx) -> tuple[list[QuotaRemoval], int, int]:
-        sid = await core.session_id(tx, ref, now)
+    # A step's few changes name the session by its keys: no statement waits for its id, and the
+    # transaction is one round trip on PostgreSQL (two when the quota must be decided).
+    by_keys = not differences.full and (
+        len(differences.added) + len(differences.changed) + len(differences.removed) <= _BY_KEYS_MAX
+    )
+
+    async def write(tx: Tx) -> tuple[list[QuotaRemoval], Callable[[], Awaitable[tuple[int, int]]]]:
+        sid = None
+        if by_keys:
+            await _index.ensure_session_queued(
+                tx,
+                user_id=ref.user_id,
+                chat_id=ref.chat_id,
+                user_key=ref.user_key,
+                chat_key=ref.chat_key,
+                temporary=ref.temporary,
+                created_at=now,
+            )
+        else:
+            sid = await core.session_id(tx, ref, now)
         removals: list[QuotaRemoval] = []
         if candidates:
             await tx.serialise_user(ref.user_key)
@@ -4863,19 +5246,27 @@ async def apply(core: Core, ref: SessionRef, differences: Differences, *, enforc
                 candidates, Usage(usage.files + delta.files, usage.bytes + delta.bytes)
             )
         going = {r.path for r in removals}
-        if differences.full:  # only a full listing can tell that no file of the session has several links
+        if sid is not None and differences.full:  # only a full listing tells no file has several links
             await _index.set_linked_files(tx, sid, len(found.linked))
-        kept = [p for p in differences.added + differences.changed if p not in going]
-        if kept:
-            await _index.upsert_files(tx, sid, [(p, *listing[p], now) for p in kept])
+        kept = [(p, *listing[p], now) for p in differences.added + differences.changed if p not in going]
         dropped = differences.removed + [p for p in differences.changed if p in going]
-        if dropped:
-            await _index.delete_files(tx, sid, dropped)
+        if sid is None:
+            if kept:
+                await _index.upsert_files_by_keys(tx, ref.user_key, ref.chat_key, kept)
+            if dropped:
+                await _index.delete_files_by_keys(tx, ref.user_key, ref.chat_key, dropped)
+        else:
+            if kept:
+                await _index.upsert_files(tx, sid, kept)
+            if dropped:
+                await _index.delete_files(tx, sid, dropped)
         await _audit(tx, ref, found, removals, now)
-        files, size = await _index.session_totals(tx, sid)
-        return removals, files, size
+        if sid is None:
+            return removals, await _index.session_usage_later(tx, ref.user_key, ref.chat_key)
+        return removals, await _index.session_totals_later(tx, sid)
 
-    removals, files, size = await core.write(write)
+    removals, totals = await core.write(write)
+    files, size = await totals()
     quota_removed: list[QuotaRemoval] = []
     if removals:
         # After the commit: a file that cannot be unlinked stays on disk, unindexed, and the next
@@ -5093,6 +5484,11 @@ def _look_at(parent: int, name: str, path: str, found: Scan) -> None:
         reject(parent, name, path, kind_of(st.st_mode), True, found)
 
 
+# Written through one name, the other names of such a file change without an event naming them (and
+# the written name may be gone by now).
+_LINKED = "the session holds files with several hard links"
+
+
 async def _apply(
     core: Core, ref: SessionRef, scopes: list[str], found: Scan, *, enforce: bool
 ) -> ReconcileReport:
@@ -5101,12 +5497,19 @@ async def _apply(
         if row is None:
             raise _Fallback("the session has no index row")  # nothing to compare with
         if row.linked_files:
-            # Written through one name, the other names of such a file change without an event
-            # naming them (and the written name may be gone by now).
-            raise _Fallback("the session holds files with several hard links")
+            raise _Fallback(_LINKED)
         return await _index.rows_at_and_under(tx, row.id, scopes)
 
-    index = await core.read(read)
+    async def read_one(tx: Tx) -> dict[str, tuple[int, int]]:
+        # The usual case (a few paths): one statement, so one round trip on PostgreSQL.
+        found = await _index.session_rows_at_and_under(tx, ref.user_key, ref.chat_key, scopes)
+        if found is None:
+            raise _Fallback("the session has no index row")  # nothing to compare with
+        if found[1]:
+            raise _Fallback(_LINKED)
+        return found[2]
+
+    index = await core.read(read_one if len(scopes) <= _index.CHUNK else read)
     listing = found.files
     differences = Differences(found, full=False)
     differences.added = [p for p in listing if p not in index]
@@ -6045,10 +6448,17 @@ class Policy:
             size -= item.size
         return removals
 
+    def publish_ceiling(self, size: int) -> int | None:
+        """The most bytes a user may use already for a copy of `size` bytes to be allowed (None: any);
+        what `refuse_publish` decides, as a number a database can compare with."""
+        max_bytes = self.quotas.max_bytes_per_user or None
+        return None if max_bytes is None or size <= 0 else max_bytes - size
+
     def refuse_publish(self, usage: Usage, size: int, path: str) -> None:
         """Published copies count toward the user's storage limit."""
         room = self.room(usage)
-        if room is not None and size > room:
+        ceiling = self.publish_ceiling(size)
+        if ceiling is not None and usage.bytes > ceiling:
             raise QuotaExceeded(
                 f"{path} was not linked: a copy for download would take {human_bytes(size)} and your "
                 f"storage limit of {human_bytes(self.quotas.max_bytes_per_user)} across your chats has "
@@ -6861,7 +7271,13 @@ class Store:
 
     async def close(self) -> None:
         self._opened = False
+        await self.trash_emptied()  # (unlinks in a thread: they would outlive the event loop)
         await self._core.backend.close()
+
+    async def trash_emptied(self) -> None:
+        """Wait until the trash that cleanups move expired files into is empty, if its emptying (in the
+        background) is under way."""
+        await _expiry.trash_emptied(self._core)
 
     async def __aenter__(self) -> Store:
         await self.open()
@@ -12681,7 +13097,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_41fc8e07524e.runner import Outcome
+from _code_sessions_dd357fd198f4.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12956,7 +13372,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_41fc8e07524e.storage import human_bytes
+from _code_sessions_dd357fd198f4.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -13074,7 +13490,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_41fc8e07524e.storage import Purge, parse_duration
+from _code_sessions_dd357fd198f4.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13423,6 +13839,7 @@ class _Scan:
         "_par_from",
         "_paren",
         "_runs",
+        "_start",
         "end",
         "final",
         "horizon",
@@ -13447,6 +13864,7 @@ class _Scan:
         self._par_end = -1
         self._runs: _Runs | None = None
         self._paren = -2  # the next `)` after the last link looked for (-1: none, -2: not looked yet)
+        self._start = 0  # where run() started
 
     # ----------------------------------------------------------------------------- helpers
 
@@ -13624,6 +14042,7 @@ class _Scan:
     def run(self, pos: int) -> tuple[int, _State]:
         """Scan from `pos`; returns (restart point, the state there): (end, ...) when final."""
         text, end, final, refs, origin = self.text, self.end, self.final, self.refs, self.origin
+        self._start = pos
         # (module constants as locals: the path branch runs once per path in the answer)
         not_before_path, trailing_punctuation = _NOT_BEFORE_PATH, _TRAILING_PUNCTUATION
         longest_path = 10 + MAX_PATH
@@ -13782,7 +14201,9 @@ class _Scan:
         refs = self.refs
         while refs and refs[-1][0] >= at:
             refs.pop()
-        newline = text.rfind("\n", 0, at)
+        # The state knows the line holding the scan's start: only a newline after that start matters (a
+        # search from the buffer's start would read a long line's held text again on every scan).
+        newline = text.rfind("\n", 0 if self.origin else min(self._start, at), at)
         if newline >= 0 or self.origin:
             single = _SINGLE_LINE.match(text, newline + 1) is not None
         else:
@@ -13955,9 +14376,14 @@ def rewrite(text: str, targets: Mapping[str, Target | None], *, inline_images: b
 
 # ---------------------------------------------------------------------------------------- streaming
 
-# push() only collects until this much text has arrived (or a newline, once this much): streamed pieces
-# are often a few characters, and a scan per piece would cost more than the piece.
+# push() only collects until a batch has arrived (or a newline, once _BATCH_AT_NEWLINE has): streamed
+# pieces are often a few characters, and a scan per piece would cost more than the piece. A batch is
+# _BATCH characters, or an eighth of the line so far when that is more, up to _BATCH_MAX: the first
+# kilobyte of every line (all of a usual answer) shows after at most 128 characters, as it arrives,
+# and a 1 MB line costs a few hundred scans instead of thousands, the batch holding back at most 1/8
+# of what is already out on that line.
 _BATCH = 128
+_BATCH_MAX = 4096
 _BATCH_AT_NEWLINE = 16
 # Held text is scanned again only when half as much new text has arrived (or it is short): each
 # character is scanned a few times at most however long a construct stays open, and what is held waits
@@ -13995,8 +14421,11 @@ class StreamingRewriter:
         self._start()
 
     def _start(self) -> None:
-        self._parts: list[str] = []
-        self._waiting = 0  # characters in _parts
+        self._batch = ""  # pieces pushed since _parts
+        self._parts: list[str] = []  # batches of _BATCH pushed since the last scan ...
+        self._held = 0  # ... and their length
+        self._batch_limit = _BATCH  # its length that starts a scan
+        self._line = 0  # where the last line pushed starts (a position in the whole answer)
         self._text = ""  # the answer from _base on
         self._base = 0
         self._clean = 0  # the next scan starts here (a position in the whole answer) ...
@@ -14015,10 +14444,16 @@ class StreamingRewriter:
     def push(self, chunk: str) -> str:
         """Take the next piece of the answer; return the text that can be shown now. Never awaits."""
         # Called once per streamed piece (250,000 times for a 1 MB answer in 4-character pieces): the
-        # common case is an append and one comparison.
-        self._parts.append(chunk)
-        waiting = self._waiting = self._waiting + len(chunk)
-        if waiting < _BATCH_AT_NEWLINE or (waiting < _BATCH and "\n" not in chunk):
+        # common case is one short concatenation and two comparisons, close to a call that does nothing
+        # (bench/rewrite.py measures both). Copying the piece's batch each time costs less than a list's
+        # append and a running count: it is never longer than _BATCH (longer batches are lists of these).
+        batch = self._batch = self._batch + chunk
+        if len(batch) < _BATCH and ("\n" not in chunk or len(batch) < _BATCH_AT_NEWLINE):
+            return ""
+        self._parts.append(batch)
+        self._batch = ""
+        held = self._held = self._held + len(batch)
+        if held < self._batch_limit and "\n" not in batch:
             return ""
         return self._advance(False)
 
@@ -14055,11 +14490,22 @@ class StreamingRewriter:
 
     def _advance(self, final: bool) -> str:
         if self._parts:
-            self._text += "".join(self._parts)
+            self._parts.append(self._batch)
+            batch = "".join(self._parts)
             self._parts.clear()
-            self._waiting = 0
+            self._held = 0
+        else:
+            batch = self._batch
+        if batch:
+            self._text += batch
+            self._batch = ""
         text, base, clean = self._text, self._base, self._clean
         end = base + len(text)
+        if batch:
+            newline = batch.rfind("\n")
+            if newline >= 0:
+                self._line = end - len(batch) + newline + 1
+            self._batch_limit = min(_BATCH_MAX, max(_BATCH, (end - self._line) >> 3))
         quiet = False
         if final or end - clean <= _RESCAN_FREE or 2 * (end - self._scanned_to) >= self._scanned_to - clean:
             self._scanned_to = end
@@ -14163,8 +14609,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_41fc8e07524e.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_41fc8e07524e.storage import (
+from _code_sessions_dd357fd198f4.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_dd357fd198f4.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14838,7 +15284,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_41fc8e07524e.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_dd357fd198f4.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -15055,7 +15501,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_41fc8e07524e.storage import Link, Publisher, is_postgres_url
+from _code_sessions_dd357fd198f4.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -15268,7 +15714,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_41fc8e07524e.engine import (
+from _code_sessions_dd357fd198f4.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -15278,9 +15724,9 @@ from _code_sessions_41fc8e07524e.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_41fc8e07524e.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_41fc8e07524e.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_41fc8e07524e.webui import OpenWebUI
+from _code_sessions_dd357fd198f4.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_dd357fd198f4.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_dd357fd198f4.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -15869,10 +16315,10 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_41fc8e07524e.engine import LoopOptions, escape_text, run_step
-from _code_sessions_41fc8e07524e.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_41fc8e07524e.storage import StorageError
-from _code_sessions_41fc8e07524e.webui import Misconfigured
+from _code_sessions_dd357fd198f4.engine import LoopOptions, escape_text, run_step
+from _code_sessions_dd357fd198f4.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_dd357fd198f4.storage import StorageError
+from _code_sessions_dd357fd198f4.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -38,6 +38,11 @@ class Tx(Protocol):
 
     async def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None: ...
 
+    async def one_later(self, sql: str, params: Sequence[Any] = ()) -> Callable[[], Awaitable[Row | None]]:
+        """`one`, read once the transaction is over (await what it returns after read/write returned):
+        on a network database the statement then travels with the COMMIT, not in a round trip of its
+        own. It runs where it is in the transaction and sees what the statements before it wrote."""
+
     async def run(self, sql: str, params: Sequence[Any] = ()) -> int: ...
 
     async def many(self, sql: str, rows: Iterable[Sequence[Any]]) -> None: ...

@@ -88,6 +88,10 @@ class Core:
         self._recovery: asyncio.Lock | None = None
         self._recovering = False
         self._ensured: dict[tuple[str, str], float] = {}  # sessions made sure of (and touched) lately
+        # The trash's emptying, in the background (storage/_expiry.py): the task, and whether more was
+        # put there since it last looked.
+        self.trash_task: asyncio.Task[None] | None = None
+        self.trash_wanted = False
 
     @property
     def generation(self) -> int:

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import secrets
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,13 +27,15 @@ from . import _index
 from ._backend import Tx
 from ._core import Core, SessionRef
 from ._format import human_duration
-from ._fsops import fd_closing, open_dir, remove_tree, unlink_name_if_unchanged, walk_dirs
+from ._fsops import DIR_FLAGS, fd_closing, move_aside_unchanged, open_dir, remove_tree
 from ._index import SessionRow
 from ._keys import id_key
 from ._publish import drain_unpublished, folder_copy_present, link_records, remove_copies
 from .errors import FileMissing, InvalidPath
 from .models import CleanupReport, Purge, SessionCleanup
 from .publishing import DirectoryPublisher
+
+log = logging.getLogger("code_sessions.storage")
 
 # Published copies not in the index are removed only after this long, so a publish that has stored
 # its copy but not yet written its row is never swept.
@@ -41,6 +44,8 @@ STRAY_GRACE_S = 600.0
 # before the sync of the same step.
 STALE_LINK_GRACE_S = 600.0
 _EXPIRY_BATCH = 2000
+_Expired = tuple[str, int, int]  # an expired file as the index saw it: (path, size, mtime_ns)
+_ByFolder = dict[tuple[str, ...], list[_Expired]]  # by the path of their folder in the session
 
 
 @dataclass
@@ -117,7 +122,7 @@ async def cleanup(core: Core, purge: Purge | None, *, dry_run: bool) -> CleanupR
 
     if dry_run:
         return tally.report()
-    await asyncio.to_thread(_empty_trash, core)
+    empty_trash_soon(core)  # what this and any earlier, interrupted cleanup moved there
     await drain_unpublished(core)
     report = tally.report()
     pruned = policy.activity_cutoff(now)
@@ -142,7 +147,7 @@ async def delete_sessions(core: Core, keys: Iterable[tuple[str, str]], reason: s
     for row in rows:
         await _remove_session(core, row, reason, lambda fresh, at: reason, tally)
     if rows:
-        await asyncio.to_thread(_empty_trash, core)
+        empty_trash_soon(core)
     return tally.report()
 
 
@@ -278,21 +283,28 @@ async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally
         ref = core.ref_at(row.user_id, row.chat_id, row.user_key, row.chat_key)
         removed_files, removed_bytes = 0, 0
         # The chat's lock is held one batch at a time, so a user's next step waits for at most one
-        # batch of unlinks, not for an old session's whole expiry.
-        for start in range(0, len(files), _EXPIRY_BATCH):
+        # batch, not for an old session's whole expiry. A batch is whole folders: a folder whose files
+        # all expired leaves in one rename; of a folder that cannot, a batch moves _EXPIRY_BATCH files.
+        pending = deque(_batches(files))
+        while pending:
+            batch = pending.popleft()
             lock = core.lock_of(ref)
             if not await lock.try_acquire():
                 tally.busy(row, reason)
                 break
             try:
-                batch = files[start : start + _EXPIRY_BATCH]
-                gone = await asyncio.to_thread(_unlink_unchanged, ref.path, batch)
+                gone = await asyncio.to_thread(_move_unchanged, ref.path, core.layout.trash, batch)
                 if gone:
                     tally.links_removed += await _forget_files(core, ref, row.id, gone, reason)
             finally:
                 await lock.release()
             removed_files += len(gone)
             removed_bytes += sum(size for _, size in gone)
+            if len(batch) == 1 and len(gone) == _EXPIRY_BATCH:
+                ((parent, entries),) = batch.items()
+                if len(entries) > _EXPIRY_BATCH:  # a large folder moved file by file: the rest of it next
+                    moved = {path for path, _ in gone}
+                    pending.appendleft({parent: [e for e in entries if e[0] not in moved]})
         if removed_files:
             tally.files_removed += removed_files
             tally.bytes_freed += removed_bytes
@@ -301,6 +313,23 @@ async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally
                     row.user_id, row.chat_id, "files expired", removed_files, removed_bytes, reason
                 )
             )
+
+
+def _batches(files: list[_Expired]) -> Iterator[_ByFolder]:
+    """The expired files by folder, in batches of whole folders of about _EXPIRY_BATCH files."""
+    by_parent: _ByFolder = defaultdict(list)
+    for entry in files:
+        by_parent[tuple(entry[0].split("/")[:-1])].append(entry)
+    batch: _ByFolder = {}
+    count = 0
+    for parent, entries in by_parent.items():
+        batch[parent] = entries
+        count += len(entries)
+        if count >= _EXPIRY_BATCH:
+            yield batch
+            batch, count = {}, 0
+    if batch:
+        yield batch
 
 
 async def _count_files(
@@ -314,28 +343,29 @@ async def _count_files(
     tally.details.append(SessionCleanup(row.user_id, row.chat_id, "files expired", len(files), size, reason))
 
 
-def _unlink_unchanged(folder: Path, files: list[tuple[str, int, int]]) -> list[tuple[str, int]]:
-    """Delete expired files that still match the index; each parent folder is opened once."""
+def _move_unchanged(folder: Path, trash: Path, by_parent: _ByFolder) -> list[tuple[str, int]]:
+    """Move the expired files that still match the index out of the session into the trash (one rename
+    per folder whose files all expired, else one per file); the trash is emptied in the background."""
     gone: list[tuple[str, int]] = []
     try:
         root = open_dir(folder)
     except (FileMissing, InvalidPath):
         return gone
-    by_parent: dict[tuple[str, ...], list[tuple[str, int, int]]] = defaultdict(list)
-    for path, size, mtime_ns in files:
-        parts = tuple(path.split("/"))
-        by_parent[parts[:-1]].append((path, size, mtime_ns))
-    with fd_closing(root):
+    with fd_closing(root), fd_closing(os.open(trash, DIR_FLAGS)) as trash_fd:
         for parent_parts, entries in by_parent.items():
-            try:
-                parent = walk_dirs(root, parent_parts)
-            except (FileMissing, InvalidPath):
-                continue
-            with fd_closing(parent):
-                for path, size, mtime_ns in entries:
-                    if unlink_name_if_unchanged(parent, path.rsplit("/", 1)[-1], size, mtime_ns):
-                        gone.append((path, size))
+            wanted = {path.rsplit("/", 1)[-1]: (size, mtime_ns) for path, size, mtime_ns in entries}
+            moved = move_aside_unchanged(root, parent_parts, wanted, trash_fd, _bin_name(), _EXPIRY_BATCH)
+            if moved:
+                prefix = "/".join(parent_parts)
+                sizes = {path: size for path, size, _ in entries}
+                for name in moved:
+                    path = f"{prefix}/{name}" if prefix else name
+                    gone.append((path, sizes[path]))
     return gone
+
+
+def _bin_name() -> str:
+    return f"expired.{time.time_ns()}.{secrets.token_hex(6)}"
 
 
 async def _forget_files(
@@ -439,6 +469,33 @@ async def _stray_copies(core: Core, tally: _Tally) -> None:
                     os.unlink(core.layout.link_record(rec["kind"], rec["ref"]))
 
     await asyncio.to_thread(forget)
+
+
+def empty_trash_soon(core: Core) -> None:
+    """Empty the trash in a background thread: expired files are out of the sessions once renamed
+    there, and the kernel's unlinks (10 s for 100k files on a disk mounted with `discard`) need not
+    hold up the cleanup that moved them. One task per store; what is moved while it runs is emptied
+    by it too. What a crash leaves in the trash is emptied by the next cleanup."""
+    core.trash_wanted = True
+    if core.trash_task is None or core.trash_task.done():
+        core.trash_task = asyncio.get_running_loop().create_task(_empty_trash_while_wanted(core))
+
+
+async def trash_emptied(core: Core) -> None:
+    """Wait for the background emptying of the trash, if one is under way (closing the store)."""
+    task = core.trash_task
+    if task is not None:
+        await asyncio.shield(task)
+
+
+async def _empty_trash_while_wanted(core: Core) -> None:
+    while core.trash_wanted:  # (set and cleared on the event loop: no wish is lost between rounds)
+        core.trash_wanted = False
+        try:
+            await asyncio.to_thread(_empty_trash, core)
+        except OSError as exc:
+            log.warning("emptying the trash of %s failed (the next cleanup tries again): %s", core.root, exc)
+            return
 
 
 def _empty_trash(core: Core) -> None:

@@ -256,15 +256,6 @@ def unlink_file(root_fd: int, parts: tuple[str, ...]) -> os.stat_result:
         return st
 
 
-def unlink_name_if_unchanged(dir_fd: int, name: str, size: int, mtime_ns: int) -> bool:
-    st = lstat_at(dir_fd, name)
-    if st is None or not stat.S_ISREG(st.st_mode) or (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
-        return False
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(name, dir_fd=dir_fd)
-    return True
-
-
 def rename_file(
     root_fd: int, src: tuple[str, ...], dst: tuple[str, ...], *, overwrite: bool, owner: Owner
 ) -> tuple[os.stat_result, os.stat_result | None]:
@@ -412,3 +403,64 @@ def _copy_range(src: int, dst: int, count: int) -> None:
     while count > 0 and (chunk := os.read(src, min(count, _CHUNK))):
         _write_all(dst, chunk)
         count -= len(chunk)
+
+
+def move_aside_unchanged(
+    root_fd: int,
+    parts: tuple[str, ...],
+    wanted: dict[str, tuple[int, int]],
+    trash_fd: int,
+    bin_name: str,
+    limit: int,
+) -> list[str] | None:
+    """Move the regular files of the folder `parts` (under root_fd) whose (size, mtime_ns) still match
+    `wanted` out of the session into the trash (trash_fd, ours), without unlinking anything.
+
+    When such files are all the folder holds (and it is not the session folder itself), the folder goes
+    in one rename and an empty one of the same mode and owner takes its place; otherwise each file goes
+    in one rename into trash/<bin_name>/ (made on first use; `bin_name` is new for each call), at most
+    `limit` of them. Returns the names moved (None: the folder
+    is missing or not a folder). A rename is atomic: a name is either still in the session or already
+    out of it, whatever happens when."""
+    try:
+        folder = walk_dirs(root_fd, parts)
+    except (FileMissing, InvalidPath):
+        return None
+    with fd_closing(folder):
+        with os.scandir(folder) as listing:
+            entries = [(entry.name, entry.stat(follow_symlinks=False)) for entry in listing]
+        moving = [
+            name
+            for name, st in entries
+            if stat.S_ISREG(st.st_mode) and wanted.get(name) == (st.st_size, st.st_mtime_ns)
+        ]
+        if not moving:
+            return moving
+        if parts and len(moving) == len(entries):
+            st = os.fstat(folder)
+            try:
+                parent = walk_dirs(root_fd, parts[:-1])
+            except (FileMissing, InvalidPath):
+                return None
+            with fd_closing(parent):
+                named = lstat_at(parent, parts[-1])
+                if named is None or (named.st_dev, named.st_ino) != (st.st_dev, st.st_ino):
+                    return None  # the name no longer leads to the folder we listed
+                os.rename(parts[-1], f"{bin_name}.dir", src_dir_fd=parent, dst_dir_fd=trash_fd)
+                # The folder stays (empty), as unlinking its files would have left it.
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(parts[-1], DIR_MODE, dir_fd=parent)
+                    with fd_closing(os.open(parts[-1], DIR_FLAGS, dir_fd=parent)) as made:
+                        if os.geteuid() == 0:
+                            os.fchown(made, st.st_uid, st.st_gid)
+                        os.fchmod(made, stat.S_IMODE(st.st_mode))
+            return moving
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(bin_name, DIR_MODE, dir_fd=trash_fd)
+        moved = []
+        with fd_closing(os.open(bin_name, DIR_FLAGS, dir_fd=trash_fd)) as bin_fd:
+            for i, name in enumerate(moving[:limit]):
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(name, str(i), src_dir_fd=folder, dst_dir_fd=bin_fd)
+                    moved.append(name)
+        return moved

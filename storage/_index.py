@@ -10,7 +10,7 @@ transactions, its locks and its migrations.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,16 @@ class SessionRow:
         )
 
 
+_INSERT_SESSION = (
+    "INSERT INTO sessions (user_id, chat_id, user_key, chat_key, temporary, created_at, last_used_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+_ENSURE_SESSION = (
+    _INSERT_SESSION + " ON CONFLICT (user_key, chat_key) DO UPDATE SET last_used_at ="
+    " CASE WHEN sessions.last_used_at > ? THEN sessions.last_used_at ELSE ? END"
+)
+
+
 async def ensure_session(
     tx: Tx,
     *,
@@ -88,27 +98,52 @@ async def ensure_session(
     used_at: float | None,
 ) -> int:
     """Insert the session row if missing; with used_at, move last_used_at forward. Returns its id."""
-    used = used_at if used_at is not None else 0.0
-    row = await tx.one(
-        "INSERT INTO sessions (user_id, chat_id, user_key, chat_key, temporary, created_at, last_used_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?)"
-        " ON CONFLICT (user_key, chat_key) DO UPDATE SET last_used_at ="
-        " CASE WHEN sessions.last_used_at > ? THEN sessions.last_used_at ELSE ? END"
-        " RETURNING id",
-        (
-            db_text(user_id),
-            db_text(chat_id),
-            user_key,
-            chat_key,
-            int(temporary),
-            created_at,
-            used_at if used_at is not None else created_at,
-            used,
-            used,
-        ),
-    )
+    if used_at is None:
+        # The usual case, a row that exists and is not to be touched: read its id. An upsert would
+        # update the row all the same (a new row version and its index entries, on PostgreSQL the
+        # most costly statement of a step).
+        row = await tx.one(
+            "SELECT id FROM sessions WHERE user_key = ? AND chat_key = ?", (user_key, chat_key)
+        )
+        if row is not None:
+            return int(row[0])
+    params = _ensure_params(user_id, chat_id, user_key, chat_key, temporary, created_at, used_at)
+    row = await tx.one(_ENSURE_SESSION + " RETURNING id", params)
     assert row is not None
     return int(row[0])
+
+
+def _ensure_params(
+    user_id: str,
+    chat_id: str,
+    user_key: str,
+    chat_key: str,
+    temporary: bool,
+    created_at: float,
+    used_at: float | None,
+) -> tuple[Any, ...]:
+    used = used_at if used_at is not None else 0.0
+    return (
+        db_text(user_id),
+        db_text(chat_id),
+        user_key,
+        chat_key,
+        int(temporary),
+        created_at,
+        used_at if used_at is not None else created_at,
+        used,
+        used,
+    )
+
+
+async def ensure_session_queued(
+    tx: Tx, *, user_id: str, chat_id: str, user_key: str, chat_key: str, temporary: bool, created_at: float
+) -> None:
+    """`ensure_session` (without touching) that waits for nothing (on PostgreSQL it goes with the next
+    statement that needs an answer): the statements after it name the session by its keys. A row that
+    exists is left alone."""
+    params = _ensure_params(user_id, chat_id, user_key, chat_key, temporary, created_at, None)
+    await tx.many(_INSERT_SESSION + " ON CONFLICT (user_key, chat_key) DO NOTHING", [params[:7]])
 
 
 async def session_by_keys(tx: Tx, user_key: str, chat_key: str) -> SessionRow | None:
@@ -180,6 +215,32 @@ async def session_totals(tx: Tx, session_id: int) -> tuple[int, int]:
     return (int(row[0]), int(row[1])) if row else (0, 0)
 
 
+async def session_totals_later(tx: Tx, session_id: int) -> Callable[[], Awaitable[tuple[int, int]]]:
+    """`session_totals` as the transaction leaves them, read with its COMMIT (see Tx.one_later)."""
+    later = await tx.one_later("SELECT file_count, bytes FROM sessions WHERE id = ?", (session_id,))
+
+    async def totals() -> tuple[int, int]:
+        row = await later()
+        return (int(row[0]), int(row[1])) if row else (0, 0)
+
+    return totals
+
+
+async def session_usage_later(
+    tx: Tx, user_key: str, chat_key: str
+) -> Callable[[], Awaitable[tuple[int, int]]]:
+    """The session's (files, bytes) as the transaction leaves them, read with its COMMIT."""
+    later = await tx.one_later(
+        "SELECT file_count, bytes FROM sessions WHERE user_key = ? AND chat_key = ?", (user_key, chat_key)
+    )
+
+    async def totals() -> tuple[int, int]:
+        row = await later()
+        return (int(row[0]), int(row[1])) if row else (0, 0)
+
+    return totals
+
+
 async def session_usage(tx: Tx, user_key: str, chat_key: str) -> Usage:
     row = await tx.one(
         "SELECT file_count, bytes FROM sessions WHERE user_key = ? AND chat_key = ?", (user_key, chat_key)
@@ -196,6 +257,21 @@ async def user_usage(tx: Tx, user_key: str) -> Usage:
         (user_key,),
     )
     return Usage(int(row[0]), int(row[1])) if row else Usage(0, 0)
+
+
+async def user_usage_later(tx: Tx, user_key: str) -> Callable[[], Awaitable[Usage]]:
+    """`user_usage` as the transaction leaves it, read with its COMMIT (see Tx.one_later)."""
+    later = await tx.one_later(
+        "SELECT coalesce(sum(file_count), 0), coalesce(sum(bytes + published_bytes), 0)"
+        " FROM sessions WHERE user_key = ?",
+        (user_key,),
+    )
+
+    async def usage() -> Usage:
+        row = await later()
+        return Usage(int(row[0]), int(row[1])) if row else Usage(0, 0)
+
+    return usage
 
 
 async def users_usage(tx: Tx) -> list[UserUsage]:
@@ -218,6 +294,38 @@ _UPSERT_FILE = (
 async def upsert_files(tx: Tx, session_id: int, rows: Iterable[tuple[str, int, int, float]]) -> None:
     """(path, size, mtime_ns, now): insert, or update a changed file (first_seen is kept)."""
     await tx.many(_UPSERT_FILE, [(session_id, p, size, ns, now, now) for p, size, ns, now in rows])
+
+
+# One row of VALUES, typed (PostgreSQL would take untyped parameters of a VALUES list for text).
+_BY_KEYS_ROW = (
+    "(CAST(? AS TEXT), CAST(? AS BIGINT), CAST(? AS BIGINT), CAST(? AS DOUBLE PRECISION),"
+    " CAST(? AS DOUBLE PRECISION))"
+)
+
+
+async def upsert_files_by_keys(
+    tx: Tx, user_key: str, chat_key: str, rows: Sequence[tuple[str, int, int, float]]
+) -> None:
+    """`upsert_files` for the session named by its keys, in one statement that waits for nothing (a
+    step's few changed files: on PostgreSQL it travels with the COMMIT)."""
+    values = ", ".join([_BY_KEYS_ROW] * len(rows))
+    await tx.many(
+        "INSERT INTO files (session_id, path, size, mtime_ns, first_seen, last_changed)"
+        " SELECT s.id, v.column1, v.column2, v.column3, v.column4, v.column5"
+        f" FROM sessions s JOIN (VALUES {values}) AS v ON 1 = 1 WHERE s.user_key = ? AND s.chat_key = ?"
+        " ON CONFLICT (session_id, path) DO UPDATE"
+        " SET size = excluded.size, mtime_ns = excluded.mtime_ns, last_changed = excluded.last_changed",
+        [(*(v for p, size, ns, now in rows for v in (p, size, ns, now, now)), user_key, chat_key)],
+    )
+
+
+async def delete_files_by_keys(tx: Tx, user_key: str, chat_key: str, paths: Sequence[str]) -> None:
+    """`delete_files` for the session named by its keys, in one statement that waits for nothing."""
+    await tx.many(
+        "DELETE FROM files WHERE session_id = (SELECT id FROM sessions WHERE user_key = ? AND chat_key = ?)"
+        f" AND path IN ({', '.join('?' * len(paths))})",
+        [(user_key, chat_key, *paths)],
+    )
 
 
 async def delete_files(tx: Tx, session_id: int, paths: Sequence[str]) -> None:
@@ -283,6 +391,30 @@ async def rows_at_and_under(tx: Tx, session_id: int, paths: Sequence[str]) -> di
     return index
 
 
+async def session_rows_at_and_under(
+    tx: Tx, user_key: str, chat_key: str, paths: Sequence[str]
+) -> tuple[int, int, dict[str, tuple[int, int]]] | None:
+    """(session id, linked_files, rows_at_and_under) in one statement for at most CHUNK paths: a step's
+    reconcile reads this, and on a network database each statement is a round trip. None: no row."""
+    assert len(paths) <= CHUNK
+    values = ", ".join("(?, ?, ?)" for _ in paths)
+    bounds = [b for p in paths for b in (p, p + "/", p + "0")]
+    rows = await tx.all(
+        f"WITH s AS (SELECT id, linked_files FROM sessions WHERE user_key = ? AND chat_key = ?),"
+        f" q(p, lo, hi) AS (VALUES {values})"
+        " SELECT s.id, s.linked_files, NULL, NULL, NULL FROM s"
+        " UNION ALL SELECT s.id, s.linked_files, f.path, f.size, f.mtime_ns"
+        " FROM s JOIN q ON 1 = 1 JOIN files f ON f.session_id = s.id AND f.path = q.p"
+        " UNION ALL SELECT s.id, s.linked_files, f.path, f.size, f.mtime_ns"
+        " FROM s JOIN q ON 1 = 1 JOIN files f ON f.session_id = s.id AND f.path >= q.lo AND f.path < q.hi",
+        (user_key, chat_key, *bounds),
+    )
+    if not rows:
+        return None
+    index = {path: (int(size), int(mtime_ns)) for _, _, path, size, mtime_ns in rows if path is not None}
+    return int(rows[0][0]), int(rows[0][1]), index
+
+
 async def expired_files(tx: Tx, cutoff: float) -> list[tuple[int, str, int, int]]:
     """(session id, path, size, mtime_ns) of files the index last saw change before cutoff."""
     return await tx.all(  # type: ignore[return-value]
@@ -332,18 +464,86 @@ async def insert_link(
     )
 
 
-async def links_of_file(tx: Tx, user_key: str, chat_key: str, path: str, kind: str) -> list[LinkRow]:
-    """A file's links held by one publisher, newest first."""
-    rows = await tx.all(
-        "SELECT l.token, l.kind, l.name, l.url, l.size, l.created_at, l.sha256, l.mtime_ns, l.inode,"
-        " l.ctime_ns FROM links l JOIN sessions s ON s.id = l.session_id"
-        " WHERE s.user_key = ? AND s.chat_key = ? AND l.path = ? AND l.kind = ? ORDER BY l.created_at DESC",
-        (user_key, chat_key, path, kind),
+async def insert_link_by_keys(
+    tx: Tx,
+    user_key: str,
+    chat_key: str,
+    *,
+    ref: str,
+    kind: str,
+    path: str,
+    name: str,
+    url: str,
+    directory: str,
+    size: int,
+    mtime_ns: int,
+    inode: int,
+    ctime_ns: int,
+    sha256: str,
+    now: float,
+    ceiling: int | None,
+) -> Callable[[], Awaitable[bool]]:
+    """`insert_link` for the session named by its keys, only while the user uses at most `ceiling`
+    bytes (None: always; see Policy.publish_ceiling), in statements that wait for nothing. Returns
+    whether the row went in, known once the transaction is over."""
+    condition: str = ""
+    extra: tuple[Any, ...] = ()
+    if ceiling is not None:
+        condition = (
+            " AND (SELECT coalesce(sum(bytes + published_bytes), 0) FROM sessions WHERE user_key = ?) <= ?"
+        )
+        extra = (user_key, ceiling)
+    row = (
+        ref,
+        kind,
+        path,
+        name,
+        url,
+        directory,
+        size,
+        mtime_ns,
+        inode,
+        ctime_ns,
+        sha256,
+        now,
+        user_key,
+        chat_key,
     )
-    return [
-        LinkRow(r[0], r[1], r[2], r[3], int(r[4]), float(r[5]), r[6], int(r[7]), int(r[8]), int(r[9]))
+    await tx.many(
+        "INSERT INTO links (token, session_id, kind, path, name, url, directory, size, mtime_ns, inode,"
+        " ctime_ns, sha256, created_at) SELECT ?, s.id, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ? FROM sessions s"
+        f" WHERE s.user_key = ? AND s.chat_key = ?{condition}",
+        [(*row, *extra)],
+    )
+    later = await tx.one_later("SELECT count(*) FROM links WHERE token = ?", (ref,))
+
+    async def inserted() -> bool:
+        found = await later()
+        return bool(found and found[0])
+
+    return inserted
+
+
+async def links_of_file_and_usage(
+    tx: Tx, user_key: str, chat_key: str, path: str, kind: str
+) -> tuple[list[LinkRow], Usage]:
+    """`links_of_file` and the user's `user_usage`, in one statement (what publish reads first)."""
+    rows = await tx.all(
+        "SELECT u.files, u.bytes, l.token, l.kind, l.name, l.url, l.size, l.created_at, l.sha256,"
+        " l.mtime_ns, l.inode, l.ctime_ns FROM (SELECT coalesce(sum(file_count), 0) AS files,"
+        " coalesce(sum(bytes + published_bytes), 0) AS bytes FROM sessions WHERE user_key = ?) u"
+        " LEFT JOIN (SELECT l.* FROM links l JOIN sessions s ON s.id = l.session_id"
+        " WHERE s.user_key = ? AND s.chat_key = ? AND l.path = ? AND l.kind = ?) l ON 1 = 1"
+        " ORDER BY l.created_at DESC",
+        (user_key, user_key, chat_key, path, kind),
+    )
+    usage = Usage(int(rows[0][0]), int(rows[0][1])) if rows else Usage(0, 0)
+    links = [
+        LinkRow(r[2], r[3], r[4], r[5], int(r[6]), float(r[7]), r[8], int(r[9]), int(r[10]), int(r[11]))
         for r in rows
+        if r[2] is not None
     ]
+    return links, usage
 
 
 async def note_link_signature(tx: Tx, ref: str, mtime_ns: int, inode: int, ctime_ns: int) -> None:

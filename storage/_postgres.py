@@ -19,9 +19,10 @@ shares one index in that database. What differs from the embedded backend (_sqli
   the chat's, a named one, or `serialise_user`.) Reads are REPEATABLE READ, READ ONLY: one snapshot
   for all their statements, and such a transaction never fails with a serialization error.
 * Round trips are what a network database costs, so: a transaction's statements are pipelined (sent
-  when an answer is needed), a read of one statement goes alone without BEGIN/COMMIT, and `many`
-  sends batches of rows as one statement. The totals' triggers run per statement (a row updated
-  again and again in one transaction costs PostgreSQL more each time).
+  when an answer is needed), a read of one statement goes alone without BEGIN/COMMIT, `many` sends
+  batches of rows as one statement, and `one_later` reads an answer with the COMMIT's. Statements are
+  prepared on first use and planned once (see `_connect`). The totals' triggers run per statement (a
+  row updated again and again in one transaction costs PostgreSQL more each time).
 * A write that meets a serialization failure, a deadlock or a lock wait longer than `lock_timeout`
   is rolled back and run again with backoff (its function only touches the database), up to
   `busy_total_s`, then StorageBusy. A full disk (SQLSTATE 53100) is DiskFull.
@@ -404,6 +405,16 @@ class _Tx:
         cursor = await self._conn.execute(to_pyformat(sql), _no_nul(params))
         return await cursor.fetchone()
 
+    async def one_later(self, sql: str, params: Sequence[Any] = ()) -> Callable[[], Awaitable[Row | None]]:
+        self._statement()
+        # Queued in a pipeline: its answer comes with the COMMIT's (leaving the pipeline reads both).
+        cursor = await self._conn.execute(to_pyformat(sql), _no_nul(params))
+
+        async def later() -> Row | None:
+            return await cursor.fetchone()
+
+        return later
+
     async def run(self, sql: str, params: Sequence[Any] = ()) -> int:
         if self._single:
             raise _NeedsTransaction()  # a read that writes must meet READ ONLY
@@ -663,18 +674,27 @@ class PostgresBackend:
     async def _connect(self) -> Any:
         psycopg = _psycopg()
         try:
+            # Every statement prepared on its first use (psycopg's default waits for the fifth, on each
+            # connection of the pool): a step's statements are parsed and planned once per connection.
             conn = await psycopg.AsyncConnection.connect(
-                self.url, autocommit=True, **self._connect_options(psycopg)
+                self.url, autocommit=True, prepare_threshold=0, **self._connect_options(psycopg)
             )
         except psycopg.Error as exc:
             raise StorageError(
                 f"cannot connect to the index database {self.where}: {_first_line(exc)}"
             ) from exc
         try:
-            # Only our schema: unqualified names are our tables, never Open WebUI's.
+            # Only our schema: unqualified names are our tables, never Open WebUI's. Our statements are
+            # key and range lookups whose plan does not depend on the values: planned once, not at
+            # every execution (plan_cache_mode exists from PostgreSQL 12 on).
+            generic = (
+                ", set_config('plan_cache_mode', 'force_generic_plan', false)"
+                if conn.info.server_version >= 120000
+                else ""
+            )
             await conn.execute(
                 "SELECT set_config('search_path', %s, false), set_config('synchronous_commit', 'off', false),"
-                " set_config('lock_timeout', %s, false)",
+                f" set_config('lock_timeout', %s, false){generic}",
                 (_quoted(self.schema), f"{self._lock_timeout_ms}ms"),
             )
         except BaseException as exc:

@@ -22,7 +22,7 @@ import json
 import os
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from . import _index
@@ -31,7 +31,7 @@ from ._core import Core, SessionRef
 from ._fsops import fd_closing, open_dir, open_regular
 from ._names import is_passive_image, publish_name, split_path
 from .errors import DiskFull, StorageError
-from .models import Link
+from .models import Link, Usage
 from .publishing import Copy, DirectoryPublisher, copy_present, remove_directory_copy
 
 _HASH_CHUNK = 1 << 20
@@ -53,8 +53,10 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
         st = os.fstat(fd)
         name, content_type = publish_name(rel)
         inline = is_passive_image(content_type)
-        rows = await core.read(
-            lambda tx: _index.links_of_file(tx, ref.user_key, ref.chat_key, rel, publisher.kind)
+        # The user's usage comes with the links, one statement: the quota decision below is made again
+        # in the transaction that counts the copy, so reading it early changes no outcome.
+        rows, usage = await core.read(
+            lambda tx: _index.links_of_file_and_usage(tx, ref.user_key, ref.chat_key, rel, publisher.kind)
         )
         rows = [r for r in rows if _usable(publisher, r.ref, r.name)]
         for row in rows:
@@ -74,7 +76,6 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
                     )
                 )
                 return Link(row.ref, row.url, rel, row.name, row.size, inline, row.created_at)
-        usage = await core.read(lambda tx: _index.user_usage(tx, ref.user_key))
         core.policy.refuse_publish(usage, st.st_size, rel)
         copy = Copy(fd, st.st_size, name, content_type, inline, rel, ref.user_id, ref.chat_id, digest)
         published = await publisher.put(copy)
@@ -98,15 +99,24 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
         "created_at": now,
     }
 
-    async def write(tx: Tx) -> None:
-        # The quota decision again, in the transaction that counts the copy: two chats of one user
-        # publishing at once cannot both take the last room.
+    async def write(tx: Tx) -> tuple[Callable[[], Awaitable[bool]], Callable[[], Awaitable[Usage]]]:
+        # The quota decision again, in the transaction that counts the copy (two chats of one user
+        # publishing at once cannot both take the last room), made by the INSERT itself: every
+        # statement here is queued, and the transaction is one round trip on PostgreSQL.
         await tx.serialise_user(ref.user_key)
-        core.policy.refuse_publish(await _index.user_usage(tx, ref.user_key), st.st_size, rel)
-        sid = await core.session_id(tx, ref, now)
-        await _index.insert_link(
+        await _index.ensure_session_queued(
             tx,
-            sid,
+            user_id=ref.user_id,
+            chat_id=ref.chat_id,
+            user_key=ref.user_key,
+            chat_key=ref.chat_key,
+            temporary=ref.temporary,
+            created_at=now,
+        )
+        inserted = await _index.insert_link_by_keys(
+            tx,
+            ref.user_key,
+            ref.chat_key,
             ref=published.ref,
             kind=publisher.kind,
             path=rel,
@@ -119,11 +129,16 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
             ctime_ns=st.st_ctime_ns,
             sha256=digest,
             now=now,
+            ceiling=core.policy.publish_ceiling(st.st_size),
         )
+        return inserted, await _index.user_usage_later(tx, ref.user_key)
 
     try:
         await asyncio.to_thread(_write_record, core, record)
-        await core.write(write)
+        inserted, usage_then = await core.write(write)
+        if not await inserted():
+            core.policy.refuse_publish(await usage_then(), st.st_size, rel)  # raises: the same rule
+            raise StorageError(f"{rel} was not linked: its session is gone from the index")
     except BaseException:
         await asyncio.shield(remove_copies(core, [(published.ref, publisher.kind, directory)]))
         raise

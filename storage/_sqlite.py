@@ -60,6 +60,14 @@ class _Tx:
     async def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
         return self._conn.execute(sql, params).fetchone()
 
+    async def one_later(self, sql: str, params: Sequence[Any] = ()) -> Callable[[], Awaitable[Row | None]]:
+        row = self._conn.execute(sql, params).fetchone()
+
+        async def later() -> Row | None:
+            return row
+
+        return later
+
     async def run(self, sql: str, params: Sequence[Any] = ()) -> int:
         return self._conn.execute(sql, params).rowcount
 

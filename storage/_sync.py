@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from . import _index
@@ -129,6 +129,10 @@ async def sync_folder(
     return await apply(core, ref, differences, enforce=enforce)
 
 
+# Up to this many changed paths, a reconcile's write names the session by its keys (write_by_keys).
+_BY_KEYS_MAX = 64
+
+
 async def apply(core: Core, ref: SessionRef, differences: Differences, *, enforce: bool) -> ReconcileReport:
     """Decide the quota and write the differences in one transaction; then unlink what goes."""
     found = differences.found
@@ -145,8 +149,26 @@ async def apply(core: Core, ref: SessionRef, differences: Differences, *, enforc
     delta = differences.usage_delta() if candidates else Usage(0, 0)
     now = time.time()
 
-    async def write(tx: Tx) -> tuple[list[QuotaRemoval], int, int]:
-        sid = await core.session_id(tx, ref, now)
+    # A step's few changes name the session by its keys: no statement waits for its id, and the
+    # transaction is one round trip on PostgreSQL (two when the quota must be decided).
+    by_keys = not differences.full and (
+        len(differences.added) + len(differences.changed) + len(differences.removed) <= _BY_KEYS_MAX
+    )
+
+    async def write(tx: Tx) -> tuple[list[QuotaRemoval], Callable[[], Awaitable[tuple[int, int]]]]:
+        sid = None
+        if by_keys:
+            await _index.ensure_session_queued(
+                tx,
+                user_id=ref.user_id,
+                chat_id=ref.chat_id,
+                user_key=ref.user_key,
+                chat_key=ref.chat_key,
+                temporary=ref.temporary,
+                created_at=now,
+            )
+        else:
+            sid = await core.session_id(tx, ref, now)
         removals: list[QuotaRemoval] = []
         if candidates:
             await tx.serialise_user(ref.user_key)
@@ -155,19 +177,27 @@ async def apply(core: Core, ref: SessionRef, differences: Differences, *, enforc
                 candidates, Usage(usage.files + delta.files, usage.bytes + delta.bytes)
             )
         going = {r.path for r in removals}
-        if differences.full:  # only a full listing can tell that no file of the session has several links
+        if sid is not None and differences.full:  # only a full listing tells no file has several links
             await _index.set_linked_files(tx, sid, len(found.linked))
-        kept = [p for p in differences.added + differences.changed if p not in going]
-        if kept:
-            await _index.upsert_files(tx, sid, [(p, *listing[p], now) for p in kept])
+        kept = [(p, *listing[p], now) for p in differences.added + differences.changed if p not in going]
         dropped = differences.removed + [p for p in differences.changed if p in going]
-        if dropped:
-            await _index.delete_files(tx, sid, dropped)
+        if sid is None:
+            if kept:
+                await _index.upsert_files_by_keys(tx, ref.user_key, ref.chat_key, kept)
+            if dropped:
+                await _index.delete_files_by_keys(tx, ref.user_key, ref.chat_key, dropped)
+        else:
+            if kept:
+                await _index.upsert_files(tx, sid, kept)
+            if dropped:
+                await _index.delete_files(tx, sid, dropped)
         await _audit(tx, ref, found, removals, now)
-        files, size = await _index.session_totals(tx, sid)
-        return removals, files, size
+        if sid is None:
+            return removals, await _index.session_usage_later(tx, ref.user_key, ref.chat_key)
+        return removals, await _index.session_totals_later(tx, sid)
 
-    removals, files, size = await core.write(write)
+    removals, totals = await core.write(write)
+    files, size = await totals()
     quota_removed: list[QuotaRemoval] = []
     if removals:
         # After the commit: a file that cannot be unlinked stays on disk, unindexed, and the next

@@ -145,6 +145,11 @@ def _look_at(parent: int, name: str, path: str, found: Scan) -> None:
         reject(parent, name, path, kind_of(st.st_mode), True, found)
 
 
+# Written through one name, the other names of such a file change without an event naming them (and
+# the written name may be gone by now).
+_LINKED = "the session holds files with several hard links"
+
+
 async def _apply(
     core: Core, ref: SessionRef, scopes: list[str], found: Scan, *, enforce: bool
 ) -> ReconcileReport:
@@ -153,12 +158,19 @@ async def _apply(
         if row is None:
             raise _Fallback("the session has no index row")  # nothing to compare with
         if row.linked_files:
-            # Written through one name, the other names of such a file change without an event
-            # naming them (and the written name may be gone by now).
-            raise _Fallback("the session holds files with several hard links")
+            raise _Fallback(_LINKED)
         return await _index.rows_at_and_under(tx, row.id, scopes)
 
-    index = await core.read(read)
+    async def read_one(tx: Tx) -> dict[str, tuple[int, int]]:
+        # The usual case (a few paths): one statement, so one round trip on PostgreSQL.
+        found = await _index.session_rows_at_and_under(tx, ref.user_key, ref.chat_key, scopes)
+        if found is None:
+            raise _Fallback("the session has no index row")  # nothing to compare with
+        if found[1]:
+            raise _Fallback(_LINKED)
+        return found[2]
+
+    index = await core.read(read_one if len(scopes) <= _index.CHUNK else read)
     listing = found.files
     differences = Differences(found, full=False)
     differences.added = [p for p in listing if p not in index]

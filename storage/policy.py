@@ -172,10 +172,17 @@ class Policy:
             size -= item.size
         return removals
 
+    def publish_ceiling(self, size: int) -> int | None:
+        """The most bytes a user may use already for a copy of `size` bytes to be allowed (None: any);
+        what `refuse_publish` decides, as a number a database can compare with."""
+        max_bytes = self.quotas.max_bytes_per_user or None
+        return None if max_bytes is None or size <= 0 else max_bytes - size
+
     def refuse_publish(self, usage: Usage, size: int, path: str) -> None:
         """Published copies count toward the user's storage limit."""
         room = self.room(usage)
-        if room is not None and size > room:
+        ceiling = self.publish_ceiling(size)
+        if ceiling is not None and usage.bytes > ceiling:
             raise QuotaExceeded(
                 f"{path} was not linked: a copy for download would take {human_bytes(size)} and your "
                 f"storage limit of {human_bytes(self.quotas.max_bytes_per_user)} across your chats has "

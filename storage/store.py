@@ -182,7 +182,13 @@ class Store:
 
     async def close(self) -> None:
         self._opened = False
+        await self.trash_emptied()  # (unlinks in a thread: they would outlive the event loop)
         await self._core.backend.close()
+
+    async def trash_emptied(self) -> None:
+        """Wait until the trash that cleanups move expired files into is empty, if its emptying (in the
+        background) is under way."""
+        await _expiry.trash_emptied(self._core)
 
     async def __aenter__(self) -> Store:
         await self.open()

@@ -151,8 +151,9 @@ async def test_a_flushed_rewriter_takes_a_new_answer():
     assert calls == ["report.csv"]
 
 
-async def _hold_back(text: str, size: int = 4) -> tuple[int, str]:
-    """The most text the rewriter held back at any point, and its whole output."""
+async def _hold_back(text: str, size: int = 4, trace: list[tuple[int, int]] | None = None) -> tuple[int, str]:
+    """The most text the rewriter held back at any point, and its whole output; `trace` gets (characters
+    pushed, characters held back) after each piece."""
 
     async def resolve(path: str) -> Target | None:
         return TARGETS.get(path)
@@ -165,7 +166,10 @@ async def _hold_back(text: str, size: int = 4) -> tuple[int, str]:
         out.append(await rewriter.feed(text[i : i + size]))
         # In the answer's characters: a released piece holds whole links, the only rewriting here.
         covered += len(out[-1].replace(link, "/mnt/data/report.csv"))
-        held = max(held, min(i + size, len(text)) - covered)
+        pushed = min(i + size, len(text))
+        held = max(held, pushed - covered)
+        if trace is not None:
+            trace.append((pushed, pushed - covered))
     out.append(await rewriter.flush())
     return held, "".join(out)
 
@@ -185,10 +189,27 @@ async def test_hold_back_is_bounded_inside_a_construct_that_never_closes(opening
 
 
 async def test_hold_back_is_small_without_constructs():
+    # One 105 KB line. Pieces are batched before each scan, with a bounded latency: the first 2 KB of
+    # the line show within 320 characters of arriving, later text within an eighth of the line so far
+    # (plus that), and never more than 4 KB (plus that) behind.
     text = "plain words and /mnt/data/report.csv here " * 2500
-    held, out = await _hold_back(text, 40)
-    assert held <= 256, held
+    trace: list[tuple[int, int]] = []
+    held, out = await _hold_back(text, 4, trace)
     assert out == rewrite(text, TARGETS)
+    assert max(h for pushed, h in trace if pushed <= 2048) <= 320
+    assert all(h <= 320 + min(pushed // 8, 4096) for pushed, h in trace), held
+    assert held > 1024  # (batches did grow: the trace measures what it should)
+
+
+async def test_hold_back_starts_again_small_on_each_line():
+    # The batch is an eighth of the line so far: after a long line, the next line's first characters
+    # show as soon as they did on the first line.
+    long_line = "word " * 20_000 + "\n"
+    text = long_line + "next line " * 40
+    trace: list[tuple[int, int]] = []
+    _, out = await _hold_back(text, 4, trace)
+    assert out == text
+    assert max(h for pushed, h in trace if pushed > len(long_line) + 300) <= 320
 
 
 async def test_a_code_span_longer_than_the_bound_streams_as_written():

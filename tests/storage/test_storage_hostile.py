@@ -10,6 +10,7 @@ import logging
 import os
 import resource
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -170,3 +171,37 @@ async def test_an_id_longer_than_the_index_keeps_is_refused_with_a_sentence(stor
     with pytest.raises(StorageError, match="longer than 512 characters"):
         await store.session("u", "c" * 6000)
     assert (await store.session("u", "c" * 512)).chat_id == "c" * 512
+
+
+async def test_the_quota_decision_in_the_publish_transaction_stands_alone(
+    root: Path, publisher: DirectoryPublisher, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another chat of the user took the room between publish's first look and its transaction: here
+    # the first look is made to see an empty account, so only the transaction's own decision (made by
+    # the INSERT of the link, on both backends) stands between the copy and the quota.
+    import storage._index as index_module
+    from storage.models import Usage
+
+    real = index_module.links_of_file_and_usage
+
+    async def blind(*args: Any, **kwargs: Any) -> Any:
+        links, _ = await real(*args, **kwargs)
+        return links, Usage(0, 0)
+
+    monkeypatch.setattr(index_module, "links_of_file_and_usage", blind)
+    quotas = Quotas(max_bytes_per_user=1500)
+    async with Store(root, publisher=publisher, quotas=quotas, database_url=database_url) as store:
+        s = await store.session("u", "c")
+        (s.path / "f.bin").write_bytes(b"0" * 1000)
+        await s.reconcile()
+        with pytest.raises(QuotaExceeded, match="was not linked: a copy for download would take 1000 B"):
+            await s.publish("f.bin")
+        assert await s.links() == []
+        assert (await s.user_usage()).bytes == 1000
+        assert not [p for p in publisher.directory.rglob("*") if p.is_file()]  # the copy went again
+        # Where there is room, the same transaction links the copy: 1,100 used + 100 <= 1,500.
+        (s.path / "small.txt").write_bytes(b"x" * 100)
+        await s.reconcile()
+        link = await s.publish("small.txt")
+        assert [x.ref for x in await s.links()] == [link.ref]
+        assert (await s.user_usage()).bytes == 1200
