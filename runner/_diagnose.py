@@ -76,7 +76,13 @@ _RULES: tuple[tuple[tuple[tuple[str, ...], ...], str, str], ...] = (
     (
         (("failed to load",), ("no such file",)),
         "the interpreter does not exist inside the sandbox",
-        "install python3/bash under /usr on the host, or set RunnerConfig.python/bash",
+        "build the sandbox environment (sandbox/build), or set RunnerConfig.python/bash",
+    ),
+    (
+        (("minimal chroot",), ("cap_sys_admin",)),
+        "runsc lacks CAP_SYS_ADMIN to build the sandbox's chroot",
+        "run as root; inside docker add --cap-add SYS_ADMIN (and " + DOCKER_UNCONFINED + "), "
+        "or run --privileged",
     ),
     (
         (
