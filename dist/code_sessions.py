@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_c7233a2142b6'
+_CS_PACKAGE = '_code_sessions_584f5de7a049'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -8460,6 +8460,7 @@ import contextlib
 import inspect
 import logging
 import os
+import re
 import shutil
 import signal
 import time
@@ -8481,6 +8482,7 @@ KERNEL_SOURCE = inspect.getsource(_kernel_program)
 READY_MIN_S = 10.0
 READY_MAX_S = 60.0
 INTERRUPT_GRACE_S = 2.0  # after SIGINT, how long a cell has to stop before the sandbox is killed
+FRAME_STALL_S = 5.0  # a frame begun and not finished this long is a broken protocol
 _READ_CHUNK = 64 * 1024
 _STDERR_KEPT = 4096
 _HELPER_TIMEOUT_S = 10.0
@@ -8589,9 +8591,11 @@ class Kernel:
         self.ready = message
 
     async def close(self, why: str | None = None) -> None:
-        """Kill the sandbox and free everything it held (idempotent; shielded from cancellation)."""
+        """Kill the sandbox and free everything it held (idempotent; shielded from cancellation).
+        A kernel that already ended by itself (a limit, a crash, a broken protocol) keeps its own
+        cause: whoever noticed first (the reaper, the next run) only knows that it stopped."""
         if self.lost is None:
-            self.lost = why or "it was stopped"
+            self.lost = (self._why_gone() if self._ended_by_itself() else None) or why or "it was stopped"
         if self._closed:
             return
         self._closed = True
@@ -8738,9 +8742,12 @@ class Kernel:
             outcome, reason = Outcome.OUTPUT_LIMIT, f"{detail}; the Python state is kept"
         elif done.status == "ok":
             outcome, reason = Outcome.OK, None
+        elif done.status == "interrupted":
+            outcome, reason = Outcome.ERROR, "interrupted"
+        elif done.exit_code is None:  # the kernel could not start the cell (only bash cells can fail so)
+            outcome, reason = Outcome.ERROR, _could_not_start(language, stderr.text())
         else:
-            outcome = Outcome.ERROR
-            reason = "interrupted" if done.status == "interrupted" else f"exit code {done.exit_code}"
+            outcome, reason = Outcome.ERROR, f"exit code {done.exit_code}"
         result = self._result(outcome, done.exit_code, stdout, stderr, t0, reason, watch)
         return result.model_copy(update={"figures": done.figures})
 
@@ -8796,11 +8803,27 @@ class Kernel:
     async def _read_replies(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
         reader = self._proc.stdout
+        decoder = self._decoder
         try:
-            while chunk := await reader.read(_READ_CHUNK):
-                for message in self._decoder.feed(chunk):
+            while True:
+                if decoder.mid_frame:
+                    # The kernel writes each frame whole: one left half-written this long was not
+                    # the kernel's (a cell wrote a length and no body), and nothing after it can
+                    # be framed. Said now, not at the time limit, as a broken protocol.
+                    try:
+                        chunk = await asyncio.wait_for(reader.read(_READ_CHUNK), FRAME_STALL_S)
+                    except TimeoutError:
+                        raise _wire.ProtocolError(
+                            f"a frame stopped after {decoder.received} of its bytes and the rest did not "
+                            f"come within {FRAME_STALL_S:g} s"
+                        ) from None
+                else:
+                    chunk = await reader.read(_READ_CHUNK)
+                if not chunk:
+                    break
+                for message in decoder.feed(chunk):
                     self._inbox.put_nowait(self._state.accept(message))
-            self._decoder.eof()
+            decoder.eof()
         except _wire.ProtocolError as error:
             self._violation = f"it broke the protocol ({error})"
         finally:
@@ -8835,6 +8858,14 @@ class Kernel:
         with contextlib.suppress(Exception):
             await run_quick([*self.sandbox.runsc_base, "kill", "--all", self.cid, "KILL"], _HELPER_TIMEOUT_S)
 
+    def _ended_by_itself(self) -> bool:
+        return (
+            self._violation is not None
+            or self._exceeded is not None
+            or self._replies_ended
+            or (self._proc is not None and self._proc.returncode is not None)
+        )
+
     def _why_gone(self) -> str:
         if self._exceeded is not None:
             return self._exceeded
@@ -8856,6 +8887,17 @@ class Kernel:
         if cgroup is not None:
             return cgroup.pids()
         return pids_by_marker(str(self.sandbox.bundle))
+
+
+_KERNEL_NOTE = re.compile(r"\[code-sessions: (cannot [^\]\n]{1,300})\]")
+
+
+def _could_not_start(language: str, stderr: str) -> str:
+    """The reason of a cell the kernel could not start: its own notice on stderr says why (a cell
+    that prints a fake one only misleads itself)."""
+    notices = _KERNEL_NOTE.findall(stderr)
+    detail = f" ({notices[-1]})" if notices else ""
+    return f"the {language} cell could not start{detail}"
 ''',
     'runner/_kernel_program.py': r'''"""The persistent kernel: PID 1 of a chat's long-lived gVisor sandbox, running every cell of the chat.
 
@@ -10730,6 +10772,16 @@ class FrameDecoder:
         return len(self._buf)
 
     @property
+    def mid_frame(self) -> bool:
+        """Part of a frame (its length, or some of it) has arrived and the rest has not."""
+        return self._need >= 0 or bool(self._buf)
+
+    @property
+    def received(self) -> int:
+        """Bytes of the incomplete frame received so far, its length included."""
+        return len(self._buf) + (4 if self._need >= 0 else 0)
+
+    @property
     def failed(self) -> bool:
         return self._failed is not None
 
@@ -11527,8 +11579,6 @@ class KernelPool:
         return kernel
 
     async def _end(self, key: str, kernel: Kernel, reason: str) -> None:
-        if self._mine.get(key) is kernel:
-            del self._mine[key]
         server = self._servers.pop(key, None)
         if server is not None:
             server.close()
@@ -11537,6 +11587,10 @@ class KernelPool:
         if entry is not None and entry.cid == kernel.cid:
             entry.running, entry.reason = False, kernel.lost or reason
             await asyncio.to_thread(self._save, entry)
+        # Held until the registry says why it ended: a run meanwhile finds it lost (and its cause),
+        # not a running entry without a kernel.
+        if self._mine.get(key) is kernel:
+            del self._mine[key]
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._socket_path(key))
 
@@ -12448,7 +12502,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_c7233a2142b6.runner import Outcome
+from _code_sessions_584f5de7a049.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12692,7 +12746,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_c7233a2142b6.storage import human_bytes
+from _code_sessions_584f5de7a049.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12796,7 +12850,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_c7233a2142b6.storage import Purge, parse_duration
+from _code_sessions_584f5de7a049.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13885,8 +13939,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_c7233a2142b6.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_c7233a2142b6.storage import (
+from _code_sessions_584f5de7a049.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_584f5de7a049.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14475,7 +14529,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_c7233a2142b6.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_584f5de7a049.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14688,7 +14742,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_c7233a2142b6.storage import Link, Publisher, is_postgres_url
+from _code_sessions_584f5de7a049.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14900,7 +14954,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_c7233a2142b6.engine import (
+from _code_sessions_584f5de7a049.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14914,8 +14968,8 @@ from _code_sessions_c7233a2142b6.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_c7233a2142b6.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_c7233a2142b6.storage import (
+from _code_sessions_584f5de7a049.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_584f5de7a049.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14923,7 +14977,7 @@ from _code_sessions_c7233a2142b6.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_c7233a2142b6.webui import Misconfigured, OpenWebUI
+from _code_sessions_584f5de7a049.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

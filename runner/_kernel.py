@@ -23,6 +23,7 @@ import contextlib
 import inspect
 import logging
 import os
+import re
 import shutil
 import signal
 import time
@@ -44,6 +45,7 @@ KERNEL_SOURCE = inspect.getsource(_kernel_program)
 READY_MIN_S = 10.0
 READY_MAX_S = 60.0
 INTERRUPT_GRACE_S = 2.0  # after SIGINT, how long a cell has to stop before the sandbox is killed
+FRAME_STALL_S = 5.0  # a frame begun and not finished this long is a broken protocol
 _READ_CHUNK = 64 * 1024
 _STDERR_KEPT = 4096
 _HELPER_TIMEOUT_S = 10.0
@@ -152,9 +154,11 @@ class Kernel:
         self.ready = message
 
     async def close(self, why: str | None = None) -> None:
-        """Kill the sandbox and free everything it held (idempotent; shielded from cancellation)."""
+        """Kill the sandbox and free everything it held (idempotent; shielded from cancellation).
+        A kernel that already ended by itself (a limit, a crash, a broken protocol) keeps its own
+        cause: whoever noticed first (the reaper, the next run) only knows that it stopped."""
         if self.lost is None:
-            self.lost = why or "it was stopped"
+            self.lost = (self._why_gone() if self._ended_by_itself() else None) or why or "it was stopped"
         if self._closed:
             return
         self._closed = True
@@ -301,9 +305,12 @@ class Kernel:
             outcome, reason = Outcome.OUTPUT_LIMIT, f"{detail}; the Python state is kept"
         elif done.status == "ok":
             outcome, reason = Outcome.OK, None
+        elif done.status == "interrupted":
+            outcome, reason = Outcome.ERROR, "interrupted"
+        elif done.exit_code is None:  # the kernel could not start the cell (only bash cells can fail so)
+            outcome, reason = Outcome.ERROR, _could_not_start(language, stderr.text())
         else:
-            outcome = Outcome.ERROR
-            reason = "interrupted" if done.status == "interrupted" else f"exit code {done.exit_code}"
+            outcome, reason = Outcome.ERROR, f"exit code {done.exit_code}"
         result = self._result(outcome, done.exit_code, stdout, stderr, t0, reason, watch)
         return result.model_copy(update={"figures": done.figures})
 
@@ -359,11 +366,27 @@ class Kernel:
     async def _read_replies(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
         reader = self._proc.stdout
+        decoder = self._decoder
         try:
-            while chunk := await reader.read(_READ_CHUNK):
-                for message in self._decoder.feed(chunk):
+            while True:
+                if decoder.mid_frame:
+                    # The kernel writes each frame whole: one left half-written this long was not
+                    # the kernel's (a cell wrote a length and no body), and nothing after it can
+                    # be framed. Said now, not at the time limit, as a broken protocol.
+                    try:
+                        chunk = await asyncio.wait_for(reader.read(_READ_CHUNK), FRAME_STALL_S)
+                    except TimeoutError:
+                        raise _wire.ProtocolError(
+                            f"a frame stopped after {decoder.received} of its bytes and the rest did not "
+                            f"come within {FRAME_STALL_S:g} s"
+                        ) from None
+                else:
+                    chunk = await reader.read(_READ_CHUNK)
+                if not chunk:
+                    break
+                for message in decoder.feed(chunk):
                     self._inbox.put_nowait(self._state.accept(message))
-            self._decoder.eof()
+            decoder.eof()
         except _wire.ProtocolError as error:
             self._violation = f"it broke the protocol ({error})"
         finally:
@@ -398,6 +421,14 @@ class Kernel:
         with contextlib.suppress(Exception):
             await run_quick([*self.sandbox.runsc_base, "kill", "--all", self.cid, "KILL"], _HELPER_TIMEOUT_S)
 
+    def _ended_by_itself(self) -> bool:
+        return (
+            self._violation is not None
+            or self._exceeded is not None
+            or self._replies_ended
+            or (self._proc is not None and self._proc.returncode is not None)
+        )
+
     def _why_gone(self) -> str:
         if self._exceeded is not None:
             return self._exceeded
@@ -419,3 +450,14 @@ class Kernel:
         if cgroup is not None:
             return cgroup.pids()
         return pids_by_marker(str(self.sandbox.bundle))
+
+
+_KERNEL_NOTE = re.compile(r"\[code-sessions: (cannot [^\]\n]{1,300})\]")
+
+
+def _could_not_start(language: str, stderr: str) -> str:
+    """The reason of a cell the kernel could not start: its own notice on stderr says why (a cell
+    that prints a fake one only misleads itself)."""
+    notices = _KERNEL_NOTE.findall(stderr)
+    detail = f" ({notices[-1]})" if notices else ""
+    return f"the {language} cell could not start{detail}"

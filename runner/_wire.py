@@ -237,6 +237,16 @@ class FrameDecoder:
         return len(self._buf)
 
     @property
+    def mid_frame(self) -> bool:
+        """Part of a frame (its length, or some of it) has arrived and the rest has not."""
+        return self._need >= 0 or bool(self._buf)
+
+    @property
+    def received(self) -> int:
+        """Bytes of the incomplete frame received so far, its length included."""
+        return len(self._buf) + (4 if self._need >= 0 else 0)
+
+    @property
     def failed(self) -> bool:
         return self._failed is not None
 
