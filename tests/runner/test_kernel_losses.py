@@ -146,3 +146,21 @@ async def test_a_bash_cell_that_cannot_start_says_why(pool: KernelPool, workdir:
     again = await pool.run("u/c", workdir, "import os\ndel os.environ['HUGE']", "python", LIMITS)
     assert again.ok
     assert (await pool.run("u/c", workdir, "echo hi", "bash", LIMITS)).stdout == "hi\n"
+
+
+async def test_a_thread_spinning_after_its_cell_is_stopped_and_said(pool: KernelPool, workdir: Path) -> None:
+    """Between runs a kernel may use the CPU in bursts (up to a run's time limit of CPU time, refilled
+    slowly), not for good: a spinning thread gets the kernel stopped, and the next run says why."""
+    limits = LIMITS.model_copy(update={"timeout_s": 2})
+    spin = "import threading\ndef spin():\n    while True:\n        pass\n"
+    spin += "threading.Thread(target=spin, daemon=True).start()"
+    assert (await pool.run("u/c", workdir, "kept = 1", "python", limits)).ok
+    assert (await pool.run("u/spin", workdir, spin, "python", limits)).ok
+    await _until_gone(pool, "u/spin", 30)
+    after = await pool.run("u/spin", workdir, "print('back')", "python", limits)
+    assert after.stdout == "back\n"
+    [note] = after.notes
+    assert "kept the CPU busy between runs" in note and "2 s of CPU time" in note, note
+    # The kernel left idle meanwhile (gVisor's idle sentry uses a little CPU) was not touched.
+    idle = await pool.run("u/c", workdir, "print(kept)", "python", limits)
+    assert idle.stdout == "1\n" and idle.notes == ()
