@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_afa306064e21'
+_CS_PACKAGE = '_code_sessions_a1a2b4239d85'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -8759,7 +8759,7 @@ class Kernel:
         else:
             outcome, reason = Outcome.ERROR, f"exit code {done.exit_code}"
         result = self._result(outcome, done.exit_code, stdout, stderr, t0, reason, watch)
-        return result.model_copy(update={"figures": done.figures})
+        return result.model_copy(update={"figures": done.figures, "figures_more": done.more})
 
     def _result(
         self,
@@ -8971,10 +8971,11 @@ Wire, both directions: a frame is a 4-byte big-endian length N, then N bytes of 
 object. Requests arrive on the original fd 0; replies leave on the original fd 1:
 
     host -> kernel   {"t": "run", "id": int, "lang": "python" | "bash", "code": str}    EOF: exit 0
-    kernel -> host   {"t": "ready", "v": 1, "python": "3.11.2", "pid": int, "packages": {name: version|null}}
+    kernel -> host   {"t": "ready", "v": 2, "python": "3.11.2", "pid": int, "packages": {name: version|null}}
                      {"t": "out", "id": int, "s": "o" | "e", "d": str (at most 16384 characters)}
                      {"t": "done", "id": int, "status": "ok" | "error" | "interrupted",
-                      "exit_code": int | null, "figures": [str], "ms": float}
+                      "exit_code": int | null, "figures": [str], "more": int, "ms": float}
+                     ("more": figures left open past MAX_FIGURES_PER_RUN, not saved)
 
 One run at a time; every "out" of a run precedes its "done"; nothing is written between a "done" and the
 next request. The host's strict decoder is runner/_wire.py. The cell runs inside this process, so it can
@@ -9011,10 +9012,12 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any, NoReturn
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_TEXT = 16 * 1024  # characters of text per "out" frame (the host refuses more)
 MAX_REQUEST = 64 * 1024 * 1024  # bytes of one request frame (the code of one cell)
-MAX_FIGURES_PER_RUN = 100  # the host refuses a "done" listing more
+# The one bound on a run's figures: saved and shown (the host's wire refuses a "done" listing more).
+# The rest are counted ("more"), never saved later: they belong to this run's answer, not the next.
+MAX_FIGURES_PER_RUN = 20
 DEFAULT_WORKDIR = "/mnt/data"
 WORKDIR_ENV = "CODE_SESSIONS_WORKDIR"
 PACKAGES = {  # import name -> distribution name as its metadata directory spells it (lowercased)
@@ -9407,6 +9410,7 @@ class _Figures:
         self._muted = 0
         self._next = 1
         self.saved: list[str] = []  # this run's, in order
+        self.more = 0  # this run's figures past MAX_FIGURES_PER_RUN: counted, not saved
 
     def patch(self, pyplot: types.ModuleType) -> None:
         """Make plt.show() save now and every savefig count as a save. Idempotent (also after a reload)."""
@@ -9473,11 +9477,11 @@ class _Figures:
             if fig is None or self._clean.get(fig) or not _has_content(fig):
                 continue
             if len(self.saved) >= MAX_FIGURES_PER_RUN:
-                self._note(
-                    f"[code-sessions: more than {MAX_FIGURES_PER_RUN} figures in one run; "
-                    "the others are saved at the next run if still open]\n"
-                )
-                return
+                # Counted for this run's answer, and taken as seen: a later run saves it only if it
+                # changes again, never as a leftover of this one.
+                self.more += 1
+                self._mark_clean(fig)
+                continue
             name = self._save(fig)
             if name is not None:
                 self.saved.append(name)
@@ -9748,6 +9752,7 @@ class Kernel:
     def _run(self, run_id: int, lang: str, code: str) -> None:
         started = _perf_counter()
         self._figures.saved = []
+        self._figures.more = 0
         for pump in self._pumps:
             pump.begin(run_id)
         if lang == "python":
@@ -9783,6 +9788,7 @@ class Kernel:
                 "status": status,
                 "exit_code": exit_code,
                 "figures": list(self._figures.saved),
+                "more": self._figures.more,
                 "ms": round((_perf_counter() - started) * 1000, 3),
             }
         )
@@ -10616,10 +10622,11 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Literal
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME = 256 * 1024  # default bound of one kernel->host frame; the largest honest one is ~100 KiB
 MAX_TEXT = 16 * 1024  # characters of text per "out" frame
-MAX_FIGURES = 100
+MAX_FIGURES = 20  # the kernel's MAX_FIGURES_PER_RUN (tests/runner/test_wire.py checks they agree)
+MAX_MORE_FIGURES = 2**31 - 1
 MAX_FIGURE_NAME = 255
 MAX_PACKAGES = 50
 MAX_SHORT = 64  # package names, versions, the Python version
@@ -10633,7 +10640,7 @@ _STATUSES: frozenset[str] = frozenset(("ok", "error", "interrupted"))
 _HEADER = struct.Struct(">I")
 _KEYS_READY = frozenset(("t", "v", "python", "pid", "packages"))
 _KEYS_OUT = frozenset(("t", "id", "s", "d"))
-_KEYS_DONE = frozenset(("t", "id", "status", "exit_code", "figures", "ms"))
+_KEYS_DONE = frozenset(("t", "id", "status", "exit_code", "figures", "more", "ms"))
 _SHORT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+!-]{0,63}\Z")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
@@ -10671,6 +10678,7 @@ class Done:
     exit_code: int | None
     figures: tuple[str, ...]  # relative to the workdir, as the kernel claims: resolve them safely
     ms: float
+    more: int = 0  # figures past MAX_FIGURES left open in the run, not saved
 
 
 Message = Ready | Output | Done
@@ -10783,11 +10791,12 @@ def _parse_done(obj: dict[str, Any], escapes: bool) -> Done:
     figures = obj["figures"]
     if type(figures) is not list or len(figures) > MAX_FIGURES:
         raise ProtocolError(f"done.figures must be a list of at most {MAX_FIGURES} names")
+    more = _int(obj, "more", 0, MAX_MORE_FIGURES)
     ms = obj["ms"]
     if type(ms) not in (int, float) or not math.isfinite(ms) or not 0 <= ms <= 1e12:
         raise ProtocolError(f"done.ms must be a non-negative number, not {_show(ms)}")
     names = tuple(_figure_name(f, escapes) for f in figures)
-    return Done(run_id, status, exit_code, names, float(ms))  # type: ignore[arg-type]
+    return Done(run_id, status, exit_code, names, float(ms), more)  # type: ignore[arg-type]
 
 
 _PARSERS = {"ready": _parse_ready, "out": _parse_out, "done": _parse_done}
@@ -11978,6 +11987,8 @@ class RunResult(BaseModel):
     changed: tuple[str, ...] | None = None
     # A persistent kernel's claims (untrusted: check them against the disk): figures it saved.
     figures: tuple[str, ...] = ()
+    # Figures past the kernel's bound per run, left open and not saved (said in the same answer).
+    figures_more: int = 0
     # Persistent kernels: whether the Python state lives on after this run (False: it was lost).
     state_kept: bool = False
     # Sentences for the user and the model about the kernel (its state was reset, and why).
@@ -12564,7 +12575,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_afa306064e21.runner import Outcome
+from _code_sessions_a1a2b4239d85.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12808,7 +12819,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_afa306064e21.storage import human_bytes
+from _code_sessions_a1a2b4239d85.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12912,7 +12923,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_afa306064e21.storage import Purge, parse_duration
+from _code_sessions_a1a2b4239d85.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -14001,8 +14012,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_afa306064e21.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_afa306064e21.storage import (
+from _code_sessions_a1a2b4239d85.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_a1a2b4239d85.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14092,8 +14103,14 @@ class StepResult:
             notes[:0] = self.run.notes
         if report is None:
             return notes
+        more = self.run.figures_more if self.run is not None else 0
         if self.figures:
-            notes.append("Figures: " + ", ".join(mention(p) for p in self.figures[:20]))
+            # The kernel bounds a run's figures (runner/_kernel_program.py MAX_FIGURES_PER_RUN): all
+            # are named here, and the ones past the bound are counted, in this answer.
+            extra = f", and {more} more not saved (too many figures in one run)" if more else ""
+            notes.append("Figures: " + ", ".join(mention(p) for p in self.figures) + extra)
+        elif more:
+            notes.append(f"{more} figures were left open and not saved (too many figures in one run)")
         saved = sorted((set(report.added) | set(report.changed)) - set(self.figures))
         quota_removed = {r.path for r in report.quota_removed}
         kept = [path for path in saved if path not in quota_removed]
@@ -14591,7 +14608,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_afa306064e21.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_a1a2b4239d85.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14804,7 +14821,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_afa306064e21.storage import Link, Publisher, is_postgres_url
+from _code_sessions_a1a2b4239d85.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -15016,7 +15033,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_afa306064e21.engine import (
+from _code_sessions_a1a2b4239d85.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -15030,8 +15047,8 @@ from _code_sessions_afa306064e21.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_afa306064e21.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_afa306064e21.storage import (
+from _code_sessions_a1a2b4239d85.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_a1a2b4239d85.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -15039,7 +15056,7 @@ from _code_sessions_afa306064e21.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_afa306064e21.webui import Misconfigured, OpenWebUI
+from _code_sessions_a1a2b4239d85.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

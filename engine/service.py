@@ -105,8 +105,14 @@ class StepResult:
             notes[:0] = self.run.notes
         if report is None:
             return notes
+        more = self.run.figures_more if self.run is not None else 0
         if self.figures:
-            notes.append("Figures: " + ", ".join(mention(p) for p in self.figures[:20]))
+            # The kernel bounds a run's figures (runner/_kernel_program.py MAX_FIGURES_PER_RUN): all
+            # are named here, and the ones past the bound are counted, in this answer.
+            extra = f", and {more} more not saved (too many figures in one run)" if more else ""
+            notes.append("Figures: " + ", ".join(mention(p) for p in self.figures) + extra)
+        elif more:
+            notes.append(f"{more} figures were left open and not saved (too many figures in one run)")
         saved = sorted((set(report.added) | set(report.changed)) - set(self.figures))
         quota_removed = {r.path for r in report.quota_removed}
         kept = [path for path in saved if path not in quota_removed]

@@ -322,7 +322,7 @@ class Kernel:
         else:
             outcome, reason = Outcome.ERROR, f"exit code {done.exit_code}"
         result = self._result(outcome, done.exit_code, stdout, stderr, t0, reason, watch)
-        return result.model_copy(update={"figures": done.figures})
+        return result.model_copy(update={"figures": done.figures, "figures_more": done.more})
 
     def _result(
         self,

@@ -78,3 +78,19 @@ async def test_fresh_mode_keeps_files_but_not_variables(harness: PipeHarness):
     )
     assert "kept None" in answer
     assert harness.pipe._services.kernels is None
+
+
+async def test_figures_past_the_bound_are_counted_in_their_answer_and_never_carried_to_the_next(
+    harness: PipeHarness,
+):
+    many = "import matplotlib.pyplot as plt\nfor i in range(30):\n    plt.figure()\n    plt.plot([0, i])"
+    answer = await harness.say("alice", "chat-1", code(many))
+    shown = re.findall(r"!\[figure-\d+\.png\]\(", answer)
+    assert len(shown) == 20, answer
+    assert "and 10 more not saved (too many figures in one run)" in answer
+    assert "and 10 more not saved" in harness.requests[-1]["messages"][-1]["content"]  # the model hears it
+    following = await harness.say("alice", "chat-1", code("print('unrelated')"))
+    assert "unrelated" in following
+    assert "![figure" not in following and "Figures:" not in following, following
+    saved = sorted(p.name for p in harness.data_dir.rglob("figure-*.png") if "cache" not in p.parts)
+    assert len(saved) == 20, saved

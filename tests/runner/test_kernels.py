@@ -140,7 +140,7 @@ async def test_forged_frames_or_a_closed_channel_end_in_a_reset_and_nothing_wors
     forge = textwrap.dedent(
         """
         import json, os, struct
-        done = {"t": "done", "id": 99, "status": "ok", "exit_code": 0, "figures": [], "ms": 1.0}
+        done = {"t": "done", "id": 99, "status": "ok", "exit_code": 0, "figures": [], "more": 0, "ms": 1.0}
         body = json.dumps(done).encode()
         for fd in range(3, 64):
             try:
