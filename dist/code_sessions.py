@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_a1a2b4239d85'
+_CS_PACKAGE = '_code_sessions_24729fbae096'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -10074,8 +10074,9 @@ if __name__ == "__main__":
 
 runsc dies with its supervisor (see _supervise.die_with), which takes the sandbox with it, but its
 container state, the run's bundle and its cgroups stay. Every bundle records its owner (pid and that
-process's start time, so a reused pid is not mistaken for it); at the first run of a new Runner, the
-leftovers of runs whose owner is gone are killed and removed. Runs of live processes (other workers
+process's start time, so a reused pid is not mistaken for it); at the first run of a new Runner, and
+at every `Runner.sweep_leftovers` (the function's background tick), the leftovers of runs whose owner
+is gone are killed and removed. Runs of live processes (other workers
 sharing these directories) are never touched.
 """
 
@@ -12124,6 +12125,21 @@ class Runner:
             _orphans.sweep(info.path, self.state_dir, self.bundle_dir, support, self.config.cgroup_parent)
             return HostSetup(info, platform, rootfs, support, note)
 
+    async def sweep_leftovers(self) -> list[str]:
+        """Remove what runs of processes that died left here (container state, bundles, cgroups; their
+        sandboxes died with them), as setup does; the function's periodic tick calls it, so a worker
+        killed while it held kernels is cleaned up within a tick, not at some later Runner's setup.
+        Runs of live processes are never touched. Returns the container ids removed."""
+        setup = await self.setup()
+        return await asyncio.to_thread(
+            _orphans.sweep,
+            setup.runsc.path,
+            self.state_dir,
+            self.bundle_dir,
+            setup.cgroups,
+            self.config.cgroup_parent,
+        )
+
     def _interpreter(self, language: str) -> str:
         if language not in self._interpreters:
             configured = self.config.python if language == "python" else self.config.bash
@@ -12575,7 +12591,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_a1a2b4239d85.runner import Outcome
+from _code_sessions_24729fbae096.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12819,7 +12835,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_a1a2b4239d85.storage import human_bytes
+from _code_sessions_24729fbae096.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12923,7 +12939,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_a1a2b4239d85.storage import Purge, parse_duration
+from _code_sessions_24729fbae096.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -14012,8 +14028,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_a1a2b4239d85.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_a1a2b4239d85.storage import (
+from _code_sessions_24729fbae096.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_24729fbae096.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14608,7 +14624,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_a1a2b4239d85.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_24729fbae096.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14821,7 +14837,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_a1a2b4239d85.storage import Link, Publisher, is_postgres_url
+from _code_sessions_24729fbae096.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -15033,7 +15049,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_a1a2b4239d85.engine import (
+from _code_sessions_24729fbae096.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -15047,8 +15063,8 @@ from _code_sessions_a1a2b4239d85.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_a1a2b4239d85.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_a1a2b4239d85.storage import (
+from _code_sessions_24729fbae096.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_24729fbae096.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -15056,7 +15072,7 @@ from _code_sessions_a1a2b4239d85.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_a1a2b4239d85.webui import Misconfigured, OpenWebUI
+from _code_sessions_24729fbae096.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 
@@ -15333,9 +15349,16 @@ class Pipe:
                 log.exception("code-sessions background cleanup failed")
 
     async def _tick(self, services: CodeSessions) -> None:
-        """One background tick: an admin's purge, chats deleted in Open WebUI, and expiry when it is
-        due. One worker (of every replica) at a time does it, under a lock every process of the store
-        shares, and the expiry interval is kept in the index, so several workers expire once."""
+        """One background tick: in every worker, what a dead worker's sandboxes left; then an admin's
+        purge, chats deleted in Open WebUI, and expiry when it is due, by one worker (of every
+        replica) at a time, under a lock every process of the store shares (the expiry interval is
+        kept in the index, so several workers expire once)."""
+        # Every worker, every tick: what the runs of a dead worker of this host left (its sandboxes
+        # died with it; their container state, bundles and cgroups did not). Only dead owners' runs.
+        try:
+            await services.runner.sweep_leftovers()
+        except RunnerError as error:  # no usable runsc: a run says so in words; nothing to sweep
+            log.debug("code-sessions: no sweep of sandbox leftovers: %s", error)
         lock = services.store.lock("maintenance")
         if not await lock.try_acquire():
             return  # another worker (or replica) is on it

@@ -124,6 +124,21 @@ class Runner:
             _orphans.sweep(info.path, self.state_dir, self.bundle_dir, support, self.config.cgroup_parent)
             return HostSetup(info, platform, rootfs, support, note)
 
+    async def sweep_leftovers(self) -> list[str]:
+        """Remove what runs of processes that died left here (container state, bundles, cgroups; their
+        sandboxes died with them), as setup does; the function's periodic tick calls it, so a worker
+        killed while it held kernels is cleaned up within a tick, not at some later Runner's setup.
+        Runs of live processes are never touched. Returns the container ids removed."""
+        setup = await self.setup()
+        return await asyncio.to_thread(
+            _orphans.sweep,
+            setup.runsc.path,
+            self.state_dir,
+            self.bundle_dir,
+            setup.cgroups,
+            self.config.cgroup_parent,
+        )
+
     def _interpreter(self, language: str) -> str:
         if language not in self._interpreters:
             configured = self.config.python if language == "python" else self.config.bash

@@ -7,12 +7,13 @@ purge and the `fresh` valve end the state.
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import pytest
 
 from tests.support.pipe_harness import PipeHarness, code
-from tests.support.sandbox import leftovers
+from tests.support.sandbox import kill_a_worker_holding_a_kernel, leftovers
 
 pytestmark = pytest.mark.runsc
 
@@ -94,3 +95,16 @@ async def test_figures_past_the_bound_are_counted_in_their_answer_and_never_carr
     assert "![figure" not in following and "Figures:" not in following, following
     saved = sorted(p.name for p in harness.data_dir.rglob("figure-*.png") if "cache" not in p.parts)
     assert len(saved) == 20, saved
+
+
+async def test_the_background_tick_sweeps_what_a_dead_workers_kernel_left(harness: PipeHarness, tmp_path):
+    """Another worker of this host is SIGKILLed while it holds a kernel: its sandbox dies with it, and
+    the next background tick of this worker removes its container state, bundle and cgroup."""
+    await harness.say("alice", "chat-1", code("print('set up')"))  # this worker's runner is set up
+    services = harness.pipe._services
+    runner = services.runner
+    cid = await asyncio.to_thread(kill_a_worker_holding_a_kernel, runner.config, tmp_path)
+    where = (cid, runner.state_dir, runner.bundle_dir, runner.config.cgroup_parent)
+    assert "bundle" in leftovers(*where)
+    await harness.pipe._tick(services)
+    assert leftovers(*where) == []
