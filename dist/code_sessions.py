@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_24729fbae096'
+_CS_PACKAGE = '_code_sessions_b4e6792c1ca6'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -1090,6 +1090,41 @@ def open_dir(path: Path | str) -> int:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             raise InvalidPath("the session folder is not a folder") from None
         raise
+
+
+def private_file(path: Path | str) -> None:
+    """Make sure the file at ``path`` (created empty if missing) is ours alone: 0600, whatever the
+    umask and the mode of the folder it is in (a storage root made beforehand is often 0755). One made
+    by an earlier version with a looser mode is tightened; a file of another owner, or a link, is left.
+
+    An existing file is never opened: closing any descriptor of a file drops every POSIX lock this
+    process holds on it, and SQLite keeps its locks on the index that way."""
+    try:
+        fd = os.open(path, _NEW_FLAGS, FILE_MODE)
+    except FileExistsError:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077:
+            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+        return
+    with fd_closing(fd):
+        tighten(fd)
+
+
+def tighten(fd: int) -> None:
+    """0600 for a file of ours that other users could read or write."""
+    st = os.fstat(fd)
+    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077:
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o700)
+
+
+def write_private(path: Path | str, data: bytes) -> None:
+    """Write a whole small file of ours, 0600 (truncating what is there; never through a link)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    with fd_closing(fd):
+        tighten(fd)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
 
 
 def make_dir(path: Path, owner: Owner = None, *, mode: int = DIR_MODE) -> bool:
@@ -3363,7 +3398,7 @@ from pathlib import Path
 from . import _index
 from ._backend import Tx
 from ._core import Core, SessionRef
-from ._fsops import fd_closing, open_dir, open_regular
+from ._fsops import fd_closing, open_dir, open_regular, write_private
 from ._names import is_passive_image, publish_name, split_path
 from .errors import DiskFull, StorageError
 from .models import Link
@@ -3471,10 +3506,10 @@ def _write_record(core: Core, record: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         try:
-            tmp.write_text(json.dumps(record), encoding="utf-8")
+            write_private(tmp, json.dumps(record).encode("utf-8"))
         except FileNotFoundError:  # the folder of a store made before records existed
             path.parent.mkdir(mode=0o700, exist_ok=True)
-            tmp.write_text(json.dumps(record), encoding="utf-8")
+            write_private(tmp, json.dumps(record).encode("utf-8"))
         os.replace(tmp, path)
     except OSError as error:
         with contextlib.suppress(OSError):
@@ -4333,6 +4368,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ._backend import BusyBackoff, Opened, Row
+from ._fsops import private_file
 from ._lock import FileLock, is_locked
 from ._schema import CURRENT_VERSION, MIGRATIONS, statements
 from .errors import DiskFull, IndexDamaged, StorageError
@@ -4382,6 +4418,14 @@ class _Connection:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     def connect(self) -> None:
+        # The index names every user's files: ours alone (0600), even in a root other users can
+        # enter. SQLite gives the -wal and -shm files the database's own mode; ones left by an
+        # earlier version with a looser mode are tightened too.
+        # Best effort: what cannot be done here (a gone root, a full disk) sqlite meets and says itself.
+        with contextlib.suppress(OSError):
+            for path in (self._path, *(Path(f"{self._path}{suffix}") for suffix in ("-wal", "-shm"))):
+                if path == self._path or path.exists():
+                    private_file(path)
         # isolation_level=None: the sqlite3 module must not open transactions behind our back.
         conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
         try:
@@ -11072,6 +11116,7 @@ import argparse
 import asyncio
 import os
 import resource
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -11299,9 +11344,34 @@ async def _sandbox_checks(config: RunnerConfig) -> tuple[list[Check], str | None
     return checks, setup.platform
 
 
-async def doctor(config: RunnerConfig | None = None) -> DoctorReport:
-    """Check the host and start one real sandbox. Never raises for a broken setup: that is the report."""
+def storage_root_check(root: Path) -> Check:
+    """The folder the chats' files (and an SQLite index) live in should be ours alone. The store makes
+    what it creates there private, but it does not change the mode of a root it was given: a volume
+    made beforehand with 0755 lets every local user list it (and read anything an older version left
+    readable)."""
+    try:
+        st = os.stat(root)
+    except FileNotFoundError:
+        return Check(name="storage root", ok=True, detail=f"{root} does not exist yet (it is made 0700)")
+    except OSError as exc:
+        return Check(name="storage root", ok=False, detail=f"{root}: {exc}", fix=f"check the path {root}")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        return Check(
+            name="storage root",
+            ok=True,
+            warning=True,
+            detail=f"{root} is mode {mode:04o}: other local users can enter it and list what is in it",
+            fix=f"chmod 700 {root}",
+        )
+    return Check(name="storage root", ok=True, detail=f"{root} is mode {mode:04o}, ours alone")
+
+
+async def doctor(config: RunnerConfig | None = None, storage_root: Path | None = None) -> DoctorReport:
+    """Check the host and start one real sandbox (and, given one, the storage root's mode). Never
+    raises for a broken setup: that is the report."""
     config = config or RunnerConfig()
+    folders = [storage_root_check(storage_root)] if storage_root is not None else []
     try:
         info = await detect_runsc(config.runsc_path)
     except RunnerError as exc:
@@ -11311,10 +11381,10 @@ async def doctor(config: RunnerConfig | None = None) -> DoctorReport:
             if isinstance(exc, RunscNotFound)
             else "check that runsc_path points at gVisor's runsc"
         )
-        checks = [Check(name="runsc", ok=False, detail=str(exc), fix=fix), *_host_checks(config)]
+        checks = [Check(name="runsc", ok=False, detail=str(exc), fix=fix), *_host_checks(config), *folders]
         return DoctorReport(ok=False, checks=checks)
     checks = [Check(name="runsc", ok=True, detail=f"{info.path}, version {info.version}")]
-    checks += _host_checks(config)
+    checks += _host_checks(config) + folders
     sandbox, platform = await _sandbox_checks(config)
     if any(c.name == "sandbox" and c.ok for c in sandbox):
         checks = [_settled(c) for c in checks]
@@ -11348,8 +11418,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--runsc", default="runsc", help="path or name of runsc (default: runsc on PATH)")
     parser.add_argument("--platform", default=None, help="gVisor platform (default: auto)")
+    parser.add_argument(
+        "--storage-root",
+        default=None,
+        help="the chats' storage root, checked to be private "
+        "(default: $CODE_SESSIONS_ROOT, else $DATA_DIR/code_sessions when DATA_DIR is set)",
+    )
     args = parser.parse_args(args_in)
-    report = asyncio.run(doctor(RunnerConfig(runsc_path=args.runsc, platform=args.platform)))
+    root = args.storage_root or os.environ.get("CODE_SESSIONS_ROOT")
+    if root is None and os.environ.get("DATA_DIR"):
+        root = str(Path(os.environ["DATA_DIR"]) / "code_sessions")
+    config = RunnerConfig(runsc_path=args.runsc, platform=args.platform)
+    report = asyncio.run(doctor(config, Path(root) if root else None))
     print(report.model_dump_json(indent=2) if args.json else report.to_text())
     return 0 if report.ok else 1
 
@@ -12591,7 +12671,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_24729fbae096.runner import Outcome
+from _code_sessions_b4e6792c1ca6.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12835,7 +12915,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_24729fbae096.storage import human_bytes
+from _code_sessions_b4e6792c1ca6.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12939,7 +13019,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_24729fbae096.storage import Purge, parse_duration
+from _code_sessions_b4e6792c1ca6.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -14028,8 +14108,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_24729fbae096.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_24729fbae096.storage import (
+from _code_sessions_b4e6792c1ca6.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_b4e6792c1ca6.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14624,7 +14704,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_24729fbae096.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_b4e6792c1ca6.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14837,7 +14917,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_24729fbae096.storage import Link, Publisher, is_postgres_url
+from _code_sessions_b4e6792c1ca6.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -15049,7 +15129,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_24729fbae096.engine import (
+from _code_sessions_b4e6792c1ca6.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -15063,8 +15143,8 @@ from _code_sessions_24729fbae096.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_24729fbae096.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_24729fbae096.storage import (
+from _code_sessions_b4e6792c1ca6.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_b4e6792c1ca6.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -15072,7 +15152,7 @@ from _code_sessions_24729fbae096.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_24729fbae096.webui import Misconfigured, OpenWebUI
+from _code_sessions_b4e6792c1ca6.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 
