@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_b4e6792c1ca6'
+_CS_PACKAGE = '_code_sessions_7446fb843615'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -8572,7 +8572,7 @@ class Kernel:
         self._idle_since: float | None = None  # monotonic end of the last run (None: one is running)
         self._cpu_budget_s = limits.timeout_s
         self._replies_ended = False
-        self._closed = False
+        self._closing: asyncio.Future[None] | None = None  # the teardown, once begun
         self._settling: asyncio.Future[None] | None = None  # stopping a cancelled run
 
     # ------------------------------------------------------------------ lifecycle
@@ -8648,10 +8648,11 @@ class Kernel:
         cause: whoever noticed first (the reaper, the next run) only knows that it stopped."""
         if self.lost is None:
             self.lost = (self._why_gone() if self._ended_by_itself() else None) or why or "it was stopped"
-        if self._closed:
-            return
-        self._closed = True
-        await asyncio.shield(asyncio.ensure_future(self._teardown()))
+        # Every caller waits until the sandbox is gone, not only the first: a run that finds its
+        # kernel already being closed (by the reaper) returns once nothing of it is left.
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._teardown())
+        await asyncio.shield(self._closing)
 
     async def _teardown(self) -> None:
         if self._growth is not None:
@@ -12671,7 +12672,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_b4e6792c1ca6.runner import Outcome
+from _code_sessions_7446fb843615.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12915,7 +12916,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b4e6792c1ca6.storage import human_bytes
+from _code_sessions_7446fb843615.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -13019,7 +13020,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_b4e6792c1ca6.storage import Purge, parse_duration
+from _code_sessions_7446fb843615.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -14108,8 +14109,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b4e6792c1ca6.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_b4e6792c1ca6.storage import (
+from _code_sessions_7446fb843615.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_7446fb843615.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14704,7 +14705,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_b4e6792c1ca6.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_7446fb843615.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14917,7 +14918,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_b4e6792c1ca6.storage import Link, Publisher, is_postgres_url
+from _code_sessions_7446fb843615.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -15129,7 +15130,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_b4e6792c1ca6.engine import (
+from _code_sessions_7446fb843615.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -15143,8 +15144,8 @@ from _code_sessions_b4e6792c1ca6.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_b4e6792c1ca6.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_b4e6792c1ca6.storage import (
+from _code_sessions_7446fb843615.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_7446fb843615.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -15152,7 +15153,7 @@ from _code_sessions_b4e6792c1ca6.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_b4e6792c1ca6.webui import Misconfigured, OpenWebUI
+from _code_sessions_7446fb843615.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

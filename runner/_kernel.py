@@ -91,7 +91,7 @@ class Kernel:
         self._idle_since: float | None = None  # monotonic end of the last run (None: one is running)
         self._cpu_budget_s = limits.timeout_s
         self._replies_ended = False
-        self._closed = False
+        self._closing: asyncio.Future[None] | None = None  # the teardown, once begun
         self._settling: asyncio.Future[None] | None = None  # stopping a cancelled run
 
     # ------------------------------------------------------------------ lifecycle
@@ -167,10 +167,11 @@ class Kernel:
         cause: whoever noticed first (the reaper, the next run) only knows that it stopped."""
         if self.lost is None:
             self.lost = (self._why_gone() if self._ended_by_itself() else None) or why or "it was stopped"
-        if self._closed:
-            return
-        self._closed = True
-        await asyncio.shield(asyncio.ensure_future(self._teardown()))
+        # Every caller waits until the sandbox is gone, not only the first: a run that finds its
+        # kernel already being closed (by the reaper) returns once nothing of it is left.
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._teardown())
+        await asyncio.shield(self._closing)
 
     async def _teardown(self) -> None:
         if self._growth is not None:
