@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_7446fb843615'
+_CS_PACKAGE = '_code_sessions_c10b0810254f'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -910,6 +910,14 @@ async def _stale_links(core: Core, now: float, tally: _Tally) -> None:
         return stale
 
     stale = await asyncio.to_thread(judge)
+    # Copies the publisher holds (Open WebUI files) whose bytes are gone: a dead link, dropped so the
+    # next answer that names the file publishes it again (`check` reports the same as drift).
+    publisher = core.publisher
+    if publisher is not None and publisher.kind != DirectoryPublisher.kind:
+        theirs = [(ref, kind, directory) for ref, kind, directory, *_ in rows if kind == publisher.kind]
+        judged = {ref for ref, _, _ in stale}
+        gone = await publisher.missing([ref for ref, _, _ in theirs if ref not in judged])
+        stale += [link for link in theirs if link[0] in gone]
     if not stale:
         return
     tally.links_removed += len(stale)
@@ -6329,7 +6337,7 @@ from ._fsops import (
     write_unique,
 )
 from ._names import attachment_name, numbered, split_path
-from .errors import FileMissing, InvalidPath
+from .errors import DiskFull, FileMissing, InvalidPath
 from .models import FileEntry, Link, LinkInfo, ReconcileReport, RunBudget, Usage
 
 __all__ = ["Session", "SessionFiles"]
@@ -6630,14 +6638,22 @@ class SessionFiles:
 
         with contextlib.suppress(FileMissing):
             await asyncio.to_thread(work)
-        await _sync.sync_folder(core, ref, enforce=False)
+
+        async def links_of(tx: Tx) -> list[tuple[str, str, str]]:
+            row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
+            return [] if row is None else await _index.links_of_session(tx, row.id)
+
+        try:
+            await _sync.sync_folder(core, ref, enforce=False)
+        except DiskFull:
+            # The index cannot be told now, but the copies still go: the user asked for it, and it
+            # frees space. Their rows, pointing at nothing, go at the next cleanup.
+            await _publish.remove_copies(core, await core.read(links_of))
+            raise
         await asyncio.to_thread(_unlink_missing_ok, marker)
 
         async def drop_links(tx: Tx) -> list[tuple[str, str, str]]:
-            row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
-            if row is None:
-                return []
-            links = await _index.links_of_session(tx, row.id)
+            links = await links_of(tx)
             await _index.delete_links(tx, [r for r, _, _ in links])
             return links
 
@@ -12672,7 +12688,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_7446fb843615.runner import Outcome
+from _code_sessions_c10b0810254f.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12916,7 +12932,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_7446fb843615.storage import human_bytes
+from _code_sessions_c10b0810254f.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -13020,7 +13036,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_7446fb843615.storage import Purge, parse_duration
+from _code_sessions_c10b0810254f.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -14109,8 +14125,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_7446fb843615.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_7446fb843615.storage import (
+from _code_sessions_c10b0810254f.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_c10b0810254f.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14374,8 +14390,9 @@ class ChatSession:
             )
         except DiskFull:
             return (
-                "Deleted every file in this chat's /mnt/data, but the disk is still full, so the file "
-                "list is brought up to date at the next step that has room."
+                "Deleted every file in this chat's /mnt/data and the download copies linked in its "
+                "earlier answers, but the disk is still full, so the file list is brought up to date at "
+                "the next step that has room."
             )
         return (
             f"Deleted every file in this chat's /mnt/data ({gone.files} files, {human_bytes(gone.bytes)}), "
@@ -14705,7 +14722,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_7446fb843615.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_c10b0810254f.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14918,7 +14935,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_7446fb843615.storage import Link, Publisher, is_postgres_url
+from _code_sessions_c10b0810254f.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -15130,7 +15147,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_7446fb843615.engine import (
+from _code_sessions_c10b0810254f.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -15144,8 +15161,8 @@ from _code_sessions_7446fb843615.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_7446fb843615.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_7446fb843615.storage import (
+from _code_sessions_c10b0810254f.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_c10b0810254f.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -15153,7 +15170,7 @@ from _code_sessions_7446fb843615.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_7446fb843615.webui import Misconfigured, OpenWebUI
+from _code_sessions_c10b0810254f.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

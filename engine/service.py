@@ -279,8 +279,9 @@ class ChatSession:
             )
         except DiskFull:
             return (
-                "Deleted every file in this chat's /mnt/data, but the disk is still full, so the file "
-                "list is brought up to date at the next step that has room."
+                "Deleted every file in this chat's /mnt/data and the download copies linked in its "
+                "earlier answers, but the disk is still full, so the file list is brought up to date at "
+                "the next step that has room."
             )
         return (
             f"Deleted every file in this chat's /mnt/data ({gone.files} files, {human_bytes(gone.bytes)}), "

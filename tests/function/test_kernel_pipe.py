@@ -12,12 +12,13 @@ import re
 
 import pytest
 
+from tests.support.files_api import URL_PATTERN as FILE_URL
 from tests.support.pipe_harness import PipeHarness, code
 from tests.support.sandbox import kill_a_worker_holding_a_kernel, leftovers
 
 pytestmark = pytest.mark.runsc
 
-IMAGE = re.compile(r"!\[[^\]]*\]\((/cache/functions/code_sessions/[A-Za-z0-9_-]{32}/[^)]+\.png)\)")
+IMAGE = re.compile(r"!\[[^\]]*\]\((" + FILE_URL + r")\)")
 
 
 @pytest.fixture
@@ -42,8 +43,9 @@ async def test_a_figure_left_open_is_shown_inline_and_named_to_the_model(harness
     draw = "import matplotlib.pyplot as plt\nplt.plot([1, 4, 9])\nplt.title('squares')"
     answer = await harness.say("alice", "chat-1", code(draw))
     [url] = IMAGE.findall(answer)
-    copy = harness.cache_dir / url.removeprefix("/cache/")
-    assert copy.read_bytes()[:4] == b"\x89PNG"
+    served = harness.files.fetch(url, "alice")
+    assert served is not None and served.body[:4] == b"\x89PNG" and served.content_type == "image/png"
+    assert harness.files.fetch(url, "bob") is None  # nobody else opens it
     tool_result = harness.requests[-1]["messages"][-1]["content"]
     assert "Figures: /mnt/data/figure-1.png" in tool_result
 

@@ -1,16 +1,16 @@
 """Drive the installed function (dist/code_sessions.py, loaded the way Open WebUI loads it) in-process.
 
 Only Open WebUI's side is stood in for: where DATA_DIR is, who the user is, the base model (the same
-scripted model as the end-to-end tests) and the uploaded-file store. Storage, the sandbox (real runsc) and
-the whole pipe run for real. Use it for many hostile cases that would be slow through HTTP; the claims
-about Open WebUI itself are made in tests/e2e with a real server.
+scripted model as the end-to-end tests), the uploaded-file store and the Files API that published
+copies go through (tests/support/files_api.py: FilesPublisher's ids, owner checks and attachments).
+Storage, the sandbox (real runsc) and the whole pipe run for real. Use it for many hostile cases that
+would be slow through HTTP; the claims about Open WebUI itself are made in tests/e2e with a real server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import json
 import sys
 import types
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from demo import scripted_model
+from tests.support.files_api import FilesApi
 
 REPO = Path(__file__).resolve().parents[2]
 BUNDLE = REPO / "dist" / "code_sessions.py"
@@ -60,11 +61,17 @@ class PipeHarness:
     uploads: dict[str, tuple[str, str, bytes]] = field(default_factory=dict)  # id -> (owner, name, bytes)
     requests: list[dict] = field(default_factory=list)
     stored_valves: dict[str, Any] = field(default_factory=dict)
+    # Where Open WebUI's storage provider keeps uploaded files (and so the published copies):
+    # DATA_DIR/uploads, as Open WebUI's default; a test may put it on another disk.
+    uploads_dir: Path | None = None
 
     def __post_init__(self) -> None:
         self.module = load_like_open_webui(BUNDLE.read_text())
         self.pipe = self.module.Pipe()
-        self.cache_dir = self.data_dir / "cache"
+        self.cache_dir = self.data_dir / "cache"  # what Open WebUI serves to every logged-in user
+        self.files = FilesApi(
+            self.module, self.uploads_dir or self.data_dir / "uploads", self.data_dir / "files-api.json"
+        )
         self.pipe._host = _HarnessHost(self)  # the one object through which the function asks Open WebUI
         self.chats: dict[str, str] = {}  # chat id -> owner, for every chat a message was sent in
         self.deleted_chats: set[tuple[str, str]] = set()  # what Open WebUI would no longer find
@@ -92,6 +99,7 @@ class PipeHarness:
         history: list[dict] | None = None,
         files: list[dict] | None = None,
         task: str | None = None,
+        message_id: str | None = None,
     ) -> str:
         """One user message through Pipe.pipe, as Open WebUI calls it; returns the visible answer."""
         self.pipe.valves = self.pipe.Valves(**self.stored_valves)
@@ -107,6 +115,7 @@ class PipeHarness:
 
         self.events = statuses
         self.chats.setdefault(chat_id, user_id)
+        self.message_id = message_id or uuid.uuid4().hex  # Open WebUI gives every answer one
         result = await self.pipe.pipe(
             body,
             __user__={"id": user_id, "name": user_id, "role": "user", "valves": self.pipe.UserValves()},
@@ -115,6 +124,7 @@ class PipeHarness:
             __chat_id__=chat_id,
             __task__=task,
             __files__=files or [],
+            __message_id__=self.message_id,
         )
         if isinstance(result, str):
             return result
@@ -159,18 +169,12 @@ class _HarnessHost:
         return "" if choice.strip().lower() in ("", "sqlite") else choice.strip()
 
     def publisher(self, places: Any) -> Any:
-        # Open WebUI's Files API is not here: copies go to a folder (the publisher the store ships),
-        # served as /cache/... The Files API publisher is proven through a real Open WebUI (tests/e2e).
-        storage = importlib.import_module(self._module._CS_PACKAGE + ".storage")  # the bundle's own classes
-        return storage.DirectoryPublisher(places.publish_dir, places.url_prefix)
+        # Open WebUI's Files API, stood in for with FilesPublisher's behaviour (tests/support/files_api.py);
+        # the real publisher is proven through a real Open WebUI (tests/e2e).
+        return self._harness.files.publisher()
 
     async def attach(self, chat_id: str, message_id: Any, user_id: str, links: list, emit: Any) -> None:
-        items = [
-            {"type": "image" if link.is_image else "file", "id": link.ref, "name": link.name, "url": link.url}
-            for link in links
-        ]
-        if items and emit is not None:
-            await emit({"type": "chat:message:files", "data": {"files": items}})
+        await self._harness.files.attach(chat_id, message_id, user_id, links, emit)
 
     async def user(self, user_id: str) -> Any:
         return types.SimpleNamespace(id=user_id, role="user")
