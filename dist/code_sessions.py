@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_c10b0810254f'
+_CS_PACKAGE = '_code_sessions_a344063cb595'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -516,6 +516,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import secrets
 import time
@@ -535,6 +536,8 @@ from ._publish import drain_unpublished, folder_copy_present, link_records, remo
 from .errors import FileMissing, InvalidPath
 from .models import CleanupReport, Purge, SessionCleanup
 from .publishing import DirectoryPublisher
+
+log = logging.getLogger("code_sessions.storage")
 
 # Published copies not in the index are removed only after this long, so a publish that has stored
 # its copy but not yet written its row is never swept.
@@ -916,7 +919,11 @@ async def _stale_links(core: Core, now: float, tally: _Tally) -> None:
     if publisher is not None and publisher.kind != DirectoryPublisher.kind:
         theirs = [(ref, kind, directory) for ref, kind, directory, *_ in rows if kind == publisher.kind]
         judged = {ref for ref, _, _ in stale}
-        gone = await publisher.missing([ref for ref, _, _ in theirs if ref not in judged])
+        try:
+            gone = await publisher.missing([ref for ref, _, _ in theirs if ref not in judged])
+        except Exception as error:  # the publisher's store (Open WebUI's database) failed: next time
+            log.warning("cleanup: could not ask the publisher which copies are gone: %s", error)
+            gone = set()
         stale += [link for link in theirs if link[0] in gone]
     if not stale:
         return
@@ -12688,7 +12695,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_c10b0810254f.runner import Outcome
+from _code_sessions_a344063cb595.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12932,7 +12939,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_c10b0810254f.storage import human_bytes
+from _code_sessions_a344063cb595.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -13036,7 +13043,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_c10b0810254f.storage import Purge, parse_duration
+from _code_sessions_a344063cb595.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -14125,8 +14132,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_c10b0810254f.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_c10b0810254f.storage import (
+from _code_sessions_a344063cb595.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_a344063cb595.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14722,7 +14729,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_c10b0810254f.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_a344063cb595.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14935,7 +14942,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_c10b0810254f.storage import Link, Publisher, is_postgres_url
+from _code_sessions_a344063cb595.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -15147,7 +15154,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_c10b0810254f.engine import (
+from _code_sessions_a344063cb595.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -15161,8 +15168,8 @@ from _code_sessions_c10b0810254f.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_c10b0810254f.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_c10b0810254f.storage import (
+from _code_sessions_a344063cb595.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_a344063cb595.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -15170,7 +15177,7 @@ from _code_sessions_c10b0810254f.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_c10b0810254f.webui import Misconfigured, OpenWebUI
+from _code_sessions_a344063cb595.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import secrets
 import time
@@ -33,6 +34,8 @@ from ._publish import drain_unpublished, folder_copy_present, link_records, remo
 from .errors import FileMissing, InvalidPath
 from .models import CleanupReport, Purge, SessionCleanup
 from .publishing import DirectoryPublisher
+
+log = logging.getLogger("code_sessions.storage")
 
 # Published copies not in the index are removed only after this long, so a publish that has stored
 # its copy but not yet written its row is never swept.
@@ -414,7 +417,11 @@ async def _stale_links(core: Core, now: float, tally: _Tally) -> None:
     if publisher is not None and publisher.kind != DirectoryPublisher.kind:
         theirs = [(ref, kind, directory) for ref, kind, directory, *_ in rows if kind == publisher.kind]
         judged = {ref for ref, _, _ in stale}
-        gone = await publisher.missing([ref for ref, _, _ in theirs if ref not in judged])
+        try:
+            gone = await publisher.missing([ref for ref, _, _ in theirs if ref not in judged])
+        except Exception as error:  # the publisher's store (Open WebUI's database) failed: next time
+            log.warning("cleanup: could not ask the publisher which copies are gone: %s", error)
+            gone = set()
         stale += [link for link in theirs if link[0] in gone]
     if not stale:
         return
