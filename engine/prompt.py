@@ -62,7 +62,7 @@ def _state_line(facts: PromptFacts) -> str:
         f"reset after {facts.kernel_idle_minutes:g} minutes without a run; you are told when that "
         "happens, and files in /mnt/data are always kept. Bash runs in the same sandbox.\n"
         "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data and shown "
-        "to the user; you are told their paths.\n"
+        "to the user, at most 20 per run (close the ones you do not need); you are told their paths.\n"
     )
 
 
