@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_2f54eb8cc14b'
+_CS_PACKAGE = '_code_sessions_44247578cd06'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -7111,6 +7111,7 @@ def _backend_for(root: Path, database_url: str | None, busy_timeout_s: float) ->
 Knows nothing of storage or Open WebUI. See docs/runner.md.
 """
 
+from ._kernel_program import MAX_FIGURES_PER_RUN
 from .capabilities import RunscInfo, detect_runsc
 from .doctor import Check, DoctorReport, doctor
 from .errors import (
@@ -7126,6 +7127,7 @@ from .models import Limits, Outcome, RunnerConfig, RunResult
 from .runner import HostSetup, Runner
 
 __all__ = [
+    "MAX_FIGURES_PER_RUN",
     "Check",
     "DoctorReport",
     "HostSetup",
@@ -12695,7 +12697,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_2f54eb8cc14b.runner import Outcome
+from _code_sessions_44247578cd06.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12939,7 +12941,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_2f54eb8cc14b.storage import human_bytes
+from _code_sessions_44247578cd06.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_44247578cd06.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12996,7 +12999,8 @@ def _state_line(facts: PromptFacts) -> str:
         f"reset after {facts.kernel_idle_minutes:g} minutes without a run; you are told when that "
         "happens, and files in /mnt/data are always kept. Bash runs in the same sandbox.\n"
         "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data and shown "
-        "to the user, at most 20 per run (close the ones you do not need); you are told their paths.\n"
+        f"to the user, at most {MAX_FIGURES_PER_RUN} per run (close the ones you do not need); you are "
+        "told their paths.\n"
     )
 
 
@@ -13043,7 +13047,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_2f54eb8cc14b.storage import Purge, parse_duration
+from _code_sessions_44247578cd06.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -14132,8 +14136,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_2f54eb8cc14b.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_2f54eb8cc14b.storage import (
+from _code_sessions_44247578cd06.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_44247578cd06.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14729,7 +14733,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_2f54eb8cc14b.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_44247578cd06.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14942,7 +14946,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_2f54eb8cc14b.storage import Link, Publisher, is_postgres_url
+from _code_sessions_44247578cd06.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -15154,7 +15158,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_2f54eb8cc14b.engine import (
+from _code_sessions_44247578cd06.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -15168,8 +15172,8 @@ from _code_sessions_2f54eb8cc14b.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_2f54eb8cc14b.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_2f54eb8cc14b.storage import (
+from _code_sessions_44247578cd06.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_44247578cd06.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -15177,7 +15181,7 @@ from _code_sessions_2f54eb8cc14b.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_2f54eb8cc14b.webui import Misconfigured, OpenWebUI
+from _code_sessions_44247578cd06.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

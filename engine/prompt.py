@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from runner import MAX_FIGURES_PER_RUN
 from storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
@@ -62,7 +63,8 @@ def _state_line(facts: PromptFacts) -> str:
         f"reset after {facts.kernel_idle_minutes:g} minutes without a run; you are told when that "
         "happens, and files in /mnt/data are always kept. Bash runs in the same sandbox.\n"
         "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data and shown "
-        "to the user, at most 20 per run (close the ones you do not need); you are told their paths.\n"
+        f"to the user, at most {MAX_FIGURES_PER_RUN} per run (close the ones you do not need); you are "
+        "told their paths.\n"
     )
 
 
