@@ -9,6 +9,8 @@
     `runsc run` of print(1) in the same sandbox setup (run_overhead.bare_run), interleaved.
 (e) kernel start: time from `KernelPool` starting a sandbox to the kernel's ready frame, and what the
     kernel says it can import.
+(g) the CPU watcher (a thread left spinning between runs is stopped): what its looks at those idle
+    kernels cost our process each second, against the CPU the idle kernels use themselves.
 (f) memory: the RSS of a kernel's host processes (runsc, the sentry, the gofer, ptrace stubs: every
     process of its cgroup) when idle, for one kernel and for 20 at once, plus the growth of our own
     process's RSS for those 20.
@@ -24,6 +26,7 @@ from typing import Any
 
 from engine import CodeSessions
 from runner import KernelPool, Limits
+from runner._kernel import CPU_POLL_S
 
 from ._common import ANSWER_WITHOUT_PATHS, Context, ratio_summary, status_kib, summary
 from .run_overhead import bare_run
@@ -43,6 +46,29 @@ async def _step(service: CodeSessions, user: str, chat_id: str) -> tuple[float, 
     if step.run is None or step.run.stdout != "1\n":
         raise RuntimeError(f"the step printed {step.run.stdout[:80] if step.run else step.refused!r}")
     return elapsed, f"{chat.session.user_key}/{chat.session.chat_key}"
+
+
+async def _cpu_watch(kernels: list[Any], window_s: float) -> dict[str, Any]:
+    """(g) What the CPU watcher (one look per kernel every CPU_POLL_S: its host processes' CPU time)
+    costs our process, against its floor: the CPU those idle kernels use themselves meanwhile."""
+    used_before = sum(k._cpu_seconds() for k in kernels)
+    started = time.monotonic()
+    await asyncio.sleep(window_s)
+    idle_cpu_per_s = (sum(k._cpu_seconds() for k in kernels) - used_before) / (time.monotonic() - started)
+    rounds = 20
+    cpu_before = time.process_time()
+    for _ in range(rounds):
+        for kernel in kernels:
+            kernel._cpu_seconds()
+    look_cpu_s = (time.process_time() - cpu_before) / rounds  # one look at every kernel
+    watch_cpu_per_s = look_cpu_s / CPU_POLL_S
+    return {
+        "kernels": len(kernels),
+        "look_at_all_ms": round(look_cpu_s * 1000, 3),
+        "watcher_cpu_share_of_core": round(watch_cpu_per_s, 5),
+        "idle_kernels_cpu_share_of_core": round(idle_cpu_per_s, 4),
+        "watcher_vs_idle_kernels": round(watch_cpu_per_s / idle_cpu_per_s, 4) if idle_cpu_per_s else None,
+    }
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -169,6 +195,7 @@ async def run(ctx: Context) -> dict[str, Any]:
                 "idle_kernels_total_mib": round(sum(per_kernel), 1),
                 "our_process_growth_mib": round(((status_kib("VmRSS") or 0) - ours_before) / 1024, 1),
             }
+            result["cpu_watch"] = await _cpu_watch(kernels, 0.5 if ctx.quick else 3.0)
         finally:
             await pool.close()
     return result

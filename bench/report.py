@@ -316,6 +316,13 @@ def _kernel(r: dict[str, Any]) -> str:
             f"{spread['max']}); {m['idle_kernels']} idle kernels: {m['idle_kernels_total_mib']} MiB; our "
             f"process grew by {m['our_process_growth_mib']} MiB for them"
         )
+    c = r.get("cpu_watch")
+    if c:
+        parts.append(
+            f"CPU watcher: one look at {c['kernels']} idle kernels {c['look_at_all_ms']} ms of our CPU, "
+            f"{c['watcher_cpu_share_of_core']:.3%} of a core each second; the idle kernels themselves use "
+            f"{c['idle_kernels_cpu_share_of_core']:.1%} (ratio {c['watcher_vs_idle_kernels']})"
+        )
     k = r.get("kernel_start")
     if k:
         packages = ", ".join(f"{n} {v}" for n, v in (k.get("packages") or {}).items() if v) or "none"

@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_dd357fd198f4'
+_CS_PACKAGE = '_code_sessions_c40136f81305'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -949,6 +949,18 @@ async def _stale_links(core: Core, now: float, tally: _Tally) -> None:
         return stale
 
     stale = await asyncio.to_thread(judge)
+    # Copies the publisher holds (Open WebUI files) whose bytes are gone: a dead link, dropped so the
+    # next answer that names the file publishes it again (`check` reports the same as drift).
+    publisher = core.publisher
+    if publisher is not None and publisher.kind != DirectoryPublisher.kind:
+        theirs = [(ref, kind, directory) for ref, kind, directory, *_ in rows if kind == publisher.kind]
+        judged = {ref for ref, _, _ in stale}
+        try:
+            gone = await publisher.missing([ref for ref, _, _ in theirs if ref not in judged])
+        except Exception as error:  # the publisher's store (Open WebUI's database) failed: next time
+            log.warning("cleanup: could not ask the publisher which copies are gone: %s", error)
+            gone = set()
+        stale += [link for link in theirs if link[0] in gone]
     if not stale:
         return
     tally.links_removed += len(stale)
@@ -1156,6 +1168,41 @@ def open_dir(path: Path | str) -> int:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             raise InvalidPath("the session folder is not a folder") from None
         raise
+
+
+def private_file(path: Path | str) -> None:
+    """Make sure the file at ``path`` (created empty if missing) is ours alone: 0600, whatever the
+    umask and the mode of the folder it is in (a storage root made beforehand is often 0755). One made
+    by an earlier version with a looser mode is tightened; a file of another owner, or a link, is left.
+
+    An existing file is never opened: closing any descriptor of a file drops every POSIX lock this
+    process holds on it, and SQLite keeps its locks on the index that way."""
+    try:
+        fd = os.open(path, _NEW_FLAGS, FILE_MODE)
+    except FileExistsError:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077:
+            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+        return
+    with fd_closing(fd):
+        tighten(fd)
+
+
+def tighten(fd: int) -> None:
+    """0600 for a file of ours that other users could read or write."""
+    st = os.fstat(fd)
+    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077:
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o700)
+
+
+def write_private(path: Path | str, data: bytes) -> None:
+    """Write a whole small file of ours, 0600 (truncating what is there; never through a link)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    with fd_closing(fd):
+        tighten(fd)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
 
 
 def make_dir(path: Path, owner: Owner = None, *, mode: int = DIR_MODE) -> bool:
@@ -3701,7 +3748,7 @@ from pathlib import Path
 from . import _index
 from ._backend import Tx
 from ._core import Core, SessionRef
-from ._fsops import fd_closing, open_dir, open_regular
+from ._fsops import fd_closing, open_dir, open_regular, write_private
 from ._names import is_passive_image, publish_name, split_path
 from .errors import DiskFull, StorageError
 from .models import Link, Usage
@@ -3824,10 +3871,10 @@ def _write_record(core: Core, record: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         try:
-            tmp.write_text(json.dumps(record), encoding="utf-8")
+            write_private(tmp, json.dumps(record).encode("utf-8"))
         except FileNotFoundError:  # the folder of a store made before records existed
             path.parent.mkdir(mode=0o700, exist_ok=True)
-            tmp.write_text(json.dumps(record), encoding="utf-8")
+            write_private(tmp, json.dumps(record).encode("utf-8"))
         os.replace(tmp, path)
     except OSError as error:
         with contextlib.suppress(OSError):
@@ -4686,6 +4733,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ._backend import BusyBackoff, Opened, Row
+from ._fsops import private_file
 from ._lock import FileLock, is_locked
 from ._schema import CURRENT_VERSION, MIGRATIONS, statements
 from .errors import DiskFull, IndexDamaged, StorageError
@@ -4743,6 +4791,14 @@ class _Connection:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     def connect(self) -> None:
+        # The index names every user's files: ours alone (0600), even in a root other users can
+        # enter. SQLite gives the -wal and -shm files the database's own mode; ones left by an
+        # earlier version with a looser mode are tightened too.
+        # Best effort: what cannot be done here (a gone root, a full disk) sqlite meets and says itself.
+        with contextlib.suppress(OSError):
+            for path in (self._path, *(Path(f"{self._path}{suffix}") for suffix in ("-wal", "-shm"))):
+                if path == self._path or path.exists():
+                    private_file(path)
         # isolation_level=None: the sqlite3 module must not open transactions behind our back.
         conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
         try:
@@ -6695,7 +6751,7 @@ from ._fsops import (
     write_unique,
 )
 from ._names import attachment_name, numbered, split_path
-from .errors import FileMissing, InvalidPath
+from .errors import DiskFull, FileMissing, InvalidPath
 from .models import FileEntry, Link, LinkInfo, ReconcileReport, RunBudget, Usage
 
 __all__ = ["Session", "SessionFiles"]
@@ -6996,14 +7052,22 @@ class SessionFiles:
 
         with contextlib.suppress(FileMissing):
             await asyncio.to_thread(work)
-        await _sync.sync_folder(core, ref, enforce=False)
+
+        async def links_of(tx: Tx) -> list[tuple[str, str, str]]:
+            row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
+            return [] if row is None else await _index.links_of_session(tx, row.id)
+
+        try:
+            await _sync.sync_folder(core, ref, enforce=False)
+        except DiskFull:
+            # The index cannot be told now, but the copies still go: the user asked for it, and it
+            # frees space. Their rows, pointing at nothing, go at the next cleanup.
+            await _publish.remove_copies(core, await core.read(links_of))
+            raise
         await asyncio.to_thread(_unlink_missing_ok, marker)
 
         async def drop_links(tx: Tx) -> list[tuple[str, str, str]]:
-            row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
-            if row is None:
-                return []
-            links = await _index.links_of_session(tx, row.id)
+            links = await links_of(tx)
             await _index.delete_links(tx, [r for r, _, _ in links])
             return links
 
@@ -7460,6 +7524,7 @@ def _backend_for(root: Path, database_url: str | None, busy_timeout_s: float) ->
 Knows nothing of storage or Open WebUI. See docs/runner.md.
 """
 
+from ._kernel_program import MAX_FIGURES_PER_RUN
 from .capabilities import RunscInfo, detect_runsc
 from .doctor import Check, DoctorReport, doctor
 from .errors import (
@@ -7475,6 +7540,7 @@ from .models import Limits, Outcome, RunnerConfig, RunResult
 from .runner import HostSetup, Runner
 
 __all__ = [
+    "MAX_FIGURES_PER_RUN",
     "Check",
     "DoctorReport",
     "HostSetup",
@@ -8473,7 +8539,13 @@ _RULES: tuple[tuple[tuple[tuple[str, ...], ...], str, str], ...] = (
     (
         (("failed to load",), ("no such file",)),
         "the interpreter does not exist inside the sandbox",
-        "install python3/bash under /usr on the host, or set RunnerConfig.python/bash",
+        "build the sandbox environment (sandbox/build), or set RunnerConfig.python/bash",
+    ),
+    (
+        (("minimal chroot",), ("cap_sys_admin",)),
+        "runsc lacks CAP_SYS_ADMIN to build the sandbox's chroot",
+        "run as root; inside docker add --cap-add SYS_ADMIN (and " + DOCKER_UNCONFINED + "), "
+        "or run --privileged",
     ),
     (
         (
@@ -8922,6 +8994,7 @@ import contextlib
 import inspect
 import logging
 import os
+import re
 import shutil
 import signal
 import time
@@ -8943,11 +9016,14 @@ KERNEL_SOURCE = inspect.getsource(_kernel_program)
 READY_MIN_S = 10.0
 READY_MAX_S = 60.0
 INTERRUPT_GRACE_S = 2.0  # after SIGINT, how long a cell has to stop before the sandbox is killed
+FRAME_STALL_S = 5.0  # a frame begun and not finished this long is a broken protocol
 _READ_CHUNK = 64 * 1024
 _STDERR_KEPT = 4096
 _HELPER_TIMEOUT_S = 10.0
 _REAP_S = 5.0
 _OOM_POLL_S = 0.25
+CPU_POLL_S = 1.0
+CPU_IDLE_SHARE = 0.2  # of one core, what a kernel may use between runs for good
 _LIFETIME_FIELDS = ("memory_mb", "max_processes", "max_file_bytes")
 
 
@@ -8982,8 +9058,11 @@ class Kernel:
         self._watch: ChangeWatch | None = None
         self._growth: GrowthWatch | None = None
         self._exceeded: str | None = None  # the disk watcher's verdict, from its thread
+        self._spun: str | None = None  # the CPU watcher's verdict: a thread spun between runs
+        self._idle_since: float | None = None  # monotonic end of the last run (None: one is running)
+        self._cpu_budget_s = limits.timeout_s
         self._replies_ended = False
-        self._closed = False
+        self._closing: asyncio.Future[None] | None = None  # the teardown, once begun
         self._settling: asyncio.Future[None] | None = None  # stopping a cancelled run
 
     # ------------------------------------------------------------------ lifecycle
@@ -8995,6 +9074,7 @@ class Kernel:
             self.lost is None
             and self._violation is None
             and self._exceeded is None
+            and self._spun is None
             and not self._replies_ended
             and self._proc is not None
             and self._proc.returncode is None
@@ -9038,6 +9118,7 @@ class Kernel:
         if self.sandbox.cgroup is not None:
             self._tasks.append(asyncio.create_task(self._watch_oom()))
         self._growth.start()
+        self._tasks.append(asyncio.create_task(self._watch_cpu()))
         wait = min(READY_MAX_S, max(READY_MIN_S, 2 * self.limits.timeout_s))
         try:
             message = await asyncio.wait_for(self._inbox.get(), wait)
@@ -9049,15 +9130,19 @@ class Kernel:
             await self.close(why)
             raise KernelLost(why)
         self.ready = message
+        self._idle_since = time.monotonic()
 
     async def close(self, why: str | None = None) -> None:
-        """Kill the sandbox and free everything it held (idempotent; shielded from cancellation)."""
+        """Kill the sandbox and free everything it held (idempotent; shielded from cancellation).
+        A kernel that already ended by itself (a limit, a crash, a broken protocol) keeps its own
+        cause: whoever noticed first (the reaper, the next run) only knows that it stopped."""
         if self.lost is None:
-            self.lost = why or "it was stopped"
-        if self._closed:
-            return
-        self._closed = True
-        await asyncio.shield(asyncio.ensure_future(self._teardown()))
+            self.lost = (self._why_gone() if self._ended_by_itself() else None) or why or "it was stopped"
+        # Every caller waits until the sandbox is gone, not only the first: a run that finds its
+        # kernel already being closed (by the reaper) returns once nothing of it is left.
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._teardown())
+        await asyncio.shield(self._closing)
 
     async def _teardown(self) -> None:
         if self._growth is not None:
@@ -9108,6 +9193,8 @@ class Kernel:
                 await self.close(why)
                 raise KernelLost(why)
             self.last_used = time.monotonic()
+            self._idle_since = None
+            self._cpu_budget_s = limits.timeout_s
             try:
                 return await self._run(code, language, limits)
             except asyncio.CancelledError:
@@ -9118,7 +9205,7 @@ class Kernel:
                 await asyncio.shield(self._settling)
                 raise
             finally:
-                self.last_used = time.monotonic()
+                self.last_used = self._idle_since = time.monotonic()
 
     async def _stop_cancelled_run(self) -> None:
         """Interrupt the cancelled cell and take its replies off the inbox, its "done" included: the
@@ -9200,11 +9287,14 @@ class Kernel:
             outcome, reason = Outcome.OUTPUT_LIMIT, f"{detail}; the Python state is kept"
         elif done.status == "ok":
             outcome, reason = Outcome.OK, None
+        elif done.status == "interrupted":
+            outcome, reason = Outcome.ERROR, "interrupted"
+        elif done.exit_code is None:  # the kernel could not start the cell (only bash cells can fail so)
+            outcome, reason = Outcome.ERROR, _could_not_start(language, stderr.text())
         else:
-            outcome = Outcome.ERROR
-            reason = "interrupted" if done.status == "interrupted" else f"exit code {done.exit_code}"
+            outcome, reason = Outcome.ERROR, f"exit code {done.exit_code}"
         result = self._result(outcome, done.exit_code, stdout, stderr, t0, reason, watch)
-        return result.model_copy(update={"figures": done.figures})
+        return result.model_copy(update={"figures": done.figures, "figures_more": done.more})
 
     def _result(
         self,
@@ -9258,11 +9348,27 @@ class Kernel:
     async def _read_replies(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
         reader = self._proc.stdout
+        decoder = self._decoder
         try:
-            while chunk := await reader.read(_READ_CHUNK):
-                for message in self._decoder.feed(chunk):
+            while True:
+                if decoder.mid_frame:
+                    # The kernel writes each frame whole: one left half-written this long was not
+                    # the kernel's (a cell wrote a length and no body), and nothing after it can
+                    # be framed. Said now, not at the time limit, as a broken protocol.
+                    try:
+                        chunk = await asyncio.wait_for(reader.read(_READ_CHUNK), FRAME_STALL_S)
+                    except TimeoutError:
+                        raise _wire.ProtocolError(
+                            f"a frame stopped after {decoder.received} of its bytes and the rest did not "
+                            f"come within {FRAME_STALL_S:g} s"
+                        ) from None
+                else:
+                    chunk = await reader.read(_READ_CHUNK)
+                if not chunk:
+                    break
+                for message in decoder.feed(chunk):
                     self._inbox.put_nowait(self._state.accept(message))
-            self._decoder.eof()
+            decoder.eof()
         except _wire.ProtocolError as error:
             self._violation = f"it broke the protocol ({error})"
         finally:
@@ -9284,6 +9390,36 @@ class Kernel:
                 self._violation = self._violation or "out of memory"
                 return
 
+    async def _watch_cpu(self) -> None:
+        """Between runs, a thread a cell left running may use the CPU in bursts, not for good: a
+        bucket of `timeout_s` CPU seconds (the run's own time limit), refilled at CPU_IDLE_SHARE of one
+        core (gVisor's idle sentry uses about a twentieth), starts full at the end of every run. A
+        thread that spins empties it, and the kernel is stopped with a sentence (the next run says it),
+        instead of burning a core until the idle timeout."""
+        bucket: float | None = None
+        last_cpu = last_t = 0.0
+        while True:
+            await asyncio.sleep(CPU_POLL_S)
+            idle_since = self._idle_since
+            if idle_since is None or not self.alive:
+                bucket = None  # a run is going on (its time limit bounds it)
+                continue
+            cpu, now = await asyncio.to_thread(self._cpu_seconds), time.monotonic()
+            if bucket is None or idle_since > last_t:  # a run ended since the last look: a full bucket
+                bucket, last_cpu, last_t = self._cpu_budget_s, cpu, now
+                continue
+            used = max(0.0, cpu - last_cpu)
+            bucket = min(self._cpu_budget_s, bucket + CPU_IDLE_SHARE * (now - last_t)) - used
+            last_cpu, last_t = cpu, now
+            if bucket < 0 and self._idle_since is not None and self.alive:
+                self._spun = (
+                    "a thread its cell left running kept the CPU busy between runs (more than "
+                    f"{self._cpu_budget_s:g} s of CPU time, the time limit of a run)"
+                )
+                log.info("kernel %s: stopped for spinning between runs", self.cid)
+                await self._kill_now()
+                return
+
     def _disk_exceeded(self, grown: int | None) -> None:
         if grown is None:
             self._exceeded = f"folders nested more than {MAX_DEPTH} levels deep in /mnt/data"
@@ -9291,15 +9427,26 @@ class Kernel:
             limit = human_bytes(self.limits.max_write_bytes)
             self._exceeded = f"it wrote more than {limit} to /mnt/data (grew by {grown / MIB:.0f} MiB)"
         # Stop the writer now; the run (or the next one) reports it.
-        self._tasks.append(asyncio.ensure_future(self._kill_for_disk()))
+        self._tasks.append(asyncio.ensure_future(self._kill_now()))
 
-    async def _kill_for_disk(self) -> None:
+    async def _kill_now(self) -> None:
         with contextlib.suppress(Exception):
             await run_quick([*self.sandbox.runsc_base, "kill", "--all", self.cid, "KILL"], _HELPER_TIMEOUT_S)
+
+    def _ended_by_itself(self) -> bool:
+        return (
+            self._violation is not None
+            or self._exceeded is not None
+            or self._spun is not None
+            or self._replies_ended
+            or (self._proc is not None and self._proc.returncode is not None)
+        )
 
     def _why_gone(self) -> str:
         if self._exceeded is not None:
             return self._exceeded
+        if self._spun is not None:
+            return self._spun
         cgroup = self.sandbox.cgroup
         if self._violation == "out of memory" or (cgroup is not None and cgroup.oom_kills()):
             return f"it ran out of memory (limit {self.limits.memory_mb} MB for the whole kernel)"
@@ -9312,12 +9459,42 @@ class Kernel:
         extra = f" ({tail[0][:200]})" if tail else ""
         return f"the kernel stopped responding: it exited{extra}"
 
+    def _cpu_seconds(self) -> float:
+        return _cpu_seconds(self.host_pids())
+
     def host_pids(self) -> list[int]:
         """The kernel's host processes (runsc, the sentry, the gofer, ptrace stubs)."""
         cgroup = self.sandbox.cgroup
         if cgroup is not None:
             return cgroup.pids()
         return pids_by_marker(str(self.sandbox.bundle))
+
+
+_KERNEL_NOTE = re.compile(r"\[code-sessions: (cannot [^\]\n]{1,300})\]")
+
+
+def _could_not_start(language: str, stderr: str) -> str:
+    """The reason of a cell the kernel could not start: its own notice on stderr says why (a cell
+    that prints a fake one only misleads itself)."""
+    notices = _KERNEL_NOTE.findall(stderr)
+    detail = f" ({notices[-1]})" if notices else ""
+    return f"the {language} cell could not start{detail}"
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User and system CPU time of these processes (all their threads), in seconds."""
+    ticks = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            continue  # it exited meanwhile
+    return ticks / _CLOCK_TICKS
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 ''',
     'runner/_kernel_program.py': r'''"""The persistent kernel: PID 1 of a chat's long-lived gVisor sandbox, running every cell of the chat.
 
@@ -9329,10 +9506,11 @@ Wire, both directions: a frame is a 4-byte big-endian length N, then N bytes of 
 object. Requests arrive on the original fd 0; replies leave on the original fd 1:
 
     host -> kernel   {"t": "run", "id": int, "lang": "python" | "bash", "code": str}    EOF: exit 0
-    kernel -> host   {"t": "ready", "v": 1, "python": "3.11.2", "pid": int, "packages": {name: version|null}}
+    kernel -> host   {"t": "ready", "v": 2, "python": "3.11.2", "pid": int, "packages": {name: version|null}}
                      {"t": "out", "id": int, "s": "o" | "e", "d": str (at most 16384 characters)}
                      {"t": "done", "id": int, "status": "ok" | "error" | "interrupted",
-                      "exit_code": int | null, "figures": [str], "ms": float}
+                      "exit_code": int | null, "figures": [str], "more": int, "ms": float}
+                     ("more": figures left open past MAX_FIGURES_PER_RUN, not saved)
 
 One run at a time; every "out" of a run precedes its "done"; nothing is written between a "done" and the
 next request. The host's strict decoder is runner/_wire.py. The cell runs inside this process, so it can
@@ -9369,10 +9547,12 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any, NoReturn
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_TEXT = 16 * 1024  # characters of text per "out" frame (the host refuses more)
 MAX_REQUEST = 64 * 1024 * 1024  # bytes of one request frame (the code of one cell)
-MAX_FIGURES_PER_RUN = 100  # the host refuses a "done" listing more
+# The one bound on a run's figures: saved and shown (the host's wire refuses a "done" listing more).
+# The rest are counted ("more"), never saved later: they belong to this run's answer, not the next.
+MAX_FIGURES_PER_RUN = 20
 DEFAULT_WORKDIR = "/mnt/data"
 WORKDIR_ENV = "CODE_SESSIONS_WORKDIR"
 PACKAGES = {  # import name -> distribution name as its metadata directory spells it (lowercased)
@@ -9765,6 +9945,7 @@ class _Figures:
         self._muted = 0
         self._next = 1
         self.saved: list[str] = []  # this run's, in order
+        self.more = 0  # this run's figures past MAX_FIGURES_PER_RUN: counted, not saved
 
     def patch(self, pyplot: types.ModuleType) -> None:
         """Make plt.show() save now and every savefig count as a save. Idempotent (also after a reload)."""
@@ -9831,11 +10012,11 @@ class _Figures:
             if fig is None or self._clean.get(fig) or not _has_content(fig):
                 continue
             if len(self.saved) >= MAX_FIGURES_PER_RUN:
-                self._note(
-                    f"[code-sessions: more than {MAX_FIGURES_PER_RUN} figures in one run; "
-                    "the others are saved at the next run if still open]\n"
-                )
-                return
+                # Counted for this run's answer, and taken as seen: a later run saves it only if it
+                # changes again, never as a leftover of this one.
+                self.more += 1
+                self._mark_clean(fig)
+                continue
             name = self._save(fig)
             if name is not None:
                 self.saved.append(name)
@@ -10106,6 +10287,7 @@ class Kernel:
     def _run(self, run_id: int, lang: str, code: str) -> None:
         started = _perf_counter()
         self._figures.saved = []
+        self._figures.more = 0
         for pump in self._pumps:
             pump.begin(run_id)
         if lang == "python":
@@ -10141,6 +10323,7 @@ class Kernel:
                 "status": status,
                 "exit_code": exit_code,
                 "figures": list(self._figures.saved),
+                "more": self._figures.more,
                 "ms": round((_perf_counter() - started) * 1000, 3),
             }
         )
@@ -10426,8 +10609,9 @@ if __name__ == "__main__":
 
 runsc dies with its supervisor (see _supervise.die_with), which takes the sandbox with it, but its
 container state, the run's bundle and its cgroups stay. Every bundle records its owner (pid and that
-process's start time, so a reused pid is not mistaken for it); at the first run of a new Runner, the
-leftovers of runs whose owner is gone are killed and removed. Runs of live processes (other workers
+process's start time, so a reused pid is not mistaken for it); at the first run of a new Runner, and
+at every `Runner.sweep_leftovers` (the function's background tick), the leftovers of runs whose owner
+is gone are killed and removed. Runs of live processes (other workers
 sharing these directories) are never touched.
 """
 
@@ -10974,10 +11158,11 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Literal
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME = 256 * 1024  # default bound of one kernel->host frame; the largest honest one is ~100 KiB
 MAX_TEXT = 16 * 1024  # characters of text per "out" frame
-MAX_FIGURES = 100
+MAX_FIGURES = 20  # the kernel's MAX_FIGURES_PER_RUN (tests/runner/test_wire.py checks they agree)
+MAX_MORE_FIGURES = 2**31 - 1
 MAX_FIGURE_NAME = 255
 MAX_PACKAGES = 50
 MAX_SHORT = 64  # package names, versions, the Python version
@@ -10991,7 +11176,7 @@ _STATUSES: frozenset[str] = frozenset(("ok", "error", "interrupted"))
 _HEADER = struct.Struct(">I")
 _KEYS_READY = frozenset(("t", "v", "python", "pid", "packages"))
 _KEYS_OUT = frozenset(("t", "id", "s", "d"))
-_KEYS_DONE = frozenset(("t", "id", "status", "exit_code", "figures", "ms"))
+_KEYS_DONE = frozenset(("t", "id", "status", "exit_code", "figures", "more", "ms"))
 _SHORT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+!-]{0,63}\Z")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
@@ -11029,6 +11214,7 @@ class Done:
     exit_code: int | None
     figures: tuple[str, ...]  # relative to the workdir, as the kernel claims: resolve them safely
     ms: float
+    more: int = 0  # figures past MAX_FIGURES left open in the run, not saved
 
 
 Message = Ready | Output | Done
@@ -11141,11 +11327,12 @@ def _parse_done(obj: dict[str, Any], escapes: bool) -> Done:
     figures = obj["figures"]
     if type(figures) is not list or len(figures) > MAX_FIGURES:
         raise ProtocolError(f"done.figures must be a list of at most {MAX_FIGURES} names")
+    more = _int(obj, "more", 0, MAX_MORE_FIGURES)
     ms = obj["ms"]
     if type(ms) not in (int, float) or not math.isfinite(ms) or not 0 <= ms <= 1e12:
         raise ProtocolError(f"done.ms must be a non-negative number, not {_show(ms)}")
     names = tuple(_figure_name(f, escapes) for f in figures)
-    return Done(run_id, status, exit_code, names, float(ms))  # type: ignore[arg-type]
+    return Done(run_id, status, exit_code, names, float(ms), more)  # type: ignore[arg-type]
 
 
 _PARSERS = {"ready": _parse_ready, "out": _parse_out, "done": _parse_done}
@@ -11190,6 +11377,16 @@ class FrameDecoder:
     def buffered(self) -> int:
         """Bytes of an incomplete frame held."""
         return len(self._buf)
+
+    @property
+    def mid_frame(self) -> bool:
+        """Part of a frame (its length, or some of it) has arrived and the rest has not."""
+        return self._need >= 0 or bool(self._buf)
+
+    @property
+    def received(self) -> int:
+        """Bytes of the incomplete frame received so far, its length included."""
+        return len(self._buf) + (4 if self._need >= 0 else 0)
 
     @property
     def failed(self) -> bool:
@@ -11410,6 +11607,7 @@ import argparse
 import asyncio
 import os
 import resource
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -11651,9 +11849,34 @@ async def _sandbox_checks(config: RunnerConfig) -> tuple[list[Check], str | None
     return checks, setup.platform
 
 
-async def doctor(config: RunnerConfig | None = None) -> DoctorReport:
-    """Check the host and start one real sandbox. Never raises for a broken setup: that is the report."""
+def storage_root_check(root: Path) -> Check:
+    """The folder the chats' files (and an SQLite index) live in should be ours alone. The store makes
+    what it creates there private, but it does not change the mode of a root it was given: a volume
+    made beforehand with 0755 lets every local user list it (and read anything an older version left
+    readable)."""
+    try:
+        st = os.stat(root)
+    except FileNotFoundError:
+        return Check(name="storage root", ok=True, detail=f"{root} does not exist yet (it is made 0700)")
+    except OSError as exc:
+        return Check(name="storage root", ok=False, detail=f"{root}: {exc}", fix=f"check the path {root}")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        return Check(
+            name="storage root",
+            ok=True,
+            warning=True,
+            detail=f"{root} is mode {mode:04o}: other local users can enter it and list what is in it",
+            fix=f"chmod 700 {root}",
+        )
+    return Check(name="storage root", ok=True, detail=f"{root} is mode {mode:04o}, ours alone")
+
+
+async def doctor(config: RunnerConfig | None = None, storage_root: Path | None = None) -> DoctorReport:
+    """Check the host and start one real sandbox (and, given one, the storage root's mode). Never
+    raises for a broken setup: that is the report."""
     config = config or RunnerConfig()
+    folders = [storage_root_check(storage_root)] if storage_root is not None else []
     try:
         info = await detect_runsc(config.runsc_path)
     except RunnerError as exc:
@@ -11663,10 +11886,10 @@ async def doctor(config: RunnerConfig | None = None) -> DoctorReport:
             if isinstance(exc, RunscNotFound)
             else "check that runsc_path points at gVisor's runsc"
         )
-        checks = [Check(name="runsc", ok=False, detail=str(exc), fix=fix), *_host_checks(config)]
+        checks = [Check(name="runsc", ok=False, detail=str(exc), fix=fix), *_host_checks(config), *folders]
         return DoctorReport(ok=False, checks=checks)
     checks = [Check(name="runsc", ok=True, detail=f"{info.path}, version {info.version}")]
-    checks += _host_checks(config)
+    checks += _host_checks(config) + folders
     sandbox, platform = await _sandbox_checks(config)
     if any(c.name == "sandbox" and c.ok for c in sandbox):
         checks = [_settled(c) for c in checks]
@@ -11700,8 +11923,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--runsc", default="runsc", help="path or name of runsc (default: runsc on PATH)")
     parser.add_argument("--platform", default=None, help="gVisor platform (default: auto)")
+    parser.add_argument(
+        "--storage-root",
+        default=None,
+        help="the chats' storage root, checked to be private "
+        "(default: $CODE_SESSIONS_ROOT, else $DATA_DIR/code_sessions when DATA_DIR is set)",
+    )
     args = parser.parse_args(args_in)
-    report = asyncio.run(doctor(RunnerConfig(runsc_path=args.runsc, platform=args.platform)))
+    root = args.storage_root or os.environ.get("CODE_SESSIONS_ROOT")
+    if root is None and os.environ.get("DATA_DIR"):
+        root = str(Path(os.environ["DATA_DIR"]) / "code_sessions")
+    config = RunnerConfig(runsc_path=args.runsc, platform=args.platform)
+    report = asyncio.run(doctor(config, Path(root) if root else None))
     print(report.model_dump_json(indent=2) if args.json else report.to_text())
     return 0 if report.ok else 1
 
@@ -12141,8 +12374,6 @@ class KernelPool:
         return kernel
 
     async def _end(self, key: str, kernel: Kernel, reason: str) -> None:
-        if self._mine.get(key) is kernel:
-            del self._mine[key]
         server = self._servers.pop(key, None)
         if server is not None:
             server.close()
@@ -12151,6 +12382,10 @@ class KernelPool:
         if entry is not None and entry.cid == kernel.cid:
             entry.running, entry.reason = False, kernel.lost or reason
             await asyncio.to_thread(self._save, entry)
+        # Held until the registry says why it ended: a run meanwhile finds it lost (and its cause),
+        # not a running entry without a kernel.
+        if self._mine.get(key) is kernel:
+            del self._mine[key]
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._socket_path(key))
 
@@ -12479,6 +12714,8 @@ class RunResult(BaseModel):
     changed: tuple[str, ...] | None = None
     # A persistent kernel's claims (untrusted: check them against the disk): figures it saved.
     figures: tuple[str, ...] = ()
+    # Figures past the kernel's bound per run, left open and not saved (said in the same answer).
+    figures_more: int = 0
     # Persistent kernels: whether the Python state lives on after this run (False: it was lost).
     state_kept: bool = False
     # Sentences for the user and the model about the kernel (its state was reset, and why).
@@ -12619,6 +12856,21 @@ class Runner:
                 configured = self.config.python if language == "python" else self.config.bash
                 self._interpreters[language] = _bundle.find_interpreter(language, configured, env)
             return HostSetup(info, platform, env, rootfs, support, note)
+
+    async def sweep_leftovers(self) -> list[str]:
+        """Remove what runs of processes that died left here (container state, bundles, cgroups; their
+        sandboxes died with them), as setup does; the function's periodic tick calls it, so a worker
+        killed while it held kernels is cleaned up within a tick, not at some later Runner's setup.
+        Runs of live processes are never touched. Returns the container ids removed."""
+        setup = await self.setup()
+        return await asyncio.to_thread(
+            _orphans.sweep,
+            setup.runsc.path,
+            self.state_dir,
+            self.bundle_dir,
+            setup.cgroups,
+            self.config.cgroup_parent,
+        )
 
     def _interpreter(self, language: str) -> str:
         """The interpreter's path in the sandbox (known once setup() has run)."""
@@ -13097,7 +13349,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_dd357fd198f4.runner import Outcome
+from _code_sessions_c40136f81305.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -13372,7 +13624,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_dd357fd198f4.storage import human_bytes
+from _code_sessions_c40136f81305.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_c40136f81305.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -13431,10 +13684,12 @@ def _state_line(facts: PromptFacts) -> str:
         return have + "- Every run starts a fresh Python: variables do not carry over, only files do.\n"
     figures = (
         "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data and shown "
-        "to the user under the run (do not link them again); you are told their paths.\n"
+        f"to the user under the run (do not link them again), at most {MAX_FIGURES_PER_RUN} per run (close "
+        "the ones you do not need); you are told their paths.\n"
         if facts.figures_shown
-        else "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data; you "
-        "are told their paths. Write a figure's path in your answer to show it to the user.\n"
+        else "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data, at "
+        f"most {MAX_FIGURES_PER_RUN} per run; you are told their paths. Write a figure's path in your "
+        "answer to show it to the user.\n"
     )
     return (
         have
@@ -13490,7 +13745,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_dd357fd198f4.storage import Purge, parse_duration
+from _code_sessions_c40136f81305.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -14609,8 +14864,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_dd357fd198f4.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_dd357fd198f4.storage import (
+from _code_sessions_c40136f81305.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_c40136f81305.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14745,9 +15000,15 @@ class StepResult:
             notes[:0] = self.run.notes
         if report is None:
             return notes
+        more = self.run.figures_more if self.run is not None else 0
         if self.figures:
-            shown = ", ".join(mention(p) for p in self.figures[:20])
-            notes.append(f"Figures: {shown} (already shown to the user, under the run)")
+            # The kernel bounds a run's figures (runner/_kernel_program.py MAX_FIGURES_PER_RUN): all
+            # are named here, and the ones past the bound are counted, in this answer.
+            extra = f", and {more} more not saved (too many figures in one run)" if more else ""
+            shown = ", ".join(mention(p) for p in self.figures)
+            notes.append(f"Figures: {shown}{extra} (already shown to the user, under the run)")
+        elif more:
+            notes.append(f"{more} figures were left open and not saved (too many figures in one run)")
         kept = self.saved()
         if kept:
             notes.append("Saved: " + ", ".join(mention(p) for p in kept[:20]) + _more(kept, 20))
@@ -14936,8 +15197,9 @@ class ChatSession:
             )
         except DiskFull:
             return (
-                "Deleted every file in this chat's /mnt/data, but the disk is still full, so the file "
-                "list is brought up to date at the next step that has room."
+                "Deleted every file in this chat's /mnt/data and the download copies linked in its "
+                "earlier answers, but the disk is still full, so the file list is brought up to date at "
+                "the next step that has room."
             )
         return (
             f"Deleted every file in this chat's /mnt/data ({gone.files} files, {human_bytes(gone.bytes)}), "
@@ -15284,7 +15546,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_dd357fd198f4.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_c40136f81305.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -15501,7 +15763,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_dd357fd198f4.storage import Link, Publisher, is_postgres_url
+from _code_sessions_c40136f81305.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -15714,7 +15976,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_dd357fd198f4.engine import (
+from _code_sessions_c40136f81305.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -15724,9 +15986,9 @@ from _code_sessions_dd357fd198f4.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_dd357fd198f4.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_dd357fd198f4.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_dd357fd198f4.webui import OpenWebUI
+from _code_sessions_c40136f81305.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_c40136f81305.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_c40136f81305.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -15978,9 +16240,16 @@ class SessionsAdapter:
                 log.exception("code-sessions background cleanup failed")
 
     async def _tick(self, services: CodeSessions) -> None:
-        """One background tick: an admin's purge, chats deleted in Open WebUI, and expiry when it is
-        due. One worker (of every replica) at a time does it, under a lock every process of the store
-        shares, and the expiry interval is kept in the index, so several workers expire once."""
+        """One background tick: in every worker, what a dead worker's sandboxes left; then an admin's
+        purge, chats deleted in Open WebUI, and expiry when it is due, by one worker (of every
+        replica) at a time, under a lock every process of the store shares (the expiry interval is
+        kept in the index, so several workers expire once)."""
+        # Every worker, every tick: what the runs of a dead worker of this host left (its sandboxes
+        # died with it; their container state, bundles and cgroups did not). Only dead owners' runs.
+        try:
+            await services.runner.sweep_leftovers()
+        except RunnerError as error:  # no usable runsc: a run says so in words; nothing to sweep
+            log.debug("code-sessions: no sweep of sandbox leftovers: %s", error)
         lock = services.store.lock("maintenance")
         if not await lock.try_acquire():
             return  # another worker (or replica) is on it
@@ -16318,7 +16587,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_dd357fd198f4.engine import (
+from _code_sessions_c40136f81305.engine import (
     LoopOptions,
     ModelError,
     converse,
@@ -16327,9 +16596,9 @@ from _code_sessions_dd357fd198f4.engine import (
     events_from_sse,
     waiting_status,
 )
-from _code_sessions_dd357fd198f4.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
-from _code_sessions_dd357fd198f4.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_dd357fd198f4.webui import Misconfigured
+from _code_sessions_c40136f81305.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from _code_sessions_c40136f81305.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_c40136f81305.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from runner import MAX_FIGURES_PER_RUN
 from storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
@@ -64,10 +65,12 @@ def _state_line(facts: PromptFacts) -> str:
         return have + "- Every run starts a fresh Python: variables do not carry over, only files do.\n"
     figures = (
         "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data and shown "
-        "to the user under the run (do not link them again); you are told their paths.\n"
+        f"to the user under the run (do not link them again), at most {MAX_FIGURES_PER_RUN} per run (close "
+        "the ones you do not need); you are told their paths.\n"
         if facts.figures_shown
-        else "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data; you "
-        "are told their paths. Write a figure's path in your answer to show it to the user.\n"
+        else "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data, at "
+        f"most {MAX_FIGURES_PER_RUN} per run; you are told their paths. Write a figure's path in your "
+        "answer to show it to the user.\n"
     )
     return (
         have

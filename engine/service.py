@@ -150,9 +150,15 @@ class StepResult:
             notes[:0] = self.run.notes
         if report is None:
             return notes
+        more = self.run.figures_more if self.run is not None else 0
         if self.figures:
-            shown = ", ".join(mention(p) for p in self.figures[:20])
-            notes.append(f"Figures: {shown} (already shown to the user, under the run)")
+            # The kernel bounds a run's figures (runner/_kernel_program.py MAX_FIGURES_PER_RUN): all
+            # are named here, and the ones past the bound are counted, in this answer.
+            extra = f", and {more} more not saved (too many figures in one run)" if more else ""
+            shown = ", ".join(mention(p) for p in self.figures)
+            notes.append(f"Figures: {shown}{extra} (already shown to the user, under the run)")
+        elif more:
+            notes.append(f"{more} figures were left open and not saved (too many figures in one run)")
         kept = self.saved()
         if kept:
             notes.append("Saved: " + ", ".join(mention(p) for p in kept[:20]) + _more(kept, 20))
@@ -341,8 +347,9 @@ class ChatSession:
             )
         except DiskFull:
             return (
-                "Deleted every file in this chat's /mnt/data, but the disk is still full, so the file "
-                "list is brought up to date at the next step that has room."
+                "Deleted every file in this chat's /mnt/data and the download copies linked in its "
+                "earlier answers, but the disk is still full, so the file list is brought up to date at "
+                "the next step that has room."
             )
         return (
             f"Deleted every file in this chat's /mnt/data ({gone.files} files, {human_bytes(gone.bytes)}), "

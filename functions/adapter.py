@@ -284,9 +284,16 @@ class SessionsAdapter:
                 log.exception("code-sessions background cleanup failed")
 
     async def _tick(self, services: CodeSessions) -> None:
-        """One background tick: an admin's purge, chats deleted in Open WebUI, and expiry when it is
-        due. One worker (of every replica) at a time does it, under a lock every process of the store
-        shares, and the expiry interval is kept in the index, so several workers expire once."""
+        """One background tick: in every worker, what a dead worker's sandboxes left; then an admin's
+        purge, chats deleted in Open WebUI, and expiry when it is due, by one worker (of every
+        replica) at a time, under a lock every process of the store shares (the expiry interval is
+        kept in the index, so several workers expire once)."""
+        # Every worker, every tick: what the runs of a dead worker of this host left (its sandboxes
+        # died with it; their container state, bundles and cgroups did not). Only dead owners' runs.
+        try:
+            await services.runner.sweep_leftovers()
+        except RunnerError as error:  # no usable runsc: a run says so in words; nothing to sweep
+            log.debug("code-sessions: no sweep of sandbox leftovers: %s", error)
         lock = services.store.lock("maintenance")
         if not await lock.try_acquire():
             return  # another worker (or replica) is on it

@@ -3,6 +3,7 @@
 Knows nothing of storage or Open WebUI. See docs/runner.md.
 """
 
+from ._kernel_program import MAX_FIGURES_PER_RUN
 from .capabilities import RunscInfo, detect_runsc
 from .doctor import Check, DoctorReport, doctor
 from .errors import (
@@ -18,6 +19,7 @@ from .models import Limits, Outcome, RunnerConfig, RunResult
 from .runner import HostSetup, Runner
 
 __all__ = [
+    "MAX_FIGURES_PER_RUN",
     "Check",
     "DoctorReport",
     "HostSetup",

@@ -23,6 +23,7 @@ import contextlib
 import inspect
 import logging
 import os
+import re
 import shutil
 import signal
 import time
@@ -44,11 +45,14 @@ KERNEL_SOURCE = inspect.getsource(_kernel_program)
 READY_MIN_S = 10.0
 READY_MAX_S = 60.0
 INTERRUPT_GRACE_S = 2.0  # after SIGINT, how long a cell has to stop before the sandbox is killed
+FRAME_STALL_S = 5.0  # a frame begun and not finished this long is a broken protocol
 _READ_CHUNK = 64 * 1024
 _STDERR_KEPT = 4096
 _HELPER_TIMEOUT_S = 10.0
 _REAP_S = 5.0
 _OOM_POLL_S = 0.25
+CPU_POLL_S = 1.0
+CPU_IDLE_SHARE = 0.2  # of one core, what a kernel may use between runs for good
 _LIFETIME_FIELDS = ("memory_mb", "max_processes", "max_file_bytes")
 
 
@@ -83,8 +87,11 @@ class Kernel:
         self._watch: ChangeWatch | None = None
         self._growth: GrowthWatch | None = None
         self._exceeded: str | None = None  # the disk watcher's verdict, from its thread
+        self._spun: str | None = None  # the CPU watcher's verdict: a thread spun between runs
+        self._idle_since: float | None = None  # monotonic end of the last run (None: one is running)
+        self._cpu_budget_s = limits.timeout_s
         self._replies_ended = False
-        self._closed = False
+        self._closing: asyncio.Future[None] | None = None  # the teardown, once begun
         self._settling: asyncio.Future[None] | None = None  # stopping a cancelled run
 
     # ------------------------------------------------------------------ lifecycle
@@ -96,6 +103,7 @@ class Kernel:
             self.lost is None
             and self._violation is None
             and self._exceeded is None
+            and self._spun is None
             and not self._replies_ended
             and self._proc is not None
             and self._proc.returncode is None
@@ -139,6 +147,7 @@ class Kernel:
         if self.sandbox.cgroup is not None:
             self._tasks.append(asyncio.create_task(self._watch_oom()))
         self._growth.start()
+        self._tasks.append(asyncio.create_task(self._watch_cpu()))
         wait = min(READY_MAX_S, max(READY_MIN_S, 2 * self.limits.timeout_s))
         try:
             message = await asyncio.wait_for(self._inbox.get(), wait)
@@ -150,15 +159,19 @@ class Kernel:
             await self.close(why)
             raise KernelLost(why)
         self.ready = message
+        self._idle_since = time.monotonic()
 
     async def close(self, why: str | None = None) -> None:
-        """Kill the sandbox and free everything it held (idempotent; shielded from cancellation)."""
+        """Kill the sandbox and free everything it held (idempotent; shielded from cancellation).
+        A kernel that already ended by itself (a limit, a crash, a broken protocol) keeps its own
+        cause: whoever noticed first (the reaper, the next run) only knows that it stopped."""
         if self.lost is None:
-            self.lost = why or "it was stopped"
-        if self._closed:
-            return
-        self._closed = True
-        await asyncio.shield(asyncio.ensure_future(self._teardown()))
+            self.lost = (self._why_gone() if self._ended_by_itself() else None) or why or "it was stopped"
+        # Every caller waits until the sandbox is gone, not only the first: a run that finds its
+        # kernel already being closed (by the reaper) returns once nothing of it is left.
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._teardown())
+        await asyncio.shield(self._closing)
 
     async def _teardown(self) -> None:
         if self._growth is not None:
@@ -209,6 +222,8 @@ class Kernel:
                 await self.close(why)
                 raise KernelLost(why)
             self.last_used = time.monotonic()
+            self._idle_since = None
+            self._cpu_budget_s = limits.timeout_s
             try:
                 return await self._run(code, language, limits)
             except asyncio.CancelledError:
@@ -219,7 +234,7 @@ class Kernel:
                 await asyncio.shield(self._settling)
                 raise
             finally:
-                self.last_used = time.monotonic()
+                self.last_used = self._idle_since = time.monotonic()
 
     async def _stop_cancelled_run(self) -> None:
         """Interrupt the cancelled cell and take its replies off the inbox, its "done" included: the
@@ -301,11 +316,14 @@ class Kernel:
             outcome, reason = Outcome.OUTPUT_LIMIT, f"{detail}; the Python state is kept"
         elif done.status == "ok":
             outcome, reason = Outcome.OK, None
+        elif done.status == "interrupted":
+            outcome, reason = Outcome.ERROR, "interrupted"
+        elif done.exit_code is None:  # the kernel could not start the cell (only bash cells can fail so)
+            outcome, reason = Outcome.ERROR, _could_not_start(language, stderr.text())
         else:
-            outcome = Outcome.ERROR
-            reason = "interrupted" if done.status == "interrupted" else f"exit code {done.exit_code}"
+            outcome, reason = Outcome.ERROR, f"exit code {done.exit_code}"
         result = self._result(outcome, done.exit_code, stdout, stderr, t0, reason, watch)
-        return result.model_copy(update={"figures": done.figures})
+        return result.model_copy(update={"figures": done.figures, "figures_more": done.more})
 
     def _result(
         self,
@@ -359,11 +377,27 @@ class Kernel:
     async def _read_replies(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
         reader = self._proc.stdout
+        decoder = self._decoder
         try:
-            while chunk := await reader.read(_READ_CHUNK):
-                for message in self._decoder.feed(chunk):
+            while True:
+                if decoder.mid_frame:
+                    # The kernel writes each frame whole: one left half-written this long was not
+                    # the kernel's (a cell wrote a length and no body), and nothing after it can
+                    # be framed. Said now, not at the time limit, as a broken protocol.
+                    try:
+                        chunk = await asyncio.wait_for(reader.read(_READ_CHUNK), FRAME_STALL_S)
+                    except TimeoutError:
+                        raise _wire.ProtocolError(
+                            f"a frame stopped after {decoder.received} of its bytes and the rest did not "
+                            f"come within {FRAME_STALL_S:g} s"
+                        ) from None
+                else:
+                    chunk = await reader.read(_READ_CHUNK)
+                if not chunk:
+                    break
+                for message in decoder.feed(chunk):
                     self._inbox.put_nowait(self._state.accept(message))
-            self._decoder.eof()
+            decoder.eof()
         except _wire.ProtocolError as error:
             self._violation = f"it broke the protocol ({error})"
         finally:
@@ -385,6 +419,36 @@ class Kernel:
                 self._violation = self._violation or "out of memory"
                 return
 
+    async def _watch_cpu(self) -> None:
+        """Between runs, a thread a cell left running may use the CPU in bursts, not for good: a
+        bucket of `timeout_s` CPU seconds (the run's own time limit), refilled at CPU_IDLE_SHARE of one
+        core (gVisor's idle sentry uses about a twentieth), starts full at the end of every run. A
+        thread that spins empties it, and the kernel is stopped with a sentence (the next run says it),
+        instead of burning a core until the idle timeout."""
+        bucket: float | None = None
+        last_cpu = last_t = 0.0
+        while True:
+            await asyncio.sleep(CPU_POLL_S)
+            idle_since = self._idle_since
+            if idle_since is None or not self.alive:
+                bucket = None  # a run is going on (its time limit bounds it)
+                continue
+            cpu, now = await asyncio.to_thread(self._cpu_seconds), time.monotonic()
+            if bucket is None or idle_since > last_t:  # a run ended since the last look: a full bucket
+                bucket, last_cpu, last_t = self._cpu_budget_s, cpu, now
+                continue
+            used = max(0.0, cpu - last_cpu)
+            bucket = min(self._cpu_budget_s, bucket + CPU_IDLE_SHARE * (now - last_t)) - used
+            last_cpu, last_t = cpu, now
+            if bucket < 0 and self._idle_since is not None and self.alive:
+                self._spun = (
+                    "a thread its cell left running kept the CPU busy between runs (more than "
+                    f"{self._cpu_budget_s:g} s of CPU time, the time limit of a run)"
+                )
+                log.info("kernel %s: stopped for spinning between runs", self.cid)
+                await self._kill_now()
+                return
+
     def _disk_exceeded(self, grown: int | None) -> None:
         if grown is None:
             self._exceeded = f"folders nested more than {MAX_DEPTH} levels deep in /mnt/data"
@@ -392,15 +456,26 @@ class Kernel:
             limit = human_bytes(self.limits.max_write_bytes)
             self._exceeded = f"it wrote more than {limit} to /mnt/data (grew by {grown / MIB:.0f} MiB)"
         # Stop the writer now; the run (or the next one) reports it.
-        self._tasks.append(asyncio.ensure_future(self._kill_for_disk()))
+        self._tasks.append(asyncio.ensure_future(self._kill_now()))
 
-    async def _kill_for_disk(self) -> None:
+    async def _kill_now(self) -> None:
         with contextlib.suppress(Exception):
             await run_quick([*self.sandbox.runsc_base, "kill", "--all", self.cid, "KILL"], _HELPER_TIMEOUT_S)
+
+    def _ended_by_itself(self) -> bool:
+        return (
+            self._violation is not None
+            or self._exceeded is not None
+            or self._spun is not None
+            or self._replies_ended
+            or (self._proc is not None and self._proc.returncode is not None)
+        )
 
     def _why_gone(self) -> str:
         if self._exceeded is not None:
             return self._exceeded
+        if self._spun is not None:
+            return self._spun
         cgroup = self.sandbox.cgroup
         if self._violation == "out of memory" or (cgroup is not None and cgroup.oom_kills()):
             return f"it ran out of memory (limit {self.limits.memory_mb} MB for the whole kernel)"
@@ -413,9 +488,39 @@ class Kernel:
         extra = f" ({tail[0][:200]})" if tail else ""
         return f"the kernel stopped responding: it exited{extra}"
 
+    def _cpu_seconds(self) -> float:
+        return _cpu_seconds(self.host_pids())
+
     def host_pids(self) -> list[int]:
         """The kernel's host processes (runsc, the sentry, the gofer, ptrace stubs)."""
         cgroup = self.sandbox.cgroup
         if cgroup is not None:
             return cgroup.pids()
         return pids_by_marker(str(self.sandbox.bundle))
+
+
+_KERNEL_NOTE = re.compile(r"\[code-sessions: (cannot [^\]\n]{1,300})\]")
+
+
+def _could_not_start(language: str, stderr: str) -> str:
+    """The reason of a cell the kernel could not start: its own notice on stderr says why (a cell
+    that prints a fake one only misleads itself)."""
+    notices = _KERNEL_NOTE.findall(stderr)
+    detail = f" ({notices[-1]})" if notices else ""
+    return f"the {language} cell could not start{detail}"
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User and system CPU time of these processes (all their threads), in seconds."""
+    ticks = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            continue  # it exited meanwhile
+    return ticks / _CLOCK_TICKS
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

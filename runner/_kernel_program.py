@@ -8,10 +8,11 @@ Wire, both directions: a frame is a 4-byte big-endian length N, then N bytes of 
 object. Requests arrive on the original fd 0; replies leave on the original fd 1:
 
     host -> kernel   {"t": "run", "id": int, "lang": "python" | "bash", "code": str}    EOF: exit 0
-    kernel -> host   {"t": "ready", "v": 1, "python": "3.11.2", "pid": int, "packages": {name: version|null}}
+    kernel -> host   {"t": "ready", "v": 2, "python": "3.11.2", "pid": int, "packages": {name: version|null}}
                      {"t": "out", "id": int, "s": "o" | "e", "d": str (at most 16384 characters)}
                      {"t": "done", "id": int, "status": "ok" | "error" | "interrupted",
-                      "exit_code": int | null, "figures": [str], "ms": float}
+                      "exit_code": int | null, "figures": [str], "more": int, "ms": float}
+                     ("more": figures left open past MAX_FIGURES_PER_RUN, not saved)
 
 One run at a time; every "out" of a run precedes its "done"; nothing is written between a "done" and the
 next request. The host's strict decoder is runner/_wire.py. The cell runs inside this process, so it can
@@ -48,10 +49,12 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any, NoReturn
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_TEXT = 16 * 1024  # characters of text per "out" frame (the host refuses more)
 MAX_REQUEST = 64 * 1024 * 1024  # bytes of one request frame (the code of one cell)
-MAX_FIGURES_PER_RUN = 100  # the host refuses a "done" listing more
+# The one bound on a run's figures: saved and shown (the host's wire refuses a "done" listing more).
+# The rest are counted ("more"), never saved later: they belong to this run's answer, not the next.
+MAX_FIGURES_PER_RUN = 20
 DEFAULT_WORKDIR = "/mnt/data"
 WORKDIR_ENV = "CODE_SESSIONS_WORKDIR"
 PACKAGES = {  # import name -> distribution name as its metadata directory spells it (lowercased)
@@ -444,6 +447,7 @@ class _Figures:
         self._muted = 0
         self._next = 1
         self.saved: list[str] = []  # this run's, in order
+        self.more = 0  # this run's figures past MAX_FIGURES_PER_RUN: counted, not saved
 
     def patch(self, pyplot: types.ModuleType) -> None:
         """Make plt.show() save now and every savefig count as a save. Idempotent (also after a reload)."""
@@ -510,11 +514,11 @@ class _Figures:
             if fig is None or self._clean.get(fig) or not _has_content(fig):
                 continue
             if len(self.saved) >= MAX_FIGURES_PER_RUN:
-                self._note(
-                    f"[code-sessions: more than {MAX_FIGURES_PER_RUN} figures in one run; "
-                    "the others are saved at the next run if still open]\n"
-                )
-                return
+                # Counted for this run's answer, and taken as seen: a later run saves it only if it
+                # changes again, never as a leftover of this one.
+                self.more += 1
+                self._mark_clean(fig)
+                continue
             name = self._save(fig)
             if name is not None:
                 self.saved.append(name)
@@ -785,6 +789,7 @@ class Kernel:
     def _run(self, run_id: int, lang: str, code: str) -> None:
         started = _perf_counter()
         self._figures.saved = []
+        self._figures.more = 0
         for pump in self._pumps:
             pump.begin(run_id)
         if lang == "python":
@@ -820,6 +825,7 @@ class Kernel:
                 "status": status,
                 "exit_code": exit_code,
                 "figures": list(self._figures.saved),
+                "more": self._figures.more,
                 "ms": round((_perf_counter() - started) * 1000, 3),
             }
         )

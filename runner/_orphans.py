@@ -2,8 +2,9 @@
 
 runsc dies with its supervisor (see _supervise.die_with), which takes the sandbox with it, but its
 container state, the run's bundle and its cgroups stay. Every bundle records its owner (pid and that
-process's start time, so a reused pid is not mistaken for it); at the first run of a new Runner, the
-leftovers of runs whose owner is gone are killed and removed. Runs of live processes (other workers
+process's start time, so a reused pid is not mistaken for it); at the first run of a new Runner, and
+at every `Runner.sweep_leftovers` (the function's background tick), the leftovers of runs whose owner
+is gone are killed and removed. Runs of live processes (other workers
 sharing these directories) are never touched.
 """
 

@@ -19,10 +19,11 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Literal
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME = 256 * 1024  # default bound of one kernel->host frame; the largest honest one is ~100 KiB
 MAX_TEXT = 16 * 1024  # characters of text per "out" frame
-MAX_FIGURES = 100
+MAX_FIGURES = 20  # the kernel's MAX_FIGURES_PER_RUN (tests/runner/test_wire.py checks they agree)
+MAX_MORE_FIGURES = 2**31 - 1
 MAX_FIGURE_NAME = 255
 MAX_PACKAGES = 50
 MAX_SHORT = 64  # package names, versions, the Python version
@@ -36,7 +37,7 @@ _STATUSES: frozenset[str] = frozenset(("ok", "error", "interrupted"))
 _HEADER = struct.Struct(">I")
 _KEYS_READY = frozenset(("t", "v", "python", "pid", "packages"))
 _KEYS_OUT = frozenset(("t", "id", "s", "d"))
-_KEYS_DONE = frozenset(("t", "id", "status", "exit_code", "figures", "ms"))
+_KEYS_DONE = frozenset(("t", "id", "status", "exit_code", "figures", "more", "ms"))
 _SHORT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+!-]{0,63}\Z")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
@@ -74,6 +75,7 @@ class Done:
     exit_code: int | None
     figures: tuple[str, ...]  # relative to the workdir, as the kernel claims: resolve them safely
     ms: float
+    more: int = 0  # figures past MAX_FIGURES left open in the run, not saved
 
 
 Message = Ready | Output | Done
@@ -186,11 +188,12 @@ def _parse_done(obj: dict[str, Any], escapes: bool) -> Done:
     figures = obj["figures"]
     if type(figures) is not list or len(figures) > MAX_FIGURES:
         raise ProtocolError(f"done.figures must be a list of at most {MAX_FIGURES} names")
+    more = _int(obj, "more", 0, MAX_MORE_FIGURES)
     ms = obj["ms"]
     if type(ms) not in (int, float) or not math.isfinite(ms) or not 0 <= ms <= 1e12:
         raise ProtocolError(f"done.ms must be a non-negative number, not {_show(ms)}")
     names = tuple(_figure_name(f, escapes) for f in figures)
-    return Done(run_id, status, exit_code, names, float(ms))  # type: ignore[arg-type]
+    return Done(run_id, status, exit_code, names, float(ms), more)  # type: ignore[arg-type]
 
 
 _PARSERS = {"ready": _parse_ready, "out": _parse_out, "done": _parse_done}
@@ -235,6 +238,16 @@ class FrameDecoder:
     def buffered(self) -> int:
         """Bytes of an incomplete frame held."""
         return len(self._buf)
+
+    @property
+    def mid_frame(self) -> bool:
+        """Part of a frame (its length, or some of it) has arrived and the rest has not."""
+        return self._need >= 0 or bool(self._buf)
+
+    @property
+    def received(self) -> int:
+        """Bytes of the incomplete frame received so far, its length included."""
+        return len(self._buf) + (4 if self._need >= 0 else 0)
 
     @property
     def failed(self) -> bool:

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import os
 import resource
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -251,9 +252,34 @@ async def _sandbox_checks(config: RunnerConfig) -> tuple[list[Check], str | None
     return checks, setup.platform
 
 
-async def doctor(config: RunnerConfig | None = None) -> DoctorReport:
-    """Check the host and start one real sandbox. Never raises for a broken setup: that is the report."""
+def storage_root_check(root: Path) -> Check:
+    """The folder the chats' files (and an SQLite index) live in should be ours alone. The store makes
+    what it creates there private, but it does not change the mode of a root it was given: a volume
+    made beforehand with 0755 lets every local user list it (and read anything an older version left
+    readable)."""
+    try:
+        st = os.stat(root)
+    except FileNotFoundError:
+        return Check(name="storage root", ok=True, detail=f"{root} does not exist yet (it is made 0700)")
+    except OSError as exc:
+        return Check(name="storage root", ok=False, detail=f"{root}: {exc}", fix=f"check the path {root}")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        return Check(
+            name="storage root",
+            ok=True,
+            warning=True,
+            detail=f"{root} is mode {mode:04o}: other local users can enter it and list what is in it",
+            fix=f"chmod 700 {root}",
+        )
+    return Check(name="storage root", ok=True, detail=f"{root} is mode {mode:04o}, ours alone")
+
+
+async def doctor(config: RunnerConfig | None = None, storage_root: Path | None = None) -> DoctorReport:
+    """Check the host and start one real sandbox (and, given one, the storage root's mode). Never
+    raises for a broken setup: that is the report."""
     config = config or RunnerConfig()
+    folders = [storage_root_check(storage_root)] if storage_root is not None else []
     try:
         info = await detect_runsc(config.runsc_path)
     except RunnerError as exc:
@@ -263,10 +289,10 @@ async def doctor(config: RunnerConfig | None = None) -> DoctorReport:
             if isinstance(exc, RunscNotFound)
             else "check that runsc_path points at gVisor's runsc"
         )
-        checks = [Check(name="runsc", ok=False, detail=str(exc), fix=fix), *_host_checks(config)]
+        checks = [Check(name="runsc", ok=False, detail=str(exc), fix=fix), *_host_checks(config), *folders]
         return DoctorReport(ok=False, checks=checks)
     checks = [Check(name="runsc", ok=True, detail=f"{info.path}, version {info.version}")]
-    checks += _host_checks(config)
+    checks += _host_checks(config) + folders
     sandbox, platform = await _sandbox_checks(config)
     if any(c.name == "sandbox" and c.ok for c in sandbox):
         checks = [_settled(c) for c in checks]
@@ -300,8 +326,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--runsc", default="runsc", help="path or name of runsc (default: runsc on PATH)")
     parser.add_argument("--platform", default=None, help="gVisor platform (default: auto)")
+    parser.add_argument(
+        "--storage-root",
+        default=None,
+        help="the chats' storage root, checked to be private "
+        "(default: $CODE_SESSIONS_ROOT, else $DATA_DIR/code_sessions when DATA_DIR is set)",
+    )
     args = parser.parse_args(args_in)
-    report = asyncio.run(doctor(RunnerConfig(runsc_path=args.runsc, platform=args.platform)))
+    root = args.storage_root or os.environ.get("CODE_SESSIONS_ROOT")
+    if root is None and os.environ.get("DATA_DIR"):
+        root = str(Path(os.environ["DATA_DIR"]) / "code_sessions")
+    config = RunnerConfig(runsc_path=args.runsc, platform=args.platform)
+    report = asyncio.run(doctor(config, Path(root) if root else None))
     print(report.model_dump_json(indent=2) if args.json else report.to_text())
     return 0 if report.ok else 1
 

@@ -254,8 +254,6 @@ class KernelPool:
         return kernel
 
     async def _end(self, key: str, kernel: Kernel, reason: str) -> None:
-        if self._mine.get(key) is kernel:
-            del self._mine[key]
         server = self._servers.pop(key, None)
         if server is not None:
             server.close()
@@ -264,6 +262,10 @@ class KernelPool:
         if entry is not None and entry.cid == kernel.cid:
             entry.running, entry.reason = False, kernel.lost or reason
             await asyncio.to_thread(self._save, entry)
+        # Held until the registry says why it ended: a run meanwhile finds it lost (and its cause),
+        # not a running entry without a kernel.
+        if self._mine.get(key) is kernel:
+            del self._mine[key]
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._socket_path(key))
 

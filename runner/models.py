@@ -93,6 +93,8 @@ class RunResult(BaseModel):
     changed: tuple[str, ...] | None = None
     # A persistent kernel's claims (untrusted: check them against the disk): figures it saved.
     figures: tuple[str, ...] = ()
+    # Figures past the kernel's bound per run, left open and not saved (said in the same answer).
+    figures_more: int = 0
     # Persistent kernels: whether the Python state lives on after this run (False: it was lost).
     state_kept: bool = False
     # Sentences for the user and the model about the kernel (its state was reset, and why).

@@ -130,6 +130,21 @@ class Runner:
                 self._interpreters[language] = _bundle.find_interpreter(language, configured, env)
             return HostSetup(info, platform, env, rootfs, support, note)
 
+    async def sweep_leftovers(self) -> list[str]:
+        """Remove what runs of processes that died left here (container state, bundles, cgroups; their
+        sandboxes died with them), as setup does; the function's periodic tick calls it, so a worker
+        killed while it held kernels is cleaned up within a tick, not at some later Runner's setup.
+        Runs of live processes are never touched. Returns the container ids removed."""
+        setup = await self.setup()
+        return await asyncio.to_thread(
+            _orphans.sweep,
+            setup.runsc.path,
+            self.state_dir,
+            self.bundle_dir,
+            setup.cgroups,
+            self.config.cgroup_parent,
+        )
+
     def _interpreter(self, language: str) -> str:
         """The interpreter's path in the sandbox (known once setup() has run)."""
         if language not in _bundle.LANGUAGES:

@@ -438,6 +438,18 @@ async def _stale_links(core: Core, now: float, tally: _Tally) -> None:
         return stale
 
     stale = await asyncio.to_thread(judge)
+    # Copies the publisher holds (Open WebUI files) whose bytes are gone: a dead link, dropped so the
+    # next answer that names the file publishes it again (`check` reports the same as drift).
+    publisher = core.publisher
+    if publisher is not None and publisher.kind != DirectoryPublisher.kind:
+        theirs = [(ref, kind, directory) for ref, kind, directory, *_ in rows if kind == publisher.kind]
+        judged = {ref for ref, _, _ in stale}
+        try:
+            gone = await publisher.missing([ref for ref, _, _ in theirs if ref not in judged])
+        except Exception as error:  # the publisher's store (Open WebUI's database) failed: next time
+            log.warning("cleanup: could not ask the publisher which copies are gone: %s", error)
+            gone = set()
+        stale += [link for link in theirs if link[0] in gone]
     if not stale:
         return
     tally.links_removed += len(stale)

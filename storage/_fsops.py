@@ -56,6 +56,41 @@ def open_dir(path: Path | str) -> int:
         raise
 
 
+def private_file(path: Path | str) -> None:
+    """Make sure the file at ``path`` (created empty if missing) is ours alone: 0600, whatever the
+    umask and the mode of the folder it is in (a storage root made beforehand is often 0755). One made
+    by an earlier version with a looser mode is tightened; a file of another owner, or a link, is left.
+
+    An existing file is never opened: closing any descriptor of a file drops every POSIX lock this
+    process holds on it, and SQLite keeps its locks on the index that way."""
+    try:
+        fd = os.open(path, _NEW_FLAGS, FILE_MODE)
+    except FileExistsError:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077:
+            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+        return
+    with fd_closing(fd):
+        tighten(fd)
+
+
+def tighten(fd: int) -> None:
+    """0600 for a file of ours that other users could read or write."""
+    st = os.fstat(fd)
+    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077:
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o700)
+
+
+def write_private(path: Path | str, data: bytes) -> None:
+    """Write a whole small file of ours, 0600 (truncating what is there; never through a link)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    with fd_closing(fd):
+        tighten(fd)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+
+
 def make_dir(path: Path, owner: Owner = None, *, mode: int = DIR_MODE) -> bool:
     """mkdir that applies mode exactly (no umask surprise) and the owner; True if created."""
     try:

@@ -28,7 +28,7 @@ from pathlib import Path
 from . import _index
 from ._backend import Tx
 from ._core import Core, SessionRef
-from ._fsops import fd_closing, open_dir, open_regular
+from ._fsops import fd_closing, open_dir, open_regular, write_private
 from ._names import is_passive_image, publish_name, split_path
 from .errors import DiskFull, StorageError
 from .models import Link, Usage
@@ -151,10 +151,10 @@ def _write_record(core: Core, record: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         try:
-            tmp.write_text(json.dumps(record), encoding="utf-8")
+            write_private(tmp, json.dumps(record).encode("utf-8"))
         except FileNotFoundError:  # the folder of a store made before records existed
             path.parent.mkdir(mode=0o700, exist_ok=True)
-            tmp.write_text(json.dumps(record), encoding="utf-8")
+            write_private(tmp, json.dumps(record).encode("utf-8"))
         os.replace(tmp, path)
     except OSError as error:
         with contextlib.suppress(OSError):

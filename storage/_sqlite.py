@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ._backend import BusyBackoff, Opened, Row
+from ._fsops import private_file
 from ._lock import FileLock, is_locked
 from ._schema import CURRENT_VERSION, MIGRATIONS, statements
 from .errors import DiskFull, IndexDamaged, StorageError
@@ -92,6 +93,14 @@ class _Connection:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     def connect(self) -> None:
+        # The index names every user's files: ours alone (0600), even in a root other users can
+        # enter. SQLite gives the -wal and -shm files the database's own mode; ones left by an
+        # earlier version with a looser mode are tightened too.
+        # Best effort: what cannot be done here (a gone root, a full disk) sqlite meets and says itself.
+        with contextlib.suppress(OSError):
+            for path in (self._path, *(Path(f"{self._path}{suffix}") for suffix in ("-wal", "-shm"))):
+                if path == self._path or path.exists():
+                    private_file(path)
         # isolation_level=None: the sqlite3 module must not open transactions behind our back.
         conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
         try:

@@ -31,7 +31,7 @@ from ._fsops import (
     write_unique,
 )
 from ._names import attachment_name, numbered, split_path
-from .errors import FileMissing, InvalidPath
+from .errors import DiskFull, FileMissing, InvalidPath
 from .models import FileEntry, Link, LinkInfo, ReconcileReport, RunBudget, Usage
 
 __all__ = ["Session", "SessionFiles"]
@@ -332,14 +332,22 @@ class SessionFiles:
 
         with contextlib.suppress(FileMissing):
             await asyncio.to_thread(work)
-        await _sync.sync_folder(core, ref, enforce=False)
+
+        async def links_of(tx: Tx) -> list[tuple[str, str, str]]:
+            row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
+            return [] if row is None else await _index.links_of_session(tx, row.id)
+
+        try:
+            await _sync.sync_folder(core, ref, enforce=False)
+        except DiskFull:
+            # The index cannot be told now, but the copies still go: the user asked for it, and it
+            # frees space. Their rows, pointing at nothing, go at the next cleanup.
+            await _publish.remove_copies(core, await core.read(links_of))
+            raise
         await asyncio.to_thread(_unlink_missing_ok, marker)
 
         async def drop_links(tx: Tx) -> list[tuple[str, str, str]]:
-            row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
-            if row is None:
-                return []
-            links = await _index.links_of_session(tx, row.id)
+            links = await links_of(tx)
             await _index.delete_links(tx, [r for r, _, _ in links])
             return links
 

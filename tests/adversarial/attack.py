@@ -10,11 +10,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from tests.support.files_api import LINK as FILE_LINK
+from tests.support.files_api import URL_PATTERN as FILE_URL
+from tests.support.files_api import FileRow
 from tests.support.pipe_harness import PipeHarness
 
 # Small limits keep every attack quick; each test raises the one it needs.
 SMALL = {"timeout_seconds": 5, "memory_mb": 256, "max_processes": 32}
-LINK = re.compile(r"\]\((/cache/functions/code_sessions/[A-Za-z0-9_-]{32}/[^)\s]+)\)")
+LINK = re.compile(r"\]\((" + FILE_URL + r")\)")
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 
 
@@ -22,13 +25,26 @@ def links(answer: str) -> list[str]:
     return LINK.findall(answer)
 
 
-def published(harness: PipeHarness, url: str) -> bytes:
-    return (harness.cache_dir / url.removeprefix("/cache/")).read_bytes()
+def copy_of(harness: PipeHarness, url: str) -> FileRow:
+    """The Files API's row behind a link (its name, type, owner, bytes on disk)."""
+    found = FILE_LINK.fullmatch(url)
+    assert found and found.group(1) in harness.files.rows, f"{url} is not a copy Open WebUI holds"
+    return harness.files.rows[found.group(1)]
+
+
+def published(harness: PipeHarness, url: str, viewer: str | None = None) -> bytes:
+    """The bytes behind a link, as its owner (or `viewer`) opens it; AssertionError where Open WebUI
+    would answer 404."""
+    found = FILE_LINK.fullmatch(url)
+    row = harness.files.rows.get(found.group(1)) if found else None
+    served = harness.files.fetch(url, viewer or (row.user_id if row else ""))
+    assert served is not None, f"{url} does not open for {viewer or 'its owner'}"
+    return served.body
 
 
 def published_files(harness: PipeHarness) -> list[Path]:
-    root = harness.cache_dir / "functions"
-    return [p for p in root.rglob("*") if p.is_file()] if root.exists() else []
+    """The bytes of every published copy, where Open WebUI keeps them."""
+    return harness.files.stored()
 
 
 def assert_not_published(harness: PipeHarness, *needles: bytes) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.adversarial.attack import LINK, published_files
+from tests.adversarial.attack import LINK
 from tests.support.pipe_harness import REPO, PipeHarness
 
 MB = 1024 * 1024
@@ -74,7 +74,9 @@ def user_files(root: Path, user: str) -> tuple[int, int]:
 def copies(harness: PipeHarness, urls: Iterable[str] | None = None) -> int:
     """Bytes of the published copies on disk: all of them, or those behind these link URLs."""
     on_disk = {
-        "/cache/" + str(p.relative_to(harness.cache_dir)): p.stat().st_size for p in published_files(harness)
+        f"/api/v1/files/{row.id}/content": row.path.stat().st_size
+        for row in harness.files.rows.values()
+        if row.path.is_file()
     }
     if urls is None:
         return sum(on_disk.values())

@@ -65,7 +65,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -75,6 +74,7 @@ from tests.adversarial import bad_days_support as bd
 from tests.adversarial.attack import (
     SMALL,
     assert_index_matches_disk,
+    copy_of,
     links,
     outside_code,
     prose,
@@ -532,7 +532,13 @@ async def on_small_disk(tmp_path: Path, kernel: str = "fresh"):
     """The function with its storage root on a real 16 MiB disk (a tmpfs), unmounted afterwards."""
     with bd.small_disk(tmp_path / "disk") as disk:
         root = disk / "root"
-        harness = PipeHarness(tmp_path / "data", valves=dict(SMALL, storage_root=str(root), kernel=kernel))
+        # Open WebUI's uploads (where the published copies go) on the same disk, as with the default
+        # DATA_DIR holding both: a full disk is full for the copies too.
+        harness = PipeHarness(
+            tmp_path / "data",
+            valves=dict(SMALL, storage_root=str(root), kernel=kernel),
+            uploads_dir=disk / "uploads",
+        )
         try:
             yield harness, root
         finally:
@@ -613,12 +619,10 @@ async def test_full_disk_while_linking_a_file_gives_a_sentence(small_disk):
     answer = await bd.say(harness, "alice", "chat-1", code("print('still', 'here')", "See /mnt/data/att.txt"))
     assert "still here" in answer
     [reply] = [line for line in answer.splitlines() if line.startswith("See")]
-    found = links(reply)
-    if found:  # the copy fitted after all: then it is whole
-        [url] = found
-        assert published(harness, url) == b"attached"
-    else:
-        assert "Not linked: /mnt/data/att.txt" in answer
+    assert links(reply) == [] and harness.files.stored() == []  # no link to a copy that is not there
+    [said] = [line for line in answer.splitlines() if line.startswith("- Not linked: /mnt/data/att.txt:")]
+    assert "Not enough disk space to publish att.txt; nothing was published." in said, said
+    assert (bd.chat_folder(root, "alice", "chat-1") / "att.txt").read_bytes() == b"attached"  # kept
 
 
 async def test_full_disk_with_an_attachment_gives_a_sentence(small_disk):
@@ -638,12 +642,22 @@ async def test_clear_files_on_a_full_disk(small_disk, chat: str):
     """Naive: on a full disk the command that frees space needs space for its bookkeeping first, and
     fails with an exception."""
     harness, root = small_disk
-    await bd.say(harness, "bob", "chat-b", code("open('/mnt/data/b.txt', 'w').write('b')", "ok"))
+    linked = {}
+    for user, chat_id in (("bob", "chat-b"), ("alice", "chat-1")):
+        made = await bd.say(
+            harness, user, chat_id, code("open('/mnt/data/b.txt', 'w').write('b')", "/mnt/data/b.txt")
+        )
+        [linked[user]] = links(made.splitlines()[-1])
     await fill_the_disk(harness, root)
     user, chat_id = ("alice", "chat-1") if chat == "the chat that filled it" else ("bob", "chat-b")
     cleared = await bd.say(harness, user, chat_id, "!clear-files")
-    assert "Deleted every file in this chat's /mnt/data" in cleared or bd.DISK_FULL in cleared, cleared
+    # What the README promises: the folder emptied and the copies its answers linked deleted.
+    assert "Deleted every file in this chat's /mnt/data" in cleared, cleared
+    assert "and the download copies linked in its earlier answers" in cleared, cleared
     assert list(bd.chat_folder(root, user, chat_id).iterdir()) == []
+    assert harness.files.fetch(linked[user], user) is None  # its copy is gone
+    other = "alice" if user == "bob" else "bob"
+    assert published(harness, linked[other]) == b"b"  # the other chat's is not
     answer = await bd.say(harness, user, chat_id, code("print('after', 'clearing')", "ok"))
     assert "after clearing" in answer
 
@@ -826,9 +840,7 @@ async def test_index_damaged_in_the_middle_of_a_step_loses_nothing(harness: Pipe
     assert url_a in {link.url for link in await harness.pipe._services.store.links()}
     assert await bd.indexed_usage(harness, "alice") == (2, bd.host_total(harness, "alice"))
     # Eleven minutes later the cleanup runs: the earlier link must still download.
-    token = harness.cache_dir / url_a.removeprefix("/cache/")
-    old = time.time() - 660
-    os.utime(token.parent, (old, old))
+    copy_of(harness, url_a).created_at = time.time() - 660  # old enough to be taken for a stray
     await harness.pipe._services.store.cleanup()
     assert published(harness, url_a) == b"AAA"
 

@@ -183,8 +183,9 @@ def test_second_user_cannot_use_the_first_users_chat_or_upload(open_webui: OpenW
         "chat_id": reply.chat_id,
     }
     response = bob.post("/api/chat/completions", payload)
-    assert response.status_code != 200 or "files: []" in response.text
-    assert "secret.txt'" not in response.text and "admin only" not in response.text
+    # Open WebUI refuses a chat id of another user before the function is called.
+    assert response.status_code == 404, (response.status_code, response.text[:300])
+    assert "secret.txt" not in response.text and "admin only" not in response.text
     upload = open_webui.admin.upload("private.csv", b"admin,upload\n")
     theirs = bob.say(LIST, files=[upload])
     assert "files: []" in theirs.content and "private.csv" not in theirs.content

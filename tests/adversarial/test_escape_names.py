@@ -13,6 +13,7 @@ import pytest
 from tests.adversarial.attack import (
     assert_index_matches_disk,
     assert_not_published,
+    copy_of,
     links,
     outside_code,
     prose,
@@ -88,7 +89,7 @@ async def test_markup_and_control_characters_in_file_names_stay_literal(harness:
     [saved] = [line for line in prose(answer).splitlines() if line.startswith("Saved:")]  # not broken apart
     [url] = links(saved)  # the plain name is still a working link
     assert saved.count("/mnt/data/") == len(HOSTILE_NAMES) - 1
-    assert url.endswith("/plain.txt") and published(harness, url) == b"x"
+    assert copy_of(harness, url).name == "plain.txt" and published(harness, url) == b"x"
     await assert_index_matches_disk(harness)
 
 
@@ -102,8 +103,10 @@ async def test_very_long_names_link_to_the_right_bytes(harness: PipeHarness):
     assert len(found) == len(names)
     for url, name in zip(found, names, strict=True):
         assert published(harness, url) == name[:3].encode()
-        assert len(url.rsplit("/", 1)[1]) <= 104
-    assert found[-1].endswith(".svg.txt")  # still not rendered as an image
+        assert len(copy_of(harness, url).name.encode()) <= 104  # the download's name, bounded
+    svg = copy_of(harness, found[-1])
+    assert svg.name.endswith(".svg.txt")  # never an image: a download, under a .bin name
+    assert svg.content_type == "application/octet-stream" and svg.path.suffix == ".bin"
     await assert_index_matches_disk(harness)
 
 

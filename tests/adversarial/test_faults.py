@@ -84,8 +84,9 @@ async def test_full_disk_while_publishing_leaves_no_partial_copy(harness: PipeHa
         "import os\nopen('/mnt/data/big.bin', 'wb').write(os.urandom(3 * 1024 * 1024))\n"
         "open('/mnt/data/small.txt', 'w').write('small')"
     )
-    publish_dir = harness.cache_dir / "functions" / "code_sessions"
-    with tiny_disk(publish_dir):
+    uploads = harness.files.uploads  # where Open WebUI's storage provider keeps the copies
+    uploads.mkdir(parents=True, exist_ok=True)
+    with tiny_disk(uploads):
         answer = await harness.say(
             "alice", "chat-1", code(make, "Big: /mnt/data/big.bin small: /mnt/data/small.txt")
         )
@@ -94,9 +95,8 @@ async def test_full_disk_while_publishing_leaves_no_partial_copy(harness: PipeHa
         [url] = links(reply)
         assert published(harness, url) == b"small"
         assert "not enough disk space" in answer.lower()  # the user is told why
-        leftovers = [p.name for p in publish_dir.iterdir() if p.name.startswith(".staging")]
-        assert leftovers == []
-        assert [p.name for p in published_files(harness)] == ["small.txt"]
+        # Only the small file's copy is stored: nothing half-written of the big one.
+        assert [p.read_bytes() for p in published_files(harness)] == [b"small"]
     # The small file's copy was on the tiny disk, gone with it; the next cleanup drops its link.
     await harness.pipe._services.store.cleanup()
     again = await harness.say("alice", "chat-1", code("print('room again')", "Big: /mnt/data/big.bin"))

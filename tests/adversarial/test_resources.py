@@ -150,15 +150,16 @@ async def test_sparse_terabyte_file_is_refused(harness: PipeHarness):
     await assert_index_matches_disk(harness)
 
 
-async def test_sparse_file_without_quotas_is_published_sparse(harness: PipeHarness):
-    """Naive: with quotas off, linking a 2 GiB sparse file writes 2 GiB of zeros into the publish folder."""
+async def test_a_huge_sparse_file_without_quotas_is_not_linked_and_the_answer_says_why(harness: PipeHarness):
+    """Naive: with quotas off, linking a 2 GiB sparse file makes Open WebUI read and store 2 GiB (its
+    storage provider holds a file in memory whole): the worker's memory, and a dense copy on disk."""
     harness.set_valves(max_file_mb=0, max_mb_per_user=0)
     sparse = "with open('/mnt/data/huge', 'wb') as f:\n    f.truncate(2 << 30)\n    f.write(b'end')"
     answer = await harness.say("mallory", "chat-1", code(sparse, "See /mnt/data/huge"))
-    [url] = links(answer.splitlines()[-1])
-    copy = harness.cache_dir / url.removeprefix("/cache/")
-    assert copy.stat().st_size == 2 * 1024 * MB
-    assert copy.stat().st_blocks * 512 < 4 * MB
+    assert links(answer) == []
+    [said] = [line for line in answer.splitlines() if line.startswith("- Not linked: /mnt/data/huge:")]
+    assert "too large to link \\(2 GiB" in said and "links stop at 1 GiB" in said, said
+    assert published_files(harness) == []  # nothing was stored
     await assert_index_matches_disk(harness)
 
 

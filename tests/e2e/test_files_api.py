@@ -7,6 +7,7 @@ gVisor. Accounts: the admin, bob and carol (ordinary users), and dave (deleted b
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from pathlib import Path
@@ -102,13 +103,18 @@ def test_an_image_is_stored_as_an_image_and_a_page_as_a_download(open_webui: Ope
     page = "<html><script>document.title='ran'</script></html>"
     reply = admin.say(run(f"open('/mnt/data/page.html', 'w').write({page!r})", "Page: /mnt/data/page.html"))
     [link] = set(LINK.findall(reply.content))
-    for route in ("", "/page.html", "/html"):
+    for route in ("", "/page.html", "/html"):  # every route that serves a file's bytes
         response = admin.download(link + route)
-        assert response.status_code in (200, 404), (route, response.status_code)
-        if response.status_code == 200:
-            kind = response.headers.get("content-type", "")
-            assert "html" not in kind and "xml" not in kind and "svg" not in kind, (route, kind)
-            assert response.content == page.encode()
+        assert response.status_code == 200, (route, response.status_code)
+        assert response.headers["content-type"] == "application/octet-stream", (route, response.headers)
+        assert response.content == page.encode()
+    assert admin.download(link).headers["content-disposition"].startswith("attachment")
+    # A figure left open is saved and shown inline, and keeps its own type.
+    drawn = admin.say(run("import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])"))
+    [image] = re.findall(r"!\[figure-\d+\.png\]\((/api/v1/files/[^)]+/content)\)", drawn.content)
+    shown = admin.download(image)
+    assert shown.status_code == 200 and shown.headers["content-type"] == "image/png", shown.headers
+    assert shown.content[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_deleted_chats_and_users_and_expired_chats_take_their_files_within_minutes(

@@ -7,16 +7,18 @@ purge and the `fresh` valve end the state.
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import pytest
 
+from tests.support.files_api import URL_PATTERN as FILE_URL
 from tests.support.pipe_harness import PipeHarness, code
-from tests.support.sandbox import leftovers
+from tests.support.sandbox import kill_a_worker_holding_a_kernel, leftovers
 
 pytestmark = pytest.mark.runsc
 
-IMAGE = re.compile(r"!\[[^\]]*\]\((/cache/functions/code_sessions/[A-Za-z0-9_-]{32}/[^)]+\.png)\)")
+IMAGE = re.compile(r"!\[[^\]]*\]\((" + FILE_URL + r")\)")
 
 
 @pytest.fixture
@@ -41,8 +43,9 @@ async def test_a_figure_left_open_is_shown_inline_and_named_to_the_model(harness
     draw = "import matplotlib.pyplot as plt\nplt.plot([1, 4, 9])\nplt.title('squares')"
     answer = await harness.say("alice", "chat-1", code(draw))
     [url] = IMAGE.findall(answer)
-    copy = harness.cache_dir / url.removeprefix("/cache/")
-    assert copy.read_bytes()[:4] == b"\x89PNG"
+    served = harness.files.fetch(url, "alice")
+    assert served is not None and served.body[:4] == b"\x89PNG" and served.content_type == "image/png"
+    assert harness.files.fetch(url, "bob") is None  # nobody else opens it
     tool_result = harness.requests[-1]["messages"][-1]["content"]
     assert "Figures: /mnt/data/figure-1.png" in tool_result
 
@@ -78,3 +81,32 @@ async def test_fresh_mode_keeps_files_but_not_variables(harness: PipeHarness):
     )
     assert "kept None" in answer
     assert harness.pipe._services.kernels is None
+
+
+async def test_figures_past_the_bound_are_counted_in_their_answer_and_never_carried_to_the_next(
+    harness: PipeHarness,
+):
+    many = "import matplotlib.pyplot as plt\nfor i in range(30):\n    plt.figure()\n    plt.plot([0, i])"
+    answer = await harness.say("alice", "chat-1", code(many))
+    shown = re.findall(r"!\[figure-\d+\.png\]\(", answer)
+    assert len(shown) == 20, answer
+    assert "and 10 more not saved (too many figures in one run)" in answer
+    assert "and 10 more not saved" in harness.requests[-1]["messages"][-1]["content"]  # the model hears it
+    following = await harness.say("alice", "chat-1", code("print('unrelated')"))
+    assert "unrelated" in following
+    assert "![figure" not in following and "Figures:" not in following, following
+    saved = sorted(p.name for p in harness.data_dir.rglob("figure-*.png") if "cache" not in p.parts)
+    assert len(saved) == 20, saved
+
+
+async def test_the_background_tick_sweeps_what_a_dead_workers_kernel_left(harness: PipeHarness, tmp_path):
+    """Another worker of this host is SIGKILLed while it holds a kernel: its sandbox dies with it, and
+    the next background tick of this worker removes its container state, bundle and cgroup."""
+    await harness.say("alice", "chat-1", code("print('set up')"))  # this worker's runner is set up
+    services = harness.pipe._services
+    runner = services.runner
+    cid = await asyncio.to_thread(kill_a_worker_holding_a_kernel, runner.config, tmp_path)
+    where = (cid, runner.state_dir, runner.bundle_dir, runner.config.cgroup_parent)
+    assert "bundle" in leftovers(*where)
+    await harness.pipe._tick(services)
+    assert leftovers(*where) == []

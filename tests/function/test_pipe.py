@@ -7,11 +7,12 @@ import re
 
 import pytest
 
+from tests.support.files_api import URL_PATTERN as FILE_URL
 from tests.support.pipe_harness import PipeHarness, code
 
 pytestmark = pytest.mark.runsc
 
-LINK = re.compile(r"\((/cache/functions/code_sessions/[A-Za-z0-9_-]{22,}/[^)]+)\)")
+LINK = re.compile(r"\((" + FILE_URL + r")\)")
 
 
 @pytest.fixture
@@ -21,8 +22,6 @@ async def harness(tmp_path) -> PipeHarness:
     await harness.aclose()
 
 
-def published_file(harness: PipeHarness, url: str):
-    return harness.cache_dir / url.removeprefix("/cache/")
 
 
 async def test_files_persist_between_messages_and_links_point_at_copies(harness: PipeHarness):
@@ -30,7 +29,8 @@ async def test_files_persist_between_messages_and_links_point_at_copies(harness:
         "u1", "chat-1", code("open('/mnt/data/a.txt','w').write('hello')", "See /mnt/data/a.txt")
     )
     url = LINK.findall(first)[-1]
-    assert published_file(harness, url).read_bytes() == b"hello"
+    assert harness.files.fetch(url, "u1").body == b"hello"  # type: ignore[union-attr]
+    assert harness.files.fetch(url, "u2") is None  # another user: Open WebUI's 404
     second = await harness.say("u1", "chat-1", code("print(open('/mnt/data/a.txt').read().upper())"))
     assert "HELLO" in second
     system = harness.requests[-1]["messages"][0]

@@ -4,6 +4,7 @@ runsc that fails the way gVisor does in a locked-down container)."""
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -185,3 +186,29 @@ def test_a_low_open_files_limit_is_a_warning_with_the_flag_that_fixes_it(tmp_pat
     assert checks["open files"]["warning"] is True, checks["open files"]
     assert "--ulimit nofile=" in checks["open files"]["fix"]
     assert "1024" in checks["open files"]["detail"]
+
+
+def test_a_storage_root_open_to_other_users_is_a_warning_with_its_fix(tmp_path: Path) -> None:
+    """A root made beforehand with 0755 (a pre-made volume): the doctor says so, and how to fix it; the
+    default root is found from DATA_DIR as the function finds it."""
+    root = tmp_path / "data" / "code_sessions"
+    root.mkdir(parents=True)
+    os.chmod(root, 0o755)
+
+    def run(*args: str, **env: str) -> dict:
+        done = subprocess.run(
+            [sys.executable, "-m", "runner", "doctor", "--json", "--runsc", RUNSC, *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**{k: v for k, v in os.environ.items() if k != "CODE_SESSIONS_ROOT"}, **env},
+        )
+        assert done.returncode == 0, done.stdout + done.stderr  # a warning, not a failure
+        return {c["name"]: c for c in json.loads(done.stdout)["checks"]}
+
+    found = run(DATA_DIR=str(tmp_path / "data"))["storage root"]
+    assert found["warning"] and "mode 0755" in found["detail"] and "other local users" in found["detail"]
+    assert found["fix"] == f"chmod 700 {root}"
+    os.chmod(root, 0o700)
+    private = run("--storage-root", str(root))["storage root"]
+    assert not private["warning"] and "0700" in private["detail"]

@@ -17,7 +17,7 @@ import pytest
 from runner import Runner, RunnerConfig
 from runner._disk import TooDeep, deleted_but_open
 from runner._orphans import OWNER_FILE, owner_stamp, sweep
-from tests.support.sandbox import disk_usage
+from tests.support.sandbox import disk_usage, kill_a_worker_holding_a_kernel, leftovers
 
 from .conftest import RUNSC, live_processes, runsc_containers
 
@@ -112,3 +112,18 @@ def test_a_supervisor_killed_mid_run_takes_its_sandbox_with_it(tmp_path: Path) -
     assert not bundle.exists()
     assert bundle.name not in runsc_containers(runner.state_dir)
     assert not list(Path("/sys/fs/cgroup").glob(f"*/{config.cgroup_parent}/{bundle.name}"))
+
+
+def test_a_runner_already_set_up_sweeps_a_dead_workers_kernel_when_asked(tmp_path: Path) -> None:
+    """A worker SIGKILLed with a live kernel: its sandbox dies with it, but its container state, bundle
+    and cgroup stay. A Runner set up before that (another worker) removes them at its periodic sweep,
+    without waiting for some later Runner's setup."""
+    config = RunnerConfig(runsc_path=RUNSC, state_dir=tmp_path / "state", bundle_dir=tmp_path / "bundles")
+    survivor = Runner(config)
+    asyncio.run(survivor.setup())
+    cid = kill_a_worker_holding_a_kernel(config, tmp_path)
+    left = leftovers(cid, config.state_dir, config.bundle_dir)  # type: ignore[arg-type]
+    assert "bundle" in left and "runsc container" in left, left  # what the dead worker left
+
+    assert cid in asyncio.run(survivor.sweep_leftovers())
+    assert leftovers(cid, config.state_dir, config.bundle_dir) == []  # type: ignore[arg-type]

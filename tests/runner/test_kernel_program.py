@@ -211,7 +211,7 @@ def test_the_module_is_inert_on_import_and_fit_for_embedding() -> None:
     for word in ["'" * 3, "__" + "file__", "from runner"] + ["from " + w for w in ("utils", "apps", "main")]:
         assert word not in KERNEL_SOURCE, word
     assert "from " + "config" not in KERNEL_SOURCE
-    assert kp.MAX_TEXT == 16 * 1024 and kp.PROTOCOL_VERSION == 1
+    assert kp.MAX_TEXT == 16 * 1024 and kp.PROTOCOL_VERSION == 2
 
 
 def test_package_versions_come_from_metadata_names(tmp_path: Path) -> None:
@@ -333,7 +333,7 @@ def test_ready_frame(kernel: Kernel) -> None:
     )
     expected = subprocess.run([PYTHON, "-c", script], capture_output=True, text=True, check=True).stdout
     python, packages = json.loads(expected)
-    assert kernel.ready.version == 1
+    assert kernel.ready.version == 2
     assert kernel.ready.pid == 1  # init of its own pid namespace
     assert kernel.ready.python == python
     assert kernel.ready.packages == packages
@@ -669,7 +669,15 @@ def _find_pipe_fd_code(inode: int) -> str:
 def test_a_forged_frame_is_caught_by_the_host(kernel: Kernel) -> None:
     channel = _find_pipe_fd_code(os.fstat(kernel.stdout.fileno()).st_ino)
     # A well-formed forgery for the current run: it cannot be told apart, so the run "ends" early...
-    forged = {"t": "done", "id": 1, "status": "ok", "exit_code": 0, "figures": ["forged.png"], "ms": 1.0}
+    forged = {
+        "t": "done",
+        "id": 1,
+        "status": "ok",
+        "exit_code": 0,
+        "figures": ["forged.png"],
+        "more": 0,
+        "ms": 1.0,
+    }
     res = kernel.run(
         channel + f"import json, struct\nb = json.dumps({forged!r}).encode()\n"
         "os.write(fd, struct.pack('>I', len(b)) + b)\nprint('after')"

@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -140,7 +142,7 @@ async def test_forged_frames_or_a_closed_channel_end_in_a_reset_and_nothing_wors
     forge = textwrap.dedent(
         """
         import json, os, struct
-        done = {"t": "done", "id": 99, "status": "ok", "exit_code": 0, "figures": [], "ms": 1.0}
+        done = {"t": "done", "id": 99, "status": "ok", "exit_code": 0, "figures": [], "more": 0, "ms": 1.0}
         body = json.dumps(done).encode()
         for fd in range(3, 64):
             try:
@@ -162,10 +164,16 @@ async def test_forged_frames_or_a_closed_channel_end_in_a_reset_and_nothing_wors
         LIMITS,
     )
     assert garbage.outcome == Outcome.KERNEL_LOST
+    await pool.run("u/c", workdir, "kept = 'before'", "python", LIMITS)
     closed = await pool.run(
         "u/c", workdir, "import os\nos.close(1)\nos.close(2)\nprint('x')", "python", LIMITS
     )
-    assert closed.outcome in (Outcome.OK, Outcome.ERROR, Outcome.KERNEL_LOST)  # never a hang, never a crash
+    # A cell that closes its own stdio hurts only itself: its print fails, the kernel puts fds 1 and 2
+    # back after it, and the state lives on.
+    assert closed.outcome == Outcome.ERROR and closed.state_kept, closed
+    assert "OSError: [Errno 9] Bad file descriptor" in closed.stderr
+    after = await pool.run("u/c", workdir, "print(kept)", "python", LIMITS)
+    assert (after.stdout, after.notes) == ("before\n", ())
     exits = await pool.run("u/c", workdir, "import os\nos._exit(3)", "python", LIMITS)
     assert exits.outcome == Outcome.KERNEL_LOST and "stopped responding" in (exits.reason or "")
     assert (await pool.run("u/c", workdir, "print(1)", "python", LIMITS)).stdout == "1\n"
@@ -338,18 +346,50 @@ async def test_the_kernel_starts_from_bytecode_and_from_source_when_that_fails(
     assert again.stdout == "['main.py'] ['']\n" and "ValueError: cell" in again.stderr
 
 
-async def test_the_socket_folder_is_made_private_even_if_it_was_there_before(
-    tmp_path: Path, workdir: Path
-) -> None:
-    sockets = tmp_path / "sockets"
-    sockets.mkdir(mode=0o755)
+def _connect_as_nobody(path: Path) -> subprocess.CompletedProcess[str]:
+    """Another local user (uid 65534) tries to reach a kernel's socket."""
+    connect = "import socket, sys\nsocket.socket(socket.AF_UNIX).connect(sys.argv[1])\nprint('connected')"
+    return subprocess.run(
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            connect,
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+async def test_a_kernels_socket_is_0600_in_a_0700_folder_and_another_user_is_refused(workdir: Path) -> None:
+    """The socket folder is made private even if it was there before (0755), the socket itself is 0600,
+    and another local user is refused by either one alone."""
+    # Outside pytest's own 0700 temporary folders, so that only these two modes stand in the way.
+    sockets = Path(f"/run/code-sessions-test-{os.getpid()}-{time.monotonic_ns()}") / "kernels"
+    sockets.mkdir(mode=0o755, parents=True)
     os.chmod(sockets, 0o755)
-    pool = KernelPool(Runner(), tmp_path / "registry", socket_dir=sockets)
+    os.chmod(sockets.parent, 0o755)
+    pool = KernelPool(Runner(), workdir.parent / "registry", socket_dir=sockets)
     try:
         assert (await pool.run("u/c", workdir, "print(1)", "python", LIMITS)).stdout == "1\n"
+        [sock] = list(sockets.iterdir())
+        assert stat.S_ISSOCK(sock.lstat().st_mode) and stat.S_IMODE(sock.lstat().st_mode) == 0o600
+        assert stat.S_IMODE(sockets.stat().st_mode) == 0o700
+        refused = _connect_as_nobody(sock)
+        assert refused.returncode != 0 and "PermissionError" in refused.stderr, refused
+        os.chmod(sockets, 0o711)  # the folder lets anyone through: the socket's own mode still refuses
+        refused = _connect_as_nobody(sock)
+        assert refused.returncode != 0 and "PermissionError" in refused.stderr, refused
+        os.chmod(sock, 0o666)  # the control: with both open, the same attempt gets through
+        assert _connect_as_nobody(sock).stdout == "connected\n"
     finally:
         await pool.close()
-    assert sockets.stat().st_mode & 0o777 == 0o700
+        shutil.rmtree(sockets.parent, ignore_errors=True)
 
 
 async def test_two_pools_of_one_process_share_a_chats_kernel(pool: KernelPool, tmp_path: Path, workdir: Path):

@@ -15,6 +15,7 @@ import pytest
 
 from runner import _kernel_program as kp
 from runner._wire import (
+    MAX_FIGURES,
     MAX_FRAME,
     MAX_TEXT,
     Done,
@@ -30,13 +31,21 @@ from runner._wire import (
 
 READY = {
     "t": "ready",
-    "v": 1,
+    "v": 2,
     "python": "3.11.2",
     "pid": 1,
     "packages": {"numpy": "1.24.2", "pandas": None, "PIL": "9.4.0"},
 }
 OUT = {"t": "out", "id": 7, "s": "o", "d": "héllo\n\x00\x1b[1m😀"}
-DONE = {"t": "done", "id": 7, "status": "ok", "exit_code": 0, "figures": ["figure-1.png"], "ms": 1.25}
+DONE = {
+    "t": "done",
+    "id": 7,
+    "status": "ok",
+    "exit_code": 0,
+    "figures": ["figure-1.png"],
+    "more": 0,
+    "ms": 1.25,
+}
 
 
 def frame_of_body(body: bytes) -> bytes:
@@ -54,12 +63,13 @@ def decode_one(data: bytes, max_frame: int = MAX_FRAME) -> list[object]:
 def test_round_trips() -> None:
     data = encode(READY) + encode(OUT) + encode(DONE) + encode({**DONE, "exit_code": None, "figures": []})
     ready, out, done, done2 = FrameDecoder().feed(data)
-    assert ready == Ready(1, "3.11.2", 1, {"numpy": "1.24.2", "pandas": None, "PIL": "9.4.0"})
+    assert ready == Ready(2, "3.11.2", 1, {"numpy": "1.24.2", "pandas": None, "PIL": "9.4.0"})
     assert out == Output(7, "stdout", "héllo\n\x00\x1b[1m😀")
     assert done == Done(7, "ok", 0, ("figure-1.png",), 1.25)
     assert done2 == Done(7, "ok", None, (), 1.25)
     assert decode_one(encode({**OUT, "s": "e"})) == [Output(7, "stderr", OUT["d"])]
     assert decode_one(encode({**DONE, "ms": 3})) == [Done(7, "ok", 0, ("figure-1.png",), 3.0)]
+    assert decode_one(encode({**DONE, "more": 180}))[0].more == 180  # type: ignore[attr-defined]
     with pytest.raises(AttributeError):
         out.text = "x"  # type: ignore[misc]
 
@@ -71,7 +81,7 @@ def test_the_kernels_own_encoder_speaks_the_same_wire() -> None:
         assert decode_one(frame_of_body(body)) == decode_one(encode(obj))
     with pytest.raises(ValueError):
         kp.to_json({"ms": float("nan")})
-    assert (kp.PROTOCOL_VERSION, kp.MAX_TEXT, kp.MAX_FIGURES_PER_RUN) == (1, MAX_TEXT, 100)
+    assert (kp.PROTOCOL_VERSION, kp.MAX_TEXT, kp.MAX_FIGURES_PER_RUN) == (2, MAX_TEXT, MAX_FIGURES)
     from runner import _wire
 
     assert kp.MAX_REQUEST == _wire.MAX_REQUEST
@@ -83,7 +93,7 @@ def test_the_largest_honest_frames_fit() -> None:
         frame = kp.to_json({**OUT, "d": char * MAX_TEXT}).encode()
         assert len(frame) <= MAX_FRAME
         assert decode_one(frame_of_body(frame)) == [Output(7, "stdout", char * MAX_TEXT)]
-    names = [f"figure-{i}.png" for i in range(100)]
+    names = [f"figure-{i}.png" for i in range(MAX_FIGURES)]
     assert decode_one(encode({**DONE, "figures": names}))[0].figures == tuple(names)  # type: ignore[attr-defined]
 
 
@@ -128,11 +138,12 @@ MALFORMED_BODIES: dict[str, bytes] = {
     "null": b"null",
     "deep nesting": b"[" * 100_000 + b"]" * 100_000,
     "huge int": b'{"t": "out", "id": ' + b"9" * 5000 + b', "s": "o", "d": ""}',
-    "NaN": b'{"t": "done", "id": 1, "status": "ok", "exit_code": 0, "figures": [], "ms": NaN}',
-    "Infinity": b'{"t": "done", "id": 1, "status": "ok", "exit_code": 0, "figures": [], "ms": Infinity}',
+    "NaN": b'{"t": "done", "id": 1, "status": "ok", "exit_code": 0, "figures": [], "more": 0, "ms": NaN}',
+    "Infinity": b'{"t": "done", "id": 1, "status": "ok", "exit_code": 0, "figures": [], "more": 0, '
+    b'"ms": Infinity}',
     "lone surrogate": b'{"t": "out", "id": 1, "s": "o", "d": "a\\ud800b"}',
     "lone low surrogate in a name": b'{"t": "done", "id": 1, "status": "ok", "exit_code": 0, '
-    b'"figures": ["\\udc80.png"], "ms": 1}',
+    b'"figures": ["\\udc80.png"], "more": 0, "ms": 1}',
 }
 
 
@@ -164,7 +175,7 @@ def _variants() -> dict[str, object]:
                 [1],
                 [None],
                 ["a" * 256],
-                [f"f{i}.png" for i in range(101)],
+                [f"f{i}.png" for i in range(MAX_FIGURES + 1)],
                 ["/etc/passwd"],
                 ["../x.png"],
                 ["a/../../b.png"],
@@ -176,10 +187,11 @@ def _variants() -> dict[str, object]:
                 ["a\\b.png"],
                 ["dir/"],
             ],
+            "more": [-1, "1", True, None, 2**31, [1]],
             "ms": [-1, "1", True, None, 1e13, [1]],
         },
         "ready": {
-            "v": [0, 2, True, "1", 1.0],
+            "v": [0, 1, 3, True, "2", 2.0],
             "python": ["", "x" * 65, None, 3.11, "3.11 evil\n", "\u00e9"],
             "pid": [0, -1, True, 2**31, "1"],
             "packages": [

@@ -1,16 +1,16 @@
 """Drive the installed function (dist/code_sessions.py, loaded the way Open WebUI loads it) in-process.
 
 Only Open WebUI's side is stood in for: where DATA_DIR is, who the user is, the base model (the same
-scripted model as the end-to-end tests) and the uploaded-file store. Storage, the sandbox (real runsc) and
-the whole pipe run for real. Use it for many hostile cases that would be slow through HTTP; the claims
-about Open WebUI itself are made in tests/e2e with a real server.
+scripted model as the end-to-end tests), the uploaded-file store and the Files API that published
+copies go through (tests/support/files_api.py: FilesPublisher's ids, owner checks and attachments).
+Storage, the sandbox (real runsc) and the whole pipe run for real. Use it for many hostile cases that
+would be slow through HTTP; the claims about Open WebUI itself are made in tests/e2e with a real server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import json
 import sys
 import types
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from demo import scripted_model
+from tests.support.files_api import FilesApi
 
 REPO = Path(__file__).resolve().parents[2]
 BUNDLE = REPO / "dist" / "code_sessions.py"
@@ -63,11 +64,17 @@ class PipeHarness:
     # What Open WebUI's process holds for every file of one bundle (OpenWebUI.shared): pass another
     # harness's to be the same worker process, so that their files share one store and set of kernels.
     process: dict = field(default_factory=dict)
+    # Where Open WebUI's storage provider keeps uploaded files (and so the published copies):
+    # DATA_DIR/uploads, as Open WebUI's default; a test may put it on another disk.
+    uploads_dir: Path | None = None
 
     def __post_init__(self) -> None:
         self.module = load_like_open_webui(BUNDLE.read_text())
         self.pipe = self.module.Pipe()
-        self.cache_dir = self.data_dir / "cache"
+        self.cache_dir = self.data_dir / "cache"  # what Open WebUI serves to every logged-in user
+        self.files = FilesApi(
+            self.module, self.uploads_dir or self.data_dir / "uploads", self.data_dir / "files-api.json"
+        )
         self.pipe._host = _HarnessHost(self)  # the one object through which the function asks Open WebUI
         self.chats: dict[str, str] = {}  # chat id -> owner, for every chat a message was sent in
         self.deleted_chats: set[tuple[str, str]] = set()  # what Open WebUI would no longer find
@@ -113,6 +120,7 @@ class PipeHarness:
 
         self.events = statuses
         self.chats.setdefault(chat_id, user_id)
+        self.message_id = message_id
         result = await self.pipe.pipe(
             body,
             __user__={"id": user_id, "name": user_id, "role": "user", "valves": self.pipe.UserValves()},
@@ -180,10 +188,9 @@ class _HarnessHost:
         return "" if choice.strip().lower() in ("", "sqlite") else choice.strip()
 
     def publisher(self, places: Any) -> Any:
-        # Open WebUI's Files API is not here: copies go to a folder (the publisher the store ships),
-        # served as /cache/... The Files API publisher is proven through a real Open WebUI (tests/e2e).
-        storage = importlib.import_module(self._module._CS_PACKAGE + ".storage")  # the bundle's own classes
-        return storage.DirectoryPublisher(places.publish_dir, places.url_prefix)
+        # Open WebUI's Files API, stood in for with FilesPublisher's behaviour (tests/support/files_api.py);
+        # the real publisher is proven through a real Open WebUI (tests/e2e).
+        return self._harness.files.publisher()
 
     def can_attach(self, chat_id: str, message_id: str | None) -> bool:
         return bool(message_id) and not chat_id.startswith(("temporary:", "local:", "channel:"))
@@ -191,18 +198,11 @@ class _HarnessHost:
     async def attach(
         self, chat_id: str, message_id: Any, user_id: str, links: list, emit: Any, *, inline_urls=()
     ) -> None:
-        """The message's attachments as Open WebUI's `attach` makes them (webui/files.py; proven in
-        tests/e2e): every linked file but the images the text shows inline."""
-        self.attached = list(links)
+        """The message's attachments as Open WebUI's `attach` makes them (webui/host.py and
+        webui/files.py; proven in tests/e2e): every linked file but the images the text shows inline."""
         if not self.can_attach(chat_id, message_id):
             return
-        items = [
-            {"type": "image" if link.is_image else "file", "id": link.ref, "name": link.name, "url": link.url}
-            for link in links
-            if link.url not in inline_urls
-        ]
-        if items and emit is not None:
-            await emit({"type": "chat:message:files", "data": {"files": items}})
+        await self._harness.files.attach(chat_id, message_id, user_id, links, emit, inline_urls=inline_urls)
 
     async def user(self, user_id: str) -> Any:
         return types.SimpleNamespace(id=user_id, role="user")

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
-from runner import Runner, RunResult
+from runner import Runner, RunnerConfig, RunResult
 from runner._disk import MAX_DEPTH, folder_sizes
 
 RUNSC = os.environ.get("RUNSC", "runsc")
@@ -54,3 +57,49 @@ def assert_nothing_left(runner: Runner, result: RunResult) -> None:
 def disk_usage(root: Path | str, max_depth: int = MAX_DEPTH) -> int:
     """Bytes under ``root``, measured the way the runner's write limit measures them."""
     return sum(folder_sizes(str(root), max_depth).values())
+
+
+_KERNEL_WORKER = """
+import asyncio, sys
+from pathlib import Path
+from runner import KernelPool, Limits, Runner, RunnerConfig
+
+async def main(config, registry, workdir):
+    pool = KernelPool(Runner(RunnerConfig.model_validate_json(config)), Path(registry))
+    result = await pool.run("u/c", Path(workdir), "x = 1", "python", Limits())
+    print(result.container_id, flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main(*sys.argv[1:4]))
+"""
+
+
+def kill_a_worker_holding_a_kernel(config: RunnerConfig, scratch: Path) -> str:
+    """A worker process (another Open WebUI worker) starts a kernel with ``config`` and is SIGKILLed;
+    once its sandbox's processes are gone (they die with it), returns the kernel's container id."""
+    workdir = scratch / "dead-worker-chat"
+    workdir.mkdir(exist_ok=True)
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(_KERNEL_WORKER),
+            config.model_dump_json(),
+            str(scratch / "dead-worker-registry"),
+            str(workdir),
+        ],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        cid = worker.stdout.readline().strip()  # type: ignore[union-attr]
+    finally:
+        worker.kill()
+        worker.wait()
+    assert cid.startswith("cs-k-"), f"the worker did not start a kernel: {cid!r}"
+    deadline = time.monotonic() + 10
+    while live_processes(cid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert live_processes(cid) == [], "the kernel did not die with its worker"
+    return cid
