@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_c40136f81305'
+_CS_PACKAGE = '_code_sessions_d1b46b9a4880'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -13349,7 +13349,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_c40136f81305.runner import Outcome
+from _code_sessions_d1b46b9a4880.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -13624,8 +13624,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_c40136f81305.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_c40136f81305.storage import human_bytes
+from _code_sessions_d1b46b9a4880.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_d1b46b9a4880.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -13745,7 +13745,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_c40136f81305.storage import Purge, parse_duration
+from _code_sessions_d1b46b9a4880.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -14864,8 +14864,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_c40136f81305.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_c40136f81305.storage import (
+from _code_sessions_d1b46b9a4880.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_d1b46b9a4880.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14971,6 +14971,10 @@ class StepResult:
         files a limit removed. (Why a limit stopped the run: `why_stopped`. The files the run saved are
         not here: the answer names them, and the message's attachments hold them.)"""
         notes = [*(self.run.notes if self.run is not None else ()), *self.notes]
+        more = self.run.figures_more if self.run is not None else 0
+        if more:  # the kernel bounds a run's figures: the rest are counted here, never carried over
+            shown = f"{len(self.figures)} figures are shown, and " if self.figures else ""
+            notes.append(f"{shown}{more} more not saved (too many figures in one run)".capitalize())
         return notes + self._removals()
 
     def _removals(self) -> list[str]:
@@ -15546,7 +15550,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_c40136f81305.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_d1b46b9a4880.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -15763,7 +15767,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_c40136f81305.storage import Link, Publisher, is_postgres_url
+from _code_sessions_d1b46b9a4880.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -15976,7 +15980,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_c40136f81305.engine import (
+from _code_sessions_d1b46b9a4880.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -15986,9 +15990,9 @@ from _code_sessions_c40136f81305.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_c40136f81305.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_c40136f81305.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_c40136f81305.webui import OpenWebUI
+from _code_sessions_d1b46b9a4880.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_d1b46b9a4880.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_d1b46b9a4880.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -16584,10 +16588,10 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_c40136f81305.engine import LoopOptions, escape_text, run_step
-from _code_sessions_c40136f81305.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_c40136f81305.storage import StorageError
-from _code_sessions_c40136f81305.webui import Misconfigured
+from _code_sessions_d1b46b9a4880.engine import LoopOptions, escape_text, run_step
+from _code_sessions_d1b46b9a4880.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_d1b46b9a4880.storage import StorageError
+from _code_sessions_d1b46b9a4880.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -121,6 +121,10 @@ class StepResult:
         files a limit removed. (Why a limit stopped the run: `why_stopped`. The files the run saved are
         not here: the answer names them, and the message's attachments hold them.)"""
         notes = [*(self.run.notes if self.run is not None else ()), *self.notes]
+        more = self.run.figures_more if self.run is not None else 0
+        if more:  # the kernel bounds a run's figures: the rest are counted here, never carried over
+            shown = f"{len(self.figures)} figures are shown, and " if self.figures else ""
+            notes.append(f"{shown}{more} more not saved (too many figures in one run)".capitalize())
         return notes + self._removals()
 
     def _removals(self) -> list[str]:

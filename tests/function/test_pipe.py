@@ -118,7 +118,8 @@ async def test_without_attachments_a_file_the_answer_left_unnamed_is_named_in_on
     )
     shown = re.sub(r"<details>.*?</details>", "", answer, flags=re.S)
     [line] = [line for line in shown.splitlines() if "extra.txt" in line]
-    assert line.startswith("Saved: [extra.txt](/cache/") and shown.count("extra.txt") == 2  # label, URL
+    assert line.startswith("Saved: [extra.txt](/api/v1/files/code-sessions-")
+    assert shown.count("extra.txt") == 1
     assert not [e for e in harness.events if e["type"] == "chat:message:files"]
 
 

@@ -13,7 +13,7 @@ from tests.support.tool_harness import ToolHarness
 
 pytestmark = pytest.mark.runsc
 
-LINK = re.compile(r"\((/cache/functions/code_sessions/[A-Za-z0-9_-]{22,}/[^)]+)\)")
+LINK = re.compile(r"\((/api/v1/files/code-sessions-[0-9a-f-]{36}/content)\)")
 WRITE_REPORT = code(
     "import csv\n"
     "with open('/mnt/data/report.csv', 'w', newline='') as f:\n"
@@ -30,8 +30,10 @@ async def tool(tmp_path) -> ToolHarness:
     await harness.aclose()
 
 
-def published(harness, url: str) -> bytes:
-    return (harness.cache_dir / url.removeprefix("/cache/")).read_bytes()
+def published(harness, url: str, viewer: str = "u1") -> bytes:
+    served = harness.files.fetch(url, viewer)  # as Open WebUI's Files API serves it to the owner
+    assert served is not None, url
+    return served.body
 
 
 async def test_a_plain_model_runs_code_in_mnt_data_and_the_answer_links_the_file(tool: ToolHarness):
@@ -41,7 +43,7 @@ async def test_a_plain_model_runs_code_in_mnt_data_and_the_answer_links_the_file
     assert "/mnt/data/report.csv" in result  # the model is told what its run saved
     # Linked while streaming (the path arrives in 7-character pieces) and in the saved message.
     for text in (turn.streamed, turn.saved):
-        assert "Here is your report: [report.csv](/cache/functions/code_sessions/" in text, text
+        assert "Here is your report: [report.csv](/api/v1/files/code-sessions-" in text, text
         assert "/mnt/data/report.csv" not in text
     url = LINK.findall(turn.saved)[-1]
     assert published(tool, url) == b"name,score\r\nada,3\r\n"
@@ -83,7 +85,7 @@ async def test_kernel_state_and_files_persist_across_turns(tool: ToolHarness):
     assert "rows 2 ada,3" in second.tool_results[0], second.tool_results
     # The earlier answer reaches the model with its link turned back into the path it named.
     earlier = next(m for m in tool.requests[-1]["messages"] if m["role"] == "assistant")
-    assert "/mnt/data/report.csv" in earlier["content"] and "/cache/" not in earlier["content"]
+    assert "/mnt/data/report.csv" in earlier["content"] and "/api/v1/files/" not in earlier["content"]
     # And the folder's files are listed for it.
     assert "/mnt/data/report.csv" in tool.requests[-1]["messages"][0]["content"]
 

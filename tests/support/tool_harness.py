@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from demo import scripted_model
+from tests.support.files_api import FilesApi
 from tests.support.pipe_harness import PipeHarness, _HarnessHost, load_like_open_webui, stop_adapter
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,6 +53,8 @@ class ToolHarness:
         self.tools = self.tool_module.Tools()
         self.filter = self.filter_module.Filter()
         self.cache_dir = self.data_dir / "cache"
+        # Open WebUI's Files API, as the Pipe harness stands in for it (a `beside` harness shares it).
+        self.files = FilesApi(self.tool_module, self.data_dir / "uploads", self.data_dir / "files-api.json")
         self.requests: list[dict] = []
         self.chats: dict[str, str] = {}
         self.deleted_chats: set[tuple[str, str]] = set()
@@ -67,6 +70,7 @@ class ToolHarness:
         harness = cls(pipe.data_dir, valves={**pipe.stored_valves, **valves}, process=pipe.process)
         harness.chats = pipe.chats
         harness.uploads = pipe.uploads
+        harness.files = pipe.files
         return harness
 
     def set_valves(self, **changes: Any) -> None:
