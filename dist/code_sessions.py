@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_c7233a2142b6'
+_CS_PACKAGE = '_code_sessions_ad559cd98d97'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -531,6 +531,7 @@ from ._format import human_duration
 from ._fsops import fd_closing, open_dir, remove_tree, unlink_name_if_unchanged, walk_dirs
 from ._index import SessionRow
 from ._keys import id_key
+from ._layout import Layout
 from ._publish import drain_unpublished, folder_copy_present, link_records, remove_copies
 from .errors import FileMissing, InvalidPath
 from .models import CleanupReport, Purge, SessionCleanup
@@ -744,9 +745,23 @@ async def delete_session(core: Core, row: SessionRow, reason: str) -> int:
             remove_tree(trash)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(layout.sidecar_path(row.user_key, row.chat_key))
+        remove_saved_state(layout, row.user_key, row.chat_key)
 
     await asyncio.to_thread(remove_files)
     return len(links)
+
+
+def remove_saved_state(layout: Layout, user_key: str, chat_key: str) -> None:
+    """The session's saved state goes with it (renamed aside first, so a reader sees all or nothing)."""
+    saved = layout.saved_state(user_key, chat_key)
+    aside = layout.trash / f"{chat_key}.kernel.{secrets.token_hex(6)}"
+    try:
+        os.rename(saved, aside)
+    except FileNotFoundError:
+        return
+    except OSError:
+        aside = saved
+    remove_tree(aside)
 
 
 def _prune_parents(core: Core, row: SessionRow) -> None:
@@ -2029,6 +2044,8 @@ root/                       0700
   sessions/<user key>/<chat key>/   the folder mounted at /mnt/data
   state/<user key>/<chat key>.lock  flock target (outside the mount: the sandbox cannot touch it)
   state/<user key>/<chat key>.json  {user_id, chat_id, created_at}: lets a lost index be rebuilt
+  state/<user key>/<chat key>.kernel/  the chat's saved state: opaque bytes the runner writes (a
+                            sleeping Python kernel); it lives and goes with the session
   trash/                    a deleted session folder is renamed here first, then removed
   running/<user key>.<chat key>   a run is changing the folder: removed by the reconcile after it,
                             so one left behind marks a run its process did not live to index
@@ -2094,6 +2111,25 @@ class Layout:
     def sidecar_path(self, user_key: str, chat_key: str) -> Path:
         return self.state / user_key / f"{chat_key}.json"
 
+    def saved_state(self, user_key: str, chat_key: str) -> Path:
+        """The chat's saved-state folder (not created here: its writer makes it, mode 0700)."""
+        return self.state / user_key / f"{chat_key}.kernel"
+
+    def saved_states(self) -> list[tuple[str, str, int]]:
+        """(user key, chat key, bytes) of every saved-state folder on disk."""
+        found: list[tuple[str, str, int]] = []
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.state) as users:
+            for user in users:
+                if not user.is_dir(follow_symlinks=False):
+                    continue
+                with contextlib.suppress(FileNotFoundError), os.scandir(user.path) as items:
+                    for item in items:
+                        if item.name.endswith(".kernel") and item.is_dir(follow_symlinks=False):
+                            found.append(
+                                (user.name, item.name[: -len(".kernel")], tree_bytes(Path(item.path)))
+                            )
+        return found
+
     def running_marker(self, user_key: str, chat_key: str) -> Path:
         # Keys never contain '.', so the name splits back unambiguously.
         return self.running / f"{user_key}.{chat_key}"
@@ -2120,6 +2156,17 @@ class Layout:
                         (user.name, chat.name) for chat in chats if chat.is_dir(follow_symlinks=False)
                     )
         return found
+
+
+def tree_bytes(folder: Path) -> int:
+    """Bytes of the regular files under `folder` (links not followed)."""
+    total = 0
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(dirpath, name))
+                total += st.st_size
+    return total
 
 
 def write_sidecar(path: Path, user_id: str, chat_id: str, created_at: float) -> None:
@@ -3836,6 +3883,18 @@ async def check(core: Core) -> list[Drift]:
         index_rows = await core.read(lambda tx, sid=row.id: _index.file_rows(tx, sid))
         drift.extend(await asyncio.to_thread(_compare, row, found, index_rows))
 
+    for user_key, chat_key, size in await asyncio.to_thread(layout.saved_states):
+        if (user_key, chat_key) not in indexed:
+            ids = read_sidecar(layout.sidecar_path(user_key, chat_key), user_key, chat_key) or {}
+            drift.append(
+                Drift(
+                    "stray saved state",
+                    ids.get("user_id", f"unknown:{user_key}"),
+                    ids.get("chat_id", f"unknown:{chat_key}"),
+                    detail=f"{layout.saved_state(user_key, chat_key)} ({size} B)",
+                )
+            )
+
     drift.extend(await _link_drift(core))
     return drift
 
@@ -5307,7 +5366,7 @@ async def _usage(store: Store, args: argparse.Namespace) -> int:
         return "" if not limit else f"{100 * used / limit:.0f}%"
 
     text = table(
-        ["USER", "SESSIONS", "FILES", "FILES %", "SIZE", "SIZE %"],
+        ["USER", "SESSIONS", "FILES", "FILES %", "SIZE", "SIZE %", "SAVED STATE"],
         [
             [
                 u.user_id,
@@ -5316,10 +5375,11 @@ async def _usage(store: Store, args: argparse.Namespace) -> int:
                 pct(u.files, q.max_files_per_user),
                 human_bytes(u.bytes),
                 pct(u.bytes, q.max_bytes_per_user),
+                human_bytes(u.saved_state_bytes),
             ]
             for u in users
         ],
-        right=(1, 2, 3, 4, 5),
+        right=(1, 2, 3, 4, 5, 6),
     )
     head = (
         f"quotas: {q.max_files_per_user or 'no limit'} files, {human_limit(q.max_bytes_per_user)} per user; "
@@ -5637,6 +5697,7 @@ class UserUsage(_Dictable):
     sessions: int
     files: int
     bytes: int
+    saved_state_bytes: int = 0  # the sessions' saved states (not files: outside the file quota)
 
 
 @dataclass(frozen=True, slots=True)
@@ -5853,7 +5914,7 @@ class Drift(_Dictable):
     """A difference between the index and the disk found by `Store.check()`.
 
     kind: file not indexed, file missing, file changed, totals mismatch, session folder missing,
-    session not indexed, special file, bad name, link copy missing, stray copy.
+    session not indexed, special file, bad name, link copy missing, stray copy, stray saved state.
     """
 
     kind: str
@@ -6332,6 +6393,12 @@ class Session:
     def path(self) -> Path:
         return self._ref.path
 
+    @property
+    def state_path(self) -> Path:
+        """The session's own folder for state kept beside its files (outside `path`, so the code that
+        runs in the folder cannot reach it); removed with the session."""
+        return self._core.layout.saved_state(self._ref.user_key, self._ref.chat_key)
+
     def __repr__(self) -> str:
         return f"Session(user_id={self.user_id!r}, chat_id={self.chat_id!r}, path={str(self.path)!r})"
 
@@ -6683,6 +6750,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -6933,8 +7001,24 @@ class Store:
         """A named lock shared by every process of this store (e.g. one background cleanup at a time)."""
         return self._core.backend.named_lock(name)
 
+    def saved_state_path(self, user_key: str, chat_key: str) -> Path:
+        """A session's saved-state folder by its keys (see Session.state_path), for a session that
+        may already be gone."""
+        return self._core.layout.saved_state(user_key, chat_key)
+
     async def users_usage(self) -> list[UserUsage]:
-        return await self._core.read(_index.users_usage)
+        """Per user: sessions, files and bytes (from the index), and the bytes of their sessions'
+        saved states (from the disk: the index does not track them)."""
+        users = await self._core.read(_index.users_usage)
+        saved = await asyncio.to_thread(self._core.layout.saved_states)
+        rows = await self._core.read(_index.all_sessions)
+        owner = {(r.user_key, r.chat_key): r.user_id for r in rows}
+        by_user: dict[str, int] = {}
+        for user_key, chat_key, size in saved:
+            user_id = owner.get((user_key, chat_key))
+            if user_id is not None:
+                by_user[user_id] = by_user.get(user_id, 0) + size
+        return [dataclasses.replace(u, saved_state_bytes=by_user.get(u.user_id, 0)) for u in users]
 
     async def sessions(self, user_id: str | None = None) -> list[SessionInfo]:
         key = None if user_id is None else id_key(user_id)
@@ -8435,6 +8519,177 @@ class GrowthWatch:
             # Between runs nothing should write: walk rarely unless the filesystem says otherwise.
             next_walk = time.monotonic() + _interval(time.monotonic() - t0)
 ''',
+    'runner/_hibernate.py': r'''"""A kernel's saved image on disk: what `runsc checkpoint` wrote, and what restoring it needs.
+
+A saved image is a folder (`<state dir>/kernel`, in the chat's state area the caller names) holding
+the files runsc wrote and `meta.json`:
+
+    {"format": 1, "id": "<token>", "identity": {...}, "ready": {...}, "files": {name: [size, sha256]},
+     "saved_at": <unix time>}
+
+`identity` is everything the image was made with and needs again: the runsc version and platform, the
+sandbox's root file system, interpreter and user, the kernel program's digest and the lifetime limits
+(memory, processes, file size: the last two are rlimits of the process, which the image carries).
+An image whose identity differs from the host's now is refused with a sentence, not tried; one whose
+files do not match their recorded sizes and digests (damaged, truncated, swapped) likewise. A folder is
+written beside the final one and renamed into place, so a crash mid-save leaves the older image or
+none, never half of one.
+
+Pure file work, blocking: call it from a thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FORMAT = 1
+IMAGE_DIR = "kernel"
+META = "meta.json"
+_MAX_META = 1 << 16
+_MAX_FILES = 32
+
+
+class ImageRefused(Exception):
+    """The saved image cannot be used; the message says why, in words for the user."""
+
+
+@dataclass(frozen=True)
+class SavedImage:
+    folder: Path
+    id: str
+    identity: dict[str, Any]
+    ready: dict[str, Any]
+    size: int
+
+
+def image_dir(state_dir: Path) -> Path:
+    return state_dir / IMAGE_DIR
+
+
+def new_staging(state_dir: Path) -> Path:
+    """An empty private folder beside the final one, for runsc to write the image into."""
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    staging = state_dir / f".{IMAGE_DIR}-{secrets.token_hex(6)}"
+    staging.mkdir(mode=0o700)
+    return staging
+
+
+def _digest(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def image_files(folder: Path) -> dict[str, list[Any]]:
+    """Each regular file runsc wrote, with its size and digest (no links, no folders)."""
+    files: dict[str, list[Any]] = {}
+    for entry in os.scandir(folder):
+        if entry.name == META:
+            continue
+        if not entry.is_file(follow_symlinks=False):
+            raise ImageRefused(f"the image holds an unexpected entry {entry.name!r}")
+        files[entry.name] = [entry.stat(follow_symlinks=False).st_size, _digest(Path(entry.path))]
+    if not files or len(files) > _MAX_FILES:
+        raise ImageRefused(f"runsc wrote {len(files)} image files")
+    return files
+
+
+def seal(staging: Path, state_dir: Path, identity: dict[str, Any], ready: dict[str, Any]) -> SavedImage:
+    """Record what the image needs beside it and move it into place (replacing an older one)."""
+    files = image_files(staging)
+    token = secrets.token_hex(12)
+    meta = {
+        "format": FORMAT,
+        "id": token,
+        "identity": identity,
+        "ready": ready,
+        "files": files,
+        "saved_at": time.time(),
+    }
+    fd = os.open(staging / META, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        json.dump(meta, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    final = image_dir(state_dir)
+    discard(state_dir, staging=False)  # the older image (a rename cannot replace a non-empty folder)
+    os.rename(staging, final)
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    return SavedImage(final, token, identity, ready, sum(size for size, _ in files.values()))
+
+
+def discard(state_dir: Path, *, staging: bool = True) -> None:
+    """Remove the saved image (and, with `staging`, any folder a save was writing or a crash left)."""
+    with contextlib.suppress(FileNotFoundError), os.scandir(state_dir) as listing:
+        for entry in listing:
+            if entry.name == IMAGE_DIR or (staging and entry.name.startswith(f".{IMAGE_DIR}-")):
+                gone = state_dir / f".{IMAGE_DIR}-gone-{secrets.token_hex(6)}"
+                try:
+                    os.rename(entry.path, gone)
+                except OSError:
+                    continue
+                shutil.rmtree(gone, ignore_errors=True)
+
+
+def load(state_dir: Path, expected_id: str, identity: dict[str, Any]) -> SavedImage:
+    """The saved image with id `expected_id`, checked whole and fit for this host; else ImageRefused."""
+    folder = image_dir(state_dir)
+    try:
+        st = folder.lstat()
+        with open(folder / META, "rb") as fh:
+            meta = json.loads(fh.read(_MAX_META))
+    except FileNotFoundError as error:
+        raise ImageRefused("its saved image is missing") from error
+    except (OSError, ValueError) as error:
+        raise ImageRefused(f"its saved image cannot be read: {error}") from error
+    if not folder.is_dir() or folder.is_symlink() or st.st_uid != os.geteuid():
+        raise ImageRefused("its saved image is not a folder of ours")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ImageRefused("its saved image has an unknown format")
+    if meta.get("id") != expected_id:
+        raise ImageRefused("its saved image is not the one its kernel wrote last")
+    mismatch = [
+        f"{name} {meta['identity'].get(name)!r}, now {value!r}"
+        for name, value in identity.items()
+        if not isinstance(meta.get("identity"), dict) or meta["identity"].get(name) != value
+    ]
+    if mismatch:
+        raise ImageRefused("it was saved by another sandbox: " + "; ".join(mismatch)[:300])
+    recorded = meta.get("files")
+    try:
+        found = image_files(folder)
+    except OSError as error:
+        raise ImageRefused(f"its saved image cannot be read: {error}") from error
+    if found != recorded:
+        raise ImageRefused("its saved image is damaged (its files differ from what was recorded)")
+    ready = meta.get("ready")
+    if not isinstance(ready, dict):
+        raise ImageRefused("its saved image has no kernel description")
+    return SavedImage(folder, expected_id, meta["identity"], ready, sum(s for s, _ in found.values()))
+
+
+def size_of(state_dir: Path) -> int:
+    """Bytes the saved image takes (0 without one)."""
+    total = 0
+    with contextlib.suppress(FileNotFoundError), os.scandir(image_dir(state_dir)) as listing:
+        for entry in listing:
+            with contextlib.suppress(OSError):
+                total += entry.stat(follow_symlinks=False).st_size
+    return total
+''',
     'runner/_kernel.py': r'''"""One persistent Python kernel: a long-lived gVisor sandbox whose first process is our kernel program
 (runner/_kernel_program.py), running each cell in one namespace that lives from run to run.
 
@@ -8458,14 +8713,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import logging
 import os
 import shutil
 import signal
 import time
+from pathlib import Path
 
 from . import _kernel_program, _wire
 from ._changes import ChangeWatch
+from ._diagnose import read_runsc_errors, tidy
 from ._disk import MAX_DEPTH, GrowthWatch
 from ._plan import Sandbox
 from ._procs import pids_by_marker, sigkill
@@ -8487,10 +8745,20 @@ _HELPER_TIMEOUT_S = 10.0
 _REAP_S = 5.0
 _OOM_POLL_S = 0.25
 _LIFETIME_FIELDS = ("memory_mb", "max_processes", "max_file_bytes")
+CHECKPOINT_MAX_S = 60.0  # a kernel of 1 GiB takes a few seconds; a runsc that hangs must not hold a chat
+RESUME_MAX_S = 30.0  # `runsc restore` to the probe's answer (0.4 s for a pandas-holding kernel here)
 
 
 class KernelLost(Exception):
     """The kernel is gone (or had to go); the message says why, in words for the user."""
+
+
+class NotSaved(Exception):
+    """The kernel's state could not be written to disk; the message says why, in words for the user."""
+
+
+def _short_error(text: str) -> str:
+    return tidy(text, 300)
 
 
 def lifetime_limits(limits: Limits) -> tuple[int, ...]:
@@ -8523,6 +8791,7 @@ class Kernel:
         self._replies_ended = False
         self._closed = False
         self._settling: asyncio.Future[None] | None = None  # stopping a cancelled run
+        self._whole_folder_next = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -8550,6 +8819,76 @@ class Kernel:
     async def start(self, watch: ChangeWatch) -> None:
         """Start the sandbox and wait for the kernel's ready frame. `watch`: the workdir's change
         watch, set up before the sandbox exists (it stays for the kernel's life)."""
+        await self._spawn(watch)
+        wait = min(READY_MAX_S, max(READY_MIN_S, 2 * self.limits.timeout_s))
+        try:
+            message = await asyncio.wait_for(self._inbox.get(), wait)
+        except TimeoutError:
+            message = None
+            self._violation = self._violation or f"it did not start within {wait:g} s"
+        if not isinstance(message, _wire.Ready):
+            why = self._why_gone()
+            await self.close(why)
+            raise KernelLost(why)
+        self.ready = message
+
+    async def resume(self, watch: ChangeWatch, ready: dict[str, object], probe: str = "") -> None:
+        """Start the sandbox from a saved image (its argv is a `runsc restore`) and check that the
+        kernel answers: `probe` (Python, run in the restored namespace) must end "ok" within
+        RESUME_MAX_S. `ready`: the ready frame the kernel sent when it first started (a restored
+        kernel does not send it again). Raises KernelLost, with why, when it does not come back."""
+        try:
+            message = _wire.parse_body(json.dumps({"t": "ready", **ready}).encode())
+        except _wire.ProtocolError as error:
+            raise KernelLost(f"its saved image has a bad kernel description ({error})") from None
+        assert isinstance(message, _wire.Ready)
+        await self._spawn(watch)
+        self.ready = self._state.ready = message
+        limits = self.limits.model_copy(update={"timeout_s": RESUME_MAX_S})
+        result = await self.run(probe, "python", limits)
+        if result.outcome != Outcome.OK:
+            why = result.reason or result.outcome.value
+            errors = await asyncio.to_thread(
+                read_runsc_errors, self.sandbox.bundle / "runsc.log", self.sandbox.bundle / "panic.log"
+            )
+            if errors:
+                why = tidy(" | ".join(errors), 300)
+            await self.close(why)
+            raise KernelLost(f"its saved image could not be restored: {why}")
+        self._whole_folder_next = True  # what the probe's run saw is not the user's to lose
+
+    async def checkpoint(self, into: Path) -> None:
+        """Write the kernel's image into the empty folder `into` (`runsc checkpoint`); the sandbox
+        exits once it is written. Waits for a run in progress. Raises NotSaved (why) when runsc
+        cannot; the kernel is then stopped all the same (a half-checkpointed sandbox is not trusted)."""
+        async with self._busy:
+            if not self.alive:
+                raise NotSaved(self.lost or self._why_gone())
+            try:
+                code, out = await run_quick(self.checkpoint_argv(into), CHECKPOINT_MAX_S)
+            except TimeoutError:
+                await self.close("its image was not written in time")
+                raise NotSaved(f"runsc did not write the image within {CHECKPOINT_MAX_S:g} s") from None
+            except OSError as error:
+                raise NotSaved(f"runsc could not be started: {error}") from None
+            if code != 0:
+                await self.close("runsc could not save it")
+                errors = await asyncio.to_thread(read_runsc_errors, self.sandbox.bundle / "runsc.log")
+                last = out.strip().splitlines()[-1:]
+                detail = " | ".join(errors) or (last[0] if last else f"runsc exited with {code}")
+                raise NotSaved(_short_error(detail))
+            self.lost = "it was saved to disk"
+
+    def checkpoint_argv(self, into: Path) -> list[str]:
+        return [*self.sandbox.runsc_base, "checkpoint", f"--image-path={into}", self.cid]
+
+    def ready_fields(self) -> dict[str, object]:
+        """The ready frame's fields, for resume() of a saved image."""
+        assert self.ready is not None
+        ready = self.ready
+        return {"v": ready.version, "python": ready.python, "pid": ready.pid, "packages": ready.packages}
+
+    async def _spawn(self, watch: ChangeWatch) -> None:
         self._watch = watch
         loop = asyncio.get_running_loop()
         self._growth = GrowthWatch(
@@ -8576,17 +8915,6 @@ class Kernel:
         if self.sandbox.cgroup is not None:
             self._tasks.append(asyncio.create_task(self._watch_oom()))
         self._growth.start()
-        wait = min(READY_MAX_S, max(READY_MIN_S, 2 * self.limits.timeout_s))
-        try:
-            message = await asyncio.wait_for(self._inbox.get(), wait)
-        except TimeoutError:
-            message = None
-            self._violation = self._violation or f"it did not start within {wait:g} s"
-        if not isinstance(message, _wire.Ready):
-            why = self._why_gone()
-            await self.close(why)
-            raise KernelLost(why)
-        self.ready = message
 
     async def close(self, why: str | None = None) -> None:
         """Kill the sandbox and free everything it held (idempotent; shielded from cancellation)."""
@@ -8783,7 +9111,11 @@ class Kernel:
             return None
         changed = watch.harvest()
         # A new kernel's first run: what happened in the folder before this kernel's watch began (a
-        # thread its predecessor left, writing) is nobody's to know: list the whole folder once.
+        # thread its predecessor left, writing) is nobody's to know: list the whole folder once. So
+        # too the first run after a resume (the probe's run took what the watch had seen).
+        if self._whole_folder_next and self._run_ids > 1:
+            self._whole_folder_next = False
+            return None
         return None if self._run_ids == 1 else changed
 
     async def _interrupt(self) -> None:
@@ -8803,9 +9135,12 @@ class Kernel:
             self._decoder.eof()
         except _wire.ProtocolError as error:
             self._violation = f"it broke the protocol ({error})"
-        finally:
-            self._replies_ended = True
-            self._inbox.put_nowait(None)
+        except asyncio.CancelledError:
+            # Cancelled, not ended: the kernel's teardown, or the event loop ending with the process
+            # (an Open WebUI restart), which still saves the kernel at exit (KernelPool).
+            raise
+        self._replies_ended = True
+        self._inbox.put_nowait(None)
 
     async def _read_stderr(self) -> None:
         assert self._proc is not None and self._proc.stderr is not None
@@ -11300,25 +11635,32 @@ entry it leaves is how the next run knows.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
+import shutil
 import socket
 import stat
 import struct
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._kernel import KERNEL_SOURCE, Kernel, KernelLost, lifetime_limits
+from . import _hibernate
+from ._hibernate import ImageRefused
+from ._kernel import KERNEL_SOURCE, Kernel, KernelLost, NotSaved, lifetime_limits
 from ._orphans import owner_stamp
+from ._supervise import human_bytes
 from .models import Limits, Outcome, RunResult
 from .runner import Runner
 
-__all__ = ["KernelPool", "reset_sentence"]
+__all__ = ["KernelPool", "reset_sentence", "unsaved_sentence"]
 
 log = logging.getLogger("code_sessions.runner")
 
@@ -11330,6 +11672,9 @@ _TOUCH_EVERY_S = 30.0
 _CONNECT_TIMEOUT_S = 2.0
 _MAX_MESSAGE = 80 * 1024 * 1024  # a run request carries the code (the kernel takes up to 64 MiB)
 _HEADER = struct.Struct(">I")
+_SAVING_WAIT_S = 90.0  # how long a run waits for another worker to finish saving its chat's kernel
+_SHUTDOWN_SAVE_S = 8.0  # at exit, how long saving every idle kernel may take (a stop timeout is ~10 s)
+_KERNEL_DIGEST = hashlib.sha256(KERNEL_SOURCE.encode()).hexdigest()[:16]
 
 
 def _host_id() -> str:
@@ -11351,6 +11696,10 @@ def reset_sentence(reason: str) -> str:
     return f"The Python state was reset ({reason}); files in /mnt/data are kept."
 
 
+def unsaved_sentence(reason: str) -> str:
+    return f"The Python state could not be kept ({reason}); files in /mnt/data are kept."
+
+
 @dataclass
 class _Entry:
     key: str
@@ -11364,14 +11713,20 @@ class _Entry:
     running: bool
     reason: str = ""  # why it ended, once it has
     stop_requested: str = ""  # another host asks the owner to stop it (the chat moved there)
+    image: str = ""  # it ended saved to disk: the id of its image in the chat's state folder
+    unsaved: bool = False  # it should have been saved, and `reason` says why it could not be
+    saving: bool = False  # its owner is writing its image now: wait, then resume it
 
     @classmethod
     def load(cls, path: Path) -> _Entry | None:
         try:
             data = json.loads(path.read_bytes()[: 1 << 16])
-            return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+            fields = cls.__dataclass_fields__
+            entry = cls(**{k: data[k] for k in fields if k in data})
         except (OSError, ValueError, KeyError, TypeError):
             return None
+        typed = all(isinstance(getattr(entry, k), type(getattr(cls, k, ""))) for k in ("image", "reason"))
+        return entry if typed else None
 
 
 class KernelPool:
@@ -11383,13 +11738,23 @@ class KernelPool:
         idle_s: float = 20 * 60.0,
         max_kernels: int = 20,
         socket_dir: Path | None = None,
+        max_image_bytes: int | None = None,
     ) -> None:
         self.runner = runner
         self.registry_dir = Path(registry_dir)
         self.socket_dir = Path(socket_dir) if socket_dir is not None else runner.bundle_dir / "kernels"
         self.idle_s = idle_s
         self.max_kernels = max_kernels
+        # A saved state's image is at most this large (None: no limit beyond the kernel's memory;
+        # 0: kernels are never saved, they stop as they would without a state folder).
+        self.max_image_bytes = max_image_bytes
         self._mine: dict[str, Kernel] = {}
+        self._state_dirs: dict[str, Path] = {}  # where each kernel of ours is saved when it stops
+        self._ending: dict[str, asyncio.Future[None]] = {}  # kernels being saved now, by key
+        self._identity: dict[str, object] | None = None
+        # An Open WebUI restart ends its event loop before the process: the idle kernels are saved
+        # then, from the exit handler (see _save_at_exit).
+        atexit.register(self._save_at_exit)
         self._servers: dict[str, asyncio.AbstractServer] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._owner = owner_stamp()
@@ -11397,11 +11762,28 @@ class KernelPool:
 
     # ------------------------------------------------------------------ public
 
-    async def run(self, key: str, workdir: Path, code: str, language: str, limits: Limits) -> RunResult:
+    async def run(
+        self,
+        key: str,
+        workdir: Path,
+        code: str,
+        language: str,
+        limits: Limits,
+        *,
+        state_dir: Path | None = None,
+    ) -> RunResult:
         """Run a cell in the key's kernel, starting one when there is none. Call it holding the
-        chat's lock. Never raises for what the code does; RunnerError for host-side problems."""
+        chat's lock. Never raises for what the code does; RunnerError for host-side problems.
+
+        `state_dir`: the chat's own folder for its saved kernel (outside `workdir`, which the sandbox
+        can write): a kernel that would be stopped (idle, least recently used, this process exiting,
+        another host taking the chat) is saved there instead, and the next run resumes it, here or in
+        any process that reaches the folder. Without it, such a kernel is stopped and its state lost."""
         self._keep_reaping()
         workdir = Path(os.path.realpath(workdir))
+        if state_dir is not None:
+            self._state_dirs[key] = Path(state_dir)
+        await self._settled(key)
         notes: list[str] = []
         kernel = self._mine.get(key)
         if kernel is not None:
@@ -11410,7 +11792,7 @@ class KernelPool:
                 await self._end(key, kernel, misfit)
                 kernel = None
         if kernel is None:
-            entry = await asyncio.to_thread(self._entry, key)
+            entry = await self._entry_once_saved(key)
             if entry is not None and entry.running and entry.owner != self._owner and self._owned_here(entry):
                 result = await self._run_remote(entry, code, language, limits)
                 if result is not None:
@@ -11421,20 +11803,25 @@ class KernelPool:
                 entry = await asyncio.to_thread(self._entry, key)  # it ended meanwhile: why?
             if entry is not None and entry.running and entry.host != _HOST:
                 await self._take_over(entry)
-            reason = self._lost_reason(entry)
-            if reason:
-                notes.append(reset_sentence(reason))
-            try:
-                kernel = await self._start(key, workdir, limits)
-            except KernelLost as lost:
-                return _refused(str(lost), notes)
+                entry = await self._entry_once_saved(key)
+            said = len(notes)
+            kernel = await self._resume(key, workdir, limits, state_dir, entry, notes)
+            if kernel is None and len(notes) == said:
+                sentence = self._lost_sentence(entry)
+                if sentence:
+                    notes.append(sentence)
+            if kernel is None:
+                try:
+                    kernel = await self._start(key, workdir, limits, state_dir)
+                except KernelLost as lost:
+                    return _refused(str(lost), notes)
         try:
             result = await kernel.run(code, language, limits)
         except KernelLost as lost:  # it had died since the last run: once more in a new one
             await self._end(key, kernel, str(lost))
             notes.append(reset_sentence(str(lost)))
             try:
-                kernel = await self._start(key, workdir, limits)
+                kernel = await self._start(key, workdir, limits, state_dir)
             except KernelLost as again:
                 return _refused(str(again), notes)
             result = await kernel.run(code, language, limits)
@@ -11444,9 +11831,13 @@ class KernelPool:
             await self._note_use(key, kernel)
         return result.model_copy(update={"notes": (*notes, *result.notes)}) if notes else result
 
-    async def stop(self, key: str, reason: str, *, forget: bool = False) -> None:
-        """End the key's kernel (wherever on this host it runs); `forget`: its chat is gone, so no
+    async def stop(
+        self, key: str, reason: str, *, forget: bool = False, state_dir: Path | None = None
+    ) -> None:
+        """End the key's kernel (wherever on this host it runs), without saving it, and remove its
+        saved state (in `state_dir`, or where its runs here said); `forget`: its chat is gone, so no
         reason is kept for a next run."""
+        await self._settled(key)
         kernel = self._mine.get(key)
         if kernel is not None:
             await self._end(key, kernel, reason)
@@ -11457,16 +11848,89 @@ class KernelPool:
             elif entry is not None and not forget:
                 entry.running, entry.reason = False, reason  # the next run says this, not an older why
                 await asyncio.to_thread(self._save, entry)
+        entry = await asyncio.to_thread(self._entry, key)
+        if entry is not None and entry.image and not forget:
+            entry.image = ""
+            await asyncio.to_thread(self._save, entry)
+        for folder in {state_dir, self._state_dirs.pop(key, None)} - {None}:
+            assert folder is not None
+            await asyncio.to_thread(_hibernate.discard, folder)
         if forget:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._entry_path(key))
 
     async def close(self) -> None:
-        """Stop every kernel of this process (its owner is going away)."""
+        """Stop every kernel of this process (its owner is going away), saving the idle ones that
+        have a state folder, all within _SHUTDOWN_SAVE_S; the rest are stopped with their state."""
         if self._reaper is not None:
             self._reaper.cancel()
-        for key, kernel in list(self._mine.items()):
-            await self._end(key, kernel, "Open WebUI restarted")
+        ends = [
+            asyncio.ensure_future(self._end(key, kernel, "Open WebUI restarted", save=not kernel.busy))
+            for key, kernel in list(self._mine.items())
+        ]
+        if ends:
+            _, late = await asyncio.wait(ends, timeout=_SHUTDOWN_SAVE_S)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*ends, return_exceptions=True)
+
+    def _save_at_exit(self) -> None:
+        """Save this process's idle kernels that have a state folder, at interpreter exit, within
+        _SHUTDOWN_SAVE_S: every `runsc checkpoint` at once (processes: no new thread may start this
+        late), then each image sealed. Blocking, as no event loop is left. A kernel not saved in
+        time dies with the process, and its next run says so."""
+        setup = self.runner._setup
+        targets = [
+            (key, kernel, self._state_dirs[key])
+            for key, kernel in list(self._mine.items())
+            if kernel.alive and not kernel.busy and key in self._state_dirs and kernel.ready is not None
+        ]
+        if not targets or setup is None or self.max_image_bytes == 0:
+            return
+        identity = {**self.runner.sandbox_identity_now(setup), "kernel_program": _KERNEL_DIGEST}
+        started: list[tuple[str, Kernel, Path, Path, subprocess.Popen[bytes], _Entry]] = []
+        for key, kernel, state_dir in targets:
+            entry = self._entry(key)
+            if entry is None or entry.cid != kernel.cid:
+                continue
+            try:
+                staging = _hibernate.new_staging(state_dir)
+                argv = kernel.checkpoint_argv(staging)
+                job = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            except OSError as error:
+                log.warning("kernel %s of %s: not saved at exit: %s", kernel.cid, key, error)
+                continue
+            entry.saving = True
+            self._save(entry)
+            started.append((key, kernel, state_dir, staging, job, entry))
+        deadline = time.monotonic() + _SHUTDOWN_SAVE_S
+        for key, kernel, state_dir, staging, job, entry in started:
+            image_id, why = "", "Open WebUI stopped before it was written"
+            try:
+                code = job.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                job.kill()
+                code = None
+            try:
+                if code == 0:
+                    full = {**identity, "lifetime_limits": list(lifetime_limits(kernel.limits))}
+                    image = _hibernate.seal(staging, state_dir, full, kernel.ready_fields())
+                    if self.max_image_bytes is not None and image.size > self.max_image_bytes:
+                        _hibernate.discard(state_dir)
+                        limit = human_bytes(self.max_image_bytes)
+                        why = f"its image was over the {limit} allowed for a saved state"
+                    else:
+                        image_id = image.id
+                elif code is not None:
+                    why = f"runsc could not save it (exit status {code})"
+            except (OSError, ImageRefused) as error:
+                log.warning("kernel %s of %s: not saved at exit: %s", kernel.cid, key, error)
+                why = "its image could not be written"
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+            entry.running, entry.saving, entry.image = False, False, image_id
+            entry.unsaved, entry.reason = not image_id, "" if image_id else why
+            self._save(entry)
 
     def kernels(self) -> dict[str, Kernel]:
         """The kernels this process runs, by key."""
@@ -11480,11 +11944,13 @@ class KernelPool:
             if not kernel.alive:
                 await self._end(key, kernel, kernel.lost or "the kernel stopped")
             elif now - kernel.last_used > self.idle_s and not kernel.busy:
-                await self._end(key, kernel, f"it was idle for more than {_minutes(self.idle_s)}")
+                await self._end(key, kernel, f"it was idle for more than {_minutes(self.idle_s)}", save=True)
             else:
                 entry = await asyncio.to_thread(self._entry, key)
-                if entry is not None and (entry.cid != kernel.cid or entry.stop_requested):
-                    await self._end(key, kernel, entry.stop_requested or "another kernel took over its chat")
+                if entry is not None and entry.cid != kernel.cid:
+                    await self._end(key, kernel, "another kernel took over its chat")
+                elif entry is not None and entry.stop_requested:
+                    await self._end(key, kernel, entry.stop_requested, save=True)
 
     # ------------------------------------------------------------------ starting and ending
 
@@ -11498,7 +11964,9 @@ class KernelPool:
             return "the admin changed the sandbox's limits"
         return None
 
-    async def _start(self, key: str, workdir: Path, limits: Limits) -> Kernel:
+    async def _start(self, key: str, workdir: Path, limits: Limits, state_dir: Path | None) -> Kernel:
+        if state_dir is not None:  # an older image is stale from now on: never resumed over a newer state
+            await asyncio.to_thread(_hibernate.discard, state_dir)
         await self._make_room()
         sandbox, watch = await self.runner.prepare(
             KERNEL_SOURCE, "python", workdir, limits, prefix="cs-k-", compile_once=True
@@ -11509,6 +11977,64 @@ class KernelPool:
         except BaseException:
             await kernel.close()
             raise
+        await self._register(key, kernel, workdir)
+        log.info("kernel %s started for %s in %.2f s", kernel.cid, key, time.time() - kernel.started_at)
+        return kernel
+
+    async def _resume(
+        self,
+        key: str,
+        workdir: Path,
+        limits: Limits,
+        state_dir: Path | None,
+        entry: _Entry | None,
+        notes: list[str],
+    ) -> Kernel | None:
+        """The chat's saved kernel, resumed; None (and the sentence in `notes` when a saved state
+        was lost) when there is none to resume."""
+        if state_dir is None or entry is None or entry.running or not entry.image:
+            return None
+        t0 = time.monotonic()
+        try:
+            identity = await self._image_identity(limits)
+            image = await asyncio.to_thread(_hibernate.load, state_dir, entry.image, identity)
+            await self._make_room()
+            sandbox, watch = await self.runner.prepare(
+                KERNEL_SOURCE,
+                "python",
+                workdir,
+                limits,
+                prefix="cs-k-",
+                compile_once=True,
+                restore_from=image.folder,
+            )
+            kernel = Kernel(sandbox, limits)
+            try:
+                await kernel.resume(watch, image.ready)
+            except BaseException:
+                await kernel.close()
+                raise
+        except (ImageRefused, KernelLost) as lost:
+            log.warning("kernel of %s: saved state not resumed: %s", key, lost)
+            notes.append(reset_sentence(str(lost)))
+            await asyncio.to_thread(_hibernate.discard, state_dir)
+            entry.image, entry.reason = "", str(lost)
+            await asyncio.to_thread(self._save_if_same, entry)
+            return None
+        await self._register(key, kernel, workdir)
+        # Resumed: the image is behind the live state from now on, so it goes (a crash must not bring
+        # back an older state without a word).
+        await asyncio.to_thread(_hibernate.discard, state_dir)
+        log.info("kernel %s of %s resumed from disk in %.2f s", kernel.cid, key, time.monotonic() - t0)
+        return kernel
+
+    async def _image_identity(self, limits: Limits) -> dict[str, object]:
+        if self._identity is None:
+            self._identity = {**await self.runner.sandbox_identity(), "kernel_program": _KERNEL_DIGEST}
+        return {**self._identity, "lifetime_limits": list(lifetime_limits(limits))}
+
+    async def _register(self, key: str, kernel: Kernel, workdir: Path) -> None:
+        kernel.last_used = time.monotonic()  # idle from now, not from before its (slow) start
         self._mine[key] = kernel
         sock = self._socket_path(key)
         try:
@@ -11523,22 +12049,94 @@ class KernelPool:
             key, kernel.cid, _HOST, self._owner, str(sock), str(workdir), time.time(), time.time(), True
         )
         await asyncio.to_thread(self._save, entry)
-        log.info("kernel %s started for %s in %.2f s", kernel.cid, key, time.time() - kernel.started_at)
-        return kernel
 
-    async def _end(self, key: str, kernel: Kernel, reason: str) -> None:
+    async def _end(self, key: str, kernel: Kernel, reason: str, *, save: bool = False) -> None:
+        """Stop the key's kernel; `save`: write its state to the chat's state folder first, so the
+        next run resumes it (`reason` is then said only if that fails)."""
         if self._mine.get(key) is kernel:
             del self._mine[key]
         server = self._servers.pop(key, None)
         if server is not None:
             server.close()
+        state_dir = self._state_dirs.get(key)
+        image, unsaved = "", ""
+        if save and state_dir is not None and kernel.alive and self.max_image_bytes != 0:
+            done = asyncio.get_running_loop().create_future()
+            self._ending[key] = done
+            try:
+                image, unsaved = await self._save_state(key, kernel, state_dir)
+            finally:
+                self._ending.pop(key, None)
+                done.set_result(None)
         await kernel.close(reason)
         entry = await asyncio.to_thread(self._entry, key)
         if entry is not None and entry.cid == kernel.cid:
-            entry.running, entry.reason = False, kernel.lost or reason
+            entry.running, entry.saving, entry.stop_requested = False, False, ""
+            entry.image, entry.unsaved = image, bool(unsaved)
+            entry.reason = unsaved or ("" if image else kernel.lost or reason)
             await asyncio.to_thread(self._save, entry)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._socket_path(key))
+
+    async def _save_state(self, key: str, kernel: Kernel, state_dir: Path) -> tuple[str, str]:
+        """Checkpoint the kernel into `state_dir`: (image id, "") or ("", why it could not be kept)."""
+        t0 = time.monotonic()
+        entry = await asyncio.to_thread(self._entry, key)
+        if entry is not None and entry.cid == kernel.cid:
+            entry.saving = True  # other workers of this chat wait for the image rather than start anew
+            await asyncio.to_thread(self._save, entry)
+        staging: Path | None = None
+        try:
+            staging = await asyncio.to_thread(_hibernate.new_staging, state_dir)
+            await kernel.checkpoint(staging)
+            identity = await self._image_identity(kernel.limits)
+            image = await asyncio.to_thread(
+                _hibernate.seal, staging, state_dir, identity, kernel.ready_fields()
+            )
+            staging = None
+            limit = self.max_image_bytes
+            if limit is not None and image.size > limit:
+                await asyncio.to_thread(_hibernate.discard, state_dir)
+                raise NotSaved(
+                    f"its image of {image.size / 2**20:.0f} MiB is over the {human_bytes(limit)} allowed "
+                    "for a saved state"
+                )
+        except NotSaved as error:
+            log.warning("kernel %s of %s: not saved: %s", kernel.cid, key, error)
+            return "", str(error)
+        except (OSError, ImageRefused) as error:
+            why = "the disk is full" if getattr(error, "errno", None) == errno.ENOSPC else str(error)
+            log.warning("kernel %s of %s: not saved: %s", kernel.cid, key, error)
+            await asyncio.to_thread(_hibernate.discard, state_dir)
+            return "", f"its image could not be written: {why}"[:300]
+        finally:
+            if staging is not None:
+                await asyncio.to_thread(shutil.rmtree, staging, True)
+        log.info(
+            "kernel %s of %s saved to disk in %.2f s (%.1f MiB)",
+            kernel.cid,
+            key,
+            time.monotonic() - t0,
+            image.size / 2**20,
+        )
+        return image.id, ""
+
+    async def _settled(self, key: str) -> None:
+        """Wait while this process saves the key's kernel (its next run resumes the image)."""
+        ending = self._ending.get(key)
+        if ending is not None:
+            await asyncio.shield(ending)
+
+    async def _entry_once_saved(self, key: str) -> _Entry | None:
+        """The key's registry entry, once no other worker of this host is saving its kernel."""
+        deadline = time.monotonic() + _SAVING_WAIT_S
+        while True:
+            entry = await asyncio.to_thread(self._entry, key)
+            if entry is None or not (entry.running and entry.saving and self._owned_here(entry)):
+                return entry
+            if time.monotonic() > deadline:
+                return entry
+            await asyncio.sleep(0.05)
 
     async def _make_room(self) -> None:
         """Beyond max_kernels on this host, stop the least recently used idle one."""
@@ -11552,9 +12150,9 @@ class KernelPool:
                 f"too many kernels were running (at most {self.max_kernels}); it was the least recently used"
             )
             if victim.key in self._mine:
-                await self._end(victim.key, self._mine[victim.key], reason)
+                await self._end(victim.key, self._mine[victim.key], reason, save=True)
             else:
-                await self._ask(victim, {"op": "stop", "reason": reason})
+                await self._ask(victim, {"op": "stop", "reason": reason, "save": True})
                 victim.running, victim.reason = False, reason
                 await asyncio.to_thread(self._save_if_same, victim)
             entries = [e for e in entries if e.key != victim.key]
@@ -11584,14 +12182,19 @@ class KernelPool:
         except (OSError, ValueError, IndexError):
             return False
 
-    def _lost_reason(self, entry: _Entry | None) -> str:
+    def _lost_sentence(self, entry: _Entry | None) -> str:
+        """What the next run says of a state it could not resume ("" when nothing was lost)."""
         if entry is None:
             return ""  # this chat never had a kernel (or its chat was deleted): nothing was lost
         if entry.running:
             if entry.host != _HOST:
-                return "this chat's previous runs were on another server"
-            return "Open WebUI restarted" if not self._owned_here(entry) else "the kernel stopped"
-        return entry.reason or "the kernel stopped"
+                return reset_sentence("this chat's previous runs were on another server")
+            return reset_sentence(
+                "Open WebUI restarted" if not self._owned_here(entry) else "the kernel stopped"
+            )
+        if entry.unsaved:
+            return unsaved_sentence(entry.reason or "it could not be saved")
+        return reset_sentence(entry.reason or "the kernel stopped")
 
     async def _take_over(self, entry: _Entry) -> None:
         """The chat's kernel runs on another host (its runs reach that host's replica no longer): ask
@@ -11649,7 +12252,9 @@ class KernelPool:
                 return
             if request.get("op") == "stop":
                 await _send(writer, {"ok": True})
-                await self._end(key, kernel, str(request.get("reason", "stopped")))
+                await self._end(
+                    key, kernel, str(request.get("reason", "stopped")), save=request.get("save") is True
+                )
                 return
             limits = Limits.model_validate(request["limits"])
             try:
@@ -12041,6 +12646,7 @@ class Runner:
         workdir: Path,
         limits: Limits,
         compile_once: bool,
+        restore_from: Path | None = None,
     ) -> tuple[Sandbox, ChangeWatch]:
         """prepare()'s work, in a worker thread: the workdir's owner, the bundle, the cgroup, the
         spec, then the watch."""
@@ -12085,11 +12691,13 @@ class Runner:
             if isinstance(exc, OSError):
                 raise RunnerError(f"cannot prepare the sandbox: {exc}") from exc
             raise
+        # A restore starts the same sandbox from a saved image instead of from its first process.
+        command = ["run"] if restore_from is None else ["restore", f"--image-path={restore_from}"]
         sandbox = Sandbox(
             cid=cid,
             bundle=bundle,
             cgroup=cgroup,
-            argv=[*self._runsc_argv(setup, bundle), "run", "--bundle", str(bundle), cid],
+            argv=[*self._runsc_argv(setup, bundle), *command, "--bundle", str(bundle), cid],
             runsc_base=[setup.runsc.path, "--root", str(self.state_dir)],
             workdir=workdir,
         )
@@ -12105,19 +12713,40 @@ class Runner:
         *,
         prefix: str = "cs-",
         compile_once: bool = False,
+        restore_from: Path | None = None,
     ) -> tuple[Sandbox, ChangeWatch]:
         """Everything a sandbox needs before it starts (bundle, cgroup, command), and a watch of the
         workdir set up before anything in the sandbox can write. `discard()` undoes it.
 
         ``compile_once``: Python ``code`` that this Runner starts many times (the kernel program) is
-        compiled once by the sandbox's interpreter and started from bytecode (see _bytecode)."""
+        compiled once by the sandbox's interpreter and started from bytecode (see _bytecode).
+        ``restore_from``: a `runsc checkpoint` image folder; the sandbox resumes it (`runsc restore`)
+        with this bundle's mounts, cgroup and limits instead of starting ``code``."""
         self._interpreter(language)  # fail fast on an unknown language or a missing interpreter
         wd = self._check_workdir(workdir)
         setup = await self.setup()
         cid = prefix + secrets.token_hex(8)
         return await asyncio.to_thread(
-            self._prepare_and_watch, setup, cid, code, language, wd, limits, compile_once
+            self._prepare_and_watch, setup, cid, code, language, wd, limits, compile_once, restore_from
         )
+
+    async def sandbox_identity(self) -> dict[str, object]:
+        """What a saved kernel image depends on besides the kernel program and its limits: the
+        runsc build and platform, the root file system (its content-addressed path follows any change
+        of the sandbox's environment), the interpreter, the sandbox user and the network."""
+        return self.sandbox_identity_now(await self.setup())
+
+    def sandbox_identity_now(self, setup: HostSetup) -> dict[str, object]:
+        """sandbox_identity() for a Runner already set up (no awaiting: also usable at exit)."""
+        return {
+            "runsc": setup.runsc.version,
+            "platform": setup.platform,
+            "rootfs": str(setup.rootfs),
+            "python": self._interpreter("python"),
+            "user": [self.sandbox_uid, self.sandbox_gid],
+            "network": self.config.network,
+            "cgroups": setup.cgroups is not None,
+        }
 
     async def discard(self, sandbox: Sandbox) -> None:
         """Remove a sandbox's bundle (its processes must be gone; its cgroup is the caller's)."""
@@ -12448,7 +13077,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_c7233a2142b6.runner import Outcome
+from _code_sessions_ad559cd98d97.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -12692,7 +13321,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_c7233a2142b6.storage import human_bytes
+from _code_sessions_ad559cd98d97.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -12796,7 +13425,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_c7233a2142b6.storage import Purge, parse_duration
+from _code_sessions_ad559cd98d97.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -13885,8 +14514,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_c7233a2142b6.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_c7233a2142b6.storage import (
+from _code_sessions_ad559cd98d97.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_ad559cd98d97.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -14267,7 +14896,9 @@ class CodeSessions:
         """Run code in the session's folder: in its kernel, or in a fresh sandbox."""
         if self.kernels is None:
             return await self.runner.run(code, language, session.path, limits)
-        return await self.kernels.run(_kernel_key(session), session.path, code, language, limits)
+        return await self.kernels.run(
+            _kernel_key(session), session.path, code, language, limits, state_dir=session.state_path
+        )
 
     async def purge(self, purge: Purge) -> CleanupReport:
         """An admin's purge: the selected sessions go, with their files, links and kernels."""
@@ -14288,7 +14919,10 @@ class CodeSessions:
             for item in report.details:
                 if item.action in ("removed", "vanished"):
                     key = f"{item.user_key}/{item.chat_key}"
-                    await self.kernels.stop(key, said or item.reason, forget=said is None)
+                    # The store removed the session's saved state with it; one written since (the
+                    # kernel was being saved as the session went) goes here.
+                    state = self.store.saved_state_path(item.user_key, item.chat_key)
+                    await self.kernels.stop(key, said or item.reason, forget=said is None, state_dir=state)
         return report
 
     async def close(self) -> None:
@@ -14475,7 +15109,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_c7233a2142b6.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_ad559cd98d97.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -14688,7 +15322,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_c7233a2142b6.storage import Link, Publisher, is_postgres_url
+from _code_sessions_ad559cd98d97.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -14900,7 +15534,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_c7233a2142b6.engine import (
+from _code_sessions_ad559cd98d97.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -14914,8 +15548,8 @@ from _code_sessions_c7233a2142b6.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_c7233a2142b6.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_c7233a2142b6.storage import (
+from _code_sessions_ad559cd98d97.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_ad559cd98d97.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -14923,7 +15557,7 @@ from _code_sessions_c7233a2142b6.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_c7233a2142b6.webui import Misconfigured, OpenWebUI
+from _code_sessions_ad559cd98d97.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 
@@ -14963,14 +15597,23 @@ class Pipe:
             default=20,
             gt=0,
             le=24 * 60,
-            description="A chat's kernel unused this long is stopped (its files stay).",
+            description="A chat's kernel unused this long is saved to disk and stopped; its next run "
+            "resumes it with its variables.",
         )
         max_kernels: int = Field(
             default=20,
             ge=1,
             le=1000,
             description="Kernels alive at once on this server; beyond, the least "
-            "recently used idle one is stopped.",
+            "recently used idle one is saved to disk and stopped.",
+        )
+        max_saved_state_mb: int = Field(
+            default=2048,
+            ge=0,
+            le=1024 * 1024,
+            description="Largest saved kernel (its memory written to disk, next to the chat's files, "
+            "not counted in the user's file quota). A larger one is lost, and its chat is told. "
+            "0: kernels are never saved; an idle one is stopped and its variables are lost.",
         )
         storage_root: str = Field(
             default="",
@@ -15178,6 +15821,7 @@ class Pipe:
         if services.kernels is not None:
             services.kernels.idle_s = valves.kernel_idle_minutes * _MINUTE
             services.kernels.max_kernels = valves.max_kernels
+            services.kernels.max_image_bytes = valves.max_saved_state_mb * 1024 * 1024
         return services
 
     def _keep_background_running(self) -> None:

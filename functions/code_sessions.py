@@ -82,14 +82,23 @@ class Pipe:
             default=20,
             gt=0,
             le=24 * 60,
-            description="A chat's kernel unused this long is stopped (its files stay).",
+            description="A chat's kernel unused this long is saved to disk and stopped; its next run "
+            "resumes it with its variables.",
         )
         max_kernels: int = Field(
             default=20,
             ge=1,
             le=1000,
             description="Kernels alive at once on this server; beyond, the least "
-            "recently used idle one is stopped.",
+            "recently used idle one is saved to disk and stopped.",
+        )
+        max_saved_state_mb: int = Field(
+            default=2048,
+            ge=0,
+            le=1024 * 1024,
+            description="Largest saved kernel (its memory written to disk, next to the chat's files, "
+            "not counted in the user's file quota). A larger one is lost, and its chat is told. "
+            "0: kernels are never saved; an idle one is stopped and its variables are lost.",
         )
         storage_root: str = Field(
             default="",
@@ -297,6 +306,7 @@ class Pipe:
         if services.kernels is not None:
             services.kernels.idle_s = valves.kernel_idle_minutes * _MINUTE
             services.kernels.max_kernels = valves.max_kernels
+            services.kernels.max_image_bytes = valves.max_saved_state_mb * 1024 * 1024
         return services
 
     def _keep_background_running(self) -> None:

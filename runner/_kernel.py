@@ -21,14 +21,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import logging
 import os
 import shutil
 import signal
 import time
+from pathlib import Path
 
 from . import _kernel_program, _wire
 from ._changes import ChangeWatch
+from ._diagnose import read_runsc_errors, tidy
 from ._disk import MAX_DEPTH, GrowthWatch
 from ._plan import Sandbox
 from ._procs import pids_by_marker, sigkill
@@ -50,10 +53,20 @@ _HELPER_TIMEOUT_S = 10.0
 _REAP_S = 5.0
 _OOM_POLL_S = 0.25
 _LIFETIME_FIELDS = ("memory_mb", "max_processes", "max_file_bytes")
+CHECKPOINT_MAX_S = 60.0  # a kernel of 1 GiB takes a few seconds; a runsc that hangs must not hold a chat
+RESUME_MAX_S = 30.0  # `runsc restore` to the probe's answer (0.4 s for a pandas-holding kernel here)
 
 
 class KernelLost(Exception):
     """The kernel is gone (or had to go); the message says why, in words for the user."""
+
+
+class NotSaved(Exception):
+    """The kernel's state could not be written to disk; the message says why, in words for the user."""
+
+
+def _short_error(text: str) -> str:
+    return tidy(text, 300)
 
 
 def lifetime_limits(limits: Limits) -> tuple[int, ...]:
@@ -86,6 +99,7 @@ class Kernel:
         self._replies_ended = False
         self._closed = False
         self._settling: asyncio.Future[None] | None = None  # stopping a cancelled run
+        self._whole_folder_next = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -113,6 +127,76 @@ class Kernel:
     async def start(self, watch: ChangeWatch) -> None:
         """Start the sandbox and wait for the kernel's ready frame. `watch`: the workdir's change
         watch, set up before the sandbox exists (it stays for the kernel's life)."""
+        await self._spawn(watch)
+        wait = min(READY_MAX_S, max(READY_MIN_S, 2 * self.limits.timeout_s))
+        try:
+            message = await asyncio.wait_for(self._inbox.get(), wait)
+        except TimeoutError:
+            message = None
+            self._violation = self._violation or f"it did not start within {wait:g} s"
+        if not isinstance(message, _wire.Ready):
+            why = self._why_gone()
+            await self.close(why)
+            raise KernelLost(why)
+        self.ready = message
+
+    async def resume(self, watch: ChangeWatch, ready: dict[str, object], probe: str = "") -> None:
+        """Start the sandbox from a saved image (its argv is a `runsc restore`) and check that the
+        kernel answers: `probe` (Python, run in the restored namespace) must end "ok" within
+        RESUME_MAX_S. `ready`: the ready frame the kernel sent when it first started (a restored
+        kernel does not send it again). Raises KernelLost, with why, when it does not come back."""
+        try:
+            message = _wire.parse_body(json.dumps({"t": "ready", **ready}).encode())
+        except _wire.ProtocolError as error:
+            raise KernelLost(f"its saved image has a bad kernel description ({error})") from None
+        assert isinstance(message, _wire.Ready)
+        await self._spawn(watch)
+        self.ready = self._state.ready = message
+        limits = self.limits.model_copy(update={"timeout_s": RESUME_MAX_S})
+        result = await self.run(probe, "python", limits)
+        if result.outcome != Outcome.OK:
+            why = result.reason or result.outcome.value
+            errors = await asyncio.to_thread(
+                read_runsc_errors, self.sandbox.bundle / "runsc.log", self.sandbox.bundle / "panic.log"
+            )
+            if errors:
+                why = tidy(" | ".join(errors), 300)
+            await self.close(why)
+            raise KernelLost(f"its saved image could not be restored: {why}")
+        self._whole_folder_next = True  # what the probe's run saw is not the user's to lose
+
+    async def checkpoint(self, into: Path) -> None:
+        """Write the kernel's image into the empty folder `into` (`runsc checkpoint`); the sandbox
+        exits once it is written. Waits for a run in progress. Raises NotSaved (why) when runsc
+        cannot; the kernel is then stopped all the same (a half-checkpointed sandbox is not trusted)."""
+        async with self._busy:
+            if not self.alive:
+                raise NotSaved(self.lost or self._why_gone())
+            try:
+                code, out = await run_quick(self.checkpoint_argv(into), CHECKPOINT_MAX_S)
+            except TimeoutError:
+                await self.close("its image was not written in time")
+                raise NotSaved(f"runsc did not write the image within {CHECKPOINT_MAX_S:g} s") from None
+            except OSError as error:
+                raise NotSaved(f"runsc could not be started: {error}") from None
+            if code != 0:
+                await self.close("runsc could not save it")
+                errors = await asyncio.to_thread(read_runsc_errors, self.sandbox.bundle / "runsc.log")
+                last = out.strip().splitlines()[-1:]
+                detail = " | ".join(errors) or (last[0] if last else f"runsc exited with {code}")
+                raise NotSaved(_short_error(detail))
+            self.lost = "it was saved to disk"
+
+    def checkpoint_argv(self, into: Path) -> list[str]:
+        return [*self.sandbox.runsc_base, "checkpoint", f"--image-path={into}", self.cid]
+
+    def ready_fields(self) -> dict[str, object]:
+        """The ready frame's fields, for resume() of a saved image."""
+        assert self.ready is not None
+        ready = self.ready
+        return {"v": ready.version, "python": ready.python, "pid": ready.pid, "packages": ready.packages}
+
+    async def _spawn(self, watch: ChangeWatch) -> None:
         self._watch = watch
         loop = asyncio.get_running_loop()
         self._growth = GrowthWatch(
@@ -139,17 +223,6 @@ class Kernel:
         if self.sandbox.cgroup is not None:
             self._tasks.append(asyncio.create_task(self._watch_oom()))
         self._growth.start()
-        wait = min(READY_MAX_S, max(READY_MIN_S, 2 * self.limits.timeout_s))
-        try:
-            message = await asyncio.wait_for(self._inbox.get(), wait)
-        except TimeoutError:
-            message = None
-            self._violation = self._violation or f"it did not start within {wait:g} s"
-        if not isinstance(message, _wire.Ready):
-            why = self._why_gone()
-            await self.close(why)
-            raise KernelLost(why)
-        self.ready = message
 
     async def close(self, why: str | None = None) -> None:
         """Kill the sandbox and free everything it held (idempotent; shielded from cancellation)."""
@@ -346,7 +419,11 @@ class Kernel:
             return None
         changed = watch.harvest()
         # A new kernel's first run: what happened in the folder before this kernel's watch began (a
-        # thread its predecessor left, writing) is nobody's to know: list the whole folder once.
+        # thread its predecessor left, writing) is nobody's to know: list the whole folder once. So
+        # too the first run after a resume (the probe's run took what the watch had seen).
+        if self._whole_folder_next and self._run_ids > 1:
+            self._whole_folder_next = False
+            return None
         return None if self._run_ids == 1 else changed
 
     async def _interrupt(self) -> None:
@@ -366,9 +443,12 @@ class Kernel:
             self._decoder.eof()
         except _wire.ProtocolError as error:
             self._violation = f"it broke the protocol ({error})"
-        finally:
-            self._replies_ended = True
-            self._inbox.put_nowait(None)
+        except asyncio.CancelledError:
+            # Cancelled, not ended: the kernel's teardown, or the event loop ending with the process
+            # (an Open WebUI restart), which still saves the kernel at exit (KernelPool).
+            raise
+        self._replies_ended = True
+        self._inbox.put_nowait(None)
 
     async def _read_stderr(self) -> None:
         assert self._proc is not None and self._proc.stderr is not None
