@@ -25,6 +25,7 @@ from typing import Any
 from . import (
     concurrency,
     deleted_chats,
+    hibernate,
     index_backends,
     index_scale,
     kernel,
@@ -44,6 +45,7 @@ SECTIONS: dict[str, Callable[[Context], Awaitable[dict[str, Any]]]] = {
     "memory": memory.run,
     "kernel": kernel.run,
     "deleted_chats": deleted_chats.run,
+    "hibernate": hibernate.run,
     "index_backends": index_backends.run,
 }
 # Sections that render their own table and targets (bench/report.py renders the others).

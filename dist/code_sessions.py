@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_ad559cd98d97'
+_CS_PACKAGE = '_code_sessions_a9a546da5e02'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -8569,6 +8569,7 @@ class SavedImage:
     identity: dict[str, Any]
     ready: dict[str, Any]
     size: int
+    files: dict[str, list[Any]]  # name -> [size, sha256] as recorded
 
 
 def image_dir(state_dir: Path) -> Path:
@@ -8588,15 +8589,17 @@ def _digest(path: Path) -> str:
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
-def image_files(folder: Path) -> dict[str, list[Any]]:
-    """Each regular file runsc wrote, with its size and digest (no links, no folders)."""
+def image_files(folder: Path, *, digests: bool = True) -> dict[str, list[Any]]:
+    """Each regular file runsc wrote, with its size and digest (no links, no folders); without
+    `digests`, the digest is None."""
     files: dict[str, list[Any]] = {}
     for entry in os.scandir(folder):
         if entry.name == META:
             continue
         if not entry.is_file(follow_symlinks=False):
             raise ImageRefused(f"the image holds an unexpected entry {entry.name!r}")
-        files[entry.name] = [entry.stat(follow_symlinks=False).st_size, _digest(Path(entry.path))]
+        size = entry.stat(follow_symlinks=False).st_size
+        files[entry.name] = [size, _digest(Path(entry.path)) if digests else None]
     if not files or len(files) > _MAX_FILES:
         raise ImageRefused(f"runsc wrote {len(files)} image files")
     return files
@@ -8628,7 +8631,7 @@ def seal(staging: Path, state_dir: Path, identity: dict[str, Any], ready: dict[s
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    return SavedImage(final, token, identity, ready, sum(size for size, _ in files.values()))
+    return SavedImage(final, token, identity, ready, sum(size for size, _ in files.values()), files)
 
 
 def discard(state_dir: Path, *, staging: bool = True) -> None:
@@ -8670,15 +8673,30 @@ def load(state_dir: Path, expected_id: str, identity: dict[str, Any]) -> SavedIm
         raise ImageRefused("it was saved by another sandbox: " + "; ".join(mismatch)[:300])
     recorded = meta.get("files")
     try:
-        found = image_files(folder)
+        found = image_files(folder, digests=False)
     except OSError as error:
         raise ImageRefused(f"its saved image cannot be read: {error}") from error
-    if found != recorded:
+    if not isinstance(recorded, dict) or {k: v[0] for k, v in found.items()} != {
+        k: v[0] if isinstance(v, list) and v else None for k, v in recorded.items()
+    }:
         raise ImageRefused("its saved image is damaged (its files differ from what was recorded)")
     ready = meta.get("ready")
     if not isinstance(ready, dict):
         raise ImageRefused("its saved image has no kernel description")
-    return SavedImage(folder, expected_id, meta["identity"], ready, sum(s for s, _ in found.values()))
+    size = sum(s for s, _ in found.values())
+    return SavedImage(folder, expected_id, meta["identity"], ready, size, recorded)
+
+
+def verify(image: SavedImage) -> None:
+    """The image's files have the digests recorded when it was saved; else ImageRefused. (load()
+    checks names and sizes only: this reads every byte, so it runs while runsc restores, and the
+    restored kernel is trusted only once both are done.)"""
+    try:
+        found = image_files(image.folder)
+    except OSError as error:
+        raise ImageRefused(f"its saved image cannot be read: {error}") from error
+    if found != image.files:
+        raise ImageRefused("its saved image is damaged (its files differ from what was recorded)")
 
 
 def size_of(state_dir: Path) -> int:
@@ -8719,6 +8737,7 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from . import _kernel_program, _wire
@@ -8857,7 +8876,20 @@ class Kernel:
             raise KernelLost(f"its saved image could not be restored: {why}")
         self._whole_folder_next = True  # what the probe's run saw is not the user's to lose
 
-    async def checkpoint(self, into: Path) -> None:
+    async def resume_checked(
+        self, watch: ChangeWatch, ready: dict[str, object], probe: str, check: Callable[[], None]
+    ) -> None:
+        """resume(), while `check` (a blocking callable that raises on a bad image) runs in a thread;
+        the kernel is kept only if both succeed (the check's error wins: it names the damage)."""
+        checking = asyncio.ensure_future(asyncio.to_thread(check))
+        resuming = asyncio.ensure_future(self.resume(watch, ready, probe))
+        outcomes = await asyncio.gather(checking, resuming, return_exceptions=True)
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        if failures:
+            await self.close("its saved image was refused")
+            raise failures[0]
+
+    async def checkpoint(self, into: Path, flags: list[str]) -> None:
         """Write the kernel's image into the empty folder `into` (`runsc checkpoint`); the sandbox
         exits once it is written. Waits for a run in progress. Raises NotSaved (why) when runsc
         cannot; the kernel is then stopped all the same (a half-checkpointed sandbox is not trusted)."""
@@ -8865,7 +8897,7 @@ class Kernel:
             if not self.alive:
                 raise NotSaved(self.lost or self._why_gone())
             try:
-                code, out = await run_quick(self.checkpoint_argv(into), CHECKPOINT_MAX_S)
+                code, out = await run_quick(self.checkpoint_argv(into, flags), CHECKPOINT_MAX_S)
             except TimeoutError:
                 await self.close("its image was not written in time")
                 raise NotSaved(f"runsc did not write the image within {CHECKPOINT_MAX_S:g} s") from None
@@ -8879,8 +8911,8 @@ class Kernel:
                 raise NotSaved(_short_error(detail))
             self.lost = "it was saved to disk"
 
-    def checkpoint_argv(self, into: Path) -> list[str]:
-        return [*self.sandbox.runsc_base, "checkpoint", f"--image-path={into}", self.cid]
+    def checkpoint_argv(self, into: Path, flags: list[str]) -> list[str]:
+        return [*self.sandbox.runsc_base, "checkpoint", *flags, f"--image-path={into}", self.cid]
 
     def ready_fields(self) -> dict[str, object]:
         """The ready frame's fields, for resume() of a saved image."""
@@ -10826,6 +10858,201 @@ class Supervision:
     def _kill_host_processes(self) -> None:
         sigkill(self._host_pids())
 ''',
+    'runner/_warm.py': r'''"""Warm starts: a new chat's kernel resumed from a template image that has the data stack imported.
+
+Importing numpy, pandas and matplotlib takes seconds in gVisor, and it is the first thing nearly every
+data chat does. So, once per host, sandbox environment and set of lifetime limits (the template's
+key is the same identity a saved kernel records), a kernel is started in an empty folder, made to
+import the data stack (without binding any name in its namespace), and checkpointed into
+`<bundle_dir>/templates/<key>/kernel`. A chat's first run then resumes that image with its own folder
+at /mnt/data instead of starting a cold kernel.
+
+What a template must not share between chats is made fresh after each resume (`RESEED`): `random`'s
+generator, numpy's global generator, `tempfile`'s name generator. What stays the same in every kernel
+resumed from one template: the `hash()` secret of str and bytes, the memory layout of the Python
+process, and the module objects' state at import. Inside gVisor these are a kernel's own business:
+knowing them helps a cell attack only its own process (hash flooding, an exploit of the interpreter),
+which it runs anyway; nothing of another chat lives in that process. A template holds no user data: it
+is made by this module's code in an empty folder, before any chat runs in it.
+
+The template is built in the background the first time a chat starts without one, and only one
+process of the host builds it (an exclusive marker file). Until it exists, kernels start cold. A
+template that cannot be resumed is removed and rebuilt; its chat starts cold, with nothing lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from . import _hibernate
+from ._hibernate import ImageRefused
+from ._kernel import KERNEL_SOURCE, Kernel, KernelLost, NotSaved
+from .models import Limits
+from .runner import Runner
+
+log = logging.getLogger("code_sessions.runner")
+
+# Imported through importlib: the modules are loaded, no name of the namespace is bound (a chat's
+# code still needs its own `import pandas as pd`, which is then instant). The read_csv warms the lazy
+# imports a first read needs.
+WARM_UP = """
+def _warm():
+    import importlib
+    import io
+    import sys
+    for name in ("numpy", "pandas", "matplotlib", "matplotlib.pyplot"):
+        try:
+            importlib.import_module(name)
+        except Exception:
+            pass
+    pandas = sys.modules.get("pandas")
+    if pandas is not None:
+        pandas.read_csv(io.StringIO("a,b\\n1,2\\n")).describe()
+_warm()
+del _warm
+"""
+
+RESEED = """
+def _reseed():
+    import sys
+    if "random" in sys.modules:
+        sys.modules["random"].seed()  # from os.urandom, which the sentry answers afresh
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
+    if "tempfile" in sys.modules:
+        sys.modules["tempfile"]._name_sequence = None
+_reseed()
+del _reseed
+"""
+
+_BUILD_TIMEOUT_S = 120.0
+_STALE_MARKER_S = 300.0  # a build marker older than this was left by a process that died building
+
+
+class WarmStart:
+    def __init__(self, runner: Runner, folder: Path) -> None:
+        self.runner = runner
+        self.folder = folder
+        self._building: asyncio.Task[None] | None = None
+        self._failed: set[str] = set()  # keys whose build failed in this process: not retried here
+
+    def _key(self, identity: dict[str, object]) -> str:
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
+
+    async def resume(self, workdir: Path, limits: Limits, identity: dict[str, object]) -> Kernel | None:
+        """A kernel for a new chat resumed from the template with `workdir` at /mnt/data, or None
+        (no template yet: one is being built; or it failed to resume: it is removed)."""
+        key = self._key(identity)
+        place = self.folder / key
+        try:
+            image = await asyncio.to_thread(_hibernate.load, place, _read_id(place), identity)
+        except ImageRefused:
+            self._build_soon(key, limits, identity)
+            return None
+        sandbox, watch = await self.runner.prepare(
+            KERNEL_SOURCE,
+            "python",
+            workdir,
+            limits,
+            prefix="cs-k-",
+            compile_once=True,
+            restore_from=image.folder,
+        )
+        kernel = Kernel(sandbox, limits)
+        try:
+            await kernel.resume_checked(
+                watch, image.ready, RESEED, functools.partial(_hibernate.verify, image)
+            )
+        except (KernelLost, ImageRefused) as lost:
+            log.warning("kernel template %s could not be resumed, removed: %s", key, lost)
+            await kernel.close()
+            await asyncio.to_thread(_hibernate.discard, place)
+            return None
+        except BaseException:
+            await kernel.close()
+            raise
+        return kernel
+
+    def _build_soon(self, key: str, limits: Limits, identity: dict[str, object]) -> None:
+        if key in self._failed or (self._building is not None and not self._building.done()):
+            return
+        self._building = asyncio.create_task(self._build(key, limits, identity))
+
+    async def _build(self, key: str, limits: Limits, identity: dict[str, object]) -> None:
+        place = self.folder / key
+        marker = self.folder / f"{key}.building"
+        if not await asyncio.to_thread(_claim, marker):
+            return  # another process of this host is building it
+        empty = Path(
+            await asyncio.to_thread(tempfile.mkdtemp, prefix="template-", dir=self.runner.bundle_dir)
+        )
+        kernel: Kernel | None = None
+        t0 = time.monotonic()
+        try:
+            sandbox, watch = await self.runner.prepare(
+                KERNEL_SOURCE, "python", empty, limits, prefix="cs-t-", compile_once=True
+            )
+            kernel = Kernel(sandbox, limits)
+            await kernel.start(watch)
+            warm = await kernel.run(
+                WARM_UP, "python", limits.model_copy(update={"timeout_s": _BUILD_TIMEOUT_S})
+            )
+            if not warm.ok:
+                raise NotSaved(f"the warm-up failed: {warm.reason} {warm.stderr[-300:]}")
+            staging = await asyncio.to_thread(_hibernate.new_staging, place)
+            try:
+                await kernel.checkpoint(staging, self.runner.checkpoint_flags())
+                await asyncio.to_thread(_hibernate.seal, staging, place, identity, kernel.ready_fields())
+            finally:
+                await asyncio.to_thread(shutil.rmtree, staging, True)
+            log.info("kernel template %s built in %.1f s", key, time.monotonic() - t0)
+        except (KernelLost, NotSaved, ImageRefused, OSError) as error:
+            self._failed.add(key)
+            log.warning("kernel template %s could not be built: %s", key, error)
+        finally:
+            if kernel is not None:
+                await kernel.close("a template is made")
+            await asyncio.to_thread(shutil.rmtree, empty, True)
+            with contextlib.suppress(OSError):
+                os.unlink(marker)
+
+    async def wait_built(self) -> None:
+        """For tests and the bench: wait for a build this process started."""
+        if self._building is not None:
+            await asyncio.shield(self._building)
+
+
+def _read_id(place: Path) -> str:
+    try:
+        with open(_hibernate.image_dir(place) / _hibernate.META, "rb") as fh:
+            meta = json.loads(fh.read(1 << 16))
+        return str(meta.get("id", "")) if isinstance(meta, dict) else ""
+    except (OSError, ValueError):
+        return ""
+
+
+def _claim(marker: Path) -> bool:
+    marker.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):
+        if time.time() - marker.stat().st_mtime > _STALE_MARKER_S:
+            os.unlink(marker)
+    try:
+        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return False
+    return True
+''',
     'runner/_wire.py': r'''"""Host side of the persistent kernel's wire (the kernel is runner/_kernel_program.py).
 
 A frame is a 4-byte big-endian length N followed by N bytes of UTF-8 JSON encoding one object. The
@@ -11191,6 +11418,7 @@ class RunscInfo:
     version: str
     flags: frozenset[str]
     platforms: tuple[str, ...]
+    checkpoint_flags: frozenset[str] = frozenset()  # what `runsc checkpoint` accepts
 
     def supports(self, flag: str) -> bool:
         return flag.lstrip("-") in self.flags
@@ -11252,10 +11480,11 @@ async def detect_runsc(runsc_path: str) -> RunscInfo:
     if key in _cache:
         return _cache[key]
     try:
-        (v_rc, v_out), (_, f_out), (p_rc, p_out) = await asyncio.gather(
+        (v_rc, v_out), (_, f_out), (p_rc, p_out), (_, c_out) = await asyncio.gather(
             run_quick([path, "--version"]),
             run_quick([path, "flags"]),
             run_quick([path, "help", "platforms"]),
+            run_quick([path, "help", "checkpoint"]),
         )
     except TimeoutError as exc:
         raise RunnerError(f"{path} did not answer `--version` within {_PROBE_TIMEOUT_S:.0f} s") from exc
@@ -11267,7 +11496,13 @@ async def detect_runsc(runsc_path: str) -> RunscInfo:
             runsc_path, f"`{path} --version` did not answer like runsc: {v_out.strip()[:200]!r}"
         )
     platforms = parse_platforms(p_out) if p_rc == 0 else ()
-    info = RunscInfo(path=path, version=match.group(1), flags=parse_flags(f_out), platforms=platforms)
+    info = RunscInfo(
+        path=path,
+        version=match.group(1),
+        flags=parse_flags(f_out),
+        platforms=platforms,
+        checkpoint_flags=parse_flags(c_out),
+    )
     _cache[key] = info
     return info
 ''',
@@ -11638,6 +11873,7 @@ import asyncio
 import atexit
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -11657,6 +11893,7 @@ from ._hibernate import ImageRefused
 from ._kernel import KERNEL_SOURCE, Kernel, KernelLost, NotSaved, lifetime_limits
 from ._orphans import owner_stamp
 from ._supervise import human_bytes
+from ._warm import WarmStart
 from .models import Limits, Outcome, RunResult
 from .runner import Runner
 
@@ -11739,6 +11976,7 @@ class KernelPool:
         max_kernels: int = 20,
         socket_dir: Path | None = None,
         max_image_bytes: int | None = None,
+        warm_start: bool = False,
     ) -> None:
         self.runner = runner
         self.registry_dir = Path(registry_dir)
@@ -11752,6 +11990,9 @@ class KernelPool:
         self._state_dirs: dict[str, Path] = {}  # where each kernel of ours is saved when it stops
         self._ending: dict[str, asyncio.Future[None]] = {}  # kernels being saved now, by key
         self._identity: dict[str, object] | None = None
+        # A new kernel resumes a template with the data stack imported (see _warm), when one is built.
+        self.warm_start = warm_start
+        self._warm = WarmStart(runner, runner.bundle_dir / "templates")
         # An Open WebUI restart ends its event loop before the process: the idle kernels are saved
         # then, from the exit handler (see _save_at_exit).
         atexit.register(self._save_at_exit)
@@ -11895,7 +12136,7 @@ class KernelPool:
                 continue
             try:
                 staging = _hibernate.new_staging(state_dir)
-                argv = kernel.checkpoint_argv(staging)
+                argv = kernel.checkpoint_argv(staging, self.runner.checkpoint_flags())
                 job = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             except OSError as error:
                 log.warning("kernel %s of %s: not saved at exit: %s", kernel.cid, key, error)
@@ -11968,6 +12209,14 @@ class KernelPool:
         if state_dir is not None:  # an older image is stale from now on: never resumed over a newer state
             await asyncio.to_thread(_hibernate.discard, state_dir)
         await self._make_room()
+        if self.warm_start:
+            warm = await self._warm.resume(workdir, limits, await self._image_identity(limits))
+            if warm is not None:
+                await self._register(key, warm, workdir)
+                log.info(
+                    "kernel %s started warm for %s in %.2f s", warm.cid, key, time.time() - warm.started_at
+                )
+                return warm
         sandbox, watch = await self.runner.prepare(
             KERNEL_SOURCE, "python", workdir, limits, prefix="cs-k-", compile_once=True
         )
@@ -12010,7 +12259,9 @@ class KernelPool:
             )
             kernel = Kernel(sandbox, limits)
             try:
-                await kernel.resume(watch, image.ready)
+                await kernel.resume_checked(
+                    watch, image.ready, "", functools.partial(_hibernate.verify, image)
+                )
             except BaseException:
                 await kernel.close()
                 raise
@@ -12088,7 +12339,7 @@ class KernelPool:
         staging: Path | None = None
         try:
             staging = await asyncio.to_thread(_hibernate.new_staging, state_dir)
-            await kernel.checkpoint(staging)
+            await kernel.checkpoint(staging, self.runner.checkpoint_flags())
             identity = await self._image_identity(kernel.limits)
             image = await asyncio.to_thread(
                 _hibernate.seal, staging, state_dir, identity, kernel.ready_fields()
@@ -12736,6 +12987,18 @@ class Runner:
         of the sandbox's environment), the interpreter, the sandbox user and the network."""
         return self.sandbox_identity_now(await self.setup())
 
+    def checkpoint_flags(self) -> list[str]:
+        """Flags for `runsc checkpoint`: an uncompressed image without the zero pages. Measured here
+        for a kernel holding 100 MB of DataFrames: 0.26 s to save and 0.7 s to resume, against 4.8 s
+        and 7.7 s with runsc's default compression, for 137 MiB on disk instead of 101 MiB."""
+        offered = self._setup.runsc.checkpoint_flags if self._setup is not None else frozenset()
+        flags = []
+        if "compression" in offered:
+            flags.append("--compression=none")
+        if "exclude-committed-zero-pages" in offered:
+            flags.append("--exclude-committed-zero-pages")
+        return flags
+
     def sandbox_identity_now(self, setup: HostSetup) -> dict[str, object]:
         """sandbox_identity() for a Runner already set up (no awaiting: also usable at exit)."""
         return {
@@ -13077,7 +13340,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_ad559cd98d97.runner import Outcome
+from _code_sessions_a9a546da5e02.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -13321,7 +13584,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_ad559cd98d97.storage import human_bytes
+from _code_sessions_a9a546da5e02.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -13425,7 +13688,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_ad559cd98d97.storage import Purge, parse_duration
+from _code_sessions_a9a546da5e02.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -14514,8 +14777,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_ad559cd98d97.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_ad559cd98d97.storage import (
+from _code_sessions_a9a546da5e02.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_a9a546da5e02.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -15109,7 +15372,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_ad559cd98d97.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_a9a546da5e02.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -15322,7 +15585,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_ad559cd98d97.storage import Link, Publisher, is_postgres_url
+from _code_sessions_a9a546da5e02.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -15534,7 +15797,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_ad559cd98d97.engine import (
+from _code_sessions_a9a546da5e02.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -15548,8 +15811,8 @@ from _code_sessions_ad559cd98d97.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_ad559cd98d97.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_ad559cd98d97.storage import (
+from _code_sessions_a9a546da5e02.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_a9a546da5e02.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -15557,7 +15820,7 @@ from _code_sessions_ad559cd98d97.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_ad559cd98d97.webui import Misconfigured, OpenWebUI
+from _code_sessions_a9a546da5e02.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 
@@ -15614,6 +15877,12 @@ class Pipe:
             description="Largest saved kernel (its memory written to disk, next to the chat's files, "
             "not counted in the user's file quota). A larger one is lost, and its chat is told. "
             "0: kernels are never saved; an idle one is stopped and its variables are lost.",
+        )
+        warm_start: bool = Field(
+            default=True,
+            description="A new chat's kernel starts from a template with numpy, pandas and matplotlib "
+            "already imported (made once per server; a live kernel then holds about 100 MB more memory, "
+            "a data chat's first step is several times faster).",
         )
         storage_root: str = Field(
             default="",
@@ -15792,6 +16061,7 @@ class Pipe:
             valves.network,
             valves.network_namespace,
             valves.kernel,
+            valves.warm_start,
         )
         async with self._services_lock:
             if self._services is None or key != self._services_key:
@@ -15812,7 +16082,7 @@ class Pipe:
                 await store.open()
                 kernels = None
                 if valves.kernel != "fresh":
-                    kernels = KernelPool(runner, places.root / "kernels")
+                    kernels = KernelPool(runner, places.root / "kernels", warm_start=valves.warm_start)
                 self._services = CodeSessions(store, runner, Limits(), kernels=kernels)
                 self._services_key = key
         services = self._services

@@ -48,6 +48,7 @@ class SavedImage:
     identity: dict[str, Any]
     ready: dict[str, Any]
     size: int
+    files: dict[str, list[Any]]  # name -> [size, sha256] as recorded
 
 
 def image_dir(state_dir: Path) -> Path:
@@ -67,15 +68,17 @@ def _digest(path: Path) -> str:
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
-def image_files(folder: Path) -> dict[str, list[Any]]:
-    """Each regular file runsc wrote, with its size and digest (no links, no folders)."""
+def image_files(folder: Path, *, digests: bool = True) -> dict[str, list[Any]]:
+    """Each regular file runsc wrote, with its size and digest (no links, no folders); without
+    `digests`, the digest is None."""
     files: dict[str, list[Any]] = {}
     for entry in os.scandir(folder):
         if entry.name == META:
             continue
         if not entry.is_file(follow_symlinks=False):
             raise ImageRefused(f"the image holds an unexpected entry {entry.name!r}")
-        files[entry.name] = [entry.stat(follow_symlinks=False).st_size, _digest(Path(entry.path))]
+        size = entry.stat(follow_symlinks=False).st_size
+        files[entry.name] = [size, _digest(Path(entry.path)) if digests else None]
     if not files or len(files) > _MAX_FILES:
         raise ImageRefused(f"runsc wrote {len(files)} image files")
     return files
@@ -107,7 +110,7 @@ def seal(staging: Path, state_dir: Path, identity: dict[str, Any], ready: dict[s
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    return SavedImage(final, token, identity, ready, sum(size for size, _ in files.values()))
+    return SavedImage(final, token, identity, ready, sum(size for size, _ in files.values()), files)
 
 
 def discard(state_dir: Path, *, staging: bool = True) -> None:
@@ -149,15 +152,30 @@ def load(state_dir: Path, expected_id: str, identity: dict[str, Any]) -> SavedIm
         raise ImageRefused("it was saved by another sandbox: " + "; ".join(mismatch)[:300])
     recorded = meta.get("files")
     try:
-        found = image_files(folder)
+        found = image_files(folder, digests=False)
     except OSError as error:
         raise ImageRefused(f"its saved image cannot be read: {error}") from error
-    if found != recorded:
+    if not isinstance(recorded, dict) or {k: v[0] for k, v in found.items()} != {
+        k: v[0] if isinstance(v, list) and v else None for k, v in recorded.items()
+    }:
         raise ImageRefused("its saved image is damaged (its files differ from what was recorded)")
     ready = meta.get("ready")
     if not isinstance(ready, dict):
         raise ImageRefused("its saved image has no kernel description")
-    return SavedImage(folder, expected_id, meta["identity"], ready, sum(s for s, _ in found.values()))
+    size = sum(s for s, _ in found.values())
+    return SavedImage(folder, expected_id, meta["identity"], ready, size, recorded)
+
+
+def verify(image: SavedImage) -> None:
+    """The image's files have the digests recorded when it was saved; else ImageRefused. (load()
+    checks names and sizes only: this reads every byte, so it runs while runsc restores, and the
+    restored kernel is trusted only once both are done.)"""
+    try:
+        found = image_files(image.folder)
+    except OSError as error:
+        raise ImageRefused(f"its saved image cannot be read: {error}") from error
+    if found != image.files:
+        raise ImageRefused("its saved image is damaged (its files differ from what was recorded)")
 
 
 def size_of(state_dir: Path) -> int:

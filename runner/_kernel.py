@@ -27,6 +27,7 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from . import _kernel_program, _wire
@@ -165,7 +166,20 @@ class Kernel:
             raise KernelLost(f"its saved image could not be restored: {why}")
         self._whole_folder_next = True  # what the probe's run saw is not the user's to lose
 
-    async def checkpoint(self, into: Path) -> None:
+    async def resume_checked(
+        self, watch: ChangeWatch, ready: dict[str, object], probe: str, check: Callable[[], None]
+    ) -> None:
+        """resume(), while `check` (a blocking callable that raises on a bad image) runs in a thread;
+        the kernel is kept only if both succeed (the check's error wins: it names the damage)."""
+        checking = asyncio.ensure_future(asyncio.to_thread(check))
+        resuming = asyncio.ensure_future(self.resume(watch, ready, probe))
+        outcomes = await asyncio.gather(checking, resuming, return_exceptions=True)
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        if failures:
+            await self.close("its saved image was refused")
+            raise failures[0]
+
+    async def checkpoint(self, into: Path, flags: list[str]) -> None:
         """Write the kernel's image into the empty folder `into` (`runsc checkpoint`); the sandbox
         exits once it is written. Waits for a run in progress. Raises NotSaved (why) when runsc
         cannot; the kernel is then stopped all the same (a half-checkpointed sandbox is not trusted)."""
@@ -173,7 +187,7 @@ class Kernel:
             if not self.alive:
                 raise NotSaved(self.lost or self._why_gone())
             try:
-                code, out = await run_quick(self.checkpoint_argv(into), CHECKPOINT_MAX_S)
+                code, out = await run_quick(self.checkpoint_argv(into, flags), CHECKPOINT_MAX_S)
             except TimeoutError:
                 await self.close("its image was not written in time")
                 raise NotSaved(f"runsc did not write the image within {CHECKPOINT_MAX_S:g} s") from None
@@ -187,8 +201,8 @@ class Kernel:
                 raise NotSaved(_short_error(detail))
             self.lost = "it was saved to disk"
 
-    def checkpoint_argv(self, into: Path) -> list[str]:
-        return [*self.sandbox.runsc_base, "checkpoint", f"--image-path={into}", self.cid]
+    def checkpoint_argv(self, into: Path, flags: list[str]) -> list[str]:
+        return [*self.sandbox.runsc_base, "checkpoint", *flags, f"--image-path={into}", self.cid]
 
     def ready_fields(self) -> dict[str, object]:
         """The ready frame's fields, for resume() of a saved image."""

@@ -27,6 +27,7 @@ import asyncio
 import atexit
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -46,6 +47,7 @@ from ._hibernate import ImageRefused
 from ._kernel import KERNEL_SOURCE, Kernel, KernelLost, NotSaved, lifetime_limits
 from ._orphans import owner_stamp
 from ._supervise import human_bytes
+from ._warm import WarmStart
 from .models import Limits, Outcome, RunResult
 from .runner import Runner
 
@@ -128,6 +130,7 @@ class KernelPool:
         max_kernels: int = 20,
         socket_dir: Path | None = None,
         max_image_bytes: int | None = None,
+        warm_start: bool = False,
     ) -> None:
         self.runner = runner
         self.registry_dir = Path(registry_dir)
@@ -141,6 +144,9 @@ class KernelPool:
         self._state_dirs: dict[str, Path] = {}  # where each kernel of ours is saved when it stops
         self._ending: dict[str, asyncio.Future[None]] = {}  # kernels being saved now, by key
         self._identity: dict[str, object] | None = None
+        # A new kernel resumes a template with the data stack imported (see _warm), when one is built.
+        self.warm_start = warm_start
+        self._warm = WarmStart(runner, runner.bundle_dir / "templates")
         # An Open WebUI restart ends its event loop before the process: the idle kernels are saved
         # then, from the exit handler (see _save_at_exit).
         atexit.register(self._save_at_exit)
@@ -284,7 +290,7 @@ class KernelPool:
                 continue
             try:
                 staging = _hibernate.new_staging(state_dir)
-                argv = kernel.checkpoint_argv(staging)
+                argv = kernel.checkpoint_argv(staging, self.runner.checkpoint_flags())
                 job = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             except OSError as error:
                 log.warning("kernel %s of %s: not saved at exit: %s", kernel.cid, key, error)
@@ -357,6 +363,14 @@ class KernelPool:
         if state_dir is not None:  # an older image is stale from now on: never resumed over a newer state
             await asyncio.to_thread(_hibernate.discard, state_dir)
         await self._make_room()
+        if self.warm_start:
+            warm = await self._warm.resume(workdir, limits, await self._image_identity(limits))
+            if warm is not None:
+                await self._register(key, warm, workdir)
+                log.info(
+                    "kernel %s started warm for %s in %.2f s", warm.cid, key, time.time() - warm.started_at
+                )
+                return warm
         sandbox, watch = await self.runner.prepare(
             KERNEL_SOURCE, "python", workdir, limits, prefix="cs-k-", compile_once=True
         )
@@ -399,7 +413,9 @@ class KernelPool:
             )
             kernel = Kernel(sandbox, limits)
             try:
-                await kernel.resume(watch, image.ready)
+                await kernel.resume_checked(
+                    watch, image.ready, "", functools.partial(_hibernate.verify, image)
+                )
             except BaseException:
                 await kernel.close()
                 raise
@@ -477,7 +493,7 @@ class KernelPool:
         staging: Path | None = None
         try:
             staging = await asyncio.to_thread(_hibernate.new_staging, state_dir)
-            await kernel.checkpoint(staging)
+            await kernel.checkpoint(staging, self.runner.checkpoint_flags())
             identity = await self._image_identity(kernel.limits)
             image = await asyncio.to_thread(
                 _hibernate.seal, staging, state_dir, identity, kernel.ready_fields()

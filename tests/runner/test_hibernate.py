@@ -362,3 +362,39 @@ async def test_a_process_that_exits_saves_its_idle_kernels(
         assert result.ok and result.stdout == "from the first process\n" and result.notes == ()
     finally:
         await pool.close()
+
+
+async def test_a_new_chat_starts_warm_from_a_template_without_its_seeds_or_names(
+    runner: Runner, tmp_path: Path
+) -> None:
+    """The first chat builds the template (in the background); later chats resume it: pandas is
+    already imported (not bound), each chat has its own folder and its own random draws."""
+    pool = pool_of(runner, tmp_path, warm_start=True)
+    try:
+        first_folder = tmp_path / "sessions" / "first"
+        first_folder.mkdir(parents=True)
+        first = await pool.run("first", first_folder, "print(1)", "python", LIMITS)
+        assert first.ok
+        await pool._warm.wait_built()
+        draws = set()
+        probe = (
+            "import sys, os, random\n"
+            "print('pandas' in sys.modules, 'pandas' in globals(), os.listdir('.'))\n"
+            "import numpy\n"
+            "print(random.random(), numpy.random.random())\n"
+            "open('mine.txt', 'w').write('x')"
+        )
+        for name in ("a", "b"):
+            folder = tmp_path / "sessions" / name
+            folder.mkdir(parents=True)
+            (folder / f"{name}.csv").write_text("x,y\n1,2\n")
+            result = await pool.run(name, folder, probe, "python", LIMITS)
+            assert result.ok and result.notes == (), result
+            loaded, bound = result.stdout.splitlines()[0], result.stdout.splitlines()[1]
+            assert loaded == f"True False ['{name}.csv']"
+            draws.add(bound)
+            assert (folder / "mine.txt").read_text() == "x"
+            assert result.changed is None  # a resumed kernel's first run lists the whole folder
+        assert len(draws) == 2  # reseeded: two chats never share a random sequence
+    finally:
+        await pool.close()
