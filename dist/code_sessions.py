@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_a9a546da5e02'
+_CS_PACKAGE = '_code_sessions_9e7c99962345'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -11717,6 +11717,7 @@ async def _sandbox_checks(config: RunnerConfig) -> tuple[list[Check], str | None
                         fix="use a newer gVisor release (see deploy/Dockerfile); Python code is unaffected",
                     )
                 )
+            checks.append(await _checkpoint_check(runner))
             found = dict(await runner.packages())
             absent = [name for name in DATA_PACKAGES if name not in found]
             listed = ", ".join(f"{name} {version}" for name, version in found.items()) or "none"
@@ -11743,6 +11744,56 @@ async def _sandbox_checks(config: RunnerConfig) -> tuple[list[Check], str | None
                 fix = diag.fix if diag else "set RunnerConfig(debug_log_dir=...) and read gVisor's logs"
             checks.append(Check(name="sandbox", ok=False, detail=detail, fix=fix.strip()))
     return checks, setup.platform
+
+
+async def _checkpoint_check(runner: Runner) -> Check:
+    """A kernel saved to disk and resumed, as an idle chat's is: `runsc checkpoint` and `runsc restore`
+    work here, and the state comes back."""
+    from .kernels import KernelPool  # kernels imports the runner, as this module does
+
+    fix = (
+        "kernels are then stopped instead of saved (their state is lost, and said); a runsc whose "
+        "checkpoint and restore work (gVisor's releases since 2022 do) keeps them"
+    )
+    with tempfile.TemporaryDirectory(prefix="runner-doctor-") as tmp:
+        base = Path(tmp)
+        (base / "chat").mkdir()
+        pool = KernelPool(runner, base / "registry", socket_dir=base / "sockets")
+        limits = PROBE_LIMITS.model_copy(update={"timeout_s": 30})
+        try:
+            first = await pool.run(
+                "doctor", base / "chat", "kept = 41", "python", limits, state_dir=base / "state"
+            )
+            kernel = pool.kernels().get("doctor")
+            if not first.ok or kernel is None:
+                return Check(
+                    name="checkpoint", ok=True, warning=True, detail=f"no kernel: {first.reason}", fix=fix
+                )
+            started = asyncio.get_running_loop().time()
+            await pool._end("doctor", kernel, "the doctor saves it", save=True)
+            saved = asyncio.get_running_loop().time() - started
+            entry = pool._entry("doctor")
+            if entry is None or not entry.image:
+                why = entry.reason if entry is not None else "no record"
+                return Check(
+                    name="checkpoint", ok=True, warning=True, detail=f"cannot save a kernel: {why}", fix=fix
+                )
+            started = asyncio.get_running_loop().time()
+            again = await pool.run(
+                "doctor", base / "chat", "print(kept + 1)", "python", limits, state_dir=base / "state"
+            )
+            if again.stdout != "42\n" or again.notes:
+                detail = f"a saved kernel did not resume: {' '.join(again.notes) or again.stdout[:200]}"
+                return Check(name="checkpoint", ok=True, warning=True, detail=detail, fix=fix)
+            return Check(
+                name="checkpoint",
+                ok=True,
+                detail=f"a kernel was saved in {saved:.2f} s and resumed to its next answer in "
+                f"{asyncio.get_running_loop().time() - started:.2f} s "
+                "(runsc checkpoint and restore work)",
+            )
+        finally:
+            await pool.close()
 
 
 async def doctor(config: RunnerConfig | None = None) -> DoctorReport:
@@ -13340,7 +13391,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_a9a546da5e02.runner import Outcome
+from _code_sessions_9e7c99962345.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -13584,7 +13635,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_a9a546da5e02.storage import human_bytes
+from _code_sessions_9e7c99962345.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -13688,7 +13739,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_a9a546da5e02.storage import Purge, parse_duration
+from _code_sessions_9e7c99962345.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -14777,8 +14828,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_a9a546da5e02.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_a9a546da5e02.storage import (
+from _code_sessions_9e7c99962345.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_9e7c99962345.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -15372,7 +15423,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_a9a546da5e02.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_9e7c99962345.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -15585,7 +15636,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_a9a546da5e02.storage import Link, Publisher, is_postgres_url
+from _code_sessions_9e7c99962345.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -15797,7 +15848,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_a9a546da5e02.engine import (
+from _code_sessions_9e7c99962345.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -15811,8 +15862,8 @@ from _code_sessions_a9a546da5e02.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_a9a546da5e02.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_a9a546da5e02.storage import (
+from _code_sessions_9e7c99962345.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_9e7c99962345.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -15820,7 +15871,7 @@ from _code_sessions_a9a546da5e02.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_a9a546da5e02.webui import Misconfigured, OpenWebUI
+from _code_sessions_9e7c99962345.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

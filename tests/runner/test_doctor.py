@@ -57,6 +57,10 @@ async def test_doctor_passes_on_this_host(tmp_path: Path) -> None:
     assert packages is not None and not packages.warning, packages
     for name in ("numpy", "pandas", "matplotlib", "scipy", "openpyxl", "PIL"):
         assert name in packages.detail
+    # A kernel was really saved and resumed with its state (runsc checkpoint and restore work here).
+    checkpoint = report.check("checkpoint")
+    assert checkpoint is not None and checkpoint.ok and not checkpoint.warning, checkpoint
+    assert "saved in" in checkpoint.detail and "resumed" in checkpoint.detail
 
 
 async def test_doctor_says_how_to_install_a_missing_runsc(tmp_path: Path) -> None:
