@@ -101,6 +101,8 @@ class Kernel:
         self._closed = False
         self._settling: asyncio.Future[None] | None = None  # stopping a cancelled run
         self._whole_folder_next = False
+        self._stdin: asyncio.StreamWriter | None = None
+        self._stdin_hold = -1  # a second descriptor of the request pipe's write end (see _spawn)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -219,19 +221,33 @@ class Kernel:
             lambda grown: loop.call_soon_threadsafe(self._disk_exceeded, grown),
             pids=self.host_pids,
         )
+        # The request pipe is ours, and a second descriptor of its write end is held outside the
+        # event loop: uvloop (Open WebUI's loop) closes every pipe when the loop ends, and the kernel
+        # would read EOF and exit before the exit handler can save it (KernelPool._save_at_exit).
+        read_end, write_end = os.pipe()
         try:
             argv, preexec = dying_with_us(self.sandbox.argv)
             self._proc = await asyncio.create_subprocess_exec(
                 *argv,
-                stdin=asyncio.subprocess.PIPE,
+                stdin=read_end,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,  # one process group to kill if runsc itself hangs
                 preexec_fn=preexec,
             )
+            self._stdin_hold = os.dup(write_end)
+            transport, protocol = await loop.connect_write_pipe(
+                lambda: asyncio.streams.FlowControlMixin(loop=loop), os.fdopen(write_end, "wb", buffering=0)
+            )
+            write_end = -1  # the transport owns it now
+            self._stdin = asyncio.StreamWriter(transport, protocol, None, loop)
         except BaseException:
+            if write_end >= 0:
+                os.close(write_end)
             await self.close()
             raise
+        finally:
+            os.close(read_end)
         self._tasks.append(asyncio.create_task(self._read_replies()))
         self._tasks.append(asyncio.create_task(self._read_stderr()))
         if self.sandbox.cgroup is not None:
@@ -248,6 +264,11 @@ class Kernel:
         await asyncio.shield(asyncio.ensure_future(self._teardown()))
 
     async def _teardown(self) -> None:
+        if self._stdin is not None:
+            self._stdin.close()
+        if self._stdin_hold >= 0:
+            os.close(self._stdin_hold)
+            self._stdin_hold = -1
         if self._growth is not None:
             self._growth.stop()
         if self._watch is not None:
@@ -335,7 +356,7 @@ class Kernel:
             self._settling = None
 
     async def _run(self, code: str, language: str, limits: Limits) -> RunResult:
-        assert self._proc is not None and self._proc.stdin is not None and self._growth is not None
+        assert self._proc is not None and self._stdin is not None and self._growth is not None
         t0 = time.monotonic()
         self._run_ids += 1
         run_id = self._run_ids
@@ -344,8 +365,8 @@ class Kernel:
         self._growth.rebase(limits.max_write_bytes)
         self._state.start(run_id)
         try:
-            self._proc.stdin.write(_wire.encode_run(run_id, language, code))  # type: ignore[arg-type]
-            await self._proc.stdin.drain()
+            self._stdin.write(_wire.encode_run(run_id, language, code))  # type: ignore[arg-type]
+            await self._stdin.drain()
         except (BrokenPipeError, ConnectionResetError):
             pass  # it died: the reply reader says so
         deadline = t0 + limits.timeout_s

@@ -27,11 +27,13 @@ import asyncio
 import atexit
 import contextlib
 import errno
+import fcntl
 import functools
 import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import socket
 import stat
@@ -48,6 +50,7 @@ from ._kernel import KERNEL_SOURCE, Kernel, KernelLost, NotSaved, lifetime_limit
 from ._orphans import owner_stamp
 from ._supervise import human_bytes
 from ._warm import WarmStart
+from .capabilities import run_quick
 from .models import Limits, Outcome, RunResult
 from .runner import Runner
 
@@ -63,6 +66,12 @@ _TOUCH_EVERY_S = 30.0
 _CONNECT_TIMEOUT_S = 2.0
 _MAX_MESSAGE = 80 * 1024 * 1024  # a run request carries the code (the kernel takes up to 64 MiB)
 _HEADER = struct.Struct(">I")
+_REPLY_MARGIN_S = 15.0  # a relayed run's reply may come this long after its time limit
+_STOP_REPLY_S = 10.0  # a stop request is answered at once (the kernel is stopped after the reply)
+_SETTLE_REMOTE_S = 8.0  # after the asker gives up, how long it waits for the cell there to stop
+_ROOM_WAIT_S = 30.0  # how long a start waits for a kernel to become idle before going over max_kernels
+_ROOM_POLL_S = 0.1
+_STARTING = "starting-"  # the cid of a registry entry that holds a place for a kernel being started
 _SAVING_WAIT_S = 90.0  # how long a run waits for another worker to finish saving its chat's kernel
 _SHUTDOWN_SAVE_S = 8.0  # at exit, how long saving every idle kernel may take (a stop timeout is ~10 s)
 _KERNEL_DIGEST = hashlib.sha256(KERNEL_SOURCE.encode()).hexdigest()[:16]
@@ -143,6 +152,8 @@ class KernelPool:
         self._mine: dict[str, Kernel] = {}
         self._state_dirs: dict[str, Path] = {}  # where each kernel of ours is saved when it stops
         self._ending: dict[str, asyncio.Future[None]] = {}  # kernels being saved now, by key
+        self._ended: set[str] = set()  # ids of the kernels _end has taken (each is ended once)
+        self._in_run: set[str] = set()  # keys with a run in progress here (never an LRU victim)
         self._identity: dict[str, object] | None = None
         # A new kernel resumes a template with the data stack imported (see _warm), when one is built.
         self.warm_start = warm_start
@@ -178,6 +189,15 @@ class KernelPool:
         workdir = Path(os.path.realpath(workdir))
         if state_dir is not None:
             self._state_dirs[key] = Path(state_dir)
+        self._in_run.add(key)
+        try:
+            return await self._run(key, workdir, code, language, limits, state_dir)
+        finally:
+            self._in_run.discard(key)
+
+    async def _run(
+        self, key: str, workdir: Path, code: str, language: str, limits: Limits, state_dir: Path | None
+    ) -> RunResult:
         await self._settled(key)
         notes: list[str] = []
         kernel = self._mine.get(key)
@@ -189,7 +209,11 @@ class KernelPool:
         if kernel is None:
             entry = await self._entry_once_saved(key)
             if entry is not None and entry.running and entry.owner != self._owner and self._owned_here(entry):
-                result = await self._run_remote(entry, code, language, limits)
+                try:
+                    result = await self._run_remote(entry, code, language, limits)
+                except _OwnerSilent as silent:
+                    await self._strand(entry, str(silent))
+                    result = None
                 if result is not None:
                     log.info(
                         "kernel %s of %s: run by the worker that holds it (%s)", entry.cid, key, entry.owner
@@ -239,7 +263,10 @@ class KernelPool:
         else:
             entry = await asyncio.to_thread(self._entry, key)
             if entry is not None and entry.running and self._owned_here(entry):
-                await self._ask(entry, {"op": "stop", "reason": reason})
+                try:
+                    await self._ask(entry, {"op": "stop", "reason": reason})
+                except _OwnerSilent as silent:
+                    await self._strand(entry, str(silent))
             elif entry is not None and not forget:
                 entry.running, entry.reason = False, reason  # the next run says this, not an older why
                 await asyncio.to_thread(self._save, entry)
@@ -362,7 +389,7 @@ class KernelPool:
     async def _start(self, key: str, workdir: Path, limits: Limits, state_dir: Path | None) -> Kernel:
         if state_dir is not None:  # an older image is stale from now on: never resumed over a newer state
             await asyncio.to_thread(_hibernate.discard, state_dir)
-        await self._make_room()
+        await self._reserve(key, workdir)
         if self.warm_start:
             warm = await self._warm.resume(workdir, limits, await self._image_identity(limits))
             if warm is not None:
@@ -377,8 +404,9 @@ class KernelPool:
         kernel = Kernel(sandbox, limits)
         try:
             await kernel.start(watch)
-        except BaseException:
+        except BaseException as error:
             await kernel.close()
+            await asyncio.to_thread(self._unreserve, key, str(error) or "the kernel could not start")
             raise
         await self._register(key, kernel, workdir)
         log.info("kernel %s started for %s in %.2f s", kernel.cid, key, time.time() - kernel.started_at)
@@ -401,7 +429,7 @@ class KernelPool:
         try:
             identity = await self._image_identity(limits)
             image = await asyncio.to_thread(_hibernate.load, state_dir, entry.image, identity)
-            await self._make_room()
+            await self._reserve(key, workdir)
             sandbox, watch = await self.runner.prepare(
                 KERNEL_SOURCE,
                 "python",
@@ -441,7 +469,7 @@ class KernelPool:
     async def _register(self, key: str, kernel: Kernel, workdir: Path) -> None:
         kernel.last_used = time.monotonic()  # idle from now, not from before its (slow) start
         self._mine[key] = kernel
-        sock = self._socket_path(key)
+        sock = self._socket_path(key, kernel.cid)
         try:
             await asyncio.to_thread(self._prepare_socket, sock)
             self._servers[key] = await asyncio.start_unix_server(
@@ -457,7 +485,11 @@ class KernelPool:
 
     async def _end(self, key: str, kernel: Kernel, reason: str, *, save: bool = False) -> None:
         """Stop the key's kernel; `save`: write its state to the chat's state folder first, so the
-        next run resumes it (`reason` is then said only if that fails)."""
+        next run resumes it (`reason` is then said only if that fails). Once per kernel: a run that
+        finds its kernel gone after a save must not overwrite what the save recorded."""
+        if kernel.cid in self._ended:
+            return
+        self._ended.add(kernel.cid)
         if self._mine.get(key) is kernel:
             del self._mine[key]
         server = self._servers.pop(key, None)
@@ -481,7 +513,7 @@ class KernelPool:
             entry.reason = unsaved or ("" if image else kernel.lost or reason)
             await asyncio.to_thread(self._save, entry)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._socket_path(key))
+            os.unlink(self._socket_path(key, kernel.cid))  # its own: a newer kernel's has another name
 
     async def _save_state(self, key: str, kernel: Kernel, state_dir: Path) -> tuple[str, str]:
         """Checkpoint the kernel into `state_dir`: (image id, "") or ("", why it could not be kept)."""
@@ -543,23 +575,77 @@ class KernelPool:
                 return entry
             await asyncio.sleep(0.05)
 
-    async def _make_room(self) -> None:
-        """Beyond max_kernels on this host, stop the least recently used idle one."""
-        entries = await asyncio.to_thread(self._running_here)
-        while len(entries) >= self.max_kernels:
-            idle = [e for e in entries if not (e.key in self._mine and self._mine[e.key].busy)]
-            if not idle:
-                return  # every one is running a cell: go over the limit rather than kill a run
-            victim = min(idle, key=lambda e: e.last_used)
-            reason = (
-                f"too many kernels were running (at most {self.max_kernels}); it was the least recently used"
+    async def _reserve(self, key: str, workdir: Path) -> None:
+        """Make room for the key's kernel and hold its place, under a lock every process of this host
+        shares: the count and the place are one step, so concurrent starts never pass max_kernels.
+        The place is a registry entry, running, with no kernel yet ("starting-..."), which _register
+        replaces (or _unreserve ends)."""
+        self.registry_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.registry_dir / ".starts.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+            await self._make_room(key)
+            now = time.time()
+            place = _Entry(
+                key,
+                f"{_STARTING}{secrets.token_hex(6)}",
+                _HOST,
+                self._owner,
+                "",
+                str(workdir),
+                now,
+                now,
+                True,
             )
+            await asyncio.to_thread(self._save, place)
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _unreserve(self, key: str, why: str) -> None:
+        entry = self._entry(key)
+        if entry is not None and entry.cid.startswith(_STARTING) and entry.owner == self._owner:
+            entry.running, entry.reason = False, why[:300]
+            self._save(entry)
+
+    async def _make_room(self, key: str) -> None:
+        """Beyond max_kernels on this host, stop (save) the least recently used idle one. A kernel
+        running a cell, or still starting, is never chosen (its owner says when it is busy); with
+        none idle, wait up to _ROOM_WAIT_S for one to be, then go over the limit rather than kill a
+        run."""
+        deadline = time.monotonic() + _ROOM_WAIT_S
+        reason = f"too many kernels were running (at most {self.max_kernels}); it was the least recently used"
+        busy: set[str] = set()  # keys another worker said are running a cell now
+        entries = [e for e in await asyncio.to_thread(self._running_here) if e.key != key]
+        while len(entries) >= self.max_kernels:
+            idle = [
+                e
+                for e in entries
+                if not e.cid.startswith(_STARTING)
+                and e.key not in busy
+                and e.key not in self._in_run
+                and not (e.key in self._mine and self._mine[e.key].busy)
+            ]
+            if not idle:
+                if time.monotonic() > deadline:
+                    return
+                await asyncio.sleep(_ROOM_POLL_S)
+                busy.clear()
+                entries = [e for e in await asyncio.to_thread(self._running_here) if e.key != key]
+                continue
+            victim = min(idle, key=lambda e: e.last_used)
             if victim.key in self._mine:
                 await self._end(victim.key, self._mine[victim.key], reason, save=True)
             else:
-                await self._ask(victim, {"op": "stop", "reason": reason, "save": True})
-                victim.running, victim.reason = False, reason
-                await asyncio.to_thread(self._save_if_same, victim)
+                # Its owner saves it and records that itself; a busy one it keeps, and says so.
+                request = {"op": "stop", "reason": reason, "save": True, "if_idle": True}
+                try:
+                    reply = await self._ask(victim, request)
+                except _OwnerSilent as silent:
+                    await self._strand(victim, str(silent))
+                    reply = None
+                if reply is not None and reply.get("busy"):
+                    busy.add(victim.key)
+                    continue
             entries = [e for e in entries if e.key != victim.key]
 
     def _keep_reaping(self) -> None:
@@ -622,14 +708,22 @@ class KernelPool:
         )
 
     async def _run_remote(self, entry: _Entry, code: str, language: str, limits: Limits) -> RunResult | None:
-        reply = await self._ask(
-            entry, {"op": "run", "code": code, "language": language, "limits": limits.model_dump()}
-        )
+        """The run, by the worker that holds the chat's kernel; None if that kernel is gone. Raises
+        _OwnerSilent if that worker does not answer within the run's time limit and a margin."""
+        request = {"op": "run", "code": code, "language": language, "limits": limits.model_dump()}
+        reply = await self._ask(entry, request, limits.timeout_s + _REPLY_MARGIN_S)
         if reply is None or "result" not in reply:
             return None
         return RunResult.model_validate(reply["result"])
 
-    async def _ask(self, entry: _Entry, request: dict[str, Any]) -> dict[str, Any] | None:
+    async def _ask(
+        self, entry: _Entry, request: dict[str, Any], reply_within: float = _STOP_REPLY_S
+    ) -> dict[str, Any] | None:
+        """One request to the worker serving `entry`'s kernel, naming the chat and kernel it is for.
+        None when no such kernel answers there; _OwnerSilent when the worker accepts and says nothing
+        for `reply_within` s (stopped, stuck). If the caller is cancelled (the user stopped the
+        answer), the worker is told (the connection is half-closed), and the caller waits, bounded, for
+        the cell there to stop: what it wrote is then on disk before the caller reconciles."""
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_unix_connection(entry.socket, limit=_MAX_MESSAGE), _CONNECT_TIMEOUT_S
@@ -637,8 +731,19 @@ class KernelPool:
         except (OSError, TimeoutError):
             return None
         try:
-            await _send(writer, request)
-            return await _receive(reader)
+            await _send(writer, {**request, "key": entry.key, "cid": entry.cid})
+            try:
+                return await asyncio.wait_for(_receive(reader), reply_within)
+            except TimeoutError:
+                raise _OwnerSilent(
+                    f"the worker holding it did not answer within {reply_within:g} s"
+                ) from None
+            except asyncio.CancelledError:
+                with contextlib.suppress(OSError):
+                    writer.write_eof()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(_receive(reader)), _SETTLE_REMOTE_S)
+                raise
         except (OSError, ValueError, asyncio.IncompleteReadError):
             return None
         finally:
@@ -646,24 +751,66 @@ class KernelPool:
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
 
+    async def _strand(self, entry: _Entry, why: str) -> None:
+        """The worker holding the chat's kernel does not answer: kill that kernel (same host, same
+        user, same runsc state), so the chat never has two, and record why its state went."""
+        with contextlib.suppress(Exception):
+            setup = await self.runner.setup()
+            base = [setup.runsc.path, "--root", str(self.runner.state_dir)]
+            with contextlib.suppress(Exception):
+                await run_quick([*base, "kill", "--all", entry.cid, "KILL"], _CONNECT_TIMEOUT_S * 5)
+            with contextlib.suppress(Exception):
+                await run_quick([*base, "delete", "--force", entry.cid], _CONNECT_TIMEOUT_S * 5)
+        entry.running, entry.reason, entry.unsaved, entry.image = False, why, False, ""
+        await asyncio.to_thread(self._save_if_same, entry)
+        log.warning("kernel %s of %s: %s; stopped it", entry.cid, entry.key, why)
+
     async def _serve(self, key: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Another worker of this host asks this process's kernel (only our own processes can reach
-        the socket: mode 0600 in a 0700 folder owned by us)."""
+        """Another worker of this host asks this process's kernel. Only our own user's processes can
+        reach the socket (mode 0600 in a 0700 folder owned by us) and the peer's credentials are
+        checked too; a request must name this chat and this kernel, or it is refused (a registry
+        entry pointing at another chat's socket never runs a cell in that chat)."""
         try:
+            uid = _peer_uid(writer)
+            if uid != os.geteuid():
+                log.warning("kernel of %s: refused a request from uid %s", key, uid)
+                await _send(writer, {"refused": "not our user"})
+                return
             request = await _receive(reader)
             kernel = self._mine.get(key)
             if kernel is None or not kernel.alive:
                 await _send(writer, {"gone": True})
                 return
+            if request.get("key") != key or request.get("cid") != kernel.cid:
+                log.warning("kernel %s of %s: refused a request for another chat or kernel", kernel.cid, key)
+                await _send(writer, {"refused": "not this chat's kernel"})
+                return
             if request.get("op") == "stop":
+                if request.get("if_idle") is True and (kernel.busy or key in self._in_run):
+                    await _send(writer, {"busy": True})
+                    return
                 await _send(writer, {"ok": True})
                 await self._end(
                     key, kernel, str(request.get("reason", "stopped")), save=request.get("save") is True
                 )
                 return
             limits = Limits.model_validate(request["limits"])
+            run = asyncio.ensure_future(kernel.run(str(request["code"]), str(request["language"]), limits))
+            hangup = asyncio.ensure_future(reader.read(1))  # the asker gave up: EOF
+            await asyncio.wait({run, hangup}, return_when=asyncio.FIRST_COMPLETED)
+            if not run.done():
+                # Its answer was stopped: stop the cell here as a local run would be (interrupted,
+                # settled), then say so, so the asker reconciles after the cell's last write.
+                run.cancel()
+                with contextlib.suppress(asyncio.CancelledError, KernelLost):
+                    await run
+                if not kernel.alive:
+                    await self._end(key, kernel, kernel.lost or "the kernel stopped")
+                await _send(writer, {"cancelled": True})
+                return
+            hangup.cancel()
             try:
-                result = await kernel.run(str(request["code"]), str(request["language"]), limits)
+                result = run.result()
             except KernelLost:
                 await _send(writer, {"gone": True})
                 return
@@ -685,8 +832,10 @@ class KernelPool:
     def _entry_path(self, key: str) -> Path:
         return self.registry_dir / f"{self._digest(key)}.json"
 
-    def _socket_path(self, key: str) -> Path:
-        return self.socket_dir / f"{self._digest(key)}.sock"
+    def _socket_path(self, key: str, cid: str) -> Path:
+        # Named by the kernel, not only the chat: an old kernel's teardown never removes a newer
+        # kernel's socket (a chat whose worker lost its socket is taken over by another worker).
+        return self.socket_dir / f"{self._digest(key)[:20]}-{cid[-16:]}.sock"
 
     def _entry(self, key: str) -> _Entry | None:
         entry = _Entry.load(self._entry_path(key))
@@ -762,6 +911,19 @@ async def _receive(reader: asyncio.StreamReader) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise ValueError("not an object")
     return message
+
+
+class _OwnerSilent(Exception):
+    """The worker holding a chat's kernel accepted a request and did not answer in time."""
+
+
+def _peer_uid(writer: asyncio.StreamWriter) -> int | None:
+    sock = writer.get_extra_info("socket")
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, AttributeError):
+        return None
+    return struct.unpack("3i", creds)[1]
 
 
 def _refused(why: str, notes: list[str]) -> RunResult:
