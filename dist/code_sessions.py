@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_683412adb402'
+_CS_PACKAGE = '_code_sessions_24a22cf525af'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -13574,7 +13574,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_683412adb402.runner import Outcome
+from _code_sessions_24a22cf525af.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -13818,7 +13818,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_683412adb402.storage import human_bytes
+from _code_sessions_24a22cf525af.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -13922,7 +13922,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_683412adb402.storage import Purge, parse_duration
+from _code_sessions_24a22cf525af.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -15011,8 +15011,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_683412adb402.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_683412adb402.storage import (
+from _code_sessions_24a22cf525af.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_24a22cf525af.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -15606,7 +15606,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_683412adb402.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_24a22cf525af.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -15819,7 +15819,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_683412adb402.storage import Link, Publisher, is_postgres_url
+from _code_sessions_24a22cf525af.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -16024,6 +16024,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16031,7 +16032,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_683412adb402.engine import (
+from _code_sessions_24a22cf525af.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -16045,8 +16046,8 @@ from _code_sessions_683412adb402.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_683412adb402.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_683412adb402.storage import (
+from _code_sessions_24a22cf525af.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_24a22cf525af.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -16054,7 +16055,7 @@ from _code_sessions_683412adb402.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_683412adb402.webui import Misconfigured, OpenWebUI
+from _code_sessions_24a22cf525af.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 
@@ -16188,6 +16189,8 @@ class Pipe:
         self._function_id: str | None = None
         self._purge_pending: tuple[str, float, float] | None = None  # request, first and last try
         self._background: asyncio.Task | None = None
+        self._stop_hooked = False
+        self._stopping = False
 
     # ---- models -------------------------------------------------------------------------------------
 
@@ -16319,6 +16322,8 @@ class Pipe:
                     kernels = KernelPool(runner, places.root / "kernels", warm_start=valves.warm_start)
                 self._services = CodeSessions(store, runner, Limits(), kernels=kernels)
                 self._services_key = key
+                if kernels is not None:
+                    self._save_kernels_before_stop()
         services = self._services
         services.store.policy = _policy(valves)
         services.limits = _limits(valves)
@@ -16327,6 +16332,48 @@ class Pipe:
             services.kernels.max_kernels = valves.max_kernels
             services.kernels.max_image_bytes = valves.max_saved_state_mb * 1024 * 1024
         return services
+
+    def _save_kernels_before_stop(self) -> None:
+        """Open WebUI's server (uvicorn) handles SIGTERM and SIGINT by ending its event loop, which
+        closes the kernels' pipes, and then raises the signal again, so no exit handler runs: every
+        kernel would die with its state. So the stop signal first saves this process's idle kernels
+        (KernelPool.close: within 8 s, as a container's stop timeout is usually 10 s), then goes on to
+        the server's own handler. A second signal stops at once. Only from the main thread, where
+        uvicorn installed its handlers; elsewhere (a test harness) nothing is changed."""
+        if self._stop_hooked:
+            return
+        self._stop_hooked = True
+        loop = asyncio.get_running_loop()
+
+        def chained(previous: Any) -> Any:
+            def handler(signum: int, frame: Any) -> None:
+                if self._stopping:
+                    previous(signum, frame)
+                    return
+                self._stopping = True
+
+                async def save_then_stop() -> None:
+                    try:
+                        services = self._services
+                        if services is not None and services.kernels is not None:
+                            await services.kernels.close()
+                    except Exception:
+                        log.exception("code-sessions: saving the kernels before the stop failed")
+                    finally:
+                        previous(signum, frame)
+
+                loop.call_soon_threadsafe(lambda: loop.create_task(save_then_stop()))
+
+            return handler
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.getsignal(sig)
+            if not callable(previous):
+                continue  # no graceful handler to chain to: the default stop stays as it is
+            try:
+                signal.signal(sig, chained(previous))
+            except ValueError:  # not the main thread
+                return
 
     def _keep_background_running(self) -> None:
         if self._background is None or self._background.done():

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -176,6 +177,8 @@ class Pipe:
         self._function_id: str | None = None
         self._purge_pending: tuple[str, float, float] | None = None  # request, first and last try
         self._background: asyncio.Task | None = None
+        self._stop_hooked = False
+        self._stopping = False
 
     # ---- models -------------------------------------------------------------------------------------
 
@@ -307,6 +310,8 @@ class Pipe:
                     kernels = KernelPool(runner, places.root / "kernels", warm_start=valves.warm_start)
                 self._services = CodeSessions(store, runner, Limits(), kernels=kernels)
                 self._services_key = key
+                if kernels is not None:
+                    self._save_kernels_before_stop()
         services = self._services
         services.store.policy = _policy(valves)
         services.limits = _limits(valves)
@@ -315,6 +320,48 @@ class Pipe:
             services.kernels.max_kernels = valves.max_kernels
             services.kernels.max_image_bytes = valves.max_saved_state_mb * 1024 * 1024
         return services
+
+    def _save_kernels_before_stop(self) -> None:
+        """Open WebUI's server (uvicorn) handles SIGTERM and SIGINT by ending its event loop, which
+        closes the kernels' pipes, and then raises the signal again, so no exit handler runs: every
+        kernel would die with its state. So the stop signal first saves this process's idle kernels
+        (KernelPool.close: within 8 s, as a container's stop timeout is usually 10 s), then goes on to
+        the server's own handler. A second signal stops at once. Only from the main thread, where
+        uvicorn installed its handlers; elsewhere (a test harness) nothing is changed."""
+        if self._stop_hooked:
+            return
+        self._stop_hooked = True
+        loop = asyncio.get_running_loop()
+
+        def chained(previous: Any) -> Any:
+            def handler(signum: int, frame: Any) -> None:
+                if self._stopping:
+                    previous(signum, frame)
+                    return
+                self._stopping = True
+
+                async def save_then_stop() -> None:
+                    try:
+                        services = self._services
+                        if services is not None and services.kernels is not None:
+                            await services.kernels.close()
+                    except Exception:
+                        log.exception("code-sessions: saving the kernels before the stop failed")
+                    finally:
+                        previous(signum, frame)
+
+                loop.call_soon_threadsafe(lambda: loop.create_task(save_then_stop()))
+
+            return handler
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.getsignal(sig)
+            if not callable(previous):
+                continue  # no graceful handler to chain to: the default stop stays as it is
+            try:
+                signal.signal(sig, chained(previous))
+            except ValueError:  # not the main thread
+                return
 
     def _keep_background_running(self) -> None:
         if self._background is None or self._background.done():

@@ -19,7 +19,7 @@ import pytest
 from demo import launcher
 from tests.support.open_webui import OpenWebUI, Reply, running_open_webui
 
-pytestmark = [pytest.mark.e2e, pytest.mark.runsc]
+pytestmark = [pytest.mark.e2e, pytest.mark.runsc, pytest.mark.timeout(900)]
 
 TURN_ONE = (
     "```python\n"
