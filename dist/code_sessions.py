@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_24a22cf525af'
+_CS_PACKAGE = '_code_sessions_89026b047976'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -12128,7 +12128,7 @@ class KernelPool:
             entry = await self._entry_once_saved(key)
             if entry is not None and entry.running and entry.owner != self._owner and self._owned_here(entry):
                 try:
-                    result = await self._run_remote(entry, code, language, limits)
+                    result = await self._run_remote(entry, workdir, code, language, limits)
                 except _OwnerSilent as silent:
                     await self._strand(entry, str(silent))
                     result = None
@@ -12625,10 +12625,18 @@ class KernelPool:
             entry.host,
         )
 
-    async def _run_remote(self, entry: _Entry, code: str, language: str, limits: Limits) -> RunResult | None:
+    async def _run_remote(
+        self, entry: _Entry, workdir: Path, code: str, language: str, limits: Limits
+    ) -> RunResult | None:
         """The run, by the worker that holds the chat's kernel; None if that kernel is gone. Raises
         _OwnerSilent if that worker does not answer within the run's time limit and a margin."""
-        request = {"op": "run", "code": code, "language": language, "limits": limits.model_dump()}
+        request = {
+            "op": "run",
+            "code": code,
+            "language": language,
+            "limits": limits.model_dump(),
+            "workdir": str(workdir),
+        }
         reply = await self._ask(entry, request, limits.timeout_s + _REPLY_MARGIN_S)
         if reply is None or "result" not in reply:
             return None
@@ -12713,6 +12721,11 @@ class KernelPool:
                 )
                 return
             limits = Limits.model_validate(request["limits"])
+            misfit = self._misfit(kernel, Path(str(request.get("workdir", ""))), limits)
+            if misfit is not None:  # as a local run would: this kernel cannot take it
+                await self._end(key, kernel, misfit)
+                await _send(writer, {"gone": True})
+                return
             run = asyncio.ensure_future(kernel.run(str(request["code"]), str(request["language"]), limits))
             hangup = asyncio.ensure_future(reader.read(1))  # the asker gave up: EOF
             await asyncio.wait({run, hangup}, return_when=asyncio.FIRST_COMPLETED)
@@ -13574,7 +13587,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_24a22cf525af.runner import Outcome
+from _code_sessions_89026b047976.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -13818,7 +13831,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_24a22cf525af.storage import human_bytes
+from _code_sessions_89026b047976.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -13922,7 +13935,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_24a22cf525af.storage import Purge, parse_duration
+from _code_sessions_89026b047976.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -15011,8 +15024,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_24a22cf525af.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_24a22cf525af.storage import (
+from _code_sessions_89026b047976.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_89026b047976.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -15606,7 +15619,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_24a22cf525af.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_89026b047976.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -15819,7 +15832,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_24a22cf525af.storage import Link, Publisher, is_postgres_url
+from _code_sessions_89026b047976.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -16032,7 +16045,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_24a22cf525af.engine import (
+from _code_sessions_89026b047976.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -16046,8 +16059,8 @@ from _code_sessions_24a22cf525af.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_24a22cf525af.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_24a22cf525af.storage import (
+from _code_sessions_89026b047976.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_89026b047976.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -16055,7 +16068,7 @@ from _code_sessions_24a22cf525af.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_24a22cf525af.webui import Misconfigured, OpenWebUI
+from _code_sessions_89026b047976.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

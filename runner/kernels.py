@@ -210,7 +210,7 @@ class KernelPool:
             entry = await self._entry_once_saved(key)
             if entry is not None and entry.running and entry.owner != self._owner and self._owned_here(entry):
                 try:
-                    result = await self._run_remote(entry, code, language, limits)
+                    result = await self._run_remote(entry, workdir, code, language, limits)
                 except _OwnerSilent as silent:
                     await self._strand(entry, str(silent))
                     result = None
@@ -707,10 +707,18 @@ class KernelPool:
             entry.host,
         )
 
-    async def _run_remote(self, entry: _Entry, code: str, language: str, limits: Limits) -> RunResult | None:
+    async def _run_remote(
+        self, entry: _Entry, workdir: Path, code: str, language: str, limits: Limits
+    ) -> RunResult | None:
         """The run, by the worker that holds the chat's kernel; None if that kernel is gone. Raises
         _OwnerSilent if that worker does not answer within the run's time limit and a margin."""
-        request = {"op": "run", "code": code, "language": language, "limits": limits.model_dump()}
+        request = {
+            "op": "run",
+            "code": code,
+            "language": language,
+            "limits": limits.model_dump(),
+            "workdir": str(workdir),
+        }
         reply = await self._ask(entry, request, limits.timeout_s + _REPLY_MARGIN_S)
         if reply is None or "result" not in reply:
             return None
@@ -795,6 +803,11 @@ class KernelPool:
                 )
                 return
             limits = Limits.model_validate(request["limits"])
+            misfit = self._misfit(kernel, Path(str(request.get("workdir", ""))), limits)
+            if misfit is not None:  # as a local run would: this kernel cannot take it
+                await self._end(key, kernel, misfit)
+                await _send(writer, {"gone": True})
+                return
             run = asyncio.ensure_future(kernel.run(str(request["code"]), str(request["language"]), limits))
             hangup = asyncio.ensure_future(reader.read(1))  # the asker gave up: EOF
             await asyncio.wait({run, hangup}, return_when=asyncio.FIRST_COMPLETED)

@@ -243,3 +243,21 @@ async def test_max_kernels_holds_under_concurrent_starts(workers: Workers, tmp_p
         assert len(pool.kernels()) <= 2
     finally:
         await pool.close()
+
+
+async def test_a_relayed_run_with_other_limits_gets_a_kernel_with_those_limits(
+    workers: Workers, folder: Path
+) -> None:
+    """The admin raised the memory limit: a run relayed to the worker holding the chat's kernel (started
+    with the old limit) must not run there, as a local run would not: a new kernel, and the reason."""
+    a = workers.start("k5", folder, "x = 1", hold=True)
+    held = workers.said(a)
+    pool = workers.pool()
+    try:
+        bigger = LIMITS.model_copy(update={"memory_mb": 384})
+        result = await pool.run("k5", folder, "print(globals().get('x'))", "python", bigger)
+        assert result.stdout == "None\n" and result.container_id != held["cid"]
+        changed = "the admin changed the sandbox's limits"
+        assert result.notes == (f"The Python state was reset ({changed}); files in /mnt/data are kept.",)
+    finally:
+        await pool.close()
