@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_89026b047976'
+_CS_PACKAGE = '_code_sessions_3d197617fc22'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -12286,7 +12286,11 @@ class KernelPool:
             elif now - kernel.last_used > self.idle_s and not kernel.busy:
                 await self._end(key, kernel, f"it was idle for more than {_minutes(self.idle_s)}", save=True)
             else:
+                if key in self._in_run:
+                    continue  # a run here is starting or using it (its entry may not name it yet)
                 entry = await asyncio.to_thread(self._entry, key)
+                if key in self._in_run or self._mine.get(key) is not kernel:
+                    continue  # a run began meanwhile
                 if entry is not None and entry.cid != kernel.cid:
                     await self._end(key, kernel, "another kernel took over its chat")
                 elif entry is not None and entry.stop_requested:
@@ -13587,7 +13591,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_89026b047976.runner import Outcome
+from _code_sessions_3d197617fc22.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -13831,7 +13835,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_89026b047976.storage import human_bytes
+from _code_sessions_3d197617fc22.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -13935,7 +13939,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_89026b047976.storage import Purge, parse_duration
+from _code_sessions_3d197617fc22.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -15024,8 +15028,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_89026b047976.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_89026b047976.storage import (
+from _code_sessions_3d197617fc22.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_3d197617fc22.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -15619,7 +15623,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_89026b047976.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_3d197617fc22.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -15832,7 +15836,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_89026b047976.storage import Link, Publisher, is_postgres_url
+from _code_sessions_3d197617fc22.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -16045,7 +16049,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_89026b047976.engine import (
+from _code_sessions_3d197617fc22.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -16059,8 +16063,8 @@ from _code_sessions_89026b047976.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_89026b047976.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_89026b047976.storage import (
+from _code_sessions_3d197617fc22.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_3d197617fc22.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -16068,7 +16072,7 @@ from _code_sessions_89026b047976.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_89026b047976.webui import Misconfigured, OpenWebUI
+from _code_sessions_3d197617fc22.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

@@ -368,7 +368,11 @@ class KernelPool:
             elif now - kernel.last_used > self.idle_s and not kernel.busy:
                 await self._end(key, kernel, f"it was idle for more than {_minutes(self.idle_s)}", save=True)
             else:
+                if key in self._in_run:
+                    continue  # a run here is starting or using it (its entry may not name it yet)
                 entry = await asyncio.to_thread(self._entry, key)
+                if key in self._in_run or self._mine.get(key) is not kernel:
+                    continue  # a run began meanwhile
                 if entry is not None and entry.cid != kernel.cid:
                     await self._end(key, kernel, "another kernel took over its chat")
                 elif entry is not None and entry.stop_requested:
