@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/ and engine/ are embedded below and imported through a small
 # import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_3d197617fc22'
+_CS_PACKAGE = '_code_sessions_7beeec79e262'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -11549,6 +11549,7 @@ from . import _bundle, _cgroups
 from ._diagnose import DOCKER_UNCONFINED, explain
 from .capabilities import detect_runsc
 from .errors import RunnerError, RunscNotFound
+from .kernels import KernelPool
 from .models import Outcome, RunnerConfig
 from .runner import DATA_PACKAGES, PROBE_LIMITS, Runner
 
@@ -11770,8 +11771,6 @@ async def _sandbox_checks(config: RunnerConfig) -> tuple[list[Check], str | None
 async def _checkpoint_check(runner: Runner) -> Check:
     """A kernel saved to disk and resumed, as an idle chat's is: `runsc checkpoint` and `runsc restore`
     work here, and the state comes back."""
-    from .kernels import KernelPool  # kernels imports the runner, as this module does
-
     fix = (
         "kernels are then stopped instead of saved (their state is lost, and said); a runsc whose "
         "checkpoint and restore work (gVisor's releases since 2022 do) keeps them"
@@ -13591,7 +13590,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from _code_sessions_3d197617fc22.runner import Outcome
+from _code_sessions_7beeec79e262.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -13835,7 +13834,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_3d197617fc22.storage import human_bytes
+from _code_sessions_7beeec79e262.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -13939,7 +13938,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_3d197617fc22.storage import Purge, parse_duration
+from _code_sessions_7beeec79e262.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -15028,8 +15027,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_3d197617fc22.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_3d197617fc22.storage import (
+from _code_sessions_7beeec79e262.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_7beeec79e262.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -15623,7 +15622,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from _code_sessions_3d197617fc22.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_7beeec79e262.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -15836,7 +15835,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_3d197617fc22.storage import Link, Publisher, is_postgres_url
+from _code_sessions_7beeec79e262.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -16049,7 +16048,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_3d197617fc22.engine import (
+from _code_sessions_7beeec79e262.engine import (
     CodeSessions,
     LoopOptions,
     ModelError,
@@ -16063,8 +16062,8 @@ from _code_sessions_3d197617fc22.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_3d197617fc22.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_3d197617fc22.storage import (
+from _code_sessions_7beeec79e262.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_7beeec79e262.storage import (
     CLEAR_FILES_COMMAND,
     Expiry,
     Policy,
@@ -16072,7 +16071,7 @@ from _code_sessions_3d197617fc22.storage import (
     StorageError,
     Store,
 )
-from _code_sessions_3d197617fc22.webui import Misconfigured, OpenWebUI
+from _code_sessions_7beeec79e262.webui import Misconfigured, OpenWebUI
 
 log = logging.getLogger("code_sessions.function")
 

@@ -20,6 +20,7 @@ from . import _bundle, _cgroups
 from ._diagnose import DOCKER_UNCONFINED, explain
 from .capabilities import detect_runsc
 from .errors import RunnerError, RunscNotFound
+from .kernels import KernelPool
 from .models import Outcome, RunnerConfig
 from .runner import DATA_PACKAGES, PROBE_LIMITS, Runner
 
@@ -241,8 +242,6 @@ async def _sandbox_checks(config: RunnerConfig) -> tuple[list[Check], str | None
 async def _checkpoint_check(runner: Runner) -> Check:
     """A kernel saved to disk and resumed, as an idle chat's is: `runsc checkpoint` and `runsc restore`
     work here, and the state comes back."""
-    from .kernels import KernelPool  # kernels imports the runner, as this module does
-
     fix = (
         "kernels are then stopped instead of saved (their state is lost, and said); a runsc whose "
         "checkpoint and restore work (gVisor's releases since 2022 do) keeps them"
