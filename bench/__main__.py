@@ -27,6 +27,7 @@ from . import (
     deleted_chats,
     environment,
     filter_stream,
+    hibernate,
     index_backends,
     index_scale,
     kernel,
@@ -47,6 +48,7 @@ SECTIONS: dict[str, Callable[[Context], Awaitable[dict[str, Any]]]] = {
     "kernel": kernel.run,
     "deleted_chats": deleted_chats.run,
     "filter_stream": filter_stream.run,
+    "hibernate": hibernate.run,
     "index_backends": index_backends.run,
     "environment": environment.run,
 }

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from . import environment, filter_stream, index_backends
+from . import environment, filter_stream, hibernate, index_backends
 from .index_backends import TARGET_STEP_RATIO
 
 
@@ -402,6 +402,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     add("warm step, whole path (live kernel)", warm and warm["warm_full_path"]["median_ms"], 10.0, "ms")
     first = kern.get("first_step")
     add("a chat's first step / bare runsc", first and first["first_vs_bare"], 1.15, "x")
+    hibernate.targets(s.get("hibernate", {}), add)
     tick = s.get("deleted_chats", {})
     value = tick["tick"]["median_ms"] if tick.get("sessions") == 10_000 else None
     add("deleted-chat tick, 10,000 sessions", value, 500.0, "ms")
@@ -445,6 +446,7 @@ def render(results: dict[str, Any]) -> str:
         ("5. Memory: peak RSS of the host side", "memory", _memory),
         ("6. The live kernel", "kernel", _kernel),
         ("7. Chats deleted in Open WebUI: one background tick", "deleted_chats", _deleted_chats),
+        ("8. Kernels saved to disk, resumed, and started warm", "hibernate", hibernate.render),
         ("9. The Filter's stream hook", "filter_stream", filter_stream.render),
         ("Index backends: SQLite vs PostgreSQL", "index_backends", index_backends.render),
         ("The sandbox environment", "environment", environment.render),

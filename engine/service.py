@@ -492,7 +492,9 @@ class CodeSessions:
         """Run code in the session's folder: in its kernel, or in a fresh sandbox."""
         if self.kernels is None:
             return await self.runner.run(code, language, session.path, limits)
-        return await self.kernels.run(_kernel_key(session), session.path, code, language, limits)
+        return await self.kernels.run(
+            _kernel_key(session), session.path, code, language, limits, state_dir=session.state_path
+        )
 
     async def purge(self, purge: Purge) -> CleanupReport:
         """An admin's purge: the selected sessions go, with their files, links and kernels."""
@@ -513,7 +515,10 @@ class CodeSessions:
             for item in report.details:
                 if item.action in ("removed", "vanished"):
                     key = f"{item.user_key}/{item.chat_key}"
-                    await self.kernels.stop(key, said or item.reason, forget=said is None)
+                    # The store removed the session's saved state with it; one written since (the
+                    # kernel was being saved as the session went) goes here.
+                    state = self.store.saved_state_path(item.user_key, item.chat_key)
+                    await self.kernels.stop(key, said or item.reason, forget=said is None, state_dir=state)
         return report
 
     async def close(self) -> None:

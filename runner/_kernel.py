@@ -21,15 +21,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import logging
 import os
 import re
 import shutil
 import signal
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from . import _kernel_program, _wire
 from ._changes import ChangeWatch
+from ._diagnose import read_runsc_errors, tidy
 from ._disk import MAX_DEPTH, GrowthWatch
 from ._plan import Sandbox
 from ._procs import pids_by_marker, sigkill
@@ -54,10 +58,20 @@ _OOM_POLL_S = 0.25
 CPU_POLL_S = 1.0
 CPU_IDLE_SHARE = 0.2  # of one core, what a kernel may use between runs for good
 _LIFETIME_FIELDS = ("memory_mb", "max_processes", "max_file_bytes")
+CHECKPOINT_MAX_S = 60.0  # a kernel of 1 GiB takes a few seconds; a runsc that hangs must not hold a chat
+RESUME_MAX_S = 30.0  # `runsc restore` to the probe's answer (0.4 s for a pandas-holding kernel here)
 
 
 class KernelLost(Exception):
     """The kernel is gone (or had to go); the message says why, in words for the user."""
+
+
+class NotSaved(Exception):
+    """The kernel's state could not be written to disk; the message says why, in words for the user."""
+
+
+def _short_error(text: str) -> str:
+    return tidy(text, 300)
 
 
 def lifetime_limits(limits: Limits) -> tuple[int, ...]:
@@ -93,6 +107,9 @@ class Kernel:
         self._replies_ended = False
         self._closing: asyncio.Future[None] | None = None  # the teardown, once begun
         self._settling: asyncio.Future[None] | None = None  # stopping a cancelled run
+        self._whole_folder_next = False
+        self._stdin: asyncio.StreamWriter | None = None
+        self._stdin_hold = -1  # a second descriptor of the request pipe's write end (see _spawn)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -121,33 +138,7 @@ class Kernel:
     async def start(self, watch: ChangeWatch) -> None:
         """Start the sandbox and wait for the kernel's ready frame. `watch`: the workdir's change
         watch, set up before the sandbox exists (it stays for the kernel's life)."""
-        self._watch = watch
-        loop = asyncio.get_running_loop()
-        self._growth = GrowthWatch(
-            str(self.sandbox.workdir),
-            self.limits.max_write_bytes,
-            lambda grown: loop.call_soon_threadsafe(self._disk_exceeded, grown),
-            pids=self.host_pids,
-        )
-        try:
-            argv, preexec = dying_with_us(self.sandbox.argv)
-            self._proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,  # one process group to kill if runsc itself hangs
-                preexec_fn=preexec,
-            )
-        except BaseException:
-            await self.close()
-            raise
-        self._tasks.append(asyncio.create_task(self._read_replies()))
-        self._tasks.append(asyncio.create_task(self._read_stderr()))
-        if self.sandbox.cgroup is not None:
-            self._tasks.append(asyncio.create_task(self._watch_oom()))
-        self._growth.start()
-        self._tasks.append(asyncio.create_task(self._watch_cpu()))
+        await self._spawn(watch)
         wait = min(READY_MAX_S, max(READY_MIN_S, 2 * self.limits.timeout_s))
         try:
             message = await asyncio.wait_for(self._inbox.get(), wait)
@@ -160,6 +151,118 @@ class Kernel:
             raise KernelLost(why)
         self.ready = message
         self._idle_since = time.monotonic()
+
+    async def resume(self, watch: ChangeWatch, ready: dict[str, object], probe: str = "") -> None:
+        """Start the sandbox from a saved image (its argv is a `runsc restore`) and check that the
+        kernel answers: `probe` (Python, run in the restored namespace) must end "ok" within
+        RESUME_MAX_S. `ready`: the ready frame the kernel sent when it first started (a restored
+        kernel does not send it again). Raises KernelLost, with why, when it does not come back."""
+        try:
+            message = _wire.parse_body(json.dumps({"t": "ready", **ready}).encode())
+        except _wire.ProtocolError as error:
+            raise KernelLost(f"its saved image has a bad kernel description ({error})") from None
+        assert isinstance(message, _wire.Ready)
+        await self._spawn(watch)
+        self.ready = self._state.ready = message
+        limits = self.limits.model_copy(update={"timeout_s": RESUME_MAX_S})
+        result = await self.run(probe, "python", limits)
+        if result.outcome != Outcome.OK:
+            why = result.reason or result.outcome.value
+            errors = await asyncio.to_thread(
+                read_runsc_errors, self.sandbox.bundle / "runsc.log", self.sandbox.bundle / "panic.log"
+            )
+            if errors:
+                why = tidy(" | ".join(errors), 300)
+            await self.close(why)
+            raise KernelLost(f"its saved image could not be restored: {why}")
+        self._whole_folder_next = True  # what the probe's run saw is not the user's to lose
+
+    async def resume_checked(
+        self, watch: ChangeWatch, ready: dict[str, object], probe: str, check: Callable[[], None]
+    ) -> None:
+        """resume(), while `check` (a blocking callable that raises on a bad image) runs in a thread;
+        the kernel is kept only if both succeed (the check's error wins: it names the damage)."""
+        checking = asyncio.ensure_future(asyncio.to_thread(check))
+        resuming = asyncio.ensure_future(self.resume(watch, ready, probe))
+        outcomes = await asyncio.gather(checking, resuming, return_exceptions=True)
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        if failures:
+            await self.close("its saved image was refused")
+            raise failures[0]
+
+    async def checkpoint(self, into: Path, flags: list[str]) -> None:
+        """Write the kernel's image into the empty folder `into` (`runsc checkpoint`); the sandbox
+        exits once it is written. Waits for a run in progress. Raises NotSaved (why) when runsc
+        cannot; the kernel is then stopped all the same (a half-checkpointed sandbox is not trusted)."""
+        async with self._busy:
+            if not self.alive:
+                raise NotSaved(self.lost or self._why_gone())
+            try:
+                code, out = await run_quick(self.checkpoint_argv(into, flags), CHECKPOINT_MAX_S)
+            except TimeoutError:
+                await self.close("its image was not written in time")
+                raise NotSaved(f"runsc did not write the image within {CHECKPOINT_MAX_S:g} s") from None
+            except OSError as error:
+                raise NotSaved(f"runsc could not be started: {error}") from None
+            if code != 0:
+                await self.close("runsc could not save it")
+                errors = await asyncio.to_thread(read_runsc_errors, self.sandbox.bundle / "runsc.log")
+                last = out.strip().splitlines()[-1:]
+                detail = " | ".join(errors) or (last[0] if last else f"runsc exited with {code}")
+                raise NotSaved(_short_error(detail))
+            self.lost = "it was saved to disk"
+
+    def checkpoint_argv(self, into: Path, flags: list[str]) -> list[str]:
+        return [*self.sandbox.runsc_base, "checkpoint", *flags, f"--image-path={into}", self.cid]
+
+    def ready_fields(self) -> dict[str, object]:
+        """The ready frame's fields, for resume() of a saved image."""
+        assert self.ready is not None
+        ready = self.ready
+        return {"v": ready.version, "python": ready.python, "pid": ready.pid, "packages": ready.packages}
+
+    async def _spawn(self, watch: ChangeWatch) -> None:
+        self._watch = watch
+        loop = asyncio.get_running_loop()
+        self._growth = GrowthWatch(
+            str(self.sandbox.workdir),
+            self.limits.max_write_bytes,
+            lambda grown: loop.call_soon_threadsafe(self._disk_exceeded, grown),
+            pids=self.host_pids,
+        )
+        # The request pipe is ours, and a second descriptor of its write end is held outside the
+        # event loop: uvloop (Open WebUI's loop) closes every pipe when the loop ends, and the kernel
+        # would read EOF and exit before the exit handler can save it (KernelPool._save_at_exit).
+        read_end, write_end = os.pipe()
+        try:
+            argv, preexec = dying_with_us(self.sandbox.argv)
+            self._proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=read_end,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,  # one process group to kill if runsc itself hangs
+                preexec_fn=preexec,
+            )
+            self._stdin_hold = os.dup(write_end)
+            transport, protocol = await loop.connect_write_pipe(
+                lambda: asyncio.streams.FlowControlMixin(loop=loop), os.fdopen(write_end, "wb", buffering=0)
+            )
+            write_end = -1  # the transport owns it now
+            self._stdin = asyncio.StreamWriter(transport, protocol, None, loop)
+        except BaseException:
+            if write_end >= 0:
+                os.close(write_end)
+            await self.close()
+            raise
+        finally:
+            os.close(read_end)
+        self._tasks.append(asyncio.create_task(self._read_replies()))
+        self._tasks.append(asyncio.create_task(self._read_stderr()))
+        if self.sandbox.cgroup is not None:
+            self._tasks.append(asyncio.create_task(self._watch_oom()))
+        self._growth.start()
+        self._tasks.append(asyncio.create_task(self._watch_cpu()))
 
     async def close(self, why: str | None = None) -> None:
         """Kill the sandbox and free everything it held (idempotent; shielded from cancellation).
@@ -174,6 +277,11 @@ class Kernel:
         await asyncio.shield(self._closing)
 
     async def _teardown(self) -> None:
+        if self._stdin is not None:
+            self._stdin.close()
+        if self._stdin_hold >= 0:
+            os.close(self._stdin_hold)
+            self._stdin_hold = -1
         if self._growth is not None:
             self._growth.stop()
         if self._watch is not None:
@@ -263,7 +371,7 @@ class Kernel:
             self._settling = None
 
     async def _run(self, code: str, language: str, limits: Limits) -> RunResult:
-        assert self._proc is not None and self._proc.stdin is not None and self._growth is not None
+        assert self._proc is not None and self._stdin is not None and self._growth is not None
         t0 = time.monotonic()
         self._run_ids += 1
         run_id = self._run_ids
@@ -272,8 +380,8 @@ class Kernel:
         self._growth.rebase(limits.max_write_bytes)
         self._state.start(run_id)
         try:
-            self._proc.stdin.write(_wire.encode_run(run_id, language, code))  # type: ignore[arg-type]
-            await self._proc.stdin.drain()
+            self._stdin.write(_wire.encode_run(run_id, language, code))  # type: ignore[arg-type]
+            await self._stdin.drain()
         except (BrokenPipeError, ConnectionResetError):
             pass  # it died: the reply reader says so
         deadline = t0 + limits.timeout_s
@@ -364,7 +472,11 @@ class Kernel:
             return None
         changed = watch.harvest()
         # A new kernel's first run: what happened in the folder before this kernel's watch began (a
-        # thread its predecessor left, writing) is nobody's to know: list the whole folder once.
+        # thread its predecessor left, writing) is nobody's to know: list the whole folder once. So
+        # too the first run after a resume (the probe's run took what the watch had seen).
+        if self._whole_folder_next and self._run_ids > 1:
+            self._whole_folder_next = False
+            return None
         return None if self._run_ids == 1 else changed
 
     async def _interrupt(self) -> None:
@@ -400,9 +512,12 @@ class Kernel:
             decoder.eof()
         except _wire.ProtocolError as error:
             self._violation = f"it broke the protocol ({error})"
-        finally:
-            self._replies_ended = True
-            self._inbox.put_nowait(None)
+        except asyncio.CancelledError:
+            # Cancelled, not ended: the kernel's teardown, or the event loop ending with the process
+            # (an Open WebUI restart), which still saves the kernel at exit (KernelPool).
+            raise
+        self._replies_ended = True
+        self._inbox.put_nowait(None)
 
     async def _read_stderr(self) -> None:
         assert self._proc is not None and self._proc.stderr is not None

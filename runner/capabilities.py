@@ -31,6 +31,7 @@ class RunscInfo:
     version: str
     flags: frozenset[str]
     platforms: tuple[str, ...]
+    checkpoint_flags: frozenset[str] = frozenset()  # what `runsc checkpoint` accepts
 
     def supports(self, flag: str) -> bool:
         return flag.lstrip("-") in self.flags
@@ -92,10 +93,11 @@ async def detect_runsc(runsc_path: str) -> RunscInfo:
     if key in _cache:
         return _cache[key]
     try:
-        (v_rc, v_out), (_, f_out), (p_rc, p_out) = await asyncio.gather(
+        (v_rc, v_out), (_, f_out), (p_rc, p_out), (_, c_out) = await asyncio.gather(
             run_quick([path, "--version"]),
             run_quick([path, "flags"]),
             run_quick([path, "help", "platforms"]),
+            run_quick([path, "help", "checkpoint"]),
         )
     except TimeoutError as exc:
         raise RunnerError(f"{path} did not answer `--version` within {_PROBE_TIMEOUT_S:.0f} s") from exc
@@ -107,6 +109,12 @@ async def detect_runsc(runsc_path: str) -> RunscInfo:
             runsc_path, f"`{path} --version` did not answer like runsc: {v_out.strip()[:200]!r}"
         )
     platforms = parse_platforms(p_out) if p_rc == 0 else ()
-    info = RunscInfo(path=path, version=match.group(1), flags=parse_flags(f_out), platforms=platforms)
+    info = RunscInfo(
+        path=path,
+        version=match.group(1),
+        flags=parse_flags(f_out),
+        platforms=platforms,
+        checkpoint_flags=parse_flags(c_out),
+    )
     _cache[key] = info
     return info

@@ -21,6 +21,7 @@ from . import _bundle, _cgroups, environment
 from ._diagnose import DOCKER_UNCONFINED, explain
 from .capabilities import detect_runsc
 from .errors import RunnerError, RunscNotFound
+from .kernels import KernelPool
 from .models import Outcome, RunnerConfig
 from .runner import DATA_PACKAGES, PROBE_LIMITS, Runner
 
@@ -227,6 +228,7 @@ async def _sandbox_checks(config: RunnerConfig) -> tuple[list[Check], str | None
                     else None,
                 )
             )
+            checks.append(await _checkpoint_check(runner))
             imported = dict(await runner.data_packages())
             absent = [name for name in DATA_PACKAGES if name not in imported]
             listed = ", ".join(f"{name} {version}" for name, version in await runner.packages()) or "none"
@@ -273,6 +275,54 @@ def storage_root_check(root: Path) -> Check:
             fix=f"chmod 700 {root}",
         )
     return Check(name="storage root", ok=True, detail=f"{root} is mode {mode:04o}, ours alone")
+
+
+async def _checkpoint_check(runner: Runner) -> Check:
+    """A kernel saved to disk and resumed, as an idle chat's is: `runsc checkpoint` and `runsc restore`
+    work here, and the state comes back."""
+    fix = (
+        "kernels are then stopped instead of saved (their state is lost, and said); a runsc whose "
+        "checkpoint and restore work (gVisor's releases since 2022 do) keeps them"
+    )
+    with tempfile.TemporaryDirectory(prefix="runner-doctor-") as tmp:
+        base = Path(tmp)
+        (base / "chat").mkdir()
+        pool = KernelPool(runner, base / "registry", socket_dir=base / "sockets")
+        limits = PROBE_LIMITS.model_copy(update={"timeout_s": 30})
+        try:
+            first = await pool.run(
+                "doctor", base / "chat", "kept = 41", "python", limits, state_dir=base / "state"
+            )
+            kernel = pool.kernels().get("doctor")
+            if not first.ok or kernel is None:
+                return Check(
+                    name="checkpoint", ok=True, warning=True, detail=f"no kernel: {first.reason}", fix=fix
+                )
+            started = asyncio.get_running_loop().time()
+            await pool._end("doctor", kernel, "the doctor saves it", save=True)
+            saved = asyncio.get_running_loop().time() - started
+            entry = pool._entry("doctor")
+            if entry is None or not entry.image:
+                why = entry.reason if entry is not None else "no record"
+                return Check(
+                    name="checkpoint", ok=True, warning=True, detail=f"cannot save a kernel: {why}", fix=fix
+                )
+            started = asyncio.get_running_loop().time()
+            again = await pool.run(
+                "doctor", base / "chat", "print(kept + 1)", "python", limits, state_dir=base / "state"
+            )
+            if again.stdout != "42\n" or again.notes:
+                detail = f"a saved kernel did not resume: {' '.join(again.notes) or again.stdout[:200]}"
+                return Check(name="checkpoint", ok=True, warning=True, detail=detail, fix=fix)
+            return Check(
+                name="checkpoint",
+                ok=True,
+                detail=f"a kernel was saved in {saved:.2f} s and resumed to its next answer in "
+                f"{asyncio.get_running_loop().time() - started:.2f} s "
+                "(runsc checkpoint and restore work)",
+            )
+        finally:
+            await pool.close()
 
 
 async def doctor(config: RunnerConfig | None = None, storage_root: Path | None = None) -> DoctorReport:

@@ -30,6 +30,7 @@ from ._format import human_duration
 from ._fsops import DIR_FLAGS, fd_closing, move_aside_unchanged, open_dir, remove_tree
 from ._index import SessionRow
 from ._keys import id_key
+from ._layout import Layout
 from ._publish import drain_unpublished, folder_copy_present, link_records, remove_copies
 from .errors import FileMissing, InvalidPath
 from .models import CleanupReport, Purge, SessionCleanup
@@ -247,9 +248,23 @@ async def delete_session(core: Core, row: SessionRow, reason: str) -> int:
             remove_tree(trash)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(layout.sidecar_path(row.user_key, row.chat_key))
+        remove_saved_state(layout, row.user_key, row.chat_key)
 
     await asyncio.to_thread(remove_files)
     return len(links)
+
+
+def remove_saved_state(layout: Layout, user_key: str, chat_key: str) -> None:
+    """The session's saved state goes with it (renamed aside first, so a reader sees all or nothing)."""
+    saved = layout.saved_state(user_key, chat_key)
+    aside = layout.trash / f"{chat_key}.kernel.{secrets.token_hex(6)}"
+    try:
+        os.rename(saved, aside)
+    except FileNotFoundError:
+        return
+    except OSError:
+        aside = saved
+    remove_tree(aside)
 
 
 def _prune_parents(core: Core, row: SessionRow) -> None:

@@ -5,6 +5,8 @@ root/                       0700
   sessions/<user key>/<chat key>/   the folder mounted at /mnt/data
   state/<user key>/<chat key>.lock  flock target (outside the mount: the sandbox cannot touch it)
   state/<user key>/<chat key>.json  {user_id, chat_id, created_at}: lets a lost index be rebuilt
+  state/<user key>/<chat key>.kernel/  the chat's saved state: opaque bytes the runner writes (a
+                            sleeping Python kernel); it lives and goes with the session
   trash/                    a deleted session folder is renamed here first, then removed
   running/<user key>.<chat key>   a run is changing the folder: removed by the reconcile after it,
                             so one left behind marks a run its process did not live to index
@@ -70,6 +72,25 @@ class Layout:
     def sidecar_path(self, user_key: str, chat_key: str) -> Path:
         return self.state / user_key / f"{chat_key}.json"
 
+    def saved_state(self, user_key: str, chat_key: str) -> Path:
+        """The chat's saved-state folder (not created here: its writer makes it, mode 0700)."""
+        return self.state / user_key / f"{chat_key}.kernel"
+
+    def saved_states(self) -> list[tuple[str, str, int]]:
+        """(user key, chat key, bytes) of every saved-state folder on disk."""
+        found: list[tuple[str, str, int]] = []
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.state) as users:
+            for user in users:
+                if not user.is_dir(follow_symlinks=False):
+                    continue
+                with contextlib.suppress(FileNotFoundError), os.scandir(user.path) as items:
+                    for item in items:
+                        if item.name.endswith(".kernel") and item.is_dir(follow_symlinks=False):
+                            found.append(
+                                (user.name, item.name[: -len(".kernel")], tree_bytes(Path(item.path)))
+                            )
+        return found
+
     def running_marker(self, user_key: str, chat_key: str) -> Path:
         # Keys never contain '.', so the name splits back unambiguously.
         return self.running / f"{user_key}.{chat_key}"
@@ -96,6 +117,17 @@ class Layout:
                         (user.name, chat.name) for chat in chats if chat.is_dir(follow_symlinks=False)
                     )
         return found
+
+
+def tree_bytes(folder: Path) -> int:
+    """Bytes of the regular files under `folder` (links not followed)."""
+    total = 0
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(dirpath, name))
+                total += st.st_size
+    return total
 
 
 def write_sidecar(path: Path, user_id: str, chat_id: str, created_at: float) -> None:

@@ -262,6 +262,18 @@ async def check(core: Core) -> list[Drift]:
         index_rows = await core.read(lambda tx, sid=row.id: _index.file_rows(tx, sid))
         drift.extend(await asyncio.to_thread(_compare, row, found, index_rows))
 
+    for user_key, chat_key, size in await asyncio.to_thread(layout.saved_states):
+        if (user_key, chat_key) not in indexed:
+            ids = read_sidecar(layout.sidecar_path(user_key, chat_key), user_key, chat_key) or {}
+            drift.append(
+                Drift(
+                    "stray saved state",
+                    ids.get("user_id", f"unknown:{user_key}"),
+                    ids.get("chat_id", f"unknown:{chat_key}"),
+                    detail=f"{layout.saved_state(user_key, chat_key)} ({size} B)",
+                )
+            )
+
     drift.extend(await _link_drift(core))
     return drift
 

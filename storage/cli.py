@@ -189,7 +189,7 @@ async def _usage(store: Store, args: argparse.Namespace) -> int:
         return "" if not limit else f"{100 * used / limit:.0f}%"
 
     text = table(
-        ["USER", "SESSIONS", "FILES", "FILES %", "SIZE", "SIZE %"],
+        ["USER", "SESSIONS", "FILES", "FILES %", "SIZE", "SIZE %", "SAVED STATE"],
         [
             [
                 u.user_id,
@@ -198,10 +198,11 @@ async def _usage(store: Store, args: argparse.Namespace) -> int:
                 pct(u.files, q.max_files_per_user),
                 human_bytes(u.bytes),
                 pct(u.bytes, q.max_bytes_per_user),
+                human_bytes(u.saved_state_bytes),
             ]
             for u in users
         ],
-        right=(1, 2, 3, 4, 5),
+        right=(1, 2, 3, 4, 5, 6),
     )
     head = (
         f"quotas: {q.max_files_per_user or 'no limit'} files, {human_limit(q.max_bytes_per_user)} per user; "

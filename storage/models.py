@@ -151,6 +151,7 @@ class UserUsage(_Dictable):
     sessions: int
     files: int
     bytes: int
+    saved_state_bytes: int = 0  # the sessions' saved states (not files: outside the file quota)
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,7 +368,7 @@ class Drift(_Dictable):
     """A difference between the index and the disk found by `Store.check()`.
 
     kind: file not indexed, file missing, file changed, totals mismatch, session folder missing,
-    session not indexed, special file, bad name, link copy missing, stray copy.
+    session not indexed, special file, bad name, link copy missing, stray copy, stray saved state.
     """
 
     kind: str

@@ -78,6 +78,12 @@ class Session:
     def path(self) -> Path:
         return self._ref.path
 
+    @property
+    def state_path(self) -> Path:
+        """The session's own folder for state kept beside its files (outside `path`, so the code that
+        runs in the folder cannot reach it); removed with the session."""
+        return self._core.layout.saved_state(self._ref.user_key, self._ref.chat_key)
+
     def __repr__(self) -> str:
         return f"Session(user_id={self.user_id!r}, chat_id={self.chat_id!r}, path={str(self.path)!r})"
 

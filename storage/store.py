@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -260,8 +261,24 @@ class Store:
         """A named lock shared by every process of this store (e.g. one background cleanup at a time)."""
         return self._core.backend.named_lock(name)
 
+    def saved_state_path(self, user_key: str, chat_key: str) -> Path:
+        """A session's saved-state folder by its keys (see Session.state_path), for a session that
+        may already be gone."""
+        return self._core.layout.saved_state(user_key, chat_key)
+
     async def users_usage(self) -> list[UserUsage]:
-        return await self._core.read(_index.users_usage)
+        """Per user: sessions, files and bytes (from the index), and the bytes of their sessions'
+        saved states (from the disk: the index does not track them)."""
+        users = await self._core.read(_index.users_usage)
+        saved = await asyncio.to_thread(self._core.layout.saved_states)
+        rows = await self._core.read(_index.all_sessions)
+        owner = {(r.user_key, r.chat_key): r.user_id for r in rows}
+        by_user: dict[str, int] = {}
+        for user_key, chat_key, size in saved:
+            user_id = owner.get((user_key, chat_key))
+            if user_id is not None:
+                by_user[user_id] = by_user.get(user_id, 0) + size
+        return [dataclasses.replace(u, saved_state_bytes=by_user.get(u.user_id, 0)) for u in users]
 
     async def sessions(self, user_id: str | None = None) -> list[SessionInfo]:
         key = None if user_id is None else id_key(user_id)

@@ -64,6 +64,10 @@ async def test_doctor_passes_on_this_host(tmp_path: Path) -> None:
         assert name in packages.detail
     coreutils = report.check("coreutils")
     assert coreutils is not None and coreutils.ok and "work" in coreutils.detail
+    # A kernel was really saved and resumed with its state (runsc checkpoint and restore work here).
+    checkpoint = report.check("checkpoint")
+    assert checkpoint is not None and checkpoint.ok and not checkpoint.warning, checkpoint
+    assert "saved in" in checkpoint.detail and "resumed" in checkpoint.detail
 
 
 # scripts/fetch-trixie-runsc keeps the runsc it replaced (Debian 12's 20221219) here.

@@ -331,3 +331,32 @@ def test_lock_on_an_unlinked_lock_file_is_not_taken(tmp_path: Path, monkeypatch:
     assert waiter.try_acquire()
     waiter.release()
     os.close(stale)
+
+
+def _saved_state(session: Any, size: int) -> Path:
+    """Bytes in the session's saved-state folder, as the runner writes a sleeping kernel there."""
+    folder = session.state_path / "kernel"
+    folder.mkdir(parents=True)
+    (folder / "pages.img").write_bytes(b"\0" * size)
+    return session.state_path
+
+
+async def test_a_sessions_saved_state_goes_with_it_and_is_shown(store: Store, index_sql: Sql) -> None:
+    kept = await store.session("alice", "kept")
+    gone = await store.session("alice", "gone")
+    assert not kept.state_path.is_relative_to(kept.path)  # outside /mnt/data: the sandbox cannot reach it
+    _saved_state(kept, 3000)
+    gone_state = _saved_state(gone, 5000)
+    usage = {u.user_id: u for u in await store.users_usage()}["alice"]
+    assert usage.saved_state_bytes == 8000 and usage.bytes == 0  # not counted as files
+    assert await store.check() == []
+    report = await store.cleanup(Purge(chat_id="gone"))
+    assert [d.chat_id for d in report.details] == ["gone"]
+    assert not gone_state.exists()
+    assert {u.user_id: u for u in await store.users_usage()}["alice"].saved_state_bytes == 3000
+    # One left behind without its session (written as the session went) is reported by check.
+    stray = _saved_state(gone, 10)
+    drift = await store.check()
+    assert [d.kind for d in drift] == ["stray saved state"]
+    assert drift[0].chat_id.startswith("unknown:")  # the session's ids went with its sidecar
+    assert str(stray) in drift[0].detail

@@ -1,0 +1,400 @@
+"""Kernels saved to disk instead of stopped, and resumed by the next run, in real gVisor.
+
+Each test drives a KernelPool as the engine does (one key per chat, a state folder per chat outside
+its /mnt/data) against real runsc, and checks what a user would see: the state back with no sentence,
+or the one sentence that says it was lost and why; and the host (no sandbox left of a saved kernel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runner import KernelPool, Limits, Outcome, Runner, _hibernate
+from tests.support.sandbox import leftovers
+
+pytestmark = pytest.mark.runsc
+
+REPO = Path(__file__).resolve().parents[2]
+LIMITS = Limits(timeout_s=20, memory_mb=512, max_output_bytes=64 * 1024)
+
+
+@pytest.fixture
+def chat(tmp_path: Path) -> tuple[Path, Path]:
+    """(the chat's folder, its state folder): siblings, as the store lays them out."""
+    folder, state = tmp_path / "sessions" / "chat", tmp_path / "state" / "chat.kernel"
+    folder.mkdir(parents=True)
+    return folder, state
+
+
+def pool_of(runner: Runner, tmp_path: Path, **options) -> KernelPool:
+    return KernelPool(runner, tmp_path / "registry", **options)
+
+
+def gone(runner: Runner, cid: str) -> list[str]:
+    return leftovers(cid, runner.state_dir, runner.bundle_dir, runner.config.cgroup_parent)
+
+
+def ended(pool: KernelPool, key: str = "u/c") -> bool:
+    """The key's kernel has ended (saved or not) and its registry entry says so."""
+    entry = pool._entry(key)
+    return key not in pool.kernels() and entry is not None and not entry.running
+
+
+async def wait_until(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.1)
+
+
+async def test_an_idle_kernel_is_saved_and_the_next_run_resumes_it(
+    runner: Runner, tmp_path: Path, chat: tuple[Path, Path]
+) -> None:
+    folder, state = chat
+    pool = pool_of(runner, tmp_path, idle_s=1.0)
+    try:
+        first = await pool.run(
+            "u/c",
+            folder,
+            "import random\nkept = {'n': 41}\nfh = open('log.txt', 'w')\nfh.write('a'); fh.flush()",
+            "python",
+            LIMITS,
+            state_dir=state,
+        )
+        assert first.ok, first
+        cid = first.container_id
+        await wait_until(lambda: ended(pool))
+        assert gone(runner, cid) == []  # nothing of the sandbox is left: the state is on disk only
+        assert (state / "kernel" / "meta.json").is_file()
+        second = await pool.run(
+            "u/c",
+            folder,
+            "kept['n'] += 1\nfh.write('b'); fh.flush()\nprint(kept)",
+            "python",
+            LIMITS,
+            state_dir=state,
+        )
+        assert second.ok and second.stdout == "{'n': 42}\n" and second.notes == ()
+        assert second.container_id != cid
+        # The file the saved kernel had open still writes into the chat's folder.
+        assert (folder / "log.txt").read_text() == "ab"
+        assert not (state / "kernel").exists()  # resumed: the image is behind the live state, so it went
+        # What the resumed kernel's first run changed is not known from its watch alone: all is listed.
+        assert second.changed is None
+        third = await pool.run("u/c", folder, "open('x.txt', 'w').close()", "python", LIMITS, state_dir=state)
+        assert third.changed == ("x.txt",)
+    finally:
+        await pool.close()
+
+
+async def test_the_least_recently_used_kernel_is_saved_not_killed(runner: Runner, tmp_path: Path) -> None:
+    pool = pool_of(runner, tmp_path, max_kernels=1)
+    chats = {}
+    for name in ("a", "b"):
+        folder = tmp_path / "sessions" / name
+        folder.mkdir(parents=True)
+        chats[name] = (folder, tmp_path / "state" / f"{name}.kernel")
+    try:
+        for turn in range(2):
+            for name, (folder, state) in chats.items():
+                code = f"v = '{name}'" if turn == 0 else "print(v)"
+                result = await pool.run(name, folder, code, "python", LIMITS, state_dir=state)
+                assert result.ok and result.notes == (), result
+                if turn == 1:
+                    assert result.stdout == f"{name}\n"
+                assert len(pool.kernels()) == 1
+    finally:
+        await pool.close()
+
+
+async def test_closing_the_pool_saves_its_kernels_for_the_next_process(
+    runner: Runner, tmp_path: Path, chat: tuple[Path, Path]
+) -> None:
+    folder, state = chat
+    pool = pool_of(runner, tmp_path)
+    await pool.run(
+        "u/c", folder, "import numpy as np\narr = np.arange(10)", "python", LIMITS, state_dir=state
+    )
+    await pool.close()
+    later = pool_of(runner, tmp_path)  # the next Open WebUI process
+    try:
+        result = await later.run("u/c", folder, "print(int(arr.sum()))", "python", LIMITS, state_dir=state)
+        assert result.ok and result.stdout == "45\n" and result.notes == ()
+    finally:
+        await later.close()
+
+
+async def test_without_a_state_folder_the_state_is_lost_and_said(
+    runner: Runner, tmp_path: Path, chat: tuple[Path, Path]
+) -> None:
+    folder, _ = chat
+    pool = pool_of(runner, tmp_path, idle_s=1.0)
+    try:
+        await pool.run("u/c", folder, "kept = 1", "python", LIMITS)
+        await wait_until(lambda: ended(pool))
+        result = await pool.run("u/c", folder, "print(globals().get('kept'))", "python", LIMITS)
+        assert result.stdout == "None\n"
+        idle = "it was idle for more than 0.0166667 minutes"
+        assert result.notes == (f"The Python state was reset ({idle}); files in /mnt/data are kept.",)
+    finally:
+        await pool.close()
+
+
+async def _saved(pool: KernelPool, folder: Path, state: Path) -> None:
+    first = await pool.run("u/c", folder, "kept = 7", "python", LIMITS, state_dir=state)
+    assert first.ok
+    await pool.close()
+    assert (state / "kernel" / "meta.json").is_file()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "meta", "foreign"])
+async def test_a_damaged_or_foreign_image_is_a_lost_state_said_in_a_sentence(
+    runner: Runner, tmp_path: Path, chat: tuple[Path, Path], damage: str
+) -> None:
+    folder, state = chat
+    await _saved(pool_of(runner, tmp_path), folder, state)
+    image = state / "kernel"
+    big = max((p for p in image.iterdir() if p.name != "meta.json"), key=lambda p: p.stat().st_size)
+    if damage == "truncated":
+        os.truncate(big, big.stat().st_size // 2)
+    elif damage == "flipped":
+        with open(big, "r+b") as fh:
+            fh.seek(big.stat().st_size // 2)
+            byte = fh.read(1)
+            fh.seek(-1, os.SEEK_CUR)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+    elif damage == "meta":
+        (image / "meta.json").write_bytes(b"\x00not json")
+    else:  # saved by another runsc: its identity says so
+        meta = json.loads((image / "meta.json").read_text())
+        meta["identity"]["runsc"] = "0.0~19990101.0"
+        (image / "meta.json").write_text(json.dumps(meta))
+    pool = pool_of(runner, tmp_path)
+    try:
+        started = time.monotonic()
+        result = await pool.run(
+            "u/c", folder, "print(globals().get('kept'))", "python", LIMITS, state_dir=state
+        )
+        assert time.monotonic() - started < 20
+        assert result.ok and result.stdout == "None\n"
+        assert len(result.notes) == 1 and result.notes[0].startswith("The Python state was reset (")
+        expected = {
+            "truncated": "damaged",
+            "flipped": "damaged",
+            "meta": "cannot be read",
+            "foreign": "saved by another sandbox: runsc",
+        }[damage]
+        assert expected in result.notes[0]
+        assert not image.exists()
+        again = await pool.run("u/c", folder, "print(1)", "python", LIMITS, state_dir=state)
+        assert again.notes == ()
+    finally:
+        await pool.close()
+
+
+async def test_an_image_runsc_cannot_restore_is_a_lost_state_not_a_hang(
+    runner: Runner, tmp_path: Path, chat: tuple[Path, Path]
+) -> None:
+    """Damage the digest check cannot see (the meta rewritten to match garbage): runsc itself refuses."""
+    folder, state = chat
+    await _saved(pool_of(runner, tmp_path), folder, state)
+    image = state / "kernel"
+    for item in image.iterdir():
+        if item.name != "meta.json":
+            item.write_bytes(os.urandom(4096))
+    meta = json.loads((image / "meta.json").read_text())
+    meta["files"] = _hibernate.image_files(image)
+    (image / "meta.json").write_text(json.dumps(meta))
+    pool = pool_of(runner, tmp_path)
+    try:
+        started = time.monotonic()
+        result = await pool.run(
+            "u/c", folder, "print(globals().get('kept'))", "python", LIMITS, state_dir=state
+        )
+        assert time.monotonic() - started < 40
+        assert result.ok and result.stdout == "None\n"
+        assert len(result.notes) == 1 and "its saved image could not be restored" in result.notes[0], (
+            result.notes
+        )
+    finally:
+        await pool.close()
+
+
+async def test_a_state_over_the_image_limit_is_not_kept_and_said(
+    runner: Runner, tmp_path: Path, chat: tuple[Path, Path]
+) -> None:
+    folder, state = chat
+    pool = pool_of(runner, tmp_path, idle_s=1.0, max_image_bytes=1024 * 1024)
+    try:
+        await pool.run(
+            "u/c", folder, "blob = bytearray(range(256)) * 40000", "python", LIMITS, state_dir=state
+        )
+        await wait_until(lambda: ended(pool))
+        result = await pool.run(
+            "u/c", folder, "print(globals().get('blob') is None)", "python", LIMITS, state_dir=state
+        )
+        assert result.stdout == "True\n"
+        assert len(result.notes) == 1, result.notes
+        note = result.notes[0]
+        assert note.startswith("The Python state could not be kept (its image of ")
+        assert note.endswith("is over the 1 MiB allowed for a saved state); files in /mnt/data are kept.")
+        assert not (state / "kernel").exists()
+    finally:
+        await pool.close()
+
+
+async def test_limits_hold_in_a_resumed_kernel(
+    runner: Runner, tmp_path: Path, chat: tuple[Path, Path]
+) -> None:
+    """The resumed sandbox is in its own new cgroup with the memory limit, and the time limit holds."""
+    folder, state = chat
+    limits = LIMITS.model_copy(update={"memory_mb": 256, "timeout_s": 3})
+    await _saved_with(pool_of(runner, tmp_path), folder, state, limits)
+    pool = pool_of(runner, tmp_path)
+    try:
+        slow = await pool.run("u/c", folder, "import time\ntime.sleep(60)", "python", limits, state_dir=state)
+        assert slow.notes == () and slow.outcome == Outcome.TIMEOUT and slow.state_kept
+        hog = await pool.run(
+            "u/c",
+            folder,
+            "x = bytearray(600 * 1024 * 1024)\nx[::4096] = b'1' * len(x[::4096])",
+            "python",
+            limits,
+            state_dir=state,
+        )
+        assert hog.outcome == Outcome.OOM, hog
+    finally:
+        await pool.close()
+
+
+async def _saved_with(pool: KernelPool, folder: Path, state: Path, limits: Limits) -> None:
+    assert (await pool.run("u/c", folder, "kept = 7", "python", limits, state_dir=state)).ok
+    await pool.close()
+    assert (state / "kernel" / "meta.json").is_file()
+
+
+async def test_a_crash_loses_the_state_with_the_sentence_and_no_old_image_comes_back(
+    runner: Runner, tmp_path: Path, chat: tuple[Path, Path]
+) -> None:
+    """A kernel resumed and then lost without a save (its process SIGKILLed) must not come back as the
+    older image: that would be a silent step back in time."""
+    folder, state = chat
+    await _saved(pool_of(runner, tmp_path), folder, state)
+    pool = pool_of(runner, tmp_path)
+    resumed = await pool.run("u/c", folder, "kept = 8", "python", LIMITS, state_dir=state)
+    assert resumed.ok and resumed.notes == ()
+    # A crash of its process: the sandbox goes; nothing is saved; the registry still says "running".
+    kernel = pool.kernels()["u/c"]
+    os.killpg(kernel._proc.pid, 9)
+    await kernel._proc.wait()
+    pool._mine.clear()
+    await kernel.close()
+    fresh = pool_of(runner, tmp_path)
+    fresh._owner = "1 0"  # another process, as after a restart
+    try:
+        # the dead owner's entry says running: a crash. A stale image is not there to resume either.
+        entry = fresh._entry("u/c")
+        entry.owner = "1 0"
+        fresh._save(entry)
+        result = await fresh.run(
+            "u/c", folder, "print(globals().get('kept'))", "python", LIMITS, state_dir=state
+        )
+        assert result.stdout == "None\n"
+        assert result.notes == (
+            "The Python state was reset (Open WebUI restarted); files in /mnt/data are kept.",
+        )
+    finally:
+        await fresh.close()
+        await pool.close()
+
+
+EXITING_WORKER = """
+import asyncio, sys
+from pathlib import Path
+from runner import KernelPool, Limits, Runner, RunnerConfig
+
+config = RunnerConfig(runsc_path=sys.argv[1], state_dir=Path(sys.argv[2]), bundle_dir=Path(sys.argv[3]))
+pool = KernelPool(Runner(config), Path(sys.argv[4]))
+limits = Limits(timeout_s=20, memory_mb=512)
+
+async def main():
+    result = await pool.run("u/c", Path(sys.argv[5]), "kept = 'from the first process'", "python", limits,
+                            state_dir=Path(sys.argv[6]))
+    assert result.ok, result
+    print("ran", flush=True)
+
+asyncio.run(main())  # the loop ends with the kernel alive, as uvicorn's does at a restart
+"""
+
+
+async def test_a_process_that_exits_saves_its_idle_kernels(
+    runner: Runner, tmp_path: Path, chat: tuple[Path, Path]
+) -> None:
+    folder, state = chat
+    config = runner.config
+    done = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        EXITING_WORKER,
+        config.runsc_path,
+        str(runner.state_dir),
+        str(runner.bundle_dir),
+        str(tmp_path / "registry"),
+        str(folder),
+        str(state),
+        cwd=str(REPO),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(done.communicate(), 120)
+    assert done.returncode == 0 and out == b"ran\n", err.decode()[-2000:]
+    assert (state / "kernel" / "meta.json").is_file()
+    pool = pool_of(runner, tmp_path)
+    try:
+        result = await pool.run("u/c", folder, "print(kept)", "python", LIMITS, state_dir=state)
+        assert result.ok and result.stdout == "from the first process\n" and result.notes == ()
+    finally:
+        await pool.close()
+
+
+async def test_a_new_chat_starts_warm_from_a_template_without_its_seeds_or_names(
+    runner: Runner, tmp_path: Path
+) -> None:
+    """The first chat builds the template (in the background); later chats resume it: pandas is
+    already imported (not bound), each chat has its own folder and its own random draws."""
+    pool = pool_of(runner, tmp_path, warm_start=True)
+    try:
+        first_folder = tmp_path / "sessions" / "first"
+        first_folder.mkdir(parents=True)
+        first = await pool.run("first", first_folder, "print(1)", "python", LIMITS)
+        assert first.ok
+        await pool._warm.wait_built()
+        draws = set()
+        probe = (
+            "import sys, os, random\n"
+            "print('pandas' in sys.modules, 'pandas' in globals(), os.listdir('.'))\n"
+            "import numpy\n"
+            "print(random.random(), numpy.random.random())\n"
+            "open('mine.txt', 'w').write('x')"
+        )
+        for name in ("a", "b"):
+            folder = tmp_path / "sessions" / name
+            folder.mkdir(parents=True)
+            (folder / f"{name}.csv").write_text("x,y\n1,2\n")
+            result = await pool.run(name, folder, probe, "python", LIMITS)
+            assert result.ok and result.notes == (), result
+            loaded, bound = result.stdout.splitlines()[0], result.stdout.splitlines()[1]
+            assert loaded == f"True False ['{name}.csv']"
+            draws.add(bound)
+            assert (folder / "mine.txt").read_text() == "x"
+            assert result.changed is None  # a resumed kernel's first run lists the whole folder
+        assert len(draws) == 2  # reseeded: two chats never share a random sequence
+    finally:
+        await pool.close()
