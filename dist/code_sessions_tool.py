@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_aad3ac1c7fe2'
+_CS_PACKAGE = '_code_sessions_909dc1969ab5'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -12913,7 +12913,8 @@ class KernelPool:
         self._mine: dict[str, Kernel] = {}
         self._state_dirs: dict[str, Path] = {}  # where each kernel of ours is saved when it stops
         self._ending: dict[str, asyncio.Future[None]] = {}  # kernels being saved now, by key
-        self._ended: set[str] = set()  # ids of the kernels _end has taken (each is ended once)
+        # The kernels _end has taken, by id (each is ended once); done once the registry says why.
+        self._ended: dict[str, asyncio.Future[None]] = {}
         self._in_run: set[str] = set()  # keys with a run in progress here (never an LRU victim)
         self._identity: dict[str, object] | None = None
         # A new kernel resumes a template with the data stack imported (see _warm), when one is built.
@@ -13254,11 +13255,19 @@ class KernelPool:
         """Stop the key's kernel; `save`: write its state to the chat's state folder first, so the
         next run resumes it (`reason` is then said only if that fails). Once per kernel: a run that
         finds its kernel gone after a save must not overwrite what the save recorded."""
-        if kernel.cid in self._ended:
+        ended = self._ended.get(kernel.cid)
+        if ended is not None:  # another call is ending it: return once the registry says why
+            await asyncio.shield(ended)
             return
-        self._ended.add(kernel.cid)
-        if self._mine.get(key) is kernel:
-            del self._mine[key]
+        ended = self._ended[kernel.cid] = asyncio.get_running_loop().create_future()
+        try:
+            await self._end_once(key, kernel, reason, save)
+        finally:
+            ended.set_result(None)
+
+    async def _end_once(self, key: str, kernel: Kernel, reason: str, save: bool) -> None:
+        if save and self._mine.get(key) is kernel:
+            del self._mine[key]  # being saved: no run may use it meanwhile (they wait in _settled)
         server = self._servers.pop(key, None)
         if server is not None:
             server.close()
@@ -13279,6 +13288,10 @@ class KernelPool:
             entry.image, entry.unsaved = image, bool(unsaved)
             entry.reason = unsaved or ("" if image else kernel.lost or reason)
             await asyncio.to_thread(self._save, entry)
+        # A kernel that died is held until the registry says why it ended: a run meanwhile finds it
+        # lost and waits for this (`_end` again), then reads the real cause, not a running entry.
+        if self._mine.get(key) is kernel:
+            del self._mine[key]
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._socket_path(key, kernel.cid))  # its own: a newer kernel's has another name
 
@@ -14488,7 +14501,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_aad3ac1c7fe2.runner import Outcome
+from _code_sessions_909dc1969ab5.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -14763,8 +14776,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_aad3ac1c7fe2.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_aad3ac1c7fe2.storage import human_bytes
+from _code_sessions_909dc1969ab5.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_909dc1969ab5.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -14884,7 +14897,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_aad3ac1c7fe2.storage import Purge, parse_duration
+from _code_sessions_909dc1969ab5.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16003,8 +16016,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_aad3ac1c7fe2.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_aad3ac1c7fe2.storage import (
+from _code_sessions_909dc1969ab5.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_909dc1969ab5.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16694,7 +16707,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_aad3ac1c7fe2.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_909dc1969ab5.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -16911,7 +16924,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_aad3ac1c7fe2.storage import Link, Publisher, is_postgres_url
+from _code_sessions_909dc1969ab5.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17125,7 +17138,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_aad3ac1c7fe2.engine import (
+from _code_sessions_909dc1969ab5.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17135,9 +17148,9 @@ from _code_sessions_aad3ac1c7fe2.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_aad3ac1c7fe2.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_aad3ac1c7fe2.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_aad3ac1c7fe2.webui import OpenWebUI
+from _code_sessions_909dc1969ab5.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_909dc1969ab5.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_909dc1969ab5.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -17799,10 +17812,10 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_aad3ac1c7fe2.engine import LoopOptions, escape_text, run_step
-from _code_sessions_aad3ac1c7fe2.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_aad3ac1c7fe2.storage import StorageError
-from _code_sessions_aad3ac1c7fe2.webui import Misconfigured
+from _code_sessions_909dc1969ab5.engine import LoopOptions, escape_text, run_step
+from _code_sessions_909dc1969ab5.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_909dc1969ab5.storage import StorageError
+from _code_sessions_909dc1969ab5.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

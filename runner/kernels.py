@@ -152,7 +152,8 @@ class KernelPool:
         self._mine: dict[str, Kernel] = {}
         self._state_dirs: dict[str, Path] = {}  # where each kernel of ours is saved when it stops
         self._ending: dict[str, asyncio.Future[None]] = {}  # kernels being saved now, by key
-        self._ended: set[str] = set()  # ids of the kernels _end has taken (each is ended once)
+        # The kernels _end has taken, by id (each is ended once); done once the registry says why.
+        self._ended: dict[str, asyncio.Future[None]] = {}
         self._in_run: set[str] = set()  # keys with a run in progress here (never an LRU victim)
         self._identity: dict[str, object] | None = None
         # A new kernel resumes a template with the data stack imported (see _warm), when one is built.
@@ -493,11 +494,19 @@ class KernelPool:
         """Stop the key's kernel; `save`: write its state to the chat's state folder first, so the
         next run resumes it (`reason` is then said only if that fails). Once per kernel: a run that
         finds its kernel gone after a save must not overwrite what the save recorded."""
-        if kernel.cid in self._ended:
+        ended = self._ended.get(kernel.cid)
+        if ended is not None:  # another call is ending it: return once the registry says why
+            await asyncio.shield(ended)
             return
-        self._ended.add(kernel.cid)
-        if self._mine.get(key) is kernel:
-            del self._mine[key]
+        ended = self._ended[kernel.cid] = asyncio.get_running_loop().create_future()
+        try:
+            await self._end_once(key, kernel, reason, save)
+        finally:
+            ended.set_result(None)
+
+    async def _end_once(self, key: str, kernel: Kernel, reason: str, save: bool) -> None:
+        if save and self._mine.get(key) is kernel:
+            del self._mine[key]  # being saved: no run may use it meanwhile (they wait in _settled)
         server = self._servers.pop(key, None)
         if server is not None:
             server.close()
@@ -518,6 +527,10 @@ class KernelPool:
             entry.image, entry.unsaved = image, bool(unsaved)
             entry.reason = unsaved or ("" if image else kernel.lost or reason)
             await asyncio.to_thread(self._save, entry)
+        # A kernel that died is held until the registry says why it ended: a run meanwhile finds it
+        # lost and waits for this (`_end` again), then reads the real cause, not a running entry.
+        if self._mine.get(key) is kernel:
+            del self._mine[key]
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._socket_path(key, kernel.cid))  # its own: a newer kernel's has another name
 
