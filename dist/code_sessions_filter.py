@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_909dc1969ab5'
+_CS_PACKAGE = '_code_sessions_7606e1dcfc9e'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -7939,6 +7939,14 @@ def make_spec(
             "source": "sysfs",
             "options": ["nosuid", "noexec", "nodev", "ro"],
         },
+        # POSIX semaphores and shared memory live here: without it multiprocessing.Pool (and joblib,
+        # scikit-learn's n_jobs) cannot start. Memory, like /tmp: the sandbox's memory limit bounds it.
+        {
+            "destination": "/dev/shm",
+            "type": "tmpfs",
+            "source": "shm",
+            "options": ["nosuid", "nodev", "noexec", "mode=1777"],
+        },
         {
             "destination": "/tmp",
             "type": "tmpfs",
@@ -14501,7 +14509,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_909dc1969ab5.runner import Outcome
+from _code_sessions_7606e1dcfc9e.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -14776,8 +14784,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_909dc1969ab5.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_909dc1969ab5.storage import human_bytes
+from _code_sessions_7606e1dcfc9e.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_7606e1dcfc9e.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -14897,7 +14905,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_909dc1969ab5.storage import Purge, parse_duration
+from _code_sessions_7606e1dcfc9e.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16016,8 +16024,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_909dc1969ab5.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_909dc1969ab5.storage import (
+from _code_sessions_7606e1dcfc9e.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_7606e1dcfc9e.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16707,7 +16715,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_909dc1969ab5.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_7606e1dcfc9e.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -16924,7 +16932,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_909dc1969ab5.storage import Link, Publisher, is_postgres_url
+from _code_sessions_7606e1dcfc9e.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17138,7 +17146,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_909dc1969ab5.engine import (
+from _code_sessions_7606e1dcfc9e.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17148,9 +17156,9 @@ from _code_sessions_909dc1969ab5.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_909dc1969ab5.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_909dc1969ab5.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_909dc1969ab5.webui import OpenWebUI
+from _code_sessions_7606e1dcfc9e.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_7606e1dcfc9e.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_7606e1dcfc9e.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -17815,11 +17823,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_909dc1969ab5.engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
-from _code_sessions_909dc1969ab5.engine.rewrite import SCAN_ON_LOOP_CHARS
-from _code_sessions_909dc1969ab5.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
-from _code_sessions_909dc1969ab5.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_909dc1969ab5.webui import Misconfigured
+from _code_sessions_7606e1dcfc9e.engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
+from _code_sessions_7606e1dcfc9e.engine.rewrite import SCAN_ON_LOOP_CHARS
+from _code_sessions_7606e1dcfc9e.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from _code_sessions_7606e1dcfc9e.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_7606e1dcfc9e.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -291,6 +291,14 @@ def make_spec(
             "source": "sysfs",
             "options": ["nosuid", "noexec", "nodev", "ro"],
         },
+        # POSIX semaphores and shared memory live here: without it multiprocessing.Pool (and joblib,
+        # scikit-learn's n_jobs) cannot start. Memory, like /tmp: the sandbox's memory limit bounds it.
+        {
+            "destination": "/dev/shm",
+            "type": "tmpfs",
+            "source": "shm",
+            "options": ["nosuid", "nodev", "noexec", "mode=1777"],
+        },
         {
             "destination": "/tmp",
             "type": "tmpfs",

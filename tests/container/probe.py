@@ -76,9 +76,10 @@ async def probe(flags: tuple[str, ...], only: list[str]) -> dict:
 
     checks = {
         "write": lambda: run("write", "open('/mnt/data/probe.txt', 'w').write('x'); print('written')"),
-        "stack_default_python": lambda: run("stack_default_python", STACK_CODE),
+        # A cold import of the whole sample takes a while in a fresh sandbox on a busy machine.
+        "stack_default_python": lambda: run("stack_default_python", STACK_CODE, timeout_s=120),
         "stack_usr_bin_python3": lambda: run(
-            "stack_usr_bin_python3", f"/usr/bin/python3 - <<'EOF'\n{STACK_CODE}EOF\n", "bash"
+            "stack_usr_bin_python3", f"/usr/bin/python3 - <<'EOF'\n{STACK_CODE}EOF\n", "bash", timeout_s=120
         ),
         "matplotlib": lambda: run("matplotlib", MPL_CODE),
         "shell": lambda: run("shell", "ls -la /mnt/data && stat /mnt/data >/dev/null && jq -n 1", "bash"),

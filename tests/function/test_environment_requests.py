@@ -89,6 +89,13 @@ REQUESTS: dict[str, tuple[str, str, str]] = {
         "print('accuracy', RandomForestClassifier(random_state=0).fit(Xa, ya).score(Xb, yb) > 0.9)",
         "accuracy True",
     ),
+    "parallel work": (
+        "python",
+        "import multiprocessing as mp\nfrom joblib import Parallel, delayed\n"
+        "with mp.Pool(2) as pool:\n    print('pool', pool.map(abs, [-1, -2, -3]))\n"
+        "print('joblib', Parallel(n_jobs=2)(delayed(pow)(i, 2) for i in range(4)))",
+        "pool [1, 2, 3]",
+    ),
     "regression and statistics": (
         "python",
         "import numpy as np, statsmodels.api as sm, scipy.stats as st\n"
