@@ -187,6 +187,21 @@ def status_kib(field_name: str) -> int | None:
     return None
 
 
+def rss_kib(pids: list[int]) -> int:
+    """The summed VmRSS of these processes in KiB (a kernel's runsc, sentry and gofer); gone ones count 0."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+                for line in fh:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1])
+                        break
+        except OSError:
+            continue
+    return total
+
+
 def reset_peak_rss() -> bool:
     """Reset VmHWM to the current RSS (Linux: write 5 to clear_refs); False if not possible."""
     try:

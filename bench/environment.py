@@ -21,7 +21,7 @@ from typing import Any
 
 from runner import KernelPool, Limits, Runner
 
-from ._common import Context, summary
+from ._common import Context, rss_kib, summary
 
 SECTION = "environment"
 PRINT = "print(1)"
@@ -42,15 +42,6 @@ async def _timed(runner: Runner, code: str, workdir: Path, expected: str) -> flo
     return elapsed
 
 
-def _rss_mib(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/status", encoding="ascii") as fh:
-                total += next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
-        except (OSError, StopIteration):
-            continue
-    return round(total / 1024, 1)
 
 
 def _disk(root: Path) -> dict[str, Any]:
@@ -124,12 +115,13 @@ async def run(ctx: Context) -> dict[str, Any]:
         await pool.run("bench/env", chat, PRINT, "python", Limits(timeout_s=120))
         [kernel] = pool.kernels().values()
         time.sleep(0.5)
-        idle = _rss_mib(kernel.host_pids())
+        idle = round(rss_kib(kernel.host_pids()) / 1024, 1)
         got = await pool.run("bench/env", chat, DATA_STEP, "python", Limits(timeout_s=120))
         if got.stdout != "6\n":
             raise RuntimeError(f"the kernel's data step printed {got.stdout[:80]!r}")
         time.sleep(0.5)
-        result["kernel_memory_mib"] = {"idle": idle, "data_stack_imported": _rss_mib(kernel.host_pids())}
+        loaded = round(rss_kib(kernel.host_pids()) / 1024, 1)
+        result["kernel_memory_mib"] = {"idle": idle, "data_stack_imported": loaded}
     finally:
         await pool.close()
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from runner import KernelPool, Limits, _hibernate
 
-from ._common import Context, summary
+from ._common import Context, rss_kib, summary
 
 SECTION = "hibernate"
 TARGETS = {"first_data_vs_print": 1.5, "resume_100mb_s": 1.0, "saved_chats_rss_mib": 1.0}
@@ -37,22 +37,10 @@ FRAMES_100MB = (
 LIMITS = Limits(timeout_s=120, memory_mb=1024)
 
 
-def _rss_kib(pids: list[int]) -> int:
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/status", encoding="ascii") as fh:
-                for line in fh:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
-                        break
-        except OSError:
-            continue
-    return total
 
 
 def _kernel_rss_kib(pool: KernelPool) -> int:
-    return sum(_rss_kib(kernel.host_pids()) for kernel in pool.kernels().values())
+    return sum(rss_kib(kernel.host_pids()) for kernel in pool.kernels().values())
 
 
 def _write_floor(folder: Path, size: int) -> float:

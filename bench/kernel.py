@@ -28,7 +28,7 @@ from engine import CodeSessions
 from runner import KernelPool, Limits
 from runner._kernel import CPU_POLL_S
 
-from ._common import ANSWER_WITHOUT_PATHS, Context, ratio_summary, status_kib, summary
+from ._common import ANSWER_WITHOUT_PATHS, Context, ratio_summary, rss_kib, status_kib, summary
 from .run_overhead import bare_run
 
 SECTION = "kernel"
@@ -80,18 +80,6 @@ def _spread(values: list[float]) -> dict[str, float]:
     }
 
 
-def _rss_kib(pids: list[int]) -> int:
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/status", encoding="ascii") as fh:
-                for line in fh:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
-                        break
-        except OSError:
-            continue
-    return total
 
 
 async def run(ctx: Context) -> dict[str, Any]:
@@ -182,7 +170,7 @@ async def run(ctx: Context) -> dict[str, Any]:
                 keys.append(f"{chat.session.user_key}/{chat.session.chat_key}")
             await asyncio.sleep(2.0 if not ctx.quick else 0.5)  # let them settle into idle
             kernels = [k for key, k in pool.kernels().items() if key in keys]
-            per_kernel = [_rss_kib(k.host_pids()) / 1024 for k in kernels]
+            per_kernel = [rss_kib(k.host_pids()) / 1024 for k in kernels]
             ready = kernels[0].ready
             result["kernel_start"] = {
                 "start_and_first_run": summary(starts),
