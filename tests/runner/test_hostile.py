@@ -8,6 +8,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -118,7 +119,10 @@ def test_a_runner_already_set_up_sweeps_a_dead_workers_kernel_when_asked(tmp_pat
     """A worker SIGKILLed with a live kernel: its sandbox dies with it, but its container state, bundle
     and cgroup stay. A Runner set up before that (another worker) removes them at its periodic sweep,
     without waiting for some later Runner's setup."""
-    config = RunnerConfig(runsc_path=RUNSC, state_dir=tmp_path / "state", bundle_dir=tmp_path / "bundles")
+    # A short base: the kernels' sockets live under the bundle folder, and pytest's own temporary
+    # paths are too long for a unix socket's 108 bytes.
+    base = Path(tempfile.mkdtemp(prefix="cs-sweep-", dir="/tmp"))
+    config = RunnerConfig(runsc_path=RUNSC, state_dir=base / "state", bundle_dir=base / "bundles")
     survivor = Runner(config)
     asyncio.run(survivor.setup())
     cid = kill_a_worker_holding_a_kernel(config, tmp_path)
