@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_7606e1dcfc9e'
+_CS_PACKAGE = '_code_sessions_2ed44fa1b6c7'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -14509,7 +14509,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_7606e1dcfc9e.runner import Outcome
+from _code_sessions_2ed44fa1b6c7.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -14784,8 +14784,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_7606e1dcfc9e.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_7606e1dcfc9e.storage import human_bytes
+from _code_sessions_2ed44fa1b6c7.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_2ed44fa1b6c7.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -14905,7 +14905,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_7606e1dcfc9e.storage import Purge, parse_duration
+from _code_sessions_2ed44fa1b6c7.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16024,8 +16024,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_7606e1dcfc9e.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_7606e1dcfc9e.storage import (
+from _code_sessions_2ed44fa1b6c7.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_2ed44fa1b6c7.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16715,7 +16715,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_7606e1dcfc9e.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_2ed44fa1b6c7.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -16932,7 +16932,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_7606e1dcfc9e.storage import Link, Publisher, is_postgres_url
+from _code_sessions_2ed44fa1b6c7.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17146,7 +17146,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_7606e1dcfc9e.engine import (
+from _code_sessions_2ed44fa1b6c7.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17156,9 +17156,9 @@ from _code_sessions_7606e1dcfc9e.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_7606e1dcfc9e.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_7606e1dcfc9e.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_7606e1dcfc9e.webui import OpenWebUI
+from _code_sessions_2ed44fa1b6c7.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_2ed44fa1b6c7.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_2ed44fa1b6c7.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -17560,7 +17560,7 @@ class SessionsAdapter:
                 )
                 notes.append(f"_{shown}_\n\n")
                 continue
-            await status(f"Copied {name} to /mnt/data/{path}", True)
+            await status(f"Copied {name} to /mnt/data/{path}", True, hidden=True)  # the answer says so
             notes.append(f"_Attached file available as {code_span('/mnt/data/' + path)}._\n\n")
         return notes, refused
 
@@ -17820,10 +17820,10 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_7606e1dcfc9e.engine import LoopOptions, escape_text, run_step
-from _code_sessions_7606e1dcfc9e.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_7606e1dcfc9e.storage import StorageError
-from _code_sessions_7606e1dcfc9e.webui import Misconfigured
+from _code_sessions_2ed44fa1b6c7.engine import LoopOptions, escape_text, run_step
+from _code_sessions_2ed44fa1b6c7.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_2ed44fa1b6c7.storage import StorageError
+from _code_sessions_2ed44fa1b6c7.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

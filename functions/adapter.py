@@ -435,7 +435,7 @@ class SessionsAdapter:
                 )
                 notes.append(f"_{shown}_\n\n")
                 continue
-            await status(f"Copied {name} to /mnt/data/{path}", True)
+            await status(f"Copied {name} to /mnt/data/{path}", True, hidden=True)  # the answer says so
             notes.append(f"_Attached file available as {code_span('/mnt/data/' + path)}._\n\n")
         return notes, refused
 
