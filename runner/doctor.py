@@ -299,11 +299,9 @@ async def _checkpoint_check(runner: Runner) -> Check:
                     name="checkpoint", ok=True, warning=True, detail=f"no kernel: {first.reason}", fix=fix
                 )
             started = asyncio.get_running_loop().time()
-            await pool._end("doctor", kernel, "the doctor saves it", save=True)
+            why = await pool.hibernate("doctor")
             saved = asyncio.get_running_loop().time() - started
-            entry = pool._entry("doctor")
-            if entry is None or not entry.image:
-                why = entry.reason if entry is not None else "no record"
+            if why is not None:
                 return Check(
                     name="checkpoint", ok=True, warning=True, detail=f"cannot save a kernel: {why}", fix=fix
                 )

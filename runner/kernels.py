@@ -284,6 +284,19 @@ class KernelPool:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._entry_path(key))
 
+    async def hibernate(self, key: str) -> str | None:
+        """Save the key's kernel to its state folder now and stop it, as idling would. None when it
+        was saved; else why not (no kernel of it here, no state folder, or what the save said)."""
+        await self._settled(key)
+        kernel = self._mine.get(key)
+        if kernel is None:
+            return "no kernel of this chat runs in this process"
+        await self._end(key, kernel, "it was saved", save=True)
+        entry = await asyncio.to_thread(self._entry, key)
+        if entry is None:
+            return "its registry entry is gone"
+        return None if entry.image else entry.reason or "it was not saved"
+
     async def close(self) -> None:
         """Stop every kernel of this process (its owner is going away), saving the idle ones that
         have a state folder, all within _SHUTDOWN_SAVE_S; the rest are stopped with their state."""
