@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_2ed44fa1b6c7'
+_CS_PACKAGE = '_code_sessions_0154db8d1ae4'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -12495,11 +12495,9 @@ async def _checkpoint_check(runner: Runner) -> Check:
                     name="checkpoint", ok=True, warning=True, detail=f"no kernel: {first.reason}", fix=fix
                 )
             started = asyncio.get_running_loop().time()
-            await pool._end("doctor", kernel, "the doctor saves it", save=True)
+            why = await pool.hibernate("doctor")
             saved = asyncio.get_running_loop().time() - started
-            entry = pool._entry("doctor")
-            if entry is None or not entry.image:
-                why = entry.reason if entry is not None else "no record"
+            if why is not None:
                 return Check(
                     name="checkpoint", ok=True, warning=True, detail=f"cannot save a kernel: {why}", fix=fix
                 )
@@ -13052,6 +13050,19 @@ class KernelPool:
         if forget:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._entry_path(key))
+
+    async def hibernate(self, key: str) -> str | None:
+        """Save the key's kernel to its state folder now and stop it, as idling would. None when it
+        was saved; else why not (no kernel of it here, no state folder, or what the save said)."""
+        await self._settled(key)
+        kernel = self._mine.get(key)
+        if kernel is None:
+            return "no kernel of this chat runs in this process"
+        await self._end(key, kernel, "it was saved", save=True)
+        entry = await asyncio.to_thread(self._entry, key)
+        if entry is None:
+            return "its registry entry is gone"
+        return None if entry.image else entry.reason or "it was not saved"
 
     async def close(self) -> None:
         """Stop every kernel of this process (its owner is going away), saving the idle ones that
@@ -14509,7 +14520,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_2ed44fa1b6c7.runner import Outcome
+from _code_sessions_0154db8d1ae4.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -14784,8 +14795,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_2ed44fa1b6c7.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_2ed44fa1b6c7.storage import human_bytes
+from _code_sessions_0154db8d1ae4.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_0154db8d1ae4.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -14905,7 +14916,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_2ed44fa1b6c7.storage import Purge, parse_duration
+from _code_sessions_0154db8d1ae4.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16024,8 +16035,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_2ed44fa1b6c7.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_2ed44fa1b6c7.storage import (
+from _code_sessions_0154db8d1ae4.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_0154db8d1ae4.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16715,7 +16726,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_2ed44fa1b6c7.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_0154db8d1ae4.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -16932,7 +16943,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_2ed44fa1b6c7.storage import Link, Publisher, is_postgres_url
+from _code_sessions_0154db8d1ae4.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17141,12 +17152,13 @@ import logging
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_2ed44fa1b6c7.engine import (
+from _code_sessions_0154db8d1ae4.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17156,9 +17168,9 @@ from _code_sessions_2ed44fa1b6c7.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_2ed44fa1b6c7.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_2ed44fa1b6c7.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_2ed44fa1b6c7.webui import OpenWebUI
+from _code_sessions_0154db8d1ae4.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_0154db8d1ae4.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_0154db8d1ae4.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -17576,6 +17588,7 @@ class SessionsAdapter:
     ) -> list[dict]:
         entries = sorted(await chat.session.files.list(), key=lambda e: e.mtime, reverse=True)
         quotas = services.store.quotas
+        sandbox = await _sandbox_facts(services.runner)
         facts = PromptFacts(
             files=[(entry.path, entry.size) for entry in entries],
             total_files=len(entries),
@@ -17587,10 +17600,10 @@ class SessionsAdapter:
             quota_bytes=quotas.max_bytes_per_user,
             quota_files=quotas.max_files_per_user,
             tool_mode=options.tool_mode,
-            sandbox_notes=(*await _sandbox_notes(services.runner), *notes),
+            sandbox_notes=(*sandbox.notes, *notes),
             kernel_idle_minutes=self.settings.kernel_idle_minutes if services.kernels is not None else None,
-            packages=await _packages(services.runner),
-            tools=await _tools(services.runner),
+            packages=sandbox.packages,
+            tools=sandbox.tools,
             figures_shown=figures_shown,
         )
         prompt = system_prompt(facts)
@@ -17665,25 +17678,21 @@ def _shorten(text: str, limit: int = _LOGGED_VALUE_CHARS) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
-async def _sandbox_notes(runner: Runner) -> tuple[str, ...]:
-    try:
-        return await runner.known_issues()
-    except RunnerError:  # no sandbox at all: the run itself will say so, clearly, to model and user
-        return ()
+@dataclass(frozen=True)
+class _SandboxFacts:
+    notes: tuple[str, ...] = ()
+    packages: tuple[tuple[str, str], ...] = ()
+    tools: tuple[str, ...] = ()
 
 
-async def _packages(runner: Runner) -> tuple[tuple[str, str], ...]:
+async def _sandbox_facts(runner: Runner) -> _SandboxFacts:
+    """What the prompt says of the sandbox: quirks, packages, tools. None of it without a sandbox at
+    all: the run itself will say so, clearly, to model and user."""
     try:
-        return await runner.packages()
+        env = await runner.environment()
+        return _SandboxFacts(await runner.known_issues(), await runner.packages(), env.tools)
     except RunnerError:
-        return ()
-
-
-async def _tools(runner: Runner) -> tuple[str, ...]:
-    try:
-        return (await runner.environment()).tools
-    except RunnerError:
-        return ()
+        return _SandboxFacts()
 
 
 def _save_kernels_before_stop(shared: dict) -> None:
@@ -17820,10 +17829,10 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_2ed44fa1b6c7.engine import LoopOptions, escape_text, run_step
-from _code_sessions_2ed44fa1b6c7.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_2ed44fa1b6c7.storage import StorageError
-from _code_sessions_2ed44fa1b6c7.webui import Misconfigured
+from _code_sessions_0154db8d1ae4.engine import LoopOptions, escape_text, run_step
+from _code_sessions_0154db8d1ae4.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_0154db8d1ae4.storage import StorageError
+from _code_sessions_0154db8d1ae4.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

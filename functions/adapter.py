@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -451,6 +452,7 @@ class SessionsAdapter:
     ) -> list[dict]:
         entries = sorted(await chat.session.files.list(), key=lambda e: e.mtime, reverse=True)
         quotas = services.store.quotas
+        sandbox = await _sandbox_facts(services.runner)
         facts = PromptFacts(
             files=[(entry.path, entry.size) for entry in entries],
             total_files=len(entries),
@@ -462,10 +464,10 @@ class SessionsAdapter:
             quota_bytes=quotas.max_bytes_per_user,
             quota_files=quotas.max_files_per_user,
             tool_mode=options.tool_mode,
-            sandbox_notes=(*await _sandbox_notes(services.runner), *notes),
+            sandbox_notes=(*sandbox.notes, *notes),
             kernel_idle_minutes=self.settings.kernel_idle_minutes if services.kernels is not None else None,
-            packages=await _packages(services.runner),
-            tools=await _tools(services.runner),
+            packages=sandbox.packages,
+            tools=sandbox.tools,
             figures_shown=figures_shown,
         )
         prompt = system_prompt(facts)
@@ -540,25 +542,21 @@ def _shorten(text: str, limit: int = _LOGGED_VALUE_CHARS) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
-async def _sandbox_notes(runner: Runner) -> tuple[str, ...]:
-    try:
-        return await runner.known_issues()
-    except RunnerError:  # no sandbox at all: the run itself will say so, clearly, to model and user
-        return ()
+@dataclass(frozen=True)
+class _SandboxFacts:
+    notes: tuple[str, ...] = ()
+    packages: tuple[tuple[str, str], ...] = ()
+    tools: tuple[str, ...] = ()
 
 
-async def _packages(runner: Runner) -> tuple[tuple[str, str], ...]:
+async def _sandbox_facts(runner: Runner) -> _SandboxFacts:
+    """What the prompt says of the sandbox: quirks, packages, tools. None of it without a sandbox at
+    all: the run itself will say so, clearly, to model and user."""
     try:
-        return await runner.packages()
+        env = await runner.environment()
+        return _SandboxFacts(await runner.known_issues(), await runner.packages(), env.tools)
     except RunnerError:
-        return ()
-
-
-async def _tools(runner: Runner) -> tuple[str, ...]:
-    try:
-        return (await runner.environment()).tools
-    except RunnerError:
-        return ()
+        return _SandboxFacts()
 
 
 def _save_kernels_before_stop(shared: dict) -> None:
