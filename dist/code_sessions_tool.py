@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_0154db8d1ae4'
+_CS_PACKAGE = '_code_sessions_17cb4ec81f1d'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -9176,6 +9176,21 @@ def seal(staging: Path, state_dir: Path, identity: dict[str, Any], ready: dict[s
     return SavedImage(final, token, identity, ready, sum(size for size, _ in files.values()), files)
 
 
+def saved_bytes_beside(state_dir: Path) -> int:
+    """The recorded bytes of the saved images in `state_dir` and the state folders beside it (one
+    owner's), read from their records; a folder without a readable record counts nothing."""
+    total = 0
+    with contextlib.suppress(FileNotFoundError), os.scandir(state_dir.parent) as listing:
+        for folder in listing:
+            try:
+                with open(Path(folder.path) / IMAGE_DIR / META, "rb") as fh:
+                    files = json.loads(fh.read(_MAX_META)).get("files", {})
+                total += sum(int(size) for size, _digest in files.values())
+            except (OSError, ValueError, TypeError, AttributeError):
+                continue
+    return total
+
+
 def discard(state_dir: Path, *, staging: bool = True) -> None:
     """Remove the saved image (and, with `staging`, any folder a save was writing or a crash left)."""
     with contextlib.suppress(FileNotFoundError), os.scandir(state_dir) as listing:
@@ -12906,6 +12921,7 @@ class KernelPool:
         max_kernels: int = 20,
         socket_dir: Path | None = None,
         max_image_bytes: int | None = None,
+        max_saved_bytes_together: int | None = None,
         warm_start: bool = False,
     ) -> None:
         self.runner = runner
@@ -12916,6 +12932,10 @@ class KernelPool:
         # A saved state's image is at most this large (None: no limit beyond the kernel's memory;
         # 0: kernels are never saved, they stop as they would without a state folder).
         self.max_image_bytes = max_image_bytes
+        # The saved images in the state folders beside a chat's (one folder per owner: one user's
+        # chats, as the store lays them out) together at most this large; None: no such bound. Checked
+        # once the new image is in place, so two saves at once can only both refuse, never both pass.
+        self.max_saved_bytes_together = max_saved_bytes_together
         self._mine: dict[str, Kernel] = {}
         self._state_dirs: dict[str, Path] = {}  # where each kernel of ours is saved when it stops
         self._ending: dict[str, asyncio.Future[None]] = {}  # kernels being saved now, by key
@@ -13120,10 +13140,10 @@ class KernelPool:
                 if code == 0:
                     full = {**identity, "lifetime_limits": list(lifetime_limits(kernel.limits))}
                     image = _hibernate.seal(staging, state_dir, full, kernel.ready_fields())
-                    if self.max_image_bytes is not None and image.size > self.max_image_bytes:
+                    refused = self._refusal(state_dir, image)
+                    if refused is not None:
                         _hibernate.discard(state_dir)
-                        limit = human_bytes(self.max_image_bytes)
-                        why = f"its image was over the {limit} allowed for a saved state"
+                        why = refused
                     else:
                         image_id = image.id
                 elif code is not None:
@@ -13330,13 +13350,10 @@ class KernelPool:
                 _hibernate.seal, staging, state_dir, identity, kernel.ready_fields()
             )
             staging = None
-            limit = self.max_image_bytes
-            if limit is not None and image.size > limit:
+            refused = await asyncio.to_thread(self._refusal, state_dir, image)
+            if refused is not None:
                 await asyncio.to_thread(_hibernate.discard, state_dir)
-                raise NotSaved(
-                    f"its image of {image.size / 2**20:.0f} MiB is over the {human_bytes(limit)} allowed "
-                    "for a saved state"
-                )
+                raise NotSaved(refused)
         except NotSaved as error:
             log.warning("kernel %s of %s: not saved: %s", kernel.cid, key, error)
             return "", str(error)
@@ -13356,6 +13373,22 @@ class KernelPool:
             image.size / 2**20,
         )
         return image.id, ""
+
+    def _refusal(self, state_dir: Path, image: _hibernate.SavedImage) -> str | None:
+        """Why a sealed image may not be kept (blocking: it reads the neighbours' records), or None."""
+        size = f"{image.size / 2**20:.0f} MiB"
+        if self.max_image_bytes is not None and image.size > self.max_image_bytes:
+            limit = human_bytes(self.max_image_bytes)
+            return f"its image of {size} is over the {limit} allowed for a saved state"
+        together_max = self.max_saved_bytes_together
+        if together_max is not None:
+            together = _hibernate.saved_bytes_beside(state_dir)
+            if together > together_max:
+                return (
+                    f"with its image of {size}, this user's saved states would take "
+                    f"{human_bytes(together)}, over the {human_bytes(together_max)} allowed together"
+                )
+        return None
 
     async def _settled(self, key: str) -> None:
         """Wait while this process saves the key's kernel (its next run resumes the image)."""
@@ -14520,7 +14553,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_0154db8d1ae4.runner import Outcome
+from _code_sessions_17cb4ec81f1d.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -14795,8 +14828,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_0154db8d1ae4.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_0154db8d1ae4.storage import human_bytes
+from _code_sessions_17cb4ec81f1d.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_17cb4ec81f1d.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -14916,7 +14949,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_0154db8d1ae4.storage import Purge, parse_duration
+from _code_sessions_17cb4ec81f1d.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16035,8 +16068,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_0154db8d1ae4.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_0154db8d1ae4.storage import (
+from _code_sessions_17cb4ec81f1d.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_17cb4ec81f1d.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16726,7 +16759,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_0154db8d1ae4.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_17cb4ec81f1d.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -16943,7 +16976,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_0154db8d1ae4.storage import Link, Publisher, is_postgres_url
+from _code_sessions_17cb4ec81f1d.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17158,7 +17191,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_0154db8d1ae4.engine import (
+from _code_sessions_17cb4ec81f1d.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17168,9 +17201,9 @@ from _code_sessions_0154db8d1ae4.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_0154db8d1ae4.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_0154db8d1ae4.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_0154db8d1ae4.webui import OpenWebUI
+from _code_sessions_17cb4ec81f1d.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_17cb4ec81f1d.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_17cb4ec81f1d.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -17229,6 +17262,12 @@ class SessionValves(BaseModel):
         description="Largest saved kernel (its memory written to disk, next to the chat's files, "
         "not counted in the user's file quota). A larger one is lost, and its chat is told. "
         "0: kernels are never saved; an idle one is stopped and its variables are lost.",
+    )
+    max_saved_state_mb_per_user: int = Field(
+        default=4096,
+        ge=0,
+        description="All of a user's saved kernels together (several chats of one user cannot pass "
+        "it). A save that would go over is lost, and its chat is told. 0: no limit.",
     )
     warm_start: bool = Field(
         default=True,
@@ -17366,6 +17405,8 @@ class SessionsAdapter:
             services.kernels.idle_s = valves.kernel_idle_minutes * MINUTE_S
             services.kernels.max_kernels = valves.max_kernels
             services.kernels.max_image_bytes = valves.max_saved_state_mb * 1024 * 1024
+            together = valves.max_saved_state_mb_per_user * 1024 * 1024
+            services.kernels.max_saved_bytes_together = together or None
         return services
 
     async def _shared_services(self, key: tuple, valves: SessionValves, places: Any, index_url: str) -> Any:
@@ -17829,10 +17870,10 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_0154db8d1ae4.engine import LoopOptions, escape_text, run_step
-from _code_sessions_0154db8d1ae4.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_0154db8d1ae4.storage import StorageError
-from _code_sessions_0154db8d1ae4.webui import Misconfigured
+from _code_sessions_17cb4ec81f1d.engine import LoopOptions, escape_text, run_step
+from _code_sessions_17cb4ec81f1d.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_17cb4ec81f1d.storage import StorageError
+from _code_sessions_17cb4ec81f1d.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -94,6 +94,12 @@ class SessionValves(BaseModel):
         "not counted in the user's file quota). A larger one is lost, and its chat is told. "
         "0: kernels are never saved; an idle one is stopped and its variables are lost.",
     )
+    max_saved_state_mb_per_user: int = Field(
+        default=4096,
+        ge=0,
+        description="All of a user's saved kernels together (several chats of one user cannot pass "
+        "it). A save that would go over is lost, and its chat is told. 0: no limit.",
+    )
     warm_start: bool = Field(
         default=True,
         description="A new chat's kernel starts from a template with numpy, pandas and matplotlib "
@@ -230,6 +236,8 @@ class SessionsAdapter:
             services.kernels.idle_s = valves.kernel_idle_minutes * MINUTE_S
             services.kernels.max_kernels = valves.max_kernels
             services.kernels.max_image_bytes = valves.max_saved_state_mb * 1024 * 1024
+            together = valves.max_saved_state_mb_per_user * 1024 * 1024
+            services.kernels.max_saved_bytes_together = together or None
         return services
 
     async def _shared_services(self, key: tuple, valves: SessionValves, places: Any, index_url: str) -> Any:

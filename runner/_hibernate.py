@@ -113,6 +113,21 @@ def seal(staging: Path, state_dir: Path, identity: dict[str, Any], ready: dict[s
     return SavedImage(final, token, identity, ready, sum(size for size, _ in files.values()), files)
 
 
+def saved_bytes_beside(state_dir: Path) -> int:
+    """The recorded bytes of the saved images in `state_dir` and the state folders beside it (one
+    owner's), read from their records; a folder without a readable record counts nothing."""
+    total = 0
+    with contextlib.suppress(FileNotFoundError), os.scandir(state_dir.parent) as listing:
+        for folder in listing:
+            try:
+                with open(Path(folder.path) / IMAGE_DIR / META, "rb") as fh:
+                    files = json.loads(fh.read(_MAX_META)).get("files", {})
+                total += sum(int(size) for size, _digest in files.values())
+            except (OSError, ValueError, TypeError, AttributeError):
+                continue
+    return total
+
+
 def discard(state_dir: Path, *, staging: bool = True) -> None:
     """Remove the saved image (and, with `staging`, any folder a save was writing or a crash left)."""
     with contextlib.suppress(FileNotFoundError), os.scandir(state_dir) as listing:

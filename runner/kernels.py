@@ -139,6 +139,7 @@ class KernelPool:
         max_kernels: int = 20,
         socket_dir: Path | None = None,
         max_image_bytes: int | None = None,
+        max_saved_bytes_together: int | None = None,
         warm_start: bool = False,
     ) -> None:
         self.runner = runner
@@ -149,6 +150,10 @@ class KernelPool:
         # A saved state's image is at most this large (None: no limit beyond the kernel's memory;
         # 0: kernels are never saved, they stop as they would without a state folder).
         self.max_image_bytes = max_image_bytes
+        # The saved images in the state folders beside a chat's (one folder per owner: one user's
+        # chats, as the store lays them out) together at most this large; None: no such bound. Checked
+        # once the new image is in place, so two saves at once can only both refuse, never both pass.
+        self.max_saved_bytes_together = max_saved_bytes_together
         self._mine: dict[str, Kernel] = {}
         self._state_dirs: dict[str, Path] = {}  # where each kernel of ours is saved when it stops
         self._ending: dict[str, asyncio.Future[None]] = {}  # kernels being saved now, by key
@@ -353,10 +358,10 @@ class KernelPool:
                 if code == 0:
                     full = {**identity, "lifetime_limits": list(lifetime_limits(kernel.limits))}
                     image = _hibernate.seal(staging, state_dir, full, kernel.ready_fields())
-                    if self.max_image_bytes is not None and image.size > self.max_image_bytes:
+                    refused = self._refusal(state_dir, image)
+                    if refused is not None:
                         _hibernate.discard(state_dir)
-                        limit = human_bytes(self.max_image_bytes)
-                        why = f"its image was over the {limit} allowed for a saved state"
+                        why = refused
                     else:
                         image_id = image.id
                 elif code is not None:
@@ -563,13 +568,10 @@ class KernelPool:
                 _hibernate.seal, staging, state_dir, identity, kernel.ready_fields()
             )
             staging = None
-            limit = self.max_image_bytes
-            if limit is not None and image.size > limit:
+            refused = await asyncio.to_thread(self._refusal, state_dir, image)
+            if refused is not None:
                 await asyncio.to_thread(_hibernate.discard, state_dir)
-                raise NotSaved(
-                    f"its image of {image.size / 2**20:.0f} MiB is over the {human_bytes(limit)} allowed "
-                    "for a saved state"
-                )
+                raise NotSaved(refused)
         except NotSaved as error:
             log.warning("kernel %s of %s: not saved: %s", kernel.cid, key, error)
             return "", str(error)
@@ -589,6 +591,22 @@ class KernelPool:
             image.size / 2**20,
         )
         return image.id, ""
+
+    def _refusal(self, state_dir: Path, image: _hibernate.SavedImage) -> str | None:
+        """Why a sealed image may not be kept (blocking: it reads the neighbours' records), or None."""
+        size = f"{image.size / 2**20:.0f} MiB"
+        if self.max_image_bytes is not None and image.size > self.max_image_bytes:
+            limit = human_bytes(self.max_image_bytes)
+            return f"its image of {size} is over the {limit} allowed for a saved state"
+        together_max = self.max_saved_bytes_together
+        if together_max is not None:
+            together = _hibernate.saved_bytes_beside(state_dir)
+            if together > together_max:
+                return (
+                    f"with its image of {size}, this user's saved states would take "
+                    f"{human_bytes(together)}, over the {human_bytes(together_max)} allowed together"
+                )
+        return None
 
     async def _settled(self, key: str) -> None:
         """Wait while this process saves the key's kernel (its next run resumes the image)."""

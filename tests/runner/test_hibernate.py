@@ -250,6 +250,41 @@ async def test_a_state_over_the_image_limit_is_not_kept_and_said(
         await pool.close()
 
 
+async def test_two_chats_of_one_user_cannot_pass_the_users_budget_for_saved_states(
+    runner: Runner, tmp_path: Path
+) -> None:
+    """Each image is under the per-image limit; together they are not: the first chat's state is
+    kept, the second's is not and says why, and another user's chat beside them is still saved."""
+    folders = {}
+    for user, name in (("u", "a"), ("u", "b"), ("v", "c")):
+        folder = tmp_path / "sessions" / user / name
+        folder.mkdir(parents=True)
+        folders[f"{user}/{name}"] = (folder, tmp_path / "state" / user / f"{name}.kernel")
+    pool = pool_of(runner, tmp_path, idle_s=1.0)
+    try:
+        for key in folders:  # a kernel per chat, each saved once idle
+            folder, state = folders[key]
+            await pool.run(key, folder, "kept = 7", "python", LIMITS, state_dir=state)
+            await wait_until(lambda key=key: ended(pool, key))
+            if key == "u/a":  # the user's budget: what the first image takes, and a little more
+                first = _hibernate.saved_bytes_beside(folders["u/a"][1])
+                assert first > 0
+                pool.max_saved_bytes_together = first + first // 2
+        said = {}
+        for key, (folder, state) in folders.items():
+            read = "print(globals().get('kept'))"
+            got = await pool.run(key, folder, read, "python", LIMITS, state_dir=state)
+            said[key] = (got.stdout, got.notes)
+        assert said["u/a"] == ("7\n", ())
+        assert said["v/c"] == ("7\n", ())  # another user's states do not count
+        stdout, notes = said["u/b"]
+        assert stdout == "None\n" and len(notes) == 1, said
+        assert notes[0].startswith("The Python state could not be kept (with its image of ")
+        assert "this user's saved states would take" in notes[0] and "allowed together" in notes[0]
+    finally:
+        await pool.close()
+
+
 async def test_limits_hold_in_a_resumed_kernel(
     runner: Runner, tmp_path: Path, chat: tuple[Path, Path]
 ) -> None:
