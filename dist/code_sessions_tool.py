@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_17cb4ec81f1d'
+_CS_PACKAGE = '_code_sessions_b97e5b44a393'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -14553,7 +14553,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_17cb4ec81f1d.runner import Outcome
+from _code_sessions_b97e5b44a393.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -14828,8 +14828,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_17cb4ec81f1d.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_17cb4ec81f1d.storage import human_bytes
+from _code_sessions_b97e5b44a393.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_b97e5b44a393.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -14949,7 +14949,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_17cb4ec81f1d.storage import Purge, parse_duration
+from _code_sessions_b97e5b44a393.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16068,8 +16068,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_17cb4ec81f1d.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_17cb4ec81f1d.storage import (
+from _code_sessions_b97e5b44a393.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_b97e5b44a393.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16120,6 +16120,9 @@ _OUTCOME_WORDS = {
 _FIGURE_SUFFIXES = (".png",)
 # Files an answer saved without naming them, handed over by name (or attached) at most this many.
 _HANDED_OVER = 20
+# Files noted between a Tool's run and the end of its answer: chats at once, and files a chat.
+_UNHANDED_CHATS = 1000
+_UNHANDED_PATHS = 1000
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
 
 
@@ -16528,6 +16531,9 @@ class CodeSessions:
         self._full_at: dict[tuple[str, str], float] = {}
         # Attachments refused when not even the refusal could be written (a full disk), with why.
         self._refusals: dict[tuple[str, str, str], str] = {}
+        # Files runs saved for an answer that is still being written, by chat, until the answer's end
+        # hands them over (the Tool's runs; the Filter's outlet ends the answer). Bounded both ways.
+        self._unhanded: dict[tuple[str, str], list[str]] = {}
 
     def remember_refusal(self, session: Session, source: str, why: str) -> bool:
         """Note a refusal the index could not keep; False when the same one was said already."""
@@ -16538,6 +16544,20 @@ class CodeSessions:
             self._refusals.clear()
         self._refusals[key] = why
         return True
+
+    def note_saved(self, user_id: str, chat_id: str, paths: Sequence[str]) -> None:
+        """Files a run saved, for the end of the answer it runs in (`take_saved`)."""
+        if not paths:
+            return
+        key = (user_id, chat_id)
+        if key not in self._unhanded and len(self._unhanded) >= _UNHANDED_CHATS:
+            self._unhanded.pop(next(iter(self._unhanded)))  # the oldest: its answer never ended here
+        saved = self._unhanded.setdefault(key, [])
+        saved.extend(p for p in paths if p not in saved and len(saved) < _UNHANDED_PATHS)
+
+    def take_saved(self, user_id: str, chat_id: str) -> list[str]:
+        """The files noted for the chat's answer now ending; then forgotten."""
+        return self._unhanded.pop((user_id, chat_id), [])
 
     async def chat(self, user_id: str, chat_id: str) -> ChatSession:
         return ChatSession(self, await self.store.session(user_id, chat_id))
@@ -16759,7 +16779,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_17cb4ec81f1d.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_b97e5b44a393.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -16976,7 +16996,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_17cb4ec81f1d.storage import Link, Publisher, is_postgres_url
+from _code_sessions_b97e5b44a393.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17191,7 +17211,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_17cb4ec81f1d.engine import (
+from _code_sessions_b97e5b44a393.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17201,9 +17221,9 @@ from _code_sessions_17cb4ec81f1d.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_17cb4ec81f1d.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_17cb4ec81f1d.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_17cb4ec81f1d.webui import OpenWebUI
+from _code_sessions_b97e5b44a393.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_b97e5b44a393.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_b97e5b44a393.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -17870,10 +17890,10 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_17cb4ec81f1d.engine import LoopOptions, escape_text, run_step
-from _code_sessions_17cb4ec81f1d.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_17cb4ec81f1d.storage import StorageError
-from _code_sessions_17cb4ec81f1d.webui import Misconfigured
+from _code_sessions_b97e5b44a393.engine import LoopOptions, escape_text, run_step
+from _code_sessions_b97e5b44a393.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_b97e5b44a393.storage import StorageError
+from _code_sessions_b97e5b44a393.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 
@@ -17970,6 +17990,9 @@ class ToolSessions(SessionsAdapter):
         # between two runs of one answer) the Tool does, once each: nothing is copied twice.
         notes, _ = await self._import_uploads(chat, user_id, files, status)
         step = await run_step(chat, language, code, status)
+        # What the run saved reaches the user at the answer's end (the Filter's outlet): the files the
+        # answer does not name are attached, or named in one line.
+        services.note_saved(user_id, chat_id, step.saved())
         # The user sees the files (and figures) the answer names: the Filter turns their paths into
         # links and images, so the result tells the model which paths to write.
         result = step.for_model(LoopOptions().max_result_chars)

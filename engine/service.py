@@ -66,6 +66,9 @@ _OUTCOME_WORDS = {
 _FIGURE_SUFFIXES = (".png",)
 # Files an answer saved without naming them, handed over by name (or attached) at most this many.
 _HANDED_OVER = 20
+# Files noted between a Tool's run and the end of its answer: chats at once, and files a chat.
+_UNHANDED_CHATS = 1000
+_UNHANDED_PATHS = 1000
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
 
 
@@ -474,6 +477,9 @@ class CodeSessions:
         self._full_at: dict[tuple[str, str], float] = {}
         # Attachments refused when not even the refusal could be written (a full disk), with why.
         self._refusals: dict[tuple[str, str, str], str] = {}
+        # Files runs saved for an answer that is still being written, by chat, until the answer's end
+        # hands them over (the Tool's runs; the Filter's outlet ends the answer). Bounded both ways.
+        self._unhanded: dict[tuple[str, str], list[str]] = {}
 
     def remember_refusal(self, session: Session, source: str, why: str) -> bool:
         """Note a refusal the index could not keep; False when the same one was said already."""
@@ -484,6 +490,20 @@ class CodeSessions:
             self._refusals.clear()
         self._refusals[key] = why
         return True
+
+    def note_saved(self, user_id: str, chat_id: str, paths: Sequence[str]) -> None:
+        """Files a run saved, for the end of the answer it runs in (`take_saved`)."""
+        if not paths:
+            return
+        key = (user_id, chat_id)
+        if key not in self._unhanded and len(self._unhanded) >= _UNHANDED_CHATS:
+            self._unhanded.pop(next(iter(self._unhanded)))  # the oldest: its answer never ended here
+        saved = self._unhanded.setdefault(key, [])
+        saved.extend(p for p in paths if p not in saved and len(saved) < _UNHANDED_PATHS)
+
+    def take_saved(self, user_id: str, chat_id: str) -> list[str]:
+        """The files noted for the chat's answer now ending; then forgotten."""
+        return self._unhanded.pop((user_id, chat_id), [])
 
     async def chat(self, user_id: str, chat_id: str) -> ChatSession:
         return ChatSession(self, await self.store.session(user_id, chat_id))

@@ -206,6 +206,7 @@ class FilterSessions(SessionsAdapter):
         answer = self.answers.pop(message_id, None)
         if answer is not None:
             chat, tail = answer.chat, await answer.rewriter.flush()
+            services = self._services
         else:
             if not user_id or not self._tool_enabled({}, metadata):
                 return body
@@ -215,7 +216,8 @@ class FilterSessions(SessionsAdapter):
             found = await self._chat(user_id, chat_id)
             if found is None:
                 return body
-            chat, tail = found[1], ""
+            services, chat, tail = found[0], found[1], ""
+        attachments = self.settings.attach_files and self._host.can_attach(chat_id, message_id)
         for message in body.get("messages") or ():
             if not isinstance(message, dict) or message.get("role") != "assistant":
                 continue
@@ -224,6 +226,9 @@ class FilterSessions(SessionsAdapter):
             content = message.get("content")
             if isinstance(content, str):
                 rewritten = await chat.rewrite(content + tail)
+                # The Tool's runs' files the answer did not name: attachments, or one line here.
+                saved = services.take_saved(user_id, chat_id) if services is not None else []
+                rewritten += await chat.hand_over(saved, attachments=attachments)
                 notes = chat.unlinked_notes()
                 if notes:
                     rewritten += "\n\n" + "\n".join(f"- {note}" for note in notes) + "\n"
@@ -234,5 +239,7 @@ class FilterSessions(SessionsAdapter):
                         if isinstance(part, dict) and isinstance(part.get("text"), str):
                             part["text"] = await chat.rewrite(part["text"])
         if self.settings.attach_files:
-            await self._host.attach(chat_id, message_id, user_id, chat.links, emitter)
+            await self._host.attach(
+                chat_id, message_id, user_id, chat.links, emitter, inline_urls=chat.inline_urls
+            )
         return body

@@ -113,6 +113,9 @@ class ToolSessions(SessionsAdapter):
         # between two runs of one answer) the Tool does, once each: nothing is copied twice.
         notes, _ = await self._import_uploads(chat, user_id, files, status)
         step = await run_step(chat, language, code, status)
+        # What the run saved reaches the user at the answer's end (the Filter's outlet): the files the
+        # answer does not name are attached, or named in one line.
+        services.note_saved(user_id, chat_id, step.saved())
         # The user sees the files (and figures) the answer names: the Filter turns their paths into
         # links and images, so the result tells the model which paths to write.
         result = step.for_model(LoopOptions().max_result_chars)

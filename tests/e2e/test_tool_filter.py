@@ -233,6 +233,27 @@ def test_a_chart_is_shown_inline(server: OpenWebUI):
     image = server.admin.download(match.group(1))
     assert image.status_code == 200 and image.content.startswith(b"\x89PNG")
     assert image.headers["content-type"] == "image/png"
+    # Shown inline, so not an attachment as well: each file once.
+    message = server.admin.get(f"/api/v1/chats/{reply.chat_id}").json()["chat"]["history"]["messages"]
+    files = message[reply.message_id].get("files") or []
+    assert "chart.png" not in [f["name"] for f in files], files
+
+
+def test_a_file_the_run_saved_that_the_answer_did_not_name_is_attached(server: OpenWebUI):
+    reply = say(
+        server.admin,
+        run(
+            "open('/mnt/data/named.csv', 'w').write('a\\n1\\n')\n"
+            "open('/mnt/data/extra.txt', 'w').write('extra bytes')",
+            "Here it is: /mnt/data/named.csv",
+        ),
+    )
+    assert "extra.txt" not in reply.content, reply.content
+    message = server.admin.get(f"/api/v1/chats/{reply.chat_id}").json()["chat"]["history"]["messages"]
+    files = {f["name"]: f for f in message[reply.message_id].get("files") or []}
+    assert set(files) == {"named.csv", "extra.txt"}, files
+    download = server.admin.download(files["extra.txt"]["url"])
+    assert download.status_code == 200 and download.content == b"extra bytes"
 
 
 def test_an_upload_is_copied_into_mnt_data(server: OpenWebUI):

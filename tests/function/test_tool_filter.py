@@ -215,3 +215,29 @@ async def test_a_purge_typed_into_the_tools_valves_runs_and_is_cleared(tool: Too
             break
     assert not folder.exists()
     assert tool.stored_tool_valves["purge"] == ""
+
+
+SAVE_TWO = code(
+    "open('/mnt/data/named.csv', 'w').write('a\\n1\\n')\nopen('/mnt/data/extra.txt', 'w').write('x')",
+    "Here it is: /mnt/data/named.csv",
+)
+
+
+async def test_a_file_the_tools_run_saved_but_the_answer_did_not_name_is_attached_once(tool: ToolHarness):
+    """As with the Pipe (issue 23): each file once in the text, every one among the attachments."""
+    turn = await tool.say("u1", "chat-1", SAVE_TWO)
+    assert turn.saved.count("named.csv") == 1 and "extra.txt" not in turn.saved, turn.saved
+    files = [e for e in turn.events if e["type"] == "chat:message:files"]
+    assert files, turn.events
+    assert sorted(f["name"] for f in files[-1]["data"]["files"]) == ["extra.txt", "named.csv"]
+    # The next answer hands over nothing of this one's.
+    later = await tool.say("u1", "chat-1", code("print(1)", "Nothing new."))
+    assert not [e for e in later.events if e["type"] == "chat:message:files"], later.events
+
+
+async def test_without_attachments_the_unnamed_file_is_named_in_one_line(tool: ToolHarness):
+    tool.set_valves(attach_files=False)
+    turn = await tool.say("u1", "chat-1", SAVE_TWO)
+    [line] = [line for line in turn.saved.splitlines() if "extra.txt" in line]
+    assert line.startswith("Saved: [extra.txt](/api/v1/files/code-sessions-"), turn.saved
+    assert not [e for e in turn.events if e["type"] == "chat:message:files"]
