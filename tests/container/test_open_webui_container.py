@@ -1,7 +1,7 @@
 """The whole product in a container started with the README's exact `docker run` flags (podman here):
 Open WebUI in the image deploy/Dockerfile builds, gVisor inside it, the bundled function installed over
 HTTP as an admin would, the offline demo model running inside the container too, and a user's flow
-over HTTP only, through a restart of the container. Then the doctor, whose output the README shows.
+over HTTP only, through a restart of the container. Then the doctor, whose output docs/operations.md shows.
 
 Outputs (logs, the doctor's report, timings) go to $CODE_SESSIONS_CONTAINER_OUT.
 """

@@ -4,8 +4,8 @@ Each run is one collapsible block and leaves no status line; each file shows onc
 (where the model names it) and once among its attachments; a chart shows inline and nowhere else; a file
 the model did not name is an attachment that downloads; a run stopped by a limit says why, once.
 
-Its screenshots are the README's pictures: with UPDATE_SCREENSHOTS=1 set, they are written to
-docs/images/chat.png and docs/images/limit.png
+Its screenshots are the pictures of the README and docs/features.md: with UPDATE_SCREENSHOTS=1 set, they
+are written to docs/images/chat.png and docs/images/limit.png
 (`UPDATE_SCREENSHOTS=1 ./scripts/test tests/e2e/test_browser.py`).
 """
 
