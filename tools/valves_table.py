@@ -58,11 +58,15 @@ def tables() -> str:
 
 def generated(text: str) -> str:
     """What the page holds between its markers (the tables as last written)."""
-    _, begin, rest = text.partition(BEGIN + "\n")
-    body, end, _ = rest.partition("\n" + END)
+    _, begin, rest = text.partition(BEGIN + "\n\n")
+    body, end, _ = rest.partition("\n\n" + END)
     if not begin or not end:
         raise ValueError(f"{PAGE.name} lacks the markers {BEGIN!r} ... {END!r}")
     return body
+
+
+def _block(tables: str) -> str:
+    return f"{BEGIN}\n\n{tables}\n\n{END}"
 
 
 def write() -> bool:
@@ -72,7 +76,8 @@ def write() -> bool:
     new = tables()
     if old == new:
         return False
-    PAGE.write_text(text.replace(BEGIN + "\n" + old + "\n" + END, BEGIN + "\n" + new + "\n" + END, 1))
+    # Blank lines around the tables: markdown ends a table at a blank line, not at a comment.
+    PAGE.write_text(text.replace(_block(old), _block(new), 1))
     return True
 
 
