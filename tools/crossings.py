@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.support.pipe_harness import PipeHarness, code  # noqa: E402
+from tests.support.pipe_harness import PipeHarness, code
 
 PACKAGES = ("functions", "webui", "engine", "runner", "storage")
 _RESUMABLE = inspect.CO_COROUTINE | inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR
