@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_b97e5b44a393'
+_CS_PACKAGE = '_code_sessions_57a62ed72851'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -3784,6 +3784,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -3791,6 +3792,7 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from . import _index
 from ._backend import Tx
@@ -3799,7 +3801,7 @@ from ._fsops import fd_closing, open_dir, open_regular, write_private
 from ._names import is_passive_image, publish_name, split_path
 from .errors import DiskFull, StorageError
 from .models import Link, Usage
-from .publishing import Copy, DirectoryPublisher, copy_present, remove_directory_copy
+from .publishing import Copy, DirectoryPublisher, copy_present, remove_directory_copies
 
 _HASH_CHUNK = 1 << 20
 
@@ -3838,8 +3840,12 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
         for row in rows:
             if row.sha256 == digest and row.size == st.st_size:
                 await core.write(
-                    lambda tx, r=row.ref: _index.note_link_signature(
-                        tx, r, st.st_mtime_ns, st.st_ino, st.st_ctime_ns
+                    functools.partial(
+                        _index.note_link_signature,
+                        ref=row.ref,
+                        mtime_ns=st.st_mtime_ns,
+                        inode=st.st_ino,
+                        ctime_ns=st.st_ctime_ns,
                     )
                 )
                 return Link(row.ref, row.url, rel, row.name, row.size, inline, row.created_at)
@@ -3912,7 +3918,7 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
     return Link(published.ref, published.url, rel, name, st.st_size, inline, now)
 
 
-def _write_record(core: Core, record: dict) -> None:
+def _write_record(core: Core, record: dict[str, Any]) -> None:
     """What the copy is, beside the index: a lost index takes the link back from it (rebuild)."""
     path = core.layout.link_record(record["kind"], record["ref"])
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -3933,9 +3939,9 @@ def _write_record(core: Core, record: dict) -> None:
         raise
 
 
-def link_records(core: Core) -> list[dict]:
+def link_records(core: Core) -> list[dict[str, Any]]:
     """Every readable link record (rebuild, stray sweep)."""
-    found: list[dict] = []
+    found: list[dict[str, Any]] = []
     with contextlib.suppress(FileNotFoundError), os.scandir(core.layout.links) as entries:
         for entry in entries:
             if not entry.name.endswith(".json") or not entry.is_file(follow_symlinks=False):
@@ -3993,14 +3999,14 @@ async def remove_copies(core: Core, links: Sequence[tuple[str, str, str]]) -> No
         else:
             by_kind[kind].append(ref)
     if folders:
-        await asyncio.to_thread(lambda: [remove_directory_copy(d, r) for d, r in folders])
+        await asyncio.to_thread(remove_directory_copies, folders)
     publisher = core.publisher
     for kind, refs in by_kind.items():
         if publisher is not None and publisher.kind == kind:
             await publisher.remove(refs)
         else:
             queued = time.time()
-            await core.write(lambda tx, k=kind, r=refs, t=queued: _index.queue_unpublished(tx, k, r, t))
+            await core.write(functools.partial(_index.queue_unpublished, kind=kind, refs=refs, now=queued))
 
 
 async def drain_unpublished(core: Core) -> int:
@@ -4813,13 +4819,15 @@ class _Tx:
         self._conn = conn
 
     async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        return self._conn.execute(sql, params).fetchall()
+        rows: list[Row] = self._conn.execute(sql, params).fetchall()
+        return rows
 
     async def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
-        return self._conn.execute(sql, params).fetchone()
+        row: Row | None = self._conn.execute(sql, params).fetchone()
+        return row
 
     async def one_later(self, sql: str, params: Sequence[Any] = ()) -> Callable[[], Awaitable[Row | None]]:
-        row = self._conn.execute(sql, params).fetchone()
+        row: Row | None = self._conn.execute(sql, params).fetchone()
 
         async def later() -> Row | None:
             return row
@@ -6703,7 +6711,7 @@ class DirectoryPublisher:
         return Published(token, self.url_prefix + token + "/" + urllib.parse.quote(copy.name))
 
     async def remove(self, refs: Sequence[str]) -> None:
-        await asyncio.to_thread(lambda: [remove_directory_copy(self.directory, r) for r in refs])
+        await asyncio.to_thread(remove_directory_copies, [(self.directory, r) for r in refs])
 
     async def missing(self, refs: Sequence[str]) -> set[str]:
         def look() -> set[str]:
@@ -6731,6 +6739,12 @@ def _folder_present(path: Path) -> bool:
         return stat.S_ISDIR(os.stat(path, follow_symlinks=False).st_mode)
     except OSError:
         return False
+
+
+def remove_directory_copies(copies: Sequence[tuple[str | Path, str]]) -> None:
+    """remove_directory_copy for each (directory, token): one thread hop for many."""
+    for directory, token in copies:
+        remove_directory_copy(directory, token)
 
 
 def remove_directory_copy(directory: str | Path, token: str) -> None:
@@ -11269,6 +11283,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ._cgroups import RunCgroup
 from ._disk import MAX_DEPTH, watch_growth
@@ -11282,6 +11297,7 @@ _REAP_S = 5.0  # how long stragglers (ptrace stubs) may take to die after SIGKIL
 _HELPER_TIMEOUT_S = 10.0
 _OOM_POLL_S = 0.25
 _PR_SET_PDEATHSIG = 1
+_PRCTL: Any  # a ctypes function, or None where libc has no prctl
 try:
     # Resolved once here: the child, between fork and exec, only calls it.
     _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
@@ -12375,9 +12391,9 @@ def _host_checks(config: RunnerConfig) -> list[Check]:
                 ok=usable or not config.use_cgroups,
                 warning=not usable,
                 detail=(
-                    f"cgroup v{found.version}: memory and pids limits are writable"
-                    if usable
-                    else f"{found}; memory falls back to RLIMIT_AS per process"
+                    f"{found}; memory falls back to RLIMIT_AS per process"
+                    if isinstance(found, str)
+                    else f"cgroup v{found.version}: memory and pids limits are writable"
                 ),
                 fix=None
                 if usable
@@ -14551,9 +14567,9 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-from _code_sessions_b97e5b44a393.runner import Outcome
+from _code_sessions_57a62ed72851.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -14591,7 +14607,9 @@ RUN_CODE_TOOL = {
     },
 }
 
-ModelCall = Callable[[list[dict], list[dict] | None], AsyncIterator[TextDelta | ToolCall | ModelError]]
+ModelCall = Callable[
+    [list[dict[str, Any]], list[dict[str, Any]] | None], AsyncIterator[TextDelta | ToolCall | ModelError]
+]
 
 
 class StatusCall(Protocol):
@@ -14706,7 +14724,7 @@ async def run_step(chat: ChatSession, language: str, code: str, status: StatusCa
 
 async def converse(
     chat: ChatSession,
-    messages: list[dict],
+    messages: list[dict[str, Any]],
     call_model: ModelCall,
     options: LoopOptions,
     status: StatusCall,
@@ -14728,7 +14746,7 @@ async def converse(
 
 async def _turns(
     chat: ChatSession,
-    messages: list[dict],
+    messages: list[dict[str, Any]],
     call_model: ModelCall,
     options: LoopOptions,
     status: StatusCall,
@@ -14828,8 +14846,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b97e5b44a393.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_b97e5b44a393.storage import human_bytes
+from _code_sessions_57a62ed72851.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_57a62ed72851.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -14949,7 +14967,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_b97e5b44a393.storage import Purge, parse_duration
+from _code_sessions_57a62ed72851.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16067,9 +16085,10 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from _code_sessions_b97e5b44a393.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_b97e5b44a393.storage import (
+from _code_sessions_57a62ed72851.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_57a62ed72851.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16462,7 +16481,7 @@ class ChatSession:
     def streaming_rewriter(self) -> StreamingRewriter:
         return StreamingRewriter(self._resolve_inline)  # the answer itself: images are shown inline
 
-    async def sandbox_view(self, messages: list[dict]) -> list[dict]:
+    async def sandbox_view(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Earlier answers as the model should read them: our links turned back into /mnt/data paths.
 
         The chat history holds the answers as the user saw them, with /cache/... URLs; a model that
@@ -16626,6 +16645,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "ModelError",
@@ -16660,7 +16680,7 @@ class ToolCallCollector:
 
     calls: dict[int, ToolCall] = field(default_factory=dict)
 
-    def add(self, fragments: list[dict]) -> None:
+    def add(self, fragments: list[dict[str, Any]]) -> None:
         for position, fragment in enumerate(fragments):
             index = fragment.get("index", position)
             function = fragment.get("function") or {}
@@ -16676,7 +16696,7 @@ class ToolCallCollector:
         return [self.calls[index] for index in sorted(self.calls)]
 
 
-def _error_text(payload: dict) -> str | None:
+def _error_text(payload: dict[str, Any]) -> str | None:
     error = payload.get("error")
     if error is None:
         return None
@@ -16729,7 +16749,7 @@ def _parse_line(line: str, collector: ToolCallCollector) -> TextDelta | ModelErr
     return TextDelta(text) if text else None
 
 
-def events_from_message(payload: dict) -> list[TextDelta | ToolCall | ModelError]:
+def events_from_message(payload: dict[str, Any]) -> list[TextDelta | ToolCall | ModelError]:
     """The same events from a non-streamed completion body."""
     error = _error_text(payload)
     if error is not None:
@@ -16779,7 +16799,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_b97e5b44a393.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_57a62ed72851.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -16886,7 +16906,8 @@ class FilesPublisher:
         present: set[str] = set()
         for start in range(0, len(refs), _CHUNK):
             rows = await Files.get_files_by_ids(list(refs[start : start + _CHUNK]))
-            present.update(row.id for row in rows if await asyncio.to_thread(_bytes_there, row.path))
+            stored = [(row.id, row.path) for row in rows]
+            present.update(await asyncio.to_thread(_with_bytes_there, stored))
         return set(refs) - present
 
     async def strays(self, known: set[str], older_than_s: float) -> list[str]:
@@ -16908,7 +16929,7 @@ async def attach(
     user_id: str,
     items: Iterable[dict[str, Any]],
     inline_urls: Collection[str] = (),
-) -> list[dict] | None:
+) -> list[dict[str, Any]] | None:
     """Link the answer's files to the chat (shared-chat readers may then fetch them), and to the
     message as attachments, each once, except the images the text shows inline (`inline_urls`: as
     attachments they would show twice). Returns the message's full list of files, for the UI."""
@@ -16924,7 +16945,10 @@ async def attach(
     new = [item for item in items if item["id"] not in already and item["url"] not in inline_urls]
     if not new:
         return None
-    return await Chats.add_message_files_by_id_and_message_id(chat_id, message_id, new)
+    files: list[dict[str, Any]] | None = await Chats.add_message_files_by_id_and_message_id(
+        chat_id, message_id, new
+    )
+    return files
 
 
 async def _drop_chat_links(file_id: str) -> None:
@@ -16972,6 +16996,11 @@ def _delete_stored(path: str) -> None:
         log.warning("code-sessions: could not delete %s: %s", path, error)
 
 
+def _with_bytes_there(stored: Sequence[tuple[str, str | None]]) -> list[str]:
+    """The ids of these (id, path) records whose bytes are there: one thread hop for a chunk."""
+    return [file_id for file_id, path in stored if _bytes_there(path)]
+
+
 def _bytes_there(path: str | None) -> bool:
     if not path:
         return False
@@ -16996,7 +17025,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_b97e5b44a393.storage import Link, Publisher, is_postgres_url
+from _code_sessions_57a62ed72851.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17008,7 +17037,7 @@ __all__ = ["Locations", "Misconfigured", "OpenWebUI"]
 _ID_CHUNK = 500
 
 # What the files of one bundle version share in this process (see `OpenWebUI.shared`).
-_PROCESS: dict = {}
+_PROCESS: dict[str, Any] = {}
 
 
 def _saved_chat(chat_id: str) -> bool:
@@ -17044,7 +17073,7 @@ class OpenWebUI:
             raise Misconfigured(f"storage_root {root} is inside {cache}, which any logged-in user can read")
         return Locations(root, cache / "functions" / function_id, f"/cache/functions/{function_id}/")
 
-    def shared(self) -> dict:
+    def shared(self) -> dict[str, Any]:
         """A dict every file of this bundle version sees in this process: Open WebUI loads the Pipe,
         the Tool and the Filter as three modules, but their embedded packages are one (see
         tools/bundle.py), so their services can be too."""
@@ -17086,7 +17115,7 @@ class OpenWebUI:
         message_id: str | None,
         user_id: str,
         links: Sequence[Link],
-        emit: Callable[[dict], Awaitable[None]] | None,
+        emit: Callable[[dict[str, Any]], Awaitable[None]] | None,
         *,
         inline_urls: Collection[str] = (),
     ) -> None:
@@ -17094,7 +17123,7 @@ class OpenWebUI:
         chat so the people it is shared with can open them. `inline_urls`: the images the text shows
         inline, linked to the chat but not shown again as attachments. Temporary chats have no
         message to attach to: their links still work for their owner."""
-        if not links or not self.can_attach(chat_id, message_id):
+        if not links or not message_id or not self.can_attach(chat_id, message_id):
             return
         items = [
             attachment_item(link, _content_type(link.name)) for link in links if link.url.startswith("/api/")
@@ -17112,7 +17141,7 @@ class OpenWebUI:
 
         return await Users.get_user_by_id(user_id)
 
-    async def call_model(self, request: Any, user: Any, form: dict, *, stream: bool) -> Any:
+    async def call_model(self, request: Any, user: Any, form: dict[str, Any], *, stream: bool) -> Any:
         from open_webui.utils.chat import generate_chat_completion
 
         # The admin chose these base models for this function: access to the function is what is checked.
@@ -17131,24 +17160,24 @@ class OpenWebUI:
         name = (record.meta or {}).get("name") or record.filename or file_id
         return data, name
 
-    async def stored_valves(self, function_id: str) -> dict:
+    async def stored_valves(self, function_id: str) -> dict[str, Any]:
         """The valves as saved now (the background loop is not called by Open WebUI, so it reads them)."""
         from open_webui.models.functions import Functions
 
         return await Functions.get_function_valves_by_id(function_id) or {}
 
-    async def store_valves(self, function_id: str, valves: dict) -> None:
+    async def store_valves(self, function_id: str, valves: dict[str, Any]) -> None:
         from open_webui.models.functions import Functions
 
         await Functions.update_function_valves_by_id(function_id, valves)
 
-    async def stored_tool_valves(self, tool_id: str) -> dict:
+    async def stored_tool_valves(self, tool_id: str) -> dict[str, Any]:
         """A Tool's valves as saved now (Tools keep theirs apart from functions)."""
         from open_webui.models.tools import Tools
 
         return await Tools.get_tool_valves_by_id(tool_id) or {}
 
-    async def store_tool_valves(self, tool_id: str, valves: dict) -> None:
+    async def store_tool_valves(self, tool_id: str, valves: dict[str, Any]) -> None:
         from open_webui.models.tools import Tools
 
         await Tools.update_tool_valves_by_id(tool_id, valves)
@@ -17168,12 +17197,14 @@ class OpenWebUI:
         if (role == "admin" and BYPASS_ADMIN_ACCESS_CONTROL) or tool.user_id == user_id:
             return True
         groups = {g.id for g in await Groups.get_groups_by_member_id(user_id, include_inherited=True)}
-        return await AccessGrants.has_access(
-            user_id=user_id,
-            resource_type="tool",
-            resource_id=tool_id,
-            permission="read",
-            user_group_ids=groups,
+        return bool(
+            await AccessGrants.has_access(
+                user_id=user_id,
+                resource_type="tool",
+                resource_id=tool_id,
+                permission="read",
+                user_group_ids=groups,
+            )
         )
 
     async def chat_owners(self, chat_ids: Sequence[str]) -> dict[str, str]:
@@ -17211,7 +17242,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_b97e5b44a393.engine import (
+from _code_sessions_57a62ed72851.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17221,9 +17252,9 @@ from _code_sessions_b97e5b44a393.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_b97e5b44a393.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_b97e5b44a393.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_b97e5b44a393.webui import OpenWebUI
+from _code_sessions_57a62ed72851.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_57a62ed72851.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_57a62ed72851.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -17893,11 +17924,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_b97e5b44a393.engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
-from _code_sessions_b97e5b44a393.engine.rewrite import SCAN_ON_LOOP_CHARS
-from _code_sessions_b97e5b44a393.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
-from _code_sessions_b97e5b44a393.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_b97e5b44a393.webui import Misconfigured
+from _code_sessions_57a62ed72851.engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
+from _code_sessions_57a62ed72851.engine.rewrite import SCAN_ON_LOOP_CHARS
+from _code_sessions_57a62ed72851.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from _code_sessions_57a62ed72851.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_57a62ed72851.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

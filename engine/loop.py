@@ -10,7 +10,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from runner import Outcome
 
@@ -50,7 +50,9 @@ RUN_CODE_TOOL = {
     },
 }
 
-ModelCall = Callable[[list[dict], list[dict] | None], AsyncIterator[TextDelta | ToolCall | ModelError]]
+ModelCall = Callable[
+    [list[dict[str, Any]], list[dict[str, Any]] | None], AsyncIterator[TextDelta | ToolCall | ModelError]
+]
 
 
 class StatusCall(Protocol):
@@ -165,7 +167,7 @@ async def run_step(chat: ChatSession, language: str, code: str, status: StatusCa
 
 async def converse(
     chat: ChatSession,
-    messages: list[dict],
+    messages: list[dict[str, Any]],
     call_model: ModelCall,
     options: LoopOptions,
     status: StatusCall,
@@ -187,7 +189,7 @@ async def converse(
 
 async def _turns(
     chat: ChatSession,
-    messages: list[dict],
+    messages: list[dict[str, Any]],
     call_model: ModelCall,
     options: LoopOptions,
     status: StatusCall,

@@ -13,6 +13,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
 from storage import (
@@ -408,7 +409,7 @@ class ChatSession:
     def streaming_rewriter(self) -> StreamingRewriter:
         return StreamingRewriter(self._resolve_inline)  # the answer itself: images are shown inline
 
-    async def sandbox_view(self, messages: list[dict]) -> list[dict]:
+    async def sandbox_view(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Earlier answers as the model should read them: our links turned back into /mnt/data paths.
 
         The chat history holds the answers as the user saw them, with /cache/... URLs; a model that

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "ModelError",
@@ -39,7 +40,7 @@ class ToolCallCollector:
 
     calls: dict[int, ToolCall] = field(default_factory=dict)
 
-    def add(self, fragments: list[dict]) -> None:
+    def add(self, fragments: list[dict[str, Any]]) -> None:
         for position, fragment in enumerate(fragments):
             index = fragment.get("index", position)
             function = fragment.get("function") or {}
@@ -55,7 +56,7 @@ class ToolCallCollector:
         return [self.calls[index] for index in sorted(self.calls)]
 
 
-def _error_text(payload: dict) -> str | None:
+def _error_text(payload: dict[str, Any]) -> str | None:
     error = payload.get("error")
     if error is None:
         return None
@@ -108,7 +109,7 @@ def _parse_line(line: str, collector: ToolCallCollector) -> TextDelta | ModelErr
     return TextDelta(text) if text else None
 
 
-def events_from_message(payload: dict) -> list[TextDelta | ToolCall | ModelError]:
+def events_from_message(payload: dict[str, Any]) -> list[TextDelta | ToolCall | ModelError]:
     """The same events from a non-streamed completion body."""
     error = _error_text(payload)
     if error is not None:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ._cgroups import RunCgroup
 from ._disk import MAX_DEPTH, watch_growth
@@ -33,6 +34,7 @@ _REAP_S = 5.0  # how long stragglers (ptrace stubs) may take to die after SIGKIL
 _HELPER_TIMEOUT_S = 10.0
 _OOM_POLL_S = 0.25
 _PR_SET_PDEATHSIG = 1
+_PRCTL: Any  # a ctypes function, or None where libc has no prctl
 try:
     # Resolved once here: the child, between fork and exec, only calls it.
     _PRCTL = ctypes.CDLL(None, use_errno=True).prctl

@@ -164,9 +164,9 @@ def _host_checks(config: RunnerConfig) -> list[Check]:
                 ok=usable or not config.use_cgroups,
                 warning=not usable,
                 detail=(
-                    f"cgroup v{found.version}: memory and pids limits are writable"
-                    if usable
-                    else f"{found}; memory falls back to RLIMIT_AS per process"
+                    f"{found}; memory falls back to RLIMIT_AS per process"
+                    if isinstance(found, str)
+                    else f"cgroup v{found.version}: memory and pids limits are writable"
                 ),
                 fix=None
                 if usable

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -24,6 +25,7 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from . import _index
 from ._backend import Tx
@@ -32,7 +34,7 @@ from ._fsops import fd_closing, open_dir, open_regular, write_private
 from ._names import is_passive_image, publish_name, split_path
 from .errors import DiskFull, StorageError
 from .models import Link, Usage
-from .publishing import Copy, DirectoryPublisher, copy_present, remove_directory_copy
+from .publishing import Copy, DirectoryPublisher, copy_present, remove_directory_copies
 
 _HASH_CHUNK = 1 << 20
 
@@ -71,8 +73,12 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
         for row in rows:
             if row.sha256 == digest and row.size == st.st_size:
                 await core.write(
-                    lambda tx, r=row.ref: _index.note_link_signature(
-                        tx, r, st.st_mtime_ns, st.st_ino, st.st_ctime_ns
+                    functools.partial(
+                        _index.note_link_signature,
+                        ref=row.ref,
+                        mtime_ns=st.st_mtime_ns,
+                        inode=st.st_ino,
+                        ctime_ns=st.st_ctime_ns,
                     )
                 )
                 return Link(row.ref, row.url, rel, row.name, row.size, inline, row.created_at)
@@ -145,7 +151,7 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
     return Link(published.ref, published.url, rel, name, st.st_size, inline, now)
 
 
-def _write_record(core: Core, record: dict) -> None:
+def _write_record(core: Core, record: dict[str, Any]) -> None:
     """What the copy is, beside the index: a lost index takes the link back from it (rebuild)."""
     path = core.layout.link_record(record["kind"], record["ref"])
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -166,9 +172,9 @@ def _write_record(core: Core, record: dict) -> None:
         raise
 
 
-def link_records(core: Core) -> list[dict]:
+def link_records(core: Core) -> list[dict[str, Any]]:
     """Every readable link record (rebuild, stray sweep)."""
-    found: list[dict] = []
+    found: list[dict[str, Any]] = []
     with contextlib.suppress(FileNotFoundError), os.scandir(core.layout.links) as entries:
         for entry in entries:
             if not entry.name.endswith(".json") or not entry.is_file(follow_symlinks=False):
@@ -226,14 +232,14 @@ async def remove_copies(core: Core, links: Sequence[tuple[str, str, str]]) -> No
         else:
             by_kind[kind].append(ref)
     if folders:
-        await asyncio.to_thread(lambda: [remove_directory_copy(d, r) for d, r in folders])
+        await asyncio.to_thread(remove_directory_copies, folders)
     publisher = core.publisher
     for kind, refs in by_kind.items():
         if publisher is not None and publisher.kind == kind:
             await publisher.remove(refs)
         else:
             queued = time.time()
-            await core.write(lambda tx, k=kind, r=refs, t=queued: _index.queue_unpublished(tx, k, r, t))
+            await core.write(functools.partial(_index.queue_unpublished, kind=kind, refs=refs, now=queued))
 
 
 async def drain_unpublished(core: Core) -> int:

@@ -56,13 +56,15 @@ class _Tx:
         self._conn = conn
 
     async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        return self._conn.execute(sql, params).fetchall()
+        rows: list[Row] = self._conn.execute(sql, params).fetchall()
+        return rows
 
     async def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
-        return self._conn.execute(sql, params).fetchone()
+        row: Row | None = self._conn.execute(sql, params).fetchone()
+        return row
 
     async def one_later(self, sql: str, params: Sequence[Any] = ()) -> Callable[[], Awaitable[Row | None]]:
-        row = self._conn.execute(sql, params).fetchone()
+        row: Row | None = self._conn.execute(sql, params).fetchone()
 
         async def later() -> Row | None:
             return row

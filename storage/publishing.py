@@ -97,7 +97,7 @@ class DirectoryPublisher:
         return Published(token, self.url_prefix + token + "/" + urllib.parse.quote(copy.name))
 
     async def remove(self, refs: Sequence[str]) -> None:
-        await asyncio.to_thread(lambda: [remove_directory_copy(self.directory, r) for r in refs])
+        await asyncio.to_thread(remove_directory_copies, [(self.directory, r) for r in refs])
 
     async def missing(self, refs: Sequence[str]) -> set[str]:
         def look() -> set[str]:
@@ -125,6 +125,12 @@ def _folder_present(path: Path) -> bool:
         return stat.S_ISDIR(os.stat(path, follow_symlinks=False).st_mode)
     except OSError:
         return False
+
+
+def remove_directory_copies(copies: Sequence[tuple[str | Path, str]]) -> None:
+    """remove_directory_copy for each (directory, token): one thread hop for many."""
+    for directory, token in copies:
+        remove_directory_copy(directory, token)
 
 
 def remove_directory_copy(directory: str | Path, token: str) -> None:

@@ -131,7 +131,8 @@ class FilesPublisher:
         present: set[str] = set()
         for start in range(0, len(refs), _CHUNK):
             rows = await Files.get_files_by_ids(list(refs[start : start + _CHUNK]))
-            present.update(row.id for row in rows if await asyncio.to_thread(_bytes_there, row.path))
+            stored = [(row.id, row.path) for row in rows]
+            present.update(await asyncio.to_thread(_with_bytes_there, stored))
         return set(refs) - present
 
     async def strays(self, known: set[str], older_than_s: float) -> list[str]:
@@ -153,7 +154,7 @@ async def attach(
     user_id: str,
     items: Iterable[dict[str, Any]],
     inline_urls: Collection[str] = (),
-) -> list[dict] | None:
+) -> list[dict[str, Any]] | None:
     """Link the answer's files to the chat (shared-chat readers may then fetch them), and to the
     message as attachments, each once, except the images the text shows inline (`inline_urls`: as
     attachments they would show twice). Returns the message's full list of files, for the UI."""
@@ -169,7 +170,10 @@ async def attach(
     new = [item for item in items if item["id"] not in already and item["url"] not in inline_urls]
     if not new:
         return None
-    return await Chats.add_message_files_by_id_and_message_id(chat_id, message_id, new)
+    files: list[dict[str, Any]] | None = await Chats.add_message_files_by_id_and_message_id(
+        chat_id, message_id, new
+    )
+    return files
 
 
 async def _drop_chat_links(file_id: str) -> None:
@@ -215,6 +219,11 @@ def _delete_stored(path: str) -> None:
         Storage.delete_file(path)
     except Exception as error:  # already gone, or a provider's error: nothing more to do here
         log.warning("code-sessions: could not delete %s: %s", path, error)
+
+
+def _with_bytes_there(stored: Sequence[tuple[str, str | None]]) -> list[str]:
+    """The ids of these (id, path) records whose bytes are there: one thread hop for a chunk."""
+    return [file_id for file_id, path in stored if _bytes_there(path)]
 
 
 def _bytes_there(path: str | None) -> bool:

@@ -27,7 +27,7 @@ __all__ = ["Locations", "Misconfigured", "OpenWebUI"]
 _ID_CHUNK = 500
 
 # What the files of one bundle version share in this process (see `OpenWebUI.shared`).
-_PROCESS: dict = {}
+_PROCESS: dict[str, Any] = {}
 
 
 def _saved_chat(chat_id: str) -> bool:
@@ -63,7 +63,7 @@ class OpenWebUI:
             raise Misconfigured(f"storage_root {root} is inside {cache}, which any logged-in user can read")
         return Locations(root, cache / "functions" / function_id, f"/cache/functions/{function_id}/")
 
-    def shared(self) -> dict:
+    def shared(self) -> dict[str, Any]:
         """A dict every file of this bundle version sees in this process: Open WebUI loads the Pipe,
         the Tool and the Filter as three modules, but their embedded packages are one (see
         tools/bundle.py), so their services can be too."""
@@ -105,7 +105,7 @@ class OpenWebUI:
         message_id: str | None,
         user_id: str,
         links: Sequence[Link],
-        emit: Callable[[dict], Awaitable[None]] | None,
+        emit: Callable[[dict[str, Any]], Awaitable[None]] | None,
         *,
         inline_urls: Collection[str] = (),
     ) -> None:
@@ -113,7 +113,7 @@ class OpenWebUI:
         chat so the people it is shared with can open them. `inline_urls`: the images the text shows
         inline, linked to the chat but not shown again as attachments. Temporary chats have no
         message to attach to: their links still work for their owner."""
-        if not links or not self.can_attach(chat_id, message_id):
+        if not links or not message_id or not self.can_attach(chat_id, message_id):
             return
         items = [
             attachment_item(link, _content_type(link.name)) for link in links if link.url.startswith("/api/")
@@ -131,7 +131,7 @@ class OpenWebUI:
 
         return await Users.get_user_by_id(user_id)
 
-    async def call_model(self, request: Any, user: Any, form: dict, *, stream: bool) -> Any:
+    async def call_model(self, request: Any, user: Any, form: dict[str, Any], *, stream: bool) -> Any:
         from open_webui.utils.chat import generate_chat_completion
 
         # The admin chose these base models for this function: access to the function is what is checked.
@@ -150,24 +150,24 @@ class OpenWebUI:
         name = (record.meta or {}).get("name") or record.filename or file_id
         return data, name
 
-    async def stored_valves(self, function_id: str) -> dict:
+    async def stored_valves(self, function_id: str) -> dict[str, Any]:
         """The valves as saved now (the background loop is not called by Open WebUI, so it reads them)."""
         from open_webui.models.functions import Functions
 
         return await Functions.get_function_valves_by_id(function_id) or {}
 
-    async def store_valves(self, function_id: str, valves: dict) -> None:
+    async def store_valves(self, function_id: str, valves: dict[str, Any]) -> None:
         from open_webui.models.functions import Functions
 
         await Functions.update_function_valves_by_id(function_id, valves)
 
-    async def stored_tool_valves(self, tool_id: str) -> dict:
+    async def stored_tool_valves(self, tool_id: str) -> dict[str, Any]:
         """A Tool's valves as saved now (Tools keep theirs apart from functions)."""
         from open_webui.models.tools import Tools
 
         return await Tools.get_tool_valves_by_id(tool_id) or {}
 
-    async def store_tool_valves(self, tool_id: str, valves: dict) -> None:
+    async def store_tool_valves(self, tool_id: str, valves: dict[str, Any]) -> None:
         from open_webui.models.tools import Tools
 
         await Tools.update_tool_valves_by_id(tool_id, valves)
@@ -187,12 +187,14 @@ class OpenWebUI:
         if (role == "admin" and BYPASS_ADMIN_ACCESS_CONTROL) or tool.user_id == user_id:
             return True
         groups = {g.id for g in await Groups.get_groups_by_member_id(user_id, include_inherited=True)}
-        return await AccessGrants.has_access(
-            user_id=user_id,
-            resource_type="tool",
-            resource_id=tool_id,
-            permission="read",
-            user_group_ids=groups,
+        return bool(
+            await AccessGrants.has_access(
+                user_id=user_id,
+                resource_type="tool",
+                resource_id=tool_id,
+                permission="read",
+                user_group_ids=groups,
+            )
         )
 
     async def chat_owners(self, chat_ids: Sequence[str]) -> dict[str, str]:

@@ -157,6 +157,33 @@ def test_deleted_chats_and_users_and_expired_chats_take_their_files_within_minut
         open_webui.set_valves(cleanup_interval_minutes=30, temporary_idle_minutes=60)
 
 
+def test_a_link_whose_stored_bytes_were_lost_is_dropped_and_the_next_answer_links_afresh(
+    open_webui: OpenWebUI,
+) -> None:
+    """Open WebUI's copy of a file lost its bytes (its uploads folder was cleaned, a disk replaced): the
+    periodic cleanup asks Open WebUI which copies are gone, drops their links, and the next answer that
+    names the file publishes it again, so the user never gets a dead link twice."""
+    bob = open_webui.accounts["bob"]
+    first = bob.say(run("open('/mnt/data/lost.txt', 'w').write('kept')", "Lost: /mnt/data/lost.txt"))
+    [lost] = set(LINK.findall(first.content))
+    uploads = open_webui.data_dir / "uploads"
+    [stored] = [p for p in uploads.iterdir() if file_id(lost) in p.name]
+    stored.unlink()
+    assert bob.download(lost).status_code != 200
+    open_webui.set_valves(cleanup_interval_minutes=1)
+    try:
+        started, links = time.monotonic(), {lost}
+        while time.monotonic() - started < 180 and links == {lost}:
+            time.sleep(10)
+            again = bob.say(run("pass", "Again: /mnt/data/lost.txt"), previous=first)
+            links = set(LINK.findall(again.content))
+        assert links != {lost}, "the dead link was still handed out after 3 minutes of cleanups"
+        [fresh] = links
+        assert bob.download(fresh).content == b"kept"
+    finally:
+        open_webui.set_valves(cleanup_interval_minutes=30)
+
+
 def _temporary_chat(server: OpenWebUI, account: Account, text: str) -> str:
     """A message in a temporary chat (Open WebUI saves nothing of it): the answer's text."""
     payload = {
