@@ -218,7 +218,9 @@ async def watch_growth(
             _watch(root, limit, report, pids, cancelled)
         except TooDeep:
             report(None)
-        except Exception:  # e.g. the workdir itself vanished; the run's own end still reconciles it
+        except FileNotFoundError:  # the workdir was removed (a purge): the run's own end reconciles it
+            log.info("disk watcher stopped: %s is gone", root)
+        except Exception:
             log.exception("disk watcher stopped for %s", root)
         finally:
             with contextlib.suppress(RuntimeError):
@@ -309,7 +311,10 @@ class GrowthWatch:
         except TooDeep:
             if not self._stopped.is_set():
                 self._on_exceeded(None)
-        except Exception:  # the workdir vanished (a purge): the kernel is being stopped anyway
+        except FileNotFoundError:  # the workdir was removed (a purge): the kernel is being stopped anyway
+            if not self._stopped.is_set():
+                log.info("kernel disk watcher stopped: %s is gone", self.root)
+        except Exception:
             if not self._stopped.is_set():
                 log.exception("kernel disk watcher stopped for %s", self.root)
 
