@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_cbca07bf3c85'
+_CS_PACKAGE = '_code_sessions_458dd285f193'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -105,8 +105,8 @@ __all__ = [
 ''',
     'storage/_backend.py': r'''"""The one seam between the store and its database.
 
-Everything above this seam (`_index.py` holds every SQL statement) speaks a small portable SQL
-dialect with `?` placeholders, and needs from a backend only:
+Everything above this seam (`_index.py` and `_index_links.py` hold every SQL statement) speaks a
+small portable SQL dialect with `?` placeholders, and needs from a backend only:
 
 * transactions: `read(fn)` / `write(fn)` run `fn(tx)` in one transaction; a write transaction may be
   run again after a transient conflict, so `fn` must only touch the database;
@@ -534,7 +534,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import _index
+from . import _index, _index_links
 from ._backend import Tx
 from ._core import Core, SessionRef
 from ._format import human_duration
@@ -699,7 +699,7 @@ async def _remove_session(
         if await core.backend.chat_locked(row.user_key, row.chat_key):
             tally.busy(row, reason)
             return False
-        tally.removed(row, reason, await core.read(lambda tx: _index.count_links(tx, row.id)))
+        tally.removed(row, reason, await core.read(lambda tx: _index_links.count_links(tx, row.id)))
         return True
     lock = core.backend.chat_lock(row.user_key, row.chat_key)
     if not await lock.try_acquire():
@@ -738,8 +738,8 @@ async def delete_session(core: Core, row: SessionRow, reason: str) -> int:
     now = time.time()
 
     async def write(tx: Tx) -> list[tuple[str, str, str]]:
-        links = await _index.links_of_session(tx, row.id)
-        await _index.delete_links(tx, [ref for ref, _, _ in links])
+        links = await _index_links.links_of_session(tx, row.id)
+        await _index_links.delete_links(tx, [ref for ref, _, _ in links])
         await _index.delete_session(tx, row.id)
         await _index.log_activity(
             tx,
@@ -861,7 +861,7 @@ def _batches(files: list[_Expired]) -> Iterator[_ByFolder]:
 async def _count_files(
     core: Core, tally: _Tally, row: SessionRow, files: list[tuple[str, int, int]], reason: str
 ) -> None:
-    links = await core.read(lambda tx: _index.links_of_paths(tx, row.id, [p for p, _, _ in files]))
+    links = await core.read(lambda tx: _index_links.links_of_paths(tx, row.id, [p for p, _, _ in files]))
     size = sum(s for _, s, _ in files)
     tally.files_removed += len(files)
     tally.bytes_freed += size
@@ -902,7 +902,7 @@ async def _forget_files(
     now = time.time()
 
     async def write(tx: Tx) -> list[tuple[str, str, str]]:
-        links = await _index.forget_files(tx, session_id, paths)
+        links = await _index_links.forget_files(tx, session_id, paths)
         await _index.log_activity(
             tx,
             now,
@@ -952,7 +952,7 @@ async def _vanished_sessions(core: Core, removed: set[int], tally: _Tally) -> No
 
 async def _stale_links(core: Core, now: float, tally: _Tally) -> None:
     """Links whose session is gone, whose file is gone or changed, or whose folder copy vanished."""
-    rows = await core.read(_index.link_health)
+    rows = await core.read(_index_links.link_health)
 
     def judge() -> list[tuple[str, str, str]]:
         stale: list[tuple[str, str, str]] = []
@@ -981,7 +981,7 @@ async def _stale_links(core: Core, now: float, tally: _Tally) -> None:
     tally.links_removed += len(stale)
     if tally.dry_run:
         return
-    await core.write(lambda tx: _index.delete_links(tx, [ref for ref, _, _ in stale]))
+    await core.write(lambda tx: _index_links.delete_links(tx, [ref for ref, _, _ in stale]))
     await remove_copies(core, stale)
 
 
@@ -990,14 +990,14 @@ async def _stray_copies(core: Core, tally: _Tally) -> None:
     records with no row, older than the grace."""
     publisher = core.publisher
     if publisher is not None:
-        known = await core.read(lambda tx: _index.all_link_refs(tx, publisher.kind))
+        known = await core.read(lambda tx: _index_links.all_link_refs(tx, publisher.kind))
         strays = await publisher.strays(known, STRAY_GRACE_S)
         tally.links_removed += len(strays)
         if strays and not tally.dry_run:
             await publisher.remove(strays)
     if tally.dry_run:
         return
-    rows = {(kind, ref) for ref, kind, *_ in await core.read(_index.links_with_owners)}
+    rows = {(kind, ref) for ref, kind, *_ in await core.read(_index_links.links_with_owners)}
     cutoff = time.time() - STRAY_GRACE_S
 
     def forget() -> None:
@@ -1629,12 +1629,13 @@ def move_aside_unchanged(
                     moved.append(name)
         return moved
 ''',
-    'storage/_index.py': r'''"""Every SQL statement of the store, as functions over a transaction (`_backend.Tx`).
+    'storage/_index.py': r'''"""Every SQL statement of the store, as functions over a transaction (`_backend.Tx`); those of
+published links are in _index_links.py.
 
 The SQL is the portable subset both backends run: `?` placeholders, `ON CONFLICT` upserts,
 `RETURNING`, `CASE` instead of SQLite's scalar `max()`, no temporary tables, no PRAGMA. Paths are
 compared as byte strings (PostgreSQL declares the columns `COLLATE "C"`), which the range queries
-below rely on. Nothing outside this module writes SQL, so a backend is only a connection, its
+below rely on. Nothing outside these two modules writes SQL, so a backend is only a connection, its
 transactions, its locks and its migrations.
 """
 
@@ -1647,7 +1648,7 @@ from typing import Any
 
 from ._backend import Tx
 from ._keys import db_text
-from .models import ActivityEntry, FileEntry, LinkInfo, SessionInfo, Usage, UserUsage
+from .models import ActivityEntry, FileEntry, SessionInfo, Usage, UserUsage
 
 # Parameters per statement: SQLite's default limit is 32,766, PostgreSQL's 65,535.
 CHUNK = 500
@@ -2054,7 +2055,93 @@ async def expired_files(tx: Tx, cutoff: float) -> list[tuple[int, str, int, int]
     )
 
 
-# ---------------------------------------------------------------------------- links
+# ---------------------------------------------------------------------------- imports
+
+
+async def imported_path(tx: Tx, user_key: str, chat_key: str, source: str) -> str | None:
+    row = await tx.one(
+        "SELECT i.path FROM imports i JOIN sessions s ON s.id = i.session_id "
+        "WHERE s.user_key = ? AND s.chat_key = ? AND i.source = ?",
+        (user_key, chat_key, source),
+    )
+    return None if row is None else row[0]
+
+
+async def record_import(tx: Tx, session_id: int, source: str, path: str, now: float) -> None:
+    await tx.run(
+        "INSERT INTO imports (session_id, source, path, imported_at) VALUES (?, ?, ?, ?)"
+        " ON CONFLICT DO NOTHING",
+        (session_id, source, path, now),
+    )
+
+
+# ---------------------------------------------------------------------------- activity and meta
+
+
+async def log_activity(
+    tx: Tx,
+    at: float,
+    event: str,
+    user_id: str | None = None,
+    chat_id: str | None = None,
+    detail: dict[str, Any] | None = None,
+) -> None:
+    await tx.run(
+        "INSERT INTO activity (at, event, user_id, chat_id, detail) VALUES (?, ?, ?, ?, ?)",
+        (
+            at,
+            event,
+            None if user_id is None else db_text(user_id),
+            None if chat_id is None else db_text(chat_id),
+            json.dumps(detail or {}, default=str),
+        ),
+    )
+
+
+async def prune_activity(tx: Tx, before: float) -> None:
+    await tx.run("DELETE FROM activity WHERE at < ?", (before,))
+
+
+async def newest_activity(tx: Tx, limit: int) -> list[ActivityEntry]:
+    rows = await tx.all(
+        "SELECT at, event, user_id, chat_id, detail FROM activity ORDER BY at DESC, id DESC LIMIT ?", (limit,)
+    )
+    return [ActivityEntry(at, ev, u, c, _json(detail)) for at, ev, u, c, detail in rows]
+
+
+async def get_meta(tx: Tx, key: str) -> str | None:
+    row = await tx.one("SELECT value FROM meta WHERE key = ?", (key,))
+    return None if row is None else str(row[0])
+
+
+async def set_meta(tx: Tx, key: str, value: str) -> None:
+    await tx.run(
+        "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+        (key, value),
+    )
+
+
+def _json(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {"raw": text}
+    return value if isinstance(value, dict) else {"value": value}
+''',
+    'storage/_index_links.py': r'''"""The SQL of published links (`links`) and of copies waiting to be deleted (`unpublished`), as
+functions over a transaction, in the portable subset of _index.py (see there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import _index
+from ._backend import Tx
+from ._index import CHUNK
+from .models import LinkInfo, Usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -2271,89 +2358,15 @@ async def clear_unpublished(tx: Tx, kind: str, refs: Sequence[str]) -> None:
     await tx.many("DELETE FROM unpublished WHERE kind = ? AND token = ?", [(kind, r) for r in refs])
 
 
-# ---------------------------------------------------------------------------- session deletion
+# ---------------------------------------------------------------------------- deleted files
 
 
 async def forget_files(tx: Tx, session_id: int, paths: Sequence[str]) -> list[tuple[str, str, str]]:
     """Drop the rows of deleted files and their links; returns the links' (ref, kind, directory)."""
     links = await links_of_paths(tx, session_id, paths)
     await delete_links(tx, [ref for ref, _, _ in links])
-    await delete_files(tx, session_id, paths)
+    await _index.delete_files(tx, session_id, paths)
     return links
-
-
-# ---------------------------------------------------------------------------- imports
-
-
-async def imported_path(tx: Tx, user_key: str, chat_key: str, source: str) -> str | None:
-    row = await tx.one(
-        "SELECT i.path FROM imports i JOIN sessions s ON s.id = i.session_id "
-        "WHERE s.user_key = ? AND s.chat_key = ? AND i.source = ?",
-        (user_key, chat_key, source),
-    )
-    return None if row is None else row[0]
-
-
-async def record_import(tx: Tx, session_id: int, source: str, path: str, now: float) -> None:
-    await tx.run(
-        "INSERT INTO imports (session_id, source, path, imported_at) VALUES (?, ?, ?, ?)"
-        " ON CONFLICT DO NOTHING",
-        (session_id, source, path, now),
-    )
-
-
-# ---------------------------------------------------------------------------- activity and meta
-
-
-async def log_activity(
-    tx: Tx,
-    at: float,
-    event: str,
-    user_id: str | None = None,
-    chat_id: str | None = None,
-    detail: dict[str, Any] | None = None,
-) -> None:
-    await tx.run(
-        "INSERT INTO activity (at, event, user_id, chat_id, detail) VALUES (?, ?, ?, ?, ?)",
-        (
-            at,
-            event,
-            None if user_id is None else db_text(user_id),
-            None if chat_id is None else db_text(chat_id),
-            json.dumps(detail or {}, default=str),
-        ),
-    )
-
-
-async def prune_activity(tx: Tx, before: float) -> None:
-    await tx.run("DELETE FROM activity WHERE at < ?", (before,))
-
-
-async def newest_activity(tx: Tx, limit: int) -> list[ActivityEntry]:
-    rows = await tx.all(
-        "SELECT at, event, user_id, chat_id, detail FROM activity ORDER BY at DESC, id DESC LIMIT ?", (limit,)
-    )
-    return [ActivityEntry(at, ev, u, c, _json(detail)) for at, ev, u, c, detail in rows]
-
-
-async def get_meta(tx: Tx, key: str) -> str | None:
-    row = await tx.one("SELECT value FROM meta WHERE key = ?", (key,))
-    return None if row is None else str(row[0])
-
-
-async def set_meta(tx: Tx, key: str, value: str) -> None:
-    await tx.run(
-        "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-        (key, value),
-    )
-
-
-def _json(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return {"raw": text}
-    return value if isinstance(value, dict) else {"value": value}
 ''',
     'storage/_keys.py': r'''"""Directory names derived from untrusted user and chat ids.
 
@@ -3818,7 +3831,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from . import _index
+from . import _index, _index_links
 from ._backend import Tx
 from ._core import Core, SessionRef
 from ._fsops import fd_closing, open_dir, open_regular, write_private
@@ -3849,7 +3862,9 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
         # The user's usage comes with the links, one statement: the quota decision below is made again
         # in the transaction that counts the copy, so reading it early changes no outcome.
         rows, usage = await core.read(
-            lambda tx: _index.links_of_file_and_usage(tx, ref.user_key, ref.chat_key, rel, publisher.kind)
+            lambda tx: _index_links.links_of_file_and_usage(
+                tx, ref.user_key, ref.chat_key, rel, publisher.kind
+            )
         )
         rows = [r for r in rows if _usable(publisher, r.ref, r.name)]
         for row in rows:
@@ -3864,7 +3879,7 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
         for row in rows:
             if row.sha256 == digest and row.size == st.st_size:
                 await core.write(
-                    lambda tx, r=row.ref: _index.note_link_signature(
+                    lambda tx, r=row.ref: _index_links.note_link_signature(
                         tx, r, st.st_mtime_ns, st.st_ino, st.st_ctime_ns
                     )
                 )
@@ -3906,7 +3921,7 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
             temporary=ref.temporary,
             created_at=now,
         )
-        inserted = await _index.insert_link_by_keys(
+        inserted = await _index_links.insert_link_by_keys(
             tx,
             ref.user_key,
             ref.chat_key,
@@ -4026,7 +4041,7 @@ async def remove_copies(core: Core, links: Sequence[tuple[str, str, str]]) -> No
             await publisher.remove(refs)
         else:
             queued = time.time()
-            await core.write(lambda tx, k=kind, r=refs, t=queued: _index.queue_unpublished(tx, k, r, t))
+            await core.write(lambda tx, k=kind, r=refs, t=queued: _index_links.queue_unpublished(tx, k, r, t))
 
 
 async def drain_unpublished(core: Core) -> int:
@@ -4034,11 +4049,11 @@ async def drain_unpublished(core: Core) -> int:
     publisher = core.publisher
     if publisher is None or publisher.kind == DirectoryPublisher.kind:
         return 0
-    refs = await core.read(lambda tx: _index.unpublished_refs(tx, publisher.kind))
+    refs = await core.read(lambda tx: _index_links.unpublished_refs(tx, publisher.kind))
     if not refs:
         return 0
     await publisher.remove(refs)
-    await core.write(lambda tx: _index.clear_unpublished(tx, publisher.kind, refs))
+    await core.write(lambda tx: _index_links.clear_unpublished(tx, publisher.kind, refs))
     return len(refs)
 
 
@@ -4057,7 +4072,7 @@ import logging
 import os
 import time
 
-from . import _index
+from . import _index, _index_links
 from ._backend import Tx
 from ._core import Core
 from ._keys import id_key
@@ -4170,7 +4185,7 @@ async def adopt_links(core: Core) -> int:
     records = await asyncio.to_thread(link_records, core)
     if not records:
         return 0
-    known = {(kind, ref) for ref, kind, *_ in await core.read(_index.links_with_owners)}
+    known = {(kind, ref) for ref, kind, *_ in await core.read(_index_links.links_with_owners)}
     sessions = {(r.user_key, r.chat_key): r.id for r in await core.read(_index.all_sessions)}
     wanted = [
         rec
@@ -4197,7 +4212,7 @@ async def adopt_links(core: Core) -> int:
 
     async def write(tx: Tx) -> None:
         for rec in adopt:
-            await _index.insert_link(
+            await _index_links.insert_link(
                 tx,
                 sessions[(rec["user_key"], rec["chat_key"])],
                 ref=rec["ref"],
@@ -4365,7 +4380,7 @@ def _compare(row: _index.SessionRow, found: Scan, index_rows: list[tuple[str, in
 async def _link_drift(core: Core) -> list[Drift]:
     """Links whose copy is missing (folder copies are looked at here; the publisher is asked about
     its own), and copies of ours that no link knows (strays)."""
-    links = await core.read(_index.links_with_owners)
+    links = await core.read(_index_links.links_with_owners)
     drift: list[Drift] = []
 
     def folders() -> list[Drift]:
@@ -6821,7 +6836,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from pathlib import Path
 
-from . import _index, _publish, _repair, _sync, _sync_changed
+from . import _index, _index_links, _publish, _repair, _sync, _sync_changed
 from ._backend import Tx
 from ._core import Core, SessionRef
 from ._fsops import (
@@ -6991,7 +7006,7 @@ class Session:
 
     async def links(self) -> list[LinkInfo]:
         """This chat's published links, oldest first."""
-        return await self._core.read(lambda tx: _index.link_listing(tx, self.user_key, self.chat_key))
+        return await self._core.read(lambda tx: _index_links.link_listing(tx, self.user_key, self.chat_key))
 
 
 def _unlink_missing_ok(path: Path) -> None:
@@ -7148,7 +7163,7 @@ class SessionFiles:
 
         async def links_of(tx: Tx) -> list[tuple[str, str, str]]:
             row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
-            return [] if row is None else await _index.links_of_session(tx, row.id)
+            return [] if row is None else await _index_links.links_of_session(tx, row.id)
 
         try:
             await _sync.sync_folder(core, ref, enforce=False)
@@ -7161,7 +7176,7 @@ class SessionFiles:
 
         async def drop_links(tx: Tx) -> list[tuple[str, str, str]]:
             links = await links_of(tx)
-            await _index.delete_links(tx, [r for r, _, _ in links])
+            await _index_links.delete_links(tx, [r for r, _, _ in links])
             return links
 
         await _publish.remove_copies(core, await core.write(drop_links))
@@ -7257,7 +7272,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from . import _expiry, _index, _repair
+from . import _expiry, _index, _index_links, _repair
 from ._backend import Backend, Lock, Tx
 from ._core import Core, Owner
 from ._fsops import make_dir
@@ -7539,7 +7554,7 @@ class Store:
     async def links(self, *, user_id: str | None = None, chat_id: str | None = None) -> list[LinkInfo]:
         user_key = id_key(user_id) if user_id is not None else None
         chat_key = id_key(chat_id) if chat_id is not None else None
-        return await self._core.read(lambda tx: _index.link_listing(tx, user_key, chat_key))
+        return await self._core.read(lambda tx: _index_links.link_listing(tx, user_key, chat_key))
 
     async def activity(self, limit: int = 50) -> list[ActivityEntry]:
         """The newest audit-trail entries (cleanups, quota removals, rejected entries, rebuilds)."""
@@ -14579,7 +14594,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_cbca07bf3c85.runner import Outcome
+from _code_sessions_458dd285f193.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -14854,8 +14869,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_cbca07bf3c85.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_cbca07bf3c85.storage import human_bytes
+from _code_sessions_458dd285f193.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_458dd285f193.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -14975,7 +14990,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_cbca07bf3c85.storage import Purge, parse_duration
+from _code_sessions_458dd285f193.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16094,8 +16109,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_cbca07bf3c85.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_cbca07bf3c85.storage import (
+from _code_sessions_458dd285f193.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_458dd285f193.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16805,7 +16820,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_cbca07bf3c85.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_458dd285f193.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -17022,7 +17037,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_cbca07bf3c85.storage import Link, Publisher, is_postgres_url
+from _code_sessions_458dd285f193.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17237,7 +17252,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_cbca07bf3c85.engine import (
+from _code_sessions_458dd285f193.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17247,9 +17262,9 @@ from _code_sessions_cbca07bf3c85.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_cbca07bf3c85.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_cbca07bf3c85.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_cbca07bf3c85.webui import OpenWebUI
+from _code_sessions_458dd285f193.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_458dd285f193.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_458dd285f193.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -17919,11 +17934,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_cbca07bf3c85.engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
-from _code_sessions_cbca07bf3c85.engine.rewrite import SCAN_ON_LOOP_CHARS
-from _code_sessions_cbca07bf3c85.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
-from _code_sessions_cbca07bf3c85.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_cbca07bf3c85.webui import Misconfigured
+from _code_sessions_458dd285f193.engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
+from _code_sessions_458dd285f193.engine.rewrite import SCAN_ON_LOOP_CHARS
+from _code_sessions_458dd285f193.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from _code_sessions_458dd285f193.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_458dd285f193.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import _index
+from . import _index, _index_links
 from ._backend import Tx
 from ._core import Core, SessionRef
 from ._format import human_duration
@@ -188,7 +188,7 @@ async def _remove_session(
         if await core.backend.chat_locked(row.user_key, row.chat_key):
             tally.busy(row, reason)
             return False
-        tally.removed(row, reason, await core.read(lambda tx: _index.count_links(tx, row.id)))
+        tally.removed(row, reason, await core.read(lambda tx: _index_links.count_links(tx, row.id)))
         return True
     lock = core.backend.chat_lock(row.user_key, row.chat_key)
     if not await lock.try_acquire():
@@ -227,8 +227,8 @@ async def delete_session(core: Core, row: SessionRow, reason: str) -> int:
     now = time.time()
 
     async def write(tx: Tx) -> list[tuple[str, str, str]]:
-        links = await _index.links_of_session(tx, row.id)
-        await _index.delete_links(tx, [ref for ref, _, _ in links])
+        links = await _index_links.links_of_session(tx, row.id)
+        await _index_links.delete_links(tx, [ref for ref, _, _ in links])
         await _index.delete_session(tx, row.id)
         await _index.log_activity(
             tx,
@@ -350,7 +350,7 @@ def _batches(files: list[_Expired]) -> Iterator[_ByFolder]:
 async def _count_files(
     core: Core, tally: _Tally, row: SessionRow, files: list[tuple[str, int, int]], reason: str
 ) -> None:
-    links = await core.read(lambda tx: _index.links_of_paths(tx, row.id, [p for p, _, _ in files]))
+    links = await core.read(lambda tx: _index_links.links_of_paths(tx, row.id, [p for p, _, _ in files]))
     size = sum(s for _, s, _ in files)
     tally.files_removed += len(files)
     tally.bytes_freed += size
@@ -391,7 +391,7 @@ async def _forget_files(
     now = time.time()
 
     async def write(tx: Tx) -> list[tuple[str, str, str]]:
-        links = await _index.forget_files(tx, session_id, paths)
+        links = await _index_links.forget_files(tx, session_id, paths)
         await _index.log_activity(
             tx,
             now,
@@ -441,7 +441,7 @@ async def _vanished_sessions(core: Core, removed: set[int], tally: _Tally) -> No
 
 async def _stale_links(core: Core, now: float, tally: _Tally) -> None:
     """Links whose session is gone, whose file is gone or changed, or whose folder copy vanished."""
-    rows = await core.read(_index.link_health)
+    rows = await core.read(_index_links.link_health)
 
     def judge() -> list[tuple[str, str, str]]:
         stale: list[tuple[str, str, str]] = []
@@ -470,7 +470,7 @@ async def _stale_links(core: Core, now: float, tally: _Tally) -> None:
     tally.links_removed += len(stale)
     if tally.dry_run:
         return
-    await core.write(lambda tx: _index.delete_links(tx, [ref for ref, _, _ in stale]))
+    await core.write(lambda tx: _index_links.delete_links(tx, [ref for ref, _, _ in stale]))
     await remove_copies(core, stale)
 
 
@@ -479,14 +479,14 @@ async def _stray_copies(core: Core, tally: _Tally) -> None:
     records with no row, older than the grace."""
     publisher = core.publisher
     if publisher is not None:
-        known = await core.read(lambda tx: _index.all_link_refs(tx, publisher.kind))
+        known = await core.read(lambda tx: _index_links.all_link_refs(tx, publisher.kind))
         strays = await publisher.strays(known, STRAY_GRACE_S)
         tally.links_removed += len(strays)
         if strays and not tally.dry_run:
             await publisher.remove(strays)
     if tally.dry_run:
         return
-    rows = {(kind, ref) for ref, kind, *_ in await core.read(_index.links_with_owners)}
+    rows = {(kind, ref) for ref, kind, *_ in await core.read(_index_links.links_with_owners)}
     cutoff = time.time() - STRAY_GRACE_S
 
     def forget() -> None:

@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from . import _index
+from . import _index, _index_links
 from ._backend import Tx
 from ._core import Core, SessionRef
 from ._fsops import fd_closing, open_dir, open_regular, write_private
@@ -56,7 +56,9 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
         # The user's usage comes with the links, one statement: the quota decision below is made again
         # in the transaction that counts the copy, so reading it early changes no outcome.
         rows, usage = await core.read(
-            lambda tx: _index.links_of_file_and_usage(tx, ref.user_key, ref.chat_key, rel, publisher.kind)
+            lambda tx: _index_links.links_of_file_and_usage(
+                tx, ref.user_key, ref.chat_key, rel, publisher.kind
+            )
         )
         rows = [r for r in rows if _usable(publisher, r.ref, r.name)]
         for row in rows:
@@ -71,7 +73,7 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
         for row in rows:
             if row.sha256 == digest and row.size == st.st_size:
                 await core.write(
-                    lambda tx, r=row.ref: _index.note_link_signature(
+                    lambda tx, r=row.ref: _index_links.note_link_signature(
                         tx, r, st.st_mtime_ns, st.st_ino, st.st_ctime_ns
                     )
                 )
@@ -113,7 +115,7 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
             temporary=ref.temporary,
             created_at=now,
         )
-        inserted = await _index.insert_link_by_keys(
+        inserted = await _index_links.insert_link_by_keys(
             tx,
             ref.user_key,
             ref.chat_key,
@@ -233,7 +235,7 @@ async def remove_copies(core: Core, links: Sequence[tuple[str, str, str]]) -> No
             await publisher.remove(refs)
         else:
             queued = time.time()
-            await core.write(lambda tx, k=kind, r=refs, t=queued: _index.queue_unpublished(tx, k, r, t))
+            await core.write(lambda tx, k=kind, r=refs, t=queued: _index_links.queue_unpublished(tx, k, r, t))
 
 
 async def drain_unpublished(core: Core) -> int:
@@ -241,11 +243,11 @@ async def drain_unpublished(core: Core) -> int:
     publisher = core.publisher
     if publisher is None or publisher.kind == DirectoryPublisher.kind:
         return 0
-    refs = await core.read(lambda tx: _index.unpublished_refs(tx, publisher.kind))
+    refs = await core.read(lambda tx: _index_links.unpublished_refs(tx, publisher.kind))
     if not refs:
         return 0
     await publisher.remove(refs)
-    await core.write(lambda tx: _index.clear_unpublished(tx, publisher.kind, refs))
+    await core.write(lambda tx: _index_links.clear_unpublished(tx, publisher.kind, refs))
     return len(refs)
 
 

@@ -10,7 +10,7 @@ import logging
 import os
 import time
 
-from . import _index
+from . import _index, _index_links
 from ._backend import Tx
 from ._core import Core
 from ._keys import id_key
@@ -123,7 +123,7 @@ async def adopt_links(core: Core) -> int:
     records = await asyncio.to_thread(link_records, core)
     if not records:
         return 0
-    known = {(kind, ref) for ref, kind, *_ in await core.read(_index.links_with_owners)}
+    known = {(kind, ref) for ref, kind, *_ in await core.read(_index_links.links_with_owners)}
     sessions = {(r.user_key, r.chat_key): r.id for r in await core.read(_index.all_sessions)}
     wanted = [
         rec
@@ -150,7 +150,7 @@ async def adopt_links(core: Core) -> int:
 
     async def write(tx: Tx) -> None:
         for rec in adopt:
-            await _index.insert_link(
+            await _index_links.insert_link(
                 tx,
                 sessions[(rec["user_key"], rec["chat_key"])],
                 ref=rec["ref"],
@@ -318,7 +318,7 @@ def _compare(row: _index.SessionRow, found: Scan, index_rows: list[tuple[str, in
 async def _link_drift(core: Core) -> list[Drift]:
     """Links whose copy is missing (folder copies are looked at here; the publisher is asked about
     its own), and copies of ours that no link knows (strays)."""
-    links = await core.read(_index.links_with_owners)
+    links = await core.read(_index_links.links_with_owners)
     drift: list[Drift] = []
 
     def folders() -> list[Drift]:

@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from pathlib import Path
 
-from . import _index, _publish, _repair, _sync, _sync_changed
+from . import _index, _index_links, _publish, _repair, _sync, _sync_changed
 from ._backend import Tx
 from ._core import Core, SessionRef
 from ._fsops import (
@@ -184,7 +184,7 @@ class Session:
 
     async def links(self) -> list[LinkInfo]:
         """This chat's published links, oldest first."""
-        return await self._core.read(lambda tx: _index.link_listing(tx, self.user_key, self.chat_key))
+        return await self._core.read(lambda tx: _index_links.link_listing(tx, self.user_key, self.chat_key))
 
 
 def _unlink_missing_ok(path: Path) -> None:
@@ -341,7 +341,7 @@ class SessionFiles:
 
         async def links_of(tx: Tx) -> list[tuple[str, str, str]]:
             row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
-            return [] if row is None else await _index.links_of_session(tx, row.id)
+            return [] if row is None else await _index_links.links_of_session(tx, row.id)
 
         try:
             await _sync.sync_folder(core, ref, enforce=False)
@@ -354,7 +354,7 @@ class SessionFiles:
 
         async def drop_links(tx: Tx) -> list[tuple[str, str, str]]:
             links = await links_of(tx)
-            await _index.delete_links(tx, [r for r, _, _ in links])
+            await _index_links.delete_links(tx, [r for r, _, _ in links])
             return links
 
         await _publish.remove_copies(core, await core.write(drop_links))

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from . import _expiry, _index, _repair
+from . import _expiry, _index, _index_links, _repair
 from ._backend import Backend, Lock, Tx
 from ._core import Core, Owner
 from ._fsops import make_dir
@@ -293,7 +293,7 @@ class Store:
     async def links(self, *, user_id: str | None = None, chat_id: str | None = None) -> list[LinkInfo]:
         user_key = id_key(user_id) if user_id is not None else None
         chat_key = id_key(chat_id) if chat_id is not None else None
-        return await self._core.read(lambda tx: _index.link_listing(tx, user_key, chat_key))
+        return await self._core.read(lambda tx: _index_links.link_listing(tx, user_key, chat_key))
 
     async def activity(self, limit: int = 50) -> list[ActivityEntry]:
         """The newest audit-trail entries (cleanups, quota removals, rejected entries, rebuilds)."""
