@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_458dd285f193'
+_CS_PACKAGE = '_code_sessions_0c12f3821d1e'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -34,6 +34,8 @@ from .errors import (
 )
 from .models import (
     ActivityEntry,
+    ChatInfo,
+    CleanupAction,
     CleanupReport,
     Drift,
     Expiry,
@@ -49,20 +51,21 @@ from .models import (
     Rejected,
     Renamed,
     RunBudget,
-    SessionCleanup,
-    SessionInfo,
     Usage,
     UserUsage,
 )
 from .policy import CLEAR_FILES_COMMAND, Policy
 from .publishing import Copy, DirectoryPublisher, Published, Publisher
-from .session import Session, SessionFiles
+from .session import ChatFiles, Session
 from .store import Store
 
 __all__ = [
     "CLEAR_FILES_COMMAND",
     "MAX_PATH_BYTES",
     "ActivityEntry",
+    "ChatFiles",
+    "ChatInfo",
+    "CleanupAction",
     "CleanupReport",
     "Copy",
     "DirectoryPublisher",
@@ -90,9 +93,6 @@ __all__ = [
     "Renamed",
     "RunBudget",
     "Session",
-    "SessionCleanup",
-    "SessionFiles",
-    "SessionInfo",
     "StorageBusy",
     "StorageError",
     "Store",
@@ -220,12 +220,12 @@ class BusyBackoff:
 ''',
     'storage/_core.py': r'''"""The storage core every internal module works with, and nothing in it imports back up.
 
-* `SessionRef`: which session (the untrusted ids, the folder keys made from them, the folder).
+* `ChatRef`: which session (the untrusted ids, the folder keys made from them, the folder).
 * `Core`: the context of one store: the database backend (with recovery from a damaged index), where
   things live (`Layout`), who owns what the store creates, the `Policy`, the `Publisher`.
 
 `Store` and `Session` (the public faces) hold a Core and refs; `_sync`, `_publish`, `_expiry` and
-`_repair` are functions over (Core, SessionRef).
+`_repair` are functions over (Core, ChatRef).
 """
 
 from __future__ import annotations
@@ -260,8 +260,8 @@ MAX_ID_CHARS = 512  # the index keeps ids whole (unique, indexed): within every 
 
 
 @dataclass(frozen=True, slots=True)
-class SessionRef:
-    """A session: the ids as given (untrusted strings), the keys of its folder, the folder itself.
+class ChatRef:
+    """Which chat's session: the ids as given (untrusted strings), the keys of its folder, the folder itself.
 
     The keys are normally made from the ids; a folder found on disk (rebuild, a lost sidecar) keeps
     its keys whatever its ids hash to: the folder decides where the files are."""
@@ -299,7 +299,7 @@ class Core:
         self.catch_up: Callable[[], Awaitable[None]] | None = None
         # Sessions that went on without their sidecar or index row because the disk was full; written,
         # and their folders indexed, by the first write that succeeds afterwards.
-        self.unsaved: dict[tuple[str, str], SessionRef] = {}
+        self.unsaved: dict[tuple[str, str], ChatRef] = {}
         self.repairs_put_off = False  # the store opened on a full disk, without its start-up repairs
         self._catching_up = False
         self._remembered: dict[str, str] = {}
@@ -324,7 +324,7 @@ class Core:
 
     # ------------------------------------------------------------------ refs and locks
 
-    def ref(self, user_id: str, chat_id: str) -> SessionRef:
+    def ref(self, user_id: str, chat_id: str) -> ChatRef:
         if not isinstance(user_id, str) or not isinstance(chat_id, str):
             raise StorageError("user_id and chat_id must be str")
         if len(user_id) > MAX_ID_CHARS or len(chat_id) > MAX_ID_CHARS:
@@ -332,8 +332,8 @@ class Core:
             raise StorageError(f"a user or chat id longer than {MAX_ID_CHARS} characters is not accepted")
         return self.ref_at(user_id, chat_id, id_key(user_id), id_key(chat_id))
 
-    def ref_at(self, user_id: str, chat_id: str, user_key: str, chat_key: str) -> SessionRef:
-        return SessionRef(
+    def ref_at(self, user_id: str, chat_id: str, user_key: str, chat_key: str) -> ChatRef:
+        return ChatRef(
             user_id,
             chat_id,
             user_key,
@@ -342,7 +342,7 @@ class Core:
             self.layout.session_dir(user_key, chat_key),
         )
 
-    def lock_of(self, ref: SessionRef) -> Lock:
+    def lock_of(self, ref: ChatRef) -> Lock:
         return self.backend.chat_lock(ref.user_key, ref.chat_key)
 
     # ------------------------------------------------------------------ transactions
@@ -389,7 +389,7 @@ class Core:
 
     # ------------------------------------------------------------------ sessions
 
-    async def ensure(self, ref: SessionRef, *, touch: bool, cached: bool = False) -> bool:
+    async def ensure(self, ref: ChatRef, *, touch: bool, cached: bool = False) -> bool:
         """The session's folder, sidecar and index row, created if missing; `touch` marks it used.
 
         `cached`: a session this process made sure of moments ago, whose folder is still there, is not
@@ -435,7 +435,7 @@ class Core:
         return was_unsaved
 
     async def session_id(
-        self, tx: Tx, ref: SessionRef, created_at: float, used_at: float | None = None
+        self, tx: Tx, ref: ChatRef, created_at: float, used_at: float | None = None
     ) -> int:
         """The session's row id inside a transaction, creating the row if it is missing."""
         return await _index.ensure_session(
@@ -449,7 +449,7 @@ class Core:
             used_at=used_at,
         )
 
-    def make_dirs(self, ref: SessionRef) -> float:
+    def make_dirs(self, ref: ChatRef) -> float:
         """Create the session folder, its state folder and sidecar; returns the creation time."""
         layout = self.layout
         now = time.time()
@@ -536,15 +536,15 @@ from pathlib import Path
 
 from . import _index, _index_links
 from ._backend import Tx
-from ._core import Core, SessionRef
+from ._core import ChatRef, Core
 from ._format import human_duration
 from ._fsops import DIR_FLAGS, fd_closing, move_aside_unchanged, open_dir, remove_tree
-from ._index import SessionRow
+from ._index import ChatRow
 from ._keys import id_key
 from ._layout import Layout
 from ._publish import drain_unpublished, folder_copy_present, link_records, remove_copies
 from .errors import FileMissing, InvalidPath
-from .models import CleanupReport, Purge, SessionCleanup
+from .models import CleanupAction, CleanupReport, Purge
 from .publishing import DirectoryPublisher
 
 log = logging.getLogger("code_sessions.storage")
@@ -568,7 +568,7 @@ class _Tally:
     bytes_freed: int = 0
     links_removed: int = 0
     in_use: set[int] = field(default_factory=set)
-    details: list[SessionCleanup] = field(default_factory=list)
+    details: list[CleanupAction] = field(default_factory=list)
 
     def report(self) -> CleanupReport:
         return CleanupReport(
@@ -581,11 +581,11 @@ class _Tally:
             self.details,
         )
 
-    def busy(self, row: SessionRow, reason: str) -> None:
+    def busy(self, row: ChatRow, reason: str) -> None:
         if row.id not in self.in_use:
             self.in_use.add(row.id)
             self.details.append(
-                SessionCleanup(
+                CleanupAction(
                     row.user_id,
                     row.chat_id,
                     "in use",
@@ -595,14 +595,14 @@ class _Tally:
                 )
             )
 
-    def removed(self, row: SessionRow, reason: str, links: int, action: str = "removed") -> None:
+    def removed(self, row: ChatRow, reason: str, links: int, action: str = "removed") -> None:
         self.sessions_removed += 1
         self.files_removed += row.file_count
         freed = row.bytes if action == "removed" else 0
         self.bytes_freed += freed
         self.links_removed += links
         self.details.append(
-            SessionCleanup(
+            CleanupAction(
                 row.user_id, row.chat_id, action, row.file_count, freed, reason, row.user_key, row.chat_key
             )
         )
@@ -616,7 +616,7 @@ async def cleanup(core: Core, purge: Purge | None, *, dry_run: bool) -> CleanupR
     removed: set[int] = set()
     policy = core.policy
 
-    def reason_of(row: SessionRow, at: float) -> str | None:
+    def reason_of(row: ChatRow, at: float) -> str | None:
         return _selected(row, purge, core, at)
 
     for row in rows:
@@ -663,7 +663,7 @@ async def delete_sessions(core: Core, keys: Iterable[tuple[str, str]], reason: s
     return tally.report()
 
 
-def _selected(row: SessionRow, purge: Purge | None, core: Core, now: float) -> str | None:
+def _selected(row: ChatRow, purge: Purge | None, core: Core, now: float) -> str | None:
     """Why this session should go, or None."""
     idle = now - row.last_used_at
     if purge is None:
@@ -690,9 +690,9 @@ def _selected(row: SessionRow, purge: Purge | None, core: Core, now: float) -> s
 
 async def _remove_session(
     core: Core,
-    row: SessionRow,
+    row: ChatRow,
     reason: str,
-    still: Callable[[SessionRow, float], str | None],
+    still: Callable[[ChatRow, float], str | None],
     tally: _Tally,
 ) -> bool:
     if tally.dry_run:
@@ -720,7 +720,7 @@ async def _remove_session(
             await asyncio.to_thread(_prune_parents, core, row)
 
 
-async def delete_session(core: Core, row: SessionRow, reason: str) -> int:
+async def delete_session(core: Core, row: ChatRow, reason: str) -> int:
     """Delete a session whose lock we hold; returns how many links went with it."""
     core.forget_ensured(row.user_key, row.chat_key)
     layout = core.layout
@@ -778,7 +778,7 @@ def remove_saved_state(layout: Layout, user_key: str, chat_key: str) -> None:
     remove_tree(aside)
 
 
-def _prune_parents(core: Core, row: SessionRow) -> None:
+def _prune_parents(core: Core, row: ChatRow) -> None:
     # Empty per-user folders go too; creators retry if we remove one under them (see Core.make_dirs).
     layout = core.layout
     for folder in (layout.sessions / row.user_key, layout.state / row.user_key):
@@ -835,7 +835,7 @@ async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally
             tally.files_removed += removed_files
             tally.bytes_freed += removed_bytes
             tally.details.append(
-                SessionCleanup(
+                CleanupAction(
                     row.user_id, row.chat_id, "files expired", removed_files, removed_bytes, reason
                 )
             )
@@ -859,14 +859,14 @@ def _batches(files: list[_Expired]) -> Iterator[_ByFolder]:
 
 
 async def _count_files(
-    core: Core, tally: _Tally, row: SessionRow, files: list[tuple[str, int, int]], reason: str
+    core: Core, tally: _Tally, row: ChatRow, files: list[tuple[str, int, int]], reason: str
 ) -> None:
     links = await core.read(lambda tx: _index_links.links_of_paths(tx, row.id, [p for p, _, _ in files]))
     size = sum(s for _, s, _ in files)
     tally.files_removed += len(files)
     tally.bytes_freed += size
     tally.links_removed += len(links)
-    tally.details.append(SessionCleanup(row.user_id, row.chat_id, "files expired", len(files), size, reason))
+    tally.details.append(CleanupAction(row.user_id, row.chat_id, "files expired", len(files), size, reason))
 
 
 def _move_unchanged(folder: Path, trash: Path, by_parent: _ByFolder) -> list[tuple[str, int]]:
@@ -895,7 +895,7 @@ def _bin_name() -> str:
 
 
 async def _forget_files(
-    core: Core, ref: SessionRef, session_id: int, gone: list[tuple[str, int]], reason: str
+    core: Core, ref: ChatRef, session_id: int, gone: list[tuple[str, int]], reason: str
 ) -> int:
     """Drop index rows of deleted files, and their links. Returns the number of links removed."""
     paths = [p for p, _ in gone]
@@ -1648,7 +1648,7 @@ from typing import Any
 
 from ._backend import Tx
 from ._keys import db_text
-from .models import ActivityEntry, FileEntry, SessionInfo, Usage, UserUsage
+from .models import ActivityEntry, ChatInfo, FileEntry, Usage, UserUsage
 
 # Parameters per statement: SQLite's default limit is 32,766, PostgreSQL's 65,535.
 CHUNK = 500
@@ -1663,7 +1663,9 @@ _SESSION_COLUMNS = (
 
 
 @dataclass(frozen=True, slots=True)
-class SessionRow:
+class ChatRow:
+    """One chat's row of the `sessions` table, as read."""
+
     id: int
     user_id: str
     chat_id: str
@@ -1678,7 +1680,7 @@ class SessionRow:
     published_bytes: int
 
     @classmethod
-    def from_row(cls, row: Sequence[Any]) -> SessionRow:
+    def from_row(cls, row: Sequence[Any]) -> ChatRow:
         return cls(
             int(row[0]),
             row[1],
@@ -1694,8 +1696,8 @@ class SessionRow:
             int(row[11]),
         )
 
-    def info(self) -> SessionInfo:
-        return SessionInfo(
+    def info(self) -> ChatInfo:
+        return ChatInfo(
             self.user_id,
             self.chat_id,
             self.user_key,
@@ -1778,14 +1780,14 @@ async def ensure_session_queued(
     await tx.many(_INSERT_SESSION + " ON CONFLICT (user_key, chat_key) DO NOTHING", [params[:7]])
 
 
-async def session_by_keys(tx: Tx, user_key: str, chat_key: str) -> SessionRow | None:
+async def session_by_keys(tx: Tx, user_key: str, chat_key: str) -> ChatRow | None:
     row = await tx.one(
         f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE user_key = ? AND chat_key = ?", (user_key, chat_key)
     )
-    return SessionRow.from_row(row) if row else None
+    return ChatRow.from_row(row) if row else None
 
 
-async def all_sessions(tx: Tx, user_key: str | None = None) -> list[SessionRow]:
+async def all_sessions(tx: Tx, user_key: str | None = None) -> list[ChatRow]:
     if user_key is None:
         rows = await tx.all(f"SELECT {_SESSION_COLUMNS} FROM sessions ORDER BY user_id, chat_id")
     else:
@@ -1793,7 +1795,7 @@ async def all_sessions(tx: Tx, user_key: str | None = None) -> list[SessionRow]:
             f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE user_key = ? ORDER BY user_id, chat_id",
             (user_key,),
         )
-    return [SessionRow.from_row(r) for r in rows]
+    return [ChatRow.from_row(r) for r in rows]
 
 
 async def session_ids(tx: Tx) -> list[tuple[str, str, int, float, bool]]:
@@ -3833,7 +3835,7 @@ from pathlib import Path
 
 from . import _index, _index_links
 from ._backend import Tx
-from ._core import Core, SessionRef
+from ._core import ChatRef, Core
 from ._fsops import fd_closing, open_dir, open_regular, write_private
 from ._names import is_passive_image, publish_name, split_path
 from .errors import DiskFull, StorageError
@@ -3843,7 +3845,7 @@ from .publishing import Copy, DirectoryPublisher, copy_present, remove_directory
 _HASH_CHUNK = 1 << 20
 
 
-async def publish(core: Core, ref: SessionRef, path: str) -> Link:
+async def publish(core: Core, ref: ChatRef, path: str) -> Link:
     publisher = core.publisher
     if publisher is None:
         raise StorageError("publishing is not configured (the store has no publisher)")
@@ -4340,7 +4342,7 @@ async def check(core: Core) -> list[Drift]:
     return drift
 
 
-def _compare(row: _index.SessionRow, found: Scan, index_rows: list[tuple[str, int, int]]) -> list[Drift]:
+def _compare(row: _index.ChatRow, found: Scan, index_rows: list[tuple[str, int, int]]) -> list[Drift]:
     drift: list[Drift] = []
     index = {p: (int(size), int(mtime_ns)) for p, size, mtime_ns in index_rows}
     who = (row.user_id, row.chat_id)
@@ -5249,7 +5251,7 @@ from dataclasses import dataclass, field
 
 from . import _index
 from ._backend import Tx
-from ._core import Core, SessionRef
+from ._core import ChatRef, Core
 from ._fsops import fd_closing, open_dir, unlink_file, walk_dirs
 from ._scan import Listing, Scan, scan
 from .errors import FileMissing, InvalidPath
@@ -5333,7 +5335,7 @@ def compare(found: Scan, index_rows: Iterable[tuple[str, int, int]]) -> Differen
 
 
 async def sync_folder(
-    core: Core, ref: SessionRef, *, enforce: bool, prior: Scan | None = None
+    core: Core, ref: ChatRef, *, enforce: bool, prior: Scan | None = None
 ) -> ReconcileReport:
     """List the whole folder and apply what differs. `prior`: what a change-driven attempt that fell
     back already rejected or renamed (those entries are gone now; the report still tells)."""
@@ -5358,7 +5360,7 @@ async def sync_folder(
 _BY_KEYS_MAX = 64
 
 
-async def apply(core: Core, ref: SessionRef, differences: Differences, *, enforce: bool) -> ReconcileReport:
+async def apply(core: Core, ref: ChatRef, differences: Differences, *, enforce: bool) -> ReconcileReport:
     """Decide the quota and write the differences in one transaction; then unlink what goes."""
     found = differences.found
     listing: Listing = found.files
@@ -5443,7 +5445,7 @@ async def apply(core: Core, ref: SessionRef, differences: Differences, *, enforc
     )
 
 
-async def _audit(tx: Tx, ref: SessionRef, found: Scan, removals: list[QuotaRemoval], now: float) -> None:
+async def _audit(tx: Tx, ref: ChatRef, found: Scan, removals: list[QuotaRemoval], now: float) -> None:
     # The audit trail keeps the first _AUDIT_ITEMS of each list and the counts (a run can create a
     # million symlinks; the report has them all).
     who = (ref.user_id, ref.chat_id)
@@ -5464,7 +5466,7 @@ async def _audit(tx: Tx, ref: SessionRef, found: Scan, removals: list[QuotaRemov
         await _index.log_activity(tx, now, "quota_removed", *who, detail)
 
 
-def _prune_empty_folders(ref: SessionRef, found: Scan) -> None:
+def _prune_empty_folders(ref: ChatRef, found: Scan) -> None:
     """Keep the MAX_EMPTY_FOLDERS shallowest empty folders, remove the others (reported as rejected)."""
     ordered = sorted(found.empty_folders, key=lambda p: (p.count("/"), p))
     with fd_closing(open_dir(ref.path)) as root:
@@ -5479,7 +5481,7 @@ def _prune_empty_folders(ref: SessionRef, found: Scan) -> None:
     found.empty_folders = ordered[:MAX_EMPTY_FOLDERS]
 
 
-def _remove(ref: SessionRef, paths: list[str]) -> set[str]:
+def _remove(ref: ChatRef, paths: list[str]) -> set[str]:
     """Delete files chosen by the quota; returns those gone from disk afterwards."""
     gone: set[str] = set()
     with fd_closing(open_dir(ref.path)) as root:
@@ -5528,7 +5530,7 @@ from collections.abc import Collection
 
 from . import _index
 from ._backend import Tx
-from ._core import Core, SessionRef
+from ._core import ChatRef, Core
 from ._fsops import DIR_FLAGS, kind_of, lstat_at, walk_dirs
 from ._names import split_path
 from ._scan import Scan, reject, scan_folder
@@ -5546,7 +5548,7 @@ class _Fallback(Exception):
 
 
 async def sync_paths(
-    core: Core, ref: SessionRef, changed: Collection[str], *, enforce: bool
+    core: Core, ref: ChatRef, changed: Collection[str], *, enforce: bool
 ) -> ReconcileReport:
     """Sync the given paths only; the whole folder when anything is unusual."""
     found = Scan()
@@ -5646,7 +5648,7 @@ _LINKED = "the session holds files with several hard links"
 
 
 async def _apply(
-    core: Core, ref: SessionRef, scopes: list[str], found: Scan, *, enforce: bool
+    core: Core, ref: ChatRef, scopes: list[str], found: Scan, *, enforce: bool
 ) -> ReconcileReport:
     async def read(tx: Tx) -> dict[str, tuple[int, int]]:
         row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
@@ -5695,7 +5697,7 @@ from typing import Any
 
 from ._format import human_bytes, human_duration, human_limit, iso_time, parse_duration, table
 from .errors import StorageError
-from .models import Purge, SessionInfo
+from .models import ChatInfo, Purge
 from .store import Store
 
 ENV_ROOT = "CODE_SESSIONS_ROOT"
@@ -5831,7 +5833,7 @@ async def _sessions(store: Store, args: argparse.Namespace) -> int:
     return 0
 
 
-async def _resolve_chat(store: Store, chat: str, user: str | None) -> SessionInfo:
+async def _resolve_chat(store: Store, chat: str, user: str | None) -> ChatInfo:
     rows = await store.sessions(user)
     exact = [s for s in rows if s.chat_id == chat]
     matches = exact or [s for s in rows if s.chat_key.startswith(chat)]
@@ -6047,7 +6049,7 @@ class IndexDamaged(StorageError):
     'storage/models.py': r'''"""Value types of the public API: settings in, reports out.
 
 All are frozen dataclasses (positional or keyword construction, cheap enough to build by the
-hundred thousand for `SessionFiles.list()`). Settings validate themselves in `__post_init__`.
+hundred thousand for `ChatFiles.list()`). Settings validate themselves in `__post_init__`.
 Reports convert to plain JSON-able dicts with `to_dict()`.
 """
 
@@ -6062,6 +6064,8 @@ from ._format import human_bytes
 
 __all__ = [
     "ActivityEntry",
+    "ChatInfo",
+    "CleanupAction",
     "CleanupReport",
     "Drift",
     "Expiry",
@@ -6077,8 +6081,6 @@ __all__ = [
     "Rejected",
     "Renamed",
     "RunBudget",
-    "SessionCleanup",
-    "SessionInfo",
     "Usage",
     "UserUsage",
 ]
@@ -6363,7 +6365,9 @@ class LinkInfo(_Dictable):
 
 
 @dataclass(frozen=True, slots=True)
-class SessionInfo(_Dictable):
+class ChatInfo(_Dictable):
+    """A chat's session as `Store.sessions()` lists it: ids, folder keys, times and totals."""
+
     user_id: str
     chat_id: str
     user_key: str
@@ -6376,7 +6380,7 @@ class SessionInfo(_Dictable):
 
 
 @dataclass(frozen=True, slots=True)
-class SessionCleanup(_Dictable):
+class CleanupAction(_Dictable):
     """One line of a cleanup report. action: removed, files expired, in use, vanished."""
 
     user_id: str
@@ -6398,7 +6402,7 @@ class CleanupReport(_Dictable):
     bytes_freed: int = 0
     links_removed: int = 0
     sessions_in_use: int = 0
-    details: list[SessionCleanup] = field(default_factory=list)
+    details: list[CleanupAction] = field(default_factory=list)
 
     def summary(self) -> str:
         verb = "would remove" if self.dry_run else "removed"
@@ -6822,8 +6826,8 @@ def _copy_into(src: int, directory: Path, token: str, name: str, rel: str) -> No
 ''',
     'storage/session.py': r'''"""A chat's session, as callers see it: its folder, lock, budget, sync, files and links.
 
-`Session` and `SessionFiles` are thin faces: the work is done by the modules of the storage core
-(`_sync`, `_publish`, `_index`, `_fsops`) over the store's `Core` and this session's `SessionRef`.
+`Session` and `ChatFiles` are thin faces: the work is done by the modules of the storage core
+(`_sync`, `_publish`, `_index`, `_fsops`) over the store's `Core` and this session's `ChatRef`.
 """
 
 from __future__ import annotations
@@ -6838,7 +6842,7 @@ from pathlib import Path
 
 from . import _index, _index_links, _publish, _repair, _sync, _sync_changed
 from ._backend import Tx
-from ._core import Core, SessionRef
+from ._core import ChatRef, Core
 from ._fsops import (
     atomic_write,
     fd_closing,
@@ -6856,7 +6860,7 @@ from ._names import attachment_name, numbered, split_path
 from .errors import DiskFull, FileMissing, InvalidPath
 from .models import FileEntry, Link, LinkInfo, ReconcileReport, RunBudget, Usage
 
-__all__ = ["Session", "SessionFiles"]
+__all__ = ["ChatFiles", "Session"]
 
 _MAX_NUMBERED = 10_000
 
@@ -6868,10 +6872,10 @@ class Session:
     so budget, run, sync and publish of one chat never interleave (across processes too).
     """
 
-    def __init__(self, core: Core, ref: SessionRef, *, unindexed: bool = False) -> None:
+    def __init__(self, core: Core, ref: ChatRef, *, unindexed: bool = False) -> None:
         self._core = core
         self._ref = ref
-        self.files = SessionFiles(core, ref)
+        self.files = ChatFiles(core, ref)
         # An earlier run was never indexed (its mark, or runs on a full disk): list the folder whole.
         self._unindexed_run = unindexed
         self._generation = core.generation  # the index this session's lock was taken with
@@ -7014,14 +7018,14 @@ def _unlink_missing_ok(path: Path) -> None:
         os.unlink(path)
 
 
-class SessionFiles:
+class ChatFiles:
     """File operations on a session folder that keep the index in step.
 
     Paths are relative POSIX strings (`report.csv`, `out/chart.png`); see InvalidPath for what is
     refused. No operation follows a symbolic link anywhere in a path.
     """
 
-    def __init__(self, core: Core, ref: SessionRef) -> None:
+    def __init__(self, core: Core, ref: ChatRef) -> None:
         self._core = core
         self._ref = ref
 
@@ -7282,6 +7286,7 @@ from ._sqlite import SQLiteBackend
 from .errors import DiskFull, StorageError
 from .models import (
     ActivityEntry,
+    ChatInfo,
     CleanupReport,
     Drift,
     Expiry,
@@ -7289,7 +7294,6 @@ from .models import (
     Purge,
     Quotas,
     RebuildReport,
-    SessionInfo,
     UserUsage,
 )
 from .policy import Policy
@@ -7512,7 +7516,7 @@ class Store:
         unindexed = await self._core.ensure(ref, touch=True)
         return Session(self._core, ref, unindexed=unindexed)
 
-    def session_at(self, info: SessionInfo) -> Session:
+    def session_at(self, info: ChatInfo) -> Session:
         """The Session of a listed session row (by its folder keys), without touching it."""
         return Session(
             self._core, self._core.ref_at(info.user_id, info.chat_id, info.user_key, info.chat_key)
@@ -7541,7 +7545,7 @@ class Store:
                 by_user[user_id] = by_user.get(user_id, 0) + size
         return [dataclasses.replace(u, saved_state_bytes=by_user.get(u.user_id, 0)) for u in users]
 
-    async def sessions(self, user_id: str | None = None) -> list[SessionInfo]:
+    async def sessions(self, user_id: str | None = None) -> list[ChatInfo]:
         key = None if user_id is None else id_key(user_id)
         rows = await self._core.read(lambda tx: _index.all_sessions(tx, key))
         return [r.info() for r in rows]
@@ -14594,7 +14598,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_458dd285f193.runner import Outcome
+from _code_sessions_0c12f3821d1e.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -14869,8 +14873,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_458dd285f193.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_458dd285f193.storage import human_bytes
+from _code_sessions_0c12f3821d1e.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_0c12f3821d1e.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -14990,7 +14994,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_458dd285f193.storage import Purge, parse_duration
+from _code_sessions_0c12f3821d1e.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16109,8 +16113,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_458dd285f193.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_458dd285f193.storage import (
+from _code_sessions_0c12f3821d1e.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_0c12f3821d1e.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16820,7 +16824,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_458dd285f193.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_0c12f3821d1e.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -17037,7 +17041,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_458dd285f193.storage import Link, Publisher, is_postgres_url
+from _code_sessions_0c12f3821d1e.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17252,7 +17256,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_458dd285f193.engine import (
+from _code_sessions_0c12f3821d1e.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17262,9 +17266,9 @@ from _code_sessions_458dd285f193.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_458dd285f193.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_458dd285f193.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_458dd285f193.webui import OpenWebUI
+from _code_sessions_0c12f3821d1e.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_0c12f3821d1e.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_0c12f3821d1e.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -17934,11 +17938,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_458dd285f193.engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
-from _code_sessions_458dd285f193.engine.rewrite import SCAN_ON_LOOP_CHARS
-from _code_sessions_458dd285f193.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
-from _code_sessions_458dd285f193.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_458dd285f193.webui import Misconfigured
+from _code_sessions_0c12f3821d1e.engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
+from _code_sessions_0c12f3821d1e.engine.rewrite import SCAN_ON_LOOP_CHARS
+from _code_sessions_0c12f3821d1e.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from _code_sessions_0c12f3821d1e.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_0c12f3821d1e.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -1,11 +1,11 @@
 """The storage core every internal module works with, and nothing in it imports back up.
 
-* `SessionRef`: which session (the untrusted ids, the folder keys made from them, the folder).
+* `ChatRef`: which session (the untrusted ids, the folder keys made from them, the folder).
 * `Core`: the context of one store: the database backend (with recovery from a damaged index), where
   things live (`Layout`), who owns what the store creates, the `Policy`, the `Publisher`.
 
 `Store` and `Session` (the public faces) hold a Core and refs; `_sync`, `_publish`, `_expiry` and
-`_repair` are functions over (Core, SessionRef).
+`_repair` are functions over (Core, ChatRef).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ MAX_ID_CHARS = 512  # the index keeps ids whole (unique, indexed): within every 
 
 
 @dataclass(frozen=True, slots=True)
-class SessionRef:
-    """A session: the ids as given (untrusted strings), the keys of its folder, the folder itself.
+class ChatRef:
+    """Which chat's session: the ids as given (untrusted strings), the keys of its folder, the folder itself.
 
     The keys are normally made from the ids; a folder found on disk (rebuild, a lost sidecar) keeps
     its keys whatever its ids hash to: the folder decides where the files are."""
@@ -79,7 +79,7 @@ class Core:
         self.catch_up: Callable[[], Awaitable[None]] | None = None
         # Sessions that went on without their sidecar or index row because the disk was full; written,
         # and their folders indexed, by the first write that succeeds afterwards.
-        self.unsaved: dict[tuple[str, str], SessionRef] = {}
+        self.unsaved: dict[tuple[str, str], ChatRef] = {}
         self.repairs_put_off = False  # the store opened on a full disk, without its start-up repairs
         self._catching_up = False
         self._remembered: dict[str, str] = {}
@@ -104,7 +104,7 @@ class Core:
 
     # ------------------------------------------------------------------ refs and locks
 
-    def ref(self, user_id: str, chat_id: str) -> SessionRef:
+    def ref(self, user_id: str, chat_id: str) -> ChatRef:
         if not isinstance(user_id, str) or not isinstance(chat_id, str):
             raise StorageError("user_id and chat_id must be str")
         if len(user_id) > MAX_ID_CHARS or len(chat_id) > MAX_ID_CHARS:
@@ -112,8 +112,8 @@ class Core:
             raise StorageError(f"a user or chat id longer than {MAX_ID_CHARS} characters is not accepted")
         return self.ref_at(user_id, chat_id, id_key(user_id), id_key(chat_id))
 
-    def ref_at(self, user_id: str, chat_id: str, user_key: str, chat_key: str) -> SessionRef:
-        return SessionRef(
+    def ref_at(self, user_id: str, chat_id: str, user_key: str, chat_key: str) -> ChatRef:
+        return ChatRef(
             user_id,
             chat_id,
             user_key,
@@ -122,7 +122,7 @@ class Core:
             self.layout.session_dir(user_key, chat_key),
         )
 
-    def lock_of(self, ref: SessionRef) -> Lock:
+    def lock_of(self, ref: ChatRef) -> Lock:
         return self.backend.chat_lock(ref.user_key, ref.chat_key)
 
     # ------------------------------------------------------------------ transactions
@@ -169,7 +169,7 @@ class Core:
 
     # ------------------------------------------------------------------ sessions
 
-    async def ensure(self, ref: SessionRef, *, touch: bool, cached: bool = False) -> bool:
+    async def ensure(self, ref: ChatRef, *, touch: bool, cached: bool = False) -> bool:
         """The session's folder, sidecar and index row, created if missing; `touch` marks it used.
 
         `cached`: a session this process made sure of moments ago, whose folder is still there, is not
@@ -215,7 +215,7 @@ class Core:
         return was_unsaved
 
     async def session_id(
-        self, tx: Tx, ref: SessionRef, created_at: float, used_at: float | None = None
+        self, tx: Tx, ref: ChatRef, created_at: float, used_at: float | None = None
     ) -> int:
         """The session's row id inside a transaction, creating the row if it is missing."""
         return await _index.ensure_session(
@@ -229,7 +229,7 @@ class Core:
             used_at=used_at,
         )
 
-    def make_dirs(self, ref: SessionRef) -> float:
+    def make_dirs(self, ref: ChatRef) -> float:
         """Create the session folder, its state folder and sidecar; returns the creation time."""
         layout = self.layout
         now = time.time()

@@ -17,7 +17,7 @@ from typing import Any
 
 from ._backend import Tx
 from ._keys import db_text
-from .models import ActivityEntry, FileEntry, SessionInfo, Usage, UserUsage
+from .models import ActivityEntry, ChatInfo, FileEntry, Usage, UserUsage
 
 # Parameters per statement: SQLite's default limit is 32,766, PostgreSQL's 65,535.
 CHUNK = 500
@@ -32,7 +32,9 @@ _SESSION_COLUMNS = (
 
 
 @dataclass(frozen=True, slots=True)
-class SessionRow:
+class ChatRow:
+    """One chat's row of the `sessions` table, as read."""
+
     id: int
     user_id: str
     chat_id: str
@@ -47,7 +49,7 @@ class SessionRow:
     published_bytes: int
 
     @classmethod
-    def from_row(cls, row: Sequence[Any]) -> SessionRow:
+    def from_row(cls, row: Sequence[Any]) -> ChatRow:
         return cls(
             int(row[0]),
             row[1],
@@ -63,8 +65,8 @@ class SessionRow:
             int(row[11]),
         )
 
-    def info(self) -> SessionInfo:
-        return SessionInfo(
+    def info(self) -> ChatInfo:
+        return ChatInfo(
             self.user_id,
             self.chat_id,
             self.user_key,
@@ -147,14 +149,14 @@ async def ensure_session_queued(
     await tx.many(_INSERT_SESSION + " ON CONFLICT (user_key, chat_key) DO NOTHING", [params[:7]])
 
 
-async def session_by_keys(tx: Tx, user_key: str, chat_key: str) -> SessionRow | None:
+async def session_by_keys(tx: Tx, user_key: str, chat_key: str) -> ChatRow | None:
     row = await tx.one(
         f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE user_key = ? AND chat_key = ?", (user_key, chat_key)
     )
-    return SessionRow.from_row(row) if row else None
+    return ChatRow.from_row(row) if row else None
 
 
-async def all_sessions(tx: Tx, user_key: str | None = None) -> list[SessionRow]:
+async def all_sessions(tx: Tx, user_key: str | None = None) -> list[ChatRow]:
     if user_key is None:
         rows = await tx.all(f"SELECT {_SESSION_COLUMNS} FROM sessions ORDER BY user_id, chat_id")
     else:
@@ -162,7 +164,7 @@ async def all_sessions(tx: Tx, user_key: str | None = None) -> list[SessionRow]:
             f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE user_key = ? ORDER BY user_id, chat_id",
             (user_key,),
         )
-    return [SessionRow.from_row(r) for r in rows]
+    return [ChatRow.from_row(r) for r in rows]
 
 
 async def session_ids(tx: Tx) -> list[tuple[str, str, int, float, bool]]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from . import _index, _index_links
 from ._backend import Tx
-from ._core import Core, SessionRef
+from ._core import ChatRef, Core
 from ._fsops import fd_closing, open_dir, open_regular, write_private
 from ._names import is_passive_image, publish_name, split_path
 from .errors import DiskFull, StorageError
@@ -37,7 +37,7 @@ from .publishing import Copy, DirectoryPublisher, copy_present, remove_directory
 _HASH_CHUNK = 1 << 20
 
 
-async def publish(core: Core, ref: SessionRef, path: str) -> Link:
+async def publish(core: Core, ref: ChatRef, path: str) -> Link:
     publisher = core.publisher
     if publisher is None:
         raise StorageError("publishing is not configured (the store has no publisher)")

@@ -278,7 +278,7 @@ async def check(core: Core) -> list[Drift]:
     return drift
 
 
-def _compare(row: _index.SessionRow, found: Scan, index_rows: list[tuple[str, int, int]]) -> list[Drift]:
+def _compare(row: _index.ChatRow, found: Scan, index_rows: list[tuple[str, int, int]]) -> list[Drift]:
     drift: list[Drift] = []
     index = {p: (int(size), int(mtime_ns)) for p, size, mtime_ns in index_rows}
     who = (row.user_id, row.chat_id)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from . import _index
 from ._backend import Tx
-from ._core import Core, SessionRef
+from ._core import ChatRef, Core
 from ._fsops import fd_closing, open_dir, unlink_file, walk_dirs
 from ._scan import Listing, Scan, scan
 from .errors import FileMissing, InvalidPath
@@ -108,7 +108,7 @@ def compare(found: Scan, index_rows: Iterable[tuple[str, int, int]]) -> Differen
 
 
 async def sync_folder(
-    core: Core, ref: SessionRef, *, enforce: bool, prior: Scan | None = None
+    core: Core, ref: ChatRef, *, enforce: bool, prior: Scan | None = None
 ) -> ReconcileReport:
     """List the whole folder and apply what differs. `prior`: what a change-driven attempt that fell
     back already rejected or renamed (those entries are gone now; the report still tells)."""
@@ -133,7 +133,7 @@ async def sync_folder(
 _BY_KEYS_MAX = 64
 
 
-async def apply(core: Core, ref: SessionRef, differences: Differences, *, enforce: bool) -> ReconcileReport:
+async def apply(core: Core, ref: ChatRef, differences: Differences, *, enforce: bool) -> ReconcileReport:
     """Decide the quota and write the differences in one transaction; then unlink what goes."""
     found = differences.found
     listing: Listing = found.files
@@ -218,7 +218,7 @@ async def apply(core: Core, ref: SessionRef, differences: Differences, *, enforc
     )
 
 
-async def _audit(tx: Tx, ref: SessionRef, found: Scan, removals: list[QuotaRemoval], now: float) -> None:
+async def _audit(tx: Tx, ref: ChatRef, found: Scan, removals: list[QuotaRemoval], now: float) -> None:
     # The audit trail keeps the first _AUDIT_ITEMS of each list and the counts (a run can create a
     # million symlinks; the report has them all).
     who = (ref.user_id, ref.chat_id)
@@ -239,7 +239,7 @@ async def _audit(tx: Tx, ref: SessionRef, found: Scan, removals: list[QuotaRemov
         await _index.log_activity(tx, now, "quota_removed", *who, detail)
 
 
-def _prune_empty_folders(ref: SessionRef, found: Scan) -> None:
+def _prune_empty_folders(ref: ChatRef, found: Scan) -> None:
     """Keep the MAX_EMPTY_FOLDERS shallowest empty folders, remove the others (reported as rejected)."""
     ordered = sorted(found.empty_folders, key=lambda p: (p.count("/"), p))
     with fd_closing(open_dir(ref.path)) as root:
@@ -254,7 +254,7 @@ def _prune_empty_folders(ref: SessionRef, found: Scan) -> None:
     found.empty_folders = ordered[:MAX_EMPTY_FOLDERS]
 
 
-def _remove(ref: SessionRef, paths: list[str]) -> set[str]:
+def _remove(ref: ChatRef, paths: list[str]) -> set[str]:
     """Delete files chosen by the quota; returns those gone from disk afterwards."""
     gone: set[str] = set()
     with fd_closing(open_dir(ref.path)) as root:

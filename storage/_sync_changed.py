@@ -33,7 +33,7 @@ from collections.abc import Collection
 
 from . import _index
 from ._backend import Tx
-from ._core import Core, SessionRef
+from ._core import ChatRef, Core
 from ._fsops import DIR_FLAGS, kind_of, lstat_at, walk_dirs
 from ._names import split_path
 from ._scan import Scan, reject, scan_folder
@@ -51,7 +51,7 @@ class _Fallback(Exception):
 
 
 async def sync_paths(
-    core: Core, ref: SessionRef, changed: Collection[str], *, enforce: bool
+    core: Core, ref: ChatRef, changed: Collection[str], *, enforce: bool
 ) -> ReconcileReport:
     """Sync the given paths only; the whole folder when anything is unusual."""
     found = Scan()
@@ -151,7 +151,7 @@ _LINKED = "the session holds files with several hard links"
 
 
 async def _apply(
-    core: Core, ref: SessionRef, scopes: list[str], found: Scan, *, enforce: bool
+    core: Core, ref: ChatRef, scopes: list[str], found: Scan, *, enforce: bool
 ) -> ReconcileReport:
     async def read(tx: Tx) -> dict[str, tuple[int, int]]:
         row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)

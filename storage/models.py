@@ -1,7 +1,7 @@
 """Value types of the public API: settings in, reports out.
 
 All are frozen dataclasses (positional or keyword construction, cheap enough to build by the
-hundred thousand for `SessionFiles.list()`). Settings validate themselves in `__post_init__`.
+hundred thousand for `ChatFiles.list()`). Settings validate themselves in `__post_init__`.
 Reports convert to plain JSON-able dicts with `to_dict()`.
 """
 
@@ -16,6 +16,8 @@ from ._format import human_bytes
 
 __all__ = [
     "ActivityEntry",
+    "ChatInfo",
+    "CleanupAction",
     "CleanupReport",
     "Drift",
     "Expiry",
@@ -31,8 +33,6 @@ __all__ = [
     "Rejected",
     "Renamed",
     "RunBudget",
-    "SessionCleanup",
-    "SessionInfo",
     "Usage",
     "UserUsage",
 ]
@@ -317,7 +317,9 @@ class LinkInfo(_Dictable):
 
 
 @dataclass(frozen=True, slots=True)
-class SessionInfo(_Dictable):
+class ChatInfo(_Dictable):
+    """A chat's session as `Store.sessions()` lists it: ids, folder keys, times and totals."""
+
     user_id: str
     chat_id: str
     user_key: str
@@ -330,7 +332,7 @@ class SessionInfo(_Dictable):
 
 
 @dataclass(frozen=True, slots=True)
-class SessionCleanup(_Dictable):
+class CleanupAction(_Dictable):
     """One line of a cleanup report. action: removed, files expired, in use, vanished."""
 
     user_id: str
@@ -352,7 +354,7 @@ class CleanupReport(_Dictable):
     bytes_freed: int = 0
     links_removed: int = 0
     sessions_in_use: int = 0
-    details: list[SessionCleanup] = field(default_factory=list)
+    details: list[CleanupAction] = field(default_factory=list)
 
     def summary(self) -> str:
         verb = "would remove" if self.dry_run else "removed"

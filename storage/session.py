@@ -1,7 +1,7 @@
 """A chat's session, as callers see it: its folder, lock, budget, sync, files and links.
 
-`Session` and `SessionFiles` are thin faces: the work is done by the modules of the storage core
-(`_sync`, `_publish`, `_index`, `_fsops`) over the store's `Core` and this session's `SessionRef`.
+`Session` and `ChatFiles` are thin faces: the work is done by the modules of the storage core
+(`_sync`, `_publish`, `_index`, `_fsops`) over the store's `Core` and this session's `ChatRef`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import _index, _index_links, _publish, _repair, _sync, _sync_changed
 from ._backend import Tx
-from ._core import Core, SessionRef
+from ._core import ChatRef, Core
 from ._fsops import (
     atomic_write,
     fd_closing,
@@ -34,7 +34,7 @@ from ._names import attachment_name, numbered, split_path
 from .errors import DiskFull, FileMissing, InvalidPath
 from .models import FileEntry, Link, LinkInfo, ReconcileReport, RunBudget, Usage
 
-__all__ = ["Session", "SessionFiles"]
+__all__ = ["ChatFiles", "Session"]
 
 _MAX_NUMBERED = 10_000
 
@@ -46,10 +46,10 @@ class Session:
     so budget, run, sync and publish of one chat never interleave (across processes too).
     """
 
-    def __init__(self, core: Core, ref: SessionRef, *, unindexed: bool = False) -> None:
+    def __init__(self, core: Core, ref: ChatRef, *, unindexed: bool = False) -> None:
         self._core = core
         self._ref = ref
-        self.files = SessionFiles(core, ref)
+        self.files = ChatFiles(core, ref)
         # An earlier run was never indexed (its mark, or runs on a full disk): list the folder whole.
         self._unindexed_run = unindexed
         self._generation = core.generation  # the index this session's lock was taken with
@@ -192,14 +192,14 @@ def _unlink_missing_ok(path: Path) -> None:
         os.unlink(path)
 
 
-class SessionFiles:
+class ChatFiles:
     """File operations on a session folder that keep the index in step.
 
     Paths are relative POSIX strings (`report.csv`, `out/chart.png`); see InvalidPath for what is
     refused. No operation follows a symbolic link anywhere in a path.
     """
 
-    def __init__(self, core: Core, ref: SessionRef) -> None:
+    def __init__(self, core: Core, ref: ChatRef) -> None:
         self._core = core
         self._ref = ref
 

@@ -21,6 +21,7 @@ from ._sqlite import SQLiteBackend
 from .errors import DiskFull, StorageError
 from .models import (
     ActivityEntry,
+    ChatInfo,
     CleanupReport,
     Drift,
     Expiry,
@@ -28,7 +29,6 @@ from .models import (
     Purge,
     Quotas,
     RebuildReport,
-    SessionInfo,
     UserUsage,
 )
 from .policy import Policy
@@ -251,7 +251,7 @@ class Store:
         unindexed = await self._core.ensure(ref, touch=True)
         return Session(self._core, ref, unindexed=unindexed)
 
-    def session_at(self, info: SessionInfo) -> Session:
+    def session_at(self, info: ChatInfo) -> Session:
         """The Session of a listed session row (by its folder keys), without touching it."""
         return Session(
             self._core, self._core.ref_at(info.user_id, info.chat_id, info.user_key, info.chat_key)
@@ -280,7 +280,7 @@ class Store:
                 by_user[user_id] = by_user.get(user_id, 0) + size
         return [dataclasses.replace(u, saved_state_bytes=by_user.get(u.user_id, 0)) for u in users]
 
-    async def sessions(self, user_id: str | None = None) -> list[SessionInfo]:
+    async def sessions(self, user_id: str | None = None) -> list[ChatInfo]:
         key = None if user_id is None else id_key(user_id)
         rows = await self._core.read(lambda tx: _index.all_sessions(tx, key))
         return [r.info() for r in rows]
