@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_0c12f3821d1e'
+_CS_PACKAGE = '_code_sessions_43cb399cc4a6'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -47,6 +47,7 @@ from .models import (
     QuotaRemoval,
     Quotas,
     RebuildReport,
+    Reconcile,
     ReconcileReport,
     Rejected,
     Renamed,
@@ -88,6 +89,7 @@ __all__ = [
     "QuotaRemoval",
     "Quotas",
     "RebuildReport",
+    "Reconcile",
     "ReconcileReport",
     "Rejected",
     "Renamed",
@@ -224,7 +226,7 @@ class BusyBackoff:
 * `Core`: the context of one store: the database backend (with recovery from a damaged index), where
   things live (`Layout`), who owns what the store creates, the `Policy`, the `Publisher`.
 
-`Store` and `Session` (the public faces) hold a Core and refs; `_sync`, `_publish`, `_expiry` and
+`Store` and `Session` (the public faces) hold a Core and refs; `_reconcile`, `_publish`, `_expiry` and
 `_repair` are functions over (Core, ChatRef).
 """
 
@@ -248,6 +250,7 @@ from ._fsops import make_dir
 from ._keys import id_key, is_temporary
 from ._layout import Layout, write_sidecar
 from .errors import DiskFull, IndexDamaged, StorageError
+from .models import Reconcile
 from .policy import Policy
 from .publishing import Publisher
 
@@ -293,15 +296,14 @@ class Core:
         self.owner = owner
         # The CLI turns this off: it applies the recorded settings and must not overwrite them.
         self.record_settings = record_settings
-        # Set by the Store: rebuilds the index from the folders after a damaged one was replaced.
-        self.rebuild: Callable[[], Awaitable[object]] | None = None
-        # Set by the Store: the bookkeeping a full disk put off (see `catching_up`).
-        self.catch_up: Callable[[], Awaitable[None]] | None = None
+        # Set by the Store (Store.reconcile): REBUILD after a damaged index was replaced, AFTER_FULL_DISK
+        # by the first write that has room again.
+        self.reconcile: Callable[[Reconcile], Awaitable[object]] | None = None
         # Sessions that went on without their sidecar or index row because the disk was full; written,
         # and their folders indexed, by the first write that succeeds afterwards.
         self.unsaved: dict[tuple[str, str], ChatRef] = {}
         self.repairs_put_off = False  # the store opened on a full disk, without its start-up repairs
-        self._catching_up = False
+        self._reconciling_after_full_disk = False
         self._remembered: dict[str, str] = {}
         self._remembered_policy: Policy | None = None
         self._generation = 0  # how many times the database was replaced while open
@@ -378,7 +380,11 @@ class Core:
                 opened = await self.backend.recover()
                 self._generation += 1
                 self._remembered, self._remembered_policy = {}, None
-                rebuilt = await self.rebuild() if opened.fresh and self.rebuild is not None else None
+                rebuilt = (
+                    await self.reconcile(Reconcile.REBUILD)
+                    if opened.fresh and self.reconcile is not None
+                    else None
+                )
             finally:
                 self._recovering = False
             moved = f"moved it to {opened.moved_aside}, " if opened.moved_aside else ""
@@ -426,12 +432,16 @@ class Core:
             if len(self._ensured) > 10_000:
                 self._ensured.clear()
             self._ensured[key] = time.monotonic()
-        if (self.unsaved or self.repairs_put_off) and self.catch_up is not None and not self._catching_up:
-            self._catching_up = True
+        if (
+            (self.unsaved or self.repairs_put_off)
+            and self.reconcile is not None
+            and not self._reconciling_after_full_disk
+        ):
+            self._reconciling_after_full_disk = True
             try:
-                await self.catch_up()
+                await self.reconcile(Reconcile.AFTER_FULL_DISK)
             finally:
-                self._catching_up = False
+                self._reconciling_after_full_disk = False
         return was_unsaved
 
     async def session_id(
@@ -553,7 +563,7 @@ log = logging.getLogger("code_sessions.storage")
 # its copy but not yet written its row is never swept.
 STRAY_GRACE_S = 600.0
 # Links whose file is missing from / changed in the index are kept this long, for a publish that ran
-# before the sync of the same step.
+# before the reconcile of the same step.
 STALE_LINK_GRACE_S = 600.0
 _EXPIRY_BATCH = 2000
 _Expired = tuple[str, int, int]  # an expired file as the index saw it: (path, size, mtime_ns)
@@ -1676,7 +1686,7 @@ class ChatRow:
     last_used_at: float
     bytes: int
     file_count: int
-    linked_files: bool  # files with several hard links were seen (see _sync_changed)
+    linked_files: bool  # files with several hard links were seen (see _reconcile_changed)
     published_bytes: int
 
     @classmethod
@@ -4062,8 +4072,464 @@ async def drain_unpublished(core: Core) -> int:
 def folder_copy_present(directory: str, ref: str, name: str) -> bool:
     return copy_present(Path(directory), ref, name)
 ''',
-    'storage/_repair.py': r'''"""The disk is the truth: rebuilding the index from the folders, checking it against them, and
-indexing what runs whose process died left behind."""
+    'storage/_reconcile.py': r'''"""Reconciling one session folder with its index (the disk is the truth), and the quota after a run.
+
+Two ways to find what differs (the chat's modes of `models.Reconcile`), one way to apply it:
+
+* `reconcile_folder` (FOLDER): list the whole folder (one lstat per entry) and compare with the
+  session's rows;
+* `_reconcile_changed.reconcile_changed` (CHANGED): look only at the paths a run changed;
+* `apply`: write the differences in ONE write transaction that also makes the quota decision: it
+  reads the user's totals across all chats inside that transaction (serialised per user), weighs
+  the run's new and grown files with `Policy.plan_removals`, and indexes only what is kept; the files
+  that go are unlinked right after. Two chats of one user finishing at once therefore cannot both
+  spend the last room: the second one sees the first one's files.
+
+Quota enforcement only ever removes files a run added or grew; files the index already knew and that
+did not grow are never touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+from . import _index
+from ._backend import Tx
+from ._core import ChatRef, Core
+from ._fsops import fd_closing, open_dir, unlink_file, walk_dirs
+from ._scan import Listing, Scan, scan
+from .errors import FileMissing, InvalidPath
+from .models import Growth, QuotaRemoval, ReconcileReport, Rejected, Usage
+
+_AUDIT_ITEMS = 100
+# Empty folders kept per reconcile (a full one: the whole session; a change-driven one: the folders a run
+# made). Code can make folders without end, each a few KiB of disk that no quota counts.
+MAX_EMPTY_FOLDERS = 1000
+
+
+@dataclass(slots=True)
+class Differences:
+    """What differs between a folder (as found) and its index rows.
+
+    `found.files` holds (at least) every added and changed path; `old_sizes` the indexed size of
+    every changed and removed path, `old_mtimes` the indexed mtime of every removed one."""
+
+    found: Scan
+    added: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    old_sizes: dict[str, int] = field(default_factory=dict)
+    old_mtimes: dict[str, int] = field(default_factory=dict)
+    full: bool = True
+
+    def usage_delta(self) -> Usage:
+        listing = self.found.files
+        files = len(self.added) - len(self.removed)
+        size = (
+            sum(listing[p][0] for p in self.added)
+            + sum(listing[p][0] - self.old_sizes[p] for p in self.changed)
+            - sum(self.old_sizes[p] for p in self.removed)
+        )
+        return Usage(files, size)
+
+    def growth(self) -> list[Growth]:
+        """The files the quota weighs: every added one, and every changed one that grew. An added
+        file with the size and mtime of a removed one is that file moved (a rename keeps both): it
+        adds nothing, so it is not weighed."""
+        listing = self.found.files
+        moved_from: dict[tuple[int, int], int] = {}
+        for path in self.removed:
+            stat = (self.old_sizes[path], self.old_mtimes.get(path, -1))
+            moved_from[stat] = moved_from.get(stat, 0) + 1
+        items = []
+        for path in self.added:
+            stat = listing[path]
+            if moved_from.get(stat):
+                moved_from[stat] -= 1
+                continue
+            items.append(Growth(path, *stat, new=True))
+        for path in self.changed:
+            size, mtime_ns = listing[path]
+            old = self.old_sizes[path]
+            if size > old:
+                items.append(Growth(path, size, mtime_ns, new=False, old_size=old))
+        return items
+
+
+def compare(found: Scan, index_rows: Iterable[tuple[str, int, int]]) -> Differences:
+    """Walk the index rows once against the listing (this loop is most of a full reconcile's Python
+    time on a big session; it runs in a worker thread)."""
+    remaining = dict(found.files)
+    pop = remaining.pop
+    differences = Differences(found)
+    changed, removed, old = differences.changed, differences.removed, differences.old_sizes
+    unreadable = bool(found.unreadable)
+    for path, size, mtime_ns in index_rows:
+        seen = pop(path, None)
+        if seen is None:
+            if not (unreadable and found.is_unreadable(path)):
+                removed.append(path)
+                old[path] = size
+                differences.old_mtimes[path] = mtime_ns
+        elif seen[0] != size or seen[1] != mtime_ns:
+            changed.append(path)
+            old[path] = size
+    differences.added = list(remaining)
+    return differences
+
+
+async def reconcile_folder(
+    core: Core, ref: ChatRef, *, enforce: bool, prior: Scan | None = None
+) -> ReconcileReport:
+    """List the whole folder and apply what differs. `prior`: what a change-driven attempt that fell
+    back already rejected or renamed (those entries are gone now; the report still tells)."""
+
+    async def read(tx: Tx) -> list[tuple[str, int, int]]:
+        row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
+        return [] if row is None else await _index.file_rows(tx, row.id)
+
+    # One after the other, not overlapped: the listing makes one system call per entry, each
+    # releasing the GIL, and a second busy thread turns every one of those into a GIL hand-off
+    # (measured: overlapping made a 100k-file reconcile about 50% slower).
+    found = await asyncio.to_thread(scan, ref.path, fix=True)
+    if prior is not None:
+        found.rejected[:0] = prior.rejected
+        found.renamed[:0] = prior.renamed
+    index_rows = await core.read(read)
+    differences = await asyncio.to_thread(compare, found, index_rows)
+    return await apply(core, ref, differences, enforce=enforce)
+
+
+# Up to this many changed paths, a reconcile's write names the session by its keys (write_by_keys).
+_BY_KEYS_MAX = 64
+
+
+async def apply(core: Core, ref: ChatRef, differences: Differences, *, enforce: bool) -> ReconcileReport:
+    """Decide the quota and write the differences in one transaction; then unlink what goes."""
+    found = differences.found
+    listing: Listing = found.files
+    if not differences.full and not (
+        differences.added or differences.changed or differences.removed or found.rejected or found.renamed
+    ):
+        # Nothing changed (print(1)): nothing to write, only the totals to report.
+        usage = await core.read(lambda tx: _index.session_usage(tx, ref.user_key, ref.chat_key))
+        return ReconcileReport(files=usage.files, bytes=usage.bytes, full=False)
+    if len(found.empty_folders) > MAX_EMPTY_FOLDERS:
+        await asyncio.to_thread(_prune_empty_folders, ref, found)
+    candidates = differences.growth() if enforce else []
+    delta = differences.usage_delta() if candidates else Usage(0, 0)
+    now = time.time()
+
+    # A step's few changes name the session by its keys: no statement waits for its id, and the
+    # transaction is one round trip on PostgreSQL (two when the quota must be decided).
+    by_keys = not differences.full and (
+        len(differences.added) + len(differences.changed) + len(differences.removed) <= _BY_KEYS_MAX
+    )
+
+    async def write(tx: Tx) -> tuple[list[QuotaRemoval], Callable[[], Awaitable[tuple[int, int]]]]:
+        sid = None
+        if by_keys:
+            await _index.ensure_session_queued(
+                tx,
+                user_id=ref.user_id,
+                chat_id=ref.chat_id,
+                user_key=ref.user_key,
+                chat_key=ref.chat_key,
+                temporary=ref.temporary,
+                created_at=now,
+            )
+        else:
+            sid = await core.session_id(tx, ref, now)
+        removals: list[QuotaRemoval] = []
+        if candidates:
+            await tx.serialise_user(ref.user_key)
+            usage = await _index.user_usage(tx, ref.user_key)
+            removals = core.policy.plan_removals(
+                candidates, Usage(usage.files + delta.files, usage.bytes + delta.bytes)
+            )
+        going = {r.path for r in removals}
+        if sid is not None and differences.full:  # only a full listing tells no file has several links
+            await _index.set_linked_files(tx, sid, len(found.linked))
+        kept = [(p, *listing[p], now) for p in differences.added + differences.changed if p not in going]
+        dropped = differences.removed + [p for p in differences.changed if p in going]
+        if sid is None:
+            if kept:
+                await _index.upsert_files_by_keys(tx, ref.user_key, ref.chat_key, kept)
+            if dropped:
+                await _index.delete_files_by_keys(tx, ref.user_key, ref.chat_key, dropped)
+        else:
+            if kept:
+                await _index.upsert_files(tx, sid, kept)
+            if dropped:
+                await _index.delete_files(tx, sid, dropped)
+        await _audit(tx, ref, found, removals, now)
+        if sid is None:
+            return removals, await _index.session_usage_later(tx, ref.user_key, ref.chat_key)
+        return removals, await _index.session_totals_later(tx, sid)
+
+    removals, totals = await core.write(write)
+    files, size = await totals()
+    quota_removed: list[QuotaRemoval] = []
+    if removals:
+        # After the commit: a file that cannot be unlinked stays on disk, unindexed, and the next
+        # reconcile weighs it again.
+        gone = await asyncio.to_thread(_remove, ref, [r.path for r in removals])
+        quota_removed = [r for r in removals if r.path in gone]
+    going = {r.path for r in removals}
+    return ReconcileReport(
+        added=sorted(p for p in differences.added if p not in going),
+        changed=sorted(p for p in differences.changed if p not in going),
+        removed=sorted(differences.removed),
+        rejected=found.rejected,
+        renamed=found.renamed,
+        quota_removed=quota_removed,
+        files=files,
+        bytes=size,
+        full=differences.full,
+    )
+
+
+async def _audit(tx: Tx, ref: ChatRef, found: Scan, removals: list[QuotaRemoval], now: float) -> None:
+    # The audit trail keeps the first _AUDIT_ITEMS of each list and the counts (a run can create a
+    # million symlinks; the report has them all).
+    who = (ref.user_id, ref.chat_id)
+    if found.rejected or found.renamed:
+        detail = {
+            "rejected": [r.to_dict() for r in found.rejected[:_AUDIT_ITEMS]],
+            "renamed": [r.to_dict() for r in found.renamed[:_AUDIT_ITEMS]],
+            "rejected_count": len(found.rejected),
+            "renamed_count": len(found.renamed),
+        }
+        await _index.log_activity(tx, now, "rejected", *who, detail)
+    if removals:
+        detail = {
+            "removed": [r.to_dict() for r in removals[:_AUDIT_ITEMS]],
+            "removed_count": len(removals),
+            "bytes": sum(r.size for r in removals),
+        }
+        await _index.log_activity(tx, now, "quota_removed", *who, detail)
+
+
+def _prune_empty_folders(ref: ChatRef, found: Scan) -> None:
+    """Keep the MAX_EMPTY_FOLDERS shallowest empty folders, remove the others (reported as rejected)."""
+    ordered = sorted(found.empty_folders, key=lambda p: (p.count("/"), p))
+    with fd_closing(open_dir(ref.path)) as root:
+        for path in ordered[MAX_EMPTY_FOLDERS:]:
+            parts = tuple(path.split("/"))
+            try:
+                with fd_closing(walk_dirs(root, parts[:-1])) as parent:
+                    os.rmdir(parts[-1], dir_fd=parent)
+            except (FileMissing, InvalidPath, OSError):
+                continue
+            found.rejected.append(Rejected(path + "/", "empty folder"))
+    found.empty_folders = ordered[:MAX_EMPTY_FOLDERS]
+
+
+def _remove(ref: ChatRef, paths: list[str]) -> set[str]:
+    """Delete files chosen by the quota; returns those gone from disk afterwards."""
+    gone: set[str] = set()
+    with fd_closing(open_dir(ref.path)) as root:
+        for path in paths:
+            try:
+                unlink_file(root, tuple(path.split("/")))
+            except FileMissing:
+                pass
+            except (InvalidPath, OSError):
+                continue
+            gone.add(path)
+    return gone
+''',
+    'storage/_reconcile_changed.py': r'''"""Change-driven reconcile: look only at the paths a run changed, not at the whole folder.
+
+The caller (the engine, from the runner's inotify watch) names the paths the run created, changed,
+removed or renamed. Each is judged with the rules of the full scan and becomes authoritative for
+itself and everything under it:
+
+* gone: its index row and every row under `path/` are removed;
+* a regular file: (re)indexed, rows under `path/` removed;
+* a folder: its whole subtree is scanned (`_scan.scan_folder`, the full scan's own code: O_NOFOLLOW,
+  special files unlinked and reported, bad names renamed, too deep removed);
+* anything else (symlink, FIFO, socket, device): unlinked without being opened, and reported.
+
+Each path is reached from the session folder's fd, component by component with O_NOFOLLOW. Index rows
+are read per path (the exact path, and the `path/` range of the primary key), never the whole session.
+Quota enforcement and the report are the full reconcile's (`_reconcile.apply`).
+
+Anything unusual falls back to listing the whole folder (logged at debug level): more than MAX_PATHS paths,
+a path that `_names.split_path` refuses or would rewrite (not clean, not UTF-8, too deep), a parent that is
+missing or not a real folder (a symlink swapped in), a regular file with more than one link (a write
+through another name changes it without an event on this one), a session whose last full listing
+found such files (`sessions.linked_files`: written through a name that is then removed, the others
+change and nothing names them), no index row for the session yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import stat
+from collections.abc import Collection
+
+from . import _index
+from ._backend import Tx
+from ._core import ChatRef, Core
+from ._fsops import DIR_FLAGS, kind_of, lstat_at, walk_dirs
+from ._names import split_path
+from ._reconcile import Differences, apply, reconcile_folder
+from ._scan import Scan, reject, scan_folder
+from .errors import FileMissing, InvalidPath
+from .models import ReconcileReport
+
+log = logging.getLogger("code_sessions.storage")
+
+MAX_PATHS = 5000  # beyond this many paths, listing the folder is about as cheap
+
+
+class _Fallback(Exception):
+    """Something is unusual: list the whole folder instead."""
+
+
+async def reconcile_changed(
+    core: Core, ref: ChatRef, changed: Collection[str], *, enforce: bool
+) -> ReconcileReport:
+    """Reconcile the given paths only; the whole folder when anything is unusual."""
+    found = Scan()
+    try:
+        scopes = _scopes(changed)
+        if not scopes:  # nothing changed (print(1)): nothing to read; write the totals, report
+            return await apply(core, ref, Differences(found, full=False), enforce=False)
+        await asyncio.to_thread(_look, ref.path, scopes, found)
+        return await _apply(core, ref, scopes, found, enforce=enforce)
+    except _Fallback as why:
+        log.debug(
+            "reconcile of %s: full listing instead of %d changed paths: %s", ref.path, len(changed), why
+        )
+    # Entries the attempt already rejected or renamed are gone from disk; the report still names them.
+    return await reconcile_folder(core, ref, enforce=enforce, prior=found)
+
+
+def _scopes(changed: Collection[str]) -> list[str]:
+    """Validated paths, sorted, without those under another changed path (its scan covers them)."""
+    if len(changed) > MAX_PATHS:
+        raise _Fallback(f"more than {MAX_PATHS} paths")
+    paths = set()
+    for path in changed:
+        try:
+            canonical = "/".join(split_path(path))
+        except InvalidPath as why:
+            raise _Fallback(str(why)) from None
+        if canonical != path:
+            raise _Fallback(f"not a clean relative path: {path!r}")
+        paths.add(path)
+    scopes = []
+    for path in sorted(paths):
+        parts = path.split("/")
+        if not any("/".join(parts[:i]) in paths for i in range(1, len(parts))):
+            scopes.append(path)
+    return scopes
+
+
+def _look(session_dir: os.PathLike[str], scopes: list[str], found: Scan) -> None:
+    """Put what is on disk now at each scope (and under it) into `found`, fixing what a full scan
+    fixes. Runs in a worker thread."""
+    try:
+        root = os.open(session_dir, DIR_FLAGS)
+    except OSError as exc:
+        raise _Fallback(f"cannot open the session folder: {exc}") from None
+    parent_path: str | None = None
+    parent = -1
+    try:
+        for path in scopes:
+            folder, _, name = path.rpartition("/")
+            if folder != parent_path:  # sorted: siblings come together, so one walk per folder
+                if parent >= 0:
+                    os.close(parent)
+                    parent = -1
+                parent_path = folder
+                parent = _open_parent(root, folder)
+            _look_at(parent, name, path, found)
+        if found.linked:
+            raise _Fallback(f"{found.linked[0]} has several hard links")
+    finally:
+        if parent >= 0:
+            os.close(parent)
+        os.close(root)
+
+
+def _open_parent(root: int, folder: str) -> int:
+    if not folder:
+        return os.dup(root)
+    try:
+        return walk_dirs(root, folder.split("/"))
+    except FileMissing:
+        # Its removal would have been an event naming the folder, which covers this path.
+        raise _Fallback(f"the folder {folder} vanished without an event") from None
+    except InvalidPath:
+        raise _Fallback(f"{folder} is not a real folder") from None
+    except OSError as exc:
+        if exc.errno == errno.EACCES:
+            raise _Fallback(f"cannot read the folder {folder}") from None
+        raise
+
+
+def _look_at(parent: int, name: str, path: str, found: Scan) -> None:
+    st = lstat_at(parent, name)
+    if st is None:
+        return  # gone: nothing on disk, so every row at and under it goes
+    if stat.S_ISREG(st.st_mode):
+        if st.st_nlink > 1:
+            raise _Fallback(f"{path} has several hard links")
+        found.files[path] = (st.st_size, st.st_mtime_ns)
+    elif stat.S_ISDIR(st.st_mode):
+        scan_folder(parent, name, path, fix=True, result=found)
+    else:
+        reject(parent, name, path, kind_of(st.st_mode), True, found)
+
+
+# Written through one name, the other names of such a file change without an event naming them (and
+# the written name may be gone by now).
+_LINKED = "the session holds files with several hard links"
+
+
+async def _apply(
+    core: Core, ref: ChatRef, scopes: list[str], found: Scan, *, enforce: bool
+) -> ReconcileReport:
+    async def read(tx: Tx) -> dict[str, tuple[int, int]]:
+        row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
+        if row is None:
+            raise _Fallback("the session has no index row")  # nothing to compare with
+        if row.linked_files:
+            raise _Fallback(_LINKED)
+        return await _index.rows_at_and_under(tx, row.id, scopes)
+
+    async def read_one(tx: Tx) -> dict[str, tuple[int, int]]:
+        # The usual case (a few paths): one statement, so one round trip on PostgreSQL.
+        found = await _index.session_rows_at_and_under(tx, ref.user_key, ref.chat_key, scopes)
+        if found is None:
+            raise _Fallback("the session has no index row")  # nothing to compare with
+        if found[1]:
+            raise _Fallback(_LINKED)
+        return found[2]
+
+    index = await core.read(read_one if len(scopes) <= _index.CHUNK else read)
+    listing = found.files
+    differences = Differences(found, full=False)
+    differences.added = [p for p in listing if p not in index]
+    differences.changed = [p for p, seen in listing.items() if p in index and index[p] != seen]
+    differences.removed = [p for p in index if p not in listing and not found.is_unreadable(p)]
+    differences.old_sizes = {p: index[p][0] for p in (*differences.changed, *differences.removed)}
+    differences.old_mtimes = {p: index[p][1] for p in differences.removed}
+    return await apply(core, ref, differences, enforce=enforce)
+''',
+    'storage/_repair.py': r'''"""The disk is the truth: the store-wide modes of `Reconcile` (REBUILD: the index from every folder;
+INTERRUPTED: what runs whose process died left behind; the sessions a full disk left unsaved), the
+links taken back from their records, and `check` (the index against the disk, changing nothing)."""
 
 from __future__ import annotations
 
@@ -4080,8 +4546,8 @@ from ._core import Core
 from ._keys import id_key
 from ._layout import read_sidecar, write_sidecar
 from ._publish import folder_copy_present, link_records
+from ._reconcile import reconcile_folder
 from ._scan import Scan, scan
-from ._sync import sync_folder
 from .errors import DiskFull
 from .models import Drift, RebuildReport
 from .publishing import DirectoryPublisher
@@ -4089,10 +4555,10 @@ from .publishing import DirectoryPublisher
 log = logging.getLogger("code_sessions.storage")
 
 
-async def rebuild(core: Core) -> RebuildReport:
-    """Sync every session folder (creating rows from sidecars) and drop rows without a folder.
+async def reconcile_rebuild(core: Core) -> RebuildReport:
+    """Reconcile every session folder (creating rows from sidecars) and drop rows without a folder.
 
-    Sessions in use are skipped: their own sync at the end of the run will index them. Quotas are
+    Sessions in use are skipped: their own reconcile at the end of the run will index them. Quotas are
     not enforced: a rebuild must never delete a user's files.
     """
     layout = core.layout
@@ -4130,7 +4596,7 @@ async def rebuild(core: Core) -> RebuildReport:
         try:
             created_at = created if created is not None else time.time()
             sid = await core.write(lambda tx, r=ref, c=created_at: core.session_id(tx, r, c))
-            report = await sync_folder(core, ref, enforce=False)
+            report = await reconcile_folder(core, ref, enforce=False)
             # Repair the cached totals too, whatever happened to them, and report the repaired ones.
             files, size = await core.write(lambda tx, i=sid: _index.refresh_totals(tx, i))
         finally:
@@ -4160,7 +4626,7 @@ async def rebuild(core: Core) -> RebuildReport:
         finally:
             await lock.release()
 
-    links = await adopt_links(core)
+    links = await reconcile_links(core)
     result = RebuildReport(
         sessions=totals["sessions"],
         sessions_in_use=totals["in_use"],
@@ -4181,7 +4647,7 @@ async def rebuild(core: Core) -> RebuildReport:
     return result
 
 
-async def adopt_links(core: Core) -> int:
+async def reconcile_links(core: Core) -> int:
     """Links of published copies the index does not know, taken back from their records (an index
     lost or replaced): old answers keep working. Returns how many were taken back."""
     records = await asyncio.to_thread(link_records, core)
@@ -4235,8 +4701,8 @@ async def adopt_links(core: Core) -> int:
     return len(adopt)
 
 
-async def recover_interrupted_runs(core: Core) -> None:
-    """Index the folders of runs whose process ended before their sync (a crash, a kill): their
+async def reconcile_interrupted(core: Core) -> None:
+    """Index the folders of runs whose process ended before their reconcile (a crash, a kill): their
     files would otherwise stay out of the index, the quotas and expiry until the chat's next run. A
     run still going on in another process holds its lock and is left alone."""
     layout = core.layout
@@ -4253,7 +4719,7 @@ async def recover_interrupted_runs(core: Core) -> None:
             ref = core.ref_at(row.user_id, row.chat_id, user_key, chat_key)
             # Like rebuild, recovery never deletes files: the totals count them, so a user over a
             # limit has nothing to spend at the next run.
-            report = await sync_folder(core, ref, enforce=False)
+            report = await reconcile_folder(core, ref, enforce=False)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(layout.running_marker(user_key, chat_key))
         finally:
@@ -4268,7 +4734,7 @@ async def recover_interrupted_runs(core: Core) -> None:
         await core.log("interrupted_run", row.user_id, row.chat_id, {"summary": report.summary()})
 
 
-async def save_unsaved_sessions(core: Core) -> None:
+async def reconcile_unsaved(core: Core) -> None:
     """Write the sidecar and row of each session used while the disk was full, and index its folder
     (never deleting: like a rebuild). One in use elsewhere is left for a later call. Raises DiskFull
     when the disk is still full."""
@@ -4289,7 +4755,7 @@ async def save_unsaved_sessions(core: Core) -> None:
                 core.unsaved.pop(key, None)
                 continue
             await core.write(lambda tx, r=ref, c=created: core.session_id(tx, r, c))
-            await sync_folder(core, ref, enforce=False)
+            await reconcile_folder(core, ref, enforce=False)
             core.unsaved.pop(key, None)
         finally:
             await lock.release()
@@ -4321,7 +4787,7 @@ async def check(core: Core) -> list[Drift]:
             drift.append(Drift("session folder missing", row.user_id, row.chat_id, detail=str(folder)))
             continue
         if await core.backend.chat_locked(*key):
-            continue  # a run is writing into it: differences are expected until its sync
+            continue  # a run is writing into it: differences are expected until its reconcile
         found = await asyncio.to_thread(scan, folder, fix=False)
         index_rows = await core.read(lambda tx, sid=row.id: _index.file_rows(tx, sid))
         drift.extend(await asyncio.to_thread(_compare, row, found, index_rows))
@@ -4448,10 +4914,10 @@ class Scan:
     # Folders we could not open: index entries under them are kept as they are, not dropped.
     unreadable: list[str] = field(default_factory=list)
     # Regular files with more than one link: a write through another name changes them without an
-    # event on this name, so a change-driven reconcile cannot trust its other rows (see _sync_changed).
+    # event on this name, so a change-driven reconcile cannot trust its other rows (see _reconcile_changed).
     linked: list[str] = field(default_factory=list)
     # Folders found empty (with fix=True): folders are not files, so no quota counts them; see
-    # _sync.MAX_EMPTY_FOLDERS.
+    # _reconcile.MAX_EMPTY_FOLDERS.
     empty_folders: list[str] = field(default_factory=list)
 
     def is_unreadable(self, path: str) -> bool:
@@ -4907,7 +5373,7 @@ class _Connection:
             conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
             conn.execute("PRAGMA foreign_keys = ON")
             # NORMAL is safe with WAL (no corruption); a power cut may lose the last transactions, which
-            # the next sync recovers from disk anyway.
+            # the next reconcile recovers from disk anyway.
             conn.execute("PRAGMA synchronous = NORMAL")
         except BaseException:
             conn.close()
@@ -5225,458 +5691,6 @@ async def _migrate(tx: _Tx) -> bool:
     await tx.one("SELECT count(*) FROM sessions WHERE id = 0")
     return version == 0
 ''',
-    'storage/_sync.py': r'''"""Bringing the index in line with a session folder (the disk is the truth), and the quota after a run.
-
-Two ways to find what differs, one way to apply it:
-
-* `sync_folder`: list the whole folder (one lstat per entry) and compare with the session's rows;
-* `_sync_changed.sync_paths`: look only at the paths a run changed (see that module);
-* `apply`: write the differences in ONE write transaction that also makes the quota decision: it
-  reads the user's totals across all chats inside that transaction (serialised per user), weighs
-  the run's new and grown files with `Policy.plan_removals`, and indexes only what is kept; the files
-  that go are unlinked right after. Two chats of one user finishing at once therefore cannot both
-  spend the last room: the second one sees the first one's files.
-
-Quota enforcement only ever removes files a run added or grew; files the index already knew and that
-did not grow are never touched.
-"""
-
-from __future__ import annotations
-
-import asyncio
-import os
-import time
-from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
-
-from . import _index
-from ._backend import Tx
-from ._core import ChatRef, Core
-from ._fsops import fd_closing, open_dir, unlink_file, walk_dirs
-from ._scan import Listing, Scan, scan
-from .errors import FileMissing, InvalidPath
-from .models import Growth, QuotaRemoval, ReconcileReport, Rejected, Usage
-
-_AUDIT_ITEMS = 100
-# Empty folders kept per sync (a full one: the whole session; a change-driven one: the folders a run
-# made). Code can make folders without end, each a few KiB of disk that no quota counts.
-MAX_EMPTY_FOLDERS = 1000
-
-
-@dataclass(slots=True)
-class Differences:
-    """What differs between a folder (as found) and its index rows.
-
-    `found.files` holds (at least) every added and changed path; `old_sizes` the indexed size of
-    every changed and removed path, `old_mtimes` the indexed mtime of every removed one."""
-
-    found: Scan
-    added: list[str] = field(default_factory=list)
-    changed: list[str] = field(default_factory=list)
-    removed: list[str] = field(default_factory=list)
-    old_sizes: dict[str, int] = field(default_factory=dict)
-    old_mtimes: dict[str, int] = field(default_factory=dict)
-    full: bool = True
-
-    def usage_delta(self) -> Usage:
-        listing = self.found.files
-        files = len(self.added) - len(self.removed)
-        size = (
-            sum(listing[p][0] for p in self.added)
-            + sum(listing[p][0] - self.old_sizes[p] for p in self.changed)
-            - sum(self.old_sizes[p] for p in self.removed)
-        )
-        return Usage(files, size)
-
-    def growth(self) -> list[Growth]:
-        """The files the quota weighs: every added one, and every changed one that grew. An added
-        file with the size and mtime of a removed one is that file moved (a rename keeps both): it
-        adds nothing, so it is not weighed."""
-        listing = self.found.files
-        moved_from: dict[tuple[int, int], int] = {}
-        for path in self.removed:
-            stat = (self.old_sizes[path], self.old_mtimes.get(path, -1))
-            moved_from[stat] = moved_from.get(stat, 0) + 1
-        items = []
-        for path in self.added:
-            stat = listing[path]
-            if moved_from.get(stat):
-                moved_from[stat] -= 1
-                continue
-            items.append(Growth(path, *stat, new=True))
-        for path in self.changed:
-            size, mtime_ns = listing[path]
-            old = self.old_sizes[path]
-            if size > old:
-                items.append(Growth(path, size, mtime_ns, new=False, old_size=old))
-        return items
-
-
-def compare(found: Scan, index_rows: Iterable[tuple[str, int, int]]) -> Differences:
-    """Walk the index rows once against the listing (this loop is most of a full sync's Python
-    time on a big session; it runs in a worker thread)."""
-    remaining = dict(found.files)
-    pop = remaining.pop
-    differences = Differences(found)
-    changed, removed, old = differences.changed, differences.removed, differences.old_sizes
-    unreadable = bool(found.unreadable)
-    for path, size, mtime_ns in index_rows:
-        seen = pop(path, None)
-        if seen is None:
-            if not (unreadable and found.is_unreadable(path)):
-                removed.append(path)
-                old[path] = size
-                differences.old_mtimes[path] = mtime_ns
-        elif seen[0] != size or seen[1] != mtime_ns:
-            changed.append(path)
-            old[path] = size
-    differences.added = list(remaining)
-    return differences
-
-
-async def sync_folder(
-    core: Core, ref: ChatRef, *, enforce: bool, prior: Scan | None = None
-) -> ReconcileReport:
-    """List the whole folder and apply what differs. `prior`: what a change-driven attempt that fell
-    back already rejected or renamed (those entries are gone now; the report still tells)."""
-
-    async def read(tx: Tx) -> list[tuple[str, int, int]]:
-        row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
-        return [] if row is None else await _index.file_rows(tx, row.id)
-
-    # One after the other, not overlapped: the listing makes one system call per entry, each
-    # releasing the GIL, and a second busy thread turns every one of those into a GIL hand-off
-    # (measured: overlapping made a 100k-file sync about 50% slower).
-    found = await asyncio.to_thread(scan, ref.path, fix=True)
-    if prior is not None:
-        found.rejected[:0] = prior.rejected
-        found.renamed[:0] = prior.renamed
-    index_rows = await core.read(read)
-    differences = await asyncio.to_thread(compare, found, index_rows)
-    return await apply(core, ref, differences, enforce=enforce)
-
-
-# Up to this many changed paths, a reconcile's write names the session by its keys (write_by_keys).
-_BY_KEYS_MAX = 64
-
-
-async def apply(core: Core, ref: ChatRef, differences: Differences, *, enforce: bool) -> ReconcileReport:
-    """Decide the quota and write the differences in one transaction; then unlink what goes."""
-    found = differences.found
-    listing: Listing = found.files
-    if not differences.full and not (
-        differences.added or differences.changed or differences.removed or found.rejected or found.renamed
-    ):
-        # Nothing changed (print(1)): nothing to write, only the totals to report.
-        usage = await core.read(lambda tx: _index.session_usage(tx, ref.user_key, ref.chat_key))
-        return ReconcileReport(files=usage.files, bytes=usage.bytes, full=False)
-    if len(found.empty_folders) > MAX_EMPTY_FOLDERS:
-        await asyncio.to_thread(_prune_empty_folders, ref, found)
-    candidates = differences.growth() if enforce else []
-    delta = differences.usage_delta() if candidates else Usage(0, 0)
-    now = time.time()
-
-    # A step's few changes name the session by its keys: no statement waits for its id, and the
-    # transaction is one round trip on PostgreSQL (two when the quota must be decided).
-    by_keys = not differences.full and (
-        len(differences.added) + len(differences.changed) + len(differences.removed) <= _BY_KEYS_MAX
-    )
-
-    async def write(tx: Tx) -> tuple[list[QuotaRemoval], Callable[[], Awaitable[tuple[int, int]]]]:
-        sid = None
-        if by_keys:
-            await _index.ensure_session_queued(
-                tx,
-                user_id=ref.user_id,
-                chat_id=ref.chat_id,
-                user_key=ref.user_key,
-                chat_key=ref.chat_key,
-                temporary=ref.temporary,
-                created_at=now,
-            )
-        else:
-            sid = await core.session_id(tx, ref, now)
-        removals: list[QuotaRemoval] = []
-        if candidates:
-            await tx.serialise_user(ref.user_key)
-            usage = await _index.user_usage(tx, ref.user_key)
-            removals = core.policy.plan_removals(
-                candidates, Usage(usage.files + delta.files, usage.bytes + delta.bytes)
-            )
-        going = {r.path for r in removals}
-        if sid is not None and differences.full:  # only a full listing tells no file has several links
-            await _index.set_linked_files(tx, sid, len(found.linked))
-        kept = [(p, *listing[p], now) for p in differences.added + differences.changed if p not in going]
-        dropped = differences.removed + [p for p in differences.changed if p in going]
-        if sid is None:
-            if kept:
-                await _index.upsert_files_by_keys(tx, ref.user_key, ref.chat_key, kept)
-            if dropped:
-                await _index.delete_files_by_keys(tx, ref.user_key, ref.chat_key, dropped)
-        else:
-            if kept:
-                await _index.upsert_files(tx, sid, kept)
-            if dropped:
-                await _index.delete_files(tx, sid, dropped)
-        await _audit(tx, ref, found, removals, now)
-        if sid is None:
-            return removals, await _index.session_usage_later(tx, ref.user_key, ref.chat_key)
-        return removals, await _index.session_totals_later(tx, sid)
-
-    removals, totals = await core.write(write)
-    files, size = await totals()
-    quota_removed: list[QuotaRemoval] = []
-    if removals:
-        # After the commit: a file that cannot be unlinked stays on disk, unindexed, and the next
-        # sync weighs it again.
-        gone = await asyncio.to_thread(_remove, ref, [r.path for r in removals])
-        quota_removed = [r for r in removals if r.path in gone]
-    going = {r.path for r in removals}
-    return ReconcileReport(
-        added=sorted(p for p in differences.added if p not in going),
-        changed=sorted(p for p in differences.changed if p not in going),
-        removed=sorted(differences.removed),
-        rejected=found.rejected,
-        renamed=found.renamed,
-        quota_removed=quota_removed,
-        files=files,
-        bytes=size,
-        full=differences.full,
-    )
-
-
-async def _audit(tx: Tx, ref: ChatRef, found: Scan, removals: list[QuotaRemoval], now: float) -> None:
-    # The audit trail keeps the first _AUDIT_ITEMS of each list and the counts (a run can create a
-    # million symlinks; the report has them all).
-    who = (ref.user_id, ref.chat_id)
-    if found.rejected or found.renamed:
-        detail = {
-            "rejected": [r.to_dict() for r in found.rejected[:_AUDIT_ITEMS]],
-            "renamed": [r.to_dict() for r in found.renamed[:_AUDIT_ITEMS]],
-            "rejected_count": len(found.rejected),
-            "renamed_count": len(found.renamed),
-        }
-        await _index.log_activity(tx, now, "rejected", *who, detail)
-    if removals:
-        detail = {
-            "removed": [r.to_dict() for r in removals[:_AUDIT_ITEMS]],
-            "removed_count": len(removals),
-            "bytes": sum(r.size for r in removals),
-        }
-        await _index.log_activity(tx, now, "quota_removed", *who, detail)
-
-
-def _prune_empty_folders(ref: ChatRef, found: Scan) -> None:
-    """Keep the MAX_EMPTY_FOLDERS shallowest empty folders, remove the others (reported as rejected)."""
-    ordered = sorted(found.empty_folders, key=lambda p: (p.count("/"), p))
-    with fd_closing(open_dir(ref.path)) as root:
-        for path in ordered[MAX_EMPTY_FOLDERS:]:
-            parts = tuple(path.split("/"))
-            try:
-                with fd_closing(walk_dirs(root, parts[:-1])) as parent:
-                    os.rmdir(parts[-1], dir_fd=parent)
-            except (FileMissing, InvalidPath, OSError):
-                continue
-            found.rejected.append(Rejected(path + "/", "empty folder"))
-    found.empty_folders = ordered[:MAX_EMPTY_FOLDERS]
-
-
-def _remove(ref: ChatRef, paths: list[str]) -> set[str]:
-    """Delete files chosen by the quota; returns those gone from disk afterwards."""
-    gone: set[str] = set()
-    with fd_closing(open_dir(ref.path)) as root:
-        for path in paths:
-            try:
-                unlink_file(root, tuple(path.split("/")))
-            except FileMissing:
-                pass
-            except (InvalidPath, OSError):
-                continue
-            gone.add(path)
-    return gone
-''',
-    'storage/_sync_changed.py': r'''"""Change-driven sync: look only at the paths a run changed, not at the whole folder.
-
-The caller (the engine, from the runner's inotify watch) names the paths the run created, changed,
-removed or renamed. Each is judged with the rules of the full scan and becomes authoritative for
-itself and everything under it:
-
-* gone: its index row and every row under `path/` are removed;
-* a regular file: (re)indexed, rows under `path/` removed;
-* a folder: its whole subtree is scanned (`_scan.scan_folder`, the full scan's own code: O_NOFOLLOW,
-  special files unlinked and reported, bad names renamed, too deep removed);
-* anything else (symlink, FIFO, socket, device): unlinked without being opened, and reported.
-
-Each path is reached from the session folder's fd, component by component with O_NOFOLLOW. Index rows
-are read per path (the exact path, and the `path/` range of the primary key), never the whole session.
-Quota enforcement and the report are the full sync's (`_sync.apply`).
-
-Anything unusual falls back to listing the whole folder (logged at debug level): more than MAX_PATHS paths,
-a path that `_names.split_path` refuses or would rewrite (not clean, not UTF-8, too deep), a parent that is
-missing or not a real folder (a symlink swapped in), a regular file with more than one link (a write
-through another name changes it without an event on this one), a session whose last full listing
-found such files (`sessions.linked_files`: written through a name that is then removed, the others
-change and nothing names them), no index row for the session yet.
-"""
-
-from __future__ import annotations
-
-import asyncio
-import errno
-import logging
-import os
-import stat
-from collections.abc import Collection
-
-from . import _index
-from ._backend import Tx
-from ._core import ChatRef, Core
-from ._fsops import DIR_FLAGS, kind_of, lstat_at, walk_dirs
-from ._names import split_path
-from ._scan import Scan, reject, scan_folder
-from ._sync import Differences, apply, sync_folder
-from .errors import FileMissing, InvalidPath
-from .models import ReconcileReport
-
-log = logging.getLogger("code_sessions.storage")
-
-MAX_PATHS = 5000  # beyond this many paths, listing the folder is about as cheap
-
-
-class _Fallback(Exception):
-    """Something is unusual: list the whole folder instead."""
-
-
-async def sync_paths(
-    core: Core, ref: ChatRef, changed: Collection[str], *, enforce: bool
-) -> ReconcileReport:
-    """Sync the given paths only; the whole folder when anything is unusual."""
-    found = Scan()
-    try:
-        scopes = _scopes(changed)
-        if not scopes:  # nothing changed (print(1)): nothing to read; write the totals, report
-            return await apply(core, ref, Differences(found, full=False), enforce=False)
-        await asyncio.to_thread(_look, ref.path, scopes, found)
-        return await _apply(core, ref, scopes, found, enforce=enforce)
-    except _Fallback as why:
-        log.debug("sync of %s: full listing instead of %d changed paths: %s", ref.path, len(changed), why)
-    # Entries the attempt already rejected or renamed are gone from disk; the report still names them.
-    return await sync_folder(core, ref, enforce=enforce, prior=found)
-
-
-def _scopes(changed: Collection[str]) -> list[str]:
-    """Validated paths, sorted, without those under another changed path (its scan covers them)."""
-    if len(changed) > MAX_PATHS:
-        raise _Fallback(f"more than {MAX_PATHS} paths")
-    paths = set()
-    for path in changed:
-        try:
-            canonical = "/".join(split_path(path))
-        except InvalidPath as why:
-            raise _Fallback(str(why)) from None
-        if canonical != path:
-            raise _Fallback(f"not a clean relative path: {path!r}")
-        paths.add(path)
-    scopes = []
-    for path in sorted(paths):
-        parts = path.split("/")
-        if not any("/".join(parts[:i]) in paths for i in range(1, len(parts))):
-            scopes.append(path)
-    return scopes
-
-
-def _look(session_dir: os.PathLike[str], scopes: list[str], found: Scan) -> None:
-    """Put what is on disk now at each scope (and under it) into `found`, fixing what a full scan
-    fixes. Runs in a worker thread."""
-    try:
-        root = os.open(session_dir, DIR_FLAGS)
-    except OSError as exc:
-        raise _Fallback(f"cannot open the session folder: {exc}") from None
-    parent_path: str | None = None
-    parent = -1
-    try:
-        for path in scopes:
-            folder, _, name = path.rpartition("/")
-            if folder != parent_path:  # sorted: siblings come together, so one walk per folder
-                if parent >= 0:
-                    os.close(parent)
-                    parent = -1
-                parent_path = folder
-                parent = _open_parent(root, folder)
-            _look_at(parent, name, path, found)
-        if found.linked:
-            raise _Fallback(f"{found.linked[0]} has several hard links")
-    finally:
-        if parent >= 0:
-            os.close(parent)
-        os.close(root)
-
-
-def _open_parent(root: int, folder: str) -> int:
-    if not folder:
-        return os.dup(root)
-    try:
-        return walk_dirs(root, folder.split("/"))
-    except FileMissing:
-        # Its removal would have been an event naming the folder, which covers this path.
-        raise _Fallback(f"the folder {folder} vanished without an event") from None
-    except InvalidPath:
-        raise _Fallback(f"{folder} is not a real folder") from None
-    except OSError as exc:
-        if exc.errno == errno.EACCES:
-            raise _Fallback(f"cannot read the folder {folder}") from None
-        raise
-
-
-def _look_at(parent: int, name: str, path: str, found: Scan) -> None:
-    st = lstat_at(parent, name)
-    if st is None:
-        return  # gone: nothing on disk, so every row at and under it goes
-    if stat.S_ISREG(st.st_mode):
-        if st.st_nlink > 1:
-            raise _Fallback(f"{path} has several hard links")
-        found.files[path] = (st.st_size, st.st_mtime_ns)
-    elif stat.S_ISDIR(st.st_mode):
-        scan_folder(parent, name, path, fix=True, result=found)
-    else:
-        reject(parent, name, path, kind_of(st.st_mode), True, found)
-
-
-# Written through one name, the other names of such a file change without an event naming them (and
-# the written name may be gone by now).
-_LINKED = "the session holds files with several hard links"
-
-
-async def _apply(
-    core: Core, ref: ChatRef, scopes: list[str], found: Scan, *, enforce: bool
-) -> ReconcileReport:
-    async def read(tx: Tx) -> dict[str, tuple[int, int]]:
-        row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
-        if row is None:
-            raise _Fallback("the session has no index row")  # nothing to compare with
-        if row.linked_files:
-            raise _Fallback(_LINKED)
-        return await _index.rows_at_and_under(tx, row.id, scopes)
-
-    async def read_one(tx: Tx) -> dict[str, tuple[int, int]]:
-        # The usual case (a few paths): one statement, so one round trip on PostgreSQL.
-        found = await _index.session_rows_at_and_under(tx, ref.user_key, ref.chat_key, scopes)
-        if found is None:
-            raise _Fallback("the session has no index row")  # nothing to compare with
-        if found[1]:
-            raise _Fallback(_LINKED)
-        return found[2]
-
-    index = await core.read(read_one if len(scopes) <= _index.CHUNK else read)
-    listing = found.files
-    differences = Differences(found, full=False)
-    differences.added = [p for p in listing if p not in index]
-    differences.changed = [p for p, seen in listing.items() if p in index and index[p] != seen]
-    differences.removed = [p for p in index if p not in listing and not found.is_unreadable(p)]
-    differences.old_sizes = {p: index[p][0] for p in (*differences.changed, *differences.removed)}
-    differences.old_mtimes = {p: index[p][1] for p in differences.removed}
-    return await apply(core, ref, differences, enforce=enforce)
-''',
     'storage/cli.py': r'''"""Developer/admin CLI: `python -m storage [--root PATH] [--database-url URL] COMMAND [--json]` (also
 `code-sessions-store`).
 
@@ -5697,7 +5711,7 @@ from typing import Any
 
 from ._format import human_bytes, human_duration, human_limit, iso_time, parse_duration, table
 from .errors import StorageError
-from .models import ChatInfo, Purge
+from .models import ChatInfo, Purge, Reconcile
 from .store import Store
 
 ENV_ROOT = "CODE_SESSIONS_ROOT"
@@ -5952,7 +5966,7 @@ async def _cleanup(store: Store, args: argparse.Namespace) -> int:
 
 
 async def _rebuild(store: Store, args: argparse.Namespace) -> int:
-    report = await store.rebuild()
+    report = await store.reconcile(Reconcile.REBUILD)
     _emit(args, report.to_dict(), "rebuilt: " + report.summary())
     return 0
 
@@ -6056,6 +6070,7 @@ Reports convert to plain JSON-able dicts with `to_dict()`.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -6077,6 +6092,7 @@ __all__ = [
     "QuotaRemoval",
     "Quotas",
     "RebuildReport",
+    "Reconcile",
     "ReconcileReport",
     "Rejected",
     "Renamed",
@@ -6274,9 +6290,27 @@ class QuotaRemoval(_Dictable):
     reason: str
 
 
+class Reconcile(enum.Enum):
+    """How the index is brought in line with the disk (the disk is the truth): the modes of
+    `Session.reconcile` (one chat, after a run) and `Store.reconcile` (the whole store)."""
+
+    # One chat, after a run: only the paths it changed (`changed=`); the whole folder when anything
+    # is unusual. Report: ReconcileReport with full=False.
+    CHANGED = "changed"
+    # One chat: its whole folder listed (no `changed=`, or CHANGED fell back). full=True.
+    FOLDER = "folder"
+    # Every chat whose run ended with its process (a crash): its mark in running/ is left.
+    INTERRUPTED = "interrupted"
+    # What a full disk put off: the chats used meanwhile (sidecar, row, folder) and the start-up modes.
+    AFTER_FULL_DISK = "after_full_disk"
+    # Every session folder on disk, ids from the sidecars; rows without a folder dropped, links taken
+    # back from their records (a new or replaced index). Report: RebuildReport.
+    REBUILD = "rebuild"
+
+
 @dataclass(frozen=True, slots=True)
 class ReconcileReport(_Dictable):
-    """What reconcile found and did. files / bytes are the session totals afterwards."""
+    """What `Session.reconcile` found and did. files / bytes are the session totals afterwards."""
 
     added: list[str] = field(default_factory=list)
     changed: list[str] = field(default_factory=list)
@@ -6286,7 +6320,8 @@ class ReconcileReport(_Dictable):
     quota_removed: list[QuotaRemoval] = field(default_factory=list)
     files: int = 0
     bytes: int = 0
-    # True: the whole folder was listed. False: only the paths a run changed were looked at.
+    # True: the whole folder was listed (Reconcile.FOLDER). False: only the paths a run changed were
+    # looked at (Reconcile.CHANGED).
     full: bool = True
 
     def summary(self) -> str:
@@ -6302,7 +6337,7 @@ class ReconcileReport(_Dictable):
 
 @dataclass(frozen=True, slots=True)
 class RebuildReport(_Dictable):
-    """Summary of `Store.rebuild()` over every session folder.
+    """Summary of `Store.reconcile(Reconcile.REBUILD)` over every session folder.
 
     sessions_without_sidecar: folders whose real ids are unknown (sidecar lost and no index row);
     they are indexed under `unknown:<folder name>` ids and keep their files.
@@ -6824,10 +6859,10 @@ def _copy_into(src: int, directory: Path, token: str, name: str, rel: str) -> No
             raise DiskFull(f"Not enough disk space to publish {rel}; nothing was published.") from exc
         raise
 ''',
-    'storage/session.py': r'''"""A chat's session, as callers see it: its folder, lock, budget, sync, files and links.
+    'storage/session.py': r'''"""A chat's session, as callers see it: its folder, lock, budget, reconcile, files and links.
 
 `Session` and `ChatFiles` are thin faces: the work is done by the modules of the storage core
-(`_sync`, `_publish`, `_index`, `_fsops`) over the store's `Core` and this session's `ChatRef`.
+(`_reconcile`, `_publish`, `_index`, `_fsops`) over the store's `Core` and this session's `ChatRef`.
 """
 
 from __future__ import annotations
@@ -6840,7 +6875,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from pathlib import Path
 
-from . import _index, _index_links, _publish, _repair, _sync, _sync_changed
+from . import _index, _index_links, _publish, _reconcile, _reconcile_changed, _repair
 from ._backend import Tx
 from ._core import ChatRef, Core
 from ._fsops import (
@@ -6858,7 +6893,7 @@ from ._fsops import (
 )
 from ._names import attachment_name, numbered, split_path
 from .errors import DiskFull, FileMissing, InvalidPath
-from .models import FileEntry, Link, LinkInfo, ReconcileReport, RunBudget, Usage
+from .models import FileEntry, Link, LinkInfo, Reconcile, ReconcileReport, RunBudget, Usage
 
 __all__ = ["ChatFiles", "Session"]
 
@@ -6869,7 +6904,7 @@ class Session:
     """One chat's persistent folder. Get it from `await store.session(user_id, chat_id)`.
 
     `path` is the host folder to mount at /mnt/data. Run steps inside `async with session.lock():`
-    so budget, run, sync and publish of one chat never interleave (across processes too).
+    so budget, run, reconcile and publish of one chat never interleave (across processes too).
     """
 
     def __init__(self, core: Core, ref: ChatRef, *, unindexed: bool = False) -> None:
@@ -6960,7 +6995,7 @@ class Session:
 
         try:
             self._unindexed_run = await asyncio.to_thread(mark) or self._unindexed_run
-        except OSError:  # a full disk: the run may still free space; its sync lists the whole folder
+        except OSError:  # a full disk: the run may still free space; its reconcile lists the whole folder
             self._unindexed_run = True
 
     async def reconcile(
@@ -6970,31 +7005,34 @@ class Session:
         what the run added beyond the quota.
 
         `changed`: the relative paths the run created, changed, removed or renamed (e.g. the
-        runner's `RunResult.changed`); only those, and folders' subtrees, are looked at, with the
-        same rules, falling back to listing the whole folder when anything is unusual
-        (`report.full` tells which ran). None: list the whole folder."""
+        runner's `RunResult.changed`): Reconcile.CHANGED looks only at those, and folders' subtrees,
+        with the same rules, falling back to listing the whole folder (Reconcile.FOLDER) when
+        anything is unusual; `report.full` tells which ran. None: Reconcile.FOLDER."""
         core = self._core
         if enforce_quotas:
             await core.remember_settings()
-        if changed is not None and self._unindexed_run:
-            changed = None  # an earlier run was never indexed: its changes are not among these
+        mode = Reconcile.CHANGED if changed is not None else Reconcile.FOLDER
+        if self._unindexed_run:
+            mode = Reconcile.FOLDER  # an earlier run was never indexed: its changes are not among these
         if core.generation != self._generation:
             # The index was rebuilt while this session was locked (a damaged index, found during the
             # run): the rebuild skipped it, so it is listed whole, and its links taken back.
-            changed = None
-        if changed is not None:
-            report = await _sync_changed.sync_paths(core, self._ref, changed, enforce=enforce_quotas)
-        else:
-            report = await _sync.sync_folder(core, self._ref, enforce=enforce_quotas)
-        if core.generation != self._generation:  # replaced while this sync ran
-            if changed is not None:  # the rebuild skipped this locked session: list it whole
-                report = await _sync.sync_folder(core, self._ref, enforce=enforce_quotas)
-            await _repair.adopt_links(core)
+            mode = Reconcile.FOLDER
+        report = await self._reconcile(mode, changed or (), enforce_quotas)
+        if core.generation != self._generation:  # replaced while this reconcile ran
+            if mode is Reconcile.CHANGED:  # the rebuild skipped this locked session: list it whole
+                report = await self._reconcile(Reconcile.FOLDER, (), enforce_quotas)
+            await _repair.reconcile_links(core)
             self._generation = core.generation
         marker = core.layout.running_marker(self.user_key, self.chat_key)
         await asyncio.to_thread(_unlink_missing_ok, marker)
         self._unindexed_run = False
         return report
+
+    async def _reconcile(self, mode: Reconcile, changed: Collection[str], enforce: bool) -> ReconcileReport:
+        if mode is Reconcile.CHANGED:
+            return await _reconcile_changed.reconcile_changed(self._core, self._ref, changed, enforce=enforce)
+        return await _reconcile.reconcile_folder(self._core, self._ref, enforce=enforce)
 
     async def usage(self) -> Usage:
         """This chat's files and bytes, as last indexed."""
@@ -7030,7 +7068,7 @@ class ChatFiles:
         self._ref = ref
 
     async def list(self) -> list[FileEntry]:
-        """Every indexed file, sorted by path (the index as of the last sync or file operation)."""
+        """Every indexed file, sorted by path (the index as of the last reconcile or file operation)."""
         return await self._core.read(
             lambda tx: _index.file_entries(tx, self._ref.user_key, self._ref.chat_key)
         )
@@ -7153,7 +7191,7 @@ class ChatFiles:
         marker = core.layout.running_marker(ref.user_key, ref.chat_key)
 
         def work() -> None:
-            # Marked first, like a run: if the index cannot be told (a full disk), the next sync lists
+            # Marked first, like a run: if the index cannot be told (a full disk), the next reconcile lists
             # the whole folder instead of trusting rows of files that are gone.
             with contextlib.suppress(OSError):
                 os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
@@ -7170,7 +7208,7 @@ class ChatFiles:
             return [] if row is None else await _index_links.links_of_session(tx, row.id)
 
         try:
-            await _sync.sync_folder(core, ref, enforce=False)
+            await _reconcile.reconcile_folder(core, ref, enforce=False)
         except DiskFull:
             # The index cannot be told now, but the copies still go: the user asked for it, and it
             # frees space. Their rows, pointing at nothing, go at the next cleanup.
@@ -7275,6 +7313,7 @@ import logging
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Literal, overload
 
 from . import _expiry, _index, _index_links, _repair
 from ._backend import Backend, Lock, Tx
@@ -7294,6 +7333,7 @@ from .models import (
     Purge,
     Quotas,
     RebuildReport,
+    Reconcile,
     UserUsage,
 )
 from .policy import Policy
@@ -7343,8 +7383,7 @@ class Store:
             owner=owner,
             record_settings=record_settings,
         )
-        self._core.rebuild = self.rebuild
-        self._core.catch_up = self._catch_up
+        self._core.reconcile = self.reconcile
         self._rebuild_put_off = False
         self._repair_at_open = repair_at_open
         self._opened = False
@@ -7413,7 +7452,7 @@ class Store:
                 await self._startup_repairs(rebuild=opened.fresh, moved_aside=opened.moved_aside is not None)
             except DiskFull:
                 # Open anyway: every step then says the disk is full, and one that frees space works;
-                # the first write that succeeds afterwards does these repairs (Core.catch_up).
+                # the first write that succeeds afterwards does these repairs (Reconcile.AFTER_FULL_DISK).
                 log.warning(
                     "the disk holding %s is full: the store opened without its start-up repairs", self.root
                 )
@@ -7431,16 +7470,16 @@ class Store:
                 log.warning(
                     "the index %s is new but session folders exist: rebuilding it", core.backend.where
                 )
-            report = await self.rebuild()
+            report = await self.reconcile(Reconcile.REBUILD)
             log.warning("index rebuilt: %s", report.summary())
-        await _repair.recover_interrupted_runs(core)
+        await self.reconcile(Reconcile.INTERRUPTED)
 
-    async def _catch_up(self) -> None:
+    async def _reconcile_after_full_disk(self) -> None:
         """What a full disk put off, done by the first write that had room again: the sessions used
         meanwhile get their sidecar, row and file rows; the start-up repairs run."""
         core = self._core
         with contextlib.suppress(DiskFull):
-            await _repair.save_unsaved_sessions(core)
+            await _repair.reconcile_unsaved(core)
             if core.repairs_put_off:
                 await self._startup_repairs(rebuild=self._rebuild_put_off)
                 core.repairs_put_off = False
@@ -7623,9 +7662,25 @@ class Store:
 
         return await self._core.write(write)
 
-    async def rebuild(self) -> RebuildReport:
-        """Rebuild the index from the session folders (ids from the sidecars); never enforces quotas."""
-        return await _repair.rebuild(self._core)
+    @overload
+    async def reconcile(self, mode: Literal[Reconcile.REBUILD] = ...) -> RebuildReport: ...
+
+    @overload
+    async def reconcile(self, mode: Reconcile) -> RebuildReport | None: ...
+
+    async def reconcile(self, mode: Reconcile = Reconcile.REBUILD) -> RebuildReport | None:
+        """Bring the index in line with the disk for the whole store (see `Reconcile`): REBUILD
+        (returns its report), INTERRUPTED or AFTER_FULL_DISK. Never enforces quotas. The modes of one
+        chat, CHANGED and FOLDER, are `Session.reconcile`'s."""
+        if mode is Reconcile.REBUILD:
+            return await _repair.reconcile_rebuild(self._core)
+        if mode is Reconcile.INTERRUPTED:
+            await _repair.reconcile_interrupted(self._core)
+        elif mode is Reconcile.AFTER_FULL_DISK:
+            await self._reconcile_after_full_disk()
+        else:
+            raise ValueError(f"{mode} is the mode of one chat: use Session.reconcile")
+        return None
 
     async def check(self) -> list[Drift]:
         """Differences between the index and the disk; changes nothing. Sessions in use are skipped."""
@@ -14598,7 +14653,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_0c12f3821d1e.runner import Outcome
+from _code_sessions_43cb399cc4a6.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -14873,8 +14928,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_0c12f3821d1e.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_0c12f3821d1e.storage import human_bytes
+from _code_sessions_43cb399cc4a6.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_43cb399cc4a6.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -14994,7 +15049,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_0c12f3821d1e.storage import Purge, parse_duration
+from _code_sessions_43cb399cc4a6.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16113,8 +16168,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_0c12f3821d1e.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_0c12f3821d1e.storage import (
+from _code_sessions_43cb399cc4a6.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_43cb399cc4a6.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16824,7 +16879,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_0c12f3821d1e.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_43cb399cc4a6.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -17041,7 +17096,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_0c12f3821d1e.storage import Link, Publisher, is_postgres_url
+from _code_sessions_43cb399cc4a6.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17256,7 +17311,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_0c12f3821d1e.engine import (
+from _code_sessions_43cb399cc4a6.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17266,9 +17321,9 @@ from _code_sessions_0c12f3821d1e.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_0c12f3821d1e.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_0c12f3821d1e.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_0c12f3821d1e.webui import OpenWebUI
+from _code_sessions_43cb399cc4a6.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_43cb399cc4a6.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_43cb399cc4a6.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -17938,11 +17993,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_0c12f3821d1e.engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
-from _code_sessions_0c12f3821d1e.engine.rewrite import SCAN_ON_LOOP_CHARS
-from _code_sessions_0c12f3821d1e.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
-from _code_sessions_0c12f3821d1e.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_0c12f3821d1e.webui import Misconfigured
+from _code_sessions_43cb399cc4a6.engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
+from _code_sessions_43cb399cc4a6.engine.rewrite import SCAN_ON_LOOP_CHARS
+from _code_sessions_43cb399cc4a6.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from _code_sessions_43cb399cc4a6.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_43cb399cc4a6.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -4,7 +4,7 @@
 * `Core`: the context of one store: the database backend (with recovery from a damaged index), where
   things live (`Layout`), who owns what the store creates, the `Policy`, the `Publisher`.
 
-`Store` and `Session` (the public faces) hold a Core and refs; `_sync`, `_publish`, `_expiry` and
+`Store` and `Session` (the public faces) hold a Core and refs; `_reconcile`, `_publish`, `_expiry` and
 `_repair` are functions over (Core, ChatRef).
 """
 
@@ -28,6 +28,7 @@ from ._fsops import make_dir
 from ._keys import id_key, is_temporary
 from ._layout import Layout, write_sidecar
 from .errors import DiskFull, IndexDamaged, StorageError
+from .models import Reconcile
 from .policy import Policy
 from .publishing import Publisher
 
@@ -73,15 +74,14 @@ class Core:
         self.owner = owner
         # The CLI turns this off: it applies the recorded settings and must not overwrite them.
         self.record_settings = record_settings
-        # Set by the Store: rebuilds the index from the folders after a damaged one was replaced.
-        self.rebuild: Callable[[], Awaitable[object]] | None = None
-        # Set by the Store: the bookkeeping a full disk put off (see `catching_up`).
-        self.catch_up: Callable[[], Awaitable[None]] | None = None
+        # Set by the Store (Store.reconcile): REBUILD after a damaged index was replaced, AFTER_FULL_DISK
+        # by the first write that has room again.
+        self.reconcile: Callable[[Reconcile], Awaitable[object]] | None = None
         # Sessions that went on without their sidecar or index row because the disk was full; written,
         # and their folders indexed, by the first write that succeeds afterwards.
         self.unsaved: dict[tuple[str, str], ChatRef] = {}
         self.repairs_put_off = False  # the store opened on a full disk, without its start-up repairs
-        self._catching_up = False
+        self._reconciling_after_full_disk = False
         self._remembered: dict[str, str] = {}
         self._remembered_policy: Policy | None = None
         self._generation = 0  # how many times the database was replaced while open
@@ -158,7 +158,11 @@ class Core:
                 opened = await self.backend.recover()
                 self._generation += 1
                 self._remembered, self._remembered_policy = {}, None
-                rebuilt = await self.rebuild() if opened.fresh and self.rebuild is not None else None
+                rebuilt = (
+                    await self.reconcile(Reconcile.REBUILD)
+                    if opened.fresh and self.reconcile is not None
+                    else None
+                )
             finally:
                 self._recovering = False
             moved = f"moved it to {opened.moved_aside}, " if opened.moved_aside else ""
@@ -206,12 +210,16 @@ class Core:
             if len(self._ensured) > 10_000:
                 self._ensured.clear()
             self._ensured[key] = time.monotonic()
-        if (self.unsaved or self.repairs_put_off) and self.catch_up is not None and not self._catching_up:
-            self._catching_up = True
+        if (
+            (self.unsaved or self.repairs_put_off)
+            and self.reconcile is not None
+            and not self._reconciling_after_full_disk
+        ):
+            self._reconciling_after_full_disk = True
             try:
-                await self.catch_up()
+                await self.reconcile(Reconcile.AFTER_FULL_DISK)
             finally:
-                self._catching_up = False
+                self._reconciling_after_full_disk = False
         return was_unsaved
 
     async def session_id(

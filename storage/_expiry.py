@@ -42,7 +42,7 @@ log = logging.getLogger("code_sessions.storage")
 # its copy but not yet written its row is never swept.
 STRAY_GRACE_S = 600.0
 # Links whose file is missing from / changed in the index are kept this long, for a publish that ran
-# before the sync of the same step.
+# before the reconcile of the same step.
 STALE_LINK_GRACE_S = 600.0
 _EXPIRY_BATCH = 2000
 _Expired = tuple[str, int, int]  # an expired file as the index saw it: (path, size, mtime_ns)

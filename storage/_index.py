@@ -45,7 +45,7 @@ class ChatRow:
     last_used_at: float
     bytes: int
     file_count: int
-    linked_files: bool  # files with several hard links were seen (see _sync_changed)
+    linked_files: bool  # files with several hard links were seen (see _reconcile_changed)
     published_bytes: int
 
     @classmethod

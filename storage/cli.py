@@ -18,7 +18,7 @@ from typing import Any
 
 from ._format import human_bytes, human_duration, human_limit, iso_time, parse_duration, table
 from .errors import StorageError
-from .models import ChatInfo, Purge
+from .models import ChatInfo, Purge, Reconcile
 from .store import Store
 
 ENV_ROOT = "CODE_SESSIONS_ROOT"
@@ -273,7 +273,7 @@ async def _cleanup(store: Store, args: argparse.Namespace) -> int:
 
 
 async def _rebuild(store: Store, args: argparse.Namespace) -> int:
-    report = await store.rebuild()
+    report = await store.reconcile(Reconcile.REBUILD)
     _emit(args, report.to_dict(), "rebuilt: " + report.summary())
     return 0
 

@@ -8,6 +8,7 @@ Reports convert to plain JSON-able dicts with `to_dict()`.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "QuotaRemoval",
     "Quotas",
     "RebuildReport",
+    "Reconcile",
     "ReconcileReport",
     "Rejected",
     "Renamed",
@@ -226,9 +228,27 @@ class QuotaRemoval(_Dictable):
     reason: str
 
 
+class Reconcile(enum.Enum):
+    """How the index is brought in line with the disk (the disk is the truth): the modes of
+    `Session.reconcile` (one chat, after a run) and `Store.reconcile` (the whole store)."""
+
+    # One chat, after a run: only the paths it changed (`changed=`); the whole folder when anything
+    # is unusual. Report: ReconcileReport with full=False.
+    CHANGED = "changed"
+    # One chat: its whole folder listed (no `changed=`, or CHANGED fell back). full=True.
+    FOLDER = "folder"
+    # Every chat whose run ended with its process (a crash): its mark in running/ is left.
+    INTERRUPTED = "interrupted"
+    # What a full disk put off: the chats used meanwhile (sidecar, row, folder) and the start-up modes.
+    AFTER_FULL_DISK = "after_full_disk"
+    # Every session folder on disk, ids from the sidecars; rows without a folder dropped, links taken
+    # back from their records (a new or replaced index). Report: RebuildReport.
+    REBUILD = "rebuild"
+
+
 @dataclass(frozen=True, slots=True)
 class ReconcileReport(_Dictable):
-    """What reconcile found and did. files / bytes are the session totals afterwards."""
+    """What `Session.reconcile` found and did. files / bytes are the session totals afterwards."""
 
     added: list[str] = field(default_factory=list)
     changed: list[str] = field(default_factory=list)
@@ -238,7 +258,8 @@ class ReconcileReport(_Dictable):
     quota_removed: list[QuotaRemoval] = field(default_factory=list)
     files: int = 0
     bytes: int = 0
-    # True: the whole folder was listed. False: only the paths a run changed were looked at.
+    # True: the whole folder was listed (Reconcile.FOLDER). False: only the paths a run changed were
+    # looked at (Reconcile.CHANGED).
     full: bool = True
 
     def summary(self) -> str:
@@ -254,7 +275,7 @@ class ReconcileReport(_Dictable):
 
 @dataclass(frozen=True, slots=True)
 class RebuildReport(_Dictable):
-    """Summary of `Store.rebuild()` over every session folder.
+    """Summary of `Store.reconcile(Reconcile.REBUILD)` over every session folder.
 
     sessions_without_sidecar: folders whose real ids are unknown (sidecar lost and no index row);
     they are indexed under `unknown:<folder name>` ids and keep their files.

@@ -1,7 +1,7 @@
-"""A chat's session, as callers see it: its folder, lock, budget, sync, files and links.
+"""A chat's session, as callers see it: its folder, lock, budget, reconcile, files and links.
 
 `Session` and `ChatFiles` are thin faces: the work is done by the modules of the storage core
-(`_sync`, `_publish`, `_index`, `_fsops`) over the store's `Core` and this session's `ChatRef`.
+(`_reconcile`, `_publish`, `_index`, `_fsops`) over the store's `Core` and this session's `ChatRef`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from pathlib import Path
 
-from . import _index, _index_links, _publish, _repair, _sync, _sync_changed
+from . import _index, _index_links, _publish, _reconcile, _reconcile_changed, _repair
 from ._backend import Tx
 from ._core import ChatRef, Core
 from ._fsops import (
@@ -32,7 +32,7 @@ from ._fsops import (
 )
 from ._names import attachment_name, numbered, split_path
 from .errors import DiskFull, FileMissing, InvalidPath
-from .models import FileEntry, Link, LinkInfo, ReconcileReport, RunBudget, Usage
+from .models import FileEntry, Link, LinkInfo, Reconcile, ReconcileReport, RunBudget, Usage
 
 __all__ = ["ChatFiles", "Session"]
 
@@ -43,7 +43,7 @@ class Session:
     """One chat's persistent folder. Get it from `await store.session(user_id, chat_id)`.
 
     `path` is the host folder to mount at /mnt/data. Run steps inside `async with session.lock():`
-    so budget, run, sync and publish of one chat never interleave (across processes too).
+    so budget, run, reconcile and publish of one chat never interleave (across processes too).
     """
 
     def __init__(self, core: Core, ref: ChatRef, *, unindexed: bool = False) -> None:
@@ -134,7 +134,7 @@ class Session:
 
         try:
             self._unindexed_run = await asyncio.to_thread(mark) or self._unindexed_run
-        except OSError:  # a full disk: the run may still free space; its sync lists the whole folder
+        except OSError:  # a full disk: the run may still free space; its reconcile lists the whole folder
             self._unindexed_run = True
 
     async def reconcile(
@@ -144,31 +144,34 @@ class Session:
         what the run added beyond the quota.
 
         `changed`: the relative paths the run created, changed, removed or renamed (e.g. the
-        runner's `RunResult.changed`); only those, and folders' subtrees, are looked at, with the
-        same rules, falling back to listing the whole folder when anything is unusual
-        (`report.full` tells which ran). None: list the whole folder."""
+        runner's `RunResult.changed`): Reconcile.CHANGED looks only at those, and folders' subtrees,
+        with the same rules, falling back to listing the whole folder (Reconcile.FOLDER) when
+        anything is unusual; `report.full` tells which ran. None: Reconcile.FOLDER."""
         core = self._core
         if enforce_quotas:
             await core.remember_settings()
-        if changed is not None and self._unindexed_run:
-            changed = None  # an earlier run was never indexed: its changes are not among these
+        mode = Reconcile.CHANGED if changed is not None else Reconcile.FOLDER
+        if self._unindexed_run:
+            mode = Reconcile.FOLDER  # an earlier run was never indexed: its changes are not among these
         if core.generation != self._generation:
             # The index was rebuilt while this session was locked (a damaged index, found during the
             # run): the rebuild skipped it, so it is listed whole, and its links taken back.
-            changed = None
-        if changed is not None:
-            report = await _sync_changed.sync_paths(core, self._ref, changed, enforce=enforce_quotas)
-        else:
-            report = await _sync.sync_folder(core, self._ref, enforce=enforce_quotas)
-        if core.generation != self._generation:  # replaced while this sync ran
-            if changed is not None:  # the rebuild skipped this locked session: list it whole
-                report = await _sync.sync_folder(core, self._ref, enforce=enforce_quotas)
-            await _repair.adopt_links(core)
+            mode = Reconcile.FOLDER
+        report = await self._reconcile(mode, changed or (), enforce_quotas)
+        if core.generation != self._generation:  # replaced while this reconcile ran
+            if mode is Reconcile.CHANGED:  # the rebuild skipped this locked session: list it whole
+                report = await self._reconcile(Reconcile.FOLDER, (), enforce_quotas)
+            await _repair.reconcile_links(core)
             self._generation = core.generation
         marker = core.layout.running_marker(self.user_key, self.chat_key)
         await asyncio.to_thread(_unlink_missing_ok, marker)
         self._unindexed_run = False
         return report
+
+    async def _reconcile(self, mode: Reconcile, changed: Collection[str], enforce: bool) -> ReconcileReport:
+        if mode is Reconcile.CHANGED:
+            return await _reconcile_changed.reconcile_changed(self._core, self._ref, changed, enforce=enforce)
+        return await _reconcile.reconcile_folder(self._core, self._ref, enforce=enforce)
 
     async def usage(self) -> Usage:
         """This chat's files and bytes, as last indexed."""
@@ -204,7 +207,7 @@ class ChatFiles:
         self._ref = ref
 
     async def list(self) -> list[FileEntry]:
-        """Every indexed file, sorted by path (the index as of the last sync or file operation)."""
+        """Every indexed file, sorted by path (the index as of the last reconcile or file operation)."""
         return await self._core.read(
             lambda tx: _index.file_entries(tx, self._ref.user_key, self._ref.chat_key)
         )
@@ -327,7 +330,7 @@ class ChatFiles:
         marker = core.layout.running_marker(ref.user_key, ref.chat_key)
 
         def work() -> None:
-            # Marked first, like a run: if the index cannot be told (a full disk), the next sync lists
+            # Marked first, like a run: if the index cannot be told (a full disk), the next reconcile lists
             # the whole folder instead of trusting rows of files that are gone.
             with contextlib.suppress(OSError):
                 os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
@@ -344,7 +347,7 @@ class ChatFiles:
             return [] if row is None else await _index_links.links_of_session(tx, row.id)
 
         try:
-            await _sync.sync_folder(core, ref, enforce=False)
+            await _reconcile.reconcile_folder(core, ref, enforce=False)
         except DiskFull:
             # The index cannot be told now, but the copies still go: the user asked for it, and it
             # frees space. Their rows, pointing at nothing, go at the next cleanup.

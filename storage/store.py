@@ -10,6 +10,7 @@ import logging
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Literal, overload
 
 from . import _expiry, _index, _index_links, _repair
 from ._backend import Backend, Lock, Tx
@@ -29,6 +30,7 @@ from .models import (
     Purge,
     Quotas,
     RebuildReport,
+    Reconcile,
     UserUsage,
 )
 from .policy import Policy
@@ -78,8 +80,7 @@ class Store:
             owner=owner,
             record_settings=record_settings,
         )
-        self._core.rebuild = self.rebuild
-        self._core.catch_up = self._catch_up
+        self._core.reconcile = self.reconcile
         self._rebuild_put_off = False
         self._repair_at_open = repair_at_open
         self._opened = False
@@ -148,7 +149,7 @@ class Store:
                 await self._startup_repairs(rebuild=opened.fresh, moved_aside=opened.moved_aside is not None)
             except DiskFull:
                 # Open anyway: every step then says the disk is full, and one that frees space works;
-                # the first write that succeeds afterwards does these repairs (Core.catch_up).
+                # the first write that succeeds afterwards does these repairs (Reconcile.AFTER_FULL_DISK).
                 log.warning(
                     "the disk holding %s is full: the store opened without its start-up repairs", self.root
                 )
@@ -166,16 +167,16 @@ class Store:
                 log.warning(
                     "the index %s is new but session folders exist: rebuilding it", core.backend.where
                 )
-            report = await self.rebuild()
+            report = await self.reconcile(Reconcile.REBUILD)
             log.warning("index rebuilt: %s", report.summary())
-        await _repair.recover_interrupted_runs(core)
+        await self.reconcile(Reconcile.INTERRUPTED)
 
-    async def _catch_up(self) -> None:
+    async def _reconcile_after_full_disk(self) -> None:
         """What a full disk put off, done by the first write that had room again: the sessions used
         meanwhile get their sidecar, row and file rows; the start-up repairs run."""
         core = self._core
         with contextlib.suppress(DiskFull):
-            await _repair.save_unsaved_sessions(core)
+            await _repair.reconcile_unsaved(core)
             if core.repairs_put_off:
                 await self._startup_repairs(rebuild=self._rebuild_put_off)
                 core.repairs_put_off = False
@@ -358,9 +359,25 @@ class Store:
 
         return await self._core.write(write)
 
-    async def rebuild(self) -> RebuildReport:
-        """Rebuild the index from the session folders (ids from the sidecars); never enforces quotas."""
-        return await _repair.rebuild(self._core)
+    @overload
+    async def reconcile(self, mode: Literal[Reconcile.REBUILD] = ...) -> RebuildReport: ...
+
+    @overload
+    async def reconcile(self, mode: Reconcile) -> RebuildReport | None: ...
+
+    async def reconcile(self, mode: Reconcile = Reconcile.REBUILD) -> RebuildReport | None:
+        """Bring the index in line with the disk for the whole store (see `Reconcile`): REBUILD
+        (returns its report), INTERRUPTED or AFTER_FULL_DISK. Never enforces quotas. The modes of one
+        chat, CHANGED and FOLDER, are `Session.reconcile`'s."""
+        if mode is Reconcile.REBUILD:
+            return await _repair.reconcile_rebuild(self._core)
+        if mode is Reconcile.INTERRUPTED:
+            await _repair.reconcile_interrupted(self._core)
+        elif mode is Reconcile.AFTER_FULL_DISK:
+            await self._reconcile_after_full_disk()
+        else:
+            raise ValueError(f"{mode} is the mode of one chat: use Session.reconcile")
+        return None
 
     async def check(self) -> list[Drift]:
         """Differences between the index and the disk; changes nothing. Sessions in use are skipped."""

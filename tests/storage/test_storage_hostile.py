@@ -16,7 +16,7 @@ import pytest
 
 from storage import DirectoryPublisher, InvalidPath, QuotaExceeded, Quotas, StorageError, Store
 from storage._fsops import remove_tree
-from storage._sync import MAX_EMPTY_FOLDERS
+from storage._reconcile import MAX_EMPTY_FOLDERS
 from tests.storage.storage_helpers import sqlite_only
 
 

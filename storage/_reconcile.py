@@ -1,9 +1,10 @@
-"""Bringing the index in line with a session folder (the disk is the truth), and the quota after a run.
+"""Reconciling one session folder with its index (the disk is the truth), and the quota after a run.
 
-Two ways to find what differs, one way to apply it:
+Two ways to find what differs (the chat's modes of `models.Reconcile`), one way to apply it:
 
-* `sync_folder`: list the whole folder (one lstat per entry) and compare with the session's rows;
-* `_sync_changed.sync_paths`: look only at the paths a run changed (see that module);
+* `reconcile_folder` (FOLDER): list the whole folder (one lstat per entry) and compare with the
+  session's rows;
+* `_reconcile_changed.reconcile_changed` (CHANGED): look only at the paths a run changed;
 * `apply`: write the differences in ONE write transaction that also makes the quota decision: it
   reads the user's totals across all chats inside that transaction (serialised per user), weighs
   the run's new and grown files with `Policy.plan_removals`, and indexes only what is kept; the files
@@ -31,7 +32,7 @@ from .errors import FileMissing, InvalidPath
 from .models import Growth, QuotaRemoval, ReconcileReport, Rejected, Usage
 
 _AUDIT_ITEMS = 100
-# Empty folders kept per sync (a full one: the whole session; a change-driven one: the folders a run
+# Empty folders kept per reconcile (a full one: the whole session; a change-driven one: the folders a run
 # made). Code can make folders without end, each a few KiB of disk that no quota counts.
 MAX_EMPTY_FOLDERS = 1000
 
@@ -86,7 +87,7 @@ class Differences:
 
 
 def compare(found: Scan, index_rows: Iterable[tuple[str, int, int]]) -> Differences:
-    """Walk the index rows once against the listing (this loop is most of a full sync's Python
+    """Walk the index rows once against the listing (this loop is most of a full reconcile's Python
     time on a big session; it runs in a worker thread)."""
     remaining = dict(found.files)
     pop = remaining.pop
@@ -107,7 +108,7 @@ def compare(found: Scan, index_rows: Iterable[tuple[str, int, int]]) -> Differen
     return differences
 
 
-async def sync_folder(
+async def reconcile_folder(
     core: Core, ref: ChatRef, *, enforce: bool, prior: Scan | None = None
 ) -> ReconcileReport:
     """List the whole folder and apply what differs. `prior`: what a change-driven attempt that fell
@@ -119,7 +120,7 @@ async def sync_folder(
 
     # One after the other, not overlapped: the listing makes one system call per entry, each
     # releasing the GIL, and a second busy thread turns every one of those into a GIL hand-off
-    # (measured: overlapping made a 100k-file sync about 50% slower).
+    # (measured: overlapping made a 100k-file reconcile about 50% slower).
     found = await asyncio.to_thread(scan, ref.path, fix=True)
     if prior is not None:
         found.rejected[:0] = prior.rejected
@@ -201,7 +202,7 @@ async def apply(core: Core, ref: ChatRef, differences: Differences, *, enforce: 
     quota_removed: list[QuotaRemoval] = []
     if removals:
         # After the commit: a file that cannot be unlinked stays on disk, unindexed, and the next
-        # sync weighs it again.
+        # reconcile weighs it again.
         gone = await asyncio.to_thread(_remove, ref, [r.path for r in removals])
         quota_removed = [r for r in removals if r.path in gone]
     going = {r.path for r in removals}
