@@ -18,6 +18,8 @@ from .errors import (
 )
 from .models import (
     ActivityEntry,
+    ChatInfo,
+    CleanupAction,
     CleanupReport,
     Drift,
     Expiry,
@@ -29,24 +31,26 @@ from .models import (
     QuotaRemoval,
     Quotas,
     RebuildReport,
+    Reconcile,
     ReconcileReport,
     Rejected,
     Renamed,
     RunBudget,
-    SessionCleanup,
-    SessionInfo,
     Usage,
     UserUsage,
 )
 from .policy import CLEAR_FILES_COMMAND, Policy
 from .publishing import Copy, DirectoryPublisher, Published, Publisher
-from .session import Session, SessionFiles
+from .session import ChatFiles, Session
 from .store import Store
 
 __all__ = [
     "CLEAR_FILES_COMMAND",
     "MAX_PATH_BYTES",
     "ActivityEntry",
+    "ChatFiles",
+    "ChatInfo",
+    "CleanupAction",
     "CleanupReport",
     "Copy",
     "DirectoryPublisher",
@@ -69,14 +73,12 @@ __all__ = [
     "QuotaRemoval",
     "Quotas",
     "RebuildReport",
+    "Reconcile",
     "ReconcileReport",
     "Rejected",
     "Renamed",
     "RunBudget",
     "Session",
-    "SessionCleanup",
-    "SessionFiles",
-    "SessionInfo",
     "StorageBusy",
     "StorageError",
     "Store",

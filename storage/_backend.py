@@ -1,7 +1,7 @@
 """The one seam between the store and its database.
 
-Everything above this seam (`_index.py` holds every SQL statement) speaks a small portable SQL
-dialect with `?` placeholders, and needs from a backend only:
+Everything above this seam (`_index.py` and `_index_links.py` hold every SQL statement) speaks a
+small portable SQL dialect with `?` placeholders, and needs from a backend only:
 
 * transactions: `read(fn)` / `write(fn)` run `fn(tx)` in one transaction; a write transaction may be
   run again after a transient conflict, so `fn` must only touch the database;

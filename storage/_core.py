@@ -1,11 +1,11 @@
 """The storage core every internal module works with, and nothing in it imports back up.
 
-* `SessionRef`: which session (the untrusted ids, the folder keys made from them, the folder).
+* `ChatRef`: which session (the untrusted ids, the folder keys made from them, the folder).
 * `Core`: the context of one store: the database backend (with recovery from a damaged index), where
   things live (`Layout`), who owns what the store creates, the `Policy`, the `Publisher`.
 
-`Store` and `Session` (the public faces) hold a Core and refs; `_sync`, `_publish`, `_expiry` and
-`_repair` are functions over (Core, SessionRef).
+`Store` and `Session` (the public faces) hold a Core and refs; `_reconcile`, `_publish`, `_expiry` and
+`_repair` are functions over (Core, ChatRef).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from ._fsops import make_dir
 from ._keys import id_key, is_temporary
 from ._layout import Layout, write_sidecar
 from .errors import DiskFull, IndexDamaged, StorageError
+from .models import Reconcile
 from .policy import Policy
 from .publishing import Publisher
 
@@ -40,8 +41,8 @@ MAX_ID_CHARS = 512  # the index keeps ids whole (unique, indexed): within every 
 
 
 @dataclass(frozen=True, slots=True)
-class SessionRef:
-    """A session: the ids as given (untrusted strings), the keys of its folder, the folder itself.
+class ChatRef:
+    """Which chat's session: the ids as given (untrusted strings), the keys of its folder, the folder itself.
 
     The keys are normally made from the ids; a folder found on disk (rebuild, a lost sidecar) keeps
     its keys whatever its ids hash to: the folder decides where the files are."""
@@ -73,15 +74,14 @@ class Core:
         self.owner = owner
         # The CLI turns this off: it applies the recorded settings and must not overwrite them.
         self.record_settings = record_settings
-        # Set by the Store: rebuilds the index from the folders after a damaged one was replaced.
-        self.rebuild: Callable[[], Awaitable[object]] | None = None
-        # Set by the Store: the bookkeeping a full disk put off (see `catching_up`).
-        self.catch_up: Callable[[], Awaitable[None]] | None = None
+        # Set by the Store (Store.reconcile): REBUILD after a damaged index was replaced, AFTER_FULL_DISK
+        # by the first write that has room again.
+        self.reconcile: Callable[[Reconcile], Awaitable[object]] | None = None
         # Sessions that went on without their sidecar or index row because the disk was full; written,
         # and their folders indexed, by the first write that succeeds afterwards.
-        self.unsaved: dict[tuple[str, str], SessionRef] = {}
+        self.unsaved: dict[tuple[str, str], ChatRef] = {}
         self.repairs_put_off = False  # the store opened on a full disk, without its start-up repairs
-        self._catching_up = False
+        self._reconciling_after_full_disk = False
         self._remembered: dict[str, str] = {}
         self._remembered_policy: Policy | None = None
         self._generation = 0  # how many times the database was replaced while open
@@ -104,7 +104,7 @@ class Core:
 
     # ------------------------------------------------------------------ refs and locks
 
-    def ref(self, user_id: str, chat_id: str) -> SessionRef:
+    def ref(self, user_id: str, chat_id: str) -> ChatRef:
         if not isinstance(user_id, str) or not isinstance(chat_id, str):
             raise StorageError("user_id and chat_id must be str")
         if len(user_id) > MAX_ID_CHARS or len(chat_id) > MAX_ID_CHARS:
@@ -112,8 +112,8 @@ class Core:
             raise StorageError(f"a user or chat id longer than {MAX_ID_CHARS} characters is not accepted")
         return self.ref_at(user_id, chat_id, id_key(user_id), id_key(chat_id))
 
-    def ref_at(self, user_id: str, chat_id: str, user_key: str, chat_key: str) -> SessionRef:
-        return SessionRef(
+    def ref_at(self, user_id: str, chat_id: str, user_key: str, chat_key: str) -> ChatRef:
+        return ChatRef(
             user_id,
             chat_id,
             user_key,
@@ -122,7 +122,7 @@ class Core:
             self.layout.session_dir(user_key, chat_key),
         )
 
-    def lock_of(self, ref: SessionRef) -> Lock:
+    def lock_of(self, ref: ChatRef) -> Lock:
         return self.backend.chat_lock(ref.user_key, ref.chat_key)
 
     # ------------------------------------------------------------------ transactions
@@ -158,7 +158,11 @@ class Core:
                 opened = await self.backend.recover()
                 self._generation += 1
                 self._remembered, self._remembered_policy = {}, None
-                rebuilt = await self.rebuild() if opened.fresh and self.rebuild is not None else None
+                rebuilt = (
+                    await self.reconcile(Reconcile.REBUILD)
+                    if opened.fresh and self.reconcile is not None
+                    else None
+                )
             finally:
                 self._recovering = False
             moved = f"moved it to {opened.moved_aside}, " if opened.moved_aside else ""
@@ -169,7 +173,7 @@ class Core:
 
     # ------------------------------------------------------------------ sessions
 
-    async def ensure(self, ref: SessionRef, *, touch: bool, cached: bool = False) -> bool:
+    async def ensure(self, ref: ChatRef, *, touch: bool, cached: bool = False) -> bool:
         """The session's folder, sidecar and index row, created if missing; `touch` marks it used.
 
         `cached`: a session this process made sure of moments ago, whose folder is still there, is not
@@ -206,16 +210,20 @@ class Core:
             if len(self._ensured) > 10_000:
                 self._ensured.clear()
             self._ensured[key] = time.monotonic()
-        if (self.unsaved or self.repairs_put_off) and self.catch_up is not None and not self._catching_up:
-            self._catching_up = True
+        if (
+            (self.unsaved or self.repairs_put_off)
+            and self.reconcile is not None
+            and not self._reconciling_after_full_disk
+        ):
+            self._reconciling_after_full_disk = True
             try:
-                await self.catch_up()
+                await self.reconcile(Reconcile.AFTER_FULL_DISK)
             finally:
-                self._catching_up = False
+                self._reconciling_after_full_disk = False
         return was_unsaved
 
     async def session_id(
-        self, tx: Tx, ref: SessionRef, created_at: float, used_at: float | None = None
+        self, tx: Tx, ref: ChatRef, created_at: float, used_at: float | None = None
     ) -> int:
         """The session's row id inside a transaction, creating the row if it is missing."""
         return await _index.ensure_session(
@@ -229,7 +237,7 @@ class Core:
             used_at=used_at,
         )
 
-    def make_dirs(self, ref: SessionRef) -> float:
+    def make_dirs(self, ref: ChatRef) -> float:
         """Create the session folder, its state folder and sidecar; returns the creation time."""
         layout = self.layout
         now = time.time()

@@ -23,17 +23,17 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import _index
+from . import _index, _index_links
 from ._backend import Tx
-from ._core import Core, SessionRef
+from ._core import ChatRef, Core
 from ._format import human_duration
 from ._fsops import DIR_FLAGS, fd_closing, move_aside_unchanged, open_dir, remove_tree
-from ._index import SessionRow
+from ._index import ChatRow
 from ._keys import id_key
 from ._layout import Layout
 from ._publish import drain_unpublished, folder_copy_present, link_records, remove_copies
 from .errors import FileMissing, InvalidPath
-from .models import CleanupReport, Purge, SessionCleanup
+from .models import CleanupAction, CleanupReport, Purge
 from .publishing import DirectoryPublisher
 
 log = logging.getLogger("code_sessions.storage")
@@ -42,7 +42,7 @@ log = logging.getLogger("code_sessions.storage")
 # its copy but not yet written its row is never swept.
 STRAY_GRACE_S = 600.0
 # Links whose file is missing from / changed in the index are kept this long, for a publish that ran
-# before the sync of the same step.
+# before the reconcile of the same step.
 STALE_LINK_GRACE_S = 600.0
 _EXPIRY_BATCH = 2000
 _Expired = tuple[str, int, int]  # an expired file as the index saw it: (path, size, mtime_ns)
@@ -57,7 +57,7 @@ class _Tally:
     bytes_freed: int = 0
     links_removed: int = 0
     in_use: set[int] = field(default_factory=set)
-    details: list[SessionCleanup] = field(default_factory=list)
+    details: list[CleanupAction] = field(default_factory=list)
 
     def report(self) -> CleanupReport:
         return CleanupReport(
@@ -70,11 +70,11 @@ class _Tally:
             self.details,
         )
 
-    def busy(self, row: SessionRow, reason: str) -> None:
+    def busy(self, row: ChatRow, reason: str) -> None:
         if row.id not in self.in_use:
             self.in_use.add(row.id)
             self.details.append(
-                SessionCleanup(
+                CleanupAction(
                     row.user_id,
                     row.chat_id,
                     "in use",
@@ -84,14 +84,14 @@ class _Tally:
                 )
             )
 
-    def removed(self, row: SessionRow, reason: str, links: int, action: str = "removed") -> None:
+    def removed(self, row: ChatRow, reason: str, links: int, action: str = "removed") -> None:
         self.sessions_removed += 1
         self.files_removed += row.file_count
         freed = row.bytes if action == "removed" else 0
         self.bytes_freed += freed
         self.links_removed += links
         self.details.append(
-            SessionCleanup(
+            CleanupAction(
                 row.user_id, row.chat_id, action, row.file_count, freed, reason, row.user_key, row.chat_key
             )
         )
@@ -105,7 +105,7 @@ async def cleanup(core: Core, purge: Purge | None, *, dry_run: bool) -> CleanupR
     removed: set[int] = set()
     policy = core.policy
 
-    def reason_of(row: SessionRow, at: float) -> str | None:
+    def reason_of(row: ChatRow, at: float) -> str | None:
         return _selected(row, purge, core, at)
 
     for row in rows:
@@ -152,7 +152,7 @@ async def delete_sessions(core: Core, keys: Iterable[tuple[str, str]], reason: s
     return tally.report()
 
 
-def _selected(row: SessionRow, purge: Purge | None, core: Core, now: float) -> str | None:
+def _selected(row: ChatRow, purge: Purge | None, core: Core, now: float) -> str | None:
     """Why this session should go, or None."""
     idle = now - row.last_used_at
     if purge is None:
@@ -179,16 +179,16 @@ def _selected(row: SessionRow, purge: Purge | None, core: Core, now: float) -> s
 
 async def _remove_session(
     core: Core,
-    row: SessionRow,
+    row: ChatRow,
     reason: str,
-    still: Callable[[SessionRow, float], str | None],
+    still: Callable[[ChatRow, float], str | None],
     tally: _Tally,
 ) -> bool:
     if tally.dry_run:
         if await core.backend.chat_locked(row.user_key, row.chat_key):
             tally.busy(row, reason)
             return False
-        tally.removed(row, reason, await core.read(lambda tx: _index.count_links(tx, row.id)))
+        tally.removed(row, reason, await core.read(lambda tx: _index_links.count_links(tx, row.id)))
         return True
     lock = core.backend.chat_lock(row.user_key, row.chat_key)
     if not await lock.try_acquire():
@@ -209,7 +209,7 @@ async def _remove_session(
             await asyncio.to_thread(_prune_parents, core, row)
 
 
-async def delete_session(core: Core, row: SessionRow, reason: str) -> int:
+async def delete_session(core: Core, row: ChatRow, reason: str) -> int:
     """Delete a session whose lock we hold; returns how many links went with it."""
     core.forget_ensured(row.user_key, row.chat_key)
     layout = core.layout
@@ -227,8 +227,8 @@ async def delete_session(core: Core, row: SessionRow, reason: str) -> int:
     now = time.time()
 
     async def write(tx: Tx) -> list[tuple[str, str, str]]:
-        links = await _index.links_of_session(tx, row.id)
-        await _index.delete_links(tx, [ref for ref, _, _ in links])
+        links = await _index_links.links_of_session(tx, row.id)
+        await _index_links.delete_links(tx, [ref for ref, _, _ in links])
         await _index.delete_session(tx, row.id)
         await _index.log_activity(
             tx,
@@ -267,7 +267,7 @@ def remove_saved_state(layout: Layout, user_key: str, chat_key: str) -> None:
     remove_tree(aside)
 
 
-def _prune_parents(core: Core, row: SessionRow) -> None:
+def _prune_parents(core: Core, row: ChatRow) -> None:
     # Empty per-user folders go too; creators retry if we remove one under them (see Core.make_dirs).
     layout = core.layout
     for folder in (layout.sessions / row.user_key, layout.state / row.user_key):
@@ -324,7 +324,7 @@ async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally
             tally.files_removed += removed_files
             tally.bytes_freed += removed_bytes
             tally.details.append(
-                SessionCleanup(
+                CleanupAction(
                     row.user_id, row.chat_id, "files expired", removed_files, removed_bytes, reason
                 )
             )
@@ -348,14 +348,14 @@ def _batches(files: list[_Expired]) -> Iterator[_ByFolder]:
 
 
 async def _count_files(
-    core: Core, tally: _Tally, row: SessionRow, files: list[tuple[str, int, int]], reason: str
+    core: Core, tally: _Tally, row: ChatRow, files: list[tuple[str, int, int]], reason: str
 ) -> None:
-    links = await core.read(lambda tx: _index.links_of_paths(tx, row.id, [p for p, _, _ in files]))
+    links = await core.read(lambda tx: _index_links.links_of_paths(tx, row.id, [p for p, _, _ in files]))
     size = sum(s for _, s, _ in files)
     tally.files_removed += len(files)
     tally.bytes_freed += size
     tally.links_removed += len(links)
-    tally.details.append(SessionCleanup(row.user_id, row.chat_id, "files expired", len(files), size, reason))
+    tally.details.append(CleanupAction(row.user_id, row.chat_id, "files expired", len(files), size, reason))
 
 
 def _move_unchanged(folder: Path, trash: Path, by_parent: _ByFolder) -> list[tuple[str, int]]:
@@ -384,14 +384,14 @@ def _bin_name() -> str:
 
 
 async def _forget_files(
-    core: Core, ref: SessionRef, session_id: int, gone: list[tuple[str, int]], reason: str
+    core: Core, ref: ChatRef, session_id: int, gone: list[tuple[str, int]], reason: str
 ) -> int:
     """Drop index rows of deleted files, and their links. Returns the number of links removed."""
     paths = [p for p, _ in gone]
     now = time.time()
 
     async def write(tx: Tx) -> list[tuple[str, str, str]]:
-        links = await _index.forget_files(tx, session_id, paths)
+        links = await _index_links.forget_files(tx, session_id, paths)
         await _index.log_activity(
             tx,
             now,
@@ -441,7 +441,7 @@ async def _vanished_sessions(core: Core, removed: set[int], tally: _Tally) -> No
 
 async def _stale_links(core: Core, now: float, tally: _Tally) -> None:
     """Links whose session is gone, whose file is gone or changed, or whose folder copy vanished."""
-    rows = await core.read(_index.link_health)
+    rows = await core.read(_index_links.link_health)
 
     def judge() -> list[tuple[str, str, str]]:
         stale: list[tuple[str, str, str]] = []
@@ -470,7 +470,7 @@ async def _stale_links(core: Core, now: float, tally: _Tally) -> None:
     tally.links_removed += len(stale)
     if tally.dry_run:
         return
-    await core.write(lambda tx: _index.delete_links(tx, [ref for ref, _, _ in stale]))
+    await core.write(lambda tx: _index_links.delete_links(tx, [ref for ref, _, _ in stale]))
     await remove_copies(core, stale)
 
 
@@ -479,14 +479,14 @@ async def _stray_copies(core: Core, tally: _Tally) -> None:
     records with no row, older than the grace."""
     publisher = core.publisher
     if publisher is not None:
-        known = await core.read(lambda tx: _index.all_link_refs(tx, publisher.kind))
+        known = await core.read(lambda tx: _index_links.all_link_refs(tx, publisher.kind))
         strays = await publisher.strays(known, STRAY_GRACE_S)
         tally.links_removed += len(strays)
         if strays and not tally.dry_run:
             await publisher.remove(strays)
     if tally.dry_run:
         return
-    rows = {(kind, ref) for ref, kind, *_ in await core.read(_index.links_with_owners)}
+    rows = {(kind, ref) for ref, kind, *_ in await core.read(_index_links.links_with_owners)}
     cutoff = time.time() - STRAY_GRACE_S
 
     def forget() -> None:

@@ -1,9 +1,10 @@
-"""Every SQL statement of the store, as functions over a transaction (`_backend.Tx`).
+"""Every SQL statement of the store, as functions over a transaction (`_backend.Tx`); those of
+published links are in _index_links.py.
 
 The SQL is the portable subset both backends run: `?` placeholders, `ON CONFLICT` upserts,
 `RETURNING`, `CASE` instead of SQLite's scalar `max()`, no temporary tables, no PRAGMA. Paths are
 compared as byte strings (PostgreSQL declares the columns `COLLATE "C"`), which the range queries
-below rely on. Nothing outside this module writes SQL, so a backend is only a connection, its
+below rely on. Nothing outside these two modules writes SQL, so a backend is only a connection, its
 transactions, its locks and its migrations.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 
 from ._backend import Tx
 from ._keys import db_text
-from .models import ActivityEntry, FileEntry, LinkInfo, SessionInfo, Usage, UserUsage
+from .models import ActivityEntry, ChatInfo, FileEntry, Usage, UserUsage
 
 # Parameters per statement: SQLite's default limit is 32,766, PostgreSQL's 65,535.
 CHUNK = 500
@@ -31,7 +32,9 @@ _SESSION_COLUMNS = (
 
 
 @dataclass(frozen=True, slots=True)
-class SessionRow:
+class ChatRow:
+    """One chat's row of the `sessions` table, as read."""
+
     id: int
     user_id: str
     chat_id: str
@@ -42,11 +45,11 @@ class SessionRow:
     last_used_at: float
     bytes: int
     file_count: int
-    linked_files: bool  # files with several hard links were seen (see _sync_changed)
+    linked_files: bool  # files with several hard links were seen (see _reconcile_changed)
     published_bytes: int
 
     @classmethod
-    def from_row(cls, row: Sequence[Any]) -> SessionRow:
+    def from_row(cls, row: Sequence[Any]) -> ChatRow:
         return cls(
             int(row[0]),
             row[1],
@@ -62,8 +65,8 @@ class SessionRow:
             int(row[11]),
         )
 
-    def info(self) -> SessionInfo:
-        return SessionInfo(
+    def info(self) -> ChatInfo:
+        return ChatInfo(
             self.user_id,
             self.chat_id,
             self.user_key,
@@ -146,14 +149,14 @@ async def ensure_session_queued(
     await tx.many(_INSERT_SESSION + " ON CONFLICT (user_key, chat_key) DO NOTHING", [params[:7]])
 
 
-async def session_by_keys(tx: Tx, user_key: str, chat_key: str) -> SessionRow | None:
+async def session_by_keys(tx: Tx, user_key: str, chat_key: str) -> ChatRow | None:
     row = await tx.one(
         f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE user_key = ? AND chat_key = ?", (user_key, chat_key)
     )
-    return SessionRow.from_row(row) if row else None
+    return ChatRow.from_row(row) if row else None
 
 
-async def all_sessions(tx: Tx, user_key: str | None = None) -> list[SessionRow]:
+async def all_sessions(tx: Tx, user_key: str | None = None) -> list[ChatRow]:
     if user_key is None:
         rows = await tx.all(f"SELECT {_SESSION_COLUMNS} FROM sessions ORDER BY user_id, chat_id")
     else:
@@ -161,7 +164,7 @@ async def all_sessions(tx: Tx, user_key: str | None = None) -> list[SessionRow]:
             f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE user_key = ? ORDER BY user_id, chat_id",
             (user_key,),
         )
-    return [SessionRow.from_row(r) for r in rows]
+    return [ChatRow.from_row(r) for r in rows]
 
 
 async def session_ids(tx: Tx) -> list[tuple[str, str, int, float, bool]]:
@@ -421,234 +424,6 @@ async def expired_files(tx: Tx, cutoff: float) -> list[tuple[int, str, int, int]
         "SELECT session_id, path, size, mtime_ns FROM files WHERE last_changed < ? ORDER BY session_id",
         (cutoff,),
     )
-
-
-# ---------------------------------------------------------------------------- links
-
-
-@dataclass(frozen=True, slots=True)
-class LinkRow:
-    ref: str
-    kind: str
-    name: str
-    url: str
-    size: int
-    created_at: float
-    sha256: str | None
-    mtime_ns: int
-    inode: int
-    ctime_ns: int
-
-
-async def insert_link(
-    tx: Tx,
-    session_id: int,
-    *,
-    ref: str,
-    kind: str,
-    path: str,
-    name: str,
-    url: str,
-    directory: str,
-    size: int,
-    mtime_ns: int,
-    inode: int,
-    ctime_ns: int,
-    sha256: str,
-    now: float,
-) -> None:
-    await tx.run(
-        "INSERT INTO links (token, session_id, kind, path, name, url, directory, size, mtime_ns, inode,"
-        " ctime_ns, sha256, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (ref, session_id, kind, path, name, url, directory, size, mtime_ns, inode, ctime_ns, sha256, now),
-    )
-
-
-async def insert_link_by_keys(
-    tx: Tx,
-    user_key: str,
-    chat_key: str,
-    *,
-    ref: str,
-    kind: str,
-    path: str,
-    name: str,
-    url: str,
-    directory: str,
-    size: int,
-    mtime_ns: int,
-    inode: int,
-    ctime_ns: int,
-    sha256: str,
-    now: float,
-    ceiling: int | None,
-) -> Callable[[], Awaitable[bool]]:
-    """`insert_link` for the session named by its keys, only while the user uses at most `ceiling`
-    bytes (None: always; see Policy.publish_ceiling), in statements that wait for nothing. Returns
-    whether the row went in, known once the transaction is over."""
-    condition: str = ""
-    extra: tuple[Any, ...] = ()
-    if ceiling is not None:
-        condition = (
-            " AND (SELECT coalesce(sum(bytes + published_bytes), 0) FROM sessions WHERE user_key = ?) <= ?"
-        )
-        extra = (user_key, ceiling)
-    row = (
-        ref,
-        kind,
-        path,
-        name,
-        url,
-        directory,
-        size,
-        mtime_ns,
-        inode,
-        ctime_ns,
-        sha256,
-        now,
-        user_key,
-        chat_key,
-    )
-    await tx.many(
-        "INSERT INTO links (token, session_id, kind, path, name, url, directory, size, mtime_ns, inode,"
-        " ctime_ns, sha256, created_at) SELECT ?, s.id, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ? FROM sessions s"
-        f" WHERE s.user_key = ? AND s.chat_key = ?{condition}",
-        [(*row, *extra)],
-    )
-    later = await tx.one_later("SELECT count(*) FROM links WHERE token = ?", (ref,))
-
-    async def inserted() -> bool:
-        found = await later()
-        return bool(found and found[0])
-
-    return inserted
-
-
-async def links_of_file_and_usage(
-    tx: Tx, user_key: str, chat_key: str, path: str, kind: str
-) -> tuple[list[LinkRow], Usage]:
-    """`links_of_file` and the user's `user_usage`, in one statement (what publish reads first)."""
-    rows = await tx.all(
-        "SELECT u.files, u.bytes, l.token, l.kind, l.name, l.url, l.size, l.created_at, l.sha256,"
-        " l.mtime_ns, l.inode, l.ctime_ns FROM (SELECT coalesce(sum(file_count), 0) AS files,"
-        " coalesce(sum(bytes + published_bytes), 0) AS bytes FROM sessions WHERE user_key = ?) u"
-        " LEFT JOIN (SELECT l.* FROM links l JOIN sessions s ON s.id = l.session_id"
-        " WHERE s.user_key = ? AND s.chat_key = ? AND l.path = ? AND l.kind = ?) l ON 1 = 1"
-        " ORDER BY l.created_at DESC",
-        (user_key, user_key, chat_key, path, kind),
-    )
-    usage = Usage(int(rows[0][0]), int(rows[0][1])) if rows else Usage(0, 0)
-    links = [
-        LinkRow(r[2], r[3], r[4], r[5], int(r[6]), float(r[7]), r[8], int(r[9]), int(r[10]), int(r[11]))
-        for r in rows
-        if r[2] is not None
-    ]
-    return links, usage
-
-
-async def note_link_signature(tx: Tx, ref: str, mtime_ns: int, inode: int, ctime_ns: int) -> None:
-    """The file was checked to hold the link's bytes as it is now: remember how it looks."""
-    await tx.run(
-        "UPDATE links SET mtime_ns = ?, inode = ?, ctime_ns = ? WHERE token = ?",
-        (mtime_ns, inode, ctime_ns, ref),
-    )
-
-
-async def link_listing(tx: Tx, user_key: str | None = None, chat_key: str | None = None) -> list[LinkInfo]:
-    where, params = [], []
-    if user_key is not None:
-        where.append("s.user_key = ?")
-        params.append(user_key)
-    if chat_key is not None:
-        where.append("s.chat_key = ?")
-        params.append(chat_key)
-    sql = (
-        "SELECT l.token, l.kind, s.user_id, s.chat_id, l.path, l.name, l.url, l.size, l.created_at"
-        " FROM links l LEFT JOIN sessions s ON s.id = l.session_id"
-        + (" WHERE " + " AND ".join(where) if where else "")
-        + " ORDER BY l.created_at"
-    )
-    return [
-        LinkInfo(r[0], r[1], r[2], r[3], r[4], r[5], r[6], int(r[7]), float(r[8]))
-        for r in await tx.all(sql, params)
-    ]
-
-
-async def links_of_session(tx: Tx, session_id: int) -> list[tuple[str, str, str]]:
-    """(ref, kind, directory) of every link of a session."""
-    return await tx.all("SELECT token, kind, directory FROM links WHERE session_id = ?", (session_id,))  # type: ignore[return-value]
-
-
-async def count_links(tx: Tx, session_id: int) -> int:
-    row = await tx.one("SELECT count(*) FROM links WHERE session_id = ?", (session_id,))
-    return int(row[0]) if row else 0
-
-
-async def links_of_paths(tx: Tx, session_id: int, paths: Sequence[str]) -> list[tuple[str, str, str]]:
-    found: list[tuple[str, str, str]] = []
-    for i in range(0, len(paths), CHUNK):
-        chunk = paths[i : i + CHUNK]
-        marks = ", ".join("?" * len(chunk))
-        found.extend(
-            await tx.all(  # type: ignore[arg-type]
-                f"SELECT token, kind, directory FROM links WHERE session_id = ? AND path IN ({marks})",
-                (session_id, *chunk),
-            )
-        )
-    return found
-
-
-async def delete_links(tx: Tx, refs: Sequence[str]) -> None:
-    await tx.many("DELETE FROM links WHERE token = ?", [(r,) for r in refs])
-
-
-async def all_link_refs(tx: Tx, kind: str) -> set[str]:
-    return {r for (r,) in await tx.all("SELECT token FROM links WHERE kind = ?", (kind,))}
-
-
-async def link_health(tx: Tx) -> list[tuple[Any, ...]]:
-    """For each link: (ref, kind, directory, name, created_at, no session, no file, file changed)."""
-    return await tx.all(
-        "SELECT l.token, l.kind, l.directory, l.name, l.created_at,"
-        " CASE WHEN s.id IS NULL THEN 1 ELSE 0 END, CASE WHEN f.path IS NULL THEN 1 ELSE 0 END,"
-        " CASE WHEN f.size != l.size OR f.mtime_ns != l.mtime_ns THEN 1 ELSE 0 END"
-        " FROM links l LEFT JOIN sessions s ON s.id = l.session_id"
-        " LEFT JOIN files f ON f.session_id = l.session_id AND f.path = l.path"
-    )
-
-
-async def links_with_owners(tx: Tx) -> list[tuple[Any, ...]]:
-    """(ref, kind, directory, name, path, user_id, chat_id) of every link (check)."""
-    return await tx.all(
-        "SELECT l.token, l.kind, l.directory, l.name, l.path, s.user_id, s.chat_id"
-        " FROM links l LEFT JOIN sessions s ON s.id = l.session_id"
-    )
-
-
-async def queue_unpublished(tx: Tx, kind: str, refs: Sequence[str], now: float) -> None:
-    await tx.many(
-        "INSERT INTO unpublished (kind, token, queued_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
-        [(kind, r, now) for r in refs],
-    )
-
-
-async def unpublished_refs(tx: Tx, kind: str) -> list[str]:
-    return [r for (r,) in await tx.all("SELECT token FROM unpublished WHERE kind = ?", (kind,))]
-
-
-async def clear_unpublished(tx: Tx, kind: str, refs: Sequence[str]) -> None:
-    await tx.many("DELETE FROM unpublished WHERE kind = ? AND token = ?", [(kind, r) for r in refs])
-
-
-# ---------------------------------------------------------------------------- session deletion
-
-
-async def forget_files(tx: Tx, session_id: int, paths: Sequence[str]) -> list[tuple[str, str, str]]:
-    """Drop the rows of deleted files and their links; returns the links' (ref, kind, directory)."""
-    links = await links_of_paths(tx, session_id, paths)
-    await delete_links(tx, [ref for ref, _, _ in links])
-    await delete_files(tx, session_id, paths)
-    return links
 
 
 # ---------------------------------------------------------------------------- imports

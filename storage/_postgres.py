@@ -6,9 +6,9 @@ shares one index in that database. What differs from the embedded backend (_sqli
 * Our own tables only: they live in a dedicated schema (`code_sessions` by default), created if
   missing, and every connection's search_path names only that schema, so the unqualified table names
   of _index.py resolve there and nothing we run can reach Open WebUI's tables.
-* Migrations are ours (`MIGRATIONS` below, versioned in `<schema>.schema_version`), applied at open
-  in one transaction behind a transaction-level advisory lock, so two replicas starting at once do
-  not both migrate. A database written by a newer release is refused, like SQLite's.
+* Migrations are ours (`MIGRATIONS` in _postgres_schema.py, versioned in `<schema>.schema_version`),
+  applied at open in one transaction behind a transaction-level advisory lock, so two replicas
+  starting at once do not both migrate. A database written by a newer release is refused, like SQLite's.
 * Paths and ids are `COLLATE "C"`: byte order, as SQLite compares them, which the range reads of
   _index.rows_at_and_under (`path >= 'a/' AND path < 'a0'`) rely on, whatever the database's locale.
 * Writes are READ COMMITTED: each statement sees what others committed, and the triggers' counter
@@ -51,19 +51,20 @@ import hashlib
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from functools import lru_cache
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from ._backend import BusyBackoff, Opened, Row
+from ._backend import BusyBackoff, Opened
+from ._postgres_schema import CURRENT_VERSION, migration_statements, quoted
+from ._postgres_tx import NeedsTransaction, PgTx
 from .errors import DiskFull, IndexDamaged, StorageBusy, StorageError
 
 log = logging.getLogger("code_sessions.storage")
 
 T = TypeVar("T")
 
-__all__ = ["DEFAULT_SCHEMA", "PostgresBackend", "is_postgres_url", "libpq_url", "redact_url", "to_pyformat"]
+__all__ = ["DEFAULT_SCHEMA", "PostgresBackend", "advisory_key", "is_postgres_url", "libpq_url", "redact_url"]
 
 DEFAULT_SCHEMA = "code_sessions"
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
@@ -110,98 +111,7 @@ def redact_url(url: str) -> str:
         return "<an unreadable database URL>"
 
 
-# ---------------------------------------------------------------------------- SQL and keys
-
-
-@lru_cache(maxsize=4096)
-def to_pyformat(sql: str) -> str:
-    """`?` placeholders (outside quotes) become psycopg's `%s`, and a literal `%` becomes `%%`."""
-    out: list[str] = []
-    quote = ""
-    for ch in sql:
-        if quote:
-            if ch == quote:
-                quote = ""
-        elif ch in "'\"":
-            quote = ch
-        elif ch == "?":
-            out.append("%s")
-            continue
-        out.append("%%" if ch == "%" else ch)
-    return "".join(out)
-
-
-_INSERT = re.compile(r"(INSERT INTO \w+ \(([^)]*)\) VALUES )(\(\?(?:, \?)*\))(.*)", re.S)
-_UPSERT_KEY = re.compile(r"\s*ON CONFLICT \(([^)]*)\) DO UPDATE ", re.S)
-_DELETE = re.compile(r"DELETE FROM (\w+) WHERE (\w+ = \?(?: AND \w+ = \?)*)")
-_BATCH_ROWS = 1000
-_BATCH_PARAMS = 30_000  # PostgreSQL takes at most 65,535 parameters per statement
-
-
-class _BatchShape:
-    """How `Tx.many` sends many rows of one statement as a few statements.
-
-    * `INSERT INTO t (cols) VALUES (?, ...) [ON CONFLICT ...]`: a multi-row VALUES. With `ON CONFLICT
-      (key) DO UPDATE`, rows with the same key keep the last one (one statement may not update a row
-      twice; the ones before would have been overwritten anyway).
-    * `DELETE FROM t WHERE a = ? AND b = ?`: `... WHERE a = ? AND b IN (?, ...)` per value of a.
-    """
-
-    def __init__(self, insert: re.Match[str] | None, delete: re.Match[str] | None) -> None:
-        self._insert = insert
-        self._delete = delete
-        self._key: list[int] | None = None
-        if insert is not None:
-            columns = [c.strip() for c in insert.group(2).split(",")]
-            upsert = _UPSERT_KEY.match(insert.group(4))
-            if upsert is not None:
-                self._key = [columns.index(c.strip()) for c in upsert.group(1).split(",")]
-            self._width = len(columns)
-
-    def statements(self, rows: list[Sequence[Any]]) -> Iterable[tuple[str, list[Any]]]:
-        if self._insert is not None:
-            if self._key is not None:
-                key = self._key
-                rows = list({tuple(r[i] for i in key): r for r in rows}.values())
-            size = max(1, min(_BATCH_ROWS, _BATCH_PARAMS // self._width))
-            for i in range(0, len(rows), size):
-                chunk = rows[i : i + size]
-                yield self._insert_sql(len(chunk)), [v for r in chunk for v in r]
-            return
-        assert self._delete is not None
-        groups: dict[tuple[Any, ...], list[Any]] = {}
-        for r in rows:
-            groups.setdefault(tuple(r[:-1]), []).append(r[-1])
-        for prefix, last in groups.items():
-            for i in range(0, len(last), _BATCH_ROWS):
-                chunk = last[i : i + _BATCH_ROWS]
-                yield self._delete_sql(len(chunk)), [*prefix, *chunk]
-
-    @lru_cache(maxsize=64)  # noqa: B019 (one shape per statement of _index, a handful in all)
-    def _insert_sql(self, n: int) -> str:
-        head, _, row, tail = self._insert.groups()  # type: ignore[union-attr]
-        return to_pyformat(head + ", ".join([row] * n) + tail)
-
-    @lru_cache(maxsize=64)  # noqa: B019
-    def _delete_sql(self, n: int) -> str:
-        table, condition = self._delete.groups()  # type: ignore[union-attr]
-        head, _, last = condition.rpartition(" AND ")
-        column = (last or condition).split(" = ")[0]
-        keep = f"{head} AND " if head else ""
-        return to_pyformat(f"DELETE FROM {table} WHERE {keep}{column} IN ({', '.join('?' * n)})")
-
-
-@lru_cache(maxsize=256)
-def _batch_shape(sql: str) -> _BatchShape | None:
-    insert, delete = _INSERT.fullmatch(sql), _DELETE.fullmatch(sql)
-    return None if insert is None and delete is None else _BatchShape(insert, delete)
-
-
-def _no_nul(params: Sequence[Any]) -> Sequence[Any]:
-    for value in params:
-        if type(value) is str and "\x00" in value:
-            return [v.replace("\x00", "\\x00") if type(v) is str else v for v in params]
-    return params
+# ---------------------------------------------------------------------------- keys
 
 
 def advisory_key(text: str) -> int:
@@ -214,243 +124,6 @@ def _split_key(key: int) -> tuple[int, int]:
     """(classid, objid) under which pg_locks shows a lock on a bigint key (objsubid 1)."""
     unsigned = key & 0xFFFF_FFFF_FFFF_FFFF
     return unsigned >> 32, unsigned & 0xFFFF_FFFF
-
-
-# ---------------------------------------------------------------------------- schema
-
-# Each entry takes the schema from version N-1 to N, inside the opening transaction; `{s}` is the quoted
-# schema name. Never edit a released step: add one. Version 1 is SQLite's version 5 (see _schema.py):
-# the same tables, columns, constraints and totals, with PostgreSQL's types.
-_V1 = (
-    'CREATE TABLE {s}.meta (key TEXT COLLATE "C" PRIMARY KEY, value TEXT NOT NULL)',
-    """CREATE TABLE {s}.sessions (
-        id              BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,
-        user_id         TEXT COLLATE "C" NOT NULL,
-        chat_id         TEXT COLLATE "C" NOT NULL,
-        user_key        TEXT COLLATE "C" NOT NULL,
-        chat_key        TEXT COLLATE "C" NOT NULL,
-        temporary       INTEGER NOT NULL DEFAULT 0,
-        created_at      DOUBLE PRECISION NOT NULL,
-        last_used_at    DOUBLE PRECISION NOT NULL,
-        bytes           BIGINT NOT NULL DEFAULT 0,
-        file_count      BIGINT NOT NULL DEFAULT 0,
-        linked_files    INTEGER NOT NULL DEFAULT 0,
-        published_bytes BIGINT NOT NULL DEFAULT 0,
-        missing_since   DOUBLE PRECISION,
-        UNIQUE (user_id, chat_id),
-        UNIQUE (user_key, chat_key)
-    )""",
-    "CREATE INDEX sessions_last_used ON {s}.sessions (last_used_at)",
-    """CREATE TABLE {s}.files (
-        session_id   BIGINT NOT NULL REFERENCES {s}.sessions (id) ON DELETE CASCADE,
-        path         TEXT COLLATE "C" NOT NULL,
-        size         BIGINT NOT NULL,
-        mtime_ns     BIGINT NOT NULL,
-        first_seen   DOUBLE PRECISION NOT NULL,
-        last_changed DOUBLE PRECISION NOT NULL,
-        PRIMARY KEY (session_id, path)
-    )""",
-    """CREATE TABLE {s}.links (
-        token      TEXT COLLATE "C" PRIMARY KEY,
-        session_id BIGINT REFERENCES {s}.sessions (id) ON DELETE CASCADE,
-        path       TEXT COLLATE "C" NOT NULL,
-        name       TEXT COLLATE "C" NOT NULL,
-        url        TEXT COLLATE "C" NOT NULL,
-        directory  TEXT COLLATE "C" NOT NULL,
-        size       BIGINT NOT NULL,
-        mtime_ns   BIGINT NOT NULL,
-        created_at DOUBLE PRECISION NOT NULL,
-        kind       TEXT COLLATE "C" NOT NULL DEFAULT 'directory',
-        sha256     TEXT COLLATE "C",
-        inode      BIGINT NOT NULL DEFAULT 0,
-        ctime_ns   BIGINT NOT NULL DEFAULT 0
-    )""",
-    "CREATE INDEX links_file ON {s}.links (session_id, path)",
-    """CREATE TABLE {s}.activity (
-        id      BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,
-        at      DOUBLE PRECISION NOT NULL,
-        event   TEXT COLLATE "C" NOT NULL,
-        user_id TEXT COLLATE "C",
-        chat_id TEXT COLLATE "C",
-        detail  TEXT NOT NULL DEFAULT '{{}}'
-    )""",
-    "CREATE INDEX activity_at ON {s}.activity (at)",
-    """CREATE TABLE {s}.imports (
-        session_id  BIGINT NOT NULL REFERENCES {s}.sessions (id) ON DELETE CASCADE,
-        source      TEXT COLLATE "C" NOT NULL,
-        path        TEXT COLLATE "C" NOT NULL,
-        imported_at DOUBLE PRECISION NOT NULL,
-        PRIMARY KEY (session_id, source)
-    )""",
-    """CREATE TABLE {s}.unpublished (
-        kind      TEXT COLLATE "C" NOT NULL,
-        token     TEXT COLLATE "C" NOT NULL,
-        queued_at DOUBLE PRECISION NOT NULL,
-        PRIMARY KEY (kind, token)
-    )""",
-    # sessions.file_count / bytes follow the files rows, and published_bytes the links rows, in every
-    # code path (reconcile, file operations, expiry, cascades), as SQLite's triggers do. Unlike
-    # SQLite's, they run once per statement, over its transition tables: a row updated again and
-    # again in one transaction leaves a version each time, and PostgreSQL walks them all on the next
-    # update, so one update per file made a 16,000-file reconcile take 9 s (quadratic). _Tx.many
-    # sends a batch of rows as one statement, so a 100,000-file reconcile updates its session's row
-    # about a hundred times. The functions name the schema: they work whatever search_path the
-    # session that fires them has.
-    """CREATE FUNCTION {s}.files_added() RETURNS trigger LANGUAGE plpgsql AS $$
-    BEGIN
-        UPDATE {s}.sessions s SET file_count = s.file_count + d.n, bytes = s.bytes + d.b
-            FROM (SELECT session_id, count(*) AS n, sum(size) AS b FROM added GROUP BY session_id) d
-            WHERE s.id = d.session_id;
-        RETURN NULL;
-    END
-    $$""",
-    """CREATE FUNCTION {s}.files_removed() RETURNS trigger LANGUAGE plpgsql AS $$
-    BEGIN
-        UPDATE {s}.sessions s SET file_count = s.file_count - d.n, bytes = s.bytes - d.b
-            FROM (SELECT session_id, count(*) AS n, sum(size) AS b FROM removed GROUP BY session_id) d
-            WHERE s.id = d.session_id;
-        RETURN NULL;
-    END
-    $$""",
-    """CREATE FUNCTION {s}.files_changed() RETURNS trigger LANGUAGE plpgsql AS $$
-    BEGIN
-        UPDATE {s}.sessions s SET file_count = s.file_count + d.n, bytes = s.bytes + d.b
-            FROM (SELECT session_id, sum(n) AS n, sum(b) AS b FROM (
-                    SELECT session_id, 1 AS n, size AS b FROM after
-                    UNION ALL SELECT session_id, -1, -size FROM before
-                ) AS x GROUP BY session_id) d
-            WHERE s.id = d.session_id AND (d.n <> 0 OR d.b <> 0);
-        RETURN NULL;
-    END
-    $$""",
-    "CREATE TRIGGER files_inserted AFTER INSERT ON {s}.files REFERENCING NEW TABLE AS added"
-    " FOR EACH STATEMENT EXECUTE FUNCTION {s}.files_added()",
-    "CREATE TRIGGER files_deleted AFTER DELETE ON {s}.files REFERENCING OLD TABLE AS removed"
-    " FOR EACH STATEMENT EXECUTE FUNCTION {s}.files_removed()",
-    # Any update (a transition table cannot name columns); an unchanged size leaves the row alone.
-    "CREATE TRIGGER files_updated AFTER UPDATE ON {s}.files REFERENCING OLD TABLE AS before"
-    " NEW TABLE AS after FOR EACH STATEMENT EXECUTE FUNCTION {s}.files_changed()",
-    """CREATE FUNCTION {s}.links_added() RETURNS trigger LANGUAGE plpgsql AS $$
-    BEGIN
-        UPDATE {s}.sessions s SET published_bytes = s.published_bytes + d.b
-            FROM (SELECT session_id, sum(size) AS b FROM added GROUP BY session_id) d
-            WHERE s.id = d.session_id;
-        RETURN NULL;
-    END
-    $$""",
-    """CREATE FUNCTION {s}.links_removed() RETURNS trigger LANGUAGE plpgsql AS $$
-    BEGIN
-        UPDATE {s}.sessions s SET published_bytes = s.published_bytes - d.b
-            FROM (SELECT session_id, sum(size) AS b FROM removed GROUP BY session_id) d
-            WHERE s.id = d.session_id;
-        RETURN NULL;
-    END
-    $$""",
-    "CREATE TRIGGER links_inserted AFTER INSERT ON {s}.links REFERENCING NEW TABLE AS added"
-    " FOR EACH STATEMENT EXECUTE FUNCTION {s}.links_added()",
-    "CREATE TRIGGER links_deleted AFTER DELETE ON {s}.links REFERENCING OLD TABLE AS removed"
-    " FOR EACH STATEMENT EXECUTE FUNCTION {s}.links_removed()",
-)
-
-MIGRATIONS: Sequence[Sequence[str]] = (_V1,)
-CURRENT_VERSION = len(MIGRATIONS)
-
-
-def _quoted(schema: str) -> str:
-    return f'"{schema}"'
-
-
-def migration_statements(number: int, schema: str) -> list[str]:
-    """The statements of migration `number` (1-based) for `schema`."""
-    return [s.replace("{s}", _quoted(schema)).replace("{{}}", "{}") for s in MIGRATIONS[number - 1]]
-
-
-# ---------------------------------------------------------------------------- transactions
-
-
-class _Tx:
-    """The statements of one transaction; handed to the function given to read/write.
-
-    A transaction runs in psycopg's pipeline mode: a statement is sent when its answer is needed,
-    together with those queued before it. So BEGIN travels with the first query, and what returns
-    nothing the caller reads (a user's lock, executemany) with the next one or with the COMMIT.
-
-    A read whose function has only ever made one query runs that query alone, outside a transaction
-    (one statement is one snapshot): no BEGIN, no COMMIT, one round trip. If the function asks for a
-    second statement, it is stopped (`_NeedsTransaction`) and run again in a real transaction, and its
-    code is remembered as one that needs it (reads only read, so running one again is harmless)."""
-
-    __slots__ = ("_backend", "_conn", "_pipeline", "_single", "_used")
-
-    def __init__(self, conn: Any, pipeline: Any, backend: PostgresBackend, *, single: bool = False) -> None:
-        self._conn = conn
-        self._pipeline = pipeline  # None: no pipeline (a single-statement read, or an old libpq)
-        self._backend = backend
-        self._single = single
-        self._used = False
-
-    def _statement(self) -> None:
-        if self._single:
-            if self._used:
-                raise _NeedsTransaction()
-            self._used = True
-
-    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        self._statement()
-        cursor = await self._conn.execute(to_pyformat(sql), _no_nul(params))
-        return await cursor.fetchall()
-
-    async def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
-        self._statement()
-        cursor = await self._conn.execute(to_pyformat(sql), _no_nul(params))
-        return await cursor.fetchone()
-
-    async def one_later(self, sql: str, params: Sequence[Any] = ()) -> Callable[[], Awaitable[Row | None]]:
-        self._statement()
-        # Queued in a pipeline: its answer comes with the COMMIT's (leaving the pipeline reads both).
-        cursor = await self._conn.execute(to_pyformat(sql), _no_nul(params))
-
-        async def later() -> Row | None:
-            return await cursor.fetchone()
-
-        return later
-
-    async def run(self, sql: str, params: Sequence[Any] = ()) -> int:
-        if self._single:
-            raise _NeedsTransaction()  # a read that writes must meet READ ONLY
-        cursor = await self._conn.execute(to_pyformat(sql), _no_nul(params))
-        if self._pipeline is not None:
-            await self._pipeline.sync()  # the row count is the server's answer
-        return cursor.rowcount
-
-    async def many(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
-        if self._single:
-            raise _NeedsTransaction()
-        # Queued: sent with the next statement that needs an answer, or the COMMIT. An INSERT or a
-        # DELETE by key goes as one statement per batch of rows, not one per row (the totals'
-        # triggers run once per statement: see the schema).
-        rows = [_no_nul(r) for r in rows]
-        shape = _batch_shape(sql)
-        if shape is None or len(rows) < 2:
-            async with self._conn.cursor() as cursor:
-                await cursor.executemany(to_pyformat(sql), rows)
-            return
-        for statement, params in shape.statements(rows):
-            await self._conn.execute(statement, params)
-
-    async def serialise_user(self, user_key: str) -> None:
-        if self._single:
-            raise _NeedsTransaction()
-        # Held until this transaction ends. Only queued: the server runs the statements after it
-        # once it has the lock (waiting up to lock_timeout, then the transaction is run again).
-        await self._conn.execute(
-            "SELECT pg_advisory_xact_lock(%s::bigint)", (self._backend.user_key(user_key),)
-        )
-
-
-class _NeedsTransaction(BaseException):
-    """A single-statement read asked for a second statement. A BaseException: the function's own
-    `except Exception` must not swallow it."""
 
 
 class _Conflict(Exception):
@@ -695,7 +368,7 @@ class PostgresBackend:
             await conn.execute(
                 "SELECT set_config('search_path', %s, false), set_config('synchronous_commit', 'off', false),"
                 f" set_config('lock_timeout', %s, false){generic}",
-                (_quoted(self.schema), f"{self._lock_timeout_ms}ms"),
+                (quoted(self.schema), f"{self._lock_timeout_ms}ms"),
             )
         except BaseException as exc:
             await _close(conn)
@@ -717,15 +390,15 @@ class PostgresBackend:
             options["connect_timeout"] = max(1, round(self.connect_timeout_s))
         return options
 
-    async def _migrate(self, tx: _Tx) -> bool:
+    async def _migrate(self, tx: PgTx) -> bool:
         schema = self.schema
         # One process migrates at a time; the others wait here and then find the schema current.
         await tx.one(
             "SELECT pg_advisory_xact_lock(CAST(? AS BIGINT))", (advisory_key(self._prefix + "migrate"),)
         )
         if await tx.one("SELECT 1 FROM pg_namespace WHERE nspname = ?", (schema,)) is None:
-            await tx.run(f"CREATE SCHEMA {_quoted(schema)}")
-        table = f"{_quoted(schema)}.schema_version"
+            await tx.run(f"CREATE SCHEMA {quoted(schema)}")
+        table = f"{quoted(schema)}.schema_version"
         if (await tx.one("SELECT to_regclass(?) IS NOT NULL", (table,)) or (False,))[0]:
             row = await tx.one(f"SELECT max(version) FROM {table}")
             version = int(row[0]) if row and row[0] is not None else 0
@@ -749,19 +422,19 @@ class PostgresBackend:
 
     # ------------------------------------------------------------------ transactions
 
-    async def read(self, fn: Callable[[_Tx], Awaitable[T]]) -> T:
+    async def read(self, fn: Callable[[PgTx], Awaitable[T]]) -> T:
         """Run fn in a read transaction: one snapshot, never blocks writers nor fails to serialize."""
         code = getattr(fn, "__code__", fn)
         if code not in self._multi_reads:
             try:
                 return await self._transaction(None, fn)
-            except _NeedsTransaction:
+            except NeedsTransaction:
                 if len(self._multi_reads) > 10_000:
                     self._multi_reads.clear()
                 self._multi_reads.add(code)
         return await self._transaction(_BEGIN_READ, fn)
 
-    async def write(self, fn: Callable[[_Tx], Awaitable[T]]) -> T:
+    async def write(self, fn: Callable[[PgTx], Awaitable[T]]) -> T:
         """Run fn in a write transaction; fn may be run again after a conflict, so it must only touch
         the database."""
         return await self._transaction(_BEGIN_WRITE, fn)
@@ -773,8 +446,8 @@ class PostgresBackend:
             # The pool's queue and connections belong to one event loop.
             raise StorageError("a Store must be used from the event loop that opened it")
 
-    async def _transaction(self, begin: str | None, fn: Callable[[_Tx], Awaitable[T]]) -> T:
-        """begin=None: fn's one statement alone (see _Tx)."""
+    async def _transaction(self, begin: str | None, fn: Callable[[PgTx], Awaitable[T]]) -> T:
+        """begin=None: fn's one statement alone (see PgTx)."""
         self._check_open()
         backoff = BusyBackoff(self.busy_total_s)
         lost = 0
@@ -791,7 +464,7 @@ class PostgresBackend:
                         f"the index database {self.where} keeps dropping connections: {exc}"
                     ) from exc.__cause__
 
-    async def _attempt(self, begin: str | None, fn: Callable[[_Tx], Awaitable[T]]) -> T:
+    async def _attempt(self, begin: str | None, fn: Callable[[PgTx], Awaitable[T]]) -> T:
         psycopg = _psycopg()
         pool = self._pool
         assert pool is not None
@@ -803,16 +476,16 @@ class PostgresBackend:
             committing = False
             try:
                 if begin is None:
-                    return await fn(_Tx(conn, None, self, single=True))
+                    return await fn(PgTx(conn, None, self.user_key, single=True))
                 if not self._pipelined:
                     await conn.execute(begin)
-                    result = await fn(_Tx(conn, None, self))
+                    result = await fn(PgTx(conn, None, self.user_key))
                     committing = True
                     await conn.execute("COMMIT")
                     return result
                 async with conn.pipeline() as pipeline:
                     await conn.execute(begin)
-                    result = await fn(_Tx(conn, pipeline, self))
+                    result = await fn(PgTx(conn, pipeline, self.user_key))
                     committing = True
                     await conn.execute("COMMIT")
                 # Leaving the pipeline waited for every answer, the COMMIT's included.

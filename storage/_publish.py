@@ -27,9 +27,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import _index
+from . import _index, _index_links
 from ._backend import Tx
-from ._core import Core, SessionRef
+from ._core import ChatRef, Core
 from ._fsops import fd_closing, open_dir, open_regular, write_private
 from ._names import is_passive_image, publish_name, split_path
 from .errors import DiskFull, StorageError
@@ -39,7 +39,7 @@ from .publishing import Copy, DirectoryPublisher, copy_present, remove_directory
 _HASH_CHUNK = 1 << 20
 
 
-async def publish(core: Core, ref: SessionRef, path: str) -> Link:
+async def publish(core: Core, ref: ChatRef, path: str) -> Link:
     publisher = core.publisher
     if publisher is None:
         raise StorageError("publishing is not configured (the store has no publisher)")
@@ -58,7 +58,9 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
         # The user's usage comes with the links, one statement: the quota decision below is made again
         # in the transaction that counts the copy, so reading it early changes no outcome.
         rows, usage = await core.read(
-            lambda tx: _index.links_of_file_and_usage(tx, ref.user_key, ref.chat_key, rel, publisher.kind)
+            lambda tx: _index_links.links_of_file_and_usage(
+                tx, ref.user_key, ref.chat_key, rel, publisher.kind
+            )
         )
         rows = [r for r in rows if _usable(publisher, r.ref, r.name)]
         for row in rows:
@@ -74,7 +76,7 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
             if row.sha256 == digest and row.size == st.st_size:
                 await core.write(
                     functools.partial(
-                        _index.note_link_signature,
+                        _index_links.note_link_signature,
                         ref=row.ref,
                         mtime_ns=st.st_mtime_ns,
                         inode=st.st_ino,
@@ -119,7 +121,7 @@ async def publish(core: Core, ref: SessionRef, path: str) -> Link:
             temporary=ref.temporary,
             created_at=now,
         )
-        inserted = await _index.insert_link_by_keys(
+        inserted = await _index_links.insert_link_by_keys(
             tx,
             ref.user_key,
             ref.chat_key,
@@ -239,7 +241,7 @@ async def remove_copies(core: Core, links: Sequence[tuple[str, str, str]]) -> No
             await publisher.remove(refs)
         else:
             queued = time.time()
-            await core.write(functools.partial(_index.queue_unpublished, kind=kind, refs=refs, now=queued))
+            await core.write(functools.partial(_index_links.queue_unpublished, kind=kind, refs=refs, now=queued))
 
 
 async def drain_unpublished(core: Core) -> int:
@@ -247,11 +249,11 @@ async def drain_unpublished(core: Core) -> int:
     publisher = core.publisher
     if publisher is None or publisher.kind == DirectoryPublisher.kind:
         return 0
-    refs = await core.read(lambda tx: _index.unpublished_refs(tx, publisher.kind))
+    refs = await core.read(lambda tx: _index_links.unpublished_refs(tx, publisher.kind))
     if not refs:
         return 0
     await publisher.remove(refs)
-    await core.write(lambda tx: _index.clear_unpublished(tx, publisher.kind, refs))
+    await core.write(lambda tx: _index_links.clear_unpublished(tx, publisher.kind, refs))
     return len(refs)
 
 

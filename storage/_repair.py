@@ -1,5 +1,6 @@
-"""The disk is the truth: rebuilding the index from the folders, checking it against them, and
-indexing what runs whose process died left behind."""
+"""The disk is the truth: the store-wide modes of `Reconcile` (REBUILD: the index from every folder;
+INTERRUPTED: what runs whose process died left behind; the sessions a full disk left unsaved), the
+links taken back from their records, and `check` (the index against the disk, changing nothing)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ import logging
 import os
 import time
 
-from . import _index
+from . import _index, _index_links
 from ._backend import Tx
 from ._core import Core
 from ._keys import id_key
 from ._layout import read_sidecar, write_sidecar
 from ._publish import folder_copy_present, link_records
+from ._reconcile import reconcile_folder
 from ._scan import Scan, scan
-from ._sync import sync_folder
 from .errors import DiskFull
 from .models import Drift, RebuildReport
 from .publishing import DirectoryPublisher
@@ -25,10 +26,10 @@ from .publishing import DirectoryPublisher
 log = logging.getLogger("code_sessions.storage")
 
 
-async def rebuild(core: Core) -> RebuildReport:
-    """Sync every session folder (creating rows from sidecars) and drop rows without a folder.
+async def reconcile_rebuild(core: Core) -> RebuildReport:
+    """Reconcile every session folder (creating rows from sidecars) and drop rows without a folder.
 
-    Sessions in use are skipped: their own sync at the end of the run will index them. Quotas are
+    Sessions in use are skipped: their own reconcile at the end of the run will index them. Quotas are
     not enforced: a rebuild must never delete a user's files.
     """
     layout = core.layout
@@ -66,7 +67,7 @@ async def rebuild(core: Core) -> RebuildReport:
         try:
             created_at = created if created is not None else time.time()
             sid = await core.write(lambda tx, r=ref, c=created_at: core.session_id(tx, r, c))
-            report = await sync_folder(core, ref, enforce=False)
+            report = await reconcile_folder(core, ref, enforce=False)
             # Repair the cached totals too, whatever happened to them, and report the repaired ones.
             files, size = await core.write(lambda tx, i=sid: _index.refresh_totals(tx, i))
         finally:
@@ -96,7 +97,7 @@ async def rebuild(core: Core) -> RebuildReport:
         finally:
             await lock.release()
 
-    links = await adopt_links(core)
+    links = await reconcile_links(core)
     result = RebuildReport(
         sessions=totals["sessions"],
         sessions_in_use=totals["in_use"],
@@ -117,13 +118,13 @@ async def rebuild(core: Core) -> RebuildReport:
     return result
 
 
-async def adopt_links(core: Core) -> int:
+async def reconcile_links(core: Core) -> int:
     """Links of published copies the index does not know, taken back from their records (an index
     lost or replaced): old answers keep working. Returns how many were taken back."""
     records = await asyncio.to_thread(link_records, core)
     if not records:
         return 0
-    known = {(kind, ref) for ref, kind, *_ in await core.read(_index.links_with_owners)}
+    known = {(kind, ref) for ref, kind, *_ in await core.read(_index_links.links_with_owners)}
     sessions = {(r.user_key, r.chat_key): r.id for r in await core.read(_index.all_sessions)}
     wanted = [
         rec
@@ -150,7 +151,7 @@ async def adopt_links(core: Core) -> int:
 
     async def write(tx: Tx) -> None:
         for rec in adopt:
-            await _index.insert_link(
+            await _index_links.insert_link(
                 tx,
                 sessions[(rec["user_key"], rec["chat_key"])],
                 ref=rec["ref"],
@@ -171,8 +172,8 @@ async def adopt_links(core: Core) -> int:
     return len(adopt)
 
 
-async def recover_interrupted_runs(core: Core) -> None:
-    """Index the folders of runs whose process ended before their sync (a crash, a kill): their
+async def reconcile_interrupted(core: Core) -> None:
+    """Index the folders of runs whose process ended before their reconcile (a crash, a kill): their
     files would otherwise stay out of the index, the quotas and expiry until the chat's next run. A
     run still going on in another process holds its lock and is left alone."""
     layout = core.layout
@@ -189,7 +190,7 @@ async def recover_interrupted_runs(core: Core) -> None:
             ref = core.ref_at(row.user_id, row.chat_id, user_key, chat_key)
             # Like rebuild, recovery never deletes files: the totals count them, so a user over a
             # limit has nothing to spend at the next run.
-            report = await sync_folder(core, ref, enforce=False)
+            report = await reconcile_folder(core, ref, enforce=False)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(layout.running_marker(user_key, chat_key))
         finally:
@@ -204,7 +205,7 @@ async def recover_interrupted_runs(core: Core) -> None:
         await core.log("interrupted_run", row.user_id, row.chat_id, {"summary": report.summary()})
 
 
-async def save_unsaved_sessions(core: Core) -> None:
+async def reconcile_unsaved(core: Core) -> None:
     """Write the sidecar and row of each session used while the disk was full, and index its folder
     (never deleting: like a rebuild). One in use elsewhere is left for a later call. Raises DiskFull
     when the disk is still full."""
@@ -225,7 +226,7 @@ async def save_unsaved_sessions(core: Core) -> None:
                 core.unsaved.pop(key, None)
                 continue
             await core.write(lambda tx, r=ref, c=created: core.session_id(tx, r, c))
-            await sync_folder(core, ref, enforce=False)
+            await reconcile_folder(core, ref, enforce=False)
             core.unsaved.pop(key, None)
         finally:
             await lock.release()
@@ -257,7 +258,7 @@ async def check(core: Core) -> list[Drift]:
             drift.append(Drift("session folder missing", row.user_id, row.chat_id, detail=str(folder)))
             continue
         if await core.backend.chat_locked(*key):
-            continue  # a run is writing into it: differences are expected until its sync
+            continue  # a run is writing into it: differences are expected until its reconcile
         found = await asyncio.to_thread(scan, folder, fix=False)
         index_rows = await core.read(lambda tx, sid=row.id: _index.file_rows(tx, sid))
         drift.extend(await asyncio.to_thread(_compare, row, found, index_rows))
@@ -278,7 +279,7 @@ async def check(core: Core) -> list[Drift]:
     return drift
 
 
-def _compare(row: _index.SessionRow, found: Scan, index_rows: list[tuple[str, int, int]]) -> list[Drift]:
+def _compare(row: _index.ChatRow, found: Scan, index_rows: list[tuple[str, int, int]]) -> list[Drift]:
     drift: list[Drift] = []
     index = {p: (int(size), int(mtime_ns)) for p, size, mtime_ns in index_rows}
     who = (row.user_id, row.chat_id)
@@ -318,7 +319,7 @@ def _compare(row: _index.SessionRow, found: Scan, index_rows: list[tuple[str, in
 async def _link_drift(core: Core) -> list[Drift]:
     """Links whose copy is missing (folder copies are looked at here; the publisher is asked about
     its own), and copies of ours that no link knows (strays)."""
-    links = await core.read(_index.links_with_owners)
+    links = await core.read(_index_links.links_with_owners)
     drift: list[Drift] = []
 
     def folders() -> list[Drift]:

@@ -34,10 +34,10 @@ class Scan:
     # Folders we could not open: index entries under them are kept as they are, not dropped.
     unreadable: list[str] = field(default_factory=list)
     # Regular files with more than one link: a write through another name changes them without an
-    # event on this name, so a change-driven reconcile cannot trust its other rows (see _sync_changed).
+    # event on this name, so a change-driven reconcile cannot trust its other rows (see _reconcile_changed).
     linked: list[str] = field(default_factory=list)
     # Folders found empty (with fix=True): folders are not files, so no quota counts them; see
-    # _sync.MAX_EMPTY_FOLDERS.
+    # _reconcile.MAX_EMPTY_FOLDERS.
     empty_folders: list[str] = field(default_factory=list)
 
     def is_unreadable(self, path: str) -> bool:

@@ -109,7 +109,7 @@ class _Connection:
             conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
             conn.execute("PRAGMA foreign_keys = ON")
             # NORMAL is safe with WAL (no corruption); a power cut may lose the last transactions, which
-            # the next sync recovers from disk anyway.
+            # the next reconcile recovers from disk anyway.
             conn.execute("PRAGMA synchronous = NORMAL")
         except BaseException:
             conn.close()

@@ -18,7 +18,7 @@ from typing import Any
 
 from ._format import human_bytes, human_duration, human_limit, iso_time, parse_duration, table
 from .errors import StorageError
-from .models import Purge, SessionInfo
+from .models import ChatInfo, Purge, Reconcile
 from .store import Store
 
 ENV_ROOT = "CODE_SESSIONS_ROOT"
@@ -154,7 +154,7 @@ async def _sessions(store: Store, args: argparse.Namespace) -> int:
     return 0
 
 
-async def _resolve_chat(store: Store, chat: str, user: str | None) -> SessionInfo:
+async def _resolve_chat(store: Store, chat: str, user: str | None) -> ChatInfo:
     rows = await store.sessions(user)
     exact = [s for s in rows if s.chat_id == chat]
     matches = exact or [s for s in rows if s.chat_key.startswith(chat)]
@@ -273,7 +273,7 @@ async def _cleanup(store: Store, args: argparse.Namespace) -> int:
 
 
 async def _rebuild(store: Store, args: argparse.Namespace) -> int:
-    report = await store.rebuild()
+    report = await store.reconcile(Reconcile.REBUILD)
     _emit(args, report.to_dict(), "rebuilt: " + report.summary())
     return 0
 

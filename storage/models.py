@@ -1,13 +1,14 @@
 """Value types of the public API: settings in, reports out.
 
 All are frozen dataclasses (positional or keyword construction, cheap enough to build by the
-hundred thousand for `SessionFiles.list()`). Settings validate themselves in `__post_init__`.
+hundred thousand for `ChatFiles.list()`). Settings validate themselves in `__post_init__`.
 Reports convert to plain JSON-able dicts with `to_dict()`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from ._format import human_bytes
 
 __all__ = [
     "ActivityEntry",
+    "ChatInfo",
+    "CleanupAction",
     "CleanupReport",
     "Drift",
     "Expiry",
@@ -27,12 +30,11 @@ __all__ = [
     "QuotaRemoval",
     "Quotas",
     "RebuildReport",
+    "Reconcile",
     "ReconcileReport",
     "Rejected",
     "Renamed",
     "RunBudget",
-    "SessionCleanup",
-    "SessionInfo",
     "Usage",
     "UserUsage",
 ]
@@ -226,9 +228,27 @@ class QuotaRemoval(_Dictable):
     reason: str
 
 
+class Reconcile(enum.Enum):
+    """How the index is brought in line with the disk (the disk is the truth): the modes of
+    `Session.reconcile` (one chat, after a run) and `Store.reconcile` (the whole store)."""
+
+    # One chat, after a run: only the paths it changed (`changed=`); the whole folder when anything
+    # is unusual. Report: ReconcileReport with full=False.
+    CHANGED = "changed"
+    # One chat: its whole folder listed (no `changed=`, or CHANGED fell back). full=True.
+    FOLDER = "folder"
+    # Every chat whose run ended with its process (a crash): its mark in running/ is left.
+    INTERRUPTED = "interrupted"
+    # What a full disk put off: the chats used meanwhile (sidecar, row, folder) and the start-up modes.
+    AFTER_FULL_DISK = "after_full_disk"
+    # Every session folder on disk, ids from the sidecars; rows without a folder dropped, links taken
+    # back from their records (a new or replaced index). Report: RebuildReport.
+    REBUILD = "rebuild"
+
+
 @dataclass(frozen=True, slots=True)
 class ReconcileReport(_Dictable):
-    """What reconcile found and did. files / bytes are the session totals afterwards."""
+    """What `Session.reconcile` found and did. files / bytes are the session totals afterwards."""
 
     added: list[str] = field(default_factory=list)
     changed: list[str] = field(default_factory=list)
@@ -238,7 +258,8 @@ class ReconcileReport(_Dictable):
     quota_removed: list[QuotaRemoval] = field(default_factory=list)
     files: int = 0
     bytes: int = 0
-    # True: the whole folder was listed. False: only the paths a run changed were looked at.
+    # True: the whole folder was listed (Reconcile.FOLDER). False: only the paths a run changed were
+    # looked at (Reconcile.CHANGED).
     full: bool = True
 
     def summary(self) -> str:
@@ -254,7 +275,7 @@ class ReconcileReport(_Dictable):
 
 @dataclass(frozen=True, slots=True)
 class RebuildReport(_Dictable):
-    """Summary of `Store.rebuild()` over every session folder.
+    """Summary of `Store.reconcile(Reconcile.REBUILD)` over every session folder.
 
     sessions_without_sidecar: folders whose real ids are unknown (sidecar lost and no index row);
     they are indexed under `unknown:<folder name>` ids and keep their files.
@@ -317,7 +338,9 @@ class LinkInfo(_Dictable):
 
 
 @dataclass(frozen=True, slots=True)
-class SessionInfo(_Dictable):
+class ChatInfo(_Dictable):
+    """A chat's session as `Store.sessions()` lists it: ids, folder keys, times and totals."""
+
     user_id: str
     chat_id: str
     user_key: str
@@ -330,7 +353,7 @@ class SessionInfo(_Dictable):
 
 
 @dataclass(frozen=True, slots=True)
-class SessionCleanup(_Dictable):
+class CleanupAction(_Dictable):
     """One line of a cleanup report. action: removed, files expired, in use, vanished."""
 
     user_id: str
@@ -352,7 +375,7 @@ class CleanupReport(_Dictable):
     bytes_freed: int = 0
     links_removed: int = 0
     sessions_in_use: int = 0
-    details: list[SessionCleanup] = field(default_factory=list)
+    details: list[CleanupAction] = field(default_factory=list)
 
     def summary(self) -> str:
         verb = "would remove" if self.dry_run else "removed"

@@ -1,7 +1,7 @@
-"""A chat's session, as callers see it: its folder, lock, budget, sync, files and links.
+"""A chat's session, as callers see it: its folder, lock, budget, reconcile, files and links.
 
-`Session` and `SessionFiles` are thin faces: the work is done by the modules of the storage core
-(`_sync`, `_publish`, `_index`, `_fsops`) over the store's `Core` and this session's `SessionRef`.
+`Session` and `ChatFiles` are thin faces: the work is done by the modules of the storage core
+(`_reconcile`, `_publish`, `_index`, `_fsops`) over the store's `Core` and this session's `ChatRef`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from pathlib import Path
 
-from . import _index, _publish, _repair, _sync, _sync_changed
+from . import _index, _index_links, _publish, _reconcile, _reconcile_changed, _repair
 from ._backend import Tx
-from ._core import Core, SessionRef
+from ._core import ChatRef, Core
 from ._fsops import (
     atomic_write,
     fd_closing,
@@ -32,9 +32,9 @@ from ._fsops import (
 )
 from ._names import attachment_name, numbered, split_path
 from .errors import DiskFull, FileMissing, InvalidPath
-from .models import FileEntry, Link, LinkInfo, ReconcileReport, RunBudget, Usage
+from .models import FileEntry, Link, LinkInfo, Reconcile, ReconcileReport, RunBudget, Usage
 
-__all__ = ["Session", "SessionFiles"]
+__all__ = ["ChatFiles", "Session"]
 
 _MAX_NUMBERED = 10_000
 
@@ -43,13 +43,13 @@ class Session:
     """One chat's persistent folder. Get it from `await store.session(user_id, chat_id)`.
 
     `path` is the host folder to mount at /mnt/data. Run steps inside `async with session.lock():`
-    so budget, run, sync and publish of one chat never interleave (across processes too).
+    so budget, run, reconcile and publish of one chat never interleave (across processes too).
     """
 
-    def __init__(self, core: Core, ref: SessionRef, *, unindexed: bool = False) -> None:
+    def __init__(self, core: Core, ref: ChatRef, *, unindexed: bool = False) -> None:
         self._core = core
         self._ref = ref
-        self.files = SessionFiles(core, ref)
+        self.files = ChatFiles(core, ref)
         # An earlier run was never indexed (its mark, or runs on a full disk): list the folder whole.
         self._unindexed_run = unindexed
         self._generation = core.generation  # the index this session's lock was taken with
@@ -134,7 +134,7 @@ class Session:
 
         try:
             self._unindexed_run = await asyncio.to_thread(mark) or self._unindexed_run
-        except OSError:  # a full disk: the run may still free space; its sync lists the whole folder
+        except OSError:  # a full disk: the run may still free space; its reconcile lists the whole folder
             self._unindexed_run = True
 
     async def reconcile(
@@ -144,31 +144,34 @@ class Session:
         what the run added beyond the quota.
 
         `changed`: the relative paths the run created, changed, removed or renamed (e.g. the
-        runner's `RunResult.changed`); only those, and folders' subtrees, are looked at, with the
-        same rules, falling back to listing the whole folder when anything is unusual
-        (`report.full` tells which ran). None: list the whole folder."""
+        runner's `RunResult.changed`): Reconcile.CHANGED looks only at those, and folders' subtrees,
+        with the same rules, falling back to listing the whole folder (Reconcile.FOLDER) when
+        anything is unusual; `report.full` tells which ran. None: Reconcile.FOLDER."""
         core = self._core
         if enforce_quotas:
             await core.remember_settings()
-        if changed is not None and self._unindexed_run:
-            changed = None  # an earlier run was never indexed: its changes are not among these
+        mode = Reconcile.CHANGED if changed is not None else Reconcile.FOLDER
+        if self._unindexed_run:
+            mode = Reconcile.FOLDER  # an earlier run was never indexed: its changes are not among these
         if core.generation != self._generation:
             # The index was rebuilt while this session was locked (a damaged index, found during the
             # run): the rebuild skipped it, so it is listed whole, and its links taken back.
-            changed = None
-        if changed is not None:
-            report = await _sync_changed.sync_paths(core, self._ref, changed, enforce=enforce_quotas)
-        else:
-            report = await _sync.sync_folder(core, self._ref, enforce=enforce_quotas)
-        if core.generation != self._generation:  # replaced while this sync ran
-            if changed is not None:  # the rebuild skipped this locked session: list it whole
-                report = await _sync.sync_folder(core, self._ref, enforce=enforce_quotas)
-            await _repair.adopt_links(core)
+            mode = Reconcile.FOLDER
+        report = await self._reconcile(mode, changed or (), enforce_quotas)
+        if core.generation != self._generation:  # replaced while this reconcile ran
+            if mode is Reconcile.CHANGED:  # the rebuild skipped this locked session: list it whole
+                report = await self._reconcile(Reconcile.FOLDER, (), enforce_quotas)
+            await _repair.reconcile_links(core)
             self._generation = core.generation
         marker = core.layout.running_marker(self.user_key, self.chat_key)
         await asyncio.to_thread(_unlink_missing_ok, marker)
         self._unindexed_run = False
         return report
+
+    async def _reconcile(self, mode: Reconcile, changed: Collection[str], enforce: bool) -> ReconcileReport:
+        if mode is Reconcile.CHANGED:
+            return await _reconcile_changed.reconcile_changed(self._core, self._ref, changed, enforce=enforce)
+        return await _reconcile.reconcile_folder(self._core, self._ref, enforce=enforce)
 
     async def usage(self) -> Usage:
         """This chat's files and bytes, as last indexed."""
@@ -184,7 +187,7 @@ class Session:
 
     async def links(self) -> list[LinkInfo]:
         """This chat's published links, oldest first."""
-        return await self._core.read(lambda tx: _index.link_listing(tx, self.user_key, self.chat_key))
+        return await self._core.read(lambda tx: _index_links.link_listing(tx, self.user_key, self.chat_key))
 
 
 def _unlink_missing_ok(path: Path) -> None:
@@ -192,19 +195,19 @@ def _unlink_missing_ok(path: Path) -> None:
         os.unlink(path)
 
 
-class SessionFiles:
+class ChatFiles:
     """File operations on a session folder that keep the index in step.
 
     Paths are relative POSIX strings (`report.csv`, `out/chart.png`); see InvalidPath for what is
     refused. No operation follows a symbolic link anywhere in a path.
     """
 
-    def __init__(self, core: Core, ref: SessionRef) -> None:
+    def __init__(self, core: Core, ref: ChatRef) -> None:
         self._core = core
         self._ref = ref
 
     async def list(self) -> list[FileEntry]:
-        """Every indexed file, sorted by path (the index as of the last sync or file operation)."""
+        """Every indexed file, sorted by path (the index as of the last reconcile or file operation)."""
         return await self._core.read(
             lambda tx: _index.file_entries(tx, self._ref.user_key, self._ref.chat_key)
         )
@@ -327,7 +330,7 @@ class SessionFiles:
         marker = core.layout.running_marker(ref.user_key, ref.chat_key)
 
         def work() -> None:
-            # Marked first, like a run: if the index cannot be told (a full disk), the next sync lists
+            # Marked first, like a run: if the index cannot be told (a full disk), the next reconcile lists
             # the whole folder instead of trusting rows of files that are gone.
             with contextlib.suppress(OSError):
                 os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
@@ -341,10 +344,10 @@ class SessionFiles:
 
         async def links_of(tx: Tx) -> list[tuple[str, str, str]]:
             row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
-            return [] if row is None else await _index.links_of_session(tx, row.id)
+            return [] if row is None else await _index_links.links_of_session(tx, row.id)
 
         try:
-            await _sync.sync_folder(core, ref, enforce=False)
+            await _reconcile.reconcile_folder(core, ref, enforce=False)
         except DiskFull:
             # The index cannot be told now, but the copies still go: the user asked for it, and it
             # frees space. Their rows, pointing at nothing, go at the next cleanup.
@@ -354,7 +357,7 @@ class SessionFiles:
 
         async def drop_links(tx: Tx) -> list[tuple[str, str, str]]:
             links = await links_of(tx)
-            await _index.delete_links(tx, [r for r, _, _ in links])
+            await _index_links.delete_links(tx, [r for r, _, _ in links])
             return links
 
         await _publish.remove_copies(core, await core.write(drop_links))

@@ -10,8 +10,9 @@ import logging
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Literal, overload
 
-from . import _expiry, _index, _repair
+from . import _expiry, _index, _index_links, _repair
 from ._backend import Backend, Lock, Tx
 from ._core import Core, Owner
 from ._fsops import make_dir
@@ -21,6 +22,7 @@ from ._sqlite import SQLiteBackend
 from .errors import DiskFull, StorageError
 from .models import (
     ActivityEntry,
+    ChatInfo,
     CleanupReport,
     Drift,
     Expiry,
@@ -28,7 +30,7 @@ from .models import (
     Purge,
     Quotas,
     RebuildReport,
-    SessionInfo,
+    Reconcile,
     UserUsage,
 )
 from .policy import Policy
@@ -78,8 +80,7 @@ class Store:
             owner=owner,
             record_settings=record_settings,
         )
-        self._core.rebuild = self.rebuild
-        self._core.catch_up = self._catch_up
+        self._core.reconcile = self.reconcile
         self._rebuild_put_off = False
         self._repair_at_open = repair_at_open
         self._opened = False
@@ -148,7 +149,7 @@ class Store:
                 await self._startup_repairs(rebuild=opened.fresh, moved_aside=opened.moved_aside is not None)
             except DiskFull:
                 # Open anyway: every step then says the disk is full, and one that frees space works;
-                # the first write that succeeds afterwards does these repairs (Core.catch_up).
+                # the first write that succeeds afterwards does these repairs (Reconcile.AFTER_FULL_DISK).
                 log.warning(
                     "the disk holding %s is full: the store opened without its start-up repairs", self.root
                 )
@@ -166,16 +167,16 @@ class Store:
                 log.warning(
                     "the index %s is new but session folders exist: rebuilding it", core.backend.where
                 )
-            report = await self.rebuild()
+            report = await self.reconcile(Reconcile.REBUILD)
             log.warning("index rebuilt: %s", report.summary())
-        await _repair.recover_interrupted_runs(core)
+        await self.reconcile(Reconcile.INTERRUPTED)
 
-    async def _catch_up(self) -> None:
+    async def _reconcile_after_full_disk(self) -> None:
         """What a full disk put off, done by the first write that had room again: the sessions used
         meanwhile get their sidecar, row and file rows; the start-up repairs run."""
         core = self._core
         with contextlib.suppress(DiskFull):
-            await _repair.save_unsaved_sessions(core)
+            await _repair.reconcile_unsaved(core)
             if core.repairs_put_off:
                 await self._startup_repairs(rebuild=self._rebuild_put_off)
                 core.repairs_put_off = False
@@ -251,7 +252,7 @@ class Store:
         unindexed = await self._core.ensure(ref, touch=True)
         return Session(self._core, ref, unindexed=unindexed)
 
-    def session_at(self, info: SessionInfo) -> Session:
+    def session_at(self, info: ChatInfo) -> Session:
         """The Session of a listed session row (by its folder keys), without touching it."""
         return Session(
             self._core, self._core.ref_at(info.user_id, info.chat_id, info.user_key, info.chat_key)
@@ -280,7 +281,7 @@ class Store:
                 by_user[user_id] = by_user.get(user_id, 0) + size
         return [dataclasses.replace(u, saved_state_bytes=by_user.get(u.user_id, 0)) for u in users]
 
-    async def sessions(self, user_id: str | None = None) -> list[SessionInfo]:
+    async def sessions(self, user_id: str | None = None) -> list[ChatInfo]:
         key = None if user_id is None else id_key(user_id)
         rows = await self._core.read(lambda tx: _index.all_sessions(tx, key))
         return [r.info() for r in rows]
@@ -293,7 +294,7 @@ class Store:
     async def links(self, *, user_id: str | None = None, chat_id: str | None = None) -> list[LinkInfo]:
         user_key = id_key(user_id) if user_id is not None else None
         chat_key = id_key(chat_id) if chat_id is not None else None
-        return await self._core.read(lambda tx: _index.link_listing(tx, user_key, chat_key))
+        return await self._core.read(lambda tx: _index_links.link_listing(tx, user_key, chat_key))
 
     async def activity(self, limit: int = 50) -> list[ActivityEntry]:
         """The newest audit-trail entries (cleanups, quota removals, rejected entries, rebuilds)."""
@@ -358,9 +359,25 @@ class Store:
 
         return await self._core.write(write)
 
-    async def rebuild(self) -> RebuildReport:
-        """Rebuild the index from the session folders (ids from the sidecars); never enforces quotas."""
-        return await _repair.rebuild(self._core)
+    @overload
+    async def reconcile(self, mode: Literal[Reconcile.REBUILD] = ...) -> RebuildReport: ...
+
+    @overload
+    async def reconcile(self, mode: Reconcile) -> RebuildReport | None: ...
+
+    async def reconcile(self, mode: Reconcile = Reconcile.REBUILD) -> RebuildReport | None:
+        """Bring the index in line with the disk for the whole store (see `Reconcile`): REBUILD
+        (returns its report), INTERRUPTED or AFTER_FULL_DISK. Never enforces quotas. The modes of one
+        chat, CHANGED and FOLDER, are `Session.reconcile`'s."""
+        if mode is Reconcile.REBUILD:
+            return await _repair.reconcile_rebuild(self._core)
+        if mode is Reconcile.INTERRUPTED:
+            await _repair.reconcile_interrupted(self._core)
+        elif mode is Reconcile.AFTER_FULL_DISK:
+            await self._reconcile_after_full_disk()
+        else:
+            raise ValueError(f"{mode} is the mode of one chat: use Session.reconcile")
+        return None
 
     async def check(self) -> list[Drift]:
         """Differences between the index and the disk; changes nothing. Sessions in use are skipped."""

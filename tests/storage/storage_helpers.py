@@ -36,7 +36,8 @@ def run_index_sql(
         return sql(root, statement, tuple(params))
     import psycopg
 
-    from storage._postgres import DEFAULT_SCHEMA, to_pyformat
+    from storage._postgres import DEFAULT_SCHEMA
+    from storage._postgres_tx import to_pyformat
 
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute("SELECT set_config('search_path', %s, false)", (DEFAULT_SCHEMA,))

@@ -8,7 +8,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from storage import Store, _index
+from storage import Store, _index, _index_links
 
 
 async def test_paths_and_ids_sort_and_range_by_bytes(store: Store) -> None:
@@ -56,7 +56,7 @@ async def test_totals_and_listings_come_back_as_python_numbers(store: Store) -> 
     assert type(info.created_at) is float and type(info.files) is int and info.temporary is False
     [link] = await store.links()
     assert type(link.size) is int and type(link.created_at) is float
-    health = await store.backend.read(_index.link_health)
+    health = await store.backend.read(_index_links.link_health)
     assert [row[5:] for row in health] == [(0, 0, 0)]
 
     async def refresh(tx: Any) -> tuple[int, int]:
@@ -125,13 +125,13 @@ async def test_totals_follow_bulk_writes(store: Store) -> None:
 
     async def links(tx: Any) -> None:
         for n in range(3):
-            await _index.insert_link(
+            await _index_links.insert_link(
                 tx, sid, ref=f"t{n}", kind="directory", path="f0001", name="f0001", url="/x",
                 directory="/d", size=100 + n, mtime_ns=1, inode=1, ctime_ns=1, sha256="h", now=now,
             )  # fmt: skip
 
     await backend.write(links)
-    await backend.write(lambda tx: _index.delete_links(tx, ["t0", "t2", "gone"]))
+    await backend.write(lambda tx: _index_links.delete_links(tx, ["t0", "t2", "gone"]))
     await check()
     assert (await s.user_usage()).bytes == (await s.usage()).bytes + (await other.usage()).bytes + 101
     await backend.write(lambda tx: _index.delete_session(tx, oid))  # its files go by cascade

@@ -1,4 +1,4 @@
-"""SessionFiles: reads and writes that never follow a symlink, and keep the index in step."""
+"""ChatFiles: reads and writes that never follow a symlink, and keep the index in step."""
 
 from __future__ import annotations
 

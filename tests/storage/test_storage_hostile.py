@@ -16,7 +16,7 @@ import pytest
 
 from storage import DirectoryPublisher, InvalidPath, QuotaExceeded, Quotas, StorageError, Store
 from storage._fsops import remove_tree
-from storage._sync import MAX_EMPTY_FOLDERS
+from storage._reconcile import MAX_EMPTY_FOLDERS
 from tests.storage.storage_helpers import sqlite_only
 
 
@@ -179,7 +179,7 @@ async def test_the_quota_decision_in_the_publish_transaction_stands_alone(
     # Another chat of the user took the room between publish's first look and its transaction: here
     # the first look is made to see an empty account, so only the transaction's own decision (made by
     # the INSERT of the link, on both backends) stands between the copy and the quota.
-    import storage._index as index_module
+    import storage._index_links as index_module
     from storage.models import Usage
 
     real = index_module.links_of_file_and_usage

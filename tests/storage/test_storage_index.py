@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from storage import Copy, DirectoryPublisher, Published, Quotas, StorageBusy, StorageError, Store
+from storage import Copy, DirectoryPublisher, Published, Quotas, Reconcile, StorageBusy, StorageError, Store
 from storage._schema import CURRENT_VERSION, MIGRATIONS, statements
 from tests.storage.storage_helpers import lose_index, sql, sqlite_only, stored_id, user_usage
 
@@ -109,7 +109,7 @@ async def test_rebuild_without_sidecar_keeps_files(root: Path, database_url: str
         rows = {(s.user_id, s.files) for s in await store.sessions()}
         assert (stored_id("alice\x00", database_url), 1) in rows
         assert any(u.startswith("unknown:bob-") and n == 1 for u, n in rows)
-        report = await store.rebuild()
+        report = await store.reconcile(Reconcile.REBUILD)
         assert report.sessions == 2 and report.sessions_without_sidecar == 1 and report.added == 0
         assert next(a.event for a in await store.activity()) == "rebuild"
 
@@ -141,7 +141,7 @@ async def test_rebuild_drops_rows_without_folder(store: Store) -> None:
 
     shutil.rmtree(s.path)
     assert [d.kind for d in await store.check()] == ["session folder missing"]
-    report = await store.rebuild()
+    report = await store.reconcile(Reconcile.REBUILD)
     assert report.rows_removed == 1
     assert await store.sessions() == []
 
@@ -152,7 +152,7 @@ async def test_rebuild_repairs_drifted_totals_and_reports_the_repaired_ones(
     s = await store.session("u", "c")
     await s.files.write("a", b"12345")
     index_sql("UPDATE sessions SET file_count = 7, bytes = 999")
-    report = await store.rebuild()
+    report = await store.reconcile(Reconcile.REBUILD)
     assert (report.files, report.bytes) == (1, 5)
     assert [(i.files, i.bytes) for i in await store.sessions()] == [(1, 5)]
 
@@ -316,7 +316,7 @@ async def test_a_lost_index_rebuilt_where_its_copies_cannot_be_checked_keeps_the
         link = await s.publish("report.csv")
     lose_index(root, database_url)
     async with Store(root, database_url=database_url) as cli:  # no publisher of that kind
-        await cli.rebuild()
+        await cli.reconcile(Reconcile.REBUILD)
         assert [(i.path, i.url) for i in await cli.links()] == [("report.csv", link.url)]
     async with Store(root, publisher=elsewhere, database_url=database_url) as store:
         await store.cleanup()

@@ -17,15 +17,9 @@ import psycopg
 import pytest
 
 from storage import DirectoryPublisher, DiskFull, IndexDamaged, StorageBusy, Store
-from storage._postgres import (
-    CURRENT_VERSION,
-    PostgresBackend,
-    advisory_key,
-    is_postgres_url,
-    libpq_url,
-    redact_url,
-    to_pyformat,
-)
+from storage._postgres import PostgresBackend, advisory_key, is_postgres_url, libpq_url, redact_url
+from storage._postgres_schema import CURRENT_VERSION
+from storage._postgres_tx import to_pyformat
 from storage.errors import StorageError
 from tests.storage.storage_helpers import run_python, start_python
 from tests.storage.test_storage_cli import run_cli

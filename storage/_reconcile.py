@@ -1,9 +1,10 @@
-"""Bringing the index in line with a session folder (the disk is the truth), and the quota after a run.
+"""Reconciling one session folder with its index (the disk is the truth), and the quota after a run.
 
-Two ways to find what differs, one way to apply it:
+Two ways to find what differs (the chat's modes of `models.Reconcile`), one way to apply it:
 
-* `sync_folder`: list the whole folder (one lstat per entry) and compare with the session's rows;
-* `_sync_changed.sync_paths`: look only at the paths a run changed (see that module);
+* `reconcile_folder` (FOLDER): list the whole folder (one lstat per entry) and compare with the
+  session's rows;
+* `_reconcile_changed.reconcile_changed` (CHANGED): look only at the paths a run changed;
 * `apply`: write the differences in ONE write transaction that also makes the quota decision: it
   reads the user's totals across all chats inside that transaction (serialised per user), weighs
   the run's new and grown files with `Policy.plan_removals`, and indexes only what is kept; the files
@@ -24,14 +25,14 @@ from dataclasses import dataclass, field
 
 from . import _index
 from ._backend import Tx
-from ._core import Core, SessionRef
+from ._core import ChatRef, Core
 from ._fsops import fd_closing, open_dir, unlink_file, walk_dirs
 from ._scan import Listing, Scan, scan
 from .errors import FileMissing, InvalidPath
 from .models import Growth, QuotaRemoval, ReconcileReport, Rejected, Usage
 
 _AUDIT_ITEMS = 100
-# Empty folders kept per sync (a full one: the whole session; a change-driven one: the folders a run
+# Empty folders kept per reconcile (a full one: the whole session; a change-driven one: the folders a run
 # made). Code can make folders without end, each a few KiB of disk that no quota counts.
 MAX_EMPTY_FOLDERS = 1000
 
@@ -86,7 +87,7 @@ class Differences:
 
 
 def compare(found: Scan, index_rows: Iterable[tuple[str, int, int]]) -> Differences:
-    """Walk the index rows once against the listing (this loop is most of a full sync's Python
+    """Walk the index rows once against the listing (this loop is most of a full reconcile's Python
     time on a big session; it runs in a worker thread)."""
     remaining = dict(found.files)
     pop = remaining.pop
@@ -107,8 +108,8 @@ def compare(found: Scan, index_rows: Iterable[tuple[str, int, int]]) -> Differen
     return differences
 
 
-async def sync_folder(
-    core: Core, ref: SessionRef, *, enforce: bool, prior: Scan | None = None
+async def reconcile_folder(
+    core: Core, ref: ChatRef, *, enforce: bool, prior: Scan | None = None
 ) -> ReconcileReport:
     """List the whole folder and apply what differs. `prior`: what a change-driven attempt that fell
     back already rejected or renamed (those entries are gone now; the report still tells)."""
@@ -119,7 +120,7 @@ async def sync_folder(
 
     # One after the other, not overlapped: the listing makes one system call per entry, each
     # releasing the GIL, and a second busy thread turns every one of those into a GIL hand-off
-    # (measured: overlapping made a 100k-file sync about 50% slower).
+    # (measured: overlapping made a 100k-file reconcile about 50% slower).
     found = await asyncio.to_thread(scan, ref.path, fix=True)
     if prior is not None:
         found.rejected[:0] = prior.rejected
@@ -133,7 +134,7 @@ async def sync_folder(
 _BY_KEYS_MAX = 64
 
 
-async def apply(core: Core, ref: SessionRef, differences: Differences, *, enforce: bool) -> ReconcileReport:
+async def apply(core: Core, ref: ChatRef, differences: Differences, *, enforce: bool) -> ReconcileReport:
     """Decide the quota and write the differences in one transaction; then unlink what goes."""
     found = differences.found
     listing: Listing = found.files
@@ -201,7 +202,7 @@ async def apply(core: Core, ref: SessionRef, differences: Differences, *, enforc
     quota_removed: list[QuotaRemoval] = []
     if removals:
         # After the commit: a file that cannot be unlinked stays on disk, unindexed, and the next
-        # sync weighs it again.
+        # reconcile weighs it again.
         gone = await asyncio.to_thread(_remove, ref, [r.path for r in removals])
         quota_removed = [r for r in removals if r.path in gone]
     going = {r.path for r in removals}
@@ -218,7 +219,7 @@ async def apply(core: Core, ref: SessionRef, differences: Differences, *, enforc
     )
 
 
-async def _audit(tx: Tx, ref: SessionRef, found: Scan, removals: list[QuotaRemoval], now: float) -> None:
+async def _audit(tx: Tx, ref: ChatRef, found: Scan, removals: list[QuotaRemoval], now: float) -> None:
     # The audit trail keeps the first _AUDIT_ITEMS of each list and the counts (a run can create a
     # million symlinks; the report has them all).
     who = (ref.user_id, ref.chat_id)
@@ -239,7 +240,7 @@ async def _audit(tx: Tx, ref: SessionRef, found: Scan, removals: list[QuotaRemov
         await _index.log_activity(tx, now, "quota_removed", *who, detail)
 
 
-def _prune_empty_folders(ref: SessionRef, found: Scan) -> None:
+def _prune_empty_folders(ref: ChatRef, found: Scan) -> None:
     """Keep the MAX_EMPTY_FOLDERS shallowest empty folders, remove the others (reported as rejected)."""
     ordered = sorted(found.empty_folders, key=lambda p: (p.count("/"), p))
     with fd_closing(open_dir(ref.path)) as root:
@@ -254,7 +255,7 @@ def _prune_empty_folders(ref: SessionRef, found: Scan) -> None:
     found.empty_folders = ordered[:MAX_EMPTY_FOLDERS]
 
 
-def _remove(ref: SessionRef, paths: list[str]) -> set[str]:
+def _remove(ref: ChatRef, paths: list[str]) -> set[str]:
     """Delete files chosen by the quota; returns those gone from disk afterwards."""
     gone: set[str] = set()
     with fd_closing(open_dir(ref.path)) as root:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from storage import Quotas, ReconcileReport, Session, Store, _sync_changed
+from storage import Quotas, ReconcileReport, Session, Store, _reconcile_changed
 
 BASE = {
     "a.txt": b"a",
@@ -205,7 +205,7 @@ async def test_a_removed_name_of_a_file_with_several_links_falls_back(store: Sto
 async def test_too_many_paths_fall_back(
     store: Store, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(_sync_changed, "MAX_PATHS", 3)
+    monkeypatch.setattr(_reconcile_changed, "MAX_PATHS", 3)
     changed = ["p0", "p1", "p2", "p3"]
     with caplog.at_level(logging.DEBUG, "code_sessions.storage"):
         await _compare(store, lambda r: [_write(r / p, b"p") for p in changed], changed, full=True)

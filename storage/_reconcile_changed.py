@@ -1,4 +1,4 @@
-"""Change-driven sync: look only at the paths a run changed, not at the whole folder.
+"""Change-driven reconcile: look only at the paths a run changed, not at the whole folder.
 
 The caller (the engine, from the runner's inotify watch) names the paths the run created, changed,
 removed or renamed. Each is judged with the rules of the full scan and becomes authoritative for
@@ -12,7 +12,7 @@ itself and everything under it:
 
 Each path is reached from the session folder's fd, component by component with O_NOFOLLOW. Index rows
 are read per path (the exact path, and the `path/` range of the primary key), never the whole session.
-Quota enforcement and the report are the full sync's (`_sync.apply`).
+Quota enforcement and the report are the full reconcile's (`_reconcile.apply`).
 
 Anything unusual falls back to listing the whole folder (logged at debug level): more than MAX_PATHS paths,
 a path that `_names.split_path` refuses or would rewrite (not clean, not UTF-8, too deep), a parent that is
@@ -33,11 +33,11 @@ from collections.abc import Collection
 
 from . import _index
 from ._backend import Tx
-from ._core import Core, SessionRef
+from ._core import ChatRef, Core
 from ._fsops import DIR_FLAGS, kind_of, lstat_at, walk_dirs
 from ._names import split_path
+from ._reconcile import Differences, apply, reconcile_folder
 from ._scan import Scan, reject, scan_folder
-from ._sync import Differences, apply, sync_folder
 from .errors import FileMissing, InvalidPath
 from .models import ReconcileReport
 
@@ -50,10 +50,10 @@ class _Fallback(Exception):
     """Something is unusual: list the whole folder instead."""
 
 
-async def sync_paths(
-    core: Core, ref: SessionRef, changed: Collection[str], *, enforce: bool
+async def reconcile_changed(
+    core: Core, ref: ChatRef, changed: Collection[str], *, enforce: bool
 ) -> ReconcileReport:
-    """Sync the given paths only; the whole folder when anything is unusual."""
+    """Reconcile the given paths only; the whole folder when anything is unusual."""
     found = Scan()
     try:
         scopes = _scopes(changed)
@@ -62,9 +62,11 @@ async def sync_paths(
         await asyncio.to_thread(_look, ref.path, scopes, found)
         return await _apply(core, ref, scopes, found, enforce=enforce)
     except _Fallback as why:
-        log.debug("sync of %s: full listing instead of %d changed paths: %s", ref.path, len(changed), why)
+        log.debug(
+            "reconcile of %s: full listing instead of %d changed paths: %s", ref.path, len(changed), why
+        )
     # Entries the attempt already rejected or renamed are gone from disk; the report still names them.
-    return await sync_folder(core, ref, enforce=enforce, prior=found)
+    return await reconcile_folder(core, ref, enforce=enforce, prior=found)
 
 
 def _scopes(changed: Collection[str]) -> list[str]:
@@ -151,7 +153,7 @@ _LINKED = "the session holds files with several hard links"
 
 
 async def _apply(
-    core: Core, ref: SessionRef, scopes: list[str], found: Scan, *, enforce: bool
+    core: Core, ref: ChatRef, scopes: list[str], found: Scan, *, enforce: bool
 ) -> ReconcileReport:
     async def read(tx: Tx) -> dict[str, tuple[int, int]]:
         row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
