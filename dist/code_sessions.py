@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_645d15bf5511'
+_CS_PACKAGE = '_code_sessions_249e6beef594'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -4059,7 +4059,8 @@ async def remove_copies(core: Core, links: Sequence[tuple[str, str, str]]) -> No
             await publisher.remove(refs)
         else:
             queued = time.time()
-            await core.write(functools.partial(_index_links.queue_unpublished, kind=kind, refs=refs, now=queued))
+            queue = functools.partial(_index_links.queue_unpublished, kind=kind, refs=refs, now=queued)
+            await core.write(queue)
 
 
 async def drain_unpublished(core: Core) -> int:
@@ -14674,7 +14675,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_645d15bf5511.runner import Outcome
+from _code_sessions_249e6beef594.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -14951,8 +14952,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_645d15bf5511.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_645d15bf5511.storage import human_bytes
+from _code_sessions_249e6beef594.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_249e6beef594.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -15072,7 +15073,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_645d15bf5511.storage import Purge, parse_duration
+from _code_sessions_249e6beef594.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16192,8 +16193,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_645d15bf5511.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_645d15bf5511.storage import (
+from _code_sessions_249e6beef594.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_249e6beef594.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16904,7 +16905,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_645d15bf5511.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_249e6beef594.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -17130,7 +17131,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_645d15bf5511.storage import Link, Publisher, is_postgres_url
+from _code_sessions_249e6beef594.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17347,7 +17348,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_645d15bf5511.engine import (
+from _code_sessions_249e6beef594.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17357,9 +17358,9 @@ from _code_sessions_645d15bf5511.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_645d15bf5511.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_645d15bf5511.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_645d15bf5511.webui import OpenWebUI
+from _code_sessions_249e6beef594.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_249e6beef594.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_249e6beef594.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -18029,7 +18030,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_645d15bf5511.engine import (
+from _code_sessions_249e6beef594.engine import (
     LoopOptions,
     ModelError,
     converse,
@@ -18038,9 +18039,9 @@ from _code_sessions_645d15bf5511.engine import (
     events_from_sse,
     waiting_status,
 )
-from _code_sessions_645d15bf5511.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
-from _code_sessions_645d15bf5511.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_645d15bf5511.webui import Misconfigured
+from _code_sessions_249e6beef594.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from _code_sessions_249e6beef594.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_249e6beef594.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -241,7 +241,8 @@ async def remove_copies(core: Core, links: Sequence[tuple[str, str, str]]) -> No
             await publisher.remove(refs)
         else:
             queued = time.time()
-            await core.write(functools.partial(_index_links.queue_unpublished, kind=kind, refs=refs, now=queued))
+            queue = functools.partial(_index_links.queue_unpublished, kind=kind, refs=refs, now=queued)
+            await core.write(queue)
 
 
 async def drain_unpublished(core: Core) -> int:
