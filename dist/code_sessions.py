@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_249e6beef594'
+_CS_PACKAGE = '_code_sessions_c3b3131bb9c0'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -126,7 +126,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -185,9 +185,10 @@ class Backend(Protocol):
 
     async def close(self) -> None: ...
 
-    async def read(self, fn: Callable[[Tx], Awaitable[T]]) -> T: ...
+    # Coroutines, not any awaitable: the SQLite backend drives them in its connection's thread.
+    async def read(self, fn: Callable[[Tx], Coroutine[Any, Any, T]]) -> T: ...
 
-    async def write(self, fn: Callable[[Tx], Awaitable[T]]) -> T: ...
+    async def write(self, fn: Callable[[Tx], Coroutine[Any, Any, T]]) -> T: ...
 
     async def recover(self) -> Opened:
         """The database was found damaged (IndexDamaged): replace it with a working one. Another
@@ -239,10 +240,10 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from . import _index
 from ._backend import Backend, Lock, Tx
@@ -250,7 +251,7 @@ from ._fsops import make_dir
 from ._keys import id_key, is_temporary
 from ._layout import Layout, write_sidecar
 from .errors import DiskFull, IndexDamaged, StorageError
-from .models import Reconcile
+from .models import RebuildReport, Reconcile
 from .policy import Policy
 from .publishing import Publisher
 
@@ -298,7 +299,7 @@ class Core:
         self.record_settings = record_settings
         # Set by the Store (Store.reconcile): REBUILD after a damaged index was replaced, AFTER_FULL_DISK
         # by the first write that has room again.
-        self.reconcile: Callable[[Reconcile], Awaitable[object]] | None = None
+        self.reconcile: Callable[[Reconcile], Awaitable[RebuildReport | None]] | None = None
         # Sessions that went on without their sidecar or index row because the disk was full; written,
         # and their folders indexed, by the first write that succeeds afterwards.
         self.unsaved: dict[tuple[str, str], ChatRef] = {}
@@ -349,14 +350,16 @@ class Core:
 
     # ------------------------------------------------------------------ transactions
 
-    async def read(self, fn: Callable[[Tx], Awaitable[T]]) -> T:
+    async def read(self, fn: Callable[[Tx], Coroutine[Any, Any, T]]) -> T:
         return await self._guarded(self.backend.read, fn)
 
-    async def write(self, fn: Callable[[Tx], Awaitable[T]]) -> T:
+    async def write(self, fn: Callable[[Tx], Coroutine[Any, Any, T]]) -> T:
         return await self._guarded(self.backend.write, fn)
 
     async def _guarded(
-        self, run: Callable[[Callable[[Tx], Awaitable[T]]], Awaitable[T]], fn: Callable[[Tx], Awaitable[T]]
+        self,
+        run: Callable[[Callable[[Tx], Coroutine[Any, Any, T]]], Awaitable[T]],
+        fn: Callable[[Tx], Coroutine[Any, Any, T]],
     ) -> T:
         generation = self._generation
         try:
@@ -390,7 +393,7 @@ class Core:
             moved = f"moved it to {opened.moved_aside}, " if opened.moved_aside else ""
             done = (
                 f"rebuilt it from the folders: {rebuilt.summary()}" if rebuilt is not None else "reconnected"
-            )  # type: ignore[attr-defined]
+            )
             log.warning("the index was damaged (%s): %s%s", damage, moved, done)
 
     # ------------------------------------------------------------------ sessions
@@ -482,7 +485,11 @@ class Core:
     # ------------------------------------------------------------------ bookkeeping
 
     async def log(
-        self, event: str, user_id: str | None = None, chat_id: str | None = None, detail: dict | None = None
+        self,
+        event: str,
+        user_id: str | None = None,
+        chat_id: str | None = None,
+        detail: dict[str, Any] | None = None,
     ) -> None:
         now = time.time()
         await self.write(lambda tx: _index.log_activity(tx, now, event, user_id, chat_id, detail))
@@ -1978,7 +1985,7 @@ async def delete_files(tx: Tx, session_id: int, paths: Sequence[str]) -> None:
 
 async def file_rows(tx: Tx, session_id: int) -> list[tuple[str, int, int]]:
     """(path, size, mtime_ns) of every file of a session."""
-    return await tx.all("SELECT path, size, mtime_ns FROM files WHERE session_id = ?", (session_id,))  # type: ignore[return-value]
+    return await tx.all("SELECT path, size, mtime_ns FROM files WHERE session_id = ?", (session_id,))
 
 
 async def file_entries(tx: Tx, user_key: str, chat_key: str) -> list[FileEntry]:
@@ -2061,7 +2068,7 @@ async def session_rows_at_and_under(
 
 async def expired_files(tx: Tx, cutoff: float) -> list[tuple[int, str, int, int]]:
     """(session id, path, size, mtime_ns) of files the index last saw change before cutoff."""
-    return await tx.all(  # type: ignore[return-value]
+    return await tx.all(
         "SELECT session_id, path, size, mtime_ns FROM files WHERE last_changed < ? ORDER BY session_id",
         (cutoff,),
     )
@@ -2133,7 +2140,7 @@ async def set_meta(tx: Tx, key: str, value: str) -> None:
     )
 
 
-def _json(text: str) -> dict:
+def _json(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except ValueError:
@@ -2306,7 +2313,7 @@ async def link_listing(tx: Tx, user_key: str | None = None, chat_key: str | None
 
 async def links_of_session(tx: Tx, session_id: int) -> list[tuple[str, str, str]]:
     """(ref, kind, directory) of every link of a session."""
-    return await tx.all("SELECT token, kind, directory FROM links WHERE session_id = ?", (session_id,))  # type: ignore[return-value]
+    return await tx.all("SELECT token, kind, directory FROM links WHERE session_id = ?", (session_id,))
 
 
 async def count_links(tx: Tx, session_id: int) -> int:
@@ -2320,7 +2327,7 @@ async def links_of_paths(tx: Tx, session_id: int, paths: Sequence[str]) -> list[
         chunk = paths[i : i + CHUNK]
         marks = ", ".join("?" * len(chunk))
         found.extend(
-            await tx.all(  # type: ignore[arg-type]
+            await tx.all(
                 f"SELECT token, kind, directory FROM links WHERE session_id = ? AND path IN ({marks})",
                 (session_id, *chunk),
             )
@@ -2946,7 +2953,7 @@ import hashlib
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -3317,7 +3324,7 @@ class PostgresBackend:
 
     # ------------------------------------------------------------------ transactions
 
-    async def read(self, fn: Callable[[PgTx], Awaitable[T]]) -> T:
+    async def read(self, fn: Callable[[PgTx], Coroutine[Any, Any, T]]) -> T:
         """Run fn in a read transaction: one snapshot, never blocks writers nor fails to serialize."""
         code = getattr(fn, "__code__", fn)
         if code not in self._multi_reads:
@@ -3329,7 +3336,7 @@ class PostgresBackend:
                 self._multi_reads.add(code)
         return await self._transaction(_BEGIN_READ, fn)
 
-    async def write(self, fn: Callable[[PgTx], Awaitable[T]]) -> T:
+    async def write(self, fn: Callable[[PgTx], Coroutine[Any, Any, T]]) -> T:
         """Run fn in a write transaction; fn may be run again after a conflict, so it must only touch
         the database."""
         return await self._transaction(_BEGIN_WRITE, fn)
@@ -3341,7 +3348,7 @@ class PostgresBackend:
             # The pool's queue and connections belong to one event loop.
             raise StorageError("a Store must be used from the event loop that opened it")
 
-    async def _transaction(self, begin: str | None, fn: Callable[[PgTx], Awaitable[T]]) -> T:
+    async def _transaction(self, begin: str | None, fn: Callable[[PgTx], Coroutine[Any, Any, T]]) -> T:
         """begin=None: fn's one statement alone (see PgTx)."""
         self._check_open()
         backoff = BusyBackoff(self.busy_total_s)
@@ -3359,7 +3366,7 @@ class PostgresBackend:
                         f"the index database {self.where} keeps dropping connections: {exc}"
                     ) from exc.__cause__
 
-    async def _attempt(self, begin: str | None, fn: Callable[[PgTx], Awaitable[T]]) -> T:
+    async def _attempt(self, begin: str | None, fn: Callable[[PgTx], Coroutine[Any, Any, T]]) -> T:
         psycopg = _psycopg()
         pool = self._pool
         assert pool is not None
@@ -3762,12 +3769,14 @@ class PgTx:
     async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         self._statement()
         cursor = await self._conn.execute(to_pyformat(sql), no_nul(params))
-        return await cursor.fetchall()
+        rows: list[Row] = await cursor.fetchall()
+        return rows
 
     async def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
         self._statement()
         cursor = await self._conn.execute(to_pyformat(sql), no_nul(params))
-        return await cursor.fetchone()
+        row: Row | None = await cursor.fetchone()
+        return row
 
     async def one_later(self, sql: str, params: Sequence[Any] = ()) -> Callable[[], Awaitable[Row | None]]:
         self._statement()
@@ -3775,7 +3784,8 @@ class PgTx:
         cursor = await self._conn.execute(to_pyformat(sql), no_nul(params))
 
         async def later() -> Row | None:
-            return await cursor.fetchone()
+            row: Row | None = await cursor.fetchone()
+            return row
 
         return later
 
@@ -3785,7 +3795,7 @@ class PgTx:
         cursor = await self._conn.execute(to_pyformat(sql), no_nul(params))
         if self._pipeline is not None:
             await self._pipeline.sync()  # the row count is the server's answer
-        return cursor.rowcount
+        return int(cursor.rowcount)
 
     async def many(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         if self._single:
@@ -4543,9 +4553,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import time
+from typing import Any
 
 from . import _index, _index_links
 from ._backend import Tx
@@ -4602,10 +4614,10 @@ async def reconcile_rebuild(core: Core) -> RebuildReport:
             continue
         try:
             created_at = created if created is not None else time.time()
-            sid = await core.write(lambda tx, r=ref, c=created_at: core.session_id(tx, r, c))
+            sid = await core.write(functools.partial(core.session_id, ref=ref, created_at=created_at))
             report = await reconcile_folder(core, ref, enforce=False)
             # Repair the cached totals too, whatever happened to them, and report the repaired ones.
-            files, size = await core.write(lambda tx, i=sid: _index.refresh_totals(tx, i))
+            files, size = await core.write(functools.partial(_index.refresh_totals, session_id=sid))
         finally:
             await lock.release()
         totals["sessions"] += 1
@@ -4628,7 +4640,7 @@ async def reconcile_rebuild(core: Core) -> RebuildReport:
         try:
             if layout.session_dir(row.user_key, row.chat_key).is_dir():
                 continue
-            await core.write(lambda tx, sid=row.id: _index.delete_session(tx, sid))
+            await core.write(functools.partial(_index.delete_session, session_id=row.id))
             rows_removed += 1
         finally:
             await lock.release()
@@ -4671,7 +4683,7 @@ async def reconcile_links(core: Core) -> int:
     others = [rec["ref"] for rec in wanted if rec["kind"] != DirectoryPublisher.kind]
     gone = await publisher.missing(others) if publisher is not None and others else set()
 
-    def present(rec: dict) -> bool:
+    def present(rec: dict[str, Any]) -> bool:
         if rec["kind"] == DirectoryPublisher.kind:
             return folder_copy_present(rec["directory"], rec["ref"], rec["name"])
         if publisher is None or rec["kind"] != publisher.kind:
@@ -4718,7 +4730,8 @@ async def reconcile_interrupted(core: Core) -> None:
         if not await lock.try_acquire():
             continue
         try:
-            row = await core.read(lambda tx, u=user_key, c=chat_key: _index.session_by_keys(tx, u, c))
+            by_keys = functools.partial(_index.session_by_keys, user_key=user_key, chat_key=chat_key)
+            row = await core.read(by_keys)
             if row is None or not layout.session_dir(user_key, chat_key).is_dir():
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(layout.running_marker(user_key, chat_key))
@@ -4761,7 +4774,7 @@ async def reconcile_unsaved(core: Core) -> None:
                 log.warning("could not save the session of chat %r: %s", ref.chat_id, error)
                 core.unsaved.pop(key, None)
                 continue
-            await core.write(lambda tx, r=ref, c=created: core.session_id(tx, r, c))
+            await core.write(functools.partial(core.session_id, ref=ref, created_at=created))
             await reconcile_folder(core, ref, enforce=False)
             core.unsaved.pop(key, None)
         finally:
@@ -4796,7 +4809,7 @@ async def check(core: Core) -> list[Drift]:
         if await core.backend.chat_locked(*key):
             continue  # a run is writing into it: differences are expected until its reconcile
         found = await asyncio.to_thread(scan, folder, fix=False)
-        index_rows = await core.read(lambda tx, sid=row.id: _index.file_rows(tx, sid))
+        index_rows = await core.read(functools.partial(_index.file_rows, session_id=row.id))
         drift.extend(await asyncio.to_thread(_compare, row, found, index_rows))
 
     for user_key, chat_key, size in await asyncio.to_thread(layout.saved_states):
@@ -4837,8 +4850,8 @@ def _compare(row: _index.ChatRow, found: Scan, index_rows: list[tuple[str, int, 
             )
     for item in found.rejected:
         drift.append(Drift("special file", *who, item.path, item.kind))
-    for item in found.renamed:
-        drift.append(Drift("bad name", *who, item.old, "not valid UTF-8"))
+    for renamed in found.renamed:
+        drift.append(Drift("bad name", *who, renamed.old, "not valid UTF-8"))
     files, size = len(index), sum(s for s, _ in index.values())
     if (files, size) != (row.file_count, row.bytes):
         drift.append(
@@ -6082,7 +6095,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ._format import human_bytes
 
@@ -6128,7 +6141,9 @@ class _Dictable:
     __slots__ = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return _jsonable(dataclasses.asdict(self))  # type: ignore[call-overload]
+        # Only dataclasses derive from _Dictable.
+        result: dict[str, Any] = _jsonable(dataclasses.asdict(cast(Any, self)))
+        return result
 
 
 def _jsonable(value: Any) -> Any:
@@ -6887,7 +6902,7 @@ import contextlib
 import os
 import stat
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
 from . import _index, _index_links, _publish, _reconcile, _reconcile_changed, _repair
@@ -7306,7 +7321,7 @@ class ChatFiles:
 
         await core.write(write)
 
-    async def _forget(self, tx: Tx, paths: list[str]) -> None:
+    async def _forget(self, tx: Tx, paths: Sequence[str]) -> None:
         sid = await self._core.session_id(tx, self._ref, time.time())
         await _index.delete_files(tx, sid, paths)
 
@@ -7480,7 +7495,7 @@ class Store:
     async def _startup_repairs(self, *, rebuild: bool, moved_aside: bool = False) -> None:
         core = self._core
         await self._remember_publisher()
-        if rebuild and await asyncio.to_thread(core.layout.session_keys_on_disk):
+        if rebuild and bool(await asyncio.to_thread(core.layout.session_keys_on_disk)):
             if not moved_aside:
                 log.warning(
                     "the index %s is new but session folders exist: rebuilding it", core.backend.where
@@ -14675,7 +14690,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_249e6beef594.runner import Outcome
+from _code_sessions_c3b3131bb9c0.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -14952,8 +14967,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_249e6beef594.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_249e6beef594.storage import human_bytes
+from _code_sessions_c3b3131bb9c0.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_c3b3131bb9c0.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -15073,7 +15088,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_249e6beef594.storage import Purge, parse_duration
+from _code_sessions_c3b3131bb9c0.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16193,8 +16208,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_249e6beef594.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_249e6beef594.storage import (
+from _code_sessions_c3b3131bb9c0.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_c3b3131bb9c0.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16905,7 +16920,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_249e6beef594.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_c3b3131bb9c0.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -17131,7 +17146,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_249e6beef594.storage import Link, Publisher, is_postgres_url
+from _code_sessions_c3b3131bb9c0.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17348,7 +17363,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_249e6beef594.engine import (
+from _code_sessions_c3b3131bb9c0.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17358,9 +17373,9 @@ from _code_sessions_249e6beef594.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_249e6beef594.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_249e6beef594.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_249e6beef594.webui import OpenWebUI
+from _code_sessions_c3b3131bb9c0.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_c3b3131bb9c0.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_c3b3131bb9c0.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -18030,7 +18045,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_249e6beef594.engine import (
+from _code_sessions_c3b3131bb9c0.engine import (
     LoopOptions,
     ModelError,
     converse,
@@ -18039,9 +18054,9 @@ from _code_sessions_249e6beef594.engine import (
     events_from_sse,
     waiting_status,
 )
-from _code_sessions_249e6beef594.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
-from _code_sessions_249e6beef594.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_249e6beef594.webui import Misconfigured
+from _code_sessions_c3b3131bb9c0.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from _code_sessions_c3b3131bb9c0.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_c3b3131bb9c0.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

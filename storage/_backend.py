@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -78,9 +78,10 @@ class Backend(Protocol):
 
     async def close(self) -> None: ...
 
-    async def read(self, fn: Callable[[Tx], Awaitable[T]]) -> T: ...
+    # Coroutines, not any awaitable: the SQLite backend drives them in its connection's thread.
+    async def read(self, fn: Callable[[Tx], Coroutine[Any, Any, T]]) -> T: ...
 
-    async def write(self, fn: Callable[[Tx], Awaitable[T]]) -> T: ...
+    async def write(self, fn: Callable[[Tx], Coroutine[Any, Any, T]]) -> T: ...
 
     async def recover(self) -> Opened:
         """The database was found damaged (IndexDamaged): replace it with a working one. Another

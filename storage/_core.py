@@ -17,10 +17,10 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from . import _index
 from ._backend import Backend, Lock, Tx
@@ -28,7 +28,7 @@ from ._fsops import make_dir
 from ._keys import id_key, is_temporary
 from ._layout import Layout, write_sidecar
 from .errors import DiskFull, IndexDamaged, StorageError
-from .models import Reconcile
+from .models import RebuildReport, Reconcile
 from .policy import Policy
 from .publishing import Publisher
 
@@ -76,7 +76,7 @@ class Core:
         self.record_settings = record_settings
         # Set by the Store (Store.reconcile): REBUILD after a damaged index was replaced, AFTER_FULL_DISK
         # by the first write that has room again.
-        self.reconcile: Callable[[Reconcile], Awaitable[object]] | None = None
+        self.reconcile: Callable[[Reconcile], Awaitable[RebuildReport | None]] | None = None
         # Sessions that went on without their sidecar or index row because the disk was full; written,
         # and their folders indexed, by the first write that succeeds afterwards.
         self.unsaved: dict[tuple[str, str], ChatRef] = {}
@@ -127,14 +127,16 @@ class Core:
 
     # ------------------------------------------------------------------ transactions
 
-    async def read(self, fn: Callable[[Tx], Awaitable[T]]) -> T:
+    async def read(self, fn: Callable[[Tx], Coroutine[Any, Any, T]]) -> T:
         return await self._guarded(self.backend.read, fn)
 
-    async def write(self, fn: Callable[[Tx], Awaitable[T]]) -> T:
+    async def write(self, fn: Callable[[Tx], Coroutine[Any, Any, T]]) -> T:
         return await self._guarded(self.backend.write, fn)
 
     async def _guarded(
-        self, run: Callable[[Callable[[Tx], Awaitable[T]]], Awaitable[T]], fn: Callable[[Tx], Awaitable[T]]
+        self,
+        run: Callable[[Callable[[Tx], Coroutine[Any, Any, T]]], Awaitable[T]],
+        fn: Callable[[Tx], Coroutine[Any, Any, T]],
     ) -> T:
         generation = self._generation
         try:
@@ -168,7 +170,7 @@ class Core:
             moved = f"moved it to {opened.moved_aside}, " if opened.moved_aside else ""
             done = (
                 f"rebuilt it from the folders: {rebuilt.summary()}" if rebuilt is not None else "reconnected"
-            )  # type: ignore[attr-defined]
+            )
             log.warning("the index was damaged (%s): %s%s", damage, moved, done)
 
     # ------------------------------------------------------------------ sessions
@@ -260,7 +262,11 @@ class Core:
     # ------------------------------------------------------------------ bookkeeping
 
     async def log(
-        self, event: str, user_id: str | None = None, chat_id: str | None = None, detail: dict | None = None
+        self,
+        event: str,
+        user_id: str | None = None,
+        chat_id: str | None = None,
+        detail: dict[str, Any] | None = None,
     ) -> None:
         now = time.time()
         await self.write(lambda tx: _index.log_activity(tx, now, event, user_id, chat_id, detail))

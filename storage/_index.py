@@ -337,7 +337,7 @@ async def delete_files(tx: Tx, session_id: int, paths: Sequence[str]) -> None:
 
 async def file_rows(tx: Tx, session_id: int) -> list[tuple[str, int, int]]:
     """(path, size, mtime_ns) of every file of a session."""
-    return await tx.all("SELECT path, size, mtime_ns FROM files WHERE session_id = ?", (session_id,))  # type: ignore[return-value]
+    return await tx.all("SELECT path, size, mtime_ns FROM files WHERE session_id = ?", (session_id,))
 
 
 async def file_entries(tx: Tx, user_key: str, chat_key: str) -> list[FileEntry]:
@@ -420,7 +420,7 @@ async def session_rows_at_and_under(
 
 async def expired_files(tx: Tx, cutoff: float) -> list[tuple[int, str, int, int]]:
     """(session id, path, size, mtime_ns) of files the index last saw change before cutoff."""
-    return await tx.all(  # type: ignore[return-value]
+    return await tx.all(
         "SELECT session_id, path, size, mtime_ns FROM files WHERE last_changed < ? ORDER BY session_id",
         (cutoff,),
     )
@@ -492,7 +492,7 @@ async def set_meta(tx: Tx, key: str, value: str) -> None:
     )
 
 
-def _json(text: str) -> dict:
+def _json(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except ValueError:

@@ -164,7 +164,7 @@ async def link_listing(tx: Tx, user_key: str | None = None, chat_key: str | None
 
 async def links_of_session(tx: Tx, session_id: int) -> list[tuple[str, str, str]]:
     """(ref, kind, directory) of every link of a session."""
-    return await tx.all("SELECT token, kind, directory FROM links WHERE session_id = ?", (session_id,))  # type: ignore[return-value]
+    return await tx.all("SELECT token, kind, directory FROM links WHERE session_id = ?", (session_id,))
 
 
 async def count_links(tx: Tx, session_id: int) -> int:
@@ -178,7 +178,7 @@ async def links_of_paths(tx: Tx, session_id: int, paths: Sequence[str]) -> list[
         chunk = paths[i : i + CHUNK]
         marks = ", ".join("?" * len(chunk))
         found.extend(
-            await tx.all(  # type: ignore[arg-type]
+            await tx.all(
                 f"SELECT token, kind, directory FROM links WHERE session_id = ? AND path IN ({marks})",
                 (session_id, *chunk),
             )

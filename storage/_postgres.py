@@ -51,7 +51,7 @@ import hashlib
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -422,7 +422,7 @@ class PostgresBackend:
 
     # ------------------------------------------------------------------ transactions
 
-    async def read(self, fn: Callable[[PgTx], Awaitable[T]]) -> T:
+    async def read(self, fn: Callable[[PgTx], Coroutine[Any, Any, T]]) -> T:
         """Run fn in a read transaction: one snapshot, never blocks writers nor fails to serialize."""
         code = getattr(fn, "__code__", fn)
         if code not in self._multi_reads:
@@ -434,7 +434,7 @@ class PostgresBackend:
                 self._multi_reads.add(code)
         return await self._transaction(_BEGIN_READ, fn)
 
-    async def write(self, fn: Callable[[PgTx], Awaitable[T]]) -> T:
+    async def write(self, fn: Callable[[PgTx], Coroutine[Any, Any, T]]) -> T:
         """Run fn in a write transaction; fn may be run again after a conflict, so it must only touch
         the database."""
         return await self._transaction(_BEGIN_WRITE, fn)
@@ -446,7 +446,7 @@ class PostgresBackend:
             # The pool's queue and connections belong to one event loop.
             raise StorageError("a Store must be used from the event loop that opened it")
 
-    async def _transaction(self, begin: str | None, fn: Callable[[PgTx], Awaitable[T]]) -> T:
+    async def _transaction(self, begin: str | None, fn: Callable[[PgTx], Coroutine[Any, Any, T]]) -> T:
         """begin=None: fn's one statement alone (see PgTx)."""
         self._check_open()
         backoff = BusyBackoff(self.busy_total_s)
@@ -464,7 +464,7 @@ class PostgresBackend:
                         f"the index database {self.where} keeps dropping connections: {exc}"
                     ) from exc.__cause__
 
-    async def _attempt(self, begin: str | None, fn: Callable[[PgTx], Awaitable[T]]) -> T:
+    async def _attempt(self, begin: str | None, fn: Callable[[PgTx], Coroutine[Any, Any, T]]) -> T:
         psycopg = _psycopg()
         pool = self._pool
         assert pool is not None

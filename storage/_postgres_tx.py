@@ -140,12 +140,14 @@ class PgTx:
     async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         self._statement()
         cursor = await self._conn.execute(to_pyformat(sql), no_nul(params))
-        return await cursor.fetchall()
+        rows: list[Row] = await cursor.fetchall()
+        return rows
 
     async def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
         self._statement()
         cursor = await self._conn.execute(to_pyformat(sql), no_nul(params))
-        return await cursor.fetchone()
+        row: Row | None = await cursor.fetchone()
+        return row
 
     async def one_later(self, sql: str, params: Sequence[Any] = ()) -> Callable[[], Awaitable[Row | None]]:
         self._statement()
@@ -153,7 +155,8 @@ class PgTx:
         cursor = await self._conn.execute(to_pyformat(sql), no_nul(params))
 
         async def later() -> Row | None:
-            return await cursor.fetchone()
+            row: Row | None = await cursor.fetchone()
+            return row
 
         return later
 
@@ -163,7 +166,7 @@ class PgTx:
         cursor = await self._conn.execute(to_pyformat(sql), no_nul(params))
         if self._pipeline is not None:
             await self._pipeline.sync()  # the row count is the server's answer
-        return cursor.rowcount
+        return int(cursor.rowcount)
 
     async def many(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         if self._single:

@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import time
+from typing import Any
 
 from . import _index, _index_links
 from ._backend import Tx
@@ -66,10 +68,10 @@ async def reconcile_rebuild(core: Core) -> RebuildReport:
             continue
         try:
             created_at = created if created is not None else time.time()
-            sid = await core.write(lambda tx, r=ref, c=created_at: core.session_id(tx, r, c))
+            sid = await core.write(functools.partial(core.session_id, ref=ref, created_at=created_at))
             report = await reconcile_folder(core, ref, enforce=False)
             # Repair the cached totals too, whatever happened to them, and report the repaired ones.
-            files, size = await core.write(lambda tx, i=sid: _index.refresh_totals(tx, i))
+            files, size = await core.write(functools.partial(_index.refresh_totals, session_id=sid))
         finally:
             await lock.release()
         totals["sessions"] += 1
@@ -92,7 +94,7 @@ async def reconcile_rebuild(core: Core) -> RebuildReport:
         try:
             if layout.session_dir(row.user_key, row.chat_key).is_dir():
                 continue
-            await core.write(lambda tx, sid=row.id: _index.delete_session(tx, sid))
+            await core.write(functools.partial(_index.delete_session, session_id=row.id))
             rows_removed += 1
         finally:
             await lock.release()
@@ -135,7 +137,7 @@ async def reconcile_links(core: Core) -> int:
     others = [rec["ref"] for rec in wanted if rec["kind"] != DirectoryPublisher.kind]
     gone = await publisher.missing(others) if publisher is not None and others else set()
 
-    def present(rec: dict) -> bool:
+    def present(rec: dict[str, Any]) -> bool:
         if rec["kind"] == DirectoryPublisher.kind:
             return folder_copy_present(rec["directory"], rec["ref"], rec["name"])
         if publisher is None or rec["kind"] != publisher.kind:
@@ -182,7 +184,8 @@ async def reconcile_interrupted(core: Core) -> None:
         if not await lock.try_acquire():
             continue
         try:
-            row = await core.read(lambda tx, u=user_key, c=chat_key: _index.session_by_keys(tx, u, c))
+            by_keys = functools.partial(_index.session_by_keys, user_key=user_key, chat_key=chat_key)
+            row = await core.read(by_keys)
             if row is None or not layout.session_dir(user_key, chat_key).is_dir():
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(layout.running_marker(user_key, chat_key))
@@ -225,7 +228,7 @@ async def reconcile_unsaved(core: Core) -> None:
                 log.warning("could not save the session of chat %r: %s", ref.chat_id, error)
                 core.unsaved.pop(key, None)
                 continue
-            await core.write(lambda tx, r=ref, c=created: core.session_id(tx, r, c))
+            await core.write(functools.partial(core.session_id, ref=ref, created_at=created))
             await reconcile_folder(core, ref, enforce=False)
             core.unsaved.pop(key, None)
         finally:
@@ -260,7 +263,7 @@ async def check(core: Core) -> list[Drift]:
         if await core.backend.chat_locked(*key):
             continue  # a run is writing into it: differences are expected until its reconcile
         found = await asyncio.to_thread(scan, folder, fix=False)
-        index_rows = await core.read(lambda tx, sid=row.id: _index.file_rows(tx, sid))
+        index_rows = await core.read(functools.partial(_index.file_rows, session_id=row.id))
         drift.extend(await asyncio.to_thread(_compare, row, found, index_rows))
 
     for user_key, chat_key, size in await asyncio.to_thread(layout.saved_states):
@@ -301,8 +304,8 @@ def _compare(row: _index.ChatRow, found: Scan, index_rows: list[tuple[str, int, 
             )
     for item in found.rejected:
         drift.append(Drift("special file", *who, item.path, item.kind))
-    for item in found.renamed:
-        drift.append(Drift("bad name", *who, item.old, "not valid UTF-8"))
+    for renamed in found.renamed:
+        drift.append(Drift("bad name", *who, renamed.old, "not valid UTF-8"))
     files, size = len(index), sum(s for s, _ in index.values())
     if (files, size) != (row.file_count, row.bytes):
         drift.append(

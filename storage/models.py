@@ -11,7 +11,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ._format import human_bytes
 
@@ -57,7 +57,9 @@ class _Dictable:
     __slots__ = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return _jsonable(dataclasses.asdict(self))  # type: ignore[call-overload]
+        # Only dataclasses derive from _Dictable.
+        result: dict[str, Any] = _jsonable(dataclasses.asdict(cast(Any, self)))
+        return result
 
 
 def _jsonable(value: Any) -> Any:

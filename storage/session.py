@@ -11,7 +11,7 @@ import contextlib
 import os
 import stat
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
 from . import _index, _index_links, _publish, _reconcile, _reconcile_changed, _repair
@@ -430,7 +430,7 @@ class ChatFiles:
 
         await core.write(write)
 
-    async def _forget(self, tx: Tx, paths: list[str]) -> None:
+    async def _forget(self, tx: Tx, paths: Sequence[str]) -> None:
         sid = await self._core.session_id(tx, self._ref, time.time())
         await _index.delete_files(tx, sid, paths)
 

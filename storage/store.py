@@ -162,7 +162,7 @@ class Store:
     async def _startup_repairs(self, *, rebuild: bool, moved_aside: bool = False) -> None:
         core = self._core
         await self._remember_publisher()
-        if rebuild and await asyncio.to_thread(core.layout.session_keys_on_disk):
+        if rebuild and bool(await asyncio.to_thread(core.layout.session_keys_on_disk)):
             if not moved_aside:
                 log.warning(
                     "the index %s is new but session folders exist: rebuilding it", core.backend.where
