@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_b97e5b44a393'
+_CS_PACKAGE = '_code_sessions_894e553904f2'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -7608,7 +7608,7 @@ def _backend_for(root: Path, database_url: str | None, busy_timeout_s: float) ->
 Knows nothing of storage or Open WebUI. See docs/runner.md.
 """
 
-from ._kernel_program import MAX_FIGURES_PER_RUN
+from ._kernel_program.protocol import MAX_FIGURES_PER_RUN
 from .capabilities import RunscInfo, detect_runsc
 from .doctor import Check, DoctorReport, doctor
 from .errors import (
@@ -9266,7 +9266,8 @@ def size_of(state_dir: Path) -> int:
     return total
 ''',
     'runner/_kernel.py': r'''"""One persistent Python kernel: a long-lived gVisor sandbox whose first process is our kernel program
-(runner/_kernel_program.py), running each cell in one namespace that lives from run to run.
+(runner/_kernel_program/, joined into one file), running each cell in one namespace that lives
+from run to run.
 
 The sandbox is the one a fresh run gets (same bundle, mounts, user, no network), started once. What
 differs is the time scale of each limit:
@@ -9287,7 +9288,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import json
 import logging
 import os
@@ -9298,10 +9298,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import _kernel_program, _wire
+from . import _wire
 from ._changes import ChangeWatch
 from ._diagnose import read_runsc_errors, tidy
 from ._disk import MAX_DEPTH, GrowthWatch
+from ._kernel_program import program
+from ._kernel_program.protocol import FATAL_EXIT
 from ._plan import Sandbox
 from ._procs import pids_by_marker, sigkill
 from ._supervise import Capture, dying_with_us, human_bytes
@@ -9310,7 +9312,7 @@ from .models import MIB, Limits, Outcome, RunResult
 
 log = logging.getLogger("code_sessions.runner")
 
-KERNEL_SOURCE = inspect.getsource(_kernel_program)
+KERNEL_SOURCE = program()
 # gVisor's boot plus the kernel's start (a cold one takes ~0.4 s here): at least this long, and as long
 # as two runs' time limits, but never more than READY_MAX_S (a runsc that hangs must not hold a chat).
 READY_MIN_S = 10.0
@@ -9864,7 +9866,7 @@ class Kernel:
         if self._violation is not None:
             return f"the kernel stopped responding: {self._violation}"
         code = self._proc.returncode if self._proc is not None else None
-        if code == _kernel_program.FATAL_EXIT:
+        if code == FATAL_EXIT:
             return "the kernel stopped responding: a cell broke the kernel itself"
         tail = self._stderr.decode("utf-8", "replace").strip().splitlines()[-1:] if self._stderr else []
         extra = f" ({tail[0][:200]})" if tail else ""
@@ -9907,83 +9909,293 @@ def _cpu_seconds(pids: list[int]) -> float:
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 ''',
-    'runner/_kernel_program.py': r'''"""The persistent kernel: PID 1 of a chat's long-lived gVisor sandbox, running every cell of the chat.
+    'runner/_kernel_program/__init__.py': r'''"""The persistent kernel: PID 1 of a chat's long-lived gVisor sandbox, running every cell of the chat.
 
-The host writes this module's source (``inspect.getsource``) into the sandbox as /run/code/main.py and
-starts ``python3 /run/code/main.py`` with cwd /mnt/data. Importing the module does nothing: everything
-happens in ``main()``. Standard library only, and no imports of the runner package: the file stands alone.
+A package for reading, one module per concern, and one file for the sandbox: ``program()`` joins the
+modules (in MODULES order) into the single program the host writes into the sandbox as
+/run/code/main.py (compiled once, see runner/_bytecode.py) and starts as ``python3 /run/code/main.py``
+with cwd /mnt/data. Importing a module does nothing: everything happens in kernel.main(). Standard
+library only, and no imports of the runner package: the joined program stands alone. The wire is
+described, and its constants are kept, in protocol.py, which the host's decoder (runner/_wire.py)
+imports too.
 
-Wire, both directions: a frame is a 4-byte big-endian length N, then N bytes of UTF-8 JSON encoding one
-object. Requests arrive on the original fd 0; replies leave on the original fd 1:
+The rules that let the modules be joined, checked by ``check()``: a module imports its siblings only
+as ``from .name import ...`` at its top level, and only from modules earlier in MODULES (the joiner
+removes those lines); the names a module defines at its top level are its own (in the joined program
+they share one namespace); and no module rebinds another's global (basics.set_diag_fd).
 
-    host -> kernel   {"t": "run", "id": int, "lang": "python" | "bash", "code": str}    EOF: exit 0
-    kernel -> host   {"t": "ready", "v": 2, "python": "3.11.2", "pid": int, "packages": {name: version|null}}
-                     {"t": "out", "id": int, "s": "o" | "e", "d": str (at most 16384 characters)}
-                     {"t": "done", "id": int, "status": "ok" | "error" | "interrupted",
-                      "exit_code": int | null, "figures": [str], "more": int, "ms": float}
-                     ("more": figures left open past MAX_FIGURES_PER_RUN, not saved)
-
-One run at a time; every "out" of a run precedes its "done"; nothing is written between a "done" and the
-next request. The host's strict decoder is runner/_wire.py. The cell runs inside this process, so it can
-write anything to the reply channel: the host must treat every frame as hostile.
+Startup and the first cell are on the critical path of a new chat, and imports are slow in the sandbox
+(measured in gVisor: re 34 ms, json 24 ms on top, linecache 11-21 ms, traceback 11 ms, threading 5-21
+ms, signal with enum 7-11 ms, struct 3-7 ms). So: annotations are strings; requests are decoded by
+json's C scanner without the json package (which needs re), and replies are encoded by the kernel's
+own encoder; signals go through the builtin _signal, threads and locks through _thread, frame lengths
+through int.to_bytes; linecache and traceback wait until they are needed. (site has already imported
+contextlib, functools and types.)
 """
 
 from __future__ import annotations
 
-import _ast
-import _json
+import ast
+import importlib
+import inspect
+
+MODULES = (
+    "protocol",
+    "basics",
+    "condition",
+    "codec",
+    "pumps",
+    "packages",
+    "hooks",
+    "figures",
+    "tracebacks",
+    "python_cells",
+    "bash_cells",
+    "restore",
+    "kernel",
+)
+_SHARED = frozenset({"TYPE_CHECKING"})  # defined alike by several modules (False)
+_HEADER = (
+    '"""The code-sessions kernel, joined from the modules of runner/_kernel_program/ by its program().\n'
+    'Its wire: see the part from protocol.py below."""\n\n'
+    "from __future__ import annotations\n"
+)
+
+
+class JoinError(Exception):
+    """A module breaks a rule the joined program depends on (see the package's docstring)."""
+
+
+def program() -> str:
+    """The kernel program as the sandbox runs it: one self-contained file. Only joins (it runs when the
+    runner is imported, and parsing the modules would cost tens of ms): ``check`` holds the rules."""
+    parts = [_HEADER]
+    for name in MODULES:
+        lines = _source(name).splitlines(keepends=True)
+        dropped = _import_lines(lines)
+        kept = "".join(line for number, line in enumerate(lines, 1) if number not in dropped)
+        parts.append(f"\n\n# ---- runner/_kernel_program/{name}.py ----\n\n{kept.strip(chr(10))}\n")
+    return "".join(parts)
+
+
+def check() -> None:
+    """Raise JoinError where a module breaks a rule of the package's docstring, or the joined program
+    is not the one self-contained file it must be (tools/bundle.py and the tests run this)."""
+    owners: dict[str, str] = {}  # top-level name -> the module defining it, or the import binding it
+    for name in MODULES:
+        _check_module(name, _source(name), owners)
+    source = program()
+    tree = ast.parse(source, "kernel program")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            raise JoinError(f"the joined program keeps a relative import at line {node.lineno}")
+    compile(source, "kernel program", "exec", dont_inherit=True)
+
+
+def _source(name: str) -> str:
+    # inspect reads what the import system loaded: the file, or, inside the bundle of dist/, the
+    # embedded text (tools/bundle.py puts it in linecache).
+    return inspect.getsource(importlib.import_module(f"{__name__}.{name}"))
+
+
+def _import_lines(lines: list[str]) -> set[int]:
+    """Numbers (from 1) of the lines holding an import of a sibling or of __future__ (the header has
+    that one), as ruff formats them: at the start of a line, parenthesised when long."""
+    dropped: set[int] = set()
+    inside = False
+    for number, line in enumerate(lines, 1):
+        if inside or line.startswith(("from .", "from __future__ import")):
+            dropped.add(number)
+            inside = line.rstrip().endswith("(") or (inside and line.rstrip() != ")")
+    return dropped
+
+
+def _check_module(name: str, source: str, owners: dict[str, str]) -> None:
+    tree = ast.parse(source, f"{name}.py")
+    expected: set[int] = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.level or node.module == "__future__"):
+            if node.level:
+                _check_sibling_import(name, node, owners)
+            expected.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    if _import_lines(source.splitlines(keepends=True)) != expected:
+        raise JoinError(f"{name}.py: its sibling imports are not the lines program() removes")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level and node not in tree.body:
+            raise JoinError(f"{name}.py:{node.lineno}: a sibling import must be at the top level")
+        modules: list[str] = []
+        if isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            modules = [node.module or ""]
+        if any(m.split(".")[0] == "runner" for m in modules):
+            raise JoinError(f"{name}.py:{node.lineno}: imports the runner package")
+        if isinstance(node, ast.Global) and name != "basics":
+            raise JoinError(f"{name}.py:{node.lineno}: rebinds a global (only basics.set_diag_fd may)")
+    for defined, binder in _top_level_names(tree, name):
+        if owners.setdefault(defined, binder) != binder and defined not in _SHARED:
+            raise JoinError(f"{name}.py binds {defined}, which {owners[defined]} binds too")
+
+
+def _check_sibling_import(name: str, node: ast.ImportFrom, owners: dict[str, str]) -> None:
+    if node.level != 1 or node.module is None:
+        raise JoinError(f"{name}.py:{node.lineno}: import siblings as `from .module import name`")
+    earlier = MODULES[: MODULES.index(name)]
+    if node.module not in earlier:
+        raise JoinError(f"{name}.py:{node.lineno}: imports {node.module}, which is not before it in MODULES")
+    for alias in node.names:
+        if alias.asname is not None or owners.get(alias.name) != node.module:
+            raise JoinError(f"{name}.py:{node.lineno}: {alias.name} is not a name {node.module}.py defines")
+
+
+def _top_level_names(tree: ast.Module, name: str) -> list[tuple[str, str]]:
+    """(name, what binds it) for the module's top level: the module itself for its own definitions,
+    the import for a name it imports (the same import in two modules binds the same thing)."""
+    names: list[tuple[str, str]] = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.append((node.name, name))
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.extend((n.id, name) for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.Import):
+            names.extend(((a.asname or a.name).split(".")[0], f"import {a.name}") for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module != "__future__":
+            names.extend((a.asname or a.name, f"from {node.module} import {a.name}") for a in node.names)
+    return names
+''',
+    'runner/_kernel_program/bash_cells.py': r'''"""Bash cells: a script in a private directory, run by bash in its own process group."""
+
+from __future__ import annotations
+
 import _signal
-import _thread
-import builtins
-import codecs
 import contextlib
-import functools
 import os
-import sys
 import time
-import types
-from _json import encode_basestring as _json_string  # the C escaper json itself uses
 
-# Startup and the first cell are on the critical path of a new chat, and imports are slow in the
-# sandbox (measured in gVisor: re 34 ms, json 24 ms on top, linecache 11-21 ms, traceback 11 ms,
-# threading 5-21 ms, signal with enum 7-11 ms, struct 3-7 ms). So: annotations are strings here;
-# requests are decoded by json's C scanner without the json package (which needs re), and replies
-# are encoded below; signals go through the builtin _signal, threads and locks through _thread, frame
-# lengths through int.to_bytes; linecache and traceback wait until they are needed. (site has
-# already imported contextlib, functools and types.)
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    import importlib.machinery
-    import weakref
-    from collections.abc import Callable
-    from typing import Any, NoReturn
+from .basics import _KILL_PATIENCE_S, _monotonic, _os_waitpid, _write_all
 
-PROTOCOL_VERSION = 2
-MAX_TEXT = 16 * 1024  # characters of text per "out" frame (the host refuses more)
-MAX_REQUEST = 64 * 1024 * 1024  # bytes of one request frame (the code of one cell)
-# The one bound on a run's figures: saved and shown (the host's wire refuses a "done" listing more).
-# The rest are counted ("more"), never saved later: they belong to this run's answer, not the next.
-MAX_FIGURES_PER_RUN = 20
-DEFAULT_WORKDIR = "/mnt/data"
-WORKDIR_ENV = "CODE_SESSIONS_WORKDIR"
-PACKAGES = {  # import name -> distribution name as its metadata directory spells it (lowercased)
-    "numpy": "numpy",
-    "pandas": "pandas",
-    "matplotlib": "matplotlib",
-    "openpyxl": "openpyxl",
-    "PIL": "pillow",
-    "scipy": "scipy",
-}
 BASH = "/bin/bash"
 PRIVATE_TMP = "/tmp"
-FATAL_EXIT = 70  # EX_SOFTWARE: the kernel itself failed; the host restarts it
+_BASH_SIGINT_GRACE_S = 1.0
+
+
+class _BashCells:
+    """The Kernel's bash cells (a part of Kernel, apart for reading)."""
+
+    workdir: str
+    _armed: bool
+    _bash_dir: str | None
+    _bash_count: int
+
+    def _script_path(self) -> str:
+        if self._bash_dir is None or not os.path.isdir(self._bash_dir):
+            # Created on first use and again if a cell removed it; not in the workdir: it is not the
+            # user's file.
+            self._bash_dir = os.path.join(PRIVATE_TMP, f".code-sessions-kernel-{os.urandom(8).hex()}")
+            os.mkdir(self._bash_dir, 0o700)
+        self._bash_count += 1
+        return os.path.join(self._bash_dir, f"cell-{self._bash_count}.sh")
+
+    def _run_bash(self, code: str) -> tuple[str, int | None, str]:
+        try:
+            data = code.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            data = code.encode("utf-8", "replace")
+        try:
+            script = self._script_path()
+            fd = os.open(script, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                _write_all(fd, data)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            return "error", None, f"[code-sessions: cannot write the bash script: {exc}]\n"
+        try:
+            return self._spawn_and_wait(script)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(script)
+
+    def _spawn_and_wait(self, script: str) -> tuple[str, int | None, str]:
+        # posix_spawn has no cwd argument: step into the workdir for the spawn only. A Python cell's
+        # os.chdir persists for Python cells; bash cells always start in the workdir.
+        try:
+            here: int | None = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:  # the cell's cwd is gone or unreadable: Python cells carry on in the workdir
+            here = None
+        try:
+            os.chdir(self.workdir)
+            pid = os.posix_spawn(
+                BASH,
+                [BASH, script],
+                os.environ,
+                file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)],
+                setpgroup=0,  # its own group: an interrupt reaches the whole pipeline
+                setsigmask=(),
+                # Python ignores these; ignored signals survive exec. A shell expects the defaults.
+                setsigdef=(_signal.SIGPIPE, _signal.SIGXFSZ, _signal.SIGINT),
+            )
+        except OSError as exc:
+            return "error", None, f"[code-sessions: cannot start {BASH}: {exc}]\n"
+        finally:
+            if here is not None:
+                with contextlib.suppress(OSError):
+                    os.fchdir(here)
+                os.close(here)
+        status: int | None = None
+        try:
+            self._armed = True
+            status = _os_waitpid(pid, 0)[1]
+            self._armed = False
+            interrupted = False
+        except KeyboardInterrupt:
+            self._armed = False
+            interrupted = True
+            status = self._stop_group(pid) if status is None else status
+        if status is None:
+            return ("interrupted" if interrupted else "error"), None, ""
+        code = os.waitstatus_to_exitcode(status)
+        if code < 0:
+            code = 128 - code  # killed by a signal: report it as a shell would ($? = 128 + n)
+        if interrupted:
+            return "interrupted", code, ""
+        return ("ok" if code == 0 else "error"), code, ""
+
+    @staticmethod
+    def _stop_group(pid: int) -> int | None:
+        """SIGINT to the shell's group, SIGKILL after a grace period; the shell's wait status."""
+        for sig, patience in ((_signal.SIGINT, _BASH_SIGINT_GRACE_S), (_signal.SIGKILL, _KILL_PATIENCE_S)):
+            with contextlib.suppress(OSError):
+                os.killpg(pid, sig)
+            deadline = _monotonic() + patience
+            while True:
+                try:
+                    done, status = _os_waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    return None
+                if done:
+                    return status
+                if _monotonic() > deadline:
+                    break
+                time.sleep(0.005)
+        return None
+''',
+    'runner/_kernel_program/basics.py': r'''"""What every part of the kernel uses: the os calls bound at start, whole writes, and the fatal exit."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from .protocol import FATAL_EXIT
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import NoReturn
 
 _READ_SIZE = 64 * 1024
-_HELD_CAP = 1024 * 1024  # output written between runs, kept for the next run; the rest is dropped
-_SENTINEL_STALL_S = 5.0  # no byte and no sentinel for this long after draining began: the pipe was tampered
 _KILL_PATIENCE_S = 5.0  # SIGKILLed leftovers are normally gone within a millisecond
-_BASH_SIGINT_GRACE_S = 1.0
-_STDIO = {"encoding": "utf-8", "errors": "backslashreplace"}
 
 # Bound once: a cell may monkeypatch os or time (a test double, a careless experiment) without
 # breaking the kernel's own I/O. Nothing defends the kernel against a cell that wants to break it.
@@ -9996,10 +10208,14 @@ _os_getpid = os.getpid
 _os_fstat = os.fstat
 _monotonic = time.monotonic
 _perf_counter = time.perf_counter
-# Frames of this file are kernel frames: hidden from the cell's tracebacks.
-_KERNEL_SOURCE = (lambda: None).__code__.co_filename
 
-_diag_fd = 2  # the original fd 2 once main() has set up; only the kernel's own fatal errors go there
+_diag_fd = 2  # the original fd 2 once the kernel has set up; only the kernel's own fatal errors go there
+
+
+def set_diag_fd(fd: int) -> None:
+    """Where _fatal writes from now on: a setter, so the one module that binds the name rebinds it."""
+    global _diag_fd
+    _diag_fd = fd
 
 
 def _fatal(message: str) -> NoReturn:
@@ -10008,6 +10224,27 @@ def _fatal(message: str) -> NoReturn:
         _os_write(_diag_fd, f"code-sessions kernel: fatal: {message}\n".encode(errors="replace"))
     finally:
         os._exit(FATAL_EXIT)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[_os_write(fd, view) :]
+''',
+    'runner/_kernel_program/codec.py': r'''"""The kernel's side of the frames: its own JSON encoder for replies, json's C scanner for requests (the
+json package needs re, 24 ms more to import in the sandbox), and the reply channel."""
+
+from __future__ import annotations
+
+import _json
+import _thread
+from _json import encode_basestring as _json_string  # the C escaper json itself uses
+
+from .basics import _fatal, _write_all
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, NoReturn
 
 
 def to_json(value: object) -> str:
@@ -10029,10 +10266,59 @@ def to_json(value: object) -> str:
     raise TypeError(f"cannot encode {type(value).__name__}")
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[_os_write(fd, view) :]
+class _JsonContext:
+    """What json's C scanner reads from a decoder: json.loads' defaults, and no NaN or Infinity."""
+
+    strict = True
+    object_hook = None
+    object_pairs_hook = None
+    parse_float = float
+    parse_int = int
+
+    @staticmethod
+    def parse_constant(name: str) -> NoReturn:
+        raise ValueError(f"{name} is not JSON")
+
+
+_scan_json = _json.make_scanner(_JsonContext())
+
+
+def _json_loads(text: str) -> Any:
+    """json.loads for one request frame: a whole JSON value and nothing after it."""
+    try:
+        value, end = _scan_json(text, 0)
+    except StopIteration as exc:
+        raise ValueError(f"no JSON value at {exc.value}") from None
+    if end != len(text):
+        raise ValueError(f"extra data at {end}")
+    return value
+
+
+class _Channel:
+    """The reply channel: whole frames, one writer at a time (the pumps and the main thread share it)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._lock = _thread.allocate_lock()
+
+    def send(self, message: dict[str, Any]) -> None:
+        body = to_json(message).encode("utf-8")
+        frame = len(body).to_bytes(4, "big") + body
+        try:
+            with self._lock:
+                _write_all(self.fd, frame)
+        except OSError as exc:  # the host went away, or a cell closed the channel: nobody to answer
+            _fatal(f"cannot write to the host: {exc}")
+''',
+    'runner/_kernel_program/condition.py': r'''"""A condition variable on _thread's locks: the threading module costs 5-21 ms to import in the sandbox."""
+
+from __future__ import annotations
+
+import _thread
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class _Condition:
@@ -10068,23 +10354,533 @@ class _Condition:
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             waiter.release()
+''',
+    'runner/_kernel_program/figures.py': r'''"""Figures: pyplot's new or changed figures saved into the workdir as figure-N.png."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+
+from .protocol import MAX_FIGURES_PER_RUN
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import types
+    import weakref
+    from collections.abc import Callable
+    from typing import Any
 
 
-class _Channel:
-    """The reply channel: whole frames, one writer at a time (the pumps and the main thread share it)."""
+class _Figures:
+    """Saves pyplot's open figures that are new or changed into the workdir as figure-N.png.
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self._lock = _thread.allocate_lock()
+    ``fig.stale`` cannot tell: matplotlib 3.6 leaves it True after savefig (it restores dpi and colours
+    afterwards), and a cell's own ``canvas.draw()`` makes it False without any save. Instead: every
+    savefig (ours or the cell's) marks the figure clean, and a wrapper on the figure's stale_callback,
+    to which matplotlib reports every change of every artist in it, marks it dirty again. Drawing
+    (which savefig does) also reports changes (ticks, layout): those are not the cell's and are
+    ignored, by muting the wrapper while a Figure draws or saves."""
 
-    def send(self, message: dict[str, Any]) -> None:
-        body = to_json(message).encode("utf-8")
-        frame = len(body).to_bytes(4, "big") + body
+    def __init__(self, workdir: str, stderr: Callable[[str], None]) -> None:
+        self._workdir = workdir
+        self._note = stderr
+        self._clean: weakref.WeakKeyDictionary[Any, bool] | None = None  # made when pyplot is imported
+        self._muted = 0
+        self._next = 1
+        self.saved: list[str] = []  # this run's, in order
+        self.more = 0  # this run's figures past MAX_FIGURES_PER_RUN: counted, not saved
+
+    def patch(self, pyplot: types.ModuleType) -> None:
+        """Make plt.show() save now and every savefig count as a save. Idempotent (also after a reload)."""
+        if self._clean is None:
+            import weakref
+
+            self._clean = weakref.WeakKeyDictionary()
+        if not getattr(pyplot.show, "_code_sessions", False):
+
+            def show(*args: Any, **kwargs: Any) -> None:
+                """The sandbox has no display: save new or changed figures now. They stay open."""
+                self.save_open()
+
+            show._code_sessions = True  # type: ignore[attr-defined]
+            pyplot.show = show  # type: ignore[attr-defined]
+        figure_class = getattr(sys.modules.get("matplotlib.figure"), "Figure", None)
+        if figure_class is None:
+            return
+        for method, marks_clean in (("savefig", True), ("draw", False)):
+            original = getattr(figure_class, method)
+            if not getattr(original, "_code_sessions", False):
+                setattr(figure_class, method, self._muting(original, marks_clean))
+
+    def _muting(self, original: Callable[..., Any], marks_clean: bool) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def wrapper(fig: Any, *args: Any, **kwargs: Any) -> Any:
+            self._muted += 1
+            try:
+                result = original(fig, *args, **kwargs)
+            finally:
+                self._muted -= 1
+            if marks_clean:
+                self._mark_clean(fig)
+            return result
+
+        wrapper._code_sessions = True  # type: ignore[attr-defined]
+        return wrapper
+
+    def _mark_clean(self, fig: Any) -> None:
+        assert self._clean is not None
+        self._clean[fig] = True
+        inner = getattr(fig, "stale_callback", None)
+        if getattr(inner, "_code_sessions", False):
+            return
+
+        def stale_callback(artist: Any, value: bool) -> None:
+            if value and not self._muted:
+                self._clean[artist] = False
+            if inner is not None:
+                inner(artist, value)
+
+        stale_callback._code_sessions = True  # type: ignore[attr-defined]
+        fig.stale_callback = stale_callback
+
+    def save_open(self) -> None:
+        helpers = sys.modules.get("matplotlib._pylab_helpers")
+        if helpers is None or self._clean is None:
+            return
+        managers = list(helpers.Gcf.get_all_fig_managers())
+        with contextlib.suppress(TypeError):  # creation order: figure 1 becomes the first file
+            managers.sort(key=lambda m: m.num)
+        for manager in managers:
+            fig = getattr(getattr(manager, "canvas", None), "figure", None)
+            if fig is None or self._clean.get(fig) or not _has_content(fig):
+                continue
+            if len(self.saved) >= MAX_FIGURES_PER_RUN:
+                # Counted for this run's answer, and taken as seen: a later run saves it only if it
+                # changes again, never as a leftover of this one.
+                self.more += 1
+                self._mark_clean(fig)
+                continue
+            name = self._save(fig)
+            if name is not None:
+                self.saved.append(name)
+
+    def _save(self, fig: Any) -> str | None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        while True:
+            name = f"figure-{self._next}.png"
+            path = os.path.join(self._workdir, name)
+            try:
+                fd = os.open(path, flags, 0o644)  # O_EXCL: an existing file (or link) is never touched
+                break
+            except FileExistsError:
+                self._next += 1
+            except OSError as exc:
+                self._note(f"[code-sessions: cannot save the figure as {name}: {exc}]\n")
+                return None
+        self._next += 1
         try:
-            with self._lock:
-                _write_all(self.fd, frame)
-        except OSError as exc:  # the host went away, or a cell closed the channel: nobody to answer
-            _fatal(f"cannot write to the host: {exc}")
+            with os.fdopen(fd, "wb") as file:
+                fig.savefig(file, format="png", bbox_inches="tight")
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            if not isinstance(exc, Exception):
+                raise
+            self._note(f"[code-sessions: cannot save the figure as {name}: {exc!r}]\n")
+            return None
+        self._mark_clean(fig)
+        return name
+
+
+def _has_content(fig: Any) -> bool:
+    """An empty plt.figure() is not worth a file."""
+    try:
+        return any(
+            getattr(fig, attr, None)
+            for attr in ("axes", "images", "texts", "lines", "patches", "artists", "legends", "subfigs")
+        )
+    except Exception:
+        return True
+''',
+    'runner/_kernel_program/hooks.py': r'''"""Import hooks: run the kernel's code once a watched module (matplotlib.pyplot, linecache) is imported."""
+
+from __future__ import annotations
+
+import sys
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import importlib.machinery
+    import types
+    from collections.abc import Callable
+    from typing import Any
+
+
+class _PatchingLoader:
+    """Wraps the loader of a watched module so the kernel can patch it as it is imported."""
+
+    def __init__(self, inner: Any, on_import: Callable[[types.ModuleType], None]) -> None:
+        self._inner = inner
+        self._on_import = on_import
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        create = getattr(self._inner, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self._inner.exec_module(module)
+        self._on_import(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for inspect and linecache
+        return getattr(self._inner, name)
+
+
+class _ImportHooks:
+    """A meta path hook that sees only the modules it is given, each with what to do once it is
+    imported: matplotlib.pyplot (plt.show() must save figures from the very cell that first imports
+    it) and linecache (filled with the cells' sources when something first needs it). Costs one dict
+    lookup per import of anything else."""
+
+    def __init__(self, hooks: dict[str, Callable[[types.ModuleType], None]]) -> None:
+        self._hooks = hooks
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        on_import = self._hooks.get(fullname)
+        if on_import is None:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader, on_import)
+                return spec
+        return None
+''',
+    'runner/_kernel_program/kernel.py': r'''"""The cell loop: the kernel's setup, its requests one at a time, and what ends each run; and main()."""
+
+from __future__ import annotations
+
+import _signal
+import builtins
+import os
+import sys
+import types
+
+from .bash_cells import _BashCells
+from .basics import _READ_SIZE, _fatal, _os_getpid, _os_read, _perf_counter, set_diag_fd
+from .codec import _Channel, _json_loads
+from .figures import _Figures
+from .hooks import _ImportHooks
+from .packages import package_versions
+from .protocol import DEFAULT_WORKDIR, MAX_REQUEST, PROTOCOL_VERSION, WORKDIR_ENV
+from .pumps import _Pump
+from .python_cells import _into_linecache, _PythonCells
+from .restore import _Restoring
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, NoReturn
+
+
+class Kernel(_PythonCells, _BashCells, _Restoring):
+    """The kernel: sets the process up, then runs one request after another until the host closes fd 0."""
+
+    def __init__(self, workdir: str) -> None:
+        self.workdir = os.path.abspath(workdir)
+        self.pid = _os_getpid()
+        self._armed = False  # a SIGINT now interrupts the cell (one shot: the handler disarms)
+        self._cell_running = False  # between the start and the end of a Python cell's own code
+        self.namespace: dict[str, Any] = {}
+        self._inbuf = bytearray()
+        self._cell_names: set[str] = set()
+        self._bash_dir: str | None = None
+        self._bash_count = 0
+        self._catchable = [s for s in _signal.valid_signals() if s not in (_signal.SIGKILL, _signal.SIGSTOP)]
+        self._recursion_limit = sys.getrecursionlimit()
+
+    # -- setup ---------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        # The pumps must never take a SIGINT: a signal delivered to a thread blocked in read() would
+        # not wake the main thread's sleep(). Threads inherit the mask, so block before creating them.
+        _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT})
+        self._on_sigint_bound = self._on_sigint
+        _signal.signal(_signal.SIGINT, self._on_sigint_bound)
+        # os.dup and os.pipe give non-inheritable fds: no child (bash, subprocess) gets the channel.
+        self.in_fd = os.dup(0)
+        self.out_fd = os.dup(1)
+        set_diag_fd(os.dup(2))
+        self.null_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        out_r, self.out_w = os.pipe()
+        err_r, self.err_w = os.pipe()
+        self._restore_fds()  # /dev/null on 0 (input() gets EOF, never protocol bytes), the pipes on 1 and 2
+        self._stdin = self._stdout = self._stderr = None
+        self._restore_streams()
+        self._private_fds = {fd: self._identity(fd) for fd in (self.in_fd, self.out_fd, out_r, err_r)}
+        self._private_fds.update({fd: self._identity(fd) for fd in (self.out_w, self.err_w, self.null_fd)})
+        self.channel = _Channel(self.out_fd)
+        self._pumps = (
+            _Pump(self.channel.send, out_r, self.out_w, "o"),
+            _Pump(self.channel.send, err_r, self.err_w, "e"),
+        )
+        for pump in self._pumps:
+            pump.start()
+        _signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_signal.SIGINT})
+        os.chdir(self.workdir)
+        main_module = types.ModuleType("__main__")
+        main_module.__dict__["__builtins__"] = builtins
+        self._kernel_module = sys.modules.get("__main__")
+        sys.modules["__main__"] = main_module  # pickle finds classes the cells define
+        self.namespace = main_module.__dict__
+        self._package_paths = list(sys.path[1:])
+        sys.path[0:1] = [self.workdir]  # not /run/code: `import mymodule` finds /mnt/data/mymodule.py
+        sys.argv = [""]
+        self._figures = _Figures(self.workdir, self._note)
+        # Cell sources for tracebacks: linecache (with tokenize and re, ~50 ms to import in the
+        # sandbox) is filled only once something imports it (a traceback, the code itself).
+        self._cell_sources: dict[str, str] = {}
+        hooks = {"matplotlib.pyplot": self._on_pyplot_import, "linecache": self._on_linecache_import}
+        sys.meta_path.insert(0, _ImportHooks(hooks))
+
+    def ready_message(self) -> dict[str, Any]:
+        return {
+            "t": "ready",
+            "v": PROTOCOL_VERSION,
+            "python": ".".join(map(str, sys.version_info[:3])),
+            "pid": self.pid,
+            "packages": package_versions(self._package_paths),
+        }
+
+    def _on_linecache_import(self, module: types.ModuleType) -> None:
+        for filename, code in self._cell_sources.items():
+            _into_linecache(module, filename, code)
+        self._cell_sources.clear()  # from now on _compile puts them straight into linecache
+
+    def _on_pyplot_import(self, module: types.ModuleType) -> None:
+        try:
+            self._figures.patch(module)
+        except Exception as exc:  # never fail the cell's import over our convenience
+            self._note(f"[code-sessions: cannot hook plt.show(): {exc!r}]\n")
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        # Idle, or in the kernel's own code after a cell: ignored. Armed: one KeyboardInterrupt, and
+        # disarmed first, so a second SIGINT can never raise inside the kernel's own code. A cell that
+        # caught it and runs on is interrupted again only where that is safe to tell: while the frame
+        # on top is the cell's own code (its globals are the namespace; kernel code never runs there).
+        if self._armed or (self._cell_running and frame is not None and frame.f_globals is self.namespace):
+            self._armed = False
+            raise KeyboardInterrupt
+
+    # -- the loop ------------------------------------------------------------------------------------
+
+    def serve(self) -> NoReturn:
+        self.channel.send(self.ready_message())
+        while True:
+            request = self._read_request()
+            if request is None:
+                self._end_leftovers()
+                os._exit(0)
+            self._run(*request)
+
+    def _read_exact(self, n: int) -> bytes | None:
+        while len(self._inbuf) < n:
+            chunk = _os_read(self.in_fd, max(_READ_SIZE, n - len(self._inbuf)))
+            if not chunk:
+                if self._inbuf:
+                    _fatal("the host closed the request channel in the middle of a frame")
+                return None
+            self._inbuf += chunk
+        data = bytes(self._inbuf[:n])
+        del self._inbuf[:n]
+        return data
+
+    def _read_request(self) -> tuple[int, str, str] | None:
+        header = self._read_exact(4)
+        if header is None:
+            return None
+        length = int.from_bytes(header, "big")
+        if not 0 < length <= MAX_REQUEST:
+            _fatal(f"request frame of {length} bytes")
+        body = self._read_exact(length)
+        if body is None:
+            _fatal("the host closed the request channel in the middle of a frame")
+        try:
+            req = _json_loads(body.decode("utf-8"))
+        except ValueError as exc:
+            _fatal(f"request is not UTF-8 JSON: {exc}")
+        if not (
+            type(req) is dict
+            and req.keys() == {"t", "id", "lang", "code"}
+            and req["t"] == "run"
+            and type(req["id"]) is int
+            and 0 <= req["id"] < 2**63
+            and req["lang"] in ("python", "bash")
+            and type(req["code"]) is str
+        ):
+            _fatal(f"not a run request: {str(req)[:200]}")
+        return req["id"], req["lang"], req["code"]
+
+    def _run(self, run_id: int, lang: str, code: str) -> None:
+        started = _perf_counter()
+        self._figures.saved = []
+        self._figures.more = 0
+        for pump in self._pumps:
+            pump.begin(run_id)
+        if lang == "python":
+            status, exit_code, report = self._run_python(run_id, code)
+        else:
+            status, exit_code, report = self._run_bash(code)
+        self._restore_process_state()
+        if report:
+            self._note(report)
+        pyplot = sys.modules.get("matplotlib.pyplot")
+        if lang == "python" and pyplot is not None:
+            self._on_pyplot_import(pyplot)  # pyplot reloaded, or our hook removed: patch again
+            try:
+                self._armed = True  # drawing a huge figure may take long: an interrupt stops it
+                self._figures.save_open()
+                self._armed = False
+            except KeyboardInterrupt:
+                self._armed = False
+                self._note("KeyboardInterrupt (while saving figures)\n")
+                status, exit_code = "interrupted", None
+        self._flush_streams()
+        self._end_leftovers()
+        self._check_private_fds()
+        sentinel = b"\x00code-sessions:" + os.urandom(16).hex().encode() + b"\x00"
+        for pump in self._pumps:
+            pump.drain(sentinel)
+        for pump in self._pumps:
+            pump.wait_drained()
+        self.channel.send(
+            {
+                "t": "done",
+                "id": run_id,
+                "status": status,
+                "exit_code": exit_code,
+                "figures": list(self._figures.saved),
+                "more": self._figures.more,
+                "ms": round((_perf_counter() - started) * 1000, 3),
+            }
+        )
+
+
+def main() -> None:
+    try:
+        kernel = Kernel(os.environ.get(WORKDIR_ENV) or DEFAULT_WORKDIR)
+        kernel.start()
+        kernel.serve()
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        import traceback
+
+        _fatal("".join(traceback.format_exception(exc)).rstrip())
+
+
+if __name__ == "__main__":
+    main()
+''',
+    'runner/_kernel_program/packages.py': r'''"""The package probe: versions of the packages the prompt names, read from metadata directory names."""
+
+from __future__ import annotations
+
+import os
+
+PACKAGES = {  # import name -> distribution name as its metadata directory spells it (lowercased)
+    "numpy": "numpy",
+    "pandas": "pandas",
+    "matplotlib": "matplotlib",
+    "openpyxl": "openpyxl",
+    "PIL": "pillow",
+    "scipy": "scipy",
+}
+
+_VERSION_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._+!")
+
+
+def _is_version(text: str) -> bool:
+    return 0 < len(text) <= 64 and text[0].isascii() and text[0].isalnum() and _VERSION_CHARS.issuperset(text)
+
+
+def package_versions(paths: list[str]) -> dict[str, str | None]:
+    """Versions of PACKAGES from the names of their metadata directories on ``paths``, first hit wins
+    as for import. Listing a few directories costs well under a millisecond; importlib.metadata costs
+    tens of milliseconds to import, and importing the packages themselves, seconds."""
+    wanted = {dist: name for name, dist in PACKAGES.items()}
+    found: dict[str, str] = {}
+    for entry in paths:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for item in names:
+            if not item.endswith((".dist-info", ".egg-info")):
+                continue
+            parts = item[: item.rindex(".")].split("-")
+            name = wanted.get(parts[0].lower())
+            # A version is a short run of safe characters; anything else (a name that is not UTF-8
+            # comes back with surrogates) would make the host refuse the whole "ready".
+            if name is not None and len(parts) >= 2 and name not in found and _is_version(parts[1]):
+                found[name] = parts[1]
+    return {name: found.get(name) for name in PACKAGES}
+''',
+    'runner/_kernel_program/protocol.py': r'''"""The kernel's wire, one source for both sides: the kernel program's modules use these constants, and so
+does the host's strict decoder (runner/_wire.py). Standard library only, nothing imported: this module
+is also part of the program the sandbox runs.
+
+A frame is a 4-byte big-endian length N, then N bytes of UTF-8 JSON encoding one object. Requests
+arrive on the kernel's original fd 0; replies leave on its original fd 1:
+
+    host -> kernel   {"t": "run", "id": int, "lang": "python" | "bash", "code": str}    EOF: exit 0
+    kernel -> host   {"t": "ready", "v": 2, "python": "3.11.2", "pid": int, "packages": {name: version|null}}
+                     {"t": "out", "id": int, "s": "o" | "e", "d": str (at most 16384 characters)}
+                     {"t": "done", "id": int, "status": "ok" | "error" | "interrupted",
+                      "exit_code": int | null, "figures": [str], "more": int, "ms": float}
+                     ("more": figures left open past MAX_FIGURES_PER_RUN, not saved)
+
+One run at a time; every "out" of a run precedes its "done"; nothing is written between a "done" and the
+next request. The cell runs inside the kernel's process, so it can write anything to the reply channel:
+the host must treat every frame as hostile.
+"""
+
+from __future__ import annotations
+
+PROTOCOL_VERSION = 2
+MAX_TEXT = 16 * 1024  # characters of text per "out" frame (the host refuses more)
+MAX_REQUEST = 64 * 1024 * 1024  # bytes of one request frame (the code of one cell)
+# The one bound on a run's figures: saved and shown (the host's wire refuses a "done" listing more).
+# The rest are counted ("more"), never saved later: they belong to this run's answer, not the next.
+MAX_FIGURES_PER_RUN = 20
+DEFAULT_WORKDIR = "/mnt/data"
+WORKDIR_ENV = "CODE_SESSIONS_WORKDIR"
+FATAL_EXIT = 70  # EX_SOFTWARE: the kernel itself failed; the host restarts it
+''',
+    'runner/_kernel_program/pumps.py': r'''"""The pumps: a thread per output pipe of the cell (fd 1, fd 2) forwarding it to the host as "out"
+frames, and the sentinel that ends a run's output."""
+
+from __future__ import annotations
+
+import _thread
+import codecs
+
+from .basics import _READ_SIZE, _fatal, _monotonic, _os_read, _write_all
+from .condition import _Condition
+from .protocol import MAX_TEXT
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+_HELD_CAP = 1024 * 1024  # output written between runs, kept for the next run; the rest is dropped
+_SENTINEL_STALL_S = 5.0  # no byte and no sentinel for this long after draining began: the pipe was tampered
 
 
 def _sentinel_prefix_start(buf: bytes, sentinel: bytes) -> int:
@@ -10235,264 +11031,23 @@ class _Pump:
             finally:
                 self._busy = False
                 self._activity = _monotonic()
+''',
+    'runner/_kernel_program/python_cells.py': r'''"""Python cells: compiled IPython style (a last expression is shown), run in the chat's namespace."""
 
+from __future__ import annotations
 
-_VERSION_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._+!")
+import _ast
+import os
+import sys
 
+from .basics import _os_getpid
+from .tracebacks import format_cell_exception
 
-def _is_version(text: str) -> bool:
-    return 0 < len(text) <= 64 and text[0].isascii() and text[0].isalnum() and _VERSION_CHARS.issuperset(text)
-
-
-def package_versions(paths: list[str]) -> dict[str, str | None]:
-    """Versions of PACKAGES from the names of their metadata directories on ``paths``, first hit wins
-    as for import. Listing a few directories costs well under a millisecond; importlib.metadata costs
-    tens of milliseconds to import, and importing the packages themselves, seconds."""
-    wanted = {dist: name for name, dist in PACKAGES.items()}
-    found: dict[str, str] = {}
-    for entry in paths:
-        try:
-            names = os.listdir(entry or ".")
-        except OSError:
-            continue
-        for item in names:
-            if not item.endswith((".dist-info", ".egg-info")):
-                continue
-            parts = item[: item.rindex(".")].split("-")
-            name = wanted.get(parts[0].lower())
-            # A version is a short run of safe characters; anything else (a name that is not UTF-8
-            # comes back with surrogates) would make the host refuse the whole "ready".
-            if name is not None and len(parts) >= 2 and name not in found and _is_version(parts[1]):
-                found[name] = parts[1]
-    return {name: found.get(name) for name in PACKAGES}
-
-
-class _JsonContext:
-    """What json's C scanner reads from a decoder: json.loads' defaults, and no NaN or Infinity."""
-
-    strict = True
-    object_hook = None
-    object_pairs_hook = None
-    parse_float = float
-    parse_int = int
-
-    @staticmethod
-    def parse_constant(name: str) -> NoReturn:
-        raise ValueError(f"{name} is not JSON")
-
-
-_scan_json = _json.make_scanner(_JsonContext())
-
-
-def _json_loads(text: str) -> Any:
-    """json.loads for one request frame: a whole JSON value and nothing after it."""
-    try:
-        value, end = _scan_json(text, 0)
-    except StopIteration as exc:
-        raise ValueError(f"no JSON value at {exc.value}") from None
-    if end != len(text):
-        raise ValueError(f"extra data at {end}")
-    return value
-
-
-class _PatchingLoader:
-    """Wraps the loader of a watched module so the kernel can patch it as it is imported."""
-
-    def __init__(self, inner: Any, on_import: Callable[[types.ModuleType], None]) -> None:
-        self._inner = inner
-        self._on_import = on_import
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        create = getattr(self._inner, "create_module", None)
-        return create(spec) if create is not None else None
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        self._inner.exec_module(module)
-        self._on_import(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for inspect and linecache
-        return getattr(self._inner, name)
-
-
-class _ImportHooks:
-    """A meta path hook that sees only the modules it is given, each with what to do once it is
-    imported: matplotlib.pyplot (plt.show() must save figures from the very cell that first imports
-    it) and linecache (filled with the cells' sources when something first needs it). Costs one dict
-    lookup per import of anything else."""
-
-    def __init__(self, hooks: dict[str, Callable[[types.ModuleType], None]]) -> None:
-        self._hooks = hooks
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        on_import = self._hooks.get(fullname)
-        if on_import is None:
-            return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _PatchingLoader(spec.loader, on_import)
-                return spec
-        return None
-
-
-class _Figures:
-    """Saves pyplot's open figures that are new or changed into the workdir as figure-N.png.
-
-    ``fig.stale`` cannot tell: matplotlib 3.6 leaves it True after savefig (it restores dpi and colours
-    afterwards), and a cell's own ``canvas.draw()`` makes it False without any save. Instead: every
-    savefig (ours or the cell's) marks the figure clean, and a wrapper on the figure's stale_callback,
-    to which matplotlib reports every change of every artist in it, marks it dirty again. Drawing
-    (which savefig does) also reports changes (ticks, layout): those are not the cell's and are
-    ignored, by muting the wrapper while a Figure draws or saves."""
-
-    def __init__(self, workdir: str, stderr: Callable[[str], None]) -> None:
-        self._workdir = workdir
-        self._note = stderr
-        self._clean: weakref.WeakKeyDictionary[Any, bool] | None = None  # made when pyplot is imported
-        self._muted = 0
-        self._next = 1
-        self.saved: list[str] = []  # this run's, in order
-        self.more = 0  # this run's figures past MAX_FIGURES_PER_RUN: counted, not saved
-
-    def patch(self, pyplot: types.ModuleType) -> None:
-        """Make plt.show() save now and every savefig count as a save. Idempotent (also after a reload)."""
-        if self._clean is None:
-            import weakref
-
-            self._clean = weakref.WeakKeyDictionary()
-        if not getattr(pyplot.show, "_code_sessions", False):
-
-            def show(*args: Any, **kwargs: Any) -> None:
-                """The sandbox has no display: save new or changed figures now. They stay open."""
-                self.save_open()
-
-            show._code_sessions = True  # type: ignore[attr-defined]
-            pyplot.show = show  # type: ignore[attr-defined]
-        figure_class = getattr(sys.modules.get("matplotlib.figure"), "Figure", None)
-        if figure_class is None:
-            return
-        for method, marks_clean in (("savefig", True), ("draw", False)):
-            original = getattr(figure_class, method)
-            if not getattr(original, "_code_sessions", False):
-                setattr(figure_class, method, self._muting(original, marks_clean))
-
-    def _muting(self, original: Callable[..., Any], marks_clean: bool) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def wrapper(fig: Any, *args: Any, **kwargs: Any) -> Any:
-            self._muted += 1
-            try:
-                result = original(fig, *args, **kwargs)
-            finally:
-                self._muted -= 1
-            if marks_clean:
-                self._mark_clean(fig)
-            return result
-
-        wrapper._code_sessions = True  # type: ignore[attr-defined]
-        return wrapper
-
-    def _mark_clean(self, fig: Any) -> None:
-        assert self._clean is not None
-        self._clean[fig] = True
-        inner = getattr(fig, "stale_callback", None)
-        if getattr(inner, "_code_sessions", False):
-            return
-
-        def stale_callback(artist: Any, value: bool) -> None:
-            if value and not self._muted:
-                self._clean[artist] = False
-            if inner is not None:
-                inner(artist, value)
-
-        stale_callback._code_sessions = True  # type: ignore[attr-defined]
-        fig.stale_callback = stale_callback
-
-    def save_open(self) -> None:
-        helpers = sys.modules.get("matplotlib._pylab_helpers")
-        if helpers is None or self._clean is None:
-            return
-        managers = list(helpers.Gcf.get_all_fig_managers())
-        with contextlib.suppress(TypeError):  # creation order: figure 1 becomes the first file
-            managers.sort(key=lambda m: m.num)
-        for manager in managers:
-            fig = getattr(getattr(manager, "canvas", None), "figure", None)
-            if fig is None or self._clean.get(fig) or not _has_content(fig):
-                continue
-            if len(self.saved) >= MAX_FIGURES_PER_RUN:
-                # Counted for this run's answer, and taken as seen: a later run saves it only if it
-                # changes again, never as a leftover of this one.
-                self.more += 1
-                self._mark_clean(fig)
-                continue
-            name = self._save(fig)
-            if name is not None:
-                self.saved.append(name)
-
-    def _save(self, fig: Any) -> str | None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        while True:
-            name = f"figure-{self._next}.png"
-            path = os.path.join(self._workdir, name)
-            try:
-                fd = os.open(path, flags, 0o644)  # O_EXCL: an existing file (or link) is never touched
-                break
-            except FileExistsError:
-                self._next += 1
-            except OSError as exc:
-                self._note(f"[code-sessions: cannot save the figure as {name}: {exc}]\n")
-                return None
-        self._next += 1
-        try:
-            with os.fdopen(fd, "wb") as file:
-                fig.savefig(file, format="png", bbox_inches="tight")
-        except BaseException as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            if not isinstance(exc, Exception):
-                raise
-            self._note(f"[code-sessions: cannot save the figure as {name}: {exc!r}]\n")
-            return None
-        self._mark_clean(fig)
-        return name
-
-
-def _has_content(fig: Any) -> bool:
-    """An empty plt.figure() is not worth a file."""
-    try:
-        return any(
-            getattr(fig, attr, None)
-            for attr in ("axes", "images", "texts", "lines", "patches", "artists", "legends", "subfigs")
-        )
-    except Exception:
-        return True
-
-
-def _strip_kernel_frames(te: Any, seen: set[int]) -> None:
-    """Drop this file's frames (the exec call, the SIGINT handler) from a TracebackException tree."""
-    import traceback
-
-    if id(te) in seen:
-        return
-    seen.add(id(te))
-    te.stack = traceback.StackSummary.from_list([f for f in te.stack if f.filename != _KERNEL_SOURCE])
-    for sub in (te.__cause__, te.__context__, *(getattr(te, "exceptions", None) or ())):
-        if sub is not None:
-            _strip_kernel_frames(sub, seen)
-
-
-def format_cell_exception(exc: BaseException) -> str:
-    import traceback
-
-    try:
-        te = traceback.TracebackException(type(exc), exc, exc.__traceback__, compact=True)
-        _strip_kernel_frames(te, set())
-        return "".join(te.format())
-    except Exception as failure:  # a hostile exception object must not take the kernel down
-        return f"{type(exc).__name__} (the traceback could not be formatted: {failure!r})\n"
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import types
+    from collections.abc import Callable
+    from typing import Any, NoReturn
 
 
 def _ends_with_semicolon(code: str, node: Any) -> bool:
@@ -10521,225 +11076,17 @@ def _into_linecache(linecache: types.ModuleType, filename: str, code: str) -> No
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
 
 
-class Kernel:
-    def __init__(self, workdir: str) -> None:
-        self.workdir = os.path.abspath(workdir)
-        self.pid = _os_getpid()
-        self._armed = False  # a SIGINT now interrupts the cell (one shot: the handler disarms)
-        self._cell_running = False  # between the start and the end of a Python cell's own code
-        self.namespace: dict[str, Any] = {}
-        self._inbuf = bytearray()
-        self._cell_names: set[str] = set()
-        self._bash_dir: str | None = None
-        self._bash_count = 0
-        self._catchable = [s for s in _signal.valid_signals() if s not in (_signal.SIGKILL, _signal.SIGSTOP)]
-        self._recursion_limit = sys.getrecursionlimit()
+class _PythonCells:
+    """The Kernel's Python cells (a part of Kernel, apart for reading)."""
 
-    # -- setup ---------------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        global _diag_fd
-        # The pumps must never take a SIGINT: a signal delivered to a thread blocked in read() would
-        # not wake the main thread's sleep(). Threads inherit the mask, so block before creating them.
-        _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT})
-        self._on_sigint_bound = self._on_sigint
-        _signal.signal(_signal.SIGINT, self._on_sigint_bound)
-        # os.dup and os.pipe give non-inheritable fds: no child (bash, subprocess) gets the channel.
-        self.in_fd = os.dup(0)
-        self.out_fd = os.dup(1)
-        _diag_fd = os.dup(2)
-        self.null_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-        out_r, self.out_w = os.pipe()
-        err_r, self.err_w = os.pipe()
-        self._restore_fds()  # /dev/null on 0 (input() gets EOF, never protocol bytes), the pipes on 1 and 2
-        self._stdin = self._stdout = self._stderr = None
-        self._restore_streams()
-        self._private_fds = {fd: self._identity(fd) for fd in (self.in_fd, self.out_fd, out_r, err_r)}
-        self._private_fds.update({fd: self._identity(fd) for fd in (self.out_w, self.err_w, self.null_fd)})
-        self.channel = _Channel(self.out_fd)
-        self._pumps = (
-            _Pump(self.channel.send, out_r, self.out_w, "o"),
-            _Pump(self.channel.send, err_r, self.err_w, "e"),
-        )
-        for pump in self._pumps:
-            pump.start()
-        _signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_signal.SIGINT})
-        os.chdir(self.workdir)
-        main_module = types.ModuleType("__main__")
-        main_module.__dict__["__builtins__"] = builtins
-        self._kernel_module = sys.modules.get("__main__")
-        sys.modules["__main__"] = main_module  # pickle finds classes the cells define
-        self.namespace = main_module.__dict__
-        self._package_paths = list(sys.path[1:])
-        sys.path[0:1] = [self.workdir]  # not /run/code: `import mymodule` finds /mnt/data/mymodule.py
-        sys.argv = [""]
-        self._figures = _Figures(self.workdir, self._note)
-        # Cell sources for tracebacks: linecache (with tokenize and re, ~50 ms to import in the
-        # sandbox) is filled only once something imports it (a traceback, the code itself).
-        self._cell_sources: dict[str, str] = {}
-        hooks = {"matplotlib.pyplot": self._on_pyplot_import, "linecache": self._on_linecache_import}
-        sys.meta_path.insert(0, _ImportHooks(hooks))
-
-    def ready_message(self) -> dict[str, Any]:
-        return {
-            "t": "ready",
-            "v": PROTOCOL_VERSION,
-            "python": ".".join(map(str, sys.version_info[:3])),
-            "pid": self.pid,
-            "packages": package_versions(self._package_paths),
-        }
-
-    @staticmethod
-    def _identity(fd: int) -> tuple[int, int]:
-        st = _os_fstat(fd)
-        return st.st_dev, st.st_ino
-
-    def _restore_fds(self) -> None:
-        _os_dup2(self.null_fd, 0)
-        _os_dup2(self.out_w, 1)
-        _os_dup2(self.err_w, 2)
-
-    def _restore_streams(self) -> None:
-        """Our stdio objects back in sys (recreated if a cell closed them); closefd=False, so closing
-        them never closes fd 0/1/2."""
-        if self._stdin is None or self._stdin.closed:
-            self._stdin = open(0, closefd=False, **_STDIO)  # noqa: SIM115
-        if self._stdout is None or self._stdout.closed:
-            self._stdout = open(1, "w", buffering=1, closefd=False, **_STDIO)  # noqa: SIM115
-        if self._stderr is None or self._stderr.closed:
-            self._stderr = open(2, "w", buffering=1, closefd=False, **_STDIO)  # noqa: SIM115
-        sys.stdin = sys.__stdin__ = self._stdin
-        sys.stdout = sys.__stdout__ = self._stdout
-        sys.stderr = sys.__stderr__ = self._stderr
-
-    def _note(self, text: str) -> None:
-        """The kernel's own words (a traceback, a notice) on the cell's stderr. Written after the cell's
-        damage to fd 2 and sys.stderr is undone; from inside a cell (plt.show()) it may find fd 2 closed
-        by the cell, and then the notice is lost rather than the kernel."""
-        with contextlib.suppress(Exception):
-            if self._stderr is None or self._stderr.closed:
-                self._restore_streams()
-            self._stderr.write(text)
-
-    def _live_stdout(self) -> Any:
-        if self._stdout is None or self._stdout.closed:
-            self._restore_streams()
-        return self._stdout
-
-    def _on_linecache_import(self, module: types.ModuleType) -> None:
-        for filename, code in self._cell_sources.items():
-            _into_linecache(module, filename, code)
-        self._cell_sources.clear()  # from now on _compile puts them straight into linecache
-
-    def _on_pyplot_import(self, module: types.ModuleType) -> None:
-        try:
-            self._figures.patch(module)
-        except Exception as exc:  # never fail the cell's import over our convenience
-            self._note(f"[code-sessions: cannot hook plt.show(): {exc!r}]\n")
-
-    def _on_sigint(self, signum: int, frame: Any) -> None:
-        # Idle, or in the kernel's own code after a cell: ignored. Armed: one KeyboardInterrupt, and
-        # disarmed first, so a second SIGINT can never raise inside the kernel's own code. A cell that
-        # caught it and runs on is interrupted again only where that is safe to tell: while the frame
-        # on top is the cell's own code (its globals are the namespace; kernel code never runs there).
-        if self._armed or (self._cell_running and frame is not None and frame.f_globals is self.namespace):
-            self._armed = False
-            raise KeyboardInterrupt
-
-    # -- the loop ------------------------------------------------------------------------------------
-
-    def serve(self) -> NoReturn:
-        self.channel.send(self.ready_message())
-        while True:
-            request = self._read_request()
-            if request is None:
-                self._end_leftovers()
-                os._exit(0)
-            self._run(*request)
-
-    def _read_exact(self, n: int) -> bytes | None:
-        while len(self._inbuf) < n:
-            chunk = _os_read(self.in_fd, max(_READ_SIZE, n - len(self._inbuf)))
-            if not chunk:
-                if self._inbuf:
-                    _fatal("the host closed the request channel in the middle of a frame")
-                return None
-            self._inbuf += chunk
-        data = bytes(self._inbuf[:n])
-        del self._inbuf[:n]
-        return data
-
-    def _read_request(self) -> tuple[int, str, str] | None:
-        header = self._read_exact(4)
-        if header is None:
-            return None
-        length = int.from_bytes(header, "big")
-        if not 0 < length <= MAX_REQUEST:
-            _fatal(f"request frame of {length} bytes")
-        body = self._read_exact(length)
-        if body is None:
-            _fatal("the host closed the request channel in the middle of a frame")
-        try:
-            req = _json_loads(body.decode("utf-8"))
-        except ValueError as exc:
-            _fatal(f"request is not UTF-8 JSON: {exc}")
-        if not (
-            type(req) is dict
-            and req.keys() == {"t", "id", "lang", "code"}
-            and req["t"] == "run"
-            and type(req["id"]) is int
-            and 0 <= req["id"] < 2**63
-            and req["lang"] in ("python", "bash")
-            and type(req["code"]) is str
-        ):
-            _fatal(f"not a run request: {str(req)[:200]}")
-        return req["id"], req["lang"], req["code"]
-
-    def _run(self, run_id: int, lang: str, code: str) -> None:
-        started = _perf_counter()
-        self._figures.saved = []
-        self._figures.more = 0
-        for pump in self._pumps:
-            pump.begin(run_id)
-        if lang == "python":
-            status, exit_code, report = self._run_python(run_id, code)
-        else:
-            status, exit_code, report = self._run_bash(code)
-        self._restore_process_state()
-        if report:
-            self._note(report)
-        pyplot = sys.modules.get("matplotlib.pyplot")
-        if lang == "python" and pyplot is not None:
-            self._on_pyplot_import(pyplot)  # pyplot reloaded, or our hook removed: patch again
-            try:
-                self._armed = True  # drawing a huge figure may take long: an interrupt stops it
-                self._figures.save_open()
-                self._armed = False
-            except KeyboardInterrupt:
-                self._armed = False
-                self._note("KeyboardInterrupt (while saving figures)\n")
-                status, exit_code = "interrupted", None
-        self._flush_streams()
-        self._end_leftovers()
-        self._check_private_fds()
-        sentinel = b"\x00code-sessions:" + os.urandom(16).hex().encode() + b"\x00"
-        for pump in self._pumps:
-            pump.drain(sentinel)
-        for pump in self._pumps:
-            pump.wait_drained()
-        self.channel.send(
-            {
-                "t": "done",
-                "id": run_id,
-                "status": status,
-                "exit_code": exit_code,
-                "figures": list(self._figures.saved),
-                "more": self._figures.more,
-                "ms": round((_perf_counter() - started) * 1000, 3),
-            }
-        )
-
-    # -- python --------------------------------------------------------------------------------------
+    workdir: str
+    pid: int
+    namespace: dict[str, Any]
+    _armed: bool
+    _cell_running: bool
+    _cell_names: set[str]
+    _cell_sources: dict[str, str]
+    _live_stdout: Callable[[], Any]  # the kernel's stdout, recreated if a cell closed it
 
     def _cell_filename(self, run_id: int) -> str:
         name = f"<cell-{run_id}>"
@@ -10820,103 +11167,86 @@ class Kernel:
             sys.stderr.flush()
         finally:
             os._exit(exit_code or 0)
+''',
+    'runner/_kernel_program/restore.py': r'''"""After every cell: the process as the kernel needs it (fds, streams, signals, hooks), the cell's
+leftover processes gone, the kernel's private fds checked."""
 
-    # -- bash ----------------------------------------------------------------------------------------
+from __future__ import annotations
 
-    def _script_path(self) -> str:
-        if self._bash_dir is None or not os.path.isdir(self._bash_dir):
-            # Created on first use and again if a cell removed it; not in the workdir: it is not the
-            # user's file.
-            self._bash_dir = os.path.join(PRIVATE_TMP, f".code-sessions-kernel-{os.urandom(8).hex()}")
-            os.mkdir(self._bash_dir, 0o700)
-        self._bash_count += 1
-        return os.path.join(self._bash_dir, f"cell-{self._bash_count}.sh")
+import _signal
+import contextlib
+import os
+import sys
+import time
 
-    def _run_bash(self, code: str) -> tuple[str, int | None, str]:
-        try:
-            data = code.encode("utf-8", "surrogateescape")
-        except UnicodeEncodeError:
-            data = code.encode("utf-8", "replace")
-        try:
-            script = self._script_path()
-            fd = os.open(script, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            try:
-                _write_all(fd, data)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            return "error", None, f"[code-sessions: cannot write the bash script: {exc}]\n"
-        try:
-            return self._spawn_and_wait(script)
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(script)
+from .basics import (
+    _KILL_PATIENCE_S,
+    _fatal,
+    _monotonic,
+    _os_dup2,
+    _os_fstat,
+    _os_getpid,
+    _os_kill,
+    _os_waitpid,
+)
 
-    def _spawn_and_wait(self, script: str) -> tuple[str, int | None, str]:
-        # posix_spawn has no cwd argument: step into the workdir for the spawn only. A Python cell's
-        # os.chdir persists for Python cells; bash cells always start in the workdir.
-        try:
-            here: int | None = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:  # the cell's cwd is gone or unreadable: Python cells carry on in the workdir
-            here = None
-        try:
-            os.chdir(self.workdir)
-            pid = os.posix_spawn(
-                BASH,
-                [BASH, script],
-                os.environ,
-                file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)],
-                setpgroup=0,  # its own group: an interrupt reaches the whole pipeline
-                setsigmask=(),
-                # Python ignores these; ignored signals survive exec. A shell expects the defaults.
-                setsigdef=(_signal.SIGPIPE, _signal.SIGXFSZ, _signal.SIGINT),
-            )
-        except OSError as exc:
-            return "error", None, f"[code-sessions: cannot start {BASH}: {exc}]\n"
-        finally:
-            if here is not None:
-                with contextlib.suppress(OSError):
-                    os.fchdir(here)
-                os.close(here)
-        status: int | None = None
-        try:
-            self._armed = True
-            status = _os_waitpid(pid, 0)[1]
-            self._armed = False
-            interrupted = False
-        except KeyboardInterrupt:
-            self._armed = False
-            interrupted = True
-            status = self._stop_group(pid) if status is None else status
-        if status is None:
-            return ("interrupted" if interrupted else "error"), None, ""
-        code = os.waitstatus_to_exitcode(status)
-        if code < 0:
-            code = 128 - code  # killed by a signal: report it as a shell would ($? = 128 + n)
-        if interrupted:
-            return "interrupted", code, ""
-        return ("ok" if code == 0 else "error"), code, ""
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+_STDIO = {"encoding": "utf-8", "errors": "backslashreplace"}
+
+
+class _Restoring:
+    """What the Kernel puts back after every cell (a part of Kernel, apart for reading)."""
+
+    null_fd: int
+    out_w: int
+    err_w: int
+    _stdin: Any
+    _stdout: Any
+    _stderr: Any
+    _private_fds: dict[int, tuple[int, int]]
+    _recursion_limit: int
+    _catchable: list[int]
+    _on_sigint_bound: Any
 
     @staticmethod
-    def _stop_group(pid: int) -> int | None:
-        """SIGINT to the shell's group, SIGKILL after a grace period; the shell's wait status."""
-        for sig, patience in ((_signal.SIGINT, _BASH_SIGINT_GRACE_S), (_signal.SIGKILL, _KILL_PATIENCE_S)):
-            with contextlib.suppress(OSError):
-                os.killpg(pid, sig)
-            deadline = _monotonic() + patience
-            while True:
-                try:
-                    done, status = _os_waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    return None
-                if done:
-                    return status
-                if _monotonic() > deadline:
-                    break
-                time.sleep(0.005)
-        return None
+    def _identity(fd: int) -> tuple[int, int]:
+        st = _os_fstat(fd)
+        return st.st_dev, st.st_ino
 
-    # -- after every cell ----------------------------------------------------------------------------
+    def _restore_fds(self) -> None:
+        _os_dup2(self.null_fd, 0)
+        _os_dup2(self.out_w, 1)
+        _os_dup2(self.err_w, 2)
+
+    def _restore_streams(self) -> None:
+        """Our stdio objects back in sys (recreated if a cell closed them); closefd=False, so closing
+        them never closes fd 0/1/2."""
+        if self._stdin is None or self._stdin.closed:
+            self._stdin = open(0, closefd=False, **_STDIO)  # noqa: SIM115
+        if self._stdout is None or self._stdout.closed:
+            self._stdout = open(1, "w", buffering=1, closefd=False, **_STDIO)  # noqa: SIM115
+        if self._stderr is None or self._stderr.closed:
+            self._stderr = open(2, "w", buffering=1, closefd=False, **_STDIO)  # noqa: SIM115
+        sys.stdin = sys.__stdin__ = self._stdin
+        sys.stdout = sys.__stdout__ = self._stdout
+        sys.stderr = sys.__stderr__ = self._stderr
+
+    def _note(self, text: str) -> None:
+        """The kernel's own words (a traceback, a notice) on the cell's stderr. Written after the cell's
+        damage to fd 2 and sys.stderr is undone; from inside a cell (plt.show()) it may find fd 2 closed
+        by the cell, and then the notice is lost rather than the kernel."""
+        with contextlib.suppress(Exception):
+            if self._stderr is None or self._stderr.closed:
+                self._restore_streams()
+            self._stderr.write(text)
+
+    def _live_stdout(self) -> Any:
+        if self._stdout is None or self._stdout.closed:
+            self._restore_streams()
+        return self._stdout
 
     def _restore_process_state(self) -> None:
         """Undo what a cell may have done to the process that the kernel relies on: fd 0/1/2 and
@@ -10998,23 +11328,42 @@ class Kernel:
                 same = False
             if not same:
                 _fatal(f"a cell closed or replaced the kernel's private fd {fd}")
+''',
+    'runner/_kernel_program/tracebacks.py': r'''"""A cell's traceback as `python3 cell.py` would print it: without the kernel's own frames."""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+# Frames of the kernel's file (the joined program is one file for all its modules) are kernel frames:
+# hidden from the cell's tracebacks.
+_KERNEL_SOURCE = (lambda: None).__code__.co_filename
 
 
-def main() -> None:
+def _strip_kernel_frames(te: Any, seen: set[int]) -> None:
+    """Drop the kernel's frames (the exec call, the SIGINT handler) from a TracebackException tree."""
+    import traceback
+
+    if id(te) in seen:
+        return
+    seen.add(id(te))
+    te.stack = traceback.StackSummary.from_list([f for f in te.stack if f.filename != _KERNEL_SOURCE])
+    for sub in (te.__cause__, te.__context__, *(getattr(te, "exceptions", None) or ())):
+        if sub is not None:
+            _strip_kernel_frames(sub, seen)
+
+
+def format_cell_exception(exc: BaseException) -> str:
+    import traceback
+
     try:
-        kernel = Kernel(os.environ.get(WORKDIR_ENV) or DEFAULT_WORKDIR)
-        kernel.start()
-        kernel.serve()
-    except SystemExit:
-        raise
-    except BaseException as exc:
-        import traceback
-
-        _fatal("".join(traceback.format_exception(exc)).rstrip())
-
-
-if __name__ == "__main__":
-    main()
+        te = traceback.TracebackException(type(exc), exc, exc.__traceback__, compact=True)
+        _strip_kernel_frames(te, set())
+        return "".join(te.format())
+    except Exception as failure:  # a hostile exception object must not take the kernel down
+        return f"{type(exc).__name__} (the traceback could not be formatted: {failure!r})\n"
 ''',
     'runner/_orphans.py': r'''"""What runs leave behind when the process supervising them dies (an Open WebUI crash, an OOM kill).
 
@@ -11743,7 +12092,7 @@ def _claim(marker: Path) -> bool:
         return False
     return True
 ''',
-    'runner/_wire.py': r'''"""Host side of the persistent kernel's wire (the kernel is runner/_kernel_program.py).
+    'runner/_wire.py': r'''"""Host side of the persistent kernel's wire (the kernel is runner/_kernel_program/).
 
 A frame is a 4-byte big-endian length N followed by N bytes of UTF-8 JSON encoding one object. The
 kernel runs the model's code inside its own process, so a cell can write any bytes to the reply
@@ -11752,7 +12101,8 @@ unexpected frame raises ``ProtocolError``), bounded (it never buffers more than 
 I/O) and cheap (a few microseconds per frame). ``ProtocolState`` adds the ordering rules a decoder
 cannot see. A valid frame can still be forged by a cell: see ``ProtocolState`` for what that buys it.
 
-Pure standard library, no imports of the rest of the package.
+Pure standard library; of the rest of the package it imports only the wire's constants, which it
+shares with the kernel (runner/_kernel_program/protocol.py).
 """
 
 from __future__ import annotations
@@ -11764,16 +12114,14 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Literal
 
-PROTOCOL_VERSION = 2
+from ._kernel_program.protocol import MAX_FIGURES_PER_RUN, MAX_REQUEST, MAX_TEXT, PROTOCOL_VERSION
+
 MAX_FRAME = 256 * 1024  # default bound of one kernel->host frame; the largest honest one is ~100 KiB
-MAX_TEXT = 16 * 1024  # characters of text per "out" frame
-MAX_FIGURES = 20  # the kernel's MAX_FIGURES_PER_RUN (tests/runner/test_wire.py checks they agree)
 MAX_MORE_FIGURES = 2**31 - 1
 MAX_FIGURE_NAME = 255
 MAX_PACKAGES = 50
 MAX_SHORT = 64  # package names, versions, the Python version
 MAX_RUN_ID = 2**63 - 1
-MAX_REQUEST = 64 * 1024 * 1024  # the kernel refuses (and dies on) a larger run request
 
 Stream = Literal["stdout", "stderr"]
 Status = Literal["ok", "error", "interrupted"]
@@ -11820,7 +12168,7 @@ class Done:
     exit_code: int | None
     figures: tuple[str, ...]  # relative to the workdir, as the kernel claims: resolve them safely
     ms: float
-    more: int = 0  # figures past MAX_FIGURES left open in the run, not saved
+    more: int = 0  # figures past MAX_FIGURES_PER_RUN left open in the run, not saved
 
 
 Message = Ready | Output | Done
@@ -11931,8 +12279,8 @@ def _parse_done(obj: dict[str, Any], escapes: bool) -> Done:
         raise ProtocolError(f"done.status must be one of {sorted(_STATUSES)}, not {_show(status)}")
     exit_code = None if obj["exit_code"] is None else _int(obj, "exit_code", -(2**31), 2**31 - 1)
     figures = obj["figures"]
-    if type(figures) is not list or len(figures) > MAX_FIGURES:
-        raise ProtocolError(f"done.figures must be a list of at most {MAX_FIGURES} names")
+    if type(figures) is not list or len(figures) > MAX_FIGURES_PER_RUN:
+        raise ProtocolError(f"done.figures must be a list of at most {MAX_FIGURES_PER_RUN} names")
     more = _int(obj, "more", 0, MAX_MORE_FIGURES)
     ms = obj["ms"]
     if type(ms) not in (int, float) or not math.isfinite(ms) or not 0 <= ms <= 1e12:
@@ -14553,7 +14901,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_b97e5b44a393.runner import Outcome
+from _code_sessions_894e553904f2.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -14828,8 +15176,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b97e5b44a393.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_b97e5b44a393.storage import human_bytes
+from _code_sessions_894e553904f2.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_894e553904f2.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -14949,7 +15297,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_b97e5b44a393.storage import Purge, parse_duration
+from _code_sessions_894e553904f2.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16068,8 +16416,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b97e5b44a393.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_b97e5b44a393.storage import (
+from _code_sessions_894e553904f2.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_894e553904f2.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16213,7 +16561,7 @@ class StepResult:
             return notes
         more = self.run.figures_more if self.run is not None else 0
         if self.figures:
-            # The kernel bounds a run's figures (runner/_kernel_program.py MAX_FIGURES_PER_RUN): all
+            # The kernel bounds a run's figures (runner MAX_FIGURES_PER_RUN): all
             # are named here, and the ones past the bound are counted, in this answer.
             extra = f", and {more} more not saved (too many figures in one run)" if more else ""
             shown = ", ".join(mention(p) for p in self.figures)
@@ -16779,7 +17127,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_b97e5b44a393.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_894e553904f2.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -16996,7 +17344,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_b97e5b44a393.storage import Link, Publisher, is_postgres_url
+from _code_sessions_894e553904f2.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17211,7 +17559,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_b97e5b44a393.engine import (
+from _code_sessions_894e553904f2.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17221,9 +17569,9 @@ from _code_sessions_b97e5b44a393.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_b97e5b44a393.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_b97e5b44a393.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_b97e5b44a393.webui import OpenWebUI
+from _code_sessions_894e553904f2.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_894e553904f2.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_894e553904f2.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -17893,11 +18241,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_b97e5b44a393.engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
-from _code_sessions_b97e5b44a393.engine.rewrite import SCAN_ON_LOOP_CHARS
-from _code_sessions_b97e5b44a393.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
-from _code_sessions_b97e5b44a393.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_b97e5b44a393.webui import Misconfigured
+from _code_sessions_894e553904f2.engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
+from _code_sessions_894e553904f2.engine.rewrite import SCAN_ON_LOOP_CHARS
+from _code_sessions_894e553904f2.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from _code_sessions_894e553904f2.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_894e553904f2.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -1,5 +1,6 @@
 """One persistent Python kernel: a long-lived gVisor sandbox whose first process is our kernel program
-(runner/_kernel_program.py), running each cell in one namespace that lives from run to run.
+(runner/_kernel_program/, joined into one file), running each cell in one namespace that lives
+from run to run.
 
 The sandbox is the one a fresh run gets (same bundle, mounts, user, no network), started once. What
 differs is the time scale of each limit:
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import json
 import logging
 import os
@@ -31,10 +31,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import _kernel_program, _wire
+from . import _wire
 from ._changes import ChangeWatch
 from ._diagnose import read_runsc_errors, tidy
 from ._disk import MAX_DEPTH, GrowthWatch
+from ._kernel_program import program
+from ._kernel_program.protocol import FATAL_EXIT
 from ._plan import Sandbox
 from ._procs import pids_by_marker, sigkill
 from ._supervise import Capture, dying_with_us, human_bytes
@@ -43,7 +45,7 @@ from .models import MIB, Limits, Outcome, RunResult
 
 log = logging.getLogger("code_sessions.runner")
 
-KERNEL_SOURCE = inspect.getsource(_kernel_program)
+KERNEL_SOURCE = program()
 # gVisor's boot plus the kernel's start (a cold one takes ~0.4 s here): at least this long, and as long
 # as two runs' time limits, but never more than READY_MAX_S (a runsc that hangs must not hold a chat).
 READY_MIN_S = 10.0
@@ -597,7 +599,7 @@ class Kernel:
         if self._violation is not None:
             return f"the kernel stopped responding: {self._violation}"
         code = self._proc.returncode if self._proc is not None else None
-        if code == _kernel_program.FATAL_EXIT:
+        if code == FATAL_EXIT:
             return "the kernel stopped responding: a cell broke the kernel itself"
         tail = self._stderr.decode("utf-8", "replace").strip().splitlines()[-1:] if self._stderr else []
         extra = f" ({tail[0][:200]})" if tail else ""
