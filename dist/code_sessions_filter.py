@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_389181ca7475'
+_CS_PACKAGE = '_code_sessions_0eff63e2fc2a'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -13956,6 +13956,10 @@ def unsaved_sentence(reason: str) -> str:
 
 
 class KernelPool(_Room, _Peers):
+    """The kernels of this process, and the way to every other kernel of a chat. Its parts beside this
+    file: _pool_room (places, eviction, the reaper) and _pool_peers (other workers and hosts) are parts
+    of this class; _registry, _relay and _saving are what it uses."""
+
     def __init__(
         self,
         runner: Runner,
@@ -14342,7 +14346,7 @@ class KernelPool(_Room, _Peers):
                 return entry
             await asyncio.sleep(0.05)
 
-    # ------------------------------------------------------------------ other workers
+    # ------------------------------------------------------------------ what the next run says
 
     def _lost_sentence(self, entry: Entry | None) -> str:
         """What the next run says of a state it could not resume ("" when nothing was lost)."""
@@ -14356,7 +14360,7 @@ class KernelPool(_Room, _Peers):
             return unsaved_sentence(entry.reason or "it could not be saved")
         return reset_sentence(entry.reason or "the kernel stopped")
 
-    # ------------------------------------------------------------------ the registry
+    # ------------------------------------------------------------------ where it is found
 
     def _socket_path(self, key: str, cid: str) -> Path:
         # Named by the kernel, not only the chat: an old kernel's teardown never removes a newer
@@ -15148,7 +15152,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_389181ca7475.runner import Outcome
+from _code_sessions_0eff63e2fc2a.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -15423,8 +15427,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_389181ca7475.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_389181ca7475.storage import human_bytes
+from _code_sessions_0eff63e2fc2a.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_0eff63e2fc2a.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -15544,7 +15548,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_389181ca7475.storage import Purge, parse_duration
+from _code_sessions_0eff63e2fc2a.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16663,8 +16667,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_389181ca7475.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_389181ca7475.storage import (
+from _code_sessions_0eff63e2fc2a.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_0eff63e2fc2a.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -17374,7 +17378,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_389181ca7475.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_0eff63e2fc2a.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -17591,7 +17595,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_389181ca7475.storage import Link, Publisher, is_postgres_url
+from _code_sessions_0eff63e2fc2a.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17806,7 +17810,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_389181ca7475.engine import (
+from _code_sessions_0eff63e2fc2a.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17816,9 +17820,9 @@ from _code_sessions_389181ca7475.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_389181ca7475.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_389181ca7475.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_389181ca7475.webui import OpenWebUI
+from _code_sessions_0eff63e2fc2a.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_0eff63e2fc2a.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_0eff63e2fc2a.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -18488,11 +18492,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_389181ca7475.engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
-from _code_sessions_389181ca7475.engine.rewrite import SCAN_ON_LOOP_CHARS
-from _code_sessions_389181ca7475.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
-from _code_sessions_389181ca7475.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_389181ca7475.webui import Misconfigured
+from _code_sessions_0eff63e2fc2a.engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
+from _code_sessions_0eff63e2fc2a.engine.rewrite import SCAN_ON_LOOP_CHARS
+from _code_sessions_0eff63e2fc2a.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from _code_sessions_0eff63e2fc2a.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_0eff63e2fc2a.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -65,6 +65,10 @@ def unsaved_sentence(reason: str) -> str:
 
 
 class KernelPool(_Room, _Peers):
+    """The kernels of this process, and the way to every other kernel of a chat. Its parts beside this
+    file: _pool_room (places, eviction, the reaper) and _pool_peers (other workers and hosts) are parts
+    of this class; _registry, _relay and _saving are what it uses."""
+
     def __init__(
         self,
         runner: Runner,
@@ -451,7 +455,7 @@ class KernelPool(_Room, _Peers):
                 return entry
             await asyncio.sleep(0.05)
 
-    # ------------------------------------------------------------------ other workers
+    # ------------------------------------------------------------------ what the next run says
 
     def _lost_sentence(self, entry: Entry | None) -> str:
         """What the next run says of a state it could not resume ("" when nothing was lost)."""
@@ -465,7 +469,7 @@ class KernelPool(_Room, _Peers):
             return unsaved_sentence(entry.reason or "it could not be saved")
         return reset_sentence(entry.reason or "the kernel stopped")
 
-    # ------------------------------------------------------------------ the registry
+    # ------------------------------------------------------------------ where it is found
 
     def _socket_path(self, key: str, cid: str) -> Path:
         # Named by the kernel, not only the chat: an old kernel's teardown never removes a newer
