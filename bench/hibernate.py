@@ -90,7 +90,7 @@ class _Chats:
         start = time.perf_counter()
         await self.pool._end(key, kernel, "the benchmark saves it", save=True)
         elapsed = time.perf_counter() - start
-        entry = self.pool._entry(key)
+        entry = self.pool._registry.get(key)
         if entry is None or not entry.image:
             raise RuntimeError(f"{key} was not saved: {entry and entry.reason}")
         return elapsed

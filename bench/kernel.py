@@ -26,7 +26,7 @@ from typing import Any
 
 from engine import CodeSessions
 from runner import KernelPool, Limits
-from runner._kernel import CPU_POLL_S
+from runner._kernel_watch import CPU_POLL_S
 
 from ._common import ANSWER_WITHOUT_PATHS, Context, ratio_summary, rss_kib, status_kib, summary
 from .run_overhead import bare_run

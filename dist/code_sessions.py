@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_c3b3131bb9c0'
+_CS_PACKAGE = '_code_sessions_35b89730170f'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -7738,7 +7738,7 @@ def _backend_for(root: Path, database_url: str | None, busy_timeout_s: float) ->
 Knows nothing of storage or Open WebUI. See docs/runner.md.
 """
 
-from ._kernel_program import MAX_FIGURES_PER_RUN
+from ._kernel_program.protocol import MAX_FIGURES_PER_RUN
 from .capabilities import RunscInfo, detect_runsc
 from .doctor import Check, DoctorReport, doctor
 from .errors import (
@@ -9401,7 +9401,8 @@ def size_of(state_dir: Path) -> int:
     return total
 ''',
     'runner/_kernel.py': r'''"""One persistent Python kernel: a long-lived gVisor sandbox whose first process is our kernel program
-(runner/_kernel_program.py), running each cell in one namespace that lives from run to run.
+(runner/_kernel_program/, joined into one file), running each cell in one namespace that lives
+from run to run.
 
 The sandbox is the one a fresh run gets (same bundle, mounts, user, no network), started once. What
 differs is the time scale of each limit:
@@ -9422,7 +9423,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import json
 import logging
 import os
@@ -9433,19 +9433,22 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import _kernel_program, _wire
+from . import _wire
 from ._changes import ChangeWatch
 from ._diagnose import read_runsc_errors, tidy
-from ._disk import MAX_DEPTH, GrowthWatch
+from ._disk import GrowthWatch
+from ._kernel_program import program
+from ._kernel_program.protocol import FATAL_EXIT
+from ._kernel_watch import _Watchers
 from ._plan import Sandbox
-from ._procs import pids_by_marker, sigkill
+from ._procs import sigkill
 from ._supervise import Capture, dying_with_us, human_bytes
 from .capabilities import run_quick
-from .models import MIB, Limits, Outcome, RunResult
+from .models import Limits, Outcome, RunResult
 
 log = logging.getLogger("code_sessions.runner")
 
-KERNEL_SOURCE = inspect.getsource(_kernel_program)
+KERNEL_SOURCE = program()
 # gVisor's boot plus the kernel's start (a cold one takes ~0.4 s here): at least this long, and as long
 # as two runs' time limits, but never more than READY_MAX_S (a runsc that hangs must not hold a chat).
 READY_MIN_S = 10.0
@@ -9456,9 +9459,6 @@ _READ_CHUNK = 64 * 1024
 _STDERR_KEPT = 4096
 _HELPER_TIMEOUT_S = 10.0
 _REAP_S = 5.0
-_OOM_POLL_S = 0.25
-CPU_POLL_S = 1.0
-CPU_IDLE_SHARE = 0.2  # of one core, what a kernel may use between runs for good
 _LIFETIME_FIELDS = ("memory_mb", "max_processes", "max_file_bytes")
 CHECKPOINT_MAX_S = 60.0  # a kernel of 1 GiB takes a few seconds; a runsc that hangs must not hold a chat
 RESUME_MAX_S = 30.0  # `runsc restore` to the probe's answer (0.4 s for a pandas-holding kernel here)
@@ -9481,7 +9481,7 @@ def lifetime_limits(limits: Limits) -> tuple[int, ...]:
     return tuple(getattr(limits, name) for name in _LIFETIME_FIELDS)
 
 
-class Kernel:
+class Kernel(_Watchers):
     """One kernel. One run at a time (the caller holds the chat's lock; `run` also serialises)."""
 
     def __init__(self, sandbox: Sandbox, limits: Limits) -> None:
@@ -9927,54 +9927,6 @@ class Kernel:
             self._stderr += chunk
             del self._stderr[:-_STDERR_KEPT]
 
-    async def _watch_oom(self) -> None:
-        cgroup = self.sandbox.cgroup
-        assert cgroup is not None
-        while True:
-            await asyncio.sleep(_OOM_POLL_S)
-            if cgroup.oom_kills():
-                self._violation = self._violation or "out of memory"
-                return
-
-    async def _watch_cpu(self) -> None:
-        """Between runs, a thread a cell left running may use the CPU in bursts, not for good: a
-        bucket of `timeout_s` CPU seconds (the run's own time limit), refilled at CPU_IDLE_SHARE of one
-        core (gVisor's idle sentry uses about a twentieth), starts full at the end of every run. A
-        thread that spins empties it, and the kernel is stopped with a sentence (the next run says it),
-        instead of burning a core until the idle timeout."""
-        bucket: float | None = None
-        last_cpu = last_t = 0.0
-        while True:
-            await asyncio.sleep(CPU_POLL_S)
-            idle_since = self._idle_since
-            if idle_since is None or not self.alive:
-                bucket = None  # a run is going on (its time limit bounds it)
-                continue
-            cpu, now = await asyncio.to_thread(self._cpu_seconds), time.monotonic()
-            if bucket is None or idle_since > last_t:  # a run ended since the last look: a full bucket
-                bucket, last_cpu, last_t = self._cpu_budget_s, cpu, now
-                continue
-            used = max(0.0, cpu - last_cpu)
-            bucket = min(self._cpu_budget_s, bucket + CPU_IDLE_SHARE * (now - last_t)) - used
-            last_cpu, last_t = cpu, now
-            if bucket < 0 and self._idle_since is not None and self.alive:
-                self._spun = (
-                    "a thread its cell left running kept the CPU busy between runs (more than "
-                    f"{self._cpu_budget_s:g} s of CPU time, the time limit of a run)"
-                )
-                log.info("kernel %s: stopped for spinning between runs", self.cid)
-                await self._kill_now()
-                return
-
-    def _disk_exceeded(self, grown: int | None) -> None:
-        if grown is None:
-            self._exceeded = f"folders nested more than {MAX_DEPTH} levels deep in /mnt/data"
-        else:
-            limit = human_bytes(self.limits.max_write_bytes)
-            self._exceeded = f"it wrote more than {limit} to /mnt/data (grew by {grown / MIB:.0f} MiB)"
-        # Stop the writer now; the run (or the next one) reports it.
-        self._tasks.append(asyncio.ensure_future(self._kill_now()))
-
     async def _kill_now(self) -> None:
         with contextlib.suppress(Exception):
             await run_quick([*self.sandbox.runsc_base, "kill", "--all", self.cid, "KILL"], _HELPER_TIMEOUT_S)
@@ -9999,21 +9951,11 @@ class Kernel:
         if self._violation is not None:
             return f"the kernel stopped responding: {self._violation}"
         code = self._proc.returncode if self._proc is not None else None
-        if code == _kernel_program.FATAL_EXIT:
+        if code == FATAL_EXIT:
             return "the kernel stopped responding: a cell broke the kernel itself"
         tail = self._stderr.decode("utf-8", "replace").strip().splitlines()[-1:] if self._stderr else []
         extra = f" ({tail[0][:200]})" if tail else ""
         return f"the kernel stopped responding: it exited{extra}"
-
-    def _cpu_seconds(self) -> float:
-        return _cpu_seconds(self.host_pids())
-
-    def host_pids(self) -> list[int]:
-        """The kernel's host processes (runsc, the sentry, the gofer, ptrace stubs)."""
-        cgroup = self.sandbox.cgroup
-        if cgroup is not None:
-            return cgroup.pids()
-        return pids_by_marker(str(self.sandbox.bundle))
 
 
 _KERNEL_NOTE = re.compile(r"\[code-sessions: (cannot [^\]\n]{1,300})\]")
@@ -10025,100 +9967,294 @@ def _could_not_start(language: str, stderr: str) -> str:
     notices = _KERNEL_NOTE.findall(stderr)
     detail = f" ({notices[-1]})" if notices else ""
     return f"the {language} cell could not start{detail}"
-
-
-def _cpu_seconds(pids: list[int]) -> float:
-    """User and system CPU time of these processes (all their threads), in seconds."""
-    ticks = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                fields = fh.read().rsplit(b")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])
-        except (OSError, IndexError, ValueError):
-            continue  # it exited meanwhile
-    return ticks / _CLOCK_TICKS
-
-
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 ''',
-    'runner/_kernel_program.py': r'''"""The persistent kernel: PID 1 of a chat's long-lived gVisor sandbox, running every cell of the chat.
+    'runner/_kernel_program/__init__.py': r'''"""The persistent kernel: PID 1 of a chat's long-lived gVisor sandbox, running every cell of the chat.
 
-The host writes this module's source (``inspect.getsource``) into the sandbox as /run/code/main.py and
-starts ``python3 /run/code/main.py`` with cwd /mnt/data. Importing the module does nothing: everything
-happens in ``main()``. Standard library only, and no imports of the runner package: the file stands alone.
+A package for reading, one module per concern, and one file for the sandbox: ``program()`` joins the
+modules (in MODULES order) into the single program the host writes into the sandbox as
+/run/code/main.py (compiled once, see runner/_bytecode.py) and starts as ``python3 /run/code/main.py``
+with cwd /mnt/data. Importing a module does nothing: everything happens in kernel.main(). Standard
+library only, and no imports of the runner package: the joined program stands alone. The wire is
+described, and its constants are kept, in protocol.py, which the host's decoder (runner/_wire.py)
+imports too.
 
-Wire, both directions: a frame is a 4-byte big-endian length N, then N bytes of UTF-8 JSON encoding one
-object. Requests arrive on the original fd 0; replies leave on the original fd 1:
+The rules that let the modules be joined, checked by ``check()``: a module imports its siblings only
+as ``from .name import ...`` at its top level, and only from modules earlier in MODULES (the joiner
+removes those lines); the names a module defines at its top level are its own (in the joined program
+they share one namespace); and no module rebinds another's global (basics.set_diag_fd).
 
-    host -> kernel   {"t": "run", "id": int, "lang": "python" | "bash", "code": str}    EOF: exit 0
-    kernel -> host   {"t": "ready", "v": 2, "python": "3.11.2", "pid": int, "packages": {name: version|null}}
-                     {"t": "out", "id": int, "s": "o" | "e", "d": str (at most 16384 characters)}
-                     {"t": "done", "id": int, "status": "ok" | "error" | "interrupted",
-                      "exit_code": int | null, "figures": [str], "more": int, "ms": float}
-                     ("more": figures left open past MAX_FIGURES_PER_RUN, not saved)
-
-One run at a time; every "out" of a run precedes its "done"; nothing is written between a "done" and the
-next request. The host's strict decoder is runner/_wire.py. The cell runs inside this process, so it can
-write anything to the reply channel: the host must treat every frame as hostile.
+Startup and the first cell are on the critical path of a new chat, and imports are slow in the sandbox
+(measured in gVisor: re 34 ms, json 24 ms on top, linecache 11-21 ms, traceback 11 ms, threading 5-21
+ms, signal with enum 7-11 ms, struct 3-7 ms). So: annotations are strings; requests are decoded by
+json's C scanner without the json package (which needs re), and replies are encoded by the kernel's
+own encoder; signals go through the builtin _signal, threads and locks through _thread, frame lengths
+through int.to_bytes; linecache and traceback wait until they are needed. (site has already imported
+contextlib, functools and types.)
 """
 
 from __future__ import annotations
 
-import _ast
-import _json
+import ast
+import importlib
+import inspect
+
+MODULES = (
+    "protocol",
+    "basics",
+    "condition",
+    "codec",
+    "pumps",
+    "packages",
+    "hooks",
+    "figures",
+    "tracebacks",
+    "python_cells",
+    "bash_cells",
+    "restore",
+    "kernel",
+)
+_SHARED = frozenset({"TYPE_CHECKING"})  # defined alike by several modules (False)
+_HEADER = (
+    '"""The code-sessions kernel, joined from the modules of runner/_kernel_program/ by its program().\n'
+    'Its wire: see the part from protocol.py below."""\n\n'
+    "from __future__ import annotations\n"
+)
+
+
+class JoinError(Exception):
+    """A module breaks a rule the joined program depends on (see the package's docstring)."""
+
+
+def program() -> str:
+    """The kernel program as the sandbox runs it: one self-contained file. Only joins (it runs when the
+    runner is imported, and parsing the modules would cost tens of ms): ``check`` holds the rules."""
+    parts = [_HEADER]
+    for name in MODULES:
+        lines = _source(name).splitlines(keepends=True)
+        dropped = _import_lines(lines)
+        kept = "".join(line for number, line in enumerate(lines, 1) if number not in dropped)
+        parts.append(f"\n\n# ---- runner/_kernel_program/{name}.py ----\n\n{kept.strip(chr(10))}\n")
+    return "".join(parts)
+
+
+def check() -> None:
+    """Raise JoinError where a module breaks a rule of the package's docstring, or the joined program
+    is not the one self-contained file it must be (tools/bundle.py and the tests run this)."""
+    owners: dict[str, str] = {}  # top-level name -> the module defining it, or the import binding it
+    for name in MODULES:
+        _check_module(name, _source(name), owners)
+    source = program()
+    tree = ast.parse(source, "kernel program")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            raise JoinError(f"the joined program keeps a relative import at line {node.lineno}")
+    compile(source, "kernel program", "exec", dont_inherit=True)
+
+
+def _source(name: str) -> str:
+    # inspect reads what the import system loaded: the file, or, inside the bundle of dist/, the
+    # embedded text (tools/bundle.py puts it in linecache).
+    return inspect.getsource(importlib.import_module(f"{__name__}.{name}"))
+
+
+def _import_lines(lines: list[str]) -> set[int]:
+    """Numbers (from 1) of the lines holding an import of a sibling or of __future__ (the header has
+    that one), as ruff formats them: at the start of a line, parenthesised when long."""
+    dropped: set[int] = set()
+    inside = False
+    for number, line in enumerate(lines, 1):
+        if inside or line.startswith(("from .", "from __future__ import")):
+            dropped.add(number)
+            inside = line.rstrip().endswith("(") or (inside and line.rstrip() != ")")
+    return dropped
+
+
+def _check_module(name: str, source: str, owners: dict[str, str]) -> None:
+    tree = ast.parse(source, f"{name}.py")
+    expected: set[int] = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.level or node.module == "__future__"):
+            if node.level:
+                _check_sibling_import(name, node, owners)
+            expected.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    if _import_lines(source.splitlines(keepends=True)) != expected:
+        raise JoinError(f"{name}.py: its sibling imports are not the lines program() removes")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level and node not in tree.body:
+            raise JoinError(f"{name}.py:{node.lineno}: a sibling import must be at the top level")
+        modules: list[str] = []
+        if isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            modules = [node.module or ""]
+        if any(m.split(".")[0] == "runner" for m in modules):
+            raise JoinError(f"{name}.py:{node.lineno}: imports the runner package")
+        if isinstance(node, ast.Global) and name != "basics":
+            raise JoinError(f"{name}.py:{node.lineno}: rebinds a global (only basics.set_diag_fd may)")
+    for defined, binder in _top_level_names(tree, name):
+        if owners.setdefault(defined, binder) != binder and defined not in _SHARED:
+            raise JoinError(f"{name}.py binds {defined}, which {owners[defined]} binds too")
+
+
+def _check_sibling_import(name: str, node: ast.ImportFrom, owners: dict[str, str]) -> None:
+    if node.level != 1 or node.module is None:
+        raise JoinError(f"{name}.py:{node.lineno}: import siblings as `from .module import name`")
+    earlier = MODULES[: MODULES.index(name)]
+    if node.module not in earlier:
+        raise JoinError(f"{name}.py:{node.lineno}: imports {node.module}, which is not before it in MODULES")
+    for alias in node.names:
+        if alias.asname is not None or owners.get(alias.name) != node.module:
+            raise JoinError(f"{name}.py:{node.lineno}: {alias.name} is not a name {node.module}.py defines")
+
+
+def _top_level_names(tree: ast.Module, name: str) -> list[tuple[str, str]]:
+    """(name, what binds it) for the module's top level: the module itself for its own definitions,
+    the import for a name it imports (the same import in two modules binds the same thing)."""
+    names: list[tuple[str, str]] = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.append((node.name, name))
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.extend((n.id, name) for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.Import):
+            names.extend(((a.asname or a.name).split(".")[0], f"import {a.name}") for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module != "__future__":
+            names.extend((a.asname or a.name, f"from {node.module} import {a.name}") for a in node.names)
+    return names
+''',
+    'runner/_kernel_program/bash_cells.py': r'''"""Bash cells: a script in a private directory, run by bash in its own process group."""
+
+from __future__ import annotations
+
 import _signal
-import _thread
-import builtins
-import codecs
 import contextlib
-import functools
 import os
-import sys
 import time
-import types
-from _json import encode_basestring as _json_string  # the C escaper json itself uses
 
-# Startup and the first cell are on the critical path of a new chat, and imports are slow in the
-# sandbox (measured in gVisor: re 34 ms, json 24 ms on top, linecache 11-21 ms, traceback 11 ms,
-# threading 5-21 ms, signal with enum 7-11 ms, struct 3-7 ms). So: annotations are strings here;
-# requests are decoded by json's C scanner without the json package (which needs re), and replies
-# are encoded below; signals go through the builtin _signal, threads and locks through _thread, frame
-# lengths through int.to_bytes; linecache and traceback wait until they are needed. (site has
-# already imported contextlib, functools and types.)
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    import importlib.machinery
-    import weakref
-    from collections.abc import Callable
-    from typing import Any, NoReturn
+from .basics import _KILL_PATIENCE_S, _monotonic, _os_waitpid, _write_all
 
-PROTOCOL_VERSION = 2
-MAX_TEXT = 16 * 1024  # characters of text per "out" frame (the host refuses more)
-MAX_REQUEST = 64 * 1024 * 1024  # bytes of one request frame (the code of one cell)
-# The one bound on a run's figures: saved and shown (the host's wire refuses a "done" listing more).
-# The rest are counted ("more"), never saved later: they belong to this run's answer, not the next.
-MAX_FIGURES_PER_RUN = 20
-DEFAULT_WORKDIR = "/mnt/data"
-WORKDIR_ENV = "CODE_SESSIONS_WORKDIR"
-PACKAGES = {  # import name -> distribution name as its metadata directory spells it (lowercased)
-    "numpy": "numpy",
-    "pandas": "pandas",
-    "matplotlib": "matplotlib",
-    "openpyxl": "openpyxl",
-    "PIL": "pillow",
-    "scipy": "scipy",
-}
 BASH = "/bin/bash"
 PRIVATE_TMP = "/tmp"
-FATAL_EXIT = 70  # EX_SOFTWARE: the kernel itself failed; the host restarts it
+_BASH_SIGINT_GRACE_S = 1.0
+
+
+class _BashCells:
+    """The Kernel's bash cells (a part of Kernel, apart for reading)."""
+
+    workdir: str
+    _armed: bool
+    _bash_dir: str | None
+    _bash_count: int
+
+    def _script_path(self) -> str:
+        if self._bash_dir is None or not os.path.isdir(self._bash_dir):
+            # Created on first use and again if a cell removed it; not in the workdir: it is not the
+            # user's file.
+            self._bash_dir = os.path.join(PRIVATE_TMP, f".code-sessions-kernel-{os.urandom(8).hex()}")
+            os.mkdir(self._bash_dir, 0o700)
+        self._bash_count += 1
+        return os.path.join(self._bash_dir, f"cell-{self._bash_count}.sh")
+
+    def _run_bash(self, code: str) -> tuple[str, int | None, str]:
+        try:
+            data = code.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            data = code.encode("utf-8", "replace")
+        try:
+            script = self._script_path()
+            fd = os.open(script, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                _write_all(fd, data)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            return "error", None, f"[code-sessions: cannot write the bash script: {exc}]\n"
+        try:
+            return self._spawn_and_wait(script)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(script)
+
+    def _spawn_and_wait(self, script: str) -> tuple[str, int | None, str]:
+        # posix_spawn has no cwd argument: step into the workdir for the spawn only. A Python cell's
+        # os.chdir persists for Python cells; bash cells always start in the workdir.
+        try:
+            here: int | None = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:  # the cell's cwd is gone or unreadable: Python cells carry on in the workdir
+            here = None
+        try:
+            os.chdir(self.workdir)
+            pid = os.posix_spawn(
+                BASH,
+                [BASH, script],
+                os.environ,
+                file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)],
+                setpgroup=0,  # its own group: an interrupt reaches the whole pipeline
+                setsigmask=(),
+                # Python ignores these; ignored signals survive exec. A shell expects the defaults.
+                setsigdef=(_signal.SIGPIPE, _signal.SIGXFSZ, _signal.SIGINT),
+            )
+        except OSError as exc:
+            return "error", None, f"[code-sessions: cannot start {BASH}: {exc}]\n"
+        finally:
+            if here is not None:
+                with contextlib.suppress(OSError):
+                    os.fchdir(here)
+                os.close(here)
+        status: int | None = None
+        try:
+            self._armed = True
+            status = _os_waitpid(pid, 0)[1]
+            self._armed = False
+            interrupted = False
+        except KeyboardInterrupt:
+            self._armed = False
+            interrupted = True
+            status = self._stop_group(pid) if status is None else status
+        if status is None:
+            return ("interrupted" if interrupted else "error"), None, ""
+        code = os.waitstatus_to_exitcode(status)
+        if code < 0:
+            code = 128 - code  # killed by a signal: report it as a shell would ($? = 128 + n)
+        if interrupted:
+            return "interrupted", code, ""
+        return ("ok" if code == 0 else "error"), code, ""
+
+    @staticmethod
+    def _stop_group(pid: int) -> int | None:
+        """SIGINT to the shell's group, SIGKILL after a grace period; the shell's wait status."""
+        for sig, patience in ((_signal.SIGINT, _BASH_SIGINT_GRACE_S), (_signal.SIGKILL, _KILL_PATIENCE_S)):
+            with contextlib.suppress(OSError):
+                os.killpg(pid, sig)
+            deadline = _monotonic() + patience
+            while True:
+                try:
+                    done, status = _os_waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    return None
+                if done:
+                    return status
+                if _monotonic() > deadline:
+                    break
+                time.sleep(0.005)
+        return None
+''',
+    'runner/_kernel_program/basics.py': r'''"""What every part of the kernel uses: the os calls bound at start, whole writes, and the fatal exit."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from .protocol import FATAL_EXIT
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import NoReturn
 
 _READ_SIZE = 64 * 1024
-_HELD_CAP = 1024 * 1024  # output written between runs, kept for the next run; the rest is dropped
-_SENTINEL_STALL_S = 5.0  # no byte and no sentinel for this long after draining began: the pipe was tampered
 _KILL_PATIENCE_S = 5.0  # SIGKILLed leftovers are normally gone within a millisecond
-_BASH_SIGINT_GRACE_S = 1.0
-_STDIO = {"encoding": "utf-8", "errors": "backslashreplace"}
 
 # Bound once: a cell may monkeypatch os or time (a test double, a careless experiment) without
 # breaking the kernel's own I/O. Nothing defends the kernel against a cell that wants to break it.
@@ -10131,10 +10267,14 @@ _os_getpid = os.getpid
 _os_fstat = os.fstat
 _monotonic = time.monotonic
 _perf_counter = time.perf_counter
-# Frames of this file are kernel frames: hidden from the cell's tracebacks.
-_KERNEL_SOURCE = (lambda: None).__code__.co_filename
 
-_diag_fd = 2  # the original fd 2 once main() has set up; only the kernel's own fatal errors go there
+_diag_fd = 2  # the original fd 2 once the kernel has set up; only the kernel's own fatal errors go there
+
+
+def set_diag_fd(fd: int) -> None:
+    """Where _fatal writes from now on: a setter, so the one module that binds the name rebinds it."""
+    global _diag_fd
+    _diag_fd = fd
 
 
 def _fatal(message: str) -> NoReturn:
@@ -10143,6 +10283,27 @@ def _fatal(message: str) -> NoReturn:
         _os_write(_diag_fd, f"code-sessions kernel: fatal: {message}\n".encode(errors="replace"))
     finally:
         os._exit(FATAL_EXIT)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[_os_write(fd, view) :]
+''',
+    'runner/_kernel_program/codec.py': r'''"""The kernel's side of the frames: its own JSON encoder for replies, json's C scanner for requests (the
+json package needs re, 24 ms more to import in the sandbox), and the reply channel."""
+
+from __future__ import annotations
+
+import _json
+import _thread
+from _json import encode_basestring as _json_string  # the C escaper json itself uses
+
+from .basics import _fatal, _write_all
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, NoReturn
 
 
 def to_json(value: object) -> str:
@@ -10164,10 +10325,59 @@ def to_json(value: object) -> str:
     raise TypeError(f"cannot encode {type(value).__name__}")
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[_os_write(fd, view) :]
+class _JsonContext:
+    """What json's C scanner reads from a decoder: json.loads' defaults, and no NaN or Infinity."""
+
+    strict = True
+    object_hook = None
+    object_pairs_hook = None
+    parse_float = float
+    parse_int = int
+
+    @staticmethod
+    def parse_constant(name: str) -> NoReturn:
+        raise ValueError(f"{name} is not JSON")
+
+
+_scan_json = _json.make_scanner(_JsonContext())
+
+
+def _json_loads(text: str) -> Any:
+    """json.loads for one request frame: a whole JSON value and nothing after it."""
+    try:
+        value, end = _scan_json(text, 0)
+    except StopIteration as exc:
+        raise ValueError(f"no JSON value at {exc.value}") from None
+    if end != len(text):
+        raise ValueError(f"extra data at {end}")
+    return value
+
+
+class _Channel:
+    """The reply channel: whole frames, one writer at a time (the pumps and the main thread share it)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._lock = _thread.allocate_lock()
+
+    def send(self, message: dict[str, Any]) -> None:
+        body = to_json(message).encode("utf-8")
+        frame = len(body).to_bytes(4, "big") + body
+        try:
+            with self._lock:
+                _write_all(self.fd, frame)
+        except OSError as exc:  # the host went away, or a cell closed the channel: nobody to answer
+            _fatal(f"cannot write to the host: {exc}")
+''',
+    'runner/_kernel_program/condition.py': r'''"""A condition variable on _thread's locks: the threading module costs 5-21 ms to import in the sandbox."""
+
+from __future__ import annotations
+
+import _thread
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class _Condition:
@@ -10203,23 +10413,533 @@ class _Condition:
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             waiter.release()
+''',
+    'runner/_kernel_program/figures.py': r'''"""Figures: pyplot's new or changed figures saved into the workdir as figure-N.png."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+
+from .protocol import MAX_FIGURES_PER_RUN
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import types
+    import weakref
+    from collections.abc import Callable
+    from typing import Any
 
 
-class _Channel:
-    """The reply channel: whole frames, one writer at a time (the pumps and the main thread share it)."""
+class _Figures:
+    """Saves pyplot's open figures that are new or changed into the workdir as figure-N.png.
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self._lock = _thread.allocate_lock()
+    ``fig.stale`` cannot tell: matplotlib 3.6 leaves it True after savefig (it restores dpi and colours
+    afterwards), and a cell's own ``canvas.draw()`` makes it False without any save. Instead: every
+    savefig (ours or the cell's) marks the figure clean, and a wrapper on the figure's stale_callback,
+    to which matplotlib reports every change of every artist in it, marks it dirty again. Drawing
+    (which savefig does) also reports changes (ticks, layout): those are not the cell's and are
+    ignored, by muting the wrapper while a Figure draws or saves."""
 
-    def send(self, message: dict[str, Any]) -> None:
-        body = to_json(message).encode("utf-8")
-        frame = len(body).to_bytes(4, "big") + body
+    def __init__(self, workdir: str, stderr: Callable[[str], None]) -> None:
+        self._workdir = workdir
+        self._note = stderr
+        self._clean: weakref.WeakKeyDictionary[Any, bool] | None = None  # made when pyplot is imported
+        self._muted = 0
+        self._next = 1
+        self.saved: list[str] = []  # this run's, in order
+        self.more = 0  # this run's figures past MAX_FIGURES_PER_RUN: counted, not saved
+
+    def patch(self, pyplot: types.ModuleType) -> None:
+        """Make plt.show() save now and every savefig count as a save. Idempotent (also after a reload)."""
+        if self._clean is None:
+            import weakref
+
+            self._clean = weakref.WeakKeyDictionary()
+        if not getattr(pyplot.show, "_code_sessions", False):
+
+            def show(*args: Any, **kwargs: Any) -> None:
+                """The sandbox has no display: save new or changed figures now. They stay open."""
+                self.save_open()
+
+            show._code_sessions = True  # type: ignore[attr-defined]
+            pyplot.show = show  # type: ignore[attr-defined]
+        figure_class = getattr(sys.modules.get("matplotlib.figure"), "Figure", None)
+        if figure_class is None:
+            return
+        for method, marks_clean in (("savefig", True), ("draw", False)):
+            original = getattr(figure_class, method)
+            if not getattr(original, "_code_sessions", False):
+                setattr(figure_class, method, self._muting(original, marks_clean))
+
+    def _muting(self, original: Callable[..., Any], marks_clean: bool) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def wrapper(fig: Any, *args: Any, **kwargs: Any) -> Any:
+            self._muted += 1
+            try:
+                result = original(fig, *args, **kwargs)
+            finally:
+                self._muted -= 1
+            if marks_clean:
+                self._mark_clean(fig)
+            return result
+
+        wrapper._code_sessions = True  # type: ignore[attr-defined]
+        return wrapper
+
+    def _mark_clean(self, fig: Any) -> None:
+        assert self._clean is not None
+        self._clean[fig] = True
+        inner = getattr(fig, "stale_callback", None)
+        if getattr(inner, "_code_sessions", False):
+            return
+
+        def stale_callback(artist: Any, value: bool) -> None:
+            if value and not self._muted:
+                self._clean[artist] = False
+            if inner is not None:
+                inner(artist, value)
+
+        stale_callback._code_sessions = True  # type: ignore[attr-defined]
+        fig.stale_callback = stale_callback
+
+    def save_open(self) -> None:
+        helpers = sys.modules.get("matplotlib._pylab_helpers")
+        if helpers is None or self._clean is None:
+            return
+        managers = list(helpers.Gcf.get_all_fig_managers())
+        with contextlib.suppress(TypeError):  # creation order: figure 1 becomes the first file
+            managers.sort(key=lambda m: m.num)
+        for manager in managers:
+            fig = getattr(getattr(manager, "canvas", None), "figure", None)
+            if fig is None or self._clean.get(fig) or not _has_content(fig):
+                continue
+            if len(self.saved) >= MAX_FIGURES_PER_RUN:
+                # Counted for this run's answer, and taken as seen: a later run saves it only if it
+                # changes again, never as a leftover of this one.
+                self.more += 1
+                self._mark_clean(fig)
+                continue
+            name = self._save(fig)
+            if name is not None:
+                self.saved.append(name)
+
+    def _save(self, fig: Any) -> str | None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        while True:
+            name = f"figure-{self._next}.png"
+            path = os.path.join(self._workdir, name)
+            try:
+                fd = os.open(path, flags, 0o644)  # O_EXCL: an existing file (or link) is never touched
+                break
+            except FileExistsError:
+                self._next += 1
+            except OSError as exc:
+                self._note(f"[code-sessions: cannot save the figure as {name}: {exc}]\n")
+                return None
+        self._next += 1
         try:
-            with self._lock:
-                _write_all(self.fd, frame)
-        except OSError as exc:  # the host went away, or a cell closed the channel: nobody to answer
-            _fatal(f"cannot write to the host: {exc}")
+            with os.fdopen(fd, "wb") as file:
+                fig.savefig(file, format="png", bbox_inches="tight")
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            if not isinstance(exc, Exception):
+                raise
+            self._note(f"[code-sessions: cannot save the figure as {name}: {exc!r}]\n")
+            return None
+        self._mark_clean(fig)
+        return name
+
+
+def _has_content(fig: Any) -> bool:
+    """An empty plt.figure() is not worth a file."""
+    try:
+        return any(
+            getattr(fig, attr, None)
+            for attr in ("axes", "images", "texts", "lines", "patches", "artists", "legends", "subfigs")
+        )
+    except Exception:
+        return True
+''',
+    'runner/_kernel_program/hooks.py': r'''"""Import hooks: run the kernel's code once a watched module (matplotlib.pyplot, linecache) is imported."""
+
+from __future__ import annotations
+
+import sys
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import importlib.machinery
+    import types
+    from collections.abc import Callable
+    from typing import Any
+
+
+class _PatchingLoader:
+    """Wraps the loader of a watched module so the kernel can patch it as it is imported."""
+
+    def __init__(self, inner: Any, on_import: Callable[[types.ModuleType], None]) -> None:
+        self._inner = inner
+        self._on_import = on_import
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        create = getattr(self._inner, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self._inner.exec_module(module)
+        self._on_import(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for inspect and linecache
+        return getattr(self._inner, name)
+
+
+class _ImportHooks:
+    """A meta path hook that sees only the modules it is given, each with what to do once it is
+    imported: matplotlib.pyplot (plt.show() must save figures from the very cell that first imports
+    it) and linecache (filled with the cells' sources when something first needs it). Costs one dict
+    lookup per import of anything else."""
+
+    def __init__(self, hooks: dict[str, Callable[[types.ModuleType], None]]) -> None:
+        self._hooks = hooks
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        on_import = self._hooks.get(fullname)
+        if on_import is None:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader, on_import)
+                return spec
+        return None
+''',
+    'runner/_kernel_program/kernel.py': r'''"""The cell loop: the kernel's setup, its requests one at a time, and what ends each run; and main()."""
+
+from __future__ import annotations
+
+import _signal
+import builtins
+import os
+import sys
+import types
+
+from .bash_cells import _BashCells
+from .basics import _READ_SIZE, _fatal, _os_getpid, _os_read, _perf_counter, set_diag_fd
+from .codec import _Channel, _json_loads
+from .figures import _Figures
+from .hooks import _ImportHooks
+from .packages import package_versions
+from .protocol import DEFAULT_WORKDIR, MAX_REQUEST, PROTOCOL_VERSION, WORKDIR_ENV
+from .pumps import _Pump
+from .python_cells import _into_linecache, _PythonCells
+from .restore import _Restoring
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, NoReturn
+
+
+class Kernel(_PythonCells, _BashCells, _Restoring):
+    """The kernel: sets the process up, then runs one request after another until the host closes fd 0."""
+
+    def __init__(self, workdir: str) -> None:
+        self.workdir = os.path.abspath(workdir)
+        self.pid = _os_getpid()
+        self._armed = False  # a SIGINT now interrupts the cell (one shot: the handler disarms)
+        self._cell_running = False  # between the start and the end of a Python cell's own code
+        self.namespace: dict[str, Any] = {}
+        self._inbuf = bytearray()
+        self._cell_names: set[str] = set()
+        self._bash_dir: str | None = None
+        self._bash_count = 0
+        self._catchable = [s for s in _signal.valid_signals() if s not in (_signal.SIGKILL, _signal.SIGSTOP)]
+        self._recursion_limit = sys.getrecursionlimit()
+
+    # -- setup ---------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        # The pumps must never take a SIGINT: a signal delivered to a thread blocked in read() would
+        # not wake the main thread's sleep(). Threads inherit the mask, so block before creating them.
+        _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT})
+        self._on_sigint_bound = self._on_sigint
+        _signal.signal(_signal.SIGINT, self._on_sigint_bound)
+        # os.dup and os.pipe give non-inheritable fds: no child (bash, subprocess) gets the channel.
+        self.in_fd = os.dup(0)
+        self.out_fd = os.dup(1)
+        set_diag_fd(os.dup(2))
+        self.null_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        out_r, self.out_w = os.pipe()
+        err_r, self.err_w = os.pipe()
+        self._restore_fds()  # /dev/null on 0 (input() gets EOF, never protocol bytes), the pipes on 1 and 2
+        self._stdin = self._stdout = self._stderr = None
+        self._restore_streams()
+        self._private_fds = {fd: self._identity(fd) for fd in (self.in_fd, self.out_fd, out_r, err_r)}
+        self._private_fds.update({fd: self._identity(fd) for fd in (self.out_w, self.err_w, self.null_fd)})
+        self.channel = _Channel(self.out_fd)
+        self._pumps = (
+            _Pump(self.channel.send, out_r, self.out_w, "o"),
+            _Pump(self.channel.send, err_r, self.err_w, "e"),
+        )
+        for pump in self._pumps:
+            pump.start()
+        _signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_signal.SIGINT})
+        os.chdir(self.workdir)
+        main_module = types.ModuleType("__main__")
+        main_module.__dict__["__builtins__"] = builtins
+        self._kernel_module = sys.modules.get("__main__")
+        sys.modules["__main__"] = main_module  # pickle finds classes the cells define
+        self.namespace = main_module.__dict__
+        self._package_paths = list(sys.path[1:])
+        sys.path[0:1] = [self.workdir]  # not /run/code: `import mymodule` finds /mnt/data/mymodule.py
+        sys.argv = [""]
+        self._figures = _Figures(self.workdir, self._note)
+        # Cell sources for tracebacks: linecache (with tokenize and re, ~50 ms to import in the
+        # sandbox) is filled only once something imports it (a traceback, the code itself).
+        self._cell_sources: dict[str, str] = {}
+        hooks = {"matplotlib.pyplot": self._on_pyplot_import, "linecache": self._on_linecache_import}
+        sys.meta_path.insert(0, _ImportHooks(hooks))
+
+    def ready_message(self) -> dict[str, Any]:
+        return {
+            "t": "ready",
+            "v": PROTOCOL_VERSION,
+            "python": ".".join(map(str, sys.version_info[:3])),
+            "pid": self.pid,
+            "packages": package_versions(self._package_paths),
+        }
+
+    def _on_linecache_import(self, module: types.ModuleType) -> None:
+        for filename, code in self._cell_sources.items():
+            _into_linecache(module, filename, code)
+        self._cell_sources.clear()  # from now on _compile puts them straight into linecache
+
+    def _on_pyplot_import(self, module: types.ModuleType) -> None:
+        try:
+            self._figures.patch(module)
+        except Exception as exc:  # never fail the cell's import over our convenience
+            self._note(f"[code-sessions: cannot hook plt.show(): {exc!r}]\n")
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        # Idle, or in the kernel's own code after a cell: ignored. Armed: one KeyboardInterrupt, and
+        # disarmed first, so a second SIGINT can never raise inside the kernel's own code. A cell that
+        # caught it and runs on is interrupted again only where that is safe to tell: while the frame
+        # on top is the cell's own code (its globals are the namespace; kernel code never runs there).
+        if self._armed or (self._cell_running and frame is not None and frame.f_globals is self.namespace):
+            self._armed = False
+            raise KeyboardInterrupt
+
+    # -- the loop ------------------------------------------------------------------------------------
+
+    def serve(self) -> NoReturn:
+        self.channel.send(self.ready_message())
+        while True:
+            request = self._read_request()
+            if request is None:
+                self._end_leftovers()
+                os._exit(0)
+            self._run(*request)
+
+    def _read_exact(self, n: int) -> bytes | None:
+        while len(self._inbuf) < n:
+            chunk = _os_read(self.in_fd, max(_READ_SIZE, n - len(self._inbuf)))
+            if not chunk:
+                if self._inbuf:
+                    _fatal("the host closed the request channel in the middle of a frame")
+                return None
+            self._inbuf += chunk
+        data = bytes(self._inbuf[:n])
+        del self._inbuf[:n]
+        return data
+
+    def _read_request(self) -> tuple[int, str, str] | None:
+        header = self._read_exact(4)
+        if header is None:
+            return None
+        length = int.from_bytes(header, "big")
+        if not 0 < length <= MAX_REQUEST:
+            _fatal(f"request frame of {length} bytes")
+        body = self._read_exact(length)
+        if body is None:
+            _fatal("the host closed the request channel in the middle of a frame")
+        try:
+            req = _json_loads(body.decode("utf-8"))
+        except ValueError as exc:
+            _fatal(f"request is not UTF-8 JSON: {exc}")
+        if not (
+            type(req) is dict
+            and req.keys() == {"t", "id", "lang", "code"}
+            and req["t"] == "run"
+            and type(req["id"]) is int
+            and 0 <= req["id"] < 2**63
+            and req["lang"] in ("python", "bash")
+            and type(req["code"]) is str
+        ):
+            _fatal(f"not a run request: {str(req)[:200]}")
+        return req["id"], req["lang"], req["code"]
+
+    def _run(self, run_id: int, lang: str, code: str) -> None:
+        started = _perf_counter()
+        self._figures.saved = []
+        self._figures.more = 0
+        for pump in self._pumps:
+            pump.begin(run_id)
+        if lang == "python":
+            status, exit_code, report = self._run_python(run_id, code)
+        else:
+            status, exit_code, report = self._run_bash(code)
+        self._restore_process_state()
+        if report:
+            self._note(report)
+        pyplot = sys.modules.get("matplotlib.pyplot")
+        if lang == "python" and pyplot is not None:
+            self._on_pyplot_import(pyplot)  # pyplot reloaded, or our hook removed: patch again
+            try:
+                self._armed = True  # drawing a huge figure may take long: an interrupt stops it
+                self._figures.save_open()
+                self._armed = False
+            except KeyboardInterrupt:
+                self._armed = False
+                self._note("KeyboardInterrupt (while saving figures)\n")
+                status, exit_code = "interrupted", None
+        self._flush_streams()
+        self._end_leftovers()
+        self._check_private_fds()
+        sentinel = b"\x00code-sessions:" + os.urandom(16).hex().encode() + b"\x00"
+        for pump in self._pumps:
+            pump.drain(sentinel)
+        for pump in self._pumps:
+            pump.wait_drained()
+        self.channel.send(
+            {
+                "t": "done",
+                "id": run_id,
+                "status": status,
+                "exit_code": exit_code,
+                "figures": list(self._figures.saved),
+                "more": self._figures.more,
+                "ms": round((_perf_counter() - started) * 1000, 3),
+            }
+        )
+
+
+def main() -> None:
+    try:
+        kernel = Kernel(os.environ.get(WORKDIR_ENV) or DEFAULT_WORKDIR)
+        kernel.start()
+        kernel.serve()
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        import traceback
+
+        _fatal("".join(traceback.format_exception(exc)).rstrip())
+
+
+if __name__ == "__main__":
+    main()
+''',
+    'runner/_kernel_program/packages.py': r'''"""The package probe: versions of the packages the prompt names, read from metadata directory names."""
+
+from __future__ import annotations
+
+import os
+
+PACKAGES = {  # import name -> distribution name as its metadata directory spells it (lowercased)
+    "numpy": "numpy",
+    "pandas": "pandas",
+    "matplotlib": "matplotlib",
+    "openpyxl": "openpyxl",
+    "PIL": "pillow",
+    "scipy": "scipy",
+}
+
+_VERSION_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._+!")
+
+
+def _is_version(text: str) -> bool:
+    return 0 < len(text) <= 64 and text[0].isascii() and text[0].isalnum() and _VERSION_CHARS.issuperset(text)
+
+
+def package_versions(paths: list[str]) -> dict[str, str | None]:
+    """Versions of PACKAGES from the names of their metadata directories on ``paths``, first hit wins
+    as for import. Listing a few directories costs well under a millisecond; importlib.metadata costs
+    tens of milliseconds to import, and importing the packages themselves, seconds."""
+    wanted = {dist: name for name, dist in PACKAGES.items()}
+    found: dict[str, str] = {}
+    for entry in paths:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for item in names:
+            if not item.endswith((".dist-info", ".egg-info")):
+                continue
+            parts = item[: item.rindex(".")].split("-")
+            name = wanted.get(parts[0].lower())
+            # A version is a short run of safe characters; anything else (a name that is not UTF-8
+            # comes back with surrogates) would make the host refuse the whole "ready".
+            if name is not None and len(parts) >= 2 and name not in found and _is_version(parts[1]):
+                found[name] = parts[1]
+    return {name: found.get(name) for name in PACKAGES}
+''',
+    'runner/_kernel_program/protocol.py': r'''"""The kernel's wire, one source for both sides: the kernel program's modules use these constants, and so
+does the host's strict decoder (runner/_wire.py). Standard library only, nothing imported: this module
+is also part of the program the sandbox runs.
+
+A frame is a 4-byte big-endian length N, then N bytes of UTF-8 JSON encoding one object. Requests
+arrive on the kernel's original fd 0; replies leave on its original fd 1:
+
+    host -> kernel   {"t": "run", "id": int, "lang": "python" | "bash", "code": str}    EOF: exit 0
+    kernel -> host   {"t": "ready", "v": 2, "python": "3.11.2", "pid": int, "packages": {name: version|null}}
+                     {"t": "out", "id": int, "s": "o" | "e", "d": str (at most 16384 characters)}
+                     {"t": "done", "id": int, "status": "ok" | "error" | "interrupted",
+                      "exit_code": int | null, "figures": [str], "more": int, "ms": float}
+                     ("more": figures left open past MAX_FIGURES_PER_RUN, not saved)
+
+One run at a time; every "out" of a run precedes its "done"; nothing is written between a "done" and the
+next request. The cell runs inside the kernel's process, so it can write anything to the reply channel:
+the host must treat every frame as hostile.
+"""
+
+from __future__ import annotations
+
+PROTOCOL_VERSION = 2
+MAX_TEXT = 16 * 1024  # characters of text per "out" frame (the host refuses more)
+MAX_REQUEST = 64 * 1024 * 1024  # bytes of one request frame (the code of one cell)
+# The one bound on a run's figures: saved and shown (the host's wire refuses a "done" listing more).
+# The rest are counted ("more"), never saved later: they belong to this run's answer, not the next.
+MAX_FIGURES_PER_RUN = 20
+DEFAULT_WORKDIR = "/mnt/data"
+WORKDIR_ENV = "CODE_SESSIONS_WORKDIR"
+FATAL_EXIT = 70  # EX_SOFTWARE: the kernel itself failed; the host restarts it
+''',
+    'runner/_kernel_program/pumps.py': r'''"""The pumps: a thread per output pipe of the cell (fd 1, fd 2) forwarding it to the host as "out"
+frames, and the sentinel that ends a run's output."""
+
+from __future__ import annotations
+
+import _thread
+import codecs
+
+from .basics import _READ_SIZE, _fatal, _monotonic, _os_read, _write_all
+from .condition import _Condition
+from .protocol import MAX_TEXT
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+_HELD_CAP = 1024 * 1024  # output written between runs, kept for the next run; the rest is dropped
+_SENTINEL_STALL_S = 5.0  # no byte and no sentinel for this long after draining began: the pipe was tampered
 
 
 def _sentinel_prefix_start(buf: bytes, sentinel: bytes) -> int:
@@ -10370,264 +11090,23 @@ class _Pump:
             finally:
                 self._busy = False
                 self._activity = _monotonic()
+''',
+    'runner/_kernel_program/python_cells.py': r'''"""Python cells: compiled IPython style (a last expression is shown), run in the chat's namespace."""
 
+from __future__ import annotations
 
-_VERSION_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._+!")
+import _ast
+import os
+import sys
 
+from .basics import _os_getpid
+from .tracebacks import format_cell_exception
 
-def _is_version(text: str) -> bool:
-    return 0 < len(text) <= 64 and text[0].isascii() and text[0].isalnum() and _VERSION_CHARS.issuperset(text)
-
-
-def package_versions(paths: list[str]) -> dict[str, str | None]:
-    """Versions of PACKAGES from the names of their metadata directories on ``paths``, first hit wins
-    as for import. Listing a few directories costs well under a millisecond; importlib.metadata costs
-    tens of milliseconds to import, and importing the packages themselves, seconds."""
-    wanted = {dist: name for name, dist in PACKAGES.items()}
-    found: dict[str, str] = {}
-    for entry in paths:
-        try:
-            names = os.listdir(entry or ".")
-        except OSError:
-            continue
-        for item in names:
-            if not item.endswith((".dist-info", ".egg-info")):
-                continue
-            parts = item[: item.rindex(".")].split("-")
-            name = wanted.get(parts[0].lower())
-            # A version is a short run of safe characters; anything else (a name that is not UTF-8
-            # comes back with surrogates) would make the host refuse the whole "ready".
-            if name is not None and len(parts) >= 2 and name not in found and _is_version(parts[1]):
-                found[name] = parts[1]
-    return {name: found.get(name) for name in PACKAGES}
-
-
-class _JsonContext:
-    """What json's C scanner reads from a decoder: json.loads' defaults, and no NaN or Infinity."""
-
-    strict = True
-    object_hook = None
-    object_pairs_hook = None
-    parse_float = float
-    parse_int = int
-
-    @staticmethod
-    def parse_constant(name: str) -> NoReturn:
-        raise ValueError(f"{name} is not JSON")
-
-
-_scan_json = _json.make_scanner(_JsonContext())
-
-
-def _json_loads(text: str) -> Any:
-    """json.loads for one request frame: a whole JSON value and nothing after it."""
-    try:
-        value, end = _scan_json(text, 0)
-    except StopIteration as exc:
-        raise ValueError(f"no JSON value at {exc.value}") from None
-    if end != len(text):
-        raise ValueError(f"extra data at {end}")
-    return value
-
-
-class _PatchingLoader:
-    """Wraps the loader of a watched module so the kernel can patch it as it is imported."""
-
-    def __init__(self, inner: Any, on_import: Callable[[types.ModuleType], None]) -> None:
-        self._inner = inner
-        self._on_import = on_import
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        create = getattr(self._inner, "create_module", None)
-        return create(spec) if create is not None else None
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        self._inner.exec_module(module)
-        self._on_import(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for inspect and linecache
-        return getattr(self._inner, name)
-
-
-class _ImportHooks:
-    """A meta path hook that sees only the modules it is given, each with what to do once it is
-    imported: matplotlib.pyplot (plt.show() must save figures from the very cell that first imports
-    it) and linecache (filled with the cells' sources when something first needs it). Costs one dict
-    lookup per import of anything else."""
-
-    def __init__(self, hooks: dict[str, Callable[[types.ModuleType], None]]) -> None:
-        self._hooks = hooks
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        on_import = self._hooks.get(fullname)
-        if on_import is None:
-            return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _PatchingLoader(spec.loader, on_import)
-                return spec
-        return None
-
-
-class _Figures:
-    """Saves pyplot's open figures that are new or changed into the workdir as figure-N.png.
-
-    ``fig.stale`` cannot tell: matplotlib 3.6 leaves it True after savefig (it restores dpi and colours
-    afterwards), and a cell's own ``canvas.draw()`` makes it False without any save. Instead: every
-    savefig (ours or the cell's) marks the figure clean, and a wrapper on the figure's stale_callback,
-    to which matplotlib reports every change of every artist in it, marks it dirty again. Drawing
-    (which savefig does) also reports changes (ticks, layout): those are not the cell's and are
-    ignored, by muting the wrapper while a Figure draws or saves."""
-
-    def __init__(self, workdir: str, stderr: Callable[[str], None]) -> None:
-        self._workdir = workdir
-        self._note = stderr
-        self._clean: weakref.WeakKeyDictionary[Any, bool] | None = None  # made when pyplot is imported
-        self._muted = 0
-        self._next = 1
-        self.saved: list[str] = []  # this run's, in order
-        self.more = 0  # this run's figures past MAX_FIGURES_PER_RUN: counted, not saved
-
-    def patch(self, pyplot: types.ModuleType) -> None:
-        """Make plt.show() save now and every savefig count as a save. Idempotent (also after a reload)."""
-        if self._clean is None:
-            import weakref
-
-            self._clean = weakref.WeakKeyDictionary()
-        if not getattr(pyplot.show, "_code_sessions", False):
-
-            def show(*args: Any, **kwargs: Any) -> None:
-                """The sandbox has no display: save new or changed figures now. They stay open."""
-                self.save_open()
-
-            show._code_sessions = True  # type: ignore[attr-defined]
-            pyplot.show = show  # type: ignore[attr-defined]
-        figure_class = getattr(sys.modules.get("matplotlib.figure"), "Figure", None)
-        if figure_class is None:
-            return
-        for method, marks_clean in (("savefig", True), ("draw", False)):
-            original = getattr(figure_class, method)
-            if not getattr(original, "_code_sessions", False):
-                setattr(figure_class, method, self._muting(original, marks_clean))
-
-    def _muting(self, original: Callable[..., Any], marks_clean: bool) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def wrapper(fig: Any, *args: Any, **kwargs: Any) -> Any:
-            self._muted += 1
-            try:
-                result = original(fig, *args, **kwargs)
-            finally:
-                self._muted -= 1
-            if marks_clean:
-                self._mark_clean(fig)
-            return result
-
-        wrapper._code_sessions = True  # type: ignore[attr-defined]
-        return wrapper
-
-    def _mark_clean(self, fig: Any) -> None:
-        assert self._clean is not None
-        self._clean[fig] = True
-        inner = getattr(fig, "stale_callback", None)
-        if getattr(inner, "_code_sessions", False):
-            return
-
-        def stale_callback(artist: Any, value: bool) -> None:
-            if value and not self._muted:
-                self._clean[artist] = False
-            if inner is not None:
-                inner(artist, value)
-
-        stale_callback._code_sessions = True  # type: ignore[attr-defined]
-        fig.stale_callback = stale_callback
-
-    def save_open(self) -> None:
-        helpers = sys.modules.get("matplotlib._pylab_helpers")
-        if helpers is None or self._clean is None:
-            return
-        managers = list(helpers.Gcf.get_all_fig_managers())
-        with contextlib.suppress(TypeError):  # creation order: figure 1 becomes the first file
-            managers.sort(key=lambda m: m.num)
-        for manager in managers:
-            fig = getattr(getattr(manager, "canvas", None), "figure", None)
-            if fig is None or self._clean.get(fig) or not _has_content(fig):
-                continue
-            if len(self.saved) >= MAX_FIGURES_PER_RUN:
-                # Counted for this run's answer, and taken as seen: a later run saves it only if it
-                # changes again, never as a leftover of this one.
-                self.more += 1
-                self._mark_clean(fig)
-                continue
-            name = self._save(fig)
-            if name is not None:
-                self.saved.append(name)
-
-    def _save(self, fig: Any) -> str | None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        while True:
-            name = f"figure-{self._next}.png"
-            path = os.path.join(self._workdir, name)
-            try:
-                fd = os.open(path, flags, 0o644)  # O_EXCL: an existing file (or link) is never touched
-                break
-            except FileExistsError:
-                self._next += 1
-            except OSError as exc:
-                self._note(f"[code-sessions: cannot save the figure as {name}: {exc}]\n")
-                return None
-        self._next += 1
-        try:
-            with os.fdopen(fd, "wb") as file:
-                fig.savefig(file, format="png", bbox_inches="tight")
-        except BaseException as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            if not isinstance(exc, Exception):
-                raise
-            self._note(f"[code-sessions: cannot save the figure as {name}: {exc!r}]\n")
-            return None
-        self._mark_clean(fig)
-        return name
-
-
-def _has_content(fig: Any) -> bool:
-    """An empty plt.figure() is not worth a file."""
-    try:
-        return any(
-            getattr(fig, attr, None)
-            for attr in ("axes", "images", "texts", "lines", "patches", "artists", "legends", "subfigs")
-        )
-    except Exception:
-        return True
-
-
-def _strip_kernel_frames(te: Any, seen: set[int]) -> None:
-    """Drop this file's frames (the exec call, the SIGINT handler) from a TracebackException tree."""
-    import traceback
-
-    if id(te) in seen:
-        return
-    seen.add(id(te))
-    te.stack = traceback.StackSummary.from_list([f for f in te.stack if f.filename != _KERNEL_SOURCE])
-    for sub in (te.__cause__, te.__context__, *(getattr(te, "exceptions", None) or ())):
-        if sub is not None:
-            _strip_kernel_frames(sub, seen)
-
-
-def format_cell_exception(exc: BaseException) -> str:
-    import traceback
-
-    try:
-        te = traceback.TracebackException(type(exc), exc, exc.__traceback__, compact=True)
-        _strip_kernel_frames(te, set())
-        return "".join(te.format())
-    except Exception as failure:  # a hostile exception object must not take the kernel down
-        return f"{type(exc).__name__} (the traceback could not be formatted: {failure!r})\n"
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import types
+    from collections.abc import Callable
+    from typing import Any, NoReturn
 
 
 def _ends_with_semicolon(code: str, node: Any) -> bool:
@@ -10656,225 +11135,17 @@ def _into_linecache(linecache: types.ModuleType, filename: str, code: str) -> No
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
 
 
-class Kernel:
-    def __init__(self, workdir: str) -> None:
-        self.workdir = os.path.abspath(workdir)
-        self.pid = _os_getpid()
-        self._armed = False  # a SIGINT now interrupts the cell (one shot: the handler disarms)
-        self._cell_running = False  # between the start and the end of a Python cell's own code
-        self.namespace: dict[str, Any] = {}
-        self._inbuf = bytearray()
-        self._cell_names: set[str] = set()
-        self._bash_dir: str | None = None
-        self._bash_count = 0
-        self._catchable = [s for s in _signal.valid_signals() if s not in (_signal.SIGKILL, _signal.SIGSTOP)]
-        self._recursion_limit = sys.getrecursionlimit()
+class _PythonCells:
+    """The Kernel's Python cells (a part of Kernel, apart for reading)."""
 
-    # -- setup ---------------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        global _diag_fd
-        # The pumps must never take a SIGINT: a signal delivered to a thread blocked in read() would
-        # not wake the main thread's sleep(). Threads inherit the mask, so block before creating them.
-        _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT})
-        self._on_sigint_bound = self._on_sigint
-        _signal.signal(_signal.SIGINT, self._on_sigint_bound)
-        # os.dup and os.pipe give non-inheritable fds: no child (bash, subprocess) gets the channel.
-        self.in_fd = os.dup(0)
-        self.out_fd = os.dup(1)
-        _diag_fd = os.dup(2)
-        self.null_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-        out_r, self.out_w = os.pipe()
-        err_r, self.err_w = os.pipe()
-        self._restore_fds()  # /dev/null on 0 (input() gets EOF, never protocol bytes), the pipes on 1 and 2
-        self._stdin = self._stdout = self._stderr = None
-        self._restore_streams()
-        self._private_fds = {fd: self._identity(fd) for fd in (self.in_fd, self.out_fd, out_r, err_r)}
-        self._private_fds.update({fd: self._identity(fd) for fd in (self.out_w, self.err_w, self.null_fd)})
-        self.channel = _Channel(self.out_fd)
-        self._pumps = (
-            _Pump(self.channel.send, out_r, self.out_w, "o"),
-            _Pump(self.channel.send, err_r, self.err_w, "e"),
-        )
-        for pump in self._pumps:
-            pump.start()
-        _signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_signal.SIGINT})
-        os.chdir(self.workdir)
-        main_module = types.ModuleType("__main__")
-        main_module.__dict__["__builtins__"] = builtins
-        self._kernel_module = sys.modules.get("__main__")
-        sys.modules["__main__"] = main_module  # pickle finds classes the cells define
-        self.namespace = main_module.__dict__
-        self._package_paths = list(sys.path[1:])
-        sys.path[0:1] = [self.workdir]  # not /run/code: `import mymodule` finds /mnt/data/mymodule.py
-        sys.argv = [""]
-        self._figures = _Figures(self.workdir, self._note)
-        # Cell sources for tracebacks: linecache (with tokenize and re, ~50 ms to import in the
-        # sandbox) is filled only once something imports it (a traceback, the code itself).
-        self._cell_sources: dict[str, str] = {}
-        hooks = {"matplotlib.pyplot": self._on_pyplot_import, "linecache": self._on_linecache_import}
-        sys.meta_path.insert(0, _ImportHooks(hooks))
-
-    def ready_message(self) -> dict[str, Any]:
-        return {
-            "t": "ready",
-            "v": PROTOCOL_VERSION,
-            "python": ".".join(map(str, sys.version_info[:3])),
-            "pid": self.pid,
-            "packages": package_versions(self._package_paths),
-        }
-
-    @staticmethod
-    def _identity(fd: int) -> tuple[int, int]:
-        st = _os_fstat(fd)
-        return st.st_dev, st.st_ino
-
-    def _restore_fds(self) -> None:
-        _os_dup2(self.null_fd, 0)
-        _os_dup2(self.out_w, 1)
-        _os_dup2(self.err_w, 2)
-
-    def _restore_streams(self) -> None:
-        """Our stdio objects back in sys (recreated if a cell closed them); closefd=False, so closing
-        them never closes fd 0/1/2."""
-        if self._stdin is None or self._stdin.closed:
-            self._stdin = open(0, closefd=False, **_STDIO)  # noqa: SIM115
-        if self._stdout is None or self._stdout.closed:
-            self._stdout = open(1, "w", buffering=1, closefd=False, **_STDIO)  # noqa: SIM115
-        if self._stderr is None or self._stderr.closed:
-            self._stderr = open(2, "w", buffering=1, closefd=False, **_STDIO)  # noqa: SIM115
-        sys.stdin = sys.__stdin__ = self._stdin
-        sys.stdout = sys.__stdout__ = self._stdout
-        sys.stderr = sys.__stderr__ = self._stderr
-
-    def _note(self, text: str) -> None:
-        """The kernel's own words (a traceback, a notice) on the cell's stderr. Written after the cell's
-        damage to fd 2 and sys.stderr is undone; from inside a cell (plt.show()) it may find fd 2 closed
-        by the cell, and then the notice is lost rather than the kernel."""
-        with contextlib.suppress(Exception):
-            if self._stderr is None or self._stderr.closed:
-                self._restore_streams()
-            self._stderr.write(text)
-
-    def _live_stdout(self) -> Any:
-        if self._stdout is None or self._stdout.closed:
-            self._restore_streams()
-        return self._stdout
-
-    def _on_linecache_import(self, module: types.ModuleType) -> None:
-        for filename, code in self._cell_sources.items():
-            _into_linecache(module, filename, code)
-        self._cell_sources.clear()  # from now on _compile puts them straight into linecache
-
-    def _on_pyplot_import(self, module: types.ModuleType) -> None:
-        try:
-            self._figures.patch(module)
-        except Exception as exc:  # never fail the cell's import over our convenience
-            self._note(f"[code-sessions: cannot hook plt.show(): {exc!r}]\n")
-
-    def _on_sigint(self, signum: int, frame: Any) -> None:
-        # Idle, or in the kernel's own code after a cell: ignored. Armed: one KeyboardInterrupt, and
-        # disarmed first, so a second SIGINT can never raise inside the kernel's own code. A cell that
-        # caught it and runs on is interrupted again only where that is safe to tell: while the frame
-        # on top is the cell's own code (its globals are the namespace; kernel code never runs there).
-        if self._armed or (self._cell_running and frame is not None and frame.f_globals is self.namespace):
-            self._armed = False
-            raise KeyboardInterrupt
-
-    # -- the loop ------------------------------------------------------------------------------------
-
-    def serve(self) -> NoReturn:
-        self.channel.send(self.ready_message())
-        while True:
-            request = self._read_request()
-            if request is None:
-                self._end_leftovers()
-                os._exit(0)
-            self._run(*request)
-
-    def _read_exact(self, n: int) -> bytes | None:
-        while len(self._inbuf) < n:
-            chunk = _os_read(self.in_fd, max(_READ_SIZE, n - len(self._inbuf)))
-            if not chunk:
-                if self._inbuf:
-                    _fatal("the host closed the request channel in the middle of a frame")
-                return None
-            self._inbuf += chunk
-        data = bytes(self._inbuf[:n])
-        del self._inbuf[:n]
-        return data
-
-    def _read_request(self) -> tuple[int, str, str] | None:
-        header = self._read_exact(4)
-        if header is None:
-            return None
-        length = int.from_bytes(header, "big")
-        if not 0 < length <= MAX_REQUEST:
-            _fatal(f"request frame of {length} bytes")
-        body = self._read_exact(length)
-        if body is None:
-            _fatal("the host closed the request channel in the middle of a frame")
-        try:
-            req = _json_loads(body.decode("utf-8"))
-        except ValueError as exc:
-            _fatal(f"request is not UTF-8 JSON: {exc}")
-        if not (
-            type(req) is dict
-            and req.keys() == {"t", "id", "lang", "code"}
-            and req["t"] == "run"
-            and type(req["id"]) is int
-            and 0 <= req["id"] < 2**63
-            and req["lang"] in ("python", "bash")
-            and type(req["code"]) is str
-        ):
-            _fatal(f"not a run request: {str(req)[:200]}")
-        return req["id"], req["lang"], req["code"]
-
-    def _run(self, run_id: int, lang: str, code: str) -> None:
-        started = _perf_counter()
-        self._figures.saved = []
-        self._figures.more = 0
-        for pump in self._pumps:
-            pump.begin(run_id)
-        if lang == "python":
-            status, exit_code, report = self._run_python(run_id, code)
-        else:
-            status, exit_code, report = self._run_bash(code)
-        self._restore_process_state()
-        if report:
-            self._note(report)
-        pyplot = sys.modules.get("matplotlib.pyplot")
-        if lang == "python" and pyplot is not None:
-            self._on_pyplot_import(pyplot)  # pyplot reloaded, or our hook removed: patch again
-            try:
-                self._armed = True  # drawing a huge figure may take long: an interrupt stops it
-                self._figures.save_open()
-                self._armed = False
-            except KeyboardInterrupt:
-                self._armed = False
-                self._note("KeyboardInterrupt (while saving figures)\n")
-                status, exit_code = "interrupted", None
-        self._flush_streams()
-        self._end_leftovers()
-        self._check_private_fds()
-        sentinel = b"\x00code-sessions:" + os.urandom(16).hex().encode() + b"\x00"
-        for pump in self._pumps:
-            pump.drain(sentinel)
-        for pump in self._pumps:
-            pump.wait_drained()
-        self.channel.send(
-            {
-                "t": "done",
-                "id": run_id,
-                "status": status,
-                "exit_code": exit_code,
-                "figures": list(self._figures.saved),
-                "more": self._figures.more,
-                "ms": round((_perf_counter() - started) * 1000, 3),
-            }
-        )
-
-    # -- python --------------------------------------------------------------------------------------
+    workdir: str
+    pid: int
+    namespace: dict[str, Any]
+    _armed: bool
+    _cell_running: bool
+    _cell_names: set[str]
+    _cell_sources: dict[str, str]
+    _live_stdout: Callable[[], Any]  # the kernel's stdout, recreated if a cell closed it
 
     def _cell_filename(self, run_id: int) -> str:
         name = f"<cell-{run_id}>"
@@ -10955,103 +11226,86 @@ class Kernel:
             sys.stderr.flush()
         finally:
             os._exit(exit_code or 0)
+''',
+    'runner/_kernel_program/restore.py': r'''"""After every cell: the process as the kernel needs it (fds, streams, signals, hooks), the cell's
+leftover processes gone, the kernel's private fds checked."""
 
-    # -- bash ----------------------------------------------------------------------------------------
+from __future__ import annotations
 
-    def _script_path(self) -> str:
-        if self._bash_dir is None or not os.path.isdir(self._bash_dir):
-            # Created on first use and again if a cell removed it; not in the workdir: it is not the
-            # user's file.
-            self._bash_dir = os.path.join(PRIVATE_TMP, f".code-sessions-kernel-{os.urandom(8).hex()}")
-            os.mkdir(self._bash_dir, 0o700)
-        self._bash_count += 1
-        return os.path.join(self._bash_dir, f"cell-{self._bash_count}.sh")
+import _signal
+import contextlib
+import os
+import sys
+import time
 
-    def _run_bash(self, code: str) -> tuple[str, int | None, str]:
-        try:
-            data = code.encode("utf-8", "surrogateescape")
-        except UnicodeEncodeError:
-            data = code.encode("utf-8", "replace")
-        try:
-            script = self._script_path()
-            fd = os.open(script, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            try:
-                _write_all(fd, data)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            return "error", None, f"[code-sessions: cannot write the bash script: {exc}]\n"
-        try:
-            return self._spawn_and_wait(script)
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(script)
+from .basics import (
+    _KILL_PATIENCE_S,
+    _fatal,
+    _monotonic,
+    _os_dup2,
+    _os_fstat,
+    _os_getpid,
+    _os_kill,
+    _os_waitpid,
+)
 
-    def _spawn_and_wait(self, script: str) -> tuple[str, int | None, str]:
-        # posix_spawn has no cwd argument: step into the workdir for the spawn only. A Python cell's
-        # os.chdir persists for Python cells; bash cells always start in the workdir.
-        try:
-            here: int | None = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:  # the cell's cwd is gone or unreadable: Python cells carry on in the workdir
-            here = None
-        try:
-            os.chdir(self.workdir)
-            pid = os.posix_spawn(
-                BASH,
-                [BASH, script],
-                os.environ,
-                file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)],
-                setpgroup=0,  # its own group: an interrupt reaches the whole pipeline
-                setsigmask=(),
-                # Python ignores these; ignored signals survive exec. A shell expects the defaults.
-                setsigdef=(_signal.SIGPIPE, _signal.SIGXFSZ, _signal.SIGINT),
-            )
-        except OSError as exc:
-            return "error", None, f"[code-sessions: cannot start {BASH}: {exc}]\n"
-        finally:
-            if here is not None:
-                with contextlib.suppress(OSError):
-                    os.fchdir(here)
-                os.close(here)
-        status: int | None = None
-        try:
-            self._armed = True
-            status = _os_waitpid(pid, 0)[1]
-            self._armed = False
-            interrupted = False
-        except KeyboardInterrupt:
-            self._armed = False
-            interrupted = True
-            status = self._stop_group(pid) if status is None else status
-        if status is None:
-            return ("interrupted" if interrupted else "error"), None, ""
-        code = os.waitstatus_to_exitcode(status)
-        if code < 0:
-            code = 128 - code  # killed by a signal: report it as a shell would ($? = 128 + n)
-        if interrupted:
-            return "interrupted", code, ""
-        return ("ok" if code == 0 else "error"), code, ""
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+_STDIO = {"encoding": "utf-8", "errors": "backslashreplace"}
+
+
+class _Restoring:
+    """What the Kernel puts back after every cell (a part of Kernel, apart for reading)."""
+
+    null_fd: int
+    out_w: int
+    err_w: int
+    _stdin: Any
+    _stdout: Any
+    _stderr: Any
+    _private_fds: dict[int, tuple[int, int]]
+    _recursion_limit: int
+    _catchable: list[int]
+    _on_sigint_bound: Any
 
     @staticmethod
-    def _stop_group(pid: int) -> int | None:
-        """SIGINT to the shell's group, SIGKILL after a grace period; the shell's wait status."""
-        for sig, patience in ((_signal.SIGINT, _BASH_SIGINT_GRACE_S), (_signal.SIGKILL, _KILL_PATIENCE_S)):
-            with contextlib.suppress(OSError):
-                os.killpg(pid, sig)
-            deadline = _monotonic() + patience
-            while True:
-                try:
-                    done, status = _os_waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    return None
-                if done:
-                    return status
-                if _monotonic() > deadline:
-                    break
-                time.sleep(0.005)
-        return None
+    def _identity(fd: int) -> tuple[int, int]:
+        st = _os_fstat(fd)
+        return st.st_dev, st.st_ino
 
-    # -- after every cell ----------------------------------------------------------------------------
+    def _restore_fds(self) -> None:
+        _os_dup2(self.null_fd, 0)
+        _os_dup2(self.out_w, 1)
+        _os_dup2(self.err_w, 2)
+
+    def _restore_streams(self) -> None:
+        """Our stdio objects back in sys (recreated if a cell closed them); closefd=False, so closing
+        them never closes fd 0/1/2."""
+        if self._stdin is None or self._stdin.closed:
+            self._stdin = open(0, closefd=False, **_STDIO)  # noqa: SIM115
+        if self._stdout is None or self._stdout.closed:
+            self._stdout = open(1, "w", buffering=1, closefd=False, **_STDIO)  # noqa: SIM115
+        if self._stderr is None or self._stderr.closed:
+            self._stderr = open(2, "w", buffering=1, closefd=False, **_STDIO)  # noqa: SIM115
+        sys.stdin = sys.__stdin__ = self._stdin
+        sys.stdout = sys.__stdout__ = self._stdout
+        sys.stderr = sys.__stderr__ = self._stderr
+
+    def _note(self, text: str) -> None:
+        """The kernel's own words (a traceback, a notice) on the cell's stderr. Written after the cell's
+        damage to fd 2 and sys.stderr is undone; from inside a cell (plt.show()) it may find fd 2 closed
+        by the cell, and then the notice is lost rather than the kernel."""
+        with contextlib.suppress(Exception):
+            if self._stderr is None or self._stderr.closed:
+                self._restore_streams()
+            self._stderr.write(text)
+
+    def _live_stdout(self) -> Any:
+        if self._stdout is None or self._stdout.closed:
+            self._restore_streams()
+        return self._stdout
 
     def _restore_process_state(self) -> None:
         """Undo what a cell may have done to the process that the kernel relies on: fd 0/1/2 and
@@ -11133,23 +11387,164 @@ class Kernel:
                 same = False
             if not same:
                 _fatal(f"a cell closed or replaced the kernel's private fd {fd}")
+''',
+    'runner/_kernel_program/tracebacks.py': r'''"""A cell's traceback as `python3 cell.py` would print it: without the kernel's own frames."""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+# Frames of the kernel's file (the joined program is one file for all its modules) are kernel frames:
+# hidden from the cell's tracebacks.
+_KERNEL_SOURCE = (lambda: None).__code__.co_filename
 
 
-def main() -> None:
+def _strip_kernel_frames(te: Any, seen: set[int]) -> None:
+    """Drop the kernel's frames (the exec call, the SIGINT handler) from a TracebackException tree."""
+    import traceback
+
+    if id(te) in seen:
+        return
+    seen.add(id(te))
+    te.stack = traceback.StackSummary.from_list([f for f in te.stack if f.filename != _KERNEL_SOURCE])
+    for sub in (te.__cause__, te.__context__, *(getattr(te, "exceptions", None) or ())):
+        if sub is not None:
+            _strip_kernel_frames(sub, seen)
+
+
+def format_cell_exception(exc: BaseException) -> str:
+    import traceback
+
     try:
-        kernel = Kernel(os.environ.get(WORKDIR_ENV) or DEFAULT_WORKDIR)
-        kernel.start()
-        kernel.serve()
-    except SystemExit:
-        raise
-    except BaseException as exc:
-        import traceback
+        te = traceback.TracebackException(type(exc), exc, exc.__traceback__, compact=True)
+        _strip_kernel_frames(te, set())
+        return "".join(te.format())
+    except Exception as failure:  # a hostile exception object must not take the kernel down
+        return f"{type(exc).__name__} (the traceback could not be formatted: {failure!r})\n"
+''',
+    'runner/_kernel_watch.py': r'''"""What watches a kernel for its whole life (a part of Kernel, apart for reading): its memory (the
+cgroup's OOM kills), the growth of /mnt/data (a GrowthWatch calls back here), and the CPU a thread left
+running by a cell uses between runs. Each one that trips stops the sandbox at once and leaves the
+sentence the run (or the next one) says."""
 
-        _fatal("".join(traceback.format_exception(exc)).rstrip())
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+from ._disk import MAX_DEPTH
+from ._procs import pids_by_marker
+from ._supervise import human_bytes
+from .models import MIB, Limits
+
+if TYPE_CHECKING:
+    from ._plan import Sandbox
+
+log = logging.getLogger("code_sessions.runner")
+
+_OOM_POLL_S = 0.25
+CPU_POLL_S = 1.0
+CPU_IDLE_SHARE = 0.2  # of one core, what a kernel may use between runs for good
 
 
-if __name__ == "__main__":
-    main()
+class _Watchers:
+    """The lifetime watchers, for Kernel."""
+
+    sandbox: Sandbox
+    limits: Limits
+    _violation: str | None
+    _exceeded: str | None
+    _spun: str | None
+    _idle_since: float | None
+    _cpu_budget_s: float
+    _tasks: list[asyncio.Task[None]]
+
+    if TYPE_CHECKING:
+
+        @property
+        def alive(self) -> bool: ...
+        @property
+        def cid(self) -> str: ...
+        async def _kill_now(self) -> None: ...
+
+    async def _watch_oom(self) -> None:
+        cgroup = self.sandbox.cgroup
+        assert cgroup is not None
+        while True:
+            await asyncio.sleep(_OOM_POLL_S)
+            if cgroup.oom_kills():
+                self._violation = self._violation or "out of memory"
+                return
+
+    async def _watch_cpu(self) -> None:
+        """Between runs, a thread a cell left running may use the CPU in bursts, not for good: a
+        bucket of `timeout_s` CPU seconds (the run's own time limit), refilled at CPU_IDLE_SHARE of one
+        core (gVisor's idle sentry uses about a twentieth), starts full at the end of every run. A
+        thread that spins empties it, and the kernel is stopped with a sentence (the next run says it),
+        instead of burning a core until the idle timeout."""
+        bucket: float | None = None
+        last_cpu = last_t = 0.0
+        while True:
+            await asyncio.sleep(CPU_POLL_S)
+            idle_since = self._idle_since
+            if idle_since is None or not self.alive:
+                bucket = None  # a run is going on (its time limit bounds it)
+                continue
+            cpu, now = await asyncio.to_thread(self._cpu_seconds), time.monotonic()
+            if bucket is None or idle_since > last_t:  # a run ended since the last look: a full bucket
+                bucket, last_cpu, last_t = self._cpu_budget_s, cpu, now
+                continue
+            used = max(0.0, cpu - last_cpu)
+            bucket = min(self._cpu_budget_s, bucket + CPU_IDLE_SHARE * (now - last_t)) - used
+            last_cpu, last_t = cpu, now
+            if bucket < 0 and self._idle_since is not None and self.alive:
+                self._spun = (
+                    "a thread its cell left running kept the CPU busy between runs (more than "
+                    f"{self._cpu_budget_s:g} s of CPU time, the time limit of a run)"
+                )
+                log.info("kernel %s: stopped for spinning between runs", self.cid)
+                await self._kill_now()
+                return
+
+    def _disk_exceeded(self, grown: int | None) -> None:
+        if grown is None:
+            self._exceeded = f"folders nested more than {MAX_DEPTH} levels deep in /mnt/data"
+        else:
+            limit = human_bytes(self.limits.max_write_bytes)
+            self._exceeded = f"it wrote more than {limit} to /mnt/data (grew by {grown / MIB:.0f} MiB)"
+        # Stop the writer now; the run (or the next one) reports it.
+        self._tasks.append(asyncio.ensure_future(self._kill_now()))
+
+    def _cpu_seconds(self) -> float:
+        return _cpu_seconds(self.host_pids())
+
+    def host_pids(self) -> list[int]:
+        """The kernel's host processes (runsc, the sentry, the gofer, ptrace stubs)."""
+        cgroup = self.sandbox.cgroup
+        if cgroup is not None:
+            return cgroup.pids()
+        return pids_by_marker(str(self.sandbox.bundle))
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User and system CPU time of these processes (all their threads), in seconds."""
+    ticks = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            continue  # it exited meanwhile
+    return ticks / _CLOCK_TICKS
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 ''',
     'runner/_orphans.py': r'''"""What runs leave behind when the process supervising them dies (an Open WebUI crash, an OOM kill).
 
@@ -11336,6 +11731,306 @@ class Sandbox:
     def memory_by_rlimit(self) -> bool:
         return self.cgroup is None
 ''',
+    'runner/_pool_peers.py': r'''"""The pool and the other workers and hosts of a chat (a part of KernelPool, apart for reading): it
+serves its kernels to the other workers of its host over their sockets (runner/_relay.py), asks another
+host to give a chat's kernel up, and stops a kernel whose worker does not answer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from . import _relay
+from ._kernel import KernelLost
+from ._registry import Entry, Registry
+from .capabilities import run_quick
+from .models import Limits
+
+if TYPE_CHECKING:
+    from ._kernel import Kernel
+    from .runner import Runner
+
+log = logging.getLogger("code_sessions.runner")
+
+_HANDOVER_WAIT_S = 10.0  # how long a host waits for another one to stop a chat's kernel
+
+
+class _Peers:
+    """Serving, handing over and stranding kernels, for KernelPool."""
+
+    runner: Runner
+    _registry: Registry
+    _mine: dict[str, Kernel]
+    _in_run: set[str]
+
+    if TYPE_CHECKING:
+
+        async def _end(self, key: str, kernel: Kernel, reason: str, *, save: bool = False) -> None: ...
+        def _misfit(self, kernel: Kernel, workdir: Path, limits: Limits) -> str | None: ...
+        async def _note_use(self, key: str, kernel: Kernel) -> None: ...
+
+    async def _take_over(self, entry: Entry) -> None:
+        """The chat's kernel runs on another host (its runs reach that host's replica no longer): ask
+        that host to stop it, and wait until it has, so the chat never has two kernels at once. A host
+        that does not answer within _HANDOVER_WAIT_S is taken to be gone (its kernels died with it)."""
+        reason = "this chat's previous runs were on another server"
+        entry.stop_requested = reason
+        await asyncio.to_thread(self._registry.save_if_same, entry)
+        deadline = time.monotonic() + _HANDOVER_WAIT_S
+        while time.monotonic() < deadline:
+            now = await asyncio.to_thread(self._registry.get, entry.key)
+            if now is None or now.cid != entry.cid or not now.running:
+                return
+            await asyncio.sleep(0.2)
+        log.warning(
+            "kernel %s of %s on %s did not stop when asked: taken to be gone",
+            entry.cid,
+            entry.key,
+            entry.host,
+        )
+
+    async def _strand(self, entry: Entry, why: str) -> None:
+        """The worker holding the chat's kernel does not answer: kill that kernel (same host, same
+        user, same runsc state), so the chat never has two, and record why its state went."""
+        with contextlib.suppress(Exception):
+            setup = await self.runner.setup()
+            base = [setup.runsc.path, "--root", str(self.runner.state_dir)]
+            with contextlib.suppress(Exception):
+                await run_quick([*base, "kill", "--all", entry.cid, "KILL"], _relay.CONNECT_TIMEOUT_S * 5)
+            with contextlib.suppress(Exception):
+                await run_quick([*base, "delete", "--force", entry.cid], _relay.CONNECT_TIMEOUT_S * 5)
+        entry.running, entry.reason, entry.unsaved, entry.image = False, why, False, ""
+        await asyncio.to_thread(self._registry.save_if_same, entry)
+        log.warning("kernel %s of %s: %s; stopped it", entry.cid, entry.key, why)
+
+    async def _serve(self, key: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Another worker of this host asks this process's kernel. Only our own user's processes can
+        reach the socket (mode 0600 in a 0700 folder owned by us) and the peer's credentials are
+        checked too; a request must name this chat and this kernel, or it is refused (a registry
+        entry pointing at another chat's socket never runs a cell in that chat)."""
+        try:
+            uid = _relay.peer_uid(writer)
+            if uid != os.geteuid():
+                log.warning("kernel of %s: refused a request from uid %s", key, uid)
+                await _relay.send(writer, {"refused": "not our user"})
+                return
+            request = await _relay.receive(reader)
+            kernel = self._mine.get(key)
+            if kernel is None or not kernel.alive:
+                await _relay.send(writer, {"gone": True})
+                return
+            if request.get("key") != key or request.get("cid") != kernel.cid:
+                log.warning("kernel %s of %s: refused a request for another chat or kernel", kernel.cid, key)
+                await _relay.send(writer, {"refused": "not this chat's kernel"})
+                return
+            if request.get("op") == "stop":
+                if request.get("if_idle") is True and (kernel.busy or key in self._in_run):
+                    await _relay.send(writer, {"busy": True})
+                    return
+                await _relay.send(writer, {"ok": True})
+                await self._end(
+                    key, kernel, str(request.get("reason", "stopped")), save=request.get("save") is True
+                )
+                return
+            limits = Limits.model_validate(request["limits"])
+            misfit = self._misfit(kernel, Path(str(request.get("workdir", ""))), limits)
+            if misfit is not None:  # as a local run would: this kernel cannot take it
+                await self._end(key, kernel, misfit)
+                await _relay.send(writer, {"gone": True})
+                return
+            run = asyncio.ensure_future(kernel.run(str(request["code"]), str(request["language"]), limits))
+            hangup = asyncio.ensure_future(reader.read(1))  # the asker gave up: EOF
+            await asyncio.wait({run, hangup}, return_when=asyncio.FIRST_COMPLETED)
+            if not run.done():
+                # Its answer was stopped: stop the cell here as a local run would be (interrupted,
+                # settled), then say so, so the asker reconciles after the cell's last write.
+                run.cancel()
+                with contextlib.suppress(asyncio.CancelledError, KernelLost):
+                    await run
+                if not kernel.alive:
+                    await self._end(key, kernel, kernel.lost or "the kernel stopped")
+                await _relay.send(writer, {"cancelled": True})
+                return
+            hangup.cancel()
+            try:
+                result = run.result()
+            except KernelLost:
+                await _relay.send(writer, {"gone": True})
+                return
+            if not kernel.alive:
+                await self._end(key, kernel, kernel.lost or "the kernel stopped")
+            else:
+                await self._note_use(key, kernel)
+            await _relay.send(writer, {"result": result.model_dump(mode="json")})
+        except (OSError, ValueError, KeyError, asyncio.IncompleteReadError) as error:
+            log.warning("kernel of %s: a request from another worker failed: %s", key, error)
+        finally:
+            writer.close()
+''',
+    'runner/_pool_room.py': r'''"""How many kernels a host runs (a part of KernelPool, apart for reading): each start holds a place
+under a lock every process of the host shares, so concurrent starts never pass max_kernels; past it, the
+least recently used idle kernel is stopped (saved); and the reaper stops kernels idle longer than idle_s
+or that another host asked to stop."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from . import _relay
+from ._registry import HOST, STARTING, Entry, Registry
+from ._relay import OwnerSilent
+
+if TYPE_CHECKING:
+    from ._kernel import Kernel
+
+log = logging.getLogger("code_sessions.runner")
+
+# How often this process looks at its kernels: idle ones stop, and ones another host asked to stop
+# (the chat moved there) stop within this.
+_REAP_EVERY_S = 2.0
+_ROOM_WAIT_S = 30.0  # how long a start waits for a kernel to become idle before going over max_kernels
+_ROOM_POLL_S = 0.1
+
+
+class _Room:
+    """Places, eviction and the reaper, for KernelPool."""
+
+    registry_dir: Path
+    idle_s: float
+    max_kernels: int
+    _registry: Registry
+    _mine: dict[str, Kernel]
+    _in_run: set[str]
+    _owner: str
+    _reaper: asyncio.Task[None] | None
+
+    if TYPE_CHECKING:
+
+        async def _end(self, key: str, kernel: Kernel, reason: str, *, save: bool = False) -> None: ...
+        async def _strand(self, entry: Entry, why: str) -> None: ...
+
+    async def reap(self) -> None:
+        """Stop this process's kernels that have been idle too long, or that another host asked to
+        stop (runs every couple of seconds)."""
+        now = time.monotonic()
+        for key, kernel in list(self._mine.items()):
+            if not kernel.alive:
+                await self._end(key, kernel, kernel.lost or "the kernel stopped")
+            elif now - kernel.last_used > self.idle_s and not kernel.busy:
+                await self._end(key, kernel, f"it was idle for more than {_minutes(self.idle_s)}", save=True)
+            else:
+                if key in self._in_run:
+                    continue  # a run here is starting or using it (its entry may not name it yet)
+                entry = await asyncio.to_thread(self._registry.get, key)
+                if key in self._in_run or self._mine.get(key) is not kernel:
+                    continue  # a run began meanwhile
+                if entry is not None and entry.cid != kernel.cid:
+                    await self._end(key, kernel, "another kernel took over its chat")
+                elif entry is not None and entry.stop_requested:
+                    await self._end(key, kernel, entry.stop_requested, save=True)
+
+    async def _reserve(self, key: str, workdir: Path) -> None:
+        """Make room for the key's kernel and hold its place, under a lock every process of this host
+        shares: the count and the place are one step, so concurrent starts never pass max_kernels.
+        The place is a registry entry, running, with no kernel yet ("starting-..."), which _register
+        replaces (or _unreserve ends)."""
+        self.registry_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.registry_dir / ".starts.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+            await self._make_room(key)
+            now = time.time()
+            place = Entry(
+                key,
+                f"{STARTING}{secrets.token_hex(6)}",
+                HOST,
+                self._owner,
+                "",
+                str(workdir),
+                now,
+                now,
+                True,
+            )
+            await asyncio.to_thread(self._registry.save, place)
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _unreserve(self, key: str, why: str) -> None:
+        entry = self._registry.get(key)
+        if entry is not None and entry.cid.startswith(STARTING) and entry.owner == self._owner:
+            entry.running, entry.reason = False, why[:300]
+            self._registry.save(entry)
+
+    async def _make_room(self, key: str) -> None:
+        """Beyond max_kernels on this host, stop (save) the least recently used idle one. A kernel
+        running a cell, or still starting, is never chosen (its owner says when it is busy); with
+        none idle, wait up to _ROOM_WAIT_S for one to be, then go over the limit rather than kill a
+        run."""
+        deadline = time.monotonic() + _ROOM_WAIT_S
+        reason = f"too many kernels were running (at most {self.max_kernels}); it was the least recently used"
+        busy: set[str] = set()  # keys another worker said are running a cell now
+        entries = [e for e in await asyncio.to_thread(self._registry.running_here) if e.key != key]
+        while len(entries) >= self.max_kernels:
+            idle = [
+                e
+                for e in entries
+                if not e.cid.startswith(STARTING)
+                and e.key not in busy
+                and e.key not in self._in_run
+                and not (e.key in self._mine and self._mine[e.key].busy)
+            ]
+            if not idle:
+                if time.monotonic() > deadline:
+                    return
+                await asyncio.sleep(_ROOM_POLL_S)
+                busy.clear()
+                entries = [e for e in await asyncio.to_thread(self._registry.running_here) if e.key != key]
+                continue
+            victim = min(idle, key=lambda e: e.last_used)
+            if victim.key in self._mine:
+                await self._end(victim.key, self._mine[victim.key], reason, save=True)
+            else:
+                # Its owner saves it and records that itself; a busy one it keeps, and says so.
+                request = {"op": "stop", "reason": reason, "save": True, "if_idle": True}
+                try:
+                    reply = await _relay.ask(victim, request)
+                except OwnerSilent as silent:
+                    await self._strand(victim, str(silent))
+                    reply = None
+                if reply is not None and reply.get("busy"):
+                    busy.add(victim.key)
+                    continue
+            entries = [e for e in entries if e.key != victim.key]
+
+    def _keep_reaping(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.create_task(self._reap_forever())
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(_REAP_EVERY_S, self.idle_s / 4))
+            try:
+                await self.reap()
+            except Exception:
+                log.exception("kernel reaper")
+
+
+def _minutes(seconds: float) -> str:
+    minutes = seconds / 60
+    return f"{minutes:g} minutes" if minutes != 1 else "1 minute"
+''',
     'runner/_procs.py': r'''"""Host processes of a sandbox: finding them without cgroups, and killing them."""
 
 from __future__ import annotations
@@ -11381,6 +12076,421 @@ def sigkill(pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
+''',
+    'runner/_registry.py': r'''"""The kernel registry: one small file per key (`<registry_dir>/<digest>.json`, kept across restarts)
+saying where the key's kernel lives (host, process and its start time, socket), when it was last used,
+and, once it ended, why. Every worker of a host (and every host sharing the folder) reads it.
+
+Writes are best effort: a registry that cannot be written (a full disk) must not stop a chat from
+running code (which may be what frees the space).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("code_sessions.runner")
+
+STARTING = "starting-"  # the cid of an entry that holds a place for a kernel being started
+
+
+def _host_id() -> str:
+    """This host, for the registry (shared by several hosts when the store is): its name and boot,
+    or CODE_SESSIONS_HOST_ID (replicas sharing one machine, as in the tests, are told apart by it)."""
+    if os.environ.get("CODE_SESSIONS_HOST_ID"):
+        return os.environ["CODE_SESSIONS_HOST_ID"][:200]
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}:{boot}"
+
+
+HOST = _host_id()
+
+
+@dataclass
+class Entry:
+    key: str
+    cid: str
+    host: str
+    owner: str  # "<pid> <start time> <pool>" of the process (and its pool) that started it
+    socket: str
+    workdir: str
+    started_at: float
+    last_used: float
+    running: bool
+    reason: str = ""  # why it ended, once it has
+    stop_requested: str = ""  # another host asks the owner to stop it (the chat moved there)
+    image: str = ""  # it ended saved to disk: the id of its image in the chat's state folder
+    unsaved: bool = False  # it should have been saved, and `reason` says why it could not be
+    saving: bool = False  # its owner is writing its image now: wait, then resume it
+
+    @classmethod
+    def load(cls, path: Path) -> Entry | None:
+        try:
+            data = json.loads(path.read_bytes()[: 1 << 16])
+            fields = cls.__dataclass_fields__
+            entry = cls(**{k: data[k] for k in fields if k in data})
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        typed = all(isinstance(getattr(entry, k), type(getattr(cls, k, ""))) for k in ("image", "reason"))
+        return entry if typed else None
+
+
+def digest(key: str) -> str:
+    """The key as a file name."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def owned_here(entry: Entry) -> bool:
+    """A running entry whose owning process is alive on this host (its kernel dies with it)."""
+    if entry.host != HOST:
+        return False
+    try:
+        pid, started = entry.owner.split()[:2]
+        with open(f"/proc/{int(pid)}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[19].decode() == started
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+class Registry:
+    """The entries in one folder. Blocking file I/O: the pool calls it in a thread."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def path(self, key: str) -> Path:
+        return self.folder / f"{digest(key)}.json"
+
+    def get(self, key: str) -> Entry | None:
+        entry = Entry.load(self.path(key))
+        return entry if entry is not None and entry.key == key else None
+
+    def save(self, entry: Entry) -> None:
+        """Best effort: until it can be written, other workers do not find this kernel, and a restart
+        cannot say why the state went."""
+        path = self.path(entry.key)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        try:
+            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(entry.__dict__), encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            log.warning("kernel registry: cannot record %s: %s", entry.cid, error)
+
+    def save_if_same(self, entry: Entry) -> None:
+        """Save ``entry`` unless the key's entry now names another kernel."""
+        now = self.get(entry.key)
+        if now is not None and now.cid == entry.cid:
+            self.save(entry)
+
+    def touch(self, key: str, cid: str, when: float) -> None:
+        """The kernel ``cid`` of ``key`` was last used at ``when`` (epoch seconds)."""
+        entry = self.get(key)
+        if entry is not None and entry.cid == cid:
+            entry.last_used = when
+            self.save(entry)
+
+    def running_here(self) -> list[Entry]:
+        found = []
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.folder) as listing:
+            for item in listing:
+                if item.name.endswith(".json"):
+                    entry = Entry.load(Path(item.path))
+                    if entry is not None and entry.running and owned_here(entry):
+                        found.append(entry)
+        return found
+''',
+    'runner/_relay.py': r'''"""The wire between the workers of one host: a run (or a stop) for a chat whose kernel another worker
+holds goes to that worker's unix socket (`<socket_dir>/<digest>-<cid>.sock`) and its answer comes back.
+
+A message is a 4-byte big-endian length and that many bytes of JSON. Only our own user's processes
+reach a socket (mode 0600 in a 0700 folder owned by us), and the serving side checks the peer's
+credentials too (`peer_uid`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import stat
+import struct
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from ._registry import Entry
+from .models import Limits, RunResult
+
+CONNECT_TIMEOUT_S = 2.0
+_MAX_MESSAGE = 80 * 1024 * 1024  # a run request carries the code (the kernel takes up to 64 MiB)
+_HEADER = struct.Struct(">I")
+_REPLY_MARGIN_S = 15.0  # a relayed run's reply may come this long after its time limit
+_STOP_REPLY_S = 10.0  # a stop request is answered at once (the kernel is stopped after the reply)
+_SETTLE_REMOTE_S = 8.0  # after the asker gives up, how long it waits for the cell there to stop
+
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class OwnerSilent(Exception):
+    """The worker holding a chat's kernel accepted a request and did not answer in time."""
+
+
+async def run_remote(
+    entry: Entry, workdir: Path, code: str, language: str, limits: Limits
+) -> RunResult | None:
+    """The run, by the worker that holds the chat's kernel; None if that kernel is gone. Raises
+    OwnerSilent if that worker does not answer within the run's time limit and a margin."""
+    request = {
+        "op": "run",
+        "code": code,
+        "language": language,
+        "limits": limits.model_dump(),
+        "workdir": str(workdir),
+    }
+    reply = await ask(entry, request, limits.timeout_s + _REPLY_MARGIN_S)
+    if reply is None or "result" not in reply:
+        return None
+    return RunResult.model_validate(reply["result"])
+
+
+async def ask(
+    entry: Entry, request: dict[str, Any], reply_within: float = _STOP_REPLY_S
+) -> dict[str, Any] | None:
+    """One request to the worker serving `entry`'s kernel, naming the chat and kernel it is for.
+    None when no such kernel answers there; OwnerSilent when the worker accepts and says nothing
+    for `reply_within` s (stopped, stuck). If the caller is cancelled (the user stopped the
+    answer), the worker is told (the connection is half-closed), and the caller waits, bounded, for
+    the cell there to stop: what it wrote is then on disk before the caller reconciles."""
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_unix_connection(entry.socket, limit=_MAX_MESSAGE), CONNECT_TIMEOUT_S
+        )
+    except (OSError, TimeoutError):
+        return None
+    try:
+        await send(writer, {**request, "key": entry.key, "cid": entry.cid})
+        try:
+            return await asyncio.wait_for(receive(reader), reply_within)
+        except TimeoutError:
+            raise OwnerSilent(f"the worker holding it did not answer within {reply_within:g} s") from None
+        except asyncio.CancelledError:
+            with contextlib.suppress(OSError):
+                writer.write_eof()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(receive(reader)), _SETTLE_REMOTE_S)
+            raise
+    except (OSError, ValueError, asyncio.IncompleteReadError):
+        return None
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+async def send(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
+    body = json.dumps(message).encode()
+    writer.write(_HEADER.pack(len(body)) + body)
+    await writer.drain()
+
+
+async def receive(reader: asyncio.StreamReader) -> dict[str, Any]:
+    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+    if size > _MAX_MESSAGE:
+        raise ValueError(f"a message of {size} bytes")
+    message = json.loads(await reader.readexactly(size))
+    if not isinstance(message, dict):
+        raise ValueError("not an object")
+    return message
+
+
+async def listen(path: Path, handle: Handler) -> asyncio.AbstractServer:
+    """Serve ``handle(reader, writer)`` on the socket ``path``, reachable by our own user only."""
+    await asyncio.to_thread(_prepare_socket, path)
+    server = await asyncio.start_unix_server(handle, path=str(path))
+    os.chmod(path, 0o600)
+    return server
+
+
+def peer_uid(writer: asyncio.StreamWriter) -> int | None:
+    sock = writer.get_extra_info("socket")
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, AttributeError):
+        return None
+    return struct.unpack("3i", creds)[1]
+
+
+def _prepare_socket(path: Path) -> None:
+    # The folder is what keeps other users off the socket (which is 0600 only once bound): 0700
+    # and ours, even if it was there before with another mode.
+    folder = path.parent
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = folder.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise OSError(f"{folder} is not a folder of ours")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(folder, 0o700)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+''',
+    'runner/_saving.py': r'''"""Saving a live kernel to its chat's state folder, so the next run resumes it: `runsc checkpoint` into
+a staging folder, sealed as the folder's image (runner/_hibernate.py), kept only within the bounds the
+pool is given (one image's size, and all the images of one owner together)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import shutil
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from . import _hibernate
+from ._hibernate import ImageRefused, SavedImage
+from ._kernel import Kernel, NotSaved, lifetime_limits
+from ._registry import Entry, Registry
+from ._supervise import human_bytes
+
+log = logging.getLogger("code_sessions.runner")
+
+Refusal = Callable[[Path, SavedImage], "str | None"]
+
+
+def refusal(
+    state_dir: Path, image: SavedImage, max_image_bytes: int | None, max_together: int | None
+) -> str | None:
+    """Why a sealed image may not be kept (blocking: it reads the neighbours' records), or None."""
+    size = f"{image.size / 2**20:.0f} MiB"
+    if max_image_bytes is not None and image.size > max_image_bytes:
+        limit = human_bytes(max_image_bytes)
+        return f"its image of {size} is over the {limit} allowed for a saved state"
+    if max_together is not None:
+        together = _hibernate.saved_bytes_beside(state_dir)
+        if together > max_together:
+            return (
+                f"with its image of {size}, this user's saved states would take "
+                f"{human_bytes(together)}, over the {human_bytes(max_together)} allowed together"
+            )
+    return None
+
+
+async def save(
+    key: str,
+    kernel: Kernel,
+    state_dir: Path,
+    flags: list[str],
+    identity: Callable[[], Awaitable[dict[str, object]]],
+    refused: Refusal,
+) -> tuple[str, str]:
+    """Checkpoint the kernel into `state_dir`: (image id, "") or ("", why it could not be kept)."""
+    t0 = time.monotonic()
+    staging: Path | None = None
+    try:
+        staging = await asyncio.to_thread(_hibernate.new_staging, state_dir)
+        await kernel.checkpoint(staging, flags)
+        image = await asyncio.to_thread(
+            _hibernate.seal, staging, state_dir, await identity(), kernel.ready_fields()
+        )
+        staging = None
+        why = await asyncio.to_thread(refused, state_dir, image)
+        if why is not None:
+            await asyncio.to_thread(_hibernate.discard, state_dir)
+            raise NotSaved(why)
+    except NotSaved as error:
+        log.warning("kernel %s of %s: not saved: %s", kernel.cid, key, error)
+        return "", str(error)
+    except (OSError, ImageRefused) as error:
+        why = "the disk is full" if getattr(error, "errno", None) == errno.ENOSPC else str(error)
+        log.warning("kernel %s of %s: not saved: %s", kernel.cid, key, error)
+        await asyncio.to_thread(_hibernate.discard, state_dir)
+        return "", f"its image could not be written: {why}"[:300]
+    finally:
+        if staging is not None:
+            await asyncio.to_thread(shutil.rmtree, staging, True)
+    log.info(
+        "kernel %s of %s saved to disk in %.2f s (%.1f MiB)",
+        kernel.cid,
+        key,
+        time.monotonic() - t0,
+        image.size / 2**20,
+    )
+    return image.id, ""
+
+
+def save_at_exit(
+    targets: list[tuple[str, Kernel, Path]],
+    registry: Registry,
+    identity: dict[str, object],
+    flags: list[str],
+    refused: Refusal,
+    within_s: float,
+) -> None:
+    """Save the idle ``targets`` (key, kernel, state folder) at interpreter exit, within ``within_s``:
+    every `runsc checkpoint` at once (processes: no new thread may start this late), then each image
+    sealed. Blocking, as no event loop is left. A kernel not saved in time dies with the process, and
+    its next run says so."""
+    started: list[tuple[str, Kernel, Path, Path, subprocess.Popen[bytes], Entry]] = []
+    for key, kernel, state_dir in targets:
+        entry = registry.get(key)
+        if entry is None or entry.cid != kernel.cid:
+            continue
+        try:
+            staging = _hibernate.new_staging(state_dir)
+            argv = kernel.checkpoint_argv(staging, flags)
+            job = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except OSError as error:
+            log.warning("kernel %s of %s: not saved at exit: %s", kernel.cid, key, error)
+            continue
+        entry.saving = True
+        registry.save(entry)
+        started.append((key, kernel, state_dir, staging, job, entry))
+    deadline = time.monotonic() + within_s
+    for key, kernel, state_dir, staging, job, entry in started:
+        image_id, why = "", "Open WebUI stopped before it was written"
+        try:
+            code = job.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            job.kill()
+            code = None
+        try:
+            if code == 0:
+                full = {**identity, "lifetime_limits": list(lifetime_limits(kernel.limits))}
+                image = _hibernate.seal(staging, state_dir, full, kernel.ready_fields())
+                declined = refused(state_dir, image)
+                if declined is not None:
+                    _hibernate.discard(state_dir)
+                    why = declined
+                else:
+                    image_id = image.id
+            elif code is not None:
+                why = f"runsc could not save it (exit status {code})"
+        except (OSError, ImageRefused) as error:
+            log.warning("kernel %s of %s: not saved at exit: %s", kernel.cid, key, error)
+            why = "its image could not be written"
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        entry.running, entry.saving, entry.image = False, False, image_id
+        entry.unsaved, entry.reason = not image_id, "" if image_id else why
+        registry.save(entry)
 ''',
     'runner/_supervise.py': r'''"""Run one `runsc run`, capture its output within caps, enforce the deadline and the watchers, and
 make sure nothing of the sandbox outlives the run.
@@ -11880,7 +12990,7 @@ def _claim(marker: Path) -> bool:
         return False
     return True
 ''',
-    'runner/_wire.py': r'''"""Host side of the persistent kernel's wire (the kernel is runner/_kernel_program.py).
+    'runner/_wire.py': r'''"""Host side of the persistent kernel's wire (the kernel is runner/_kernel_program/).
 
 A frame is a 4-byte big-endian length N followed by N bytes of UTF-8 JSON encoding one object. The
 kernel runs the model's code inside its own process, so a cell can write any bytes to the reply
@@ -11889,7 +12999,8 @@ unexpected frame raises ``ProtocolError``), bounded (it never buffers more than 
 I/O) and cheap (a few microseconds per frame). ``ProtocolState`` adds the ordering rules a decoder
 cannot see. A valid frame can still be forged by a cell: see ``ProtocolState`` for what that buys it.
 
-Pure standard library, no imports of the rest of the package.
+Pure standard library; of the rest of the package it imports only the wire's constants, which it
+shares with the kernel (runner/_kernel_program/protocol.py).
 """
 
 from __future__ import annotations
@@ -11901,16 +13012,14 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Literal
 
-PROTOCOL_VERSION = 2
+from ._kernel_program.protocol import MAX_FIGURES_PER_RUN, MAX_REQUEST, MAX_TEXT, PROTOCOL_VERSION
+
 MAX_FRAME = 256 * 1024  # default bound of one kernel->host frame; the largest honest one is ~100 KiB
-MAX_TEXT = 16 * 1024  # characters of text per "out" frame
-MAX_FIGURES = 20  # the kernel's MAX_FIGURES_PER_RUN (tests/runner/test_wire.py checks they agree)
 MAX_MORE_FIGURES = 2**31 - 1
 MAX_FIGURE_NAME = 255
 MAX_PACKAGES = 50
 MAX_SHORT = 64  # package names, versions, the Python version
 MAX_RUN_ID = 2**63 - 1
-MAX_REQUEST = 64 * 1024 * 1024  # the kernel refuses (and dies on) a larger run request
 
 Stream = Literal["stdout", "stderr"]
 Status = Literal["ok", "error", "interrupted"]
@@ -11957,7 +13066,7 @@ class Done:
     exit_code: int | None
     figures: tuple[str, ...]  # relative to the workdir, as the kernel claims: resolve them safely
     ms: float
-    more: int = 0  # figures past MAX_FIGURES left open in the run, not saved
+    more: int = 0  # figures past MAX_FIGURES_PER_RUN left open in the run, not saved
 
 
 Message = Ready | Output | Done
@@ -12068,8 +13177,8 @@ def _parse_done(obj: dict[str, Any], escapes: bool) -> Done:
         raise ProtocolError(f"done.status must be one of {sorted(_STATUSES)}, not {_show(status)}")
     exit_code = None if obj["exit_code"] is None else _int(obj, "exit_code", -(2**31), 2**31 - 1)
     figures = obj["figures"]
-    if type(figures) is not list or len(figures) > MAX_FIGURES:
-        raise ProtocolError(f"done.figures must be a list of at most {MAX_FIGURES} names")
+    if type(figures) is not list or len(figures) > MAX_FIGURES_PER_RUN:
+        raise ProtocolError(f"done.figures must be a list of at most {MAX_FIGURES_PER_RUN} names")
     more = _int(obj, "more", 0, MAX_MORE_FIGURES)
     ms = obj["ms"]
     if type(ms) not in (int, float) or not math.isfinite(ms) or not 0 <= ms <= 1e12:
@@ -12945,31 +14054,23 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import errno
-import fcntl
 import functools
 import hashlib
-import json
 import logging
 import os
 import secrets
-import shutil
-import socket
-import stat
-import struct
-import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from . import _hibernate
+from . import _hibernate, _relay, _saving
 from ._hibernate import ImageRefused
-from ._kernel import KERNEL_SOURCE, Kernel, KernelLost, NotSaved, lifetime_limits
+from ._kernel import KERNEL_SOURCE, Kernel, KernelLost, lifetime_limits
 from ._orphans import owner_stamp
-from ._supervise import human_bytes
+from ._pool_peers import _Peers
+from ._pool_room import _Room
+from ._registry import HOST, Entry, Registry, digest, owned_here
+from ._relay import OwnerSilent
 from ._warm import WarmStart
-from .capabilities import run_quick
 from .models import Limits, Outcome, RunResult
 from .runner import Runner
 
@@ -12977,38 +14078,10 @@ __all__ = ["KernelPool", "reset_sentence", "unsaved_sentence"]
 
 log = logging.getLogger("code_sessions.runner")
 
-# How often this process looks at its kernels: idle ones stop, and ones another host asked to stop
-# (the chat moved there) stop within this.
-_REAP_EVERY_S = 2.0
-_HANDOVER_WAIT_S = 10.0  # how long a host waits for another one to stop a chat's kernel
 _TOUCH_EVERY_S = 30.0
-_CONNECT_TIMEOUT_S = 2.0
-_MAX_MESSAGE = 80 * 1024 * 1024  # a run request carries the code (the kernel takes up to 64 MiB)
-_HEADER = struct.Struct(">I")
-_REPLY_MARGIN_S = 15.0  # a relayed run's reply may come this long after its time limit
-_STOP_REPLY_S = 10.0  # a stop request is answered at once (the kernel is stopped after the reply)
-_SETTLE_REMOTE_S = 8.0  # after the asker gives up, how long it waits for the cell there to stop
-_ROOM_WAIT_S = 30.0  # how long a start waits for a kernel to become idle before going over max_kernels
-_ROOM_POLL_S = 0.1
-_STARTING = "starting-"  # the cid of a registry entry that holds a place for a kernel being started
 _SAVING_WAIT_S = 90.0  # how long a run waits for another worker to finish saving its chat's kernel
 _SHUTDOWN_SAVE_S = 8.0  # at exit, how long saving every idle kernel may take (a stop timeout is ~10 s)
 _KERNEL_DIGEST = hashlib.sha256(KERNEL_SOURCE.encode()).hexdigest()[:16]
-
-
-def _host_id() -> str:
-    """This host, for the registry (shared by several hosts when the store is): its name and boot,
-    or CODE_SESSIONS_HOST_ID (replicas sharing one machine, as in the tests, are told apart by it)."""
-    if os.environ.get("CODE_SESSIONS_HOST_ID"):
-        return os.environ["CODE_SESSIONS_HOST_ID"][:200]
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
-    except OSError:
-        boot = "?"
-    return f"{socket.gethostname()}:{boot}"
-
-
-_HOST = _host_id()
 
 
 def reset_sentence(reason: str) -> str:
@@ -13019,36 +14092,11 @@ def unsaved_sentence(reason: str) -> str:
     return f"The Python state could not be kept ({reason}); files in /mnt/data are kept."
 
 
-@dataclass
-class _Entry:
-    key: str
-    cid: str
-    host: str
-    owner: str  # "<pid> <start time> <pool>" of the process (and its pool) that started it
-    socket: str
-    workdir: str
-    started_at: float
-    last_used: float
-    running: bool
-    reason: str = ""  # why it ended, once it has
-    stop_requested: str = ""  # another host asks the owner to stop it (the chat moved there)
-    image: str = ""  # it ended saved to disk: the id of its image in the chat's state folder
-    unsaved: bool = False  # it should have been saved, and `reason` says why it could not be
-    saving: bool = False  # its owner is writing its image now: wait, then resume it
+class KernelPool(_Room, _Peers):
+    """The kernels of this process, and the way to every other kernel of a chat. Its parts beside this
+    file: _pool_room (places, eviction, the reaper) and _pool_peers (other workers and hosts) are parts
+    of this class; _registry, _relay and _saving are what it uses."""
 
-    @classmethod
-    def load(cls, path: Path) -> _Entry | None:
-        try:
-            data = json.loads(path.read_bytes()[: 1 << 16])
-            fields = cls.__dataclass_fields__
-            entry = cls(**{k: data[k] for k in fields if k in data})
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-        typed = all(isinstance(getattr(entry, k), type(getattr(cls, k, ""))) for k in ("image", "reason"))
-        return entry if typed else None
-
-
-class KernelPool:
     def __init__(
         self,
         runner: Runner,
@@ -13063,6 +14111,7 @@ class KernelPool:
     ) -> None:
         self.runner = runner
         self.registry_dir = Path(registry_dir)
+        self._registry = Registry(self.registry_dir)
         self.socket_dir = Path(socket_dir) if socket_dir is not None else runner.bundle_dir / "kernels"
         self.idle_s = idle_s
         self.max_kernels = max_kernels
@@ -13135,10 +14184,10 @@ class KernelPool:
                 kernel = None
         if kernel is None:
             entry = await self._entry_once_saved(key)
-            if entry is not None and entry.running and entry.owner != self._owner and self._owned_here(entry):
+            if entry is not None and entry.running and entry.owner != self._owner and owned_here(entry):
                 try:
-                    result = await self._run_remote(entry, workdir, code, language, limits)
-                except _OwnerSilent as silent:
+                    result = await _relay.run_remote(entry, workdir, code, language, limits)
+                except OwnerSilent as silent:
                     await self._strand(entry, str(silent))
                     result = None
                 if result is not None:
@@ -13146,8 +14195,8 @@ class KernelPool:
                         "kernel %s of %s: run by the worker that holds it (%s)", entry.cid, key, entry.owner
                     )
                     return result
-                entry = await asyncio.to_thread(self._entry, key)  # it ended meanwhile: why?
-            if entry is not None and entry.running and entry.host != _HOST:
+                entry = await asyncio.to_thread(self._registry.get, key)  # it ended meanwhile: why?
+            if entry is not None and entry.running and entry.host != HOST:
                 await self._take_over(entry)
                 entry = await self._entry_once_saved(key)
             said = len(notes)
@@ -13188,25 +14237,25 @@ class KernelPool:
         if kernel is not None:
             await self._end(key, kernel, reason)
         else:
-            entry = await asyncio.to_thread(self._entry, key)
-            if entry is not None and entry.running and self._owned_here(entry):
+            entry = await asyncio.to_thread(self._registry.get, key)
+            if entry is not None and entry.running and owned_here(entry):
                 try:
-                    await self._ask(entry, {"op": "stop", "reason": reason})
-                except _OwnerSilent as silent:
+                    await _relay.ask(entry, {"op": "stop", "reason": reason})
+                except OwnerSilent as silent:
                     await self._strand(entry, str(silent))
             elif entry is not None and not forget:
                 entry.running, entry.reason = False, reason  # the next run says this, not an older why
-                await asyncio.to_thread(self._save, entry)
-        entry = await asyncio.to_thread(self._entry, key)
+                await asyncio.to_thread(self._registry.save, entry)
+        entry = await asyncio.to_thread(self._registry.get, key)
         if entry is not None and entry.image and not forget:
             entry.image = ""
-            await asyncio.to_thread(self._save, entry)
+            await asyncio.to_thread(self._registry.save, entry)
         for folder in {state_dir, self._state_dirs.pop(key, None)} - {None}:
             assert folder is not None
             await asyncio.to_thread(_hibernate.discard, folder)
         if forget:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._entry_path(key))
+                os.unlink(self._registry.path(key))
 
     async def hibernate(self, key: str) -> str | None:
         """Save the key's kernel to its state folder now and stop it, as idling would. None when it
@@ -13216,7 +14265,7 @@ class KernelPool:
         if kernel is None:
             return "no kernel of this chat runs in this process"
         await self._end(key, kernel, "it was saved", save=True)
-        entry = await asyncio.to_thread(self._entry, key)
+        entry = await asyncio.to_thread(self._registry.get, key)
         if entry is None:
             return "its registry entry is gone"
         return None if entry.image else entry.reason or "it was not saved"
@@ -13238,9 +14287,7 @@ class KernelPool:
 
     def _save_at_exit(self) -> None:
         """Save this process's idle kernels that have a state folder, at interpreter exit, within
-        _SHUTDOWN_SAVE_S: every `runsc checkpoint` at once (processes: no new thread may start this
-        late), then each image sealed. Blocking, as no event loop is left. A kernel not saved in
-        time dies with the process, and its next run says so."""
+        _SHUTDOWN_SAVE_S (see _saving.save_at_exit)."""
         setup = self.runner._setup
         targets = [
             (key, kernel, self._state_dirs[key])
@@ -13250,73 +14297,12 @@ class KernelPool:
         if not targets or setup is None or self.max_image_bytes == 0:
             return
         identity = {**self.runner.sandbox_identity_now(setup), "kernel_program": _KERNEL_DIGEST}
-        started: list[tuple[str, Kernel, Path, Path, subprocess.Popen[bytes], _Entry]] = []
-        for key, kernel, state_dir in targets:
-            entry = self._entry(key)
-            if entry is None or entry.cid != kernel.cid:
-                continue
-            try:
-                staging = _hibernate.new_staging(state_dir)
-                argv = kernel.checkpoint_argv(staging, self.runner.checkpoint_flags())
-                job = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            except OSError as error:
-                log.warning("kernel %s of %s: not saved at exit: %s", kernel.cid, key, error)
-                continue
-            entry.saving = True
-            self._save(entry)
-            started.append((key, kernel, state_dir, staging, job, entry))
-        deadline = time.monotonic() + _SHUTDOWN_SAVE_S
-        for key, kernel, state_dir, staging, job, entry in started:
-            image_id, why = "", "Open WebUI stopped before it was written"
-            try:
-                code = job.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                job.kill()
-                code = None
-            try:
-                if code == 0:
-                    full = {**identity, "lifetime_limits": list(lifetime_limits(kernel.limits))}
-                    image = _hibernate.seal(staging, state_dir, full, kernel.ready_fields())
-                    refused = self._refusal(state_dir, image)
-                    if refused is not None:
-                        _hibernate.discard(state_dir)
-                        why = refused
-                    else:
-                        image_id = image.id
-                elif code is not None:
-                    why = f"runsc could not save it (exit status {code})"
-            except (OSError, ImageRefused) as error:
-                log.warning("kernel %s of %s: not saved at exit: %s", kernel.cid, key, error)
-                why = "its image could not be written"
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-            entry.running, entry.saving, entry.image = False, False, image_id
-            entry.unsaved, entry.reason = not image_id, "" if image_id else why
-            self._save(entry)
+        flags = self.runner.checkpoint_flags()
+        _saving.save_at_exit(targets, self._registry, identity, flags, self._refusal, _SHUTDOWN_SAVE_S)
 
     def kernels(self) -> dict[str, Kernel]:
         """The kernels this process runs, by key."""
         return dict(self._mine)
-
-    async def reap(self) -> None:
-        """Stop this process's kernels that have been idle too long, or that another host asked to
-        stop (runs every couple of seconds)."""
-        now = time.monotonic()
-        for key, kernel in list(self._mine.items()):
-            if not kernel.alive:
-                await self._end(key, kernel, kernel.lost or "the kernel stopped")
-            elif now - kernel.last_used > self.idle_s and not kernel.busy:
-                await self._end(key, kernel, f"it was idle for more than {_minutes(self.idle_s)}", save=True)
-            else:
-                if key in self._in_run:
-                    continue  # a run here is starting or using it (its entry may not name it yet)
-                entry = await asyncio.to_thread(self._entry, key)
-                if key in self._in_run or self._mine.get(key) is not kernel:
-                    continue  # a run began meanwhile
-                if entry is not None and entry.cid != kernel.cid:
-                    await self._end(key, kernel, "another kernel took over its chat")
-                elif entry is not None and entry.stop_requested:
-                    await self._end(key, kernel, entry.stop_requested, save=True)
 
     # ------------------------------------------------------------------ starting and ending
 
@@ -13362,7 +14348,7 @@ class KernelPool:
         workdir: Path,
         limits: Limits,
         state_dir: Path | None,
-        entry: _Entry | None,
+        entry: Entry | None,
         notes: list[str],
     ) -> Kernel | None:
         """The chat's saved kernel, resumed; None (and the sentence in `notes` when a saved state
@@ -13396,7 +14382,7 @@ class KernelPool:
             notes.append(reset_sentence(str(lost)))
             await asyncio.to_thread(_hibernate.discard, state_dir)
             entry.image, entry.reason = "", str(lost)
-            await asyncio.to_thread(self._save_if_same, entry)
+            await asyncio.to_thread(self._registry.save_if_same, entry)
             return None
         await self._register(key, kernel, workdir)
         # Resumed: the image is behind the live state from now on, so it goes (a crash must not bring
@@ -13415,17 +14401,13 @@ class KernelPool:
         self._mine[key] = kernel
         sock = self._socket_path(key, kernel.cid)
         try:
-            await asyncio.to_thread(self._prepare_socket, sock)
-            self._servers[key] = await asyncio.start_unix_server(
-                lambda r, w, k=key: self._serve(k, r, w), path=str(sock)
-            )
-            os.chmod(sock, 0o600)
+            self._servers[key] = await _relay.listen(sock, lambda r, w, k=key: self._serve(k, r, w))
         except OSError as error:  # other workers then start their own after this one stops
             log.warning("kernel %s: cannot serve it to other workers: %s", kernel.cid, error)
-        entry = _Entry(
-            key, kernel.cid, _HOST, self._owner, str(sock), str(workdir), time.time(), time.time(), True
+        entry = Entry(
+            key, kernel.cid, HOST, self._owner, str(sock), str(workdir), time.time(), time.time(), True
         )
-        await asyncio.to_thread(self._save, entry)
+        await asyncio.to_thread(self._registry.save, entry)
 
     async def _end(self, key: str, kernel: Kernel, reason: str, *, save: bool = False) -> None:
         """Stop the key's kernel; `save`: write its state to the chat's state folder first, so the
@@ -13458,12 +14440,12 @@ class KernelPool:
                 self._ending.pop(key, None)
                 done.set_result(None)
         await kernel.close(reason)
-        entry = await asyncio.to_thread(self._entry, key)
+        entry = await asyncio.to_thread(self._registry.get, key)
         if entry is not None and entry.cid == kernel.cid:
             entry.running, entry.saving, entry.stop_requested = False, False, ""
             entry.image, entry.unsaved = image, bool(unsaved)
             entry.reason = unsaved or ("" if image else kernel.lost or reason)
-            await asyncio.to_thread(self._save, entry)
+            await asyncio.to_thread(self._registry.save, entry)
         # A kernel that died is held until the registry says why it ended: a run meanwhile finds it
         # lost and waits for this (`_end` again), then reads the real cause, not a running entry.
         if self._mine.get(key) is kernel:
@@ -13473,59 +14455,16 @@ class KernelPool:
 
     async def _save_state(self, key: str, kernel: Kernel, state_dir: Path) -> tuple[str, str]:
         """Checkpoint the kernel into `state_dir`: (image id, "") or ("", why it could not be kept)."""
-        t0 = time.monotonic()
-        entry = await asyncio.to_thread(self._entry, key)
+        entry = await asyncio.to_thread(self._registry.get, key)
         if entry is not None and entry.cid == kernel.cid:
             entry.saving = True  # other workers of this chat wait for the image rather than start anew
-            await asyncio.to_thread(self._save, entry)
-        staging: Path | None = None
-        try:
-            staging = await asyncio.to_thread(_hibernate.new_staging, state_dir)
-            await kernel.checkpoint(staging, self.runner.checkpoint_flags())
-            identity = await self._image_identity(kernel.limits)
-            image = await asyncio.to_thread(
-                _hibernate.seal, staging, state_dir, identity, kernel.ready_fields()
-            )
-            staging = None
-            refused = await asyncio.to_thread(self._refusal, state_dir, image)
-            if refused is not None:
-                await asyncio.to_thread(_hibernate.discard, state_dir)
-                raise NotSaved(refused)
-        except NotSaved as error:
-            log.warning("kernel %s of %s: not saved: %s", kernel.cid, key, error)
-            return "", str(error)
-        except (OSError, ImageRefused) as error:
-            why = "the disk is full" if getattr(error, "errno", None) == errno.ENOSPC else str(error)
-            log.warning("kernel %s of %s: not saved: %s", kernel.cid, key, error)
-            await asyncio.to_thread(_hibernate.discard, state_dir)
-            return "", f"its image could not be written: {why}"[:300]
-        finally:
-            if staging is not None:
-                await asyncio.to_thread(shutil.rmtree, staging, True)
-        log.info(
-            "kernel %s of %s saved to disk in %.2f s (%.1f MiB)",
-            kernel.cid,
-            key,
-            time.monotonic() - t0,
-            image.size / 2**20,
-        )
-        return image.id, ""
+            await asyncio.to_thread(self._registry.save, entry)
+        identity = functools.partial(self._image_identity, kernel.limits)
+        flags = self.runner.checkpoint_flags()
+        return await _saving.save(key, kernel, state_dir, flags, identity, self._refusal)
 
     def _refusal(self, state_dir: Path, image: _hibernate.SavedImage) -> str | None:
-        """Why a sealed image may not be kept (blocking: it reads the neighbours' records), or None."""
-        size = f"{image.size / 2**20:.0f} MiB"
-        if self.max_image_bytes is not None and image.size > self.max_image_bytes:
-            limit = human_bytes(self.max_image_bytes)
-            return f"its image of {size} is over the {limit} allowed for a saved state"
-        together_max = self.max_saved_bytes_together
-        if together_max is not None:
-            together = _hibernate.saved_bytes_beside(state_dir)
-            if together > together_max:
-                return (
-                    f"with its image of {size}, this user's saved states would take "
-                    f"{human_bytes(together)}, over the {human_bytes(together_max)} allowed together"
-                )
-        return None
+        return _saving.refusal(state_dir, image, self.max_image_bytes, self.max_saved_bytes_together)
 
     async def _settled(self, key: str) -> None:
         """Wait while this process saves the key's kernel (its next run resumes the image)."""
@@ -13533,379 +14472,44 @@ class KernelPool:
         if ending is not None:
             await asyncio.shield(ending)
 
-    async def _entry_once_saved(self, key: str) -> _Entry | None:
+    async def _entry_once_saved(self, key: str) -> Entry | None:
         """The key's registry entry, once no other worker of this host is saving its kernel."""
         deadline = time.monotonic() + _SAVING_WAIT_S
         while True:
-            entry = await asyncio.to_thread(self._entry, key)
-            if entry is None or not (entry.running and entry.saving and self._owned_here(entry)):
+            entry = await asyncio.to_thread(self._registry.get, key)
+            if entry is None or not (entry.running and entry.saving and owned_here(entry)):
                 return entry
             if time.monotonic() > deadline:
                 return entry
             await asyncio.sleep(0.05)
 
-    async def _reserve(self, key: str, workdir: Path) -> None:
-        """Make room for the key's kernel and hold its place, under a lock every process of this host
-        shares: the count and the place are one step, so concurrent starts never pass max_kernels.
-        The place is a registry entry, running, with no kernel yet ("starting-..."), which _register
-        replaces (or _unreserve ends)."""
-        self.registry_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(self.registry_dir / ".starts.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
-            await self._make_room(key)
-            now = time.time()
-            place = _Entry(
-                key,
-                f"{_STARTING}{secrets.token_hex(6)}",
-                _HOST,
-                self._owner,
-                "",
-                str(workdir),
-                now,
-                now,
-                True,
-            )
-            await asyncio.to_thread(self._save, place)
-        finally:
-            os.close(fd)  # releases the lock
+    # ------------------------------------------------------------------ what the next run says
 
-    def _unreserve(self, key: str, why: str) -> None:
-        entry = self._entry(key)
-        if entry is not None and entry.cid.startswith(_STARTING) and entry.owner == self._owner:
-            entry.running, entry.reason = False, why[:300]
-            self._save(entry)
-
-    async def _make_room(self, key: str) -> None:
-        """Beyond max_kernels on this host, stop (save) the least recently used idle one. A kernel
-        running a cell, or still starting, is never chosen (its owner says when it is busy); with
-        none idle, wait up to _ROOM_WAIT_S for one to be, then go over the limit rather than kill a
-        run."""
-        deadline = time.monotonic() + _ROOM_WAIT_S
-        reason = f"too many kernels were running (at most {self.max_kernels}); it was the least recently used"
-        busy: set[str] = set()  # keys another worker said are running a cell now
-        entries = [e for e in await asyncio.to_thread(self._running_here) if e.key != key]
-        while len(entries) >= self.max_kernels:
-            idle = [
-                e
-                for e in entries
-                if not e.cid.startswith(_STARTING)
-                and e.key not in busy
-                and e.key not in self._in_run
-                and not (e.key in self._mine and self._mine[e.key].busy)
-            ]
-            if not idle:
-                if time.monotonic() > deadline:
-                    return
-                await asyncio.sleep(_ROOM_POLL_S)
-                busy.clear()
-                entries = [e for e in await asyncio.to_thread(self._running_here) if e.key != key]
-                continue
-            victim = min(idle, key=lambda e: e.last_used)
-            if victim.key in self._mine:
-                await self._end(victim.key, self._mine[victim.key], reason, save=True)
-            else:
-                # Its owner saves it and records that itself; a busy one it keeps, and says so.
-                request = {"op": "stop", "reason": reason, "save": True, "if_idle": True}
-                try:
-                    reply = await self._ask(victim, request)
-                except _OwnerSilent as silent:
-                    await self._strand(victim, str(silent))
-                    reply = None
-                if reply is not None and reply.get("busy"):
-                    busy.add(victim.key)
-                    continue
-            entries = [e for e in entries if e.key != victim.key]
-
-    def _keep_reaping(self) -> None:
-        if self._reaper is None or self._reaper.done():
-            self._reaper = asyncio.create_task(self._reap_forever())
-
-    async def _reap_forever(self) -> None:
-        while True:
-            await asyncio.sleep(min(_REAP_EVERY_S, self.idle_s / 4))
-            try:
-                await self.reap()
-            except Exception:
-                log.exception("kernel reaper")
-
-    # ------------------------------------------------------------------ other workers
-
-    def _owned_here(self, entry: _Entry) -> bool:
-        """A running entry whose owning process is alive on this host (its kernel dies with it)."""
-        if entry.host != _HOST:
-            return False
-        try:
-            pid, started = entry.owner.split()[:2]
-            with open(f"/proc/{int(pid)}/stat", "rb") as fh:
-                return fh.read().rsplit(b")", 1)[1].split()[19].decode() == started
-        except (OSError, ValueError, IndexError):
-            return False
-
-    def _lost_sentence(self, entry: _Entry | None) -> str:
+    def _lost_sentence(self, entry: Entry | None) -> str:
         """What the next run says of a state it could not resume ("" when nothing was lost)."""
         if entry is None:
             return ""  # this chat never had a kernel (or its chat was deleted): nothing was lost
         if entry.running:
-            if entry.host != _HOST:
+            if entry.host != HOST:
                 return reset_sentence("this chat's previous runs were on another server")
-            return reset_sentence(
-                "Open WebUI restarted" if not self._owned_here(entry) else "the kernel stopped"
-            )
+            return reset_sentence("Open WebUI restarted" if not owned_here(entry) else "the kernel stopped")
         if entry.unsaved:
             return unsaved_sentence(entry.reason or "it could not be saved")
         return reset_sentence(entry.reason or "the kernel stopped")
 
-    async def _take_over(self, entry: _Entry) -> None:
-        """The chat's kernel runs on another host (its runs reach that host's replica no longer): ask
-        that host to stop it, and wait until it has, so the chat never has two kernels at once. A host
-        that does not answer within _HANDOVER_WAIT_S is taken to be gone (its kernels died with it)."""
-        reason = "this chat's previous runs were on another server"
-        entry.stop_requested = reason
-        await asyncio.to_thread(self._save_if_same, entry)
-        deadline = time.monotonic() + _HANDOVER_WAIT_S
-        while time.monotonic() < deadline:
-            now = await asyncio.to_thread(self._entry, entry.key)
-            if now is None or now.cid != entry.cid or not now.running:
-                return
-            await asyncio.sleep(0.2)
-        log.warning(
-            "kernel %s of %s on %s did not stop when asked: taken to be gone",
-            entry.cid,
-            entry.key,
-            entry.host,
-        )
-
-    async def _run_remote(
-        self, entry: _Entry, workdir: Path, code: str, language: str, limits: Limits
-    ) -> RunResult | None:
-        """The run, by the worker that holds the chat's kernel; None if that kernel is gone. Raises
-        _OwnerSilent if that worker does not answer within the run's time limit and a margin."""
-        request = {
-            "op": "run",
-            "code": code,
-            "language": language,
-            "limits": limits.model_dump(),
-            "workdir": str(workdir),
-        }
-        reply = await self._ask(entry, request, limits.timeout_s + _REPLY_MARGIN_S)
-        if reply is None or "result" not in reply:
-            return None
-        return RunResult.model_validate(reply["result"])
-
-    async def _ask(
-        self, entry: _Entry, request: dict[str, Any], reply_within: float = _STOP_REPLY_S
-    ) -> dict[str, Any] | None:
-        """One request to the worker serving `entry`'s kernel, naming the chat and kernel it is for.
-        None when no such kernel answers there; _OwnerSilent when the worker accepts and says nothing
-        for `reply_within` s (stopped, stuck). If the caller is cancelled (the user stopped the
-        answer), the worker is told (the connection is half-closed), and the caller waits, bounded, for
-        the cell there to stop: what it wrote is then on disk before the caller reconciles."""
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_unix_connection(entry.socket, limit=_MAX_MESSAGE), _CONNECT_TIMEOUT_S
-            )
-        except (OSError, TimeoutError):
-            return None
-        try:
-            await _send(writer, {**request, "key": entry.key, "cid": entry.cid})
-            try:
-                return await asyncio.wait_for(_receive(reader), reply_within)
-            except TimeoutError:
-                raise _OwnerSilent(
-                    f"the worker holding it did not answer within {reply_within:g} s"
-                ) from None
-            except asyncio.CancelledError:
-                with contextlib.suppress(OSError):
-                    writer.write_eof()
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.shield(_receive(reader)), _SETTLE_REMOTE_S)
-                raise
-        except (OSError, ValueError, asyncio.IncompleteReadError):
-            return None
-        finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-
-    async def _strand(self, entry: _Entry, why: str) -> None:
-        """The worker holding the chat's kernel does not answer: kill that kernel (same host, same
-        user, same runsc state), so the chat never has two, and record why its state went."""
-        with contextlib.suppress(Exception):
-            setup = await self.runner.setup()
-            base = [setup.runsc.path, "--root", str(self.runner.state_dir)]
-            with contextlib.suppress(Exception):
-                await run_quick([*base, "kill", "--all", entry.cid, "KILL"], _CONNECT_TIMEOUT_S * 5)
-            with contextlib.suppress(Exception):
-                await run_quick([*base, "delete", "--force", entry.cid], _CONNECT_TIMEOUT_S * 5)
-        entry.running, entry.reason, entry.unsaved, entry.image = False, why, False, ""
-        await asyncio.to_thread(self._save_if_same, entry)
-        log.warning("kernel %s of %s: %s; stopped it", entry.cid, entry.key, why)
-
-    async def _serve(self, key: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Another worker of this host asks this process's kernel. Only our own user's processes can
-        reach the socket (mode 0600 in a 0700 folder owned by us) and the peer's credentials are
-        checked too; a request must name this chat and this kernel, or it is refused (a registry
-        entry pointing at another chat's socket never runs a cell in that chat)."""
-        try:
-            uid = _peer_uid(writer)
-            if uid != os.geteuid():
-                log.warning("kernel of %s: refused a request from uid %s", key, uid)
-                await _send(writer, {"refused": "not our user"})
-                return
-            request = await _receive(reader)
-            kernel = self._mine.get(key)
-            if kernel is None or not kernel.alive:
-                await _send(writer, {"gone": True})
-                return
-            if request.get("key") != key or request.get("cid") != kernel.cid:
-                log.warning("kernel %s of %s: refused a request for another chat or kernel", kernel.cid, key)
-                await _send(writer, {"refused": "not this chat's kernel"})
-                return
-            if request.get("op") == "stop":
-                if request.get("if_idle") is True and (kernel.busy or key in self._in_run):
-                    await _send(writer, {"busy": True})
-                    return
-                await _send(writer, {"ok": True})
-                await self._end(
-                    key, kernel, str(request.get("reason", "stopped")), save=request.get("save") is True
-                )
-                return
-            limits = Limits.model_validate(request["limits"])
-            misfit = self._misfit(kernel, Path(str(request.get("workdir", ""))), limits)
-            if misfit is not None:  # as a local run would: this kernel cannot take it
-                await self._end(key, kernel, misfit)
-                await _send(writer, {"gone": True})
-                return
-            run = asyncio.ensure_future(kernel.run(str(request["code"]), str(request["language"]), limits))
-            hangup = asyncio.ensure_future(reader.read(1))  # the asker gave up: EOF
-            await asyncio.wait({run, hangup}, return_when=asyncio.FIRST_COMPLETED)
-            if not run.done():
-                # Its answer was stopped: stop the cell here as a local run would be (interrupted,
-                # settled), then say so, so the asker reconciles after the cell's last write.
-                run.cancel()
-                with contextlib.suppress(asyncio.CancelledError, KernelLost):
-                    await run
-                if not kernel.alive:
-                    await self._end(key, kernel, kernel.lost or "the kernel stopped")
-                await _send(writer, {"cancelled": True})
-                return
-            hangup.cancel()
-            try:
-                result = run.result()
-            except KernelLost:
-                await _send(writer, {"gone": True})
-                return
-            if not kernel.alive:
-                await self._end(key, kernel, kernel.lost or "the kernel stopped")
-            else:
-                await self._note_use(key, kernel)
-            await _send(writer, {"result": result.model_dump(mode="json")})
-        except (OSError, ValueError, KeyError, asyncio.IncompleteReadError) as error:
-            log.warning("kernel of %s: a request from another worker failed: %s", key, error)
-        finally:
-            writer.close()
-
-    # ------------------------------------------------------------------ the registry
-
-    def _digest(self, key: str) -> str:
-        return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
-    def _entry_path(self, key: str) -> Path:
-        return self.registry_dir / f"{self._digest(key)}.json"
+    # ------------------------------------------------------------------ where it is found
 
     def _socket_path(self, key: str, cid: str) -> Path:
         # Named by the kernel, not only the chat: an old kernel's teardown never removes a newer
         # kernel's socket (a chat whose worker lost its socket is taken over by another worker).
-        return self.socket_dir / f"{self._digest(key)[:20]}-{cid[-16:]}.sock"
-
-    def _entry(self, key: str) -> _Entry | None:
-        entry = _Entry.load(self._entry_path(key))
-        return entry if entry is not None and entry.key == key else None
-
-    def _save(self, entry: _Entry) -> None:
-        """Best effort: a registry that cannot be written (a full disk) must not stop a chat from
-        running code (which may be what frees the space). Until it can, other workers do not find
-        this kernel, and a restart cannot say why the state went."""
-        path = self._entry_path(entry.key)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        try:
-            self.registry_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(entry.__dict__), encoding="utf-8")
-            os.replace(tmp, path)
-        except OSError as error:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            log.warning("kernel registry: cannot record %s: %s", entry.cid, error)
-
-    def _save_if_same(self, entry: _Entry) -> None:
-        now = self._entry(entry.key)
-        if now is not None and now.cid == entry.cid:
-            self._save(entry)
+        return self.socket_dir / f"{digest(key)[:20]}-{cid[-16:]}.sock"
 
     async def _note_use(self, key: str, kernel: Kernel) -> None:
         """Keep the registry's last use roughly current (other workers' LRU reads it): at most every
         _TOUCH_EVERY_S, so a warm step does not pay a file write."""
         if time.monotonic() - self._touched.get(key, 0.0) >= _TOUCH_EVERY_S:
             self._touched[key] = time.monotonic()
-            await asyncio.to_thread(self._touch, key, kernel)
-
-    def _touch(self, key: str, kernel: Kernel) -> None:
-        entry = self._entry(key)
-        if entry is not None and entry.cid == kernel.cid:
-            entry.last_used = time.time()
-            self._save(entry)
-
-    def _running_here(self) -> list[_Entry]:
-        found = []
-        with contextlib.suppress(FileNotFoundError), os.scandir(self.registry_dir) as listing:
-            for item in listing:
-                if item.name.endswith(".json"):
-                    entry = _Entry.load(Path(item.path))
-                    if entry is not None and entry.running and self._owned_here(entry):
-                        found.append(entry)
-        return found
-
-    def _prepare_socket(self, path: Path) -> None:
-        # The folder is what keeps other users off the socket (which is 0600 only once bound): 0700
-        # and ours, even if it was there before with another mode.
-        self.socket_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = self.socket_dir.lstat()
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-            raise OSError(f"{self.socket_dir} is not a folder of ours")
-        if stat.S_IMODE(st.st_mode) != 0o700:
-            os.chmod(self.socket_dir, 0o700)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-
-async def _send(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
-    body = json.dumps(message).encode()
-    writer.write(_HEADER.pack(len(body)) + body)
-    await writer.drain()
-
-
-async def _receive(reader: asyncio.StreamReader) -> dict[str, Any]:
-    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-    if size > _MAX_MESSAGE:
-        raise ValueError(f"a message of {size} bytes")
-    message = json.loads(await reader.readexactly(size))
-    if not isinstance(message, dict):
-        raise ValueError("not an object")
-    return message
-
-
-class _OwnerSilent(Exception):
-    """The worker holding a chat's kernel accepted a request and did not answer in time."""
-
-
-def _peer_uid(writer: asyncio.StreamWriter) -> int | None:
-    sock = writer.get_extra_info("socket")
-    try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except (OSError, AttributeError):
-        return None
-    return struct.unpack("3i", creds)[1]
+            await asyncio.to_thread(self._registry.touch, key, kernel.cid, time.time())
 
 
 def _refused(why: str, notes: list[str]) -> RunResult:
@@ -13918,11 +14522,6 @@ def _refused(why: str, notes: list[str]) -> RunResult:
         reason=f"the Python kernel could not start: {why}",
         notes=tuple(notes),
     )
-
-
-def _minutes(seconds: float) -> str:
-    minutes = seconds / 60
-    return f"{minutes:g} minutes" if minutes != 1 else "1 minute"
 ''',
     'runner/models.py': r'''"""The runner's typed public data: configuration, per-run limits, and the result of a run."""
 
@@ -14690,7 +15289,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_c3b3131bb9c0.runner import Outcome
+from _code_sessions_35b89730170f.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -14967,8 +15566,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_c3b3131bb9c0.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_c3b3131bb9c0.storage import human_bytes
+from _code_sessions_35b89730170f.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_35b89730170f.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -15088,7 +15687,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_c3b3131bb9c0.storage import Purge, parse_duration
+from _code_sessions_35b89730170f.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16208,8 +16807,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_c3b3131bb9c0.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_c3b3131bb9c0.storage import (
+from _code_sessions_35b89730170f.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_35b89730170f.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16353,7 +16952,7 @@ class StepResult:
             return notes
         more = self.run.figures_more if self.run is not None else 0
         if self.figures:
-            # The kernel bounds a run's figures (runner/_kernel_program.py MAX_FIGURES_PER_RUN): all
+            # The kernel bounds a run's figures (runner MAX_FIGURES_PER_RUN): all
             # are named here, and the ones past the bound are counted, in this answer.
             extra = f", and {more} more not saved (too many figures in one run)" if more else ""
             shown = ", ".join(mention(p) for p in self.figures)
@@ -16920,7 +17519,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_c3b3131bb9c0.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_35b89730170f.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -17146,7 +17745,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_c3b3131bb9c0.storage import Link, Publisher, is_postgres_url
+from _code_sessions_35b89730170f.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17363,7 +17962,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_c3b3131bb9c0.engine import (
+from _code_sessions_35b89730170f.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17373,9 +17972,9 @@ from _code_sessions_c3b3131bb9c0.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_c3b3131bb9c0.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_c3b3131bb9c0.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_c3b3131bb9c0.webui import OpenWebUI
+from _code_sessions_35b89730170f.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_35b89730170f.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_35b89730170f.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -18045,7 +18644,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_c3b3131bb9c0.engine import (
+from _code_sessions_35b89730170f.engine import (
     LoopOptions,
     ModelError,
     converse,
@@ -18054,9 +18653,9 @@ from _code_sessions_c3b3131bb9c0.engine import (
     events_from_sse,
     waiting_status,
 )
-from _code_sessions_c3b3131bb9c0.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
-from _code_sessions_c3b3131bb9c0.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_c3b3131bb9c0.webui import Misconfigured
+from _code_sessions_35b89730170f.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from _code_sessions_35b89730170f.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_35b89730170f.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

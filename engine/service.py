@@ -160,7 +160,7 @@ class StepResult:
             return notes
         more = self.run.figures_more if self.run is not None else 0
         if self.figures:
-            # The kernel bounds a run's figures (runner/_kernel_program.py MAX_FIGURES_PER_RUN): all
+            # The kernel bounds a run's figures (runner MAX_FIGURES_PER_RUN): all
             # are named here, and the ones past the bound are counted, in this answer.
             extra = f", and {more} more not saved (too many figures in one run)" if more else ""
             shown = ", ".join(mention(p) for p in self.figures)

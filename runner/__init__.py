@@ -3,7 +3,7 @@
 Knows nothing of storage or Open WebUI. See docs/runner.md.
 """
 
-from ._kernel_program import MAX_FIGURES_PER_RUN
+from ._kernel_program.protocol import MAX_FIGURES_PER_RUN
 from .capabilities import RunscInfo, detect_runsc
 from .doctor import Check, DoctorReport, doctor
 from .errors import (

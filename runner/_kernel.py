@@ -1,5 +1,6 @@
 """One persistent Python kernel: a long-lived gVisor sandbox whose first process is our kernel program
-(runner/_kernel_program.py), running each cell in one namespace that lives from run to run.
+(runner/_kernel_program/, joined into one file), running each cell in one namespace that lives
+from run to run.
 
 The sandbox is the one a fresh run gets (same bundle, mounts, user, no network), started once. What
 differs is the time scale of each limit:
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import json
 import logging
 import os
@@ -31,19 +31,22 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import _kernel_program, _wire
+from . import _wire
 from ._changes import ChangeWatch
 from ._diagnose import read_runsc_errors, tidy
-from ._disk import MAX_DEPTH, GrowthWatch
+from ._disk import GrowthWatch
+from ._kernel_program import program
+from ._kernel_program.protocol import FATAL_EXIT
+from ._kernel_watch import _Watchers
 from ._plan import Sandbox
-from ._procs import pids_by_marker, sigkill
+from ._procs import sigkill
 from ._supervise import Capture, dying_with_us, human_bytes
 from .capabilities import run_quick
-from .models import MIB, Limits, Outcome, RunResult
+from .models import Limits, Outcome, RunResult
 
 log = logging.getLogger("code_sessions.runner")
 
-KERNEL_SOURCE = inspect.getsource(_kernel_program)
+KERNEL_SOURCE = program()
 # gVisor's boot plus the kernel's start (a cold one takes ~0.4 s here): at least this long, and as long
 # as two runs' time limits, but never more than READY_MAX_S (a runsc that hangs must not hold a chat).
 READY_MIN_S = 10.0
@@ -54,9 +57,6 @@ _READ_CHUNK = 64 * 1024
 _STDERR_KEPT = 4096
 _HELPER_TIMEOUT_S = 10.0
 _REAP_S = 5.0
-_OOM_POLL_S = 0.25
-CPU_POLL_S = 1.0
-CPU_IDLE_SHARE = 0.2  # of one core, what a kernel may use between runs for good
 _LIFETIME_FIELDS = ("memory_mb", "max_processes", "max_file_bytes")
 CHECKPOINT_MAX_S = 60.0  # a kernel of 1 GiB takes a few seconds; a runsc that hangs must not hold a chat
 RESUME_MAX_S = 30.0  # `runsc restore` to the probe's answer (0.4 s for a pandas-holding kernel here)
@@ -79,7 +79,7 @@ def lifetime_limits(limits: Limits) -> tuple[int, ...]:
     return tuple(getattr(limits, name) for name in _LIFETIME_FIELDS)
 
 
-class Kernel:
+class Kernel(_Watchers):
     """One kernel. One run at a time (the caller holds the chat's lock; `run` also serialises)."""
 
     def __init__(self, sandbox: Sandbox, limits: Limits) -> None:
@@ -525,54 +525,6 @@ class Kernel:
             self._stderr += chunk
             del self._stderr[:-_STDERR_KEPT]
 
-    async def _watch_oom(self) -> None:
-        cgroup = self.sandbox.cgroup
-        assert cgroup is not None
-        while True:
-            await asyncio.sleep(_OOM_POLL_S)
-            if cgroup.oom_kills():
-                self._violation = self._violation or "out of memory"
-                return
-
-    async def _watch_cpu(self) -> None:
-        """Between runs, a thread a cell left running may use the CPU in bursts, not for good: a
-        bucket of `timeout_s` CPU seconds (the run's own time limit), refilled at CPU_IDLE_SHARE of one
-        core (gVisor's idle sentry uses about a twentieth), starts full at the end of every run. A
-        thread that spins empties it, and the kernel is stopped with a sentence (the next run says it),
-        instead of burning a core until the idle timeout."""
-        bucket: float | None = None
-        last_cpu = last_t = 0.0
-        while True:
-            await asyncio.sleep(CPU_POLL_S)
-            idle_since = self._idle_since
-            if idle_since is None or not self.alive:
-                bucket = None  # a run is going on (its time limit bounds it)
-                continue
-            cpu, now = await asyncio.to_thread(self._cpu_seconds), time.monotonic()
-            if bucket is None or idle_since > last_t:  # a run ended since the last look: a full bucket
-                bucket, last_cpu, last_t = self._cpu_budget_s, cpu, now
-                continue
-            used = max(0.0, cpu - last_cpu)
-            bucket = min(self._cpu_budget_s, bucket + CPU_IDLE_SHARE * (now - last_t)) - used
-            last_cpu, last_t = cpu, now
-            if bucket < 0 and self._idle_since is not None and self.alive:
-                self._spun = (
-                    "a thread its cell left running kept the CPU busy between runs (more than "
-                    f"{self._cpu_budget_s:g} s of CPU time, the time limit of a run)"
-                )
-                log.info("kernel %s: stopped for spinning between runs", self.cid)
-                await self._kill_now()
-                return
-
-    def _disk_exceeded(self, grown: int | None) -> None:
-        if grown is None:
-            self._exceeded = f"folders nested more than {MAX_DEPTH} levels deep in /mnt/data"
-        else:
-            limit = human_bytes(self.limits.max_write_bytes)
-            self._exceeded = f"it wrote more than {limit} to /mnt/data (grew by {grown / MIB:.0f} MiB)"
-        # Stop the writer now; the run (or the next one) reports it.
-        self._tasks.append(asyncio.ensure_future(self._kill_now()))
-
     async def _kill_now(self) -> None:
         with contextlib.suppress(Exception):
             await run_quick([*self.sandbox.runsc_base, "kill", "--all", self.cid, "KILL"], _HELPER_TIMEOUT_S)
@@ -597,21 +549,11 @@ class Kernel:
         if self._violation is not None:
             return f"the kernel stopped responding: {self._violation}"
         code = self._proc.returncode if self._proc is not None else None
-        if code == _kernel_program.FATAL_EXIT:
+        if code == FATAL_EXIT:
             return "the kernel stopped responding: a cell broke the kernel itself"
         tail = self._stderr.decode("utf-8", "replace").strip().splitlines()[-1:] if self._stderr else []
         extra = f" ({tail[0][:200]})" if tail else ""
         return f"the kernel stopped responding: it exited{extra}"
-
-    def _cpu_seconds(self) -> float:
-        return _cpu_seconds(self.host_pids())
-
-    def host_pids(self) -> list[int]:
-        """The kernel's host processes (runsc, the sentry, the gofer, ptrace stubs)."""
-        cgroup = self.sandbox.cgroup
-        if cgroup is not None:
-            return cgroup.pids()
-        return pids_by_marker(str(self.sandbox.bundle))
 
 
 _KERNEL_NOTE = re.compile(r"\[code-sessions: (cannot [^\]\n]{1,300})\]")
@@ -623,19 +565,3 @@ def _could_not_start(language: str, stderr: str) -> str:
     notices = _KERNEL_NOTE.findall(stderr)
     detail = f" ({notices[-1]})" if notices else ""
     return f"the {language} cell could not start{detail}"
-
-
-def _cpu_seconds(pids: list[int]) -> float:
-    """User and system CPU time of these processes (all their threads), in seconds."""
-    ticks = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                fields = fh.read().rsplit(b")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])
-        except (OSError, IndexError, ValueError):
-            continue  # it exited meanwhile
-    return ticks / _CLOCK_TICKS
-
-
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

@@ -1,4 +1,4 @@
-"""Host side of the persistent kernel's wire (the kernel is runner/_kernel_program.py).
+"""Host side of the persistent kernel's wire (the kernel is runner/_kernel_program/).
 
 A frame is a 4-byte big-endian length N followed by N bytes of UTF-8 JSON encoding one object. The
 kernel runs the model's code inside its own process, so a cell can write any bytes to the reply
@@ -7,7 +7,8 @@ unexpected frame raises ``ProtocolError``), bounded (it never buffers more than 
 I/O) and cheap (a few microseconds per frame). ``ProtocolState`` adds the ordering rules a decoder
 cannot see. A valid frame can still be forged by a cell: see ``ProtocolState`` for what that buys it.
 
-Pure standard library, no imports of the rest of the package.
+Pure standard library; of the rest of the package it imports only the wire's constants, which it
+shares with the kernel (runner/_kernel_program/protocol.py).
 """
 
 from __future__ import annotations
@@ -19,16 +20,14 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Literal
 
-PROTOCOL_VERSION = 2
+from ._kernel_program.protocol import MAX_FIGURES_PER_RUN, MAX_REQUEST, MAX_TEXT, PROTOCOL_VERSION
+
 MAX_FRAME = 256 * 1024  # default bound of one kernel->host frame; the largest honest one is ~100 KiB
-MAX_TEXT = 16 * 1024  # characters of text per "out" frame
-MAX_FIGURES = 20  # the kernel's MAX_FIGURES_PER_RUN (tests/runner/test_wire.py checks they agree)
 MAX_MORE_FIGURES = 2**31 - 1
 MAX_FIGURE_NAME = 255
 MAX_PACKAGES = 50
 MAX_SHORT = 64  # package names, versions, the Python version
 MAX_RUN_ID = 2**63 - 1
-MAX_REQUEST = 64 * 1024 * 1024  # the kernel refuses (and dies on) a larger run request
 
 Stream = Literal["stdout", "stderr"]
 Status = Literal["ok", "error", "interrupted"]
@@ -75,7 +74,7 @@ class Done:
     exit_code: int | None
     figures: tuple[str, ...]  # relative to the workdir, as the kernel claims: resolve them safely
     ms: float
-    more: int = 0  # figures past MAX_FIGURES left open in the run, not saved
+    more: int = 0  # figures past MAX_FIGURES_PER_RUN left open in the run, not saved
 
 
 Message = Ready | Output | Done
@@ -186,8 +185,8 @@ def _parse_done(obj: dict[str, Any], escapes: bool) -> Done:
         raise ProtocolError(f"done.status must be one of {sorted(_STATUSES)}, not {_show(status)}")
     exit_code = None if obj["exit_code"] is None else _int(obj, "exit_code", -(2**31), 2**31 - 1)
     figures = obj["figures"]
-    if type(figures) is not list or len(figures) > MAX_FIGURES:
-        raise ProtocolError(f"done.figures must be a list of at most {MAX_FIGURES} names")
+    if type(figures) is not list or len(figures) > MAX_FIGURES_PER_RUN:
+        raise ProtocolError(f"done.figures must be a list of at most {MAX_FIGURES_PER_RUN} names")
     more = _int(obj, "more", 0, MAX_MORE_FIGURES)
     ms = obj["ms"]
     if type(ms) not in (int, float) or not math.isfinite(ms) or not 0 <= ms <= 1e12:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from runner._kernel_program import program
 from tests.support.open_webui import OWUI_VENV
 from tests.support.pipe_harness import load_like_open_webui
 
@@ -41,6 +42,9 @@ def test_bundle_loads_in_open_webuis_python_without_the_repository(tmp_path):
         "print(pipe.pipes())\n"
         "pipe.valves = pipe.Valves(base_models='a, b.c')\n"
         "print([p['id'] for p in pipe.pipes()])\n"
+        "import importlib\n"
+        "kernel = importlib.import_module(m._CS_PACKAGE + '.runner._kernel')\n"
+        "open('kernel.py', 'w').write(kernel.KERNEL_SOURCE)\n"
         "import storage\n"
     )
     python = OWUI_VENV / "bin" / "python"
@@ -49,6 +53,8 @@ def test_bundle_loads_in_open_webuis_python_without_the_repository(tmp_path):
     assert "['a', 'b.c']" in result.stdout, result.stderr
     # The embedded packages live under a private name; the plain name is not importable here.
     assert "No module named 'storage'" in result.stderr
+    # The kernel program, joined from the embedded modules, is the one the repository's modules give.
+    assert (tmp_path / "kernel.py").read_text() == program()
 
 
 def test_loaded_like_open_webui_the_pipe_has_its_valves():

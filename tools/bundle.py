@@ -9,6 +9,9 @@ three files of one version do (so they share one store and one set of kernels, s
 functions/adapter.py). The entry module itself becomes the body of the file, with its imports of our
 packages pointed at that parent package.
 
+The kernel program (runner/_kernel_program/) travels as its modules too: the runner joins them into the
+one program the sandbox runs. Building checks that they keep the rules that joining relies on.
+
     python tools/bundle.py           # write dist/code_sessions.py, code_sessions_tool.py, ..._filter.py
     python tools/bundle.py --check   # exit 1 if a committed bundle is not what the sources give
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import hashlib
 import sys
 import tomllib
@@ -182,7 +186,20 @@ def _frontmatter(version: str, target: Target) -> str:
     )
 
 
+@functools.cache
+def _check_kernel_program() -> None:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from runner._kernel_program import JoinError, check
+
+    try:
+        check()
+    except JoinError as error:
+        raise BundleError(f"runner/_kernel_program: {error}") from None
+
+
 def build(target: Target = TARGETS[0]) -> str:
+    _check_kernel_program()
     version = _project_version()
     sources = _package_sources()
     function_source = target.source.read_text(encoding="utf-8")

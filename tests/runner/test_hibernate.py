@@ -43,7 +43,7 @@ def gone(runner: Runner, cid: str) -> list[str]:
 
 def ended(pool: KernelPool, key: str = "u/c") -> bool:
     """The key's kernel has ended (saved or not) and its registry entry says so."""
-    entry = pool._entry(key)
+    entry = pool._registry.get(key)
     return key not in pool.kernels() and entry is not None and not entry.running
 
 
@@ -335,9 +335,9 @@ async def test_a_crash_loses_the_state_with_the_sentence_and_no_old_image_comes_
     fresh._owner = "1 0"  # another process, as after a restart
     try:
         # the dead owner's entry says running: a crash. A stale image is not there to resume either.
-        entry = fresh._entry("u/c")
+        entry = fresh._registry.get("u/c")
         entry.owner = "1 0"
-        fresh._save(entry)
+        fresh._registry.save(entry)
         result = await fresh.run(
             "u/c", folder, "print(globals().get('kept'))", "python", LIMITS, state_dir=state
         )

@@ -1,7 +1,7 @@
-"""The persistent kernel program (runner/_kernel_program.py), run for real on the host.
+"""The persistent kernel program (runner/_kernel_program/), run for real on the host.
 
-Each test starts the kernel the way the host will (its source from ``inspect.getsource``, written out as
-kernel.py, run by /usr/bin/python3 with the workdir as cwd), but in a fresh pid namespace of its own
+Each test starts the kernel the way the host will (the one program ``program()`` joins, written out
+as kernel.py, run by /usr/bin/python3 with the workdir as cwd), but in a fresh pid namespace of its own
 (``unshare --pid --fork --kill-child --mount-proc``) instead of gVisor, so it is PID 1 there and its
 clean-up of leftover processes is exercised for real without touching the machine's. Everything is
 driven through the wire, decoded by runner/_wire.py, with the protocol's ordering rules checked.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import inspect
 import json
 import os
 import re
@@ -28,12 +27,14 @@ from pathlib import Path
 
 import pytest
 
-from runner import _kernel_program as kp
+from runner import _kernel_program
+from runner._kernel_program import condition, packages, pumps
+from runner._kernel_program.protocol import FATAL_EXIT, MAX_TEXT, PROTOCOL_VERSION, WORKDIR_ENV
 from runner._wire import Done, FrameDecoder, Message, Output, ProtocolError, ProtocolState, Ready, encode_run
 
 PYTHON = "/usr/bin/python3"
 HAS_MATPLOTLIB = subprocess.run([PYTHON, "-c", "import matplotlib"], capture_output=True).returncode == 0
-KERNEL_SOURCE = inspect.getsource(kp)
+KERNEL_SOURCE = _kernel_program.program()
 
 
 @dataclass
@@ -71,7 +72,7 @@ class Kernel:
             "HOME": str(root),
             "MPLBACKEND": "Agg",
             "PYTHONDONTWRITEBYTECODE": "1",
-            kp.WORKDIR_ENV: str(self.workdir),
+            WORKDIR_ENV: str(self.workdir),
         }
         argv = [PYTHON, str(self.script)]
         if namespace:
@@ -204,14 +205,39 @@ def kernel(tmp_path: Path) -> Iterator[Kernel]:
 # -- the module itself ---------------------------------------------------------------------------------
 
 
-def test_the_module_is_inert_on_import_and_fit_for_embedding() -> None:
-    # Importing it (done above, for getsource) started nothing and rebound nothing.
+def test_the_package_is_inert_on_import_and_joins_into_one_program_fit_for_embedding() -> None:
+    # Importing its modules (done above, for the program) started nothing and rebound nothing.
     assert sys.stdout is not None and not any(t.name.startswith("kernel-pump") for t in threading.enumerate())
     assert not any(type(f).__name__ == "_ImportHooks" for f in sys.meta_path)
-    for word in ["'" * 3, "__" + "file__", "from runner"] + ["from " + w for w in ("utils", "apps", "main")]:
+    _kernel_program.check()  # the modules keep the joining rules; the program has no import of ours left
+    ours = ["'" * 3, "__" + "file__", "from runner", "from ."]
+    words = ours + ["from " + w for w in ("utils", "apps", "main")]
+    for word in words:
         assert word not in KERNEL_SOURCE, word
     assert "from " + "config" not in KERNEL_SOURCE
-    assert kp.MAX_TEXT == 16 * 1024 and kp.PROTOCOL_VERSION == 2
+    assert KERNEL_SOURCE.count("from __future__") == 1 and KERNEL_SOURCE.endswith("    main()\n")
+    assert MAX_TEXT == 16 * 1024 and PROTOCOL_VERSION == 2
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "complaint"),
+    [
+        ("pumps", "from .kernel import Kernel\n", "not before it"),
+        ("pumps", "from .basics import _nothing\n", "not a name basics.py defines"),
+        ("pumps", "from .basics import _fatal as die\n", "not a name basics.py defines"),
+        ("pumps", "def f():\n    from .basics import _fatal\n", "at the top level"),
+        ("pumps", "from runner import _wire\n", "imports the runner package"),
+        ("pumps", "def _fatal():\n    pass\n", "which basics binds too"),
+        ("pumps", "x = 1\ndef f():\n    global x\n    x = 2\n", "rebinds a global"),
+        ("pumps", 'X = """\nfrom .basics import _fatal\n"""\n', "not the lines program"),
+    ],
+)
+def test_the_joining_rules_are_checked(module: str, source: str, complaint: str) -> None:
+    owners: dict[str, str] = {}
+    for name in _kernel_program.MODULES[: _kernel_program.MODULES.index(module)]:
+        _kernel_program._check_module(name, _kernel_program._source(name), owners)
+    with pytest.raises(_kernel_program.JoinError, match=complaint):
+        _kernel_program._check_module(module, source, owners)
 
 
 def test_package_versions_come_from_metadata_names(tmp_path: Path) -> None:
@@ -221,7 +247,7 @@ def test_package_versions_come_from_metadata_names(tmp_path: Path) -> None:
     later = tmp_path / "later"
     later.mkdir()
     (later / "numpy-9.9.9.dist-info").mkdir()
-    versions = kp.package_versions([str(tmp_path), str(later), str(tmp_path / "missing")])
+    versions = packages.package_versions([str(tmp_path), str(later), str(tmp_path / "missing")])
     assert versions == {
         "numpy": "1.2.3",  # the first directory on the path wins, as for import
         "pandas": "2.0",
@@ -253,7 +279,7 @@ def no_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
     def fatal(message: str) -> None:
         raise RuntimeError(message)
 
-    monkeypatch.setattr(kp, "_fatal", fatal)
+    monkeypatch.setattr(pumps, "_fatal", fatal)
 
 
 @pytest.mark.usefixtures("no_fatal")
@@ -265,7 +291,7 @@ def test_a_sentinel_split_anywhere_is_found() -> None:
             r, w = os.pipe()
             try:
                 sent = _Collect()
-                pump = kp._Pump(sent, r, w, "o")
+                pump = pumps._Pump(sent, r, w, "o")
                 pump.begin(7)
                 pump.drain(sentinel)  # only writes it into the pipe: this pump's thread is not running
                 for piece in (stream[:cut], stream[cut:cut2], stream[cut2:]):
@@ -277,8 +303,8 @@ def test_a_sentinel_split_anywhere_is_found() -> None:
             finally:
                 os.close(r)
                 os.close(w)
-    assert kp._sentinel_prefix_start(b"abc\x00code", sentinel) == 3
-    assert kp._sentinel_prefix_start(b"abc\x00cx", sentinel) == 6
+    assert pumps._sentinel_prefix_start(b"abc\x00code", sentinel) == 3
+    assert pumps._sentinel_prefix_start(b"abc\x00cx", sentinel) == 6
 
 
 @pytest.mark.usefixtures("no_fatal")
@@ -287,7 +313,7 @@ def test_a_forged_sentinel_and_a_full_pipe_do_not_deadlock_the_drain() -> None:
     r, w = os.pipe()
     forger_w = os.dup(w)
     sent = _Collect()
-    pump = kp._Pump(sent, r, w, "e")
+    pump = pumps._Pump(sent, r, w, "e")
     pump.begin(1)
 
     def forge() -> None:  # a thread left by a cell that knows the sentinel and keeps the pipe full
@@ -313,7 +339,7 @@ def test_a_forged_sentinel_and_a_full_pipe_do_not_deadlock_the_drain() -> None:
     os.close(r)  # the paused pump never reads again; the forger gets EPIPE and ends
     os.close(forger_w)
     forger.join(10)
-    assert len(pump._held) <= kp._HELD_CAP + 100
+    assert len(pump._held) <= pumps._HELD_CAP + 100
 
 
 # -- the kernel through the wire ----------------------------------------------------------------------
@@ -703,7 +729,7 @@ def test_a_cell_closing_the_kernels_private_fd_ends_the_kernel(kernel: Kernel) -
     run = kernel.send(channel + "os.close(fd)\nprint('closed', fd)")
     with pytest.raises(EOFError):
         kernel.wait(run)
-    assert kernel.close() == kp.FATAL_EXIT
+    assert kernel.close() == FATAL_EXIT
     assert "closed or replaced the kernel's private fd" in kernel.diag()
     kernel.expect_exit = None
 
@@ -791,7 +817,7 @@ def test_startup_and_round_trip_times(tmp_path: Path) -> None:
 
 
 def test_the_condition_on_thread_locks_times_out_and_wakes_every_waiter() -> None:
-    cond = kp._Condition()
+    cond = condition._Condition()
     with cond:
         started = time.monotonic()
         assert cond.wait(0.05) is False and time.monotonic() - started >= 0.04

@@ -72,7 +72,7 @@ class Workers:
 
     def entry(self, key: str) -> dict:
         pool = self.pool()
-        return json.loads(pool._entry_path(key).read_text())
+        return json.loads(pool._registry.path(key).read_text())
 
     def stop_all(self) -> None:
         for process in self.started:
@@ -155,7 +155,7 @@ async def test_a_request_for_another_chat_or_from_another_user_is_refused(
     other.mkdir()
     forged = {**victim, "key": "intruder", "workdir": str(other)}
     pool = workers.pool()
-    pool._entry_path("intruder").write_text(json.dumps(forged))
+    pool._registry.path("intruder").write_text(json.dumps(forged))
     try:
         result = await pool.run("intruder", other, "print(globals().get('secret'))", "python", LIMITS)
         assert result.stdout == "None\n"  # its own kernel: the victim's refused the request
@@ -238,7 +238,7 @@ async def test_max_kernels_holds_under_concurrent_starts(workers: Workers, tmp_p
             *(pool.run(f"c{i}", folders[i], f"print({i})", "python", LIMITS) for i in range(6))
         )
         assert [r.stdout for r in results] == [f"{i}\n" for i in range(6)]
-        running = [e for e in pool._running_here()]
+        running = [e for e in pool._registry.running_here()]
         assert len(running) <= 2, [e.key for e in running]
         assert len(pool.kernels()) <= 2
     finally:

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from runner import _kernel_program as kp
+from runner._kernel_program import codec
 from runner._wire import (
-    MAX_FIGURES,
+    MAX_FIGURES_PER_RUN,
     MAX_FRAME,
     MAX_TEXT,
     Done,
@@ -76,24 +76,20 @@ def test_round_trips() -> None:
 
 def test_the_kernels_own_encoder_speaks_the_same_wire() -> None:
     for obj in (READY, OUT, DONE, {**OUT, "d": '\ud7ff\ue000\u2028"\\/\t'}):
-        body = kp.to_json(obj).encode("utf-8")
+        body = codec.to_json(obj).encode("utf-8")
         assert json.loads(body) == obj
         assert decode_one(frame_of_body(body)) == decode_one(encode(obj))
     with pytest.raises(ValueError):
-        kp.to_json({"ms": float("nan")})
-    assert (kp.PROTOCOL_VERSION, kp.MAX_TEXT, kp.MAX_FIGURES_PER_RUN) == (2, MAX_TEXT, MAX_FIGURES)
-    from runner import _wire
-
-    assert kp.MAX_REQUEST == _wire.MAX_REQUEST
+        codec.to_json({"ms": float("nan")})
 
 
 def test_the_largest_honest_frames_fit() -> None:
     # JSON may take 6 bytes (\u0000) for one character: a full "out" frame still fits the default bound.
     for char in ("\x00", "😀", "\\", "é"):
-        frame = kp.to_json({**OUT, "d": char * MAX_TEXT}).encode()
+        frame = codec.to_json({**OUT, "d": char * MAX_TEXT}).encode()
         assert len(frame) <= MAX_FRAME
         assert decode_one(frame_of_body(frame)) == [Output(7, "stdout", char * MAX_TEXT)]
-    names = [f"figure-{i}.png" for i in range(MAX_FIGURES)]
+    names = [f"figure-{i}.png" for i in range(MAX_FIGURES_PER_RUN)]
     assert decode_one(encode({**DONE, "figures": names}))[0].figures == tuple(names)  # type: ignore[attr-defined]
 
 
@@ -175,7 +171,7 @@ def _variants() -> dict[str, object]:
                 [1],
                 [None],
                 ["a" * 256],
-                [f"f{i}.png" for i in range(MAX_FIGURES + 1)],
+                [f"f{i}.png" for i in range(MAX_FIGURES_PER_RUN + 1)],
                 ["/etc/passwd"],
                 ["../x.png"],
                 ["a/../../b.png"],
@@ -326,7 +322,7 @@ def test_decoding_is_fast() -> None:
     per_split = (time.perf_counter() - began) / len(frames)
     began = time.perf_counter()
     for _ in range(1000):
-        parse_body(kp.to_json({**OUT, "d": "x" * MAX_TEXT}).encode())
+        parse_body(codec.to_json({**OUT, "d": "x" * MAX_TEXT}).encode())
     big = (time.perf_counter() - began) / 1000
     print(
         f"\nwire decode: {per_frame * 1e6:.2f} µs per small frame in one chunk, "

@@ -1,0 +1,135 @@
+"""Python cells: compiled IPython style (a last expression is shown), run in the chat's namespace."""
+
+from __future__ import annotations
+
+import _ast
+import os
+import sys
+
+from .basics import _os_getpid
+from .tracebacks import format_cell_exception
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import types
+    from collections.abc import Callable
+    from typing import Any, NoReturn
+
+
+def _ends_with_semicolon(code: str, node: Any) -> bool:
+    """``x;`` as the last statement hides its value, as in IPython (a ``;`` in a comment does not)."""
+    lines = code.splitlines()
+    if node.end_lineno is None or node.end_lineno > len(lines):
+        return False
+    rest = lines[node.end_lineno - 1].encode("utf-8", "surrogateescape")[node.end_col_offset :]
+    return rest.lstrip().startswith(b";")  # ast counts columns in UTF-8 bytes
+
+
+def _exit_code_of(code: object) -> tuple[int, str | None]:
+    """What ``python3 cell.py`` would exit with, and the message it would print, for SystemExit(code)."""
+    if code is None:
+        return 0, None
+    if isinstance(code, int):
+        return code & 0xFF, None
+    try:
+        return 1, str(code)
+    except Exception:
+        return 1, None
+
+
+def _into_linecache(linecache: types.ModuleType, filename: str, code: str) -> None:
+    """A cell's source where tracebacks look (no mtime: linecache.checkcache leaves it alone)."""
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+
+
+class _PythonCells:
+    """The Kernel's Python cells (a part of Kernel, apart for reading)."""
+
+    workdir: str
+    pid: int
+    namespace: dict[str, Any]
+    _armed: bool
+    _cell_running: bool
+    _cell_names: set[str]
+    _cell_sources: dict[str, str]
+    _live_stdout: Callable[[], Any]  # the kernel's stdout, recreated if a cell closed it
+
+    def _cell_filename(self, run_id: int) -> str:
+        name = f"<cell-{run_id}>"
+        n = 1
+        while name in self._cell_names:  # the host reused an id: keep the old cell's source lines
+            n += 1
+            name = f"<cell-{run_id}.{n}>"
+        self._cell_names.add(name)
+        return name
+
+    def _compile(self, run_id: int, code: str) -> tuple[Any, Any]:
+        """(statements, last expression or None), IPython style: a last expression statement is
+        evaluated apart so its value can be shown."""
+        filename = self._cell_filename(run_id)
+        linecache = sys.modules.get("linecache")
+        if linecache is not None:
+            _into_linecache(linecache, filename, code)
+        else:
+            self._cell_sources[filename] = code
+        # The builtin _ast, not the ast module (a few ms more to import in the sandbox): the same nodes.
+        tree = compile(code, filename, "exec", _ast.PyCF_ONLY_AST, dont_inherit=True)
+        last = None
+        final = tree.body[-1] if tree.body else None
+        if isinstance(final, _ast.Expr) and not _ends_with_semicolon(code, final):
+            last = compile(_ast.Expression(tree.body.pop().value), filename, "eval", dont_inherit=True)
+        return compile(tree, filename, "exec", dont_inherit=True), last
+
+    def _run_python(self, run_id: int, code: str) -> tuple[str, int | None, str]:
+        """(status, exit code, what to print on stderr once the cell's stdio damage is undone)."""
+        # A module the previous cell wrote into the workdir must be importable now, even within the
+        # granularity of the directory's mtime, by which the import system notices new files.
+        finder = sys.path_importer_cache.get(self.workdir)
+        if finder is not None and hasattr(finder, "invalidate_caches"):
+            finder.invalidate_caches()
+        try:
+            body, last = self._compile(run_id, code)
+        except Exception as exc:  # SyntaxError, ValueError (NUL bytes), RecursionError (deep nesting)
+            import traceback
+
+            return "error", 1, "".join(traceback.format_exception_only(type(exc), exc))
+        ns = self.namespace
+        failure: BaseException | None = None
+        message: str | None = None
+        try:
+            self._armed = self._cell_running = True
+            exec(body, ns)
+            if last is not None:
+                value = eval(last, ns)
+                if value is not None:
+                    ns["_"] = value
+                    self._live_stdout().write(repr(value) + "\n")
+            self._armed = self._cell_running = False
+            status, exit_code = "ok", 0
+        except KeyboardInterrupt as exc:
+            self._armed = self._cell_running = False
+            failure, status, exit_code = exc, "interrupted", None
+        except SystemExit as exc:
+            self._armed = self._cell_running = False
+            exit_code, message = _exit_code_of(exc.code)
+            status = "ok" if exit_code == 0 else "error"
+        except BaseException as exc:
+            self._armed = self._cell_running = False
+            failure, status, exit_code = exc, "error", 1
+        if _os_getpid() != self.pid:
+            self._exit_forked_child(failure, exit_code)
+        if failure is not None:
+            sys.last_type, sys.last_value, sys.last_traceback = type(failure), failure, failure.__traceback__
+            return status, exit_code, format_cell_exception(failure)
+        return status, exit_code, "" if message is None else message + "\n"
+
+    def _exit_forked_child(self, failure: BaseException | None, exit_code: int | None) -> NoReturn:
+        """A cell forked and the child ran off the end of the cell: it must not become a second kernel
+        (it shares the channel). End it the way a forked script would end."""
+        try:
+            if failure is not None and not isinstance(failure, KeyboardInterrupt):
+                sys.stderr.write(format_cell_exception(failure))
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(exit_code or 0)

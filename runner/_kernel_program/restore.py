@@ -1,0 +1,160 @@
+"""After every cell: the process as the kernel needs it (fds, streams, signals, hooks), the cell's
+leftover processes gone, the kernel's private fds checked."""
+
+from __future__ import annotations
+
+import _signal
+import contextlib
+import os
+import sys
+import time
+
+from .basics import (
+    _KILL_PATIENCE_S,
+    _fatal,
+    _monotonic,
+    _os_dup2,
+    _os_fstat,
+    _os_getpid,
+    _os_kill,
+    _os_waitpid,
+)
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+_STDIO = {"encoding": "utf-8", "errors": "backslashreplace"}
+
+
+class _Restoring:
+    """What the Kernel puts back after every cell (a part of Kernel, apart for reading)."""
+
+    null_fd: int
+    out_w: int
+    err_w: int
+    _stdin: Any
+    _stdout: Any
+    _stderr: Any
+    _private_fds: dict[int, tuple[int, int]]
+    _recursion_limit: int
+    _catchable: list[int]
+    _on_sigint_bound: Any
+
+    @staticmethod
+    def _identity(fd: int) -> tuple[int, int]:
+        st = _os_fstat(fd)
+        return st.st_dev, st.st_ino
+
+    def _restore_fds(self) -> None:
+        _os_dup2(self.null_fd, 0)
+        _os_dup2(self.out_w, 1)
+        _os_dup2(self.err_w, 2)
+
+    def _restore_streams(self) -> None:
+        """Our stdio objects back in sys (recreated if a cell closed them); closefd=False, so closing
+        them never closes fd 0/1/2."""
+        if self._stdin is None or self._stdin.closed:
+            self._stdin = open(0, closefd=False, **_STDIO)  # noqa: SIM115
+        if self._stdout is None or self._stdout.closed:
+            self._stdout = open(1, "w", buffering=1, closefd=False, **_STDIO)  # noqa: SIM115
+        if self._stderr is None or self._stderr.closed:
+            self._stderr = open(2, "w", buffering=1, closefd=False, **_STDIO)  # noqa: SIM115
+        sys.stdin = sys.__stdin__ = self._stdin
+        sys.stdout = sys.__stdout__ = self._stdout
+        sys.stderr = sys.__stderr__ = self._stderr
+
+    def _note(self, text: str) -> None:
+        """The kernel's own words (a traceback, a notice) on the cell's stderr. Written after the cell's
+        damage to fd 2 and sys.stderr is undone; from inside a cell (plt.show()) it may find fd 2 closed
+        by the cell, and then the notice is lost rather than the kernel."""
+        with contextlib.suppress(Exception):
+            if self._stderr is None or self._stderr.closed:
+                self._restore_streams()
+            self._stderr.write(text)
+
+    def _live_stdout(self) -> Any:
+        if self._stdout is None or self._stdout.closed:
+            self._restore_streams()
+        return self._stdout
+
+    def _restore_process_state(self) -> None:
+        """Undo what a cell may have done to the process that the kernel relies on: fd 0/1/2 and
+        sys.std*, signal handlers and mask (a Python handler left by a cell could raise inside the
+        kernel's own code between cells), timers, trace and profile hooks."""
+        self._restore_fds()
+        self._restore_streams()
+        sys.settrace(None)
+        sys.setprofile(None)
+        if sys.getrecursionlimit() < self._recursion_limit:  # the kernel's own code needs some depth
+            sys.setrecursionlimit(self._recursion_limit)
+        threading = sys.modules.get("threading")  # hooks for the threads a cell starts, if it can
+        if threading is not None:
+            threading.settrace(None)  # type: ignore[arg-type]
+            threading.setprofile(None)  # type: ignore[arg-type]
+        for which in (_signal.ITIMER_REAL, _signal.ITIMER_VIRTUAL, _signal.ITIMER_PROF):
+            _signal.setitimer(which, 0)
+        # _signal, not signal: the latter wraps every answer in an enum, 50 µs for the loop instead of 5.
+        getsignal, setsignal = _signal.getsignal, _signal.signal
+        for sig in self._catchable:
+            handler = getsignal(sig)
+            if callable(handler) and handler is not self._on_sigint_bound:
+                setsignal(sig, _signal.SIG_DFL)
+        if getsignal(_signal.SIGINT) is not self._on_sigint_bound:
+            setsignal(_signal.SIGINT, self._on_sigint_bound)
+        if getsignal(_signal.SIGCHLD) != _signal.SIG_DFL:  # SIG_IGN would reap children before our waitpid
+            setsignal(_signal.SIGCHLD, _signal.SIG_DFL)
+        for sig in (_signal.SIGPIPE, _signal.SIGXFSZ):  # as Python starts: errors, not deaths
+            if getsignal(sig) != _signal.SIG_IGN:
+                setsignal(sig, _signal.SIG_IGN)
+        _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
+
+    def _flush_streams(self) -> None:
+        for stream in (self._stdout, self._stderr):
+            try:
+                stream.flush()
+            except Exception:  # a write the pipe refused: the text is lost, start the stream afresh
+                with contextlib.suppress(Exception):
+                    stream.close()
+        self._restore_streams()
+
+    def _end_leftovers(self) -> None:
+        """Kill every process the cell left (daemons, double forks, a shell's background jobs) and reap
+        them. Only as PID 1: then kill(-1) means every other process of our own pid namespace. Anywhere
+        else (say as root on a host) it would mean every process of the machine."""
+        if _os_getpid() != 1:
+            return
+        deadline = _monotonic() + _KILL_PATIENCE_S
+        while True:
+            try:
+                _os_kill(-1, _signal.SIGKILL)  # zombies count too, so ESRCH means: nobody else is left
+            except ProcessLookupError:
+                break
+            except PermissionError:  # only processes we may not signal are left: nothing to do
+                break
+            if not self._reap() and _monotonic() > deadline:
+                self._note("[code-sessions: some processes of the cell would not die]\n")
+                break
+            time.sleep(0.0002)
+        self._reap()
+
+    @staticmethod
+    def _reap() -> int:
+        n = 0
+        while True:
+            try:
+                pid, _status = _os_waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return n
+            if pid == 0:
+                return n
+            n += 1
+
+    def _check_private_fds(self) -> None:
+        for fd, identity in self._private_fds.items():
+            try:
+                same = self._identity(fd) == identity
+            except OSError:
+                same = False
+            if not same:
+                _fatal(f"a cell closed or replaced the kernel's private fd {fd}")
