@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_35b89730170f'
+_CS_PACKAGE = '_code_sessions_f7a21b592d8f'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -9626,10 +9626,14 @@ class Kernel(_Watchers):
     async def _spawn(self, watch: ChangeWatch) -> None:
         self._watch = watch
         loop = asyncio.get_running_loop()
+
+        def exceeded(grown: int | None) -> None:  # called from the watcher's thread
+            loop.call_soon_threadsafe(self._disk_exceeded, grown)
+
         self._growth = GrowthWatch(
             str(self.sandbox.workdir),
             self.limits.max_write_bytes,
-            lambda grown: loop.call_soon_threadsafe(self._disk_exceeded, grown),
+            exceeded,
             pids=self.host_pids,
         )
         # The request pipe is ours, and a second descriptor of its write end is held outside the
@@ -10079,18 +10083,18 @@ def _check_module(name: str, source: str, owners: dict[str, str]) -> None:
             expected.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
     if _import_lines(source.splitlines(keepends=True)) != expected:
         raise JoinError(f"{name}.py: its sibling imports are not the lines program() removes")
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level and node not in tree.body:
-            raise JoinError(f"{name}.py:{node.lineno}: a sibling import must be at the top level")
+    for inner in ast.walk(tree):
+        if isinstance(inner, ast.ImportFrom) and inner.level and inner not in tree.body:
+            raise JoinError(f"{name}.py:{inner.lineno}: a sibling import must be at the top level")
         modules: list[str] = []
-        if isinstance(node, ast.Import):
-            modules = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and not node.level:
-            modules = [node.module or ""]
+        if isinstance(inner, ast.Import):
+            modules = [a.name for a in inner.names]
+        elif isinstance(inner, ast.ImportFrom) and not inner.level:
+            modules = [inner.module or ""]
         if any(m.split(".")[0] == "runner" for m in modules):
-            raise JoinError(f"{name}.py:{node.lineno}: imports the runner package")
-        if isinstance(node, ast.Global) and name != "basics":
-            raise JoinError(f"{name}.py:{node.lineno}: rebinds a global (only basics.set_diag_fd may)")
+            raise JoinError(f"{name}.py:{getattr(inner, 'lineno', '?')}: imports the runner package")
+        if isinstance(inner, ast.Global) and name != "basics":
+            raise JoinError(f"{name}.py:{inner.lineno}: rebinds a global (only basics.set_diag_fd may)")
     for defined, binder in _top_level_names(tree, name):
         if owners.setdefault(defined, binder) != binder and defined not in _SHARED:
             raise JoinError(f"{name}.py binds {defined}, which {owners[defined]} binds too")
@@ -10339,7 +10343,8 @@ class _JsonContext:
         raise ValueError(f"{name} is not JSON")
 
 
-_scan_json = _json.make_scanner(_JsonContext())
+# The C scanner reads only these attributes of its context: a small class stands in for a decoder.
+_scan_json = _json.make_scanner(_JsonContext())  # type: ignore[arg-type]
 
 
 def _json_loads(text: str) -> Any:
@@ -10490,15 +10495,16 @@ class _Figures:
         return wrapper
 
     def _mark_clean(self, fig: Any) -> None:
-        assert self._clean is not None
-        self._clean[fig] = True
+        clean = self._clean
+        assert clean is not None
+        clean[fig] = True
         inner = getattr(fig, "stale_callback", None)
         if getattr(inner, "_code_sessions", False):
             return
 
         def stale_callback(artist: Any, value: bool) -> None:
             if value and not self._muted:
-                self._clean[artist] = False
+                clean[artist] = False
             if inner is not None:
                 inner(artist, value)
 
@@ -10574,7 +10580,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     import importlib.machinery
     import types
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
     from typing import Any
 
 
@@ -10603,7 +10609,7 @@ class _ImportHooks:
     it) and linecache (filled with the cells' sources when something first needs it). Costs one dict
     lookup per import of anything else."""
 
-    def __init__(self, hooks: dict[str, Callable[[types.ModuleType], None]]) -> None:
+    def __init__(self, hooks: Mapping[str, Callable[[types.ModuleType], None]]) -> None:
         self._hooks = hooks
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
@@ -11115,7 +11121,7 @@ def _ends_with_semicolon(code: str, node: Any) -> bool:
     if node.end_lineno is None or node.end_lineno > len(lines):
         return False
     rest = lines[node.end_lineno - 1].encode("utf-8", "surrogateescape")[node.end_col_offset :]
-    return rest.lstrip().startswith(b";")  # ast counts columns in UTF-8 bytes
+    return bool(rest.lstrip().startswith(b";"))  # ast counts columns in UTF-8 bytes
 
 
 def _exit_code_of(code: object) -> tuple[int, str | None]:
@@ -11167,10 +11173,12 @@ class _PythonCells:
             self._cell_sources[filename] = code
         # The builtin _ast, not the ast module (a few ms more to import in the sandbox): the same nodes.
         tree = compile(code, filename, "exec", _ast.PyCF_ONLY_AST, dont_inherit=True)
+        assert isinstance(tree, _ast.Module)  # what "exec" parses to
         last = None
         final = tree.body[-1] if tree.body else None
         if isinstance(final, _ast.Expr) and not _ends_with_semicolon(code, final):
-            last = compile(_ast.Expression(tree.body.pop().value), filename, "eval", dont_inherit=True)
+            tree.body.pop()
+            last = compile(_ast.Expression(final.value), filename, "eval", dont_inherit=True)
         return compile(tree, filename, "exec", dont_inherit=True), last
 
     def _run_python(self, run_id: int, code: str) -> tuple[str, int | None, str]:
@@ -11253,7 +11261,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-_STDIO = {"encoding": "utf-8", "errors": "backslashreplace"}
+_ENCODING, _ERRORS = "utf-8", "backslashreplace"  # of the kernel's own stdio
 
 
 class _Restoring:
@@ -11284,14 +11292,16 @@ class _Restoring:
         """Our stdio objects back in sys (recreated if a cell closed them); closefd=False, so closing
         them never closes fd 0/1/2."""
         if self._stdin is None or self._stdin.closed:
-            self._stdin = open(0, closefd=False, **_STDIO)  # noqa: SIM115
+            self._stdin = open(0, encoding=_ENCODING, errors=_ERRORS, closefd=False)  # noqa: SIM115
         if self._stdout is None or self._stdout.closed:
-            self._stdout = open(1, "w", buffering=1, closefd=False, **_STDIO)  # noqa: SIM115
+            self._stdout = open(1, "w", buffering=1, encoding=_ENCODING, errors=_ERRORS, closefd=False)  # noqa: SIM115
         if self._stderr is None or self._stderr.closed:
-            self._stderr = open(2, "w", buffering=1, closefd=False, **_STDIO)  # noqa: SIM115
-        sys.stdin = sys.__stdin__ = self._stdin
-        sys.stdout = sys.__stdout__ = self._stdout
-        sys.stderr = sys.__stderr__ = self._stderr
+            self._stderr = open(2, "w", buffering=1, encoding=_ENCODING, errors=_ERRORS, closefd=False)  # noqa: SIM115
+        # The originals too: a cell may have replaced them, and code that restores from them must
+        # get ours back.
+        sys.stdin = sys.__stdin__ = self._stdin  # type: ignore[misc]
+        sys.stdout = sys.__stdout__ = self._stdout  # type: ignore[misc]
+        sys.stderr = sys.__stderr__ = self._stderr  # type: ignore[misc]
 
     def _note(self, text: str) -> None:
         """The kernel's own words (a traceback, a notice) on the cell's stderr. Written after the cell's
@@ -11319,8 +11329,8 @@ class _Restoring:
             sys.setrecursionlimit(self._recursion_limit)
         threading = sys.modules.get("threading")  # hooks for the threads a cell starts, if it can
         if threading is not None:
-            threading.settrace(None)  # type: ignore[arg-type]
-            threading.setprofile(None)  # type: ignore[arg-type]
+            threading.settrace(None)
+            threading.setprofile(None)
         for which in (_signal.ITIMER_REAL, _signal.ITIMER_VIRTUAL, _signal.ITIMER_PROF):
             _signal.setitimer(which, 0)
         # _signal, not signal: the latter wraps every answer in an enum, 50 µs for the loop instead of 5.
@@ -12333,7 +12343,8 @@ def peer_uid(writer: asyncio.StreamWriter) -> int | None:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     except (OSError, AttributeError):
         return None
-    return struct.unpack("3i", creds)[1]
+    pid: int = struct.unpack("3i", creds)[1]
+    return pid
 
 
 def _prepare_socket(path: Path) -> None:
@@ -13009,6 +13020,7 @@ import json
 import math
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -13187,7 +13199,11 @@ def _parse_done(obj: dict[str, Any], escapes: bool) -> Done:
     return Done(run_id, status, exit_code, names, float(ms), more)  # type: ignore[arg-type]
 
 
-_PARSERS = {"ready": _parse_ready, "out": _parse_out, "done": _parse_done}
+_PARSERS: dict[str, Callable[[dict[str, Any], bool], Ready | Output | Done]] = {
+    "ready": _parse_ready,
+    "out": _parse_out,
+    "done": _parse_done,
+}
 
 
 def parse_body(body: bytes | bytearray | memoryview) -> Message:
@@ -14401,7 +14417,7 @@ class KernelPool(_Room, _Peers):
         self._mine[key] = kernel
         sock = self._socket_path(key, kernel.cid)
         try:
-            self._servers[key] = await _relay.listen(sock, lambda r, w, k=key: self._serve(k, r, w))
+            self._servers[key] = await _relay.listen(sock, functools.partial(self._serve, key))
         except OSError as error:  # other workers then start their own after this one stops
             log.warning("kernel %s: cannot serve it to other workers: %s", kernel.cid, error)
         entry = Entry(
@@ -15289,7 +15305,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_35b89730170f.runner import Outcome
+from _code_sessions_f7a21b592d8f.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -15566,8 +15582,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_35b89730170f.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_35b89730170f.storage import human_bytes
+from _code_sessions_f7a21b592d8f.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_f7a21b592d8f.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -15687,7 +15703,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_35b89730170f.storage import Purge, parse_duration
+from _code_sessions_f7a21b592d8f.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16807,8 +16823,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_35b89730170f.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_35b89730170f.storage import (
+from _code_sessions_f7a21b592d8f.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_f7a21b592d8f.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -17519,7 +17535,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_35b89730170f.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_f7a21b592d8f.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -17745,7 +17761,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_35b89730170f.storage import Link, Publisher, is_postgres_url
+from _code_sessions_f7a21b592d8f.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17962,7 +17978,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_35b89730170f.engine import (
+from _code_sessions_f7a21b592d8f.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17972,9 +17988,9 @@ from _code_sessions_35b89730170f.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_35b89730170f.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_35b89730170f.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_35b89730170f.webui import OpenWebUI
+from _code_sessions_f7a21b592d8f.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_f7a21b592d8f.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_f7a21b592d8f.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -18644,7 +18660,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_35b89730170f.engine import (
+from _code_sessions_f7a21b592d8f.engine import (
     LoopOptions,
     ModelError,
     converse,
@@ -18653,9 +18669,9 @@ from _code_sessions_35b89730170f.engine import (
     events_from_sse,
     waiting_status,
 )
-from _code_sessions_35b89730170f.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
-from _code_sessions_35b89730170f.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_35b89730170f.webui import Misconfigured
+from _code_sessions_f7a21b592d8f.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from _code_sessions_f7a21b592d8f.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_f7a21b592d8f.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

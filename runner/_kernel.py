@@ -224,10 +224,14 @@ class Kernel(_Watchers):
     async def _spawn(self, watch: ChangeWatch) -> None:
         self._watch = watch
         loop = asyncio.get_running_loop()
+
+        def exceeded(grown: int | None) -> None:  # called from the watcher's thread
+            loop.call_soon_threadsafe(self._disk_exceeded, grown)
+
         self._growth = GrowthWatch(
             str(self.sandbox.workdir),
             self.limits.max_write_bytes,
-            lambda grown: loop.call_soon_threadsafe(self._disk_exceeded, grown),
+            exceeded,
             pids=self.host_pids,
         )
         # The request pipe is ours, and a second descriptor of its write end is held outside the

@@ -119,7 +119,8 @@ def peer_uid(writer: asyncio.StreamWriter) -> int | None:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     except (OSError, AttributeError):
         return None
-    return struct.unpack("3i", creds)[1]
+    pid: int = struct.unpack("3i", creds)[1]
+    return pid
 
 
 def _prepare_socket(path: Path) -> None:

@@ -17,6 +17,7 @@ import json
 import math
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -195,7 +196,11 @@ def _parse_done(obj: dict[str, Any], escapes: bool) -> Done:
     return Done(run_id, status, exit_code, names, float(ms), more)  # type: ignore[arg-type]
 
 
-_PARSERS = {"ready": _parse_ready, "out": _parse_out, "done": _parse_done}
+_PARSERS: dict[str, Callable[[dict[str, Any], bool], Ready | Output | Done]] = {
+    "ready": _parse_ready,
+    "out": _parse_out,
+    "done": _parse_done,
+}
 
 
 def parse_body(body: bytes | bytearray | memoryview) -> Message:

@@ -373,7 +373,7 @@ class KernelPool(_Room, _Peers):
         self._mine[key] = kernel
         sock = self._socket_path(key, kernel.cid)
         try:
-            self._servers[key] = await _relay.listen(sock, lambda r, w, k=key: self._serve(k, r, w))
+            self._servers[key] = await _relay.listen(sock, functools.partial(self._serve, key))
         except OSError as error:  # other workers then start their own after this one stops
             log.warning("kernel %s: cannot serve it to other workers: %s", kernel.cid, error)
         entry = Entry(

@@ -130,7 +130,8 @@ class BundleError(Exception):
 
 def _project_version() -> str:
     with open(ROOT / "pyproject.toml", "rb") as handle:
-        return tomllib.load(handle)["project"]["version"]
+        version: str = tomllib.load(handle)["project"]["version"]
+        return version
 
 
 def _package_sources() -> dict[str, str]:

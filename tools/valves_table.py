@@ -15,6 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pydantic import BaseModel
+
 from functions.adapter import SessionValves
 from functions.code_sessions import Pipe
 from functions.code_sessions_filter import Filter
@@ -31,7 +33,7 @@ def _default(value: object) -> str:
     return f"`{value}`"
 
 
-def table(model: type, skip: type | None = None) -> str:
+def table(model: type[BaseModel], skip: type[BaseModel] | None = None) -> str:
     rows = ["| valve | default | what it does |", "|---|---|---|"]
     for name, field in model.model_fields.items():
         if skip is not None and name in skip.model_fields:

@@ -109,18 +109,18 @@ def _check_module(name: str, source: str, owners: dict[str, str]) -> None:
             expected.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
     if _import_lines(source.splitlines(keepends=True)) != expected:
         raise JoinError(f"{name}.py: its sibling imports are not the lines program() removes")
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level and node not in tree.body:
-            raise JoinError(f"{name}.py:{node.lineno}: a sibling import must be at the top level")
+    for inner in ast.walk(tree):
+        if isinstance(inner, ast.ImportFrom) and inner.level and inner not in tree.body:
+            raise JoinError(f"{name}.py:{inner.lineno}: a sibling import must be at the top level")
         modules: list[str] = []
-        if isinstance(node, ast.Import):
-            modules = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and not node.level:
-            modules = [node.module or ""]
+        if isinstance(inner, ast.Import):
+            modules = [a.name for a in inner.names]
+        elif isinstance(inner, ast.ImportFrom) and not inner.level:
+            modules = [inner.module or ""]
         if any(m.split(".")[0] == "runner" for m in modules):
-            raise JoinError(f"{name}.py:{node.lineno}: imports the runner package")
-        if isinstance(node, ast.Global) and name != "basics":
-            raise JoinError(f"{name}.py:{node.lineno}: rebinds a global (only basics.set_diag_fd may)")
+            raise JoinError(f"{name}.py:{getattr(inner, 'lineno', '?')}: imports the runner package")
+        if isinstance(inner, ast.Global) and name != "basics":
+            raise JoinError(f"{name}.py:{inner.lineno}: rebinds a global (only basics.set_diag_fd may)")
     for defined, binder in _top_level_names(tree, name):
         if owners.setdefault(defined, binder) != binder and defined not in _SHARED:
             raise JoinError(f"{name}.py binds {defined}, which {owners[defined]} binds too")

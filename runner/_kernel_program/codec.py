@@ -47,7 +47,8 @@ class _JsonContext:
         raise ValueError(f"{name} is not JSON")
 
 
-_scan_json = _json.make_scanner(_JsonContext())
+# The C scanner reads only these attributes of its context: a small class stands in for a decoder.
+_scan_json = _json.make_scanner(_JsonContext())  # type: ignore[arg-type]
 
 
 def _json_loads(text: str) -> Any:

@@ -74,15 +74,16 @@ class _Figures:
         return wrapper
 
     def _mark_clean(self, fig: Any) -> None:
-        assert self._clean is not None
-        self._clean[fig] = True
+        clean = self._clean
+        assert clean is not None
+        clean[fig] = True
         inner = getattr(fig, "stale_callback", None)
         if getattr(inner, "_code_sessions", False):
             return
 
         def stale_callback(artist: Any, value: bool) -> None:
             if value and not self._muted:
-                self._clean[artist] = False
+                clean[artist] = False
             if inner is not None:
                 inner(artist, value)
 

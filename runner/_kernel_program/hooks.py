@@ -8,7 +8,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     import importlib.machinery
     import types
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
     from typing import Any
 
 
@@ -37,7 +37,7 @@ class _ImportHooks:
     it) and linecache (filled with the cells' sources when something first needs it). Costs one dict
     lookup per import of anything else."""
 
-    def __init__(self, hooks: dict[str, Callable[[types.ModuleType], None]]) -> None:
+    def __init__(self, hooks: Mapping[str, Callable[[types.ModuleType], None]]) -> None:
         self._hooks = hooks
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:

@@ -22,7 +22,7 @@ def _ends_with_semicolon(code: str, node: Any) -> bool:
     if node.end_lineno is None or node.end_lineno > len(lines):
         return False
     rest = lines[node.end_lineno - 1].encode("utf-8", "surrogateescape")[node.end_col_offset :]
-    return rest.lstrip().startswith(b";")  # ast counts columns in UTF-8 bytes
+    return bool(rest.lstrip().startswith(b";"))  # ast counts columns in UTF-8 bytes
 
 
 def _exit_code_of(code: object) -> tuple[int, str | None]:
@@ -74,10 +74,12 @@ class _PythonCells:
             self._cell_sources[filename] = code
         # The builtin _ast, not the ast module (a few ms more to import in the sandbox): the same nodes.
         tree = compile(code, filename, "exec", _ast.PyCF_ONLY_AST, dont_inherit=True)
+        assert isinstance(tree, _ast.Module)  # what "exec" parses to
         last = None
         final = tree.body[-1] if tree.body else None
         if isinstance(final, _ast.Expr) and not _ends_with_semicolon(code, final):
-            last = compile(_ast.Expression(tree.body.pop().value), filename, "eval", dont_inherit=True)
+            tree.body.pop()
+            last = compile(_ast.Expression(final.value), filename, "eval", dont_inherit=True)
         return compile(tree, filename, "exec", dont_inherit=True), last
 
     def _run_python(self, run_id: int, code: str) -> tuple[str, int | None, str]:

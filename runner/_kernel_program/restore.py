@@ -24,7 +24,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-_STDIO = {"encoding": "utf-8", "errors": "backslashreplace"}
+_ENCODING, _ERRORS = "utf-8", "backslashreplace"  # of the kernel's own stdio
 
 
 class _Restoring:
@@ -55,14 +55,16 @@ class _Restoring:
         """Our stdio objects back in sys (recreated if a cell closed them); closefd=False, so closing
         them never closes fd 0/1/2."""
         if self._stdin is None or self._stdin.closed:
-            self._stdin = open(0, closefd=False, **_STDIO)  # noqa: SIM115
+            self._stdin = open(0, encoding=_ENCODING, errors=_ERRORS, closefd=False)  # noqa: SIM115
         if self._stdout is None or self._stdout.closed:
-            self._stdout = open(1, "w", buffering=1, closefd=False, **_STDIO)  # noqa: SIM115
+            self._stdout = open(1, "w", buffering=1, encoding=_ENCODING, errors=_ERRORS, closefd=False)  # noqa: SIM115
         if self._stderr is None or self._stderr.closed:
-            self._stderr = open(2, "w", buffering=1, closefd=False, **_STDIO)  # noqa: SIM115
-        sys.stdin = sys.__stdin__ = self._stdin
-        sys.stdout = sys.__stdout__ = self._stdout
-        sys.stderr = sys.__stderr__ = self._stderr
+            self._stderr = open(2, "w", buffering=1, encoding=_ENCODING, errors=_ERRORS, closefd=False)  # noqa: SIM115
+        # The originals too: a cell may have replaced them, and code that restores from them must
+        # get ours back.
+        sys.stdin = sys.__stdin__ = self._stdin  # type: ignore[misc]
+        sys.stdout = sys.__stdout__ = self._stdout  # type: ignore[misc]
+        sys.stderr = sys.__stderr__ = self._stderr  # type: ignore[misc]
 
     def _note(self, text: str) -> None:
         """The kernel's own words (a traceback, a notice) on the cell's stderr. Written after the cell's
@@ -90,8 +92,8 @@ class _Restoring:
             sys.setrecursionlimit(self._recursion_limit)
         threading = sys.modules.get("threading")  # hooks for the threads a cell starts, if it can
         if threading is not None:
-            threading.settrace(None)  # type: ignore[arg-type]
-            threading.setprofile(None)  # type: ignore[arg-type]
+            threading.settrace(None)
+            threading.setprofile(None)
         for which in (_signal.ITIMER_REAL, _signal.ITIMER_VIRTUAL, _signal.ITIMER_PROF):
             _signal.setitimer(which, 0)
         # _signal, not signal: the latter wraps every answer in an enum, 50 µs for the loop instead of 5.
