@@ -32,15 +32,10 @@ from storage import (
     human_bytes,
 )
 
-from .rewrite import (
-    SCAN_ON_LOOP_CHARS,
-    References,
-    StreamingRewriter,
-    Target,
-    escape_text,
-    mention,
-    resolve_all,
-)
+from .links import References, Target, resolve_all
+from .markup import escape_text, mention
+from .scan import SCAN_ON_LOOP_CHARS
+from .streaming import StreamingRewriter
 
 __all__ = ["ChatSession", "CodeSessions", "StepResult", "Waiting"]
 
