@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_b2a92bec0298'
+_CS_PACKAGE = '_code_sessions_fff2062a2606'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -14878,7 +14878,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_b2a92bec0298.runner import Outcome
+from _code_sessions_fff2062a2606.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -15218,8 +15218,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b2a92bec0298.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_b2a92bec0298.storage import human_bytes
+from _code_sessions_fff2062a2606.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_fff2062a2606.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -15339,7 +15339,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_b2a92bec0298.storage import Purge, parse_duration
+from _code_sessions_fff2062a2606.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -15905,8 +15905,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b2a92bec0298.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_b2a92bec0298.storage import (
+from _code_sessions_fff2062a2606.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_fff2062a2606.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16187,10 +16187,7 @@ class ChatSession:
                     result = await service.execute(self.session, code, language, limits)
                 finally:
                     # Index what the run left even when the runner failed half-way: disk is the truth.
-                    report = await self.session.reconcile(
-                        enforce_quotas=True, changed=service._changed_hint(self.session, result)
-                    )
-                    service._reconciled(self.session, report)
+                    report = await service.reconcile_after(self.session, result)
         except DiskFull as error:
             # The run (if any) happened; what it wrote is indexed by the next step, which lists the
             # whole folder (the mark of this run stays).
@@ -16433,6 +16430,13 @@ class CodeSessions:
             await self.kernels.close()
         await self.store.close()
 
+    async def reconcile_after(self, session: Session, result: RunResult | None) -> ReconcileReport:
+        """Index what a run left in the session's folder (`result` None: the runner failed before it
+        could say), quotas enforced. The caller holds the session's lock."""
+        report = await session.reconcile(enforce_quotas=True, changed=self._changed_hint(session, result))
+        self._reconciled(session, report)
+        return report
+
     def _changed_hint(self, session: Session, result: RunResult | None) -> tuple[str, ...] | None:
         """The paths to reconcile, or None for a full listing: when the runner failed or does not
         know what changed, and at the first step of a session here and every FULL_RECONCILE_EVERY_S."""
@@ -16444,6 +16448,7 @@ class CodeSessions:
         return result.changed
 
     def _reconciled(self, session: Session, report: ReconcileReport) -> None:
+        """Note when the session's folder was last listed whole."""
         if not report.full:
             return
         now = time.monotonic()
@@ -16859,7 +16864,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_b2a92bec0298.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_fff2062a2606.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -17076,7 +17081,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_b2a92bec0298.storage import Link, Publisher, is_postgres_url
+from _code_sessions_fff2062a2606.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17291,7 +17296,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_b2a92bec0298.engine import (
+from _code_sessions_fff2062a2606.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17301,9 +17306,9 @@ from _code_sessions_b2a92bec0298.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_b2a92bec0298.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_b2a92bec0298.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_b2a92bec0298.webui import OpenWebUI
+from _code_sessions_fff2062a2606.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_fff2062a2606.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_fff2062a2606.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -17970,10 +17975,10 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_b2a92bec0298.engine import LoopOptions, escape_text, run_step
-from _code_sessions_b2a92bec0298.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_b2a92bec0298.storage import StorageError
-from _code_sessions_b2a92bec0298.webui import Misconfigured
+from _code_sessions_fff2062a2606.engine import LoopOptions, escape_text, run_step
+from _code_sessions_fff2062a2606.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_fff2062a2606.storage import StorageError
+from _code_sessions_fff2062a2606.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

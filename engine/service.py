@@ -296,10 +296,7 @@ class ChatSession:
                     result = await service.execute(self.session, code, language, limits)
                 finally:
                     # Index what the run left even when the runner failed half-way: disk is the truth.
-                    report = await self.session.reconcile(
-                        enforce_quotas=True, changed=service._changed_hint(self.session, result)
-                    )
-                    service._reconciled(self.session, report)
+                    report = await service.reconcile_after(self.session, result)
         except DiskFull as error:
             # The run (if any) happened; what it wrote is indexed by the next step, which lists the
             # whole folder (the mark of this run stays).
@@ -542,6 +539,13 @@ class CodeSessions:
             await self.kernels.close()
         await self.store.close()
 
+    async def reconcile_after(self, session: Session, result: RunResult | None) -> ReconcileReport:
+        """Index what a run left in the session's folder (`result` None: the runner failed before it
+        could say), quotas enforced. The caller holds the session's lock."""
+        report = await session.reconcile(enforce_quotas=True, changed=self._changed_hint(session, result))
+        self._reconciled(session, report)
+        return report
+
     def _changed_hint(self, session: Session, result: RunResult | None) -> tuple[str, ...] | None:
         """The paths to reconcile, or None for a full listing: when the runner failed or does not
         know what changed, and at the first step of a session here and every FULL_RECONCILE_EVERY_S."""
@@ -553,6 +557,7 @@ class CodeSessions:
         return result.changed
 
     def _reconciled(self, session: Session, report: ReconcileReport) -> None:
+        """Note when the session's folder was last listed whole."""
         if not report.full:
             return
         now = time.monotonic()
