@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_fff2062a2606'
+_CS_PACKAGE = '_code_sessions_41571680ae80'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -14878,7 +14878,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_fff2062a2606.runner import Outcome
+from _code_sessions_41571680ae80.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -15218,8 +15218,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_fff2062a2606.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_fff2062a2606.storage import human_bytes
+from _code_sessions_41571680ae80.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_41571680ae80.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -15339,7 +15339,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_fff2062a2606.storage import Purge, parse_duration
+from _code_sessions_41571680ae80.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -15905,8 +15905,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_fff2062a2606.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_fff2062a2606.storage import (
+from _code_sessions_41571680ae80.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_41571680ae80.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16120,6 +16120,11 @@ class ChatSession:
         self._inline: set[str] = set()
 
     @property
+    def kernel_key(self) -> str:
+        """The key of this chat's kernel in the kernel pool."""
+        return _kernel_key(self.session.user_key, self.session.chat_key)
+
+    @property
     def published(self) -> list[Target]:
         """Every file linked so far, in the order first linked."""
         return list(self._published)
@@ -16325,9 +16330,9 @@ def _figures(result: RunResult | None, report: ReconcileReport | None) -> tuple[
     )
 
 
-def _kernel_key(session: Session) -> str:
+def _kernel_key(user_key: str, chat_key: str) -> str:
     # The folder's keys: the same for every worker, and what the storage deletes sessions by.
-    return f"{session.user_key}/{session.chat_key}"
+    return f"{user_key}/{chat_key}"
 
 
 def _tighter(configured: int, budget: int | None) -> int:
@@ -16395,9 +16400,8 @@ class CodeSessions:
         """Run code in the session's folder: in its kernel, or in a fresh sandbox."""
         if self.kernels is None:
             return await self.runner.run(code, language, session.path, limits)
-        return await self.kernels.run(
-            _kernel_key(session), session.path, code, language, limits, state_dir=session.state_path
-        )
+        key = _kernel_key(session.user_key, session.chat_key)
+        return await self.kernels.run(key, session.path, code, language, limits, state_dir=session.state_path)
 
     async def purge(self, purge: Purge) -> CleanupReport:
         """An admin's purge: the selected sessions go, with their files, links and kernels."""
@@ -16417,7 +16421,7 @@ class CodeSessions:
         if self.kernels is not None:
             for item in report.details:
                 if item.action in ("removed", "vanished"):
-                    key = f"{item.user_key}/{item.chat_key}"
+                    key = _kernel_key(item.user_key, item.chat_key)
                     # The store removed the session's saved state with it; one written since (the
                     # kernel was being saved as the session went) goes here.
                     state = self.store.saved_state_path(item.user_key, item.chat_key)
@@ -16864,7 +16868,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_fff2062a2606.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_41571680ae80.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -17081,7 +17085,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_fff2062a2606.storage import Link, Publisher, is_postgres_url
+from _code_sessions_41571680ae80.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17296,7 +17300,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_fff2062a2606.engine import (
+from _code_sessions_41571680ae80.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17306,9 +17310,9 @@ from _code_sessions_fff2062a2606.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_fff2062a2606.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_fff2062a2606.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_fff2062a2606.webui import OpenWebUI
+from _code_sessions_41571680ae80.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_41571680ae80.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_41571680ae80.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -17978,7 +17982,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_fff2062a2606.engine import (
+from _code_sessions_41571680ae80.engine import (
     LoopOptions,
     ModelError,
     converse,
@@ -17987,9 +17991,9 @@ from _code_sessions_fff2062a2606.engine import (
     events_from_sse,
     waiting_status,
 )
-from _code_sessions_fff2062a2606.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
-from _code_sessions_fff2062a2606.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_fff2062a2606.webui import Misconfigured
+from _code_sessions_41571680ae80.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from _code_sessions_41571680ae80.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_41571680ae80.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -229,6 +229,11 @@ class ChatSession:
         self._inline: set[str] = set()
 
     @property
+    def kernel_key(self) -> str:
+        """The key of this chat's kernel in the kernel pool."""
+        return _kernel_key(self.session.user_key, self.session.chat_key)
+
+    @property
     def published(self) -> list[Target]:
         """Every file linked so far, in the order first linked."""
         return list(self._published)
@@ -434,9 +439,9 @@ def _figures(result: RunResult | None, report: ReconcileReport | None) -> tuple[
     )
 
 
-def _kernel_key(session: Session) -> str:
+def _kernel_key(user_key: str, chat_key: str) -> str:
     # The folder's keys: the same for every worker, and what the storage deletes sessions by.
-    return f"{session.user_key}/{session.chat_key}"
+    return f"{user_key}/{chat_key}"
 
 
 def _tighter(configured: int, budget: int | None) -> int:
@@ -504,9 +509,8 @@ class CodeSessions:
         """Run code in the session's folder: in its kernel, or in a fresh sandbox."""
         if self.kernels is None:
             return await self.runner.run(code, language, session.path, limits)
-        return await self.kernels.run(
-            _kernel_key(session), session.path, code, language, limits, state_dir=session.state_path
-        )
+        key = _kernel_key(session.user_key, session.chat_key)
+        return await self.kernels.run(key, session.path, code, language, limits, state_dir=session.state_path)
 
     async def purge(self, purge: Purge) -> CleanupReport:
         """An admin's purge: the selected sessions go, with their files, links and kernels."""
@@ -526,7 +530,7 @@ class CodeSessions:
         if self.kernels is not None:
             for item in report.details:
                 if item.action in ("removed", "vanished"):
-                    key = f"{item.user_key}/{item.chat_key}"
+                    key = _kernel_key(item.user_key, item.chat_key)
                     # The store removed the session's saved state with it; one written since (the
                     # kernel was being saved as the session went) goes here.
                     state = self.store.saved_state_path(item.user_key, item.chat_key)
