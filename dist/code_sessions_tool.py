@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_41571680ae80'
+_CS_PACKAGE = '_code_sessions_07e8b706a622'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -20,7 +20,7 @@ It knows nothing of the web UI or of the sandbox; see docs/storage.md.
 """
 
 from ._format import human_bytes, parse_duration
-from ._names import MAX_PATH_BYTES
+from ._names import MAX_PATH_BYTES, PASSIVE_IMAGE_TYPES
 from ._postgres import is_postgres_url
 from .errors import (
     DiskFull,
@@ -62,6 +62,7 @@ from .store import Store
 __all__ = [
     "CLEAR_FILES_COMMAND",
     "MAX_PATH_BYTES",
+    "PASSIVE_IMAGE_TYPES",
     "ActivityEntry",
     "CleanupReport",
     "Copy",
@@ -2684,6 +2685,8 @@ from __future__ import annotations
 import mimetypes
 import re
 import unicodedata
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from .errors import InvalidPath
 
@@ -2700,22 +2703,23 @@ _EXT = re.compile(rf"^(.+?)((?:\.tar)?\.[A-Za-z0-9]{{1,{_EXT_MAX}}})$")
 
 # Types the web server may render inline without any risk of script: plain raster images and plain
 # audio/video containers. Anything else it would render inline (SVG, XML-based or unknown image
-# types) gets `.txt` appended so it is downloaded instead.
-PASSIVE_IMAGE_TYPES = frozenset(
+# types) gets `.txt` appended so it is downloaded instead. The one allowlist of passive images: each
+# with the extension a copy of that type is stored under where a server guesses the type from a name.
+PASSIVE_IMAGE_TYPES: Mapping[str, str] = MappingProxyType(
     {
-        "image/png",
-        "image/jpeg",
-        "image/pjpeg",
-        "image/gif",
-        "image/webp",
-        "image/bmp",
-        "image/x-ms-bmp",
-        "image/avif",
-        "image/x-icon",
-        "image/vnd.microsoft.icon",
+        "image/png": ".png",
+        "image/jpeg": ".jpg",
+        "image/pjpeg": ".jpg",
+        "image/gif": ".gif",
+        "image/webp": ".webp",
+        "image/bmp": ".bmp",
+        "image/x-ms-bmp": ".bmp",
+        "image/avif": ".avif",
+        "image/x-icon": ".ico",
+        "image/vnd.microsoft.icon": ".ico",
     }
 )
-PASSIVE_MEDIA_TYPES = PASSIVE_IMAGE_TYPES | frozenset(
+PASSIVE_MEDIA_TYPES = frozenset(PASSIVE_IMAGE_TYPES) | frozenset(
     {
         "audio/mpeg",
         "audio/mp3",
@@ -14878,7 +14882,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_41571680ae80.runner import Outcome
+from _code_sessions_07e8b706a622.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -15218,8 +15222,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_41571680ae80.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_41571680ae80.storage import human_bytes
+from _code_sessions_07e8b706a622.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_07e8b706a622.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -15339,7 +15343,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_41571680ae80.storage import Purge, parse_duration
+from _code_sessions_07e8b706a622.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -15905,8 +15909,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_41571680ae80.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_41571680ae80.storage import (
+from _code_sessions_07e8b706a622.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_07e8b706a622.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16868,7 +16872,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_41571680ae80.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_07e8b706a622.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -16876,18 +16880,6 @@ log = logging.getLogger("code_sessions.function")
 
 ID_PREFIX = "code-sessions-"
 KIND = "open-webui-files"
-_PASSIVE_EXTENSIONS = {
-    "image/png": ".png",
-    "image/jpeg": ".jpg",
-    "image/pjpeg": ".jpg",
-    "image/gif": ".gif",
-    "image/webp": ".webp",
-    "image/bmp": ".bmp",
-    "image/x-ms-bmp": ".bmp",
-    "image/x-icon": ".ico",
-    "image/vnd.microsoft.icon": ".ico",
-    "image/avif": ".avif",
-}
 _DOWNLOAD_TYPE = "application/octet-stream"
 # Open WebUI's storage providers read an uploaded file into memory whole (storage/provider.py,
 # upload_file): the largest copy published through them, whatever max_file_mb allows (a sparse file
@@ -16898,8 +16890,8 @@ _CHUNK = 500
 
 def _stored_as(copy: Copy) -> tuple[str, str]:
     """(extension of the stored name, content type): passive images as themselves, the rest a download."""
-    if copy.inline and copy.content_type in _PASSIVE_EXTENSIONS:
-        return _PASSIVE_EXTENSIONS[copy.content_type], copy.content_type
+    if copy.inline and copy.content_type in PASSIVE_IMAGE_TYPES:
+        return PASSIVE_IMAGE_TYPES[copy.content_type], copy.content_type
     return ".bin", _DOWNLOAD_TYPE
 
 
@@ -17085,7 +17077,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_41571680ae80.storage import Link, Publisher, is_postgres_url
+from _code_sessions_07e8b706a622.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17300,7 +17292,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_41571680ae80.engine import (
+from _code_sessions_07e8b706a622.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17310,9 +17302,9 @@ from _code_sessions_41571680ae80.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_41571680ae80.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_41571680ae80.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_41571680ae80.webui import OpenWebUI
+from _code_sessions_07e8b706a622.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_07e8b706a622.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_07e8b706a622.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -17979,10 +17971,10 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_41571680ae80.engine import LoopOptions, escape_text, run_step
-from _code_sessions_41571680ae80.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_41571680ae80.storage import StorageError
-from _code_sessions_41571680ae80.webui import Misconfigured
+from _code_sessions_07e8b706a622.engine import LoopOptions, escape_text, run_step
+from _code_sessions_07e8b706a622.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_07e8b706a622.storage import StorageError
+from _code_sessions_07e8b706a622.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -32,18 +32,6 @@ log = logging.getLogger("code_sessions.function")
 
 ID_PREFIX = "code-sessions-"
 KIND = "open-webui-files"
-_PASSIVE_EXTENSIONS = {
-    "image/png": ".png",
-    "image/jpeg": ".jpg",
-    "image/pjpeg": ".jpg",
-    "image/gif": ".gif",
-    "image/webp": ".webp",
-    "image/bmp": ".bmp",
-    "image/x-ms-bmp": ".bmp",
-    "image/x-icon": ".ico",
-    "image/vnd.microsoft.icon": ".ico",
-    "image/avif": ".avif",
-}
 _DOWNLOAD_TYPE = "application/octet-stream"
 # Open WebUI's storage providers read an uploaded file into memory whole (storage/provider.py,
 # upload_file): the largest copy published through them, whatever max_file_mb allows (a sparse file
@@ -54,8 +42,8 @@ _CHUNK = 500
 
 def _stored_as(copy: Copy) -> tuple[str, str]:
     """(extension of the stored name, content type): passive images as themselves, the rest a download."""
-    if copy.inline and copy.content_type in _PASSIVE_EXTENSIONS:
-        return _PASSIVE_EXTENSIONS[copy.content_type], copy.content_type
+    if copy.inline and copy.content_type in PASSIVE_IMAGE_TYPES:
+        return PASSIVE_IMAGE_TYPES[copy.content_type], copy.content_type
     return ".bin", _DOWNLOAD_TYPE
 
 
