@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_07e8b706a622'
+_CS_PACKAGE = '_code_sessions_499617c69c92'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -14882,7 +14882,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_07e8b706a622.runner import Outcome
+from _code_sessions_499617c69c92.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -15222,8 +15222,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_07e8b706a622.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_07e8b706a622.storage import human_bytes
+from _code_sessions_499617c69c92.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_499617c69c92.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -15343,7 +15343,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_07e8b706a622.storage import Purge, parse_duration
+from _code_sessions_499617c69c92.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -15909,8 +15909,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_07e8b706a622.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_07e8b706a622.storage import (
+from _code_sessions_499617c69c92.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_499617c69c92.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16872,9 +16872,9 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_07e8b706a622.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_499617c69c92.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
-__all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
+__all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
 log = logging.getLogger("code_sessions.function")
 
@@ -16895,13 +16895,18 @@ def _stored_as(copy: Copy) -> tuple[str, str]:
     return ".bin", _DOWNLOAD_TYPE
 
 
+def content_url(file_id: str) -> str:
+    """Where Open WebUI's Files API serves a file's bytes (to those who may read it)."""
+    return f"/api/v1/files/{file_id}/content"
+
+
 def attachment_item(link: Link, content_type: str) -> dict[str, Any]:
     """The item Open WebUI shows as a file chip (or an image) under the message."""
     ref = link.ref
     return {
         "type": "image" if link.is_image else "file",
         "id": ref,
-        "url": f"/api/v1/files/{ref}/content",
+        "url": content_url(ref),
         "name": link.name,
         "content_type": content_type,
         "size": link.size,
@@ -16948,7 +16953,7 @@ class FilesPublisher:
         if row is None:  # Open WebUI logged why; keep no bytes of a record that does not exist
             await asyncio.to_thread(_delete_stored, stored)
             raise StorageError(f"{copy.path} could not be recorded by Open WebUI (see its log)")
-        return Published(file_id, f"/api/v1/files/{file_id}/content")
+        return Published(file_id, content_url(file_id))
 
     async def remove(self, refs: Sequence[str]) -> None:
         from open_webui.models.files import Files
@@ -17077,7 +17082,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_07e8b706a622.storage import Link, Publisher, is_postgres_url
+from _code_sessions_499617c69c92.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17292,7 +17297,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_07e8b706a622.engine import (
+from _code_sessions_499617c69c92.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17302,9 +17307,9 @@ from _code_sessions_07e8b706a622.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_07e8b706a622.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_07e8b706a622.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_07e8b706a622.webui import OpenWebUI
+from _code_sessions_499617c69c92.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_499617c69c92.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_499617c69c92.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -17974,7 +17979,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_07e8b706a622.engine import (
+from _code_sessions_499617c69c92.engine import (
     LoopOptions,
     ModelError,
     converse,
@@ -17983,9 +17988,9 @@ from _code_sessions_07e8b706a622.engine import (
     events_from_sse,
     waiting_status,
 )
-from _code_sessions_07e8b706a622.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
-from _code_sessions_07e8b706a622.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_07e8b706a622.webui import Misconfigured
+from _code_sessions_499617c69c92.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from _code_sessions_499617c69c92.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_499617c69c92.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

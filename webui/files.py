@@ -26,7 +26,7 @@ from typing import Any
 
 from storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
-__all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
+__all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
 log = logging.getLogger("code_sessions.function")
 
@@ -47,13 +47,18 @@ def _stored_as(copy: Copy) -> tuple[str, str]:
     return ".bin", _DOWNLOAD_TYPE
 
 
+def content_url(file_id: str) -> str:
+    """Where Open WebUI's Files API serves a file's bytes (to those who may read it)."""
+    return f"/api/v1/files/{file_id}/content"
+
+
 def attachment_item(link: Link, content_type: str) -> dict[str, Any]:
     """The item Open WebUI shows as a file chip (or an image) under the message."""
     ref = link.ref
     return {
         "type": "image" if link.is_image else "file",
         "id": ref,
-        "url": f"/api/v1/files/{ref}/content",
+        "url": content_url(ref),
         "name": link.name,
         "content_type": content_type,
         "size": link.size,
@@ -100,7 +105,7 @@ class FilesPublisher:
         if row is None:  # Open WebUI logged why; keep no bytes of a record that does not exist
             await asyncio.to_thread(_delete_stored, stored)
             raise StorageError(f"{copy.path} could not be recorded by Open WebUI (see its log)")
-        return Published(file_id, f"/api/v1/files/{file_id}/content")
+        return Published(file_id, content_url(file_id))
 
     async def remove(self, refs: Sequence[str]) -> None:
         from open_webui.models.files import Files
