@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_499617c69c92'
+_CS_PACKAGE = '_code_sessions_ee63b22d1014'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -246,7 +246,7 @@ from typing import TypeVar
 from . import _index
 from ._backend import Backend, Lock, Tx
 from ._fsops import make_dir
-from ._keys import id_key, is_temporary
+from ._keys import id_key
 from ._layout import Layout, write_sidecar
 from .errors import DiskFull, IndexDamaged, StorageError
 from .policy import Policy
@@ -256,6 +256,9 @@ log = logging.getLogger("code_sessions.storage")
 
 T = TypeVar("T")
 Owner = tuple[int, int] | None
+# Whether a chat id names a temporary chat, which expires sooner (Expiry.temporary_idle_s). The host
+# knows its ids' formats; storage does not.
+TemporaryChat = Callable[[str], bool]
 ENSURED_FOR_S = 30.0
 MAX_ID_CHARS = 512  # the index keeps ids whole (unique, indexed): within every backend's key limit
 
@@ -285,6 +288,7 @@ class Core:
         publisher: Publisher | None,
         owner: Owner,
         record_settings: bool = True,
+        temporary_chat: TemporaryChat | None = None,
     ) -> None:
         self.root = root
         self.layout = Layout(root)
@@ -292,6 +296,7 @@ class Core:
         self.policy = policy
         self.publisher = publisher
         self.owner = owner
+        self.temporary_chat: TemporaryChat = temporary_chat or _never_temporary
         # The CLI turns this off: it applies the recorded settings and must not overwrite them.
         self.record_settings = record_settings
         # Set by the Store: rebuilds the index from the folders after a damaged one was replaced.
@@ -339,7 +344,7 @@ class Core:
             chat_id,
             user_key,
             chat_key,
-            is_temporary(chat_id),
+            self.temporary_chat(chat_id),
             self.layout.session_dir(user_key, chat_key),
         )
 
@@ -500,6 +505,10 @@ class Core:
             return  # only the CLI reads these; the next call tries again
         self._remembered = values
         self._remembered_policy = self.policy
+
+
+def _never_temporary(chat_id: str) -> bool:
+    return False
 
 
 def _chown_existing(path: Path, owner: tuple[int, int]) -> None:
@@ -2372,7 +2381,6 @@ import re
 _SLUG_MAX = 32
 _HASH_HEX = 24  # 96 bits: collisions are not a practical concern for ids we did not choose
 _NOT_SLUG = re.compile(r"[^A-Za-z0-9_-]")
-_TEMPORARY_PREFIXES = ("temporary:", "local:")
 
 
 def id_key(value: str) -> str:
@@ -2385,11 +2393,6 @@ def id_key(value: str) -> str:
     if slug.startswith("-"):
         slug = "_" + slug[1:]
     return f"{slug}-{digest}"
-
-
-def is_temporary(chat_id: str) -> bool:
-    """Open WebUI temporary chats have no id or a `temporary:` / `local:` one; they expire fast."""
-    return chat_id == "" or chat_id.startswith(_TEMPORARY_PREFIXES)
 
 
 def db_text(value: str) -> str:
@@ -7237,7 +7240,7 @@ from types import TracebackType
 
 from . import _expiry, _index, _repair
 from ._backend import Backend, Lock, Tx
-from ._core import Core, Owner
+from ._core import Core, Owner, TemporaryChat
 from ._fsops import make_dir
 from ._keys import id_key
 from ._postgres import PostgresBackend, is_postgres_url, redact_url
@@ -7275,7 +7278,9 @@ class Store:
     database backend given directly (overrides database_url). `record_settings=False` (the CLI):
     never write the policy in use into the index. `repair_at_open=False` (the CLI's listings and
     check): open without the start-up repairs (rebuilding a new index from the folders, indexing what
-    dead runs left), so they show the index as it is.
+    dead runs left), so they show the index as it is. `temporary_chat(chat_id)`: whether a chat id
+    names a temporary chat, whose session expires after `Expiry.temporary_idle_s` (the host knows its
+    ids; without it no chat is temporary).
     """
 
     def __init__(
@@ -7291,6 +7296,7 @@ class Store:
         record_settings: bool = True,
         database_url: str | None = None,
         repair_at_open: bool = True,
+        temporary_chat: TemporaryChat | None = None,
     ) -> None:
         self.root = Path(root).absolute()
         policy = Policy(quotas or Quotas(), expiry or Expiry())
@@ -7301,6 +7307,7 @@ class Store:
             publisher=publisher,
             owner=owner,
             record_settings=record_settings,
+            temporary_chat=temporary_chat,
         )
         self._core.rebuild = self.rebuild
         self._core.catch_up = self._catch_up
@@ -14882,7 +14889,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_499617c69c92.runner import Outcome
+from _code_sessions_ee63b22d1014.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -15222,8 +15229,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_499617c69c92.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_499617c69c92.storage import human_bytes
+from _code_sessions_ee63b22d1014.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_ee63b22d1014.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -15343,7 +15350,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_499617c69c92.storage import Purge, parse_duration
+from _code_sessions_ee63b22d1014.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -15909,8 +15916,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_499617c69c92.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_499617c69c92.storage import (
+from _code_sessions_ee63b22d1014.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_ee63b22d1014.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16872,7 +16879,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_499617c69c92.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_ee63b22d1014.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -17082,7 +17089,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_499617c69c92.storage import Link, Publisher, is_postgres_url
+from _code_sessions_ee63b22d1014.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17097,8 +17104,14 @@ _ID_CHUNK = 500
 _PROCESS: dict = {}
 
 
+# Open WebUI's chat ids: a temporary chat has none or one of these prefixes, and a channel's messages
+# come with `channel:`. Neither is a chat Open WebUI saves.
+_TEMPORARY_PREFIXES = ("temporary:", "local:")
+_UNSAVED_PREFIXES = (*_TEMPORARY_PREFIXES, "channel:")
+
+
 def _saved_chat(chat_id: str) -> bool:
-    return bool(chat_id) and not chat_id.startswith(("temporary:", "local:", "channel:"))
+    return bool(chat_id) and not chat_id.startswith(_UNSAVED_PREFIXES)
 
 
 def _content_type(name: str) -> str:
@@ -17161,6 +17174,11 @@ class OpenWebUI:
         """Where published copies go: Open WebUI's Files API (owner, admins and shared-chat readers
         only). Copies made earlier under /cache keep their own publisher (see storage.publishing)."""
         return FilesPublisher()
+
+    @staticmethod
+    def temporary_chat(chat_id: str) -> bool:
+        """Whether the chat is one of Open WebUI's temporary chats (its session expires sooner)."""
+        return chat_id == "" or chat_id.startswith(_TEMPORARY_PREFIXES)
 
     def can_attach(self, chat_id: str, message_id: str | None) -> bool:
         """Whether a message of this chat can hold attachments (a saved chat's message)."""
@@ -17297,7 +17315,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_499617c69c92.engine import (
+from _code_sessions_ee63b22d1014.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17307,9 +17325,9 @@ from _code_sessions_499617c69c92.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_499617c69c92.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_499617c69c92.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_499617c69c92.webui import OpenWebUI
+from _code_sessions_ee63b22d1014.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_ee63b22d1014.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_ee63b22d1014.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -17532,7 +17550,11 @@ class SessionsAdapter:
                 )
                 owner = (runner.sandbox_uid, runner.sandbox_gid) if os.geteuid() == 0 else None
                 store = Store(
-                    places.root, publisher=self._host.publisher(places), owner=owner, database_url=index_url
+                    places.root,
+                    publisher=self._host.publisher(places),
+                    owner=owner,
+                    database_url=index_url,
+                    temporary_chat=self._host.temporary_chat,
                 )
                 await store.open()
                 kernels = None
@@ -17979,7 +18001,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_499617c69c92.engine import (
+from _code_sessions_ee63b22d1014.engine import (
     LoopOptions,
     ModelError,
     converse,
@@ -17988,9 +18010,9 @@ from _code_sessions_499617c69c92.engine import (
     events_from_sse,
     waiting_status,
 )
-from _code_sessions_499617c69c92.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
-from _code_sessions_499617c69c92.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_499617c69c92.webui import Misconfigured
+from _code_sessions_ee63b22d1014.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from _code_sessions_ee63b22d1014.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_ee63b22d1014.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 
