@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from engine.rewrite import StreamingRewriter, Target
+from engine import StreamingRewriter, Target
 from functions.code_sessions_filter import Filter, _Answer
 
 from ._common import Context, summary

@@ -45,7 +45,7 @@ async def _step(service: CodeSessions, user: str, chat_id: str) -> tuple[float, 
     elapsed = time.perf_counter() - start
     if step.run is None or step.run.stdout != "1\n":
         raise RuntimeError(f"the step printed {step.run.stdout[:80] if step.run else step.refused!r}")
-    return elapsed, f"{chat.session.user_key}/{chat.session.chat_key}"
+    return elapsed, chat.kernel_key
 
 
 async def _cpu_watch(kernels: list[Any], window_s: float) -> dict[str, Any]:
@@ -167,7 +167,7 @@ async def run(ctx: Context) -> dict[str, Any]:
                 begin = time.perf_counter()
                 await chat.run("pass", "python")
                 starts.append(time.perf_counter() - begin)
-                keys.append(f"{chat.session.user_key}/{chat.session.chat_key}")
+                keys.append(chat.kernel_key)
             await asyncio.sleep(2.0 if not ctx.quick else 0.5)  # let them settle into idle
             kernels = [k for key, k in pool.kernels().items() if key in keys]
             per_kernel = [rss_kib(k.host_pids()) / 1024 for k in kernels]

@@ -25,8 +25,7 @@ import re
 import time
 from typing import Any
 
-from engine import CodeSessions
-from engine.rewrite import References, StreamingRewriter, Target, find_paths
+from engine import CodeSessions, References, StreamingRewriter, Target, find_paths
 from runner import Limits
 
 from ._common import Context, summary

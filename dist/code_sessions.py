@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_f7a21b592d8f'
+_CS_PACKAGE = '_code_sessions_e122b282b4d8'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -20,7 +20,7 @@ It knows nothing of the web UI or of the sandbox; see docs/storage.md.
 """
 
 from ._format import human_bytes, parse_duration
-from ._names import MAX_PATH_BYTES
+from ._names import MAX_PATH_BYTES, PASSIVE_IMAGE_TYPES
 from ._postgres import is_postgres_url
 from .errors import (
     DiskFull,
@@ -63,6 +63,7 @@ from .store import Store
 __all__ = [
     "CLEAR_FILES_COMMAND",
     "MAX_PATH_BYTES",
+    "PASSIVE_IMAGE_TYPES",
     "ActivityEntry",
     "ChatFiles",
     "ChatInfo",
@@ -248,7 +249,7 @@ from typing import Any, TypeVar
 from . import _index
 from ._backend import Backend, Lock, Tx
 from ._fsops import make_dir
-from ._keys import id_key, is_temporary
+from ._keys import id_key
 from ._layout import Layout, write_sidecar
 from .errors import DiskFull, IndexDamaged, StorageError
 from .models import RebuildReport, Reconcile
@@ -259,6 +260,9 @@ log = logging.getLogger("code_sessions.storage")
 
 T = TypeVar("T")
 Owner = tuple[int, int] | None
+# Whether a chat id names a temporary chat, which expires sooner (Expiry.temporary_idle_s). The host
+# knows its ids' formats; storage does not.
+TemporaryChat = Callable[[str], bool]
 ENSURED_FOR_S = 30.0
 MAX_ID_CHARS = 512  # the index keeps ids whole (unique, indexed): within every backend's key limit
 
@@ -288,6 +292,7 @@ class Core:
         publisher: Publisher | None,
         owner: Owner,
         record_settings: bool = True,
+        temporary_chat: TemporaryChat | None = None,
     ) -> None:
         self.root = root
         self.layout = Layout(root)
@@ -295,6 +300,7 @@ class Core:
         self.policy = policy
         self.publisher = publisher
         self.owner = owner
+        self.temporary_chat: TemporaryChat = temporary_chat or _never_temporary
         # The CLI turns this off: it applies the recorded settings and must not overwrite them.
         self.record_settings = record_settings
         # Set by the Store (Store.reconcile): REBUILD after a damaged index was replaced, AFTER_FULL_DISK
@@ -341,7 +347,7 @@ class Core:
             chat_id,
             user_key,
             chat_key,
-            is_temporary(chat_id),
+            self.temporary_chat(chat_id),
             self.layout.session_dir(user_key, chat_key),
         )
 
@@ -516,6 +522,10 @@ class Core:
             return  # only the CLI reads these; the next call tries again
         self._remembered = values
         self._remembered_policy = self.policy
+
+
+def _never_temporary(chat_id: str) -> bool:
+    return False
 
 
 def _chown_existing(path: Path, owner: tuple[int, int]) -> None:
@@ -2403,7 +2413,6 @@ import re
 _SLUG_MAX = 32
 _HASH_HEX = 24  # 96 bits: collisions are not a practical concern for ids we did not choose
 _NOT_SLUG = re.compile(r"[^A-Za-z0-9_-]")
-_TEMPORARY_PREFIXES = ("temporary:", "local:")
 
 
 def id_key(value: str) -> str:
@@ -2416,11 +2425,6 @@ def id_key(value: str) -> str:
     if slug.startswith("-"):
         slug = "_" + slug[1:]
     return f"{slug}-{digest}"
-
-
-def is_temporary(chat_id: str) -> bool:
-    """Open WebUI temporary chats have no id or a `temporary:` / `local:` one; they expire fast."""
-    return chat_id == "" or chat_id.startswith(_TEMPORARY_PREFIXES)
 
 
 def db_text(value: str) -> str:
@@ -2716,6 +2720,8 @@ from __future__ import annotations
 import mimetypes
 import re
 import unicodedata
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from .errors import InvalidPath
 
@@ -2732,22 +2738,23 @@ _EXT = re.compile(rf"^(.+?)((?:\.tar)?\.[A-Za-z0-9]{{1,{_EXT_MAX}}})$")
 
 # Types the web server may render inline without any risk of script: plain raster images and plain
 # audio/video containers. Anything else it would render inline (SVG, XML-based or unknown image
-# types) gets `.txt` appended so it is downloaded instead.
-PASSIVE_IMAGE_TYPES = frozenset(
+# types) gets `.txt` appended so it is downloaded instead. The one allowlist of passive images: each
+# with the extension a copy of that type is stored under where a server guesses the type from a name.
+PASSIVE_IMAGE_TYPES: Mapping[str, str] = MappingProxyType(
     {
-        "image/png",
-        "image/jpeg",
-        "image/pjpeg",
-        "image/gif",
-        "image/webp",
-        "image/bmp",
-        "image/x-ms-bmp",
-        "image/avif",
-        "image/x-icon",
-        "image/vnd.microsoft.icon",
+        "image/png": ".png",
+        "image/jpeg": ".jpg",
+        "image/pjpeg": ".jpg",
+        "image/gif": ".gif",
+        "image/webp": ".webp",
+        "image/bmp": ".bmp",
+        "image/x-ms-bmp": ".bmp",
+        "image/avif": ".avif",
+        "image/x-icon": ".ico",
+        "image/vnd.microsoft.icon": ".ico",
     }
 )
-PASSIVE_MEDIA_TYPES = PASSIVE_IMAGE_TYPES | frozenset(
+PASSIVE_MEDIA_TYPES = frozenset(PASSIVE_IMAGE_TYPES) | frozenset(
     {
         "audio/mpeg",
         "audio/mp3",
@@ -7347,7 +7354,7 @@ from typing import Literal, overload
 
 from . import _expiry, _index, _index_links, _repair
 from ._backend import Backend, Lock, Tx
-from ._core import Core, Owner
+from ._core import Core, Owner, TemporaryChat
 from ._fsops import make_dir
 from ._keys import id_key
 from ._postgres import PostgresBackend, is_postgres_url, redact_url
@@ -7386,7 +7393,9 @@ class Store:
     database backend given directly (overrides database_url). `record_settings=False` (the CLI):
     never write the policy in use into the index. `repair_at_open=False` (the CLI's listings and
     check): open without the start-up repairs (rebuilding a new index from the folders, indexing what
-    dead runs left), so they show the index as it is.
+    dead runs left), so they show the index as it is. `temporary_chat(chat_id)`: whether a chat id
+    names a temporary chat, whose session expires after `Expiry.temporary_idle_s` (the host knows its
+    ids; without it no chat is temporary).
     """
 
     def __init__(
@@ -7402,6 +7411,7 @@ class Store:
         record_settings: bool = True,
         database_url: str | None = None,
         repair_at_open: bool = True,
+        temporary_chat: TemporaryChat | None = None,
     ) -> None:
         self.root = Path(root).absolute()
         policy = Policy(quotas or Quotas(), expiry or Expiry())
@@ -7412,6 +7422,7 @@ class Store:
             publisher=publisher,
             owner=owner,
             record_settings=record_settings,
+            temporary_chat=temporary_chat,
         )
         self._core.reconcile = self.reconcile
         self._rebuild_put_off = False
@@ -15064,6 +15075,7 @@ class Runner:
     'engine/__init__.py': r'''"""A chat step without Open WebUI: sandbox runs over a persistent session, links, the conversation loop."""
 
 from .blocks import CodeBlock, runnable_blocks
+from .links import References, Target, find_paths, rewrite
 from .loop import (
     RUN_CODE_TOOL,
     LoopOptions,
@@ -15074,20 +15086,12 @@ from .loop import (
     run_step,
     waiting_status,
 )
+from .markup import code_span, escape_text, mention
 from .prompt import PromptFacts, system_prompt
 from .purge import parse_purge
-from .rewrite import (
-    References,
-    StreamingRewriter,
-    Target,
-    code_span,
-    escape_text,
-    find_paths,
-    mention,
-    rewrite,
-)
 from .service import ChatSession, CodeSessions, StepResult
 from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
+from .streaming import StreamingRewriter
 
 __all__ = [
     "RUN_CODE_TOOL",
@@ -15123,8 +15127,8 @@ __all__ = [
 ''',
     'engine/blocks.py': r'''"""Fenced code blocks: the one parser behind the fenced execution mode and the link rewriter.
 
-`runnable_blocks` finds the blocks to run for models that cannot call tools. The link rewriter
-(engine/rewrite.py) drives the same functions (`fence_line_start`, `fence_opening`, `closing_line`) from its
+`runnable_blocks` finds the blocks to run for models that cannot call tools. The link scan
+(engine/scan.py) drives the same functions (`fence_line_start`, `fence_opening`, `closing_line`) from its
 own scan, with `final=False` while an answer is still streaming in: then a question this text cannot
 answer yet (is this line, still unfinished, a fence?) raises `NeedMore` instead of guessing.
 """
@@ -15291,6 +15295,338 @@ def runnable_blocks(text: str) -> list[CodeBlock]:
             blocks.append(CodeBlock(language, code + "\n"))
     return blocks
 ''',
+    'engine/grammar.py': r'''"""The markdown a link scan reads: how far each construct may reach, and the regexes that read them.
+
+The bounds are part of the grammar (a link text longer than MAX_LABEL is not a link text): beyond them the
+text is read as if the construct were not there. So every decision about a stretch of text depends on at
+most a few KiB after it, which is what lets a streamed answer be rewritten as it comes (engine/scan.py,
+engine/streaming.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "AUTO",
+    "BACKTICK_RUNS",
+    "BREAK_PREFIX",
+    "HTML",
+    "IMAGE",
+    "LINK",
+    "LINK_TAIL",
+    "MAX_CODE_SPAN",
+    "MAX_DESTINATION",
+    "MAX_LABEL",
+    "MAX_PATH",
+    "MAX_TAG",
+    "MAX_URL",
+    "MOUNT",
+    "NOT_BEFORE_PATH",
+    "PARAGRAPH_BREAK",
+    "PATH_STOP",
+    "SANDBOX",
+    "SINGLE_LINE",
+    "TOKEN",
+    "TOKEN_IN_LINK_TEXT",
+    "TRAILING_PUNCTUATION",
+    "Ref",
+    "What",
+]
+
+MOUNT = "/mnt/data/"
+SANDBOX = "sandbox:"
+
+# How far one construct may reach, in characters. Beyond these, the text is read as if the construct were
+# not there (a `[` further back than MAX_LABEL is a plain `[`), with one exception that errs on the safe
+# side: see MAX_CODE_SPAN.
+MAX_LABEL = 1000  # a link's text, `[` to `]` (CommonMark bounds reference labels at 999)
+MAX_DESTINATION = 2048  # `(` to `)`: a link's destination and title
+# Backticks whose closing run is further away than this, in a paragraph that goes on past that point, make
+# the rest of the code span's paragraph (up to a closing run, if one comes) code: nothing in it is
+# rewritten. CommonMark would call it code if the run closes, prose if not; holding a streamed answer
+# back until the end of the paragraph to tell is what this bound avoids.
+MAX_CODE_SPAN = 4096
+MAX_TAG = 1024  # an HTML tag or autolink, `<` to `>`
+MAX_PATH = 2048  # the characters of a path after /mnt/data/; longer is not a file name the store has
+MAX_URL = 2048  # the part of a URL after `://` that hides a /mnt/data it contains
+
+TRAILING_PUNCTUATION = ".,;:!?"
+PATH_STOP = frozenset(" \t\n\r\f\v<>()[]{}`\"'|*")
+NOT_BEFORE_PATH = frozenset("_/.:-")  # with letters and digits: a path inside a word or a URL
+
+# What may follow `<`: an autolink, an e-mail autolink, an open or closing tag, a processing instruction
+# or a declaration (comments are found separately). No part can cross another `<` (quoted attribute
+# values included, a small departure from HTML), so a failed attempt ends at the next `<` at the latest.
+_ATTRIBUTE = r"(?:\s++[A-Za-z_:][A-Za-z0-9_.:-]*+(?:\s*+=\s*+(?:[^\s\"'=<>`]++|'[^'<]*+'|\"[^\"<]*+\"))?+)"
+_AFTER_LT = (  # what follows the `<`
+    r"(?P<autolink>[A-Za-z][A-Za-z0-9+.-]{1,31}:[^\s<>]*+)>"
+    r"|[A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]++@[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*+>"
+    rf"|[A-Za-z][A-Za-z0-9-]*+{_ATTRIBUTE}*+\s*+/?>"
+    r"|/[A-Za-z][A-Za-z0-9-]*+\s*+>"
+    r"|\?[^<]*?\?>"
+    r"|![A-Za-z][^<>]*+>"
+)
+HTML = re.compile(f"<(?:{_AFTER_LT})")
+# As a token: a comment, a tag or autolink, or a `<` that may still open one when more text comes. One
+# look at the next character first, so that a line of `<` costs one test per `<`. (The group name is
+# dropped: a name may appear once per regex.)
+_LT_TOKEN = (
+    r"<(?=[A-Za-z0-9!?/.#$%&'*+=^_`{|}~-])(?:!--|"
+    + _AFTER_LT.replace("(?P<autolink>", "(?:")
+    + r"|(?=[A-Za-z!?/])[^<]*+\Z)"
+)
+
+# The characters a scan stops at. Every alternative starts with a literal character so that `re` skips
+# ahead with its fast prefix search (named groups or a leading class would make it try each position).
+# Runs of brackets and escapes are cut into bounded tokens (each bracket or escape acts alone), so that no
+# token of a streamed answer is ever waited for long; backtick runs are whole (see MAX_RUN).
+_TOKENS = (
+    r"\\[!-/:-@\[-`{-~](?:\\[!-/:-@\[-`{-~]){0,31}"  # backslash escapes
+    rf"|`[^`\n]{{1,{MAX_CODE_SPAN}}}`(?!`)"  # a one-line `code span` (the usual kind), whole
+    r"|``*"  # a backtick run: a code span's start or a fence
+    r"|~~~~*"  # a tilde fence
+    r"|\[\[{0,63}"  # link or image openers
+    rf"|{_LT_TOKEN}"  # an HTML comment, tag or autolink
+    rf"|://[^\s<>`\[\]\"']{{0,{MAX_URL}}}"  # a URL's path and query: a /mnt/data in there is not a file
+    rf"|/mnt/data/[^\s<>()\[\]{{}}`\"'|*]{{0,{MAX_PATH}}}"  # a path
+)
+TOKEN = re.compile(_TOKENS)
+# Inside a link text `]` matters too; outside it is ignored, so a line of `](` costs nothing.
+TOKEN_IN_LINK_TEXT = re.compile(_TOKENS + r"|\]\]{0,63}")
+BACKTICK_RUNS = re.compile(r"``*")
+
+# A paragraph ends at a newline before a blank line or a line that starts another block (CommonMark's
+# interruptions, approximated by the line's first characters only). Inline constructs never cross one.
+PARAGRAPH_BREAK = re.compile(
+    r"\n(?=[ \t\r]{0,64}\n| {0,3}(?:```|~~~|#{1,6}[ \t\r\n]|>|\||[-+*][ \t\r\n]|\d{1,9}[.)][ \t\r\n]"
+    r"|\*\*\*|---|___|===))"
+)
+# What a line may still become a paragraph break with, when only its start has arrived.
+BREAK_PREFIX = re.compile(
+    r"[ \t\r]{0,64}| {0,3}(?:`{1,2}|~{1,2}|#{1,6}|[-+*]|\d{1,9}[.)]?|\*{1,2}|-{1,2}|_{1,2}|={1,2})"
+)
+# Lines that are a block of their own: ATX headings and table rows.
+SINGLE_LINE = re.compile(r" {0,3}(?:#{1,6}[ \t\r\n]|\|)")
+
+# From a link's `(` to its `)`: spaces (one line break at most), a destination (`<...>` or balanced
+# parentheses one level deep), an optional title. Possessive everywhere: one way to match, no backtracking.
+_SPACE = r"[ \t]*+(?:\r?\n[ \t]*+)?+"
+_NESTED = r"\((?:[^\s()\\]++|\\.)*+\)"  # one level of parentheses inside a destination
+LINK_TAIL = re.compile(
+    rf"\({_SPACE}"
+    r"(?:<(?P<angled>(?:[^<>\n\\]++|\\.)*+)>"
+    rf"|(?P<plain>(?:[^\s()<\\]|\\.|{_NESTED})(?:[^\s()\\]++|\\.|{_NESTED})*+)?+)"
+    r"(?:(?:[ \t]++(?:\r?\n[ \t]*+)?+|\r?\n[ \t]*+)"
+    r"(?:\"(?:[^\"\\]++|\\.)*+\"|'(?:[^'\\]++|\\.)*+'|\((?:[^()\\]++|\\.)*+\)))?+"
+    rf"{_SPACE}\)"
+)
+
+# A reference: (start, end, what). `what` is the path as written for a bare path (the usual case, kept
+# cheap), else (kind, destination as written, link text): a link, an image, an autolink <sandbox:...>.
+LINK, IMAGE, AUTO = range(3)
+What = str | tuple[int, str, str]
+Ref = tuple[int, int, What]
+''',
+    'engine/links.py': r'''"""Turn `/mnt/data/...` paths in a model's markdown answer into working links.
+
+The model only knows the sandbox's view (`/mnt/data/report.csv`, `sandbox:/mnt/data/report.csv`, markdown
+links or images pointing at them). The user's browser needs a URL. Rewriting is two passes so the slow
+part, publishing, happens once per distinct file and outside the text scan:
+
+1. `References(text)` scans the text once (engine/scan.py) and `.paths` lists the distinct
+   session-relative paths;
+2. the caller resolves them (publishing copies) into `Target`s, or None for a path with no such file;
+3. `.rewrite(targets)` substitutes: images inline, other files as links, unknown paths as plain text.
+
+`StreamingRewriter` (engine/streaming.py) does the same to an answer as it streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Final
+from urllib.parse import unquote
+
+from .grammar import AUTO, IMAGE, MOUNT, SANDBOX, Ref, What
+from .markup import escape_text
+from .scan import find_references
+
+__all__ = [
+    "NOT_YET",
+    "References",
+    "Resolver",
+    "Substitution",
+    "Target",
+    "destination_of",
+    "find_paths",
+    "resolve_all",
+    "rewrite",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a session file can be fetched by the user's browser."""
+
+    url: str
+    name: str
+    is_image: bool = False
+
+
+Resolver = Callable[[str], Awaitable[Target | None]]
+
+
+def _relative(destination: str) -> str | None:
+    """Session-relative path of a `/mnt/data/...` destination, or None if it names no file."""
+    path = destination.removeprefix(SANDBOX)
+    if not path.startswith(MOUNT):
+        return None
+    relative = path[len(MOUNT) :].rstrip("/")
+    return relative or None
+
+
+def _candidates(relative: str) -> list[str]:
+    """The path as written, then percent-decoded (models write `my%20file.csv` in link targets)."""
+    decoded = unquote(relative)
+    return [relative] if decoded == relative else [relative, decoded]
+
+
+def _render(target: Target, label: str | None, inline_images: bool = True) -> str:
+    text = escape_text(label if label else target.name)
+    if target.is_image and inline_images:
+        return f"![{text}]({target.url})"
+    return f"[{text}]({target.url})"
+
+
+def _replacement(what: What, target: Target | None, inline_images: bool) -> str | None:
+    """What replaces a reference; None: the text as written."""
+    if isinstance(what, str):  # a bare path
+        return None if target is None else _render(target, None, inline_images)
+    kind, destination, label = what
+    if kind == AUTO:
+        # Unknown: the path as text (an autolink to sandbox: would be a dead link).
+        return destination if target is None else _render(target, None, inline_images)
+    if target is None:
+        # Never leave a dead link: keep what the model said, as plain text.
+        shown = label.strip() or destination
+        return shown if shown == destination else f"{shown} ({destination})"
+    if kind == IMAGE and not (target.is_image and inline_images):
+        # An image of a file the browser will not render inline: offer it as a download instead.
+        return f"[{escape_text(label or target.name)}]({target.url})"
+    return _render(target, label, inline_images)
+
+
+def destination_of(what: What) -> str:
+    """The destination a reference names, as written (a bare path is its own)."""
+    return what if isinstance(what, str) else what[1]
+
+
+NOT_YET: Final = object()  # `Substitution.done` has no entry for this reference yet
+
+
+class Substitution:
+    """Replacements, computed once per distinct reference: an answer may name one file a thousand times,
+    and percent-decoding and rendering cost more than a lookup. `done` maps a reference's `what` to its
+    replacement (None: keep the text)."""
+
+    __slots__ = ("_candidates", "_inline", "_targets", "done")
+
+    def __init__(self, targets: Mapping[str, Target | None], inline_images: bool) -> None:
+        self._targets = targets
+        self._inline = inline_images
+        self._candidates: dict[str, list[str]] = {}
+        self.done: dict[What, str | None] = {}
+
+    def candidates(self, destination: str) -> list[str]:
+        """The session paths a destination may name (none if it names no file)."""
+        found = self._candidates.get(destination)
+        if found is None:
+            relative = _relative(destination)
+            found = self._candidates[destination] = [] if relative is None else _candidates(relative)
+        return found
+
+    def resolved(self, what: What) -> bool:
+        """Whether every path the reference may name is in the targets (streaming: resolved)."""
+        targets = self._targets
+        return all(candidate in targets for candidate in self.candidates(destination_of(what)))
+
+    def compute(self, what: What) -> str | None:
+        target = None
+        for candidate in self.candidates(destination_of(what)):
+            target = self._targets.get(candidate)
+            if target is not None:
+                break
+        replacement = self.done[what] = _replacement(what, target, self._inline)
+        return replacement
+
+
+def _paths_of(refs: list[Ref]) -> list[str]:
+    substitution = Substitution({}, True)
+    seen: dict[str, None] = {}
+    for what in dict.fromkeys(ref[2] for ref in refs):
+        for candidate in substitution.candidates(destination_of(what)):
+            seen.setdefault(candidate, None)
+    return list(seen)
+
+
+class References:
+    """The session references found in one text: scan once, then list the paths and substitute.
+
+    Constructing one is pure computation on the text (no shared state), so a large answer can be scanned
+    in a worker thread; both the scan and `rewrite` are linear in the length of the text."""
+
+    __slots__ = ("_found", "_text")
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+        self._found = find_references(text)
+
+    @property
+    def paths(self) -> list[str]:
+        """Distinct session-relative paths, in order of appearance (each also percent-decoded)."""
+        return _paths_of(self._found)
+
+    def rewrite(self, targets: Mapping[str, Target | None], *, inline_images: bool = True) -> str:
+        """Replace each reference by a link to its target; unknown files stay plain text.
+
+        With `inline_images=False` images become plain links too (for lists of files, where showing
+        every picture would repeat what the answer shows)."""
+        if not self._found:
+            return self._text
+        text = self._text
+        replace = Substitution(targets, inline_images)
+        done, not_yet = replace.done, NOT_YET
+        pieces: list[str] = []
+        append = pieces.append
+        position = 0
+        for start, end, what in self._found:
+            replacement = done.get(what, not_yet)
+            if replacement is not_yet:
+                replacement = replace.compute(what)
+            if replacement is not None:
+                append(text[position:start])
+                append(replacement)
+                position = end
+        append(text[position:])
+        return "".join(pieces)
+
+
+def find_paths(text: str) -> list[str]:
+    """Distinct session-relative paths referred to in the prose of `text`, in order of appearance."""
+    return References(text).paths
+
+
+async def resolve_all(paths: list[str], resolve: Resolver) -> dict[str, Target | None]:
+    return {path: await resolve(path) for path in paths}
+
+
+def rewrite(text: str, targets: Mapping[str, Target | None], *, inline_images: bool = True) -> str:
+    """`References(text).rewrite(targets)`: links for known files, plain text for the others."""
+    return References(text).rewrite(targets, inline_images=inline_images)
+''',
     'engine/loop.py': r'''"""The conversation loop: ask the model, run the code it asks for, feed the result back, repeat.
 
 The model is reached through a `ModelCall` supplied by the caller (the Open WebUI adapter calls the base
@@ -15305,10 +15641,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_f7a21b592d8f.runner import Outcome
+from _code_sessions_e122b282b4d8.runner import Outcome
 
 from .blocks import runnable_blocks
-from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
+from .markup import backtick_fence, escape_text
+from .scan import SCAN_ON_LOOP_CHARS
 from .service import ChatSession, StepResult
 from .sse import ModelError, TextDelta, ToolCall
 
@@ -15575,6 +15912,70 @@ async def _turns(
             }
         )
 ''',
+    'engine/markup.py': r'''"""Text written into markdown so that it means nothing else: notes that quote file names chosen by
+sandboxed code, error messages, code shown literally."""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+from .grammar import BACKTICK_RUNS, MOUNT
+
+__all__ = ["backtick_fence", "code_span", "escape_text", "mention"]
+
+# Characters that would change the meaning of link text in markdown or HTML.
+_LABEL_ESCAPES = str.maketrans(
+    {"&": "&amp;", "<": "&lt;", ">": "&gt;", **{c: "\\" + c for c in "\\`*_{}[]()#+!|~"}}
+)
+
+
+def _visible(text: str) -> str:
+    """Control and format characters (newlines, bidi overrides such as U+202E that make `txt.exe` show
+    as `exe.txt`, zero-width characters) written as escapes, so a name shows what it really is."""
+    if text.isprintable():
+        return text
+    return "".join(
+        c.encode("unicode_escape").decode("ascii") if c != " " and unicodedata.category(c)[0] in "CZ" else c
+        for c in text
+    )
+
+
+def escape_text(text: str) -> str:
+    """Any text (e.g. an error message quoting a file name) as one line of markdown that means nothing:
+    no HTML, no links, no emphasis, no line breaks. (Whitespace is folded: a newline in a name used as a
+    link's text must not break the link apart.)"""
+    return " ".join(_visible(text).translate(_LABEL_ESCAPES).split())
+
+
+def backtick_fence(text: str, minimum: int = 1) -> str:
+    """A run of backticks longer than any in `text` (and at least `minimum` long): as a code span's or a
+    fenced block's delimiter, nothing in `text` can close it early."""
+    longest = max(map(len, BACKTICK_RUNS.findall(text)), default=0)
+    return "`" * max(minimum, longest + 1)
+
+
+def code_span(text: str) -> str:
+    """Text shown literally: an inline code span, fenced with more backticks than the text holds."""
+    text = _visible(text)
+    fence = backtick_fence(text)
+    pad = " " if text.startswith("`") or text.endswith("`") or not text.strip() else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+# A name our notes may show bare, for the link rewriter to turn into a link as a whole: nothing that
+# markdown or HTML would read, and no trailing punctuation, which the rewriter leaves out of a path.
+_PLAIN_COMPONENT = re.compile(r"[\w.,+=@%-]*[\w+=@%-]")
+
+
+def mention(path: str) -> str:
+    """How our own notes name a session file (its name was chosen by sandboxed code): the bare
+    `/mnt/data/...` path when it is plain, so it becomes a link; otherwise a code span that shows the
+    name literally, never as markup."""
+    if path.isprintable() and all(_PLAIN_COMPONENT.fullmatch(part) for part in path.split("/")):
+        return MOUNT + path
+    return code_span(MOUNT + path)
+''',
     'engine/prompt.py': r'''"""The system prompt that tells the model about its /mnt/data folder."""
 
 from __future__ import annotations
@@ -15582,8 +15983,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_f7a21b592d8f.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_f7a21b592d8f.storage import human_bytes
+from _code_sessions_e122b282b4d8.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_e122b282b4d8.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -15703,7 +16104,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_f7a21b592d8f.storage import Purge, parse_duration
+from _code_sessions_e122b282b4d8.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -15722,262 +16123,71 @@ def parse_purge(request: str) -> Purge:
         return Purge(idle_longer_than_s=parse_duration(value.lower()))
     raise ValueError(f"{request!r}: expected all, user:<id>, chat:<id> or idle:<duration>")
 ''',
-    'engine/rewrite.py': r'''"""Turn `/mnt/data/...` paths in a model's markdown answer into working links.
+    'engine/scan.py': r'''"""Find the `/mnt/data/...` references in the prose of a model's markdown answer.
 
-The model only knows the sandbox's view (`/mnt/data/report.csv`, `sandbox:/mnt/data/report.csv`, markdown
-links or images pointing at them). The user's browser needs a URL. Rewriting is two passes so the slow
-part, publishing, happens once per distinct file and outside the text scan:
-
-1. `References(text)` scans the text once and `.paths` lists the distinct session-relative paths;
-2. the caller resolves them (publishing copies) into `Target`s, or None for a path with no such file;
-3. `.rewrite(targets)` substitutes: images inline, other files as links, unknown paths as plain text.
-
-Only markdown prose and the destinations of markdown links and images are rewritten. Fenced code blocks,
-inline code spans (also across lines), HTML tags and comments, URLs, link titles and links that point
-elsewhere (label and destination) stay exactly as written.
+Only markdown prose and the destinations of markdown links and images count. Fenced code blocks, inline
+code spans (also across lines), HTML tags and comments, URLs, link titles and links that point elsewhere
+(label and destination) are read past as written.
 
 The scan is linear in the length of the text: one regex finds the characters that can matter (backticks,
 brackets, `<`, `://`, `/mnt/data/`, escapes, fences) and each construct is read from its start by a regex
-bounded by the constants below, with forward-only lookups for what comes later (the closing backticks of
-a code span, the end of a paragraph), so no character is examined more than a few times.
+bounded by the grammar's limits (engine/grammar.py), with forward-only lookups for what comes later (the
+closing backticks of a code span, the end of a paragraph), so no character is examined more than a few
+times.
 
-Those bounds are part of the grammar (a link text longer than MAX_LABEL is not a link text), so every
-decision about a stretch of text depends on at most a few KiB after it. `StreamingRewriter` uses exactly
-this scan on a streamed answer: it releases text as soon as nothing later can change it, holds back only
-what a construct still open might change, and gives the same output as rewriting the whole answer.
+A `Scan` also runs over a streamed answer so far (engine/streaming.py): it stops at the first thing it
+cannot decide yet and reports where to restart once more text has come, with the `State` there.
 """
 
 from __future__ import annotations
 
 import re
-import unicodedata
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Final
-from urllib.parse import unquote
 
 from .blocks import MAX_RUN, Fence, NeedMore, closing_line, fence_line_start, fence_opening
+from .grammar import (
+    AUTO,
+    BACKTICK_RUNS,
+    BREAK_PREFIX,
+    HTML,
+    IMAGE,
+    LINK,
+    LINK_TAIL,
+    MAX_CODE_SPAN,
+    MAX_DESTINATION,
+    MAX_LABEL,
+    MAX_PATH,
+    MAX_TAG,
+    MOUNT,
+    NOT_BEFORE_PATH,
+    PARAGRAPH_BREAK,
+    PATH_STOP,
+    SANDBOX,
+    SINGLE_LINE,
+    TOKEN,
+    TOKEN_IN_LINK_TEXT,
+    TRAILING_PUNCTUATION,
+    Ref,
+)
 
-__all__ = [
-    "MAX_CODE_SPAN",
-    "MAX_DESTINATION",
-    "MAX_LABEL",
-    "MAX_PATH",
-    "MAX_TAG",
-    "MAX_URL",
-    "References",
-    "Resolver",
-    "StreamingRewriter",
-    "Target",
-    "backtick_fence",
-    "code_span",
-    "escape_text",
-    "find_paths",
-    "mention",
-    "resolve_all",
-    "rewrite",
-]
+__all__ = ["LOOK_BEHIND", "RESTART_MARGIN", "SCAN_ON_LOOP_CHARS", "START", "Scan", "State", "find_references"]
 
-MOUNT = "/mnt/data/"
 # Scanning is linear (about 10 ms per MB of prose): a text or a piece longer than this is scanned in a
 # worker thread, so no answer holds Open WebUI's event loop for the other users.
 SCAN_ON_LOOP_CHARS = 64 * 1024
-_SANDBOX = "sandbox:"
-
-# How far one construct may reach, in characters. Beyond these, the text is read as if the construct were
-# not there (a `[` further back than MAX_LABEL is a plain `[`), with one exception that errs on the safe
-# side: see MAX_CODE_SPAN.
-MAX_LABEL = 1000  # a link's text, `[` to `]` (CommonMark bounds reference labels at 999)
-MAX_DESTINATION = 2048  # `(` to `)`: a link's destination and title
-# Backticks whose closing run is further away than this, in a paragraph that goes on past that point, make
-# the rest of the code span's paragraph (up to a closing run, if one comes) code: nothing in it is
-# rewritten. CommonMark would call it code if the run closes, prose if not; holding a streamed answer
-# back until the end of the paragraph to tell is what this bound avoids.
-MAX_CODE_SPAN = 4096
-MAX_TAG = 1024  # an HTML tag or autolink, `<` to `>`
-MAX_PATH = 2048  # the characters of a path after /mnt/data/; longer is not a file name the store has
-MAX_URL = 2048  # the part of a URL after `://` that hides a /mnt/data it contains
 # A resumed scan restarts at least this far before the end of the text it had (a token may still be
 # forming there: `sandbox:/mnt/data` is 17 characters) and keeps this much text before its restart point
 # (look-behinds: `sandbox:`, a line's indentation, an image's `!`).
-_TAIL = 24
-_CONTEXT = 16
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """Where a session file can be fetched by the user's browser."""
-
-    url: str
-    name: str
-    is_image: bool = False
-
-
-Resolver = Callable[[str], Awaitable[Target | None]]
-
-_TRAILING_PUNCTUATION = ".,;:!?"
-_PATH_STOP = frozenset(" \t\n\r\f\v<>()[]{}`\"'|*")
-_NOT_BEFORE_PATH = frozenset("_/.:-")  # with letters and digits: a path inside a word or a URL
-
-# What may follow `<`: an autolink, an e-mail autolink, an open or closing tag, a processing instruction
-# or a declaration (comments are found separately). No part can cross another `<` (quoted attribute
-# values included, a small departure from HTML), so a failed attempt ends at the next `<` at the latest.
-_ATTRIBUTE = r"(?:\s++[A-Za-z_:][A-Za-z0-9_.:-]*+(?:\s*+=\s*+(?:[^\s\"'=<>`]++|'[^'<]*+'|\"[^\"<]*+\"))?+)"
-_AFTER_LT = (  # what follows the `<`
-    r"(?P<autolink>[A-Za-z][A-Za-z0-9+.-]{1,31}:[^\s<>]*+)>"
-    r"|[A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]++@[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*+>"
-    rf"|[A-Za-z][A-Za-z0-9-]*+{_ATTRIBUTE}*+\s*+/?>"
-    r"|/[A-Za-z][A-Za-z0-9-]*+\s*+>"
-    r"|\?[^<]*?\?>"
-    r"|![A-Za-z][^<>]*+>"
-)
-_HTML = re.compile(f"<(?:{_AFTER_LT})")
-# As a token: a comment, a tag or autolink, or a `<` that may still open one when more text comes. One
-# look at the next character first, so that a line of `<` costs one test per `<`. (The group name is
-# dropped: a name may appear once per regex.)
-_LT_TOKEN = (
-    r"<(?=[A-Za-z0-9!?/.#$%&'*+=^_`{|}~-])(?:!--|"
-    + _AFTER_LT.replace("(?P<autolink>", "(?:")
-    + r"|(?=[A-Za-z!?/])[^<]*+\Z)"
-)
-
-# The characters a scan stops at. Every alternative starts with a literal character so that `re` skips
-# ahead with its fast prefix search (named groups or a leading class would make it try each position).
-# Runs of brackets and escapes are cut into bounded tokens (each bracket or escape acts alone), so that no
-# token of a streamed answer is ever waited for long; backtick runs are whole (see MAX_RUN).
-_TOKENS = (
-    r"\\[!-/:-@\[-`{-~](?:\\[!-/:-@\[-`{-~]){0,31}"  # backslash escapes
-    rf"|`[^`\n]{{1,{MAX_CODE_SPAN}}}`(?!`)"  # a one-line `code span` (the usual kind), whole
-    r"|``*"  # a backtick run: a code span's start or a fence
-    r"|~~~~*"  # a tilde fence
-    r"|\[\[{0,63}"  # link or image openers
-    rf"|{_LT_TOKEN}"  # an HTML comment, tag or autolink
-    rf"|://[^\s<>`\[\]\"']{{0,{MAX_URL}}}"  # a URL's path and query: a /mnt/data in there is not a file
-    rf"|/mnt/data/[^\s<>()\[\]{{}}`\"'|*]{{0,{MAX_PATH}}}"  # a path
-)
-_OUTSIDE = re.compile(_TOKENS)
-# Inside a link text `]` matters too; outside it is ignored, so a line of `](` costs nothing.
-_INSIDE = re.compile(_TOKENS + r"|\]\]{0,63}")
-_RUNS = re.compile(r"``*")
-
-# A paragraph ends at a newline before a blank line or a line that starts another block (CommonMark's
-# interruptions, approximated by the line's first characters only). Inline constructs never cross one.
-_PARAGRAPH_BREAK = re.compile(
-    r"\n(?=[ \t\r]{0,64}\n| {0,3}(?:```|~~~|#{1,6}[ \t\r\n]|>|\||[-+*][ \t\r\n]|\d{1,9}[.)][ \t\r\n]"
-    r"|\*\*\*|---|___|===))"
-)
-# What a line may still become a paragraph break with, when only its start has arrived.
-_BREAK_PREFIX = re.compile(
-    r"[ \t\r]{0,64}| {0,3}(?:`{1,2}|~{1,2}|#{1,6}|[-+*]|\d{1,9}[.)]?|\*{1,2}|-{1,2}|_{1,2}|={1,2})"
-)
-# Lines that are a block of their own: ATX headings and table rows.
-_SINGLE_LINE = re.compile(r" {0,3}(?:#{1,6}[ \t\r\n]|\|)")
-
-# From a link's `(` to its `)`: spaces (one line break at most), a destination (`<...>` or balanced
-# parentheses one level deep), an optional title. Possessive everywhere: one way to match, no backtracking.
-_SPACE = r"[ \t]*+(?:\r?\n[ \t]*+)?+"
-_NESTED = r"\((?:[^\s()\\]++|\\.)*+\)"  # one level of parentheses inside a destination
-_LINK_TAIL = re.compile(
-    rf"\({_SPACE}"
-    r"(?:<(?P<angled>(?:[^<>\n\\]++|\\.)*+)>"
-    rf"|(?P<plain>(?:[^\s()<\\]|\\.|{_NESTED})(?:[^\s()\\]++|\\.|{_NESTED})*+)?+)"
-    r"(?:(?:[ \t]++(?:\r?\n[ \t]*+)?+|\r?\n[ \t]*+)"
-    r"(?:\"(?:[^\"\\]++|\\.)*+\"|'(?:[^'\\]++|\\.)*+'|\((?:[^()\\]++|\\.)*+\)))?+"
-    rf"{_SPACE}\)"
-)
-# Where a reference could start, for releasing streamed text that nothing later can change.
-_CHANGE = re.compile(r"!\[|\[|<sandbox:/mnt/data/|sandbox:/mnt/data/|/mnt/data/")
-
-
-def _prefixes(word: str) -> str:
-    return "|".join(re.escape(word[:n]) for n in range(len(word) - 1, 0, -1))
-
-
-_PARTIAL_CHANGE = re.compile(
-    rf"(?:{_prefixes('<sandbox:/mnt/data/')}|{_prefixes('sandbox:/mnt/data/')}|{_prefixes(MOUNT)}|!)\Z"
-)
-
-# A reference: (start, end, what). `what` is the path as written for a bare path (the usual case, kept
-# cheap), else (kind, destination as written, link text): a link, an image, an autolink <sandbox:...>.
-_LINK, _IMAGE, _AUTO = range(3)
-_What = str | tuple[int, str, str]
-_Ref = tuple[int, int, _What]
+RESTART_MARGIN = 24
+LOOK_BEHIND = 16
 _UNDECIDED = -2  # _Runs.find: the text ends before the answer is known
 _FAR = 1 << 62  # a paragraph end beyond what the text shows yet
 
-# Characters that would change the meaning of link text in markdown or HTML.
-_LABEL_ESCAPES = str.maketrans(
-    {"&": "&amp;", "<": "&lt;", ">": "&gt;", **{c: "\\" + c for c in "\\`*_{}[]()#+!|~"}}
-)
-
-
-def _relative(destination: str) -> str | None:
-    """Session-relative path of a `/mnt/data/...` destination, or None if it names no file."""
-    path = destination.removeprefix(_SANDBOX)
-    if not path.startswith(MOUNT):
-        return None
-    relative = path[len(MOUNT) :].rstrip("/")
-    return relative or None
-
-
-def _escape_label(text: str) -> str:
-    # Whitespace folded: a newline in a name must not break the link apart.
-    return " ".join(_visible(text).translate(_LABEL_ESCAPES).split())
-
-
-def _visible(text: str) -> str:
-    """Control and format characters (newlines, bidi overrides such as U+202E that make `txt.exe` show
-    as `exe.txt`, zero-width characters) written as escapes, so a name shows what it really is."""
-    if text.isprintable():
-        return text
-    return "".join(
-        c.encode("unicode_escape").decode("ascii") if c != " " and unicodedata.category(c)[0] in "CZ" else c
-        for c in text
-    )
-
-
-def escape_text(text: str) -> str:
-    """Any text (e.g. an error message quoting a file name) as one line of markdown that means nothing:
-    no HTML, no links, no emphasis, no line breaks."""
-    return _escape_label(text)
-
-
-def backtick_fence(text: str, minimum: int = 1) -> str:
-    """A run of backticks longer than any in `text` (and at least `minimum` long): as a code span's or a
-    fenced block's delimiter, nothing in `text` can close it early."""
-    longest = max(map(len, _RUNS.findall(text)), default=0)
-    return "`" * max(minimum, longest + 1)
-
-
-def code_span(text: str) -> str:
-    """Text shown literally: an inline code span, fenced with more backticks than the text holds."""
-    text = _visible(text)
-    fence = backtick_fence(text)
-    pad = " " if text.startswith("`") or text.endswith("`") or not text.strip() else ""
-    return f"{fence}{pad}{text}{pad}{fence}"
-
-
-# A name our notes may show bare, for the link rewriter to turn into a link as a whole: nothing that
-# markdown or HTML would read, and no trailing punctuation, which the rewriter leaves out of a path.
-_PLAIN_COMPONENT = re.compile(r"[\w.,+=@%-]*[\w+=@%-]")
-
-
-def mention(path: str) -> str:
-    """How our own notes name a session file (its name was chosen by sandboxed code): the bare
-    `/mnt/data/...` path when it is plain, so it becomes a link; otherwise a code span that shows the
-    name literally, never as markup."""
-    if path.isprintable() and all(_PLAIN_COMPONENT.fullmatch(part) for part in path.split("/")):
-        return MOUNT + path
-    return code_span(MOUNT + path)
-
-
-# ---------------------------------------------------------------------------------------------- the scan
-
 
 @dataclass(frozen=True, slots=True)
-class _State:
+class State:
     """What a scan must know about the text before the point where it starts."""
 
     fence: Fence | None = None  # inside this fenced code block
@@ -15986,7 +16196,7 @@ class _State:
     escaped: bool = False  # the character before the start point was escaped by a backslash
 
 
-_START = _State()
+START = State()
 
 
 class _Runs:
@@ -15996,10 +16206,10 @@ class _Runs:
     __slots__ = ("_by_length", "_complete", "_end", "_final", "_iterator", "_partial")
 
     def __init__(self, text: str, pos: int, end: int, final: bool) -> None:
-        rest = _RUNS.match(text, pos, end) if pos and text[pos - 1] == "`" else None
+        rest = BACKTICK_RUNS.match(text, pos, end) if pos and text[pos - 1] == "`" else None
         if rest is not None:
             pos = rest.end()  # resumed inside a run: only a long one (MAX_RUN), which closes nothing
-        self._iterator: Iterator[re.Match[str]] = _RUNS.finditer(text, pos, end)
+        self._iterator: Iterator[re.Match[str]] = BACKTICK_RUNS.finditer(text, pos, end)
         self._end = end
         self._final = final
         self._by_length: dict[int, deque[int]] = {}
@@ -16039,7 +16249,7 @@ class _Runs:
         return _UNDECIDED
 
 
-class _Scan:
+class Scan:
     """One scan of `text[pos:end]`: the references in prose and where the scan could stop for good.
 
     With `final` the text is complete. Without it (a streamed answer so far) the scan stops at the first
@@ -16062,7 +16272,7 @@ class _Scan:
         "text",
     )
 
-    def __init__(self, text: str, end: int, final: bool, origin: bool, state: _State) -> None:
+    def __init__(self, text: str, end: int, final: bool, origin: bool, state: State) -> None:
         self.text = text
         self.end = end
         self.final = final
@@ -16071,7 +16281,7 @@ class _Scan:
         # From the horizon on, a paragraph break may still be on its way: every newline before it is
         # decided, a break or not (see _undecided_newline).
         self.horizon = end if final else _undecided_newline(text, end)
-        self.refs: list[_Ref] = []
+        self.refs: list[Ref] = []
         self._floor = 0
         self._par_from = -1
         self._par_end = -1
@@ -16089,13 +16299,13 @@ class _Scan:
         text = self.text
         newline = text.rfind("\n", min(self._floor, pos), pos)
         if newline >= 0 or self.origin:
-            single = _SINGLE_LINE.match(text, newline + 1) is not None
+            single = SINGLE_LINE.match(text, newline + 1) is not None
         else:
             single = self.state.single  # the scan started inside this line
         if single:
             found = text.find("\n", pos, self.end)
         else:
-            match = _PARAGRAPH_BREAK.search(text, pos, self.end)
+            match = PARAGRAPH_BREAK.search(text, pos, self.end)
             found = match.start() if match and (self.final or match.start() < self.horizon) else -1
         if found < 0:
             found = self.end if self.final else _FAR
@@ -16118,7 +16328,7 @@ class _Scan:
         (whose length matters) unless the run is too long to delimit anything (MAX_RUN). Inside a region
         left as written (`verbatim`), not past a newline that may still end its paragraph."""
         text = self.text
-        tail = self.end - _TAIL
+        tail = self.end - RESTART_MARGIN
         at = start = max(pos, min(tail, self.horizon) if verbatim else tail)
         while start > pos and text[start - 1] == "`" and at - start <= MAX_RUN:
             start -= 1
@@ -16176,15 +16386,15 @@ class _Scan:
                 return lt + 6
             return self.skip_verbatim(lt + 4, -1)
         limit = self.paragraph_end(lt)
-        match = _HTML.match(text, lt, min(lt + MAX_TAG, self._known(limit)))
+        match = HTML.match(text, lt, min(lt + MAX_TAG, self._known(limit)))
         if match is None:
             # Nothing here crosses a `<`: a failure before the next one is final.
             if limit == _FAR and lt + MAX_TAG > self.horizon and text.find("<", lt + 1, self.horizon) < 0:
                 raise NeedMore(lt)
             return lt + 1
         autolink = match.group("autolink")
-        if autolink is not None and autolink.startswith(_SANDBOX + MOUNT):
-            self.refs.append((lt, match.end(), (_AUTO, autolink, "")))
+        if autolink is not None and autolink.startswith(SANDBOX + MOUNT):
+            self.refs.append((lt, match.end(), (AUTO, autolink, "")))
         return match.end()
 
     def close(
@@ -16232,7 +16442,7 @@ class _Scan:
         if self._paren < run_end and self._paren != -1:
             self._paren = text.find(")", run_end, self.end)  # the next `)`, found once for all openers
         paren_in_reach = self._paren != -1 and self._paren < bound
-        tail = _LINK_TAIL.match(text, run_end, bound) if paren_in_reach else None
+        tail = LINK_TAIL.match(text, run_end, bound) if paren_in_reach else None
         if tail is None:
             if limit == _FAR and window > self.horizon:
                 stack.append([opener, 1, image, escaped])  # the restart point must be before it
@@ -16245,19 +16455,19 @@ class _Scan:
         destination = tail.group("angled")
         if destination is None:
             destination = tail.group("plain") or ""
-        if destination.startswith(MOUNT) or destination.startswith(_SANDBOX + MOUNT):
-            what = (_IMAGE if image else _LINK, destination, text[opener + 1 : last])
+        if destination.startswith(MOUNT) or destination.startswith(SANDBOX + MOUNT):
+            what = (IMAGE if image else LINK, destination, text[opener + 1 : last])
             refs.append((start, tail.end(), what))
         return tail.end(), (-1 if image else opener)
 
     # -------------------------------------------------------------------------------- the main loop
 
-    def run(self, pos: int) -> tuple[int, _State]:
+    def run(self, pos: int) -> tuple[int, State]:
         """Scan from `pos`; returns (restart point, the state there): (end, ...) when final."""
         text, end, final, refs, origin = self.text, self.end, self.final, self.refs, self.origin
         self._start = pos
         # (module constants as locals: the path branch runs once per path in the answer)
-        not_before_path, trailing_punctuation = _NOT_BEFORE_PATH, _TRAILING_PUNCTUATION
+        not_before_path, trailing_punctuation = NOT_BEFORE_PATH, TRAILING_PUNCTUATION
         longest_path = 10 + MAX_PATH
         fence = self.state.fence
         last_escape = pos if self.state.escaped else -1
@@ -16275,7 +16485,7 @@ class _Scan:
                     pos = closing_line(fence, text, pos, end, final)[1]
                     fence = None
                     continue
-                regex = _INSIDE if stack else _OUTSIDE
+                regex = TOKEN_IN_LINK_TEXT if stack else TOKEN
                 resume = -1
                 match = None
                 for match in regex.finditer(text, pos, end):
@@ -16292,14 +16502,14 @@ class _Scan:
                         # A path, unless inside a word or a URL (x.com/mnt/data/...).
                         start = token
                         before = text[token - 1] if token else " "
-                        if before == ":" and token >= 8 and text.startswith(_SANDBOX, token - 8):
+                        if before == ":" and token >= 8 and text.startswith(SANDBOX, token - 8):
                             start = token - 8
                             before = text[start - 1] if start else " "
                         if before in not_before_path or before.isalnum():
                             continue
                         if token_end - token == longest_path and token_end < end:
                             after = text[token_end]
-                            if after not in _PATH_STOP and not after.isspace():
+                            if after not in PATH_STOP and not after.isspace():
                                 continue  # longer than any stored path
                         path = text[start:token_end].rstrip(trailing_punctuation)
                         mount_end = token - start + 10
@@ -16344,7 +16554,7 @@ class _Scan:
                             stack_known = limit != _FAR
                         bang = token > 0 and text[token - 1] == "!" and last_escape != token
                         stack.append([token, token_end - token, bang, last_escape == token])
-                        if regex is _OUTSIDE:
+                        if regex is TOKEN:
                             resume = token_end  # `]` matters now
                             break
                     elif char == "]":
@@ -16384,18 +16594,18 @@ class _Scan:
         except NeedMore as stop:
             return self._stopped(stop, stack, stack_limit, stack_known, last_escape)
         if final:
-            return end, _START
+            return end, START
         return self._stopped(NeedMore(self.safe_point(pos)), stack, stack_limit, stack_known, last_escape)
 
     def _stopped(
         self, stop: NeedMore, stack: deque[list], stack_limit: int, stack_known: bool, last_escape: int
-    ) -> tuple[int, _State]:
+    ) -> tuple[int, State]:
         """The restart point for a scan that stopped at `stop`: before the first opener that may still
         start a link, if any; what was found from there on is found again by the next scan."""
         text = self.text
         at = stop.at
         # A construct starts before its token: at `sandbox:` before a path, at an image's `!`.
-        if text.startswith("/", at) and at >= 8 and text.startswith(_SANDBOX, at - 8):
+        if text.startswith("/", at) and at >= 8 and text.startswith(SANDBOX, at - 8):
             at -= 8
         elif text.startswith("[", at) and at and text[at - 1] == "!" and last_escape != at:
             at -= 1
@@ -16418,12 +16628,12 @@ class _Scan:
         # search from the buffer's start would read a long line's held text again on every scan).
         newline = text.rfind("\n", 0 if self.origin else min(self._start, at), at)
         if newline >= 0 or self.origin:
-            single = _SINGLE_LINE.match(text, newline + 1) is not None
+            single = SINGLE_LINE.match(text, newline + 1) is not None
         else:
             single = self.state.single
         if fence is None and not (verbatim or single or escaped):
-            return at, _START  # the usual case: no new object
-        return at, _State(fence, verbatim, single, escaped)
+            return at, START  # the usual case: no new object
+        return at, State(fence, verbatim, single, escaped)
 
 
 def _undecided_newline(text: str, end: int) -> int:
@@ -16431,380 +16641,18 @@ def _undecided_newline(text: str, end: int) -> int:
     could still become a blank line or the start of another block; else the end. (Earlier newlines are
     decided: the line after each is complete, and a break needs at most 66 characters of it.)"""
     newline = text.rfind("\n", max(0, end - 70), end)
-    if newline < 0 or _PARAGRAPH_BREAK.match(text, newline, end):
+    if newline < 0 or PARAGRAPH_BREAK.match(text, newline, end):
         return end
-    return newline if _BREAK_PREFIX.fullmatch(text, newline + 1, end) else end
+    return newline if BREAK_PREFIX.fullmatch(text, newline + 1, end) else end
 
 
-def _scan(text: str) -> list[_Ref]:
+def find_references(text: str) -> list[Ref]:
     """The references in the prose of a complete text."""
     if MOUNT not in text:
         return []
-    scan = _Scan(text, len(text), True, True, _START)
+    scan = Scan(text, len(text), True, True, START)
     scan.run(0)
     return scan.refs
-
-
-# ------------------------------------------------------------------------------------- substitution
-
-
-def _candidates(relative: str) -> list[str]:
-    """The path as written, then percent-decoded (models write `my%20file.csv` in link targets)."""
-    decoded = unquote(relative)
-    return [relative] if decoded == relative else [relative, decoded]
-
-
-def _render(target: Target, label: str | None, inline_images: bool = True) -> str:
-    text = _escape_label(label if label else target.name)
-    if target.is_image and inline_images:
-        return f"![{text}]({target.url})"
-    return f"[{text}]({target.url})"
-
-
-def _replacement(what: _What, target: Target | None, inline_images: bool) -> str | None:
-    """What replaces a reference; None: the text as written."""
-    if isinstance(what, str):  # a bare path
-        return None if target is None else _render(target, None, inline_images)
-    kind, destination, label = what
-    if kind == _AUTO:
-        # Unknown: the path as text (an autolink to sandbox: would be a dead link).
-        return destination if target is None else _render(target, None, inline_images)
-    if target is None:
-        # Never leave a dead link: keep what the model said, as plain text.
-        shown = label.strip() or destination
-        return shown if shown == destination else f"{shown} ({destination})"
-    if kind == _IMAGE and not (target.is_image and inline_images):
-        # An image of a file the browser will not render inline: offer it as a download instead.
-        return f"[{_escape_label(label or target.name)}]({target.url})"
-    return _render(target, label, inline_images)
-
-
-def _destination(what: _What) -> str:
-    return what if isinstance(what, str) else what[1]
-
-
-_NOT_YET: Final = object()
-
-
-class _Substitution:
-    """Replacements, computed once per distinct reference: an answer may name one file a thousand times,
-    and percent-decoding and rendering cost more than a lookup. `done` maps a reference's `what` to its
-    replacement (None: keep the text)."""
-
-    __slots__ = ("_candidates", "_inline", "_targets", "done")
-
-    def __init__(self, targets: Mapping[str, Target | None], inline_images: bool) -> None:
-        self._targets = targets
-        self._inline = inline_images
-        self._candidates: dict[str, list[str]] = {}
-        self.done: dict[_What, str | None] = {}
-
-    def candidates(self, destination: str) -> list[str]:
-        """The session paths a destination may name (none if it names no file)."""
-        found = self._candidates.get(destination)
-        if found is None:
-            relative = _relative(destination)
-            found = self._candidates[destination] = [] if relative is None else _candidates(relative)
-        return found
-
-    def resolved(self, what: _What) -> bool:
-        """Whether every path the reference may name is in the targets (streaming: resolved)."""
-        targets = self._targets
-        return all(candidate in targets for candidate in self.candidates(_destination(what)))
-
-    def compute(self, what: _What) -> str | None:
-        target = None
-        for candidate in self.candidates(_destination(what)):
-            target = self._targets.get(candidate)
-            if target is not None:
-                break
-        replacement = self.done[what] = _replacement(what, target, self._inline)
-        return replacement
-
-
-def _paths_of(refs: list[_Ref]) -> list[str]:
-    substitution = _Substitution({}, True)
-    seen: dict[str, None] = {}
-    for what in dict.fromkeys(ref[2] for ref in refs):
-        for candidate in substitution.candidates(_destination(what)):
-            seen.setdefault(candidate, None)
-    return list(seen)
-
-
-class References:
-    """The session references found in one text: scan once, then list the paths and substitute.
-
-    Constructing one is pure computation on the text (no shared state), so a large answer can be scanned
-    in a worker thread; both the scan and `rewrite` are linear in the length of the text."""
-
-    __slots__ = ("_found", "_text")
-
-    def __init__(self, text: str) -> None:
-        self._text = text
-        self._found = _scan(text)
-
-    @property
-    def paths(self) -> list[str]:
-        """Distinct session-relative paths, in order of appearance (each also percent-decoded)."""
-        return _paths_of(self._found)
-
-    def rewrite(self, targets: Mapping[str, Target | None], *, inline_images: bool = True) -> str:
-        """Replace each reference by a link to its target; unknown files stay plain text.
-
-        With `inline_images=False` images become plain links too (for lists of files, where showing
-        every picture would repeat what the answer shows)."""
-        if not self._found:
-            return self._text
-        text = self._text
-        replace = _Substitution(targets, inline_images)
-        done, not_yet = replace.done, _NOT_YET
-        pieces: list[str] = []
-        append = pieces.append
-        position = 0
-        for start, end, what in self._found:
-            replacement = done.get(what, not_yet)
-            if replacement is not_yet:
-                replacement = replace.compute(what)
-            if replacement is not None:
-                append(text[position:start])
-                append(replacement)
-                position = end
-        append(text[position:])
-        return "".join(pieces)
-
-
-def find_paths(text: str) -> list[str]:
-    """Distinct session-relative paths referred to in the prose of `text`, in order of appearance."""
-    return References(text).paths
-
-
-async def resolve_all(paths: list[str], resolve: Resolver) -> dict[str, Target | None]:
-    return {path: await resolve(path) for path in paths}
-
-
-def rewrite(text: str, targets: Mapping[str, Target | None], *, inline_images: bool = True) -> str:
-    """`References(text).rewrite(targets)`: links for known files, plain text for the others."""
-    return References(text).rewrite(targets, inline_images=inline_images)
-
-
-# ---------------------------------------------------------------------------------------- streaming
-
-# push() only collects until a batch has arrived (or a newline, once _BATCH_AT_NEWLINE has): streamed
-# pieces are often a few characters, and a scan per piece would cost more than the piece. A batch is
-# _BATCH characters, or an eighth of the line so far when that is more, up to _BATCH_MAX: the first
-# kilobyte of every line (all of a usual answer) shows after at most 128 characters, as it arrives,
-# and a 1 MB line costs a few hundred scans instead of thousands, the batch holding back at most 1/8
-# of what is already out on that line.
-_BATCH = 128
-_BATCH_MAX = 4096
-_BATCH_AT_NEWLINE = 16
-# Held text is scanned again only when half as much new text has arrived (or it is short): each
-# character is scanned a few times at most however long a construct stays open, and what is held waits
-# at most half its length again for the scan that releases it.
-_RESCAN_FREE = 512
-
-
-class StreamingRewriter:
-    """Rewrite a streamed answer as it comes, with exactly the output `rewrite()` gives for the whole.
-
-    Intended use, on the event loop (nothing here blocks: each call does work in proportion to the text
-    it is given; resolving, which publishes files, is the only thing awaited)::
-
-        rewriter = chat.streaming_rewriter()
-        async for piece in stream:
-            text = rewriter.push(piece)             # sync and cheap: what can be shown now
-            if rewriter.pending:                    # paths to publish before more can be shown
-                text += await rewriter.resolve_pending()
-            if text:
-                yield text
-        yield await rewriter.flush()                # the rest; resolves what it still names
-
-    `await feed(piece)` is that loop's body in one call and gives the same text; `finish()` is the sync
-    first half of `flush()`.
-
-    Text is released as soon as nothing that may follow can change it. What is held is the start of a
-    construct still open (a link text, a code span that may still close, a path that may go on), bounded
-    by the grammar's limits (MAX_LABEL, MAX_CODE_SPAN, MAX_DESTINATION, ...): a few KiB at most, however
-    long the answer. The resolver is called once per distinct path.
-    """
-
-    def __init__(self, resolve: Resolver) -> None:
-        self._resolve = resolve
-        self._known: dict[str, Target | None] = {}
-        self._start()
-
-    def _start(self) -> None:
-        self._batch = ""  # pieces pushed since _parts
-        self._parts: list[str] = []  # batches of _BATCH pushed since the last scan ...
-        self._held = 0  # ... and their length
-        self._batch_limit = _BATCH  # its length that starts a scan
-        self._line = 0  # where the last line pushed starts (a position in the whole answer)
-        self._text = ""  # the answer from _base on
-        self._base = 0
-        self._clean = 0  # the next scan starts here (a position in the whole answer) ...
-        self._state = _START  # ... knowing this
-        self._scanned_to = 0  # end of the text at the last scan
-        self._out = 0  # the answer before this has been released
-        self._ready: deque[_Ref] = deque()  # decided references not released yet
-        self._wanted: dict[str, None] = {}  # the paths they name that are not resolved yet
-        # Paths to resolve (`resolve_pending`) before more text can be released; usually empty. A plain
-        # attribute, not a property: the stream loop reads it after every piece.
-        self.pending: tuple[str, ...] = ()
-        self._replace = _Substitution(self._known, True)
-
-    # ------------------------------------------------------------------------------------ sync API
-
-    def push(self, chunk: str) -> str:
-        """Take the next piece of the answer; return the text that can be shown now. Never awaits."""
-        # Called once per streamed piece (250,000 times for a 1 MB answer in 4-character pieces): the
-        # common case is one short concatenation and two comparisons, close to a call that does nothing
-        # (bench/rewrite.py measures both). Copying the piece's batch each time costs less than a list's
-        # append and a running count: it is never longer than _BATCH (longer batches are lists of these).
-        batch = self._batch = self._batch + chunk
-        if len(batch) < _BATCH and ("\n" not in chunk or len(batch) < _BATCH_AT_NEWLINE):
-            return ""
-        self._parts.append(batch)
-        self._batch = ""
-        held = self._held = self._held + len(batch)
-        if held < self._batch_limit and "\n" not in batch:
-            return ""
-        return self._advance(False)
-
-    def finish(self) -> str:
-        """The answer is complete: decide the rest, return what can be shown without resolving."""
-        return self._advance(True)
-
-    # ----------------------------------------------------------------------------------- async API
-
-    async def resolve_pending(self) -> str:
-        """Resolve the pending paths (each once per rewriter); return the text this releases."""
-        for path in self.pending:
-            if path not in self._known:
-                self._known[path] = await self._resolve(path)
-        self._wanted.clear()
-        return self._release()
-
-    async def feed(self, chunk: str) -> str:
-        text = self.push(chunk)
-        if self.pending:
-            text += await self.resolve_pending()
-        return text
-
-    async def flush(self) -> str:
-        """The answer is complete: the rest of it, rewritten. The rewriter then takes a new answer (and
-        keeps what it resolved)."""
-        text = self.finish()
-        if self.pending:
-            text += await self.resolve_pending()
-        self._start()
-        return text
-
-    # ---------------------------------------------------------------------------------- machinery
-
-    def _advance(self, final: bool) -> str:
-        if self._parts:
-            self._parts.append(self._batch)
-            batch = "".join(self._parts)
-            self._parts.clear()
-            self._held = 0
-        else:
-            batch = self._batch
-        if batch:
-            self._text += batch
-            self._batch = ""
-        text, base, clean = self._text, self._base, self._clean
-        end = base + len(text)
-        if batch:
-            newline = batch.rfind("\n")
-            if newline >= 0:
-                self._line = end - len(batch) + newline + 1
-            self._batch_limit = min(_BATCH_MAX, max(_BATCH, (end - self._line) >> 3))
-        quiet = False
-        if final or end - clean <= _RESCAN_FREE or 2 * (end - self._scanned_to) >= self._scanned_to - clean:
-            self._scanned_to = end
-            state = self._state
-            if final or state.fence or state.verbatim or _OUTSIDE.search(text, clean - base):
-                scan = _Scan(text, end - base, final, base == 0, state)
-                at, self._state = scan.run(clean - base)
-                if scan.refs:
-                    self._decided(scan.refs, base)
-                self._clean = at + base
-            else:
-                quiet = True  # (where a reference could start is a token too)
-            if quiet and end - _TAIL > clean:
-                # Prose without a single token (the usual case for plain text): a scan would find
-                # nothing and only move its restart point, with the state of that point's line.
-                self._clean = at = end - _TAIL
-                newline = text.rfind("\n", clean - base, at - base)
-                single = state.single if newline < 0 else _SINGLE_LINE.match(text, newline + 1) is not None
-                if single != state.single or state.escaped:
-                    self._state = _State(single=single)
-        released = self._release(quiet)
-        # Drop what is released and what the next scan does not read (it reads _CONTEXT before its
-        # start); only when that is a good part of the text, so that copying stays linear.
-        drop = min(self._out, self._clean - _CONTEXT) - base
-        if drop > 4096 or drop * 2 > len(self._text):
-            self._text = self._text[drop:]
-            self._base += drop
-        return released
-
-    def _release(self, quiet: bool = False) -> str:
-        """Decided text up to the first reference not resolved yet, rewritten; when all decided text is
-        out, also what follows in which no reference can start, whatever comes next. `quiet`: the text
-        from the restart point on holds no token, so nothing but its last characters could start one."""
-        text, base, ready = self._text, self._base, self._ready
-        replace = self._replace
-        done, not_yet = replace.done, _NOT_YET
-        pieces: list[str] = []
-        position = self._out
-        while ready:
-            start, end, what = ready[0]
-            replacement = done.get(what, not_yet)
-            if replacement is not_yet:
-                if not replace.resolved(what):
-                    break
-                replacement = replace.compute(what)
-            if replacement is not None:
-                pieces.append(text[position - base : start - base])
-                pieces.append(replacement)
-                position = end
-            ready.popleft()
-        if ready:
-            upto = ready[0][0]
-            self.pending = tuple(self._wanted)
-        else:
-            upto = self._unchangeable(max(position, self._clean), quiet)
-            self.pending = ()
-        if upto > position:
-            pieces.append(text[position - base : upto - base])
-            position = upto
-        self._out = position
-        return "".join(pieces)
-
-    def _decided(self, refs: list[_Ref], base: int) -> None:
-        """Queue references a scan decided (at positions in the buffer from `base`), noting what they
-        need resolved: once here, so that asking what is pending never walks the queue."""
-        if base:
-            self._ready.extend((r[0] + base, r[1] + base, r[2]) for r in refs)
-        else:
-            self._ready.extend(refs)
-        done, known, wanted = self._replace.done, self._known, self._wanted
-        candidates = self._replace.candidates
-        for ref in refs:
-            what = ref[2]
-            if what not in done:
-                for candidate in candidates(_destination(what)):
-                    if candidate not in known:
-                        wanted[candidate] = None
-
-    def _unchangeable(self, start: int, quiet: bool = False) -> int:
-        """The end of the text from `start` (a decided point) in which no reference can start."""
-        text = self._text
-        found = None if quiet else _CHANGE.search(text, start - self._base)
-        if found is not None:
-            return found.start() + self._base
-        partial = _PARTIAL_CHANGE.search(text, max(start - self._base, len(text) - 20))
-        return (partial.start() if partial else len(text)) + self._base
 ''',
     'engine/service.py': r'''"""One chat step, composed: lock the session, check the quota, run in the sandbox, index, enforce, link.
 
@@ -16823,8 +16671,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_f7a21b592d8f.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_f7a21b592d8f.storage import (
+from _code_sessions_e122b282b4d8.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_e122b282b4d8.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16841,15 +16689,10 @@ from _code_sessions_f7a21b592d8f.storage import (
     human_bytes,
 )
 
-from .rewrite import (
-    SCAN_ON_LOOP_CHARS,
-    References,
-    StreamingRewriter,
-    Target,
-    escape_text,
-    mention,
-    resolve_all,
-)
+from .links import References, Target, resolve_all
+from .markup import escape_text, mention
+from .scan import SCAN_ON_LOOP_CHARS
+from .streaming import StreamingRewriter
 
 __all__ = ["ChatSession", "CodeSessions", "StepResult", "Waiting"]
 
@@ -17043,6 +16886,11 @@ class ChatSession:
         self._inline: set[str] = set()
 
     @property
+    def kernel_key(self) -> str:
+        """The key of this chat's kernel in the kernel pool."""
+        return _kernel_key(self.session.user_key, self.session.chat_key)
+
+    @property
     def published(self) -> list[Target]:
         """Every file linked so far, in the order first linked."""
         return list(self._published)
@@ -17110,10 +16958,7 @@ class ChatSession:
                     result = await service.execute(self.session, code, language, limits)
                 finally:
                     # Index what the run left even when the runner failed half-way: disk is the truth.
-                    report = await self.session.reconcile(
-                        enforce_quotas=True, changed=service._changed_hint(self.session, result)
-                    )
-                    service._reconciled(self.session, report)
+                    report = await service.reconcile_after(self.session, result)
         except DiskFull as error:
             # The run (if any) happened; what it wrote is indexed by the next step, which lists the
             # whole folder (the mark of this run stays).
@@ -17251,9 +17096,9 @@ def _figures(result: RunResult | None, report: ReconcileReport | None) -> tuple[
     )
 
 
-def _kernel_key(session: Session) -> str:
+def _kernel_key(user_key: str, chat_key: str) -> str:
     # The folder's keys: the same for every worker, and what the storage deletes sessions by.
-    return f"{session.user_key}/{session.chat_key}"
+    return f"{user_key}/{chat_key}"
 
 
 def _tighter(configured: int, budget: int | None) -> int:
@@ -17321,9 +17166,8 @@ class CodeSessions:
         """Run code in the session's folder: in its kernel, or in a fresh sandbox."""
         if self.kernels is None:
             return await self.runner.run(code, language, session.path, limits)
-        return await self.kernels.run(
-            _kernel_key(session), session.path, code, language, limits, state_dir=session.state_path
-        )
+        key = _kernel_key(session.user_key, session.chat_key)
+        return await self.kernels.run(key, session.path, code, language, limits, state_dir=session.state_path)
 
     async def purge(self, purge: Purge) -> CleanupReport:
         """An admin's purge: the selected sessions go, with their files, links and kernels."""
@@ -17343,7 +17187,7 @@ class CodeSessions:
         if self.kernels is not None:
             for item in report.details:
                 if item.action in ("removed", "vanished"):
-                    key = f"{item.user_key}/{item.chat_key}"
+                    key = _kernel_key(item.user_key, item.chat_key)
                     # The store removed the session's saved state with it; one written since (the
                     # kernel was being saved as the session went) goes here.
                     state = self.store.saved_state_path(item.user_key, item.chat_key)
@@ -17356,6 +17200,13 @@ class CodeSessions:
             await self.kernels.close()
         await self.store.close()
 
+    async def reconcile_after(self, session: Session, result: RunResult | None) -> ReconcileReport:
+        """Index what a run left in the session's folder (`result` None: the runner failed before it
+        could say), quotas enforced. The caller holds the session's lock."""
+        report = await session.reconcile(enforce_quotas=True, changed=self._changed_hint(session, result))
+        self._reconciled(session, report)
+        return report
+
     def _changed_hint(self, session: Session, result: RunResult | None) -> tuple[str, ...] | None:
         """The paths to reconcile, or None for a full listing: when the runner failed or does not
         know what changed, and at the first step of a session here and every FULL_RECONCILE_EVERY_S."""
@@ -17367,6 +17218,7 @@ class CodeSessions:
         return result.changed
 
     def _reconciled(self, session: Session, report: ReconcileReport) -> None:
+        """Note when the session's folder was last listed whole."""
         if not report.full:
             return
         now = time.monotonic()
@@ -17501,6 +17353,254 @@ def events_from_message(payload: dict[str, Any]) -> list[TextDelta | ToolCall | 
     events.extend(collector.done())
     return events
 ''',
+    'engine/streaming.py': r'''"""Rewrite a model's answer into working links while it streams, with the output of rewriting it whole.
+
+A scan's decisions about a stretch of text depend on at most a few KiB after it (engine/grammar.py), so
+`StreamingRewriter` releases text as soon as nothing later can change it, holds back only what a
+construct still open might change, and gives the same output as `rewrite` (engine/links.py) gives for
+the whole answer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+
+from .grammar import MOUNT, SINGLE_LINE, TOKEN, Ref
+from .links import NOT_YET, Resolver, Substitution, Target, destination_of
+from .scan import LOOK_BEHIND, RESTART_MARGIN, START, Scan, State
+
+__all__ = ["StreamingRewriter"]
+
+# Where a reference could start, for releasing streamed text that nothing later can change.
+_CHANGE = re.compile(r"!\[|\[|<sandbox:/mnt/data/|sandbox:/mnt/data/|/mnt/data/")
+
+
+def _prefixes(word: str) -> str:
+    return "|".join(re.escape(word[:n]) for n in range(len(word) - 1, 0, -1))
+
+
+_PARTIAL_CHANGE = re.compile(
+    rf"(?:{_prefixes('<sandbox:/mnt/data/')}|{_prefixes('sandbox:/mnt/data/')}|{_prefixes(MOUNT)}|!)\Z"
+)
+
+# push() only collects until a batch has arrived (or a newline, once _BATCH_AT_NEWLINE has): streamed
+# pieces are often a few characters, and a scan per piece would cost more than the piece. A batch is
+# _BATCH characters, or an eighth of the line so far when that is more, up to _BATCH_MAX: the first
+# kilobyte of every line (all of a usual answer) shows after at most 128 characters, as it arrives,
+# and a 1 MB line costs a few hundred scans instead of thousands, the batch holding back at most 1/8
+# of what is already out on that line.
+_BATCH = 128
+_BATCH_MAX = 4096
+_BATCH_AT_NEWLINE = 16
+# Held text is scanned again only when half as much new text has arrived (or it is short): each
+# character is scanned a few times at most however long a construct stays open, and what is held waits
+# at most half its length again for the scan that releases it.
+_RESCAN_FREE = 512
+
+
+class StreamingRewriter:
+    """Rewrite a streamed answer as it comes, with exactly the output `rewrite()` gives for the whole.
+
+    Intended use, on the event loop (nothing here blocks: each call does work in proportion to the text
+    it is given; resolving, which publishes files, is the only thing awaited)::
+
+        rewriter = chat.streaming_rewriter()
+        async for piece in stream:
+            text = rewriter.push(piece)             # sync and cheap: what can be shown now
+            if rewriter.pending:                    # paths to publish before more can be shown
+                text += await rewriter.resolve_pending()
+            if text:
+                yield text
+        yield await rewriter.flush()                # the rest; resolves what it still names
+
+    `await feed(piece)` is that loop's body in one call and gives the same text; `finish()` is the sync
+    first half of `flush()`.
+
+    Text is released as soon as nothing that may follow can change it. What is held is the start of a
+    construct still open (a link text, a code span that may still close, a path that may go on), bounded
+    by the grammar's limits (MAX_LABEL, MAX_CODE_SPAN, MAX_DESTINATION, ...): a few KiB at most, however
+    long the answer. The resolver is called once per distinct path.
+    """
+
+    def __init__(self, resolve: Resolver) -> None:
+        self._resolve = resolve
+        self._known: dict[str, Target | None] = {}
+        self._start()
+
+    def _start(self) -> None:
+        self._batch = ""  # pieces pushed since _parts
+        self._parts: list[str] = []  # batches of _BATCH pushed since the last scan ...
+        self._held = 0  # ... and their length
+        self._batch_limit = _BATCH  # its length that starts a scan
+        self._line = 0  # where the last line pushed starts (a position in the whole answer)
+        self._text = ""  # the answer from _base on
+        self._base = 0
+        self._clean = 0  # the next scan starts here (a position in the whole answer) ...
+        self._state = START  # ... knowing this
+        self._scanned_to = 0  # end of the text at the last scan
+        self._out = 0  # the answer before this has been released
+        self._ready: deque[Ref] = deque()  # decided references not released yet
+        self._wanted: dict[str, None] = {}  # the paths they name that are not resolved yet
+        # Paths to resolve (`resolve_pending`) before more text can be released; usually empty. A plain
+        # attribute, not a property: the stream loop reads it after every piece.
+        self.pending: tuple[str, ...] = ()
+        self._replace = Substitution(self._known, True)
+
+    # ------------------------------------------------------------------------------------ sync API
+
+    def push(self, chunk: str) -> str:
+        """Take the next piece of the answer; return the text that can be shown now. Never awaits."""
+        # Called once per streamed piece (250,000 times for a 1 MB answer in 4-character pieces): the
+        # common case is one short concatenation and two comparisons, close to a call that does nothing
+        # (bench/rewrite.py measures both). Copying the piece's batch each time costs less than a list's
+        # append and a running count: it is never longer than _BATCH (longer batches are lists of these).
+        batch = self._batch = self._batch + chunk
+        if len(batch) < _BATCH and ("\n" not in chunk or len(batch) < _BATCH_AT_NEWLINE):
+            return ""
+        self._parts.append(batch)
+        self._batch = ""
+        held = self._held = self._held + len(batch)
+        if held < self._batch_limit and "\n" not in batch:
+            return ""
+        return self._advance(False)
+
+    def finish(self) -> str:
+        """The answer is complete: decide the rest, return what can be shown without resolving."""
+        return self._advance(True)
+
+    # ----------------------------------------------------------------------------------- async API
+
+    async def resolve_pending(self) -> str:
+        """Resolve the pending paths (each once per rewriter); return the text this releases."""
+        for path in self.pending:
+            if path not in self._known:
+                self._known[path] = await self._resolve(path)
+        self._wanted.clear()
+        return self._release()
+
+    async def feed(self, chunk: str) -> str:
+        text = self.push(chunk)
+        if self.pending:
+            text += await self.resolve_pending()
+        return text
+
+    async def flush(self) -> str:
+        """The answer is complete: the rest of it, rewritten. The rewriter then takes a new answer (and
+        keeps what it resolved)."""
+        text = self.finish()
+        if self.pending:
+            text += await self.resolve_pending()
+        self._start()
+        return text
+
+    # ---------------------------------------------------------------------------------- machinery
+
+    def _advance(self, final: bool) -> str:
+        if self._parts:
+            self._parts.append(self._batch)
+            batch = "".join(self._parts)
+            self._parts.clear()
+            self._held = 0
+        else:
+            batch = self._batch
+        if batch:
+            self._text += batch
+            self._batch = ""
+        text, base, clean = self._text, self._base, self._clean
+        end = base + len(text)
+        if batch:
+            newline = batch.rfind("\n")
+            if newline >= 0:
+                self._line = end - len(batch) + newline + 1
+            self._batch_limit = min(_BATCH_MAX, max(_BATCH, (end - self._line) >> 3))
+        quiet = False
+        if final or end - clean <= _RESCAN_FREE or 2 * (end - self._scanned_to) >= self._scanned_to - clean:
+            self._scanned_to = end
+            state = self._state
+            if final or state.fence or state.verbatim or TOKEN.search(text, clean - base):
+                scan = Scan(text, end - base, final, base == 0, state)
+                at, self._state = scan.run(clean - base)
+                if scan.refs:
+                    self._decided(scan.refs, base)
+                self._clean = at + base
+            else:
+                quiet = True  # (where a reference could start is a token too)
+            if quiet and end - RESTART_MARGIN > clean:
+                # Prose without a single token (the usual case for plain text): a scan would find
+                # nothing and only move its restart point, with the state of that point's line.
+                self._clean = at = end - RESTART_MARGIN
+                newline = text.rfind("\n", clean - base, at - base)
+                single = state.single if newline < 0 else SINGLE_LINE.match(text, newline + 1) is not None
+                if single != state.single or state.escaped:
+                    self._state = State(single=single)
+        released = self._release(quiet)
+        # Drop what is released and what the next scan does not read (it reads LOOK_BEHIND before its
+        # start); only when that is a good part of the text, so that copying stays linear.
+        drop = min(self._out, self._clean - LOOK_BEHIND) - base
+        if drop > 4096 or drop * 2 > len(self._text):
+            self._text = self._text[drop:]
+            self._base += drop
+        return released
+
+    def _release(self, quiet: bool = False) -> str:
+        """Decided text up to the first reference not resolved yet, rewritten; when all decided text is
+        out, also what follows in which no reference can start, whatever comes next. `quiet`: the text
+        from the restart point on holds no token, so nothing but its last characters could start one."""
+        text, base, ready = self._text, self._base, self._ready
+        replace = self._replace
+        done, not_yet = replace.done, NOT_YET
+        pieces: list[str] = []
+        position = self._out
+        while ready:
+            start, end, what = ready[0]
+            replacement = done.get(what, not_yet)
+            if replacement is not_yet:
+                if not replace.resolved(what):
+                    break
+                replacement = replace.compute(what)
+            if replacement is not None:
+                pieces.append(text[position - base : start - base])
+                pieces.append(replacement)
+                position = end
+            ready.popleft()
+        if ready:
+            upto = ready[0][0]
+            self.pending = tuple(self._wanted)
+        else:
+            upto = self._unchangeable(max(position, self._clean), quiet)
+            self.pending = ()
+        if upto > position:
+            pieces.append(text[position - base : upto - base])
+            position = upto
+        self._out = position
+        return "".join(pieces)
+
+    def _decided(self, refs: list[Ref], base: int) -> None:
+        """Queue references a scan decided (at positions in the buffer from `base`), noting what they
+        need resolved: once here, so that asking what is pending never walks the queue."""
+        if base:
+            self._ready.extend((r[0] + base, r[1] + base, r[2]) for r in refs)
+        else:
+            self._ready.extend(refs)
+        done, known, wanted = self._replace.done, self._known, self._wanted
+        candidates = self._replace.candidates
+        for ref in refs:
+            what = ref[2]
+            if what not in done:
+                for candidate in candidates(destination_of(what)):
+                    if candidate not in known:
+                        wanted[candidate] = None
+
+    def _unchangeable(self, start: int, quiet: bool = False) -> int:
+        """The end of the text from `start` (a decided point) in which no reference can start."""
+        text = self._text
+        found = None if quiet else _CHANGE.search(text, start - self._base)
+        if found is not None:
+            return found.start() + self._base
+        partial = _PARTIAL_CHANGE.search(text, max(start - self._base, len(text) - 20))
+        return (partial.start() if partial else len(text)) + self._base
+''',
     'webui/__init__.py': r'''"""What code-sessions asks of the Open WebUI it runs in, in one place (only here and in the function
 file is `open_webui` imported, lazily, so the bundle loads without a running Open WebUI)."""
 
@@ -17535,26 +17635,14 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_f7a21b592d8f.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_e122b282b4d8.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
-__all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
+__all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
 log = logging.getLogger("code_sessions.function")
 
 ID_PREFIX = "code-sessions-"
 KIND = "open-webui-files"
-_PASSIVE_EXTENSIONS = {
-    "image/png": ".png",
-    "image/jpeg": ".jpg",
-    "image/pjpeg": ".jpg",
-    "image/gif": ".gif",
-    "image/webp": ".webp",
-    "image/bmp": ".bmp",
-    "image/x-ms-bmp": ".bmp",
-    "image/x-icon": ".ico",
-    "image/vnd.microsoft.icon": ".ico",
-    "image/avif": ".avif",
-}
 _DOWNLOAD_TYPE = "application/octet-stream"
 # Open WebUI's storage providers read an uploaded file into memory whole (storage/provider.py,
 # upload_file): the largest copy published through them, whatever max_file_mb allows (a sparse file
@@ -17565,9 +17653,14 @@ _CHUNK = 500
 
 def _stored_as(copy: Copy) -> tuple[str, str]:
     """(extension of the stored name, content type): passive images as themselves, the rest a download."""
-    if copy.inline and copy.content_type in _PASSIVE_EXTENSIONS:
-        return _PASSIVE_EXTENSIONS[copy.content_type], copy.content_type
+    if copy.inline and copy.content_type in PASSIVE_IMAGE_TYPES:
+        return PASSIVE_IMAGE_TYPES[copy.content_type], copy.content_type
     return ".bin", _DOWNLOAD_TYPE
+
+
+def content_url(file_id: str) -> str:
+    """Where Open WebUI's Files API serves a file's bytes (to those who may read it)."""
+    return f"/api/v1/files/{file_id}/content"
 
 
 def attachment_item(link: Link, content_type: str) -> dict[str, Any]:
@@ -17576,7 +17669,7 @@ def attachment_item(link: Link, content_type: str) -> dict[str, Any]:
     return {
         "type": "image" if link.is_image else "file",
         "id": ref,
-        "url": f"/api/v1/files/{ref}/content",
+        "url": content_url(ref),
         "name": link.name,
         "content_type": content_type,
         "size": link.size,
@@ -17623,7 +17716,7 @@ class FilesPublisher:
         if row is None:  # Open WebUI logged why; keep no bytes of a record that does not exist
             await asyncio.to_thread(_delete_stored, stored)
             raise StorageError(f"{copy.path} could not be recorded by Open WebUI (see its log)")
-        return Published(file_id, f"/api/v1/files/{file_id}/content")
+        return Published(file_id, content_url(file_id))
 
     async def remove(self, refs: Sequence[str]) -> None:
         from open_webui.models.files import Files
@@ -17761,7 +17854,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_f7a21b592d8f.storage import Link, Publisher, is_postgres_url
+from _code_sessions_e122b282b4d8.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17776,8 +17869,14 @@ _ID_CHUNK = 500
 _PROCESS: dict[str, Any] = {}
 
 
+# Open WebUI's chat ids: a temporary chat has none or one of these prefixes, and a channel's messages
+# come with `channel:`. Neither is a chat Open WebUI saves.
+_TEMPORARY_PREFIXES = ("temporary:", "local:")
+_UNSAVED_PREFIXES = (*_TEMPORARY_PREFIXES, "channel:")
+
+
 def _saved_chat(chat_id: str) -> bool:
-    return bool(chat_id) and not chat_id.startswith(("temporary:", "local:", "channel:"))
+    return bool(chat_id) and not chat_id.startswith(_UNSAVED_PREFIXES)
 
 
 def _content_type(name: str) -> str:
@@ -17840,6 +17939,11 @@ class OpenWebUI:
         """Where published copies go: Open WebUI's Files API (owner, admins and shared-chat readers
         only). Copies made earlier under /cache keep their own publisher (see storage.publishing)."""
         return FilesPublisher()
+
+    @staticmethod
+    def temporary_chat(chat_id: str) -> bool:
+        """Whether the chat is one of Open WebUI's temporary chats (its session expires sooner)."""
+        return chat_id == "" or chat_id.startswith(_TEMPORARY_PREFIXES)
 
     def can_attach(self, chat_id: str, message_id: str | None) -> bool:
         """Whether a message of this chat can hold attachments (a saved chat's message)."""
@@ -17978,7 +18082,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_f7a21b592d8f.engine import (
+from _code_sessions_e122b282b4d8.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17988,9 +18092,9 @@ from _code_sessions_f7a21b592d8f.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_f7a21b592d8f.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_f7a21b592d8f.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_f7a21b592d8f.webui import OpenWebUI
+from _code_sessions_e122b282b4d8.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_e122b282b4d8.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_e122b282b4d8.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -18213,7 +18317,11 @@ class SessionsAdapter:
                 )
                 owner = (runner.sandbox_uid, runner.sandbox_gid) if os.geteuid() == 0 else None
                 store = Store(
-                    places.root, publisher=self._host.publisher(places), owner=owner, database_url=index_url
+                    places.root,
+                    publisher=self._host.publisher(places),
+                    owner=owner,
+                    database_url=index_url,
+                    temporary_chat=self._host.temporary_chat,
                 )
                 await store.open()
                 kernels = None
@@ -18660,7 +18768,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_f7a21b592d8f.engine import (
+from _code_sessions_e122b282b4d8.engine import (
     LoopOptions,
     ModelError,
     converse,
@@ -18669,9 +18777,9 @@ from _code_sessions_f7a21b592d8f.engine import (
     events_from_sse,
     waiting_status,
 )
-from _code_sessions_f7a21b592d8f.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
-from _code_sessions_f7a21b592d8f.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_f7a21b592d8f.webui import Misconfigured
+from _code_sessions_e122b282b4d8.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from _code_sessions_e122b282b4d8.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_e122b282b4d8.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

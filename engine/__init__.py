@@ -1,6 +1,7 @@
 """A chat step without Open WebUI: sandbox runs over a persistent session, links, the conversation loop."""
 
 from .blocks import CodeBlock, runnable_blocks
+from .links import References, Target, find_paths, rewrite
 from .loop import (
     RUN_CODE_TOOL,
     LoopOptions,
@@ -11,20 +12,12 @@ from .loop import (
     run_step,
     waiting_status,
 )
+from .markup import code_span, escape_text, mention
 from .prompt import PromptFacts, system_prompt
 from .purge import parse_purge
-from .rewrite import (
-    References,
-    StreamingRewriter,
-    Target,
-    code_span,
-    escape_text,
-    find_paths,
-    mention,
-    rewrite,
-)
 from .service import ChatSession, CodeSessions, StepResult
 from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
+from .streaming import StreamingRewriter
 
 __all__ = [
     "RUN_CODE_TOOL",

@@ -1,7 +1,7 @@
 """Fenced code blocks: the one parser behind the fenced execution mode and the link rewriter.
 
-`runnable_blocks` finds the blocks to run for models that cannot call tools. The link rewriter
-(engine/rewrite.py) drives the same functions (`fence_line_start`, `fence_opening`, `closing_line`) from its
+`runnable_blocks` finds the blocks to run for models that cannot call tools. The link scan
+(engine/scan.py) drives the same functions (`fence_line_start`, `fence_opening`, `closing_line`) from its
 own scan, with `final=False` while an answer is still streaming in: then a question this text cannot
 answer yet (is this line, still unfinished, a fence?) raises `NeedMore` instead of guessing.
 """

@@ -15,7 +15,8 @@ from typing import Any, Protocol
 from runner import Outcome
 
 from .blocks import runnable_blocks
-from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
+from .markup import backtick_fence, escape_text
+from .scan import SCAN_ON_LOOP_CHARS
 from .service import ChatSession, StepResult
 from .sse import ModelError, TextDelta, ToolCall
 

@@ -33,15 +33,10 @@ from storage import (
     human_bytes,
 )
 
-from .rewrite import (
-    SCAN_ON_LOOP_CHARS,
-    References,
-    StreamingRewriter,
-    Target,
-    escape_text,
-    mention,
-    resolve_all,
-)
+from .links import References, Target, resolve_all
+from .markup import escape_text, mention
+from .scan import SCAN_ON_LOOP_CHARS
+from .streaming import StreamingRewriter
 
 __all__ = ["ChatSession", "CodeSessions", "StepResult", "Waiting"]
 
@@ -235,6 +230,11 @@ class ChatSession:
         self._inline: set[str] = set()
 
     @property
+    def kernel_key(self) -> str:
+        """The key of this chat's kernel in the kernel pool."""
+        return _kernel_key(self.session.user_key, self.session.chat_key)
+
+    @property
     def published(self) -> list[Target]:
         """Every file linked so far, in the order first linked."""
         return list(self._published)
@@ -302,10 +302,7 @@ class ChatSession:
                     result = await service.execute(self.session, code, language, limits)
                 finally:
                     # Index what the run left even when the runner failed half-way: disk is the truth.
-                    report = await self.session.reconcile(
-                        enforce_quotas=True, changed=service._changed_hint(self.session, result)
-                    )
-                    service._reconciled(self.session, report)
+                    report = await service.reconcile_after(self.session, result)
         except DiskFull as error:
             # The run (if any) happened; what it wrote is indexed by the next step, which lists the
             # whole folder (the mark of this run stays).
@@ -443,9 +440,9 @@ def _figures(result: RunResult | None, report: ReconcileReport | None) -> tuple[
     )
 
 
-def _kernel_key(session: Session) -> str:
+def _kernel_key(user_key: str, chat_key: str) -> str:
     # The folder's keys: the same for every worker, and what the storage deletes sessions by.
-    return f"{session.user_key}/{session.chat_key}"
+    return f"{user_key}/{chat_key}"
 
 
 def _tighter(configured: int, budget: int | None) -> int:
@@ -513,9 +510,8 @@ class CodeSessions:
         """Run code in the session's folder: in its kernel, or in a fresh sandbox."""
         if self.kernels is None:
             return await self.runner.run(code, language, session.path, limits)
-        return await self.kernels.run(
-            _kernel_key(session), session.path, code, language, limits, state_dir=session.state_path
-        )
+        key = _kernel_key(session.user_key, session.chat_key)
+        return await self.kernels.run(key, session.path, code, language, limits, state_dir=session.state_path)
 
     async def purge(self, purge: Purge) -> CleanupReport:
         """An admin's purge: the selected sessions go, with their files, links and kernels."""
@@ -535,7 +531,7 @@ class CodeSessions:
         if self.kernels is not None:
             for item in report.details:
                 if item.action in ("removed", "vanished"):
-                    key = f"{item.user_key}/{item.chat_key}"
+                    key = _kernel_key(item.user_key, item.chat_key)
                     # The store removed the session's saved state with it; one written since (the
                     # kernel was being saved as the session went) goes here.
                     state = self.store.saved_state_path(item.user_key, item.chat_key)
@@ -548,6 +544,13 @@ class CodeSessions:
             await self.kernels.close()
         await self.store.close()
 
+    async def reconcile_after(self, session: Session, result: RunResult | None) -> ReconcileReport:
+        """Index what a run left in the session's folder (`result` None: the runner failed before it
+        could say), quotas enforced. The caller holds the session's lock."""
+        report = await session.reconcile(enforce_quotas=True, changed=self._changed_hint(session, result))
+        self._reconciled(session, report)
+        return report
+
     def _changed_hint(self, session: Session, result: RunResult | None) -> tuple[str, ...] | None:
         """The paths to reconcile, or None for a full listing: when the runner failed or does not
         know what changed, and at the first step of a session here and every FULL_RECONCILE_EVERY_S."""
@@ -559,6 +562,7 @@ class CodeSessions:
         return result.changed
 
     def _reconciled(self, session: Session, report: ReconcileReport) -> None:
+        """Note when the session's folder was last listed whole."""
         if not report.full:
             return
         now = time.monotonic()

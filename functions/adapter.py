@@ -257,7 +257,11 @@ class SessionsAdapter:
                 )
                 owner = (runner.sandbox_uid, runner.sandbox_gid) if os.geteuid() == 0 else None
                 store = Store(
-                    places.root, publisher=self._host.publisher(places), owner=owner, database_url=index_url
+                    places.root,
+                    publisher=self._host.publisher(places),
+                    owner=owner,
+                    database_url=index_url,
+                    temporary_chat=self._host.temporary_chat,
                 )
                 await store.open()
                 kernels = None

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
-from engine.rewrite import SCAN_ON_LOOP_CHARS
+from engine.scan import SCAN_ON_LOOP_CHARS
 from functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
 from storage import CLEAR_FILES_COMMAND, StorageError
 from webui import Misconfigured

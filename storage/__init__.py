@@ -4,7 +4,7 @@ It knows nothing of the web UI or of the sandbox; see docs/storage.md.
 """
 
 from ._format import human_bytes, parse_duration
-from ._names import MAX_PATH_BYTES
+from ._names import MAX_PATH_BYTES, PASSIVE_IMAGE_TYPES
 from ._postgres import is_postgres_url
 from .errors import (
     DiskFull,
@@ -47,6 +47,7 @@ from .store import Store
 __all__ = [
     "CLEAR_FILES_COMMAND",
     "MAX_PATH_BYTES",
+    "PASSIVE_IMAGE_TYPES",
     "ActivityEntry",
     "ChatFiles",
     "ChatInfo",

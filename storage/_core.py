@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from . import _index
 from ._backend import Backend, Lock, Tx
 from ._fsops import make_dir
-from ._keys import id_key, is_temporary
+from ._keys import id_key
 from ._layout import Layout, write_sidecar
 from .errors import DiskFull, IndexDamaged, StorageError
 from .models import RebuildReport, Reconcile
@@ -36,6 +36,9 @@ log = logging.getLogger("code_sessions.storage")
 
 T = TypeVar("T")
 Owner = tuple[int, int] | None
+# Whether a chat id names a temporary chat, which expires sooner (Expiry.temporary_idle_s). The host
+# knows its ids' formats; storage does not.
+TemporaryChat = Callable[[str], bool]
 ENSURED_FOR_S = 30.0
 MAX_ID_CHARS = 512  # the index keeps ids whole (unique, indexed): within every backend's key limit
 
@@ -65,6 +68,7 @@ class Core:
         publisher: Publisher | None,
         owner: Owner,
         record_settings: bool = True,
+        temporary_chat: TemporaryChat | None = None,
     ) -> None:
         self.root = root
         self.layout = Layout(root)
@@ -72,6 +76,7 @@ class Core:
         self.policy = policy
         self.publisher = publisher
         self.owner = owner
+        self.temporary_chat: TemporaryChat = temporary_chat or _never_temporary
         # The CLI turns this off: it applies the recorded settings and must not overwrite them.
         self.record_settings = record_settings
         # Set by the Store (Store.reconcile): REBUILD after a damaged index was replaced, AFTER_FULL_DISK
@@ -118,7 +123,7 @@ class Core:
             chat_id,
             user_key,
             chat_key,
-            is_temporary(chat_id),
+            self.temporary_chat(chat_id),
             self.layout.session_dir(user_key, chat_key),
         )
 
@@ -293,6 +298,10 @@ class Core:
             return  # only the CLI reads these; the next call tries again
         self._remembered = values
         self._remembered_policy = self.policy
+
+
+def _never_temporary(chat_id: str) -> bool:
+    return False
 
 
 def _chown_existing(path: Path, owner: tuple[int, int]) -> None:

@@ -14,7 +14,6 @@ import re
 _SLUG_MAX = 32
 _HASH_HEX = 24  # 96 bits: collisions are not a practical concern for ids we did not choose
 _NOT_SLUG = re.compile(r"[^A-Za-z0-9_-]")
-_TEMPORARY_PREFIXES = ("temporary:", "local:")
 
 
 def id_key(value: str) -> str:
@@ -27,11 +26,6 @@ def id_key(value: str) -> str:
     if slug.startswith("-"):
         slug = "_" + slug[1:]
     return f"{slug}-{digest}"
-
-
-def is_temporary(chat_id: str) -> bool:
-    """Open WebUI temporary chats have no id or a `temporary:` / `local:` one; they expire fast."""
-    return chat_id == "" or chat_id.startswith(_TEMPORARY_PREFIXES)
 
 
 def db_text(value: str) -> str:

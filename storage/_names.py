@@ -5,6 +5,8 @@ from __future__ import annotations
 import mimetypes
 import re
 import unicodedata
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from .errors import InvalidPath
 
@@ -21,22 +23,23 @@ _EXT = re.compile(rf"^(.+?)((?:\.tar)?\.[A-Za-z0-9]{{1,{_EXT_MAX}}})$")
 
 # Types the web server may render inline without any risk of script: plain raster images and plain
 # audio/video containers. Anything else it would render inline (SVG, XML-based or unknown image
-# types) gets `.txt` appended so it is downloaded instead.
-PASSIVE_IMAGE_TYPES = frozenset(
+# types) gets `.txt` appended so it is downloaded instead. The one allowlist of passive images: each
+# with the extension a copy of that type is stored under where a server guesses the type from a name.
+PASSIVE_IMAGE_TYPES: Mapping[str, str] = MappingProxyType(
     {
-        "image/png",
-        "image/jpeg",
-        "image/pjpeg",
-        "image/gif",
-        "image/webp",
-        "image/bmp",
-        "image/x-ms-bmp",
-        "image/avif",
-        "image/x-icon",
-        "image/vnd.microsoft.icon",
+        "image/png": ".png",
+        "image/jpeg": ".jpg",
+        "image/pjpeg": ".jpg",
+        "image/gif": ".gif",
+        "image/webp": ".webp",
+        "image/bmp": ".bmp",
+        "image/x-ms-bmp": ".bmp",
+        "image/avif": ".avif",
+        "image/x-icon": ".ico",
+        "image/vnd.microsoft.icon": ".ico",
     }
 )
-PASSIVE_MEDIA_TYPES = PASSIVE_IMAGE_TYPES | frozenset(
+PASSIVE_MEDIA_TYPES = frozenset(PASSIVE_IMAGE_TYPES) | frozenset(
     {
         "audio/mpeg",
         "audio/mp3",

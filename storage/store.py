@@ -14,7 +14,7 @@ from typing import Literal, overload
 
 from . import _expiry, _index, _index_links, _repair
 from ._backend import Backend, Lock, Tx
-from ._core import Core, Owner
+from ._core import Core, Owner, TemporaryChat
 from ._fsops import make_dir
 from ._keys import id_key
 from ._postgres import PostgresBackend, is_postgres_url, redact_url
@@ -53,7 +53,9 @@ class Store:
     database backend given directly (overrides database_url). `record_settings=False` (the CLI):
     never write the policy in use into the index. `repair_at_open=False` (the CLI's listings and
     check): open without the start-up repairs (rebuilding a new index from the folders, indexing what
-    dead runs left), so they show the index as it is.
+    dead runs left), so they show the index as it is. `temporary_chat(chat_id)`: whether a chat id
+    names a temporary chat, whose session expires after `Expiry.temporary_idle_s` (the host knows its
+    ids; without it no chat is temporary).
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class Store:
         record_settings: bool = True,
         database_url: str | None = None,
         repair_at_open: bool = True,
+        temporary_chat: TemporaryChat | None = None,
     ) -> None:
         self.root = Path(root).absolute()
         policy = Policy(quotas or Quotas(), expiry or Expiry())
@@ -79,6 +82,7 @@ class Store:
             publisher=publisher,
             owner=owner,
             record_settings=record_settings,
+            temporary_chat=temporary_chat,
         )
         self._core.reconcile = self.reconcile
         self._rebuild_put_off = False

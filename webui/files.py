@@ -24,26 +24,14 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
-__all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
+__all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
 log = logging.getLogger("code_sessions.function")
 
 ID_PREFIX = "code-sessions-"
 KIND = "open-webui-files"
-_PASSIVE_EXTENSIONS = {
-    "image/png": ".png",
-    "image/jpeg": ".jpg",
-    "image/pjpeg": ".jpg",
-    "image/gif": ".gif",
-    "image/webp": ".webp",
-    "image/bmp": ".bmp",
-    "image/x-ms-bmp": ".bmp",
-    "image/x-icon": ".ico",
-    "image/vnd.microsoft.icon": ".ico",
-    "image/avif": ".avif",
-}
 _DOWNLOAD_TYPE = "application/octet-stream"
 # Open WebUI's storage providers read an uploaded file into memory whole (storage/provider.py,
 # upload_file): the largest copy published through them, whatever max_file_mb allows (a sparse file
@@ -54,9 +42,14 @@ _CHUNK = 500
 
 def _stored_as(copy: Copy) -> tuple[str, str]:
     """(extension of the stored name, content type): passive images as themselves, the rest a download."""
-    if copy.inline and copy.content_type in _PASSIVE_EXTENSIONS:
-        return _PASSIVE_EXTENSIONS[copy.content_type], copy.content_type
+    if copy.inline and copy.content_type in PASSIVE_IMAGE_TYPES:
+        return PASSIVE_IMAGE_TYPES[copy.content_type], copy.content_type
     return ".bin", _DOWNLOAD_TYPE
+
+
+def content_url(file_id: str) -> str:
+    """Where Open WebUI's Files API serves a file's bytes (to those who may read it)."""
+    return f"/api/v1/files/{file_id}/content"
 
 
 def attachment_item(link: Link, content_type: str) -> dict[str, Any]:
@@ -65,7 +58,7 @@ def attachment_item(link: Link, content_type: str) -> dict[str, Any]:
     return {
         "type": "image" if link.is_image else "file",
         "id": ref,
-        "url": f"/api/v1/files/{ref}/content",
+        "url": content_url(ref),
         "name": link.name,
         "content_type": content_type,
         "size": link.size,
@@ -112,7 +105,7 @@ class FilesPublisher:
         if row is None:  # Open WebUI logged why; keep no bytes of a record that does not exist
             await asyncio.to_thread(_delete_stored, stored)
             raise StorageError(f"{copy.path} could not be recorded by Open WebUI (see its log)")
-        return Published(file_id, f"/api/v1/files/{file_id}/content")
+        return Published(file_id, content_url(file_id))
 
     async def remove(self, refs: Sequence[str]) -> None:
         from open_webui.models.files import Files

@@ -30,8 +30,14 @@ _ID_CHUNK = 500
 _PROCESS: dict[str, Any] = {}
 
 
+# Open WebUI's chat ids: a temporary chat has none or one of these prefixes, and a channel's messages
+# come with `channel:`. Neither is a chat Open WebUI saves.
+_TEMPORARY_PREFIXES = ("temporary:", "local:")
+_UNSAVED_PREFIXES = (*_TEMPORARY_PREFIXES, "channel:")
+
+
 def _saved_chat(chat_id: str) -> bool:
-    return bool(chat_id) and not chat_id.startswith(("temporary:", "local:", "channel:"))
+    return bool(chat_id) and not chat_id.startswith(_UNSAVED_PREFIXES)
 
 
 def _content_type(name: str) -> str:
@@ -94,6 +100,11 @@ class OpenWebUI:
         """Where published copies go: Open WebUI's Files API (owner, admins and shared-chat readers
         only). Copies made earlier under /cache keep their own publisher (see storage.publishing)."""
         return FilesPublisher()
+
+    @staticmethod
+    def temporary_chat(chat_id: str) -> bool:
+        """Whether the chat is one of Open WebUI's temporary chats (its session expires sooner)."""
+        return chat_id == "" or chat_id.startswith(_TEMPORARY_PREFIXES)
 
     def can_attach(self, chat_id: str, message_id: str | None) -> bool:
         """Whether a message of this chat can hold attachments (a saved chat's message)."""

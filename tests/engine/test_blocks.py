@@ -1,5 +1,5 @@
+from engine import Target, rewrite
 from engine.blocks import CodeBlock, fenced_blocks, runnable_blocks
-from engine.rewrite import Target, rewrite
 
 
 def test_tagged_blocks_in_order():

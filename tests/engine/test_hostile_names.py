@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from engine import StepResult, code_span, mention
-from engine.rewrite import escape_text
+from engine import StepResult, code_span, escape_text, mention
 from runner import Outcome, RunResult
 from storage import ReconcileReport, Rejected
 

@@ -2,8 +2,8 @@
 
 import json
 
+from engine import StreamingRewriter, Target, find_paths, rewrite
 from engine.loop import RUN_CODE_TOOL, LoopOptions, converse
-from engine.rewrite import StreamingRewriter, Target, find_paths, rewrite
 from engine.service import StepResult
 from engine.sse import ModelError, TextDelta, ToolCall
 from runner import Outcome, RunResult

@@ -2,17 +2,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from engine.rewrite import (
-    MAX_CODE_SPAN,
-    References,
-    StreamingRewriter,
-    Target,
-    backtick_fence,
-    code_span,
-    find_paths,
-    mention,
-    rewrite,
-)
+from engine import References, StreamingRewriter, Target, code_span, find_paths, mention, rewrite
+from engine.grammar import MAX_CODE_SPAN
+from engine.markup import backtick_fence
 
 CSV = Target(url="/cache/functions/cs/TOKEN1/report.csv", name="report.csv")
 PNG = Target(url="/cache/functions/cs/TOKEN2/plot.png", name="plot.png", is_image=True)

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import importlib
 import json
 import random
 import time
 
 import pytest
 
-from engine.rewrite import References, StreamingRewriter, Target
-
-# (`import engine.rewrite` would give the package's `rewrite` function, which has the module's name)
-rewrite_module = importlib.import_module("engine.rewrite")
+from engine import References, StreamingRewriter, Target
+from engine.scan import Scan
 
 SIZE = 200_000
 TARGETS = {"x": Target(url="/cache/functions/cs/T/x", name="x")}
@@ -122,14 +119,14 @@ def test_held_text_is_not_scanned_again_for_every_piece(monkeypatch):
     # Inside constructs that stay open (a code span, a link text), the rewriter holds text back; it must
     # rescan it only when enough new text has arrived, not on every 4-character piece.
     scanned = 0
-    run = rewrite_module._Scan.run
+    run = Scan.run
 
     def counting(self, pos):
         nonlocal scanned
         scanned += self.end - pos
         return run(self, pos)
 
-    monkeypatch.setattr(rewrite_module._Scan, "run", counting)
+    monkeypatch.setattr(Scan, "run", counting)
     for opening in ("Intro `", "Intro [", "Intro [a `b", "Intro <a title='"):
         text = opening + "word /mnt/data/x " * (SIZE // 17)
         scanned = 0

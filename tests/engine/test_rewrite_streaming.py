@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from engine.rewrite import MAX_CODE_SPAN, StreamingRewriter, Target, rewrite
+from engine import StreamingRewriter, Target, rewrite
+from engine.grammar import MAX_CODE_SPAN
 
 CSV = Target(url="/cache/functions/cs/TOKEN1/report.csv", name="report.csv")
 PNG = Target(url="/cache/functions/cs/TOKEN2/plot.png", name="plot.png", is_image=True)

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from storage import DirectoryPublisher, Store
-from tests.storage.storage_helpers import BACKENDS, run_index_sql
+from tests.storage.storage_helpers import BACKENDS, run_index_sql, temporary_chat
 
 
 @pytest.fixture
@@ -44,5 +44,7 @@ def index_sql(root: Path, database_url: str) -> Callable[..., list[tuple[Any, ..
 
 @pytest.fixture
 async def store(root: Path, publisher: DirectoryPublisher, database_url: str) -> AsyncIterator[Store]:
-    async with Store(root, publisher=publisher, busy_timeout_s=20, database_url=database_url) as s:
+    async with Store(
+        root, publisher=publisher, busy_timeout_s=20, database_url=database_url, temporary_chat=temporary_chat
+    ) as s:
         yield s

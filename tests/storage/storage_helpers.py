@@ -19,6 +19,11 @@ sqlite_only = pytest.mark.parametrize("backend_kind", ["sqlite"])
 postgres_only = pytest.mark.parametrize("backend_kind", ["postgresql"])
 
 
+def temporary_chat(chat_id: str) -> bool:
+    """A host's rule for which chats are temporary, as a store is given it (Open WebUI's: webui/host.py)."""
+    return chat_id.startswith("temporary:")
+
+
 def sql(root: Path, statement: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     """Run SQL on a store's SQLite index file directly (to age rows, or to look at what was written)."""
     conn = sqlite3.connect(root / "index.sqlite3", timeout=30, isolation_level=None)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from storage import DirectoryPublisher, Store
-from tests.storage.storage_helpers import REPO
+from tests.storage.storage_helpers import REPO, temporary_chat
 
 Cli = Callable[..., subprocess.CompletedProcess[str]]
 Sql = Callable[..., list[tuple[Any, ...]]]
@@ -45,7 +45,8 @@ def cli(database_url: str) -> Cli:
 
 @pytest.fixture
 async def populated(root: Path, publisher: DirectoryPublisher, database_url: str) -> Path:
-    async with Store(root, publisher=publisher, database_url=database_url) as store:
+    temporary = temporary_chat
+    async with Store(root, publisher=publisher, database_url=database_url, temporary_chat=temporary) as store:
         a = await store.session("alice", "chat-1")
         await a.files.write("report.csv", b"a,b\n1,2\n")
         await a.files.write("plots/chart.png", b"\x89PNG")

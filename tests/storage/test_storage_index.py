@@ -16,7 +16,7 @@ import pytest
 
 from storage import Copy, DirectoryPublisher, Published, Quotas, Reconcile, StorageBusy, StorageError, Store
 from storage._schema import CURRENT_VERSION, MIGRATIONS, statements
-from tests.storage.storage_helpers import lose_index, sql, sqlite_only, stored_id, user_usage
+from tests.storage.storage_helpers import lose_index, sql, sqlite_only, stored_id, temporary_chat, user_usage
 
 Sql = Callable[..., list[tuple[Any, ...]]]
 
@@ -57,7 +57,7 @@ async def test_newer_database_is_refused(root: Path) -> None:
 
 
 async def _populate(root: Path, database_url: str = "") -> None:
-    async with Store(root, database_url=database_url) as store:
+    async with Store(root, database_url=database_url, temporary_chat=temporary_chat) as store:
         a = await store.session("alice\x00", "chat/1")
         await a.files.write("report.csv", b"1,2")
         b = await store.session("bob", "temporary:9")
@@ -79,7 +79,7 @@ async def test_corrupt_index_is_moved_aside_and_rebuilt(
         data[4096 + 100 : 4096 * 3] = b"\xa5" * (4096 * 2 - 100)  # scribble over b-tree pages
         db.write_bytes(bytes(data))
     with caplog.at_level("WARNING", logger="code_sessions.storage"):
-        async with Store(root) as store:
+        async with Store(root, temporary_chat=temporary_chat) as store:
             sessions = {(s.user_id, s.chat_id, s.files, s.bytes, s.temporary) for s in await store.sessions()}
             assert sessions == {("alice\x00", "chat/1", 1, 3, False), ("bob", "temporary:9", 1, 2, True)}
             assert await store.check() == []

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from storage import InvalidPath, Store
-from storage._keys import id_key, is_temporary
+from storage._keys import id_key
 from storage._names import attachment_name, numbered, publish_name, split_path
 from tests.storage.storage_helpers import stored_id
 
@@ -67,14 +67,6 @@ async def test_hostile_ids_map_inside_root_and_round_trip(
             assert (stored_id(user, database_url), HOSTILE[0] if user else "chat") in listed
     # Nothing was created outside the root.
     assert not (root.parent / "x").exists()
-
-
-def test_temporary_chats() -> None:
-    assert is_temporary("")
-    assert is_temporary("temporary:abc")
-    assert is_temporary("local:abc")
-    assert not is_temporary("5b2c-uuid")
-    assert not is_temporary("temporary")
 
 
 @pytest.mark.parametrize(

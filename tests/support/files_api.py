@@ -2,8 +2,8 @@
 
 The in-process harness (tests/support/pipe_harness.py) has no Open WebUI, so the function's
 `FilesPublisher` cannot run there. This stand-in keeps its behaviour, with the bundle's own rules
-(`_stored_as`, `MAX_STORED_BYTES`, `ID_PREFIX`, `KIND`, `attachment_item`, read from the loaded bundle so
-they cannot drift):
+(`_stored_as`, `MAX_STORED_BYTES`, `ID_PREFIX`, `KIND`, `attachment_item`, `content_url`, read from the
+loaded bundle so they cannot drift):
 
 * a copy becomes a file row owned by the chat's user, its bytes written to `uploads/` under
   `<id><.png|.bin...>` (on whatever disk that folder is: a full one refuses, as Open WebUI's local
@@ -198,7 +198,7 @@ class _Publisher:
             file_id, copy.user_id, path, copy.name, content_type, copy.size, meta, time.time()
         )
         self._api._save()
-        return storage.Published(file_id, f"/api/v1/files/{file_id}/content")
+        return storage.Published(file_id, files.content_url(file_id))
 
     def _write(self, path: Path, source: Any) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

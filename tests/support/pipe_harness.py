@@ -192,8 +192,15 @@ class _HarnessHost:
         # the real publisher is proven through a real Open WebUI (tests/e2e).
         return self._harness.files.publisher()
 
+    def _open_webui(self) -> Any:
+        # Open WebUI's rules about its chat ids, read from the loaded bundle so they cannot drift.
+        return __import__(self._module._CS_PACKAGE + ".webui.host", fromlist=["host"]).OpenWebUI()
+
+    def temporary_chat(self, chat_id: str) -> bool:
+        return self._open_webui().temporary_chat(chat_id)
+
     def can_attach(self, chat_id: str, message_id: str | None) -> bool:
-        return bool(message_id) and not chat_id.startswith(("temporary:", "local:", "channel:"))
+        return self._open_webui().can_attach(chat_id, message_id)
 
     async def attach(
         self, chat_id: str, message_id: Any, user_id: str, links: list, emit: Any, *, inline_urls=()

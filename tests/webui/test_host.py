@@ -27,3 +27,13 @@ def test_anything_else_is_the_admins_to_fix_and_never_shows_a_password(choice: s
     with pytest.raises(Misconfigured, match="not a database the index can use") as raised:
         OpenWebUI().index_url(choice)
     assert "secret" not in str(raised.value)
+
+
+def test_temporary_chats() -> None:
+    temporary = OpenWebUI.temporary_chat
+    assert temporary("")
+    assert temporary("temporary:abc")
+    assert temporary("local:abc")
+    assert not temporary("5b2c-uuid")
+    assert not temporary("temporary")
+    assert not temporary("channel:abc")  # not saved as a chat, but not temporary either
