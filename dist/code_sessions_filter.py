@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_e122b282b4d8'
+_CS_PACKAGE = '_code_sessions_19da07e0a47c'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -15606,7 +15606,7 @@ class References:
             replacement = done.get(what, not_yet)
             if replacement is not_yet:
                 replacement = replace.compute(what)
-            if replacement is not None:
+            if isinstance(replacement, str):  # None: the path stays as written
                 append(text[position:start])
                 append(replacement)
                 position = end
@@ -15641,7 +15641,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_e122b282b4d8.runner import Outcome
+from _code_sessions_19da07e0a47c.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -15983,8 +15983,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_e122b282b4d8.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_e122b282b4d8.storage import human_bytes
+from _code_sessions_19da07e0a47c.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_19da07e0a47c.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -16104,7 +16104,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_e122b282b4d8.storage import Purge, parse_duration
+from _code_sessions_19da07e0a47c.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16145,6 +16145,7 @@ import re
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from .blocks import MAX_RUN, Fence, NeedMore, closing_line, fence_line_start, fence_opening
 from .grammar import (
@@ -16398,7 +16399,7 @@ class Scan:
         return match.end()
 
     def close(
-        self, run: int, run_end: int, stack: deque[list], inactive_below: int
+        self, run: int, run_end: int, stack: deque[list[Any]], inactive_below: int
     ) -> tuple[int, int] | None:
         """A run of `]`. Openers too far back are dropped, each `]` but the last closes the latest
         opener, and the last may close a link. Returns None if scanning goes on after the run, else
@@ -16473,7 +16474,7 @@ class Scan:
         last_escape = pos if self.state.escaped else -1
         # Link and image openers, oldest first: [position of the first `[` of a run, how many, the first
         # is an image's `![`, a backslash escape ended right before the first].
-        stack: deque[list] = deque()
+        stack: deque[list[Any]] = deque()
         stack_limit = _FAR  # the openers' paragraph surely goes on up to here
         stack_known = True  # ... and ends there
         inactive_below = -1  # openers before this are inside a link already (no links in links)
@@ -16508,8 +16509,8 @@ class Scan:
                         if before in not_before_path or before.isalnum():
                             continue
                         if token_end - token == longest_path and token_end < end:
-                            after = text[token_end]
-                            if after not in PATH_STOP and not after.isspace():
+                            next_char = text[token_end]
+                            if next_char not in PATH_STOP and not next_char.isspace():
                                 continue  # longer than any stored path
                         path = text[start:token_end].rstrip(trailing_punctuation)
                         mount_end = token - start + 10
@@ -16598,7 +16599,7 @@ class Scan:
         return self._stopped(NeedMore(self.safe_point(pos)), stack, stack_limit, stack_known, last_escape)
 
     def _stopped(
-        self, stop: NeedMore, stack: deque[list], stack_limit: int, stack_known: bool, last_escape: int
+        self, stop: NeedMore, stack: deque[list[Any]], stack_limit: int, stack_known: bool, last_escape: int
     ) -> tuple[int, State]:
         """The restart point for a scan that stopped at `stop`: before the first opener that may still
         start a link, if any; what was found from there on is found again by the next scan."""
@@ -16671,8 +16672,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_e122b282b4d8.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_e122b282b4d8.storage import (
+from _code_sessions_19da07e0a47c.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_19da07e0a47c.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -17559,7 +17560,7 @@ class StreamingRewriter:
                 if not replace.resolved(what):
                     break
                 replacement = replace.compute(what)
-            if replacement is not None:
+            if isinstance(replacement, str):  # None: the path stays as written
                 pieces.append(text[position - base : start - base])
                 pieces.append(replacement)
                 position = end
@@ -17635,7 +17636,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_e122b282b4d8.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_19da07e0a47c.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -17653,7 +17654,7 @@ _CHUNK = 500
 
 def _stored_as(copy: Copy) -> tuple[str, str]:
     """(extension of the stored name, content type): passive images as themselves, the rest a download."""
-    if copy.inline and copy.content_type in PASSIVE_IMAGE_TYPES:
+    if copy.inline and copy.content_type is not None and copy.content_type in PASSIVE_IMAGE_TYPES:
         return PASSIVE_IMAGE_TYPES[copy.content_type], copy.content_type
     return ".bin", _DOWNLOAD_TYPE
 
@@ -17854,7 +17855,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_e122b282b4d8.storage import Link, Publisher, is_postgres_url
+from _code_sessions_19da07e0a47c.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -18082,7 +18083,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_e122b282b4d8.engine import (
+from _code_sessions_19da07e0a47c.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -18092,9 +18093,9 @@ from _code_sessions_e122b282b4d8.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_e122b282b4d8.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_e122b282b4d8.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_e122b282b4d8.webui import OpenWebUI
+from _code_sessions_19da07e0a47c.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_19da07e0a47c.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_19da07e0a47c.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -18768,11 +18769,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_e122b282b4d8.engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
-from _code_sessions_e122b282b4d8.engine.scan import SCAN_ON_LOOP_CHARS
-from _code_sessions_e122b282b4d8.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
-from _code_sessions_e122b282b4d8.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_e122b282b4d8.webui import Misconfigured
+from _code_sessions_19da07e0a47c.engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
+from _code_sessions_19da07e0a47c.engine.scan import SCAN_ON_LOOP_CHARS
+from _code_sessions_19da07e0a47c.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from _code_sessions_19da07e0a47c.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_19da07e0a47c.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

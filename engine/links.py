@@ -175,7 +175,7 @@ class References:
             replacement = done.get(what, not_yet)
             if replacement is not_yet:
                 replacement = replace.compute(what)
-            if replacement is not None:
+            if isinstance(replacement, str):  # None: the path stays as written
                 append(text[position:start])
                 append(replacement)
                 position = end

@@ -20,6 +20,7 @@ import re
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from .blocks import MAX_RUN, Fence, NeedMore, closing_line, fence_line_start, fence_opening
 from .grammar import (
@@ -273,7 +274,7 @@ class Scan:
         return match.end()
 
     def close(
-        self, run: int, run_end: int, stack: deque[list], inactive_below: int
+        self, run: int, run_end: int, stack: deque[list[Any]], inactive_below: int
     ) -> tuple[int, int] | None:
         """A run of `]`. Openers too far back are dropped, each `]` but the last closes the latest
         opener, and the last may close a link. Returns None if scanning goes on after the run, else
@@ -348,7 +349,7 @@ class Scan:
         last_escape = pos if self.state.escaped else -1
         # Link and image openers, oldest first: [position of the first `[` of a run, how many, the first
         # is an image's `![`, a backslash escape ended right before the first].
-        stack: deque[list] = deque()
+        stack: deque[list[Any]] = deque()
         stack_limit = _FAR  # the openers' paragraph surely goes on up to here
         stack_known = True  # ... and ends there
         inactive_below = -1  # openers before this are inside a link already (no links in links)
@@ -383,8 +384,8 @@ class Scan:
                         if before in not_before_path or before.isalnum():
                             continue
                         if token_end - token == longest_path and token_end < end:
-                            after = text[token_end]
-                            if after not in PATH_STOP and not after.isspace():
+                            next_char = text[token_end]
+                            if next_char not in PATH_STOP and not next_char.isspace():
                                 continue  # longer than any stored path
                         path = text[start:token_end].rstrip(trailing_punctuation)
                         mount_end = token - start + 10
@@ -473,7 +474,7 @@ class Scan:
         return self._stopped(NeedMore(self.safe_point(pos)), stack, stack_limit, stack_known, last_escape)
 
     def _stopped(
-        self, stop: NeedMore, stack: deque[list], stack_limit: int, stack_known: bool, last_escape: int
+        self, stop: NeedMore, stack: deque[list[Any]], stack_limit: int, stack_known: bool, last_escape: int
     ) -> tuple[int, State]:
         """The restart point for a scan that stopped at `stop`: before the first opener that may still
         start a link, if any; what was found from there on is found again by the next scan."""

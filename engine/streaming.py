@@ -204,7 +204,7 @@ class StreamingRewriter:
                 if not replace.resolved(what):
                     break
                 replacement = replace.compute(what)
-            if replacement is not None:
+            if isinstance(replacement, str):  # None: the path stays as written
                 pieces.append(text[position - base : start - base])
                 pieces.append(replacement)
                 position = end

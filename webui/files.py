@@ -42,7 +42,7 @@ _CHUNK = 500
 
 def _stored_as(copy: Copy) -> tuple[str, str]:
     """(extension of the stored name, content type): passive images as themselves, the rest a download."""
-    if copy.inline and copy.content_type in PASSIVE_IMAGE_TYPES:
+    if copy.inline and copy.content_type is not None and copy.content_type in PASSIVE_IMAGE_TYPES:
         return PASSIVE_IMAGE_TYPES[copy.content_type], copy.content_type
     return ".bin", _DOWNLOAD_TYPE
 
