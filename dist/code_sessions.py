@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_19da07e0a47c'
+_CS_PACKAGE = '_code_sessions_20714e2da322'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -341,13 +341,16 @@ class Core:
             raise StorageError(f"a user or chat id longer than {MAX_ID_CHARS} characters is not accepted")
         return self.ref_at(user_id, chat_id, id_key(user_id), id_key(chat_id))
 
-    def ref_at(self, user_id: str, chat_id: str, user_key: str, chat_key: str) -> ChatRef:
+    def ref_at(
+        self, user_id: str, chat_id: str, user_key: str, chat_key: str, *, recorded_temporary: bool = False
+    ) -> ChatRef:
+        """`recorded_temporary`: what the chat's sidecar or index row says (a rebuild's source)."""
         return ChatRef(
             user_id,
             chat_id,
             user_key,
             chat_key,
-            self.temporary_chat(chat_id),
+            recorded_temporary or self.temporary_chat(chat_id),
             self.layout.session_dir(user_key, chat_key),
         )
 
@@ -480,7 +483,7 @@ class Core:
                 make_dir(layout.state / ref.user_key)
                 sidecar = layout.sidecar_path(ref.user_key, ref.chat_key)
                 if not sidecar.exists():
-                    write_sidecar(sidecar, ref.user_id, ref.chat_id, now)
+                    write_sidecar(sidecar, ref.user_id, ref.chat_id, now, ref.temporary)
                 return now
             except FileNotFoundError:
                 # A cleanup removed an empty parent folder between two of our steps: go again.
@@ -833,7 +836,9 @@ async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally
                 continue
             await _count_files(core, tally, row, files, reason)
             continue
-        ref = core.ref_at(row.user_id, row.chat_id, row.user_key, row.chat_key)
+        ref = core.ref_at(
+            row.user_id, row.chat_id, row.user_key, row.chat_key, recorded_temporary=row.temporary
+        )
         removed_files, removed_bytes = 0, 0
         # The chat's lock is held one batch at a time, so a user's next step waits for at most one
         # batch, not for an old session's whole expiry. A batch is whole folders: a folder whose files
@@ -2570,11 +2575,12 @@ def tree_bytes(folder: Path) -> int:
     return total
 
 
-def write_sidecar(path: Path, user_id: str, chat_id: str, created_at: float) -> None:
-    """Create the sidecar once (never replaced: the first writer's created_at wins)."""
-    data = json.dumps(
-        {"version": SIDECAR_VERSION, "user_id": user_id, "chat_id": chat_id, "created_at": created_at}
-    ).encode()
+def write_sidecar(path: Path, user_id: str, chat_id: str, created_at: float, temporary: bool) -> None:
+    """Create the sidecar once (never replaced: the first writer's created_at wins). `temporary` is
+    remembered here because only the host knows which chat ids are temporary, and a rebuild from the
+    folders (the CLI's too) must not make a temporary chat an ordinary one."""
+    record = {"version": SIDECAR_VERSION, "user_id": user_id, "chat_id": chat_id, "created_at": created_at}
+    data = json.dumps({**record, "temporary": temporary}).encode()
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -2607,6 +2613,7 @@ def read_sidecar(path: Path, user_key: str, chat_key: str) -> dict[str, Any] | N
         "user_id": user_id,
         "chat_id": chat_id,
         "created_at": float(created) if isinstance(created, int | float) else None,
+        "temporary": data.get("temporary") is True,
     }
 ''',
     'storage/_lock.py': r'''"""Cross-process exclusive locks on files (fcntl.flock), usable from asyncio without blocking it.
@@ -4599,13 +4606,15 @@ async def reconcile_rebuild(core: Core) -> RebuildReport:
             read_sidecar, layout.sidecar_path(user_key, chat_key), user_key, chat_key
         )
         row = rows.get((user_key, chat_key))
+        temporary = row is not None and row.temporary
         if ids is not None:
             user_id, chat_id, created = ids["user_id"], ids["chat_id"], ids["created_at"]
+            temporary = temporary or ids["temporary"]
         elif row is not None and (id_key(row.user_id), id_key(row.chat_id)) == (user_key, chat_key):
             # The index still knows the real ids: put the lost sidecar back.
             user_id, chat_id, created = row.user_id, row.chat_id, row.created_at
             await asyncio.to_thread(
-                write_sidecar, layout.sidecar_path(user_key, chat_key), user_id, chat_id, created
+                write_sidecar, layout.sidecar_path(user_key, chat_key), user_id, chat_id, created, temporary
             )
         elif row is not None:
             totals["no_sidecar"] += 1
@@ -4614,7 +4623,7 @@ async def reconcile_rebuild(core: Core) -> RebuildReport:
             # No way to know the real ids: keep the files, under ids that say so.
             totals["no_sidecar"] += 1
             user_id, chat_id, created = f"unknown:{user_key}", f"unknown:{chat_key}", None
-        ref = core.ref_at(user_id, chat_id, user_key, chat_key)
+        ref = core.ref_at(user_id, chat_id, user_key, chat_key, recorded_temporary=temporary)
         lock = core.lock_of(ref)
         if not await lock.try_acquire():
             totals["in_use"] += 1
@@ -4743,7 +4752,7 @@ async def reconcile_interrupted(core: Core) -> None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(layout.running_marker(user_key, chat_key))
                 continue
-            ref = core.ref_at(row.user_id, row.chat_id, user_key, chat_key)
+            ref = core.ref_at(row.user_id, row.chat_id, user_key, chat_key, recorded_temporary=row.temporary)
             # Like rebuild, recovery never deletes files: the totals count them, so a user over a
             # limit has nothing to spend at the next run.
             report = await reconcile_folder(core, ref, enforce=False)
@@ -7599,7 +7608,10 @@ class Store:
     def session_at(self, info: ChatInfo) -> Session:
         """The Session of a listed session row (by its folder keys), without touching it."""
         return Session(
-            self._core, self._core.ref_at(info.user_id, info.chat_id, info.user_key, info.chat_key)
+            self._core,
+            self._core.ref_at(
+                info.user_id, info.chat_id, info.user_key, info.chat_key, recorded_temporary=info.temporary
+            ),
         )
 
     def lock(self, name: str) -> Lock:
@@ -15641,7 +15653,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_19da07e0a47c.runner import Outcome
+from _code_sessions_20714e2da322.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -15983,8 +15995,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_19da07e0a47c.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_19da07e0a47c.storage import human_bytes
+from _code_sessions_20714e2da322.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_20714e2da322.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -16104,7 +16116,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_19da07e0a47c.storage import Purge, parse_duration
+from _code_sessions_20714e2da322.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16672,8 +16684,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_19da07e0a47c.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_19da07e0a47c.storage import (
+from _code_sessions_20714e2da322.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_20714e2da322.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -17636,7 +17648,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_19da07e0a47c.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_20714e2da322.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -17855,7 +17867,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_19da07e0a47c.storage import Link, Publisher, is_postgres_url
+from _code_sessions_20714e2da322.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -18083,7 +18095,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_19da07e0a47c.engine import (
+from _code_sessions_20714e2da322.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -18093,9 +18105,9 @@ from _code_sessions_19da07e0a47c.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_19da07e0a47c.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_19da07e0a47c.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_19da07e0a47c.webui import OpenWebUI
+from _code_sessions_20714e2da322.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_20714e2da322.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_20714e2da322.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -18769,7 +18781,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_19da07e0a47c.engine import (
+from _code_sessions_20714e2da322.engine import (
     LoopOptions,
     ModelError,
     converse,
@@ -18778,9 +18790,9 @@ from _code_sessions_19da07e0a47c.engine import (
     events_from_sse,
     waiting_status,
 )
-from _code_sessions_19da07e0a47c.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
-from _code_sessions_19da07e0a47c.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_19da07e0a47c.webui import Misconfigured
+from _code_sessions_20714e2da322.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from _code_sessions_20714e2da322.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_20714e2da322.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

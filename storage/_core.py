@@ -117,13 +117,16 @@ class Core:
             raise StorageError(f"a user or chat id longer than {MAX_ID_CHARS} characters is not accepted")
         return self.ref_at(user_id, chat_id, id_key(user_id), id_key(chat_id))
 
-    def ref_at(self, user_id: str, chat_id: str, user_key: str, chat_key: str) -> ChatRef:
+    def ref_at(
+        self, user_id: str, chat_id: str, user_key: str, chat_key: str, *, recorded_temporary: bool = False
+    ) -> ChatRef:
+        """`recorded_temporary`: what the chat's sidecar or index row says (a rebuild's source)."""
         return ChatRef(
             user_id,
             chat_id,
             user_key,
             chat_key,
-            self.temporary_chat(chat_id),
+            recorded_temporary or self.temporary_chat(chat_id),
             self.layout.session_dir(user_key, chat_key),
         )
 
@@ -256,7 +259,7 @@ class Core:
                 make_dir(layout.state / ref.user_key)
                 sidecar = layout.sidecar_path(ref.user_key, ref.chat_key)
                 if not sidecar.exists():
-                    write_sidecar(sidecar, ref.user_id, ref.chat_id, now)
+                    write_sidecar(sidecar, ref.user_id, ref.chat_id, now, ref.temporary)
                 return now
             except FileNotFoundError:
                 # A cleanup removed an empty parent folder between two of our steps: go again.

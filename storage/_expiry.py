@@ -295,7 +295,9 @@ async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally
                 continue
             await _count_files(core, tally, row, files, reason)
             continue
-        ref = core.ref_at(row.user_id, row.chat_id, row.user_key, row.chat_key)
+        ref = core.ref_at(
+            row.user_id, row.chat_id, row.user_key, row.chat_key, recorded_temporary=row.temporary
+        )
         removed_files, removed_bytes = 0, 0
         # The chat's lock is held one batch at a time, so a user's next step waits for at most one
         # batch, not for an old session's whole expiry. A batch is whole folders: a folder whose files

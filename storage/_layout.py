@@ -130,11 +130,12 @@ def tree_bytes(folder: Path) -> int:
     return total
 
 
-def write_sidecar(path: Path, user_id: str, chat_id: str, created_at: float) -> None:
-    """Create the sidecar once (never replaced: the first writer's created_at wins)."""
-    data = json.dumps(
-        {"version": SIDECAR_VERSION, "user_id": user_id, "chat_id": chat_id, "created_at": created_at}
-    ).encode()
+def write_sidecar(path: Path, user_id: str, chat_id: str, created_at: float, temporary: bool) -> None:
+    """Create the sidecar once (never replaced: the first writer's created_at wins). `temporary` is
+    remembered here because only the host knows which chat ids are temporary, and a rebuild from the
+    folders (the CLI's too) must not make a temporary chat an ordinary one."""
+    record = {"version": SIDECAR_VERSION, "user_id": user_id, "chat_id": chat_id, "created_at": created_at}
+    data = json.dumps({**record, "temporary": temporary}).encode()
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -167,4 +168,5 @@ def read_sidecar(path: Path, user_key: str, chat_key: str) -> dict[str, Any] | N
         "user_id": user_id,
         "chat_id": chat_id,
         "created_at": float(created) if isinstance(created, int | float) else None,
+        "temporary": data.get("temporary") is True,
     }

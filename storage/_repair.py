@@ -46,13 +46,15 @@ async def reconcile_rebuild(core: Core) -> RebuildReport:
             read_sidecar, layout.sidecar_path(user_key, chat_key), user_key, chat_key
         )
         row = rows.get((user_key, chat_key))
+        temporary = row is not None and row.temporary
         if ids is not None:
             user_id, chat_id, created = ids["user_id"], ids["chat_id"], ids["created_at"]
+            temporary = temporary or ids["temporary"]
         elif row is not None and (id_key(row.user_id), id_key(row.chat_id)) == (user_key, chat_key):
             # The index still knows the real ids: put the lost sidecar back.
             user_id, chat_id, created = row.user_id, row.chat_id, row.created_at
             await asyncio.to_thread(
-                write_sidecar, layout.sidecar_path(user_key, chat_key), user_id, chat_id, created
+                write_sidecar, layout.sidecar_path(user_key, chat_key), user_id, chat_id, created, temporary
             )
         elif row is not None:
             totals["no_sidecar"] += 1
@@ -61,7 +63,7 @@ async def reconcile_rebuild(core: Core) -> RebuildReport:
             # No way to know the real ids: keep the files, under ids that say so.
             totals["no_sidecar"] += 1
             user_id, chat_id, created = f"unknown:{user_key}", f"unknown:{chat_key}", None
-        ref = core.ref_at(user_id, chat_id, user_key, chat_key)
+        ref = core.ref_at(user_id, chat_id, user_key, chat_key, recorded_temporary=temporary)
         lock = core.lock_of(ref)
         if not await lock.try_acquire():
             totals["in_use"] += 1
@@ -190,7 +192,7 @@ async def reconcile_interrupted(core: Core) -> None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(layout.running_marker(user_key, chat_key))
                 continue
-            ref = core.ref_at(row.user_id, row.chat_id, user_key, chat_key)
+            ref = core.ref_at(row.user_id, row.chat_id, user_key, chat_key, recorded_temporary=row.temporary)
             # Like rebuild, recovery never deletes files: the totals count them, so a user over a
             # limit has nothing to spend at the next run.
             report = await reconcile_folder(core, ref, enforce=False)

@@ -259,7 +259,10 @@ class Store:
     def session_at(self, info: ChatInfo) -> Session:
         """The Session of a listed session row (by its folder keys), without touching it."""
         return Session(
-            self._core, self._core.ref_at(info.user_id, info.chat_id, info.user_key, info.chat_key)
+            self._core,
+            self._core.ref_at(
+                info.user_id, info.chat_id, info.user_key, info.chat_key, recorded_temporary=info.temporary
+            ),
         )
 
     def lock(self, name: str) -> Lock:

@@ -105,6 +105,20 @@ def test_check_exit_code_and_rebuild(populated: Path, cli: Cli) -> None:
     assert cli("--root", root, "check").returncode == 0
 
 
+def test_a_rebuild_by_the_cli_keeps_a_temporary_chat_temporary(
+    populated: Path, cli: Cli, index_sql: Sql
+) -> None:
+    """The CLI cannot know the host's temporary chat ids: the chat's sidecar remembers it."""
+    root = str(populated)
+    index_sql("DELETE FROM files")
+    index_sql("DELETE FROM links")
+    index_sql("DELETE FROM sessions")
+    rebuilt = json.loads(cli("--root", root, "rebuild", "--json").stdout)
+    assert rebuilt["sessions"] == 2
+    rows = json.loads(cli("--root", root, "sessions", "--json").stdout)
+    assert {r["chat_id"]: r["temporary"] for r in rows} == {"chat-1": False, "temporary:x": True}
+
+
 def test_cleanup_commands(populated: Path, cli: Cli, index_sql: Sql) -> None:
     root = str(populated)
     dry = json.loads(cli("--root", root, "cleanup", "--dry-run", "--all", "--json").stdout)
