@@ -104,8 +104,8 @@ async def full_step(
     if probe is not None:
         probe.current = {}
         session = chat.session
-        session.run_budget = probe.wrap("run_budget", session.run_budget)  # type: ignore[method-assign]
-        session.reconcile = probe.wrap("reconcile", session.reconcile)  # type: ignore[method-assign]
+        session.run_budget = probe.wrap("run_budget", session.run_budget)
+        session.reconcile = probe.wrap("reconcile", session.reconcile)
     step = await chat.run(code, "python")
     t_run = time.perf_counter()
     await chat.rewrite(ANSWER_WITHOUT_PATHS)
@@ -202,7 +202,7 @@ async def run(ctx: Context) -> dict[str, Any]:
     async def timed_run(*args: Any, **kwargs: Any) -> RunResult:
         return await probe.wrap("runner.run", original_run)(*args, **kwargs)
 
-    runner.run = timed_run  # type: ignore[method-assign]
+    runner.run = timed_run
     try:
         async with ctx.store("overhead") as store:
             service = CodeSessions(store, runner, Limits())

@@ -121,7 +121,7 @@ def box() -> Iterator[Box]:
     ]  # fmt: skip
     (OUT / "podman-run.txt").write_text("podman " + subprocess.list2cmdline(command) + "\n")
     url = f"http://127.0.0.1:{port}"
-    server = OpenWebUI(url, Path("/app/backend/data"), OUT / "open-webui.log", "", None)  # type: ignore[arg-type]
+    server = OpenWebUI(url, Path("/app/backend/data"), OUT / "open-webui.log", "", None)
     box = Box(name, volume, url, server)
     try:
         start = time.monotonic()

@@ -202,7 +202,7 @@ class FakeRunner:
 @pytest.fixture
 async def fake(tmp_path: Path):
     async with Store(tmp_path / "root") as store:
-        yield CodeSessions(store, FakeRunner(), LIMITS)  # type: ignore[arg-type]
+        yield CodeSessions(store, FakeRunner(), LIMITS)
 
 
 def _writes(name: str) -> Callable[[Path], None]:
@@ -210,7 +210,7 @@ def _writes(name: str) -> Callable[[Path], None]:
 
 
 async def test_first_step_is_full_then_changes_only(fake: CodeSessions) -> None:
-    runner: FakeRunner = fake.runner  # type: ignore[assignment]
+    runner: FakeRunner = fake.runner
     chat = await fake.chat("u", "c")
     runner.action, runner.changed = _writes("a"), ("a",)
     assert (await chat.run("x", "python")).files.full
@@ -220,7 +220,7 @@ async def test_first_step_is_full_then_changes_only(fake: CodeSessions) -> None:
 
 
 async def test_unknown_changes_or_a_failed_run_list_everything(fake: CodeSessions) -> None:
-    runner: FakeRunner = fake.runner  # type: ignore[assignment]
+    runner: FakeRunner = fake.runner
     chat = await fake.chat("u", "c")
     await chat.run("x", "python")
     runner.action, runner.changed = _writes("a"), None
@@ -238,7 +238,7 @@ async def test_unknown_changes_or_a_failed_run_list_everything(fake: CodeSession
 async def test_a_missed_change_is_repaired_by_the_periodic_full_listing(
     fake: CodeSessions, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    runner: FakeRunner = fake.runner  # type: ignore[assignment]
+    runner: FakeRunner = fake.runner
     chat = await fake.chat("u", "c")
     await chat.run("x", "python")
     runner.action, runner.changed = _writes("missed"), ()  # the watch missed it

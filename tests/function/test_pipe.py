@@ -29,7 +29,7 @@ async def test_files_persist_between_messages_and_links_point_at_copies(harness:
         "u1", "chat-1", code("open('/mnt/data/a.txt','w').write('hello')", "See /mnt/data/a.txt")
     )
     url = LINK.findall(first)[-1]
-    assert harness.files.fetch(url, "u1").body == b"hello"  # type: ignore[union-attr]
+    assert harness.files.fetch(url, "u1").body == b"hello"
     assert harness.files.fetch(url, "u2") is None  # another user: Open WebUI's 404
     second = await harness.say("u1", "chat-1", code("print(open('/mnt/data/a.txt').read().upper())"))
     assert "HELLO" in second

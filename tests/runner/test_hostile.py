@@ -127,8 +127,8 @@ def test_a_runner_already_set_up_sweeps_a_dead_workers_kernel_when_asked(tmp_pat
     survivor = Runner(config)
     asyncio.run(survivor.setup())
     cid = kill_a_worker_holding_a_kernel(config, tmp_path)
-    left = leftovers(cid, config.state_dir, config.bundle_dir)  # type: ignore[arg-type]
+    left = leftovers(cid, config.state_dir, config.bundle_dir)
     assert "bundle" in left, left  # only our supervisor removes a bundle, and it was SIGKILLed
 
     assert cid in asyncio.run(survivor.sweep_leftovers())
-    assert leftovers(cid, config.state_dir, config.bundle_dir) == []  # type: ignore[arg-type]
+    assert leftovers(cid, config.state_dir, config.bundle_dir) == []

@@ -143,7 +143,7 @@ class Kernel:
         if not self.inflight:
             self.state.start(run_id)
         self.inflight.append(run_id)
-        self.stdin.write(encode_run(run_id, lang, code))  # type: ignore[arg-type]
+        self.stdin.write(encode_run(run_id, lang, code))
         self.stdin.flush()
         return run_id
 

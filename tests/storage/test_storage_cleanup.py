@@ -94,7 +94,7 @@ async def test_cleanup_skips_a_session_locked_by_another_process(
     await idle.files.write("a", b"1")
     proc = start_python(HOLDER, str(root), database_url)
     try:
-        line = await asyncio.to_thread(proc.stdout.readline)  # type: ignore[union-attr]
+        line = await asyncio.to_thread(proc.stdout.readline)
         assert line.strip() == "locked", proc.stderr.read() if proc.stderr else ""
         busy = await store.session("u", "busy")
         with pytest.raises(StorageBusy):
@@ -107,9 +107,9 @@ async def test_cleanup_skips_a_session_locked_by_another_process(
         assert not idle.path.exists()
         dry = await store.cleanup(Purge(everything=True), dry_run=True)
         assert dry.sessions_in_use == 1 and dry.sessions_removed == 0
-        proc.stdin.write("\n")  # type: ignore[union-attr]
-        proc.stdin.flush()  # type: ignore[union-attr]
-        assert (await asyncio.to_thread(proc.stdout.readline)).strip() == "released"  # type: ignore[union-attr]
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert (await asyncio.to_thread(proc.stdout.readline)).strip() == "released"
     finally:
         proc.kill() if proc.poll() is None else None
         await asyncio.to_thread(proc.wait, 30)
@@ -161,7 +161,7 @@ async def test_expiry_by_file_age(store: Store, index_sql: Sql) -> None:
     assert [d.action for d in report.details] == ["files expired"]
     assert not (s.path / "old/report.csv").exists()
     assert (s.path / "new.csv").exists() and (s.path / "changed.csv").exists()
-    assert not (store.publisher.directory / link.ref).exists()  # type: ignore[union-attr]
+    assert not (store.publisher.directory / link.ref).exists()
     assert sorted(f.path for f in await s.files.list()) == ["changed.csv", "new.csv"]
     assert (await s.usage()).files == 2
     assert (await store.cleanup()).files_removed == 0
@@ -193,7 +193,7 @@ async def test_expiry_lets_a_run_in_between_batches(
                 assert await run.try_acquire()
                 run_started.append(True)
 
-        lock.release = release_then_a_run_starts  # type: ignore[method-assign]
+        lock.release = release_then_a_run_starts
         return lock
 
     monkeypatch.setattr(backend, "chat_lock", chat_lock)
@@ -255,7 +255,7 @@ async def test_cleanup_removes_stale_links_and_strays(store: Store, index_sql: S
     s = await store.session("u", "c")
     await s.files.write("a.png", b"png")
     link = await s.publish("a.png")
-    pub = store.publisher.directory  # type: ignore[union-attr]
+    pub = store.publisher.directory
     # a stray copy (crash between copy and index row), old enough to be swept
     stray = pub / ("S" * 32)
     stray.mkdir()
@@ -314,7 +314,7 @@ def test_lock_on_an_unlinked_lock_file_is_not_taken(tmp_path: Path, monkeypatch:
     real_open = os.open
     handed: list[int] = []
 
-    def open_racing(file, flags, mode=0o777, **kw):  # type: ignore[no-untyped-def]
+    def open_racing(file, flags, mode=0o777, **kw):
         if not handed and str(file) == str(path):
             handed.append(1)
             return os.dup(stale)  # the waiter's first attempt gets the orphan inode

@@ -196,8 +196,8 @@ async def test_a_chat_lock_is_exclusive_across_processes(root: Path, postgres_ur
             with pytest.raises(StorageBusy, match="busy"):
                 async with s.lock(timeout=0.2):
                     pass
-            holder.stdin.write("\n")  # type: ignore[union-attr]
-            holder.stdin.flush()  # type: ignore[union-attr]
+            holder.stdin.write("\n")
+            holder.stdin.flush()
             await _wait_for_line(holder, "released")
         finally:
             if holder.poll() is None:
@@ -283,8 +283,8 @@ async def test_quota_decisions_of_one_user_serialise_across_processes(root: Path
     writers = [start_python(WRITER, str(root), postgres_url, chat) for chat in ("c1", "c2")]
     try:
         for w in writers:
-            w.stdin.write("\n")  # type: ignore[union-attr]
-            w.stdin.flush()  # type: ignore[union-attr]
+            w.stdin.write("\n")
+            w.stdin.flush()
         outputs = [await asyncio.to_thread(w.communicate, timeout=120) for w in writers]
     finally:
         for w in writers:

@@ -50,7 +50,7 @@ async def test_a_file_rewritten_with_its_size_and_mtime_restored_gets_a_new_link
     assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
     second = await s.publish("report.csv")
     assert second.ref != first.ref
-    assert (store.publisher.directory / second.ref / second.name).read_bytes() == b"new,bytes\n"  # type: ignore[union-attr]
+    assert (store.publisher.directory / second.ref / second.name).read_bytes() == b"new,bytes\n"
     # the same bytes again (a new inode, as an editor's save makes): the first link is reused
     path.unlink()
     path.write_bytes(b"old,bytes\n")

@@ -86,7 +86,7 @@ class FilesApi:
             return
         saved = json.loads(self._database.read_text())
         self.rows = {r["id"]: FileRow(**{**r, "path": Path(r["path"])}) for r in saved["rows"]}
-        self.chat_files = {tuple(c) for c in saved["chat_files"]}  # type: ignore[misc]
+        self.chat_files = {tuple(c) for c in saved["chat_files"]}
         self.message_files = {(chat, message): files for chat, message, files in saved["message_files"]}
 
     def _save(self) -> None:

@@ -93,7 +93,7 @@ def kill_a_worker_holding_a_kernel(config: RunnerConfig, scratch: Path) -> str:
         text=True,
     )
     try:
-        cid = worker.stdout.readline().strip()  # type: ignore[union-attr]
+        cid = worker.stdout.readline().strip()
     finally:
         worker.kill()
         worker.wait()

@@ -210,7 +210,7 @@ class _ToolHost(_HarnessHost):
     """The harness's Open WebUI, with the Tool's saved valves kept where Open WebUI keeps them."""
 
     def __init__(self, harness: ToolHarness, module: Any) -> None:
-        self._harness = harness  # type: ignore[assignment]
+        self._harness = harness
         self._module = module
 
     async def may_use_tool(self, user_id: str, role: str, tool_id: str) -> bool:
