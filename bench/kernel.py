@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from engine import CodeSessions
-from runner import KernelPool, Limits
+from runner import KernelPool, KernelSettings, Limits
 from runner._kernel import CPU_POLL_S
 
 from ._common import ANSWER_WITHOUT_PATHS, Context, ratio_summary, rss_kib, status_kib, summary
@@ -89,7 +89,8 @@ async def run(ctx: Context) -> dict[str, Any]:
     runner = ctx.runner()
     limits = Limits()
     async with ctx.store("kernel") as store:
-        pool = KernelPool(runner, ctx.scratch / "kernel" / "registry", max_kernels=max(many + 2, 20))
+        settings = KernelSettings(max_kernels=max(many + 2, 20))
+        pool = KernelPool(runner, ctx.scratch / "kernel" / "registry", settings=settings)
         warm = CodeSessions(store, runner, limits, kernels=pool)
         cold = CodeSessions(store, runner, limits)
         setup = await runner.setup()

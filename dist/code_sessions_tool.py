@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_b97e5b44a393'
+_CS_PACKAGE = '_code_sessions_744fd732b1c6'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -6008,6 +6008,10 @@ class IndexDamaged(StorageError):
 All are frozen dataclasses (positional or keyword construction, cheap enough to build by the
 hundred thousand for `SessionFiles.list()`). Settings validate themselves in `__post_init__`.
 Reports convert to plain JSON-able dicts with `to_dict()`.
+
+The settings here (`Quotas`, `Expiry`) are the one home of the storage defaults: the function's valves
+take theirs from them. "No limit" is None: a 0 given for a limit (a valve's "0: no limit", a policy
+recorded by an older version) is held as None.
 """
 
 from __future__ import annotations
@@ -6048,12 +6052,18 @@ GiB = 1024 * MiB
 DAY = 86400.0
 
 
-def _check_limit(owner: str, name: str, value: object) -> None:
-    # bool is an int subclass; True as a limit is always a mistake in a valve.
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ValueError(f"{owner}.{name} must be a number >= 0 or None (got {value!r})")
+def _check_limits(settings: object) -> None:
+    """Refuse what is not a limit, and hold 0 ("no limit") as None, the one way it is said."""
+    for f in dataclasses.fields(settings):  # type: ignore[arg-type]
+        value = getattr(settings, f.name)
+        if value is None:
+            continue
+        # bool is an int subclass; True as a limit is always a mistake in a valve.
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            owner = type(settings).__name__
+            raise ValueError(f"{owner}.{f.name} must be a number >= 0 or None (got {value!r})")
+        if value == 0:
+            object.__setattr__(settings, f.name, None)  # frozen: only construction may set it
 
 
 class _Dictable:
@@ -6078,7 +6088,7 @@ def _jsonable(value: Any) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class Quotas(_Dictable):
-    """Per-user limits. 0 or None disables a limit.
+    """Per-user limits. None (or 0, held as None) disables a limit.
 
     * max_files_per_user: files across all of the user's chats (default 5000).
     * max_bytes_per_user: bytes across all of the user's chats (default 1 GiB).
@@ -6092,13 +6102,12 @@ class Quotas(_Dictable):
     max_new_files_per_run: int | None = 500
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _check_limit("Quotas", f.name, getattr(self, f.name))
+        _check_limits(self)
 
 
 @dataclass(frozen=True, slots=True)
 class Expiry(_Dictable):
-    """Ages after which cleanup deletes things, in seconds. 0 or None means never.
+    """Ages after which cleanup deletes things, in seconds. None (or 0, held as None) means never.
 
     * file_max_age_s: a file unchanged (as seen by the index) for this long is deleted (30 days).
     * session_idle_s: a chat session not used for this long is deleted with its files (30 days).
@@ -6112,8 +6121,7 @@ class Expiry(_Dictable):
     activity_max_age_s: float | None = 90 * DAY
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _check_limit("Expiry", f.name, getattr(self, f.name))
+        _check_limits(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -6440,7 +6448,7 @@ class Policy:
 
     @property
     def max_file_bytes(self) -> int | None:
-        return self.quotas.max_file_bytes or None
+        return self.quotas.max_file_bytes
 
     def file_too_large(self, size: int) -> str | None:
         """Why a file of this size may not be kept, or None."""
@@ -6453,8 +6461,8 @@ class Policy:
 
     def over_quota(self, usage: Usage) -> str | None:
         """Why a user with these totals (all chats) is over a limit, as a phrase, or None."""
-        max_files = self.quotas.max_files_per_user or None
-        max_bytes = self.quotas.max_bytes_per_user or None
+        max_files = self.quotas.max_files_per_user
+        max_bytes = self.quotas.max_bytes_per_user
         if max_files is not None and usage.files > max_files:
             return f"over the limit of {max_files} files across all your chats"
         if max_bytes is not None and usage.bytes > max_bytes:
@@ -6463,14 +6471,14 @@ class Policy:
 
     def room(self, usage: Usage) -> int | None:
         """Bytes the user may still add across all chats; None when there is no byte limit."""
-        max_bytes = self.quotas.max_bytes_per_user or None
+        max_bytes = self.quotas.max_bytes_per_user
         return None if max_bytes is None else max(0, max_bytes - usage.bytes)
 
     def run_budget(self, usage: Usage) -> RunBudget:
         """What one run may write while it runs. A run is never refused for the quota: one that
         starts with nothing to spend can still delete or shrink files, and `note` says so."""
         room = self.room(usage)
-        max_files = self.quotas.max_files_per_user or None
+        max_files = self.quotas.max_files_per_user
         full = (room is not None and room == 0) or (max_files is not None and usage.files >= max_files)
         note = None
         if full:
@@ -6500,7 +6508,7 @@ class Policy:
         )
         if self.over_quota(after) is None:
             return
-        max_files = self.quotas.max_files_per_user or None
+        max_files = self.quotas.max_files_per_user
         if max_files is not None and after.files > max_files:
             raise QuotaExceeded(
                 f"You have reached the limit of {max_files} files across your chats. {_WAY_OUT}."
@@ -6529,7 +6537,7 @@ class Policy:
             else:
                 kept.append(item)
         kept.sort(key=lambda g: (g.mtime_ns, g.path))
-        per_run = self.quotas.max_new_files_per_run or None
+        per_run = self.quotas.max_new_files_per_run
         if per_run is not None:
             new = [g for g in kept if g.new]
             if len(new) > per_run:
@@ -6540,7 +6548,7 @@ class Policy:
         # A removed file goes whole (a grown one with its old bytes too), and leaves the file count.
         files = usage_after.files - len(removals)
         size = usage_after.bytes - sum(r.size for r in removals)
-        max_files = self.quotas.max_files_per_user or None
+        max_files = self.quotas.max_files_per_user
         newest = list(reversed(kept))
         newest_new = [g for g in newest if g.new]
         gone: set[str] = set()
@@ -6568,7 +6576,7 @@ class Policy:
     def publish_ceiling(self, size: int) -> int | None:
         """The most bytes a user may use already for a copy of `size` bytes to be allowed (None: any);
         what `refuse_publish` decides, as a number a database can compare with."""
-        max_bytes = self.quotas.max_bytes_per_user or None
+        max_bytes = self.quotas.max_bytes_per_user
         return None if max_bytes is None or size <= 0 else max_bytes - size
 
     def refuse_publish(self, usage: Usage, size: int, path: str) -> None:
@@ -7620,7 +7628,7 @@ from .errors import (
     WorkdirError,
 )
 from .kernels import KernelPool, reset_sentence
-from .models import Limits, Outcome, RunnerConfig, RunResult
+from .models import KernelSettings, Limits, Outcome, RunnerConfig, RunResult
 from .runner import HostSetup, Runner
 
 __all__ = [
@@ -7630,6 +7638,7 @@ __all__ = [
     "HostSetup",
     "InterpreterNotFound",
     "KernelPool",
+    "KernelSettings",
     "Limits",
     "Outcome",
     "RunResult",
@@ -7921,10 +7930,11 @@ def make_spec(
     memory = limits.memory_mb * 1024 * 1024
     rlimits = [
         ("RLIMIT_NPROC", limits.max_processes),  # gVisor counts threads too, per uid, inside the sandbox
-        ("RLIMIT_FSIZE", limits.max_file_bytes),
         ("RLIMIT_NOFILE", 4096),
         ("RLIMIT_CORE", 0),
     ]
+    if limits.max_file_bytes is not None:  # None: no limit (the sandbox's own default, unlimited)
+        rlimits.append(("RLIMIT_FSIZE", limits.max_file_bytes))
     if rlimit_as:  # only without cgroups: per process and virtual, so a weaker stand-in
         rlimits.append(("RLIMIT_AS", memory))
     net_ns: dict[str, str] = {"type": "network"}
@@ -12833,7 +12843,7 @@ from ._orphans import owner_stamp
 from ._supervise import human_bytes
 from ._warm import WarmStart
 from .capabilities import run_quick
-from .models import Limits, Outcome, RunResult
+from .models import KernelSettings, Limits, Outcome, RunResult
 from .runner import Runner
 
 __all__ = ["KernelPool", "reset_sentence", "unsaved_sentence"]
@@ -12917,25 +12927,17 @@ class KernelPool:
         runner: Runner,
         registry_dir: Path,
         *,
-        idle_s: float = 20 * 60.0,
-        max_kernels: int = 20,
+        settings: KernelSettings | None = None,
         socket_dir: Path | None = None,
-        max_image_bytes: int | None = None,
-        max_saved_bytes_together: int | None = None,
         warm_start: bool = False,
     ) -> None:
         self.runner = runner
         self.registry_dir = Path(registry_dir)
         self.socket_dir = Path(socket_dir) if socket_dir is not None else runner.bundle_dir / "kernels"
-        self.idle_s = idle_s
-        self.max_kernels = max_kernels
-        # A saved state's image is at most this large (None: no limit beyond the kernel's memory;
-        # 0: kernels are never saved, they stop as they would without a state folder).
-        self.max_image_bytes = max_image_bytes
-        # The saved images in the state folders beside a chat's (one folder per owner: one user's
-        # chats, as the store lays them out) together at most this large; None: no such bound. Checked
-        # once the new image is in place, so two saves at once can only both refuse, never both pass.
-        self.max_saved_bytes_together = max_saved_bytes_together
+        # Replaced whole when an admin changes them (frozen); each use reads the current value. The
+        # saved images together are checked once the new image is in place, so two saves at once can
+        # only both refuse, never both pass.
+        self.settings = settings or KernelSettings()
         self._mine: dict[str, Kernel] = {}
         self._state_dirs: dict[str, Path] = {}  # where each kernel of ours is saved when it stops
         self._ending: dict[str, asyncio.Future[None]] = {}  # kernels being saved now, by key
@@ -13110,7 +13112,7 @@ class KernelPool:
             for key, kernel in list(self._mine.items())
             if kernel.alive and not kernel.busy and key in self._state_dirs and kernel.ready is not None
         ]
-        if not targets or setup is None or self.max_image_bytes == 0:
+        if not targets or setup is None or self.settings.max_image_bytes == 0:
             return
         identity = {**self.runner.sandbox_identity_now(setup), "kernel_program": _KERNEL_DIGEST}
         started: list[tuple[str, Kernel, Path, Path, subprocess.Popen[bytes], _Entry]] = []
@@ -13168,8 +13170,9 @@ class KernelPool:
         for key, kernel in list(self._mine.items()):
             if not kernel.alive:
                 await self._end(key, kernel, kernel.lost or "the kernel stopped")
-            elif now - kernel.last_used > self.idle_s and not kernel.busy:
-                await self._end(key, kernel, f"it was idle for more than {_minutes(self.idle_s)}", save=True)
+            elif now - kernel.last_used > self.settings.idle_s and not kernel.busy:
+                idle = _minutes(self.settings.idle_s)
+                await self._end(key, kernel, f"it was idle for more than {idle}", save=True)
             else:
                 if key in self._in_run:
                     continue  # a run here is starting or using it (its entry may not name it yet)
@@ -13312,7 +13315,7 @@ class KernelPool:
             server.close()
         state_dir = self._state_dirs.get(key)
         image, unsaved = "", ""
-        if save and state_dir is not None and kernel.alive and self.max_image_bytes != 0:
+        if save and state_dir is not None and kernel.alive and self.settings.max_image_bytes != 0:
             done = asyncio.get_running_loop().create_future()
             self._ending[key] = done
             try:
@@ -13377,10 +13380,10 @@ class KernelPool:
     def _refusal(self, state_dir: Path, image: _hibernate.SavedImage) -> str | None:
         """Why a sealed image may not be kept (blocking: it reads the neighbours' records), or None."""
         size = f"{image.size / 2**20:.0f} MiB"
-        if self.max_image_bytes is not None and image.size > self.max_image_bytes:
-            limit = human_bytes(self.max_image_bytes)
+        if self.settings.max_image_bytes is not None and image.size > self.settings.max_image_bytes:
+            limit = human_bytes(self.settings.max_image_bytes)
             return f"its image of {size} is over the {limit} allowed for a saved state"
-        together_max = self.max_saved_bytes_together
+        together_max = self.settings.max_saved_bytes_together
         if together_max is not None:
             together = _hibernate.saved_bytes_beside(state_dir)
             if together > together_max:
@@ -13445,10 +13448,11 @@ class KernelPool:
         none idle, wait up to _ROOM_WAIT_S for one to be, then go over the limit rather than kill a
         run."""
         deadline = time.monotonic() + _ROOM_WAIT_S
-        reason = f"too many kernels were running (at most {self.max_kernels}); it was the least recently used"
+        most = self.settings.max_kernels
+        reason = f"too many kernels were running (at most {most}); it was the least recently used"
         busy: set[str] = set()  # keys another worker said are running a cell now
         entries = [e for e in await asyncio.to_thread(self._running_here) if e.key != key]
-        while len(entries) >= self.max_kernels:
+        while len(entries) >= self.settings.max_kernels:
             idle = [
                 e
                 for e in entries
@@ -13486,7 +13490,7 @@ class KernelPool:
 
     async def _reap_forever(self) -> None:
         while True:
-            await asyncio.sleep(min(_REAP_EVERY_S, self.idle_s / 4))
+            await asyncio.sleep(min(_REAP_EVERY_S, self.settings.idle_s / 4))
             try:
                 await self.reap()
             except Exception:
@@ -13787,7 +13791,11 @@ def _minutes(seconds: float) -> str:
     minutes = seconds / 60
     return f"{minutes:g} minutes" if minutes != 1 else "1 minute"
 ''',
-    'runner/models.py': r'''"""The runner's typed public data: configuration, per-run limits, and the result of a run."""
+    'runner/models.py': r'''"""The runner's typed public data: configuration, per-run limits, the kernels' settings, and the result
+of a run.
+
+These models are the one home of the runner's defaults: the function's valves take theirs from them.
+"No limit" is None wherever a limit can be lifted."""
 
 from __future__ import annotations
 
@@ -13824,9 +13832,26 @@ class Limits(BaseModel):
         512, ge=64, description="memory of the whole sandbox (gVisor's own overhead included)"
     )
     max_processes: int = Field(64, ge=4, description="processes + threads of the sandbox user (RLIMIT_NPROC)")
-    max_file_bytes: int = Field(100 * MIB, gt=0, description="size of any one file written (RLIMIT_FSIZE)")
+    max_file_bytes: int | None = Field(
+        100 * MIB, gt=0, description="size of any one file written (RLIMIT_FSIZE); None: no limit"
+    )
     max_write_bytes: int = Field(GIB, gt=0, description="growth of the workdir during the run")
     max_output_bytes: int = Field(64 * KIB, gt=0, description="kept per stream; more stops the run")
+
+
+class KernelSettings(BaseModel):
+    """How a KernelPool keeps its kernels. Frozen: an admin's change replaces the whole value."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    idle_s: float = Field(20 * 60.0, gt=0, description="a kernel unused this long is saved and stopped")
+    max_kernels: int = Field(20, ge=1, description="kernels alive at once in this process")
+    # 0: kernels are never saved (they stop as they would without a state folder); None: no limit
+    # beyond the kernel's memory.
+    max_image_bytes: int | None = Field(2 * GIB, ge=0, description="largest saved kernel")
+    # The saved images of one owner's chats together (one state folder per owner, as the store lays
+    # them out); None: no such bound.
+    max_saved_bytes_together: int | None = Field(4 * GIB, gt=0, description="one owner's saved kernels")
 
 
 class RunnerConfig(BaseModel):
@@ -14553,7 +14578,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_b97e5b44a393.runner import Outcome
+from _code_sessions_744fd732b1c6.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -14828,8 +14853,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b97e5b44a393.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_b97e5b44a393.storage import human_bytes
+from _code_sessions_744fd732b1c6.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_744fd732b1c6.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -14842,9 +14867,9 @@ class PromptFacts:
     timeout_s: float
     memory_mb: int
     network: bool
-    max_file_bytes: int
-    quota_bytes: int
-    quota_files: int
+    max_file_bytes: int | None  # None: no limit (and so for the quotas)
+    quota_bytes: int | None
+    quota_files: int | None
     tool_mode: bool  # True: a run_code tool; False: fenced blocks are run
     sandbox_notes: Sequence[str] = ()  # quirks of this sandbox worth knowing (see Runner.known_issues)
     max_listed: int = 40
@@ -14949,7 +14974,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_b97e5b44a393.storage import Purge, parse_duration
+from _code_sessions_744fd732b1c6.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16068,8 +16093,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b97e5b44a393.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_b97e5b44a393.storage import (
+from _code_sessions_744fd732b1c6.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_744fd732b1c6.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16501,10 +16526,12 @@ def _kernel_key(session: Session) -> str:
     return f"{session.user_key}/{session.chat_key}"
 
 
-def _tighter(configured: int, budget: int | None) -> int:
-    """The runner's limit, lowered to what the quota still allows (None: the quota sets no bound).
-    Never below 1 byte: a run with nothing left to write may still compute and print."""
-    return configured if budget is None else max(1, min(configured, budget))
+def _tighter(configured: int | None, budget: int | None) -> int | None:
+    """The runner's limit, lowered to what the quota still allows (None on either side: no bound
+    from it). Never below 1 byte: a run with nothing left to write may still compute and print."""
+    if budget is None:
+        return configured
+    return max(1, budget if configured is None else min(configured, budget))
 
 
 class CodeSessions:
@@ -16779,7 +16806,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_b97e5b44a393.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_744fd732b1c6.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -16996,7 +17023,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_b97e5b44a393.storage import Link, Publisher, is_postgres_url
+from _code_sessions_744fd732b1c6.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17211,7 +17238,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_b97e5b44a393.engine import (
+from _code_sessions_744fd732b1c6.engine import (
     CodeSessions,
     LoopOptions,
     PromptFacts,
@@ -17221,9 +17248,9 @@ from _code_sessions_b97e5b44a393.engine import (
     system_prompt,
     waiting_status,
 )
-from _code_sessions_b97e5b44a393.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_b97e5b44a393.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_b97e5b44a393.webui import OpenWebUI
+from _code_sessions_744fd732b1c6.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_744fd732b1c6.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_744fd732b1c6.webui import OpenWebUI
 
 __all__ = [
     "MINUTE_S",
@@ -17240,7 +17267,6 @@ log = logging.getLogger("code_sessions.function")
 _MB = 1024 * 1024
 MINUTE_S = 60.0
 _DAY = 86400.0
-_NO_LIMIT = 1 << 40  # what "0: no limit" becomes where the sandbox needs a number
 _PURGE_RETRYMINUTE_SS = 10  # a purge that keeps meeting chats mid-step gives up (and says so) after this
 # A chat missing from Open WebUI this long (two looks a background tick apart) is deleted with its files.
 _DELETED_AFTER_S = 50.0
@@ -17422,11 +17448,12 @@ class SessionsAdapter:
         services.store.policy = policy_for(valves)
         services.limits = limits_for(valves)
         if services.kernels is not None:
-            services.kernels.idle_s = valves.kernel_idle_minutes * MINUTE_S
-            services.kernels.max_kernels = valves.max_kernels
-            services.kernels.max_image_bytes = valves.max_saved_state_mb * 1024 * 1024
-            together = valves.max_saved_state_mb_per_user * 1024 * 1024
-            services.kernels.max_saved_bytes_together = together or None
+            services.kernels.settings = KernelSettings(
+                idle_s=valves.kernel_idle_minutes * MINUTE_S,
+                max_kernels=valves.max_kernels,
+                max_image_bytes=valves.max_saved_state_mb * _MB,
+                max_saved_bytes_together=valves.max_saved_state_mb_per_user * _MB or None,
+            )
         return services
 
     async def _shared_services(self, key: tuple, valves: SessionValves, places: Any, index_url: str) -> Any:
@@ -17716,7 +17743,7 @@ def limits_for(valves: Any) -> Limits:
         memory_mb=valves.memory_mb,
         max_processes=valves.max_processes,
         max_output_bytes=valves.max_output_kb * 1024,
-        max_file_bytes=valves.max_file_mb * _MB or _NO_LIMIT,
+        max_file_bytes=valves.max_file_mb * _MB or None,
     )
 
 
@@ -17890,10 +17917,10 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_b97e5b44a393.engine import LoopOptions, escape_text, run_step
-from _code_sessions_b97e5b44a393.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_b97e5b44a393.storage import StorageError
-from _code_sessions_b97e5b44a393.webui import Misconfigured
+from _code_sessions_744fd732b1c6.engine import LoopOptions, escape_text, run_step
+from _code_sessions_744fd732b1c6.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_744fd732b1c6.storage import StorageError
+from _code_sessions_744fd732b1c6.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

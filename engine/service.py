@@ -447,10 +447,12 @@ def _kernel_key(session: Session) -> str:
     return f"{session.user_key}/{session.chat_key}"
 
 
-def _tighter(configured: int, budget: int | None) -> int:
-    """The runner's limit, lowered to what the quota still allows (None: the quota sets no bound).
-    Never below 1 byte: a run with nothing left to write may still compute and print."""
-    return configured if budget is None else max(1, min(configured, budget))
+def _tighter(configured: int | None, budget: int | None) -> int | None:
+    """The runner's limit, lowered to what the quota still allows (None on either side: no bound
+    from it). Never below 1 byte: a run with nothing left to write may still compute and print."""
+    if budget is None:
+        return configured
+    return max(1, budget if configured is None else min(configured, budget))
 
 
 class CodeSessions:

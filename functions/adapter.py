@@ -32,7 +32,7 @@ from engine import (
     system_prompt,
     waiting_status,
 )
-from runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
+from runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig, RunnerError
 from storage import Expiry, Policy, Quotas, StorageError, Store
 from webui import OpenWebUI
 
@@ -51,7 +51,6 @@ log = logging.getLogger("code_sessions.function")
 _MB = 1024 * 1024
 MINUTE_S = 60.0
 _DAY = 86400.0
-_NO_LIMIT = 1 << 40  # what "0: no limit" becomes where the sandbox needs a number
 _PURGE_RETRYMINUTE_SS = 10  # a purge that keeps meeting chats mid-step gives up (and says so) after this
 # A chat missing from Open WebUI this long (two looks a background tick apart) is deleted with its files.
 _DELETED_AFTER_S = 50.0
@@ -233,11 +232,12 @@ class SessionsAdapter:
         services.store.policy = policy_for(valves)
         services.limits = limits_for(valves)
         if services.kernels is not None:
-            services.kernels.idle_s = valves.kernel_idle_minutes * MINUTE_S
-            services.kernels.max_kernels = valves.max_kernels
-            services.kernels.max_image_bytes = valves.max_saved_state_mb * 1024 * 1024
-            together = valves.max_saved_state_mb_per_user * 1024 * 1024
-            services.kernels.max_saved_bytes_together = together or None
+            services.kernels.settings = KernelSettings(
+                idle_s=valves.kernel_idle_minutes * MINUTE_S,
+                max_kernels=valves.max_kernels,
+                max_image_bytes=valves.max_saved_state_mb * _MB,
+                max_saved_bytes_together=valves.max_saved_state_mb_per_user * _MB or None,
+            )
         return services
 
     async def _shared_services(self, key: tuple, valves: SessionValves, places: Any, index_url: str) -> Any:
@@ -527,7 +527,7 @@ def limits_for(valves: Any) -> Limits:
         memory_mb=valves.memory_mb,
         max_processes=valves.max_processes,
         max_output_bytes=valves.max_output_kb * 1024,
-        max_file_bytes=valves.max_file_mb * _MB or _NO_LIMIT,
+        max_file_bytes=valves.max_file_mb * _MB or None,
     )
 
 

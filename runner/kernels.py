@@ -51,7 +51,7 @@ from ._orphans import owner_stamp
 from ._supervise import human_bytes
 from ._warm import WarmStart
 from .capabilities import run_quick
-from .models import Limits, Outcome, RunResult
+from .models import KernelSettings, Limits, Outcome, RunResult
 from .runner import Runner
 
 __all__ = ["KernelPool", "reset_sentence", "unsaved_sentence"]
@@ -135,25 +135,17 @@ class KernelPool:
         runner: Runner,
         registry_dir: Path,
         *,
-        idle_s: float = 20 * 60.0,
-        max_kernels: int = 20,
+        settings: KernelSettings | None = None,
         socket_dir: Path | None = None,
-        max_image_bytes: int | None = None,
-        max_saved_bytes_together: int | None = None,
         warm_start: bool = False,
     ) -> None:
         self.runner = runner
         self.registry_dir = Path(registry_dir)
         self.socket_dir = Path(socket_dir) if socket_dir is not None else runner.bundle_dir / "kernels"
-        self.idle_s = idle_s
-        self.max_kernels = max_kernels
-        # A saved state's image is at most this large (None: no limit beyond the kernel's memory;
-        # 0: kernels are never saved, they stop as they would without a state folder).
-        self.max_image_bytes = max_image_bytes
-        # The saved images in the state folders beside a chat's (one folder per owner: one user's
-        # chats, as the store lays them out) together at most this large; None: no such bound. Checked
-        # once the new image is in place, so two saves at once can only both refuse, never both pass.
-        self.max_saved_bytes_together = max_saved_bytes_together
+        # Replaced whole when an admin changes them (frozen); each use reads the current value. The
+        # saved images together are checked once the new image is in place, so two saves at once can
+        # only both refuse, never both pass.
+        self.settings = settings or KernelSettings()
         self._mine: dict[str, Kernel] = {}
         self._state_dirs: dict[str, Path] = {}  # where each kernel of ours is saved when it stops
         self._ending: dict[str, asyncio.Future[None]] = {}  # kernels being saved now, by key
@@ -328,7 +320,7 @@ class KernelPool:
             for key, kernel in list(self._mine.items())
             if kernel.alive and not kernel.busy and key in self._state_dirs and kernel.ready is not None
         ]
-        if not targets or setup is None or self.max_image_bytes == 0:
+        if not targets or setup is None or self.settings.max_image_bytes == 0:
             return
         identity = {**self.runner.sandbox_identity_now(setup), "kernel_program": _KERNEL_DIGEST}
         started: list[tuple[str, Kernel, Path, Path, subprocess.Popen[bytes], _Entry]] = []
@@ -386,8 +378,9 @@ class KernelPool:
         for key, kernel in list(self._mine.items()):
             if not kernel.alive:
                 await self._end(key, kernel, kernel.lost or "the kernel stopped")
-            elif now - kernel.last_used > self.idle_s and not kernel.busy:
-                await self._end(key, kernel, f"it was idle for more than {_minutes(self.idle_s)}", save=True)
+            elif now - kernel.last_used > self.settings.idle_s and not kernel.busy:
+                idle = _minutes(self.settings.idle_s)
+                await self._end(key, kernel, f"it was idle for more than {idle}", save=True)
             else:
                 if key in self._in_run:
                     continue  # a run here is starting or using it (its entry may not name it yet)
@@ -530,7 +523,7 @@ class KernelPool:
             server.close()
         state_dir = self._state_dirs.get(key)
         image, unsaved = "", ""
-        if save and state_dir is not None and kernel.alive and self.max_image_bytes != 0:
+        if save and state_dir is not None and kernel.alive and self.settings.max_image_bytes != 0:
             done = asyncio.get_running_loop().create_future()
             self._ending[key] = done
             try:
@@ -595,10 +588,10 @@ class KernelPool:
     def _refusal(self, state_dir: Path, image: _hibernate.SavedImage) -> str | None:
         """Why a sealed image may not be kept (blocking: it reads the neighbours' records), or None."""
         size = f"{image.size / 2**20:.0f} MiB"
-        if self.max_image_bytes is not None and image.size > self.max_image_bytes:
-            limit = human_bytes(self.max_image_bytes)
+        if self.settings.max_image_bytes is not None and image.size > self.settings.max_image_bytes:
+            limit = human_bytes(self.settings.max_image_bytes)
             return f"its image of {size} is over the {limit} allowed for a saved state"
-        together_max = self.max_saved_bytes_together
+        together_max = self.settings.max_saved_bytes_together
         if together_max is not None:
             together = _hibernate.saved_bytes_beside(state_dir)
             if together > together_max:
@@ -663,10 +656,11 @@ class KernelPool:
         none idle, wait up to _ROOM_WAIT_S for one to be, then go over the limit rather than kill a
         run."""
         deadline = time.monotonic() + _ROOM_WAIT_S
-        reason = f"too many kernels were running (at most {self.max_kernels}); it was the least recently used"
+        most = self.settings.max_kernels
+        reason = f"too many kernels were running (at most {most}); it was the least recently used"
         busy: set[str] = set()  # keys another worker said are running a cell now
         entries = [e for e in await asyncio.to_thread(self._running_here) if e.key != key]
-        while len(entries) >= self.max_kernels:
+        while len(entries) >= self.settings.max_kernels:
             idle = [
                 e
                 for e in entries
@@ -704,7 +698,7 @@ class KernelPool:
 
     async def _reap_forever(self) -> None:
         while True:
-            await asyncio.sleep(min(_REAP_EVERY_S, self.idle_s / 4))
+            await asyncio.sleep(min(_REAP_EVERY_S, self.settings.idle_s / 4))
             try:
                 await self.reap()
             except Exception:
