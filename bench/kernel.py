@@ -24,7 +24,7 @@ import asyncio
 import time
 from typing import Any
 
-from engine import CodeSessions
+from engine import CodeSessions, Settings
 from runner import KernelPool, KernelSettings, Limits
 from runner._kernel import CPU_POLL_S
 
@@ -91,8 +91,8 @@ async def run(ctx: Context) -> dict[str, Any]:
     async with ctx.store("kernel") as store:
         settings = KernelSettings(max_kernels=max(many + 2, 20))
         pool = KernelPool(runner, ctx.scratch / "kernel" / "registry", settings=settings)
-        warm = CodeSessions(store, runner, limits, kernels=pool)
-        cold = CodeSessions(store, runner, limits)
+        warm = CodeSessions(store, runner, Settings(limits=limits), kernels=pool)
+        cold = CodeSessions(store, runner, Settings(limits=limits))
         setup = await runner.setup()
         try:
             # (a) (b) (c): one chat, its kernel warmed up; the cold path in another chat.

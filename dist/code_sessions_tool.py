@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_744fd732b1c6'
+_CS_PACKAGE = '_code_sessions_d9997a8a190b'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -14360,9 +14360,11 @@ from .rewrite import (
     rewrite,
 )
 from .service import ChatSession, CodeSessions, StepResult
+from .settings import DEFAULTS, Settings
 from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
 
 __all__ = [
+    "DEFAULTS",
     "RUN_CODE_TOOL",
     "ChatSession",
     "CodeBlock",
@@ -14372,6 +14374,7 @@ __all__ = [
     "ModelError",
     "PromptFacts",
     "References",
+    "Settings",
     "StatusCall",
     "StepResult",
     "StreamingRewriter",
@@ -14578,7 +14581,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_744fd732b1c6.runner import Outcome
+from _code_sessions_d9997a8a190b.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -14853,8 +14856,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_744fd732b1c6.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_744fd732b1c6.storage import human_bytes
+from _code_sessions_d9997a8a190b.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_d9997a8a190b.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -14974,7 +14977,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_744fd732b1c6.storage import Purge, parse_duration
+from _code_sessions_d9997a8a190b.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16093,8 +16096,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_744fd732b1c6.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_744fd732b1c6.storage import (
+from _code_sessions_d9997a8a190b.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_d9997a8a190b.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16120,6 +16123,7 @@ from .rewrite import (
     mention,
     resolve_all,
 )
+from .settings import Settings
 
 __all__ = ["ChatSession", "CodeSessions", "StepResult", "Waiting"]
 
@@ -16297,9 +16301,10 @@ def _clip(text: str, limit: int) -> str:
 class ChatSession:
     """A chat's folder as the engine uses it: run code in it, add uploads, link its files."""
 
-    def __init__(self, service: CodeSessions, session: Session) -> None:
+    def __init__(self, service: CodeSessions, session: Session, settings: Settings) -> None:
         self._service = service
         self.session = session
+        self.settings = settings  # the message's (frozen): its limits are every run's of this chat here
         # Every file linked so far, for attaching to the message. A dict: insertion order, and O(1)
         # membership (a list made an answer with 1,000 links quadratic).
         self._published: dict[Target, None] = {}
@@ -16369,10 +16374,11 @@ class ChatSession:
                 budget = await self.session.run_budget()
                 if budget.note:
                     notes.append(budget.note)
-                limits = service.limits.model_copy(
+                configured = self.settings.limits
+                limits = configured.model_copy(
                     update={
-                        "max_write_bytes": _tighter(service.limits.max_write_bytes, budget.max_write_bytes),
-                        "max_file_bytes": _tighter(service.limits.max_file_bytes, budget.max_file_bytes),
+                        "max_write_bytes": _tighter(configured.max_write_bytes, budget.max_write_bytes),
+                        "max_file_bytes": _tighter(configured.max_file_bytes, budget.max_file_bytes),
                     }
                 )
                 await self.session.begin_run()
@@ -16535,7 +16541,8 @@ def _tighter(configured: int | None, budget: int | None) -> int | None:
 
 
 class CodeSessions:
-    """The store and the runner, composed with the per-run limits an admin chose.
+    """The store and the runner, composed. Each message hands down its `Settings` (`chat`); a chat
+    opened without runs with the constructor's limits, and the store's and the pool's own settings.
 
     With `kernels`, every chat's runs share one live Python kernel (variables persist); without,
     every run is a fresh sandbox."""
@@ -16544,14 +16551,14 @@ class CodeSessions:
         self,
         store: Store,
         runner: Runner,
-        limits: Limits,
+        settings: Settings | None = None,
         *,
         kernels: KernelPool | None = None,
         lock_timeout_s: float = 300.0,
     ) -> None:
         self.store = store
         self.runner = runner
-        self.limits = limits
+        self.settings = settings or Settings()
         self.kernels = kernels
         self.lock_timeout_s = lock_timeout_s
         # (user key, chat key) -> time.monotonic() of the session's last full reconcile here.
@@ -16586,8 +16593,20 @@ class CodeSessions:
         """The files noted for the chat's answer now ending; then forgotten."""
         return self._unhanded.pop((user_id, chat_id), [])
 
-    async def chat(self, user_id: str, chat_id: str) -> ChatSession:
-        return ChatSession(self, await self.store.session(user_id, chat_id))
+    async def chat(self, user_id: str, chat_id: str, settings: Settings | None = None) -> ChatSession:
+        """The chat's session, bound to the message's settings (None: the constructor's)."""
+        if settings is not None:
+            self._use(settings)
+        return ChatSession(self, await self.store.session(user_id, chat_id), settings or self.settings)
+
+    def _use(self, settings: Settings) -> None:
+        """Give the store and the kernel pool their parts of the settings. They serve every chat of
+        this process, so theirs are the latest message's; each is a frozen value, replaced whole
+        (and only when it changed, so the store records its policy once per change)."""
+        if self.store.policy != settings.policy:
+            self.store.policy = settings.policy
+        if self.kernels is not None and self.kernels.settings != settings.kernels:
+            self.kernels.settings = settings.kernels
 
     async def execute(self, session: Session, code: str, language: str, limits: Limits) -> RunResult:
         """Run code in the session's folder: in its kernel, or in a fresh sandbox."""
@@ -16601,8 +16620,11 @@ class CodeSessions:
         """An admin's purge: the selected sessions go, with their files, links and kernels."""
         return await self._ended(await self.store.cleanup(purge), "an admin deleted this chat's files")
 
-    async def expire(self) -> CleanupReport:
-        """The expiry policy: old files and idle sessions go (an expired session's kernel too)."""
+    async def expire(self, settings: Settings | None = None) -> CleanupReport:
+        """The expiry policy (the settings' or the latest message's): old files and idle sessions go
+        (an expired session's kernel too)."""
+        if settings is not None:
+            self._use(settings)
         return await self._ended(await self.store.cleanup(), "this chat was unused long enough to expire")
 
     async def forget_chats(self, chats: list[tuple[str, str]], reason: str) -> CleanupReport:
@@ -16645,6 +16667,44 @@ class CodeSessions:
         if len(self._full_at) >= 10_000:  # forget sessions that will be listed fully anyway
             self._full_at = {k: t for k, t in self._full_at.items() if now - t < FULL_RECONCILE_EVERY_S}
         self._full_at[(session.user_key, session.chat_key)] = now
+''',
+    'engine/settings.py': r'''"""What one message runs with, in one frozen value.
+
+The host builds a `Settings` from its own settings once per message (the function's valves:
+functions/adapter.py `settings_from`) and hands it down: `CodeSessions.chat` binds it to the chat's
+session (its per-run limits) and gives the store and the kernel pool their parts. A change is a new
+value, never an edit of a live object.
+
+The defaults live in the layers' own models, each in one place: `runner.Limits`,
+`runner.KernelSettings`, `storage.Quotas`, `storage.Expiry`, and the fields below for what is the
+engine's. The valves take theirs from these (`DEFAULTS`). "No limit" is None in every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from _code_sessions_d9997a8a190b.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_d9997a8a190b.storage import Policy
+
+__all__ = ["DEFAULTS", "Settings"]
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    limits: Limits = field(default_factory=Limits)  # per run (a chat's quota may lower them)
+    # One store and one kernel pool serve every chat of a process: theirs are the latest message's.
+    policy: Policy = field(default_factory=Policy)
+    kernels: KernelSettings = field(default_factory=KernelSettings)
+    # What the prompt tells the model; the runner's own configuration is what opens the network.
+    network: bool = RunnerConfig.model_fields["network"].default
+    # Show an answer's files as attachments of its message (else one line names them).
+    attach_files: bool = True
+    cleanup_every_s: float = 30 * 60.0  # expiry runs at least this often
+    purge: str = ""  # the admin's one-shot purge request (engine/purge.py), as typed
+
+
+DEFAULTS = Settings()
 ''',
     'engine/sse.py': r'''"""Read an OpenAI-compatible chat completion (streamed or not) as a sequence of model events."""
 
@@ -16806,7 +16866,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_744fd732b1c6.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_d9997a8a190b.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -17023,7 +17083,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_744fd732b1c6.storage import Link, Publisher, is_postgres_url
+from _code_sessions_d9997a8a190b.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17215,8 +17275,13 @@ class OpenWebUI:
 ''',
     'functions/__init__.py': r'''''',
     'functions/adapter.py': r'''"""What the three Open WebUI files (the Pipe, the Tool and the Filter) share: the valves that set up the
-sessions, the services built from them (one store and one set of kernels per process), the background
-maintenance, the attachments and the system prompt.
+sessions, the one way they become the message's `engine.Settings` (`settings_from`), and the services
+built from them (one store and one set of kernels per process), with the background loop that wakes
+the engine's maintenance.
+
+The valves' defaults are not written here: each comes from its one home, the layers' own models
+(`engine.DEFAULTS`, which holds runner.Limits, runner.KernelSettings, storage.Quotas and
+storage.Expiry), shown in the valves' units. A valve's "0: no limit" is None below (`_limit`).
 
 Open WebUI loads each file as a module of its own, so nothing at module level of one file is seen by
 another. Files bundled from the same sources share this module, though (the bundle's package name is
@@ -17238,43 +17303,56 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_744fd732b1c6.engine import (
+from _code_sessions_d9997a8a190b.engine import (
+    DEFAULTS,
     CodeSessions,
     LoopOptions,
     PromptFacts,
+    Settings,
     code_span,
     escape_text,
     parse_purge,
     system_prompt,
     waiting_status,
 )
-from _code_sessions_744fd732b1c6.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_744fd732b1c6.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_744fd732b1c6.webui import OpenWebUI
+from _code_sessions_d9997a8a190b.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig, RunnerError
+from _code_sessions_d9997a8a190b.storage import Expiry, Policy, Quotas, StorageError, Store
+from _code_sessions_d9997a8a190b.webui import OpenWebUI
 
-__all__ = [
-    "MINUTE_S",
-    "SessionValves",
-    "SessionsAdapter",
-    "Status",
-    "last_user_text",
-    "limits_for",
-    "policy_for",
-]
+__all__ = ["SessionValves", "SessionsAdapter", "Status", "last_user_text", "settings_from"]
 
 log = logging.getLogger("code_sessions.function")
 
-_MB = 1024 * 1024
 MINUTE_S = 60.0
-_DAY = 86400.0
+KiB = 1024
+MiB = 1024 * KiB
+DAY = 86400.0
+# The folder name under Open WebUI's cache that older, /cache-served copies used: the same for every
+# file, so that a Pipe, a Tool and a Filter build the same services.
+LOCATION_ID = "code_sessions"
 _PURGE_RETRYMINUTE_SS = 10  # a purge that keeps meeting chats mid-step gives up (and says so) after this
 # A chat missing from Open WebUI this long (two looks a background tick apart) is deleted with its files.
 _DELETED_AFTER_S = 50.0
 _LOGGED_VALUE_CHARS = 200  # an admin's purge text is logged at most this long
 _NOT_SAVED_PREFIXES = ("channel:",)  # chat ids Open WebUI never saves as chats (besides temporary ones)
-# The folder name under Open WebUI's cache that older, /cache-served copies used: the same for every
-# file, so that a Pipe, a Tool and a Filter build the same services.
-LOCATION_ID = "code_sessions"
+
+_LIMITS, _QUOTAS, _EXPIRY = DEFAULTS.limits, DEFAULTS.policy.quotas, DEFAULTS.policy.expiry
+_RUNNER = RunnerConfig()
+
+
+def _whole(value: float) -> float:
+    # A default shown in a valve's unit: 30, not 30.0, when it is a whole number of them.
+    return int(value) if float(value).is_integer() else value
+
+
+def _in(value: float | None, unit: float = 1) -> Any:
+    """A layer's default in a valve's unit; a layer's None (no limit) is the valve's 0."""
+    return 0 if value is None else _whole(value / unit)
+
+
+def _limit(value: float, unit: float = 1) -> Any:
+    """A valve's value in a layer's unit; the valve's 0 (no limit) is the layers' None."""
+    return value * unit or None
 
 
 class SessionValves(BaseModel):
@@ -17288,21 +17366,21 @@ class SessionValves(BaseModel):
         json_schema_extra={"input": {"type": "select", "options": ["persistent", "fresh"]}},
     )
     kernel_idle_minutes: float = Field(
-        default=20,
+        default=_whole(DEFAULTS.kernels.idle_s / MINUTE_S),
         gt=0,
         le=24 * 60,
         description="A chat's kernel unused this long is saved to disk and stopped; its next run "
         "resumes it with its variables.",
     )
     max_kernels: int = Field(
-        default=20,
+        default=DEFAULTS.kernels.max_kernels,
         ge=1,
         le=1000,
         description="Kernels alive at once on this server; beyond, the least "
         "recently used idle one is saved to disk and stopped.",
     )
     max_saved_state_mb: int = Field(
-        default=2048,
+        default=_in(DEFAULTS.kernels.max_image_bytes, MiB),
         ge=0,
         le=1024 * 1024,
         description="Largest saved kernel (its memory written to disk, next to the chat's files, "
@@ -17310,7 +17388,7 @@ class SessionValves(BaseModel):
         "0: kernels are never saved; an idle one is stopped and its variables are lost.",
     )
     max_saved_state_mb_per_user: int = Field(
-        default=4096,
+        default=_in(DEFAULTS.kernels.max_saved_bytes_together, MiB),
         ge=0,
         description="All of a user's saved kernels together (several chats of one user cannot pass "
         "it). A save that would go over is lost, and its chat is told. 0: no limit.",
@@ -17333,58 +17411,112 @@ class SessionValves(BaseModel):
         "PostgreSQL (tables in a schema code_sessions; needed with several replicas), else an SQLite "
         "file in storage_root. sqlite: always that file. Or a postgresql:// URL.",
     )
-    timeout_seconds: float = Field(default=30.0, gt=0, le=3600, description="Wall time per run.")
-    memory_mb: int = Field(default=512, ge=64, description="Memory per run.")
-    max_processes: int = Field(default=64, ge=4, description="Processes/threads per run (fork bombs).")
-    max_output_kb: int = Field(default=64, ge=1, description="stdout and stderr kept per run, each.")
+    timeout_seconds: float = Field(default=_LIMITS.timeout_s, gt=0, le=3600, description="Wall time per run.")
+    memory_mb: int = Field(default=_LIMITS.memory_mb, ge=64, description="Memory per run.")
+    max_processes: int = Field(
+        default=_LIMITS.max_processes, ge=4, description="Processes/threads per run (fork bombs)."
+    )
+    max_output_kb: int = Field(
+        default=_in(_LIMITS.max_output_bytes, KiB), ge=1, description="stdout and stderr kept per run, each."
+    )
     network: bool = Field(
-        default=False,
+        default=DEFAULTS.network,
         description="Let sandboxed code use the network. Needs network_namespace (see docs/runner.md).",
     )
     network_namespace: str = Field(
         default="",
         description="A network namespace prepared for the sandbox, e.g. /var/run/netns/code-sessions.",
     )
-    max_files_per_user: int = Field(default=5000, ge=0, description="All of a user's chats. 0: no limit.")
-    max_mb_per_user: int = Field(default=1024, ge=0, description="All of a user's chats. 0: no limit.")
-    max_file_mb: int = Field(default=100, ge=0, description="Largest single file. 0: no limit.")
-    max_new_files_per_run: int = Field(default=500, ge=0, description="0: no limit.")
+    max_files_per_user: int = Field(
+        default=_in(_QUOTAS.max_files_per_user), ge=0, description="All of a user's chats. 0: no limit."
+    )
+    max_mb_per_user: int = Field(
+        default=_in(_QUOTAS.max_bytes_per_user, MiB), ge=0, description="All of a user's chats. 0: no limit."
+    )
+    max_file_mb: int = Field(
+        default=_in(_QUOTAS.max_file_bytes, MiB), ge=0, description="Largest single file. 0: no limit."
+    )
+    max_new_files_per_run: int = Field(
+        default=_in(_QUOTAS.max_new_files_per_run), ge=0, description="0: no limit."
+    )
     file_max_age_days: float = Field(
-        default=30, ge=0, description="Files older than this are deleted. 0: never."
+        default=_in(_EXPIRY.file_max_age_s, DAY),
+        ge=0,
+        description="Files older than this are deleted. 0: never.",
     )
     session_idle_days: float = Field(
-        default=30, ge=0, description="A chat's folder unused this long is deleted. 0: never."
+        default=_in(_EXPIRY.session_idle_s, DAY),
+        ge=0,
+        description="A chat's folder unused this long is deleted. 0: never.",
     )
     temporary_idle_minutes: float = Field(
-        default=60, ge=1, description="Folders of temporary chats are deleted after this much idle time."
+        default=_in(_EXPIRY.temporary_idle_s, MINUTE_S),
+        ge=1,
+        description="Folders of temporary chats are deleted after this much idle time.",
     )
     cleanup_interval_minutes: float = Field(
-        default=30, ge=1, description="Expiry runs at least this often while Open WebUI is up."
+        default=_whole(DEFAULTS.cleanup_every_s / MINUTE_S),
+        ge=1,
+        description="Expiry runs at least this often while Open WebUI is up.",
     )
     purge: str = Field(
-        default="",
+        default=DEFAULTS.purge,
         description="One-shot admin purge, run at the next message or within a minute (a chat mid-step "
         "is retried a minute later), then cleared: "
         "'all', 'user:<user id>', 'chat:<chat id>' or 'idle:<duration>' such as idle:7d, idle:12h.",
     )
     attach_files: bool = Field(
-        default=True,
+        default=DEFAULTS.attach_files,
         description="Show an answer's files as attachments of its message (and let the people a chat "
         "is shared with open them). Off: a file a run saved that the answer does not name is named in "
         "one line at the end of the answer instead.",
     )
-    runsc_path: str = Field(default="runsc", description="The gVisor runsc binary.")
-    runsc_platform: str = Field(
-        default="", description="Empty: detect (systrap if supported, else ptrace)."
+    runsc_path: str = Field(default=_RUNNER.runsc_path, description="The gVisor runsc binary.")
+    runsc_platform: str = Field(default="", description="Empty: detect (systrap if supported, else ptrace).")
+
+
+def settings_from(valves: SessionValves) -> Settings:
+    """The message's settings, built once from the valves in force: the one way the Pipe, the Tool
+    and the Filter do it."""
+    return Settings(
+        limits=Limits(
+            timeout_s=valves.timeout_seconds,
+            memory_mb=valves.memory_mb,
+            max_processes=valves.max_processes,
+            max_output_bytes=valves.max_output_kb * KiB,
+            max_file_bytes=_limit(valves.max_file_mb, MiB),
+        ),
+        policy=Policy(
+            Quotas(
+                max_files_per_user=_limit(valves.max_files_per_user),
+                max_bytes_per_user=_limit(valves.max_mb_per_user, MiB),
+                max_file_bytes=_limit(valves.max_file_mb, MiB),
+                max_new_files_per_run=_limit(valves.max_new_files_per_run),
+            ),
+            Expiry(
+                file_max_age_s=_limit(valves.file_max_age_days, DAY),
+                session_idle_s=_limit(valves.session_idle_days, DAY),
+                temporary_idle_s=valves.temporary_idle_minutes * MINUTE_S,
+            ),
+        ),
+        kernels=KernelSettings(
+            idle_s=valves.kernel_idle_minutes * MINUTE_S,
+            max_kernels=valves.max_kernels,
+            max_image_bytes=valves.max_saved_state_mb * MiB,  # 0 is its own: kernels are never saved
+            max_saved_bytes_together=_limit(valves.max_saved_state_mb_per_user, MiB),
+        ),
+        network=valves.network,
+        attach_files=valves.attach_files,
+        cleanup_every_s=valves.cleanup_interval_minutes * MINUTE_S,
+        purge=valves.purge,
     )
 
 
 class SessionsAdapter:
-    """The part of each Open WebUI file that is the same for all three: its services, the background
-    maintenance, attachments and the system prompt. A subclass says where its settings are saved
-    (`_read_settings`, `_write_settings`) and sets `settings` before each use."""
+    """The part of each Open WebUI file that is the same for all three: its services, the message's
+    settings and the background loop. A subclass says where its valves are saved (`_read_settings`,
+    `_write_settings`) and sets `settings` (the valves) before each use."""
 
-    Settings: type[SessionValves] = SessionValves
     # How long the background loop's "minute" lasts, and how long a chat must be missing from Open
     # WebUI before its files go (tests shorten both on an instance).
     minute_s: float = MINUTE_S
@@ -17420,11 +17552,22 @@ class SessionsAdapter:
         if self._function_id:
             await self._host.store_valves(self._function_id, stored)
 
+    async def _begin(self) -> tuple[CodeSessions, Settings]:
+        """A message's start, the same in the three files: its settings (built once, here), the
+        services for them, the background loop kept running, and a purge the valves ask for run now
+        rather than a minute later. Raises webui.Misconfigured for valves it cannot run with."""
+        settings = settings_from(self.settings)
+        services = await self._services_for_valves()
+        self._keep_background_running()
+        if settings.purge.strip():
+            await self._purge_now(services)
+        return services, settings
+
     # ---- composition --------------------------------------------------------------------------------
 
     async def _services_for_valves(self) -> CodeSessions:
         """The store and runner for the current valves (rebuilt only when a valve they are built from
-        changes), with the current limits and policy applied."""
+        changes). The message's settings reach them through `CodeSessions.chat`."""
         valves = self.settings
         places = self._host.locations(valves.storage_root, LOCATION_ID)
         index_url = self._host.index_url(valves.index_database)
@@ -17444,17 +17587,7 @@ class SessionsAdapter:
             old, self._services, self._services_key = self._services_key, services, key
             if old is not None and old != key:
                 await self._release_services(old)
-        services = self._services
-        services.store.policy = policy_for(valves)
-        services.limits = limits_for(valves)
-        if services.kernels is not None:
-            services.kernels.settings = KernelSettings(
-                idle_s=valves.kernel_idle_minutes * MINUTE_S,
-                max_kernels=valves.max_kernels,
-                max_image_bytes=valves.max_saved_state_mb * _MB,
-                max_saved_bytes_together=valves.max_saved_state_mb_per_user * _MB or None,
-            )
-        return services
+        return self._services
 
     async def _shared_services(self, key: tuple, valves: SessionValves, places: Any, index_url: str) -> Any:
         """The services for `key`, made once per process whichever file asks first (a Pipe and a Tool
@@ -17479,7 +17612,7 @@ class SessionsAdapter:
                 kernels = None
                 if valves.kernel != "fresh":
                     kernels = KernelPool(runner, places.root / "kernels", warm_start=valves.warm_start)
-                entry = shared[_in_loop(key)] = [CodeSessions(store, runner, Limits(), kernels=kernels), 0]
+                entry = shared[_in_loop(key)] = [CodeSessions(store, runner, kernels=kernels), 0]
                 if kernels is not None:
                     _save_kernels_before_stop(shared)
             entry[1] += 1
@@ -17520,15 +17653,19 @@ class SessionsAdapter:
         while True:
             await asyncio.sleep(self.minute_s)
             try:
-                stored = await self._read_settings()
-                if stored:
-                    self.settings = type(self.settings)(**{k: v for k, v in stored.items() if v is not None})
-                services = await self._services_for_valves()
-                await self._tick(services)
+                await self._tick()
             except Exception:  # the loop must outlive a bad tick; the next one retries
                 log.exception("code-sessions background cleanup failed")
 
-    async def _tick(self, services: CodeSessions) -> None:
+    async def _tick(self) -> None:
+        """One background tick, with the valves as saved now."""
+        stored = await self._read_settings()
+        if stored:
+            self.settings = type(self.settings)(**{k: v for k, v in stored.items() if v is not None})
+        services = await self._services_for_valves()
+        await self._maintain(services, settings_from(self.settings))
+
+    async def _maintain(self, services: CodeSessions, settings: Settings) -> None:
         """One background tick: in every worker, what a dead worker's sandboxes left; then an admin's
         purge, chats deleted in Open WebUI, and expiry when it is due, by one worker (of every
         replica) at a time, under a lock every process of the store shares (the expiry interval is
@@ -17547,9 +17684,9 @@ class SessionsAdapter:
             # Every file of every worker ticks: the look at Open WebUI's chats is shared out like expiry.
             if await services.store.claim("deleted-chats", self.minute_s * 0.9):
                 await self._forget_deleted_chats(services)
-            every = self.settings.cleanup_interval_minutes * self.minute_s
+            every = settings.cleanup_every_s / MINUTE_S * self.minute_s
             if await services.store.claim("expiry", every):
-                report = await services.expire()
+                report = await services.expire(settings)
                 log.info("code-sessions cleanup: %s", report.summary())
         finally:
             await lock.release()
@@ -17674,22 +17811,24 @@ class SessionsAdapter:
         *,
         figures_shown: bool = True,
     ) -> list[dict]:
+        settings: Settings = chat.settings
         entries = sorted(await chat.session.files.list(), key=lambda e: e.mtime, reverse=True)
-        quotas = services.store.quotas
+        quotas = settings.policy.quotas
         sandbox = await _sandbox_facts(services.runner)
+        kernels = services.kernels is not None
         facts = PromptFacts(
             files=[(entry.path, entry.size) for entry in entries],
             total_files=len(entries),
             total_bytes=sum(entry.size for entry in entries),
-            timeout_s=services.limits.timeout_s,
-            memory_mb=services.limits.memory_mb,
-            network=self.settings.network,
+            timeout_s=settings.limits.timeout_s,
+            memory_mb=settings.limits.memory_mb,
+            network=settings.network,
             max_file_bytes=quotas.max_file_bytes,
             quota_bytes=quotas.max_bytes_per_user,
             quota_files=quotas.max_files_per_user,
             tool_mode=options.tool_mode,
             sandbox_notes=(*sandbox.notes, *notes),
-            kernel_idle_minutes=self.settings.kernel_idle_minutes if services.kernels is not None else None,
+            kernel_idle_minutes=settings.kernels.idle_s / 60 if kernels else None,
             packages=sandbox.packages,
             tools=sandbox.tools,
             figures_shown=figures_shown,
@@ -17716,35 +17855,6 @@ def _shared_lock(shared: dict) -> asyncio.Lock:
     if lock is None:
         lock = shared[key] = asyncio.Lock()
     return lock
-
-
-# ---- settings from valves --------------------------------------------------------------------------------
-
-
-def policy_for(valves: Any) -> Policy:
-    return Policy(
-        Quotas(
-            max_files_per_user=valves.max_files_per_user,
-            max_bytes_per_user=valves.max_mb_per_user * _MB,
-            max_file_bytes=valves.max_file_mb * _MB,
-            max_new_files_per_run=valves.max_new_files_per_run,
-        ),
-        Expiry(
-            file_max_age_s=valves.file_max_age_days * _DAY or None,
-            session_idle_s=valves.session_idle_days * _DAY or None,
-            temporary_idle_s=valves.temporary_idle_minutes * MINUTE_S,
-        ),
-    )
-
-
-def limits_for(valves: Any) -> Limits:
-    return Limits(
-        timeout_s=valves.timeout_seconds,
-        memory_mb=valves.memory_mb,
-        max_processes=valves.max_processes,
-        max_output_bytes=valves.max_output_kb * 1024,
-        max_file_bytes=valves.max_file_mb * _MB or None,
-    )
 
 
 # ---- small helpers --------------------------------------------------------------------------------------
@@ -17907,9 +18017,10 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 # (functions/code_sessions_filter.py), which tells the model about the folder, copies the chat's
 # uploads in and turns /mnt/data paths in the answer into links.
 #
-# This file is a thin adapter: its valves are the session valves every file shares, and the services,
-# background maintenance and attachments are functions/adapter.py's, the step is engine's. Open WebUI
-# offers every public method of `Tools` to the model, so `run_code` is the only one.
+# This file is a thin adapter: its valves are the session valves every file shares, and the settings
+# and services built from them, the background maintenance and attachments are functions/adapter.py's,
+# the step is engine's.
+# Open WebUI offers every public method of `Tools` to the model, so `run_code` is the only one.
 #
 # No `from __future__` import here: Open WebUI reads run_code's annotations to build its schema, and in
 # the bundle this module's body does not start the file.
@@ -17917,10 +18028,10 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_744fd732b1c6.engine import LoopOptions, escape_text, run_step
-from _code_sessions_744fd732b1c6.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_744fd732b1c6.storage import StorageError
-from _code_sessions_744fd732b1c6.webui import Misconfigured
+from _code_sessions_d9997a8a190b.engine import LoopOptions, escape_text, run_step
+from _code_sessions_d9997a8a190b.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_d9997a8a190b.storage import StorageError
+from _code_sessions_d9997a8a190b.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 
@@ -18001,14 +18112,11 @@ class ToolSessions(SessionsAdapter):
         if not user_id:
             return "Not run: Open WebUI did not say which user this is."
         try:
-            services = await self._services_for_valves()
+            services, settings = await self._begin()
         except Misconfigured as error:
             return f"Not run: Code Sessions is not set up correctly: {error}"
-        self._keep_background_running()
-        if self.settings.purge.strip():
-            await self._purge_now(services)
         try:
-            chat = await services.chat(user_id, chat_id)
+            chat = await services.chat(user_id, chat_id, settings)
         except StorageError as error:
             log.warning("code-sessions: no session for chat %r: %s", chat_id[:80], error)
             return f"Not run: this chat's files are not available right now: {escape_text(str(error))}"

@@ -24,9 +24,11 @@ from .rewrite import (
     rewrite,
 )
 from .service import ChatSession, CodeSessions, StepResult
+from .settings import DEFAULTS, Settings
 from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
 
 __all__ = [
+    "DEFAULTS",
     "RUN_CODE_TOOL",
     "ChatSession",
     "CodeBlock",
@@ -36,6 +38,7 @@ __all__ = [
     "ModelError",
     "PromptFacts",
     "References",
+    "Settings",
     "StatusCall",
     "StepResult",
     "StreamingRewriter",

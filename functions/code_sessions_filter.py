@@ -134,15 +134,12 @@ class FilterSessions(SessionsAdapter):
             stored = await self._read_settings()
             if stored:
                 self.settings = SessionValves(**{k: v for k, v in stored.items() if v is not None})
-            services = await self._services_for_valves()
+            services, settings = await self._begin()
         except Misconfigured as error:
             log.warning("code-sessions filter: not set up correctly: %s", error)
             return None
-        self._keep_background_running()
-        if self.settings.purge.strip():
-            await self._purge_now(services)
         try:
-            return services, await services.chat(user_id, chat_id)
+            return services, await services.chat(user_id, chat_id, settings)
         except StorageError as error:
             log.warning("code-sessions: no session for chat %r: %s", chat_id[:80], error)
             return None
@@ -217,7 +214,7 @@ class FilterSessions(SessionsAdapter):
             if found is None:
                 return body
             services, chat, tail = found[0], found[1], ""
-        attachments = self.settings.attach_files and self._host.can_attach(chat_id, message_id)
+        attachments = chat.settings.attach_files and self._host.can_attach(chat_id, message_id)
         for message in body.get("messages") or ():
             if not isinstance(message, dict) or message.get("role") != "assistant":
                 continue
@@ -238,7 +235,7 @@ class FilterSessions(SessionsAdapter):
                     for part in item.get("content") or ():
                         if isinstance(part, dict) and isinstance(part.get("text"), str):
                             part["text"] = await chat.rewrite(part["text"])
-        if self.settings.attach_files:
+        if chat.settings.attach_files:
             await self._host.attach(
                 chat_id, message_id, user_id, chat.links, emitter, inline_urls=chat.inline_urls
             )

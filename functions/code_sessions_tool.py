@@ -3,9 +3,10 @@
 # (functions/code_sessions_filter.py), which tells the model about the folder, copies the chat's
 # uploads in and turns /mnt/data paths in the answer into links.
 #
-# This file is a thin adapter: its valves are the session valves every file shares, and the services,
-# background maintenance and attachments are functions/adapter.py's, the step is engine's. Open WebUI
-# offers every public method of `Tools` to the model, so `run_code` is the only one.
+# This file is a thin adapter: its valves are the session valves every file shares, and the settings
+# and services built from them, the background maintenance and attachments are functions/adapter.py's,
+# the step is engine's.
+# Open WebUI offers every public method of `Tools` to the model, so `run_code` is the only one.
 #
 # No `from __future__` import here: Open WebUI reads run_code's annotations to build its schema, and in
 # the bundle this module's body does not start the file.
@@ -97,14 +98,11 @@ class ToolSessions(SessionsAdapter):
         if not user_id:
             return "Not run: Open WebUI did not say which user this is."
         try:
-            services = await self._services_for_valves()
+            services, settings = await self._begin()
         except Misconfigured as error:
             return f"Not run: Code Sessions is not set up correctly: {error}"
-        self._keep_background_running()
-        if self.settings.purge.strip():
-            await self._purge_now(services)
         try:
-            chat = await services.chat(user_id, chat_id)
+            chat = await services.chat(user_id, chat_id, settings)
         except StorageError as error:
             log.warning("code-sessions: no session for chat %r: %s", chat_id[:80], error)
             return f"Not run: this chat's files are not available right now: {escape_text(str(error))}"
