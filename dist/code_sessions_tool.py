@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_d9997a8a190b'
+_CS_PACKAGE = '_code_sessions_394f5aad62e8'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -14337,6 +14337,7 @@ class Runner:
     'engine/__init__.py': r'''"""A chat step without Open WebUI: sandbox runs over a persistent session, links, the conversation loop."""
 
 from .blocks import CodeBlock, runnable_blocks
+from .host import Host, PurgeValve
 from .loop import (
     RUN_CODE_TOOL,
     LoopOptions,
@@ -14347,6 +14348,8 @@ from .loop import (
     run_step,
     waiting_status,
 )
+from .maintenance import MINUTE_S, Maintenance
+from .prepare import import_uploads, last_user_text, messages_with_prompt
 from .prompt import PromptFacts, system_prompt
 from .purge import parse_purge
 from .rewrite import (
@@ -14365,14 +14368,18 @@ from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_fr
 
 __all__ = [
     "DEFAULTS",
+    "MINUTE_S",
     "RUN_CODE_TOOL",
     "ChatSession",
     "CodeBlock",
     "CodeSessions",
+    "Host",
     "LoopOptions",
+    "Maintenance",
     "ModelCall",
     "ModelError",
     "PromptFacts",
+    "PurgeValve",
     "References",
     "Settings",
     "StatusCall",
@@ -14387,7 +14394,10 @@ __all__ = [
     "events_from_message",
     "events_from_sse",
     "find_paths",
+    "import_uploads",
+    "last_user_text",
     "mention",
+    "messages_with_prompt",
     "parse_purge",
     "render_step",
     "rewrite",
@@ -14567,6 +14577,46 @@ def runnable_blocks(text: str) -> list[CodeBlock]:
             blocks.append(CodeBlock(language, code + "\n"))
     return blocks
 ''',
+    'engine/host.py': r'''"""What the engine asks of the chat application it serves, as protocols the host implements
+(webui.OpenWebUI for Open WebUI; a test harness stands in its own). The engine never imports the host."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+__all__ = ["Host", "PurgeValve"]
+
+
+class Host(Protocol):
+    async def read_upload(self, file_id: str, user_id: str) -> tuple[bytes | None, str]:
+        """The bytes and name of an upload, only if it is this user's (None: not theirs, or gone)."""
+        ...
+
+    def saves_chat(self, chat_id: str) -> bool:
+        """Whether the host keeps this chat as a chat it can be asked about (`chat_owners`); the
+        others (temporary chats, channels) expire by idle time instead."""
+        ...
+
+    async def chat_owners(self, chat_ids: Sequence[str]) -> dict[str, str]:
+        """{chat id: owner's user id} for those of these chats that exist. Raises when it cannot
+        tell (never an empty answer for an error)."""
+        ...
+
+
+class PurgeValve(Protocol):
+    """Where an admin types the one-shot purge request: a setting the host saves."""
+
+    async def saved_purge(self) -> str | None:
+        """The request as saved now (another worker may have run and cleared it a moment ago);
+        None: not saved anywhere yet, so the message's settings say it."""
+        ...
+
+    async def clear_purge(self, request: str) -> None:
+        """The request ran (or was refused): clear it, in the saved settings only if it is still
+        `request` there (an admin may have typed a new one meanwhile)."""
+        ...
+''',
     'engine/loop.py': r'''"""The conversation loop: ask the model, run the code it asks for, feed the result back, repeat.
 
 The model is reached through a `ModelCall` supplied by the caller (the Open WebUI adapter calls the base
@@ -14581,7 +14631,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_d9997a8a190b.runner import Outcome
+from _code_sessions_394f5aad62e8.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -14849,6 +14899,277 @@ async def _turns(
             }
         )
 ''',
+    'engine/maintenance.py': r'''"""The background maintenance of a process's sessions: what dead workers' sandboxes left, an admin's
+purge (retried while it meets chats mid-step), chats deleted in the host, and expiry.
+
+The host's adapter wakes it (`tick`) once a minute and at a message with a purge request
+(`purge_now`); every tick of every worker sweeps its own host's leftovers, and the rest is done by
+one worker (of every replica) at a time, under a lock every process of the store shares.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from _code_sessions_394f5aad62e8.runner import RunnerError
+
+from .host import Host, PurgeValve
+from .purge import parse_purge
+from .service import CodeSessions
+from .settings import Settings
+
+__all__ = ["MINUTE_S", "Maintenance"]
+
+log = logging.getLogger("code_sessions.engine")
+
+MINUTE_S = 60.0
+_PURGE_RETRY_MINUTES = 10  # a purge that keeps meeting chats mid-step gives up (and says so) after this
+# A chat missing from the host this long (two looks a background tick apart) is deleted with its files.
+_DELETED_AFTER_S = 50.0
+_LOGGED_VALUE_CHARS = 200  # an admin's purge text is logged at most this long
+
+
+class Maintenance:
+    """One adapter's maintenance (a Pipe's, a Tool's or a Filter's): its purge retries are its own,
+    the rest is shared out through the store (its maintenance lock and `claim`s)."""
+
+    # How long a "minute" of maintenance lasts (the tick, the purge retries, the interval between
+    # expiries is counted in them), and how long a chat must be missing from the host before its
+    # files go; tests shorten both on an instance.
+    minute_s: float = MINUTE_S
+    deleted_after_s: float = _DELETED_AFTER_S
+
+    def __init__(self, host: Host, valve: PurgeValve) -> None:
+        self.host = host  # replaced with the adapter's (a test harness replaces that)
+        self._valve = valve
+        self.purge_pending: tuple[str, float, float] | None = None  # request, first and last try
+
+    async def tick(self, services: CodeSessions, settings: Settings) -> None:
+        """One background tick: in every worker, what a dead worker's sandboxes left; then an admin's
+        purge, chats deleted in the host, and expiry when it is due, by one worker (of every
+        replica) at a time, under a lock every process of the store shares (the expiry interval is
+        kept in the index, so several workers expire once)."""
+        # Every worker, every tick: what the runs of a dead worker of this host left (its sandboxes
+        # died with it; their container state, bundles and cgroups did not). Only dead owners' runs.
+        try:
+            await services.runner.sweep_leftovers()
+        except RunnerError as error:  # no usable runsc: a run says so in words; nothing to sweep
+            log.debug("code-sessions: no sweep of sandbox leftovers: %s", error)
+        lock = services.store.lock("maintenance")
+        if not await lock.try_acquire():
+            return  # another worker (or replica) is on it
+        try:
+            await self._run_requested_purge(services, settings)
+            # Every file of every worker ticks: the look at the host's chats is shared out like expiry.
+            if await services.store.claim("deleted-chats", self.minute_s * 0.9):
+                await self._forget_deleted_chats(services)
+            every = settings.cleanup_every_s / MINUTE_S * self.minute_s
+            if await services.store.claim("expiry", every):
+                report = await services.expire(settings)
+                log.info("code-sessions cleanup: %s", report.summary())
+        finally:
+            await lock.release()
+
+    async def purge_now(self, services: CodeSessions, settings: Settings) -> None:
+        """At a message whose settings ask for a purge: run it now, not a minute later."""
+        lock = services.store.lock("maintenance")
+        if not await lock.try_acquire():
+            return  # another worker is doing maintenance: it runs the purge
+        try:
+            await self._run_requested_purge(services, settings)
+        finally:
+            await lock.release()
+
+    async def _forget_deleted_chats(self, services: CodeSessions) -> None:
+        """Delete the folders, links (and kernels) of chats deleted in the host: a Pipe hears of no
+        deletion, so every tick asks, in one batched query, which of our chats still exist.
+
+        A chat counts as deleted only when two looks at least `deleted_after_s` apart both miss it:
+        a chat being created in the meantime (or a database answer that was briefly wrong) never
+        loses its folder."""
+        # Temporary chats and channels have no chat row in the host: they expire by idle time instead.
+        saved = [
+            (user, chat)
+            for user, chat, _, temporary in await services.store.chats()
+            if not temporary and self.host.saves_chat(chat)
+        ]
+        if not saved:
+            return
+        owners = await self.host.chat_owners(sorted({chat for _, chat in saved}))
+        missing = [(user, chat) for user, chat in saved if owners.get(chat) != user]
+        gone = await services.store.mark_missing(missing, after_s=self.deleted_after_s)
+        if gone:
+            report = await services.forget_chats(gone, "the chat was deleted in Open WebUI")
+            log.info("code-sessions: %d chats deleted in Open WebUI: %s", len(gone), report.summary())
+
+    async def _run_requested_purge(self, services: CodeSessions, settings: Settings) -> None:
+        """Run the purge the settings ask for, as saved now (call it holding the maintenance lock)."""
+        saved = await self._valve.saved_purge()
+        request = (settings.purge if saved is None else saved).strip()
+        if not request:
+            return
+        shown = _shorten(request)
+        try:
+            purge = parse_purge(request)
+        except ValueError as error:
+            log.error("code-sessions: ignoring purge valve %r: %s", shown, _shorten(str(error)))
+        else:
+            now = time.monotonic()
+            pending = self.purge_pending
+            if pending and pending[0] != request:
+                pending = None  # the admin typed a new request: it starts afresh
+            if pending and now - pending[2] < self.minute_s:
+                return  # a request that met a chat mid-step is retried once a minute, not per message
+            report = await services.purge(purge)
+            first_try = pending[1] if pending else now
+            if report.sessions_in_use and now - first_try < _PURGE_RETRY_MINUTES * self.minute_s:
+                # A chat mid-step was skipped; its step ends within the time limit, so keep the
+                # request and let the next minute finish the job.
+                self.purge_pending = (request, first_try, now)
+                log.warning("code-sessions purge %r: %s; retrying within a minute", shown, report.summary())
+                return
+            log.warning("code-sessions purge %r: %s", shown, report.summary())
+        self.purge_pending = None
+        # Clear the one-shot request so the purge does not run again at the next message.
+        await self._valve.clear_purge(request)
+
+
+def _shorten(text: str, limit: int = _LOGGED_VALUE_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+''',
+    'engine/prepare.py': r'''"""A turn's preparation, before the model is asked: the chat's attachments copied into its folder, and
+the system prompt that tells the model about the folder and the sandbox."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from _code_sessions_394f5aad62e8.runner import Runner, RunnerError
+from _code_sessions_394f5aad62e8.storage import StorageError
+
+from .host import Host
+from .loop import LoopOptions, StatusCall, waiting_status
+from .prompt import PromptFacts, system_prompt
+from .rewrite import code_span, escape_text
+from .service import ChatSession, CodeSessions
+from .settings import Settings
+
+__all__ = ["import_uploads", "last_user_text", "messages_with_prompt"]
+
+log = logging.getLogger("code_sessions.engine")
+
+
+async def import_uploads(
+    chat: ChatSession, host: Host, user_id: str, files: Sequence[dict], status: StatusCall
+) -> tuple[list[str], list[str]]:
+    """Copy the chat's attachments (the host's file items) into /mnt/data, once each. Returns the
+    notes for the answer and the sentences about attachments that could not be taken (said once: the
+    next message carries the same attachment, and it is not tried again)."""
+    notes: list[str] = []
+    refused: list[str] = []
+    for item in files:
+        file_id = item.get("id") or (item.get("file") or {}).get("id")
+        if item.get("type", "file") != "file" or not file_id:
+            continue
+        source = f"open-webui:{file_id}"
+        if await chat.session.files.imported(source) is not None:
+            continue
+        name = str(item.get("name") or (item.get("file") or {}).get("filename") or file_id)
+        try:
+            try:
+                data, name = await host.read_upload(file_id, user_id)
+            except Exception as error:  # the host's storage providers raise what they like
+                log.warning("code-sessions: attachment %s could not be read: %s", file_id, error)
+                raise OSError(f"Open WebUI could not read it: {error}") from error
+            if data is None:
+                continue  # not this user's file, or gone: nothing to say about someone else's id
+            path = await chat.add_upload(name, data, source=source, waiting=waiting_status(status))
+        except (StorageError, OSError) as error:
+            why = str(error) if isinstance(error, StorageError) else f"it could not be read ({error})"
+            if not await chat.refuse_upload(source, why):
+                continue
+            refused.append(f"The attachment {name} was not copied into /mnt/data: {why}")
+            shown = f"The attachment {escape_text(name)} was not copied into /mnt/data: {escape_text(why)}"
+            notes.append(f"_{shown}_\n\n")
+            continue
+        await status(f"Copied {name} to /mnt/data/{path}", True, hidden=True)  # the answer says so
+        notes.append(f"_Attached file available as {code_span('/mnt/data/' + path)}._\n\n")
+    return notes, refused
+
+
+async def messages_with_prompt(
+    messages: list[dict],
+    chat: ChatSession,
+    services: CodeSessions,
+    options: LoopOptions,
+    notes: Sequence[str],
+    *,
+    figures_shown: bool = True,
+) -> list[dict]:
+    """The conversation as the model reads it: the system prompt first (before the host's own system
+    message, if any), and earlier answers with our links turned back into /mnt/data paths."""
+    settings: Settings = chat.settings
+    entries = sorted(await chat.session.files.list(), key=lambda e: e.mtime, reverse=True)
+    quotas = settings.policy.quotas
+    sandbox = await _sandbox_facts(services.runner)
+    kernels = services.kernels is not None
+    facts = PromptFacts(
+        files=[(entry.path, entry.size) for entry in entries],
+        total_files=len(entries),
+        total_bytes=sum(entry.size for entry in entries),
+        timeout_s=settings.limits.timeout_s,
+        memory_mb=settings.limits.memory_mb,
+        network=settings.network,
+        max_file_bytes=quotas.max_file_bytes,
+        quota_bytes=quotas.max_bytes_per_user,
+        quota_files=quotas.max_files_per_user,
+        tool_mode=options.tool_mode,
+        sandbox_notes=(*sandbox.notes, *notes),
+        kernel_idle_minutes=settings.kernels.idle_s / 60 if kernels else None,
+        packages=sandbox.packages,
+        tools=sandbox.tools,
+        figures_shown=figures_shown,
+    )
+    prompt = system_prompt(facts)
+    history = [dict(message) for message in await chat.sandbox_view(messages)]
+    if history and history[0].get("role") == "system" and isinstance(history[0].get("content"), str):
+        history[0]["content"] = prompt + "\n\n" + history[0]["content"]
+    else:
+        history.insert(0, {"role": "system", "content": prompt})
+    return history
+
+
+def last_user_text(messages: list[dict]) -> str:
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+            return ""
+    return ""
+
+
+@dataclass(frozen=True)
+class _SandboxFacts:
+    notes: tuple[str, ...] = ()
+    packages: tuple[tuple[str, str], ...] = ()
+    tools: tuple[str, ...] = ()
+
+
+async def _sandbox_facts(runner: Runner) -> _SandboxFacts:
+    """What the prompt says of the sandbox: quirks, packages, tools. None of it without a sandbox at
+    all: the run itself will say so, clearly, to model and user."""
+    try:
+        env = await runner.environment()
+        return _SandboxFacts(await runner.known_issues(), await runner.packages(), env.tools)
+    except RunnerError:
+        return _SandboxFacts()
+''',
     'engine/prompt.py': r'''"""The system prompt that tells the model about its /mnt/data folder."""
 
 from __future__ import annotations
@@ -14856,8 +15177,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_d9997a8a190b.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_d9997a8a190b.storage import human_bytes
+from _code_sessions_394f5aad62e8.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_394f5aad62e8.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -14977,7 +15298,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_d9997a8a190b.storage import Purge, parse_duration
+from _code_sessions_394f5aad62e8.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16096,8 +16417,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_d9997a8a190b.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_d9997a8a190b.storage import (
+from _code_sessions_394f5aad62e8.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_394f5aad62e8.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16684,8 +17005,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_d9997a8a190b.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_d9997a8a190b.storage import Policy
+from _code_sessions_394f5aad62e8.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_394f5aad62e8.storage import Policy
 
 __all__ = ["DEFAULTS", "Settings"]
 
@@ -16866,7 +17187,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_d9997a8a190b.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_394f5aad62e8.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -17083,7 +17404,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_d9997a8a190b.storage import Link, Publisher, is_postgres_url
+from _code_sessions_394f5aad62e8.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17162,6 +17483,10 @@ class OpenWebUI:
         """Where published copies go: Open WebUI's Files API (owner, admins and shared-chat readers
         only). Copies made earlier under /cache keep their own publisher (see storage.publishing)."""
         return FilesPublisher()
+
+    def saves_chat(self, chat_id: str) -> bool:
+        """Whether Open WebUI keeps this chat as a chat row (temporary chats and channels it does not)."""
+        return _saved_chat(chat_id)
 
     def can_attach(self, chat_id: str, message_id: str | None) -> bool:
         """Whether a message of this chat can hold attachments (a saved chat's message)."""
@@ -17296,45 +17621,26 @@ import asyncio
 import logging
 import os
 import signal
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_d9997a8a190b.engine import (
-    DEFAULTS,
-    CodeSessions,
-    LoopOptions,
-    PromptFacts,
-    Settings,
-    code_span,
-    escape_text,
-    parse_purge,
-    system_prompt,
-    waiting_status,
-)
-from _code_sessions_d9997a8a190b.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_d9997a8a190b.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_d9997a8a190b.webui import OpenWebUI
+from _code_sessions_394f5aad62e8.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
+from _code_sessions_394f5aad62e8.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_394f5aad62e8.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_394f5aad62e8.webui import OpenWebUI
 
-__all__ = ["SessionValves", "SessionsAdapter", "Status", "last_user_text", "settings_from"]
+__all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
 log = logging.getLogger("code_sessions.function")
 
-MINUTE_S = 60.0
 KiB = 1024
 MiB = 1024 * KiB
 DAY = 86400.0
 # The folder name under Open WebUI's cache that older, /cache-served copies used: the same for every
 # file, so that a Pipe, a Tool and a Filter build the same services.
 LOCATION_ID = "code_sessions"
-_PURGE_RETRYMINUTE_SS = 10  # a purge that keeps meeting chats mid-step gives up (and says so) after this
-# A chat missing from Open WebUI this long (two looks a background tick apart) is deleted with its files.
-_DELETED_AFTER_S = 50.0
-_LOGGED_VALUE_CHARS = 200  # an admin's purge text is logged at most this long
-_NOT_SAVED_PREFIXES = ("channel:",)  # chat ids Open WebUI never saves as chats (besides temporary ones)
 
 _LIMITS, _QUOTAS, _EXPIRY = DEFAULTS.limits, DEFAULTS.policy.quotas, DEFAULTS.policy.expiry
 _RUNNER = RunnerConfig()
@@ -17517,19 +17823,22 @@ class SessionsAdapter:
     settings and the background loop. A subclass says where its valves are saved (`_read_settings`,
     `_write_settings`) and sets `settings` (the valves) before each use."""
 
-    # How long the background loop's "minute" lasts, and how long a chat must be missing from Open
-    # WebUI before its files go (tests shorten both on an instance).
-    minute_s: float = MINUTE_S
-    deleted_after_s: float = _DELETED_AFTER_S
-
     def __init__(self) -> None:
-        # Everything asked of Open WebUI goes through this one object (a test harness replaces it).
-        self._host = OpenWebUI()
+        # Everything asked of Open WebUI goes through one object (`_host`; a test harness replaces it),
+        # which the engine's maintenance asks too.
+        self.maintenance = Maintenance(OpenWebUI(), _PurgeValve(self))
         self._services: CodeSessions | None = None
         self._services_key: tuple | None = None
         self._function_id: str | None = None
-        self._purge_pending: tuple[str, float, float] | None = None  # request, first and last try
         self._background: asyncio.Task | None = None
+
+    @property
+    def _host(self) -> Any:
+        return self.maintenance.host
+
+    @_host.setter
+    def _host(self, host: Any) -> None:
+        self.maintenance.host = host
 
     @property
     def settings(self) -> SessionValves:
@@ -17560,7 +17869,7 @@ class SessionsAdapter:
         services = await self._services_for_valves()
         self._keep_background_running()
         if settings.purge.strip():
-            await self._purge_now(services)
+            await self.maintenance.purge_now(services, settings)
         return services, settings
 
     # ---- composition --------------------------------------------------------------------------------
@@ -17651,195 +17960,39 @@ class SessionsAdapter:
         # Wakes every minute and reads the saved valves: a purge typed into the valves runs within a
         # minute even if no message comes, and a shorter cleanup interval applies at once.
         while True:
-            await asyncio.sleep(self.minute_s)
+            await asyncio.sleep(self.maintenance.minute_s)
             try:
                 await self._tick()
             except Exception:  # the loop must outlive a bad tick; the next one retries
                 log.exception("code-sessions background cleanup failed")
 
     async def _tick(self) -> None:
-        """One background tick, with the valves as saved now."""
+        """One tick of the engine's maintenance, with the valves as saved now."""
         stored = await self._read_settings()
         if stored:
             self.settings = type(self.settings)(**{k: v for k, v in stored.items() if v is not None})
         services = await self._services_for_valves()
-        await self._maintain(services, settings_from(self.settings))
+        await self.maintenance.tick(services, settings_from(self.settings))
 
-    async def _maintain(self, services: CodeSessions, settings: Settings) -> None:
-        """One background tick: in every worker, what a dead worker's sandboxes left; then an admin's
-        purge, chats deleted in Open WebUI, and expiry when it is due, by one worker (of every
-        replica) at a time, under a lock every process of the store shares (the expiry interval is
-        kept in the index, so several workers expire once)."""
-        # Every worker, every tick: what the runs of a dead worker of this host left (its sandboxes
-        # died with it; their container state, bundles and cgroups did not). Only dead owners' runs.
-        try:
-            await services.runner.sweep_leftovers()
-        except RunnerError as error:  # no usable runsc: a run says so in words; nothing to sweep
-            log.debug("code-sessions: no sweep of sandbox leftovers: %s", error)
-        lock = services.store.lock("maintenance")
-        if not await lock.try_acquire():
-            return  # another worker (or replica) is on it
-        try:
-            await self._run_requested_purge(services, fresh=True)
-            # Every file of every worker ticks: the look at Open WebUI's chats is shared out like expiry.
-            if await services.store.claim("deleted-chats", self.minute_s * 0.9):
-                await self._forget_deleted_chats(services)
-            every = settings.cleanup_every_s / MINUTE_S * self.minute_s
-            if await services.store.claim("expiry", every):
-                report = await services.expire(settings)
-                log.info("code-sessions cleanup: %s", report.summary())
-        finally:
-            await lock.release()
 
-    async def _forget_deleted_chats(self, services: CodeSessions) -> None:
-        """Delete the folders, links (and kernels) of chats deleted in Open WebUI: a Pipe hears of no
-        deletion, so every tick asks, in one batched query, which of our chats still exist.
+class _PurgeValve:
+    """The `purge` valve of one file (engine.PurgeValve): in its valves in force, and where Open WebUI
+    saves them."""
 
-        A chat counts as deleted only when two looks at least _DELETED_AFTER_S apart both miss it:
-        a chat being created in the meantime (or a database answer that was briefly wrong) never
-        loses its folder."""
-        # Temporary chats and channels have no chat row in Open WebUI: they expire by idle time instead.
-        saved = [
-            (user, chat)
-            for user, chat, _, temporary in await services.store.chats()
-            if not temporary and not chat.startswith(_NOT_SAVED_PREFIXES)
-        ]
-        if not saved:
-            return
-        owners = await self._host.chat_owners(sorted({chat for _, chat in saved}))
-        missing = [(user, chat) for user, chat in saved if owners.get(chat) != user]
-        gone = await services.store.mark_missing(missing, after_s=self.deleted_after_s)
-        if gone:
-            report = await services.forget_chats(gone, "the chat was deleted in Open WebUI")
-            log.info("code-sessions: %d chats deleted in Open WebUI: %s", len(gone), report.summary())
+    def __init__(self, adapter: SessionsAdapter) -> None:
+        self._adapter = adapter
 
-    async def _purge_now(self, services: CodeSessions) -> None:
-        lock = services.store.lock("maintenance")
-        if not await lock.try_acquire():
-            return  # another worker is doing maintenance: it runs the purge
-        try:
-            await self._run_requested_purge(services, fresh=True)
-        finally:
-            await lock.release()
+    async def saved_purge(self) -> str | None:
+        adapter = self._adapter
+        stored = await adapter._read_settings()
+        return str(stored.get("purge") or "") if stored or adapter._function_id else None
 
-    async def _run_requested_purge(self, services: CodeSessions, *, fresh: bool) -> None:
-        """Run the purge the valve asks for (call it holding the maintenance lock). `fresh`: read the
-        valve as saved now: another worker may have run and cleared it a moment ago."""
-        if fresh:
-            stored = await self._read_settings()
-            if stored or self._function_id:
-                self.settings = self.settings.model_copy(update={"purge": str(stored.get("purge") or "")})
-        request = self.settings.purge.strip()
-        if not request:
-            return
-        shown = _shorten(request)
-        try:
-            purge = parse_purge(request)
-        except ValueError as error:
-            log.error("code-sessions: ignoring purge valve %r: %s", shown, _shorten(str(error)))
-        else:
-            now = time.monotonic()
-            pending = self._purge_pending
-            if pending and pending[0] != request:
-                pending = None  # the admin typed a new request: it starts afresh
-            if pending and now - pending[2] < self.minute_s:
-                return  # a request that met a chat mid-step is retried once a minute, not per message
-            report = await services.purge(purge)
-            first_try = pending[1] if pending else now
-            if report.sessions_in_use and now - first_try < _PURGE_RETRYMINUTE_SS * self.minute_s:
-                # A chat mid-step was skipped; its step ends within the time limit, so keep the
-                # request and let the next minute finish the job.
-                self._purge_pending = (request, first_try, now)
-                log.warning("code-sessions purge %r: %s; retrying within a minute", shown, report.summary())
-                return
-            log.warning("code-sessions purge %r: %s", shown, report.summary())
-        self._purge_pending = None
-        # Clear the one-shot valve so the purge does not run again at the next message.
-        self.settings = self.settings.model_copy(update={"purge": ""})
-        stored = await self._read_settings()
+    async def clear_purge(self, request: str) -> None:
+        adapter = self._adapter
+        adapter.settings = adapter.settings.model_copy(update={"purge": ""})
+        stored = await adapter._read_settings()
         if str(stored.get("purge") or "").strip() == request:
-            await self._write_settings({**stored, "purge": ""})
-
-    # ---- the parts of a message ---------------------------------------------------------------------
-
-    async def _import_uploads(
-        self, chat: Any, user_id: str, files: list, status: Any
-    ) -> tuple[list[str], list[str]]:
-        """Copy the chat's attachments into /mnt/data, once each. Returns the notes for the answer and
-        the sentences about attachments that could not be taken (said once: the next message carries
-        the same attachment, and it is not tried again)."""
-        notes: list[str] = []
-        refused: list[str] = []
-        for item in files:
-            file_id = item.get("id") or (item.get("file") or {}).get("id")
-            if item.get("type", "file") != "file" or not file_id:
-                continue
-            source = f"open-webui:{file_id}"
-            if await chat.session.files.imported(source) is not None:
-                continue
-            name = str(item.get("name") or (item.get("file") or {}).get("filename") or file_id)
-            try:
-                try:
-                    data, name = await self._host.read_upload(file_id, user_id)
-                except Exception as error:  # Open WebUI's storage providers raise what they like
-                    log.warning("code-sessions: attachment %s could not be read: %s", file_id, error)
-                    raise OSError(f"Open WebUI could not read it: {error}") from error
-                if data is None:
-                    continue  # not this user's file, or gone: nothing to say about someone else's id
-                path = await chat.add_upload(name, data, source=source, waiting=waiting_status(status))
-            except (StorageError, OSError) as error:
-                why = str(error) if isinstance(error, StorageError) else f"it could not be read ({error})"
-                if not await chat.refuse_upload(source, why):
-                    continue
-                refused.append(f"The attachment {name} was not copied into /mnt/data: {why}")
-                shown = (
-                    f"The attachment {escape_text(name)} was not copied into /mnt/data: {escape_text(why)}"
-                )
-                notes.append(f"_{shown}_\n\n")
-                continue
-            await status(f"Copied {name} to /mnt/data/{path}", True, hidden=True)  # the answer says so
-            notes.append(f"_Attached file available as {code_span('/mnt/data/' + path)}._\n\n")
-        return notes, refused
-
-    async def _messages_with_prompt(
-        self,
-        messages: list[dict],
-        chat: Any,
-        services: CodeSessions,
-        options: LoopOptions,
-        notes: list[str],
-        *,
-        figures_shown: bool = True,
-    ) -> list[dict]:
-        settings: Settings = chat.settings
-        entries = sorted(await chat.session.files.list(), key=lambda e: e.mtime, reverse=True)
-        quotas = settings.policy.quotas
-        sandbox = await _sandbox_facts(services.runner)
-        kernels = services.kernels is not None
-        facts = PromptFacts(
-            files=[(entry.path, entry.size) for entry in entries],
-            total_files=len(entries),
-            total_bytes=sum(entry.size for entry in entries),
-            timeout_s=settings.limits.timeout_s,
-            memory_mb=settings.limits.memory_mb,
-            network=settings.network,
-            max_file_bytes=quotas.max_file_bytes,
-            quota_bytes=quotas.max_bytes_per_user,
-            quota_files=quotas.max_files_per_user,
-            tool_mode=options.tool_mode,
-            sandbox_notes=(*sandbox.notes, *notes),
-            kernel_idle_minutes=settings.kernels.idle_s / 60 if kernels else None,
-            packages=sandbox.packages,
-            tools=sandbox.tools,
-            figures_shown=figures_shown,
-        )
-        prompt = system_prompt(facts)
-        history = [dict(message) for message in await chat.sandbox_view(messages)]
-        if history and history[0].get("role") == "system" and isinstance(history[0].get("content"), str):
-            history[0]["content"] = prompt + "\n\n" + history[0]["content"]
-        else:
-            history.insert(0, {"role": "system", "content": prompt})
-        return history
+            await adapter._write_settings({**stored, "purge": ""})
 
 
 def _in_loop(key: tuple) -> tuple:
@@ -17855,42 +18008,6 @@ def _shared_lock(shared: dict) -> asyncio.Lock:
     if lock is None:
         lock = shared[key] = asyncio.Lock()
     return lock
-
-
-# ---- small helpers --------------------------------------------------------------------------------------
-
-
-def last_user_text(messages: list[dict]) -> str:
-    for message in reversed(messages):
-        if message.get("role") == "user":
-            content = message.get("content")
-            if isinstance(content, str):
-                return content
-            if isinstance(content, list):
-                return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
-            return ""
-    return ""
-
-
-def _shorten(text: str, limit: int = _LOGGED_VALUE_CHARS) -> str:
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
-
-
-@dataclass(frozen=True)
-class _SandboxFacts:
-    notes: tuple[str, ...] = ()
-    packages: tuple[tuple[str, str], ...] = ()
-    tools: tuple[str, ...] = ()
-
-
-async def _sandbox_facts(runner: Runner) -> _SandboxFacts:
-    """What the prompt says of the sandbox: quirks, packages, tools. None of it without a sandbox at
-    all: the run itself will say so, clearly, to model and user."""
-    try:
-        env = await runner.environment()
-        return _SandboxFacts(await runner.known_issues(), await runner.packages(), env.tools)
-    except RunnerError:
-        return _SandboxFacts()
 
 
 def _save_kernels_before_stop(shared: dict) -> None:
@@ -18018,8 +18135,7 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 # uploads in and turns /mnt/data paths in the answer into links.
 #
 # This file is a thin adapter: its valves are the session valves every file shares, and the settings
-# and services built from them, the background maintenance and attachments are functions/adapter.py's,
-# the step is engine's.
+# and services built from them are functions/adapter.py's; the step and the maintenance are engine's.
 # Open WebUI offers every public method of `Tools` to the model, so `run_code` is the only one.
 #
 # No `from __future__` import here: Open WebUI reads run_code's annotations to build its schema, and in
@@ -18028,10 +18144,10 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_d9997a8a190b.engine import LoopOptions, escape_text, run_step
-from _code_sessions_d9997a8a190b.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_d9997a8a190b.storage import StorageError
-from _code_sessions_d9997a8a190b.webui import Misconfigured
+from _code_sessions_394f5aad62e8.engine import LoopOptions, escape_text, import_uploads, run_step
+from _code_sessions_394f5aad62e8.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_394f5aad62e8.storage import StorageError
+from _code_sessions_394f5aad62e8.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 
@@ -18123,7 +18239,7 @@ class ToolSessions(SessionsAdapter):
         status = Status(emitter)
         # The Filter copies uploads in before the model is asked; without it (or when a file arrives
         # between two runs of one answer) the Tool does, once each: nothing is copied twice.
-        notes, _ = await self._import_uploads(chat, user_id, files, status)
+        notes, _ = await import_uploads(chat, self._host, user_id, files, status)
         step = await run_step(chat, language, code, status)
         # What the run saved reaches the user at the answer's end (the Filter's outlet): the files the
         # answer does not name are attached, or named in one line.

@@ -3,9 +3,10 @@
 #
 # This file is the adapter: the Pipe's valves and its entry point (the valves, the settings built from
 # them and the services it shares with the Tool and the Filter are in functions/adapter.py). Sessions,
-# the index, quotas and links live in `storage`; the sandbox in `runner`; the chat step and the
-# conversation loop in `engine`; every question to Open WebUI itself in `webui`. `tools/bundle.py`
-# embeds those packages so that Open WebUI gets one file (dist/code_sessions.py).
+# the index, quotas and links live in `storage`; the sandbox in `runner`; the chat step, the turn's
+# preparation, the conversation loop and the maintenance in `engine`; every question to Open WebUI
+# itself in `webui`. `tools/bundle.py` embeds those packages so that Open WebUI gets one file
+# (dist/code_sessions.py).
 #
 # No `from __future__` import here: in the bundle this module's body does not start the file.
 
@@ -23,9 +24,12 @@ from engine import (
     escape_text,
     events_from_message,
     events_from_sse,
+    import_uploads,
+    last_user_text,
+    messages_with_prompt,
     waiting_status,
 )
-from functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from functions.adapter import SessionsAdapter, SessionValves, Status
 from storage import CLEAR_FILES_COMMAND, StorageError
 from webui import Misconfigured
 
@@ -112,7 +116,7 @@ class Pipe(SessionsAdapter):
             await status.settle()
             return said
 
-        notes, refused = await self._import_uploads(chat, __user__["id"], __files__ or [], status)
+        notes, refused = await import_uploads(chat, host, __user__["id"], __files__ or [], status)
         user_valves = __user__.get("valves") or self.UserValves()
         options = LoopOptions(
             tool_mode=self.valves.execution_mode != "fenced",
@@ -122,9 +126,7 @@ class Pipe(SessionsAdapter):
             # Files saved but not named are then only attachments; else one line names them.
             attachments=settings.attach_files and host.can_attach(__chat_id__ or "", __message_id__),
         )
-        messages = await self._messages_with_prompt(
-            body.get("messages", []), chat, services, options, refused
-        )
+        messages = await messages_with_prompt(body.get("messages", []), chat, services, options, refused)
 
         async def call_model(history: list[dict], tools: list[dict] | None) -> AsyncIterator:
             form = {**body, "model": base_model, "messages": history, "stream": True}

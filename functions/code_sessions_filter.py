@@ -16,9 +16,17 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
+from engine import (
+    ChatSession,
+    LoopOptions,
+    StreamingRewriter,
+    import_uploads,
+    last_user_text,
+    messages_with_prompt,
+    waiting_status,
+)
 from engine.rewrite import SCAN_ON_LOOP_CHARS
-from functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from functions.adapter import SessionsAdapter, SessionValves, Status
 from storage import CLEAR_FILES_COMMAND, StorageError
 from webui import Misconfigured
 
@@ -168,10 +176,10 @@ class FilterSessions(SessionsAdapter):
                 "sentence; run no code.)",
             }
         files = body.get("files") or metadata.get("files") or []
-        notes, refused = await self._import_uploads(chat, user_id, files, status)
+        notes, refused = await import_uploads(chat, self._host, user_id, files, status)
         sentences = [*refused, *(note.strip().strip("_") for note in notes if note not in refused)]
         options = LoopOptions(tool_mode=True)
-        body["messages"] = await self._messages_with_prompt(
+        body["messages"] = await messages_with_prompt(
             messages, chat, services, options, sentences, figures_shown=False
         )
         message_id = metadata.get("message_id")

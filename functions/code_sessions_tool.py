@@ -4,8 +4,7 @@
 # uploads in and turns /mnt/data paths in the answer into links.
 #
 # This file is a thin adapter: its valves are the session valves every file shares, and the settings
-# and services built from them, the background maintenance and attachments are functions/adapter.py's,
-# the step is engine's.
+# and services built from them are functions/adapter.py's; the step and the maintenance are engine's.
 # Open WebUI offers every public method of `Tools` to the model, so `run_code` is the only one.
 #
 # No `from __future__` import here: Open WebUI reads run_code's annotations to build its schema, and in
@@ -14,7 +13,7 @@
 import logging
 from typing import Any
 
-from engine import LoopOptions, escape_text, run_step
+from engine import LoopOptions, escape_text, import_uploads, run_step
 from functions.adapter import SessionsAdapter, SessionValves, Status
 from storage import StorageError
 from webui import Misconfigured
@@ -109,7 +108,7 @@ class ToolSessions(SessionsAdapter):
         status = Status(emitter)
         # The Filter copies uploads in before the model is asked; without it (or when a file arrives
         # between two runs of one answer) the Tool does, once each: nothing is copied twice.
-        notes, _ = await self._import_uploads(chat, user_id, files, status)
+        notes, _ = await import_uploads(chat, self._host, user_id, files, status)
         step = await run_step(chat, language, code, status)
         # What the run saved reaches the user at the answer's end (the Filter's outlet): the files the
         # answer does not name are attached, or named in one line.

@@ -95,6 +95,10 @@ class OpenWebUI:
         only). Copies made earlier under /cache keep their own publisher (see storage.publishing)."""
         return FilesPublisher()
 
+    def saves_chat(self, chat_id: str) -> bool:
+        """Whether Open WebUI keeps this chat as a chat row (temporary chats and channels it does not)."""
+        return _saved_chat(chat_id)
+
     def can_attach(self, chat_id: str, message_id: str | None) -> bool:
         """Whether a message of this chat can hold attachments (a saved chat's message)."""
         return bool(message_id) and _saved_chat(chat_id)

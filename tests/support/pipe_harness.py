@@ -192,8 +192,11 @@ class _HarnessHost:
         # the real publisher is proven through a real Open WebUI (tests/e2e).
         return self._harness.files.publisher()
 
+    def saves_chat(self, chat_id: str) -> bool:
+        return bool(chat_id) and not chat_id.startswith(("temporary:", "local:", "channel:"))
+
     def can_attach(self, chat_id: str, message_id: str | None) -> bool:
-        return bool(message_id) and not chat_id.startswith(("temporary:", "local:", "channel:"))
+        return bool(message_id) and self.saves_chat(chat_id)
 
     async def attach(
         self, chat_id: str, message_id: Any, user_id: str, links: list, emit: Any, *, inline_urls=()
