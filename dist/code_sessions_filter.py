@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_394f5aad62e8'
+_CS_PACKAGE = '_code_sessions_1228ab69f47f'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -284,6 +284,8 @@ class Core:
         publisher: Publisher | None,
         owner: Owner,
         record_settings: bool = True,
+        rebuild: Callable[[], Awaitable[object]] | None = None,
+        catch_up: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.root = root
         self.layout = Layout(root)
@@ -293,10 +295,10 @@ class Core:
         self.owner = owner
         # The CLI turns this off: it applies the recorded settings and must not overwrite them.
         self.record_settings = record_settings
-        # Set by the Store: rebuilds the index from the folders after a damaged one was replaced.
-        self.rebuild: Callable[[], Awaitable[object]] | None = None
-        # Set by the Store: the bookkeeping a full disk put off (see `catching_up`).
-        self.catch_up: Callable[[], Awaitable[None]] | None = None
+        # The Store's: rebuilds the index from the folders after a damaged one was replaced.
+        self.rebuild = rebuild
+        # The Store's: the bookkeeping a full disk put off (see `catching_up`).
+        self.catch_up = catch_up
         # Sessions that went on without their sidecar or index row because the disk was full; written,
         # and their folders indexed, by the first write that succeeds afterwards.
         self.unsaved: dict[tuple[str, str], SessionRef] = {}
@@ -7305,9 +7307,9 @@ class Store:
             publisher=publisher,
             owner=owner,
             record_settings=record_settings,
+            rebuild=self.rebuild,
+            catch_up=self._catch_up,
         )
-        self._core.rebuild = self.rebuild
-        self._core.catch_up = self._catch_up
         self._rebuild_put_off = False
         self._repair_at_open = repair_at_open
         self._opened = False
@@ -14631,7 +14633,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_394f5aad62e8.runner import Outcome
+from _code_sessions_1228ab69f47f.runner import Outcome
 
 from .blocks import runnable_blocks
 from .rewrite import SCAN_ON_LOOP_CHARS, backtick_fence, escape_text
@@ -14912,7 +14914,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_394f5aad62e8.runner import RunnerError
+from _code_sessions_1228ab69f47f.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -15047,8 +15049,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_394f5aad62e8.runner import Runner, RunnerError
-from _code_sessions_394f5aad62e8.storage import StorageError
+from _code_sessions_1228ab69f47f.runner import Runner, RunnerError
+from _code_sessions_1228ab69f47f.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -15177,8 +15179,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_394f5aad62e8.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_394f5aad62e8.storage import human_bytes
+from _code_sessions_1228ab69f47f.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_1228ab69f47f.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -15298,7 +15300,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_394f5aad62e8.storage import Purge, parse_duration
+from _code_sessions_1228ab69f47f.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16417,8 +16419,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_394f5aad62e8.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_394f5aad62e8.storage import (
+from _code_sessions_1228ab69f47f.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_1228ab69f47f.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -17005,8 +17007,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_394f5aad62e8.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_394f5aad62e8.storage import Policy
+from _code_sessions_1228ab69f47f.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_1228ab69f47f.storage import Policy
 
 __all__ = ["DEFAULTS", "Settings"]
 
@@ -17187,7 +17189,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_394f5aad62e8.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_1228ab69f47f.storage import Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item"]
 
@@ -17404,7 +17406,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_394f5aad62e8.storage import Link, Publisher, is_postgres_url
+from _code_sessions_1228ab69f47f.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17626,10 +17628,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_394f5aad62e8.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
-from _code_sessions_394f5aad62e8.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_394f5aad62e8.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_394f5aad62e8.webui import OpenWebUI
+from _code_sessions_1228ab69f47f.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
+from _code_sessions_1228ab69f47f.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_1228ab69f47f.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_1228ab69f47f.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -18147,7 +18149,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_394f5aad62e8.engine import (
+from _code_sessions_1228ab69f47f.engine import (
     ChatSession,
     LoopOptions,
     StreamingRewriter,
@@ -18156,10 +18158,10 @@ from _code_sessions_394f5aad62e8.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_394f5aad62e8.engine.rewrite import SCAN_ON_LOOP_CHARS
-from _code_sessions_394f5aad62e8.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_394f5aad62e8.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_394f5aad62e8.webui import Misconfigured
+from _code_sessions_1228ab69f47f.engine.rewrite import SCAN_ON_LOOP_CHARS
+from _code_sessions_1228ab69f47f.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_1228ab69f47f.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_1228ab69f47f.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

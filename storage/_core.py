@@ -64,6 +64,8 @@ class Core:
         publisher: Publisher | None,
         owner: Owner,
         record_settings: bool = True,
+        rebuild: Callable[[], Awaitable[object]] | None = None,
+        catch_up: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.root = root
         self.layout = Layout(root)
@@ -73,10 +75,10 @@ class Core:
         self.owner = owner
         # The CLI turns this off: it applies the recorded settings and must not overwrite them.
         self.record_settings = record_settings
-        # Set by the Store: rebuilds the index from the folders after a damaged one was replaced.
-        self.rebuild: Callable[[], Awaitable[object]] | None = None
-        # Set by the Store: the bookkeeping a full disk put off (see `catching_up`).
-        self.catch_up: Callable[[], Awaitable[None]] | None = None
+        # The Store's: rebuilds the index from the folders after a damaged one was replaced.
+        self.rebuild = rebuild
+        # The Store's: the bookkeeping a full disk put off (see `catching_up`).
+        self.catch_up = catch_up
         # Sessions that went on without their sidecar or index row because the disk was full; written,
         # and their folders indexed, by the first write that succeeds afterwards.
         self.unsaved: dict[tuple[str, str], SessionRef] = {}

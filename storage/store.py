@@ -77,9 +77,9 @@ class Store:
             publisher=publisher,
             owner=owner,
             record_settings=record_settings,
+            rebuild=self.rebuild,
+            catch_up=self._catch_up,
         )
-        self._core.rebuild = self.rebuild
-        self._core.catch_up = self._catch_up
         self._rebuild_put_off = False
         self._repair_at_open = repair_at_open
         self._opened = False
