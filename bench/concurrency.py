@@ -13,7 +13,6 @@ import time
 from typing import Any
 
 from engine import CodeSessions
-from runner import Limits
 
 from ._common import Context, percentile, summary
 
@@ -49,7 +48,7 @@ async def run(ctx: Context) -> dict[str, Any]:
     latencies: dict[str, list[float]] = {"sequential": [], "concurrent": []}
     errors: list[str] = []
     async with ctx.store("concurrency") as store:
-        service = CodeSessions(store, runner, Limits())
+        service = CodeSessions(store, runner)
         for i in range(CHATS):  # warm-up, also creates the sessions
             _, error = await _step(service, i)
             if error:

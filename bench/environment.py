@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runner import KernelPool, Limits, Runner
+from runner import KernelPool, KernelSettings, Limits, Runner
 
 from ._common import Context, rss_kib, summary
 
@@ -108,7 +108,7 @@ async def run(ctx: Context) -> dict[str, Any]:
         }
 
     # (c) a kernel's host memory, idle and with the data stack imported.
-    pool = KernelPool(runner, ctx.scratch / "environment-kernels", max_kernels=2)
+    pool = KernelPool(runner, ctx.scratch / "environment-kernels", settings=KernelSettings(max_kernels=2))
     try:
         chat = work / "kernel-chat"
         chat.mkdir(exist_ok=True)

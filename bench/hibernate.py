@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runner import KernelPool, Limits, _hibernate
+from runner import KernelPool, KernelSettings, Limits, _hibernate
 
 from ._common import Context, rss_kib, summary
 
@@ -102,7 +102,8 @@ async def run(ctx: Context) -> dict[str, Any]:
     runner = ctx.runner()
     result: dict[str, Any] = {"targets": TARGETS}
     registry = ctx.scratch / SECTION / "registry"
-    pool = KernelPool(runner, registry, max_kernels=1000, warm_start=True, idle_s=24 * 3600)
+    settings = KernelSettings(max_kernels=1000, idle_s=24 * 3600)
+    pool = KernelPool(runner, registry, settings=settings, warm_start=True)
     chats = _Chats(ctx, pool, "chats")
     try:
         # The template first (built in the background on the first start), then every kernel of the

@@ -24,8 +24,8 @@ import asyncio
 import time
 from typing import Any
 
-from engine import CodeSessions
-from runner import KernelPool, Limits
+from engine import CodeSessions, Settings
+from runner import KernelPool, KernelSettings, Limits
 from runner._kernel_watch import CPU_POLL_S
 
 from ._common import ANSWER_WITHOUT_PATHS, Context, ratio_summary, rss_kib, status_kib, summary
@@ -89,9 +89,10 @@ async def run(ctx: Context) -> dict[str, Any]:
     runner = ctx.runner()
     limits = Limits()
     async with ctx.store("kernel") as store:
-        pool = KernelPool(runner, ctx.scratch / "kernel" / "registry", max_kernels=max(many + 2, 20))
-        warm = CodeSessions(store, runner, limits, kernels=pool)
-        cold = CodeSessions(store, runner, limits)
+        settings = KernelSettings(max_kernels=max(many + 2, 20))
+        pool = KernelPool(runner, ctx.scratch / "kernel" / "registry", settings=settings)
+        warm = CodeSessions(store, runner, Settings(limits=limits), kernels=pool)
+        cold = CodeSessions(store, runner, Settings(limits=limits))
         setup = await runner.setup()
         try:
             # (a) (b) (c): one chat, its kernel warmed up; the cold path in another chat.

@@ -56,7 +56,7 @@ def _measure_end(start: dict[str, Any], seconds: float) -> dict[str, Any]:
 
 async def _child_run(args: argparse.Namespace) -> dict[str, Any]:
     from engine import CodeSessions
-    from runner import Limits, Runner, RunnerConfig
+    from runner import Runner, RunnerConfig
     from storage import DirectoryPublisher, Store
 
     from ._common import CGROUP_PARENT
@@ -73,7 +73,7 @@ async def _child_run(args: argparse.Namespace) -> dict[str, Any]:
         owner=(runner.sandbox_uid, runner.sandbox_gid),
     )
     async with store:
-        service = CodeSessions(store, runner, Limits())
+        service = CodeSessions(store, runner)
         chat = await service.chat("memory-user", "memory-chat")
         warm = await chat.run("print(1)", "python")  # setup, image, imports: not part of the peak
         if warm.run is None or warm.run.outcome != "ok":

@@ -150,7 +150,7 @@ async def _scenario(
     phases: dict[str, list[float]] = defaultdict(list)
 
     async def a() -> float:
-        elapsed, out = await bare_run(runner, setup, session.path, service.limits)
+        elapsed, out = await bare_run(runner, setup, session.path, service.settings.limits)
         if out != b"1\n":
             raise RuntimeError(f"bare runsc printed {out[:100]!r}")
         return elapsed
@@ -205,7 +205,7 @@ async def run(ctx: Context) -> dict[str, Any]:
     runner.run = timed_run
     try:
         async with ctx.store("overhead") as store:
-            service = CodeSessions(store, runner, Limits())
+            service = CodeSessions(store, runner)
             for name, files in scenarios:
                 try:
                     result["scenarios"][name] = await _scenario(

@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_20714e2da322'
+_CS_PACKAGE = '_code_sessions_29afa07cf45b'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -293,6 +293,7 @@ class Core:
         owner: Owner,
         record_settings: bool = True,
         temporary_chat: TemporaryChat | None = None,
+        reconcile: Callable[[Reconcile], Awaitable[RebuildReport | None]] | None = None,
     ) -> None:
         self.root = root
         self.layout = Layout(root)
@@ -303,9 +304,9 @@ class Core:
         self.temporary_chat: TemporaryChat = temporary_chat or _never_temporary
         # The CLI turns this off: it applies the recorded settings and must not overwrite them.
         self.record_settings = record_settings
-        # Set by the Store (Store.reconcile): REBUILD after a damaged index was replaced, AFTER_FULL_DISK
-        # by the first write that has room again.
-        self.reconcile: Callable[[Reconcile], Awaitable[RebuildReport | None]] | None = None
+        # The Store's (Store.reconcile): REBUILD after a damaged index was replaced, AFTER_FULL_DISK by
+        # the first write that has room again.
+        self.reconcile = reconcile
         # Sessions that went on without their sidecar or index row because the disk was full; written,
         # and their folders indexed, by the first write that succeeds afterwards.
         self.unsaved: dict[tuple[str, str], ChatRef] = {}
@@ -6103,6 +6104,10 @@ class IndexDamaged(StorageError):
 All are frozen dataclasses (positional or keyword construction, cheap enough to build by the
 hundred thousand for `ChatFiles.list()`). Settings validate themselves in `__post_init__`.
 Reports convert to plain JSON-able dicts with `to_dict()`.
+
+The settings here (`Quotas`, `Expiry`) are the one home of the storage defaults: the function's valves
+take theirs from them. "No limit" is None: a 0 given for a limit (a valve's "0: no limit", a policy
+recorded by an older version) is held as None.
 """
 
 from __future__ import annotations
@@ -6145,12 +6150,18 @@ GiB = 1024 * MiB
 DAY = 86400.0
 
 
-def _check_limit(owner: str, name: str, value: object) -> None:
-    # bool is an int subclass; True as a limit is always a mistake in a valve.
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ValueError(f"{owner}.{name} must be a number >= 0 or None (got {value!r})")
+def _check_limits(settings: object) -> None:
+    """Refuse what is not a limit, and hold 0 ("no limit") as None, the one way it is said."""
+    for f in dataclasses.fields(settings):  # type: ignore[arg-type]
+        value = getattr(settings, f.name)
+        if value is None:
+            continue
+        # bool is an int subclass; True as a limit is always a mistake in a valve.
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            owner = type(settings).__name__
+            raise ValueError(f"{owner}.{f.name} must be a number >= 0 or None (got {value!r})")
+        if value == 0:
+            object.__setattr__(settings, f.name, None)  # frozen: only construction may set it
 
 
 class _Dictable:
@@ -6177,7 +6188,7 @@ def _jsonable(value: Any) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class Quotas(_Dictable):
-    """Per-user limits. 0 or None disables a limit.
+    """Per-user limits. None (or 0, held as None) disables a limit.
 
     * max_files_per_user: files across all of the user's chats (default 5000).
     * max_bytes_per_user: bytes across all of the user's chats (default 1 GiB).
@@ -6191,13 +6202,12 @@ class Quotas(_Dictable):
     max_new_files_per_run: int | None = 500
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _check_limit("Quotas", f.name, getattr(self, f.name))
+        _check_limits(self)
 
 
 @dataclass(frozen=True, slots=True)
 class Expiry(_Dictable):
-    """Ages after which cleanup deletes things, in seconds. 0 or None means never.
+    """Ages after which cleanup deletes things, in seconds. None (or 0, held as None) means never.
 
     * file_max_age_s: a file unchanged (as seen by the index) for this long is deleted (30 days).
     * session_idle_s: a chat session not used for this long is deleted with its files (30 days).
@@ -6211,8 +6221,7 @@ class Expiry(_Dictable):
     activity_max_age_s: float | None = 90 * DAY
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _check_limit("Expiry", f.name, getattr(self, f.name))
+        _check_limits(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -6560,7 +6569,7 @@ class Policy:
 
     @property
     def max_file_bytes(self) -> int | None:
-        return self.quotas.max_file_bytes or None
+        return self.quotas.max_file_bytes
 
     def file_too_large(self, size: int) -> str | None:
         """Why a file of this size may not be kept, or None."""
@@ -6573,8 +6582,8 @@ class Policy:
 
     def over_quota(self, usage: Usage) -> str | None:
         """Why a user with these totals (all chats) is over a limit, as a phrase, or None."""
-        max_files = self.quotas.max_files_per_user or None
-        max_bytes = self.quotas.max_bytes_per_user or None
+        max_files = self.quotas.max_files_per_user
+        max_bytes = self.quotas.max_bytes_per_user
         if max_files is not None and usage.files > max_files:
             return f"over the limit of {max_files} files across all your chats"
         if max_bytes is not None and usage.bytes > max_bytes:
@@ -6583,14 +6592,14 @@ class Policy:
 
     def room(self, usage: Usage) -> int | None:
         """Bytes the user may still add across all chats; None when there is no byte limit."""
-        max_bytes = self.quotas.max_bytes_per_user or None
+        max_bytes = self.quotas.max_bytes_per_user
         return None if max_bytes is None else max(0, max_bytes - usage.bytes)
 
     def run_budget(self, usage: Usage) -> RunBudget:
         """What one run may write while it runs. A run is never refused for the quota: one that
         starts with nothing to spend can still delete or shrink files, and `note` says so."""
         room = self.room(usage)
-        max_files = self.quotas.max_files_per_user or None
+        max_files = self.quotas.max_files_per_user
         full = (room is not None and room == 0) or (max_files is not None and usage.files >= max_files)
         note = None
         if full:
@@ -6620,7 +6629,7 @@ class Policy:
         )
         if self.over_quota(after) is None:
             return
-        max_files = self.quotas.max_files_per_user or None
+        max_files = self.quotas.max_files_per_user
         if max_files is not None and after.files > max_files:
             raise QuotaExceeded(
                 f"You have reached the limit of {max_files} files across your chats. {_WAY_OUT}."
@@ -6649,7 +6658,7 @@ class Policy:
             else:
                 kept.append(item)
         kept.sort(key=lambda g: (g.mtime_ns, g.path))
-        per_run = self.quotas.max_new_files_per_run or None
+        per_run = self.quotas.max_new_files_per_run
         if per_run is not None:
             new = [g for g in kept if g.new]
             if len(new) > per_run:
@@ -6660,7 +6669,7 @@ class Policy:
         # A removed file goes whole (a grown one with its old bytes too), and leaves the file count.
         files = usage_after.files - len(removals)
         size = usage_after.bytes - sum(r.size for r in removals)
-        max_files = self.quotas.max_files_per_user or None
+        max_files = self.quotas.max_files_per_user
         newest = list(reversed(kept))
         newest_new = [g for g in newest if g.new]
         gone: set[str] = set()
@@ -6688,7 +6697,7 @@ class Policy:
     def publish_ceiling(self, size: int) -> int | None:
         """The most bytes a user may use already for a copy of `size` bytes to be allowed (None: any);
         what `refuse_publish` decides, as a number a database can compare with."""
-        max_bytes = self.quotas.max_bytes_per_user or None
+        max_bytes = self.quotas.max_bytes_per_user
         return None if max_bytes is None or size <= 0 else max_bytes - size
 
     def refuse_publish(self, usage: Usage, size: int, path: str) -> None:
@@ -7432,8 +7441,8 @@ class Store:
             owner=owner,
             record_settings=record_settings,
             temporary_chat=temporary_chat,
+            reconcile=self.reconcile,
         )
-        self._core.reconcile = self.reconcile
         self._rebuild_put_off = False
         self._repair_at_open = repair_at_open
         self._opened = False
@@ -7773,7 +7782,7 @@ from .errors import (
     WorkdirError,
 )
 from .kernels import KernelPool, reset_sentence
-from .models import Limits, Outcome, RunnerConfig, RunResult
+from .models import KernelSettings, Limits, Outcome, RunnerConfig, RunResult
 from .runner import HostSetup, Runner
 
 __all__ = [
@@ -7783,6 +7792,7 @@ __all__ = [
     "HostSetup",
     "InterpreterNotFound",
     "KernelPool",
+    "KernelSettings",
     "Limits",
     "Outcome",
     "RunResult",
@@ -8074,10 +8084,11 @@ def make_spec(
     memory = limits.memory_mb * 1024 * 1024
     rlimits = [
         ("RLIMIT_NPROC", limits.max_processes),  # gVisor counts threads too, per uid, inside the sandbox
-        ("RLIMIT_FSIZE", limits.max_file_bytes),
         ("RLIMIT_NOFILE", 4096),
         ("RLIMIT_CORE", 0),
     ]
+    if limits.max_file_bytes is not None:  # None: no limit (the sandbox's own default, unlimited)
+        rlimits.append(("RLIMIT_FSIZE", limits.max_file_bytes))
     if rlimit_as:  # only without cgroups: per process and virtual, so a weaker stand-in
         rlimits.append(("RLIMIT_AS", memory))
     net_ns: dict[str, str] = {"type": "network"}
@@ -11927,6 +11938,7 @@ from ._relay import OwnerSilent
 
 if TYPE_CHECKING:
     from ._kernel import Kernel
+    from .models import KernelSettings
 
 log = logging.getLogger("code_sessions.runner")
 
@@ -11941,8 +11953,7 @@ class _Room:
     """Places, eviction and the reaper, for KernelPool."""
 
     registry_dir: Path
-    idle_s: float
-    max_kernels: int
+    settings: KernelSettings
     _registry: Registry
     _mine: dict[str, Kernel]
     _in_run: set[str]
@@ -11962,7 +11973,8 @@ class _Room:
             if not kernel.alive:
                 await self._end(key, kernel, kernel.lost or "the kernel stopped")
             elif now - kernel.last_used > self.idle_s and not kernel.busy:
-                await self._end(key, kernel, f"it was idle for more than {_minutes(self.idle_s)}", save=True)
+                idle = _minutes(self.settings.idle_s)
+                await self._end(key, kernel, f"it was idle for more than {idle}", save=True)
             else:
                 if key in self._in_run:
                     continue  # a run here is starting or using it (its entry may not name it yet)
@@ -12012,10 +12024,11 @@ class _Room:
         none idle, wait up to _ROOM_WAIT_S for one to be, then go over the limit rather than kill a
         run."""
         deadline = time.monotonic() + _ROOM_WAIT_S
-        reason = f"too many kernels were running (at most {self.max_kernels}); it was the least recently used"
+        most = self.settings.max_kernels
+        reason = f"too many kernels were running (at most {most}); it was the least recently used"
         busy: set[str] = set()  # keys another worker said are running a cell now
         entries = [e for e in await asyncio.to_thread(self._registry.running_here) if e.key != key]
-        while len(entries) >= self.max_kernels:
+        while len(entries) >= self.settings.max_kernels:
             idle = [
                 e
                 for e in entries
@@ -12053,7 +12066,7 @@ class _Room:
 
     async def _reap_forever(self) -> None:
         while True:
-            await asyncio.sleep(min(_REAP_EVERY_S, self.idle_s / 4))
+            await asyncio.sleep(min(_REAP_EVERY_S, self.settings.idle_s / 4))
             try:
                 await self.reap()
             except Exception:
@@ -14110,7 +14123,7 @@ from ._pool_room import _Room
 from ._registry import HOST, Entry, Registry, digest, owned_here
 from ._relay import OwnerSilent
 from ._warm import WarmStart
-from .models import Limits, Outcome, RunResult
+from .models import KernelSettings, Limits, Outcome, RunResult
 from .runner import Runner
 
 __all__ = ["KernelPool", "reset_sentence", "unsaved_sentence"]
@@ -14141,26 +14154,18 @@ class KernelPool(_Room, _Peers):
         runner: Runner,
         registry_dir: Path,
         *,
-        idle_s: float = 20 * 60.0,
-        max_kernels: int = 20,
+        settings: KernelSettings | None = None,
         socket_dir: Path | None = None,
-        max_image_bytes: int | None = None,
-        max_saved_bytes_together: int | None = None,
         warm_start: bool = False,
     ) -> None:
         self.runner = runner
         self.registry_dir = Path(registry_dir)
         self._registry = Registry(self.registry_dir)
         self.socket_dir = Path(socket_dir) if socket_dir is not None else runner.bundle_dir / "kernels"
-        self.idle_s = idle_s
-        self.max_kernels = max_kernels
-        # A saved state's image is at most this large (None: no limit beyond the kernel's memory;
-        # 0: kernels are never saved, they stop as they would without a state folder).
-        self.max_image_bytes = max_image_bytes
-        # The saved images in the state folders beside a chat's (one folder per owner: one user's
-        # chats, as the store lays them out) together at most this large; None: no such bound. Checked
-        # once the new image is in place, so two saves at once can only both refuse, never both pass.
-        self.max_saved_bytes_together = max_saved_bytes_together
+        # Replaced whole when an admin changes them (frozen); each use reads the current value. The
+        # saved images together are checked once the new image is in place, so two saves at once can
+        # only both refuse, never both pass.
+        self.settings = settings or KernelSettings()
         self._mine: dict[str, Kernel] = {}
         self._state_dirs: dict[str, Path] = {}  # where each kernel of ours is saved when it stops
         self._ending: dict[str, asyncio.Future[None]] = {}  # kernels being saved now, by key
@@ -14333,7 +14338,7 @@ class KernelPool(_Room, _Peers):
             for key, kernel in list(self._mine.items())
             if kernel.alive and not kernel.busy and key in self._state_dirs and kernel.ready is not None
         ]
-        if not targets or setup is None or self.max_image_bytes == 0:
+        if not targets or setup is None or self.settings.max_image_bytes == 0:
             return
         identity = {**self.runner.sandbox_identity_now(setup), "kernel_program": _KERNEL_DIGEST}
         flags = self.runner.checkpoint_flags()
@@ -14470,7 +14475,7 @@ class KernelPool(_Room, _Peers):
             server.close()
         state_dir = self._state_dirs.get(key)
         image, unsaved = "", ""
-        if save and state_dir is not None and kernel.alive and self.max_image_bytes != 0:
+        if save and state_dir is not None and kernel.alive and self.settings.max_image_bytes != 0:
             done = asyncio.get_running_loop().create_future()
             self._ending[key] = done
             try:
@@ -14503,7 +14508,9 @@ class KernelPool(_Room, _Peers):
         return await _saving.save(key, kernel, state_dir, flags, identity, self._refusal)
 
     def _refusal(self, state_dir: Path, image: _hibernate.SavedImage) -> str | None:
-        return _saving.refusal(state_dir, image, self.max_image_bytes, self.max_saved_bytes_together)
+        return _saving.refusal(
+            state_dir, image, self.settings.max_image_bytes, self.settings.max_saved_bytes_together
+        )
 
     async def _settled(self, key: str) -> None:
         """Wait while this process saves the key's kernel (its next run resumes the image)."""
@@ -14562,7 +14569,11 @@ def _refused(why: str, notes: list[str]) -> RunResult:
         notes=tuple(notes),
     )
 ''',
-    'runner/models.py': r'''"""The runner's typed public data: configuration, per-run limits, and the result of a run."""
+    'runner/models.py': r'''"""The runner's typed public data: configuration, per-run limits, the kernels' settings, and the result
+of a run.
+
+These models are the one home of the runner's defaults: the function's valves take theirs from them.
+"No limit" is None wherever a limit can be lifted."""
 
 from __future__ import annotations
 
@@ -14599,9 +14610,26 @@ class Limits(BaseModel):
         512, ge=64, description="memory of the whole sandbox (gVisor's own overhead included)"
     )
     max_processes: int = Field(64, ge=4, description="processes + threads of the sandbox user (RLIMIT_NPROC)")
-    max_file_bytes: int = Field(100 * MIB, gt=0, description="size of any one file written (RLIMIT_FSIZE)")
+    max_file_bytes: int | None = Field(
+        100 * MIB, gt=0, description="size of any one file written (RLIMIT_FSIZE); None: no limit"
+    )
     max_write_bytes: int = Field(GIB, gt=0, description="growth of the workdir during the run")
     max_output_bytes: int = Field(64 * KIB, gt=0, description="kept per stream; more stops the run")
+
+
+class KernelSettings(BaseModel):
+    """How a KernelPool keeps its kernels. Frozen: an admin's change replaces the whole value."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    idle_s: float = Field(20 * 60.0, gt=0, description="a kernel unused this long is saved and stopped")
+    max_kernels: int = Field(20, ge=1, description="kernels alive at once in this process")
+    # 0: kernels are never saved (they stop as they would without a state folder); None: no limit
+    # beyond the kernel's memory.
+    max_image_bytes: int | None = Field(2 * GIB, ge=0, description="largest saved kernel")
+    # The saved images of one owner's chats together (one state folder per owner, as the store lays
+    # them out); None: no such bound.
+    max_saved_bytes_together: int | None = Field(4 * GIB, gt=0, description="one owner's saved kernels")
 
 
 class RunnerConfig(BaseModel):
@@ -15087,6 +15115,7 @@ class Runner:
     'engine/__init__.py': r'''"""A chat step without Open WebUI: sandbox runs over a persistent session, links, the conversation loop."""
 
 from .blocks import CodeBlock, runnable_blocks
+from .host import Host, PurgeValve
 from .links import References, Target, find_paths, rewrite
 from .loop import (
     RUN_CODE_TOOL,
@@ -15098,23 +15127,32 @@ from .loop import (
     run_step,
     waiting_status,
 )
+from .maintenance import MINUTE_S, Maintenance
 from .markup import code_span, escape_text, mention
+from .prepare import import_uploads, last_user_text, messages_with_prompt
 from .prompt import PromptFacts, system_prompt
 from .purge import parse_purge
 from .service import ChatSession, CodeSessions, StepResult
+from .settings import DEFAULTS, Settings
 from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
 from .streaming import StreamingRewriter
 
 __all__ = [
+    "DEFAULTS",
+    "MINUTE_S",
     "RUN_CODE_TOOL",
     "ChatSession",
     "CodeBlock",
     "CodeSessions",
+    "Host",
     "LoopOptions",
+    "Maintenance",
     "ModelCall",
     "ModelError",
     "PromptFacts",
+    "PurgeValve",
     "References",
+    "Settings",
     "StatusCall",
     "StepResult",
     "StreamingRewriter",
@@ -15127,7 +15165,10 @@ __all__ = [
     "events_from_message",
     "events_from_sse",
     "find_paths",
+    "import_uploads",
+    "last_user_text",
     "mention",
+    "messages_with_prompt",
     "parse_purge",
     "render_step",
     "rewrite",
@@ -15441,6 +15482,46 @@ LINK, IMAGE, AUTO = range(3)
 What = str | tuple[int, str, str]
 Ref = tuple[int, int, What]
 ''',
+    'engine/host.py': r'''"""What the engine asks of the chat application it serves, as protocols the host implements
+(webui.OpenWebUI for Open WebUI; a test harness stands in its own). The engine never imports the host."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+__all__ = ["Host", "PurgeValve"]
+
+
+class Host(Protocol):
+    async def read_upload(self, file_id: str, user_id: str) -> tuple[bytes | None, str]:
+        """The bytes and name of an upload, only if it is this user's (None: not theirs, or gone)."""
+        ...
+
+    def saves_chat(self, chat_id: str) -> bool:
+        """Whether the host keeps this chat as a chat it can be asked about (`chat_owners`); the
+        others (temporary chats, channels) expire by idle time instead."""
+        ...
+
+    async def chat_owners(self, chat_ids: Sequence[str]) -> dict[str, str]:
+        """{chat id: owner's user id} for those of these chats that exist. Raises when it cannot
+        tell (never an empty answer for an error)."""
+        ...
+
+
+class PurgeValve(Protocol):
+    """Where an admin types the one-shot purge request: a setting the host saves."""
+
+    async def saved_purge(self) -> str | None:
+        """The request as saved now (another worker may have run and cleared it a moment ago);
+        None: not saved anywhere yet, so the message's settings say it."""
+        ...
+
+    async def clear_purge(self, request: str) -> None:
+        """The request ran (or was refused): clear it, in the saved settings only if it is still
+        `request` there (an admin may have typed a new one meanwhile)."""
+        ...
+''',
     'engine/links.py': r'''"""Turn `/mnt/data/...` paths in a model's markdown answer into working links.
 
 The model only knows the sandbox's view (`/mnt/data/report.csv`, `sandbox:/mnt/data/report.csv`, markdown
@@ -15653,7 +15734,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_20714e2da322.runner import Outcome
+from _code_sessions_29afa07cf45b.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -15924,6 +16005,145 @@ async def _turns(
             }
         )
 ''',
+    'engine/maintenance.py': r'''"""The background maintenance of a process's sessions: what dead workers' sandboxes left, an admin's
+purge (retried while it meets chats mid-step), chats deleted in the host, and expiry.
+
+The host's adapter wakes it (`tick`) once a minute and at a message with a purge request
+(`purge_now`); every tick of every worker sweeps its own host's leftovers, and the rest is done by
+one worker (of every replica) at a time, under a lock every process of the store shares.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from _code_sessions_29afa07cf45b.runner import RunnerError
+
+from .host import Host, PurgeValve
+from .purge import parse_purge
+from .service import CodeSessions
+from .settings import Settings
+
+__all__ = ["MINUTE_S", "Maintenance"]
+
+log = logging.getLogger("code_sessions.engine")
+
+MINUTE_S = 60.0
+_PURGE_RETRY_MINUTES = 10  # a purge that keeps meeting chats mid-step gives up (and says so) after this
+# A chat missing from the host this long (two looks a background tick apart) is deleted with its files.
+_DELETED_AFTER_S = 50.0
+_LOGGED_VALUE_CHARS = 200  # an admin's purge text is logged at most this long
+
+
+class Maintenance:
+    """One adapter's maintenance (a Pipe's, a Tool's or a Filter's): its purge retries are its own,
+    the rest is shared out through the store (its maintenance lock and `claim`s)."""
+
+    # How long a "minute" of maintenance lasts (the tick, the purge retries, the interval between
+    # expiries is counted in them), and how long a chat must be missing from the host before its
+    # files go; tests shorten both on an instance.
+    minute_s: float = MINUTE_S
+    deleted_after_s: float = _DELETED_AFTER_S
+
+    def __init__(self, host: Host, valve: PurgeValve) -> None:
+        self.host = host  # replaced with the adapter's (a test harness replaces that)
+        self._valve = valve
+        self.purge_pending: tuple[str, float, float] | None = None  # request, first and last try
+
+    async def tick(self, services: CodeSessions, settings: Settings) -> None:
+        """One background tick: in every worker, what a dead worker's sandboxes left; then an admin's
+        purge, chats deleted in the host, and expiry when it is due, by one worker (of every
+        replica) at a time, under a lock every process of the store shares (the expiry interval is
+        kept in the index, so several workers expire once)."""
+        # Every worker, every tick: what the runs of a dead worker of this host left (its sandboxes
+        # died with it; their container state, bundles and cgroups did not). Only dead owners' runs.
+        try:
+            await services.runner.sweep_leftovers()
+        except RunnerError as error:  # no usable runsc: a run says so in words; nothing to sweep
+            log.debug("code-sessions: no sweep of sandbox leftovers: %s", error)
+        lock = services.store.lock("maintenance")
+        if not await lock.try_acquire():
+            return  # another worker (or replica) is on it
+        try:
+            await self._run_requested_purge(services, settings)
+            # Every file of every worker ticks: the look at the host's chats is shared out like expiry.
+            if await services.store.claim("deleted-chats", self.minute_s * 0.9):
+                await self._forget_deleted_chats(services)
+            every = settings.cleanup_every_s / MINUTE_S * self.minute_s
+            if await services.store.claim("expiry", every):
+                report = await services.expire(settings)
+                log.info("code-sessions cleanup: %s", report.summary())
+        finally:
+            await lock.release()
+
+    async def purge_now(self, services: CodeSessions, settings: Settings) -> None:
+        """At a message whose settings ask for a purge: run it now, not a minute later."""
+        lock = services.store.lock("maintenance")
+        if not await lock.try_acquire():
+            return  # another worker is doing maintenance: it runs the purge
+        try:
+            await self._run_requested_purge(services, settings)
+        finally:
+            await lock.release()
+
+    async def _forget_deleted_chats(self, services: CodeSessions) -> None:
+        """Delete the folders, links (and kernels) of chats deleted in the host: a Pipe hears of no
+        deletion, so every tick asks, in one batched query, which of our chats still exist.
+
+        A chat counts as deleted only when two looks at least `deleted_after_s` apart both miss it:
+        a chat being created in the meantime (or a database answer that was briefly wrong) never
+        loses its folder."""
+        # Temporary chats and channels have no chat row in the host: they expire by idle time instead.
+        saved = [
+            (user, chat)
+            for user, chat, _, temporary in await services.store.chats()
+            if not temporary and self.host.saves_chat(chat)
+        ]
+        if not saved:
+            return
+        owners = await self.host.chat_owners(sorted({chat for _, chat in saved}))
+        missing = [(user, chat) for user, chat in saved if owners.get(chat) != user]
+        gone = await services.store.mark_missing(missing, after_s=self.deleted_after_s)
+        if gone:
+            report = await services.forget_chats(gone, "the chat was deleted in Open WebUI")
+            log.info("code-sessions: %d chats deleted in Open WebUI: %s", len(gone), report.summary())
+
+    async def _run_requested_purge(self, services: CodeSessions, settings: Settings) -> None:
+        """Run the purge the settings ask for, as saved now (call it holding the maintenance lock)."""
+        saved = await self._valve.saved_purge()
+        request = (settings.purge if saved is None else saved).strip()
+        if not request:
+            return
+        shown = _shorten(request)
+        try:
+            purge = parse_purge(request)
+        except ValueError as error:
+            log.error("code-sessions: ignoring purge valve %r: %s", shown, _shorten(str(error)))
+        else:
+            now = time.monotonic()
+            pending = self.purge_pending
+            if pending and pending[0] != request:
+                pending = None  # the admin typed a new request: it starts afresh
+            if pending and now - pending[2] < self.minute_s:
+                return  # a request that met a chat mid-step is retried once a minute, not per message
+            report = await services.purge(purge)
+            first_try = pending[1] if pending else now
+            if report.sessions_in_use and now - first_try < _PURGE_RETRY_MINUTES * self.minute_s:
+                # A chat mid-step was skipped; its step ends within the time limit, so keep the
+                # request and let the next minute finish the job.
+                self.purge_pending = (request, first_try, now)
+                log.warning("code-sessions purge %r: %s; retrying within a minute", shown, report.summary())
+                return
+            log.warning("code-sessions purge %r: %s", shown, report.summary())
+        self.purge_pending = None
+        # Clear the one-shot request so the purge does not run again at the next message.
+        await self._valve.clear_purge(request)
+
+
+def _shorten(text: str, limit: int = _LOGGED_VALUE_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+''',
     'engine/markup.py': r'''"""Text written into markdown so that it means nothing else: notes that quote file names chosen by
 sandboxed code, error messages, code shown literally."""
 
@@ -15988,6 +16208,138 @@ def mention(path: str) -> str:
         return MOUNT + path
     return code_span(MOUNT + path)
 ''',
+    'engine/prepare.py': r'''"""A turn's preparation, before the model is asked: the chat's attachments copied into its folder, and
+the system prompt that tells the model about the folder and the sandbox."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from _code_sessions_29afa07cf45b.runner import Runner, RunnerError
+from _code_sessions_29afa07cf45b.storage import StorageError
+
+from .host import Host
+from .loop import LoopOptions, StatusCall, waiting_status
+from .prompt import PromptFacts, system_prompt
+from .rewrite import code_span, escape_text
+from .service import ChatSession, CodeSessions
+from .settings import Settings
+
+__all__ = ["import_uploads", "last_user_text", "messages_with_prompt"]
+
+log = logging.getLogger("code_sessions.engine")
+
+
+async def import_uploads(
+    chat: ChatSession, host: Host, user_id: str, files: Sequence[dict], status: StatusCall
+) -> tuple[list[str], list[str]]:
+    """Copy the chat's attachments (the host's file items) into /mnt/data, once each. Returns the
+    notes for the answer and the sentences about attachments that could not be taken (said once: the
+    next message carries the same attachment, and it is not tried again)."""
+    notes: list[str] = []
+    refused: list[str] = []
+    for item in files:
+        file_id = item.get("id") or (item.get("file") or {}).get("id")
+        if item.get("type", "file") != "file" or not file_id:
+            continue
+        source = f"open-webui:{file_id}"
+        if await chat.session.files.imported(source) is not None:
+            continue
+        name = str(item.get("name") or (item.get("file") or {}).get("filename") or file_id)
+        try:
+            try:
+                data, name = await host.read_upload(file_id, user_id)
+            except Exception as error:  # the host's storage providers raise what they like
+                log.warning("code-sessions: attachment %s could not be read: %s", file_id, error)
+                raise OSError(f"Open WebUI could not read it: {error}") from error
+            if data is None:
+                continue  # not this user's file, or gone: nothing to say about someone else's id
+            path = await chat.add_upload(name, data, source=source, waiting=waiting_status(status))
+        except (StorageError, OSError) as error:
+            why = str(error) if isinstance(error, StorageError) else f"it could not be read ({error})"
+            if not await chat.refuse_upload(source, why):
+                continue
+            refused.append(f"The attachment {name} was not copied into /mnt/data: {why}")
+            shown = f"The attachment {escape_text(name)} was not copied into /mnt/data: {escape_text(why)}"
+            notes.append(f"_{shown}_\n\n")
+            continue
+        await status(f"Copied {name} to /mnt/data/{path}", True, hidden=True)  # the answer says so
+        notes.append(f"_Attached file available as {code_span('/mnt/data/' + path)}._\n\n")
+    return notes, refused
+
+
+async def messages_with_prompt(
+    messages: list[dict],
+    chat: ChatSession,
+    services: CodeSessions,
+    options: LoopOptions,
+    notes: Sequence[str],
+    *,
+    figures_shown: bool = True,
+) -> list[dict]:
+    """The conversation as the model reads it: the system prompt first (before the host's own system
+    message, if any), and earlier answers with our links turned back into /mnt/data paths."""
+    settings: Settings = chat.settings
+    entries = sorted(await chat.session.files.list(), key=lambda e: e.mtime, reverse=True)
+    quotas = settings.policy.quotas
+    sandbox = await _sandbox_facts(services.runner)
+    kernels = services.kernels is not None
+    facts = PromptFacts(
+        files=[(entry.path, entry.size) for entry in entries],
+        total_files=len(entries),
+        total_bytes=sum(entry.size for entry in entries),
+        timeout_s=settings.limits.timeout_s,
+        memory_mb=settings.limits.memory_mb,
+        network=settings.network,
+        max_file_bytes=quotas.max_file_bytes,
+        quota_bytes=quotas.max_bytes_per_user,
+        quota_files=quotas.max_files_per_user,
+        tool_mode=options.tool_mode,
+        sandbox_notes=(*sandbox.notes, *notes),
+        kernel_idle_minutes=settings.kernels.idle_s / 60 if kernels else None,
+        packages=sandbox.packages,
+        tools=sandbox.tools,
+        figures_shown=figures_shown,
+    )
+    prompt = system_prompt(facts)
+    history = [dict(message) for message in await chat.sandbox_view(messages)]
+    if history and history[0].get("role") == "system" and isinstance(history[0].get("content"), str):
+        history[0]["content"] = prompt + "\n\n" + history[0]["content"]
+    else:
+        history.insert(0, {"role": "system", "content": prompt})
+    return history
+
+
+def last_user_text(messages: list[dict]) -> str:
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+            return ""
+    return ""
+
+
+@dataclass(frozen=True)
+class _SandboxFacts:
+    notes: tuple[str, ...] = ()
+    packages: tuple[tuple[str, str], ...] = ()
+    tools: tuple[str, ...] = ()
+
+
+async def _sandbox_facts(runner: Runner) -> _SandboxFacts:
+    """What the prompt says of the sandbox: quirks, packages, tools. None of it without a sandbox at
+    all: the run itself will say so, clearly, to model and user."""
+    try:
+        env = await runner.environment()
+        return _SandboxFacts(await runner.known_issues(), await runner.packages(), env.tools)
+    except RunnerError:
+        return _SandboxFacts()
+''',
     'engine/prompt.py': r'''"""The system prompt that tells the model about its /mnt/data folder."""
 
 from __future__ import annotations
@@ -15995,8 +16347,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_20714e2da322.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_20714e2da322.storage import human_bytes
+from _code_sessions_29afa07cf45b.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_29afa07cf45b.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -16009,9 +16361,9 @@ class PromptFacts:
     timeout_s: float
     memory_mb: int
     network: bool
-    max_file_bytes: int
-    quota_bytes: int
-    quota_files: int
+    max_file_bytes: int | None  # None: no limit (and so for the quotas)
+    quota_bytes: int | None
+    quota_files: int | None
     tool_mode: bool  # True: a run_code tool; False: fenced blocks are run
     sandbox_notes: Sequence[str] = ()  # quirks of this sandbox worth knowing (see Runner.known_issues)
     max_listed: int = 40
@@ -16116,7 +16468,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_20714e2da322.storage import Purge, parse_duration
+from _code_sessions_29afa07cf45b.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16684,8 +17036,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_20714e2da322.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_20714e2da322.storage import (
+from _code_sessions_29afa07cf45b.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_29afa07cf45b.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -16705,6 +17057,7 @@ from _code_sessions_20714e2da322.storage import (
 from .links import References, Target, resolve_all
 from .markup import escape_text, mention
 from .scan import SCAN_ON_LOOP_CHARS
+from .settings import Settings
 from .streaming import StreamingRewriter
 
 __all__ = ["ChatSession", "CodeSessions", "StepResult", "Waiting"]
@@ -16883,9 +17236,10 @@ def _clip(text: str, limit: int) -> str:
 class ChatSession:
     """A chat's folder as the engine uses it: run code in it, add uploads, link its files."""
 
-    def __init__(self, service: CodeSessions, session: Session) -> None:
+    def __init__(self, service: CodeSessions, session: Session, settings: Settings) -> None:
         self._service = service
         self.session = session
+        self.settings = settings  # the message's (frozen): its limits are every run's of this chat here
         # Every file linked so far, for attaching to the message. A dict: insertion order, and O(1)
         # membership (a list made an answer with 1,000 links quadratic).
         self._published: dict[Target, None] = {}
@@ -16960,10 +17314,11 @@ class ChatSession:
                 budget = await self.session.run_budget()
                 if budget.note:
                     notes.append(budget.note)
-                limits = service.limits.model_copy(
+                configured = self.settings.limits
+                limits = configured.model_copy(
                     update={
-                        "max_write_bytes": _tighter(service.limits.max_write_bytes, budget.max_write_bytes),
-                        "max_file_bytes": _tighter(service.limits.max_file_bytes, budget.max_file_bytes),
+                        "max_write_bytes": _tighter(configured.max_write_bytes, budget.max_write_bytes),
+                        "max_file_bytes": _tighter(configured.max_file_bytes, budget.max_file_bytes),
                     }
                 )
                 await self.session.begin_run()
@@ -17114,14 +17469,17 @@ def _kernel_key(user_key: str, chat_key: str) -> str:
     return f"{user_key}/{chat_key}"
 
 
-def _tighter(configured: int, budget: int | None) -> int:
-    """The runner's limit, lowered to what the quota still allows (None: the quota sets no bound).
-    Never below 1 byte: a run with nothing left to write may still compute and print."""
-    return configured if budget is None else max(1, min(configured, budget))
+def _tighter(configured: int | None, budget: int | None) -> int | None:
+    """The runner's limit, lowered to what the quota still allows (None on either side: no bound
+    from it). Never below 1 byte: a run with nothing left to write may still compute and print."""
+    if budget is None:
+        return configured
+    return max(1, budget if configured is None else min(configured, budget))
 
 
 class CodeSessions:
-    """The store and the runner, composed with the per-run limits an admin chose.
+    """The store and the runner, composed. Each message hands down its `Settings` (`chat`); a chat
+    opened without runs with the constructor's limits, and the store's and the pool's own settings.
 
     With `kernels`, every chat's runs share one live Python kernel (variables persist); without,
     every run is a fresh sandbox."""
@@ -17130,14 +17488,14 @@ class CodeSessions:
         self,
         store: Store,
         runner: Runner,
-        limits: Limits,
+        settings: Settings | None = None,
         *,
         kernels: KernelPool | None = None,
         lock_timeout_s: float = 300.0,
     ) -> None:
         self.store = store
         self.runner = runner
-        self.limits = limits
+        self.settings = settings or Settings()
         self.kernels = kernels
         self.lock_timeout_s = lock_timeout_s
         # (user key, chat key) -> time.monotonic() of the session's last full reconcile here.
@@ -17172,8 +17530,20 @@ class CodeSessions:
         """The files noted for the chat's answer now ending; then forgotten."""
         return self._unhanded.pop((user_id, chat_id), [])
 
-    async def chat(self, user_id: str, chat_id: str) -> ChatSession:
-        return ChatSession(self, await self.store.session(user_id, chat_id))
+    async def chat(self, user_id: str, chat_id: str, settings: Settings | None = None) -> ChatSession:
+        """The chat's session, bound to the message's settings (None: the constructor's)."""
+        if settings is not None:
+            self._use(settings)
+        return ChatSession(self, await self.store.session(user_id, chat_id), settings or self.settings)
+
+    def _use(self, settings: Settings) -> None:
+        """Give the store and the kernel pool their parts of the settings. They serve every chat of
+        this process, so theirs are the latest message's; each is a frozen value, replaced whole
+        (and only when it changed, so the store records its policy once per change)."""
+        if self.store.policy != settings.policy:
+            self.store.policy = settings.policy
+        if self.kernels is not None and self.kernels.settings != settings.kernels:
+            self.kernels.settings = settings.kernels
 
     async def execute(self, session: Session, code: str, language: str, limits: Limits) -> RunResult:
         """Run code in the session's folder: in its kernel, or in a fresh sandbox."""
@@ -17186,8 +17556,11 @@ class CodeSessions:
         """An admin's purge: the selected sessions go, with their files, links and kernels."""
         return await self._ended(await self.store.cleanup(purge), "an admin deleted this chat's files")
 
-    async def expire(self) -> CleanupReport:
-        """The expiry policy: old files and idle sessions go (an expired session's kernel too)."""
+    async def expire(self, settings: Settings | None = None) -> CleanupReport:
+        """The expiry policy (the settings' or the latest message's): old files and idle sessions go
+        (an expired session's kernel too)."""
+        if settings is not None:
+            self._use(settings)
         return await self._ended(await self.store.cleanup(), "this chat was unused long enough to expire")
 
     async def forget_chats(self, chats: list[tuple[str, str]], reason: str) -> CleanupReport:
@@ -17238,6 +17611,44 @@ class CodeSessions:
         if len(self._full_at) >= 10_000:  # forget sessions that will be listed fully anyway
             self._full_at = {k: t for k, t in self._full_at.items() if now - t < FULL_RECONCILE_EVERY_S}
         self._full_at[(session.user_key, session.chat_key)] = now
+''',
+    'engine/settings.py': r'''"""What one message runs with, in one frozen value.
+
+The host builds a `Settings` from its own settings once per message (the function's valves:
+functions/adapter.py `settings_from`) and hands it down: `CodeSessions.chat` binds it to the chat's
+session (its per-run limits) and gives the store and the kernel pool their parts. A change is a new
+value, never an edit of a live object.
+
+The defaults live in the layers' own models, each in one place: `runner.Limits`,
+`runner.KernelSettings`, `storage.Quotas`, `storage.Expiry`, and the fields below for what is the
+engine's. The valves take theirs from these (`DEFAULTS`). "No limit" is None in every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from _code_sessions_29afa07cf45b.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_29afa07cf45b.storage import Policy
+
+__all__ = ["DEFAULTS", "Settings"]
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    limits: Limits = field(default_factory=Limits)  # per run (a chat's quota may lower them)
+    # One store and one kernel pool serve every chat of a process: theirs are the latest message's.
+    policy: Policy = field(default_factory=Policy)
+    kernels: KernelSettings = field(default_factory=KernelSettings)
+    # What the prompt tells the model; the runner's own configuration is what opens the network.
+    network: bool = RunnerConfig.model_fields["network"].default
+    # Show an answer's files as attachments of its message (else one line names them).
+    attach_files: bool = True
+    cleanup_every_s: float = 30 * 60.0  # expiry runs at least this often
+    purge: str = ""  # the admin's one-shot purge request (engine/purge.py), as typed
+
+
+DEFAULTS = Settings()
 ''',
     'engine/sse.py': r'''"""Read an OpenAI-compatible chat completion (streamed or not) as a sequence of model events."""
 
@@ -17648,7 +18059,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_20714e2da322.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_29afa07cf45b.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -17867,7 +18278,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_20714e2da322.storage import Link, Publisher, is_postgres_url
+from _code_sessions_29afa07cf45b.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -17957,6 +18368,10 @@ class OpenWebUI:
     def temporary_chat(chat_id: str) -> bool:
         """Whether the chat is one of Open WebUI's temporary chats (its session expires sooner)."""
         return chat_id == "" or chat_id.startswith(_TEMPORARY_PREFIXES)
+
+    def saves_chat(self, chat_id: str) -> bool:
+        """Whether Open WebUI keeps this chat as a chat row (temporary chats and channels it does not)."""
+        return _saved_chat(chat_id)
 
     def can_attach(self, chat_id: str, message_id: str | None) -> bool:
         """Whether a message of this chat can hold attachments (a saved chat's message)."""
@@ -18072,8 +18487,13 @@ class OpenWebUI:
 ''',
     'functions/__init__.py': r'''''',
     'functions/adapter.py': r'''"""What the three Open WebUI files (the Pipe, the Tool and the Filter) share: the valves that set up the
-sessions, the services built from them (one store and one set of kernels per process), the background
-maintenance, the attachments and the system prompt.
+sessions, the one way they become the message's `engine.Settings` (`settings_from`), and the services
+built from them (one store and one set of kernels per process), with the background loop that wakes
+the engine's maintenance.
+
+The valves' defaults are not written here: each comes from its one home, the layers' own models
+(`engine.DEFAULTS`, which holds runner.Limits, runner.KernelSettings, storage.Quotas and
+storage.Expiry), shown in the valves' units. A valve's "0: no limit" is None below (`_limit`).
 
 Open WebUI loads each file as a module of its own, so nothing at module level of one file is seen by
 another. Files bundled from the same sources share this module, though (the bundle's package name is
@@ -18088,51 +18508,44 @@ import asyncio
 import logging
 import os
 import signal
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_20714e2da322.engine import (
-    CodeSessions,
-    LoopOptions,
-    PromptFacts,
-    code_span,
-    escape_text,
-    parse_purge,
-    system_prompt,
-    waiting_status,
-)
-from _code_sessions_20714e2da322.runner import KernelPool, Limits, Runner, RunnerConfig, RunnerError
-from _code_sessions_20714e2da322.storage import Expiry, Policy, Quotas, StorageError, Store
-from _code_sessions_20714e2da322.webui import OpenWebUI
+from _code_sessions_29afa07cf45b.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
+from _code_sessions_29afa07cf45b.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_29afa07cf45b.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_29afa07cf45b.webui import OpenWebUI
 
-__all__ = [
-    "MINUTE_S",
-    "SessionValves",
-    "SessionsAdapter",
-    "Status",
-    "last_user_text",
-    "limits_for",
-    "policy_for",
-]
+__all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
 log = logging.getLogger("code_sessions.function")
 
-_MB = 1024 * 1024
-MINUTE_S = 60.0
-_DAY = 86400.0
-_NO_LIMIT = 1 << 40  # what "0: no limit" becomes where the sandbox needs a number
-_PURGE_RETRYMINUTE_SS = 10  # a purge that keeps meeting chats mid-step gives up (and says so) after this
-# A chat missing from Open WebUI this long (two looks a background tick apart) is deleted with its files.
-_DELETED_AFTER_S = 50.0
-_LOGGED_VALUE_CHARS = 200  # an admin's purge text is logged at most this long
-_NOT_SAVED_PREFIXES = ("channel:",)  # chat ids Open WebUI never saves as chats (besides temporary ones)
+KiB = 1024
+MiB = 1024 * KiB
+DAY = 86400.0
 # The folder name under Open WebUI's cache that older, /cache-served copies used: the same for every
 # file, so that a Pipe, a Tool and a Filter build the same services.
 LOCATION_ID = "code_sessions"
+
+_LIMITS, _QUOTAS, _EXPIRY = DEFAULTS.limits, DEFAULTS.policy.quotas, DEFAULTS.policy.expiry
+_RUNNER = RunnerConfig()
+
+
+def _whole(value: float) -> float:
+    # A default shown in a valve's unit: 30, not 30.0, when it is a whole number of them.
+    return int(value) if float(value).is_integer() else value
+
+
+def _in(value: float | None, unit: float = 1) -> Any:
+    """A layer's default in a valve's unit; a layer's None (no limit) is the valve's 0."""
+    return 0 if value is None else _whole(value / unit)
+
+
+def _limit(value: float, unit: float = 1) -> Any:
+    """A valve's value in a layer's unit; the valve's 0 (no limit) is the layers' None."""
+    return value * unit or None
 
 
 class SessionValves(BaseModel):
@@ -18146,21 +18559,21 @@ class SessionValves(BaseModel):
         json_schema_extra={"input": {"type": "select", "options": ["persistent", "fresh"]}},
     )
     kernel_idle_minutes: float = Field(
-        default=20,
+        default=_whole(DEFAULTS.kernels.idle_s / MINUTE_S),
         gt=0,
         le=24 * 60,
         description="A chat's kernel unused this long is saved to disk and stopped; its next run "
         "resumes it with its variables.",
     )
     max_kernels: int = Field(
-        default=20,
+        default=DEFAULTS.kernels.max_kernels,
         ge=1,
         le=1000,
         description="Kernels alive at once on this server; beyond, the least "
         "recently used idle one is saved to disk and stopped.",
     )
     max_saved_state_mb: int = Field(
-        default=2048,
+        default=_in(DEFAULTS.kernels.max_image_bytes, MiB),
         ge=0,
         le=1024 * 1024,
         description="Largest saved kernel (its memory written to disk, next to the chat's files, "
@@ -18168,7 +18581,7 @@ class SessionValves(BaseModel):
         "0: kernels are never saved; an idle one is stopped and its variables are lost.",
     )
     max_saved_state_mb_per_user: int = Field(
-        default=4096,
+        default=_in(DEFAULTS.kernels.max_saved_bytes_together, MiB),
         ge=0,
         description="All of a user's saved kernels together (several chats of one user cannot pass "
         "it). A save that would go over is lost, and its chat is told. 0: no limit.",
@@ -18191,71 +18604,128 @@ class SessionValves(BaseModel):
         "PostgreSQL (tables in a schema code_sessions; needed with several replicas), else an SQLite "
         "file in storage_root. sqlite: always that file. Or a postgresql:// URL.",
     )
-    timeout_seconds: float = Field(default=30.0, gt=0, le=3600, description="Wall time per run.")
-    memory_mb: int = Field(default=512, ge=64, description="Memory per run.")
-    max_processes: int = Field(default=64, ge=4, description="Processes/threads per run (fork bombs).")
-    max_output_kb: int = Field(default=64, ge=1, description="stdout and stderr kept per run, each.")
+    timeout_seconds: float = Field(default=_LIMITS.timeout_s, gt=0, le=3600, description="Wall time per run.")
+    memory_mb: int = Field(default=_LIMITS.memory_mb, ge=64, description="Memory per run.")
+    max_processes: int = Field(
+        default=_LIMITS.max_processes, ge=4, description="Processes/threads per run (fork bombs)."
+    )
+    max_output_kb: int = Field(
+        default=_in(_LIMITS.max_output_bytes, KiB), ge=1, description="stdout and stderr kept per run, each."
+    )
     network: bool = Field(
-        default=False,
+        default=DEFAULTS.network,
         description="Let sandboxed code use the network. Needs network_namespace (see docs/runner.md).",
     )
     network_namespace: str = Field(
         default="",
         description="A network namespace prepared for the sandbox, e.g. /var/run/netns/code-sessions.",
     )
-    max_files_per_user: int = Field(default=5000, ge=0, description="All of a user's chats. 0: no limit.")
-    max_mb_per_user: int = Field(default=1024, ge=0, description="All of a user's chats. 0: no limit.")
-    max_file_mb: int = Field(default=100, ge=0, description="Largest single file. 0: no limit.")
-    max_new_files_per_run: int = Field(default=500, ge=0, description="0: no limit.")
+    max_files_per_user: int = Field(
+        default=_in(_QUOTAS.max_files_per_user), ge=0, description="All of a user's chats. 0: no limit."
+    )
+    max_mb_per_user: int = Field(
+        default=_in(_QUOTAS.max_bytes_per_user, MiB), ge=0, description="All of a user's chats. 0: no limit."
+    )
+    max_file_mb: int = Field(
+        default=_in(_QUOTAS.max_file_bytes, MiB), ge=0, description="Largest single file. 0: no limit."
+    )
+    max_new_files_per_run: int = Field(
+        default=_in(_QUOTAS.max_new_files_per_run), ge=0, description="0: no limit."
+    )
     file_max_age_days: float = Field(
-        default=30, ge=0, description="Files older than this are deleted. 0: never."
+        default=_in(_EXPIRY.file_max_age_s, DAY),
+        ge=0,
+        description="Files older than this are deleted. 0: never.",
     )
     session_idle_days: float = Field(
-        default=30, ge=0, description="A chat's folder unused this long is deleted. 0: never."
+        default=_in(_EXPIRY.session_idle_s, DAY),
+        ge=0,
+        description="A chat's folder unused this long is deleted. 0: never.",
     )
     temporary_idle_minutes: float = Field(
-        default=60, ge=1, description="Folders of temporary chats are deleted after this much idle time."
+        default=_in(_EXPIRY.temporary_idle_s, MINUTE_S),
+        ge=1,
+        description="Folders of temporary chats are deleted after this much idle time.",
     )
     cleanup_interval_minutes: float = Field(
-        default=30, ge=1, description="Expiry runs at least this often while Open WebUI is up."
+        default=_whole(DEFAULTS.cleanup_every_s / MINUTE_S),
+        ge=1,
+        description="Expiry runs at least this often while Open WebUI is up.",
     )
     purge: str = Field(
-        default="",
+        default=DEFAULTS.purge,
         description="One-shot admin purge, run at the next message or within a minute (a chat mid-step "
         "is retried a minute later), then cleared: "
         "'all', 'user:<user id>', 'chat:<chat id>' or 'idle:<duration>' such as idle:7d, idle:12h.",
     )
     attach_files: bool = Field(
-        default=True,
+        default=DEFAULTS.attach_files,
         description="Show an answer's files as attachments of its message (and let the people a chat "
         "is shared with open them). Off: a file a run saved that the answer does not name is named in "
         "one line at the end of the answer instead.",
     )
-    runsc_path: str = Field(default="runsc", description="The gVisor runsc binary.")
-    runsc_platform: str = Field(
-        default="", description="Empty: detect (systrap if supported, else ptrace)."
+    runsc_path: str = Field(default=_RUNNER.runsc_path, description="The gVisor runsc binary.")
+    runsc_platform: str = Field(default="", description="Empty: detect (systrap if supported, else ptrace).")
+
+
+def settings_from(valves: SessionValves) -> Settings:
+    """The message's settings, built once from the valves in force: the one way the Pipe, the Tool
+    and the Filter do it."""
+    return Settings(
+        limits=Limits(
+            timeout_s=valves.timeout_seconds,
+            memory_mb=valves.memory_mb,
+            max_processes=valves.max_processes,
+            max_output_bytes=valves.max_output_kb * KiB,
+            max_file_bytes=_limit(valves.max_file_mb, MiB),
+        ),
+        policy=Policy(
+            Quotas(
+                max_files_per_user=_limit(valves.max_files_per_user),
+                max_bytes_per_user=_limit(valves.max_mb_per_user, MiB),
+                max_file_bytes=_limit(valves.max_file_mb, MiB),
+                max_new_files_per_run=_limit(valves.max_new_files_per_run),
+            ),
+            Expiry(
+                file_max_age_s=_limit(valves.file_max_age_days, DAY),
+                session_idle_s=_limit(valves.session_idle_days, DAY),
+                temporary_idle_s=valves.temporary_idle_minutes * MINUTE_S,
+            ),
+        ),
+        kernels=KernelSettings(
+            idle_s=valves.kernel_idle_minutes * MINUTE_S,
+            max_kernels=valves.max_kernels,
+            max_image_bytes=valves.max_saved_state_mb * MiB,  # 0 is its own: kernels are never saved
+            max_saved_bytes_together=_limit(valves.max_saved_state_mb_per_user, MiB),
+        ),
+        network=valves.network,
+        attach_files=valves.attach_files,
+        cleanup_every_s=valves.cleanup_interval_minutes * MINUTE_S,
+        purge=valves.purge,
     )
 
 
 class SessionsAdapter:
-    """The part of each Open WebUI file that is the same for all three: its services, the background
-    maintenance, attachments and the system prompt. A subclass says where its settings are saved
-    (`_read_settings`, `_write_settings`) and sets `settings` before each use."""
-
-    Settings: type[SessionValves] = SessionValves
-    # How long the background loop's "minute" lasts, and how long a chat must be missing from Open
-    # WebUI before its files go (tests shorten both on an instance).
-    minute_s: float = MINUTE_S
-    deleted_after_s: float = _DELETED_AFTER_S
+    """The part of each Open WebUI file that is the same for all three: its services, the message's
+    settings and the background loop. A subclass says where its valves are saved (`_read_settings`,
+    `_write_settings`) and sets `settings` (the valves) before each use."""
 
     def __init__(self) -> None:
-        # Everything asked of Open WebUI goes through this one object (a test harness replaces it).
-        self._host = OpenWebUI()
+        # Everything asked of Open WebUI goes through one object (`_host`; a test harness replaces it),
+        # which the engine's maintenance asks too.
+        self.maintenance = Maintenance(OpenWebUI(), _PurgeValve(self))
         self._services: CodeSessions | None = None
         self._services_key: tuple | None = None
         self._function_id: str | None = None
-        self._purge_pending: tuple[str, float, float] | None = None  # request, first and last try
         self._background: asyncio.Task | None = None
+
+    @property
+    def _host(self) -> Any:
+        return self.maintenance.host
+
+    @_host.setter
+    def _host(self, host: Any) -> None:
+        self.maintenance.host = host
 
     @property
     def settings(self) -> SessionValves:
@@ -18278,11 +18748,22 @@ class SessionsAdapter:
         if self._function_id:
             await self._host.store_valves(self._function_id, stored)
 
+    async def _begin(self) -> tuple[CodeSessions, Settings]:
+        """A message's start, the same in the three files: its settings (built once, here), the
+        services for them, the background loop kept running, and a purge the valves ask for run now
+        rather than a minute later. Raises webui.Misconfigured for valves it cannot run with."""
+        settings = settings_from(self.settings)
+        services = await self._services_for_valves()
+        self._keep_background_running()
+        if settings.purge.strip():
+            await self.maintenance.purge_now(services, settings)
+        return services, settings
+
     # ---- composition --------------------------------------------------------------------------------
 
     async def _services_for_valves(self) -> CodeSessions:
         """The store and runner for the current valves (rebuilt only when a valve they are built from
-        changes), with the current limits and policy applied."""
+        changes). The message's settings reach them through `CodeSessions.chat`."""
         valves = self.settings
         places = self._host.locations(valves.storage_root, LOCATION_ID)
         index_url = self._host.index_url(valves.index_database)
@@ -18302,16 +18783,7 @@ class SessionsAdapter:
             old, self._services, self._services_key = self._services_key, services, key
             if old is not None and old != key:
                 await self._release_services(old)
-        services = self._services
-        services.store.policy = policy_for(valves)
-        services.limits = limits_for(valves)
-        if services.kernels is not None:
-            services.kernels.idle_s = valves.kernel_idle_minutes * MINUTE_S
-            services.kernels.max_kernels = valves.max_kernels
-            services.kernels.max_image_bytes = valves.max_saved_state_mb * 1024 * 1024
-            together = valves.max_saved_state_mb_per_user * 1024 * 1024
-            services.kernels.max_saved_bytes_together = together or None
-        return services
+        return self._services
 
     async def _shared_services(self, key: tuple, valves: SessionValves, places: Any, index_url: str) -> Any:
         """The services for `key`, made once per process whichever file asks first (a Pipe and a Tool
@@ -18340,7 +18812,7 @@ class SessionsAdapter:
                 kernels = None
                 if valves.kernel != "fresh":
                     kernels = KernelPool(runner, places.root / "kernels", warm_start=valves.warm_start)
-                entry = shared[_in_loop(key)] = [CodeSessions(store, runner, Limits(), kernels=kernels), 0]
+                entry = shared[_in_loop(key)] = [CodeSessions(store, runner, kernels=kernels), 0]
                 if kernels is not None:
                     _save_kernels_before_stop(shared)
             entry[1] += 1
@@ -18379,189 +18851,39 @@ class SessionsAdapter:
         # Wakes every minute and reads the saved valves: a purge typed into the valves runs within a
         # minute even if no message comes, and a shorter cleanup interval applies at once.
         while True:
-            await asyncio.sleep(self.minute_s)
+            await asyncio.sleep(self.maintenance.minute_s)
             try:
-                stored = await self._read_settings()
-                if stored:
-                    self.settings = type(self.settings)(**{k: v for k, v in stored.items() if v is not None})
-                services = await self._services_for_valves()
-                await self._tick(services)
+                await self._tick()
             except Exception:  # the loop must outlive a bad tick; the next one retries
                 log.exception("code-sessions background cleanup failed")
 
-    async def _tick(self, services: CodeSessions) -> None:
-        """One background tick: in every worker, what a dead worker's sandboxes left; then an admin's
-        purge, chats deleted in Open WebUI, and expiry when it is due, by one worker (of every
-        replica) at a time, under a lock every process of the store shares (the expiry interval is
-        kept in the index, so several workers expire once)."""
-        # Every worker, every tick: what the runs of a dead worker of this host left (its sandboxes
-        # died with it; their container state, bundles and cgroups did not). Only dead owners' runs.
-        try:
-            await services.runner.sweep_leftovers()
-        except RunnerError as error:  # no usable runsc: a run says so in words; nothing to sweep
-            log.debug("code-sessions: no sweep of sandbox leftovers: %s", error)
-        lock = services.store.lock("maintenance")
-        if not await lock.try_acquire():
-            return  # another worker (or replica) is on it
-        try:
-            await self._run_requested_purge(services, fresh=True)
-            # Every file of every worker ticks: the look at Open WebUI's chats is shared out like expiry.
-            if await services.store.claim("deleted-chats", self.minute_s * 0.9):
-                await self._forget_deleted_chats(services)
-            every = self.settings.cleanup_interval_minutes * self.minute_s
-            if await services.store.claim("expiry", every):
-                report = await services.expire()
-                log.info("code-sessions cleanup: %s", report.summary())
-        finally:
-            await lock.release()
-
-    async def _forget_deleted_chats(self, services: CodeSessions) -> None:
-        """Delete the folders, links (and kernels) of chats deleted in Open WebUI: a Pipe hears of no
-        deletion, so every tick asks, in one batched query, which of our chats still exist.
-
-        A chat counts as deleted only when two looks at least _DELETED_AFTER_S apart both miss it:
-        a chat being created in the meantime (or a database answer that was briefly wrong) never
-        loses its folder."""
-        # Temporary chats and channels have no chat row in Open WebUI: they expire by idle time instead.
-        saved = [
-            (user, chat)
-            for user, chat, _, temporary in await services.store.chats()
-            if not temporary and not chat.startswith(_NOT_SAVED_PREFIXES)
-        ]
-        if not saved:
-            return
-        owners = await self._host.chat_owners(sorted({chat for _, chat in saved}))
-        missing = [(user, chat) for user, chat in saved if owners.get(chat) != user]
-        gone = await services.store.mark_missing(missing, after_s=self.deleted_after_s)
-        if gone:
-            report = await services.forget_chats(gone, "the chat was deleted in Open WebUI")
-            log.info("code-sessions: %d chats deleted in Open WebUI: %s", len(gone), report.summary())
-
-    async def _purge_now(self, services: CodeSessions) -> None:
-        lock = services.store.lock("maintenance")
-        if not await lock.try_acquire():
-            return  # another worker is doing maintenance: it runs the purge
-        try:
-            await self._run_requested_purge(services, fresh=True)
-        finally:
-            await lock.release()
-
-    async def _run_requested_purge(self, services: CodeSessions, *, fresh: bool) -> None:
-        """Run the purge the valve asks for (call it holding the maintenance lock). `fresh`: read the
-        valve as saved now: another worker may have run and cleared it a moment ago."""
-        if fresh:
-            stored = await self._read_settings()
-            if stored or self._function_id:
-                self.settings = self.settings.model_copy(update={"purge": str(stored.get("purge") or "")})
-        request = self.settings.purge.strip()
-        if not request:
-            return
-        shown = _shorten(request)
-        try:
-            purge = parse_purge(request)
-        except ValueError as error:
-            log.error("code-sessions: ignoring purge valve %r: %s", shown, _shorten(str(error)))
-        else:
-            now = time.monotonic()
-            pending = self._purge_pending
-            if pending and pending[0] != request:
-                pending = None  # the admin typed a new request: it starts afresh
-            if pending and now - pending[2] < self.minute_s:
-                return  # a request that met a chat mid-step is retried once a minute, not per message
-            report = await services.purge(purge)
-            first_try = pending[1] if pending else now
-            if report.sessions_in_use and now - first_try < _PURGE_RETRYMINUTE_SS * self.minute_s:
-                # A chat mid-step was skipped; its step ends within the time limit, so keep the
-                # request and let the next minute finish the job.
-                self._purge_pending = (request, first_try, now)
-                log.warning("code-sessions purge %r: %s; retrying within a minute", shown, report.summary())
-                return
-            log.warning("code-sessions purge %r: %s", shown, report.summary())
-        self._purge_pending = None
-        # Clear the one-shot valve so the purge does not run again at the next message.
-        self.settings = self.settings.model_copy(update={"purge": ""})
+    async def _tick(self) -> None:
+        """One tick of the engine's maintenance, with the valves as saved now."""
         stored = await self._read_settings()
+        if stored:
+            self.settings = type(self.settings)(**{k: v for k, v in stored.items() if v is not None})
+        services = await self._services_for_valves()
+        await self.maintenance.tick(services, settings_from(self.settings))
+
+
+class _PurgeValve:
+    """The `purge` valve of one file (engine.PurgeValve): in its valves in force, and where Open WebUI
+    saves them."""
+
+    def __init__(self, adapter: SessionsAdapter) -> None:
+        self._adapter = adapter
+
+    async def saved_purge(self) -> str | None:
+        adapter = self._adapter
+        stored = await adapter._read_settings()
+        return str(stored.get("purge") or "") if stored or adapter._function_id else None
+
+    async def clear_purge(self, request: str) -> None:
+        adapter = self._adapter
+        adapter.settings = adapter.settings.model_copy(update={"purge": ""})
+        stored = await adapter._read_settings()
         if str(stored.get("purge") or "").strip() == request:
-            await self._write_settings({**stored, "purge": ""})
-
-    # ---- the parts of a message ---------------------------------------------------------------------
-
-    async def _import_uploads(
-        self, chat: Any, user_id: str, files: list, status: Any
-    ) -> tuple[list[str], list[str]]:
-        """Copy the chat's attachments into /mnt/data, once each. Returns the notes for the answer and
-        the sentences about attachments that could not be taken (said once: the next message carries
-        the same attachment, and it is not tried again)."""
-        notes: list[str] = []
-        refused: list[str] = []
-        for item in files:
-            file_id = item.get("id") or (item.get("file") or {}).get("id")
-            if item.get("type", "file") != "file" or not file_id:
-                continue
-            source = f"open-webui:{file_id}"
-            if await chat.session.files.imported(source) is not None:
-                continue
-            name = str(item.get("name") or (item.get("file") or {}).get("filename") or file_id)
-            try:
-                try:
-                    data, name = await self._host.read_upload(file_id, user_id)
-                except Exception as error:  # Open WebUI's storage providers raise what they like
-                    log.warning("code-sessions: attachment %s could not be read: %s", file_id, error)
-                    raise OSError(f"Open WebUI could not read it: {error}") from error
-                if data is None:
-                    continue  # not this user's file, or gone: nothing to say about someone else's id
-                path = await chat.add_upload(name, data, source=source, waiting=waiting_status(status))
-            except (StorageError, OSError) as error:
-                why = str(error) if isinstance(error, StorageError) else f"it could not be read ({error})"
-                if not await chat.refuse_upload(source, why):
-                    continue
-                refused.append(f"The attachment {name} was not copied into /mnt/data: {why}")
-                shown = (
-                    f"The attachment {escape_text(name)} was not copied into /mnt/data: {escape_text(why)}"
-                )
-                notes.append(f"_{shown}_\n\n")
-                continue
-            await status(f"Copied {name} to /mnt/data/{path}", True, hidden=True)  # the answer says so
-            notes.append(f"_Attached file available as {code_span('/mnt/data/' + path)}._\n\n")
-        return notes, refused
-
-    async def _messages_with_prompt(
-        self,
-        messages: list[dict],
-        chat: Any,
-        services: CodeSessions,
-        options: LoopOptions,
-        notes: list[str],
-        *,
-        figures_shown: bool = True,
-    ) -> list[dict]:
-        entries = sorted(await chat.session.files.list(), key=lambda e: e.mtime, reverse=True)
-        quotas = services.store.quotas
-        sandbox = await _sandbox_facts(services.runner)
-        facts = PromptFacts(
-            files=[(entry.path, entry.size) for entry in entries],
-            total_files=len(entries),
-            total_bytes=sum(entry.size for entry in entries),
-            timeout_s=services.limits.timeout_s,
-            memory_mb=services.limits.memory_mb,
-            network=self.settings.network,
-            max_file_bytes=quotas.max_file_bytes,
-            quota_bytes=quotas.max_bytes_per_user,
-            quota_files=quotas.max_files_per_user,
-            tool_mode=options.tool_mode,
-            sandbox_notes=(*sandbox.notes, *notes),
-            kernel_idle_minutes=self.settings.kernel_idle_minutes if services.kernels is not None else None,
-            packages=sandbox.packages,
-            tools=sandbox.tools,
-            figures_shown=figures_shown,
-        )
-        prompt = system_prompt(facts)
-        history = [dict(message) for message in await chat.sandbox_view(messages)]
-        if history and history[0].get("role") == "system" and isinstance(history[0].get("content"), str):
-            history[0]["content"] = prompt + "\n\n" + history[0]["content"]
-        else:
-            history.insert(0, {"role": "system", "content": prompt})
-        return history
+            await adapter._write_settings({**stored, "purge": ""})
 
 
 def _in_loop(key: tuple) -> tuple:
@@ -18577,71 +18899,6 @@ def _shared_lock(shared: dict) -> asyncio.Lock:
     if lock is None:
         lock = shared[key] = asyncio.Lock()
     return lock
-
-
-# ---- settings from valves --------------------------------------------------------------------------------
-
-
-def policy_for(valves: Any) -> Policy:
-    return Policy(
-        Quotas(
-            max_files_per_user=valves.max_files_per_user,
-            max_bytes_per_user=valves.max_mb_per_user * _MB,
-            max_file_bytes=valves.max_file_mb * _MB,
-            max_new_files_per_run=valves.max_new_files_per_run,
-        ),
-        Expiry(
-            file_max_age_s=valves.file_max_age_days * _DAY or None,
-            session_idle_s=valves.session_idle_days * _DAY or None,
-            temporary_idle_s=valves.temporary_idle_minutes * MINUTE_S,
-        ),
-    )
-
-
-def limits_for(valves: Any) -> Limits:
-    return Limits(
-        timeout_s=valves.timeout_seconds,
-        memory_mb=valves.memory_mb,
-        max_processes=valves.max_processes,
-        max_output_bytes=valves.max_output_kb * 1024,
-        max_file_bytes=valves.max_file_mb * _MB or _NO_LIMIT,
-    )
-
-
-# ---- small helpers --------------------------------------------------------------------------------------
-
-
-def last_user_text(messages: list[dict]) -> str:
-    for message in reversed(messages):
-        if message.get("role") == "user":
-            content = message.get("content")
-            if isinstance(content, str):
-                return content
-            if isinstance(content, list):
-                return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
-            return ""
-    return ""
-
-
-def _shorten(text: str, limit: int = _LOGGED_VALUE_CHARS) -> str:
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
-
-
-@dataclass(frozen=True)
-class _SandboxFacts:
-    notes: tuple[str, ...] = ()
-    packages: tuple[tuple[str, str], ...] = ()
-    tools: tuple[str, ...] = ()
-
-
-async def _sandbox_facts(runner: Runner) -> _SandboxFacts:
-    """What the prompt says of the sandbox: quirks, packages, tools. None of it without a sandbox at
-    all: the run itself will say so, clearly, to model and user."""
-    try:
-        env = await runner.environment()
-        return _SandboxFacts(await runner.known_issues(), await runner.packages(), env.tools)
-    except RunnerError:
-        return _SandboxFacts()
 
 
 def _save_kernels_before_stop(shared: dict) -> None:
@@ -18781,11 +19038,19 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_20714e2da322.engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
-from _code_sessions_20714e2da322.engine.scan import SCAN_ON_LOOP_CHARS
-from _code_sessions_20714e2da322.functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
-from _code_sessions_20714e2da322.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_20714e2da322.webui import Misconfigured
+from _code_sessions_29afa07cf45b.engine import (
+    ChatSession,
+    LoopOptions,
+    StreamingRewriter,
+    import_uploads,
+    last_user_text,
+    messages_with_prompt,
+    waiting_status,
+)
+from _code_sessions_29afa07cf45b.engine.scan import SCAN_ON_LOOP_CHARS
+from _code_sessions_29afa07cf45b.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_29afa07cf45b.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_29afa07cf45b.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 
@@ -18899,15 +19164,12 @@ class FilterSessions(SessionsAdapter):
             stored = await self._read_settings()
             if stored:
                 self.settings = SessionValves(**{k: v for k, v in stored.items() if v is not None})
-            services = await self._services_for_valves()
+            services, settings = await self._begin()
         except Misconfigured as error:
             log.warning("code-sessions filter: not set up correctly: %s", error)
             return None
-        self._keep_background_running()
-        if self.settings.purge.strip():
-            await self._purge_now(services)
         try:
-            return services, await services.chat(user_id, chat_id)
+            return services, await services.chat(user_id, chat_id, settings)
         except StorageError as error:
             log.warning("code-sessions: no session for chat %r: %s", chat_id[:80], error)
             return None
@@ -18936,10 +19198,10 @@ class FilterSessions(SessionsAdapter):
                 "sentence; run no code.)",
             }
         files = body.get("files") or metadata.get("files") or []
-        notes, refused = await self._import_uploads(chat, user_id, files, status)
+        notes, refused = await import_uploads(chat, self._host, user_id, files, status)
         sentences = [*refused, *(note.strip().strip("_") for note in notes if note not in refused)]
         options = LoopOptions(tool_mode=True)
-        body["messages"] = await self._messages_with_prompt(
+        body["messages"] = await messages_with_prompt(
             messages, chat, services, options, sentences, figures_shown=False
         )
         message_id = metadata.get("message_id")
@@ -18982,7 +19244,7 @@ class FilterSessions(SessionsAdapter):
             if found is None:
                 return body
             services, chat, tail = found[0], found[1], ""
-        attachments = self.settings.attach_files and self._host.can_attach(chat_id, message_id)
+        attachments = chat.settings.attach_files and self._host.can_attach(chat_id, message_id)
         for message in body.get("messages") or ():
             if not isinstance(message, dict) or message.get("role") != "assistant":
                 continue
@@ -19003,7 +19265,7 @@ class FilterSessions(SessionsAdapter):
                     for part in item.get("content") or ():
                         if isinstance(part, dict) and isinstance(part.get("text"), str):
                             part["text"] = await chat.rewrite(part["text"])
-        if self.settings.attach_files:
+        if chat.settings.attach_files:
             await self._host.attach(
                 chat_id, message_id, user_id, chat.links, emitter, inline_urls=chat.inline_urls
             )

@@ -19,9 +19,9 @@ class PromptFacts:
     timeout_s: float
     memory_mb: int
     network: bool
-    max_file_bytes: int
-    quota_bytes: int
-    quota_files: int
+    max_file_bytes: int | None  # None: no limit (and so for the quotas)
+    quota_bytes: int | None
+    quota_files: int | None
     tool_mode: bool  # True: a run_code tool; False: fenced blocks are run
     sandbox_notes: Sequence[str] = ()  # quirks of this sandbox worth knowing (see Runner.known_issues)
     max_listed: int = 40

@@ -36,6 +36,7 @@ from storage import (
 from .links import References, Target, resolve_all
 from .markup import escape_text, mention
 from .scan import SCAN_ON_LOOP_CHARS
+from .settings import Settings
 from .streaming import StreamingRewriter
 
 __all__ = ["ChatSession", "CodeSessions", "StepResult", "Waiting"]
@@ -214,9 +215,10 @@ def _clip(text: str, limit: int) -> str:
 class ChatSession:
     """A chat's folder as the engine uses it: run code in it, add uploads, link its files."""
 
-    def __init__(self, service: CodeSessions, session: Session) -> None:
+    def __init__(self, service: CodeSessions, session: Session, settings: Settings) -> None:
         self._service = service
         self.session = session
+        self.settings = settings  # the message's (frozen): its limits are every run's of this chat here
         # Every file linked so far, for attaching to the message. A dict: insertion order, and O(1)
         # membership (a list made an answer with 1,000 links quadratic).
         self._published: dict[Target, None] = {}
@@ -291,10 +293,11 @@ class ChatSession:
                 budget = await self.session.run_budget()
                 if budget.note:
                     notes.append(budget.note)
-                limits = service.limits.model_copy(
+                configured = self.settings.limits
+                limits = configured.model_copy(
                     update={
-                        "max_write_bytes": _tighter(service.limits.max_write_bytes, budget.max_write_bytes),
-                        "max_file_bytes": _tighter(service.limits.max_file_bytes, budget.max_file_bytes),
+                        "max_write_bytes": _tighter(configured.max_write_bytes, budget.max_write_bytes),
+                        "max_file_bytes": _tighter(configured.max_file_bytes, budget.max_file_bytes),
                     }
                 )
                 await self.session.begin_run()
@@ -445,14 +448,17 @@ def _kernel_key(user_key: str, chat_key: str) -> str:
     return f"{user_key}/{chat_key}"
 
 
-def _tighter(configured: int, budget: int | None) -> int:
-    """The runner's limit, lowered to what the quota still allows (None: the quota sets no bound).
-    Never below 1 byte: a run with nothing left to write may still compute and print."""
-    return configured if budget is None else max(1, min(configured, budget))
+def _tighter(configured: int | None, budget: int | None) -> int | None:
+    """The runner's limit, lowered to what the quota still allows (None on either side: no bound
+    from it). Never below 1 byte: a run with nothing left to write may still compute and print."""
+    if budget is None:
+        return configured
+    return max(1, budget if configured is None else min(configured, budget))
 
 
 class CodeSessions:
-    """The store and the runner, composed with the per-run limits an admin chose.
+    """The store and the runner, composed. Each message hands down its `Settings` (`chat`); a chat
+    opened without runs with the constructor's limits, and the store's and the pool's own settings.
 
     With `kernels`, every chat's runs share one live Python kernel (variables persist); without,
     every run is a fresh sandbox."""
@@ -461,14 +467,14 @@ class CodeSessions:
         self,
         store: Store,
         runner: Runner,
-        limits: Limits,
+        settings: Settings | None = None,
         *,
         kernels: KernelPool | None = None,
         lock_timeout_s: float = 300.0,
     ) -> None:
         self.store = store
         self.runner = runner
-        self.limits = limits
+        self.settings = settings or Settings()
         self.kernels = kernels
         self.lock_timeout_s = lock_timeout_s
         # (user key, chat key) -> time.monotonic() of the session's last full reconcile here.
@@ -503,8 +509,20 @@ class CodeSessions:
         """The files noted for the chat's answer now ending; then forgotten."""
         return self._unhanded.pop((user_id, chat_id), [])
 
-    async def chat(self, user_id: str, chat_id: str) -> ChatSession:
-        return ChatSession(self, await self.store.session(user_id, chat_id))
+    async def chat(self, user_id: str, chat_id: str, settings: Settings | None = None) -> ChatSession:
+        """The chat's session, bound to the message's settings (None: the constructor's)."""
+        if settings is not None:
+            self._use(settings)
+        return ChatSession(self, await self.store.session(user_id, chat_id), settings or self.settings)
+
+    def _use(self, settings: Settings) -> None:
+        """Give the store and the kernel pool their parts of the settings. They serve every chat of
+        this process, so theirs are the latest message's; each is a frozen value, replaced whole
+        (and only when it changed, so the store records its policy once per change)."""
+        if self.store.policy != settings.policy:
+            self.store.policy = settings.policy
+        if self.kernels is not None and self.kernels.settings != settings.kernels:
+            self.kernels.settings = settings.kernels
 
     async def execute(self, session: Session, code: str, language: str, limits: Limits) -> RunResult:
         """Run code in the session's folder: in its kernel, or in a fresh sandbox."""
@@ -517,8 +535,11 @@ class CodeSessions:
         """An admin's purge: the selected sessions go, with their files, links and kernels."""
         return await self._ended(await self.store.cleanup(purge), "an admin deleted this chat's files")
 
-    async def expire(self) -> CleanupReport:
-        """The expiry policy: old files and idle sessions go (an expired session's kernel too)."""
+    async def expire(self, settings: Settings | None = None) -> CleanupReport:
+        """The expiry policy (the settings' or the latest message's): old files and idle sessions go
+        (an expired session's kernel too)."""
+        if settings is not None:
+            self._use(settings)
         return await self._ended(await self.store.cleanup(), "this chat was unused long enough to expire")
 
     async def forget_chats(self, chats: list[tuple[str, str]], reason: str) -> CleanupReport:

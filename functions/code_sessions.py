@@ -1,11 +1,12 @@
 # Open WebUI adapter for code-sessions: a manifold Pipe that gives each chat a persistent /mnt/data folder,
 # runs the model's code there in gVisor and turns /mnt/data paths in the answer into download links.
 #
-# This file is the adapter: the Pipe's valves and its entry point (the valves, services and background
-# maintenance it shares with the Tool and the Filter are in functions/adapter.py). Sessions, the index,
-# quotas and links live in `storage`; the sandbox in `runner`; the chat step and the conversation loop in
-# `engine`; every question to Open WebUI itself in `webui`. `tools/bundle.py` embeds those packages so
-# that Open WebUI gets one file (dist/code_sessions.py).
+# This file is the adapter: the Pipe's valves and its entry point (the valves, the settings built from
+# them and the services it shares with the Tool and the Filter are in functions/adapter.py). Sessions,
+# the index, quotas and links live in `storage`; the sandbox in `runner`; the chat step, the turn's
+# preparation, the conversation loop and the maintenance in `engine`; every question to Open WebUI
+# itself in `webui`. `tools/bundle.py` embeds those packages so that Open WebUI gets one file
+# (dist/code_sessions.py).
 #
 # No `from __future__` import here: in the bundle this module's body does not start the file.
 
@@ -23,9 +24,12 @@ from engine import (
     escape_text,
     events_from_message,
     events_from_sse,
+    import_uploads,
+    last_user_text,
+    messages_with_prompt,
     waiting_status,
 )
-from functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from functions.adapter import SessionsAdapter, SessionValves, Status
 from storage import CLEAR_FILES_COMMAND, StorageError
 from webui import Misconfigured
 
@@ -98,14 +102,11 @@ class Pipe(SessionsAdapter):
             return "No base model is set for Code Sessions: an admin sets `base_models` in the valves."
 
         try:
-            services = await self._services_for_valves()
+            services, settings = await self._begin()
         except Misconfigured as error:  # the admin's to fix; the user gets the sentence, not a crash
             return f"Code Sessions is not set up correctly: {error}"
-        self._keep_background_running()
-        if self.valves.purge.strip():  # at the next message, not a minute later
-            await self._purge_now(services)
         try:
-            chat = await services.chat(__user__["id"], __chat_id__ or "")
+            chat = await services.chat(__user__["id"], __chat_id__ or "", settings)
         except StorageError as error:  # a new chat on a full disk, an id the index refuses
             log.warning("code-sessions: no session for chat %r: %s", (__chat_id__ or "")[:80], error)
             return f"This chat's files are not available right now: {escape_text(str(error))}"
@@ -115,7 +116,7 @@ class Pipe(SessionsAdapter):
             await status.settle()
             return said
 
-        notes, refused = await self._import_uploads(chat, __user__["id"], __files__ or [], status)
+        notes, refused = await import_uploads(chat, host, __user__["id"], __files__ or [], status)
         user_valves = __user__.get("valves") or self.UserValves()
         options = LoopOptions(
             tool_mode=self.valves.execution_mode != "fenced",
@@ -123,11 +124,9 @@ class Pipe(SessionsAdapter):
             show_code=bool(getattr(user_valves, "show_code", True)),
             show_output=bool(getattr(user_valves, "show_output", True)),
             # Files saved but not named are then only attachments; else one line names them.
-            attachments=self.valves.attach_files and host.can_attach(__chat_id__ or "", __message_id__),
+            attachments=settings.attach_files and host.can_attach(__chat_id__ or "", __message_id__),
         )
-        messages = await self._messages_with_prompt(
-            body.get("messages", []), chat, services, options, refused
-        )
+        messages = await messages_with_prompt(body.get("messages", []), chat, services, options, refused)
 
         async def call_model(history: list[dict], tools: list[dict] | None) -> AsyncIterator:
             form = {**body, "model": base_model, "messages": history, "stream": True}
@@ -149,7 +148,7 @@ class Pipe(SessionsAdapter):
             async for piece in converse(chat, messages, call_model, options, status):
                 yield piece
             await status.settle()
-            if self.valves.attach_files:
+            if settings.attach_files:
                 await host.attach(
                     __chat_id__ or "",
                     __message_id__,

@@ -16,9 +16,17 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from engine import ChatSession, LoopOptions, StreamingRewriter, waiting_status
+from engine import (
+    ChatSession,
+    LoopOptions,
+    StreamingRewriter,
+    import_uploads,
+    last_user_text,
+    messages_with_prompt,
+    waiting_status,
+)
 from engine.scan import SCAN_ON_LOOP_CHARS
-from functions.adapter import SessionsAdapter, SessionValves, Status, last_user_text
+from functions.adapter import SessionsAdapter, SessionValves, Status
 from storage import CLEAR_FILES_COMMAND, StorageError
 from webui import Misconfigured
 
@@ -134,15 +142,12 @@ class FilterSessions(SessionsAdapter):
             stored = await self._read_settings()
             if stored:
                 self.settings = SessionValves(**{k: v for k, v in stored.items() if v is not None})
-            services = await self._services_for_valves()
+            services, settings = await self._begin()
         except Misconfigured as error:
             log.warning("code-sessions filter: not set up correctly: %s", error)
             return None
-        self._keep_background_running()
-        if self.settings.purge.strip():
-            await self._purge_now(services)
         try:
-            return services, await services.chat(user_id, chat_id)
+            return services, await services.chat(user_id, chat_id, settings)
         except StorageError as error:
             log.warning("code-sessions: no session for chat %r: %s", chat_id[:80], error)
             return None
@@ -171,10 +176,10 @@ class FilterSessions(SessionsAdapter):
                 "sentence; run no code.)",
             }
         files = body.get("files") or metadata.get("files") or []
-        notes, refused = await self._import_uploads(chat, user_id, files, status)
+        notes, refused = await import_uploads(chat, self._host, user_id, files, status)
         sentences = [*refused, *(note.strip().strip("_") for note in notes if note not in refused)]
         options = LoopOptions(tool_mode=True)
-        body["messages"] = await self._messages_with_prompt(
+        body["messages"] = await messages_with_prompt(
             messages, chat, services, options, sentences, figures_shown=False
         )
         message_id = metadata.get("message_id")
@@ -217,7 +222,7 @@ class FilterSessions(SessionsAdapter):
             if found is None:
                 return body
             services, chat, tail = found[0], found[1], ""
-        attachments = self.settings.attach_files and self._host.can_attach(chat_id, message_id)
+        attachments = chat.settings.attach_files and self._host.can_attach(chat_id, message_id)
         for message in body.get("messages") or ():
             if not isinstance(message, dict) or message.get("role") != "assistant":
                 continue
@@ -238,7 +243,7 @@ class FilterSessions(SessionsAdapter):
                     for part in item.get("content") or ():
                         if isinstance(part, dict) and isinstance(part.get("text"), str):
                             part["text"] = await chat.rewrite(part["text"])
-        if self.settings.attach_files:
+        if chat.settings.attach_files:
             await self._host.attach(
                 chat_id, message_id, user_id, chat.links, emitter, inline_urls=chat.inline_urls
             )

@@ -3,9 +3,9 @@
 # (functions/code_sessions_filter.py), which tells the model about the folder, copies the chat's
 # uploads in and turns /mnt/data paths in the answer into links.
 #
-# This file is a thin adapter: its valves are the session valves every file shares, and the services,
-# background maintenance and attachments are functions/adapter.py's, the step is engine's. Open WebUI
-# offers every public method of `Tools` to the model, so `run_code` is the only one.
+# This file is a thin adapter: its valves are the session valves every file shares, and the settings
+# and services built from them are functions/adapter.py's; the step and the maintenance are engine's.
+# Open WebUI offers every public method of `Tools` to the model, so `run_code` is the only one.
 #
 # No `from __future__` import here: Open WebUI reads run_code's annotations to build its schema, and in
 # the bundle this module's body does not start the file.
@@ -13,7 +13,7 @@
 import logging
 from typing import Any
 
-from engine import LoopOptions, escape_text, run_step
+from engine import LoopOptions, escape_text, import_uploads, run_step
 from functions.adapter import SessionsAdapter, SessionValves, Status
 from storage import StorageError
 from webui import Misconfigured
@@ -97,21 +97,18 @@ class ToolSessions(SessionsAdapter):
         if not user_id:
             return "Not run: Open WebUI did not say which user this is."
         try:
-            services = await self._services_for_valves()
+            services, settings = await self._begin()
         except Misconfigured as error:
             return f"Not run: Code Sessions is not set up correctly: {error}"
-        self._keep_background_running()
-        if self.settings.purge.strip():
-            await self._purge_now(services)
         try:
-            chat = await services.chat(user_id, chat_id)
+            chat = await services.chat(user_id, chat_id, settings)
         except StorageError as error:
             log.warning("code-sessions: no session for chat %r: %s", chat_id[:80], error)
             return f"Not run: this chat's files are not available right now: {escape_text(str(error))}"
         status = Status(emitter)
         # The Filter copies uploads in before the model is asked; without it (or when a file arrives
         # between two runs of one answer) the Tool does, once each: nothing is copied twice.
-        notes, _ = await self._import_uploads(chat, user_id, files, status)
+        notes, _ = await import_uploads(chat, self._host, user_id, files, status)
         step = await run_step(chat, language, code, status)
         # What the run saved reaches the user at the answer's end (the Filter's outlet): the files the
         # answer does not name are attached, or named in one line.

@@ -15,7 +15,7 @@ from .errors import (
     WorkdirError,
 )
 from .kernels import KernelPool, reset_sentence
-from .models import Limits, Outcome, RunnerConfig, RunResult
+from .models import KernelSettings, Limits, Outcome, RunnerConfig, RunResult
 from .runner import HostSetup, Runner
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "HostSetup",
     "InterpreterNotFound",
     "KernelPool",
+    "KernelSettings",
     "Limits",
     "Outcome",
     "RunResult",

@@ -273,10 +273,11 @@ def make_spec(
     memory = limits.memory_mb * 1024 * 1024
     rlimits = [
         ("RLIMIT_NPROC", limits.max_processes),  # gVisor counts threads too, per uid, inside the sandbox
-        ("RLIMIT_FSIZE", limits.max_file_bytes),
         ("RLIMIT_NOFILE", 4096),
         ("RLIMIT_CORE", 0),
     ]
+    if limits.max_file_bytes is not None:  # None: no limit (the sandbox's own default, unlimited)
+        rlimits.append(("RLIMIT_FSIZE", limits.max_file_bytes))
     if rlimit_as:  # only without cgroups: per process and virtual, so a weaker stand-in
         rlimits.append(("RLIMIT_AS", memory))
     net_ns: dict[str, str] = {"type": "network"}

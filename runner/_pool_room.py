@@ -20,6 +20,7 @@ from ._relay import OwnerSilent
 
 if TYPE_CHECKING:
     from ._kernel import Kernel
+    from .models import KernelSettings
 
 log = logging.getLogger("code_sessions.runner")
 
@@ -34,8 +35,7 @@ class _Room:
     """Places, eviction and the reaper, for KernelPool."""
 
     registry_dir: Path
-    idle_s: float
-    max_kernels: int
+    settings: KernelSettings
     _registry: Registry
     _mine: dict[str, Kernel]
     _in_run: set[str]
@@ -55,7 +55,8 @@ class _Room:
             if not kernel.alive:
                 await self._end(key, kernel, kernel.lost or "the kernel stopped")
             elif now - kernel.last_used > self.idle_s and not kernel.busy:
-                await self._end(key, kernel, f"it was idle for more than {_minutes(self.idle_s)}", save=True)
+                idle = _minutes(self.settings.idle_s)
+                await self._end(key, kernel, f"it was idle for more than {idle}", save=True)
             else:
                 if key in self._in_run:
                     continue  # a run here is starting or using it (its entry may not name it yet)
@@ -105,10 +106,11 @@ class _Room:
         none idle, wait up to _ROOM_WAIT_S for one to be, then go over the limit rather than kill a
         run."""
         deadline = time.monotonic() + _ROOM_WAIT_S
-        reason = f"too many kernels were running (at most {self.max_kernels}); it was the least recently used"
+        most = self.settings.max_kernels
+        reason = f"too many kernels were running (at most {most}); it was the least recently used"
         busy: set[str] = set()  # keys another worker said are running a cell now
         entries = [e for e in await asyncio.to_thread(self._registry.running_here) if e.key != key]
-        while len(entries) >= self.max_kernels:
+        while len(entries) >= self.settings.max_kernels:
             idle = [
                 e
                 for e in entries
@@ -146,7 +148,7 @@ class _Room:
 
     async def _reap_forever(self) -> None:
         while True:
-            await asyncio.sleep(min(_REAP_EVERY_S, self.idle_s / 4))
+            await asyncio.sleep(min(_REAP_EVERY_S, self.settings.idle_s / 4))
             try:
                 await self.reap()
             except Exception:

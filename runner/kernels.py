@@ -43,7 +43,7 @@ from ._pool_room import _Room
 from ._registry import HOST, Entry, Registry, digest, owned_here
 from ._relay import OwnerSilent
 from ._warm import WarmStart
-from .models import Limits, Outcome, RunResult
+from .models import KernelSettings, Limits, Outcome, RunResult
 from .runner import Runner
 
 __all__ = ["KernelPool", "reset_sentence", "unsaved_sentence"]
@@ -74,26 +74,18 @@ class KernelPool(_Room, _Peers):
         runner: Runner,
         registry_dir: Path,
         *,
-        idle_s: float = 20 * 60.0,
-        max_kernels: int = 20,
+        settings: KernelSettings | None = None,
         socket_dir: Path | None = None,
-        max_image_bytes: int | None = None,
-        max_saved_bytes_together: int | None = None,
         warm_start: bool = False,
     ) -> None:
         self.runner = runner
         self.registry_dir = Path(registry_dir)
         self._registry = Registry(self.registry_dir)
         self.socket_dir = Path(socket_dir) if socket_dir is not None else runner.bundle_dir / "kernels"
-        self.idle_s = idle_s
-        self.max_kernels = max_kernels
-        # A saved state's image is at most this large (None: no limit beyond the kernel's memory;
-        # 0: kernels are never saved, they stop as they would without a state folder).
-        self.max_image_bytes = max_image_bytes
-        # The saved images in the state folders beside a chat's (one folder per owner: one user's
-        # chats, as the store lays them out) together at most this large; None: no such bound. Checked
-        # once the new image is in place, so two saves at once can only both refuse, never both pass.
-        self.max_saved_bytes_together = max_saved_bytes_together
+        # Replaced whole when an admin changes them (frozen); each use reads the current value. The
+        # saved images together are checked once the new image is in place, so two saves at once can
+        # only both refuse, never both pass.
+        self.settings = settings or KernelSettings()
         self._mine: dict[str, Kernel] = {}
         self._state_dirs: dict[str, Path] = {}  # where each kernel of ours is saved when it stops
         self._ending: dict[str, asyncio.Future[None]] = {}  # kernels being saved now, by key
@@ -266,7 +258,7 @@ class KernelPool(_Room, _Peers):
             for key, kernel in list(self._mine.items())
             if kernel.alive and not kernel.busy and key in self._state_dirs and kernel.ready is not None
         ]
-        if not targets or setup is None or self.max_image_bytes == 0:
+        if not targets or setup is None or self.settings.max_image_bytes == 0:
             return
         identity = {**self.runner.sandbox_identity_now(setup), "kernel_program": _KERNEL_DIGEST}
         flags = self.runner.checkpoint_flags()
@@ -403,7 +395,7 @@ class KernelPool(_Room, _Peers):
             server.close()
         state_dir = self._state_dirs.get(key)
         image, unsaved = "", ""
-        if save and state_dir is not None and kernel.alive and self.max_image_bytes != 0:
+        if save and state_dir is not None and kernel.alive and self.settings.max_image_bytes != 0:
             done = asyncio.get_running_loop().create_future()
             self._ending[key] = done
             try:
@@ -436,7 +428,9 @@ class KernelPool(_Room, _Peers):
         return await _saving.save(key, kernel, state_dir, flags, identity, self._refusal)
 
     def _refusal(self, state_dir: Path, image: _hibernate.SavedImage) -> str | None:
-        return _saving.refusal(state_dir, image, self.max_image_bytes, self.max_saved_bytes_together)
+        return _saving.refusal(
+            state_dir, image, self.settings.max_image_bytes, self.settings.max_saved_bytes_together
+        )
 
     async def _settled(self, key: str) -> None:
         """Wait while this process saves the key's kernel (its next run resumes the image)."""

@@ -1,4 +1,8 @@
-"""The runner's typed public data: configuration, per-run limits, and the result of a run."""
+"""The runner's typed public data: configuration, per-run limits, the kernels' settings, and the result
+of a run.
+
+These models are the one home of the runner's defaults: the function's valves take theirs from them.
+"No limit" is None wherever a limit can be lifted."""
 
 from __future__ import annotations
 
@@ -35,9 +39,26 @@ class Limits(BaseModel):
         512, ge=64, description="memory of the whole sandbox (gVisor's own overhead included)"
     )
     max_processes: int = Field(64, ge=4, description="processes + threads of the sandbox user (RLIMIT_NPROC)")
-    max_file_bytes: int = Field(100 * MIB, gt=0, description="size of any one file written (RLIMIT_FSIZE)")
+    max_file_bytes: int | None = Field(
+        100 * MIB, gt=0, description="size of any one file written (RLIMIT_FSIZE); None: no limit"
+    )
     max_write_bytes: int = Field(GIB, gt=0, description="growth of the workdir during the run")
     max_output_bytes: int = Field(64 * KIB, gt=0, description="kept per stream; more stops the run")
+
+
+class KernelSettings(BaseModel):
+    """How a KernelPool keeps its kernels. Frozen: an admin's change replaces the whole value."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    idle_s: float = Field(20 * 60.0, gt=0, description="a kernel unused this long is saved and stopped")
+    max_kernels: int = Field(20, ge=1, description="kernels alive at once in this process")
+    # 0: kernels are never saved (they stop as they would without a state folder); None: no limit
+    # beyond the kernel's memory.
+    max_image_bytes: int | None = Field(2 * GIB, ge=0, description="largest saved kernel")
+    # The saved images of one owner's chats together (one state folder per owner, as the store lays
+    # them out); None: no such bound.
+    max_saved_bytes_together: int | None = Field(4 * GIB, gt=0, description="one owner's saved kernels")
 
 
 class RunnerConfig(BaseModel):

@@ -69,6 +69,7 @@ class Core:
         owner: Owner,
         record_settings: bool = True,
         temporary_chat: TemporaryChat | None = None,
+        reconcile: Callable[[Reconcile], Awaitable[RebuildReport | None]] | None = None,
     ) -> None:
         self.root = root
         self.layout = Layout(root)
@@ -79,9 +80,9 @@ class Core:
         self.temporary_chat: TemporaryChat = temporary_chat or _never_temporary
         # The CLI turns this off: it applies the recorded settings and must not overwrite them.
         self.record_settings = record_settings
-        # Set by the Store (Store.reconcile): REBUILD after a damaged index was replaced, AFTER_FULL_DISK
-        # by the first write that has room again.
-        self.reconcile: Callable[[Reconcile], Awaitable[RebuildReport | None]] | None = None
+        # The Store's (Store.reconcile): REBUILD after a damaged index was replaced, AFTER_FULL_DISK by
+        # the first write that has room again.
+        self.reconcile = reconcile
         # Sessions that went on without their sidecar or index row because the disk was full; written,
         # and their folders indexed, by the first write that succeeds afterwards.
         self.unsaved: dict[tuple[str, str], ChatRef] = {}

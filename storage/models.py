@@ -3,6 +3,10 @@
 All are frozen dataclasses (positional or keyword construction, cheap enough to build by the
 hundred thousand for `ChatFiles.list()`). Settings validate themselves in `__post_init__`.
 Reports convert to plain JSON-able dicts with `to_dict()`.
+
+The settings here (`Quotas`, `Expiry`) are the one home of the storage defaults: the function's valves
+take theirs from them. "No limit" is None: a 0 given for a limit (a valve's "0: no limit", a policy
+recorded by an older version) is held as None.
 """
 
 from __future__ import annotations
@@ -45,12 +49,18 @@ GiB = 1024 * MiB
 DAY = 86400.0
 
 
-def _check_limit(owner: str, name: str, value: object) -> None:
-    # bool is an int subclass; True as a limit is always a mistake in a valve.
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ValueError(f"{owner}.{name} must be a number >= 0 or None (got {value!r})")
+def _check_limits(settings: object) -> None:
+    """Refuse what is not a limit, and hold 0 ("no limit") as None, the one way it is said."""
+    for f in dataclasses.fields(settings):  # type: ignore[arg-type]
+        value = getattr(settings, f.name)
+        if value is None:
+            continue
+        # bool is an int subclass; True as a limit is always a mistake in a valve.
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            owner = type(settings).__name__
+            raise ValueError(f"{owner}.{f.name} must be a number >= 0 or None (got {value!r})")
+        if value == 0:
+            object.__setattr__(settings, f.name, None)  # frozen: only construction may set it
 
 
 class _Dictable:
@@ -77,7 +87,7 @@ def _jsonable(value: Any) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class Quotas(_Dictable):
-    """Per-user limits. 0 or None disables a limit.
+    """Per-user limits. None (or 0, held as None) disables a limit.
 
     * max_files_per_user: files across all of the user's chats (default 5000).
     * max_bytes_per_user: bytes across all of the user's chats (default 1 GiB).
@@ -91,13 +101,12 @@ class Quotas(_Dictable):
     max_new_files_per_run: int | None = 500
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _check_limit("Quotas", f.name, getattr(self, f.name))
+        _check_limits(self)
 
 
 @dataclass(frozen=True, slots=True)
 class Expiry(_Dictable):
-    """Ages after which cleanup deletes things, in seconds. 0 or None means never.
+    """Ages after which cleanup deletes things, in seconds. None (or 0, held as None) means never.
 
     * file_max_age_s: a file unchanged (as seen by the index) for this long is deleted (30 days).
     * session_idle_s: a chat session not used for this long is deleted with its files (30 days).
@@ -111,8 +120,7 @@ class Expiry(_Dictable):
     activity_max_age_s: float | None = 90 * DAY
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _check_limit("Expiry", f.name, getattr(self, f.name))
+        _check_limits(self)
 
 
 @dataclass(frozen=True, slots=True)

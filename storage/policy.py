@@ -47,7 +47,7 @@ class Policy:
 
     @property
     def max_file_bytes(self) -> int | None:
-        return self.quotas.max_file_bytes or None
+        return self.quotas.max_file_bytes
 
     def file_too_large(self, size: int) -> str | None:
         """Why a file of this size may not be kept, or None."""
@@ -60,8 +60,8 @@ class Policy:
 
     def over_quota(self, usage: Usage) -> str | None:
         """Why a user with these totals (all chats) is over a limit, as a phrase, or None."""
-        max_files = self.quotas.max_files_per_user or None
-        max_bytes = self.quotas.max_bytes_per_user or None
+        max_files = self.quotas.max_files_per_user
+        max_bytes = self.quotas.max_bytes_per_user
         if max_files is not None and usage.files > max_files:
             return f"over the limit of {max_files} files across all your chats"
         if max_bytes is not None and usage.bytes > max_bytes:
@@ -70,14 +70,14 @@ class Policy:
 
     def room(self, usage: Usage) -> int | None:
         """Bytes the user may still add across all chats; None when there is no byte limit."""
-        max_bytes = self.quotas.max_bytes_per_user or None
+        max_bytes = self.quotas.max_bytes_per_user
         return None if max_bytes is None else max(0, max_bytes - usage.bytes)
 
     def run_budget(self, usage: Usage) -> RunBudget:
         """What one run may write while it runs. A run is never refused for the quota: one that
         starts with nothing to spend can still delete or shrink files, and `note` says so."""
         room = self.room(usage)
-        max_files = self.quotas.max_files_per_user or None
+        max_files = self.quotas.max_files_per_user
         full = (room is not None and room == 0) or (max_files is not None and usage.files >= max_files)
         note = None
         if full:
@@ -107,7 +107,7 @@ class Policy:
         )
         if self.over_quota(after) is None:
             return
-        max_files = self.quotas.max_files_per_user or None
+        max_files = self.quotas.max_files_per_user
         if max_files is not None and after.files > max_files:
             raise QuotaExceeded(
                 f"You have reached the limit of {max_files} files across your chats. {_WAY_OUT}."
@@ -136,7 +136,7 @@ class Policy:
             else:
                 kept.append(item)
         kept.sort(key=lambda g: (g.mtime_ns, g.path))
-        per_run = self.quotas.max_new_files_per_run or None
+        per_run = self.quotas.max_new_files_per_run
         if per_run is not None:
             new = [g for g in kept if g.new]
             if len(new) > per_run:
@@ -147,7 +147,7 @@ class Policy:
         # A removed file goes whole (a grown one with its old bytes too), and leaves the file count.
         files = usage_after.files - len(removals)
         size = usage_after.bytes - sum(r.size for r in removals)
-        max_files = self.quotas.max_files_per_user or None
+        max_files = self.quotas.max_files_per_user
         newest = list(reversed(kept))
         newest_new = [g for g in newest if g.new]
         gone: set[str] = set()
@@ -175,7 +175,7 @@ class Policy:
     def publish_ceiling(self, size: int) -> int | None:
         """The most bytes a user may use already for a copy of `size` bytes to be allowed (None: any);
         what `refuse_publish` decides, as a number a database can compare with."""
-        max_bytes = self.quotas.max_bytes_per_user or None
+        max_bytes = self.quotas.max_bytes_per_user
         return None if max_bytes is None or size <= 0 else max_bytes - size
 
     def refuse_publish(self, usage: Usage, size: int, path: str) -> None:

@@ -83,8 +83,8 @@ class Store:
             owner=owner,
             record_settings=record_settings,
             temporary_chat=temporary_chat,
+            reconcile=self.reconcile,
         )
-        self._core.reconcile = self.reconcile
         self._rebuild_put_off = False
         self._repair_at_open = repair_at_open
         self._opened = False

@@ -106,6 +106,10 @@ class OpenWebUI:
         """Whether the chat is one of Open WebUI's temporary chats (its session expires sooner)."""
         return chat_id == "" or chat_id.startswith(_TEMPORARY_PREFIXES)
 
+    def saves_chat(self, chat_id: str) -> bool:
+        """Whether Open WebUI keeps this chat as a chat row (temporary chats and channels it does not)."""
+        return _saved_chat(chat_id)
+
     def can_attach(self, chat_id: str, message_id: str | None) -> bool:
         """Whether a message of this chat can hold attachments (a saved chat's message)."""
         return bool(message_id) and _saved_chat(chat_id)

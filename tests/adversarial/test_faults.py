@@ -160,7 +160,7 @@ async def test_cleanup_racing_a_run_never_deletes_under_it(harness: PipeHarness)
     # Mid-run: the background loop's expiry tick, and an admin's purge of this very chat (run at the
     # next message of anyone).
     pipe = harness.pipe
-    await pipe._tick(pipe._services)
+    await pipe._tick()
     harness.set_valves(purge="chat:chat-x")
     other = await harness.say("bob", "chat-y", code("print('other chat')"))
     assert "other chat" in other and not running.done()

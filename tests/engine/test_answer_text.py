@@ -27,7 +27,7 @@ class HostRuns(CodeSessions):
     """CodeSessions whose `execute` writes the next planned files straight into the folder."""
 
     def __init__(self, store: Store) -> None:
-        super().__init__(store, Runner(), Limits())
+        super().__init__(store, Runner())
         self.plans: list[dict] = []
 
     async def execute(self, session: Session, code: str, language: str, limits: Limits) -> RunResult:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import CodeSessions
+from engine import CodeSessions, Settings
 from engine import service as engine_service
 from runner import Limits, Outcome, Runner, RunnerError, RunResult
 from storage import Quotas, Store
@@ -30,7 +30,7 @@ async def real(tmp_path: Path):
         owner=(runner.sandbox_uid, runner.sandbox_gid),
     )
     async with store:
-        yield CodeSessions(store, runner, LIMITS)
+        yield CodeSessions(store, runner, Settings(limits=LIMITS))
 
 
 def _make_files(folder: Path, count: int, per_dir: int = 1000) -> None:
@@ -202,7 +202,7 @@ class FakeRunner:
 @pytest.fixture
 async def fake(tmp_path: Path):
     async with Store(tmp_path / "root") as store:
-        yield CodeSessions(store, FakeRunner(), LIMITS)
+        yield CodeSessions(store, FakeRunner(), Settings(limits=LIMITS))
 
 
 def _writes(name: str) -> Callable[[Path], None]:

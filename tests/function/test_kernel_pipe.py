@@ -108,5 +108,5 @@ async def test_the_background_tick_sweeps_what_a_dead_workers_kernel_left(harnes
     cid = await asyncio.to_thread(kill_a_worker_holding_a_kernel, runner.config, tmp_path)
     where = (cid, runner.state_dir, runner.bundle_dir, runner.config.cgroup_parent)
     assert "bundle" in leftovers(*where)
-    await harness.pipe._tick(services)
+    await harness.pipe._tick()
     assert leftovers(*where) == []

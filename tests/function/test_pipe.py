@@ -126,7 +126,7 @@ async def test_without_attachments_a_file_the_answer_left_unnamed_is_named_in_on
 async def test_background_cleanup_runs_a_purge_typed_into_the_valves_without_any_message(
     harness: PipeHarness,
 ):
-    harness.pipe.minute_s = 0.05  # a "minute" of the background loop lasts 50 ms here
+    harness.pipe.maintenance.minute_s = 0.05  # a "minute" of the background loop lasts 50 ms here
     await harness.say("u1", "chat-1", code("open('/mnt/data/a.txt','w').write('1')"))
     [session_dir] = [p for p in (harness.sessions_root / "sessions").glob("*/*") if p.is_dir()]
     harness.stored_valves["purge"] = "user:u1"  # the admin saves the valve; no message follows
@@ -144,7 +144,7 @@ async def test_background_cleanup_runs_a_purge_typed_into_the_valves_without_any
 async def test_a_purge_that_meets_a_chat_mid_step_waits_for_it_instead_of_giving_up(
     harness: PipeHarness,
 ):
-    harness.pipe.minute_s = 0.05
+    harness.pipe.maintenance.minute_s = 0.05
     await harness.say("u1", "chat-1", code("open('/mnt/data/a.txt','w').write('1')"))
     [session_dir] = [p for p in (harness.sessions_root / "sessions").glob("*/*") if p.is_dir()]
     store = harness.pipe._services.store
@@ -158,7 +158,7 @@ async def test_a_purge_that_meets_a_chat_mid_step_waits_for_it_instead_of_giving
 
 
 async def test_a_purge_gives_up_on_a_chat_that_stays_busy_and_says_so_by_clearing(harness: PipeHarness):
-    harness.pipe.minute_s = 0.05  # so the ten minutes of retries last half a second
+    harness.pipe.maintenance.minute_s = 0.05  # so the ten minutes of retries last half a second
     await harness.say("u1", "chat-1", code("open('/mnt/data/a.txt','w').write('1')"))
     [session_dir] = [p for p in (harness.sessions_root / "sessions").glob("*/*") if p.is_dir()]
     session = await harness.pipe._services.store.session("u1", "chat-1")
@@ -167,11 +167,11 @@ async def test_a_purge_gives_up_on_a_chat_that_stays_busy_and_says_so_by_clearin
         await wait_until(lambda: retried(harness, "chat:chat-1"))
         await wait_until(lambda: harness.stored_valves["purge"] == "")
         assert session_dir.exists()  # never deleted under a running step
-    assert harness.pipe._purge_pending is None
+    assert harness.pipe.maintenance.purge_pending is None
 
 
 def retried(harness: PipeHarness, request: str) -> bool:
-    pending = harness.pipe._purge_pending
+    pending = harness.pipe.maintenance.purge_pending
     return pending is not None and pending[0] == request and pending[2] > pending[1]
 
 
@@ -214,8 +214,8 @@ async def test_a_failing_base_model_is_an_answer_not_a_crash(harness: PipeHarnes
 
 
 async def test_the_folder_of_a_chat_deleted_in_open_webui_goes_at_the_next_cleanup(harness: PipeHarness):
-    harness.pipe.minute_s = 0.05
-    harness.pipe.deleted_after_s = 0.2  # two looks this far apart must both miss it
+    harness.pipe.maintenance.minute_s = 0.05
+    harness.pipe.maintenance.deleted_after_s = 0.2  # two looks this far apart must both miss it
     for chat in ("kept", "deleted"):
         await harness.say("u1", chat, code(f"open('/mnt/data/{chat}.txt','w').write('1')"))
     harness.deleted_chats.add(("u1", "deleted"))
@@ -231,8 +231,8 @@ async def test_the_folder_of_a_chat_deleted_in_open_webui_goes_at_the_next_clean
 async def test_a_chat_being_created_during_a_cleanup_tick_keeps_its_folder(harness: PipeHarness):
     """The race an hour of grace used to cover: a session whose chat Open WebUI does not have yet
     (its row is being written) is seen missing by one look; the next look finds it, so it stays."""
-    harness.pipe.minute_s = 0.05
-    harness.pipe.deleted_after_s = 0.5
+    harness.pipe.maintenance.minute_s = 0.05
+    harness.pipe.maintenance.deleted_after_s = 0.5
     await harness.say("u1", "older", code("open('/mnt/data/older.txt','w').write('1')"))
     harness.unsaved_chats.add("new")
     await harness.say("u1", "new", code("open('/mnt/data/new.txt','w').write('1')"))

@@ -173,7 +173,7 @@ async def test_maintenance_looks_at_open_webuis_chats_once_per_minute_whichever_
     tool = ToolHarness.beside(pipe)
     adapters = [pipe.pipe, tool.tools._sessions, tool.filter._sessions]
     for adapter in adapters:
-        adapter.minute_s = 0.3
+        adapter.maintenance.minute_s = 0.3
     try:
         await pipe.say("u1", "chat-1", code("print(1)"))  # the Pipe's loop starts
         await asyncio.sleep(0.1)  # the loops tick at different moments, as files first used apart do
@@ -191,8 +191,8 @@ async def test_maintenance_looks_at_open_webuis_chats_once_per_minute_whichever_
 
 async def test_a_chat_deleted_in_open_webui_loses_its_files_with_only_the_tool_and_filter(tool: ToolHarness):
     for adapter in (tool.tools._sessions, tool.filter._sessions):
-        adapter.minute_s = 0.05  # set before the loops start, at the first message
-        adapter.deleted_after_s = 0.2
+        adapter.maintenance.minute_s = 0.05  # set before the loops start, at the first message
+        adapter.maintenance.deleted_after_s = 0.2
     await tool.say("u1", "chat-1", WRITE_REPORT)
     [folder] = [p for p in (tool.sessions_root / "sessions").glob("*/*") if p.is_dir()]
     tool.deleted_chats.add(("u1", "chat-1"))
@@ -205,7 +205,7 @@ async def test_a_chat_deleted_in_open_webui_loses_its_files_with_only_the_tool_a
 
 async def test_a_purge_typed_into_the_tools_valves_runs_and_is_cleared(tool: ToolHarness):
     for adapter in (tool.tools._sessions, tool.filter._sessions):
-        adapter.minute_s = 0.05
+        adapter.maintenance.minute_s = 0.05
     await tool.say("u1", "chat-1", WRITE_REPORT)
     [folder] = [p for p in (tool.sessions_root / "sessions").glob("*/*") if p.is_dir()]
     tool.set_valves(purge="user:u1")

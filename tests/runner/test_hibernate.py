@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from runner import KernelPool, Limits, Outcome, Runner, _hibernate
+from runner import KernelPool, KernelSettings, Limits, Outcome, Runner, _hibernate
 from tests.support.sandbox import leftovers
 
 pytestmark = pytest.mark.runsc
@@ -33,8 +33,9 @@ def chat(tmp_path: Path) -> tuple[Path, Path]:
     return folder, state
 
 
-def pool_of(runner: Runner, tmp_path: Path, **options) -> KernelPool:
-    return KernelPool(runner, tmp_path / "registry", **options)
+def pool_of(runner: Runner, tmp_path: Path, *, warm_start: bool = False, **settings) -> KernelPool:
+    kept = KernelSettings(**settings)
+    return KernelPool(runner, tmp_path / "registry", settings=kept, warm_start=warm_start)
 
 
 def gone(runner: Runner, cid: str) -> list[str]:
@@ -269,7 +270,7 @@ async def test_two_chats_of_one_user_cannot_pass_the_users_budget_for_saved_stat
             if key == "u/a":  # the user's budget: what the first image takes, and a little more
                 first = _hibernate.saved_bytes_beside(folders["u/a"][1])
                 assert first > 0
-                pool.max_saved_bytes_together = first + first // 2
+                pool.settings = KernelSettings(idle_s=1.0, max_saved_bytes_together=first + first // 2)
         said = {}
         for key, (folder, state) in folders.items():
             read = "print(globals().get('kept'))"

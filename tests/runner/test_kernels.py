@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from runner import KernelPool, Limits, Outcome, Runner
+from runner import KernelPool, KernelSettings, Limits, Outcome, Runner
 from tests.support.sandbox import leftovers
 
 pytestmark = pytest.mark.runsc
@@ -103,7 +103,7 @@ async def test_a_cell_that_ignores_the_interrupt_is_killed_and_the_reset_is_said
 
 async def test_idle_kernels_stop_and_the_next_run_says_so(pool: KernelPool, workdir: Path) -> None:
     first = await pool.run("u/c", workdir, "x = 1", "python", LIMITS)
-    pool.idle_s = 0.2
+    pool.settings = KernelSettings(idle_s=0.2)
     await asyncio.sleep(0.4)
     await pool.reap()
     assert gone(pool.runner, first.container_id) == []
@@ -112,7 +112,7 @@ async def test_idle_kernels_stop_and_the_next_run_says_so(pool: KernelPool, work
 
 
 async def test_beyond_max_kernels_the_least_recently_used_goes(pool: KernelPool, tmp_path: Path) -> None:
-    pool.max_kernels = 2
+    pool.settings = KernelSettings(max_kernels=2)
     folders = {}
     for name in ("a", "b", "c"):
         folders[name] = tmp_path / name

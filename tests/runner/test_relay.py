@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from runner import KernelPool, Limits, Runner
+from runner import KernelPool, KernelSettings, Limits, Runner
 from tests.support.sandbox import live_processes, runsc_containers
 
 pytestmark = pytest.mark.runsc
@@ -33,7 +33,7 @@ WORKER = textwrap.dedent(
     """
     import asyncio, json, sys
     from pathlib import Path
-    from runner import KernelPool, Limits, Runner
+    from runner import KernelPool, KernelSettings, Limits, Runner
 
     async def main(registry, sockets, key, workdir, code, hold):
         pool = KernelPool(Runner(), Path(registry), socket_dir=Path(sockets))
@@ -228,7 +228,8 @@ async def test_a_stopped_answer_stops_its_cell_in_the_serving_worker(workers: Wo
 async def test_max_kernels_holds_under_concurrent_starts(workers: Workers, tmp_path: Path) -> None:
     """Six new chats at once with max_kernels=2 (their starts interleave at every await): at most two
     kernels run afterwards, and each chat got its answer."""
-    pool = KernelPool(Runner(), tmp_path / "registry", socket_dir=workers.sockets, max_kernels=2)
+    settings = KernelSettings(max_kernels=2)
+    pool = KernelPool(Runner(), tmp_path / "registry", socket_dir=workers.sockets, settings=settings)
     folders = []
     for i in range(6):
         folders.append(tmp_path / f"chat{i}")

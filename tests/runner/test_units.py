@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -134,7 +135,7 @@ def test_growth_counts_what_each_folder_gained_and_stops_once_the_limit_is_prove
 
 
 def test_spec_is_minimal_and_readonly(tmp_path: Path) -> None:
-    spec = make_spec(
+    arguments: dict[str, Any] = dict(
         rootfs=tmp_path / "rootfs",
         bundle=tmp_path / "b",
         workdir=tmp_path / "w",
@@ -147,6 +148,7 @@ def test_spec_is_minimal_and_readonly(tmp_path: Path) -> None:
         rlimit_as=False,
         netns_path=None,
     )
+    spec = make_spec(**arguments)
     assert spec["root"]["readonly"] is True
     proc = spec["process"]
     assert proc["args"] == ["/usr/bin/python3", "/run/code/main.py"]
@@ -155,6 +157,8 @@ def test_spec_is_minimal_and_readonly(tmp_path: Path) -> None:
     assert not any(e.startswith("CODE_SESSIONS") for e in proc["env"])
     rl = {r["type"]: r["hard"] for r in proc["rlimits"]}
     assert rl["RLIMIT_NPROC"] == 10 and rl["RLIMIT_FSIZE"] == 1234 and "RLIMIT_AS" not in rl
+    unlimited = make_spec(**{**arguments, "limits": Limits(max_file_bytes=None)})  # None: no limit
+    assert "RLIMIT_FSIZE" not in {r["type"] for r in unlimited["process"]["rlimits"]}
     mounts = {m["destination"]: m for m in spec["mounts"]}
     assert "ro" in mounts["/usr"]["options"] and "rw" in mounts["/mnt/data"]["options"]
     assert "ro" in mounts["/run/code"]["options"]

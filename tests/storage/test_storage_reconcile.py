@@ -8,7 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from storage import Quotas, Store
+import pytest
+
+from storage import Expiry, Quotas, Store
 from tests.storage.storage_helpers import run_python, user_usage
 
 Sql = Callable[..., list[tuple[Any, ...]]]
@@ -224,6 +226,19 @@ async def test_a_run_at_the_limit_starts_with_nothing_to_spend(store: Store) -> 
     )
     budget = await s.run_budget()
     assert (budget.max_write_bytes, budget.max_file_bytes, budget.note) == (None, None, None)
+
+
+def test_no_limit_is_none_however_it_is_given() -> None:
+    """0 ("no limit", as a valve or an older recorded policy says it) is held as None, the one way
+    every layer says it; a negative limit or a bool is refused."""
+    quotas = Quotas(max_files_per_user=0, max_bytes_per_user=0, max_file_bytes=0, max_new_files_per_run=0)
+    assert quotas == Quotas(None, None, None, None)
+    expiry = Expiry(file_max_age_s=0, session_idle_s=0.0, temporary_idle_s=0, activity_max_age_s=0)
+    assert expiry == Expiry(None, None, None, None)
+    assert Quotas(max_file_bytes=5).max_file_bytes == 5
+    for wrong in (-1, True):
+        with pytest.raises(ValueError):
+            Quotas(max_file_bytes=wrong)
 
 
 async def test_a_grown_file_goes_when_it_takes_the_user_over_the_bytes(store: Store) -> None:

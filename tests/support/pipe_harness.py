@@ -199,6 +199,9 @@ class _HarnessHost:
     def temporary_chat(self, chat_id: str) -> bool:
         return self._open_webui().temporary_chat(chat_id)
 
+    def saves_chat(self, chat_id: str) -> bool:
+        return self._open_webui().saves_chat(chat_id)
+
     def can_attach(self, chat_id: str, message_id: str | None) -> bool:
         return self._open_webui().can_attach(chat_id, message_id)
 

@@ -1,0 +1,37 @@
+"""What one message runs with, in one frozen value.
+
+The host builds a `Settings` from its own settings once per message (the function's valves:
+functions/adapter.py `settings_from`) and hands it down: `CodeSessions.chat` binds it to the chat's
+session (its per-run limits) and gives the store and the kernel pool their parts. A change is a new
+value, never an edit of a live object.
+
+The defaults live in the layers' own models, each in one place: `runner.Limits`,
+`runner.KernelSettings`, `storage.Quotas`, `storage.Expiry`, and the fields below for what is the
+engine's. The valves take theirs from these (`DEFAULTS`). "No limit" is None in every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runner import KernelSettings, Limits, RunnerConfig
+from storage import Policy
+
+__all__ = ["DEFAULTS", "Settings"]
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    limits: Limits = field(default_factory=Limits)  # per run (a chat's quota may lower them)
+    # One store and one kernel pool serve every chat of a process: theirs are the latest message's.
+    policy: Policy = field(default_factory=Policy)
+    kernels: KernelSettings = field(default_factory=KernelSettings)
+    # What the prompt tells the model; the runner's own configuration is what opens the network.
+    network: bool = RunnerConfig.model_fields["network"].default
+    # Show an answer's files as attachments of its message (else one line names them).
+    attach_files: bool = True
+    cleanup_every_s: float = 30 * 60.0  # expiry runs at least this often
+    purge: str = ""  # the admin's one-shot purge request (engine/purge.py), as typed
+
+
+DEFAULTS = Settings()
