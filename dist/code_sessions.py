@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_29afa07cf45b'
+_CS_PACKAGE = '_code_sessions_777f446b6d73'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -11972,7 +11972,7 @@ class _Room:
         for key, kernel in list(self._mine.items()):
             if not kernel.alive:
                 await self._end(key, kernel, kernel.lost or "the kernel stopped")
-            elif now - kernel.last_used > self.idle_s and not kernel.busy:
+            elif now - kernel.last_used > self.settings.idle_s and not kernel.busy:
                 idle = _minutes(self.settings.idle_s)
                 await self._end(key, kernel, f"it was idle for more than {idle}", save=True)
             else:
@@ -15734,7 +15734,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_29afa07cf45b.runner import Outcome
+from _code_sessions_777f446b6d73.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -16018,7 +16018,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_29afa07cf45b.runner import RunnerError
+from _code_sessions_777f446b6d73.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -16217,13 +16217,13 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_29afa07cf45b.runner import Runner, RunnerError
-from _code_sessions_29afa07cf45b.storage import StorageError
+from _code_sessions_777f446b6d73.runner import Runner, RunnerError
+from _code_sessions_777f446b6d73.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
+from .markup import code_span, escape_text
 from .prompt import PromptFacts, system_prompt
-from .rewrite import code_span, escape_text
 from .service import ChatSession, CodeSessions
 from .settings import Settings
 
@@ -16347,8 +16347,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_29afa07cf45b.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_29afa07cf45b.storage import human_bytes
+from _code_sessions_777f446b6d73.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_777f446b6d73.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -16468,7 +16468,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_29afa07cf45b.storage import Purge, parse_duration
+from _code_sessions_777f446b6d73.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -17036,8 +17036,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_29afa07cf45b.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_29afa07cf45b.storage import (
+from _code_sessions_777f446b6d73.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_777f446b6d73.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -17628,8 +17628,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_29afa07cf45b.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_29afa07cf45b.storage import Policy
+from _code_sessions_777f446b6d73.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_777f446b6d73.storage import Policy
 
 __all__ = ["DEFAULTS", "Settings"]
 
@@ -18059,7 +18059,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_29afa07cf45b.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_777f446b6d73.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -18278,7 +18278,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_29afa07cf45b.storage import Link, Publisher, is_postgres_url
+from _code_sessions_777f446b6d73.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -18513,10 +18513,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_29afa07cf45b.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
-from _code_sessions_29afa07cf45b.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_29afa07cf45b.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_29afa07cf45b.webui import OpenWebUI
+from _code_sessions_777f446b6d73.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
+from _code_sessions_777f446b6d73.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_777f446b6d73.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_777f446b6d73.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -19039,7 +19039,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_29afa07cf45b.engine import (
+from _code_sessions_777f446b6d73.engine import (
     LoopOptions,
     ModelError,
     converse,
@@ -19051,9 +19051,9 @@ from _code_sessions_29afa07cf45b.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_29afa07cf45b.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_29afa07cf45b.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_29afa07cf45b.webui import Misconfigured
+from _code_sessions_777f446b6d73.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_777f446b6d73.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_777f446b6d73.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -12,8 +12,8 @@ from storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
+from .markup import code_span, escape_text
 from .prompt import PromptFacts, system_prompt
-from .rewrite import code_span, escape_text
 from .service import ChatSession, CodeSessions
 from .settings import Settings
 

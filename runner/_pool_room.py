@@ -54,7 +54,7 @@ class _Room:
         for key, kernel in list(self._mine.items()):
             if not kernel.alive:
                 await self._end(key, kernel, kernel.lost or "the kernel stopped")
-            elif now - kernel.last_used > self.idle_s and not kernel.busy:
+            elif now - kernel.last_used > self.settings.idle_s and not kernel.busy:
                 idle = _minutes(self.settings.idle_s)
                 await self._end(key, kernel, f"it was idle for more than {idle}", save=True)
             else:
