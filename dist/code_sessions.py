@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_777f446b6d73'
+_CS_PACKAGE = '_code_sessions_b3b65147f233'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -15734,7 +15734,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_777f446b6d73.runner import Outcome
+from _code_sessions_b3b65147f233.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -16018,7 +16018,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_777f446b6d73.runner import RunnerError
+from _code_sessions_b3b65147f233.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -16216,9 +16216,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from _code_sessions_777f446b6d73.runner import Runner, RunnerError
-from _code_sessions_777f446b6d73.storage import StorageError
+from _code_sessions_b3b65147f233.runner import Runner, RunnerError
+from _code_sessions_b3b65147f233.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -16233,7 +16234,7 @@ log = logging.getLogger("code_sessions.engine")
 
 
 async def import_uploads(
-    chat: ChatSession, host: Host, user_id: str, files: Sequence[dict], status: StatusCall
+    chat: ChatSession, host: Host, user_id: str, files: Sequence[dict[str, Any]], status: StatusCall
 ) -> tuple[list[str], list[str]]:
     """Copy the chat's attachments (the host's file items) into /mnt/data, once each. Returns the
     notes for the answer and the sentences about attachments that could not be taken (said once: the
@@ -16271,14 +16272,14 @@ async def import_uploads(
 
 
 async def messages_with_prompt(
-    messages: list[dict],
+    messages: list[dict[str, Any]],
     chat: ChatSession,
     services: CodeSessions,
     options: LoopOptions,
     notes: Sequence[str],
     *,
     figures_shown: bool = True,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """The conversation as the model reads it: the system prompt first (before the host's own system
     message, if any), and earlier answers with our links turned back into /mnt/data paths."""
     settings: Settings = chat.settings
@@ -16312,7 +16313,7 @@ async def messages_with_prompt(
     return history
 
 
-def last_user_text(messages: list[dict]) -> str:
+def last_user_text(messages: list[dict[str, Any]]) -> str:
     for message in reversed(messages):
         if message.get("role") == "user":
             content = message.get("content")
@@ -16347,8 +16348,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_777f446b6d73.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_777f446b6d73.storage import human_bytes
+from _code_sessions_b3b65147f233.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_b3b65147f233.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -16468,7 +16469,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_777f446b6d73.storage import Purge, parse_duration
+from _code_sessions_b3b65147f233.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -17036,8 +17037,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_777f446b6d73.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_777f446b6d73.storage import (
+from _code_sessions_b3b65147f233.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_b3b65147f233.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -17628,8 +17629,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_777f446b6d73.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_777f446b6d73.storage import Policy
+from _code_sessions_b3b65147f233.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_b3b65147f233.storage import Policy
 
 __all__ = ["DEFAULTS", "Settings"]
 
@@ -18059,7 +18060,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_777f446b6d73.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_b3b65147f233.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -18278,7 +18279,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_777f446b6d73.storage import Link, Publisher, is_postgres_url
+from _code_sessions_b3b65147f233.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -18513,10 +18514,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_777f446b6d73.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
-from _code_sessions_777f446b6d73.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_777f446b6d73.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_777f446b6d73.webui import OpenWebUI
+from _code_sessions_b3b65147f233.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
+from _code_sessions_b3b65147f233.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_b3b65147f233.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_b3b65147f233.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -18715,9 +18716,9 @@ class SessionsAdapter:
         # which the engine's maintenance asks too.
         self.maintenance = Maintenance(OpenWebUI(), _PurgeValve(self))
         self._services: CodeSessions | None = None
-        self._services_key: tuple | None = None
+        self._services_key: tuple[Any, ...] | None = None
         self._function_id: str | None = None
-        self._background: asyncio.Task | None = None
+        self._background: asyncio.Task[None] | None = None
 
     @property
     def _host(self) -> Any:
@@ -18731,20 +18732,22 @@ class SessionsAdapter:
     def settings(self) -> SessionValves:
         """The session valves in force now (the Pipe's and the Tool's own valves; the Tool's for the
         Filter)."""
-        return self.valves  # type: ignore[attr-defined]
+        valves: SessionValves = self.valves  # the Pipe's and the Tool's own
+        return valves
 
     @settings.setter
     def settings(self, value: SessionValves) -> None:
         self.valves = value
 
-    async def _read_settings(self) -> dict:
+    async def _read_settings(self) -> dict[str, Any]:
         """The settings as saved now (the background loop is not called by Open WebUI, so it reads
         them); empty when this file does not know its id yet."""
         if not self._function_id:
             return {}
-        return await self._host.stored_valves(self._function_id)
+        stored: dict[str, Any] = await self._host.stored_valves(self._function_id)
+        return stored
 
-    async def _write_settings(self, stored: dict) -> None:
+    async def _write_settings(self, stored: dict[str, Any]) -> None:
         if self._function_id:
             await self._host.store_valves(self._function_id, stored)
 
@@ -18785,7 +18788,9 @@ class SessionsAdapter:
                 await self._release_services(old)
         return self._services
 
-    async def _shared_services(self, key: tuple, valves: SessionValves, places: Any, index_url: str) -> Any:
+    async def _shared_services(
+        self, key: tuple[Any, ...], valves: SessionValves, places: Any, index_url: str
+    ) -> Any:
         """The services for `key`, made once per process whichever file asks first (a Pipe and a Tool
         with the same storage valves share one store and one set of kernels)."""
         shared = self._host.shared()
@@ -18818,7 +18823,7 @@ class SessionsAdapter:
             entry[1] += 1
             return entry[0]
 
-    async def _release_services(self, key: tuple) -> None:
+    async def _release_services(self, key: tuple[Any, ...]) -> None:
         """This file no longer uses the services for `key` (a valve changed): the last user closes them."""
         shared = self._host.shared()
         async with _shared_lock(shared):
@@ -18886,22 +18891,22 @@ class _PurgeValve:
             await adapter._write_settings({**stored, "purge": ""})
 
 
-def _in_loop(key: tuple) -> tuple:
+def _in_loop(key: tuple[Any, ...]) -> tuple[Any, ...]:
     # Services belong to the event loop they were made in (their tasks, their connections' futures).
     return (id(asyncio.get_running_loop()), *key)
 
 
-def _shared_lock(shared: dict) -> asyncio.Lock:
+def _shared_lock(shared: dict[Any, Any]) -> asyncio.Lock:
     """One lock per process and loop: two first messages at once (to any of the files) must not open
     two stores."""
     key = ("lock", id(asyncio.get_running_loop()))
-    lock = shared.get(key)
+    lock: asyncio.Lock | None = shared.get(key)
     if lock is None:
         lock = shared[key] = asyncio.Lock()
     return lock
 
 
-def _save_kernels_before_stop(shared: dict) -> None:
+def _save_kernels_before_stop(shared: dict[str, Any]) -> None:
     """Open WebUI's server (uvicorn) handles SIGTERM and SIGINT by ending its event loop, which closes
     the kernels' pipes, and then raises the signal again, so no exit handler runs: every kernel would
     die with its state. So the stop signal first saves this process's idle kernels (KernelPool.close:
@@ -19039,9 +19044,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_777f446b6d73.engine import (
+from _code_sessions_b3b65147f233.engine import (
     LoopOptions,
     ModelError,
+    TextDelta,
+    ToolCall,
     converse,
     escape_text,
     events_from_message,
@@ -19051,9 +19058,9 @@ from _code_sessions_777f446b6d73.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_777f446b6d73.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_777f446b6d73.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_777f446b6d73.webui import Misconfigured
+from _code_sessions_b3b65147f233.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_b3b65147f233.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_b3b65147f233.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 
@@ -19084,13 +19091,15 @@ class Pipe(SessionsAdapter):
         show_code: bool = Field(default=True, description="Show the code that ran.")
         show_output: bool = Field(default=True, description="Show the output of each run.")
 
+    valves: Valves
+
     def __init__(self) -> None:
         super().__init__()
         self.valves = self.Valves()
 
     # ---- models -------------------------------------------------------------------------------------
 
-    def pipes(self) -> list[dict]:
+    def pipes(self) -> list[dict[str, Any]]:
         models = [m.strip() for m in self.valves.base_models.split(",") if m.strip()]
         if not models:
             return [
@@ -19105,13 +19114,13 @@ class Pipe(SessionsAdapter):
 
     async def pipe(
         self,
-        body: dict,
-        __user__: dict,
+        body: dict[str, Any],
+        __user__: dict[str, Any],
         __request__: Any = None,
         __event_emitter__: Any = None,
         __chat_id__: str | None = None,
         __task__: str | None = None,
-        __files__: list | None = None,
+        __files__: list[Any] | None = None,
         __message_id__: str | None = None,
     ) -> Any:
         self._function_id, _, base_model = str(body.get("model", "")).partition(".")
@@ -19150,7 +19159,9 @@ class Pipe(SessionsAdapter):
         )
         messages = await messages_with_prompt(body.get("messages", []), chat, services, options, refused)
 
-        async def call_model(history: list[dict], tools: list[dict] | None) -> AsyncIterator:
+        async def call_model(
+            history: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+        ) -> AsyncIterator[TextDelta | ToolCall | ModelError]:
             form = {**body, "model": base_model, "messages": history, "stream": True}
             form.pop("tools", None)
             if tools:
@@ -19186,7 +19197,7 @@ class Pipe(SessionsAdapter):
 # ---- small helpers --------------------------------------------------------------------------------------
 
 
-async def _model_events(response: Any) -> AsyncIterator:
+async def _model_events(response: Any) -> AsyncIterator[TextDelta | ToolCall | ModelError]:
     """Events from whatever generate_chat_completion returned: a stream, a body, or an error response."""
     if isinstance(response, dict):
         for event in events_from_message(response):

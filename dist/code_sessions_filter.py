@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_777f446b6d73'
+_CS_PACKAGE = '_code_sessions_b3b65147f233'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -15734,7 +15734,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_777f446b6d73.runner import Outcome
+from _code_sessions_b3b65147f233.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -16018,7 +16018,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_777f446b6d73.runner import RunnerError
+from _code_sessions_b3b65147f233.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -16216,9 +16216,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from _code_sessions_777f446b6d73.runner import Runner, RunnerError
-from _code_sessions_777f446b6d73.storage import StorageError
+from _code_sessions_b3b65147f233.runner import Runner, RunnerError
+from _code_sessions_b3b65147f233.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -16233,7 +16234,7 @@ log = logging.getLogger("code_sessions.engine")
 
 
 async def import_uploads(
-    chat: ChatSession, host: Host, user_id: str, files: Sequence[dict], status: StatusCall
+    chat: ChatSession, host: Host, user_id: str, files: Sequence[dict[str, Any]], status: StatusCall
 ) -> tuple[list[str], list[str]]:
     """Copy the chat's attachments (the host's file items) into /mnt/data, once each. Returns the
     notes for the answer and the sentences about attachments that could not be taken (said once: the
@@ -16271,14 +16272,14 @@ async def import_uploads(
 
 
 async def messages_with_prompt(
-    messages: list[dict],
+    messages: list[dict[str, Any]],
     chat: ChatSession,
     services: CodeSessions,
     options: LoopOptions,
     notes: Sequence[str],
     *,
     figures_shown: bool = True,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """The conversation as the model reads it: the system prompt first (before the host's own system
     message, if any), and earlier answers with our links turned back into /mnt/data paths."""
     settings: Settings = chat.settings
@@ -16312,7 +16313,7 @@ async def messages_with_prompt(
     return history
 
 
-def last_user_text(messages: list[dict]) -> str:
+def last_user_text(messages: list[dict[str, Any]]) -> str:
     for message in reversed(messages):
         if message.get("role") == "user":
             content = message.get("content")
@@ -16347,8 +16348,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_777f446b6d73.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_777f446b6d73.storage import human_bytes
+from _code_sessions_b3b65147f233.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_b3b65147f233.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -16468,7 +16469,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_777f446b6d73.storage import Purge, parse_duration
+from _code_sessions_b3b65147f233.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -17036,8 +17037,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_777f446b6d73.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_777f446b6d73.storage import (
+from _code_sessions_b3b65147f233.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_b3b65147f233.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -17628,8 +17629,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_777f446b6d73.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_777f446b6d73.storage import Policy
+from _code_sessions_b3b65147f233.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_b3b65147f233.storage import Policy
 
 __all__ = ["DEFAULTS", "Settings"]
 
@@ -18059,7 +18060,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_777f446b6d73.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_b3b65147f233.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -18278,7 +18279,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_777f446b6d73.storage import Link, Publisher, is_postgres_url
+from _code_sessions_b3b65147f233.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -18513,10 +18514,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_777f446b6d73.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
-from _code_sessions_777f446b6d73.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_777f446b6d73.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_777f446b6d73.webui import OpenWebUI
+from _code_sessions_b3b65147f233.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
+from _code_sessions_b3b65147f233.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_b3b65147f233.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_b3b65147f233.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -18715,9 +18716,9 @@ class SessionsAdapter:
         # which the engine's maintenance asks too.
         self.maintenance = Maintenance(OpenWebUI(), _PurgeValve(self))
         self._services: CodeSessions | None = None
-        self._services_key: tuple | None = None
+        self._services_key: tuple[Any, ...] | None = None
         self._function_id: str | None = None
-        self._background: asyncio.Task | None = None
+        self._background: asyncio.Task[None] | None = None
 
     @property
     def _host(self) -> Any:
@@ -18731,20 +18732,22 @@ class SessionsAdapter:
     def settings(self) -> SessionValves:
         """The session valves in force now (the Pipe's and the Tool's own valves; the Tool's for the
         Filter)."""
-        return self.valves  # type: ignore[attr-defined]
+        valves: SessionValves = self.valves  # the Pipe's and the Tool's own
+        return valves
 
     @settings.setter
     def settings(self, value: SessionValves) -> None:
         self.valves = value
 
-    async def _read_settings(self) -> dict:
+    async def _read_settings(self) -> dict[str, Any]:
         """The settings as saved now (the background loop is not called by Open WebUI, so it reads
         them); empty when this file does not know its id yet."""
         if not self._function_id:
             return {}
-        return await self._host.stored_valves(self._function_id)
+        stored: dict[str, Any] = await self._host.stored_valves(self._function_id)
+        return stored
 
-    async def _write_settings(self, stored: dict) -> None:
+    async def _write_settings(self, stored: dict[str, Any]) -> None:
         if self._function_id:
             await self._host.store_valves(self._function_id, stored)
 
@@ -18785,7 +18788,9 @@ class SessionsAdapter:
                 await self._release_services(old)
         return self._services
 
-    async def _shared_services(self, key: tuple, valves: SessionValves, places: Any, index_url: str) -> Any:
+    async def _shared_services(
+        self, key: tuple[Any, ...], valves: SessionValves, places: Any, index_url: str
+    ) -> Any:
         """The services for `key`, made once per process whichever file asks first (a Pipe and a Tool
         with the same storage valves share one store and one set of kernels)."""
         shared = self._host.shared()
@@ -18818,7 +18823,7 @@ class SessionsAdapter:
             entry[1] += 1
             return entry[0]
 
-    async def _release_services(self, key: tuple) -> None:
+    async def _release_services(self, key: tuple[Any, ...]) -> None:
         """This file no longer uses the services for `key` (a valve changed): the last user closes them."""
         shared = self._host.shared()
         async with _shared_lock(shared):
@@ -18886,22 +18891,22 @@ class _PurgeValve:
             await adapter._write_settings({**stored, "purge": ""})
 
 
-def _in_loop(key: tuple) -> tuple:
+def _in_loop(key: tuple[Any, ...]) -> tuple[Any, ...]:
     # Services belong to the event loop they were made in (their tasks, their connections' futures).
     return (id(asyncio.get_running_loop()), *key)
 
 
-def _shared_lock(shared: dict) -> asyncio.Lock:
+def _shared_lock(shared: dict[Any, Any]) -> asyncio.Lock:
     """One lock per process and loop: two first messages at once (to any of the files) must not open
     two stores."""
     key = ("lock", id(asyncio.get_running_loop()))
-    lock = shared.get(key)
+    lock: asyncio.Lock | None = shared.get(key)
     if lock is None:
         lock = shared[key] = asyncio.Lock()
     return lock
 
 
-def _save_kernels_before_stop(shared: dict) -> None:
+def _save_kernels_before_stop(shared: dict[str, Any]) -> None:
     """Open WebUI's server (uvicorn) handles SIGTERM and SIGINT by ending its event loop, which closes
     the kernels' pipes, and then raises the signal again, so no exit handler runs: every kernel would
     die with its state. So the stop signal first saves this process's idle kernels (KernelPool.close:
@@ -19038,7 +19043,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_777f446b6d73.engine import (
+from _code_sessions_b3b65147f233.engine import (
     ChatSession,
     LoopOptions,
     StreamingRewriter,
@@ -19047,10 +19052,10 @@ from _code_sessions_777f446b6d73.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_777f446b6d73.engine.scan import SCAN_ON_LOOP_CHARS
-from _code_sessions_777f446b6d73.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_777f446b6d73.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_777f446b6d73.webui import Misconfigured
+from _code_sessions_b3b65147f233.engine.scan import SCAN_ON_LOOP_CHARS
+from _code_sessions_b3b65147f233.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_b3b65147f233.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_b3b65147f233.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 
@@ -19083,21 +19088,23 @@ class Filter:
 
     async def inlet(
         self,
-        body: dict,
-        __user__: dict | None = None,
-        __metadata__: dict | None = None,
+        body: dict[str, Any],
+        __user__: dict[str, Any] | None = None,
+        __metadata__: dict[str, Any] | None = None,
         __event_emitter__: Any = None,
-    ) -> dict:
+    ) -> dict[str, Any]:
         return await self._sessions.inlet(body, __user__ or {}, __metadata__ or {}, __event_emitter__)
 
-    async def stream(self, event: dict, __metadata__: dict | None = None) -> dict:
+    async def stream(
+        self, event: dict[str, Any], __metadata__: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Rewrite the chunk's text: paths become links as they complete; a path split across chunks is
         held back until it is whole, and the end of each model call (its finish_reason) releases the
         rest. Chunks are the upstream's chat.completion.chunk events.
 
         Called for every chunk of every answer of the models this filter is on, so the common cases
         (not an answer of ours, a chunk of plain text) are a lookup, a few reads and a sync push."""
-        answer = self._sessions.answers.get((__metadata__ or {}).get("message_id"))
+        answer = self._sessions.answers.get(str((__metadata__ or {}).get("message_id") or ""))
         if answer is None or not isinstance(event, dict):
             return event
         rewriter = answer.rewriter
@@ -19125,11 +19132,11 @@ class Filter:
 
     async def outlet(
         self,
-        body: dict,
-        __user__: dict | None = None,
-        __metadata__: dict | None = None,
+        body: dict[str, Any],
+        __user__: dict[str, Any] | None = None,
+        __metadata__: dict[str, Any] | None = None,
         __event_emitter__: Any = None,
-    ) -> dict:
+    ) -> dict[str, Any]:
         return await self._sessions.outlet(body, __user__ or {}, __metadata__ or {}, __event_emitter__)
 
 
@@ -19151,10 +19158,11 @@ class FilterSessions(SessionsAdapter):
     def settings(self, value: SessionValves) -> None:
         self._settings = value
 
-    async def _read_settings(self) -> dict:
-        return await self._host.stored_tool_valves(self._filter.valves.tool_id)
+    async def _read_settings(self) -> dict[str, Any]:
+        stored: dict[str, Any] = await self._host.stored_tool_valves(self._filter.valves.tool_id)
+        return stored
 
-    async def _write_settings(self, stored: dict) -> None:
+    async def _write_settings(self, stored: dict[str, Any]) -> None:
         await self._host.store_tool_valves(self._filter.valves.tool_id, stored)
 
     async def _chat(self, user_id: str, chat_id: str) -> tuple[Any, ChatSession] | None:
@@ -19176,7 +19184,9 @@ class FilterSessions(SessionsAdapter):
 
     # ---- before the model ----------------------------------------------------------------------------
 
-    async def inlet(self, body: dict, user: dict, metadata: dict, emitter: Any) -> dict:
+    async def inlet(
+        self, body: dict[str, Any], user: dict[str, Any], metadata: dict[str, Any], emitter: Any
+    ) -> dict[str, Any]:
         user_id = str(user.get("id") or "")
         messages = body.get("messages")
         if not user_id or not isinstance(messages, list) or not self._tool_enabled(body, metadata):
@@ -19211,7 +19221,7 @@ class FilterSessions(SessionsAdapter):
                 self.answers.popitem(last=False)
         return body
 
-    def _tool_enabled(self, body: dict, metadata: dict) -> bool:
+    def _tool_enabled(self, body: dict[str, Any], metadata: dict[str, Any]) -> bool:
         """Whether this request offers the Tool: the web UI sends the tools of the model and those the
         user picked in the chat as `tool_ids` (read by Open WebUI after the inlets). Without the Tool
         the model cannot run code, so the filter stays out of the way (a Filter made global thus
@@ -19224,7 +19234,9 @@ class FilterSessions(SessionsAdapter):
 
     # ---- once it is saved ----------------------------------------------------------------------------
 
-    async def outlet(self, body: dict, user: dict, metadata: dict, emitter: Any) -> dict:
+    async def outlet(
+        self, body: dict[str, Any], user: dict[str, Any], metadata: dict[str, Any], emitter: Any
+    ) -> dict[str, Any]:
         """The saved answer, rewritten whole (what streaming could not: a path in a stream that ended
         without a finish, an answer that was not streamed), with its linked files attached."""
         message_id = str(body.get("id") or metadata.get("message_id") or "")

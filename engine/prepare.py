@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from runner import Runner, RunnerError
 from storage import StorageError
@@ -23,7 +24,7 @@ log = logging.getLogger("code_sessions.engine")
 
 
 async def import_uploads(
-    chat: ChatSession, host: Host, user_id: str, files: Sequence[dict], status: StatusCall
+    chat: ChatSession, host: Host, user_id: str, files: Sequence[dict[str, Any]], status: StatusCall
 ) -> tuple[list[str], list[str]]:
     """Copy the chat's attachments (the host's file items) into /mnt/data, once each. Returns the
     notes for the answer and the sentences about attachments that could not be taken (said once: the
@@ -61,14 +62,14 @@ async def import_uploads(
 
 
 async def messages_with_prompt(
-    messages: list[dict],
+    messages: list[dict[str, Any]],
     chat: ChatSession,
     services: CodeSessions,
     options: LoopOptions,
     notes: Sequence[str],
     *,
     figures_shown: bool = True,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """The conversation as the model reads it: the system prompt first (before the host's own system
     message, if any), and earlier answers with our links turned back into /mnt/data paths."""
     settings: Settings = chat.settings
@@ -102,7 +103,7 @@ async def messages_with_prompt(
     return history
 
 
-def last_user_text(messages: list[dict]) -> str:
+def last_user_text(messages: list[dict[str, Any]]) -> str:
     for message in reversed(messages):
         if message.get("role") == "user":
             content = message.get("content")

@@ -227,9 +227,9 @@ class SessionsAdapter:
         # which the engine's maintenance asks too.
         self.maintenance = Maintenance(OpenWebUI(), _PurgeValve(self))
         self._services: CodeSessions | None = None
-        self._services_key: tuple | None = None
+        self._services_key: tuple[Any, ...] | None = None
         self._function_id: str | None = None
-        self._background: asyncio.Task | None = None
+        self._background: asyncio.Task[None] | None = None
 
     @property
     def _host(self) -> Any:
@@ -243,20 +243,22 @@ class SessionsAdapter:
     def settings(self) -> SessionValves:
         """The session valves in force now (the Pipe's and the Tool's own valves; the Tool's for the
         Filter)."""
-        return self.valves  # type: ignore[attr-defined]
+        valves: SessionValves = self.valves  # the Pipe's and the Tool's own
+        return valves
 
     @settings.setter
     def settings(self, value: SessionValves) -> None:
         self.valves = value
 
-    async def _read_settings(self) -> dict:
+    async def _read_settings(self) -> dict[str, Any]:
         """The settings as saved now (the background loop is not called by Open WebUI, so it reads
         them); empty when this file does not know its id yet."""
         if not self._function_id:
             return {}
-        return await self._host.stored_valves(self._function_id)
+        stored: dict[str, Any] = await self._host.stored_valves(self._function_id)
+        return stored
 
-    async def _write_settings(self, stored: dict) -> None:
+    async def _write_settings(self, stored: dict[str, Any]) -> None:
         if self._function_id:
             await self._host.store_valves(self._function_id, stored)
 
@@ -297,7 +299,9 @@ class SessionsAdapter:
                 await self._release_services(old)
         return self._services
 
-    async def _shared_services(self, key: tuple, valves: SessionValves, places: Any, index_url: str) -> Any:
+    async def _shared_services(
+        self, key: tuple[Any, ...], valves: SessionValves, places: Any, index_url: str
+    ) -> Any:
         """The services for `key`, made once per process whichever file asks first (a Pipe and a Tool
         with the same storage valves share one store and one set of kernels)."""
         shared = self._host.shared()
@@ -330,7 +334,7 @@ class SessionsAdapter:
             entry[1] += 1
             return entry[0]
 
-    async def _release_services(self, key: tuple) -> None:
+    async def _release_services(self, key: tuple[Any, ...]) -> None:
         """This file no longer uses the services for `key` (a valve changed): the last user closes them."""
         shared = self._host.shared()
         async with _shared_lock(shared):
@@ -398,22 +402,22 @@ class _PurgeValve:
             await adapter._write_settings({**stored, "purge": ""})
 
 
-def _in_loop(key: tuple) -> tuple:
+def _in_loop(key: tuple[Any, ...]) -> tuple[Any, ...]:
     # Services belong to the event loop they were made in (their tasks, their connections' futures).
     return (id(asyncio.get_running_loop()), *key)
 
 
-def _shared_lock(shared: dict) -> asyncio.Lock:
+def _shared_lock(shared: dict[Any, Any]) -> asyncio.Lock:
     """One lock per process and loop: two first messages at once (to any of the files) must not open
     two stores."""
     key = ("lock", id(asyncio.get_running_loop()))
-    lock = shared.get(key)
+    lock: asyncio.Lock | None = shared.get(key)
     if lock is None:
         lock = shared[key] = asyncio.Lock()
     return lock
 
 
-def _save_kernels_before_stop(shared: dict) -> None:
+def _save_kernels_before_stop(shared: dict[str, Any]) -> None:
     """Open WebUI's server (uvicorn) handles SIGTERM and SIGINT by ending its event loop, which closes
     the kernels' pipes, and then raises the signal again, so no exit handler runs: every kernel would
     die with its state. So the stop signal first saves this process's idle kernels (KernelPool.close:

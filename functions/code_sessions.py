@@ -20,6 +20,8 @@ from pydantic import BaseModel, Field
 from engine import (
     LoopOptions,
     ModelError,
+    TextDelta,
+    ToolCall,
     converse,
     escape_text,
     events_from_message,
@@ -62,13 +64,15 @@ class Pipe(SessionsAdapter):
         show_code: bool = Field(default=True, description="Show the code that ran.")
         show_output: bool = Field(default=True, description="Show the output of each run.")
 
+    valves: Valves
+
     def __init__(self) -> None:
         super().__init__()
         self.valves = self.Valves()
 
     # ---- models -------------------------------------------------------------------------------------
 
-    def pipes(self) -> list[dict]:
+    def pipes(self) -> list[dict[str, Any]]:
         models = [m.strip() for m in self.valves.base_models.split(",") if m.strip()]
         if not models:
             return [
@@ -83,13 +87,13 @@ class Pipe(SessionsAdapter):
 
     async def pipe(
         self,
-        body: dict,
-        __user__: dict,
+        body: dict[str, Any],
+        __user__: dict[str, Any],
         __request__: Any = None,
         __event_emitter__: Any = None,
         __chat_id__: str | None = None,
         __task__: str | None = None,
-        __files__: list | None = None,
+        __files__: list[Any] | None = None,
         __message_id__: str | None = None,
     ) -> Any:
         self._function_id, _, base_model = str(body.get("model", "")).partition(".")
@@ -128,7 +132,9 @@ class Pipe(SessionsAdapter):
         )
         messages = await messages_with_prompt(body.get("messages", []), chat, services, options, refused)
 
-        async def call_model(history: list[dict], tools: list[dict] | None) -> AsyncIterator:
+        async def call_model(
+            history: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+        ) -> AsyncIterator[TextDelta | ToolCall | ModelError]:
             form = {**body, "model": base_model, "messages": history, "stream": True}
             form.pop("tools", None)
             if tools:
@@ -164,7 +170,7 @@ class Pipe(SessionsAdapter):
 # ---- small helpers --------------------------------------------------------------------------------------
 
 
-async def _model_events(response: Any) -> AsyncIterator:
+async def _model_events(response: Any) -> AsyncIterator[TextDelta | ToolCall | ModelError]:
     """Events from whatever generate_chat_completion returned: a stream, a body, or an error response."""
     if isinstance(response, dict):
         for event in events_from_message(response):

@@ -61,21 +61,23 @@ class Filter:
 
     async def inlet(
         self,
-        body: dict,
-        __user__: dict | None = None,
-        __metadata__: dict | None = None,
+        body: dict[str, Any],
+        __user__: dict[str, Any] | None = None,
+        __metadata__: dict[str, Any] | None = None,
         __event_emitter__: Any = None,
-    ) -> dict:
+    ) -> dict[str, Any]:
         return await self._sessions.inlet(body, __user__ or {}, __metadata__ or {}, __event_emitter__)
 
-    async def stream(self, event: dict, __metadata__: dict | None = None) -> dict:
+    async def stream(
+        self, event: dict[str, Any], __metadata__: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Rewrite the chunk's text: paths become links as they complete; a path split across chunks is
         held back until it is whole, and the end of each model call (its finish_reason) releases the
         rest. Chunks are the upstream's chat.completion.chunk events.
 
         Called for every chunk of every answer of the models this filter is on, so the common cases
         (not an answer of ours, a chunk of plain text) are a lookup, a few reads and a sync push."""
-        answer = self._sessions.answers.get((__metadata__ or {}).get("message_id"))
+        answer = self._sessions.answers.get(str((__metadata__ or {}).get("message_id") or ""))
         if answer is None or not isinstance(event, dict):
             return event
         rewriter = answer.rewriter
@@ -103,11 +105,11 @@ class Filter:
 
     async def outlet(
         self,
-        body: dict,
-        __user__: dict | None = None,
-        __metadata__: dict | None = None,
+        body: dict[str, Any],
+        __user__: dict[str, Any] | None = None,
+        __metadata__: dict[str, Any] | None = None,
         __event_emitter__: Any = None,
-    ) -> dict:
+    ) -> dict[str, Any]:
         return await self._sessions.outlet(body, __user__ or {}, __metadata__ or {}, __event_emitter__)
 
 
@@ -129,10 +131,11 @@ class FilterSessions(SessionsAdapter):
     def settings(self, value: SessionValves) -> None:
         self._settings = value
 
-    async def _read_settings(self) -> dict:
-        return await self._host.stored_tool_valves(self._filter.valves.tool_id)
+    async def _read_settings(self) -> dict[str, Any]:
+        stored: dict[str, Any] = await self._host.stored_tool_valves(self._filter.valves.tool_id)
+        return stored
 
-    async def _write_settings(self, stored: dict) -> None:
+    async def _write_settings(self, stored: dict[str, Any]) -> None:
         await self._host.store_tool_valves(self._filter.valves.tool_id, stored)
 
     async def _chat(self, user_id: str, chat_id: str) -> tuple[Any, ChatSession] | None:
@@ -154,7 +157,9 @@ class FilterSessions(SessionsAdapter):
 
     # ---- before the model ----------------------------------------------------------------------------
 
-    async def inlet(self, body: dict, user: dict, metadata: dict, emitter: Any) -> dict:
+    async def inlet(
+        self, body: dict[str, Any], user: dict[str, Any], metadata: dict[str, Any], emitter: Any
+    ) -> dict[str, Any]:
         user_id = str(user.get("id") or "")
         messages = body.get("messages")
         if not user_id or not isinstance(messages, list) or not self._tool_enabled(body, metadata):
@@ -189,7 +194,7 @@ class FilterSessions(SessionsAdapter):
                 self.answers.popitem(last=False)
         return body
 
-    def _tool_enabled(self, body: dict, metadata: dict) -> bool:
+    def _tool_enabled(self, body: dict[str, Any], metadata: dict[str, Any]) -> bool:
         """Whether this request offers the Tool: the web UI sends the tools of the model and those the
         user picked in the chat as `tool_ids` (read by Open WebUI after the inlets). Without the Tool
         the model cannot run code, so the filter stays out of the way (a Filter made global thus
@@ -202,7 +207,9 @@ class FilterSessions(SessionsAdapter):
 
     # ---- once it is saved ----------------------------------------------------------------------------
 
-    async def outlet(self, body: dict, user: dict, metadata: dict, emitter: Any) -> dict:
+    async def outlet(
+        self, body: dict[str, Any], user: dict[str, Any], metadata: dict[str, Any], emitter: Any
+    ) -> dict[str, Any]:
         """The saved answer, rewritten whole (what streaming could not: a path in a stream that ended
         without a finish, an answer that was not streamed), with its linked files attached."""
         message_id = str(body.get("id") or metadata.get("message_id") or "")

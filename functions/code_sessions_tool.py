@@ -26,16 +26,16 @@ class Tools:
         pass
 
     def __init__(self) -> None:
-        self.valves = self.Valves()
+        self.valves: SessionValves = self.Valves()
         self._sessions = ToolSessions(self)
 
     async def run_code(
         self,
         code: str,
         language: str = "python",
-        __user__: dict | None = None,
+        __user__: dict[str, Any] | None = None,
         __chat_id__: str | None = None,
-        __files__: list | None = None,
+        __files__: list[Any] | None = None,
         __event_emitter__: Any = None,
         __id__: str | None = None,
     ) -> str:
@@ -73,10 +73,10 @@ class ToolSessions(SessionsAdapter):
     def settings(self, value: SessionValves) -> None:
         self._tool.valves = value
 
-    async def _read_settings(self) -> dict:
+    async def _read_settings(self) -> dict[str, Any]:
         return await self._host.stored_tool_valves(self._function_id) if self._function_id else {}
 
-    async def _write_settings(self, stored: dict) -> None:
+    async def _write_settings(self, stored: dict[str, Any]) -> None:
         if self._function_id:
             await self._host.store_tool_valves(self._function_id, stored)
 
@@ -85,9 +85,9 @@ class ToolSessions(SessionsAdapter):
         code: str,
         language: str,
         *,
-        user: dict,
+        user: dict[str, Any],
         chat_id: str,
-        files: list,
+        files: list[Any],
         emitter: Any,
         tool_id: str | None,
     ) -> str:
