@@ -252,7 +252,7 @@ class KernelPool(_Room, _Peers):
     def _save_at_exit(self) -> None:
         """Save this process's idle kernels that have a state folder, at interpreter exit, within
         _SHUTDOWN_SAVE_S (see _saving.save_at_exit)."""
-        setup = self.runner._setup
+        setup = self.runner.host_setup
         targets = [
             (key, kernel, self._state_dirs[key])
             for key, kernel in list(self._mine.items())

@@ -80,6 +80,12 @@ class Runner:
     def sandbox_gid(self) -> int:
         return self.config.sandbox_gid
 
+    @property
+    def host_setup(self) -> HostSetup | None:
+        """What `setup` found, once it has run; None before (for code that must not start it, such as
+        saving kernels at interpreter exit)."""
+        return self._setup
+
     async def setup(self) -> HostSetup:
         """Detect runsc and prepare the host (idempotent). Raises RunnerError on misconfiguration."""
         if self._setup is None:
