@@ -49,8 +49,12 @@ class Maintenance:
         purge, chats deleted in the host, and expiry when it is due, by one worker (of every
         replica) at a time, under a lock every process of the store shares (the expiry interval is
         kept in the index, so several workers expire once)."""
-        # Every worker, every tick: what the runs of a dead worker of this host left (its sandboxes
-        # died with it; their container state, bundles and cgroups did not). Only dead owners' runs.
+        # Every worker, every tick: the settings as saved now, so that an admin's change (a kernel's
+        # idle time, max_kernels, saved states, quotas) reaches a worker's reaper and pool within a
+        # minute, not at its next message.
+        services.apply(settings)
+        # What the runs of a dead worker of this host left (its sandboxes died with it; their
+        # container state, bundles and cgroups did not). Only dead owners' runs.
         try:
             await services.runner.sweep_leftovers()
         except RunnerError as error:  # no usable runsc: a run says so in words; nothing to sweep

@@ -512,13 +512,14 @@ class CodeSessions:
     async def chat(self, user_id: str, chat_id: str, settings: Settings | None = None) -> ChatSession:
         """The chat's session, bound to the message's settings (None: the constructor's)."""
         if settings is not None:
-            self._use(settings)
+            self.apply(settings)
         return ChatSession(self, await self.store.session(user_id, chat_id), settings or self.settings)
 
-    def _use(self, settings: Settings) -> None:
+    def apply(self, settings: Settings) -> None:
         """Give the store and the kernel pool their parts of the settings. They serve every chat of
-        this process, so theirs are the latest message's; each is a frozen value, replaced whole
-        (and only when it changed, so the store records its policy once per change)."""
+        this process, so theirs are the latest message's or the latest tick's (which reads the valves
+        as saved); each is a frozen value, replaced whole (and only when it changed, so the store
+        records its policy once per change)."""
         if self.store.policy != settings.policy:
             self.store.policy = settings.policy
         if self.kernels is not None and self.kernels.settings != settings.kernels:
@@ -539,7 +540,7 @@ class CodeSessions:
         """The expiry policy (the settings' or the latest message's): old files and idle sessions go
         (an expired session's kernel too)."""
         if settings is not None:
-            self._use(settings)
+            self.apply(settings)
         return await self._ended(await self.store.cleanup(), "this chat was unused long enough to expire")
 
     async def forget_chats(self, chats: list[tuple[str, str]], reason: str) -> CleanupReport:

@@ -110,3 +110,14 @@ async def test_the_background_tick_sweeps_what_a_dead_workers_kernel_left(harnes
     assert "bundle" in leftovers(*where)
     await harness.pipe._tick()
     assert leftovers(*where) == []
+
+
+async def test_the_background_tick_applies_valves_saved_without_a_message(harness: PipeHarness):
+    """An admin saves new kernel valves: this worker's pool (its reaper, its saves) follows at the next
+    tick, not only once a message reaches this worker."""
+    await harness.say("alice", "chat-1", code("print('set up')"))
+    pool = harness.pipe._services.kernels
+    assert pool.settings.max_kernels != 3
+    harness.stored_valves = {**harness.stored_valves, "max_kernels": 3, "kernel_idle_minutes": 7}
+    await harness.pipe._tick()
+    assert (pool.settings.max_kernels, pool.settings.idle_s) == (3, 7 * 60)
