@@ -20,6 +20,11 @@ REPO = Path(__file__).resolve().parent.parent
 BUNDLE = REPO / "dist" / "code_sessions.py"
 OWUI_VENV = Path(os.environ.get("OWUI_VENV", "/var/cache/code-sessions/owui-venv"))
 FUNCTION_ID = "code_sessions"
+TOOL_BUNDLE = REPO / "dist" / "code_sessions_tool.py"
+TOOL_ID = "code_sessions_tool"
+FILTER_BUNDLE = REPO / "dist" / "code_sessions_filter.py"
+FILTER_ID = "code_sessions_filter"
+EVERYONE = [{"principal_type": "user", "principal_id": "*", "permission": "read"}]
 
 
 def free_port() -> int:
@@ -120,13 +125,19 @@ class Admin:
     def post(self, path: str, payload: object = None) -> httpx.Response:
         return httpx.post(self.url + path, headers=self.headers, json=payload, timeout=120)
 
-    def install_function(self, bundle: Path = BUNDLE, function_id: str = FUNCTION_ID) -> None:
+    def install_function(
+        self,
+        bundle: Path = BUNDLE,
+        function_id: str = FUNCTION_ID,
+        name: str = "Code Sessions",
+        description: str = "Per-chat /mnt/data folders, code run in gVisor, download links.",
+    ) -> None:
         """Create the function from the bundle (or update it to this bundle) and switch it on."""
         form = {
             "id": function_id,
-            "name": "Code Sessions",
+            "name": name,
             "content": bundle.read_text(),
-            "meta": {"description": "Per-chat /mnt/data folders, code run in gVisor, download links."},
+            "meta": {"description": description},
         }
         existing = self.get(f"/api/v1/functions/id/{function_id}")
         path = (
@@ -138,6 +149,41 @@ class Admin:
         response.raise_for_status()
         if not self.get(f"/api/v1/functions/id/{function_id}").json().get("is_active"):
             self.post(f"/api/v1/functions/id/{function_id}/toggle").raise_for_status()
+
+    def install_tool_and_filter(self, models: list[str]) -> None:
+        """The Tool (shared with every user) and the Filter (switched on), both created from their
+        bundles or updated to them, and enabled on each of these models: any model can then use the
+        chat's folder and kernel, not only the Pipe's."""
+        tool = {
+            "id": TOOL_ID,
+            "name": "Code Sessions Tool",
+            "content": TOOL_BUNDLE.read_text(),
+            "meta": {"description": "run_code in the chat's /mnt/data and live Python kernel"},
+            "access_grants": EVERYONE,
+        }
+        exists = self.get(f"/api/v1/tools/id/{TOOL_ID}").status_code == 200
+        self.post(
+            f"/api/v1/tools/id/{TOOL_ID}/update" if exists else "/api/v1/tools/create", tool
+        ).raise_for_status()
+        self.install_function(
+            FILTER_BUNDLE, FILTER_ID, "Code Sessions Filter", "Code Sessions: prompt, uploads, links"
+        )
+        for model_id in models:
+            found = self.get(f"/api/v1/models/model?id={model_id}")
+            entry = found.json() if found.status_code == 200 and found.json() else None
+            meta = {**((entry or {}).get("meta") or {})}
+            meta["toolIds"] = sorted({*meta.get("toolIds", []), TOOL_ID})
+            meta["filterIds"] = sorted({*meta.get("filterIds", []), FILTER_ID})
+            form = {
+                "id": model_id,
+                "base_model_id": None,
+                "name": (entry or {}).get("name") or model_id,
+                "meta": meta,
+                "params": (entry or {}).get("params") or {},
+                "access_grants": EVERYONE,
+            }
+            path = "/api/v1/models/model/update" if entry else "/api/v1/models/create"
+            self.post(path, form).raise_for_status()
 
     def use_models_from(self, *, openai: tuple[str, str] | None = None, ollama: str | None = None) -> None:
         """Point Open WebUI at one model source: an OpenAI-compatible (url, key) or an Ollama url.

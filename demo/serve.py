@@ -102,8 +102,14 @@ def main() -> int:
             if not model["id"].startswith(launcher.FUNCTION_ID + ".") and "pipe" not in model
         ]
         admin.set_valves(base_models=",".join(models))
+        admin.install_tool_and_filter(models)
         names = ", ".join(f"Code · {m}" for m in models) or "(none: pass --models)"
-        print(f"Ready: open {url} and pick {names}. Ctrl-C stops.", flush=True)
+        plain = ", ".join(models) or "a model"
+        print(
+            f"Ready: open {url} and pick {names}; or {plain} itself, with the Code Sessions tool"
+            " switched on under the message box. Ctrl-C stops.",
+            flush=True,
+        )
         server.wait()
     except KeyboardInterrupt:
         pass

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from demo import launcher
+from demo.scripted_model import MODEL_ID as BASE_MODEL
 from tests.support.open_webui import LINK, MODEL, Account, OpenWebUI, Reply
 
 pytestmark = [pytest.mark.e2e, pytest.mark.runsc]
@@ -79,6 +80,16 @@ def model_url(serve: Serve) -> str:
     return url
 
 
+def tool_and_filter_on_the_plain_model(user: Account) -> None:
+    """The Tool (shared with everyone) and the Filter (on) are installed, and both enabled, once each,
+    on the base model, so that the plain model can use sessions too."""
+    tool = user.get(f"/api/v1/tools/id/{launcher.TOOL_ID}")
+    assert tool.status_code == 200, tool.text
+    assert user.get(f"/api/v1/functions/id/{launcher.FILTER_ID}").json()["is_active"]
+    meta = user.get(f"/api/v1/models/model?id={BASE_MODEL}").json()["meta"]
+    assert (meta["toolIds"], meta["filterIds"]) == ([launcher.TOOL_ID], [launcher.FILTER_ID])
+
+
 def test_the_readme_product_command_runs_the_file_workflow_offline_and_keeps_files_across_a_restart(
     tmp_path: Path,
 ) -> None:
@@ -90,6 +101,7 @@ def test_the_readme_product_command_runs_the_file_workflow_offline_and_keeps_fil
         assert "models from the built-in scripted demo model" in serve.printed()
         assert "Code · demo-scripted" in serve.printed()
         user = serve.account()
+        tool_and_filter_on_the_plain_model(user)
 
         report = user.say("make a csv report of visitors per month", model=MODEL)
         report_link = link_named(report, "report.csv")
@@ -124,6 +136,7 @@ def test_the_readme_product_command_runs_the_file_workflow_offline_and_keeps_fil
     try:
         again.wait_ready()
         user = again.account()
+        tool_and_filter_on_the_plain_model(user)  # updated in place at the second start, not doubled
         # The demo model moved to another port: only a re-pointed Open WebUI can answer at all.
         assert model_url(serve) != model_url(again)
         listing = user.say("list my files", previous=bundle, model=MODEL)
