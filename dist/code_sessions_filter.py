@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_b3b65147f233'
+_CS_PACKAGE = '_code_sessions_aa19f27ddaa3'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -14332,7 +14332,7 @@ class KernelPool(_Room, _Peers):
     def _save_at_exit(self) -> None:
         """Save this process's idle kernels that have a state folder, at interpreter exit, within
         _SHUTDOWN_SAVE_S (see _saving.save_at_exit)."""
-        setup = self.runner._setup
+        setup = self.runner.host_setup
         targets = [
             (key, kernel, self._state_dirs[key])
             for key, kernel in list(self._mine.items())
@@ -14777,6 +14777,12 @@ class Runner:
     @property
     def sandbox_gid(self) -> int:
         return self.config.sandbox_gid
+
+    @property
+    def host_setup(self) -> HostSetup | None:
+        """What `setup` found, once it has run; None before (for code that must not start it, such as
+        saving kernels at interpreter exit)."""
+        return self._setup
 
     async def setup(self) -> HostSetup:
         """Detect runsc and prepare the host (idempotent). Raises RunnerError on misconfiguration."""
@@ -15734,7 +15740,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_b3b65147f233.runner import Outcome
+from _code_sessions_aa19f27ddaa3.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -16018,7 +16024,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_b3b65147f233.runner import RunnerError
+from _code_sessions_aa19f27ddaa3.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -16056,8 +16062,12 @@ class Maintenance:
         purge, chats deleted in the host, and expiry when it is due, by one worker (of every
         replica) at a time, under a lock every process of the store shares (the expiry interval is
         kept in the index, so several workers expire once)."""
-        # Every worker, every tick: what the runs of a dead worker of this host left (its sandboxes
-        # died with it; their container state, bundles and cgroups did not). Only dead owners' runs.
+        # Every worker, every tick: the settings as saved now, so that an admin's change (a kernel's
+        # idle time, max_kernels, saved states, quotas) reaches a worker's reaper and pool within a
+        # minute, not at its next message.
+        services.apply(settings)
+        # What the runs of a dead worker of this host left (its sandboxes died with it; their
+        # container state, bundles and cgroups did not). Only dead owners' runs.
         try:
             await services.runner.sweep_leftovers()
         except RunnerError as error:  # no usable runsc: a run says so in words; nothing to sweep
@@ -16218,8 +16228,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_b3b65147f233.runner import Runner, RunnerError
-from _code_sessions_b3b65147f233.storage import StorageError
+from _code_sessions_aa19f27ddaa3.runner import Runner, RunnerError
+from _code_sessions_aa19f27ddaa3.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -16348,8 +16358,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b3b65147f233.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_b3b65147f233.storage import human_bytes
+from _code_sessions_aa19f27ddaa3.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_aa19f27ddaa3.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -16469,7 +16479,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_b3b65147f233.storage import Purge, parse_duration
+from _code_sessions_aa19f27ddaa3.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -17037,8 +17047,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_b3b65147f233.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_b3b65147f233.storage import (
+from _code_sessions_aa19f27ddaa3.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_aa19f27ddaa3.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -17534,13 +17544,14 @@ class CodeSessions:
     async def chat(self, user_id: str, chat_id: str, settings: Settings | None = None) -> ChatSession:
         """The chat's session, bound to the message's settings (None: the constructor's)."""
         if settings is not None:
-            self._use(settings)
+            self.apply(settings)
         return ChatSession(self, await self.store.session(user_id, chat_id), settings or self.settings)
 
-    def _use(self, settings: Settings) -> None:
+    def apply(self, settings: Settings) -> None:
         """Give the store and the kernel pool their parts of the settings. They serve every chat of
-        this process, so theirs are the latest message's; each is a frozen value, replaced whole
-        (and only when it changed, so the store records its policy once per change)."""
+        this process, so theirs are the latest message's or the latest tick's (which reads the valves
+        as saved); each is a frozen value, replaced whole (and only when it changed, so the store
+        records its policy once per change)."""
         if self.store.policy != settings.policy:
             self.store.policy = settings.policy
         if self.kernels is not None and self.kernels.settings != settings.kernels:
@@ -17561,7 +17572,7 @@ class CodeSessions:
         """The expiry policy (the settings' or the latest message's): old files and idle sessions go
         (an expired session's kernel too)."""
         if settings is not None:
-            self._use(settings)
+            self.apply(settings)
         return await self._ended(await self.store.cleanup(), "this chat was unused long enough to expire")
 
     async def forget_chats(self, chats: list[tuple[str, str]], reason: str) -> CleanupReport:
@@ -17629,8 +17640,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_b3b65147f233.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_b3b65147f233.storage import Policy
+from _code_sessions_aa19f27ddaa3.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_aa19f27ddaa3.storage import Policy
 
 __all__ = ["DEFAULTS", "Settings"]
 
@@ -18060,7 +18071,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_b3b65147f233.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_aa19f27ddaa3.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -18279,7 +18290,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_b3b65147f233.storage import Link, Publisher, is_postgres_url
+from _code_sessions_aa19f27ddaa3.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -18514,10 +18525,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_b3b65147f233.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
-from _code_sessions_b3b65147f233.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_b3b65147f233.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_b3b65147f233.webui import OpenWebUI
+from _code_sessions_aa19f27ddaa3.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
+from _code_sessions_aa19f27ddaa3.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_aa19f27ddaa3.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_aa19f27ddaa3.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -19043,7 +19054,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_b3b65147f233.engine import (
+from _code_sessions_aa19f27ddaa3.engine import (
     ChatSession,
     LoopOptions,
     StreamingRewriter,
@@ -19052,10 +19063,10 @@ from _code_sessions_b3b65147f233.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_b3b65147f233.engine.scan import SCAN_ON_LOOP_CHARS
-from _code_sessions_b3b65147f233.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_b3b65147f233.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_b3b65147f233.webui import Misconfigured
+from _code_sessions_aa19f27ddaa3.engine.scan import SCAN_ON_LOOP_CHARS
+from _code_sessions_aa19f27ddaa3.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_aa19f27ddaa3.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_aa19f27ddaa3.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 
