@@ -118,6 +118,7 @@ async def test_the_background_tick_applies_valves_saved_without_a_message(harnes
     await harness.say("alice", "chat-1", code("print('set up')"))
     pool = harness.pipe._services.kernels
     assert pool.settings.max_kernels != 3
+    await harness.pipe._tick()  # its expiry is done: the next tick's is not due for half an hour
     harness.stored_valves = {**harness.stored_valves, "max_kernels": 3, "kernel_idle_minutes": 7}
     await harness.pipe._tick()
     assert (pool.settings.max_kernels, pool.settings.idle_s) == (3, 7 * 60)
