@@ -158,8 +158,10 @@ class History:
 
     def kernel_dir(self, message_id: str) -> Path:
         """Where the kernel's image of a state lives (the caller writes it; made here, private)."""
+        self._make_folder()
         folder = self.folder / "kernels" / digest(message_id)
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        folder.parent.mkdir(mode=0o700, exist_ok=True)
+        folder.mkdir(mode=0o700, exist_ok=True)
         return folder
 
     def kernel_of(self, message_id: str) -> Path | None:
@@ -199,7 +201,7 @@ class History:
         newest `keep_states` states and the kernels of the newest `keep_kernels`, and drop the oldest
         while the history takes more than `room_bytes` (None: no bound), never the new one."""
         index = self.load()
-        self.folder.mkdir(mode=0o700, exist_ok=True)
+        self._make_folder()
         objects = self.folder / "objects"
         objects.mkdir(mode=0o700, exist_ok=True)
         (self.folder / "states").mkdir(mode=0o700, exist_ok=True)
@@ -380,7 +382,6 @@ class History:
         """The folder as at the start of a chat: empty."""
         index = self.load()
         index.head, index.dirty, index.restoring = message_id, True, True
-        self.folder.mkdir(mode=0o700, exist_ok=True)
         self._write_index(index)
         removed = 0
         with fd_closing(os.open(self.live_dir, DIR_FLAGS)) as root:
@@ -430,8 +431,13 @@ class History:
             return None
         return state if ok else None
 
-    def _write_index(self, index: Index) -> None:
+    def _make_folder(self) -> None:
+        # Its parent (the chat's saved-state folder) may not exist yet; both are ours alone.
+        self.folder.parent.mkdir(mode=0o700, exist_ok=True)
         self.folder.mkdir(mode=0o700, exist_ok=True)
+
+    def _write_index(self, index: Index) -> None:
+        self._make_folder()
         _write_json(self.folder / INDEX, index.to_json())
 
 
