@@ -57,9 +57,9 @@ async def test_a_file_written_in_place_never_changes_an_older_state(store: Store
     async with session.lock():
         (session.path / "f.bin").write_bytes(b"0" * 8192)
         await session.history.save("m1", **KEEP)
-        with open(session.path / "f.bin", "r+b") as fh:  # the same inode, rewritten through a mapping
-            with mmap.mmap(fh.fileno(), 0) as mapped:
-                mapped[:4] = b"XXXX"
+        # The same inode, rewritten through a mapping.
+        with open(session.path / "f.bin", "r+b") as fh, mmap.mmap(fh.fileno(), 0) as mapped:
+            mapped[:4] = b"XXXX"
         with open(session.path / "f.bin", "r+") as fh:
             fh.seek(100)
             fh.write("Y")
@@ -134,7 +134,7 @@ async def test_a_state_no_longer_kept_or_damaged_is_refused_and_the_folder_stays
         # A forged state that names a place outside the folder is no state at all.
         state = next((session.history.folder / "states").iterdir())
         data = json.loads(state.read_text())
-        data["files"] = {"../../escape": list(data["files"].values())[0]}
+        data["files"] = {"../../escape": next(iter(data["files"].values()))}
         state.write_text(json.dumps(data))
         with pytest.raises(HistoryError):
             await session.history.restore(data["message_id"])
