@@ -44,6 +44,7 @@ from ._names import MAX_DEPTH, MAX_PATH_BYTES
 
 FORMAT = 1
 INDEX = "index.json"
+HEAD = "head.json"
 MAX_FILES = 100_000  # a state of more files than this is not kept (the quota's default is 5,000)
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -71,9 +72,6 @@ class Index:
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
-            "head": self.head,
-            "dirty": self.dirty,
-            "restoring": self.restoring,
             "live": self.live,
             "states": self.states,
             "objects": self.objects,
@@ -116,21 +114,33 @@ class History:
 
     # ------------------------------------------------------------------ reading
 
+    def read_head(self) -> tuple[str, bool, bool]:
+        """(message, dirty, restoring), from the head's own small file: read before every step."""
+        try:
+            with open(self.folder / HEAD, "rb") as fh:
+                data = json.loads(fh.read(1 << 16))
+            return str(data["head"]), bool(data["dirty"]), bool(data["restoring"])
+        except FileNotFoundError:
+            return "", (self.folder / INDEX).exists(), False
+        except (OSError, ValueError, KeyError, TypeError):
+            return "", True, False  # damaged: the folder may be anything, and belongs to no state
+
     def load(self) -> Index:
+        head, dirty, restoring = self.read_head()
         try:
             with open(self.folder / INDEX, "rb") as fh:
                 data = json.loads(fh.read(_MAX_INDEX))
         except FileNotFoundError:
-            return Index()
+            return Index(head, dirty, restoring)
         except (OSError, ValueError):
             return self._rebuilt_index()
         try:
             if data.get("format") != FORMAT:
                 raise ValueError("format")
             return Index(
-                head=str(data["head"]),
-                dirty=bool(data["dirty"]),
-                restoring=bool(data.get("restoring", False)),
+                head=head,
+                dirty=dirty,
+                restoring=restoring,
                 live={str(k): list(v) for k, v in data["live"].items()},
                 states={str(k): float(v) for k, v in data["states"].items()},
                 objects={str(k): [int(v[0]), int(v[1])] for k, v in data["objects"].items()},
@@ -180,11 +190,10 @@ class History:
 
     def claim(self, message_id: str) -> None:
         """The folder is about to change for `message_id`'s answer: the head is its, and dirty."""
-        index = self.load()
-        if index.head == message_id and index.dirty:
+        head, dirty, restoring = self.read_head()
+        if head == message_id and dirty and not restoring:
             return
-        index.head, index.dirty = message_id, True
-        self._write_index(index)
+        self._write_head(message_id, True, False)
 
     # ------------------------------------------------------------------ saving
 
@@ -340,9 +349,7 @@ class History:
                 raise HistoryError("its saved files are damaged (a version is missing)") from None
             if not stat.S_ISREG(st.st_mode) or st.st_size != size:
                 raise HistoryError("its saved files are damaged (a version has another size)")
-        index = self.load()
-        index.head, index.dirty, index.restoring = message_id, True, True
-        self._write_index(index)
+        self._write_head(message_id, True, True)
         return state
 
     def restore(self, message_id: str, state: dict[str, Any]) -> Restored:
@@ -380,9 +387,7 @@ class History:
 
     def restore_empty(self, message_id: str) -> Restored:
         """The folder as at the start of a chat: empty."""
-        index = self.load()
-        index.head, index.dirty, index.restoring = message_id, True, True
-        self._write_index(index)
+        self._write_head(message_id, True, True)
         removed = 0
         with fd_closing(os.open(self.live_dir, DIR_FLAGS)) as root:
             for name in os.listdir(root):
@@ -439,6 +444,11 @@ class History:
     def _write_index(self, index: Index) -> None:
         self._make_folder()
         _write_json(self.folder / INDEX, index.to_json())
+        self._write_head(index.head, index.dirty, index.restoring)
+
+    def _write_head(self, message_id: str, dirty: bool, restoring: bool) -> None:
+        self._make_folder()
+        _write_json(self.folder / HEAD, {"head": message_id, "dirty": dirty, "restoring": restoring})
 
 
 def _safe_path(path: object) -> bool:

@@ -48,8 +48,8 @@ class ChatHistory:
         return History(self.folder, self._ref.path, self._core.owner)
 
     async def head(self) -> HistoryHead:
-        index = await asyncio.to_thread(self._files().load)
-        return HistoryHead(index.head, index.dirty, index.restoring)
+        message_id, dirty, restoring = await asyncio.to_thread(self._files().read_head)
+        return HistoryHead(message_id, dirty, restoring)
 
     async def claim(self, message_id: str) -> None:
         """The folder is about to change for `message_id`'s answer (a run, an upload)."""
