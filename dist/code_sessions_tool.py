@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_48e808c3abef'
+_CS_PACKAGE = '_code_sessions_58af52c27984'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -1700,12 +1700,13 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import stat
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -1713,51 +1714,48 @@ from ._fsops import DIR_FLAGS, Owner, copy_fd, fd_closing, remove_tree_at
 from ._names import MAX_DEPTH, MAX_PATH_BYTES
 
 FORMAT = 1
-INDEX = "index.json"
 HEAD = "head.json"
+STATS = "stats.json"
+# Dropped states whose objects are collected together (a collection reads every state's object list).
+_COLLECT_EVERY = 5
 MAX_FILES = 100_000  # a state of more files than this is not kept (the quota's default is 5,000)
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _FICLONE = 0x40049409  # linux/fs.h: share the blocks of a file (XFS, Btrfs); ext4 refuses
-_MAX_INDEX = 64 << 20
+_MAX_STATE = 64 << 20
 _RESTORE_TEMP = ".cs-restore-"
+_OBJECT = re.compile(r"[0-9a-f]{24}")
+_PLAIN_PATH = re.compile(r"[^/\0]+(?:/[^/\0]+)*")
+_DOT_PART = re.compile(r"(?:^|/)\.\.?(?:/|$)")
 
-# path -> [object, inode, size, mtime_ns, ctime_ns]
-Live = dict[str, list[Any]]
 
 
 class HistoryError(Exception):
     """A state cannot be saved or restored; the message says why, for the user."""
 
 
-@dataclass
-class Index:
-    head: str = ""  # the message whose state the folder holds ("": none recorded yet)
-    dirty: bool = False  # the folder may have changed since that state was saved
-    restoring: bool = False  # a restore of `head` began and did not finish
-    live: Live = field(default_factory=dict)
-    states: dict[str, float] = field(default_factory=dict)  # message id -> saved_at
-    objects: dict[str, list[int]] = field(default_factory=dict)  # object -> [references, size]
+@dataclass(frozen=True, slots=True)
+class Head:
+    """Which message's state the folder holds ("": none recorded yet); whether the folder may have
+    changed since that state was saved; whether a restore of it began and did not finish; and the
+    state whose records say what the live folder's files are (`live`, a digest; "": none)."""
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "live": self.live,
-            "states": self.states,
-            "objects": self.objects,
-        }
+    message_id: str = ""
+    dirty: bool = False
+    restoring: bool = False
+    live: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class Saved:
-    """One state saved: its files, what had to be copied for it, and the states dropped to make room."""
+    """One state saved: its files, what had to be copied for it, and what the history now takes."""
 
     message_id: str
     files: int
     copied_files: int
     copied_bytes: int
-    history_bytes: int
-    dropped: tuple[str, ...]
+    history_bytes: int  # what the history takes on disk beyond the folder's own files
+    dropped: int  # older states dropped to keep within the count and the room
 
 
 @dataclass(frozen=True, slots=True)
@@ -1775,66 +1773,49 @@ def digest(message_id: str) -> str:
 
 
 class History:
-    """The history folder of one chat (`folder`, created on first save) and its live folder."""
+    """The history folder of one chat (`folder`, created on first save) and its live folder.
+
+    Files: `head.json` (the Head), `states/<d>.json` (one state: its files with each one's object,
+    size, mtime, mode, and the inode and ctime of the live file it was read from), `states/<d>.objects`
+    (its objects' names, one per line: what a collection reads), `objects/<name>`, `kernels/<d>/`,
+    and `stats.json` (the bytes the objects take, and how many states were dropped since the last
+    collection). A state's file records the live files' inodes and ctimes as of its save, or of its
+    restore (a restore rewrites them): the next save compares the folder with the head's `live` state
+    and copies only what is not as recorded there."""
 
     def __init__(self, folder: Path, live: Path, owner: Owner) -> None:
         self.folder = folder
         self.live_dir = live
         self.owner = owner
 
-    # ------------------------------------------------------------------ reading
+    # ------------------------------------------------------------------ the head
 
-    def read_head(self) -> tuple[str, bool, bool]:
-        """(message, dirty, restoring), from the head's own small file: read before every step."""
+    def read_head(self) -> Head:
+        """The head, from its own small file: read before every step."""
         try:
             with open(self.folder / HEAD, "rb") as fh:
                 data = json.loads(fh.read(1 << 16))
-            return str(data["head"]), bool(data["dirty"]), bool(data["restoring"])
-        except FileNotFoundError:
-            return "", (self.folder / INDEX).exists(), False
-        except (OSError, ValueError, KeyError, TypeError):
-            return "", True, False  # damaged: the folder may be anything, and belongs to no state
-
-    def load(self) -> Index:
-        head, dirty, restoring = self.read_head()
-        try:
-            with open(self.folder / INDEX, "rb") as fh:
-                data = json.loads(fh.read(_MAX_INDEX))
-        except FileNotFoundError:
-            return Index(head, dirty, restoring)
-        except (OSError, ValueError):
-            return self._rebuilt_index()
-        try:
-            if data.get("format") != FORMAT:
-                raise ValueError("format")
-            return Index(
-                head=head,
-                dirty=dirty,
-                restoring=restoring,
-                live={str(k): list(v) for k, v in data["live"].items()},
-                states={str(k): float(v) for k, v in data["states"].items()},
-                objects={str(k): [int(v[0]), int(v[1])] for k, v in data["objects"].items()},
+            live = data.get("live", "")
+            return Head(
+                str(data["head"]),
+                bool(data["dirty"]),
+                bool(data["restoring"]),
+                live if isinstance(live, str) and _digest_name(live) else "",
             )
-        except (AttributeError, KeyError, TypeError, ValueError, IndexError):
-            return self._rebuilt_index()
+        except FileNotFoundError:
+            return Head(dirty=(self.folder / "states").exists())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return Head(dirty=True)  # damaged: the folder may be anything, and belongs to no state
 
-    def _rebuilt_index(self) -> Index:
-        """A damaged index: the states on disk are read back (their objects recounted); the head is
-        unknown, so the next save copies what it needs and nothing is restored over the live folder
-        without a state of its own."""
-        index = Index(dirty=True)
-        for name in _listing(self.folder / "states"):
-            state = self._read_state_file(self.folder / "states" / name)
-            if state is None:
-                continue
-            index.states[state["message_id"]] = float(state.get("saved_at", 0.0))
-            for obj, size, *_ in state["files"].values():
-                ref = index.objects.setdefault(obj, [0, int(size)])
-                ref[0] += 1
-        return index
+    def claim(self, message_id: str) -> None:
+        """The folder is about to change for `message_id`'s answer: the head is its, and dirty."""
+        head = self.read_head()
+        if head.message_id == message_id and head.dirty and not head.restoring:
+            return
+        self._write_head(Head(message_id, True, False, head.live))
 
     def has_state(self, message_id: str) -> bool:
-        return (self._state_path(message_id)).is_file()
+        return self._state_path(message_id).is_file()
 
     def kernel_dir(self, message_id: str) -> Path:
         """Where the kernel's image of a state lives (the caller writes it; made here, private)."""
@@ -1848,22 +1829,11 @@ class History:
         folder = self.folder / "kernels" / digest(message_id)
         return folder if (folder / "kernel").is_dir() else None
 
+    def drop_kernel(self, message_id: str) -> None:
+        shutil.rmtree(self.folder / "kernels" / digest(message_id), ignore_errors=True)
+
     def bytes_on_disk(self) -> int:
-        total = 0
-        for dirpath, _, names in os.walk(self.folder):
-            for name in names:
-                with contextlib.suppress(OSError):
-                    total += os.lstat(os.path.join(dirpath, name)).st_size
-        return total
-
-    # ------------------------------------------------------------------ the head
-
-    def claim(self, message_id: str) -> None:
-        """The folder is about to change for `message_id`'s answer: the head is its, and dirty."""
-        head, dirty, restoring = self.read_head()
-        if head == message_id and dirty and not restoring:
-            return
-        self._write_head(message_id, True, False)
+        return _tree_bytes(self.folder)
 
     # ------------------------------------------------------------------ saving
 
@@ -1879,15 +1849,16 @@ class History:
         """Record the live folder as `message_id`'s state (replacing an older one of it); then keep the
         newest `keep_states` states and the kernels of the newest `keep_kernels`, and drop the oldest
         while the history takes more than `room_bytes` (None: no bound), never the new one."""
-        index = self.load()
+        head = self.read_head()
+        known = self._records(self.folder / "states" / f"{head.live}.json") if head.live else {}
         self._make_folder()
+        stats = self._read_stats()
         objects = self.folder / "objects"
         objects.mkdir(mode=0o700, exist_ok=True)
         (self.folder / "states").mkdir(mode=0o700, exist_ok=True)
         files: dict[str, list[Any]] = {}
         dirs: dict[str, int] = {}
-        live: Live = {}
-        copied_files = copied_bytes = 0
+        copied_files = copied_bytes = live_bytes = 0
         with fd_closing(os.open(objects, DIR_FLAGS)) as objects_fd:
             try:
                 root = os.open(self.live_dir, DIR_FLAGS)
@@ -1899,109 +1870,112 @@ class History:
                         if stat.S_ISDIR(st.st_mode):
                             dirs[path] = stat.S_IMODE(st.st_mode)
                             continue
-                        signature = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-                        before = index.live.get(path)
-                        if before is not None and before[1:] == signature and before[0] in index.objects:
-                            obj = before[0]
+                        was = known.get(path)
+                        if was is not None and _unchanged(was, st):
+                            obj = was[0]
                         else:
-                            obj = _copy_in(parent, name, st, objects_fd)
-                            if obj is None:
+                            made = _copy_in(parent, name, st, objects_fd)
+                            if made is None:
                                 continue  # gone, or not a regular file any more
+                            obj = made
                             copied_files += 1
                             copied_bytes += st.st_size
-                            index.objects.setdefault(obj, [0, st.st_size])
-                        files[path] = [obj, st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode)]
-                        live[path] = [obj, *signature]
+                        live_bytes += st.st_size
+                        files[path] = [
+                            obj,
+                            st.st_size,
+                            st.st_mtime_ns,
+                            stat.S_IMODE(st.st_mode),
+                            st.st_ino,
+                            st.st_ctime_ns,
+                        ]
                         if len(files) > MAX_FILES:
                             raise HistoryError(f"the folder holds more than {MAX_FILES:,} files")
-        saved_at = time.time()
-        state = {
-            "format": FORMAT,
-            "message_id": message_id,
-            "saved_at": saved_at,
-            "files": files,
-            "dirs": dirs,
-            "imports": [list(pair) for pair in imports],
-        }
-        old = self._read_state(message_id) if message_id in index.states else None
-        _write_json(self._state_path(message_id), state)
-        for entry in files.values():
-            index.objects[entry[0]][0] += 1
-        if old is not None:
-            self._release(index, old)
-        index.states[message_id] = saved_at
-        index.head, index.dirty, index.restoring, index.live = message_id, False, False, live
-        dropped = self._prune(index, message_id, keep_states, keep_kernels, room_bytes)
-        self._collect(index, objects)
-        self._write_index(index)
-        return Saved(
-            message_id, len(files), copied_files, copied_bytes, self._history_bytes(index), tuple(dropped)
-        )
-
-    def drop_kernel(self, message_id: str) -> None:
-        shutil.rmtree(self.folder / "kernels" / digest(message_id), ignore_errors=True)
+        self._write_state(message_id, files, dirs, imports)
+        self._write_head(Head(message_id, False, False, digest(message_id)))
+        stats["object_bytes"] += copied_bytes
+        dropped = self._prune(message_id, keep_states, keep_kernels, room_bytes, stats, live_bytes)
+        self._write_stats(stats)
+        history = max(0, stats["object_bytes"] - live_bytes) + self._kernel_bytes()
+        return Saved(message_id, len(files), copied_files, copied_bytes, history, dropped)
 
     def _prune(
-        self, index: Index, newest: str, keep_states: int, keep_kernels: int, room_bytes: int | None
-    ) -> list[str]:
-        order = sorted(index.states, key=lambda m: (index.states[m], m != newest))  # oldest first
-        dropped: list[str] = []
-        while len(order) > max(1, keep_states):
-            dropped.append(order.pop(0))
-        for message in dropped:
-            self._drop_state(index, message)
-        kept_kernels = [m for m in order if self.kernel_of(m) is not None]
-        for message in kept_kernels[: max(0, len(kept_kernels) - keep_kernels)]:
-            self.drop_kernel(message)
+        self,
+        newest: str,
+        keep_states: int,
+        keep_kernels: int,
+        room_bytes: int | None,
+        stats: dict[str, int],
+        live_bytes: int,
+    ) -> int:
+        """Drop the states beyond `keep_states` (oldest first), the kernels beyond `keep_kernels`, and
+        more while the history is over `room_bytes`; objects no state needs go at a collection, which
+        runs once enough states went (its cost is shared by them) or when the room is short."""
+        order = self._states_oldest_first(newest)
+        dropped = [order.pop(0)[1] for _ in range(max(0, len(order) - max(1, keep_states)))]
+        with_kernel = [d for _, d in order if (self.folder / "kernels" / d / "kernel").is_dir()]
+        for d in with_kernel[: max(0, len(with_kernel) - keep_kernels)]:
+            shutil.rmtree(self.folder / "kernels" / d, ignore_errors=True)
+        for d in dropped:
+            self._drop(d)
+        stats["uncollected"] += len(dropped)
+        if stats["uncollected"] >= _COLLECT_EVERY:
+            self._collect(stats)
         if room_bytes is not None:
-            while self._history_bytes(index) > room_bytes:
-                with_kernel = [m for m in order if self.kernel_of(m) is not None]
-                if with_kernel:  # a Python state costs more than a file state: they go first
-                    self.drop_kernel(with_kernel[0])
+            while max(0, stats["object_bytes"] - live_bytes) + self._kernel_bytes() > room_bytes:
+                kernels = [d for _, d in order if (self.folder / "kernels" / d / "kernel").is_dir()]
+                if kernels:  # a Python state costs more than a file state: they go first
+                    shutil.rmtree(self.folder / "kernels" / kernels[0], ignore_errors=True)
+                    continue
+                if stats["uncollected"]:
+                    self._collect(stats)
                     continue
                 if len(order) <= 1:
                     break
-                message = order.pop(0)
-                self._drop_state(index, message)
-                dropped.append(message)
-        return dropped
+                d = order.pop(0)[1]
+                dropped.append(d)
+                self._drop(d)
+                stats["uncollected"] += 1
+        return len(dropped)
 
-    def _drop_state(self, index: Index, message_id: str) -> None:
-        state = self._read_state(message_id)
-        if state is not None:
-            self._release(index, state)
-        index.states.pop(message_id, None)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._state_path(message_id))
-        self.drop_kernel(message_id)
+    def _states_oldest_first(self, newest: str) -> list[tuple[float, str]]:
+        found = []
+        newest_digest = digest(newest)
+        for name in _listing(self.folder / "states"):
+            if not name.endswith(".json") or not _digest_name(name[:-5]):
+                continue
+            with contextlib.suppress(OSError):
+                st = os.lstat(self.folder / "states" / name)
+                found.append((st.st_mtime, name[:-5]))
+        return sorted(found, key=lambda item: (item[1] == newest_digest, item[0]))
 
-    @staticmethod
-    def _release(index: Index, state: dict[str, Any]) -> None:
-        for entry in state["files"].values():
-            ref = index.objects.get(entry[0])
-            if ref is not None:
-                ref[0] -= 1
+    def _drop(self, state: str) -> None:
+        for suffix in (".json", ".objects"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.folder / "states" / f"{state}{suffix}")
+        shutil.rmtree(self.folder / "kernels" / state, ignore_errors=True)
 
-    def _collect(self, index: Index, objects: Path) -> None:
-        """Remove the objects no state refers to (the live folder's versions are a state's too)."""
-        in_live = {entry[0] for entry in index.live.values()}
-        for obj, (refs, _size) in list(index.objects.items()):
-            if refs <= 0 and obj not in in_live:
-                del index.objects[obj]
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(objects / obj)
-
-    def _history_bytes(self, index: Index) -> int:
-        """What the history adds to the live folder: the versions the folder no longer holds, and
-        the kernels' images."""
-        in_live = {entry[0] for entry in index.live.values()}
-        versions = sum(size for obj, (_refs, size) in index.objects.items() if obj not in in_live)
-        kernels = 0
-        for dirpath, _, names in os.walk(self.folder / "kernels"):
-            for name in names:
+    def _collect(self, stats: dict[str, int]) -> None:
+        """Remove the objects no state refers to, and count exactly what the rest take."""
+        wanted: set[str] = set()
+        for name in _listing(self.folder / "states"):
+            if name.endswith(".objects"):
+                path = self.folder / "states" / name
+                with contextlib.suppress(OSError), open(path, encoding="ascii") as fh:
+                    wanted.update(line.strip() for line in fh)
+        objects = self.folder / "objects"
+        total = 0
+        for name in _listing(objects):
+            if name in wanted:
                 with contextlib.suppress(OSError):
-                    kernels += os.lstat(os.path.join(dirpath, name)).st_size
-        return versions + kernels
+                    total += os.lstat(objects / name).st_size
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(objects / name)
+        stats["object_bytes"], stats["uncollected"] = total, 0
+
+    def _kernel_bytes(self) -> int:
+        return _tree_bytes(self.folder / "kernels")
 
     # ------------------------------------------------------------------ restoring
 
@@ -2019,60 +1993,64 @@ class History:
                 raise HistoryError("its saved files are damaged (a version is missing)") from None
             if not stat.S_ISREG(st.st_mode) or st.st_size != size:
                 raise HistoryError("its saved files are damaged (a version has another size)")
-        self._write_head(message_id, True, True)
+        head = self.read_head()
+        self._write_head(Head(message_id, True, True, head.live))
         return state
 
     def restore(self, message_id: str, state: dict[str, Any]) -> Restored:
         """Make the live folder hold exactly the state's files and folders (after begin_restore).
-        Files already there unchanged stay; the rest is copied back from the objects."""
-        index = self.load()
+        Files already there as the head's live records say, with the state's version, stay; the rest
+        is copied back from the objects. The state's records then describe the live files."""
+        head = self.read_head()
+        known = self._records(self.folder / "states" / f"{head.live}.json") if head.live else {}
         wanted: dict[str, list[Any]] = state["files"]
         wanted_dirs: dict[str, int] = state["dirs"]
         keep_dirs = set(wanted_dirs)
         for path in wanted:
             parts = path.split("/")
             keep_dirs.update("/".join(parts[:i]) for i in range(1, len(parts)))
-        live: Live = {}
+        kept: dict[str, list[Any]] = {}
         with (
             fd_closing(os.open(self.folder / "objects", DIR_FLAGS)) as objects_fd,
             fd_closing(os.open(self.live_dir, DIR_FLAGS)) as root,
         ):
-            removed = _clear_live(root, "", 0, wanted, keep_dirs, index.live, live)
+            removed = _clear_live(root, "", 0, wanted, keep_dirs, known, kept)
             for path in sorted(keep_dirs, key=lambda p: p.count("/")):
                 with fd_closing(_make_dirs(root, path.split("/"), wanted_dirs.get(path, 0o755), self.owner)):
                     pass
             copied = 0
-            for path, (obj, _size, mtime_ns, mode) in wanted.items():
-                if path in live:
+            files: dict[str, list[Any]] = {}
+            for path, (obj, size, mtime_ns, mode, *_) in wanted.items():
+                if path in kept:
+                    st_ino, st_ctime = kept[path][4], kept[path][5]
+                    files[path] = [obj, size, mtime_ns, mode, st_ino, st_ctime]
                     continue
                 parts = path.split("/")
                 with fd_closing(_make_dirs(root, parts[:-1], 0o755, self.owner)) as parent:
                     st = _copy_out(objects_fd, obj, parent, parts[-1], mode, mtime_ns, self.owner)
-                live[path] = [obj, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+                files[path] = [obj, st.st_size, st.st_mtime_ns, mode, st.st_ino, st.st_ctime_ns]
                 copied += 1
-        index = self.load()
-        index.head, index.dirty, index.restoring, index.live = message_id, False, False, live
-        self._write_index(index)
+        self._write_state(message_id, files, wanted_dirs, self.imports_of(state), saved_at=state["saved_at"])
+        self._write_head(Head(message_id, False, False, digest(message_id)))
         return Restored(message_id, len(wanted), copied, removed)
 
     def restore_empty(self, message_id: str) -> Restored:
         """The folder as at the start of a chat: empty."""
-        self._write_head(message_id, True, True)
+        head = self.read_head()
+        self._write_head(Head(message_id, True, True, head.live))
         removed = 0
         with fd_closing(os.open(self.live_dir, DIR_FLAGS)) as root:
             for name in os.listdir(root):
                 with contextlib.suppress(OSError):
                     remove_tree_at(root, name)
                     removed += 1
-        index = self.load()
-        index.head, index.dirty, index.restoring, index.live = message_id, False, False, {}
-        self._write_index(index)
+        self._write_head(Head(message_id, True, False, ""))
         return Restored(message_id, 0, 0, removed)
 
     def imports_of(self, state: dict[str, Any]) -> list[tuple[str, str]]:
         return [(str(s), str(p)) for s, p in state.get("imports", [])]
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ files of the history
 
     def _state_path(self, message_id: str) -> Path:
         return self.folder / "states" / f"{digest(message_id)}.json"
@@ -2084,20 +2062,39 @@ class History:
         return state
 
     @staticmethod
-    def _read_state_file(path: Path) -> dict[str, Any] | None:
+    def _records(path: Path) -> dict[str, list[Any]]:
+        """The file records of a state, read only to tell which live files are unchanged: a record
+        that is not well formed is no record (its file is then copied again)."""
         try:
             with open(path, "rb") as fh:
-                state = json.loads(fh.read(_MAX_INDEX))
+                files = json.loads(fh.read(_MAX_STATE)).get("files")
+        except (OSError, ValueError, AttributeError):
+            return {}
+        if not isinstance(files, dict):
+            return {}
+        return {p: v for p, v in files.items() if isinstance(v, list) and len(v) == 6}
+
+    @staticmethod
+    def _read_state_file(path: Path) -> dict[str, Any] | None:
+        """A state, checked whole before its paths and objects name anything on disk."""
+        try:
+            with open(path, "rb") as fh:
+                state = json.loads(fh.read(_MAX_STATE))
         except (OSError, ValueError):
             return None
         try:
             ok = (
                 state.get("format") == FORMAT
                 and isinstance(state.get("message_id"), str)
+                and isinstance(state.get("saved_at"), int | float)
                 and isinstance(state.get("files"), dict)
                 and isinstance(state.get("dirs"), dict)
                 and all(
-                    _safe_path(p) and isinstance(v, list) and len(v) == 4 and _object_name(v[0])
+                    _safe_path(p)
+                    and isinstance(v, list)
+                    and len(v) == 6
+                    and _object_name(v[0])
+                    and all(isinstance(n, int) for n in v[1:])
                     for p, v in state["files"].items()
                 )
                 and all(_safe_path(p) and isinstance(m, int) for p, m in state["dirs"].items())
@@ -2106,32 +2103,66 @@ class History:
             return None
         return state if ok else None
 
+    def _write_state(
+        self,
+        message_id: str,
+        files: dict[str, list[Any]],
+        dirs: dict[str, int],
+        imports: list[tuple[str, str]],
+        *,
+        saved_at: float | None = None,
+    ) -> None:
+        state = {
+            "format": FORMAT,
+            "message_id": message_id,
+            "saved_at": time.time() if saved_at is None else saved_at,
+            "files": files,
+            "dirs": dirs,
+            "imports": [list(pair) for pair in imports],
+        }
+        d = digest(message_id)
+        names = "".join(f"{entry[0]}\n" for entry in files.values())
+        _write_bytes(self.folder / "states" / f"{d}.objects", names.encode("ascii"))
+        _write_bytes(self.folder / "states" / f"{d}.json", json.dumps(state, separators=(",", ":")).encode())
+
     def _make_folder(self) -> None:
         # Its parent (the chat's saved-state folder) may not exist yet; both are ours alone.
         self.folder.parent.mkdir(mode=0o700, exist_ok=True)
         self.folder.mkdir(mode=0o700, exist_ok=True)
 
-    def _write_index(self, index: Index) -> None:
+    def _write_head(self, head: Head) -> None:
         self._make_folder()
-        _write_json(self.folder / INDEX, index.to_json())
-        self._write_head(index.head, index.dirty, index.restoring)
+        data = {"head": head.message_id, "dirty": head.dirty, "restoring": head.restoring, "live": head.live}
+        _write_bytes(self.folder / HEAD, json.dumps(data).encode())
 
-    def _write_head(self, message_id: str, dirty: bool, restoring: bool) -> None:
-        self._make_folder()
-        _write_json(self.folder / HEAD, {"head": message_id, "dirty": dirty, "restoring": restoring})
+    def _read_stats(self) -> dict[str, int]:
+        try:
+            with open(self.folder / STATS, "rb") as fh:
+                data = json.loads(fh.read(1 << 16))
+            return {"object_bytes": int(data["object_bytes"]), "uncollected": int(data["uncollected"])}
+        except (OSError, ValueError, KeyError, TypeError):
+            stats = {"object_bytes": 0, "uncollected": 0}
+            self._collect(stats)  # lost or damaged: counted again from the disk
+            return stats
+
+    def _write_stats(self, stats: dict[str, int]) -> None:
+        _write_bytes(self.folder / STATS, json.dumps(stats).encode())
 
 
 def _safe_path(path: object) -> bool:
     """A relative path of plain components, as the state's own walk wrote it (a damaged or forged
     state could otherwise name a place outside the folder)."""
-    if not isinstance(path, str) or not path or len(path.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
-        return False
-    parts = path.split("/")
-    return len(parts) <= MAX_DEPTH and all(p not in ("", ".", "..") and "\0" not in p for p in parts)
+    return (
+        isinstance(path, str)
+        and _PLAIN_PATH.fullmatch(path) is not None
+        and _DOT_PART.search(path) is None
+        and path.count("/") < MAX_DEPTH
+        and len(path.encode("utf-8", "surrogatepass")) <= MAX_PATH_BYTES
+    )
 
 
 def _object_name(name: object) -> bool:
-    return isinstance(name, str) and len(name) == 24 and all(c in "0123456789abcdef" for c in name)
+    return isinstance(name, str) and _OBJECT.fullmatch(name) is not None
 
 
 def _listing(folder: Path) -> list[str]:
@@ -2141,12 +2172,13 @@ def _listing(folder: Path) -> list[str]:
         return []
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def _write_bytes(path: Path, data: bytes) -> None:
+    """Write a file of the history whole: a new file renamed over the old one."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
     fd = os.open(tmp, _NEW, 0o600)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, separators=(",", ":"))
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
         os.rename(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -2154,19 +2186,39 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
         raise
 
 
+def _unchanged(record: list[Any], st: os.stat_result) -> bool:
+    """The live file is still the one a state's record describes: its size, mtime, inode and ctime
+    (which the sandbox's code cannot set back) are as recorded."""
+    return record[1:3] == [st.st_size, st.st_mtime_ns] and record[4:6] == [st.st_ino, st.st_ctime_ns]
+
+
+def _digest_name(name: str) -> bool:
+    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
+
+
+def _tree_bytes(folder: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
 def _walk(fd: int, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, os.stat_result, int, str]]:
     """(path, lstat, parent fd, name) of every folder and regular file under the folder `fd`, each
     folder before what it holds. Never follows a link; names that are not UTF-8 are skipped
     (reconcile renames them), and so is what lies deeper than MAX_DEPTH. One open folder per level."""
     try:
-        names = sorted(os.listdir(fd))
+        names = os.listdir(fd)
     except OSError:
         return
     for name in names:
-        if name.startswith(_RESTORE_TEMP) or not _utf8(name):
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except OSError:
             continue
-        st = _lstat(fd, name)
-        if st is None:
+        if name.startswith(_RESTORE_TEMP) or (not name.isascii() and not _utf8(name)):
             continue
         path = f"{prefix}{name}"
         if stat.S_ISREG(st.st_mode):
@@ -2197,8 +2249,8 @@ def _clear_live(
     depth: int,
     wanted: dict[str, list[Any]],
     keep_dirs: set[str],
-    before: Live,
-    kept: Live,
+    before: dict[str, list[Any]],
+    kept: dict[str, list[Any]],
 ) -> int:
     """Remove from the live folder `fd` what the state being restored does not hold (links, FIFOs,
     names that are not UTF-8 and folders it lacks included, never followed); note in `kept` the files
@@ -2234,7 +2286,7 @@ def _clear_live(
                 and stat.S_ISREG(st.st_mode)
                 and seen is not None
                 and seen[0] == entry[0]
-                and seen[1:] == [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+                and _unchanged(seen, st)
             ):
                 kept[path] = seen
             elif entry is None or not stat.S_ISREG(st.st_mode):
@@ -6838,8 +6890,8 @@ class ChatHistory:
         return History(self.folder, self._ref.path, self._core.owner)
 
     async def head(self) -> HistoryHead:
-        message_id, dirty, restoring = await asyncio.to_thread(self._files().read_head)
-        return HistoryHead(message_id, dirty, restoring)
+        head = await asyncio.to_thread(self._files().read_head)
+        return HistoryHead(head.message_id, head.dirty, head.restoring)
 
     async def claim(self, message_id: str) -> None:
         """The folder is about to change for `message_id`'s answer (a run, an upload)."""
@@ -16390,8 +16442,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_48e808c3abef.runner import KernelPool
-from _code_sessions_48e808c3abef.storage import HistoryError, Session, StorageError
+from _code_sessions_58af52c27984.runner import KernelPool
+from _code_sessions_58af52c27984.storage import HistoryError, Session, StorageError
 
 from .settings import Settings
 
@@ -17010,7 +17062,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_48e808c3abef.runner import Outcome
+from _code_sessions_58af52c27984.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -17294,7 +17346,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_48e808c3abef.runner import RunnerError
+from _code_sessions_58af52c27984.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -17498,8 +17550,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_48e808c3abef.runner import Runner, RunnerError
-from _code_sessions_48e808c3abef.storage import StorageError
+from _code_sessions_58af52c27984.runner import Runner, RunnerError
+from _code_sessions_58af52c27984.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -17628,8 +17680,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_48e808c3abef.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_48e808c3abef.storage import human_bytes
+from _code_sessions_58af52c27984.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_58af52c27984.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -17749,7 +17801,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_48e808c3abef.storage import Purge, parse_duration
+from _code_sessions_58af52c27984.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -18316,8 +18368,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_48e808c3abef.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_48e808c3abef.storage import (
+from _code_sessions_58af52c27984.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_58af52c27984.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -18791,8 +18843,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_48e808c3abef.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_48e808c3abef.storage import Policy
+from _code_sessions_58af52c27984.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_58af52c27984.storage import Policy
 
 __all__ = ["DEFAULTS", "BranchSettings", "Settings"]
 
@@ -18957,8 +19009,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_48e808c3abef.runner import Outcome, RunResult
-from _code_sessions_48e808c3abef.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_58af52c27984.runner import Outcome, RunResult
+from _code_sessions_58af52c27984.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention
 
@@ -19399,7 +19451,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_48e808c3abef.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_58af52c27984.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -19618,7 +19670,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_48e808c3abef.storage import Link, Publisher, is_postgres_url
+from _code_sessions_58af52c27984.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -19890,10 +19942,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_48e808c3abef.engine import DEFAULTS, MINUTE_S, BranchSettings, CodeSessions, Maintenance, Settings, Turn
-from _code_sessions_48e808c3abef.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_48e808c3abef.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_48e808c3abef.webui import OpenWebUI
+from _code_sessions_58af52c27984.engine import DEFAULTS, MINUTE_S, BranchSettings, CodeSessions, Maintenance, Settings, Turn
+from _code_sessions_58af52c27984.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_58af52c27984.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_58af52c27984.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -20450,10 +20502,10 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_48e808c3abef.engine import LoopOptions, escape_text, import_uploads, run_step
-from _code_sessions_48e808c3abef.functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
-from _code_sessions_48e808c3abef.storage import StorageError
-from _code_sessions_48e808c3abef.webui import Misconfigured
+from _code_sessions_58af52c27984.engine import LoopOptions, escape_text, import_uploads, run_step
+from _code_sessions_58af52c27984.functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
+from _code_sessions_58af52c27984.storage import StorageError
+from _code_sessions_58af52c27984.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

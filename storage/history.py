@@ -48,8 +48,8 @@ class ChatHistory:
         return History(self.folder, self._ref.path, self._core.owner)
 
     async def head(self) -> HistoryHead:
-        message_id, dirty, restoring = await asyncio.to_thread(self._files().read_head)
-        return HistoryHead(message_id, dirty, restoring)
+        head = await asyncio.to_thread(self._files().read_head)
+        return HistoryHead(head.message_id, head.dirty, head.restoring)
 
     async def claim(self, message_id: str) -> None:
         """The folder is about to change for `message_id`'s answer (a run, an upload)."""

@@ -142,18 +142,22 @@ async def test_a_state_no_longer_kept_or_damaged_is_refused_and_the_folder_stays
 
 async def test_old_states_go_beyond_the_count_and_when_the_history_is_over_its_room(store: Store) -> None:
     session = await store.session("u", "c")
+    objects = session.history.folder / "objects"
     async with session.lock():
         for i in range(5):
             (session.path / "f.txt").write_text(str(i) * 1000)
             saved = await session.history.save(f"m{i}", keep_states=3, keep_kernels=3, room_bytes=None)
         assert [await session.history.has(f"m{i}") for i in range(5)] == [False, False, True, True, True]
-        assert saved.history_bytes == 2000  # two older versions; the folder's own is not counted
+        # The versions of the dropped states wait for a collection (one for several drops): counted.
+        assert saved.history_bytes == 4000 and len(os.listdir(objects)) == 5
+        (session.path / "f.txt").write_text("5" * 1000)
         saved = await session.history.save("m5", keep_states=3, keep_kernels=3, room_bytes=1500)
-        assert saved.history_bytes <= 1500
-        assert saved.dropped  # the oldest went to make room
-        assert await session.history.has("m5")
-        # Objects no state refers to are gone from the disk.
-        assert len(os.listdir(session.history.folder / "objects")) == 1 + saved.history_bytes // 1000
+        # Over its room: collected, and the oldest kept state dropped too; the new one stays.
+        assert saved.history_bytes == 1000 and saved.dropped == 2
+        assert [await session.history.has(f"m{i}") for i in range(6)] == [False] * 4 + [True, True]
+        assert len(os.listdir(objects)) == 2  # m4's version and the folder's own
+        await session.history.restore("m4")
+        assert (session.path / "f.txt").read_text() == "4" * 1000
 
 
 async def test_the_imports_of_a_state_come_back_with_it(store: Store) -> None:
