@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_58af52c27984'
+_CS_PACKAGE = '_code_sessions_fc7d2f257c2c'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -16442,8 +16442,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_58af52c27984.runner import KernelPool
-from _code_sessions_58af52c27984.storage import HistoryError, Session, StorageError
+from _code_sessions_fc7d2f257c2c.runner import KernelPool
+from _code_sessions_fc7d2f257c2c.storage import HistoryError, Session, StorageError
 
 from .settings import Settings
 
@@ -16462,6 +16462,7 @@ NOT_KEPT = (
 _FRESH_PYTHON = "the message you are continuing from kept its files but not its Python state"
 # What `_continues_from` says of a branch whose states above are all gone (a lineage read whole).
 _GONE = "\0gone"
+_REMEMBERED = 1000  # answers whose branch sentences wait for their first run, at most
 _START = "the start of the conversation"
 
 
@@ -16505,6 +16506,22 @@ class Branches:
     def __init__(self, services: _Services) -> None:
         self._services = services
         self._ending: set[asyncio.Task[None]] = set()
+        # What following an answer's branch said, until the answer's first run tells the model: the
+        # Filter's inlet restores, the Tool's run (another ChatSession of the same answer) says it.
+        self._said: dict[tuple[str, str, str], list[str]] = {}
+
+    def take_said(self, chat: _Chat) -> list[str]:
+        """What following this answer's branch said and no run has told the model yet; then forgotten."""
+        if chat.turn is None:
+            return []
+        return self._said.pop((chat.session.user_key, chat.session.chat_key, chat.turn.message_id), [])
+
+    def _remember(self, chat: _Chat, said: list[str]) -> list[str]:
+        if said and chat.turn is not None:
+            if len(self._said) >= _REMEMBERED:
+                self._said.pop(next(iter(self._said)))  # the oldest: its answer never ran code here
+            self._said[(chat.session.user_key, chat.session.chat_key, chat.turn.message_id)] = said
+        return said
 
     async def ensure(self, chat: _Chat, *, changing: bool) -> list[str]:
         """Under the chat's lock: put the folder and kernel at the state the answer continues from;
@@ -16529,7 +16546,9 @@ class Branches:
             if changing:
                 await history.claim(turn.message_id)
             gone = target == _GONE and head.message_id
-            return [NOT_KEPT.format(why="only the newest answers' states are kept")] if gone else []
+            return self._remember(
+                chat, [NOT_KEPT.format(why="only the newest answers' states are kept")] if gone else []
+            )
         if target == head.message_id and not head.restoring:
             if head.dirty and head.message_id:  # the newest answer ended without its state saved
                 await self._save(chat, head.message_id)
@@ -16543,7 +16562,7 @@ class Branches:
         chat.follows = (await history.head()).message_id
         if changing:
             await history.claim(turn.message_id)
-        return said
+        return self._remember(chat, said)
 
     async def _continues_from(self, chat: _Chat, turn: Turn, head: str) -> str | None:
         """The message whose state this answer continues from: its own (it was interrupted), the
@@ -17062,7 +17081,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_58af52c27984.runner import Outcome
+from _code_sessions_fc7d2f257c2c.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -17346,7 +17365,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_58af52c27984.runner import RunnerError
+from _code_sessions_fc7d2f257c2c.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -17550,8 +17569,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_58af52c27984.runner import Runner, RunnerError
-from _code_sessions_58af52c27984.storage import StorageError
+from _code_sessions_fc7d2f257c2c.runner import Runner, RunnerError
+from _code_sessions_fc7d2f257c2c.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -17680,8 +17699,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_58af52c27984.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_58af52c27984.storage import human_bytes
+from _code_sessions_fc7d2f257c2c.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_fc7d2f257c2c.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -17801,7 +17820,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_58af52c27984.storage import Purge, parse_duration
+from _code_sessions_fc7d2f257c2c.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -18368,8 +18387,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_58af52c27984.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_58af52c27984.storage import (
+from _code_sessions_fc7d2f257c2c.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_fc7d2f257c2c.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -18485,21 +18504,26 @@ class ChatSession:
         self._unlinked.clear()
         return notes
 
-    async def begin_turn(self, turn: Turn | None, *, waiting: Waiting | None = None) -> list[str]:
+    async def begin_turn(
+        self, turn: Turn | None, *, waiting: Waiting | None = None, runs_here: bool = True
+    ) -> list[str]:
         """This chat's answer is `turn`: put the folder and kernel at the state of the message it
         continues from (engine/branches.py), before anything is copied in or run. Returns what to
-        tell the user (nothing when it continues the newest answer); the answer's first step tells
-        the model too."""
+        tell the user (nothing when it continues the newest answer); the answer's first run tells the
+        model too: this one's (`runs_here`), or another's of the same answer (the Filter's inlet
+        restores, the Tool's run says it)."""
         self.turn = turn
         if turn is None:
             return []
+        branches = self._service.branches
         try:
             async with self.session.lock(timeout=self._service.lock_timeout_s, waiting=waiting):
-                said = await self._service.branches.ensure(self, changing=False)
+                said = await branches.ensure(self, changing=False)
         except StorageError as error:  # a busy or full store: the answer goes on from the folder as it is
             log.warning("code-sessions: the answer's branch could not be followed: %s", error)
             return []
-        self._turn_notes.extend(said)
+        if runs_here:
+            self._turn_notes.extend(branches.take_said(self))
         return said
 
     def end_turn(self) -> None:
@@ -18843,8 +18867,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_58af52c27984.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_58af52c27984.storage import Policy
+from _code_sessions_fc7d2f257c2c.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_fc7d2f257c2c.storage import Policy
 
 __all__ = ["DEFAULTS", "BranchSettings", "Settings"]
 
@@ -19009,8 +19033,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_58af52c27984.runner import Outcome, RunResult
-from _code_sessions_58af52c27984.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_fc7d2f257c2c.runner import Outcome, RunResult
+from _code_sessions_fc7d2f257c2c.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention
 
@@ -19451,7 +19475,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_58af52c27984.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_fc7d2f257c2c.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -19670,7 +19694,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_58af52c27984.storage import Link, Publisher, is_postgres_url
+from _code_sessions_fc7d2f257c2c.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -19942,10 +19966,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_58af52c27984.engine import DEFAULTS, MINUTE_S, BranchSettings, CodeSessions, Maintenance, Settings, Turn
-from _code_sessions_58af52c27984.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_58af52c27984.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_58af52c27984.webui import OpenWebUI
+from _code_sessions_fc7d2f257c2c.engine import DEFAULTS, MINUTE_S, BranchSettings, CodeSessions, Maintenance, Settings, Turn
+from _code_sessions_fc7d2f257c2c.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_fc7d2f257c2c.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_fc7d2f257c2c.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -20502,10 +20526,10 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_58af52c27984.engine import LoopOptions, escape_text, import_uploads, run_step
-from _code_sessions_58af52c27984.functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
-from _code_sessions_58af52c27984.storage import StorageError
-from _code_sessions_58af52c27984.webui import Misconfigured
+from _code_sessions_fc7d2f257c2c.engine import LoopOptions, escape_text, import_uploads, run_step
+from _code_sessions_fc7d2f257c2c.functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
+from _code_sessions_fc7d2f257c2c.storage import StorageError
+from _code_sessions_fc7d2f257c2c.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -44,6 +44,7 @@ NOT_KEPT = (
 _FRESH_PYTHON = "the message you are continuing from kept its files but not its Python state"
 # What `_continues_from` says of a branch whose states above are all gone (a lineage read whole).
 _GONE = "\0gone"
+_REMEMBERED = 1000  # answers whose branch sentences wait for their first run, at most
 _START = "the start of the conversation"
 
 
@@ -87,6 +88,22 @@ class Branches:
     def __init__(self, services: _Services) -> None:
         self._services = services
         self._ending: set[asyncio.Task[None]] = set()
+        # What following an answer's branch said, until the answer's first run tells the model: the
+        # Filter's inlet restores, the Tool's run (another ChatSession of the same answer) says it.
+        self._said: dict[tuple[str, str, str], list[str]] = {}
+
+    def take_said(self, chat: _Chat) -> list[str]:
+        """What following this answer's branch said and no run has told the model yet; then forgotten."""
+        if chat.turn is None:
+            return []
+        return self._said.pop((chat.session.user_key, chat.session.chat_key, chat.turn.message_id), [])
+
+    def _remember(self, chat: _Chat, said: list[str]) -> list[str]:
+        if said and chat.turn is not None:
+            if len(self._said) >= _REMEMBERED:
+                self._said.pop(next(iter(self._said)))  # the oldest: its answer never ran code here
+            self._said[(chat.session.user_key, chat.session.chat_key, chat.turn.message_id)] = said
+        return said
 
     async def ensure(self, chat: _Chat, *, changing: bool) -> list[str]:
         """Under the chat's lock: put the folder and kernel at the state the answer continues from;
@@ -111,7 +128,9 @@ class Branches:
             if changing:
                 await history.claim(turn.message_id)
             gone = target == _GONE and head.message_id
-            return [NOT_KEPT.format(why="only the newest answers' states are kept")] if gone else []
+            return self._remember(
+                chat, [NOT_KEPT.format(why="only the newest answers' states are kept")] if gone else []
+            )
         if target == head.message_id and not head.restoring:
             if head.dirty and head.message_id:  # the newest answer ended without its state saved
                 await self._save(chat, head.message_id)
@@ -125,7 +144,7 @@ class Branches:
         chat.follows = (await history.head()).message_id
         if changing:
             await history.claim(turn.message_id)
-        return said
+        return self._remember(chat, said)
 
     async def _continues_from(self, chat: _Chat, turn: Turn, head: str) -> str | None:
         """The message whose state this answer continues from: its own (it was interrupted), the

@@ -131,21 +131,26 @@ class ChatSession:
         self._unlinked.clear()
         return notes
 
-    async def begin_turn(self, turn: Turn | None, *, waiting: Waiting | None = None) -> list[str]:
+    async def begin_turn(
+        self, turn: Turn | None, *, waiting: Waiting | None = None, runs_here: bool = True
+    ) -> list[str]:
         """This chat's answer is `turn`: put the folder and kernel at the state of the message it
         continues from (engine/branches.py), before anything is copied in or run. Returns what to
-        tell the user (nothing when it continues the newest answer); the answer's first step tells
-        the model too."""
+        tell the user (nothing when it continues the newest answer); the answer's first run tells the
+        model too: this one's (`runs_here`), or another's of the same answer (the Filter's inlet
+        restores, the Tool's run says it)."""
         self.turn = turn
         if turn is None:
             return []
+        branches = self._service.branches
         try:
             async with self.session.lock(timeout=self._service.lock_timeout_s, waiting=waiting):
-                said = await self._service.branches.ensure(self, changing=False)
+                said = await branches.ensure(self, changing=False)
         except StorageError as error:  # a busy or full store: the answer goes on from the folder as it is
             log.warning("code-sessions: the answer's branch could not be followed: %s", error)
             return []
-        self._turn_notes.extend(said)
+        if runs_here:
+            self._turn_notes.extend(branches.take_said(self))
         return said
 
     def end_turn(self) -> None:

@@ -174,7 +174,7 @@ class FilterSessions(SessionsAdapter):
         services, chat = found
         status = Status(emitter)
         turn = turn_of(self._host, chat_id, metadata.get("message_id"), metadata)
-        branch = await chat.begin_turn(turn, waiting=waiting_status(status))
+        branch = await chat.begin_turn(turn, waiting=waiting_status(status), runs_here=False)
         for sentence in branch:
             await status(sentence, True)
         if last_user_text(messages).strip() == CLEAR_FILES_COMMAND:

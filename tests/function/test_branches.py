@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.pipe_harness import PipeHarness, code
+from tests.support.tool_harness import ToolHarness
 
 pytestmark = pytest.mark.runsc
 
@@ -159,3 +160,31 @@ async def test_branch_states_zero_keeps_the_chat_whole(harness: PipeHarness) -> 
     assert "df 5 file 5" in said and RESTORED not in said
     root = harness.sessions_root / "state"
     assert not any(p.name == "history" for p in root.rglob("history"))
+
+
+async def test_through_the_tool_and_the_filter_a_regenerate_gets_the_state_back(tmp_path) -> None:
+    """The Tool and the Filter (any model with tool calling): the Filter's inlet restores before the
+    model is asked, its outlet saves the answer's state."""
+    tools = ToolHarness(tmp_path / "data", valves={"timeout_seconds": 20})
+    try:
+        first = await tools.say(
+            "alice", "chat-1", code(LOAD), message_id="a1", user_message={"id": "u1", "parentId": None}
+        )
+        assert "rows 10" in first.tool_results[0]
+        second = await tools.say(
+            "alice", "chat-1", code(HALVE), message_id="a2", user_message={"id": "u2", "parentId": "a1"}
+        )
+        assert "rows 5" in second.tool_results[0]
+        again = await tools.say(
+            "alice", "chat-1", code(LOOK), message_id="a3", user_message={"id": "u2", "parentId": "a1"}
+        )
+        assert "df 10 file 10" in again.tool_results[0], again.tool_results
+        assert RESTORED in again.tool_results[0]  # the model reads it in the tool's result
+        statuses = [e["data"]["description"] for e in again.events if e.get("type") == "status"]
+        assert RESTORED in statuses
+        back = await tools.say(
+            "alice", "chat-1", code(LOOK), message_id="a4", user_message={"id": "u4", "parentId": "a2"}
+        )
+        assert "df 5 file 5" in back.tool_results[0], back.tool_results
+    finally:
+        await tools.aclose()

@@ -126,7 +126,7 @@ class PipeHarness:
         self.events = statuses
         self.chats.setdefault(chat_id, user_id)
         self.message_id = message_id
-        self.record_turn(chat_id, message_id, user_message)
+        record_turn(self.trees, chat_id, message_id, user_message)
         result = await self.pipe.pipe(
             body,
             __user__={"id": user_id, "name": user_id, "role": "user", "valves": self.pipe.UserValves()},
@@ -144,13 +144,6 @@ class PipeHarness:
             return json.dumps(result)
         return "".join([piece async for piece in result])
 
-    def record_turn(self, chat_id: str, message_id: str | None, user_message: dict | None) -> None:
-        """What Open WebUI's chat turn does to the chat's tree before the model is asked."""
-        if message_id and user_message:
-            tree = self.trees.setdefault(chat_id, {})
-            tree.setdefault(user_message["id"], user_message.get("parentId"))
-            tree[message_id] = user_message["id"]
-
     async def aclose(self) -> None:
         """What the end of the Open WebUI process would do: stop the background loop, close the store."""
         await stop_adapter(self.pipe)
@@ -158,6 +151,16 @@ class PipeHarness:
     @property
     def sessions_root(self) -> Path:
         return self.data_dir / "code_sessions"
+
+
+def record_turn(
+    trees: dict[str, dict[str, str | None]], chat_id: str, message_id: str | None, user_message: dict | None
+) -> None:
+    """What Open WebUI's chat turn does to the chat's tree before the model is asked."""
+    if message_id and user_message:
+        tree = trees.setdefault(chat_id, {})
+        tree.setdefault(user_message["id"], user_message.get("parentId"))
+        tree[message_id] = user_message["id"]
 
 
 async def stop_adapter(adapter: Any) -> None:
