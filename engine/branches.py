@@ -189,8 +189,8 @@ class Branches:
             return [NOT_KEPT.format(why=f"it could not be read back: {error}")]
         await session.reconcile(enforce_quotas=False)  # the index follows the disk (kept: no quota)
         kernels = self._services.kernels
-        if kernels is None:
-            return [RESTORED_FILES if target else _start_sentence()]
+        if kernels is None:  # kernel=fresh: every run starts anew anyway
+            return ["Restored the files of the message you are continuing from." if target else _start_sentence()]
         image = await history.kernel_of(target) if target else None
         reason = _FRESH_PYTHON if target else ""
         if target == "":
