@@ -37,6 +37,7 @@ RESTORED = "Restored the files and Python state of the message you are continuin
 RESTORED_FILES = (
     "Restored the files of the message you are continuing from; its Python state is no longer kept."
 )
+RESTORED_FILES_ONLY = "Restored the files of the message you are continuing from."
 NOT_KEPT = (
     "The files and Python state of the message you are continuing from are no longer kept ({why}); this "
     "answer continues from the chat's latest files and state."
@@ -190,7 +191,7 @@ class Branches:
         await session.reconcile(enforce_quotas=False)  # the index follows the disk (kept: no quota)
         kernels = self._services.kernels
         if kernels is None:  # kernel=fresh: every run starts anew anyway
-            return ["Restored the files of the message you are continuing from." if target else _start_sentence()]
+            return [RESTORED_FILES_ONLY if target else _start_sentence()]
         image = await history.kernel_of(target) if target else None
         reason = _FRESH_PYTHON if target else ""
         if target == "":
