@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_a05e1f9af9e7'
+_CS_PACKAGE = '_code_sessions_8e168fe7bfd1'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -16442,8 +16442,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_a05e1f9af9e7.runner import KernelPool
-from _code_sessions_a05e1f9af9e7.storage import HistoryError, Session, StorageError
+from _code_sessions_8e168fe7bfd1.runner import KernelPool
+from _code_sessions_8e168fe7bfd1.storage import HistoryError, Session, StorageError
 
 from .settings import Settings
 
@@ -17082,7 +17082,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_a05e1f9af9e7.runner import Outcome
+from _code_sessions_8e168fe7bfd1.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -17366,7 +17366,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_a05e1f9af9e7.runner import RunnerError
+from _code_sessions_8e168fe7bfd1.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -17570,8 +17570,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_a05e1f9af9e7.runner import Runner, RunnerError
-from _code_sessions_a05e1f9af9e7.storage import StorageError
+from _code_sessions_8e168fe7bfd1.runner import Runner, RunnerError
+from _code_sessions_8e168fe7bfd1.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -17700,8 +17700,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_a05e1f9af9e7.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_a05e1f9af9e7.storage import human_bytes
+from _code_sessions_8e168fe7bfd1.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_8e168fe7bfd1.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -17821,7 +17821,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_a05e1f9af9e7.storage import Purge, parse_duration
+from _code_sessions_8e168fe7bfd1.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -18388,8 +18388,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_a05e1f9af9e7.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_a05e1f9af9e7.storage import (
+from _code_sessions_8e168fe7bfd1.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_8e168fe7bfd1.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -18792,7 +18792,9 @@ class CodeSessions:
         return await self.kernels.run(key, session.path, code, language, limits, state_dir=session.state_path)
 
     async def purge(self, purge: Purge) -> CleanupReport:
-        """An admin's purge: the selected sessions go, with their files, links and kernels."""
+        """An admin's purge: the selected sessions go, with their files, links and kernels. The
+        answers' states this process is saving are saved first (a chat saving one is in use)."""
+        await self.branches.settle()
         return await self._ended(await self.store.cleanup(purge), "an admin deleted this chat's files")
 
     async def expire(self, settings: Settings | None = None) -> CleanupReport:
@@ -18804,6 +18806,7 @@ class CodeSessions:
 
     async def forget_chats(self, chats: list[tuple[str, str]], reason: str) -> CleanupReport:
         """Sessions of chats that no longer exist, deleted now (a chat mid-step is left for later)."""
+        await self.branches.settle()
         return await self._ended(await self.store.delete_chats(chats, reason), None)
 
     async def _ended(self, report: CleanupReport, said: str | None) -> CleanupReport:
@@ -18868,8 +18871,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_a05e1f9af9e7.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_a05e1f9af9e7.storage import Policy
+from _code_sessions_8e168fe7bfd1.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_8e168fe7bfd1.storage import Policy
 
 __all__ = ["DEFAULTS", "BranchSettings", "Settings"]
 
@@ -19034,8 +19037,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_a05e1f9af9e7.runner import Outcome, RunResult
-from _code_sessions_a05e1f9af9e7.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_8e168fe7bfd1.runner import Outcome, RunResult
+from _code_sessions_8e168fe7bfd1.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention
 
@@ -19476,7 +19479,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_a05e1f9af9e7.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_8e168fe7bfd1.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -19695,7 +19698,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_a05e1f9af9e7.storage import Link, Publisher, is_postgres_url
+from _code_sessions_8e168fe7bfd1.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -19967,10 +19970,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_a05e1f9af9e7.engine import DEFAULTS, MINUTE_S, BranchSettings, CodeSessions, Maintenance, Settings, Turn
-from _code_sessions_a05e1f9af9e7.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_a05e1f9af9e7.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_a05e1f9af9e7.webui import OpenWebUI
+from _code_sessions_8e168fe7bfd1.engine import DEFAULTS, MINUTE_S, BranchSettings, CodeSessions, Maintenance, Settings, Turn
+from _code_sessions_8e168fe7bfd1.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_8e168fe7bfd1.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_8e168fe7bfd1.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -20530,7 +20533,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_a05e1f9af9e7.engine import (
+from _code_sessions_8e168fe7bfd1.engine import (
     ChatSession,
     LoopOptions,
     StreamingRewriter,
@@ -20539,10 +20542,10 @@ from _code_sessions_a05e1f9af9e7.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_a05e1f9af9e7.engine.scan import SCAN_ON_LOOP_CHARS
-from _code_sessions_a05e1f9af9e7.functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
-from _code_sessions_a05e1f9af9e7.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_a05e1f9af9e7.webui import Misconfigured
+from _code_sessions_8e168fe7bfd1.engine.scan import SCAN_ON_LOOP_CHARS
+from _code_sessions_8e168fe7bfd1.functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
+from _code_sessions_8e168fe7bfd1.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_8e168fe7bfd1.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

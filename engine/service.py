@@ -418,7 +418,9 @@ class CodeSessions:
         return await self.kernels.run(key, session.path, code, language, limits, state_dir=session.state_path)
 
     async def purge(self, purge: Purge) -> CleanupReport:
-        """An admin's purge: the selected sessions go, with their files, links and kernels."""
+        """An admin's purge: the selected sessions go, with their files, links and kernels. The
+        answers' states this process is saving are saved first (a chat saving one is in use)."""
+        await self.branches.settle()
         return await self._ended(await self.store.cleanup(purge), "an admin deleted this chat's files")
 
     async def expire(self, settings: Settings | None = None) -> CleanupReport:
@@ -430,6 +432,7 @@ class CodeSessions:
 
     async def forget_chats(self, chats: list[tuple[str, str]], reason: str) -> CleanupReport:
         """Sessions of chats that no longer exist, deleted now (a chat mid-step is left for later)."""
+        await self.branches.settle()
         return await self._ended(await self.store.delete_chats(chats, reason), None)
 
     async def _ended(self, report: CleanupReport, said: str | None) -> CleanupReport:

@@ -142,7 +142,9 @@ class PipeHarness:
             return result
         if isinstance(result, dict):
             return json.dumps(result)
-        return "".join([piece async for piece in result])
+        answer = "".join([piece async for piece in result])
+        await settle(self.pipe)
+        return answer
 
     async def aclose(self) -> None:
         """What the end of the Open WebUI process would do: stop the background loop, close the store."""
@@ -161,6 +163,15 @@ def record_turn(
         tree = trees.setdefault(chat_id, {})
         tree.setdefault(user_message["id"], user_message.get("parentId"))
         tree[message_id] = user_message["id"]
+
+
+async def settle(adapter: Any) -> None:
+    """Wait for what the answer left to the background (its state saved for the conversation's
+    branches): a moment after the answer, as a user would see it. The real server's timing is
+    proven through a real Open WebUI (tests/e2e)."""
+    services = adapter._services
+    if services is not None:
+        await services.branches.settle()
 
 
 async def stop_adapter(adapter: Any) -> None:

@@ -25,6 +25,7 @@ from tests.support.pipe_harness import (
     _HarnessHost,
     load_like_open_webui,
     record_turn,
+    settle,
     stop_adapter,
 )
 
@@ -198,6 +199,7 @@ class ToolHarness:
         outlet = await self.filter.outlet(
             outlet, __user__=dict(user), __metadata__=metadata, __event_emitter__=emit
         )
+        await settle(self.filter._sessions)
         return Turn(streamed, outlet["messages"][-1]["content"], results, events)
 
     async def aclose(self) -> None:
