@@ -96,6 +96,16 @@ async def test_an_edited_first_message_starts_from_an_empty_folder_and_a_new_sta
     assert "Started again from an empty /mnt/data and a new Python state" in said
 
 
+async def test_a_temporary_chat_follows_its_branches_from_the_request_alone(harness: PipeHarness) -> None:
+    """Open WebUI keeps no record of a temporary chat: the request's user message (its parent) is all
+    there is, and that is enough."""
+    chat = Chat(harness, "alice", "local:tab-1")
+    first, _ = await chat.send(code(LOAD), parent=None)
+    await chat.send(code(HALVE), parent=first)
+    _, said = await chat.send(code(LOOK), parent=first, user_message="u2")
+    assert "df 10 file 10" in said and RESTORED in said, said
+
+
 async def test_another_chat_and_another_user_are_untouched(harness: PipeHarness) -> None:
     chat = Chat(harness, "alice", "chat-1")
     other = Chat(harness, "alice", "chat-2")

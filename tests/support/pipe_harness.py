@@ -265,7 +265,13 @@ class _HarnessHost:
     async def message_lineage(
         self, chat_id: str, message_id: str, user_message: dict | None = None
     ) -> tuple[list[str], bool]:
-        """Open WebUI's walk up the chat's tree (webui/host.py), over the harness's record of it."""
+        """Open WebUI's walk up the chat's tree (webui/host.py), over the harness's record of it. A
+        temporary chat has no record in Open WebUI: the real host's own fallback answers for it."""
+        if not self.saves_chat(chat_id):
+            found: tuple[list[str], bool] = await self._open_webui().message_lineage(
+                chat_id, message_id, user_message
+            )
+            return found
         tree = self._harness.trees.get(chat_id, {})
         chain = [message_id]
         current = tree.get(message_id)
