@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_8e168fe7bfd1'
+_CS_PACKAGE = '_code_sessions_6e53b90845eb'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -12998,6 +12998,7 @@ from typing import TYPE_CHECKING
 from . import _hibernate, _relay
 from ._hibernate import ImageRefused
 from ._kernel import NotSaved
+from ._procs import rss_bytes
 from ._registry import HOST, Entry, Registry, owned_here
 from ._relay import OwnerSilent
 from ._supervise import human_bytes
@@ -13010,7 +13011,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("code_sessions.runner")
 
 _SNAPSHOT_REPLY_S = 90.0  # another worker's copy of a big kernel (the checkpoint's own bound, and more)
-_STOPPED_WAIT_S = 10.0  # how long a rewind waits for another worker to record its kernel's end
+_STOPPED_WAIT_S = 10.0
+# What a kernel's host processes hold beyond what its image keeps (runsc, the gofer, the sentry's own).
+_SANDBOX_OVERHEAD = 128 * 2**20  # how long a rewind waits for another worker to record its kernel's end
 
 
 class _Snapshots:
@@ -13069,6 +13072,10 @@ class _Snapshots:
             return "", "saving Python states is turned off"
         if max_bytes is not None:
             limit = max_bytes if limit is None else min(limit, max_bytes)
+        if limit is not None:  # a copy clearly too big is not written only to be thrown away
+            rss = await asyncio.to_thread(rss_bytes, kernel.host_pids())
+            if rss - _SANDBOX_OVERHEAD > limit:
+                return "", f"its memory of {rss / 2**20:.0f} MiB is over the {human_bytes(limit)} it may take"
         t0 = time.monotonic()
         staging: Path | None = None
         try:
@@ -13179,6 +13186,21 @@ def sigkill(pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
+
+
+def rss_bytes(pids: list[int]) -> int:
+    """The summed resident memory of these processes (gone ones count 0)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+                for line in fh:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
 ''',
     'runner/_registry.py': r'''"""The kernel registry: one small file per key (`<registry_dir>/<digest>.json`, kept across restarts)
 saying where the key's kernel lives (host, process and its start time, socket), when it was last used,
@@ -16442,8 +16464,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_8e168fe7bfd1.runner import KernelPool
-from _code_sessions_8e168fe7bfd1.storage import HistoryError, Session, StorageError
+from _code_sessions_6e53b90845eb.runner import KernelPool
+from _code_sessions_6e53b90845eb.storage import HistoryError, Session, StorageError
 
 from .settings import Settings
 
@@ -17082,7 +17104,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_8e168fe7bfd1.runner import Outcome
+from _code_sessions_6e53b90845eb.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -17366,7 +17388,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_8e168fe7bfd1.runner import RunnerError
+from _code_sessions_6e53b90845eb.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -17570,8 +17592,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_8e168fe7bfd1.runner import Runner, RunnerError
-from _code_sessions_8e168fe7bfd1.storage import StorageError
+from _code_sessions_6e53b90845eb.runner import Runner, RunnerError
+from _code_sessions_6e53b90845eb.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -17700,8 +17722,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_8e168fe7bfd1.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_8e168fe7bfd1.storage import human_bytes
+from _code_sessions_6e53b90845eb.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_6e53b90845eb.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -17821,7 +17843,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_8e168fe7bfd1.storage import Purge, parse_duration
+from _code_sessions_6e53b90845eb.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -18388,8 +18410,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_8e168fe7bfd1.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_8e168fe7bfd1.storage import (
+from _code_sessions_6e53b90845eb.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_6e53b90845eb.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -18871,8 +18893,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_8e168fe7bfd1.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_8e168fe7bfd1.storage import Policy
+from _code_sessions_6e53b90845eb.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_6e53b90845eb.storage import Policy
 
 __all__ = ["DEFAULTS", "BranchSettings", "Settings"]
 
@@ -19037,8 +19059,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_8e168fe7bfd1.runner import Outcome, RunResult
-from _code_sessions_8e168fe7bfd1.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_6e53b90845eb.runner import Outcome, RunResult
+from _code_sessions_6e53b90845eb.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention
 
@@ -19479,7 +19501,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_8e168fe7bfd1.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_6e53b90845eb.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -19698,7 +19720,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_8e168fe7bfd1.storage import Link, Publisher, is_postgres_url
+from _code_sessions_6e53b90845eb.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -19970,10 +19992,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_8e168fe7bfd1.engine import DEFAULTS, MINUTE_S, BranchSettings, CodeSessions, Maintenance, Settings, Turn
-from _code_sessions_8e168fe7bfd1.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_8e168fe7bfd1.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_8e168fe7bfd1.webui import OpenWebUI
+from _code_sessions_6e53b90845eb.engine import DEFAULTS, MINUTE_S, BranchSettings, CodeSessions, Maintenance, Settings, Turn
+from _code_sessions_6e53b90845eb.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_6e53b90845eb.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_6e53b90845eb.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -20530,10 +20552,10 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_8e168fe7bfd1.engine import LoopOptions, escape_text, import_uploads, run_step
-from _code_sessions_8e168fe7bfd1.functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
-from _code_sessions_8e168fe7bfd1.storage import StorageError
-from _code_sessions_8e168fe7bfd1.webui import Misconfigured
+from _code_sessions_6e53b90845eb.engine import LoopOptions, escape_text, import_uploads, run_step
+from _code_sessions_6e53b90845eb.functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
+from _code_sessions_6e53b90845eb.storage import StorageError
+from _code_sessions_6e53b90845eb.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from . import _hibernate, _relay
 from ._hibernate import ImageRefused
 from ._kernel import NotSaved
+from ._procs import rss_bytes
 from ._registry import HOST, Entry, Registry, owned_here
 from ._relay import OwnerSilent
 from ._supervise import human_bytes
@@ -26,7 +27,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("code_sessions.runner")
 
 _SNAPSHOT_REPLY_S = 90.0  # another worker's copy of a big kernel (the checkpoint's own bound, and more)
-_STOPPED_WAIT_S = 10.0  # how long a rewind waits for another worker to record its kernel's end
+_STOPPED_WAIT_S = 10.0
+# What a kernel's host processes hold beyond what its image keeps (runsc, the gofer, the sentry's own).
+_SANDBOX_OVERHEAD = 128 * 2**20  # how long a rewind waits for another worker to record its kernel's end
 
 
 class _Snapshots:
@@ -85,6 +88,10 @@ class _Snapshots:
             return "", "saving Python states is turned off"
         if max_bytes is not None:
             limit = max_bytes if limit is None else min(limit, max_bytes)
+        if limit is not None:  # a copy clearly too big is not written only to be thrown away
+            rss = await asyncio.to_thread(rss_bytes, kernel.host_pids())
+            if rss - _SANDBOX_OVERHEAD > limit:
+                return "", f"its memory of {rss / 2**20:.0f} MiB is over the {human_bytes(limit)} it may take"
         t0 = time.monotonic()
         staging: Path | None = None
         try:
