@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_6e53b90845eb'
+_CS_PACKAGE = '_code_sessions_0ed3aa8915cf'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -2112,10 +2112,11 @@ class History:
         *,
         saved_at: float | None = None,
     ) -> None:
+        stamp = time.time() if saved_at is None else saved_at
         state = {
             "format": FORMAT,
             "message_id": message_id,
-            "saved_at": time.time() if saved_at is None else saved_at,
+            "saved_at": stamp,
             "files": files,
             "dirs": dirs,
             "imports": [list(pair) for pair in imports],
@@ -2123,7 +2124,11 @@ class History:
         d = digest(message_id)
         names = "".join(f"{entry[0]}\n" for entry in files.values())
         _write_bytes(self.folder / "states" / f"{d}.objects", names.encode("ascii"))
-        _write_bytes(self.folder / "states" / f"{d}.json", json.dumps(state, separators=(",", ":")).encode())
+        path = self.folder / "states" / f"{d}.json"
+        _write_bytes(path, json.dumps(state, separators=(",", ":")).encode())
+        # The file's mtime is the state's age, which pruning orders by: a restore rewrites the file (the
+        # live files' new inodes) without making the state any newer.
+        os.utime(path, (stamp, stamp))
 
     def _make_folder(self) -> None:
         # Its parent (the chat's saved-state folder) may not exist yet; both are ours alone.
@@ -16464,8 +16469,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_6e53b90845eb.runner import KernelPool
-from _code_sessions_6e53b90845eb.storage import HistoryError, Session, StorageError
+from _code_sessions_0ed3aa8915cf.runner import KernelPool
+from _code_sessions_0ed3aa8915cf.storage import HistoryError, Session, StorageError
 
 from .settings import Settings
 
@@ -17104,7 +17109,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_6e53b90845eb.runner import Outcome
+from _code_sessions_0ed3aa8915cf.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -17388,7 +17393,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_6e53b90845eb.runner import RunnerError
+from _code_sessions_0ed3aa8915cf.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -17592,8 +17597,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_6e53b90845eb.runner import Runner, RunnerError
-from _code_sessions_6e53b90845eb.storage import StorageError
+from _code_sessions_0ed3aa8915cf.runner import Runner, RunnerError
+from _code_sessions_0ed3aa8915cf.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -17722,8 +17727,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_6e53b90845eb.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_6e53b90845eb.storage import human_bytes
+from _code_sessions_0ed3aa8915cf.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_0ed3aa8915cf.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -17843,7 +17848,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_6e53b90845eb.storage import Purge, parse_duration
+from _code_sessions_0ed3aa8915cf.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -18410,8 +18415,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_6e53b90845eb.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_6e53b90845eb.storage import (
+from _code_sessions_0ed3aa8915cf.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_0ed3aa8915cf.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -18893,8 +18898,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_6e53b90845eb.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_6e53b90845eb.storage import Policy
+from _code_sessions_0ed3aa8915cf.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_0ed3aa8915cf.storage import Policy
 
 __all__ = ["DEFAULTS", "BranchSettings", "Settings"]
 
@@ -19059,8 +19064,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_6e53b90845eb.runner import Outcome, RunResult
-from _code_sessions_6e53b90845eb.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_0ed3aa8915cf.runner import Outcome, RunResult
+from _code_sessions_0ed3aa8915cf.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention
 
@@ -19501,7 +19506,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_6e53b90845eb.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_0ed3aa8915cf.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -19720,7 +19725,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_6e53b90845eb.storage import Link, Publisher, is_postgres_url
+from _code_sessions_0ed3aa8915cf.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -19992,10 +19997,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_6e53b90845eb.engine import DEFAULTS, MINUTE_S, BranchSettings, CodeSessions, Maintenance, Settings, Turn
-from _code_sessions_6e53b90845eb.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_6e53b90845eb.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_6e53b90845eb.webui import OpenWebUI
+from _code_sessions_0ed3aa8915cf.engine import DEFAULTS, MINUTE_S, BranchSettings, CodeSessions, Maintenance, Settings, Turn
+from _code_sessions_0ed3aa8915cf.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_0ed3aa8915cf.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_0ed3aa8915cf.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -20552,10 +20557,10 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_6e53b90845eb.engine import LoopOptions, escape_text, import_uploads, run_step
-from _code_sessions_6e53b90845eb.functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
-from _code_sessions_6e53b90845eb.storage import StorageError
-from _code_sessions_6e53b90845eb.webui import Misconfigured
+from _code_sessions_0ed3aa8915cf.engine import LoopOptions, escape_text, import_uploads, run_step
+from _code_sessions_0ed3aa8915cf.functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
+from _code_sessions_0ed3aa8915cf.storage import StorageError
+from _code_sessions_0ed3aa8915cf.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -442,10 +442,11 @@ class History:
         *,
         saved_at: float | None = None,
     ) -> None:
+        stamp = time.time() if saved_at is None else saved_at
         state = {
             "format": FORMAT,
             "message_id": message_id,
-            "saved_at": time.time() if saved_at is None else saved_at,
+            "saved_at": stamp,
             "files": files,
             "dirs": dirs,
             "imports": [list(pair) for pair in imports],
@@ -453,7 +454,11 @@ class History:
         d = digest(message_id)
         names = "".join(f"{entry[0]}\n" for entry in files.values())
         _write_bytes(self.folder / "states" / f"{d}.objects", names.encode("ascii"))
-        _write_bytes(self.folder / "states" / f"{d}.json", json.dumps(state, separators=(",", ":")).encode())
+        path = self.folder / "states" / f"{d}.json"
+        _write_bytes(path, json.dumps(state, separators=(",", ":")).encode())
+        # The file's mtime is the state's age, which pruning orders by: a restore rewrites the file (the
+        # live files' new inodes) without making the state any newer.
+        os.utime(path, (stamp, stamp))
 
     def _make_folder(self) -> None:
         # Its parent (the chat's saved-state folder) may not exist yet; both are ours alone.

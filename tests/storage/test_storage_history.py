@@ -185,3 +185,16 @@ async def test_the_history_goes_with_the_session(store: Store) -> None:
 
     await store.cleanup(Purge(user_id="u"))
     assert not folder.exists()
+
+
+async def test_a_restore_does_not_make_a_state_younger_than_the_ones_saved_after_it(store: Store) -> None:
+    session = await store.session("u", "c")
+    async with session.lock():
+        for i in range(3):
+            (session.path / "f.txt").write_text(str(i))
+            await session.history.save(f"m{i}", keep_states=3, keep_kernels=3, room_bytes=None)
+        await session.history.restore("m0")
+        (session.path / "f.txt").write_text("3")
+        await session.history.save("m3", keep_states=3, keep_kernels=3, room_bytes=None)
+        # m0 is still the oldest, however recently it was restored: it is the one that goes.
+        assert [await session.history.has(f"m{i}") for i in range(4)] == [False, True, True, True]
