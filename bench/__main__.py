@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from . import (
+    branches,
     concurrency,
     deleted_chats,
     environment,
@@ -51,6 +52,7 @@ SECTIONS: dict[str, Callable[[Context], Awaitable[dict[str, Any]]]] = {
     "hibernate": hibernate.run,
     "index_backends": index_backends.run,
     "environment": environment.run,
+    "branches": branches.run,
 }
 # Sections that render their own table and targets (bench/report.py renders the others).
 

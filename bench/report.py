@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from . import environment, filter_stream, hibernate, index_backends
+from . import branches, environment, filter_stream, hibernate, index_backends
 from .index_backends import TARGET_STEP_RATIO
 
 
@@ -416,6 +416,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     if "environment" in s:
         for name, value, limit, unit in environment.targets(s["environment"]):
             add(name, value, limit, unit)
+    branches.targets(s.get("branches", {}), add)
     return found
 
 
@@ -450,6 +451,7 @@ def render(results: dict[str, Any]) -> str:
         ("9. The Filter's stream hook", "filter_stream", filter_stream.render),
         ("Index backends: SQLite vs PostgreSQL", "index_backends", index_backends.render),
         ("The sandbox environment", "environment", environment.render),
+        ("10. States for the conversation's branches", "branches", branches.render),
     ]
     for title, key, fn in sections:
         if key in s:

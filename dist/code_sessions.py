@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_aa19f27ddaa3'
+_CS_PACKAGE = '_code_sessions_0ed3aa8915cf'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -32,6 +32,7 @@ from .errors import (
     StorageBusy,
     StorageError,
 )
+from .history import ChatHistory, HistoryError, HistoryHead, Restored, Saved
 from .models import (
     ActivityEntry,
     ChatInfo,
@@ -66,6 +67,7 @@ __all__ = [
     "PASSIVE_IMAGE_TYPES",
     "ActivityEntry",
     "ChatFiles",
+    "ChatHistory",
     "ChatInfo",
     "CleanupAction",
     "CleanupReport",
@@ -78,6 +80,8 @@ __all__ = [
     "FileExists",
     "FileMissing",
     "Growth",
+    "HistoryError",
+    "HistoryHead",
     "IndexDamaged",
     "InvalidPath",
     "Link",
@@ -94,7 +98,9 @@ __all__ = [
     "ReconcileReport",
     "Rejected",
     "Renamed",
+    "Restored",
     "RunBudget",
+    "Saved",
     "Session",
     "StorageBusy",
     "StorageError",
@@ -1662,6 +1668,728 @@ def move_aside_unchanged(
                     moved.append(name)
         return moved
 ''',
+    'storage/_history.py': r'''"""A chat folder's history by message: the folder's state at the end of each answer, kept so that a
+branch of the conversation (a regenerated or edited message) continues from the files of the message
+it continues from. Pure file work, blocking: call it from a thread, holding the chat's lock.
+
+Layout, inside the chat's saved-state folder (outside /mnt/data, ours alone):
+
+    history/
+      index.json          the head, the states kept, and every object's references and size
+      states/<d>.json     one state: {message_id, saved_at, files: {path: [object, size, mtime_ns, mode]},
+                          dirs: {path: mode}, imports: [[source, path], ...]}  (<d>: a digest of the id)
+      objects/<id>        one version of one file, a private copy (a reflink where the disk has them)
+      kernels/<d>/        the kernel's image for that state, written by the caller (opaque here)
+
+A state never shares an inode with the live folder: code in the sandbox may write a file in place
+(`open(p, 'r+')`, `mmap`), which would change a hard-linked copy. So a version is copied once, when it
+is first seen, and every later state whose file is unchanged refers to the same object. "Unchanged"
+is the file's inode, size, mtime and ctime all as recorded when it was copied or restored (the ctime
+cannot be set back by the sandbox's code).
+
+The head says which message's state the folder holds now, and whether it may have changed since that
+state was saved (`dirty`); `restoring` marks a restore in progress, so a crash mid-way is finished by
+the next restore rather than left half done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import stat
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._fsops import DIR_FLAGS, Owner, copy_fd, fd_closing, remove_tree_at
+from ._names import MAX_DEPTH, MAX_PATH_BYTES
+
+FORMAT = 1
+HEAD = "head.json"
+STATS = "stats.json"
+# Dropped states whose objects are collected together (a collection reads every state's object list).
+_COLLECT_EVERY = 5
+MAX_FILES = 100_000  # a state of more files than this is not kept (the quota's default is 5,000)
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_FICLONE = 0x40049409  # linux/fs.h: share the blocks of a file (XFS, Btrfs); ext4 refuses
+_MAX_STATE = 64 << 20
+_RESTORE_TEMP = ".cs-restore-"
+_OBJECT = re.compile(r"[0-9a-f]{24}")
+_PLAIN_PATH = re.compile(r"[^/\0]+(?:/[^/\0]+)*")
+_DOT_PART = re.compile(r"(?:^|/)\.\.?(?:/|$)")
+
+
+
+class HistoryError(Exception):
+    """A state cannot be saved or restored; the message says why, for the user."""
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """Which message's state the folder holds ("": none recorded yet); whether the folder may have
+    changed since that state was saved; whether a restore of it began and did not finish; and the
+    state whose records say what the live folder's files are (`live`, a digest; "": none)."""
+
+    message_id: str = ""
+    dirty: bool = False
+    restoring: bool = False
+    live: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Saved:
+    """One state saved: its files, what had to be copied for it, and what the history now takes."""
+
+    message_id: str
+    files: int
+    copied_files: int
+    copied_bytes: int
+    history_bytes: int  # what the history takes on disk beyond the folder's own files
+    dropped: int  # older states dropped to keep within the count and the room
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """One state restored into the folder: what was copied back and what was removed."""
+
+    message_id: str
+    files: int
+    copied_files: int
+    removed: int
+
+
+def digest(message_id: str) -> str:
+    return hashlib.sha256(message_id.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+class History:
+    """The history folder of one chat (`folder`, created on first save) and its live folder.
+
+    Files: `head.json` (the Head), `states/<d>.json` (one state: its files with each one's object,
+    size, mtime, mode, and the inode and ctime of the live file it was read from), `states/<d>.objects`
+    (its objects' names, one per line: what a collection reads), `objects/<name>`, `kernels/<d>/`,
+    and `stats.json` (the bytes the objects take, and how many states were dropped since the last
+    collection). A state's file records the live files' inodes and ctimes as of its save, or of its
+    restore (a restore rewrites them): the next save compares the folder with the head's `live` state
+    and copies only what is not as recorded there."""
+
+    def __init__(self, folder: Path, live: Path, owner: Owner) -> None:
+        self.folder = folder
+        self.live_dir = live
+        self.owner = owner
+
+    # ------------------------------------------------------------------ the head
+
+    def read_head(self) -> Head:
+        """The head, from its own small file: read before every step."""
+        try:
+            with open(self.folder / HEAD, "rb") as fh:
+                data = json.loads(fh.read(1 << 16))
+            live = data.get("live", "")
+            return Head(
+                str(data["head"]),
+                bool(data["dirty"]),
+                bool(data["restoring"]),
+                live if isinstance(live, str) and _digest_name(live) else "",
+            )
+        except FileNotFoundError:
+            return Head(dirty=(self.folder / "states").exists())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return Head(dirty=True)  # damaged: the folder may be anything, and belongs to no state
+
+    def claim(self, message_id: str) -> None:
+        """The folder is about to change for `message_id`'s answer: the head is its, and dirty."""
+        head = self.read_head()
+        if head.message_id == message_id and head.dirty and not head.restoring:
+            return
+        self._write_head(Head(message_id, True, False, head.live))
+
+    def has_state(self, message_id: str) -> bool:
+        return self._state_path(message_id).is_file()
+
+    def kernel_dir(self, message_id: str) -> Path:
+        """Where the kernel's image of a state lives (the caller writes it; made here, private)."""
+        self._make_folder()
+        folder = self.folder / "kernels" / digest(message_id)
+        folder.parent.mkdir(mode=0o700, exist_ok=True)
+        folder.mkdir(mode=0o700, exist_ok=True)
+        return folder
+
+    def kernel_of(self, message_id: str) -> Path | None:
+        folder = self.folder / "kernels" / digest(message_id)
+        return folder if (folder / "kernel").is_dir() else None
+
+    def drop_kernel(self, message_id: str) -> None:
+        shutil.rmtree(self.folder / "kernels" / digest(message_id), ignore_errors=True)
+
+    def bytes_on_disk(self) -> int:
+        return _tree_bytes(self.folder)
+
+    # ------------------------------------------------------------------ saving
+
+    def save(
+        self,
+        message_id: str,
+        imports: list[tuple[str, str]],
+        *,
+        keep_states: int,
+        keep_kernels: int,
+        room_bytes: int | None,
+    ) -> Saved:
+        """Record the live folder as `message_id`'s state (replacing an older one of it); then keep the
+        newest `keep_states` states and the kernels of the newest `keep_kernels`, and drop the oldest
+        while the history takes more than `room_bytes` (None: no bound), never the new one."""
+        head = self.read_head()
+        known = self._records(self.folder / "states" / f"{head.live}.json") if head.live else {}
+        self._make_folder()
+        stats = self._read_stats()
+        objects = self.folder / "objects"
+        objects.mkdir(mode=0o700, exist_ok=True)
+        (self.folder / "states").mkdir(mode=0o700, exist_ok=True)
+        files: dict[str, list[Any]] = {}
+        dirs: dict[str, int] = {}
+        copied_files = copied_bytes = live_bytes = 0
+        with fd_closing(os.open(objects, DIR_FLAGS)) as objects_fd:
+            try:
+                root = os.open(self.live_dir, DIR_FLAGS)
+            except FileNotFoundError:
+                root = -1
+            if root >= 0:
+                with fd_closing(root):
+                    for path, st, parent, name in _walk(root):
+                        if stat.S_ISDIR(st.st_mode):
+                            dirs[path] = stat.S_IMODE(st.st_mode)
+                            continue
+                        was = known.get(path)
+                        if was is not None and _unchanged(was, st):
+                            obj = was[0]
+                        else:
+                            made = _copy_in(parent, name, st, objects_fd)
+                            if made is None:
+                                continue  # gone, or not a regular file any more
+                            obj = made
+                            copied_files += 1
+                            copied_bytes += st.st_size
+                        live_bytes += st.st_size
+                        files[path] = [
+                            obj,
+                            st.st_size,
+                            st.st_mtime_ns,
+                            stat.S_IMODE(st.st_mode),
+                            st.st_ino,
+                            st.st_ctime_ns,
+                        ]
+                        if len(files) > MAX_FILES:
+                            raise HistoryError(f"the folder holds more than {MAX_FILES:,} files")
+        self._write_state(message_id, files, dirs, imports)
+        self._write_head(Head(message_id, False, False, digest(message_id)))
+        stats["object_bytes"] += copied_bytes
+        dropped = self._prune(message_id, keep_states, keep_kernels, room_bytes, stats, live_bytes)
+        self._write_stats(stats)
+        history = max(0, stats["object_bytes"] - live_bytes) + self._kernel_bytes()
+        return Saved(message_id, len(files), copied_files, copied_bytes, history, dropped)
+
+    def _prune(
+        self,
+        newest: str,
+        keep_states: int,
+        keep_kernels: int,
+        room_bytes: int | None,
+        stats: dict[str, int],
+        live_bytes: int,
+    ) -> int:
+        """Drop the states beyond `keep_states` (oldest first), the kernels beyond `keep_kernels`, and
+        more while the history is over `room_bytes`; objects no state needs go at a collection, which
+        runs once enough states went (its cost is shared by them) or when the room is short."""
+        order = self._states_oldest_first(newest)
+        dropped = [order.pop(0)[1] for _ in range(max(0, len(order) - max(1, keep_states)))]
+        with_kernel = [d for _, d in order if (self.folder / "kernels" / d / "kernel").is_dir()]
+        for d in with_kernel[: max(0, len(with_kernel) - keep_kernels)]:
+            shutil.rmtree(self.folder / "kernels" / d, ignore_errors=True)
+        for d in dropped:
+            self._drop(d)
+        stats["uncollected"] += len(dropped)
+        if stats["uncollected"] >= _COLLECT_EVERY:
+            self._collect(stats)
+        if room_bytes is not None:
+            while max(0, stats["object_bytes"] - live_bytes) + self._kernel_bytes() > room_bytes:
+                kernels = [d for _, d in order if (self.folder / "kernels" / d / "kernel").is_dir()]
+                if kernels:  # a Python state costs more than a file state: they go first
+                    shutil.rmtree(self.folder / "kernels" / kernels[0], ignore_errors=True)
+                    continue
+                if stats["uncollected"]:
+                    self._collect(stats)
+                    continue
+                if len(order) <= 1:
+                    break
+                d = order.pop(0)[1]
+                dropped.append(d)
+                self._drop(d)
+                stats["uncollected"] += 1
+        return len(dropped)
+
+    def _states_oldest_first(self, newest: str) -> list[tuple[float, str]]:
+        found = []
+        newest_digest = digest(newest)
+        for name in _listing(self.folder / "states"):
+            if not name.endswith(".json") or not _digest_name(name[:-5]):
+                continue
+            with contextlib.suppress(OSError):
+                st = os.lstat(self.folder / "states" / name)
+                found.append((st.st_mtime, name[:-5]))
+        return sorted(found, key=lambda item: (item[1] == newest_digest, item[0]))
+
+    def _drop(self, state: str) -> None:
+        for suffix in (".json", ".objects"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.folder / "states" / f"{state}{suffix}")
+        shutil.rmtree(self.folder / "kernels" / state, ignore_errors=True)
+
+    def _collect(self, stats: dict[str, int]) -> None:
+        """Remove the objects no state refers to, and count exactly what the rest take."""
+        wanted: set[str] = set()
+        for name in _listing(self.folder / "states"):
+            if name.endswith(".objects"):
+                path = self.folder / "states" / name
+                with contextlib.suppress(OSError), open(path, encoding="ascii") as fh:
+                    wanted.update(line.strip() for line in fh)
+        objects = self.folder / "objects"
+        total = 0
+        for name in _listing(objects):
+            if name in wanted:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(objects / name).st_size
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(objects / name)
+        stats["object_bytes"], stats["uncollected"] = total, 0
+
+    def _kernel_bytes(self) -> int:
+        return _tree_bytes(self.folder / "kernels")
+
+    # ------------------------------------------------------------------ restoring
+
+    def begin_restore(self, message_id: str) -> dict[str, Any]:
+        """The state of `message_id`, checked whole (every object present, of its size), with the
+        head marked as restoring it. HistoryError when it cannot be restored."""
+        state = self._read_state(message_id)
+        if state is None:
+            raise HistoryError("its saved files are no longer kept")
+        objects = self.folder / "objects"
+        for obj, size, *_ in state["files"].values():
+            try:
+                st = os.lstat(objects / obj)
+            except OSError:
+                raise HistoryError("its saved files are damaged (a version is missing)") from None
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                raise HistoryError("its saved files are damaged (a version has another size)")
+        head = self.read_head()
+        self._write_head(Head(message_id, True, True, head.live))
+        return state
+
+    def restore(self, message_id: str, state: dict[str, Any]) -> Restored:
+        """Make the live folder hold exactly the state's files and folders (after begin_restore).
+        Files already there as the head's live records say, with the state's version, stay; the rest
+        is copied back from the objects. The state's records then describe the live files."""
+        head = self.read_head()
+        known = self._records(self.folder / "states" / f"{head.live}.json") if head.live else {}
+        wanted: dict[str, list[Any]] = state["files"]
+        wanted_dirs: dict[str, int] = state["dirs"]
+        keep_dirs = set(wanted_dirs)
+        for path in wanted:
+            parts = path.split("/")
+            keep_dirs.update("/".join(parts[:i]) for i in range(1, len(parts)))
+        kept: dict[str, list[Any]] = {}
+        with (
+            fd_closing(os.open(self.folder / "objects", DIR_FLAGS)) as objects_fd,
+            fd_closing(os.open(self.live_dir, DIR_FLAGS)) as root,
+        ):
+            removed = _clear_live(root, "", 0, wanted, keep_dirs, known, kept)
+            for path in sorted(keep_dirs, key=lambda p: p.count("/")):
+                with fd_closing(_make_dirs(root, path.split("/"), wanted_dirs.get(path, 0o755), self.owner)):
+                    pass
+            copied = 0
+            files: dict[str, list[Any]] = {}
+            for path, (obj, size, mtime_ns, mode, *_) in wanted.items():
+                if path in kept:
+                    st_ino, st_ctime = kept[path][4], kept[path][5]
+                    files[path] = [obj, size, mtime_ns, mode, st_ino, st_ctime]
+                    continue
+                parts = path.split("/")
+                with fd_closing(_make_dirs(root, parts[:-1], 0o755, self.owner)) as parent:
+                    st = _copy_out(objects_fd, obj, parent, parts[-1], mode, mtime_ns, self.owner)
+                files[path] = [obj, st.st_size, st.st_mtime_ns, mode, st.st_ino, st.st_ctime_ns]
+                copied += 1
+        self._write_state(message_id, files, wanted_dirs, self.imports_of(state), saved_at=state["saved_at"])
+        self._write_head(Head(message_id, False, False, digest(message_id)))
+        return Restored(message_id, len(wanted), copied, removed)
+
+    def restore_empty(self, message_id: str) -> Restored:
+        """The folder as at the start of a chat: empty."""
+        head = self.read_head()
+        self._write_head(Head(message_id, True, True, head.live))
+        removed = 0
+        with fd_closing(os.open(self.live_dir, DIR_FLAGS)) as root:
+            for name in os.listdir(root):
+                with contextlib.suppress(OSError):
+                    remove_tree_at(root, name)
+                    removed += 1
+        self._write_head(Head(message_id, True, False, ""))
+        return Restored(message_id, 0, 0, removed)
+
+    def imports_of(self, state: dict[str, Any]) -> list[tuple[str, str]]:
+        return [(str(s), str(p)) for s, p in state.get("imports", [])]
+
+    # ------------------------------------------------------------------ files of the history
+
+    def _state_path(self, message_id: str) -> Path:
+        return self.folder / "states" / f"{digest(message_id)}.json"
+
+    def _read_state(self, message_id: str) -> dict[str, Any] | None:
+        state = self._read_state_file(self._state_path(message_id))
+        if state is None or state.get("message_id") != message_id:
+            return None
+        return state
+
+    @staticmethod
+    def _records(path: Path) -> dict[str, list[Any]]:
+        """The file records of a state, read only to tell which live files are unchanged: a record
+        that is not well formed is no record (its file is then copied again)."""
+        try:
+            with open(path, "rb") as fh:
+                files = json.loads(fh.read(_MAX_STATE)).get("files")
+        except (OSError, ValueError, AttributeError):
+            return {}
+        if not isinstance(files, dict):
+            return {}
+        return {p: v for p, v in files.items() if isinstance(v, list) and len(v) == 6}
+
+    @staticmethod
+    def _read_state_file(path: Path) -> dict[str, Any] | None:
+        """A state, checked whole before its paths and objects name anything on disk."""
+        try:
+            with open(path, "rb") as fh:
+                state = json.loads(fh.read(_MAX_STATE))
+        except (OSError, ValueError):
+            return None
+        try:
+            ok = (
+                state.get("format") == FORMAT
+                and isinstance(state.get("message_id"), str)
+                and isinstance(state.get("saved_at"), int | float)
+                and isinstance(state.get("files"), dict)
+                and isinstance(state.get("dirs"), dict)
+                and all(
+                    _safe_path(p)
+                    and isinstance(v, list)
+                    and len(v) == 6
+                    and _object_name(v[0])
+                    and all(isinstance(n, int) for n in v[1:])
+                    for p, v in state["files"].items()
+                )
+                and all(_safe_path(p) and isinstance(m, int) for p, m in state["dirs"].items())
+            )
+        except (AttributeError, TypeError):
+            return None
+        return state if ok else None
+
+    def _write_state(
+        self,
+        message_id: str,
+        files: dict[str, list[Any]],
+        dirs: dict[str, int],
+        imports: list[tuple[str, str]],
+        *,
+        saved_at: float | None = None,
+    ) -> None:
+        stamp = time.time() if saved_at is None else saved_at
+        state = {
+            "format": FORMAT,
+            "message_id": message_id,
+            "saved_at": stamp,
+            "files": files,
+            "dirs": dirs,
+            "imports": [list(pair) for pair in imports],
+        }
+        d = digest(message_id)
+        names = "".join(f"{entry[0]}\n" for entry in files.values())
+        _write_bytes(self.folder / "states" / f"{d}.objects", names.encode("ascii"))
+        path = self.folder / "states" / f"{d}.json"
+        _write_bytes(path, json.dumps(state, separators=(",", ":")).encode())
+        # The file's mtime is the state's age, which pruning orders by: a restore rewrites the file (the
+        # live files' new inodes) without making the state any newer.
+        os.utime(path, (stamp, stamp))
+
+    def _make_folder(self) -> None:
+        # Its parent (the chat's saved-state folder) may not exist yet; both are ours alone.
+        self.folder.parent.mkdir(mode=0o700, exist_ok=True)
+        self.folder.mkdir(mode=0o700, exist_ok=True)
+
+    def _write_head(self, head: Head) -> None:
+        self._make_folder()
+        data = {"head": head.message_id, "dirty": head.dirty, "restoring": head.restoring, "live": head.live}
+        _write_bytes(self.folder / HEAD, json.dumps(data).encode())
+
+    def _read_stats(self) -> dict[str, int]:
+        try:
+            with open(self.folder / STATS, "rb") as fh:
+                data = json.loads(fh.read(1 << 16))
+            return {"object_bytes": int(data["object_bytes"]), "uncollected": int(data["uncollected"])}
+        except (OSError, ValueError, KeyError, TypeError):
+            stats = {"object_bytes": 0, "uncollected": 0}
+            self._collect(stats)  # lost or damaged: counted again from the disk
+            return stats
+
+    def _write_stats(self, stats: dict[str, int]) -> None:
+        _write_bytes(self.folder / STATS, json.dumps(stats).encode())
+
+
+def _safe_path(path: object) -> bool:
+    """A relative path of plain components, as the state's own walk wrote it (a damaged or forged
+    state could otherwise name a place outside the folder)."""
+    return (
+        isinstance(path, str)
+        and _PLAIN_PATH.fullmatch(path) is not None
+        and _DOT_PART.search(path) is None
+        and path.count("/") < MAX_DEPTH
+        and len(path.encode("utf-8", "surrogatepass")) <= MAX_PATH_BYTES
+    )
+
+
+def _object_name(name: object) -> bool:
+    return isinstance(name, str) and _OBJECT.fullmatch(name) is not None
+
+
+def _listing(folder: Path) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except FileNotFoundError:
+        return []
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    """Write a file of the history whole: a new file renamed over the old one."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, _NEW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _unchanged(record: list[Any], st: os.stat_result) -> bool:
+    """The live file is still the one a state's record describes: its size, mtime, inode and ctime
+    (which the sandbox's code cannot set back) are as recorded."""
+    return record[1:3] == [st.st_size, st.st_mtime_ns] and record[4:6] == [st.st_ino, st.st_ctime_ns]
+
+
+def _digest_name(name: str) -> bool:
+    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
+
+
+def _tree_bytes(folder: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def _walk(fd: int, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, os.stat_result, int, str]]:
+    """(path, lstat, parent fd, name) of every folder and regular file under the folder `fd`, each
+    folder before what it holds. Never follows a link; names that are not UTF-8 are skipped
+    (reconcile renames them), and so is what lies deeper than MAX_DEPTH. One open folder per level."""
+    try:
+        names = os.listdir(fd)
+    except OSError:
+        return
+    for name in names:
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if name.startswith(_RESTORE_TEMP) or (not name.isascii() and not _utf8(name)):
+            continue
+        path = f"{prefix}{name}"
+        if stat.S_ISREG(st.st_mode):
+            yield path, st, fd, name
+        elif stat.S_ISDIR(st.st_mode):
+            yield path, st, fd, name
+            if depth + 1 >= MAX_DEPTH:
+                continue
+            try:
+                sub = os.open(name, DIR_FLAGS, dir_fd=fd)
+            except OSError:
+                continue
+            with fd_closing(sub):
+                yield from _walk(sub, f"{path}/", depth + 1)
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _clear_live(
+    fd: int,
+    prefix: str,
+    depth: int,
+    wanted: dict[str, list[Any]],
+    keep_dirs: set[str],
+    before: dict[str, list[Any]],
+    kept: dict[str, list[Any]],
+) -> int:
+    """Remove from the live folder `fd` what the state being restored does not hold (links, FIFOs,
+    names that are not UTF-8 and folders it lacks included, never followed); note in `kept` the files
+    that are already the state's version. Returns how many entries went."""
+    removed = 0
+    try:
+        names = os.listdir(fd)
+    except OSError:
+        return removed
+    for name in names:
+        st = _lstat(fd, name)
+        if st is None:
+            continue
+        path = f"{prefix}{name}"
+        if not _utf8(name) or name.startswith(_RESTORE_TEMP):
+            remove_tree_at(fd, name)
+            removed += 1
+        elif stat.S_ISDIR(st.st_mode):
+            if path not in keep_dirs or depth + 1 >= MAX_DEPTH:
+                remove_tree_at(fd, name)
+                removed += 1
+                continue
+            try:
+                sub = os.open(name, DIR_FLAGS, dir_fd=fd)
+            except OSError:
+                continue
+            with fd_closing(sub):
+                removed += _clear_live(sub, f"{path}/", depth + 1, wanted, keep_dirs, before, kept)
+        else:
+            entry, seen = wanted.get(path), before.get(path)
+            if (
+                entry is not None
+                and stat.S_ISREG(st.st_mode)
+                and seen is not None
+                and seen[0] == entry[0]
+                and _unchanged(seen, st)
+            ):
+                kept[path] = seen
+            elif entry is None or not stat.S_ISREG(st.st_mode):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=fd)
+                    removed += 1
+    return removed
+
+
+def _lstat(dir_fd: int, name: str) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return None
+
+
+def _clone_or_copy(src: int, dst: int) -> None:
+    try:
+        fcntl.ioctl(dst, _FICLONE, src)
+        return
+    except OSError as error:
+        if error.errno not in (errno.EOPNOTSUPP, errno.EXDEV, errno.EINVAL, errno.ENOTTY, errno.EBADF):
+            raise
+    copy_fd(src, dst)
+
+
+def _copy_in(parent: int, name: str, seen: os.stat_result, objects_fd: int) -> str | None:
+    """A private copy of the live file `name` as a new object; None when it is gone or is no longer
+    the regular file the walk saw."""
+    try:
+        src = os.open(name, _READ, dir_fd=parent)
+    except OSError:
+        return None
+    with fd_closing(src):
+        st = os.fstat(src)
+        if not stat.S_ISREG(st.st_mode) or st.st_ino != seen.st_ino:
+            return None
+        obj = secrets.token_hex(12)
+        dst = os.open(obj, _NEW, 0o400, dir_fd=objects_fd)
+        try:
+            with fd_closing(dst):
+                _clone_or_copy(src, dst)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(obj, dir_fd=objects_fd)
+            raise
+    return obj
+
+
+def _copy_out(
+    objects_fd: int, obj: str, parent: int, name: str, mode: int, mtime_ns: int, owner: Owner
+) -> os.stat_result:
+    """Put the object back at `name` in the live folder: a new file beside it, renamed over it."""
+    temp = f"{_RESTORE_TEMP}{secrets.token_hex(6)}"
+    with fd_closing(os.open(obj, _READ, dir_fd=objects_fd)) as src:
+        dst = os.open(temp, _NEW, 0o600, dir_fd=parent)
+        try:
+            with fd_closing(dst):
+                _clone_or_copy(src, dst)
+                if owner is not None and os.geteuid() == 0:
+                    os.fchown(dst, owner[0], owner[1])
+                os.fchmod(dst, mode & 0o777)
+                os.utime(dst, ns=(mtime_ns, mtime_ns))
+            st = _lstat(parent, name)
+            if st is not None and stat.S_ISDIR(st.st_mode):
+                remove_tree_at(parent, name)
+            os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp, dir_fd=parent)
+            raise
+        done = _lstat(parent, name)
+        assert done is not None
+        return done
+
+
+def _make_dirs(root: int, parts: list[str], mode: int, owner: Owner) -> int:
+    """Open (making what is missing) the folder `parts` under root; a non-folder in the way goes."""
+    fd = os.dup(root)
+    for part in parts:
+        try:
+            sub = os.open(part, DIR_FLAGS, dir_fd=fd)
+        except OSError as error:
+            if error.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                os.close(fd)
+                raise
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                os.unlink(part, dir_fd=fd)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, mode & 0o777, dir_fd=fd)
+            sub = os.open(part, DIR_FLAGS, dir_fd=fd)
+            if owner is not None and os.geteuid() == 0:
+                os.fchown(sub, owner[0], owner[1])
+            os.fchmod(sub, mode & 0o777)
+        os.close(fd)
+        fd = sub
+    return fd
+''',
     'storage/_index.py': r'''"""Every SQL statement of the store, as functions over a transaction (`_backend.Tx`); those of
 published links are in _index_links.py.
 
@@ -2108,6 +2836,24 @@ async def record_import(tx: Tx, session_id: int, source: str, path: str, now: fl
         " ON CONFLICT DO NOTHING",
         (session_id, source, path, now),
     )
+
+
+async def import_rows(tx: Tx, user_key: str, chat_key: str) -> list[tuple[str, str]]:
+    """Every (source, path) the chat has imported (path "" for a refusal), for its history."""
+    rows = await tx.all(
+        "SELECT i.source, i.path FROM imports i JOIN sessions s ON s.id = i.session_id "
+        "WHERE s.user_key = ? AND s.chat_key = ? ORDER BY i.source",
+        (user_key, chat_key),
+    )
+    return [(str(source), str(path)) for source, path in rows]
+
+
+async def replace_imports(tx: Tx, session_id: int, rows: Sequence[tuple[str, str]], now: float) -> None:
+    """The chat's imports become `rows` (a restored state's: an attachment its files lack is taken
+    again at the next message)."""
+    await tx.run("DELETE FROM imports WHERE session_id = ?", (session_id,))
+    for source, path in rows:
+        await record_import(tx, session_id, source, path, now)
 
 
 # ---------------------------------------------------------------------------- activity and meta
@@ -6099,6 +6845,125 @@ class IndexDamaged(StorageError):
     """The index file is damaged (truncated, overwritten). The store moves it aside and rebuilds it
     from the session folders; callers see this only if that recovery itself failed."""
 ''',
+    'storage/history.py': r'''"""A chat's history by message, as callers see it (`session.history`): save the folder's state at the
+end of an answer, and put an earlier answer's state back when the conversation branches from it.
+
+Every call is made holding the chat's lock (`session.lock()`); the file work runs in a thread
+(storage/_history.py has the layout and the rules). States live in the chat's saved-state folder,
+outside /mnt/data, and go with the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import _index
+from ._backend import Tx
+from ._core import ChatRef, Core
+from ._history import History, HistoryError, Restored, Saved
+
+__all__ = ["HISTORY_DIR", "ChatHistory", "HistoryError", "HistoryHead", "Restored", "Saved"]
+
+HISTORY_DIR = "history"
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryHead:
+    """Which message's state the folder holds ("" when no state was ever recorded), and whether it may
+    have changed since that state was saved."""
+
+    message_id: str
+    dirty: bool
+    restoring: bool
+
+
+class ChatHistory:
+    """The states of one chat's folder, by message. See the module's docstring."""
+
+    def __init__(self, core: Core, ref: ChatRef) -> None:
+        self._core = core
+        self._ref = ref
+
+    @property
+    def folder(self) -> Path:
+        return self._core.layout.saved_state(self._ref.user_key, self._ref.chat_key) / HISTORY_DIR
+
+    def _files(self) -> History:
+        return History(self.folder, self._ref.path, self._core.owner)
+
+    async def head(self) -> HistoryHead:
+        head = await asyncio.to_thread(self._files().read_head)
+        return HistoryHead(head.message_id, head.dirty, head.restoring)
+
+    async def claim(self, message_id: str) -> None:
+        """The folder is about to change for `message_id`'s answer (a run, an upload)."""
+        await asyncio.to_thread(self._files().claim, message_id)
+
+    async def has(self, message_id: str) -> bool:
+        return await asyncio.to_thread(self._files().has_state, message_id)
+
+    async def save(
+        self, message_id: str, *, keep_states: int, keep_kernels: int, room_bytes: int | None
+    ) -> Saved:
+        """Record the folder (and the chat's imports) as `message_id`'s state; older states beyond
+        `keep_states`, kernels beyond `keep_kernels`, and the oldest while the history takes more than
+        `room_bytes` go. HistoryError (with why) when it cannot be kept; OSError for the disk's own."""
+        ref = self._ref
+        imports = await self._core.read(lambda tx: _index.import_rows(tx, ref.user_key, ref.chat_key))
+        files = self._files()
+        return await asyncio.to_thread(
+            files.save,
+            message_id,
+            imports,
+            keep_states=keep_states,
+            keep_kernels=keep_kernels,
+            room_bytes=room_bytes,
+        )
+
+    async def restore(self, message_id: str) -> Restored:
+        """Put `message_id`'s state back into the folder, and the chat's imports as they were then.
+        HistoryError (with why) when it is no longer kept or is damaged; the folder is then as it was.
+        The caller brings the index in line (`session.reconcile()`)."""
+        files = self._files()
+        state = await asyncio.to_thread(files.begin_restore, message_id)
+        restored = await asyncio.to_thread(files.restore, message_id, state)
+        await self._set_imports(files.imports_of(state))
+        return restored
+
+    async def restore_empty(self, message_id: str) -> Restored:
+        """The folder as a new chat has it (empty), recorded as `message_id`'s."""
+        restored = await asyncio.to_thread(self._files().restore_empty, message_id)
+        await self._set_imports([])
+        return restored
+
+    async def _set_imports(self, rows: list[tuple[str, str]]) -> None:
+        core, ref = self._core, self._ref
+        now = time.time()
+
+        async def write(tx: Tx) -> None:
+            sid = await core.session_id(tx, ref, now)
+            await _index.replace_imports(tx, sid, rows, now)
+
+        await core.write(write)
+
+    def kernel_dir(self, message_id: str) -> Path:
+        """Where the Python state of `message_id`'s state goes (blocking: makes the folder)."""
+        return self._files().kernel_dir(message_id)
+
+    async def kernel_of(self, message_id: str) -> Path | None:
+        """The folder holding the Python state saved with `message_id`'s state, if there is one."""
+        return await asyncio.to_thread(self._files().kernel_of, message_id)
+
+    async def drop_kernel(self, message_id: str) -> None:
+        await asyncio.to_thread(self._files().drop_kernel, message_id)
+
+    async def bytes_on_disk(self) -> int:
+        return await asyncio.to_thread(self._files().bytes_on_disk)
+
+''',
     'storage/models.py': r'''"""Value types of the public API: settings in, reports out.
 
 All are frozen dataclasses (positional or keyword construction, cheap enough to build by the
@@ -6948,6 +7813,7 @@ from ._fsops import (
 )
 from ._names import attachment_name, numbered, split_path
 from .errors import DiskFull, FileMissing, InvalidPath
+from .history import ChatHistory
 from .models import FileEntry, Link, LinkInfo, Reconcile, ReconcileReport, RunBudget, Usage
 
 __all__ = ["ChatFiles", "Session"]
@@ -6966,6 +7832,7 @@ class Session:
         self._core = core
         self._ref = ref
         self.files = ChatFiles(core, ref)
+        self.history = ChatHistory(core, ref)
         # An earlier run was never indexed (its mark, or runs on a full disk): list the folder whole.
         self._unindexed_run = unindexed
         self._generation = core.generation  # the index this session's lock was taken with
@@ -9345,6 +10212,35 @@ def seal(staging: Path, state_dir: Path, identity: dict[str, Any], ready: dict[s
     return SavedImage(final, token, identity, ready, sum(size for size, _ in files.values()), files)
 
 
+def copy_image(source: Path, state_dir: Path) -> str:
+    """Put the saved image of the state folder `source` in `state_dir` too (replacing the one there),
+    sharing its files (hard links: images are written once and never changed in place), and return
+    its id. ImageRefused when `source` holds no readable image."""
+    folder = image_dir(source)
+    try:
+        with open(folder / META, "rb") as fh:
+            meta = json.loads(fh.read(_MAX_META))
+        token = meta["id"]
+        names = [entry.name for entry in os.scandir(folder) if entry.is_file(follow_symlinks=False)]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ImageRefused(f"its saved image cannot be read: {error}") from error
+    if not isinstance(token, str) or len(names) > _MAX_FILES + 1:
+        raise ImageRefused("its saved image has an unknown format")
+    staging = new_staging(state_dir)
+    try:
+        for name in names:
+            try:
+                os.link(folder / name, staging / name)
+            except OSError:  # another file system
+                shutil.copyfile(folder / name, staging / name)
+        discard(state_dir, staging=False)
+        os.rename(staging, image_dir(state_dir))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return token
+
+
 def saved_bytes_beside(state_dir: Path) -> int:
     """The recorded bytes of the saved images in `state_dir` and the state folders beside it (one
     owner's), read from their records; a folder without a readable record counts nothing."""
@@ -9626,27 +10522,32 @@ class Kernel(_Watchers):
             await self.close("its saved image was refused")
             raise failures[0]
 
-    async def checkpoint(self, into: Path, flags: list[str]) -> None:
+    async def checkpoint(self, into: Path, flags: list[str], *, leave_running: bool = False) -> None:
         """Write the kernel's image into the empty folder `into` (`runsc checkpoint`); the sandbox
-        exits once it is written. Waits for a run in progress. Raises NotSaved (why) when runsc
-        cannot; the kernel is then stopped all the same (a half-checkpointed sandbox is not trusted)."""
+        exits once it is written, unless `leave_running` (a copy of the state: the kernel goes on).
+        Waits for a run in progress. Raises NotSaved (why) when runsc cannot; a kernel that was to
+        exit is then stopped all the same (a half-checkpointed sandbox is not trusted), and one left
+        running goes on (if runsc left it unusable, its next run says so)."""
         async with self._busy:
             if not self.alive:
                 raise NotSaved(self.lost or self._why_gone())
+            argv = self.checkpoint_argv(into, [*flags, "--leave-running"] if leave_running else flags)
             try:
-                code, out = await run_quick(self.checkpoint_argv(into, flags), CHECKPOINT_MAX_S)
+                code, out = await run_quick(argv, CHECKPOINT_MAX_S)
             except TimeoutError:
                 await self.close("its image was not written in time")
                 raise NotSaved(f"runsc did not write the image within {CHECKPOINT_MAX_S:g} s") from None
             except OSError as error:
                 raise NotSaved(f"runsc could not be started: {error}") from None
             if code != 0:
-                await self.close("runsc could not save it")
+                if not leave_running:
+                    await self.close("runsc could not save it")
                 errors = await asyncio.to_thread(read_runsc_errors, self.sandbox.bundle / "runsc.log")
                 last = out.strip().splitlines()[-1:]
                 detail = " | ".join(errors) or (last[0] if last else f"runsc exited with {code}")
                 raise NotSaved(_short_error(detail))
-            self.lost = "it was saved to disk"
+            if not leave_running:
+                self.lost = "it was saved to disk"
 
     def checkpoint_argv(self, into: Path, flags: list[str]) -> list[str]:
         return [*self.sandbox.runsc_base, "checkpoint", *flags, f"--image-path={into}", self.cid]
@@ -11817,6 +12718,9 @@ class _Peers:
         async def _end(self, key: str, kernel: Kernel, reason: str, *, save: bool = False) -> None: ...
         def _misfit(self, kernel: Kernel, workdir: Path, limits: Limits) -> str | None: ...
         async def _note_use(self, key: str, kernel: Kernel) -> None: ...
+        async def _snapshot_here(
+            self, key: str, kernel: Kernel, into: Path, max_bytes: int | None
+        ) -> tuple[str, str]: ...
 
     async def _take_over(self, entry: Entry) -> None:
         """The chat's kernel runs on another host (its runs reach that host's replica no longer): ask
@@ -11880,6 +12784,12 @@ class _Peers:
                 await self._end(
                     key, kernel, str(request.get("reason", "stopped")), save=request.get("save") is True
                 )
+                return
+            if request.get("op") == "snapshot":  # a copy of the state for the chat's branches
+                bound = request.get("max_bytes")
+                limit = bound if isinstance(bound, int) else None
+                image, why = await self._snapshot_here(key, kernel, Path(str(request.get("into"))), limit)
+                await _relay.send(writer, {"image": image, "why": why})
                 return
             limits = Limits.model_validate(request["limits"])
             misfit = self._misfit(kernel, Path(str(request.get("workdir", ""))), limits)
@@ -12077,6 +12987,165 @@ def _minutes(seconds: float) -> str:
     minutes = seconds / 60
     return f"{minutes:g} minutes" if minutes != 1 else "1 minute"
 ''',
+    'runner/_pool_snapshots.py': r'''"""Copies of a chat's Python state for its conversation's branches (a part of KernelPool, apart for
+reading): `snapshot` writes a copy of the live kernel's state into a folder the caller names, while
+the kernel goes on (`runsc checkpoint --leave-running`); `rewind` ends the chat's kernel and leaves
+one such copy as its saved state, so the next run resumes it, as it would resume a sleeping kernel."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from . import _hibernate, _relay
+from ._hibernate import ImageRefused
+from ._kernel import NotSaved
+from ._procs import rss_bytes
+from ._registry import HOST, Entry, Registry, owned_here
+from ._relay import OwnerSilent
+from ._supervise import human_bytes
+from .models import KernelSettings, Limits
+
+if TYPE_CHECKING:
+    from ._kernel import Kernel
+    from .runner import Runner
+
+log = logging.getLogger("code_sessions.runner")
+
+_SNAPSHOT_REPLY_S = 90.0  # another worker's copy of a big kernel (the checkpoint's own bound, and more)
+_STOPPED_WAIT_S = 10.0
+# What a kernel's host processes hold beyond what its image keeps (runsc, the gofer, the sentry's own).
+_SANDBOX_OVERHEAD = 128 * 2**20  # how long a rewind waits for another worker to record its kernel's end
+
+
+class _Snapshots:
+    """snapshot() and rewind(), for KernelPool."""
+
+    runner: Runner
+    settings: KernelSettings
+    _registry: Registry
+    _mine: dict[str, Kernel]
+    _owner: str
+
+    if TYPE_CHECKING:
+
+        async def _settled(self, key: str) -> None: ...
+        async def _image_identity(self, limits: Limits) -> dict[str, object]: ...
+        async def stop(
+            self, key: str, reason: str, *, forget: bool = False, state_dir: Path | None = None
+        ) -> None: ...
+
+    async def snapshot(
+        self, key: str, into: Path, *, state_dir: Path | None = None, max_bytes: int | None = None
+    ) -> tuple[str, str]:
+        """Copy the key's Python state into the folder `into` (its image at `into`/kernel), the
+        kernel running on: (image id, "") or ("", why there is none). The kernel may run in this
+        process, in another worker of this host, or sleep in `state_dir` (its saved image is the
+        state: it is shared, not written again). `max_bytes`: a copy larger than this is not kept."""
+        await self._settled(key)
+        kernel = self._mine.get(key)
+        if kernel is not None and kernel.alive:
+            return await self._snapshot_here(key, kernel, into, max_bytes)
+        entry = await asyncio.to_thread(self._registry.get, key)
+        if entry is None:
+            return "", "this chat has no Python state"
+        if entry.running and owned_here(entry) and entry.owner != self._owner:
+            try:
+                reply = await _relay.ask(
+                    entry, {"op": "snapshot", "into": str(into), "max_bytes": max_bytes}, _SNAPSHOT_REPLY_S
+                )
+            except OwnerSilent as silent:
+                return "", str(silent)
+            if reply is None:
+                return "", "its kernel ended meanwhile"
+            return str(reply.get("image", "")), str(reply.get("why", ""))
+        if not entry.running and entry.image and state_dir is not None:
+            try:
+                return await asyncio.to_thread(_hibernate.copy_image, state_dir, into), ""
+            except (ImageRefused, OSError) as error:
+                return "", f"its saved image could not be shared: {error}"
+        return "", "its kernel is not running on this server"
+
+    async def _snapshot_here(
+        self, key: str, kernel: Kernel, into: Path, max_bytes: int | None
+    ) -> tuple[str, str]:
+        limit = self.settings.max_image_bytes
+        if limit == 0:
+            return "", "saving Python states is turned off"
+        if max_bytes is not None:
+            limit = max_bytes if limit is None else min(limit, max_bytes)
+        if limit is not None:  # a copy clearly too big is not written only to be thrown away
+            rss = await asyncio.to_thread(rss_bytes, kernel.host_pids())
+            if rss - _SANDBOX_OVERHEAD > limit:
+                return "", f"its memory of {rss / 2**20:.0f} MiB is over the {human_bytes(limit)} it may take"
+        t0 = time.monotonic()
+        staging: Path | None = None
+        try:
+            staging = await asyncio.to_thread(_hibernate.new_staging, into)
+            await kernel.checkpoint(staging, self.runner.checkpoint_flags(), leave_running=True)
+            identity = await self._image_identity(kernel.limits)
+            image = await asyncio.to_thread(
+                _hibernate.seal, staging, into, identity, kernel.ready_fields()
+            )
+            staging = None
+        except (NotSaved, ImageRefused, OSError) as error:
+            log.warning("kernel %s of %s: no copy of its state: %s", kernel.cid, key, error)
+            return "", str(error)[:300]
+        finally:
+            if staging is not None:
+                await asyncio.to_thread(_hibernate.discard, into)
+        if limit is not None and image.size > limit:
+            await asyncio.to_thread(_hibernate.discard, into)
+            size = f"{image.size / 2**20:.0f} MiB"
+            return "", f"its image of {size} is over the {human_bytes(limit)} it may take"
+        log.info(
+            "kernel %s of %s: state copied in %.2f s (%.1f MiB)",
+            kernel.cid,
+            key,
+            time.monotonic() - t0,
+            image.size / 2**20,
+        )
+        return image.id, ""
+
+    async def rewind(self, key: str, state_dir: Path, image: Path | None, reason: str) -> None:
+        """The chat goes on from another point of its conversation: its kernel (wherever on this
+        host) ends without being saved. With `image` (a folder `snapshot` wrote), that state becomes
+        the chat's saved one, and the next run resumes it with nothing said; without, the next run
+        starts anew and says `reason`."""
+        await self.stop(key, reason, state_dir=state_dir)
+        deadline = time.monotonic() + _STOPPED_WAIT_S
+        entry = await asyncio.to_thread(self._registry.get, key)
+        while entry is not None and entry.running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # another worker is ending it: it records the end itself
+            entry = await asyncio.to_thread(self._registry.get, key)
+        if image is None:
+            if entry is None:
+                await asyncio.to_thread(self._registry.save, _ended_entry(key, reason))
+            return
+        try:
+            image_id = await asyncio.to_thread(_hibernate.copy_image, image, state_dir)
+        except (ImageRefused, OSError) as error:
+            log.warning("kernel of %s: the branch's state could not be set: %s", key, error)
+            why = f"the Python state of that message could not be restored: {error}"[:300]
+            await asyncio.to_thread(self._registry.save, _ended_entry(key, why, entry))
+            return
+        fresh = _ended_entry(key, "", entry)
+        fresh.image = image_id
+        await asyncio.to_thread(self._registry.save, fresh)
+
+
+def _ended_entry(key: str, reason: str, entry: Entry | None = None) -> Entry:
+    """The key's registry entry for a kernel that is not running, saying `reason` at its next run."""
+    now = time.time()
+    if entry is None:
+        entry = Entry(key, "", HOST, "", "", "", now, now, False)
+    entry.running, entry.reason, entry.image, entry.unsaved, entry.saving = False, reason, "", False, False
+    entry.stop_requested = ""
+    return entry
+''',
     'runner/_procs.py': r'''"""Host processes of a sandbox: finding them without cgroups, and killing them."""
 
 from __future__ import annotations
@@ -12122,6 +13191,21 @@ def sigkill(pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
+
+
+def rss_bytes(pids: list[int]) -> int:
+    """The summed resident memory of these processes (gone ones count 0)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+                for line in fh:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
 ''',
     'runner/_registry.py': r'''"""The kernel registry: one small file per key (`<registry_dir>/<digest>.json`, kept across restarts)
 saying where the key's kernel lives (host, process and its start time, socket), when it was last used,
@@ -14120,6 +15204,7 @@ from ._kernel import KERNEL_SOURCE, Kernel, KernelLost, lifetime_limits
 from ._orphans import owner_stamp
 from ._pool_peers import _Peers
 from ._pool_room import _Room
+from ._pool_snapshots import _Snapshots
 from ._registry import HOST, Entry, Registry, digest, owned_here
 from ._relay import OwnerSilent
 from ._warm import WarmStart
@@ -14144,10 +15229,11 @@ def unsaved_sentence(reason: str) -> str:
     return f"The Python state could not be kept ({reason}); files in /mnt/data are kept."
 
 
-class KernelPool(_Room, _Peers):
+class KernelPool(_Room, _Peers, _Snapshots):
     """The kernels of this process, and the way to every other kernel of a chat. Its parts beside this
-    file: _pool_room (places, eviction, the reaper) and _pool_peers (other workers and hosts) are parts
-    of this class; _registry, _relay and _saving are what it uses."""
+    file: _pool_room (places, eviction, the reaper), _pool_peers (other workers and hosts) and
+    _pool_snapshots (copies of a state for the conversation's branches) are parts of this class;
+    _registry, _relay and _saving are what it uses."""
 
     def __init__(
         self,
@@ -15121,6 +16207,7 @@ class Runner:
     'engine/__init__.py': r'''"""A chat step without Open WebUI: sandbox runs over a persistent session, links, the conversation loop."""
 
 from .blocks import CodeBlock, runnable_blocks
+from .branches import Turn
 from .host import Host, PurgeValve
 from .links import References, Target, find_paths, rewrite
 from .loop import (
@@ -15139,7 +16226,7 @@ from .prepare import import_uploads, last_user_text, messages_with_prompt
 from .prompt import PromptFacts, system_prompt
 from .purge import parse_purge
 from .service import ChatSession, CodeSessions, StepResult
-from .settings import DEFAULTS, Settings
+from .settings import DEFAULTS, BranchSettings, Settings
 from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
 from .streaming import StreamingRewriter
 
@@ -15147,6 +16234,7 @@ __all__ = [
     "DEFAULTS",
     "MINUTE_S",
     "RUN_CODE_TOOL",
+    "BranchSettings",
     "ChatSession",
     "CodeBlock",
     "CodeSessions",
@@ -15165,6 +16253,7 @@ __all__ = [
     "Target",
     "TextDelta",
     "ToolCall",
+    "Turn",
     "code_span",
     "converse",
     "escape_text",
@@ -15353,6 +16442,286 @@ def runnable_blocks(text: str) -> list[CodeBlock]:
         if language and code.strip():
             blocks.append(CodeBlock(language, code + "\n"))
     return blocks
+''',
+    'engine/branches.py': r'''"""Workspaces that follow the conversation: each answer continues from the files and Python state of
+the message it continues from, also after a regenerate, an edit, or a switch to another branch.
+
+A chat is a tree of messages. At the end of an answer that changed the folder, its state is saved
+(`end_turn`: the folder's files, storage's `session.history`, and a copy of the live kernel, runner's
+`KernelPool.snapshot`). Before an answer first changes anything (`ensure`, under the chat's lock, before
+each run and each upload), the folder and kernel are checked against the message it continues from:
+
+* continuing the newest answer (the tip) costs nothing;
+* another branch: the folder and kernel are put back to that message's state, and the answer says so;
+* a message whose state is no longer kept: the answer continues from the latest state, and says so.
+
+The message the answer continues from is the nearest message above it in the chat's tree that has a
+state (messages that ran nothing have none: theirs is their parent's). An answer interrupted by another
+branch's step (two tabs on one chat) gets its own half-done state back the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from _code_sessions_0ed3aa8915cf.runner import KernelPool
+from _code_sessions_0ed3aa8915cf.storage import HistoryError, Session, StorageError
+
+from .settings import Settings
+
+__all__ = ["RESTORED", "Branches", "Lineage", "Turn"]
+
+log = logging.getLogger("code_sessions.engine")
+
+RESTORED = "Restored the files and Python state of the message you are continuing from."
+RESTORED_FILES = (
+    "Restored the files of the message you are continuing from; its Python state is no longer kept."
+)
+RESTORED_FILES_ONLY = "Restored the files of the message you are continuing from."
+NOT_KEPT = (
+    "The files and Python state of the message you are continuing from are no longer kept ({why}); this "
+    "answer continues from the chat's latest files and state."
+)
+_FRESH_PYTHON = "the message you are continuing from kept its files but not its Python state"
+# What `_continues_from` says of a branch whose states above are all gone (a lineage read whole).
+_GONE = "\0gone"
+_REMEMBERED = 1000  # answers whose branch sentences wait for their first run, at most
+_START = "the start of the conversation"
+
+
+Lineage = Callable[[], Awaitable[tuple[Sequence[str], bool]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """Where an answer is in the conversation: its own message's id; the message its user message
+    continues (when the request said); and `lineage`, which asks the host for the ids above it,
+    nearest first (its user message, the answer that one continues, and so on up), with whether
+    they reach the conversation's start: asked only when the answer does not continue the newest."""
+
+    message_id: str
+    lineage: Lineage
+    continues: str | None = None
+
+
+class _Services(Protocol):
+    """What following the branches needs of the services (engine/service.py CodeSessions)."""
+
+    kernels: KernelPool | None
+    lock_timeout_s: float
+
+
+class _Chat(Protocol):
+    """What following the branches needs of a chat (engine/service.py ChatSession)."""
+
+    session: Session
+    settings: Settings
+    turn: Turn | None
+    follows: str | None  # the message whose state this answer was found to continue from
+
+    @property
+    def kernel_key(self) -> str: ...
+
+
+class Branches:
+    """The branch-following of one set of services (CodeSessions.branches)."""
+
+    def __init__(self, services: _Services) -> None:
+        self._services = services
+        self._ending: set[asyncio.Task[None]] = set()
+        # What following an answer's branch said, until the answer's first run tells the model: the
+        # Filter's inlet restores, the Tool's run (another ChatSession of the same answer) says it.
+        self._said: dict[tuple[str, str, str], list[str]] = {}
+
+    def take_said(self, chat: _Chat) -> list[str]:
+        """What following this answer's branch said and no run has told the model yet; then forgotten."""
+        if chat.turn is None:
+            return []
+        return self._said.pop((chat.session.user_key, chat.session.chat_key, chat.turn.message_id), [])
+
+    def _remember(self, chat: _Chat, said: list[str]) -> list[str]:
+        if said and chat.turn is not None:
+            if len(self._said) >= _REMEMBERED:
+                self._said.pop(next(iter(self._said)))  # the oldest: its answer never ran code here
+            self._said[(chat.session.user_key, chat.session.chat_key, chat.turn.message_id)] = said
+        return said
+
+    async def ensure(self, chat: _Chat, *, changing: bool) -> list[str]:
+        """Under the chat's lock: put the folder and kernel at the state the answer continues from;
+        `changing`: the answer is about to change them (a run, an upload), so the folder becomes its.
+        Returns what to say (nothing when it continues the newest answer)."""
+        turn, settings = chat.turn, chat.settings.branches
+        if turn is None or settings.states == 0:
+            return []
+        history = chat.session.history
+        head = await history.head()
+        if head.message_id == turn.message_id and not head.restoring:
+            return []  # this answer's own state: a later run of it
+        if chat.follows == head.message_id and not (head.dirty or head.restoring):
+            if changing:  # the state this answer was found to continue from, still in place
+                await history.claim(turn.message_id)
+            return []
+        target = await self._continues_from(chat, turn, head.message_id)
+        if head.restoring and target in (None, _GONE):
+            target = head.message_id  # a restore that did not finish (a crash): finished now
+        if target in (None, _GONE) and not head.restoring:  # unknown, or gone: it goes on as it is
+            chat.follows = head.message_id
+            if changing:
+                await history.claim(turn.message_id)
+            gone = target == _GONE and head.message_id
+            return self._remember(
+                chat, [NOT_KEPT.format(why="only the newest answers' states are kept")] if gone else []
+            )
+        if target == head.message_id and not head.restoring:
+            if head.dirty and head.message_id:  # the newest answer ended without its state saved
+                await self._save(chat, head.message_id)
+            chat.follows = head.message_id
+            if changing:
+                await history.claim(turn.message_id)
+            return []
+        if head.message_id and head.dirty and not head.restoring:
+            await self._save(chat, head.message_id)  # the branch we leave keeps its work
+        said = await self._restore(chat, target, known=bool(head.message_id))
+        chat.follows = (await history.head()).message_id
+        if changing:
+            await history.claim(turn.message_id)
+        return self._remember(chat, said)
+
+    async def _continues_from(self, chat: _Chat, turn: Turn, head: str) -> str | None:
+        """The message whose state this answer continues from: its own (it was interrupted), the
+        nearest above it with a state or holding the folder now, "" for the start of the chat, _GONE
+        when the states above it are no longer kept, or None when the host cannot say."""
+        history = chat.session.history
+        if await history.has(turn.message_id):
+            return turn.message_id
+        if turn.continues is not None and turn.continues == head:
+            return head  # the newest answer, continued: no need to read the chat's tree
+        try:
+            ids, complete = await turn.lineage()
+        except Exception as error:  # the host's database: continue as things are
+            log.warning("code-sessions: the chat's messages could not be read: %s", error)
+            return None
+        above = [m for m in ids if m and m != turn.message_id]
+        for message in above:
+            if message == head or await history.has(message):
+                return message
+        # Nothing above has a state: the start of the conversation when the answer's user message is
+        # its first message; else the states it continues from are no longer kept.
+        if not complete:
+            return None
+        return "" if len(above) <= 1 else _GONE
+
+    async def _restore(self, chat: _Chat, target: str | None, *, known: bool) -> list[str]:
+        session = chat.session
+        history = session.history
+        if target is None or target == _GONE:  # a restore that was under way, where the host cannot say
+            return [NOT_KEPT.format(why="the chat's messages could not be read")] if known else []
+        if target == "" and not known:
+            return []  # the first answer of a chat the history never saw: nothing to restore
+        try:
+            if target == "":
+                await history.restore_empty(chat.turn.message_id if chat.turn else "")
+            else:
+                await history.restore(target)
+        except HistoryError as error:
+            return [NOT_KEPT.format(why=str(error))]
+        except (StorageError, OSError) as error:
+            log.warning("code-sessions: a state could not be restored: %s", error)
+            return [NOT_KEPT.format(why=f"it could not be read back: {error}")]
+        await session.reconcile(enforce_quotas=False)  # the index follows the disk (kept: no quota)
+        kernels = self._services.kernels
+        if kernels is None:  # kernel=fresh: every run starts anew anyway
+            return [RESTORED_FILES_ONLY if target else _start_sentence()]
+        image = await history.kernel_of(target) if target else None
+        reason = _FRESH_PYTHON if target else ""
+        if target == "":
+            await kernels.stop(chat.kernel_key, _START, forget=True, state_dir=session.state_path)
+        else:
+            await kernels.rewind(chat.kernel_key, session.state_path, image, reason)
+        if not target:
+            return [_start_sentence()]
+        return [RESTORED if image is not None else RESTORED_FILES]
+
+    # ------------------------------------------------------------------ the end of an answer
+
+    def end_turn_soon(self, chat: _Chat) -> None:
+        """The answer is over: save its state in the background (the chat's next step waits for it on
+        the chat's lock)."""
+        if chat.turn is None or chat.settings.branches.states == 0:
+            return
+        task = asyncio.ensure_future(self.end_turn(chat))
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
+
+    async def end_turn(self, chat: _Chat) -> None:
+        turn = chat.turn
+        if turn is None or chat.settings.branches.states == 0:
+            return
+        try:
+            async with chat.session.lock(timeout=self._services.lock_timeout_s):
+                head = await chat.session.history.head()
+                if head.message_id == turn.message_id and head.dirty and not head.restoring:
+                    await self._save(chat, turn.message_id)
+        except Exception as error:  # a state not saved is a branch that says so later, never a crash
+            log.warning("code-sessions: the state of message %r was not saved: %s", turn.message_id, error)
+
+    async def settle(self) -> None:
+        """Wait for the states being saved (a process going away, a test)."""
+        if self._ending:
+            await asyncio.gather(*list(self._ending), return_exceptions=True)
+
+    async def _save(self, chat: _Chat, message_id: str) -> None:
+        """Save the folder and the kernel as `message_id`'s state (under the chat's lock)."""
+        session, settings = chat.session, chat.settings
+        history = session.history
+        room = await _room(chat)
+        kernels = self._services.kernels
+        if kernels is not None and settings.branches.python_states > 0:
+            into = await asyncio.to_thread(history.kernel_dir, message_id)
+            image, why = await kernels.snapshot(
+                chat.kernel_key, into, state_dir=session.state_path, max_bytes=room
+            )
+            if not image:
+                log.info("code-sessions: no Python state kept for message %r: %s", message_id, why)
+                await history.drop_kernel(message_id)
+        try:
+            saved = await history.save(
+                message_id,
+                keep_states=settings.branches.states,
+                keep_kernels=settings.branches.python_states,
+                room_bytes=room,
+            )
+        except (HistoryError, StorageError, OSError) as error:
+            log.warning("code-sessions: the state of message %r was not saved: %s", message_id, error)
+            with contextlib.suppress(Exception):
+                await history.drop_kernel(message_id)
+            return
+        log.info(
+            "code-sessions: state of message %r saved (%d files, %d copied, %d B of history)",
+            message_id,
+            saved.files,
+            saved.copied_files,
+            saved.history_bytes,
+        )
+
+
+async def _room(chat: _Chat) -> int | None:
+    """What the chat's history may take: what the user's storage limit leaves after their files and
+    download copies (None: no limit). The history yields to files, never the other way."""
+    limit = chat.settings.policy.quotas.max_bytes_per_user
+    if limit is None:
+        return None
+    usage = await chat.session.user_usage()
+    return max(0, limit - usage.bytes)
+
+
+def _start_sentence() -> str:
+    return "Started again from an empty /mnt/data and a new Python state, as at the start of this chat."
 ''',
     'engine/grammar.py': r'''"""The markdown a link scan reads: how far each construct may reach, and the regexes that read them.
 
@@ -15740,7 +17109,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_aa19f27ddaa3.runner import Outcome
+from _code_sessions_0ed3aa8915cf.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -16024,7 +17393,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_aa19f27ddaa3.runner import RunnerError
+from _code_sessions_0ed3aa8915cf.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -16228,8 +17597,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_aa19f27ddaa3.runner import Runner, RunnerError
-from _code_sessions_aa19f27ddaa3.storage import StorageError
+from _code_sessions_0ed3aa8915cf.runner import Runner, RunnerError
+from _code_sessions_0ed3aa8915cf.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -16358,8 +17727,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_aa19f27ddaa3.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_aa19f27ddaa3.storage import human_bytes
+from _code_sessions_0ed3aa8915cf.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_0ed3aa8915cf.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -16479,7 +17848,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_aa19f27ddaa3.storage import Purge, parse_duration
+from _code_sessions_0ed3aa8915cf.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -17044,13 +18413,11 @@ import posixpath
 import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_aa19f27ddaa3.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_aa19f27ddaa3.storage import (
+from _code_sessions_0ed3aa8915cf.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_0ed3aa8915cf.storage import (
     CLEAR_FILES_COMMAND,
-    MAX_PATH_BYTES,
     CleanupReport,
     DiskFull,
     FileMissing,
@@ -17065,10 +18432,12 @@ from _code_sessions_aa19f27ddaa3.storage import (
     human_bytes,
 )
 
+from .branches import Branches, Turn
 from .links import References, Target, resolve_all
 from .markup import escape_text, mention
 from .scan import SCAN_ON_LOOP_CHARS
 from .settings import Settings
+from .step import StepResult
 from .streaming import StreamingRewriter
 
 __all__ = ["ChatSession", "CodeSessions", "StepResult", "Waiting"]
@@ -17082,6 +18451,626 @@ log = logging.getLogger("code_sessions.engine")
 # leave the index wrong for long (the disk is the truth).
 FULL_RECONCILE_EVERY_S = 600.0
 
+_FIGURE_SUFFIXES = (".png",)
+# Files an answer saved without naming them, handed over by name (or attached) at most this many.
+_HANDED_OVER = 20
+# Files noted between a Tool's run and the end of its answer: chats at once, and files a chat.
+_UNHANDED_CHATS = 1000
+_UNHANDED_PATHS = 1000
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
+
+
+class ChatSession:
+    """A chat's folder as the engine uses it: run code in it, add uploads, link its files."""
+
+    def __init__(self, service: CodeSessions, session: Session, settings: Settings) -> None:
+        self._service = service
+        self.session = session
+        self.settings = settings  # the message's (frozen): its limits are every run's of this chat here
+        # Every file linked so far, for attaching to the message. A dict: insertion order, and O(1)
+        # membership (a list made an answer with 1,000 links quadratic).
+        self._published: dict[Target, None] = {}
+        # Files that exist but could not be linked (a full disk, the copies' quota), and why.
+        self._unlinked: dict[str, str] = {}
+        # The published copies behind those targets, by ref (for attaching them to the message).
+        self._links: dict[str, Link] = {}
+        # Files the answer's text names (as links or inline images), and the images it shows inline:
+        # a file is shown once in the text, and an image shown inline is not an attachment as well.
+        self._shown: set[str] = set()
+        self._inline: set[str] = set()
+        # Where this answer is in the conversation (None: the host did not say; the folder is then the
+        # chat's whole, as it is), and what following it there said, for the answer's first step.
+        self.turn: Turn | None = None
+        self.follows: str | None = None  # the message whose state the answer continues (branches)
+        self._turn_notes: list[str] = []
+
+    @property
+    def kernel_key(self) -> str:
+        """The key of this chat's kernel in the kernel pool."""
+        return _kernel_key(self.session.user_key, self.session.chat_key)
+
+    @property
+    def published(self) -> list[Target]:
+        """Every file linked so far, in the order first linked."""
+        return list(self._published)
+
+    @property
+    def links(self) -> list[Link]:
+        """The published copies behind every file linked so far, each once, in the order first linked."""
+        return list(self._links.values())
+
+    @property
+    def attachments(self) -> list[Link]:
+        """The copies to show as the message's attachments: every file linked, except the images the
+        text already shows inline."""
+        return [link for link in self._links.values() if link.url not in self._inline]
+
+    @property
+    def inline_urls(self) -> frozenset[str]:
+        """The URLs of the images the answer's text shows inline."""
+        return frozenset(self._inline)
+
+    async def hand_over(self, paths: Sequence[str], *, attachments: bool) -> str:
+        """Make sure every file the answer's runs saved reaches the user once: the files the text has
+        not named are published, then either left to the message's attachments (`attachments`: the
+        host shows every linked file under the message) or named in one short line, which is returned."""
+        missing = [p for p in dict.fromkeys(paths) if p not in self._shown and p not in self._unlinked]
+        if not missing:
+            return ""
+        shown, more = missing[:_HANDED_OVER], len(missing) - _HANDED_OVER
+        tail = f" and {more} more in /mnt/data" if more > 0 else ""
+        if not attachments:
+            line = "Saved: " + ", ".join(mention(p) for p in shown) + tail
+            return "\n\n" + await self.rewrite(line, inline_images=False) + "\n"
+        for path in shown:
+            await self._publish(path)
+        return f"\n\n_{more} more files saved in /mnt/data._\n" if more > 0 else ""
+
+    def unlinked_notes(self) -> list[str]:
+        """One sentence per file the answer named that exists but could not be linked; then forgotten."""
+        notes = [f"Not linked: {mention(path)}: {escape_text(why)}" for path, why in self._unlinked.items()]
+        self._unlinked.clear()
+        return notes
+
+    async def begin_turn(
+        self, turn: Turn | None, *, waiting: Waiting | None = None, runs_here: bool = True
+    ) -> list[str]:
+        """This chat's answer is `turn`: put the folder and kernel at the state of the message it
+        continues from (engine/branches.py), before anything is copied in or run. Returns what to
+        tell the user (nothing when it continues the newest answer); the answer's first run tells the
+        model too: this one's (`runs_here`), or another's of the same answer (the Filter's inlet
+        restores, the Tool's run says it)."""
+        self.turn = turn
+        if turn is None:
+            return []
+        branches = self._service.branches
+        try:
+            async with self.session.lock(timeout=self._service.lock_timeout_s, waiting=waiting):
+                said = await branches.ensure(self, changing=False)
+        except StorageError as error:  # a busy or full store: the answer goes on from the folder as it is
+            log.warning("code-sessions: the answer's branch could not be followed: %s", error)
+            return []
+        if runs_here:
+            self._turn_notes.extend(branches.take_said(self))
+        return said
+
+    def end_turn(self) -> None:
+        """The answer is over: its state is saved in the background, for a later branch."""
+        self._service.branches.end_turn_soon(self)
+
+    async def run(self, code: str, language: str, *, waiting: Waiting | None = None) -> StepResult:
+        """Run code in this chat's folder. `waiting` is awaited once if another step of this chat
+        holds the folder, so the user can be told the step waits rather than runs."""
+        service = self._service
+        if language not in ("python", "bash"):
+            return StepResult(language, code, refused=f"unknown language {language!r}; use python or bash")
+        notes: list[str] = []
+        result: RunResult | None = None
+        report: ReconcileReport | None = None
+        try:
+            async with self.session.lock(timeout=service.lock_timeout_s, waiting=waiting):
+                notes.extend(self._turn_notes)
+                self._turn_notes.clear()
+                # Another tab's step may have moved the folder to its branch since the answer began.
+                notes.extend(await service.branches.ensure(self, changing=True))
+                budget = await self.session.run_budget()
+                if budget.note:
+                    notes.append(budget.note)
+                configured = self.settings.limits
+                limits = configured.model_copy(
+                    update={
+                        "max_write_bytes": _tighter(configured.max_write_bytes, budget.max_write_bytes),
+                        "max_file_bytes": _tighter(configured.max_file_bytes, budget.max_file_bytes),
+                    }
+                )
+                await self.session.begin_run()
+                try:
+                    result = await service.execute(self.session, code, language, limits)
+                finally:
+                    # Index what the run left even when the runner failed half-way: disk is the truth.
+                    report = await service.reconcile_after(self.session, result)
+        except DiskFull as error:
+            # The run (if any) happened; what it wrote is indexed by the next step, which lists the
+            # whole folder (the mark of this run stays).
+            log.warning(
+                "disk full in chat %r of user %r: %s", self.session.chat_id, self.session.user_id, error
+            )
+            notes.append(str(error))
+            if result is None:
+                return StepResult(language, code, refused=str(error))
+        except StorageBusy as error:
+            return StepResult(language, code, refused=f"this chat's folder is busy ({error}); try again")
+        except RunnerError as error:
+            log.warning("sandbox unavailable: %s", error)
+            return StepResult(language, code, refused=f"the sandbox is not available: {error}")
+        figures = _figures(result, report)
+        return StepResult(language, code, run=result, files=report, notes=tuple(notes), figures=figures)
+
+    async def add_upload(
+        self, name: str, data: bytes, *, source: str | None = None, waiting: Waiting | None = None
+    ) -> str:
+        """Copy a user's attachment into the folder under a safe, unused name; returns its path.
+        Raises StorageError (too large, over quota, disk full, busy) with a sentence for the user.
+
+        `source` names where it came from, so the same attachment is not copied again next turn."""
+        async with self.session.lock(timeout=self._service.lock_timeout_s, waiting=waiting):
+            self._turn_notes.extend(await self._service.branches.ensure(self, changing=True))
+            return await self.session.files.write_new(name, data, source=source)
+
+    async def refuse_upload(self, source: str, why: str) -> bool:
+        """An attachment that could not be taken: it is not tried (nor its refusal said) again.
+        Returns whether to say it. On a full disk even that cannot be written: then it is tried again
+        at the next message, and said again only for a new reason."""
+        try:
+            await self.session.files.refuse_import(source)
+        except StorageError:
+            return self._service.remember_refusal(self.session, source, why)
+        return True
+
+    async def clear_files(self, *, waiting: Waiting | None = None) -> str:
+        """Empty this chat's folder at the user's request; returns the sentence for the answer."""
+        try:
+            async with self.session.lock(timeout=self._service.lock_timeout_s, waiting=waiting):
+                await self._service.branches.ensure(self, changing=True)
+                gone = await self.session.files.clear()
+        except StorageBusy:
+            return (
+                "This chat's files were not deleted: the chat is busy with a step that is still running. "
+                f"Send {CLEAR_FILES_COMMAND} again when it has finished."
+            )
+        except DiskFull:
+            return (
+                "Deleted every file in this chat's /mnt/data and the download copies linked in its "
+                "earlier answers, but the disk is still full, so the file list is brought up to date at "
+                "the next step that has room."
+            )
+        return (
+            f"Deleted every file in this chat's /mnt/data ({gone.files} files, {human_bytes(gone.bytes)}), "
+            "and the download copies linked in its earlier answers."
+        )
+
+    async def resolve(self, path: str) -> Target | None:
+        """Publish a file for the browser, or None when it is not a regular file of this session.
+        The text names it: it counts as shown."""
+        found = await self._publish(path)
+        if found is None:
+            return None
+        link, target = found
+        self._shown.add(link.path)
+        return target
+
+    async def _resolve_inline(self, path: str) -> Target | None:
+        """`resolve`, for text where an image is shown inline (the streamed answer, figures)."""
+        target = await self.resolve(path)
+        if target is not None and target.is_image:
+            self._inline.add(target.url)
+        return target
+
+    async def _publish(self, path: str) -> tuple[Link, Target] | None:
+        try:
+            # Under the lock: another message of this chat may be running code that rewrites the file.
+            async with self.session.lock(timeout=self._service.lock_timeout_s):
+                link = await self.session.publish(path)
+        except (FileMissing, InvalidPath):
+            return None
+        except StorageError as error:
+            log.warning("could not publish %r: %s", path, error)
+            self._unlinked[path] = str(error)
+            return None
+        target = Target(url=link.url, name=posixpath.basename(path), is_image=link.is_image)
+        self._published.setdefault(target, None)
+        self._links.setdefault(link.ref, link)
+        return link, target
+
+    async def rewrite(self, text: str, *, inline_images: bool = True) -> str:
+        big = len(text) > SCAN_ON_LOOP_CHARS  # scanned in a thread (see SCAN_ON_LOOP_CHARS)
+        references = await asyncio.to_thread(References, text) if big else References(text)
+        resolve = self._resolve_inline if inline_images else self.resolve
+        targets = await resolve_all(references.paths, resolve)
+        if big:
+            return await asyncio.to_thread(references.rewrite, targets, inline_images=inline_images)
+        return references.rewrite(targets, inline_images=inline_images)
+
+    def streaming_rewriter(self) -> StreamingRewriter:
+        return StreamingRewriter(self._resolve_inline)  # the answer itself: images are shown inline
+
+    async def sandbox_view(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Earlier answers as the model should read them: our links turned back into /mnt/data paths.
+
+        The chat history holds the answers as the user saw them, with /cache/... URLs; a model that
+        reads those would start writing URLs instead of paths (and link nothing next time)."""
+        if not any(m.get("role") == "assistant" for m in messages):
+            return messages  # a chat's first message: no earlier answers, no query
+        links = await self.session.links()
+        if not links:
+            return messages
+        paths = {link.url: f"/mnt/data/{link.path}" for link in links}
+        pattern = re.compile("|".join(re.escape(url) for url in sorted(paths, key=len, reverse=True)))
+        view = []
+        for message in messages:
+            content = message.get("content")
+            if message.get("role") == "assistant" and isinstance(content, str) and pattern.search(content):
+                message = {**message, "content": pattern.sub(lambda m: paths[m.group()], content)}
+            view.append(message)
+        return view
+
+
+def _figures(result: RunResult | None, report: ReconcileReport | None) -> tuple[str, ...]:
+    """The figures a kernel says it saved, kept only where the disk agrees: files this run added or
+    changed (the index is the disk's word), with a picture's name."""
+    if result is None or report is None or not result.figures:
+        return ()
+    saved = set(report.added) | set(report.changed)
+    return tuple(
+        p
+        for p in result.figures
+        if p in saved and p.lower().endswith(_FIGURE_SUFFIXES) and _PLAIN_NAME.fullmatch(p)
+    )
+
+
+def _kernel_key(user_key: str, chat_key: str) -> str:
+    # The folder's keys: the same for every worker, and what the storage deletes sessions by.
+    return f"{user_key}/{chat_key}"
+
+
+def _tighter(configured: int | None, budget: int | None) -> int | None:
+    """The runner's limit, lowered to what the quota still allows (None on either side: no bound
+    from it). Never below 1 byte: a run with nothing left to write may still compute and print."""
+    if budget is None:
+        return configured
+    return max(1, budget if configured is None else min(configured, budget))
+
+
+class CodeSessions:
+    """The store and the runner, composed. Each message hands down its `Settings` (`chat`); a chat
+    opened without runs with the constructor's limits, and the store's and the pool's own settings.
+
+    With `kernels`, every chat's runs share one live Python kernel (variables persist); without,
+    every run is a fresh sandbox."""
+
+    def __init__(
+        self,
+        store: Store,
+        runner: Runner,
+        settings: Settings | None = None,
+        *,
+        kernels: KernelPool | None = None,
+        lock_timeout_s: float = 300.0,
+    ) -> None:
+        self.store = store
+        self.runner = runner
+        self.settings = settings or Settings()
+        self.kernels = kernels
+        self.lock_timeout_s = lock_timeout_s
+        self.branches = Branches(self)
+        # (user key, chat key) -> time.monotonic() of the session's last full reconcile here.
+        self._full_at: dict[tuple[str, str], float] = {}
+        # Attachments refused when not even the refusal could be written (a full disk), with why.
+        self._refusals: dict[tuple[str, str, str], str] = {}
+        # Files runs saved for an answer that is still being written, by chat, until the answer's end
+        # hands them over (the Tool's runs; the Filter's outlet ends the answer). Bounded both ways.
+        self._unhanded: dict[tuple[str, str], list[str]] = {}
+
+    def remember_refusal(self, session: Session, source: str, why: str) -> bool:
+        """Note a refusal the index could not keep; False when the same one was said already."""
+        key = (session.user_id, session.chat_id, source)
+        if self._refusals.get(key) == why:
+            return False
+        if len(self._refusals) >= 10_000:
+            self._refusals.clear()
+        self._refusals[key] = why
+        return True
+
+    def note_saved(self, user_id: str, chat_id: str, paths: Sequence[str]) -> None:
+        """Files a run saved, for the end of the answer it runs in (`take_saved`)."""
+        if not paths:
+            return
+        key = (user_id, chat_id)
+        if key not in self._unhanded and len(self._unhanded) >= _UNHANDED_CHATS:
+            self._unhanded.pop(next(iter(self._unhanded)))  # the oldest: its answer never ended here
+        saved = self._unhanded.setdefault(key, [])
+        saved.extend(p for p in paths if p not in saved and len(saved) < _UNHANDED_PATHS)
+
+    def take_saved(self, user_id: str, chat_id: str) -> list[str]:
+        """The files noted for the chat's answer now ending; then forgotten."""
+        return self._unhanded.pop((user_id, chat_id), [])
+
+    async def chat(self, user_id: str, chat_id: str, settings: Settings | None = None) -> ChatSession:
+        """The chat's session, bound to the message's settings (None: the constructor's)."""
+        if settings is not None:
+            self.apply(settings)
+        return ChatSession(self, await self.store.session(user_id, chat_id), settings or self.settings)
+
+    def apply(self, settings: Settings) -> None:
+        """Give the store and the kernel pool their parts of the settings. They serve every chat of
+        this process, so theirs are the latest message's or the latest tick's (which reads the valves
+        as saved); each is a frozen value, replaced whole (and only when it changed, so the store
+        records its policy once per change)."""
+        if self.store.policy != settings.policy:
+            self.store.policy = settings.policy
+        if self.kernels is not None and self.kernels.settings != settings.kernels:
+            self.kernels.settings = settings.kernels
+
+    async def execute(self, session: Session, code: str, language: str, limits: Limits) -> RunResult:
+        """Run code in the session's folder: in its kernel, or in a fresh sandbox."""
+        if self.kernels is None:
+            return await self.runner.run(code, language, session.path, limits)
+        key = _kernel_key(session.user_key, session.chat_key)
+        return await self.kernels.run(key, session.path, code, language, limits, state_dir=session.state_path)
+
+    async def purge(self, purge: Purge) -> CleanupReport:
+        """An admin's purge: the selected sessions go, with their files, links and kernels. The
+        answers' states this process is saving are saved first (a chat saving one is in use)."""
+        await self.branches.settle()
+        return await self._ended(await self.store.cleanup(purge), "an admin deleted this chat's files")
+
+    async def expire(self, settings: Settings | None = None) -> CleanupReport:
+        """The expiry policy (the settings' or the latest message's): old files and idle sessions go
+        (an expired session's kernel too)."""
+        if settings is not None:
+            self.apply(settings)
+        return await self._ended(await self.store.cleanup(), "this chat was unused long enough to expire")
+
+    async def forget_chats(self, chats: list[tuple[str, str]], reason: str) -> CleanupReport:
+        """Sessions of chats that no longer exist, deleted now (a chat mid-step is left for later)."""
+        await self.branches.settle()
+        return await self._ended(await self.store.delete_chats(chats, reason), None)
+
+    async def _ended(self, report: CleanupReport, said: str | None) -> CleanupReport:
+        """Stop the kernels of the sessions a cleanup removed. `said`: why, for the chat's next run;
+        None: the chat is gone for good, so nothing is kept for it."""
+        if self.kernels is not None:
+            for item in report.details:
+                if item.action in ("removed", "vanished"):
+                    key = _kernel_key(item.user_key, item.chat_key)
+                    # The store removed the session's saved state with it; one written since (the
+                    # kernel was being saved as the session went) goes here.
+                    state = self.store.saved_state_path(item.user_key, item.chat_key)
+                    await self.kernels.stop(key, said or item.reason, forget=said is None, state_dir=state)
+        return report
+
+    async def close(self) -> None:
+        """Stop this process's kernels and close the store (the answers' states being saved first)."""
+        await self.branches.settle()
+        if self.kernels is not None:
+            await self.kernels.close()
+        await self.store.close()
+
+    async def reconcile_after(self, session: Session, result: RunResult | None) -> ReconcileReport:
+        """Index what a run left in the session's folder (`result` None: the runner failed before it
+        could say), quotas enforced. The caller holds the session's lock."""
+        report = await session.reconcile(enforce_quotas=True, changed=self._changed_hint(session, result))
+        self._reconciled(session, report)
+        return report
+
+    def _changed_hint(self, session: Session, result: RunResult | None) -> tuple[str, ...] | None:
+        """The paths to reconcile, or None for a full listing: when the runner failed or does not
+        know what changed, and at the first step of a session here and every FULL_RECONCILE_EVERY_S."""
+        if result is None or result.changed is None or result.outcome == Outcome.SANDBOX_FAILURE:
+            return None
+        last = self._full_at.get((session.user_key, session.chat_key))
+        if last is None or time.monotonic() - last >= FULL_RECONCILE_EVERY_S:
+            return None
+        return result.changed
+
+    def _reconciled(self, session: Session, report: ReconcileReport) -> None:
+        """Note when the session's folder was last listed whole."""
+        if not report.full:
+            return
+        now = time.monotonic()
+        if len(self._full_at) >= 10_000:  # forget sessions that will be listed fully anyway
+            self._full_at = {k: t for k, t in self._full_at.items() if now - t < FULL_RECONCILE_EVERY_S}
+        self._full_at[(session.user_key, session.chat_key)] = now
+''',
+    'engine/settings.py': r'''"""What one message runs with, in one frozen value.
+
+The host builds a `Settings` from its own settings once per message (the function's valves:
+functions/adapter.py `settings_from`) and hands it down: `CodeSessions.chat` binds it to the chat's
+session (its per-run limits) and gives the store and the kernel pool their parts. A change is a new
+value, never an edit of a live object.
+
+The defaults live in the layers' own models, each in one place: `runner.Limits`,
+`runner.KernelSettings`, `storage.Quotas`, `storage.Expiry`, and the fields below for what is the
+engine's. The valves take theirs from these (`DEFAULTS`). "No limit" is None in every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from _code_sessions_0ed3aa8915cf.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_0ed3aa8915cf.storage import Policy
+
+__all__ = ["DEFAULTS", "BranchSettings", "Settings"]
+
+
+@dataclass(frozen=True, slots=True)
+class BranchSettings:
+    """How much of a chat's past the branches of its conversation can go back to (engine/branches.py)."""
+
+    states: int = 20  # answers' states kept per chat; 0: the folder does not follow the branches
+    python_states: int = 3  # of those (the newest), how many keep the Python state too
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    limits: Limits = field(default_factory=Limits)  # per run (a chat's quota may lower them)
+    # One store and one kernel pool serve every chat of a process: theirs are the latest message's.
+    policy: Policy = field(default_factory=Policy)
+    kernels: KernelSettings = field(default_factory=KernelSettings)
+    # What the prompt tells the model; the runner's own configuration is what opens the network.
+    network: bool = RunnerConfig.model_fields["network"].default
+    # Show an answer's files as attachments of its message (else one line names them).
+    attach_files: bool = True
+    branches: BranchSettings = field(default_factory=BranchSettings)
+    cleanup_every_s: float = 30 * 60.0  # expiry runs at least this often
+    purge: str = ""  # the admin's one-shot purge request (engine/purge.py), as typed
+
+
+DEFAULTS = Settings()
+''',
+    'engine/sse.py': r'''"""Read an OpenAI-compatible chat completion (streamed or not) as a sequence of model events."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "ModelError",
+    "TextDelta",
+    "ToolCall",
+    "ToolCallCollector",
+    "events_from_message",
+    "events_from_sse",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelError:
+    message: str
+
+
+@dataclass
+class ToolCallCollector:
+    """Joins the fragments of streamed tool calls (OpenAI sends them piecewise, keyed by index)."""
+
+    calls: dict[int, ToolCall] = field(default_factory=dict)
+
+    def add(self, fragments: list[dict[str, Any]]) -> None:
+        for position, fragment in enumerate(fragments):
+            index = fragment.get("index", position)
+            function = fragment.get("function") or {}
+            call = self.calls.get(index)
+            if call is None:
+                call = self.calls[index] = ToolCall(id=fragment.get("id") or f"call_{index}", name="")
+            elif fragment.get("id"):
+                call.id = fragment["id"]
+            call.name += function.get("name") or ""
+            call.arguments += function.get("arguments") or ""
+
+    def done(self) -> list[ToolCall]:
+        return [self.calls[index] for index in sorted(self.calls)]
+
+
+def _error_text(payload: dict[str, Any]) -> str | None:
+    error = payload.get("error")
+    if error is None:
+        return None
+    if isinstance(error, dict):
+        return str(error.get("message") or error.get("detail") or error)
+    return str(error)
+
+
+async def events_from_sse(
+    chunks: AsyncIterable[bytes | str],
+) -> AsyncIterator[TextDelta | ToolCall | ModelError]:
+    """Parse `data: {...}` lines of a streamed completion; yields text as it comes, tool calls at the end."""
+    collector = ToolCallCollector()
+    buffer = ""
+    async for chunk in chunks:
+        buffer += chunk.decode("utf-8", "replace") if isinstance(chunk, bytes) else chunk
+        *lines, buffer = buffer.split("\n")
+        for line in lines:
+            event = _parse_line(line.strip(), collector)
+            if event is not None:
+                yield event
+    event = _parse_line(buffer.strip(), collector)
+    if event is not None:
+        yield event
+    for call in collector.done():
+        yield call
+
+
+def _parse_line(line: str, collector: ToolCallCollector) -> TextDelta | ModelError | None:
+    if not line.startswith("data:"):
+        return None
+    data = line[len("data:") :].strip()
+    if not data or data == "[DONE]":
+        return None
+    try:
+        payload = json.loads(data)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(payload, dict):
+        return None
+    error = _error_text(payload)
+    if error is not None:
+        return ModelError(error)
+    text = ""
+    for choice in payload.get("choices") or []:
+        delta = choice.get("delta") or choice.get("message") or {}
+        text += delta.get("content") or ""
+        if delta.get("tool_calls"):
+            collector.add(delta["tool_calls"])
+    return TextDelta(text) if text else None
+
+
+def events_from_message(payload: dict[str, Any]) -> list[TextDelta | ToolCall | ModelError]:
+    """The same events from a non-streamed completion body."""
+    error = _error_text(payload)
+    if error is not None:
+        return [ModelError(error)]
+    events: list[TextDelta | ToolCall | ModelError] = []
+    collector = ToolCallCollector()
+    for choice in payload.get("choices") or []:
+        message = choice.get("message") or {}
+        if message.get("content"):
+            events.append(TextDelta(message["content"]))
+        if message.get("tool_calls"):
+            collector.add(message["tool_calls"])
+    events.extend(collector.done())
+    return events
+''',
+    'engine/step.py': r'''"""What one piece of code did (`StepResult`): the words the user and the model read about a step, its
+outcome, its output, the files it saved, deleted or lost to a limit."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from _code_sessions_0ed3aa8915cf.runner import Outcome, RunResult
+from _code_sessions_0ed3aa8915cf.storage import MAX_PATH_BYTES, ReconcileReport
+
+from .markup import mention
+
+__all__ = ["StepResult"]
+
 _OUTCOME_WORDS = {
     Outcome.OK: "finished",
     Outcome.ERROR: "exited with an error",
@@ -17092,14 +19081,6 @@ _OUTCOME_WORDS = {
     Outcome.SANDBOX_FAILURE: "could not run: the sandbox failed",
     Outcome.KERNEL_LOST: "was stopped: the kernel stopped responding",
 }
-_FIGURE_SUFFIXES = (".png",)
-# Files an answer saved without naming them, handed over by name (or attached) at most this many.
-_HANDED_OVER = 20
-# Files noted between a Tool's run and the end of its answer: chats at once, and files a chat.
-_UNHANDED_CHATS = 1000
-_UNHANDED_PATHS = 1000
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
-
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
@@ -17242,552 +19223,6 @@ def _clip(text: str, limit: int) -> str:
         return text
     half = limit // 2
     return f"{text[:half]}\n[... {len(text) - limit} characters omitted ...]\n{text[-half:]}"
-
-
-class ChatSession:
-    """A chat's folder as the engine uses it: run code in it, add uploads, link its files."""
-
-    def __init__(self, service: CodeSessions, session: Session, settings: Settings) -> None:
-        self._service = service
-        self.session = session
-        self.settings = settings  # the message's (frozen): its limits are every run's of this chat here
-        # Every file linked so far, for attaching to the message. A dict: insertion order, and O(1)
-        # membership (a list made an answer with 1,000 links quadratic).
-        self._published: dict[Target, None] = {}
-        # Files that exist but could not be linked (a full disk, the copies' quota), and why.
-        self._unlinked: dict[str, str] = {}
-        # The published copies behind those targets, by ref (for attaching them to the message).
-        self._links: dict[str, Link] = {}
-        # Files the answer's text names (as links or inline images), and the images it shows inline:
-        # a file is shown once in the text, and an image shown inline is not an attachment as well.
-        self._shown: set[str] = set()
-        self._inline: set[str] = set()
-
-    @property
-    def kernel_key(self) -> str:
-        """The key of this chat's kernel in the kernel pool."""
-        return _kernel_key(self.session.user_key, self.session.chat_key)
-
-    @property
-    def published(self) -> list[Target]:
-        """Every file linked so far, in the order first linked."""
-        return list(self._published)
-
-    @property
-    def links(self) -> list[Link]:
-        """The published copies behind every file linked so far, each once, in the order first linked."""
-        return list(self._links.values())
-
-    @property
-    def attachments(self) -> list[Link]:
-        """The copies to show as the message's attachments: every file linked, except the images the
-        text already shows inline."""
-        return [link for link in self._links.values() if link.url not in self._inline]
-
-    @property
-    def inline_urls(self) -> frozenset[str]:
-        """The URLs of the images the answer's text shows inline."""
-        return frozenset(self._inline)
-
-    async def hand_over(self, paths: Sequence[str], *, attachments: bool) -> str:
-        """Make sure every file the answer's runs saved reaches the user once: the files the text has
-        not named are published, then either left to the message's attachments (`attachments`: the
-        host shows every linked file under the message) or named in one short line, which is returned."""
-        missing = [p for p in dict.fromkeys(paths) if p not in self._shown and p not in self._unlinked]
-        if not missing:
-            return ""
-        shown, more = missing[:_HANDED_OVER], len(missing) - _HANDED_OVER
-        tail = f" and {more} more in /mnt/data" if more > 0 else ""
-        if not attachments:
-            line = "Saved: " + ", ".join(mention(p) for p in shown) + tail
-            return "\n\n" + await self.rewrite(line, inline_images=False) + "\n"
-        for path in shown:
-            await self._publish(path)
-        return f"\n\n_{more} more files saved in /mnt/data._\n" if more > 0 else ""
-
-    def unlinked_notes(self) -> list[str]:
-        """One sentence per file the answer named that exists but could not be linked; then forgotten."""
-        notes = [f"Not linked: {mention(path)}: {escape_text(why)}" for path, why in self._unlinked.items()]
-        self._unlinked.clear()
-        return notes
-
-    async def run(self, code: str, language: str, *, waiting: Waiting | None = None) -> StepResult:
-        """Run code in this chat's folder. `waiting` is awaited once if another step of this chat
-        holds the folder, so the user can be told the step waits rather than runs."""
-        service = self._service
-        if language not in ("python", "bash"):
-            return StepResult(language, code, refused=f"unknown language {language!r}; use python or bash")
-        notes: list[str] = []
-        result: RunResult | None = None
-        report: ReconcileReport | None = None
-        try:
-            async with self.session.lock(timeout=service.lock_timeout_s, waiting=waiting):
-                budget = await self.session.run_budget()
-                if budget.note:
-                    notes.append(budget.note)
-                configured = self.settings.limits
-                limits = configured.model_copy(
-                    update={
-                        "max_write_bytes": _tighter(configured.max_write_bytes, budget.max_write_bytes),
-                        "max_file_bytes": _tighter(configured.max_file_bytes, budget.max_file_bytes),
-                    }
-                )
-                await self.session.begin_run()
-                try:
-                    result = await service.execute(self.session, code, language, limits)
-                finally:
-                    # Index what the run left even when the runner failed half-way: disk is the truth.
-                    report = await service.reconcile_after(self.session, result)
-        except DiskFull as error:
-            # The run (if any) happened; what it wrote is indexed by the next step, which lists the
-            # whole folder (the mark of this run stays).
-            log.warning(
-                "disk full in chat %r of user %r: %s", self.session.chat_id, self.session.user_id, error
-            )
-            notes.append(str(error))
-            if result is None:
-                return StepResult(language, code, refused=str(error))
-        except StorageBusy as error:
-            return StepResult(language, code, refused=f"this chat's folder is busy ({error}); try again")
-        except RunnerError as error:
-            log.warning("sandbox unavailable: %s", error)
-            return StepResult(language, code, refused=f"the sandbox is not available: {error}")
-        figures = _figures(result, report)
-        return StepResult(language, code, run=result, files=report, notes=tuple(notes), figures=figures)
-
-    async def add_upload(
-        self, name: str, data: bytes, *, source: str | None = None, waiting: Waiting | None = None
-    ) -> str:
-        """Copy a user's attachment into the folder under a safe, unused name; returns its path.
-        Raises StorageError (too large, over quota, disk full, busy) with a sentence for the user.
-
-        `source` names where it came from, so the same attachment is not copied again next turn."""
-        async with self.session.lock(timeout=self._service.lock_timeout_s, waiting=waiting):
-            return await self.session.files.write_new(name, data, source=source)
-
-    async def refuse_upload(self, source: str, why: str) -> bool:
-        """An attachment that could not be taken: it is not tried (nor its refusal said) again.
-        Returns whether to say it. On a full disk even that cannot be written: then it is tried again
-        at the next message, and said again only for a new reason."""
-        try:
-            await self.session.files.refuse_import(source)
-        except StorageError:
-            return self._service.remember_refusal(self.session, source, why)
-        return True
-
-    async def clear_files(self, *, waiting: Waiting | None = None) -> str:
-        """Empty this chat's folder at the user's request; returns the sentence for the answer."""
-        try:
-            async with self.session.lock(timeout=self._service.lock_timeout_s, waiting=waiting):
-                gone = await self.session.files.clear()
-        except StorageBusy:
-            return (
-                "This chat's files were not deleted: the chat is busy with a step that is still running. "
-                f"Send {CLEAR_FILES_COMMAND} again when it has finished."
-            )
-        except DiskFull:
-            return (
-                "Deleted every file in this chat's /mnt/data and the download copies linked in its "
-                "earlier answers, but the disk is still full, so the file list is brought up to date at "
-                "the next step that has room."
-            )
-        return (
-            f"Deleted every file in this chat's /mnt/data ({gone.files} files, {human_bytes(gone.bytes)}), "
-            "and the download copies linked in its earlier answers."
-        )
-
-    async def resolve(self, path: str) -> Target | None:
-        """Publish a file for the browser, or None when it is not a regular file of this session.
-        The text names it: it counts as shown."""
-        found = await self._publish(path)
-        if found is None:
-            return None
-        link, target = found
-        self._shown.add(link.path)
-        return target
-
-    async def _resolve_inline(self, path: str) -> Target | None:
-        """`resolve`, for text where an image is shown inline (the streamed answer, figures)."""
-        target = await self.resolve(path)
-        if target is not None and target.is_image:
-            self._inline.add(target.url)
-        return target
-
-    async def _publish(self, path: str) -> tuple[Link, Target] | None:
-        try:
-            # Under the lock: another message of this chat may be running code that rewrites the file.
-            async with self.session.lock(timeout=self._service.lock_timeout_s):
-                link = await self.session.publish(path)
-        except (FileMissing, InvalidPath):
-            return None
-        except StorageError as error:
-            log.warning("could not publish %r: %s", path, error)
-            self._unlinked[path] = str(error)
-            return None
-        target = Target(url=link.url, name=posixpath.basename(path), is_image=link.is_image)
-        self._published.setdefault(target, None)
-        self._links.setdefault(link.ref, link)
-        return link, target
-
-    async def rewrite(self, text: str, *, inline_images: bool = True) -> str:
-        big = len(text) > SCAN_ON_LOOP_CHARS  # scanned in a thread (see SCAN_ON_LOOP_CHARS)
-        references = await asyncio.to_thread(References, text) if big else References(text)
-        resolve = self._resolve_inline if inline_images else self.resolve
-        targets = await resolve_all(references.paths, resolve)
-        if big:
-            return await asyncio.to_thread(references.rewrite, targets, inline_images=inline_images)
-        return references.rewrite(targets, inline_images=inline_images)
-
-    def streaming_rewriter(self) -> StreamingRewriter:
-        return StreamingRewriter(self._resolve_inline)  # the answer itself: images are shown inline
-
-    async def sandbox_view(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Earlier answers as the model should read them: our links turned back into /mnt/data paths.
-
-        The chat history holds the answers as the user saw them, with /cache/... URLs; a model that
-        reads those would start writing URLs instead of paths (and link nothing next time)."""
-        if not any(m.get("role") == "assistant" for m in messages):
-            return messages  # a chat's first message: no earlier answers, no query
-        links = await self.session.links()
-        if not links:
-            return messages
-        paths = {link.url: f"/mnt/data/{link.path}" for link in links}
-        pattern = re.compile("|".join(re.escape(url) for url in sorted(paths, key=len, reverse=True)))
-        view = []
-        for message in messages:
-            content = message.get("content")
-            if message.get("role") == "assistant" and isinstance(content, str) and pattern.search(content):
-                message = {**message, "content": pattern.sub(lambda m: paths[m.group()], content)}
-            view.append(message)
-        return view
-
-
-def _figures(result: RunResult | None, report: ReconcileReport | None) -> tuple[str, ...]:
-    """The figures a kernel says it saved, kept only where the disk agrees: files this run added or
-    changed (the index is the disk's word), with a picture's name."""
-    if result is None or report is None or not result.figures:
-        return ()
-    saved = set(report.added) | set(report.changed)
-    return tuple(
-        p
-        for p in result.figures
-        if p in saved and p.lower().endswith(_FIGURE_SUFFIXES) and _PLAIN_NAME.fullmatch(p)
-    )
-
-
-def _kernel_key(user_key: str, chat_key: str) -> str:
-    # The folder's keys: the same for every worker, and what the storage deletes sessions by.
-    return f"{user_key}/{chat_key}"
-
-
-def _tighter(configured: int | None, budget: int | None) -> int | None:
-    """The runner's limit, lowered to what the quota still allows (None on either side: no bound
-    from it). Never below 1 byte: a run with nothing left to write may still compute and print."""
-    if budget is None:
-        return configured
-    return max(1, budget if configured is None else min(configured, budget))
-
-
-class CodeSessions:
-    """The store and the runner, composed. Each message hands down its `Settings` (`chat`); a chat
-    opened without runs with the constructor's limits, and the store's and the pool's own settings.
-
-    With `kernels`, every chat's runs share one live Python kernel (variables persist); without,
-    every run is a fresh sandbox."""
-
-    def __init__(
-        self,
-        store: Store,
-        runner: Runner,
-        settings: Settings | None = None,
-        *,
-        kernels: KernelPool | None = None,
-        lock_timeout_s: float = 300.0,
-    ) -> None:
-        self.store = store
-        self.runner = runner
-        self.settings = settings or Settings()
-        self.kernels = kernels
-        self.lock_timeout_s = lock_timeout_s
-        # (user key, chat key) -> time.monotonic() of the session's last full reconcile here.
-        self._full_at: dict[tuple[str, str], float] = {}
-        # Attachments refused when not even the refusal could be written (a full disk), with why.
-        self._refusals: dict[tuple[str, str, str], str] = {}
-        # Files runs saved for an answer that is still being written, by chat, until the answer's end
-        # hands them over (the Tool's runs; the Filter's outlet ends the answer). Bounded both ways.
-        self._unhanded: dict[tuple[str, str], list[str]] = {}
-
-    def remember_refusal(self, session: Session, source: str, why: str) -> bool:
-        """Note a refusal the index could not keep; False when the same one was said already."""
-        key = (session.user_id, session.chat_id, source)
-        if self._refusals.get(key) == why:
-            return False
-        if len(self._refusals) >= 10_000:
-            self._refusals.clear()
-        self._refusals[key] = why
-        return True
-
-    def note_saved(self, user_id: str, chat_id: str, paths: Sequence[str]) -> None:
-        """Files a run saved, for the end of the answer it runs in (`take_saved`)."""
-        if not paths:
-            return
-        key = (user_id, chat_id)
-        if key not in self._unhanded and len(self._unhanded) >= _UNHANDED_CHATS:
-            self._unhanded.pop(next(iter(self._unhanded)))  # the oldest: its answer never ended here
-        saved = self._unhanded.setdefault(key, [])
-        saved.extend(p for p in paths if p not in saved and len(saved) < _UNHANDED_PATHS)
-
-    def take_saved(self, user_id: str, chat_id: str) -> list[str]:
-        """The files noted for the chat's answer now ending; then forgotten."""
-        return self._unhanded.pop((user_id, chat_id), [])
-
-    async def chat(self, user_id: str, chat_id: str, settings: Settings | None = None) -> ChatSession:
-        """The chat's session, bound to the message's settings (None: the constructor's)."""
-        if settings is not None:
-            self.apply(settings)
-        return ChatSession(self, await self.store.session(user_id, chat_id), settings or self.settings)
-
-    def apply(self, settings: Settings) -> None:
-        """Give the store and the kernel pool their parts of the settings. They serve every chat of
-        this process, so theirs are the latest message's or the latest tick's (which reads the valves
-        as saved); each is a frozen value, replaced whole (and only when it changed, so the store
-        records its policy once per change)."""
-        if self.store.policy != settings.policy:
-            self.store.policy = settings.policy
-        if self.kernels is not None and self.kernels.settings != settings.kernels:
-            self.kernels.settings = settings.kernels
-
-    async def execute(self, session: Session, code: str, language: str, limits: Limits) -> RunResult:
-        """Run code in the session's folder: in its kernel, or in a fresh sandbox."""
-        if self.kernels is None:
-            return await self.runner.run(code, language, session.path, limits)
-        key = _kernel_key(session.user_key, session.chat_key)
-        return await self.kernels.run(key, session.path, code, language, limits, state_dir=session.state_path)
-
-    async def purge(self, purge: Purge) -> CleanupReport:
-        """An admin's purge: the selected sessions go, with their files, links and kernels."""
-        return await self._ended(await self.store.cleanup(purge), "an admin deleted this chat's files")
-
-    async def expire(self, settings: Settings | None = None) -> CleanupReport:
-        """The expiry policy (the settings' or the latest message's): old files and idle sessions go
-        (an expired session's kernel too)."""
-        if settings is not None:
-            self.apply(settings)
-        return await self._ended(await self.store.cleanup(), "this chat was unused long enough to expire")
-
-    async def forget_chats(self, chats: list[tuple[str, str]], reason: str) -> CleanupReport:
-        """Sessions of chats that no longer exist, deleted now (a chat mid-step is left for later)."""
-        return await self._ended(await self.store.delete_chats(chats, reason), None)
-
-    async def _ended(self, report: CleanupReport, said: str | None) -> CleanupReport:
-        """Stop the kernels of the sessions a cleanup removed. `said`: why, for the chat's next run;
-        None: the chat is gone for good, so nothing is kept for it."""
-        if self.kernels is not None:
-            for item in report.details:
-                if item.action in ("removed", "vanished"):
-                    key = _kernel_key(item.user_key, item.chat_key)
-                    # The store removed the session's saved state with it; one written since (the
-                    # kernel was being saved as the session went) goes here.
-                    state = self.store.saved_state_path(item.user_key, item.chat_key)
-                    await self.kernels.stop(key, said or item.reason, forget=said is None, state_dir=state)
-        return report
-
-    async def close(self) -> None:
-        """Stop this process's kernels and close the store."""
-        if self.kernels is not None:
-            await self.kernels.close()
-        await self.store.close()
-
-    async def reconcile_after(self, session: Session, result: RunResult | None) -> ReconcileReport:
-        """Index what a run left in the session's folder (`result` None: the runner failed before it
-        could say), quotas enforced. The caller holds the session's lock."""
-        report = await session.reconcile(enforce_quotas=True, changed=self._changed_hint(session, result))
-        self._reconciled(session, report)
-        return report
-
-    def _changed_hint(self, session: Session, result: RunResult | None) -> tuple[str, ...] | None:
-        """The paths to reconcile, or None for a full listing: when the runner failed or does not
-        know what changed, and at the first step of a session here and every FULL_RECONCILE_EVERY_S."""
-        if result is None or result.changed is None or result.outcome == Outcome.SANDBOX_FAILURE:
-            return None
-        last = self._full_at.get((session.user_key, session.chat_key))
-        if last is None or time.monotonic() - last >= FULL_RECONCILE_EVERY_S:
-            return None
-        return result.changed
-
-    def _reconciled(self, session: Session, report: ReconcileReport) -> None:
-        """Note when the session's folder was last listed whole."""
-        if not report.full:
-            return
-        now = time.monotonic()
-        if len(self._full_at) >= 10_000:  # forget sessions that will be listed fully anyway
-            self._full_at = {k: t for k, t in self._full_at.items() if now - t < FULL_RECONCILE_EVERY_S}
-        self._full_at[(session.user_key, session.chat_key)] = now
-''',
-    'engine/settings.py': r'''"""What one message runs with, in one frozen value.
-
-The host builds a `Settings` from its own settings once per message (the function's valves:
-functions/adapter.py `settings_from`) and hands it down: `CodeSessions.chat` binds it to the chat's
-session (its per-run limits) and gives the store and the kernel pool their parts. A change is a new
-value, never an edit of a live object.
-
-The defaults live in the layers' own models, each in one place: `runner.Limits`,
-`runner.KernelSettings`, `storage.Quotas`, `storage.Expiry`, and the fields below for what is the
-engine's. The valves take theirs from these (`DEFAULTS`). "No limit" is None in every layer.
-"""
-
-from __future__ import annotations
-
-from dataclasses import dataclass, field
-
-from _code_sessions_aa19f27ddaa3.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_aa19f27ddaa3.storage import Policy
-
-__all__ = ["DEFAULTS", "Settings"]
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    limits: Limits = field(default_factory=Limits)  # per run (a chat's quota may lower them)
-    # One store and one kernel pool serve every chat of a process: theirs are the latest message's.
-    policy: Policy = field(default_factory=Policy)
-    kernels: KernelSettings = field(default_factory=KernelSettings)
-    # What the prompt tells the model; the runner's own configuration is what opens the network.
-    network: bool = RunnerConfig.model_fields["network"].default
-    # Show an answer's files as attachments of its message (else one line names them).
-    attach_files: bool = True
-    cleanup_every_s: float = 30 * 60.0  # expiry runs at least this often
-    purge: str = ""  # the admin's one-shot purge request (engine/purge.py), as typed
-
-
-DEFAULTS = Settings()
-''',
-    'engine/sse.py': r'''"""Read an OpenAI-compatible chat completion (streamed or not) as a sequence of model events."""
-
-from __future__ import annotations
-
-import json
-from collections.abc import AsyncIterable, AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
-
-__all__ = [
-    "ModelError",
-    "TextDelta",
-    "ToolCall",
-    "ToolCallCollector",
-    "events_from_message",
-    "events_from_sse",
-]
-
-
-@dataclass(frozen=True, slots=True)
-class TextDelta:
-    text: str
-
-
-@dataclass(slots=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelError:
-    message: str
-
-
-@dataclass
-class ToolCallCollector:
-    """Joins the fragments of streamed tool calls (OpenAI sends them piecewise, keyed by index)."""
-
-    calls: dict[int, ToolCall] = field(default_factory=dict)
-
-    def add(self, fragments: list[dict[str, Any]]) -> None:
-        for position, fragment in enumerate(fragments):
-            index = fragment.get("index", position)
-            function = fragment.get("function") or {}
-            call = self.calls.get(index)
-            if call is None:
-                call = self.calls[index] = ToolCall(id=fragment.get("id") or f"call_{index}", name="")
-            elif fragment.get("id"):
-                call.id = fragment["id"]
-            call.name += function.get("name") or ""
-            call.arguments += function.get("arguments") or ""
-
-    def done(self) -> list[ToolCall]:
-        return [self.calls[index] for index in sorted(self.calls)]
-
-
-def _error_text(payload: dict[str, Any]) -> str | None:
-    error = payload.get("error")
-    if error is None:
-        return None
-    if isinstance(error, dict):
-        return str(error.get("message") or error.get("detail") or error)
-    return str(error)
-
-
-async def events_from_sse(
-    chunks: AsyncIterable[bytes | str],
-) -> AsyncIterator[TextDelta | ToolCall | ModelError]:
-    """Parse `data: {...}` lines of a streamed completion; yields text as it comes, tool calls at the end."""
-    collector = ToolCallCollector()
-    buffer = ""
-    async for chunk in chunks:
-        buffer += chunk.decode("utf-8", "replace") if isinstance(chunk, bytes) else chunk
-        *lines, buffer = buffer.split("\n")
-        for line in lines:
-            event = _parse_line(line.strip(), collector)
-            if event is not None:
-                yield event
-    event = _parse_line(buffer.strip(), collector)
-    if event is not None:
-        yield event
-    for call in collector.done():
-        yield call
-
-
-def _parse_line(line: str, collector: ToolCallCollector) -> TextDelta | ModelError | None:
-    if not line.startswith("data:"):
-        return None
-    data = line[len("data:") :].strip()
-    if not data or data == "[DONE]":
-        return None
-    try:
-        payload = json.loads(data)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(payload, dict):
-        return None
-    error = _error_text(payload)
-    if error is not None:
-        return ModelError(error)
-    text = ""
-    for choice in payload.get("choices") or []:
-        delta = choice.get("delta") or choice.get("message") or {}
-        text += delta.get("content") or ""
-        if delta.get("tool_calls"):
-            collector.add(delta["tool_calls"])
-    return TextDelta(text) if text else None
-
-
-def events_from_message(payload: dict[str, Any]) -> list[TextDelta | ToolCall | ModelError]:
-    """The same events from a non-streamed completion body."""
-    error = _error_text(payload)
-    if error is not None:
-        return [ModelError(error)]
-    events: list[TextDelta | ToolCall | ModelError] = []
-    collector = ToolCallCollector()
-    for choice in payload.get("choices") or []:
-        message = choice.get("message") or {}
-        if message.get("content"):
-            events.append(TextDelta(message["content"]))
-        if message.get("tool_calls"):
-            collector.add(message["tool_calls"])
-    events.extend(collector.done())
-    return events
 ''',
     'engine/streaming.py': r'''"""Rewrite a model's answer into working links while it streams, with the output of rewriting it whole.
 
@@ -18071,7 +19506,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_aa19f27ddaa3.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_0ed3aa8915cf.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -18290,7 +19725,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_aa19f27ddaa3.storage import Link, Publisher, is_postgres_url
+from _code_sessions_0ed3aa8915cf.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -18300,6 +19735,8 @@ __all__ = ["Locations", "Misconfigured", "OpenWebUI"]
 
 # Ids per IN (...) query: well under every database's limit on bound parameters.
 _ID_CHUNK = 500
+# Messages walked up a chat's tree at most (a longer chat is followed no further).
+_MAX_LINEAGE = 100_000
 
 # What the files of one bundle version share in this process (see `OpenWebUI.shared`).
 _PROCESS: dict[str, Any] = {}
@@ -18487,6 +19924,41 @@ class OpenWebUI:
             )
         )
 
+    async def message_lineage(
+        self, chat_id: str, message_id: str, user_message: dict[str, Any] | None = None
+    ) -> tuple[list[str], bool]:
+        """`message_id` and the messages above it in the chat's tree, nearest first (its user message,
+        the answer that one continues, ...), and whether the walk reached the conversation's start.
+        A temporary chat lives in the browser only: then the request's user message is all there is."""
+        chain = [message_id]
+        messages: dict[str, Any] | None = None
+        if _saved_chat(chat_id):
+            from open_webui.models.chat_messages import ChatMessages
+            from open_webui.models.chats import Chats
+
+            messages = await ChatMessages.get_messages_map_by_chat_id(chat_id)
+            if not messages or message_id not in messages:
+                chat = await Chats.get_chat_by_id(chat_id)
+                history = ((chat.chat or {}).get("history") or {}) if chat is not None else {}
+                messages = history.get("messages") if isinstance(history, dict) else None
+        if isinstance(messages, dict) and isinstance(messages.get(message_id), dict):
+            current = messages[message_id].get("parentId")
+            while isinstance(current, str) and current and current not in chain and len(chain) < _MAX_LINEAGE:
+                chain.append(current)
+                above = messages.get(current)
+                if not isinstance(above, dict):
+                    return chain, False  # a message the chat no longer holds: the start is unknown
+                current = above.get("parentId")
+            return chain, current is None
+        if isinstance(user_message, dict) and isinstance(user_message.get("id"), str):
+            chain.append(user_message["id"])
+            parent = user_message.get("parentId")
+            if parent is None:
+                return chain, True
+            if isinstance(parent, str) and parent:
+                chain.append(parent)
+        return chain, False
+
     async def chat_owners(self, chat_ids: Sequence[str]) -> dict[str, str]:
         """{chat id: owner's user id} for those of these chats that exist: one query per 500 ids.
         Raises when the database does (never an empty answer for an error)."""
@@ -18525,10 +19997,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_aa19f27ddaa3.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
-from _code_sessions_aa19f27ddaa3.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_aa19f27ddaa3.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_aa19f27ddaa3.webui import OpenWebUI
+from _code_sessions_0ed3aa8915cf.engine import DEFAULTS, MINUTE_S, BranchSettings, CodeSessions, Maintenance, Settings, Turn
+from _code_sessions_0ed3aa8915cf.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_0ed3aa8915cf.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_0ed3aa8915cf.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -18670,6 +20142,22 @@ class SessionValves(BaseModel):
         "is retried a minute later), then cleared: "
         "'all', 'user:<user id>', 'chat:<chat id>' or 'idle:<duration>' such as idle:7d, idle:12h.",
     )
+    branch_states: int = Field(
+        default=DEFAULTS.branches.states,
+        ge=0,
+        le=1000,
+        description="Answers per chat whose files (and, for the newest, Python state) are kept, so that "
+        "regenerating or editing a message, or going back to another branch, continues from that "
+        "message's state. They count toward the user's storage after the files, and the oldest go "
+        "first when it is full. 0: the folder is the chat's whole, whatever the branch.",
+    )
+    branch_python_states: int = Field(
+        default=DEFAULTS.branches.python_states,
+        ge=0,
+        le=100,
+        description="Of those, how many of the newest also keep the Python state (a copy of the "
+        "kernel's memory each). 0: a branch gets its files back, and a new Python state.",
+    )
     attach_files: bool = Field(
         default=DEFAULTS.attach_files,
         description="Show an answer's files as attachments of its message (and let the people a chat "
@@ -18712,6 +20200,7 @@ def settings_from(valves: SessionValves) -> Settings:
         ),
         network=valves.network,
         attach_files=valves.attach_files,
+        branches=BranchSettings(states=valves.branch_states, python_states=valves.branch_python_states),
         cleanup_every_s=valves.cleanup_interval_minutes * MINUTE_S,
         purge=valves.purge,
     )
@@ -18964,6 +20453,23 @@ def _save_kernels_before_stop(shared: dict[str, Any]) -> None:
             return
 
 
+def turn_of(host: Any, chat_id: str, message_id: str | None, metadata: dict[str, Any] | None) -> Turn | None:
+    """Where the answer Open WebUI is writing is in the chat's conversation (None: the request named
+    no message, as an API call may not: the folder is then the chat's whole)."""
+    if not message_id:
+        return None
+    user_message = (metadata or {}).get("user_message")
+    if not isinstance(user_message, dict):
+        user_message = None
+    parent = user_message.get("parentId") if user_message is not None else None
+
+    async def lineage() -> tuple[list[str], bool]:
+        found: tuple[list[str], bool] = await host.message_lineage(chat_id, message_id, user_message)
+        return found
+
+    return Turn(message_id, lineage, continues=parent if isinstance(parent, str) and parent else None)
+
+
 class Status:
     """The message's status line (engine.StatusCall). Open WebUI 0.12 shows a message's last status,
     and nothing when that one is hidden."""
@@ -19055,7 +20561,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_aa19f27ddaa3.engine import (
+from _code_sessions_0ed3aa8915cf.engine import (
     LoopOptions,
     ModelError,
     TextDelta,
@@ -19069,9 +20575,9 @@ from _code_sessions_aa19f27ddaa3.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_aa19f27ddaa3.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_aa19f27ddaa3.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_aa19f27ddaa3.webui import Misconfigured
+from _code_sessions_0ed3aa8915cf.functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
+from _code_sessions_0ed3aa8915cf.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_0ed3aa8915cf.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 
@@ -19133,6 +20639,7 @@ class Pipe(SessionsAdapter):
         __task__: str | None = None,
         __files__: list[Any] | None = None,
         __message_id__: str | None = None,
+        __metadata__: dict[str, Any] | None = None,
     ) -> Any:
         self._function_id, _, base_model = str(body.get("model", "")).partition(".")
         host = self._host
@@ -19153,11 +20660,17 @@ class Pipe(SessionsAdapter):
             log.warning("code-sessions: no session for chat %r: %s", (__chat_id__ or "")[:80], error)
             return f"This chat's files are not available right now: {escape_text(str(error))}"
         status = Status(__event_emitter__)
+        # A regenerated or edited message, or another branch: the folder and kernel go back to the state
+        # of the message it continues from (said in the status and to the model).
+        turn = turn_of(host, __chat_id__ or "", __message_id__, __metadata__)
+        branch = await chat.begin_turn(turn, waiting=waiting_status(status))
+        for sentence in branch:
+            await status(sentence, True)
         if last_user_text(body.get("messages", [])).strip() == CLEAR_FILES_COMMAND:
             said = await chat.clear_files(waiting=waiting_status(status))
             await status.settle()
+            chat.end_turn()
             return said
-
         notes, refused = await import_uploads(chat, host, __user__["id"], __files__ or [], status)
         user_valves = __user__.get("valves") or self.UserValves()
         options = LoopOptions(
@@ -19168,7 +20681,9 @@ class Pipe(SessionsAdapter):
             # Files saved but not named are then only attachments; else one line names them.
             attachments=settings.attach_files and host.can_attach(__chat_id__ or "", __message_id__),
         )
-        messages = await messages_with_prompt(body.get("messages", []), chat, services, options, refused)
+        messages = await messages_with_prompt(
+            body.get("messages", []), chat, services, options, [*branch, *refused]
+        )
 
         async def call_model(
             history: list[dict[str, Any]], tools: list[dict[str, Any]] | None
@@ -19201,6 +20716,7 @@ class Pipe(SessionsAdapter):
                     __event_emitter__,
                     inline_urls=chat.inline_urls,
                 )
+            chat.end_turn()  # its state is saved for later branches
 
         return answer()
 

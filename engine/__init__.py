@@ -1,6 +1,7 @@
 """A chat step without Open WebUI: sandbox runs over a persistent session, links, the conversation loop."""
 
 from .blocks import CodeBlock, runnable_blocks
+from .branches import Turn
 from .host import Host, PurgeValve
 from .links import References, Target, find_paths, rewrite
 from .loop import (
@@ -19,7 +20,7 @@ from .prepare import import_uploads, last_user_text, messages_with_prompt
 from .prompt import PromptFacts, system_prompt
 from .purge import parse_purge
 from .service import ChatSession, CodeSessions, StepResult
-from .settings import DEFAULTS, Settings
+from .settings import DEFAULTS, BranchSettings, Settings
 from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
 from .streaming import StreamingRewriter
 
@@ -27,6 +28,7 @@ __all__ = [
     "DEFAULTS",
     "MINUTE_S",
     "RUN_CODE_TOOL",
+    "BranchSettings",
     "ChatSession",
     "CodeBlock",
     "CodeSessions",
@@ -45,6 +47,7 @@ __all__ = [
     "Target",
     "TextDelta",
     "ToolCall",
+    "Turn",
     "code_span",
     "converse",
     "escape_text",

@@ -31,7 +31,7 @@ from engine import (
     messages_with_prompt,
     waiting_status,
 )
-from functions.adapter import SessionsAdapter, SessionValves, Status
+from functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
 from storage import CLEAR_FILES_COMMAND, StorageError
 from webui import Misconfigured
 
@@ -95,6 +95,7 @@ class Pipe(SessionsAdapter):
         __task__: str | None = None,
         __files__: list[Any] | None = None,
         __message_id__: str | None = None,
+        __metadata__: dict[str, Any] | None = None,
     ) -> Any:
         self._function_id, _, base_model = str(body.get("model", "")).partition(".")
         host = self._host
@@ -115,11 +116,17 @@ class Pipe(SessionsAdapter):
             log.warning("code-sessions: no session for chat %r: %s", (__chat_id__ or "")[:80], error)
             return f"This chat's files are not available right now: {escape_text(str(error))}"
         status = Status(__event_emitter__)
+        # A regenerated or edited message, or another branch: the folder and kernel go back to the state
+        # of the message it continues from (said in the status and to the model).
+        turn = turn_of(host, __chat_id__ or "", __message_id__, __metadata__)
+        branch = await chat.begin_turn(turn, waiting=waiting_status(status))
+        for sentence in branch:
+            await status(sentence, True)
         if last_user_text(body.get("messages", [])).strip() == CLEAR_FILES_COMMAND:
             said = await chat.clear_files(waiting=waiting_status(status))
             await status.settle()
+            chat.end_turn()
             return said
-
         notes, refused = await import_uploads(chat, host, __user__["id"], __files__ or [], status)
         user_valves = __user__.get("valves") or self.UserValves()
         options = LoopOptions(
@@ -130,7 +137,9 @@ class Pipe(SessionsAdapter):
             # Files saved but not named are then only attachments; else one line names them.
             attachments=settings.attach_files and host.can_attach(__chat_id__ or "", __message_id__),
         )
-        messages = await messages_with_prompt(body.get("messages", []), chat, services, options, refused)
+        messages = await messages_with_prompt(
+            body.get("messages", []), chat, services, options, [*branch, *refused]
+        )
 
         async def call_model(
             history: list[dict[str, Any]], tools: list[dict[str, Any]] | None
@@ -163,6 +172,7 @@ class Pipe(SessionsAdapter):
                     __event_emitter__,
                     inline_urls=chat.inline_urls,
                 )
+            chat.end_turn()  # its state is saved for later branches
 
         return answer()
 

@@ -26,7 +26,7 @@ from engine import (
     waiting_status,
 )
 from engine.scan import SCAN_ON_LOOP_CHARS
-from functions.adapter import SessionsAdapter, SessionValves, Status
+from functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
 from storage import CLEAR_FILES_COMMAND, StorageError
 from webui import Misconfigured
 
@@ -173,6 +173,10 @@ class FilterSessions(SessionsAdapter):
             return body
         services, chat = found
         status = Status(emitter)
+        turn = turn_of(self._host, chat_id, metadata.get("message_id"), metadata)
+        branch = await chat.begin_turn(turn, waiting=waiting_status(status), runs_here=False)
+        for sentence in branch:
+            await status(sentence, True)
         if last_user_text(messages).strip() == CLEAR_FILES_COMMAND:
             said = await chat.clear_files(waiting=waiting_status(status))
             messages[-1] = {
@@ -182,7 +186,7 @@ class FilterSessions(SessionsAdapter):
             }
         files = body.get("files") or metadata.get("files") or []
         notes, refused = await import_uploads(chat, self._host, user_id, files, status)
-        sentences = [*refused, *(note.strip().strip("_") for note in notes if note not in refused)]
+        sentences = [*branch, *refused, *(note.strip().strip("_") for note in notes if note not in refused)]
         options = LoopOptions(tool_mode=True)
         body["messages"] = await messages_with_prompt(
             messages, chat, services, options, sentences, figures_shown=False
@@ -254,4 +258,7 @@ class FilterSessions(SessionsAdapter):
             await self._host.attach(
                 chat_id, message_id, user_id, chat.links, emitter, inline_urls=chat.inline_urls
             )
+        if chat.turn is None:  # the inlet ran in another worker
+            chat.turn = turn_of(self._host, chat_id, message_id, metadata)
+        chat.end_turn()  # its state is saved for later branches
         return body

@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from engine import LoopOptions, escape_text, import_uploads, run_step
-from functions.adapter import SessionsAdapter, SessionValves, Status
+from functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
 from storage import StorageError
 from webui import Misconfigured
 
@@ -38,6 +38,8 @@ class Tools:
         __files__: list[Any] | None = None,
         __event_emitter__: Any = None,
         __id__: str | None = None,
+        __message_id__: str | None = None,
+        __metadata__: dict[str, Any] | None = None,
     ) -> str:
         """
         Run Python or bash in a sandbox. The working directory is /mnt/data, this chat's persistent
@@ -55,6 +57,8 @@ class Tools:
             files=__files__ or [],
             emitter=__event_emitter__,
             tool_id=__id__,
+            message_id=__message_id__,
+            metadata=__metadata__,
         )
 
 
@@ -90,6 +94,8 @@ class ToolSessions(SessionsAdapter):
         files: list[Any],
         emitter: Any,
         tool_id: str | None,
+        message_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
     ) -> str:
         """One run for the model: the result it reads, with any sentence about the chat's files."""
         self._function_id = tool_id or self._function_id
@@ -106,6 +112,9 @@ class ToolSessions(SessionsAdapter):
             log.warning("code-sessions: no session for chat %r: %s", chat_id[:80], error)
             return f"Not run: this chat's files are not available right now: {escape_text(str(error))}"
         status = Status(emitter)
+        # The folder follows the conversation's branches (the Filter's inlet did it before the model was
+        # asked; without the Filter, the answer's first run does): what it says reaches the result.
+        await chat.begin_turn(turn_of(self._host, chat_id, message_id, metadata))
         # The Filter copies uploads in before the model is asked; without it (or when a file arrives
         # between two runs of one answer) the Tool does, once each: nothing is copied twice.
         notes, _ = await import_uploads(chat, self._host, user_id, files, status)

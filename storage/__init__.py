@@ -16,6 +16,7 @@ from .errors import (
     StorageBusy,
     StorageError,
 )
+from .history import ChatHistory, HistoryError, HistoryHead, Restored, Saved
 from .models import (
     ActivityEntry,
     ChatInfo,
@@ -50,6 +51,7 @@ __all__ = [
     "PASSIVE_IMAGE_TYPES",
     "ActivityEntry",
     "ChatFiles",
+    "ChatHistory",
     "ChatInfo",
     "CleanupAction",
     "CleanupReport",
@@ -62,6 +64,8 @@ __all__ = [
     "FileExists",
     "FileMissing",
     "Growth",
+    "HistoryError",
+    "HistoryHead",
     "IndexDamaged",
     "InvalidPath",
     "Link",
@@ -78,7 +82,9 @@ __all__ = [
     "ReconcileReport",
     "Rejected",
     "Renamed",
+    "Restored",
     "RunBudget",
+    "Saved",
     "Session",
     "StorageBusy",
     "StorageError",

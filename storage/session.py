@@ -32,6 +32,7 @@ from ._fsops import (
 )
 from ._names import attachment_name, numbered, split_path
 from .errors import DiskFull, FileMissing, InvalidPath
+from .history import ChatHistory
 from .models import FileEntry, Link, LinkInfo, Reconcile, ReconcileReport, RunBudget, Usage
 
 __all__ = ["ChatFiles", "Session"]
@@ -50,6 +51,7 @@ class Session:
         self._core = core
         self._ref = ref
         self.files = ChatFiles(core, ref)
+        self.history = ChatHistory(core, ref)
         # An earlier run was never indexed (its mark, or runs on a full disk): list the folder whole.
         self._unindexed_run = unindexed
         self._generation = core.generation  # the index this session's lock was taken with
