@@ -4,6 +4,7 @@ It knows nothing of the web UI or of the sandbox; see docs/storage.md.
 """
 
 from ._format import human_bytes, parse_duration
+from ._incoming import Incoming
 from ._names import MAX_PATH_BYTES, PASSIVE_IMAGE_TYPES
 from ._postgres import is_postgres_url
 from .errors import (
@@ -43,6 +44,7 @@ from .policy import CLEAR_FILES_COMMAND, Policy
 from .publishing import Copy, DirectoryPublisher, Published, Publisher
 from .session import ChatFiles, Session
 from .store import Store
+from .upload_links import LinkRefused, UploadGrant, UploadLinks
 
 __all__ = [
     "CLEAR_FILES_COMMAND",
@@ -62,10 +64,12 @@ __all__ = [
     "FileExists",
     "FileMissing",
     "Growth",
+    "Incoming",
     "IndexDamaged",
     "InvalidPath",
     "Link",
     "LinkInfo",
+    "LinkRefused",
     "Policy",
     "Published",
     "Publisher",
@@ -83,6 +87,8 @@ __all__ = [
     "StorageBusy",
     "StorageError",
     "Store",
+    "UploadGrant",
+    "UploadLinks",
     "Usage",
     "UserUsage",
     "human_bytes",

@@ -30,8 +30,9 @@ from ._fsops import (
     walk_dirs,
     write_unique,
 )
+from ._incoming import Incoming
 from ._names import attachment_name, numbered, split_path
-from .errors import DiskFull, FileMissing, InvalidPath
+from .errors import DiskFull, FileExists, FileMissing, InvalidPath
 from .models import FileEntry, Link, LinkInfo, Reconcile, ReconcileReport, RunBudget, Usage
 
 __all__ = ["ChatFiles", "Session"]
@@ -296,6 +297,22 @@ class ChatFiles:
             await asyncio.shield(asyncio.to_thread(self._unlink_quietly, (used,)))
             raise
         return used
+
+    async def incoming(self, path: str) -> Incoming:
+        """Start receiving a file in pieces for `path` (an upload link's): staged outside the folder,
+        checked against the per-file limit and the quota as it arrives, put in place whole by
+        `Incoming.finish` (under the session's lock), never over an existing file. Raises
+        InvalidPath, FileExists or QuotaExceeded (with the sentence) before anything is written."""
+        parts = split_path(path)
+        if await self.exists(path):
+            raise FileExists(f"/mnt/data/{'/'.join(parts)} exists already; an upload never replaces a file")
+
+        async def index(rel: str, st: os.stat_result) -> None:
+            await self._index_new(rel, st, source=None, recheck=True)
+
+        incoming = Incoming(self._core, self._ref, parts, index)
+        await incoming.open()
+        return incoming
 
     async def refuse_import(self, source: str) -> None:
         """Remember that this source could not be taken (too large, over quota, unreadable), so that
