@@ -2,9 +2,11 @@
 
 from .blocks import CodeBlock, runnable_blocks
 from .host import Host, PurgeValve
+from .inbound import SAVE_COMMAND, Inbound, KnowledgeHost, NewLink, StoreFor, chat_path, save_command
 from .links import References, Target, find_paths, rewrite
 from .loop import (
     RUN_CODE_TOOL,
+    ExtraTool,
     LoopOptions,
     ModelCall,
     StatusCall,
@@ -27,24 +29,31 @@ __all__ = [
     "DEFAULTS",
     "MINUTE_S",
     "RUN_CODE_TOOL",
+    "SAVE_COMMAND",
     "ChatSession",
     "CodeBlock",
     "CodeSessions",
+    "ExtraTool",
     "Host",
+    "Inbound",
+    "KnowledgeHost",
     "LoopOptions",
     "Maintenance",
     "ModelCall",
     "ModelError",
+    "NewLink",
     "PromptFacts",
     "PurgeValve",
     "References",
     "Settings",
     "StatusCall",
     "StepResult",
+    "StoreFor",
     "StreamingRewriter",
     "Target",
     "TextDelta",
     "ToolCall",
+    "chat_path",
     "code_span",
     "converse",
     "escape_text",
@@ -60,6 +69,7 @@ __all__ = [
     "rewrite",
     "run_step",
     "runnable_blocks",
+    "save_command",
     "system_prompt",
     "waiting_status",
 ]

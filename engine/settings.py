@@ -32,6 +32,7 @@ class Settings:
     attach_files: bool = True
     cleanup_every_s: float = 30 * 60.0  # expiry runs at least this often
     purge: str = ""  # the admin's one-shot purge request (engine/purge.py), as typed
+    upload_link_s: float = 15 * 60.0  # how long an upload link the model offers stays usable
 
 
 DEFAULTS = Settings()

@@ -3,9 +3,9 @@
 It knows nothing of the web UI or of the sandbox; see docs/storage.md.
 """
 
-from ._format import human_bytes, parse_duration
+from ._format import human_bytes, human_duration, parse_duration
 from ._incoming import Incoming
-from ._names import MAX_PATH_BYTES, PASSIVE_IMAGE_TYPES
+from ._names import MAX_PATH_BYTES, PASSIVE_IMAGE_TYPES, split_path
 from ._postgres import is_postgres_url
 from .errors import (
     DiskFull,
@@ -92,6 +92,8 @@ __all__ = [
     "Usage",
     "UserUsage",
     "human_bytes",
+    "human_duration",
     "is_postgres_url",
     "parse_duration",
+    "split_path",
 ]

@@ -40,7 +40,12 @@ _ASK_AGAIN = "Ask in the chat for a new upload link."
 
 
 class LinkRefused(StorageError):
-    """The upload link cannot be used (unknown, used, expired); the message says which, and what to do."""
+    """The upload link cannot be used; the message says why, and what to do. `kind`: "unknown", "used"
+    or "expired"."""
+
+    def __init__(self, message: str, kind: str = "unknown") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +99,9 @@ class UploadLinks:
         grant = _read(record)
         if grant is None:
             if used.exists():
-                raise LinkRefused(f"This upload link was used already: a link takes one file. {_ASK_AGAIN}")
+                raise LinkRefused(
+                    f"This upload link was used already: a link takes one file. {_ASK_AGAIN}", "used"
+                )
             raise LinkRefused(
                 f"This upload link is not valid (unknown, or older than two days). {_ASK_AGAIN}"
             )
@@ -103,14 +110,15 @@ class UploadLinks:
             minutes = human_duration(round(grant.expires_at - grant.made_at))
             raise LinkRefused(
                 f"This upload link expired {human_duration(max(1, round(late)))} ago (links last {minutes}). "
-                f"{_ASK_AGAIN}"
+                f"{_ASK_AGAIN}",
+                "expired",
             )
         if claim:
             try:
                 os.rename(record, used)
             except FileNotFoundError:  # another request used it a moment ago
                 raise LinkRefused(
-                    f"This upload link was used already: a link takes one file. {_ASK_AGAIN}"
+                    f"This upload link was used already: a link takes one file. {_ASK_AGAIN}", "used"
                 ) from None
         return grant
 
