@@ -35,6 +35,7 @@ from . import (
     report,
     rewrite,
     run_overhead,
+    uploads,
 )
 from ._common import CGROUP_PARENT, Context, filesystem_of
 
@@ -51,6 +52,7 @@ SECTIONS: dict[str, Callable[[Context], Awaitable[dict[str, Any]]]] = {
     "hibernate": hibernate.run,
     "index_backends": index_backends.run,
     "environment": environment.run,
+    "uploads": uploads.run,
 }
 # Sections that render their own table and targets (bench/report.py renders the others).
 

@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_d243fb28ed4c'
+_CS_PACKAGE = '_code_sessions_36af3190730b'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -15966,7 +15966,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_d243fb28ed4c.storage import (
+from _code_sessions_36af3190730b.storage import (
     Incoming,
     InvalidPath,
     StorageBusy,
@@ -16365,7 +16365,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_d243fb28ed4c.runner import Outcome
+from _code_sessions_36af3190730b.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -16674,7 +16674,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_d243fb28ed4c.runner import RunnerError
+from _code_sessions_36af3190730b.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -16878,8 +16878,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_d243fb28ed4c.runner import Runner, RunnerError
-from _code_sessions_d243fb28ed4c.storage import StorageError
+from _code_sessions_36af3190730b.runner import Runner, RunnerError
+from _code_sessions_36af3190730b.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -17008,8 +17008,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_d243fb28ed4c.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_d243fb28ed4c.storage import human_bytes
+from _code_sessions_36af3190730b.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_36af3190730b.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -17129,7 +17129,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_d243fb28ed4c.storage import Purge, parse_duration
+from _code_sessions_36af3190730b.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -17697,8 +17697,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_d243fb28ed4c.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_d243fb28ed4c.storage import (
+from _code_sessions_36af3190730b.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_36af3190730b.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -18290,8 +18290,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_d243fb28ed4c.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_d243fb28ed4c.storage import Policy
+from _code_sessions_36af3190730b.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_36af3190730b.storage import Policy
 
 __all__ = ["DEFAULTS", "Settings"]
 
@@ -18722,7 +18722,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_d243fb28ed4c.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_36af3190730b.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -18941,7 +18941,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_d243fb28ed4c.storage import Link, Publisher, is_postgres_url
+from _code_sessions_36af3190730b.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 from .knowledge import save_to_knowledge
@@ -19204,7 +19204,7 @@ import logging
 import mimetypes
 from typing import Any
 
-from _code_sessions_d243fb28ed4c.storage import human_bytes
+from _code_sessions_36af3190730b.storage import human_bytes
 
 log = logging.getLogger("code_sessions.function")
 
@@ -19490,9 +19490,10 @@ from __future__ import annotations
 
 import html
 import logging
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from _code_sessions_d243fb28ed4c.storage import (
+from _code_sessions_36af3190730b.storage import (
     DiskFull,
     FileExists,
     Incoming,
@@ -19508,7 +19509,7 @@ from .multipart import MultipartError, MultipartFile, boundary_of
 
 log = logging.getLogger("code_sessions.function")
 
-__all__ = ["ROUTE", "UploadReceiver", "register_upload_route", "upload_url"]
+__all__ = ["ROUTE", "UploadReceiver", "receive_body", "register_upload_route", "upload_url"]
 
 ROUTE = "/code-sessions/upload/{token}"
 _PREFIX = ROUTE.split("{", 1)[0]
@@ -19576,25 +19577,8 @@ async def _receive(request: Any, receiver: UploadReceiver, token: str, browser: 
     except StorageError as error:
         await _drain(stream)
         return _answer(request, browser, _status(error), _sentence(error))
-    pending: list[bytes] = []
-    size = 0
     try:
-        async for chunk in stream:
-            for data in parser.feed(chunk):
-                pending.append(data)
-                size += len(data)
-            if size >= _BATCH:
-                await incoming.write(b"".join(pending))
-                pending, size = [], 0
-            if parser.done:
-                break
-        if pending:
-            await incoming.write(b"".join(pending))
-        if not parser.done:
-            raise MultipartError(
-                "The upload ended before the whole file arrived; nothing was saved. Ask in the chat for "
-                "a new upload link and send the file again."
-            )
+        await receive_body(parser, incoming, stream)
         said = await receiver.finish(grant, incoming)
     except (StorageError, MultipartError) as error:
         await incoming.discard()
@@ -19608,6 +19592,30 @@ async def _receive(request: Any, receiver: UploadReceiver, token: str, browser: 
     await _drain(stream)
     log.info("code-sessions: upload link: %d bytes into chat %r", incoming.received, grant.chat_id[:80])
     return _answer(request, browser, 201, said, path=f"/mnt/data/{grant.path}", size=incoming.received)
+
+
+async def receive_body(parser: MultipartFile, incoming: Incoming, chunks: AsyncIterator[bytes]) -> None:
+    """Feed the body to the multipart reader and the file's data to the storage (a MiB at a time), as
+    it arrives; stops at the file's closing delimiter. Raises MultipartError when the body ends before
+    it, and the storage's refusals (QuotaExceeded, DiskFull) as they happen."""
+    pending: list[bytes] = []
+    size = 0
+    async for chunk in chunks:
+        for data in parser.feed(chunk):
+            pending.append(data)
+            size += len(data)
+        if size >= _BATCH:
+            await incoming.write(b"".join(pending))
+            pending, size = [], 0
+        if parser.done:
+            break
+    if pending:
+        await incoming.write(b"".join(pending))
+    if not parser.done:
+        raise MultipartError(
+            "The upload ended before the whole file arrived; nothing was saved. Ask in the chat for a "
+            "new upload link and send the file again."
+        )
 
 
 async def _drain(stream: Any) -> None:
@@ -19732,11 +19740,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_d243fb28ed4c.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
-from _code_sessions_d243fb28ed4c.functions.inbound import serve_uploads
-from _code_sessions_d243fb28ed4c.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_d243fb28ed4c.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_d243fb28ed4c.webui import OpenWebUI
+from _code_sessions_36af3190730b.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
+from _code_sessions_36af3190730b.functions.inbound import serve_uploads
+from _code_sessions_36af3190730b.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_36af3190730b.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_36af3190730b.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -20219,8 +20227,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_d243fb28ed4c.engine import ChatSession, CodeSessions, ExtraTool, Inbound, Settings, save_command
-from _code_sessions_d243fb28ed4c.storage import Expiry, Policy, Quotas, Store, UploadLinks
+from _code_sessions_36af3190730b.engine import ChatSession, CodeSessions, ExtraTool, Inbound, Settings, save_command
+from _code_sessions_36af3190730b.storage import Expiry, Policy, Quotas, Store, UploadLinks
 
 __all__ = ["UPLOAD_LINK_TOOL", "answer_command", "serve_uploads", "upload_link", "upload_link_tool"]
 
@@ -20408,7 +20416,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_d243fb28ed4c.engine import (
+from _code_sessions_36af3190730b.engine import (
     LoopOptions,
     ModelError,
     TextDelta,
@@ -20422,10 +20430,10 @@ from _code_sessions_d243fb28ed4c.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_d243fb28ed4c.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_d243fb28ed4c.functions.inbound import answer_command, upload_link_tool
-from _code_sessions_d243fb28ed4c.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_d243fb28ed4c.webui import Misconfigured
+from _code_sessions_36af3190730b.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_36af3190730b.functions.inbound import answer_command, upload_link_tool
+from _code_sessions_36af3190730b.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_36af3190730b.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import html
 import logging
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from storage import (
@@ -37,7 +38,7 @@ from .multipart import MultipartError, MultipartFile, boundary_of
 
 log = logging.getLogger("code_sessions.function")
 
-__all__ = ["ROUTE", "UploadReceiver", "register_upload_route", "upload_url"]
+__all__ = ["ROUTE", "UploadReceiver", "receive_body", "register_upload_route", "upload_url"]
 
 ROUTE = "/code-sessions/upload/{token}"
 _PREFIX = ROUTE.split("{", 1)[0]
@@ -105,25 +106,8 @@ async def _receive(request: Any, receiver: UploadReceiver, token: str, browser: 
     except StorageError as error:
         await _drain(stream)
         return _answer(request, browser, _status(error), _sentence(error))
-    pending: list[bytes] = []
-    size = 0
     try:
-        async for chunk in stream:
-            for data in parser.feed(chunk):
-                pending.append(data)
-                size += len(data)
-            if size >= _BATCH:
-                await incoming.write(b"".join(pending))
-                pending, size = [], 0
-            if parser.done:
-                break
-        if pending:
-            await incoming.write(b"".join(pending))
-        if not parser.done:
-            raise MultipartError(
-                "The upload ended before the whole file arrived; nothing was saved. Ask in the chat for "
-                "a new upload link and send the file again."
-            )
+        await receive_body(parser, incoming, stream)
         said = await receiver.finish(grant, incoming)
     except (StorageError, MultipartError) as error:
         await incoming.discard()
@@ -137,6 +121,30 @@ async def _receive(request: Any, receiver: UploadReceiver, token: str, browser: 
     await _drain(stream)
     log.info("code-sessions: upload link: %d bytes into chat %r", incoming.received, grant.chat_id[:80])
     return _answer(request, browser, 201, said, path=f"/mnt/data/{grant.path}", size=incoming.received)
+
+
+async def receive_body(parser: MultipartFile, incoming: Incoming, chunks: AsyncIterator[bytes]) -> None:
+    """Feed the body to the multipart reader and the file's data to the storage (a MiB at a time), as
+    it arrives; stops at the file's closing delimiter. Raises MultipartError when the body ends before
+    it, and the storage's refusals (QuotaExceeded, DiskFull) as they happen."""
+    pending: list[bytes] = []
+    size = 0
+    async for chunk in chunks:
+        for data in parser.feed(chunk):
+            pending.append(data)
+            size += len(data)
+        if size >= _BATCH:
+            await incoming.write(b"".join(pending))
+            pending, size = [], 0
+        if parser.done:
+            break
+    if pending:
+        await incoming.write(b"".join(pending))
+    if not parser.done:
+        raise MultipartError(
+            "The upload ended before the whole file arrived; nothing was saved. Ask in the chat for a "
+            "new upload link and send the file again."
+        )
 
 
 async def _drain(stream: Any) -> None:
