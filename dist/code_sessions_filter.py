@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_36af3190730b'
+_CS_PACKAGE = '_code_sessions_d817d9364cc1'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -1698,7 +1698,7 @@ from ._fsops import DIR_MODE, FILE_MODE, chown, fd_closing, lstat_at, open_dir, 
 from ._index import user_usage
 from .errors import DiskFull, FileExists, InvalidPath, QuotaExceeded, StorageError
 from .models import Usage
-from .policy import CLEAR_FILES_COMMAND
+from .policy import CLEAR_FILES_COMMAND, Policy
 
 __all__ = ["Incoming"]
 
@@ -1720,8 +1720,11 @@ class Incoming:
     and `finish` (under the session's lock) or `discard`. Every refusal is a QuotaExceeded, DiskFull or
     StorageError whose message is the sentence for the sender."""
 
-    def __init__(self, core: Core, ref: ChatRef, parts: tuple[str, ...], index: Index) -> None:
+    def __init__(
+        self, core: Core, ref: ChatRef, parts: tuple[str, ...], index: Index, policy: Policy
+    ) -> None:
         self._core = core
+        self._policy = policy
         self._ref = ref
         self._parts = parts
         self._index = index
@@ -1833,7 +1836,7 @@ class Incoming:
     async def _read_room(self) -> None:
         core, ref = self._core, self._ref
         usage = await core.read(lambda tx: user_usage(tx, ref.user_key))
-        policy = core.policy
+        policy = self._policy
         # The file is not indexed yet: it will add one file and `received` bytes to these totals.
         full = policy.over_quota(Usage(usage.files + 1, usage.bytes))
         if full is not None:
@@ -1845,7 +1848,7 @@ class Incoming:
     def _refuse_beyond_bound(self) -> None:
         if self._bound is None or self.received <= self._bound:
             return
-        policy = self._core.policy
+        policy = self._policy
         too_large = policy.file_too_large(self.received)
         if too_large is not None:
             raise QuotaExceeded(
@@ -7175,6 +7178,7 @@ from ._incoming import Incoming
 from ._names import attachment_name, numbered, split_path
 from .errors import DiskFull, FileExists, FileMissing, InvalidPath
 from .models import FileEntry, Link, LinkInfo, Reconcile, ReconcileReport, RunBudget, Usage
+from .policy import Policy
 
 __all__ = ["ChatFiles", "Session"]
 
@@ -7439,19 +7443,22 @@ class ChatFiles:
             raise
         return used
 
-    async def incoming(self, path: str) -> Incoming:
+    async def incoming(self, path: str, *, policy: Policy | None = None) -> Incoming:
         """Start receiving a file in pieces for `path` (an upload link's): staged outside the folder,
         checked against the per-file limit and the quota as it arrives, put in place whole by
         `Incoming.finish` (under the session's lock), never over an existing file. Raises
-        InvalidPath, FileExists or QuotaExceeded (with the sentence) before anything is written."""
+        InvalidPath, FileExists or QuotaExceeded (with the sentence) before anything is written.
+        `policy`: the limits to apply (the store's, the latest message's, by default)."""
         parts = split_path(path)
         if await self.exists(path):
             raise FileExists(f"/mnt/data/{'/'.join(parts)} exists already; an upload never replaces a file")
 
-        async def index(rel: str, st: os.stat_result) -> None:
-            await self._index_new(rel, st, source=None, recheck=True)
+        rules = policy or self._core.policy
 
-        incoming = Incoming(self._core, self._ref, parts, index)
+        async def index(rel: str, st: os.stat_result) -> None:
+            await self._index_new(rel, st, source=None, recheck=True, policy=rules)
+
+        incoming = Incoming(self._core, self._ref, parts, index, rules)
         await incoming.open()
         return incoming
 
@@ -7571,14 +7578,16 @@ class ChatFiles:
         usage, old = await self._core.read(read)
         self._core.policy.refuse_write(usage, size, replacing=old)
 
-    async def _index_new(self, rel: str, st: os.stat_result, *, source: str | None, recheck: bool) -> None:
+    async def _index_new(
+        self, rel: str, st: os.stat_result, *, source: str | None, recheck: bool, policy: Policy | None = None
+    ) -> None:
         core, ref = self._core, self._ref
         now = time.time()
 
         async def write(tx: Tx) -> None:
             if recheck:
                 await tx.serialise_user(ref.user_key)
-                core.policy.refuse_write(
+                (policy or core.policy).refuse_write(
                     await _index.user_usage(tx, ref.user_key), st.st_size, replacing=None
                 )
             sid = await core.session_id(tx, ref, now)
@@ -15966,9 +15975,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_36af3190730b.storage import (
+from _code_sessions_d817d9364cc1.storage import (
     Incoming,
     InvalidPath,
+    Policy,
     StorageBusy,
     StorageError,
     Store,
@@ -15992,7 +16002,9 @@ _SAVE_USAGE = (
     f"`{SAVE_COMMAND} /mnt/data/report.csv Research` (the base's name or id)."
 )
 
-StoreFor = Callable[[dict[str, Any]], Awaitable[Store]]
+# The store a link's `where` names, and the limits the link was made under (the valves of the message
+# that made it: the store's own are the latest message's of whichever worker receives the upload).
+StoreFor = Callable[[dict[str, Any]], Awaitable[tuple[Store, Policy]]]
 
 
 class KnowledgeHost(Protocol):
@@ -16141,13 +16153,13 @@ class Inbound:
 
     async def begin(self, grant: UploadGrant) -> Incoming:
         """Start receiving the link's file (the quota and the per-file limit checked as it streams)."""
-        store = await self._stores(grant.where)
+        store, policy = await self._stores(grant.where)
         session = await store.session(grant.user_id, grant.chat_id)
-        return await session.files.incoming(grant.path)
+        return await session.files.incoming(grant.path, policy=policy)
 
     async def finish(self, grant: UploadGrant, incoming: Incoming) -> str:
         """Put the whole file in place under the chat's lock; returns the sentence for the sender."""
-        store = await self._stores(grant.where)
+        store, _ = await self._stores(grant.where)
         session = await store.session(grant.user_id, grant.chat_id)
         async with session.lock(timeout=self._lock_timeout_s):
             path = await incoming.finish()
@@ -16365,7 +16377,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_36af3190730b.runner import Outcome
+from _code_sessions_d817d9364cc1.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -16674,7 +16686,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_36af3190730b.runner import RunnerError
+from _code_sessions_d817d9364cc1.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -16878,8 +16890,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_36af3190730b.runner import Runner, RunnerError
-from _code_sessions_36af3190730b.storage import StorageError
+from _code_sessions_d817d9364cc1.runner import Runner, RunnerError
+from _code_sessions_d817d9364cc1.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -17008,8 +17020,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_36af3190730b.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_36af3190730b.storage import human_bytes
+from _code_sessions_d817d9364cc1.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_d817d9364cc1.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -17129,7 +17141,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_36af3190730b.storage import Purge, parse_duration
+from _code_sessions_d817d9364cc1.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -17697,8 +17709,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_36af3190730b.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_36af3190730b.storage import (
+from _code_sessions_d817d9364cc1.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_d817d9364cc1.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -18290,8 +18302,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_36af3190730b.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_36af3190730b.storage import Policy
+from _code_sessions_d817d9364cc1.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_d817d9364cc1.storage import Policy
 
 __all__ = ["DEFAULTS", "Settings"]
 
@@ -18722,7 +18734,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_36af3190730b.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_d817d9364cc1.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -18941,7 +18953,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_36af3190730b.storage import Link, Publisher, is_postgres_url
+from _code_sessions_d817d9364cc1.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 from .knowledge import save_to_knowledge
@@ -19204,7 +19216,7 @@ import logging
 import mimetypes
 from typing import Any
 
-from _code_sessions_36af3190730b.storage import human_bytes
+from _code_sessions_d817d9364cc1.storage import human_bytes
 
 log = logging.getLogger("code_sessions.function")
 
@@ -19490,10 +19502,11 @@ from __future__ import annotations
 
 import html
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from _code_sessions_36af3190730b.storage import (
+from _code_sessions_d817d9364cc1.storage import (
     DiskFull,
     FileExists,
     Incoming,
@@ -19544,6 +19557,7 @@ def register_upload_route(app: Any, receiver: UploadReceiver) -> None:
     # Before the web UI's catch-all mount at "/", which would answer every path.
     app.router.routes.insert(0, Route(ROUTE, _endpoint, methods=["GET", "POST"]))
     setattr(app.state, _STATE_ROUTE, True)
+    log.info("code-sessions: worker %d serves upload links at %s", os.getpid(), _PREFIX)
 
 
 async def _endpoint(request: Any) -> Any:
@@ -19740,11 +19754,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_36af3190730b.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
-from _code_sessions_36af3190730b.functions.inbound import serve_uploads
-from _code_sessions_36af3190730b.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_36af3190730b.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_36af3190730b.webui import OpenWebUI
+from _code_sessions_d817d9364cc1.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
+from _code_sessions_d817d9364cc1.functions.inbound import serve_uploads
+from _code_sessions_d817d9364cc1.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_d817d9364cc1.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_d817d9364cc1.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -20227,8 +20241,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_36af3190730b.engine import ChatSession, CodeSessions, ExtraTool, Inbound, Settings, save_command
-from _code_sessions_36af3190730b.storage import Expiry, Policy, Quotas, Store, UploadLinks
+from _code_sessions_d817d9364cc1.engine import ChatSession, CodeSessions, ExtraTool, Inbound, Settings, save_command
+from _code_sessions_d817d9364cc1.storage import Expiry, Policy, Quotas, Store, UploadLinks
 
 __all__ = ["UPLOAD_LINK_TOOL", "answer_command", "serve_uploads", "upload_link", "upload_link_tool"]
 
@@ -20320,15 +20334,16 @@ def _where(valves: Any, services: CodeSessions) -> dict[str, Any]:
     }
 
 
-async def _store_for(host: Any, where: dict[str, Any]) -> Store:
-    """The store a link names: this process's own (its services') when it has one for that root, else
-    one opened for uploads alone, with the quotas the link was made under."""
+async def _store_for(host: Any, where: dict[str, Any]) -> tuple[Store, Policy]:
+    """The store a link names (this process's own, its services', when it has one for that root, else
+    one opened for uploads alone) and the quotas the link was made under."""
     root = Path(str(where.get("root") or ""))
+    policy = Policy(Quotas(**dict(where.get("quotas") or {})), Expiry())
     shared = host.shared()
     for entry in list(shared.values()):
         services = entry[0] if isinstance(entry, list) and entry else None
         if isinstance(services, CodeSessions) and services.store.root == root:
-            return services.store
+            return services.store, policy
     key = ("code-sessions:upload-store", id(asyncio.get_running_loop()), str(root))
     store: Store | None = shared.get(key)
     if store is None:
@@ -20343,8 +20358,7 @@ async def _store_for(host: Any, where: dict[str, Any]) -> Store:
         )
         await store.open()
         shared[key] = store
-    store.policy = Policy(Quotas(**dict(where.get("quotas") or {})), Expiry())
-    return store
+    return store, policy
 ''',
 }
 
@@ -20415,7 +20429,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_36af3190730b.engine import (
+from _code_sessions_d817d9364cc1.engine import (
     ChatSession,
     LoopOptions,
     StreamingRewriter,
@@ -20424,11 +20438,11 @@ from _code_sessions_36af3190730b.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_36af3190730b.engine.scan import SCAN_ON_LOOP_CHARS
-from _code_sessions_36af3190730b.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_36af3190730b.functions.inbound import answer_command
-from _code_sessions_36af3190730b.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_36af3190730b.webui import Misconfigured
+from _code_sessions_d817d9364cc1.engine.scan import SCAN_ON_LOOP_CHARS
+from _code_sessions_d817d9364cc1.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_d817d9364cc1.functions.inbound import answer_command
+from _code_sessions_d817d9364cc1.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_d817d9364cc1.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

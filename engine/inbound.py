@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from storage import (
     Incoming,
     InvalidPath,
+    Policy,
     StorageBusy,
     StorageError,
     Store,
@@ -40,7 +41,9 @@ _SAVE_USAGE = (
     f"`{SAVE_COMMAND} /mnt/data/report.csv Research` (the base's name or id)."
 )
 
-StoreFor = Callable[[dict[str, Any]], Awaitable[Store]]
+# The store a link's `where` names, and the limits the link was made under (the valves of the message
+# that made it: the store's own are the latest message's of whichever worker receives the upload).
+StoreFor = Callable[[dict[str, Any]], Awaitable[tuple[Store, Policy]]]
 
 
 class KnowledgeHost(Protocol):
@@ -189,13 +192,13 @@ class Inbound:
 
     async def begin(self, grant: UploadGrant) -> Incoming:
         """Start receiving the link's file (the quota and the per-file limit checked as it streams)."""
-        store = await self._stores(grant.where)
+        store, policy = await self._stores(grant.where)
         session = await store.session(grant.user_id, grant.chat_id)
-        return await session.files.incoming(grant.path)
+        return await session.files.incoming(grant.path, policy=policy)
 
     async def finish(self, grant: UploadGrant, incoming: Incoming) -> str:
         """Put the whole file in place under the chat's lock; returns the sentence for the sender."""
-        store = await self._stores(grant.where)
+        store, _ = await self._stores(grant.where)
         session = await store.session(grant.user_id, grant.chat_id)
         async with session.lock(timeout=self._lock_timeout_s):
             path = await incoming.finish()

@@ -106,15 +106,16 @@ def _where(valves: Any, services: CodeSessions) -> dict[str, Any]:
     }
 
 
-async def _store_for(host: Any, where: dict[str, Any]) -> Store:
-    """The store a link names: this process's own (its services') when it has one for that root, else
-    one opened for uploads alone, with the quotas the link was made under."""
+async def _store_for(host: Any, where: dict[str, Any]) -> tuple[Store, Policy]:
+    """The store a link names (this process's own, its services', when it has one for that root, else
+    one opened for uploads alone) and the quotas the link was made under."""
     root = Path(str(where.get("root") or ""))
+    policy = Policy(Quotas(**dict(where.get("quotas") or {})), Expiry())
     shared = host.shared()
     for entry in list(shared.values()):
         services = entry[0] if isinstance(entry, list) and entry else None
         if isinstance(services, CodeSessions) and services.store.root == root:
-            return services.store
+            return services.store, policy
     key = ("code-sessions:upload-store", id(asyncio.get_running_loop()), str(root))
     store: Store | None = shared.get(key)
     if store is None:
@@ -129,5 +130,4 @@ async def _store_for(host: Any, where: dict[str, Any]) -> Store:
         )
         await store.open()
         shared[key] = store
-    store.policy = Policy(Quotas(**dict(where.get("quotas") or {})), Expiry())
-    return store
+    return store, policy

@@ -26,7 +26,7 @@ from ._fsops import DIR_MODE, FILE_MODE, chown, fd_closing, lstat_at, open_dir, 
 from ._index import user_usage
 from .errors import DiskFull, FileExists, InvalidPath, QuotaExceeded, StorageError
 from .models import Usage
-from .policy import CLEAR_FILES_COMMAND
+from .policy import CLEAR_FILES_COMMAND, Policy
 
 __all__ = ["Incoming"]
 
@@ -48,8 +48,11 @@ class Incoming:
     and `finish` (under the session's lock) or `discard`. Every refusal is a QuotaExceeded, DiskFull or
     StorageError whose message is the sentence for the sender."""
 
-    def __init__(self, core: Core, ref: ChatRef, parts: tuple[str, ...], index: Index) -> None:
+    def __init__(
+        self, core: Core, ref: ChatRef, parts: tuple[str, ...], index: Index, policy: Policy
+    ) -> None:
         self._core = core
+        self._policy = policy
         self._ref = ref
         self._parts = parts
         self._index = index
@@ -161,7 +164,7 @@ class Incoming:
     async def _read_room(self) -> None:
         core, ref = self._core, self._ref
         usage = await core.read(lambda tx: user_usage(tx, ref.user_key))
-        policy = core.policy
+        policy = self._policy
         # The file is not indexed yet: it will add one file and `received` bytes to these totals.
         full = policy.over_quota(Usage(usage.files + 1, usage.bytes))
         if full is not None:
@@ -173,7 +176,7 @@ class Incoming:
     def _refuse_beyond_bound(self) -> None:
         if self._bound is None or self.received <= self._bound:
             return
-        policy = self._core.policy
+        policy = self._policy
         too_large = policy.file_too_large(self.received)
         if too_large is not None:
             raise QuotaExceeded(

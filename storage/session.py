@@ -34,6 +34,7 @@ from ._incoming import Incoming
 from ._names import attachment_name, numbered, split_path
 from .errors import DiskFull, FileExists, FileMissing, InvalidPath
 from .models import FileEntry, Link, LinkInfo, Reconcile, ReconcileReport, RunBudget, Usage
+from .policy import Policy
 
 __all__ = ["ChatFiles", "Session"]
 
@@ -298,19 +299,22 @@ class ChatFiles:
             raise
         return used
 
-    async def incoming(self, path: str) -> Incoming:
+    async def incoming(self, path: str, *, policy: Policy | None = None) -> Incoming:
         """Start receiving a file in pieces for `path` (an upload link's): staged outside the folder,
         checked against the per-file limit and the quota as it arrives, put in place whole by
         `Incoming.finish` (under the session's lock), never over an existing file. Raises
-        InvalidPath, FileExists or QuotaExceeded (with the sentence) before anything is written."""
+        InvalidPath, FileExists or QuotaExceeded (with the sentence) before anything is written.
+        `policy`: the limits to apply (the store's, the latest message's, by default)."""
         parts = split_path(path)
         if await self.exists(path):
             raise FileExists(f"/mnt/data/{'/'.join(parts)} exists already; an upload never replaces a file")
 
-        async def index(rel: str, st: os.stat_result) -> None:
-            await self._index_new(rel, st, source=None, recheck=True)
+        rules = policy or self._core.policy
 
-        incoming = Incoming(self._core, self._ref, parts, index)
+        async def index(rel: str, st: os.stat_result) -> None:
+            await self._index_new(rel, st, source=None, recheck=True, policy=rules)
+
+        incoming = Incoming(self._core, self._ref, parts, index, rules)
         await incoming.open()
         return incoming
 
@@ -430,14 +434,16 @@ class ChatFiles:
         usage, old = await self._core.read(read)
         self._core.policy.refuse_write(usage, size, replacing=old)
 
-    async def _index_new(self, rel: str, st: os.stat_result, *, source: str | None, recheck: bool) -> None:
+    async def _index_new(
+        self, rel: str, st: os.stat_result, *, source: str | None, recheck: bool, policy: Policy | None = None
+    ) -> None:
         core, ref = self._core, self._ref
         now = time.time()
 
         async def write(tx: Tx) -> None:
             if recheck:
                 await tx.serialise_user(ref.user_key)
-                core.policy.refuse_write(
+                (policy or core.policy).refuse_write(
                     await _index.user_usage(tx, ref.user_key), st.st_size, replacing=None
                 )
             sid = await core.session_id(tx, ref, now)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import html
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -73,6 +74,7 @@ def register_upload_route(app: Any, receiver: UploadReceiver) -> None:
     # Before the web UI's catch-all mount at "/", which would answer every path.
     app.router.routes.insert(0, Route(ROUTE, _endpoint, methods=["GET", "POST"]))
     setattr(app.state, _STATE_ROUTE, True)
+    log.info("code-sessions: worker %d serves upload links at %s", os.getpid(), _PREFIX)
 
 
 async def _endpoint(request: Any) -> Any:

@@ -8,6 +8,10 @@
   byte for byte and in the index; the link then fails a second time, after its expiry, for a file over
   the per-file limit or the quota, and with another user's login, each with a sentence.
 * Attachments reach /mnt/data as the stored bytes, without waiting for Open WebUI's text extraction.
+
+Open WebUI runs with two workers (UVICORN_WORKERS=2) and ENABLE_BASE_MODELS_CACHE, restarted after
+the files were installed: each worker loads them as it starts, and so serves upload links from its
+start, whichever worker made the link.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import pytest
 from demo import launcher
 from storage._keys import id_key
 from tests.e2e.test_tool_filter import say, tool_results
-from tests.support.open_webui import BASE_MODEL, OWUI_VENV, Account, OpenWebUI, Reply, running_open_webui
+from tests.support.open_webui import BASE_MODEL, MODEL, OWUI_VENV, Account, OpenWebUI, Reply
 
 pytestmark = [pytest.mark.e2e, pytest.mark.runsc, pytest.mark.timeout(900)]
 
@@ -47,15 +51,56 @@ def _embedding_model() -> str:
     return found
 
 
+WORKERS = 2
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model_server: str) -> Iterator[OpenWebUI]:
-    env = {"RAG_EMBEDDING_ENGINE": "", "RAG_EMBEDDING_MODEL": _embedding_model()}
-    with running_open_webui(
-        tmp_path_factory.mktemp("open-webui-inbound"), model_server, ["bob"], env=env
-    ) as s:
-        s.admin_http.install_tool_and_filter([BASE_MODEL])
-        s.set_valves(max_file_mb=256)
-        yield s
+    home = tmp_path_factory.mktemp("open-webui-inbound")
+    data_dir, log = home / "data", home / "open-webui.log"
+    env = {
+        "WEBUI_SECRET_KEY": uuid.uuid4().hex,  # the same for both starts: the logins stay valid
+        "ENABLE_OLLAMA_API": "false",
+        "OPENAI_API_BASE_URL": model_server + "/v1",
+        "OPENAI_API_KEY": "scripted",
+        "RAG_EMBEDDING_ENGINE": "",
+        "RAG_EMBEDDING_MODEL": _embedding_model(),
+        "ENABLE_BASE_MODELS_CACHE": "true",
+    }
+    # One worker first: it makes the database (Open WebUI's workers race to fill a new one) and the
+    # admin installs the files; then the real start, with two workers that load them as they start.
+    port = launcher.free_port()
+    process = launcher.start_open_webui(data_dir, port, log, env, timeout=600)
+    server = OpenWebUI(f"http://127.0.0.1:{port}", data_dir, log, model_server, process)
+    try:
+        server.accounts["admin"] = server.account("admin@example.com", "Admin-Passw0rd", admin=True)
+        server.accounts["bob"] = server.account("bob@example.com", "Bob-Passw0rd", admin=False)
+        admin = server.admin_http
+        admin.install_function()
+        admin.set_valves(base_models=BASE_MODEL, timeout_seconds=20, max_file_mb=256)
+        admin.share_model(MODEL, f"Code · {BASE_MODEL}")
+        admin.install_tool_and_filter([BASE_MODEL])
+        launcher.stop(process)
+        server.started_at = log.stat().st_size
+        port = launcher.free_port()
+        server.process = launcher.start_open_webui(
+            data_dir, port, log, {**env, "UVICORN_WORKERS": str(WORKERS)}, timeout=600
+        )
+        server.url = f"http://127.0.0.1:{port}"
+        yield server
+    except BaseException:
+        print(f"--- open-webui log ---\n{launcher.tail(log, 120)}")
+        raise
+    finally:
+        launcher.stop(server.process)
+
+
+def test_every_worker_serves_upload_links_from_its_start(server: OpenWebUI):
+    with open(server.log, "rb") as handle:
+        handle.seek(server.started_at)
+        since_restart = handle.read().decode(errors="replace")
+    workers = set(re.findall(r"code-sessions: worker (\d+) serves upload links", since_restart))
+    assert len(workers) == WORKERS, since_restart[-3000:]
 
 
 def knowledge_base(account: Account, name: str) -> str:

@@ -162,3 +162,17 @@ async def test_an_expired_link_says_when_it_expired(tmp_path: Path):
 async def test_a_bad_path_makes_no_link(tmp_path: Path):
     with pytest.raises(InvalidPath):
         await UploadLinks(tmp_path / "links").mint("u1", "c1", "../x", ttl_s=60)
+
+
+async def test_the_limits_given_are_the_ones_applied_not_the_stores(store: Store):
+    # A worker's store holds the latest message's limits there; an upload keeps its link's.
+    store.policy = Policy(Quotas(max_file_bytes=1))
+    session = await store.session("u1", "c1")
+    incoming = await session.files.incoming("a.bin", policy=Policy(Quotas(max_file_bytes=4 * MiB)))
+    await incoming.write(b"x" * MiB)
+    async with session.lock():
+        assert await incoming.finish() == "a.bin"
+    strict = await session.files.incoming("b.bin", policy=Policy(Quotas(max_file_bytes=10)))
+    with pytest.raises(QuotaExceeded, match="per-file limit"):
+        await strict.write(b"x" * 11)
+    await strict.discard()
