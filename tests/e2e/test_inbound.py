@@ -96,10 +96,17 @@ def server(tmp_path_factory: pytest.TempPathFactory, model_server: str) -> Itera
 
 
 def test_every_worker_serves_upload_links_from_its_start(server: OpenWebUI):
-    with open(server.log, "rb") as handle:
-        handle.seek(server.started_at)
-        since_restart = handle.read().decode(errors="replace")
-    workers = set(re.findall(r"code-sessions: worker (\d+) serves upload links", since_restart))
+    # /health answered as soon as one worker was up; the other may still be starting (loading the
+    # embedding model), and registers the route at the end of its start.
+    deadline = time.monotonic() + 180
+    while True:
+        with open(server.log, "rb") as handle:
+            handle.seek(server.started_at)
+            since_restart = handle.read().decode(errors="replace")
+        workers = set(re.findall(r"code-sessions: worker (\d+) serves upload links", since_restart))
+        if len(workers) == WORKERS or time.monotonic() > deadline:
+            break
+        time.sleep(2)
     assert len(workers) == WORKERS, since_restart[-3000:]
 
 
@@ -236,6 +243,8 @@ def test_an_upload_link_puts_a_200_mb_file_in_place_once(server: OpenWebUI):
         # Another user's login does not open it, and does not use it up.
         refused = post(url, 1000, headers=bob.headers)
         assert refused.status_code == 403 and "another user's chat" in refused.json()["detail"]
+        forged = post(url, 1000, headers={"Authorization": "Bearer not-a-token"})
+        assert forged.status_code == 403 and "not valid" in forged.json()["detail"]
         digest: list[str] = []
         started = time.monotonic()
         done = post(url, 200 * MiB, digest)
@@ -302,7 +311,7 @@ def test_the_tool_offers_an_upload_link_too(server: OpenWebUI):
     [result] = tool_results(admin, reply)
     url = LINK.search(result)
     assert url, result
-    done = post(url.group(), 1234)
+    done = post(url.group(), 1234, headers=admin.headers)  # the owner's own login is welcome
     assert done.status_code == 201, done.text
     assert (folder(server, admin, reply) / "from-tool.csv").stat().st_size == 1234
 
