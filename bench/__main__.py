@@ -36,6 +36,7 @@ from . import (
     report,
     rewrite,
     run_overhead,
+    uploads,
 )
 from ._common import CGROUP_PARENT, Context, filesystem_of
 
@@ -53,6 +54,7 @@ SECTIONS: dict[str, Callable[[Context], Awaitable[dict[str, Any]]]] = {
     "index_backends": index_backends.run,
     "environment": environment.run,
     "branches": branches.run,
+    "uploads": uploads.run,
 }
 # Sections that render their own table and targets (bench/report.py renders the others).
 

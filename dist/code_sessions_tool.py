@@ -12,15 +12,16 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_0ed3aa8915cf'
+_CS_PACKAGE = '_code_sessions_6b4d38611ea7'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
 It knows nothing of the web UI or of the sandbox; see docs/storage.md.
 """
 
-from ._format import human_bytes, parse_duration
-from ._names import MAX_PATH_BYTES, PASSIVE_IMAGE_TYPES
+from ._format import human_bytes, human_duration, parse_duration
+from ._incoming import Incoming
+from ._names import MAX_PATH_BYTES, PASSIVE_IMAGE_TYPES, split_path
 from ._postgres import is_postgres_url
 from .errors import (
     DiskFull,
@@ -60,6 +61,7 @@ from .policy import CLEAR_FILES_COMMAND, Policy
 from .publishing import Copy, DirectoryPublisher, Published, Publisher
 from .session import ChatFiles, Session
 from .store import Store
+from .upload_links import LinkRefused, UploadGrant, UploadLinks
 
 __all__ = [
     "CLEAR_FILES_COMMAND",
@@ -82,10 +84,12 @@ __all__ = [
     "Growth",
     "HistoryError",
     "HistoryHead",
+    "Incoming",
     "IndexDamaged",
     "InvalidPath",
     "Link",
     "LinkInfo",
+    "LinkRefused",
     "Policy",
     "Published",
     "Publisher",
@@ -105,11 +109,15 @@ __all__ = [
     "StorageBusy",
     "StorageError",
     "Store",
+    "UploadGrant",
+    "UploadLinks",
     "Usage",
     "UserUsage",
     "human_bytes",
+    "human_duration",
     "is_postgres_url",
     "parse_duration",
+    "split_path",
 ]
 ''',
     'storage/_backend.py': r'''"""The one seam between the store and its database.
@@ -2389,6 +2397,226 @@ def _make_dirs(root: int, parts: list[str], mode: int, owner: Owner) -> int:
         os.close(fd)
         fd = sub
     return fd
+''',
+    'storage/_incoming.py': r'''"""A file that arrives in pieces (an upload link's POST), kept out of the chat's folder until it is whole.
+
+The bytes are written under `<root>/incoming/`, beside the sessions and on the same filesystem, never
+inside the folder the sandbox sees: a run during the upload finds no half file, and the index never
+lists one. Every piece is checked against the per-file limit and the room the user's quota leaves
+(the room is read again from the index every `RECHECK_BYTES`, so a run that fills the quota meanwhile
+stops the upload early). `finish` (under the chat's lock) links the whole file into place, never over
+an existing one, and indexes it in one transaction that checks the quota again: two uploads at once
+cannot both take the last room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import secrets
+import stat
+import time
+from collections.abc import Awaitable, Callable
+
+from ._core import ChatRef, Core
+from ._format import human_bytes
+from ._fsops import DIR_MODE, FILE_MODE, chown, fd_closing, lstat_at, open_dir, walk_dirs
+from ._index import user_usage
+from .errors import DiskFull, FileExists, InvalidPath, QuotaExceeded, StorageError
+from .models import Usage
+from .policy import CLEAR_FILES_COMMAND, Policy
+
+__all__ = ["Incoming"]
+
+# The user's room is read again from the index after this many bytes (a run may fill it meanwhile).
+RECHECK_BYTES = 32 * 1024 * 1024
+# Staged files nobody finished (a worker that died mid-upload) are removed once this old.
+STALE_S = 24 * 3600.0
+_WAY_OUT = (
+    f"Delete some files or old chats (or send {CLEAR_FILES_COMMAND} in a chat to empty its folder), "
+    "then ask for a new upload link."
+)
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+Index = Callable[[str, os.stat_result], Awaitable[None]]
+
+
+class Incoming:
+    """One file being received for a chat. Make it with `ChatFiles.incoming`; then `write` each piece,
+    and `finish` (under the session's lock) or `discard`. Every refusal is a QuotaExceeded, DiskFull or
+    StorageError whose message is the sentence for the sender."""
+
+    def __init__(
+        self, core: Core, ref: ChatRef, parts: tuple[str, ...], index: Index, policy: Policy
+    ) -> None:
+        self._core = core
+        self._policy = policy
+        self._ref = ref
+        self._parts = parts
+        self._index = index
+        self._fd: int | None = None
+        self._staged = ""
+        self.received = 0
+        self._bound: int | None = None  # the most bytes this file may have, as last read
+        self._checked_at = 0  # `received` when the room was last read
+
+    @property
+    def path(self) -> str:
+        return "/".join(self._parts)
+
+    async def open(self) -> None:
+        """Stage an empty file and read the room this file may take (refused at once if none)."""
+        folder = self._core.layout.root / "incoming"
+        name = f"{self._ref.user_key}.{self._ref.chat_key}.{secrets.token_hex(8)}"
+
+        def work() -> int:
+            folder.mkdir(mode=DIR_MODE, exist_ok=True)
+            _remove_stale(folder)
+            with fd_closing(open_dir(folder)) as dir_fd:
+                return os.open(name, _NEW, FILE_MODE, dir_fd=dir_fd)
+
+        self._fd = await asyncio.to_thread(work)
+        self._staged = str(folder / name)
+        try:
+            await self._read_room()
+        except BaseException:
+            await self.discard()
+            raise
+
+    async def write(self, data: bytes) -> None:
+        """Add one piece. Refused (QuotaExceeded) as soon as the file passes the per-file limit or the
+        room the user's quota leaves; the caller then discards it."""
+        if not data:
+            return
+        if self._fd is None:
+            raise StorageError("this upload is already finished")
+        self.received += len(data)
+        if self.received - self._checked_at >= RECHECK_BYTES:
+            await self._read_room()
+        self._refuse_beyond_bound()
+        fd = self._fd
+        try:
+            await asyncio.to_thread(_write_all, fd, data)
+        except OSError as error:
+            if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFull() from error
+            raise
+
+    async def finish(self) -> str:
+        """Put the whole file at its path and index it; returns the path. Call it under the chat's
+        lock. The staged copy is gone afterwards, whatever happens."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            raise StorageError("this upload is already finished")
+        core, parts = self._core, self._parts
+        try:
+            await self._read_room()  # the final word is the index's, in `index` below
+            self._refuse_beyond_bound()
+
+            def place() -> os.stat_result:
+                os.fsync(fd)
+                chown(fd, core.owner)
+                if not self._ref.path.is_dir():
+                    core.make_dirs(self._ref)
+                with (
+                    fd_closing(open_dir(self._ref.path)) as root,
+                    fd_closing(walk_dirs(root, parts[:-1], create=True, owner=core.owner)) as parent,
+                ):
+                    try:
+                        os.link(self._staged, parts[-1], dst_dir_fd=parent, follow_symlinks=False)
+                    except FileExistsError:
+                        raise FileExists(
+                            f"/mnt/data/{self.path} exists already (it was made after the upload link "
+                            "was); the upload was not saved, so nothing was replaced"
+                        ) from None
+                    except OSError as error:
+                        if error.errno == errno.EXDEV:
+                            raise StorageError(
+                                "the chats' folders are on another filesystem than the storage root, so "
+                                "an upload cannot be moved into place; an admin must keep them on one"
+                            ) from error
+                        raise
+                    st = lstat_at(parent, parts[-1])
+                    if st is None or not stat.S_ISREG(st.st_mode):
+                        raise InvalidPath(f"/mnt/data/{self.path} changed while it was saved")
+                    return st
+
+            st = await asyncio.to_thread(place)
+            try:
+                await self._index(self.path, st)
+            except BaseException:
+                await asyncio.shield(asyncio.to_thread(self._unplace))
+                raise
+            return self.path
+        finally:
+            await asyncio.shield(asyncio.to_thread(self._unstage, fd))
+
+    async def discard(self) -> None:
+        """Drop what was received (a refusal, a sender that went away)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            await asyncio.shield(asyncio.to_thread(self._unstage, fd))
+
+    # ---- internals -------------------------------------------------------------------------------------
+
+    async def _read_room(self) -> None:
+        core, ref = self._core, self._ref
+        usage = await core.read(lambda tx: user_usage(tx, ref.user_key))
+        policy = self._policy
+        # The file is not indexed yet: it will add one file and `received` bytes to these totals.
+        full = policy.over_quota(Usage(usage.files + 1, usage.bytes))
+        if full is not None:
+            raise QuotaExceeded(f"Nothing can be uploaded now: you are {full}. {_WAY_OUT}")
+        limits = [x for x in (policy.max_file_bytes, policy.room(usage)) if x is not None]
+        self._bound = min(limits) if limits else None
+        self._checked_at = self.received
+
+    def _refuse_beyond_bound(self) -> None:
+        if self._bound is None or self.received <= self._bound:
+            return
+        policy = self._policy
+        too_large = policy.file_too_large(self.received)
+        if too_large is not None:
+            raise QuotaExceeded(
+                f"The upload was stopped at {human_bytes(self.received)}: the file is {too_large}. "
+                "Nothing was saved."
+            )
+        raise QuotaExceeded(
+            f"The upload was stopped at {human_bytes(self.received)}: your storage limit across your chats "
+            f"leaves room for {human_bytes(self._bound)}. Nothing was saved. {_WAY_OUT}"
+        )
+
+    def _unstage(self, fd: int) -> None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(self._staged)
+
+    def _unplace(self) -> None:
+        with (
+            contextlib.suppress(OSError),
+            fd_closing(open_dir(self._ref.path)) as root,
+            fd_closing(walk_dirs(root, self._parts[:-1])) as parent,
+        ):
+            os.unlink(self._parts[-1], dir_fd=parent)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _remove_stale(folder: os.PathLike[str] | str) -> None:
+    """Staged files of uploads that were never finished (their worker died) go after a day."""
+    cutoff = time.time() - STALE_S
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                    os.unlink(entry.path)
 ''',
     'storage/_index.py': r'''"""Every SQL statement of the store, as functions over a transaction (`_backend.Tx`); those of
 published links are in _index_links.py.
@@ -7811,10 +8039,12 @@ from ._fsops import (
     walk_dirs,
     write_unique,
 )
+from ._incoming import Incoming
 from ._names import attachment_name, numbered, split_path
-from .errors import DiskFull, FileMissing, InvalidPath
+from .errors import DiskFull, FileExists, FileMissing, InvalidPath
 from .history import ChatHistory
 from .models import FileEntry, Link, LinkInfo, Reconcile, ReconcileReport, RunBudget, Usage
+from .policy import Policy
 
 __all__ = ["ChatFiles", "Session"]
 
@@ -8080,6 +8310,25 @@ class ChatFiles:
             raise
         return used
 
+    async def incoming(self, path: str, *, policy: Policy | None = None) -> Incoming:
+        """Start receiving a file in pieces for `path` (an upload link's): staged outside the folder,
+        checked against the per-file limit and the quota as it arrives, put in place whole by
+        `Incoming.finish` (under the session's lock), never over an existing file. Raises
+        InvalidPath, FileExists or QuotaExceeded (with the sentence) before anything is written.
+        `policy`: the limits to apply (the store's, the latest message's, by default)."""
+        parts = split_path(path)
+        if await self.exists(path):
+            raise FileExists(f"/mnt/data/{'/'.join(parts)} exists already; an upload never replaces a file")
+
+        rules = policy or self._core.policy
+
+        async def index(rel: str, st: os.stat_result) -> None:
+            await self._index_new(rel, st, source=None, recheck=True, policy=rules)
+
+        incoming = Incoming(self._core, self._ref, parts, index, rules)
+        await incoming.open()
+        return incoming
+
     async def refuse_import(self, source: str) -> None:
         """Remember that this source could not be taken (too large, over quota, unreadable), so that
         it is not tried, and its refusal not said, again."""
@@ -8196,14 +8445,16 @@ class ChatFiles:
         usage, old = await self._core.read(read)
         self._core.policy.refuse_write(usage, size, replacing=old)
 
-    async def _index_new(self, rel: str, st: os.stat_result, *, source: str | None, recheck: bool) -> None:
+    async def _index_new(
+        self, rel: str, st: os.stat_result, *, source: str | None, recheck: bool, policy: Policy | None = None
+    ) -> None:
         core, ref = self._core, self._ref
         now = time.time()
 
         async def write(tx: Tx) -> None:
             if recheck:
                 await tx.serialise_user(ref.user_key)
-                core.policy.refuse_write(
+                (policy or core.policy).refuse_write(
                     await _index.user_usage(tx, ref.user_key), st.st_size, replacing=None
                 )
             sid = await core.session_id(tx, ref, now)
@@ -8631,6 +8882,176 @@ def _backend_for(root: Path, database_url: str | None, busy_timeout_s: float) ->
     # our embedded index:
     # the store never writes into another application's SQLite file.
     return SQLiteBackend(root / "index.sqlite3", root / "state", busy_total_s=busy_timeout_s)
+''',
+    'storage/upload_links.py': r'''"""Upload links: one chat, one path, one use, a few minutes.
+
+A link is a random token (256 bits, in the URL); what it grants is a record named by the token's
+SHA-256 in a folder only root can read, so neither a listing of that folder nor the record itself
+reveals a usable token. Using a link renames its record to a `.used` tombstone first (a rename is
+atomic: of two requests at once, one wins), so a second use is refused with a sentence that says
+why, as is an expired one. Records and tombstones are removed two days after they were made.
+
+The folder is the caller's to choose: it must be the same for every worker and replica that may
+receive the POST (see webui/uploads.py), which is why a record also carries `where`, the caller's own
+note of where the chat's files are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import re
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ._format import human_duration
+from ._fsops import write_private
+from ._names import split_path
+from .errors import StorageError
+
+__all__ = ["LinkRefused", "UploadGrant", "UploadLinks"]
+
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{43}")
+_KEEP_S = 2 * 24 * 3600.0  # records and tombstones are removed this long after they were made
+_VERSION = 1
+_ASK_AGAIN = "Ask in the chat for a new upload link."
+
+
+class LinkRefused(StorageError):
+    """The upload link cannot be used; the message says why, and what to do. `kind`: "unknown", "used"
+    or "expired"."""
+
+    def __init__(self, message: str, kind: str = "unknown") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True, slots=True)
+class UploadGrant:
+    user_id: str
+    chat_id: str
+    path: str  # relative to /mnt/data
+    made_at: float
+    expires_at: float
+    where: dict[str, Any] = field(default_factory=dict)  # the maker's note of where the chat's files are
+
+
+class UploadLinks:
+    def __init__(self, folder: Path, *, clock: Callable[[], float] = time.time) -> None:
+        self.folder = folder
+        self._clock = clock
+
+    async def mint(
+        self, user_id: str, chat_id: str, path: str, *, ttl_s: float, where: dict[str, Any] | None = None
+    ) -> tuple[str, UploadGrant]:
+        """A new link for `path` in the chat: its token (for the URL) and what it grants."""
+        rel = "/".join(split_path(path))
+        now = self._clock()
+        grant = UploadGrant(user_id, chat_id, rel, now, now + ttl_s, dict(where or {}))
+        token = secrets.token_urlsafe(32)
+        record = {"version": _VERSION, **_as_dict(grant)}
+
+        def work() -> None:
+            self._make_folder()
+            self._remove_old(now)
+            write_private(self._record(token), json.dumps(record).encode())
+
+        await asyncio.to_thread(work)
+        return token, grant
+
+    async def peek(self, token: str) -> UploadGrant:
+        """What the link grants, without using it. Raises LinkRefused (unknown, used, expired)."""
+        return await asyncio.to_thread(self._check, token, False)
+
+    async def claim(self, token: str) -> UploadGrant:
+        """Use the link: from now on it is refused as used. Raises LinkRefused (unknown, used, expired)."""
+        return await asyncio.to_thread(self._check, token, True)
+
+    # ---- internals -------------------------------------------------------------------------------------
+
+    def _check(self, token: str, claim: bool) -> UploadGrant:
+        if not isinstance(token, str) or not _TOKEN.fullmatch(token):
+            raise LinkRefused(f"This upload link is not valid (it is incomplete or mistyped). {_ASK_AGAIN}")
+        record = self._record(token)
+        used = record.with_suffix(".used")
+        grant = _read(record)
+        if grant is None:
+            if used.exists():
+                raise LinkRefused(
+                    f"This upload link was used already: a link takes one file. {_ASK_AGAIN}", "used"
+                )
+            raise LinkRefused(
+                f"This upload link is not valid (unknown, or older than two days). {_ASK_AGAIN}"
+            )
+        late = self._clock() - grant.expires_at
+        if late > 0:
+            minutes = human_duration(round(grant.expires_at - grant.made_at))
+            raise LinkRefused(
+                f"This upload link expired {human_duration(max(1, round(late)))} ago (links last {minutes}). "
+                f"{_ASK_AGAIN}",
+                "expired",
+            )
+        if claim:
+            try:
+                os.rename(record, used)
+            except FileNotFoundError:  # another request used it a moment ago
+                raise LinkRefused(
+                    f"This upload link was used already: a link takes one file. {_ASK_AGAIN}", "used"
+                ) from None
+        return grant
+
+    def _record(self, token: str) -> Path:
+        return self.folder / (hashlib.sha256(token.encode()).hexdigest()[:40] + ".json")
+
+    def _make_folder(self) -> None:
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.folder, 0o700)
+
+    def _remove_old(self, now: float) -> None:
+        with contextlib.suppress(OSError), os.scandir(self.folder) as entries:
+            for entry in entries:
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_mtime < now - _KEEP_S:
+                        os.unlink(entry.path)
+
+
+def _as_dict(grant: UploadGrant) -> dict[str, Any]:
+    return {
+        "user_id": grant.user_id,
+        "chat_id": grant.chat_id,
+        "path": grant.path,
+        "made_at": grant.made_at,
+        "expires_at": grant.expires_at,
+        "where": grant.where,
+    }
+
+
+def _read(path: Path) -> UploadGrant | None:
+    try:
+        with open(path, "rb") as handle:
+            data = json.loads(handle.read(1 << 16))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("version") != _VERSION:
+        return None
+    try:
+        return UploadGrant(
+            str(data["user_id"]),
+            str(data["chat_id"]),
+            str(data["path"]),
+            float(data["made_at"]),
+            float(data["expires_at"]),
+            dict(data.get("where") or {}),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
 ''',
     'runner/__init__.py': r'''"""runner: run one piece of untrusted Python or bash in a fresh gVisor (runsc) sandbox.
 
@@ -16209,9 +16630,11 @@ class Runner:
 from .blocks import CodeBlock, runnable_blocks
 from .branches import Turn
 from .host import Host, PurgeValve
+from .inbound import SAVE_COMMAND, Inbound, KnowledgeHost, NewLink, StoreFor, chat_path, save_command
 from .links import References, Target, find_paths, rewrite
 from .loop import (
     RUN_CODE_TOOL,
+    ExtraTool,
     LoopOptions,
     ModelCall,
     StatusCall,
@@ -16234,26 +16657,33 @@ __all__ = [
     "DEFAULTS",
     "MINUTE_S",
     "RUN_CODE_TOOL",
+    "SAVE_COMMAND",
     "BranchSettings",
     "ChatSession",
     "CodeBlock",
     "CodeSessions",
+    "ExtraTool",
     "Host",
+    "Inbound",
+    "KnowledgeHost",
     "LoopOptions",
     "Maintenance",
     "ModelCall",
     "ModelError",
+    "NewLink",
     "PromptFacts",
     "PurgeValve",
     "References",
     "Settings",
     "StatusCall",
     "StepResult",
+    "StoreFor",
     "StreamingRewriter",
     "Target",
     "TextDelta",
     "ToolCall",
     "Turn",
+    "chat_path",
     "code_span",
     "converse",
     "escape_text",
@@ -16269,6 +16699,7 @@ __all__ = [
     "rewrite",
     "run_step",
     "runnable_blocks",
+    "save_command",
     "system_prompt",
     "waiting_status",
 ]
@@ -16469,8 +16900,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_0ed3aa8915cf.runner import KernelPool
-from _code_sessions_0ed3aa8915cf.storage import HistoryError, Session, StorageError
+from _code_sessions_6b4d38611ea7.runner import KernelPool
+from _code_sessions_6b4d38611ea7.storage import HistoryError, Session, StorageError
 
 from .settings import Settings
 
@@ -16897,6 +17328,212 @@ class PurgeValve(Protocol):
         `request` there (an admin may have typed a new one meanwhile)."""
         ...
 ''',
+    'engine/inbound.py': r'''"""Files in and out of a chat beyond its runs: upload links (a file POSTed straight into /mnt/data) and
+Save to Knowledge (a file of the chat copied into one of the user's Knowledge bases).
+
+What the host does (the HTTP route, Open WebUI's Knowledge API) is behind small protocols; the checks
+that are the project's (the path, the per-file limit, the quota, a file never replaced, one use, the
+expiry) are made here and in storage, each refusal a sentence the user and the model can read.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import shlex
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from _code_sessions_6b4d38611ea7.storage import (
+    Incoming,
+    InvalidPath,
+    Policy,
+    StorageBusy,
+    StorageError,
+    Store,
+    UploadGrant,
+    UploadLinks,
+    Usage,
+    human_bytes,
+    human_duration,
+    split_path,
+)
+
+from .markup import code_span, escape_text
+from .service import ChatSession
+
+__all__ = ["SAVE_COMMAND", "Inbound", "KnowledgeHost", "NewLink", "StoreFor", "chat_path", "save_command"]
+
+# What a user types in a chat to copy one of its files into a Knowledge base.
+SAVE_COMMAND = "!save-to-knowledge"
+_SAVE_USAGE = (
+    f"Type {SAVE_COMMAND} <file> <Knowledge base>, for example "
+    f"`{SAVE_COMMAND} /mnt/data/report.csv Research` (the base's name or id)."
+)
+
+# The store a link's `where` names, and the limits the link was made under (the valves of the message
+# that made it: the store's own are the latest message's of whichever worker receives the upload).
+StoreFor = Callable[[dict[str, Any]], Awaitable[tuple[Store, Policy]]]
+
+
+class KnowledgeHost(Protocol):
+    async def save_to_knowledge(self, request: Any, user_id: str, target: str, name: str, data: bytes) -> str:
+        """Put the bytes into the user's Knowledge base `target` (a name or an id) through the host's
+        own Knowledge API and its access checks; returns the sentence for the user (a refusal too).
+        An empty `target`: the sentence names the bases the user may add to."""
+        ...
+
+
+def chat_path(path: str) -> str:
+    """A path as the model or the user writes it (`/mnt/data/a.csv`, `a.csv`), relative to the folder.
+    Raises InvalidPath with the sentence."""
+    path = path.strip().strip("`'\"")
+    for prefix in ("/mnt/data/", "mnt/data/"):
+        if path.startswith(prefix):
+            path = path[len(prefix) :]
+            break
+    if path.startswith("/"):
+        raise InvalidPath(f"{path} is outside /mnt/data; only this chat's files can be used")
+    return "/".join(split_path(path))
+
+
+def save_command(text: str) -> tuple[str, str] | None:
+    """(file, Knowledge base) when the message is the save command (either may be empty), else None."""
+    text = text.strip()
+    if text != SAVE_COMMAND and not text.startswith(SAVE_COMMAND + " "):
+        return None
+    rest = text[len(SAVE_COMMAND) :].strip()
+    try:
+        words = shlex.split(rest)
+    except ValueError:
+        words = rest.split()
+    if not words:
+        return "", ""
+    target = words[1:]
+    if target and target[0].lower() in ("to", "into"):
+        target = target[1:]
+    return words[0], " ".join(target)
+
+
+@dataclass(frozen=True, slots=True)
+class NewLink:
+    token: str  # for the URL, and nowhere else
+    grant: UploadGrant
+    room: int | None  # bytes the user's quota leaves now (None: no byte limit)
+
+    def sentence(self, url: str, max_file_bytes: int | None) -> str:
+        """What the model (and through it the user) is told about the link."""
+        limits = []
+        if max_file_bytes is not None:
+            limits.append(f"at most {human_bytes(max_file_bytes)}")
+        if self.room is not None:
+            limits.append(f"{human_bytes(self.room)} left in the user's storage")
+        bound = f" ({', '.join(limits)})" if limits else ""
+        grant = self.grant
+        minutes = human_duration(round(grant.expires_at - grant.made_at))
+        return (
+            f"Upload link for /mnt/data/{grant.path}: {url}\n"
+            f"It takes one file{bound}, once, within {minutes}. Give the user this link: they open it in "
+            "a browser to pick the file, or send it from anywhere as a multipart form field named file, "
+            f"for example: curl -F file=@{posixpath.basename(grant.path)} {url}\n"
+            "Once it has arrived the file is in /mnt/data; a refused upload tells the sender why."
+        )
+
+
+class Inbound:
+    """Upload links and Save to Knowledge for one store of links. `stores` finds the store a link's
+    `where` names (the maker's note: a worker that never served the chat may receive the upload)."""
+
+    def __init__(self, links: UploadLinks, stores: StoreFor, *, lock_timeout_s: float = 300.0) -> None:
+        self.links = links
+        self._stores = stores
+        self._lock_timeout_s = lock_timeout_s
+
+    # ---- Save to Knowledge ---------------------------------------------------------------------------
+
+    async def save_to_knowledge(
+        self, chat: ChatSession, host: KnowledgeHost, request: Any, path: str, target: str
+    ) -> str:
+        """Copy one of the chat's files into a Knowledge base of the user's; returns the sentence."""
+        if not path:
+            listing = await host.save_to_knowledge(request, chat.session.user_id, "", "", b"")
+            return f"{_SAVE_USAGE} {escape_text(listing)}"
+        try:
+            rel = chat_path(path)
+        except InvalidPath as error:
+            return f"Not saved to Knowledge: {error}."
+        shown = code_span("/mnt/data/" + rel)
+        if not target:
+            listing = escape_text(await host.save_to_knowledge(request, chat.session.user_id, "", "", b""))
+            return f"Not saved: say which Knowledge base {shown} goes into. {_SAVE_USAGE} {listing}"
+        policy = chat.settings.policy
+        try:
+            async with chat.session.lock(timeout=self._lock_timeout_s):  # not mid-run: a whole file
+                entries = {entry.path: entry for entry in await chat.session.files.list()}
+                if rel not in entries or not await chat.session.files.exists(rel):
+                    return f"Not saved to Knowledge: {shown} is not a file of this chat."
+                size = entries[rel].size
+                too_large = policy.file_too_large(size)
+                if too_large is not None:
+                    return f"Not saved to Knowledge: {shown} is {human_bytes(size)}, {too_large}."
+                over = policy.over_quota(await chat.session.user_usage())
+                if over is not None:
+                    return f"Not saved to Knowledge: you are {over}. Delete some files first."
+                data = await chat.session.files.read(rel)
+        except StorageBusy:
+            return "Not saved to Knowledge: this chat is busy with a step; try again when it has finished."
+        except StorageError as error:
+            return f"Not saved to Knowledge: {escape_text(str(error))}"
+        name = posixpath.basename(rel)
+        # The host's sentence quotes names users chose (the file's, the base's): shown as plain text.
+        return escape_text(await host.save_to_knowledge(request, chat.session.user_id, target, name, data))
+
+    # ---- upload links --------------------------------------------------------------------------------
+
+    async def make_link(
+        self, chat: ChatSession, path: str, *, ttl_s: float, where: dict[str, Any]
+    ) -> NewLink | str:
+        """A link for one file at `path` in this chat: (token, grant), or the sentence why not."""
+        try:
+            rel = chat_path(path)
+        except InvalidPath as error:
+            return f"No upload link: {error}."
+        files = chat.session.files
+        if await files.exists(rel):
+            return (
+                f"No upload link: {code_span('/mnt/data/' + rel)} exists already, and an upload never "
+                "replaces a file. Choose another path."
+            )
+        policy = chat.settings.policy
+        usage = await chat.session.user_usage()
+        over = policy.over_quota(Usage(usage.files + 1, usage.bytes))
+        if over is not None:
+            return f"No upload link: a new file would be {over}. Delete some files first."
+        token, grant = await self.links.mint(
+            chat.session.user_id, chat.session.chat_id, rel, ttl_s=ttl_s, where=where
+        )
+        return NewLink(token, grant, policy.room(usage))
+
+    async def peek(self, token: str) -> UploadGrant:
+        return await self.links.peek(token)
+
+    async def claim(self, token: str) -> UploadGrant:
+        return await self.links.claim(token)
+
+    async def begin(self, grant: UploadGrant) -> Incoming:
+        """Start receiving the link's file (the quota and the per-file limit checked as it streams)."""
+        store, policy = await self._stores(grant.where)
+        session = await store.session(grant.user_id, grant.chat_id)
+        return await session.files.incoming(grant.path, policy=policy)
+
+    async def finish(self, grant: UploadGrant, incoming: Incoming) -> str:
+        """Put the whole file in place under the chat's lock; returns the sentence for the sender."""
+        store, _ = await self._stores(grant.where)
+        session = await store.session(grant.user_id, grant.chat_id)
+        async with session.lock(timeout=self._lock_timeout_s):
+            path = await incoming.finish()
+        return f"Saved {human_bytes(incoming.received)} as /mnt/data/{path} in the chat."
+''',
     'engine/links.py': r'''"""Turn `/mnt/data/...` paths in a model's markdown answer into working links.
 
 The model only knows the sandbox's view (`/mnt/data/report.csv`, `sandbox:/mnt/data/report.csv`, markdown
@@ -17109,7 +17746,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_0ed3aa8915cf.runner import Outcome
+from _code_sessions_6b4d38611ea7.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -17119,6 +17756,7 @@ from .sse import ModelError, TextDelta, ToolCall
 
 __all__ = [
     "RUN_CODE_TOOL",
+    "ExtraTool",
     "LoopOptions",
     "ModelCall",
     "StatusCall",
@@ -17161,6 +17799,19 @@ class StatusCall(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class ExtraTool:
+    """A tool offered beside run_code (e.g. engine/inbound.py's upload link): its OpenAI-style spec, and
+    what answers a call (the parsed arguments in, the result the model reads out)."""
+
+    spec: dict[str, Any]
+    call: Callable[[dict[str, Any]], Awaitable[str]]
+
+    @property
+    def name(self) -> str:
+        return str(self.spec["function"]["name"])
+
+
+@dataclass(frozen=True, slots=True)
 class LoopOptions:
     tool_mode: bool = True
     max_steps: int = 8
@@ -17171,6 +17822,8 @@ class LoopOptions:
     # `attach_files`). Then a file saved but not named in the text is only attached; without it, it is
     # named in one line at the end of the answer.
     attachments: bool = False
+    # Tools offered beside run_code; each call counts as a step.
+    tools: tuple[ExtraTool, ...] = ()
 
 
 def _fence(text: str) -> str:
@@ -17228,14 +17881,18 @@ def _status_after(step: StepResult) -> str | None:
     return notes[0] if notes else None
 
 
-def _arguments(call: ToolCall) -> tuple[str, str] | str:
-    """(language, code) from a run_code call, or an error message for the model."""
-    if call.name != "run_code":
-        return f"Unknown tool {call.name!r}; the only tool is run_code."
+def _arguments(call: ToolCall, options: LoopOptions) -> tuple[str, str] | dict[str, Any] | str:
+    """(language, code) from a run_code call, the arguments of an extra tool's call, or an error
+    message for the model."""
+    names = ["run_code", *(tool.name for tool in options.tools)]
+    if call.name not in names:
+        return f"Unknown tool {call.name!r}; the tools are {', '.join(names)}."
     try:
         arguments = json.loads(call.arguments or "{}")
     except json.JSONDecodeError as error:
-        return f'The arguments were not valid JSON ({error}); send {{"language": ..., "code": ...}}.'
+        return f"The arguments were not valid JSON ({error}); send a JSON object."
+    if call.name != "run_code":
+        return arguments if isinstance(arguments, dict) else "The arguments must be a JSON object."
     if not isinstance(arguments, dict) or not isinstance(arguments.get("code"), str):
         return "Missing `code` (a string)."
     language = arguments.get("language") or "python"
@@ -17300,7 +17957,8 @@ async def _turns(
         rewriter = chat.streaming_rewriter()
         text = ""
         calls: list[ToolCall] = []
-        async for event in call_model(messages, [RUN_CODE_TOOL] if offer_tools else None):
+        offered = [RUN_CODE_TOOL, *(tool.spec for tool in options.tools)]
+        async for event in call_model(messages, offered if offer_tools else None):
             if isinstance(event, TextDelta):
                 text += event.text
                 if len(event.text) > SCAN_ON_LOOP_CHARS:  # a whole answer in one piece (not streamed)
@@ -17339,11 +17997,15 @@ async def _turns(
                 }
             )
             for call in calls:
-                parsed = _arguments(call)
+                parsed = _arguments(call, options)
                 if isinstance(parsed, str):
                     result = parsed
                 elif steps >= options.max_steps:
                     result = "Not run: the step limit for this answer is reached. Answer with what you have."
+                elif isinstance(parsed, dict):
+                    steps += 1
+                    tool = next(t for t in options.tools if t.name == call.name)
+                    result = await tool.call(parsed)
                 else:
                     steps += 1
                     step = await run_step(chat, parsed[0], parsed[1], status)
@@ -17393,7 +18055,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_0ed3aa8915cf.runner import RunnerError
+from _code_sessions_6b4d38611ea7.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -17597,8 +18259,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_0ed3aa8915cf.runner import Runner, RunnerError
-from _code_sessions_0ed3aa8915cf.storage import StorageError
+from _code_sessions_6b4d38611ea7.runner import Runner, RunnerError
+from _code_sessions_6b4d38611ea7.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -17727,8 +18389,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_0ed3aa8915cf.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_0ed3aa8915cf.storage import human_bytes
+from _code_sessions_6b4d38611ea7.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_6b4d38611ea7.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -17848,7 +18510,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_0ed3aa8915cf.storage import Purge, parse_duration
+from _code_sessions_6b4d38611ea7.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -18415,8 +19077,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_0ed3aa8915cf.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_0ed3aa8915cf.storage import (
+from _code_sessions_6b4d38611ea7.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_6b4d38611ea7.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -18898,8 +19560,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_0ed3aa8915cf.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_0ed3aa8915cf.storage import Policy
+from _code_sessions_6b4d38611ea7.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_6b4d38611ea7.storage import Policy
 
 __all__ = ["DEFAULTS", "BranchSettings", "Settings"]
 
@@ -18925,6 +19587,7 @@ class Settings:
     branches: BranchSettings = field(default_factory=BranchSettings)
     cleanup_every_s: float = 30 * 60.0  # expiry runs at least this often
     purge: str = ""  # the admin's one-shot purge request (engine/purge.py), as typed
+    upload_link_s: float = 15 * 60.0  # how long an upload link the model offers stays usable
 
 
 DEFAULTS = Settings()
@@ -19064,8 +19727,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_0ed3aa8915cf.runner import Outcome, RunResult
-from _code_sessions_0ed3aa8915cf.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_6b4d38611ea7.runner import Outcome, RunResult
+from _code_sessions_6b4d38611ea7.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention
 
@@ -19506,7 +20169,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_0ed3aa8915cf.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_6b4d38611ea7.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -19725,9 +20388,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_0ed3aa8915cf.storage import Link, Publisher, is_postgres_url
+from _code_sessions_6b4d38611ea7.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
+from .knowledge import save_to_knowledge
+from .uploads import UploadReceiver, register_upload_route, upload_url
 
 log = logging.getLogger("code_sessions.function")
 
@@ -19959,6 +20624,42 @@ class OpenWebUI:
                 chain.append(parent)
         return chain, False
 
+    # ---- files in: upload links, Save to Knowledge ------------------------------------------------------
+
+    def upload_links_folder(self) -> Path:
+        """Where upload link records live: one place under Open WebUI's data folder, the same for every
+        worker (and replica sharing DATA_DIR), whatever storage_root a file's valves name, so any worker
+        that receives the POST finds the link (the record says where the chat's files are)."""
+        from open_webui.env import DATA_DIR
+
+        return Path(DATA_DIR) / "code_sessions_upload_links"
+
+    def serve_uploads(self, receiver: Callable[[], UploadReceiver]) -> bool:
+        """Put the upload route on this process's Open WebUI app (once; the latest receiver serves).
+        False when there is no app to put it on (not inside Open WebUI: `receiver` is not called)."""
+        import sys
+
+        main = sys.modules.get("open_webui.main")
+        app = getattr(main, "app", None)
+        if app is None:
+            return False
+        register_upload_route(app, receiver())
+        return True
+
+    async def upload_url(self, request: Any, token: str) -> str:
+        """The link as the user reaches Open WebUI: its configured WEBUI_URL, else the address this
+        message's request came to."""
+        from open_webui.models.config import Config
+
+        base = str(await Config.get("webui.url") or "")
+        if not base and request is not None:
+            base = str(getattr(request, "base_url", "") or "")
+        return upload_url(base or "/", token)
+
+    async def save_to_knowledge(self, request: Any, user_id: str, target: str, name: str, data: bytes) -> str:
+        """engine.KnowledgeHost: through Open WebUI's Knowledge API and its access checks."""
+        return await save_to_knowledge(request, user_id, target, name, data)
+
     async def chat_owners(self, chat_ids: Sequence[str]) -> dict[str, str]:
         """{chat id: owner's user id} for those of these chats that exist: one query per 500 ids.
         Raises when the database does (never an empty answer for an error)."""
@@ -19968,6 +20669,534 @@ class OpenWebUI:
         for start in range(0, len(chat_ids), _ID_CHUNK):
             owners.update(await Chats.get_owner_ids_by_chat_ids(list(chat_ids[start : start + _ID_CHUNK])))
         return owners
+''',
+    'webui/knowledge.py': r'''"""Save to Knowledge: a file of a chat put into one of the user's Knowledge bases through Open WebUI's own
+Knowledge API (0.12.4), so that other chats find it by retrieval.
+
+Every decision about who may write where is Open WebUI's own code, called with the user:
+`routers/knowledge.py get_knowledge_bases` lists the bases the user can see with `write_access`, and
+`add_file_to_knowledge_by_id` (the route the Knowledge page uses) checks write access again and adds
+the file. The file is made the way an upload is (`routers/files.py upload_file_handler`, processed at
+once: extracted and embedded), owned by the user; if anything refuses it, it is removed again
+(`delete_file_resource`), so a refusal leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import mimetypes
+from typing import Any
+
+from _code_sessions_6b4d38611ea7.storage import human_bytes
+
+log = logging.getLogger("code_sessions.function")
+
+__all__ = ["save_to_knowledge"]
+
+# Pages of the user's Knowledge bases looked through for a name (30 per page in Open WebUI 0.12).
+_MAX_PAGES = 20
+_LISTED = 10
+
+
+async def save_to_knowledge(request: Any, user_id: str, target: str, name: str, data: bytes) -> str:
+    """See engine.KnowledgeHost. `request` is the message's (Open WebUI's processing reads its app)."""
+    from open_webui.internal.db import get_async_db
+    from open_webui.models.users import Users
+
+    user = await Users.get_user_by_id(user_id)
+    if user is None:
+        return "Not saved to Knowledge: Open WebUI does not know this user."
+    async with get_async_db() as db:
+        bases = await _bases(user, db)
+    writable = [base for base in bases if base.write_access]
+    if not target:
+        if not writable:
+            return "You have no Knowledge base you may add to: make one under Workspace → Knowledge."
+        names = ", ".join(_quoted(base.name) for base in writable[:_LISTED])
+        more = f" and {len(writable) - _LISTED} more" if len(writable) > _LISTED else ""
+        return f"Knowledge bases you may add to: {names}{more}."
+    matches = [base for base in bases if base.id == target] or [
+        base for base in bases if base.name.strip().casefold() == target.strip().casefold()
+    ]
+    if not matches:
+        return (
+            f"Not saved: you have no Knowledge base named {_quoted(target)} (or it is not shared with "
+            f"you). Type the command with no base to see the ones you may add to."
+        )
+    if len(matches) > 1:
+        ids = ", ".join(base.id for base in matches[:5])
+        return f"Not saved: several Knowledge bases are named {_quoted(target)}; give its id instead ({ids})."
+    base = matches[0]
+    if not base.write_access and user.role != "admin":
+        return f"Not saved: you may read the Knowledge base {_quoted(base.name)} but not add to it."
+    return await _add(request, user, base, name, data)
+
+
+async def _bases(user: Any, db: Any) -> list[Any]:
+    """The Knowledge bases the user can see, each with `write_access`: Open WebUI's own listing."""
+    from open_webui.routers.knowledge import get_knowledge_bases
+
+    found: list[Any] = []
+    for page in range(1, _MAX_PAGES + 1):
+        result = await get_knowledge_bases(page=page, user=user, db=db)
+        found.extend(result.items)
+        if len(found) >= result.total or not result.items:
+            break
+    return found
+
+
+async def _add(request: Any, user: Any, base: Any, name: str, data: bytes) -> str:
+    from fastapi import HTTPException, UploadFile
+    from open_webui.internal.db import get_async_db
+    from open_webui.models.files import Files
+    from open_webui.routers.files import upload_file_handler
+    from open_webui.routers.knowledge import (
+        KnowledgeFileIdForm,
+        add_file_to_knowledge_by_id,
+        delete_file_resource,
+    )
+    from starlette.datastructures import Headers
+
+    content_type = mimetypes.guess_type(name, strict=False)[0] or "application/octet-stream"
+    upload = UploadFile(io.BytesIO(data), filename=name, headers=Headers({"content-type": content_type}))
+    async with get_async_db() as db:
+        try:
+            made = await upload_file_handler(
+                request,
+                file=upload,
+                metadata={"source": "code-sessions"},
+                process=True,
+                process_in_background=False,  # extracted and embedded now: the answer can say it worked
+                user=user,
+                db=db,
+            )
+        except HTTPException as error:
+            return f"Not saved to Knowledge: Open WebUI refused the file ({error.detail})."
+        file_id = made["id"] if isinstance(made, dict) else made.id
+        record = await Files.get_file_by_id(file_id, db=db)
+        status = ((record.data if record else None) or {}).get("status")
+        if record is None or status == "failed":
+            why = ((record.data if record else None) or {}).get("error") or "it could not be processed"
+            if record is not None:
+                await delete_file_resource(record, db)
+            return f"Not saved to Knowledge: Open WebUI could not read the text of {name} ({why})."
+        try:
+            await add_file_to_knowledge_by_id(
+                request, base.id, KnowledgeFileIdForm(file_id=file_id), user=user, db=db
+            )
+        except HTTPException as error:
+            await delete_file_resource(record, db)
+            if error.status_code in (401, 403) or "access" in str(error.detail).lower():
+                return f"Not saved: you may not add to the Knowledge base {_quoted(base.name)}."
+            return f"Not saved to Knowledge: Open WebUI refused it ({error.detail})."
+    return (
+        f"Saved {name} ({human_bytes(len(data))}) to the Knowledge base {_quoted(base.name)}: other chats "
+        "that use it can now find it."
+    )
+
+
+def _quoted(text: str) -> str:
+    # Names come from users: shown as plain text between quotes, one line, bounded.
+    flat = " ".join(str(text).split())[:80]
+    return "\u201c" + flat.replace("`", "'") + "\u201d"
+''',
+    'webui/multipart.py': r'''"""The file part of a multipart/form-data body, read as it streams (the upload link's POST).
+
+The sender is anyone holding the link, so the body is hostile: the boundary is validated, headers are
+bounded, parts other than the file are skipped within a bound, and a body that ends before the file's
+closing delimiter is refused (the file is then incomplete, and nothing is saved). Data is handed on
+as it comes, holding back only what could be the start of the delimiter, so memory stays bounded
+whatever the file's size.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["MultipartError", "MultipartFile", "boundary_of"]
+
+# RFC 2046: 1 to 70 characters of this set (we also take the common quoted form).
+_BOUNDARY = re.compile(r"[0-9A-Za-z'()+_,./:=?-]{1,70}")
+_MAX_HEADERS = 16 * 1024  # one part's header block
+_MAX_SKIPPED = 1024 * 1024  # bytes of other fields before the file
+_FIELD = "file"
+
+
+class MultipartError(ValueError):
+    """The body is not the multipart form an upload link takes; the message is the sentence."""
+
+
+def boundary_of(content_type: str) -> bytes:
+    """The boundary named in a Content-Type header, or MultipartError."""
+    kind, _, params = content_type.partition(";")
+    if kind.strip().lower() != "multipart/form-data":
+        raise MultipartError(
+            "Send the file as multipart/form-data, in a field named file (for example: "
+            "curl -F file=@export.csv <link>)."
+        )
+    for param in params.split(";"):
+        key, _, value = param.strip().partition("=")
+        if key.strip().lower() == "boundary":
+            value = value.strip()
+            if len(value) >= 2 and value[0] == value[-1] == '"':
+                value = value[1:-1]
+            if _BOUNDARY.fullmatch(value):
+                return value.encode("ascii")
+    raise MultipartError("The multipart/form-data body names no valid boundary.")
+
+
+class MultipartFile:
+    """Feed the body's bytes in order (`feed`); it returns the file's data found so far. `done` is True
+    once the file part ended with its delimiter; `filename` is the name the sender gave, if any."""
+
+    def __init__(self, boundary: bytes) -> None:
+        self._delimiter = b"\r\n--" + boundary
+        self._buffer = b"\r\n"  # the first delimiter has no CRLF before it: make it look like the others
+        self._state = "preamble"
+        self._skipped = 0
+        self._in_file = False
+        self.filename: str | None = None
+        self.done = False
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        if self.done:
+            return []
+        self._buffer += chunk
+        out: list[bytes] = []
+        while True:
+            if self._state == "preamble":
+                at = self._buffer.find(self._delimiter)
+                if at < 0:
+                    self._skip(len(self._buffer) - len(self._delimiter))
+                    return out
+                self._buffer = self._buffer[at + len(self._delimiter) :]
+                self._state = "after_delimiter"
+            if self._state == "after_delimiter":
+                if len(self._buffer) < 2:
+                    return out
+                if self._buffer.startswith(b"--"):
+                    raise MultipartError("The form has no field named file: nothing was uploaded.")
+                end = self._buffer.find(b"\r\n")
+                if end < 0:
+                    self._skip_bounded(len(self._buffer), "a line after a delimiter")
+                    return out
+                if self._buffer[:end].strip(b" \t"):
+                    raise MultipartError("The multipart body is malformed (text after a delimiter).")
+                self._buffer = self._buffer[end + 2 :]
+                self._state = "headers"
+            if self._state == "headers":
+                end = self._buffer.find(b"\r\n\r\n")
+                if end < 0:
+                    if len(self._buffer) > _MAX_HEADERS:
+                        raise MultipartError("A part of the multipart body has too many headers.")
+                    return out
+                headers, self._buffer = self._buffer[:end], self._buffer[end + 4 :]
+                name, filename = _disposition(headers)
+                self._in_file = name == _FIELD
+                if self._in_file:
+                    self.filename = filename
+                self._state = "body"
+            if self._state == "body":
+                at = self._buffer.find(self._delimiter)
+                if at < 0:
+                    # Keep what could be the start of a delimiter split across chunks.
+                    keep = len(self._delimiter) - 1
+                    ready = len(self._buffer) - keep
+                    if ready > 0:
+                        self._take(self._buffer[:ready], out)
+                        self._buffer = self._buffer[ready:]
+                    return out
+                self._take(self._buffer[:at], out)
+                self._buffer = self._buffer[at + len(self._delimiter) :]
+                if self._in_file:
+                    self.done = True
+                    self._buffer = b""
+                    return out
+                self._state = "after_delimiter"
+
+    def _take(self, data: bytes, out: list[bytes]) -> None:
+        if not data:
+            return
+        if self._in_file:
+            out.append(data)
+        else:
+            self._skip(len(data))
+
+    def _skip(self, count: int) -> None:
+        if count <= 0:
+            return
+        self._skipped += count
+        if self._skipped > _MAX_SKIPPED:
+            raise MultipartError("The form's first megabyte holds no field named file: nothing was uploaded.")
+        if self._state == "preamble":
+            self._buffer = self._buffer[count:]
+
+    def _skip_bounded(self, size: int, what: str) -> None:
+        if size > _MAX_HEADERS:
+            raise MultipartError(f"The multipart body is malformed ({what} is too long).")
+
+
+def _disposition(headers: bytes) -> tuple[str | None, str | None]:
+    """(name, filename) from a part's Content-Disposition header."""
+    text = headers.decode("utf-8", "replace")
+    for line in text.split("\r\n"):
+        key, _, value = line.partition(":")
+        if key.strip().lower() != "content-disposition":
+            continue
+        params: dict[str, str] = {}
+        for match in re.finditer(r';\s*([A-Za-z*]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^;]*)', value):
+            raw = match.group(2).strip()
+            if raw.startswith('"') and raw.endswith('"') and len(raw) >= 2:
+                raw = re.sub(r"\\(.)", r"\1", raw[1:-1])
+            params[match.group(1).lower()] = raw
+        return params.get("name"), params.get("filename")
+    return None, None
+''',
+    'webui/uploads.py': r'''"""The upload link's route on Open WebUI's own web server: `GET|POST /code-sessions/upload/<token>`.
+
+Open WebUI (0.12.4) has no hook for a function's own HTTP routes, so the route is put at the front of
+its FastAPI app's routes (before the web UI's catch-all), once per worker process, by whichever Code
+Sessions file that process loads first; a newer version's receiver replaces the older one's. Each
+uvicorn worker loads functions lazily, so a worker has the route once it has loaded one of the files
+(see docs/security.md, "Upload links", for the Event file that loads them in every worker at start).
+
+The token in the URL is the credential: the link works from a browser or another system without a
+login. A request that does carry an Open WebUI login (a bearer token, an API key or the browser's
+cookie) must be the chat's owner's: another user's login never helps, and is refused before the link
+is touched. The body is read as it streams (webui/multipart.py); the storage checks the per-file limit
+and the quota as it arrives, and a refusal is a sentence (JSON `detail`, or a small page for a
+browser). A refused upload's remaining body is read and dropped, so the sender gets the sentence
+rather than a broken connection.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from _code_sessions_6b4d38611ea7.storage import (
+    DiskFull,
+    FileExists,
+    Incoming,
+    InvalidPath,
+    LinkRefused,
+    QuotaExceeded,
+    StorageBusy,
+    StorageError,
+    UploadGrant,
+)
+
+from .multipart import MultipartError, MultipartFile, boundary_of
+
+log = logging.getLogger("code_sessions.function")
+
+__all__ = ["ROUTE", "UploadReceiver", "receive_body", "register_upload_route", "upload_url"]
+
+ROUTE = "/code-sessions/upload/{token}"
+_PREFIX = ROUTE.split("{", 1)[0]
+_STATE_RECEIVER = "code_sessions_upload_receiver"
+_STATE_ROUTE = "code_sessions_upload_route"
+_BATCH = 1 << 20  # bytes handed to the storage at once (one thread hop per MiB, not per packet)
+
+
+class UploadReceiver(Protocol):
+    """What receives an upload (engine.Inbound)."""
+
+    async def peek(self, token: str) -> UploadGrant: ...
+
+    async def claim(self, token: str) -> UploadGrant: ...
+
+    async def begin(self, grant: UploadGrant) -> Incoming: ...
+
+    async def finish(self, grant: UploadGrant, incoming: Incoming) -> str: ...
+
+
+def upload_url(base_url: str, token: str) -> str:
+    return base_url.rstrip("/") + _PREFIX + token
+
+
+def register_upload_route(app: Any, receiver: UploadReceiver) -> None:
+    """Serve upload links in this process from now on (idempotent; the latest receiver is used)."""
+    from starlette.routing import Route
+
+    setattr(app.state, _STATE_RECEIVER, receiver)
+    if getattr(app.state, _STATE_ROUTE, False):
+        return
+    # Before the web UI's catch-all mount at "/", which would answer every path.
+    app.router.routes.insert(0, Route(ROUTE, _endpoint, methods=["GET", "POST"]))
+    setattr(app.state, _STATE_ROUTE, True)
+    log.info("code-sessions: worker %d serves upload links at %s", os.getpid(), _PREFIX)
+
+
+async def _endpoint(request: Any) -> Any:
+    receiver: UploadReceiver = getattr(request.app.state, _STATE_RECEIVER)
+    token = str(request.path_params.get("token") or "")
+    browser = "text/html" in request.headers.get("accept", "")
+    try:
+        grant = await receiver.peek(token)
+    except LinkRefused as refused:
+        return _answer(request, browser, 404 if refused.kind == "unknown" else 410, str(refused))
+    refusal = await _foreign_login(request, grant.user_id)
+    if refusal is not None:
+        return _answer(request, browser, 403, refusal)
+    if request.method == "GET":
+        return _page(grant)
+    return await _receive(request, receiver, token, browser)
+
+
+async def _receive(request: Any, receiver: UploadReceiver, token: str, browser: bool) -> Any:
+    try:
+        parser = MultipartFile(boundary_of(request.headers.get("content-type", "")))
+    except MultipartError as error:
+        return _answer(request, browser, 400, str(error))
+    try:
+        grant = await receiver.claim(token)  # from here on the link is used, whatever follows
+    except LinkRefused as refused:
+        return _answer(request, browser, 410, str(refused))
+    stream = request.stream()
+    try:
+        incoming = await receiver.begin(grant)
+    except StorageError as error:
+        await _drain(stream)
+        return _answer(request, browser, _status(error), _sentence(error))
+    try:
+        await receive_body(parser, incoming, stream)
+        said = await receiver.finish(grant, incoming)
+    except (StorageError, MultipartError) as error:
+        await incoming.discard()
+        await _drain(stream)
+        if isinstance(error, MultipartError):
+            return _answer(request, browser, 400, str(error))
+        return _answer(request, browser, _status(error), _sentence(error))
+    except BaseException:
+        await incoming.discard()
+        raise
+    await _drain(stream)
+    log.info("code-sessions: upload link: %d bytes into chat %r", incoming.received, grant.chat_id[:80])
+    return _answer(request, browser, 201, said, path=f"/mnt/data/{grant.path}", size=incoming.received)
+
+
+async def receive_body(parser: MultipartFile, incoming: Incoming, chunks: AsyncIterator[bytes]) -> None:
+    """Feed the body to the multipart reader and the file's data to the storage (a MiB at a time), as
+    it arrives; stops at the file's closing delimiter. Raises MultipartError when the body ends before
+    it, and the storage's refusals (QuotaExceeded, DiskFull) as they happen."""
+    pending: list[bytes] = []
+    size = 0
+    async for chunk in chunks:
+        for data in parser.feed(chunk):
+            pending.append(data)
+            size += len(data)
+        if size >= _BATCH:
+            await incoming.write(b"".join(pending))
+            pending, size = [], 0
+        if parser.done:
+            break
+    if pending:
+        await incoming.write(b"".join(pending))
+    if not parser.done:
+        raise MultipartError(
+            "The upload ended before the whole file arrived; nothing was saved. Ask in the chat for a "
+            "new upload link and send the file again."
+        )
+
+
+async def _drain(stream: Any) -> None:
+    """Read and drop the rest of the body: a sender still writing gets our answer, not a reset."""
+    try:
+        async for _ in stream:
+            pass
+    except Exception:  # the body was read whole already, or the sender went away
+        return
+
+
+async def _foreign_login(request: Any, owner_id: str) -> str | None:
+    """A sentence when the request carries an Open WebUI login that is not the chat owner's (or not a
+    valid one); None when it carries none, or the owner's."""
+    from fastapi import BackgroundTasks, HTTPException, Response
+    from open_webui.utils.auth import get_current_user, get_http_authorization_cred
+
+    credentials = get_http_authorization_cred(request.headers.get("authorization"))
+    if credentials is None and not request.cookies.get("token"):
+        return None
+    try:
+        user = await get_current_user(request, Response(), BackgroundTasks(), auth_token=credentials)
+    except HTTPException:
+        return (
+            "The login sent with this upload is not valid. Send the upload without it (the link is "
+            "enough), or log in again."
+        )
+    if getattr(user, "id", None) != owner_id:
+        return (
+            "This upload link belongs to another user's chat: your login does not open it, and nothing "
+            "was uploaded. Ask in your own chat for a link of your own."
+        )
+    return None
+
+
+def _status(error: StorageError) -> int:
+    if isinstance(error, QuotaExceeded):
+        return 413
+    if isinstance(error, FileExists):
+        return 409
+    if isinstance(error, DiskFull):
+        return 507
+    if isinstance(error, StorageBusy):
+        return 503
+    if isinstance(error, InvalidPath):
+        return 400
+    return 500
+
+
+def _sentence(error: StorageError) -> str:
+    text = str(error)
+    if isinstance(error, QuotaExceeded | DiskFull):
+        return text
+    return f"The upload was not saved: {text}."
+
+
+def _answer(request: Any, browser: bool, status: int, sentence: str, **extra: Any) -> Any:
+    from starlette.responses import HTMLResponse, JSONResponse
+
+    headers = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"}
+    if browser:
+        body = f"<p>{html.escape(sentence)}</p>"
+        return HTMLResponse(_html("Upload", body), status_code=status, headers={**headers, **_PAGE_HEADERS})
+    return JSONResponse({"detail": sentence, **extra}, status_code=status, headers=headers)
+
+
+_PAGE_HEADERS = {
+    # Our page runs on Open WebUI's origin: no script at all, nothing loaded from elsewhere, never framed.
+    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; "
+    "frame-ancestors 'none'; base-uri 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+}
+
+
+def _page(grant: UploadGrant) -> Any:
+    from starlette.responses import HTMLResponse
+
+    target = html.escape(f"/mnt/data/{grant.path}")
+    body = (
+        f"<p>Choose the file to put at <code>{target}</code> in your chat. The link takes one file, "
+        "once.</p>"
+        '<form method="post" enctype="multipart/form-data">'
+        '<input type="file" name="file" required> <button type="submit">Upload</button></form>'
+    )
+    headers = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer", **_PAGE_HEADERS}
+    return HTMLResponse(_html("Upload a file", body), headers=headers)
+
+
+def _html(title: str, body: str) -> str:
+    return (
+        f'<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>'
+        "<style>body{font-family:sans-serif;max-width:40rem;margin:3rem auto}</style></head>"
+        f"<body><h1>{title}</h1>{body}</body></html>"
+    )
 ''',
     'functions/__init__.py': r'''''',
     'functions/adapter.py': r'''"""What the three Open WebUI files (the Pipe, the Tool and the Filter) share: the valves that set up the
@@ -19997,10 +21226,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_0ed3aa8915cf.engine import DEFAULTS, MINUTE_S, BranchSettings, CodeSessions, Maintenance, Settings, Turn
-from _code_sessions_0ed3aa8915cf.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_0ed3aa8915cf.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_0ed3aa8915cf.webui import OpenWebUI
+from _code_sessions_6b4d38611ea7.engine import DEFAULTS, MINUTE_S, BranchSettings, CodeSessions, Maintenance, Settings, Turn
+from _code_sessions_6b4d38611ea7.functions.inbound import serve_uploads
+from _code_sessions_6b4d38611ea7.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_6b4d38611ea7.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_6b4d38611ea7.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -20164,6 +21394,13 @@ class SessionValves(BaseModel):
         "is shared with open them). Off: a file a run saved that the answer does not name is named in "
         "one line at the end of the answer instead.",
     )
+    upload_link_minutes: float = Field(
+        default=_whole(DEFAULTS.upload_link_s / MINUTE_S),
+        gt=0,
+        le=24 * 60,
+        description="An upload link the model offers (one file, one use, into one path of the chat) "
+        "works this long.",
+    )
     runsc_path: str = Field(default=_RUNNER.runsc_path, description="The gVisor runsc binary.")
     runsc_platform: str = Field(default="", description="Empty: detect (systrap if supported, else ptrace).")
 
@@ -20203,6 +21440,7 @@ def settings_from(valves: SessionValves) -> Settings:
         branches=BranchSettings(states=valves.branch_states, python_states=valves.branch_python_states),
         cleanup_every_s=valves.cleanup_interval_minutes * MINUTE_S,
         purge=valves.purge,
+        upload_link_s=valves.upload_link_minutes * MINUTE_S,
     )
 
 
@@ -20219,6 +21457,9 @@ class SessionsAdapter:
         self._services_key: tuple[Any, ...] | None = None
         self._function_id: str | None = None
         self._background: asyncio.Task[None] | None = None
+        # Open WebUI makes the file's instance when it loads the file: from then on this worker serves
+        # upload links (functions/inbound.py).
+        serve_uploads(self._host)
 
     @property
     def _host(self) -> Any:
@@ -20491,6 +21732,140 @@ class Status:
         if self._going is not None:
             await self(self._going, True, hidden=True)
 ''',
+    'functions/inbound.py': r'''"""Files in, for the Pipe, the Tool and the Filter: the upload link the model offers (a tool), the Save to
+Knowledge command the user types, and the upload route every loaded file puts on its worker.
+
+The work is engine.Inbound's (checks, sentences) and webui's (the route, Open WebUI's Knowledge API);
+this module only composes them with the process's services. One `Inbound` serves a process; its links
+live where every worker finds them (`OpenWebUI.upload_links_folder`), each naming where its chat's
+files are, so a worker that never ran the chat can still receive its upload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from _code_sessions_6b4d38611ea7.engine import ChatSession, CodeSessions, ExtraTool, Inbound, Settings, save_command
+from _code_sessions_6b4d38611ea7.storage import Expiry, Policy, Quotas, Store, UploadLinks
+
+__all__ = ["UPLOAD_LINK_TOOL", "answer_command", "serve_uploads", "upload_link", "upload_link_tool"]
+
+LOCATION_ID = "code_sessions"  # as functions/adapter.py's: where older /cache copies lived
+
+UPLOAD_LINK_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "upload_link",
+        "description": (
+            "Make a link the user can upload one file with, straight into /mnt/data at the path you "
+            "choose (for files too big to attach, or that come from another system). The link takes "
+            "one file, once, for a few minutes. Give the link to the user as it is."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "path": {"type": "string", "description": "where the file goes, e.g. /mnt/data/export.csv"}
+            },
+            "required": ["path"],
+        },
+    },
+}
+
+
+def serve_uploads(host: Any) -> None:
+    """Put the upload route on this worker's Open WebUI app (at each file's load; a no-op outside
+    Open WebUI), so a link works in every worker that has loaded one of the files."""
+    host.serve_uploads(lambda: _inbound(host))
+
+
+async def answer_command(host: Any, chat: ChatSession, request: Any, text: str) -> str | None:
+    """The sentence for the user's Save to Knowledge command, or None when the message is not one."""
+    parsed = save_command(text)
+    if parsed is None:
+        return None
+    return await _inbound(host).save_to_knowledge(chat, host, request, *parsed)
+
+
+async def upload_link(
+    host: Any, services: CodeSessions, valves: Any, chat: ChatSession, request: Any, path: str
+) -> str:
+    """A new upload link for the model to give the user, or the sentence why not."""
+    inbound = _inbound(host)
+    host.serve_uploads(lambda: inbound)
+    settings: Settings = chat.settings
+    made = await inbound.make_link(chat, path, ttl_s=settings.upload_link_s, where=_where(valves, services))
+    if isinstance(made, str):
+        return made
+    url = await host.upload_url(request, made.token)
+    return made.sentence(url, settings.policy.max_file_bytes)
+
+
+def upload_link_tool(
+    host: Any, services: CodeSessions, valves: Any, chat: ChatSession, request: Any
+) -> ExtraTool:
+    """The upload link as a tool of the Pipe's own loop."""
+
+    async def call(arguments: dict[str, Any]) -> str:
+        path = arguments.get("path")
+        if not isinstance(path, str) or not path.strip():
+            return "Missing `path` (a string such as /mnt/data/export.csv)."
+        return await upload_link(host, services, valves, chat, request, path)
+
+    return ExtraTool(UPLOAD_LINK_TOOL, call)
+
+
+# ---- composition ---------------------------------------------------------------------------------------
+
+
+def _inbound(host: Any) -> Inbound:
+    shared = host.shared()
+    inbound: Inbound | None = shared.get("code-sessions:inbound")
+    if inbound is None:
+        links = UploadLinks(host.upload_links_folder())
+        inbound = shared["code-sessions:inbound"] = Inbound(links, lambda where: _store_for(host, where))
+    return inbound
+
+
+def _where(valves: Any, services: CodeSessions) -> dict[str, Any]:
+    """What a link records about where its chat's files are (for a worker that has no services yet)."""
+    store = services.store
+    return {
+        "root": str(store.root),
+        "storage_root": valves.storage_root,
+        "index": valves.index_database,
+        "owner": list(store.owner) if store.owner else None,
+        "quotas": store.policy.quotas.to_dict(),
+    }
+
+
+async def _store_for(host: Any, where: dict[str, Any]) -> tuple[Store, Policy]:
+    """The store a link names (this process's own, its services', when it has one for that root, else
+    one opened for uploads alone) and the quotas the link was made under."""
+    root = Path(str(where.get("root") or ""))
+    policy = Policy(Quotas(**dict(where.get("quotas") or {})), Expiry())
+    shared = host.shared()
+    for entry in list(shared.values()):
+        services = entry[0] if isinstance(entry, list) and entry else None
+        if isinstance(services, CodeSessions) and services.store.root == root:
+            return services.store, policy
+    key = ("code-sessions:upload-store", id(asyncio.get_running_loop()), str(root))
+    store: Store | None = shared.get(key)
+    if store is None:
+        places = host.locations(str(where.get("storage_root") or ""), LOCATION_ID)
+        owner = where.get("owner")
+        store = Store(
+            root,
+            publisher=host.publisher(places),
+            owner=(int(owner[0]), int(owner[1])) if owner else None,
+            database_url=host.index_url(str(where.get("index") or "")),
+            temporary_chat=host.temporary_chat,
+        )
+        await store.open()
+        shared[key] = store
+    return store, policy
+''',
 }
 
 import importlib.abc as _cs_abc
@@ -20549,7 +21924,7 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 #
 # This file is a thin adapter: its valves are the session valves every file shares, and the settings
 # and services built from them are functions/adapter.py's; the step and the maintenance are engine's.
-# Open WebUI offers every public method of `Tools` to the model, so `run_code` is the only one.
+# Open WebUI offers every public method of `Tools` to the model: `run_code` and `upload_link`.
 #
 # No `from __future__` import here: Open WebUI reads run_code's annotations to build its schema, and in
 # the bundle this module's body does not start the file.
@@ -20557,10 +21932,11 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_0ed3aa8915cf.engine import LoopOptions, escape_text, import_uploads, run_step
-from _code_sessions_0ed3aa8915cf.functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
-from _code_sessions_0ed3aa8915cf.storage import StorageError
-from _code_sessions_0ed3aa8915cf.webui import Misconfigured
+from _code_sessions_6b4d38611ea7.engine import LoopOptions, escape_text, import_uploads, run_step
+from _code_sessions_6b4d38611ea7.functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
+from _code_sessions_6b4d38611ea7.functions.inbound import upload_link
+from _code_sessions_6b4d38611ea7.storage import StorageError
+from _code_sessions_6b4d38611ea7.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 
@@ -20603,6 +21979,24 @@ class Tools:
             tool_id=__id__,
             message_id=__message_id__,
             metadata=__metadata__,
+        )
+
+    async def upload_link(
+        self,
+        path: str,
+        __user__: dict[str, Any] | None = None,
+        __chat_id__: str | None = None,
+        __request__: Any = None,
+        __id__: str | None = None,
+    ) -> str:
+        """
+        Make a link the user can upload one file with, straight into /mnt/data at the path you choose
+        (for files too big to attach, or that come from another system). The link takes one file,
+        once, for a few minutes. Give the link to the user as it is.
+        :param path: where the file goes, e.g. /mnt/data/export.csv
+        """
+        return await self._sessions.upload_link(
+            path, user=__user__ or {}, chat_id=__chat_id__ or "", request=__request__, tool_id=__id__
         )
 
 
@@ -20672,6 +22066,21 @@ class ToolSessions(SessionsAdapter):
         if step.figures:
             result += "\nTo show a figure, write its /mnt/data path in your answer."
         return "".join(_plain(note) for note in notes) + result
+
+    async def upload_link(
+        self, path: str, *, user: dict[str, Any], chat_id: str, request: Any, tool_id: str | None
+    ) -> str:
+        """A link the user can upload one file with, into this chat's /mnt/data (functions/inbound.py)."""
+        self._function_id = tool_id or self._function_id
+        user_id = str(user.get("id") or "")
+        if not user_id:
+            return "No upload link: Open WebUI did not say which user this is."
+        try:
+            services, settings = await self._begin()
+            chat = await services.chat(user_id, chat_id, settings)
+        except (Misconfigured, StorageError) as error:
+            return f"No upload link: {escape_text(str(error))}"
+        return await upload_link(self._host, services, self.settings, chat, request, path)
 
 
 def _plain(note: str) -> str:

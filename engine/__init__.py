@@ -3,9 +3,11 @@
 from .blocks import CodeBlock, runnable_blocks
 from .branches import Turn
 from .host import Host, PurgeValve
+from .inbound import SAVE_COMMAND, Inbound, KnowledgeHost, NewLink, StoreFor, chat_path, save_command
 from .links import References, Target, find_paths, rewrite
 from .loop import (
     RUN_CODE_TOOL,
+    ExtraTool,
     LoopOptions,
     ModelCall,
     StatusCall,
@@ -28,26 +30,33 @@ __all__ = [
     "DEFAULTS",
     "MINUTE_S",
     "RUN_CODE_TOOL",
+    "SAVE_COMMAND",
     "BranchSettings",
     "ChatSession",
     "CodeBlock",
     "CodeSessions",
+    "ExtraTool",
     "Host",
+    "Inbound",
+    "KnowledgeHost",
     "LoopOptions",
     "Maintenance",
     "ModelCall",
     "ModelError",
+    "NewLink",
     "PromptFacts",
     "PurgeValve",
     "References",
     "Settings",
     "StatusCall",
     "StepResult",
+    "StoreFor",
     "StreamingRewriter",
     "Target",
     "TextDelta",
     "ToolCall",
     "Turn",
+    "chat_path",
     "code_span",
     "converse",
     "escape_text",
@@ -63,6 +72,7 @@ __all__ = [
     "rewrite",
     "run_step",
     "runnable_blocks",
+    "save_command",
     "system_prompt",
     "waiting_status",
 ]

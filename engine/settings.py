@@ -41,6 +41,7 @@ class Settings:
     branches: BranchSettings = field(default_factory=BranchSettings)
     cleanup_every_s: float = 30 * 60.0  # expiry runs at least this often
     purge: str = ""  # the admin's one-shot purge request (engine/purge.py), as typed
+    upload_link_s: float = 15 * 60.0  # how long an upload link the model offers stays usable
 
 
 DEFAULTS = Settings()

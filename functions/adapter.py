@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from engine import DEFAULTS, MINUTE_S, BranchSettings, CodeSessions, Maintenance, Settings, Turn
+from functions.inbound import serve_uploads
 from runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
 from storage import Expiry, Policy, Quotas, Store
 from webui import OpenWebUI
@@ -192,6 +193,13 @@ class SessionValves(BaseModel):
         "is shared with open them). Off: a file a run saved that the answer does not name is named in "
         "one line at the end of the answer instead.",
     )
+    upload_link_minutes: float = Field(
+        default=_whole(DEFAULTS.upload_link_s / MINUTE_S),
+        gt=0,
+        le=24 * 60,
+        description="An upload link the model offers (one file, one use, into one path of the chat) "
+        "works this long.",
+    )
     runsc_path: str = Field(default=_RUNNER.runsc_path, description="The gVisor runsc binary.")
     runsc_platform: str = Field(default="", description="Empty: detect (systrap if supported, else ptrace).")
 
@@ -231,6 +239,7 @@ def settings_from(valves: SessionValves) -> Settings:
         branches=BranchSettings(states=valves.branch_states, python_states=valves.branch_python_states),
         cleanup_every_s=valves.cleanup_interval_minutes * MINUTE_S,
         purge=valves.purge,
+        upload_link_s=valves.upload_link_minutes * MINUTE_S,
     )
 
 
@@ -247,6 +256,9 @@ class SessionsAdapter:
         self._services_key: tuple[Any, ...] | None = None
         self._function_id: str | None = None
         self._background: asyncio.Task[None] | None = None
+        # Open WebUI makes the file's instance when it loads the file: from then on this worker serves
+        # upload links (functions/inbound.py).
+        serve_uploads(self._host)
 
     @property
     def _host(self) -> Any:

@@ -32,6 +32,7 @@ from engine import (
     waiting_status,
 )
 from functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
+from functions.inbound import answer_command, upload_link_tool
 from storage import CLEAR_FILES_COMMAND, StorageError
 from webui import Misconfigured
 
@@ -122,11 +123,16 @@ class Pipe(SessionsAdapter):
         branch = await chat.begin_turn(turn, waiting=waiting_status(status))
         for sentence in branch:
             await status(sentence, True)
-        if last_user_text(body.get("messages", [])).strip() == CLEAR_FILES_COMMAND:
+        text = last_user_text(body.get("messages", [])).strip()
+        if text == CLEAR_FILES_COMMAND:
             said = await chat.clear_files(waiting=waiting_status(status))
             await status.settle()
             chat.end_turn()
             return said
+        command = await answer_command(host, chat, __request__, text)  # !save-to-knowledge
+        if command is not None:
+            return command
+
         notes, refused = await import_uploads(chat, host, __user__["id"], __files__ or [], status)
         user_valves = __user__.get("valves") or self.UserValves()
         options = LoopOptions(
@@ -136,6 +142,7 @@ class Pipe(SessionsAdapter):
             show_output=bool(getattr(user_valves, "show_output", True)),
             # Files saved but not named are then only attachments; else one line names them.
             attachments=settings.attach_files and host.can_attach(__chat_id__ or "", __message_id__),
+            tools=(upload_link_tool(host, services, self.valves, chat, __request__),),
         )
         messages = await messages_with_prompt(
             body.get("messages", []), chat, services, options, [*branch, *refused]

@@ -27,6 +27,7 @@ from engine import (
 )
 from engine.scan import SCAN_ON_LOOP_CHARS
 from functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
+from functions.inbound import answer_command
 from storage import CLEAR_FILES_COMMAND, StorageError
 from webui import Misconfigured
 
@@ -65,8 +66,11 @@ class Filter:
         __user__: dict[str, Any] | None = None,
         __metadata__: dict[str, Any] | None = None,
         __event_emitter__: Any = None,
+        __request__: Any = None,
     ) -> dict[str, Any]:
-        return await self._sessions.inlet(body, __user__ or {}, __metadata__ or {}, __event_emitter__)
+        return await self._sessions.inlet(
+            body, __user__ or {}, __metadata__ or {}, __event_emitter__, __request__
+        )
 
     async def stream(
         self, event: dict[str, Any], __metadata__: dict[str, Any] | None = None
@@ -158,7 +162,12 @@ class FilterSessions(SessionsAdapter):
     # ---- before the model ----------------------------------------------------------------------------
 
     async def inlet(
-        self, body: dict[str, Any], user: dict[str, Any], metadata: dict[str, Any], emitter: Any
+        self,
+        body: dict[str, Any],
+        user: dict[str, Any],
+        metadata: dict[str, Any],
+        emitter: Any,
+        request: Any = None,
     ) -> dict[str, Any]:
         user_id = str(user.get("id") or "")
         messages = body.get("messages")
@@ -177,12 +186,18 @@ class FilterSessions(SessionsAdapter):
         branch = await chat.begin_turn(turn, waiting=waiting_status(status), runs_here=False)
         for sentence in branch:
             await status(sentence, True)
-        if last_user_text(messages).strip() == CLEAR_FILES_COMMAND:
+        text = last_user_text(messages).strip()
+        said = None
+        if text == CLEAR_FILES_COMMAND:
             said = await chat.clear_files(waiting=waiting_status(status))
+        else:
+            said = await answer_command(self._host, chat, request, text)  # !save-to-knowledge
+        if said is not None:
+            command = text.split(maxsplit=1)[0]
             messages[-1] = {
                 **messages[-1],
-                "content": f"(The user typed {CLEAR_FILES_COMMAND}. {said} Tell the user this in one "
-                "sentence; run no code.)",
+                "content": f"(The user typed {command}. {said} Tell the user this in one sentence; "
+                "run no code.)",
             }
         files = body.get("files") or metadata.get("files") or []
         notes, refused = await import_uploads(chat, self._host, user_id, files, status)

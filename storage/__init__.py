@@ -3,8 +3,9 @@
 It knows nothing of the web UI or of the sandbox; see docs/storage.md.
 """
 
-from ._format import human_bytes, parse_duration
-from ._names import MAX_PATH_BYTES, PASSIVE_IMAGE_TYPES
+from ._format import human_bytes, human_duration, parse_duration
+from ._incoming import Incoming
+from ._names import MAX_PATH_BYTES, PASSIVE_IMAGE_TYPES, split_path
 from ._postgres import is_postgres_url
 from .errors import (
     DiskFull,
@@ -44,6 +45,7 @@ from .policy import CLEAR_FILES_COMMAND, Policy
 from .publishing import Copy, DirectoryPublisher, Published, Publisher
 from .session import ChatFiles, Session
 from .store import Store
+from .upload_links import LinkRefused, UploadGrant, UploadLinks
 
 __all__ = [
     "CLEAR_FILES_COMMAND",
@@ -66,10 +68,12 @@ __all__ = [
     "Growth",
     "HistoryError",
     "HistoryHead",
+    "Incoming",
     "IndexDamaged",
     "InvalidPath",
     "Link",
     "LinkInfo",
+    "LinkRefused",
     "Policy",
     "Published",
     "Publisher",
@@ -89,9 +93,13 @@ __all__ = [
     "StorageBusy",
     "StorageError",
     "Store",
+    "UploadGrant",
+    "UploadLinks",
     "Usage",
     "UserUsage",
     "human_bytes",
+    "human_duration",
     "is_postgres_url",
     "parse_duration",
+    "split_path",
 ]

@@ -18,6 +18,8 @@ from typing import Any
 from storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
+from .knowledge import save_to_knowledge
+from .uploads import UploadReceiver, register_upload_route, upload_url
 
 log = logging.getLogger("code_sessions.function")
 
@@ -248,6 +250,42 @@ class OpenWebUI:
             if isinstance(parent, str) and parent:
                 chain.append(parent)
         return chain, False
+
+    # ---- files in: upload links, Save to Knowledge ------------------------------------------------------
+
+    def upload_links_folder(self) -> Path:
+        """Where upload link records live: one place under Open WebUI's data folder, the same for every
+        worker (and replica sharing DATA_DIR), whatever storage_root a file's valves name, so any worker
+        that receives the POST finds the link (the record says where the chat's files are)."""
+        from open_webui.env import DATA_DIR
+
+        return Path(DATA_DIR) / "code_sessions_upload_links"
+
+    def serve_uploads(self, receiver: Callable[[], UploadReceiver]) -> bool:
+        """Put the upload route on this process's Open WebUI app (once; the latest receiver serves).
+        False when there is no app to put it on (not inside Open WebUI: `receiver` is not called)."""
+        import sys
+
+        main = sys.modules.get("open_webui.main")
+        app = getattr(main, "app", None)
+        if app is None:
+            return False
+        register_upload_route(app, receiver())
+        return True
+
+    async def upload_url(self, request: Any, token: str) -> str:
+        """The link as the user reaches Open WebUI: its configured WEBUI_URL, else the address this
+        message's request came to."""
+        from open_webui.models.config import Config
+
+        base = str(await Config.get("webui.url") or "")
+        if not base and request is not None:
+            base = str(getattr(request, "base_url", "") or "")
+        return upload_url(base or "/", token)
+
+    async def save_to_knowledge(self, request: Any, user_id: str, target: str, name: str, data: bytes) -> str:
+        """engine.KnowledgeHost: through Open WebUI's Knowledge API and its access checks."""
+        return await save_to_knowledge(request, user_id, target, name, data)
 
     async def chat_owners(self, chat_ids: Sequence[str]) -> dict[str, str]:
         """{chat id: owner's user id} for those of these chats that exist: one query per 500 ids.
