@@ -228,7 +228,7 @@ class ChatSession:
         self._links: dict[str, Link] = {}
         # Files the answer's text names (as links or inline images), and the images it shows inline:
         # a file is shown once in the text, and an image shown inline is not an attachment as well.
-        self._shown: set[str] = set()
+        self._shown: dict[str, None] = {}  # ordered: previews follow the order of the links
         self._inline: set[str] = set()
 
     @property
@@ -251,6 +251,17 @@ class ChatSession:
         """The copies to show as the message's attachments: every file linked, except the images the
         text already shows inline."""
         return [link for link in self._links.values() if link.url not in self._inline]
+
+    @property
+    def shown(self) -> list[str]:
+        """The files the answer's text names, in the order first named."""
+        return list(self._shown)
+
+    async def read_in_sandbox(self, code: str, limits: Limits) -> RunResult:
+        """Our own code (never the model's) in a fresh sandbox over this chat's folder, under its lock:
+        reading a hostile file with parsers that are safer kept inside gVisor (table previews)."""
+        async with self.session.lock(timeout=self._service.lock_timeout_s):
+            return await self._service.runner.run(code, "python", self.session.path, limits)
 
     @property
     def inline_urls(self) -> frozenset[str]:
@@ -371,7 +382,7 @@ class ChatSession:
         if found is None:
             return None
         link, target = found
-        self._shown.add(link.path)
+        self._shown.setdefault(link.path, None)
         return target
 
     async def _resolve_inline(self, path: str) -> Target | None:
