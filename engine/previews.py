@@ -34,6 +34,7 @@ __all__ = [
     "PROGRAM",
     "Table",
     "cell_text",
+    "is_table",
     "parse_program_output",
     "render",
     "strip_previews",
@@ -317,7 +318,7 @@ SandboxRun = Callable[[str], Awaitable[RunResult]]
 async def previews(paths: Sequence[str], read_head: HeadReader, run_in_sandbox: SandboxRun) -> str:
     """Markdown previews of the table files among `paths` (in order, at most MAX_PREVIEWS), each a
     caption and a table; a file that cannot be previewed gets one sentence instead."""
-    chosen = [p for p in dict.fromkeys(paths) if p.lower().endswith(PREVIEW_SUFFIXES)][:MAX_PREVIEWS]
+    chosen = [p for p in dict.fromkeys(paths) if is_table(p)][:MAX_PREVIEWS]
     if not chosen:
         return ""
     found: dict[str, Table | str] = {}

@@ -33,6 +33,7 @@ from storage import (
     human_bytes,
 )
 
+from .charts import charts_of, figures_of
 from .links import References, Target, resolve_all
 from .markup import escape_text, mention
 from .scan import SCAN_ON_LOOP_CHARS
@@ -60,13 +61,11 @@ _OUTCOME_WORDS = {
     Outcome.SANDBOX_FAILURE: "could not run: the sandbox failed",
     Outcome.KERNEL_LOST: "was stopped: the kernel stopped responding",
 }
-_FIGURE_SUFFIXES = (".png",)
 # Files an answer saved without naming them, handed over by name (or attached) at most this many.
 _HANDED_OVER = 20
 # Files noted between a Tool's run and the end of its answer: chats at once, and files a chat.
 _UNHANDED_CHATS = 1000
 _UNHANDED_PATHS = 1000
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +81,8 @@ class StepResult:
     notes: tuple[str, ...] = ()
     # Figures the run saved (the kernel's claim, checked against what the run added to the folder).
     figures: tuple[str, ...] = ()
+    # Plotly charts the run saved, the same way: (spec, its static picture or None), shown in the message.
+    charts: tuple[tuple[str, str | None], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -105,7 +106,7 @@ class StepResult:
         if report is None:
             return []
         removed = {r.path for r in report.quota_removed}
-        figures = set(self.figures)
+        figures = {*self.figures, *(name for chart in self.charts for name in chart if name)}
         return sorted(
             path for path in {*report.added, *report.changed} if path not in removed and path not in figures
         )
@@ -163,6 +164,11 @@ class StepResult:
             notes.append(f"Figures: {shown}{extra} (already shown to the user, under the run)")
         elif more:
             notes.append(f"{more} figures were left open and not saved (too many figures in one run)")
+        if self.charts:
+            named = ", ".join(mention(spec) for spec, _ in self.charts)
+            pictures = ", ".join(mention(p) for _, p in self.charts if p)
+            still = f"; static pictures, for readers who cannot see them: {pictures}" if pictures else ""
+            notes.append(f"Interactive charts: {named} (already shown to the user, in the message){still}")
         kept = self.saved()
         if kept:
             notes.append("Saved: " + ", ".join(mention(p) for p in kept[:20]) + _more(kept, 20))
@@ -331,8 +337,10 @@ class ChatSession:
         except RunnerError as error:
             log.warning("sandbox unavailable: %s", error)
             return StepResult(language, code, refused=f"the sandbox is not available: {error}")
-        figures = _figures(result, report)
-        return StepResult(language, code, run=result, files=report, notes=tuple(notes), figures=figures)
+        figures, charts = figures_of(result, report), charts_of(result, report)
+        return StepResult(
+            language, code, run=result, files=report, notes=tuple(notes), figures=figures, charts=charts
+        )
 
     async def add_upload(
         self, name: str, data: bytes, *, source: str | None = None, waiting: Waiting | None = None
@@ -439,19 +447,6 @@ class ChatSession:
                 message = {**message, "content": pattern.sub(lambda m: paths[m.group()], content)}
             view.append(message)
         return view
-
-
-def _figures(result: RunResult | None, report: ReconcileReport | None) -> tuple[str, ...]:
-    """The figures a kernel says it saved, kept only where the disk agrees: files this run added or
-    changed (the index is the disk's word), with a picture's name."""
-    if result is None or report is None or not result.figures:
-        return ()
-    saved = set(report.added) | set(report.changed)
-    return tuple(
-        p
-        for p in result.figures
-        if p in saved and p.lower().endswith(_FIGURE_SUFFIXES) and _PLAIN_NAME.fullmatch(p)
-    )
 
 
 def _kernel_key(user_key: str, chat_key: str) -> str:

@@ -20,6 +20,7 @@ from engine import (
     ChatSession,
     LoopOptions,
     StreamingRewriter,
+    answer_previews,
     import_uploads,
     last_user_text,
     messages_with_prompt,
@@ -54,6 +55,13 @@ class Filter:
             "quotas) are this filter's too.",
         )
         priority: int = Field(default=0, description="Order among filters (lower runs first).")
+
+    class UserValves(BaseModel):
+        table_previews: bool = Field(
+            default=True,
+            description="Under the answer, a preview (first rows, columns and types, row count) of each "
+            "CSV, TSV, XLSX or Parquet file it links.",
+        )
 
     def __init__(self) -> None:
         self.valves = self.Valves()
@@ -238,6 +246,8 @@ class FilterSessions(SessionsAdapter):
             content = message.get("content")
             if isinstance(content, str):
                 rewritten = await chat.rewrite(content + tail)
+                if bool(getattr(user.get("valves"), "table_previews", True)):
+                    rewritten += await answer_previews(chat)
                 # The Tool's runs' files the answer did not name: attachments, or one line here.
                 saved = services.take_saved(user_id, chat_id) if services is not None else []
                 rewritten += await chat.hand_over(saved, attachments=attachments)

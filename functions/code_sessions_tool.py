@@ -11,14 +11,17 @@
 # the bundle this module's body does not start the file.
 
 import logging
+from collections import OrderedDict
 from typing import Any
 
-from engine import LoopOptions, escape_text, import_uploads, run_step
+from engine import LoopOptions, answer_embed, escape_text, import_uploads, run_step
 from functions.adapter import SessionsAdapter, SessionValves, Status
 from storage import StorageError
 from webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
+
+_MESSAGES = 1000  # answers at once whose charts this worker keeps
 
 
 class Tools:
@@ -38,6 +41,7 @@ class Tools:
         __files__: list[Any] | None = None,
         __event_emitter__: Any = None,
         __id__: str | None = None,
+        __message_id__: str | None = None,
     ) -> str:
         """
         Run Python or bash in a sandbox. The working directory is /mnt/data, this chat's persistent
@@ -55,6 +59,7 @@ class Tools:
             files=__files__ or [],
             emitter=__event_emitter__,
             tool_id=__id__,
+            message_id=__message_id__ or "",
         )
 
 
@@ -64,6 +69,9 @@ class ToolSessions(SessionsAdapter):
     def __init__(self, tool: Tools) -> None:
         super().__init__()
         self._tool = tool
+        # The charts of the answers being written, by message: each run shows its message's every
+        # chart in one embed (Open WebUI keeps an event's list whole). The oldest go first.
+        self._charts: OrderedDict[tuple[str, str, str], list[str]] = OrderedDict()
 
     @property
     def settings(self) -> SessionValves:
@@ -90,6 +98,7 @@ class ToolSessions(SessionsAdapter):
         files: list[Any],
         emitter: Any,
         tool_id: str | None,
+        message_id: str,
     ) -> str:
         """One run for the model: the result it reads, with any sentence about the chat's files."""
         self._function_id = tool_id or self._function_id
@@ -118,7 +127,22 @@ class ToolSessions(SessionsAdapter):
         result = step.for_model(LoopOptions().max_result_chars)
         if step.figures:
             result += "\nTo show a figure, write its /mnt/data path in your answer."
+        if step.charts:
+            result += await self._show_charts(services, chat, (user_id, chat_id, message_id), step, emitter)
         return "".join(_plain(note) for note in notes) + result
+
+    async def _show_charts(
+        self, services: Any, chat: Any, message: tuple[str, str, str], step: Any, emitter: Any
+    ) -> str:
+        """Show the message's charts so far as its embed; returns what the model should know of them."""
+        charts = self._charts.setdefault(message, [])
+        self._charts.move_to_end(message)
+        while len(self._charts) > _MESSAGES:
+            self._charts.popitem(last=False)
+        charts.extend(spec for spec, _ in step.charts)
+        embed, unshown = await answer_embed(services, chat, charts)
+        await self._host.embed(embed, emitter)
+        return "".join(f"\n{sentence}" for sentence in unshown)
 
 
 def _plain(note: str) -> str:

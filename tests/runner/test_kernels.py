@@ -232,7 +232,8 @@ async def test_plotly_charts_are_saved_with_a_static_picture_within_the_bound(
     (workdir / "chart-2.png").write_bytes(b"not ours")  # a name taken: the chart takes the next number
     last = await pool.run("u/c", workdir, "fig.show()\nfig", "python", limits)
     assert last.stdout == "" and last.figures == ("chart-3.plotly.json",), last
-    assert (workdir / "chart-2.png").read_bytes() == b"not ours" and not (workdir / "chart-2.plotly.json").exists()
+    assert (workdir / "chart-2.png").read_bytes() == b"not ours"
+    assert not (workdir / "chart-2.plotly.json").exists()
     # A trace the sketch cannot draw: the chart without a picture.
     surface = await pool.run("u/c", workdir, "go.Figure(go.Surface(z=[[1, 2], [3, 4]]))", "python", limits)
     assert surface.figures == ("chart-4.plotly.json",) and not (workdir / "chart-4.png").exists()

@@ -72,6 +72,7 @@ class PipeHarness:
         self.module = load_like_open_webui(BUNDLE.read_text())
         self.pipe = self.module.Pipe()
         self.cache_dir = self.data_dir / "cache"  # what Open WebUI serves to every logged-in user
+        self.embeds: list[str] = []  # the last answer's embed (the Pipe's charts), as Open WebUI would show it
         self.files = FilesApi(
             self.module, self.uploads_dir or self.data_dir / "uploads", self.data_dir / "files-api.json"
         )
@@ -213,6 +214,12 @@ class _HarnessHost:
         if not self.can_attach(chat_id, message_id):
             return
         await self._harness.files.attach(chat_id, message_id, user_id, links, emit, inline_urls=inline_urls)
+
+    async def embed(self, html: str | None, emit: Any) -> None:
+        """The message's one embed, as Open WebUI's `embed` sends it (webui/host.py; proven in
+        tests/e2e): kept here as the last embed of the harness."""
+        if html is not None:
+            self._harness.embeds = [html]
 
     async def user(self, user_id: str) -> Any:
         return types.SimpleNamespace(id=user_id, role="user")
