@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_9b00fd9e1731'
+_CS_PACKAGE = '_code_sessions_ded94dfae68f'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -15602,8 +15602,8 @@ import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from _code_sessions_9b00fd9e1731.runner import RunResult
-from _code_sessions_9b00fd9e1731.storage import ReconcileReport, StorageError, human_bytes
+from _code_sessions_ded94dfae68f.runner import RunResult
+from _code_sessions_ded94dfae68f.storage import ReconcileReport, StorageError, human_bytes
 
 from .markup import mention
 
@@ -16153,7 +16153,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_9b00fd9e1731.runner import Outcome
+from _code_sessions_ded94dfae68f.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -16454,7 +16454,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_9b00fd9e1731.runner import RunnerError
+from _code_sessions_ded94dfae68f.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -16594,7 +16594,7 @@ import unicodedata
 
 from .grammar import BACKTICK_RUNS, MOUNT
 
-__all__ = ["backtick_fence", "code_span", "escape_text", "mention"]
+__all__ = ["backtick_fence", "code_span", "escape_text", "mention", "visible"]
 
 # Characters that would change the meaning of link text in markdown or HTML.
 _LABEL_ESCAPES = str.maketrans(
@@ -16602,7 +16602,7 @@ _LABEL_ESCAPES = str.maketrans(
 )
 
 
-def _visible(text: str) -> str:
+def visible(text: str) -> str:
     """Control and format characters (newlines, bidi overrides such as U+202E that make `txt.exe` show
     as `exe.txt`, zero-width characters) written as escapes, so a name shows what it really is."""
     if text.isprintable():
@@ -16617,7 +16617,7 @@ def escape_text(text: str) -> str:
     """Any text (e.g. an error message quoting a file name) as one line of markdown that means nothing:
     no HTML, no links, no emphasis, no line breaks. (Whitespace is folded: a newline in a name used as a
     link's text must not break the link apart.)"""
-    return " ".join(_visible(text).translate(_LABEL_ESCAPES).split())
+    return " ".join(visible(text).translate(_LABEL_ESCAPES).split())
 
 
 def backtick_fence(text: str, minimum: int = 1) -> str:
@@ -16629,7 +16629,7 @@ def backtick_fence(text: str, minimum: int = 1) -> str:
 
 def code_span(text: str) -> str:
     """Text shown literally: an inline code span, fenced with more backticks than the text holds."""
-    text = _visible(text)
+    text = visible(text)
     fence = backtick_fence(text)
     pad = " " if text.startswith("`") or text.endswith("`") or not text.strip() else ""
     return f"{fence}{pad}{text}{pad}{fence}"
@@ -16656,7 +16656,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from _code_sessions_9b00fd9e1731.runner import RunnerError
+from _code_sessions_ded94dfae68f.runner import RunnerError
 
 from .charts import chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
@@ -16698,8 +16698,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_9b00fd9e1731.runner import Runner, RunnerError
-from _code_sessions_9b00fd9e1731.storage import StorageError
+from _code_sessions_ded94dfae68f.runner import Runner, RunnerError
+from _code_sessions_ded94dfae68f.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -16849,10 +16849,10 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_9b00fd9e1731.runner import Limits, Outcome, RunnerError, RunResult
-from _code_sessions_9b00fd9e1731.storage import StorageError, human_bytes
+from _code_sessions_ded94dfae68f.runner import Limits, Outcome, RunnerError, RunResult
+from _code_sessions_ded94dfae68f.storage import StorageError, human_bytes
 
-from .markup import escape_text
+from .markup import visible
 
 __all__ = [
     "HEAD_BYTES",
@@ -16861,6 +16861,7 @@ __all__ = [
     "PROGRAM",
     "Table",
     "cell_text",
+    "inert",
     "is_table",
     "parse_program_output",
     "render",
@@ -16894,9 +16895,21 @@ _FLOAT = re.compile(r"[+-]?(?:\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?|
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?")
 _BOOL = frozenset({"true", "false", "True", "False", "TRUE", "FALSE"})
 
-# Characters escape_text leaves alone that Open WebUI's markdown would still read: autolinks (`https:`,
-# `www.`, `a@b.c`) and its KaTeX (`$x$`).
-_CELL_ESCAPES = str.maketrans({":": "\\:", "@": "\\@", "$": "\\$"})
+# How a character of a cell is written so that Open WebUI's markdown reads it as itself. Backslash
+# escapes where they are plain escapes; a zero-width space where a backslash would start something
+# else: Open WebUI's KaTeX reads `\(`, `\[` as math, so `[` and `]` are broken apart from what
+# follows instead (no link, image, citation or footnote), and so are autolinks (`https://`, `www.`,
+# `a@b.c`). HTML entities are no escape there: they show as written.
+_ZWSP = "\u200b"
+_INERT = str.maketrans(
+    {
+        **{c: "\\" + c for c in "\\`*_~|<>$#!{}+="},
+        "[": "[" + _ZWSP,
+        "]": "]" + _ZWSP,
+        "@": "@" + _ZWSP,
+    }
+)
+_AUTOLINK = re.compile(r"(?<=:)(?=//)|(?<=www)(?=\.)", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -16911,12 +16924,16 @@ class Table:
     basis: str = ""  # how an estimate was made ("from the first 256 KiB"), or what was read ("sheet 1 of 3")
 
 
+def inert(text: str) -> str:
+    """Any text as one line of markdown that Open WebUI shows as that text: no HTML, link, emphasis,
+    math, line break or table column separator (control characters are shown as escapes)."""
+    text = " ".join(visible(text).split())
+    return _AUTOLINK.sub(_ZWSP, text.translate(_INERT))
+
+
 def cell_text(value: str) -> str:
-    """A cell (or a column's name or type) as one line of inert markdown table text, at most MAX_CELL
-    characters of it: no HTML, link, emphasis, math, line break or column separator."""
-    clipped = value if len(value) <= MAX_CELL else value[: MAX_CELL - 1] + "…"
-    text = escape_text(clipped).translate(_CELL_ESCAPES)
-    return text.replace("www.", "www\\.")
+    """A cell (or a column's name or type) as inert text, at most MAX_CELL characters of it."""
+    return inert(value if len(value) <= MAX_CELL else value[: MAX_CELL - 1] + "…")
 
 
 def _kind(values: Sequence[str]) -> str:
@@ -16987,13 +17004,13 @@ def render(table: Table, index: int = 1, count: int = 1) -> str:
     elif table.exact:
         rows = _plural(table.total_rows, "row")
     else:
-        rows = f"about {_plural(table.total_rows, 'row')} (estimated {table.basis})"
+        rows = f"about {_plural(table.total_rows, 'row')}, estimated {table.basis}"
     facts = [rows, _plural(table.total_columns, "column")]
     if table.exact and table.basis:
         facts.append(table.basis)
     if table.rows and (table.total_rows is None or len(table.rows) < table.total_rows):
         facts.append(f"the first {len(table.rows)} shown")
-    caption = f"_{label} · {escape_text(', '.join(facts))}_\n\n"
+    caption = f"_{label} · {inert(', '.join(facts))}_\n\n"
     if not table.columns:
         return caption
     head = (
@@ -17170,7 +17187,7 @@ async def previews(paths: Sequence[str], read_head: HeadReader, run_in_sandbox: 
             parts.append(render(table, index, len(chosen)))
         else:
             label = "Preview" if len(chosen) == 1 else f"Preview {index} of {len(chosen)}"
-            parts.append(f"_{label} · none: {escape_text(table)}_\n")
+            parts.append(f"_{label} · none: {inert(table)}_\n")
     return "\n\n" + "\n".join(parts)
 
 
@@ -17196,8 +17213,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_9b00fd9e1731.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_9b00fd9e1731.storage import human_bytes
+from _code_sessions_ded94dfae68f.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_ded94dfae68f.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -17316,7 +17333,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_9b00fd9e1731.storage import Purge, parse_duration
+from _code_sessions_ded94dfae68f.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -17884,8 +17901,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_9b00fd9e1731.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_9b00fd9e1731.storage import (
+from _code_sessions_ded94dfae68f.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_ded94dfae68f.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -18483,8 +18500,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_9b00fd9e1731.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_9b00fd9e1731.storage import Policy
+from _code_sessions_ded94dfae68f.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_ded94dfae68f.storage import Policy
 
 __all__ = ["DEFAULTS", "Settings"]
 
@@ -18914,7 +18931,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_9b00fd9e1731.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_ded94dfae68f.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -19133,7 +19150,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_9b00fd9e1731.storage import Link, Publisher, is_postgres_url
+from _code_sessions_ded94dfae68f.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -19380,10 +19397,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_9b00fd9e1731.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
-from _code_sessions_9b00fd9e1731.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_9b00fd9e1731.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_9b00fd9e1731.webui import OpenWebUI
+from _code_sessions_ded94dfae68f.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
+from _code_sessions_ded94dfae68f.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_ded94dfae68f.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_ded94dfae68f.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -19909,7 +19926,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_9b00fd9e1731.engine import (
+from _code_sessions_ded94dfae68f.engine import (
     ChatSession,
     LoopOptions,
     StreamingRewriter,
@@ -19919,10 +19936,10 @@ from _code_sessions_9b00fd9e1731.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_9b00fd9e1731.engine.scan import SCAN_ON_LOOP_CHARS
-from _code_sessions_9b00fd9e1731.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_9b00fd9e1731.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_9b00fd9e1731.webui import Misconfigured
+from _code_sessions_ded94dfae68f.engine.scan import SCAN_ON_LOOP_CHARS
+from _code_sessions_ded94dfae68f.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_ded94dfae68f.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_ded94dfae68f.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

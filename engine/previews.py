@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from runner import Limits, Outcome, RunnerError, RunResult
 from storage import StorageError, human_bytes
 
-from .markup import escape_text
+from .markup import visible
 
 __all__ = [
     "HEAD_BYTES",
@@ -34,6 +34,7 @@ __all__ = [
     "PROGRAM",
     "Table",
     "cell_text",
+    "inert",
     "is_table",
     "parse_program_output",
     "render",
@@ -67,9 +68,21 @@ _FLOAT = re.compile(r"[+-]?(?:\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?|
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?")
 _BOOL = frozenset({"true", "false", "True", "False", "TRUE", "FALSE"})
 
-# Characters escape_text leaves alone that Open WebUI's markdown would still read: autolinks (`https:`,
-# `www.`, `a@b.c`) and its KaTeX (`$x$`).
-_CELL_ESCAPES = str.maketrans({":": "\\:", "@": "\\@", "$": "\\$"})
+# How a character of a cell is written so that Open WebUI's markdown reads it as itself. Backslash
+# escapes where they are plain escapes; a zero-width space where a backslash would start something
+# else: Open WebUI's KaTeX reads `\(`, `\[` as math, so `[` and `]` are broken apart from what
+# follows instead (no link, image, citation or footnote), and so are autolinks (`https://`, `www.`,
+# `a@b.c`). HTML entities are no escape there: they show as written.
+_ZWSP = "\u200b"
+_INERT = str.maketrans(
+    {
+        **{c: "\\" + c for c in "\\`*_~|<>$#!{}+="},
+        "[": "[" + _ZWSP,
+        "]": "]" + _ZWSP,
+        "@": "@" + _ZWSP,
+    }
+)
+_AUTOLINK = re.compile(r"(?<=:)(?=//)|(?<=www)(?=\.)", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,12 +97,16 @@ class Table:
     basis: str = ""  # how an estimate was made ("from the first 256 KiB"), or what was read ("sheet 1 of 3")
 
 
+def inert(text: str) -> str:
+    """Any text as one line of markdown that Open WebUI shows as that text: no HTML, link, emphasis,
+    math, line break or table column separator (control characters are shown as escapes)."""
+    text = " ".join(visible(text).split())
+    return _AUTOLINK.sub(_ZWSP, text.translate(_INERT))
+
+
 def cell_text(value: str) -> str:
-    """A cell (or a column's name or type) as one line of inert markdown table text, at most MAX_CELL
-    characters of it: no HTML, link, emphasis, math, line break or column separator."""
-    clipped = value if len(value) <= MAX_CELL else value[: MAX_CELL - 1] + "…"
-    text = escape_text(clipped).translate(_CELL_ESCAPES)
-    return text.replace("www.", "www\\.")
+    """A cell (or a column's name or type) as inert text, at most MAX_CELL characters of it."""
+    return inert(value if len(value) <= MAX_CELL else value[: MAX_CELL - 1] + "…")
 
 
 def _kind(values: Sequence[str]) -> str:
@@ -160,13 +177,13 @@ def render(table: Table, index: int = 1, count: int = 1) -> str:
     elif table.exact:
         rows = _plural(table.total_rows, "row")
     else:
-        rows = f"about {_plural(table.total_rows, 'row')} (estimated {table.basis})"
+        rows = f"about {_plural(table.total_rows, 'row')}, estimated {table.basis}"
     facts = [rows, _plural(table.total_columns, "column")]
     if table.exact and table.basis:
         facts.append(table.basis)
     if table.rows and (table.total_rows is None or len(table.rows) < table.total_rows):
         facts.append(f"the first {len(table.rows)} shown")
-    caption = f"_{label} · {escape_text(', '.join(facts))}_\n\n"
+    caption = f"_{label} · {inert(', '.join(facts))}_\n\n"
     if not table.columns:
         return caption
     head = (
@@ -343,7 +360,7 @@ async def previews(paths: Sequence[str], read_head: HeadReader, run_in_sandbox: 
             parts.append(render(table, index, len(chosen)))
         else:
             label = "Preview" if len(chosen) == 1 else f"Preview {index} of {len(chosen)}"
-            parts.append(f"_{label} · none: {escape_text(table)}_\n")
+            parts.append(f"_{label} · none: {inert(table)}_\n")
     return "\n\n" + "\n".join(parts)
 
 

@@ -26,7 +26,9 @@ from tests.support.open_webui import (
     Account,
     OpenWebUI,
     Reply,
+    message_text,
     running_open_webui,
+    say_streamed,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.runsc]
@@ -99,64 +101,7 @@ def say(
 ) -> Reply:
     """One message as the web UI sends it for a model with tools (`tool_ids`: the model's tools the UI
     preselects), then the saved answer once its task is done."""
-    user_id, assistant_id = str(uuid.uuid4()), str(uuid.uuid4())
-    history = [*previous.history] if previous else []
-    user_message = {
-        "id": user_id,
-        "role": "user",
-        "content": text,
-        "childrenIds": [],
-        "parentId": previous.message_id if previous else None,
-    }
-    payload: dict = {
-        "model": model,
-        "messages": [*history, {"role": "user", "content": text}],
-        "stream": True,
-        "session_id": f"test-{uuid.uuid4().hex[:8]}",
-        "parent_id": previous.message_id if previous else None,
-        "user_message": user_message,
-        "id": assistant_id,
-        "tool_ids": list(tool_ids),
-    }
-    if previous:
-        payload["chat_id"] = previous.chat_id
-    if files:
-        payload["files"] = files
-        user_message["files"] = files
-    response = account.post("/api/chat/completions", payload)
-    assert response.status_code == 200, response.text
-    chat_id = response.json()["chat_id"]
-    content = _saved_answer(account, chat_id, assistant_id)
-    return Reply(
-        chat_id,
-        assistant_id,
-        content,
-        [*history, {"role": "user", "content": text}, {"role": "assistant", "content": content}],
-    )
-
-
-def _saved_answer(account: Account, chat_id: str, message_id: str, timeout: float = 180) -> str:
-    started = time.monotonic()
-    while time.monotonic() - started < timeout:
-        tasks = account.get(f"/api/tasks/chat/{chat_id}").json().get("task_ids")
-        chat = account.get(f"/api/v1/chats/{chat_id}").json()["chat"]
-        message = chat["history"]["messages"].get(message_id)
-        if message and message.get("done") and not tasks:
-            return message_text(message)
-        time.sleep(0.5)
-    raise AssertionError(f"the answer {message_id} was not done within {timeout:.0f} s")
-
-
-def message_text(message: dict) -> str:
-    """The answer's text as the web UI shows it: the outlet's content, else the output's text parts."""
-    if message.get("content"):
-        return message["content"]
-    return "\n".join(
-        part.get("text", "")
-        for item in message.get("output") or []
-        if item.get("type") == "message"
-        for part in item.get("content") or []
-    )
+    return say_streamed(account, text, previous, files=files, model=model, tool_ids=tool_ids)
 
 
 def tool_results(account: Account, reply: Reply) -> list[str]:

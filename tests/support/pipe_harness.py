@@ -72,7 +72,7 @@ class PipeHarness:
         self.module = load_like_open_webui(BUNDLE.read_text())
         self.pipe = self.module.Pipe()
         self.cache_dir = self.data_dir / "cache"  # what Open WebUI serves to every logged-in user
-        self.embeds: list[str] = []  # the last answer's embed (the Pipe's charts), as Open WebUI would show it
+        self.embeds: list[str] = []  # the last answer's embed (its charts), as Open WebUI would show it
         self.files = FilesApi(
             self.module, self.uploads_dir or self.data_dir / "uploads", self.data_dir / "files-api.json"
         )
