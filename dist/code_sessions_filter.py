@@ -20153,11 +20153,12 @@ class FilterSessions(SessionsAdapter):
                 continue
             if message.get("id") != message_id:
                 continue
-            content = message.get("content")
+            content, previews = message.get("content"), ""
             if isinstance(content, str):
                 rewritten = await chat.rewrite(content + tail)
                 if bool(getattr(user.get("valves"), "table_previews", True)):
-                    rewritten += await answer_previews(chat)
+                    previews = await answer_previews(chat)
+                    rewritten += previews
                 # The Tool's runs' files the answer did not name: attachments, or one line here.
                 saved = services.take_saved(user_id, chat_id) if services is not None else []
                 rewritten += await chat.hand_over(saved, attachments=attachments)
@@ -20165,11 +20166,15 @@ class FilterSessions(SessionsAdapter):
                 if notes:
                     rewritten += "\n\n" + "\n".join(f"- {note}" for note in notes) + "\n"
                 message["content"] = rewritten
+            last: dict[str, Any] | None = None
             for item in message.get("output") or ():
                 if isinstance(item, dict) and item.get("type") == "message":
                     for part in item.get("content") or ():
                         if isinstance(part, dict) and isinstance(part.get("text"), str):
                             part["text"] = await chat.rewrite(part["text"])
+                            last = part
+            if previews and last is not None:  # the page shows the output, when there is one
+                last["text"] += previews
         if chat.settings.attach_files:
             await self._host.attach(
                 chat_id, message_id, user_id, chat.links, emitter, inline_urls=chat.inline_urls

@@ -334,7 +334,7 @@ def test_a_plotly_chart_is_interactive_isolated_and_still_there_after_a_reload(
     message = admin.get(f"/api/v1/chats/{reply.chat_id}").json()["chat"]["history"]["messages"]
     [embed] = message[reply.message_id]["embeds"]  # saved with the message: what a reload shows
     # plotly.js travels inside it (from the sandbox environment): nothing is fetched from anywhere.
-    payload = re.search(r'id=&quot;plotly&quot;&gt;([A-Za-z0-9+/=]+)&lt;', embed)
+    payload = re.search(r"id=&quot;plotly&quot;&gt;([A-Za-z0-9+/=]+)&lt;", embed)
     assert payload and len(payload.group(1)) > 1_000_000
     rest = embed.replace(payload.group(1), "")
     assert not re.search(r"https?:|\b(?:src|href)=", rest), rest[:2000]
