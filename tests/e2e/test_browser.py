@@ -184,7 +184,7 @@ def test_the_demo_shows_each_run_once_and_each_file_once(
     assert attachments(admin, second) == []
     assert [f["url"] for f in attachments(admin, third)] == [bundle_url]
 
-    context = logged_in(browser, open_webui, admin, height=1320)
+    context = logged_in(browser, open_webui, admin, height=1620)
     page = context.new_page()
     one, two, three = Rendered(page, first), Rendered(page, second), Rendered(page, third)
     errors = open_chat(
