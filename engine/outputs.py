@@ -20,8 +20,9 @@ async def answer_previews(chat: ChatSession) -> str:
     paths = chat.shown
     if not any(is_table(path) for path in paths):
         return ""
+    files = chat.session.files
     return await previews(
-        paths, chat.session.files.read_head, lambda code: chat.read_in_sandbox(code, SANDBOX_LIMITS)
+        paths, files.read_head, lambda code: chat.read_in_sandbox(code, SANDBOX_LIMITS), files.read_at
     )
 
 

@@ -47,7 +47,10 @@ MAX_PREVIEWS = 4  # files previewed per answer
 MAX_ROWS = 8  # rows shown per preview
 MAX_COLUMNS = 8  # columns shown per preview
 MAX_CELL = 40  # characters shown per cell (and per column name)
-HEAD_BYTES = 256 * 1024  # of a CSV or TSV read on the host
+HEAD_BYTES = 64 * 1024  # of a CSV or TSV read on the host: its first rows
+# A larger one's row count is estimated from two samples, from its middle and its end: its first rows
+# are a poor sample (a header, and ids that grow longer further down).
+SAMPLE_BYTES = 32 * 1024
 _SAMPLE_ROWS = 200  # rows whose values decide a column's type
 # The sandbox that reads XLSX and Parquet: a small run, its one line of output bounded.
 SANDBOX_LIMITS = Limits(
@@ -125,9 +128,21 @@ def _kind(values: Sequence[str]) -> str:
     return "text"
 
 
-def table_from_text(data: bytes, size: int, delimiter: str) -> Table:
-    """A preview of delimited text, from its first bytes (`data`) and the file's size. Raises ValueError
-    with a sentence when no table can be read."""
+def _line_rate(samples: Sequence[bytes]) -> float | None:
+    """Lines per byte in pieces cut from a file (each counted from its first line break to its last)."""
+    lines = spanned = 0
+    for piece in samples:
+        first, last = piece.find(b"\n"), piece.rfind(b"\n")
+        if 0 <= first < last:
+            lines += piece.count(b"\n", first + 1, last + 1)
+            spanned += last - first
+    return lines / spanned if spanned else None
+
+
+def table_from_text(data: bytes, size: int, delimiter: str, samples: Sequence[bytes] = ()) -> Table:
+    """A preview of delimited text, from its first bytes (`data`), the file's size and, for a file
+    larger than `data`, `samples` of it for the row count. Raises ValueError with a sentence when no
+    table can be read."""
     whole = len(data) >= size
     if not whole:  # the last line is cut: leave it out
         end = data.rfind(b"\n")
@@ -145,8 +160,10 @@ def table_from_text(data: bytes, size: int, delimiter: str) -> Table:
             count += 1
             if len(rows) < _SAMPLE_ROWS:
                 rows.append(row)
+            elif samples:  # the samples count the rows: these are enough for the types
+                break
     except csv.Error as error:  # a field over the csv module's limit, a NUL: the rows read so far stand
-        if header is None or not whole:
+        if header is None:
             raise ValueError(
                 f"it is not readable as {'TSV' if delimiter == chr(9) else 'CSV'} ({error})"
             ) from None
@@ -161,8 +178,11 @@ def table_from_text(data: bytes, size: int, delimiter: str) -> Table:
     cells = tuple(tuple(row[i] if i < len(row) else "" for i in range(len(shown))) for row in rows[:MAX_ROWS])
     if whole:
         return Table(columns, cells, width, count, True)
-    estimate = round(count * size / max(1, len(data))) if count else None
-    return Table(columns, cells, width, estimate, False, f"from the first {human_bytes(len(data))}")
+    # Lines per byte in the samples (the head's, without them), applied to the whole file.
+    rate = _line_rate(samples) if samples else (count / max(1, len(data)) if count else None)
+    estimate = round(rate * size) if rate else None
+    basis = f"from samples of {human_bytes(sum(len(s) for s in samples) or len(data))}"
+    return Table(columns, cells, width, estimate, False, basis)
 
 
 def _plural(n: int, word: str) -> str:
@@ -329,10 +349,16 @@ def parse_program_output(stdout: str, paths: Sequence[str]) -> dict[str, Table |
 # ---- the answer's previews ------------------------------------------------------------------------------
 
 HeadReader = Callable[[str, int], Awaitable[tuple[bytes, int]]]
+SampleReader = Callable[[str, int, int], Awaitable[bytes]]
 SandboxRun = Callable[[str], Awaitable[RunResult]]
 
 
-async def previews(paths: Sequence[str], read_head: HeadReader, run_in_sandbox: SandboxRun) -> str:
+async def previews(
+    paths: Sequence[str],
+    read_head: HeadReader,
+    run_in_sandbox: SandboxRun,
+    read_at: SampleReader | None = None,
+) -> str:
     """Markdown previews of the table files among `paths` (in order, at most MAX_PREVIEWS), each a
     caption and a table; a file that cannot be previewed gets one sentence instead."""
     chosen = [p for p in dict.fromkeys(paths) if is_table(p)][:MAX_PREVIEWS]
@@ -345,8 +371,12 @@ async def previews(paths: Sequence[str], read_head: HeadReader, run_in_sandbox: 
             continue
         try:
             data, size = await read_head(path, HEAD_BYTES)
+            samples = []
+            if read_at is not None and size > len(data):
+                for offset in (size // 2, size - SAMPLE_BYTES):
+                    samples.append(await read_at(path, max(len(data), offset), SAMPLE_BYTES))
             delimiter = "\t" if path.lower().endswith(".tsv") else ","
-            found[path] = table_from_text(data, size, delimiter)
+            found[path] = table_from_text(data, size, delimiter, samples)
         except StorageError as error:
             found[path] = f"it could not be read ({error})"
         except ValueError as error:

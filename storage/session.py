@@ -238,6 +238,16 @@ class ChatFiles:
 
         return await asyncio.to_thread(work)
 
+    async def read_at(self, path: str, offset: int, max_bytes: int) -> bytes:
+        """At most `max_bytes` of a file from `offset` on (with `read_head`, samples of a big file)."""
+        parts = split_path(path)
+
+        def work() -> bytes:
+            with self._root() as root, fd_closing(open_regular(root, parts)) as fd:
+                return os.pread(fd, max_bytes, max(0, offset))
+
+        return await asyncio.to_thread(work)
+
     async def exists(self, path: str) -> bool:
         """True if a regular file is at path (reached without symlinks)."""
         parts = split_path(path)

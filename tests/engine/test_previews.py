@@ -18,6 +18,7 @@ from engine.previews import (
     MAX_CELL,
     MAX_COLUMNS,
     MAX_ROWS,
+    SAMPLE_BYTES,
     Table,
     cell_text,
     parse_program_output,
@@ -81,15 +82,16 @@ def test_a_small_csv_is_counted_exactly_and_typed() -> None:
     assert shown.count("\n|") == 2 + MAX_ROWS  # header, rule, rows
 
 
-def test_a_large_csv_is_estimated_from_its_head_and_says_so() -> None:
+def test_a_large_csv_is_estimated_from_samples_and_says_so() -> None:
     row = b"1,hello,2.5\n"
     head = b"a,b,c\n" + row * (HEAD_BYTES // len(row) + 10)
     size = 100 * 1024 * 1024
-    table = table_from_text(head[:HEAD_BYTES], size, ",")
+    middle = b"x" * 5 + row * (SAMPLE_BYTES // len(row))
+    table = table_from_text(head[:HEAD_BYTES], size, ",", [middle, middle])
     assert not table.exact and table.total_rows is not None
     assert abs(table.total_rows - size // len(row)) / (size // len(row)) < 0.01
-    assert f"about {table.total_rows:,} rows" in render(table)
-    assert "estimated from the first 256" in render(table)
+    assert f"about {table.total_rows:,} rows, estimated from samples of 64" in render(table)
+    assert table.columns == (("a", "int"), ("b", "text"), ("c", "float"))
 
 
 def test_many_columns_are_cut_and_counted() -> None:
@@ -151,8 +153,14 @@ async def test_previews_read_a_bounded_head_and_go_to_the_sandbox_for_xlsx() -> 
             reason=None,
         )
 
-    shown = await previews(["a.csv", "b.png", "c.xlsx", "a.csv"], read_head, run)
-    assert asked == [("a.csv", HEAD_BYTES)] and len(ran) == 1 and '["c.xlsx"]' in ran[0]
+    async def read_at(path: str, offset: int, limit: int) -> bytes:
+        asked.append((path, offset, limit))
+        return b"1,2\n" * (limit // 4)
+
+    shown = await previews(["a.csv", "b.png", "c.xlsx", "a.csv"], read_head, run, read_at)
+    middle, end = 50 * 1024 * 1024, 100 * 1024 * 1024 - SAMPLE_BYTES
+    assert asked == [("a.csv", HEAD_BYTES), ("a.csv", middle, SAMPLE_BYTES), ("a.csv", end, SAMPLE_BYTES)]
+    assert len(ran) == 1 and '["c.xlsx"]' in ran[0]
     assert (
         "_Preview 1 of 2 · about" in shown and "_Preview 2 of 2 · none: the sandbox gave no answer" in shown
     )
