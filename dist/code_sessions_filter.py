@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_ded94dfae68f'
+_CS_PACKAGE = '_code_sessions_63b8eb8b39d8'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -457,9 +457,7 @@ class Core:
                 self._reconciling_after_full_disk = False
         return was_unsaved
 
-    async def session_id(
-        self, tx: Tx, ref: ChatRef, created_at: float, used_at: float | None = None
-    ) -> int:
+    async def session_id(self, tx: Tx, ref: ChatRef, created_at: float, used_at: float | None = None) -> int:
         """The session's row id inside a transaction, creating the row if it is missing."""
         return await _index.ensure_session(
             tx,
@@ -868,9 +866,7 @@ async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally
             tally.files_removed += removed_files
             tally.bytes_freed += removed_bytes
             tally.details.append(
-                CleanupAction(
-                    row.user_id, row.chat_id, "files expired", removed_files, removed_bytes, reason
-                )
+                CleanupAction(row.user_id, row.chat_id, "files expired", removed_files, removed_bytes, reason)
             )
 
 
@@ -3832,9 +3828,7 @@ class PgTx:
             raise NeedsTransaction()
         # Held until this transaction ends. Only queued: the server runs the statements after it
         # once it has the lock (waiting up to lock_timeout, then the transaction is run again).
-        await self._conn.execute(
-            "SELECT pg_advisory_xact_lock(%s::bigint)", (self._user_key(user_key),)
-        )
+        await self._conn.execute("SELECT pg_advisory_xact_lock(%s::bigint)", (self._user_key(user_key),))
 
 
 class NeedsTransaction(BaseException):
@@ -7151,6 +7145,16 @@ class ChatFiles:
                     chunks.append(chunk)
                     left -= len(chunk)
                 return b"".join(chunks), size
+
+        return await asyncio.to_thread(work)
+
+    async def read_at(self, path: str, offset: int, max_bytes: int) -> bytes:
+        """At most `max_bytes` of a file from `offset` on (with `read_head`, samples of a big file)."""
+        parts = split_path(path)
+
+        def work() -> bytes:
+            with self._root() as root, fd_closing(open_regular(root, parts)) as fd:
+                return os.pread(fd, max_bytes, max(0, offset))
 
         return await asyncio.to_thread(work)
 
@@ -11156,7 +11160,8 @@ arrive on the kernel's original fd 0; replies leave on its original fd 1:
                      {"t": "out", "id": int, "s": "o" | "e", "d": str (at most 16384 characters)}
                      {"t": "done", "id": int, "status": "ok" | "error" | "interrupted",
                       "exit_code": int | null, "figures": [str], "more": int, "ms": float}
-                     ("more": figures left open past MAX_FIGURES_PER_RUN, not saved)
+                     ("figures": figure-N.png and chart-N.plotly.json names; "more": figures left
+                      open past MAX_FIGURES_PER_RUN, not saved)
 
 One run at a time; every "out" of a run precedes its "done"; nothing is written between a "done" and the
 next request. The cell runs inside the kernel's process, so it can write anything to the reply channel:
@@ -15602,8 +15607,8 @@ import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from _code_sessions_ded94dfae68f.runner import RunResult
-from _code_sessions_ded94dfae68f.storage import ReconcileReport, StorageError, human_bytes
+from _code_sessions_63b8eb8b39d8.runner import RunResult
+from _code_sessions_63b8eb8b39d8.storage import ReconcileReport, StorageError, human_bytes
 
 from .markup import mention
 
@@ -16153,7 +16158,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_ded94dfae68f.runner import Outcome
+from _code_sessions_63b8eb8b39d8.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -16454,7 +16459,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_ded94dfae68f.runner import RunnerError
+from _code_sessions_63b8eb8b39d8.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -16656,7 +16661,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from _code_sessions_ded94dfae68f.runner import RunnerError
+from _code_sessions_63b8eb8b39d8.runner import RunnerError
 
 from .charts import chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
@@ -16670,8 +16675,9 @@ async def answer_previews(chat: ChatSession) -> str:
     paths = chat.shown
     if not any(is_table(path) for path in paths):
         return ""
+    files = chat.session.files
     return await previews(
-        paths, chat.session.files.read_head, lambda code: chat.read_in_sandbox(code, SANDBOX_LIMITS)
+        paths, files.read_head, lambda code: chat.read_in_sandbox(code, SANDBOX_LIMITS), files.read_at
     )
 
 
@@ -16698,8 +16704,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_ded94dfae68f.runner import Runner, RunnerError
-from _code_sessions_ded94dfae68f.storage import StorageError
+from _code_sessions_63b8eb8b39d8.runner import Runner, RunnerError
+from _code_sessions_63b8eb8b39d8.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -16849,8 +16855,8 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_ded94dfae68f.runner import Limits, Outcome, RunnerError, RunResult
-from _code_sessions_ded94dfae68f.storage import StorageError, human_bytes
+from _code_sessions_63b8eb8b39d8.runner import Limits, Outcome, RunnerError, RunResult
+from _code_sessions_63b8eb8b39d8.storage import StorageError, human_bytes
 
 from .markup import visible
 
@@ -16874,7 +16880,10 @@ MAX_PREVIEWS = 4  # files previewed per answer
 MAX_ROWS = 8  # rows shown per preview
 MAX_COLUMNS = 8  # columns shown per preview
 MAX_CELL = 40  # characters shown per cell (and per column name)
-HEAD_BYTES = 256 * 1024  # of a CSV or TSV read on the host
+HEAD_BYTES = 64 * 1024  # of a CSV or TSV read on the host: its first rows
+# A larger one's row count is estimated from two samples, from its middle and its end: its first rows
+# are a poor sample (a header, and ids that grow longer further down).
+SAMPLE_BYTES = 32 * 1024
 _SAMPLE_ROWS = 200  # rows whose values decide a column's type
 # The sandbox that reads XLSX and Parquet: a small run, its one line of output bounded.
 SANDBOX_LIMITS = Limits(
@@ -16952,9 +16961,21 @@ def _kind(values: Sequence[str]) -> str:
     return "text"
 
 
-def table_from_text(data: bytes, size: int, delimiter: str) -> Table:
-    """A preview of delimited text, from its first bytes (`data`) and the file's size. Raises ValueError
-    with a sentence when no table can be read."""
+def _line_rate(samples: Sequence[bytes]) -> float | None:
+    """Lines per byte in pieces cut from a file (each counted from its first line break to its last)."""
+    lines = spanned = 0
+    for piece in samples:
+        first, last = piece.find(b"\n"), piece.rfind(b"\n")
+        if 0 <= first < last:
+            lines += piece.count(b"\n", first + 1, last + 1)
+            spanned += last - first
+    return lines / spanned if spanned else None
+
+
+def table_from_text(data: bytes, size: int, delimiter: str, samples: Sequence[bytes] = ()) -> Table:
+    """A preview of delimited text, from its first bytes (`data`), the file's size and, for a file
+    larger than `data`, `samples` of it for the row count. Raises ValueError with a sentence when no
+    table can be read."""
     whole = len(data) >= size
     if not whole:  # the last line is cut: leave it out
         end = data.rfind(b"\n")
@@ -16972,8 +16993,10 @@ def table_from_text(data: bytes, size: int, delimiter: str) -> Table:
             count += 1
             if len(rows) < _SAMPLE_ROWS:
                 rows.append(row)
+            elif samples:  # the samples count the rows: these are enough for the types
+                break
     except csv.Error as error:  # a field over the csv module's limit, a NUL: the rows read so far stand
-        if header is None or not whole:
+        if header is None:
             raise ValueError(
                 f"it is not readable as {'TSV' if delimiter == chr(9) else 'CSV'} ({error})"
             ) from None
@@ -16988,8 +17011,11 @@ def table_from_text(data: bytes, size: int, delimiter: str) -> Table:
     cells = tuple(tuple(row[i] if i < len(row) else "" for i in range(len(shown))) for row in rows[:MAX_ROWS])
     if whole:
         return Table(columns, cells, width, count, True)
-    estimate = round(count * size / max(1, len(data))) if count else None
-    return Table(columns, cells, width, estimate, False, f"from the first {human_bytes(len(data))}")
+    # Lines per byte in the samples (the head's, without them), applied to the whole file.
+    rate = _line_rate(samples) if samples else (count / max(1, len(data)) if count else None)
+    estimate = round(rate * size) if rate else None
+    basis = f"from samples of {human_bytes(sum(len(s) for s in samples) or len(data))}"
+    return Table(columns, cells, width, estimate, False, basis)
 
 
 def _plural(n: int, word: str) -> str:
@@ -17156,10 +17182,16 @@ def parse_program_output(stdout: str, paths: Sequence[str]) -> dict[str, Table |
 # ---- the answer's previews ------------------------------------------------------------------------------
 
 HeadReader = Callable[[str, int], Awaitable[tuple[bytes, int]]]
+SampleReader = Callable[[str, int, int], Awaitable[bytes]]
 SandboxRun = Callable[[str], Awaitable[RunResult]]
 
 
-async def previews(paths: Sequence[str], read_head: HeadReader, run_in_sandbox: SandboxRun) -> str:
+async def previews(
+    paths: Sequence[str],
+    read_head: HeadReader,
+    run_in_sandbox: SandboxRun,
+    read_at: SampleReader | None = None,
+) -> str:
     """Markdown previews of the table files among `paths` (in order, at most MAX_PREVIEWS), each a
     caption and a table; a file that cannot be previewed gets one sentence instead."""
     chosen = [p for p in dict.fromkeys(paths) if is_table(p)][:MAX_PREVIEWS]
@@ -17172,8 +17204,12 @@ async def previews(paths: Sequence[str], read_head: HeadReader, run_in_sandbox: 
             continue
         try:
             data, size = await read_head(path, HEAD_BYTES)
+            samples = []
+            if read_at is not None and size > len(data):
+                for offset in (size // 2, size - SAMPLE_BYTES):
+                    samples.append(await read_at(path, max(len(data), offset), SAMPLE_BYTES))
             delimiter = "\t" if path.lower().endswith(".tsv") else ","
-            found[path] = table_from_text(data, size, delimiter)
+            found[path] = table_from_text(data, size, delimiter, samples)
         except StorageError as error:
             found[path] = f"it could not be read ({error})"
         except ValueError as error:
@@ -17213,8 +17249,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_ded94dfae68f.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_ded94dfae68f.storage import human_bytes
+from _code_sessions_63b8eb8b39d8.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_63b8eb8b39d8.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -17333,7 +17369,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_ded94dfae68f.storage import Purge, parse_duration
+from _code_sessions_63b8eb8b39d8.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -17901,8 +17937,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_ded94dfae68f.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_ded94dfae68f.storage import (
+from _code_sessions_63b8eb8b39d8.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_63b8eb8b39d8.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -18500,8 +18536,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_ded94dfae68f.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_ded94dfae68f.storage import Policy
+from _code_sessions_63b8eb8b39d8.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_63b8eb8b39d8.storage import Policy
 
 __all__ = ["DEFAULTS", "Settings"]
 
@@ -18931,7 +18967,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_ded94dfae68f.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_63b8eb8b39d8.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -19150,7 +19186,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_ded94dfae68f.storage import Link, Publisher, is_postgres_url
+from _code_sessions_63b8eb8b39d8.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -19397,10 +19433,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_ded94dfae68f.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
-from _code_sessions_ded94dfae68f.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_ded94dfae68f.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_ded94dfae68f.webui import OpenWebUI
+from _code_sessions_63b8eb8b39d8.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
+from _code_sessions_63b8eb8b39d8.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_63b8eb8b39d8.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_63b8eb8b39d8.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -19926,7 +19962,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_ded94dfae68f.engine import (
+from _code_sessions_63b8eb8b39d8.engine import (
     ChatSession,
     LoopOptions,
     StreamingRewriter,
@@ -19936,10 +19972,10 @@ from _code_sessions_ded94dfae68f.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_ded94dfae68f.engine.scan import SCAN_ON_LOOP_CHARS
-from _code_sessions_ded94dfae68f.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_ded94dfae68f.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_ded94dfae68f.webui import Misconfigured
+from _code_sessions_63b8eb8b39d8.engine.scan import SCAN_ON_LOOP_CHARS
+from _code_sessions_63b8eb8b39d8.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_63b8eb8b39d8.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_63b8eb8b39d8.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 
