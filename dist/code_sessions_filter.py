@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_63b8eb8b39d8'
+_CS_PACKAGE = '_code_sessions_00b695cb02d4'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -10468,6 +10468,22 @@ class _Charts:
         return stem + ".plotly.json"
 
 
+def _array(value: Any) -> Any:
+    """A trace's data as matplotlib takes it: plotly 6 and later write numeric arrays as typed arrays
+    ({"dtype": "i1", "bdata": base64, "shape": "2, 3"})."""
+    if isinstance(value, dict) and "bdata" in value and "dtype" in value:
+        import base64
+
+        import numpy
+
+        array = numpy.frombuffer(base64.b64decode(value["bdata"]), dtype=numpy.dtype(value["dtype"]))
+        shape = value.get("shape")
+        if isinstance(shape, str) and shape:
+            array = array.reshape([int(n) for n in shape.split(",")])
+        return array
+    return value
+
+
 def _title(value: Any) -> str:
     if isinstance(value, dict):
         value = value.get("text")
@@ -10488,7 +10504,7 @@ def _draw(spec: dict[str, Any], file: Any) -> bool:
     drawn = 0
     for trace in spec.get("data") or ():
         kind = trace.get("type") or "scatter"
-        x, y, label = trace.get("x"), trace.get("y"), trace.get("name") or None
+        x, y, label = _array(trace.get("x")), _array(trace.get("y")), trace.get("name") or None
         if kind in ("scatter", "scattergl") and y is not None:
             x = list(range(len(y))) if x is None else x
             mode = trace.get("mode") or "lines+markers"
@@ -10508,7 +10524,7 @@ def _draw(spec: dict[str, Any], file: Any) -> bool:
         elif kind == "histogram" and (x is not None or y is not None):
             axes.hist(x if x is not None else y, label=label)
         elif kind == "pie" and trace.get("values") is not None:
-            axes.pie(trace["values"], labels=trace.get("labels"))
+            axes.pie(_array(trace["values"]), labels=_array(trace.get("labels")))
         else:
             continue
         drawn += 1
@@ -15607,8 +15623,8 @@ import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from _code_sessions_63b8eb8b39d8.runner import RunResult
-from _code_sessions_63b8eb8b39d8.storage import ReconcileReport, StorageError, human_bytes
+from _code_sessions_00b695cb02d4.runner import RunResult
+from _code_sessions_00b695cb02d4.storage import ReconcileReport, StorageError, human_bytes
 
 from .markup import mention
 
@@ -16158,7 +16174,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_63b8eb8b39d8.runner import Outcome
+from _code_sessions_00b695cb02d4.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -16459,7 +16475,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_63b8eb8b39d8.runner import RunnerError
+from _code_sessions_00b695cb02d4.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -16661,7 +16677,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from _code_sessions_63b8eb8b39d8.runner import RunnerError
+from _code_sessions_00b695cb02d4.runner import RunnerError
 
 from .charts import chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
@@ -16704,8 +16720,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_63b8eb8b39d8.runner import Runner, RunnerError
-from _code_sessions_63b8eb8b39d8.storage import StorageError
+from _code_sessions_00b695cb02d4.runner import Runner, RunnerError
+from _code_sessions_00b695cb02d4.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -16855,8 +16871,8 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_63b8eb8b39d8.runner import Limits, Outcome, RunnerError, RunResult
-from _code_sessions_63b8eb8b39d8.storage import StorageError, human_bytes
+from _code_sessions_00b695cb02d4.runner import Limits, Outcome, RunnerError, RunResult
+from _code_sessions_00b695cb02d4.storage import StorageError, human_bytes
 
 from .markup import visible
 
@@ -17249,8 +17265,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_63b8eb8b39d8.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_63b8eb8b39d8.storage import human_bytes
+from _code_sessions_00b695cb02d4.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_00b695cb02d4.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -17369,7 +17385,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_63b8eb8b39d8.storage import Purge, parse_duration
+from _code_sessions_00b695cb02d4.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -17937,8 +17953,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_63b8eb8b39d8.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_63b8eb8b39d8.storage import (
+from _code_sessions_00b695cb02d4.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_00b695cb02d4.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -18536,8 +18552,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_63b8eb8b39d8.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_63b8eb8b39d8.storage import Policy
+from _code_sessions_00b695cb02d4.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_00b695cb02d4.storage import Policy
 
 __all__ = ["DEFAULTS", "Settings"]
 
@@ -18967,7 +18983,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_63b8eb8b39d8.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_00b695cb02d4.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -19186,7 +19202,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_63b8eb8b39d8.storage import Link, Publisher, is_postgres_url
+from _code_sessions_00b695cb02d4.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -19433,10 +19449,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_63b8eb8b39d8.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
-from _code_sessions_63b8eb8b39d8.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_63b8eb8b39d8.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_63b8eb8b39d8.webui import OpenWebUI
+from _code_sessions_00b695cb02d4.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
+from _code_sessions_00b695cb02d4.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_00b695cb02d4.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_00b695cb02d4.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -19962,7 +19978,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_63b8eb8b39d8.engine import (
+from _code_sessions_00b695cb02d4.engine import (
     ChatSession,
     LoopOptions,
     StreamingRewriter,
@@ -19972,10 +19988,10 @@ from _code_sessions_63b8eb8b39d8.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_63b8eb8b39d8.engine.scan import SCAN_ON_LOOP_CHARS
-from _code_sessions_63b8eb8b39d8.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_63b8eb8b39d8.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_63b8eb8b39d8.webui import Misconfigured
+from _code_sessions_00b695cb02d4.engine.scan import SCAN_ON_LOOP_CHARS
+from _code_sessions_00b695cb02d4.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_00b695cb02d4.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_00b695cb02d4.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -116,6 +116,22 @@ class _Charts:
         return stem + ".plotly.json"
 
 
+def _array(value: Any) -> Any:
+    """A trace's data as matplotlib takes it: plotly 6 and later write numeric arrays as typed arrays
+    ({"dtype": "i1", "bdata": base64, "shape": "2, 3"})."""
+    if isinstance(value, dict) and "bdata" in value and "dtype" in value:
+        import base64
+
+        import numpy
+
+        array = numpy.frombuffer(base64.b64decode(value["bdata"]), dtype=numpy.dtype(value["dtype"]))
+        shape = value.get("shape")
+        if isinstance(shape, str) and shape:
+            array = array.reshape([int(n) for n in shape.split(",")])
+        return array
+    return value
+
+
 def _title(value: Any) -> str:
     if isinstance(value, dict):
         value = value.get("text")
@@ -136,7 +152,7 @@ def _draw(spec: dict[str, Any], file: Any) -> bool:
     drawn = 0
     for trace in spec.get("data") or ():
         kind = trace.get("type") or "scatter"
-        x, y, label = trace.get("x"), trace.get("y"), trace.get("name") or None
+        x, y, label = _array(trace.get("x")), _array(trace.get("y")), trace.get("name") or None
         if kind in ("scatter", "scattergl") and y is not None:
             x = list(range(len(y))) if x is None else x
             mode = trace.get("mode") or "lines+markers"
@@ -156,7 +172,7 @@ def _draw(spec: dict[str, Any], file: Any) -> bool:
         elif kind == "histogram" and (x is not None or y is not None):
             axes.hist(x if x is not None else y, label=label)
         elif kind == "pie" and trace.get("values") is not None:
-            axes.pie(trace["values"], labels=trace.get("labels"))
+            axes.pie(_array(trace["values"]), labels=_array(trace.get("labels")))
         else:
             continue
         drawn += 1

@@ -73,6 +73,7 @@ class PipeHarness:
         self.pipe = self.module.Pipe()
         self.cache_dir = self.data_dir / "cache"  # what Open WebUI serves to every logged-in user
         self.embeds: list[str] = []  # the last answer's embed (its charts), as Open WebUI would show it
+        self.user_valves: dict = {}  # the user's valves of the Pipe (Open WebUI hands them to every call)
         self.files = FilesApi(
             self.module, self.uploads_dir or self.data_dir / "uploads", self.data_dir / "files-api.json"
         )
@@ -124,7 +125,12 @@ class PipeHarness:
         self.message_id = message_id
         result = await self.pipe.pipe(
             body,
-            __user__={"id": user_id, "name": user_id, "role": "user", "valves": self.pipe.UserValves()},
+            __user__={
+                "id": user_id,
+                "name": user_id,
+                "role": "user",
+                "valves": self.pipe.UserValves(**self.user_valves),
+            },
             __request__=None,
             __event_emitter__=emit,
             __chat_id__=chat_id,
