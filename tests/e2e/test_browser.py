@@ -387,6 +387,29 @@ def test_a_plotly_chart_is_interactive_isolated_and_still_there_after_a_reload(
     assert not errors, errors
     context.close()
 
+    # Shared with bob: Open WebUI 0.12.4 draws no embeds on a shared chat's page (read-only), so bob
+    # sees the chart as its static picture, in the run's block.
+    shared = admin.post(f"/api/v1/chats/{reply.chat_id}/share")
+    assert shared.status_code == 200, shared.text
+    bob = open_webui.accounts["bob"]
+    grant = {
+        "access_grants": [{"principal_type": "user", "principal_id": bob.user_id, "permission": "read"}],
+        "share_mode": None,
+    }
+    admin.post(f"/api/v1/chats/shared/{reply.chat_id}/access/update", grant).raise_for_status()
+    context = logged_in(browser, open_webui, bob, height=900)
+    page = context.new_page()
+    page.goto(f"{open_webui.url}/s/{shared.json()['share_id']}")
+    block = page.get_by_text(re.compile(r"Python finished in")).first
+    block.wait_for(timeout=60_000)
+    assert page.locator("iframe").count() == 0
+    block.click()
+    still = page.locator("img[alt='chart-1.png']")
+    still.wait_for(timeout=30_000)
+    loaded = "img => img.complete && img.naturalWidth > 0"
+    page.wait_for_function(loaded, arg=still.element_handle(), timeout=30_000)
+    context.close()
+
 
 def hover_over(page: Page, target: Locator) -> None:
     """The mouse over the middle of `target`, as a user moves it (plotly's drag layer lies on top of
