@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_00b695cb02d4'
+_CS_PACKAGE = '_code_sessions_c296e841fe2b'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -15623,8 +15623,8 @@ import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from _code_sessions_00b695cb02d4.runner import RunResult
-from _code_sessions_00b695cb02d4.storage import ReconcileReport, StorageError, human_bytes
+from _code_sessions_c296e841fe2b.runner import RunResult
+from _code_sessions_c296e841fe2b.storage import ReconcileReport, StorageError, human_bytes
 
 from .markup import mention
 
@@ -16174,7 +16174,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_00b695cb02d4.runner import Outcome
+from _code_sessions_c296e841fe2b.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -16475,7 +16475,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_00b695cb02d4.runner import RunnerError
+from _code_sessions_c296e841fe2b.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -16677,7 +16677,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from _code_sessions_00b695cb02d4.runner import RunnerError
+from _code_sessions_c296e841fe2b.runner import RunnerError
 
 from .charts import chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
@@ -16720,8 +16720,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_00b695cb02d4.runner import Runner, RunnerError
-from _code_sessions_00b695cb02d4.storage import StorageError
+from _code_sessions_c296e841fe2b.runner import Runner, RunnerError
+from _code_sessions_c296e841fe2b.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -16851,8 +16851,9 @@ async def _sandbox_facts(runner: Runner) -> _SandboxFacts:
 Parquet file an answer links, written into the answer's own text (so it survives a reload and shows in a
 shared chat).
 
-The file's bytes are hostile. CSV and TSV are read on the host, at most `HEAD_BYTES` of them (a 100 MB
-file is never read whole: its row count is then an estimate, and says so). XLSX and Parquet need
+The file's bytes are hostile. CSV and TSV are read on the host, their first `HEAD_BYTES` and, for a
+larger file, two samples of `SAMPLE_BYTES` for the row count (a 100 MB file is never read whole: its
+row count is then an estimate, and says so). XLSX and Parquet need
 openpyxl and pyarrow, whose parsers have had bugs: they are read in a fresh gVisor sandbox over the
 chat's folder (`PROGRAM`), whose one line of output is checked as hostile too. Every cell, column name
 and type is written as text (`cell_text`): no markdown, HTML, link or line break survives.
@@ -16871,8 +16872,8 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_00b695cb02d4.runner import Limits, Outcome, RunnerError, RunResult
-from _code_sessions_00b695cb02d4.storage import StorageError, human_bytes
+from _code_sessions_c296e841fe2b.runner import Limits, Outcome, RunnerError, RunResult
+from _code_sessions_c296e841fe2b.storage import StorageError, human_bytes
 
 from .markup import visible
 
@@ -16911,8 +16912,8 @@ SANDBOX_LIMITS = Limits(
     max_output_bytes=64 * 1024,
 )
 _MARK = "code-sessions-preview:"
-_CAPTION = re.compile(
-    r"\n*_Preview(?: \d+ of \d+)? · [^\n]*_\n\n(?:\|[^\n]*\|\n)+(?:\n_and [^\n]* not shown_\n)?"
+_CAPTION = re.compile(  # a caption, and its table if it has one
+    r"\n*_Preview(?: \d+ of \d+)? · [^\n]*_\n(?:\n(?:\|[^\n]*\|\n)+(?:\n_and [^\n]* not shown_\n)?)?"
 )
 
 _INT = re.compile(r"[+-]?\d{1,18}")
@@ -17265,8 +17266,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_00b695cb02d4.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_00b695cb02d4.storage import human_bytes
+from _code_sessions_c296e841fe2b.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_c296e841fe2b.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -17385,7 +17386,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_00b695cb02d4.storage import Purge, parse_duration
+from _code_sessions_c296e841fe2b.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -17953,8 +17954,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_00b695cb02d4.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_00b695cb02d4.storage import (
+from _code_sessions_c296e841fe2b.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_c296e841fe2b.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -18552,8 +18553,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_00b695cb02d4.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_00b695cb02d4.storage import Policy
+from _code_sessions_c296e841fe2b.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_c296e841fe2b.storage import Policy
 
 __all__ = ["DEFAULTS", "Settings"]
 
@@ -18983,7 +18984,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_00b695cb02d4.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_c296e841fe2b.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -19202,7 +19203,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_00b695cb02d4.storage import Link, Publisher, is_postgres_url
+from _code_sessions_c296e841fe2b.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -19449,10 +19450,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_00b695cb02d4.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
-from _code_sessions_00b695cb02d4.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_00b695cb02d4.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_00b695cb02d4.webui import OpenWebUI
+from _code_sessions_c296e841fe2b.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
+from _code_sessions_c296e841fe2b.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_c296e841fe2b.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_c296e841fe2b.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -19979,7 +19980,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_00b695cb02d4.engine import (
+from _code_sessions_c296e841fe2b.engine import (
     LoopOptions,
     ModelError,
     TextDelta,
@@ -19994,9 +19995,9 @@ from _code_sessions_00b695cb02d4.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_00b695cb02d4.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_00b695cb02d4.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_00b695cb02d4.webui import Misconfigured
+from _code_sessions_c296e841fe2b.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_c296e841fe2b.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_c296e841fe2b.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

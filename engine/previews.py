@@ -2,8 +2,9 @@
 Parquet file an answer links, written into the answer's own text (so it survives a reload and shows in a
 shared chat).
 
-The file's bytes are hostile. CSV and TSV are read on the host, at most `HEAD_BYTES` of them (a 100 MB
-file is never read whole: its row count is then an estimate, and says so). XLSX and Parquet need
+The file's bytes are hostile. CSV and TSV are read on the host, their first `HEAD_BYTES` and, for a
+larger file, two samples of `SAMPLE_BYTES` for the row count (a 100 MB file is never read whole: its
+row count is then an estimate, and says so). XLSX and Parquet need
 openpyxl and pyarrow, whose parsers have had bugs: they are read in a fresh gVisor sandbox over the
 chat's folder (`PROGRAM`), whose one line of output is checked as hostile too. Every cell, column name
 and type is written as text (`cell_text`): no markdown, HTML, link or line break survives.
@@ -62,8 +63,8 @@ SANDBOX_LIMITS = Limits(
     max_output_bytes=64 * 1024,
 )
 _MARK = "code-sessions-preview:"
-_CAPTION = re.compile(
-    r"\n*_Preview(?: \d+ of \d+)? · [^\n]*_\n\n(?:\|[^\n]*\|\n)+(?:\n_and [^\n]* not shown_\n)?"
+_CAPTION = re.compile(  # a caption, and its table if it has one
+    r"\n*_Preview(?: \d+ of \d+)? · [^\n]*_\n(?:\n(?:\|[^\n]*\|\n)+(?:\n_and [^\n]* not shown_\n)?)?"
 )
 
 _INT = re.compile(r"[+-]?\d{1,18}")

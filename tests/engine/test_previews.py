@@ -118,6 +118,10 @@ def test_previews_are_stripped_from_what_the_model_reads() -> None:
     data = _csv([["a"], ["1"]])
     answer = "Here: [t.csv](/api/v1/files/x/content)" + "\n\n" + render(table_from_text(data, len(data), ","))
     assert strip_previews(answer) == "Here: [t.csv](/api/v1/files/x/content)"
+    none = "Here.\n\n_Preview 1 of 2 · none: it is empty_\n" + render(
+        table_from_text(data, len(data), ","), 2, 2
+    )
+    assert strip_previews(none) == "Here."
 
 
 def test_the_sandbox_answer_is_checked() -> None:
