@@ -80,8 +80,6 @@ def _spread(values: list[float]) -> dict[str, float]:
     }
 
 
-
-
 async def run(ctx: Context) -> dict[str, Any]:
     pairs = 5 if ctx.quick else 40
     many = 3 if ctx.quick else 20

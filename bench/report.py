@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from . import branches, environment, filter_stream, hibernate, index_backends, uploads
+from . import branches, environment, filter_stream, hibernate, index_backends, previews, uploads
 from .index_backends import TARGET_STEP_RATIO
 
 
@@ -411,6 +411,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     limit = hook.get("target_ratio", 1.5)
     add("Filter stream hook / a minimal rewriting hook, 100 KB answer", value, limit, "x")
     uploads.targets(s.get("uploads", {}), add)
+    if "previews" in s:
+        previews.targets(s["previews"], add)
     if "index_backends" in s:
         ratio = s["index_backends"].get("step", {}).get("ratio_of_medians")
         add("chat step storage, PostgreSQL / SQLite", ratio, TARGET_STEP_RATIO, "x")
@@ -451,9 +453,10 @@ def render(results: dict[str, Any]) -> str:
         ("8. Kernels saved to disk, resumed, and started warm", "hibernate", hibernate.render),
         ("9. The Filter's stream hook", "filter_stream", filter_stream.render),
         ("10. Upload links: receiving a file", "uploads", uploads.render),
+        ("11. A table preview of a 100 MB CSV", "previews", previews.render),
         ("Index backends: SQLite vs PostgreSQL", "index_backends", index_backends.render),
         ("The sandbox environment", "environment", environment.render),
-        ("11. States for the conversation's branches", "branches", branches.render),
+        ("12. States for the conversation's branches", "branches", branches.render),
     ]
     for title, key, fn in sections:
         if key in s:

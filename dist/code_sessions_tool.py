@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_6b4d38611ea7'
+_CS_PACKAGE = '_code_sessions_781f2351cb3c'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -471,9 +471,7 @@ class Core:
                 self._reconciling_after_full_disk = False
         return was_unsaved
 
-    async def session_id(
-        self, tx: Tx, ref: ChatRef, created_at: float, used_at: float | None = None
-    ) -> int:
+    async def session_id(self, tx: Tx, ref: ChatRef, created_at: float, used_at: float | None = None) -> int:
         """The session's row id inside a transaction, creating the row if it is missing."""
         return await _index.ensure_session(
             tx,
@@ -882,9 +880,7 @@ async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally
             tally.files_removed += removed_files
             tally.bytes_freed += removed_bytes
             tally.details.append(
-                CleanupAction(
-                    row.user_id, row.chat_id, "files expired", removed_files, removed_bytes, reason
-                )
+                CleanupAction(row.user_id, row.chat_id, "files expired", removed_files, removed_bytes, reason)
             )
 
 
@@ -4806,9 +4802,7 @@ class PgTx:
             raise NeedsTransaction()
         # Held until this transaction ends. Only queued: the server runs the statements after it
         # once it has the lock (waiting up to lock_timeout, then the transaction is run again).
-        await self._conn.execute(
-            "SELECT pg_advisory_xact_lock(%s::bigint)", (self._user_key(user_key),)
-        )
+        await self._conn.execute("SELECT pg_advisory_xact_lock(%s::bigint)", (self._user_key(user_key),))
 
 
 class NeedsTransaction(BaseException):
@@ -8234,6 +8228,33 @@ class ChatFiles:
 
         return await asyncio.to_thread(work)
 
+    async def read_head(self, path: str, max_bytes: int) -> tuple[bytes, int]:
+        """The first `max_bytes` of a file at most, and its size: a bounded look at a file of any size
+        (a preview never reads the whole of a 100 MB CSV)."""
+        parts = split_path(path)
+
+        def work() -> tuple[bytes, int]:
+            with self._root() as root, fd_closing(open_regular(root, parts)) as fd:
+                size = os.fstat(fd).st_size
+                chunks: list[bytes] = []
+                left = max_bytes
+                while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+                    chunks.append(chunk)
+                    left -= len(chunk)
+                return b"".join(chunks), size
+
+        return await asyncio.to_thread(work)
+
+    async def read_at(self, path: str, offset: int, max_bytes: int) -> bytes:
+        """At most `max_bytes` of a file from `offset` on (with `read_head`, samples of a big file)."""
+        parts = split_path(path)
+
+        def work() -> bytes:
+            with self._root() as root, fd_closing(open_regular(root, parts)) as fd:
+                return os.pread(fd, max_bytes, max(0, offset))
+
+        return await asyncio.to_thread(work)
+
     async def exists(self, path: str) -> bool:
         """True if a regular file is at path (reached without symlinks)."""
         parts = split_path(path)
@@ -11367,6 +11388,7 @@ MODULES = (
     "packages",
     "hooks",
     "figures",
+    "charts",
     "tracebacks",
     "python_cells",
     "bash_cells",
@@ -11649,6 +11671,194 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[_os_write(fd, view) :]
+''',
+    'runner/_kernel_program/charts.py': r'''"""Charts: plotly figures a cell shows (``fig.show()``, ``plotly.io.show``) or leaves as its last value,
+saved into the workdir as chart-N.plotly.json (plotly's own JSON, which the host draws with plotly.js),
+with chart-N.png beside it, a static picture drawn with matplotlib (the sandbox has no kaleido)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from .figures import _Figures
+from .protocol import MAX_FIGURES_PER_RUN
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import types
+    from collections.abc import Callable
+    from typing import Any
+
+_EXCL = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _is_plotly_figure(value: object) -> bool:
+    kind = type(value)
+    return kind.__module__.startswith("plotly.") and any(
+        base.__name__ == "BaseFigure" for base in kind.__mro__
+    )
+
+
+class _Charts:
+    """Collects the plotly figures of a run, then saves them. They share the figures' bound per run
+    (MAX_FIGURES_PER_RUN, and its count of the rest): a chart is one of a run's figures."""
+
+    def __init__(self, workdir: str, figures: _Figures, stderr: Callable[[str], None]) -> None:
+        self._workdir = workdir
+        self._figures = figures
+        self._note = stderr
+        self._next = 1
+        self.pending: list[Any] = []
+
+    def patch(self, pio: types.ModuleType) -> None:
+        """plotly.io.show (what fig.show() calls) keeps the figure for the end of the run."""
+        if getattr(getattr(pio, "show", None), "_code_sessions", False):
+            return
+
+        def show(fig: Any, *args: Any, **kwargs: Any) -> None:
+            """The sandbox has no browser: the figure is shown in the chat once the run ends."""
+            self.capture(fig)
+
+        show._code_sessions = True  # type: ignore[attr-defined]
+        pio.show = show  # type: ignore[attr-defined]
+
+    def capture(self, value: object) -> bool:
+        """Keep a plotly figure (a dict too, from plotly.io.show) for this run; False: not one."""
+        if not (_is_plotly_figure(value) or (isinstance(value, dict) and "data" in value)):
+            return False
+        if not any(kept is value for kept in self.pending):
+            self.pending.append(value)
+        return True
+
+    def save_pending(self) -> None:
+        pending, self.pending = self.pending, []
+        for fig in pending:
+            if len(self._figures.saved) >= MAX_FIGURES_PER_RUN:
+                self._figures.more += 1
+                continue
+            name = self._save(fig)
+            if name is not None:
+                self._figures.saved.append(name)
+
+    def _claim(self) -> tuple[str, int, int] | None:
+        """A number N with chart-N.plotly.json and chart-N.png both new, opened exclusively."""
+        while True:
+            stem = os.path.join(self._workdir, f"chart-{self._next}")
+            self._next += 1
+            try:
+                spec = os.open(stem + ".plotly.json", _EXCL, 0o644)
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                self._note(f"[code-sessions: cannot save the chart: {exc}]\n")
+                return None
+            try:
+                picture = os.open(stem + ".png", _EXCL, 0o644)
+            except OSError:
+                os.close(spec)
+                os.unlink(stem + ".plotly.json")
+                continue
+            return os.path.basename(stem), spec, picture
+
+    def _save(self, fig: Any) -> str | None:
+        try:
+            if isinstance(fig, dict):
+                import plotly.graph_objects as go
+
+                fig = go.Figure(fig)
+            text = fig.to_json()
+            spec = fig.to_plotly_json()
+        except Exception as exc:
+            self._note(f"[code-sessions: cannot save the chart: {exc!r}]\n")
+            return None
+        claimed = self._claim()
+        if claimed is None:
+            return None
+        stem, spec_fd, picture_fd = claimed
+        with os.fdopen(spec_fd, "w", encoding="utf-8") as file:
+            file.write(text)
+        drawn = False
+        try:
+            with os.fdopen(picture_fd, "wb") as file:
+                drawn = _draw(spec, file)
+        except Exception as exc:
+            self._note(f"[code-sessions: no static picture of {stem}: {exc!r}]\n")
+        if not drawn:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self._workdir, stem + ".png"))
+        return stem + ".plotly.json"
+
+
+def _array(value: Any) -> Any:
+    """A trace's data as matplotlib takes it: plotly 6 and later write numeric arrays as typed arrays
+    ({"dtype": "i1", "bdata": base64, "shape": "2, 3"})."""
+    if isinstance(value, dict) and "bdata" in value and "dtype" in value:
+        import base64
+
+        import numpy
+
+        array = numpy.frombuffer(base64.b64decode(value["bdata"]), dtype=numpy.dtype(value["dtype"]))
+        shape = value.get("shape")
+        if isinstance(shape, str) and shape:
+            array = array.reshape([int(n) for n in shape.split(",")])
+        return array
+    return value
+
+
+def _title(value: Any) -> str:
+    if isinstance(value, dict):
+        value = value.get("text")
+    return value if isinstance(value, str) else ""
+
+
+def _draw(spec: dict[str, Any], file: Any) -> bool:
+    """A static sketch of the chart's common traces (scatter and lines, bars, histograms, pies) with
+    matplotlib's object API (never pyplot: the figure must not join the cell's open figures). False:
+    nothing it can draw."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    layout = spec.get("layout") or {}
+    figure = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    drawn = 0
+    for trace in spec.get("data") or ():
+        kind = trace.get("type") or "scatter"
+        x, y, label = _array(trace.get("x")), _array(trace.get("y")), trace.get("name") or None
+        if kind in ("scatter", "scattergl") and y is not None:
+            x = list(range(len(y))) if x is None else x
+            mode = trace.get("mode") or "lines+markers"
+            axes.plot(
+                x,
+                y,
+                linestyle="-" if "lines" in mode else "",
+                marker="o" if "markers" in mode else "",
+                markersize=3,
+                label=label,
+            )
+        elif kind == "bar" and x is not None and y is not None:
+            if trace.get("orientation") == "h":
+                axes.barh(y, x, label=label)
+            else:
+                axes.bar(x, y, label=label)
+        elif kind == "histogram" and (x is not None or y is not None):
+            axes.hist(x if x is not None else y, label=label)
+        elif kind == "pie" and trace.get("values") is not None:
+            axes.pie(_array(trace["values"]), labels=_array(trace.get("labels")))
+        else:
+            continue
+        drawn += 1
+    if not drawn:
+        return False
+    axes.set_title(_title(layout.get("title")))
+    axes.set_xlabel(_title((layout.get("xaxis") or {}).get("title")))
+    axes.set_ylabel(_title((layout.get("yaxis") or {}).get("title")))
+    if drawn > 1 and any(t.get("name") for t in spec.get("data") or ()):
+        axes.legend()
+    figure.savefig(file, format="png", bbox_inches="tight")
+    return True
 ''',
     'runner/_kernel_program/codec.py': r'''"""The kernel's side of the frames: its own JSON encoder for replies, json's C scanner for requests (the
 json package needs re, 24 ms more to import in the sandbox), and the reply channel."""
@@ -11995,6 +12205,7 @@ import types
 
 from .bash_cells import _BashCells
 from .basics import _READ_SIZE, _fatal, _os_getpid, _os_read, _perf_counter, set_diag_fd
+from .charts import _Charts
 from .codec import _Channel, _json_loads
 from .figures import _Figures
 from .hooks import _ImportHooks
@@ -12063,10 +12274,15 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         sys.path[0:1] = [self.workdir]  # not /run/code: `import mymodule` finds /mnt/data/mymodule.py
         sys.argv = [""]
         self._figures = _Figures(self.workdir, self._note)
+        self._charts = _Charts(self.workdir, self._figures, self._note)
         # Cell sources for tracebacks: linecache (with tokenize and re, ~50 ms to import in the
         # sandbox) is filled only once something imports it (a traceback, the code itself).
         self._cell_sources: dict[str, str] = {}
-        hooks = {"matplotlib.pyplot": self._on_pyplot_import, "linecache": self._on_linecache_import}
+        hooks = {
+            "matplotlib.pyplot": self._on_pyplot_import,
+            "plotly.io": self._on_plotly_import,
+            "linecache": self._on_linecache_import,
+        }
         sys.meta_path.insert(0, _ImportHooks(hooks))
 
     def ready_message(self) -> dict[str, Any]:
@@ -12088,6 +12304,12 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
             self._figures.patch(module)
         except Exception as exc:  # never fail the cell's import over our convenience
             self._note(f"[code-sessions: cannot hook plt.show(): {exc!r}]\n")
+
+    def _on_plotly_import(self, module: types.ModuleType) -> None:
+        try:
+            self._charts.patch(module)
+        except Exception as exc:  # never fail the cell's import over our convenience
+            self._note(f"[code-sessions: cannot hook fig.show(): {exc!r}]\n")
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         # Idle, or in the kernel's own code after a cell: ignored. Armed: one KeyboardInterrupt, and
@@ -12151,6 +12373,7 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         started = _perf_counter()
         self._figures.saved = []
         self._figures.more = 0
+        self._charts.pending = []
         for pump in self._pumps:
             pump.begin(run_id)
         if lang == "python":
@@ -12160,6 +12383,17 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         self._restore_process_state()
         if report:
             self._note(report)
+        pio = sys.modules.get("plotly.io")
+        if lang == "python" and pio is not None:
+            self._on_plotly_import(pio)  # plotly.io reloaded, or our hook removed: patch again
+            try:
+                self._armed = True  # a chart's static picture may take long: an interrupt stops it
+                self._charts.save_pending()
+                self._armed = False
+            except KeyboardInterrupt:
+                self._armed = False
+                self._note("KeyboardInterrupt (while saving charts)\n")
+                status, exit_code = "interrupted", None
         pyplot = sys.modules.get("matplotlib.pyplot")
         if lang == "python" and pyplot is not None:
             self._on_pyplot_import(pyplot)  # pyplot reloaded, or our hook removed: patch again
@@ -12264,7 +12498,8 @@ arrive on the kernel's original fd 0; replies leave on its original fd 1:
                      {"t": "out", "id": int, "s": "o" | "e", "d": str (at most 16384 characters)}
                      {"t": "done", "id": int, "status": "ok" | "error" | "interrupted",
                       "exit_code": int | null, "figures": [str], "more": int, "ms": float}
-                     ("more": figures left open past MAX_FIGURES_PER_RUN, not saved)
+                     ("figures": figure-N.png and chart-N.plotly.json names; "more": figures left
+                      open past MAX_FIGURES_PER_RUN, not saved)
 
 One run at a time; every "out" of a run precedes its "done"; nothing is written between a "done" and the
 next request. The cell runs inside the kernel's process, so it can write anything to the reply channel:
@@ -12462,6 +12697,7 @@ import os
 import sys
 
 from .basics import _os_getpid
+from .charts import _Charts, _is_plotly_figure
 from .tracebacks import format_cell_exception
 
 TYPE_CHECKING = False
@@ -12508,6 +12744,7 @@ class _PythonCells:
     _cell_names: set[str]
     _cell_sources: dict[str, str]
     _live_stdout: Callable[[], Any]  # the kernel's stdout, recreated if a cell closed it
+    _charts: _Charts  # a plotly figure as the cell's last value is shown as a chart, not printed
 
     def _cell_filename(self, run_id: int) -> str:
         name = f"<cell-{run_id}>"
@@ -12560,7 +12797,8 @@ class _PythonCells:
                 value = eval(last, ns)
                 if value is not None:
                     ns["_"] = value
-                    self._live_stdout().write(repr(value) + "\n")
+                    if not (_is_plotly_figure(value) and self._charts.capture(value)):
+                        self._live_stdout().write(repr(value) + "\n")
             self._armed = self._cell_running = False
             status, exit_code = "ok", 0
         except KeyboardInterrupt as exc:
@@ -16645,6 +16883,7 @@ from .loop import (
 )
 from .maintenance import MINUTE_S, Maintenance
 from .markup import code_span, escape_text, mention
+from .outputs import answer_embed, answer_previews
 from .prepare import import_uploads, last_user_text, messages_with_prompt
 from .prompt import PromptFacts, system_prompt
 from .purge import parse_purge
@@ -16683,6 +16922,8 @@ __all__ = [
     "TextDelta",
     "ToolCall",
     "Turn",
+    "answer_embed",
+    "answer_previews",
     "chat_path",
     "code_span",
     "converse",
@@ -16900,8 +17141,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_6b4d38611ea7.runner import KernelPool
-from _code_sessions_6b4d38611ea7.storage import HistoryError, Session, StorageError
+from _code_sessions_781f2351cb3c.runner import KernelPool
+from _code_sessions_781f2351cb3c.storage import HistoryError, Session, StorageError
 
 from .settings import Settings
 
@@ -17154,6 +17395,199 @@ async def _room(chat: _Chat) -> int | None:
 def _start_sentence() -> str:
     return "Started again from an empty /mnt/data and a new Python state, as at the start of this chat."
 ''',
+    'engine/charts.py': r'''"""Interactive charts: the plotly figures a run saved (chart-N.plotly.json, see the kernel program's
+charts.py), drawn by plotly.js in the message, through Open WebUI's `embeds` (HTML that its page shows
+in a sandboxed iframe, saved with the message).
+
+Isolation. Open WebUI gives an embed's iframe `allow-scripts` and, when the user turns on "iframe
+sandbox allow same origin", `allow-same-origin` too: a script in it could then read the user's token.
+So the embed's own document runs no script that touches the chart: it is a fixed frame (one line that
+tells Open WebUI its height) around an inner iframe with `sandbox="allow-scripts"` only, whose document
+(the `srcdoc`, escaped) holds plotly.js and the specs. The inner document's origin is opaque whatever
+the user's setting, and both documents carry a Content-Security-Policy that allows no network at all
+(`default-src 'none'`): plotly.js comes with the embed, from the sandbox environment's plotly package,
+deflated and base64-encoded (about 2 MB for its 4.8 MB), never from a CDN.
+
+The specs are hostile JSON: each is parsed and re-serialised, `<`, `>` and `&` written as escapes, so
+nothing in it can end the script element it sits in; it reaches plotly.js as data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import html
+import json
+import re
+import zlib
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+from _code_sessions_781f2351cb3c.runner import RunResult
+from _code_sessions_781f2351cb3c.storage import ReconcileReport, StorageError, human_bytes
+
+from .markup import mention
+
+__all__ = [
+    "CHART_SUFFIX",
+    "MAX_CHARTS",
+    "MAX_CHART_BYTES",
+    "charts_of",
+    "embed_html",
+    "figures_of",
+    "plotly_script",
+]
+
+CHART_SUFFIX = ".plotly.json"
+MAX_CHART_BYTES = 4 * 1024 * 1024  # of one chart's spec (a bigger one stays a file and a picture)
+MAX_CHARTS = 20  # charts in one message's embed
+CHART_HEIGHT = 440  # pixels, each
+_FIGURE_SUFFIXES = (".png",)
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
+_PLOTLY_JS = "usr/local/lib/python3*/dist-packages/plotly/package_data/plotly.min.js"
+_CSP = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data: blob:; "
+    "font-src data:"
+)
+_JSON_ESCAPES = str.maketrans(
+    {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+)
+
+
+def _kept(result: RunResult | None, report: ReconcileReport | None) -> tuple[list[str], set[str]]:
+    if result is None or report is None or not result.figures:
+        return [], set()
+    return [p for p in result.figures if _PLAIN_NAME.fullmatch(p)], set(report.added) | set(report.changed)
+
+
+def figures_of(result: RunResult | None, report: ReconcileReport | None) -> tuple[str, ...]:
+    """The figures a kernel says it saved, kept only where the disk agrees: files this run added or
+    changed (the index is the disk's word), with a picture's name."""
+    claimed, saved = _kept(result, report)
+    return tuple(p for p in claimed if p in saved and p.lower().endswith(_FIGURE_SUFFIXES))
+
+
+def charts_of(result: RunResult | None, report: ReconcileReport | None) -> tuple[tuple[str, str | None], ...]:
+    """The charts the kernel says it saved, where the disk agrees: (spec, its static picture or None)."""
+    claimed, saved = _kept(result, report)
+    found = []
+    for spec in claimed:
+        if spec in saved and spec.endswith(CHART_SUFFIX):
+            picture = spec[: -len(CHART_SUFFIX)] + ".png"
+            found.append((spec, picture if picture in saved else None))
+    return tuple(found)
+
+
+_script_cache: dict[tuple[str, float], str] = {}
+
+
+def _load_plotly_js(root: Path) -> str | None:
+    found = sorted(root.glob(_PLOTLY_JS))
+    if not found:
+        return None
+    path = found[-1]
+    key = (str(path), path.stat().st_mtime)
+    if key not in _script_cache:
+        _script_cache.clear()
+        _script_cache[key] = base64.b64encode(zlib.compress(path.read_bytes(), 9)).decode("ascii")
+    return _script_cache[key]
+
+
+async def plotly_script(environment_root: Path) -> str | None:
+    """plotly.js of the sandbox environment (the same version as the plotly that wrote the specs),
+    deflated and in base64, made once per process; None when the environment has no plotly."""
+    return await asyncio.to_thread(_load_plotly_js, environment_root)
+
+
+def _spec_json(text: bytes) -> str | None:
+    """A hostile spec as JSON that is safe inside a script element, or None when it is not a figure."""
+    try:
+        spec = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(spec, dict) or not isinstance(spec.get("data", []), list):
+        return None
+    figure = {"data": spec.get("data") or [], "layout": spec.get("layout") or {}}
+    if not isinstance(figure["layout"], dict):
+        figure["layout"] = {}
+    return json.dumps(figure, separators=(",", ":")).translate(_JSON_ESCAPES)
+
+
+_LOADER = """
+(async () => {
+  const bin = atob(document.getElementById('plotly').textContent.trim());
+  const bytes = new Uint8Array(bin.length);
+  for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
+  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream('deflate'));
+  const script = document.createElement('script');
+  script.textContent = await new Response(stream).text();
+  document.head.appendChild(script);
+  const specs = JSON.parse(document.getElementById('specs').textContent);
+  specs.forEach((spec, i) => {
+    const layout = Object.assign({}, spec.layout, {autosize: true});
+    delete layout.width;
+    delete layout.height;
+    Plotly.newPlot('chart-' + i, spec.data, layout, {responsive: true, displaylogo: false});
+  });
+})();
+"""
+
+
+def embed_html(specs: Sequence[str], script_b64: str) -> str:
+    """One embed showing every chart of the message (plotly.js once): the outer fixed frame, with the
+    charts in an inner iframe without same-origin (see the module's docstring)."""
+    divs = "".join(f'<div id="chart-{i}" class="chart"></div>' for i in range(len(specs)))
+    inner = (
+        f'<!doctype html><html><head><meta charset="utf-8">'
+        f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
+        "<style>html,body{margin:0;background:#fff}.chart{height:"
+        f"{CHART_HEIGHT - 10}px;margin-bottom:10px}}</style></head><body>{divs}"
+        f'<script type="text/plain" id="plotly">{script_b64}</script>'
+        f'<script type="application/json" id="specs">[{",".join(specs)}]</script>'
+        f"<script>{_LOADER}</script></body></html>"
+    )
+    height = CHART_HEIGHT * len(specs)
+    return (
+        f'<!doctype html><html><head><meta charset="utf-8">'
+        f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
+        f"<style>html,body{{margin:0}}iframe{{border:0;width:100%;height:{height}px;display:block}}</style>"
+        f'</head><body><iframe sandbox="allow-scripts" title="Interactive chart" '
+        f'srcdoc="{html.escape(inner, quote=True)}"></iframe>'
+        f"<script>parent.postMessage({{type:'iframe:height',height:{height}}},'*')</script></body></html>"
+    )
+
+
+HeadReader = Callable[[str, int], Awaitable[tuple[bytes, int]]]
+
+
+async def chart_embed(
+    charts: Sequence[str], read_head: HeadReader, environment_root: Path | None
+) -> tuple[str | None, list[str]]:
+    """The message's embed for its charts (None: nothing to show), and sentences about the charts that
+    cannot be shown interactively (too large, not a figure, no plotly.js)."""
+    if not charts:
+        return None, []
+    script = await plotly_script(environment_root) if environment_root is not None else None
+    if script is None:
+        return None, ["Interactive charts are not shown: the sandbox environment has no plotly.js."]
+    specs, notes = [], []
+    for path in list(dict.fromkeys(charts))[:MAX_CHARTS]:
+        try:
+            data, size = await read_head(path, MAX_CHART_BYTES + 1)
+        except StorageError:
+            continue  # deleted since: nothing to show
+        if size > MAX_CHART_BYTES:
+            notes.append(
+                f"{mention(path)} is not shown interactively: larger than {human_bytes(MAX_CHART_BYTES)}"
+            )
+            continue
+        spec = await asyncio.to_thread(_spec_json, data) if len(data) > 65536 else _spec_json(data)
+        if spec is None:
+            notes.append(f"{mention(path)} is not shown interactively: it is not a plotly figure")
+            continue
+        specs.append(spec)
+    return (embed_html(specs, script) if specs else None), notes
+''',
     'engine/grammar.py': r'''"""The markdown a link scan reads: how far each construct may reach, and the regexes that read them.
 
 The bounds are part of the grammar (a link text longer than MAX_LABEL is not a link text): beyond them the
@@ -17344,7 +17778,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_6b4d38611ea7.storage import (
+from _code_sessions_781f2351cb3c.storage import (
     Incoming,
     InvalidPath,
     Policy,
@@ -17746,10 +18180,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_6b4d38611ea7.runner import Outcome
+from _code_sessions_781f2351cb3c.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
+from .outputs import answer_previews
 from .scan import SCAN_ON_LOOP_CHARS
 from .service import ChatSession, StepResult
 from .sse import ModelError, TextDelta, ToolCall
@@ -17824,6 +18259,8 @@ class LoopOptions:
     attachments: bool = False
     # Tools offered beside run_code; each call counts as a step.
     tools: tuple[ExtraTool, ...] = ()
+    # Show a preview of each table file the answer links (a user valve), after the answer's text.
+    previews: bool = True
 
 
 def _fence(text: str) -> str:
@@ -17855,6 +18292,10 @@ async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions)
     deleted = step.deleted_note()
     if deleted:
         body.append(deleted + "\n")
+    stills = [picture for _, picture in step.charts if picture]
+    if stills:  # the interactive chart is the message's embed; this one is for where embeds are not shown
+        shown = await chat.rewrite("".join(f"![{p.rsplit('/', 1)[-1]}](/mnt/data/{p})\n" for p in stills))
+        body.append("_Static picture of the interactive chart:_\n\n" + shown)
     summary = step.headline().replace("<", "&lt;")
     details = f"\n<details>\n<summary>{summary}</summary>\n\n" + "\n".join(body) + "\n</details>\n\n"
     pictures = ""
@@ -17926,11 +18367,18 @@ async def converse(
     call_model: ModelCall,
     options: LoopOptions,
     status: StatusCall,
+    charts: list[str] | None = None,
 ) -> AsyncIterator[str]:
-    """Yield the user-visible answer (already link-rewritten) while running the model's code."""
+    """Yield the user-visible answer (already link-rewritten) while running the model's code. `charts`
+    collects the specs of the charts the runs saved, for the message's embed."""
     saved: list[str] = []
-    async for piece in _turns(chat, messages, call_model, options, status, saved):
+    collected: list[str] = [] if charts is None else charts
+    async for piece in _turns(chat, messages, call_model, options, status, saved, collected):
         yield piece
+    if options.previews:
+        shown = await answer_previews(chat)
+        if shown:
+            yield shown
     # Every file the runs saved reaches the user once: where the text names it, else as an attachment
     # or in one line here.
     handed = await chat.hand_over(saved, attachments=options.attachments)
@@ -17949,6 +18397,7 @@ async def _turns(
     options: LoopOptions,
     status: StatusCall,
     saved: list[str],
+    charts: list[str],
 ) -> AsyncIterator[str]:
     """The model's turns; `saved` collects the files every run saved, in order."""
     steps = 0
@@ -18010,6 +18459,7 @@ async def _turns(
                     steps += 1
                     step = await run_step(chat, parsed[0], parsed[1], status)
                     saved.extend(step.saved())
+                    charts.extend(spec for spec, _ in step.charts)
                     yield await render_step(chat, step, options)
                     result = step.for_model(options.max_result_chars)
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
@@ -18031,6 +18481,7 @@ async def _turns(
             steps += 1
             step = await run_step(chat, block.language, block.code, status)
             saved.extend(step.saved())
+            charts.extend(spec for spec, _ in step.charts)
             yield await render_step(chat, step, options)
             results.append(step.for_model(options.max_result_chars))
         messages.append(
@@ -18055,7 +18506,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_6b4d38611ea7.runner import RunnerError
+from _code_sessions_781f2351cb3c.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -18195,7 +18646,7 @@ import unicodedata
 
 from .grammar import BACKTICK_RUNS, MOUNT
 
-__all__ = ["backtick_fence", "code_span", "escape_text", "mention"]
+__all__ = ["backtick_fence", "code_span", "escape_text", "mention", "visible"]
 
 # Characters that would change the meaning of link text in markdown or HTML.
 _LABEL_ESCAPES = str.maketrans(
@@ -18203,7 +18654,7 @@ _LABEL_ESCAPES = str.maketrans(
 )
 
 
-def _visible(text: str) -> str:
+def visible(text: str) -> str:
     """Control and format characters (newlines, bidi overrides such as U+202E that make `txt.exe` show
     as `exe.txt`, zero-width characters) written as escapes, so a name shows what it really is."""
     if text.isprintable():
@@ -18218,7 +18669,7 @@ def escape_text(text: str) -> str:
     """Any text (e.g. an error message quoting a file name) as one line of markdown that means nothing:
     no HTML, no links, no emphasis, no line breaks. (Whitespace is folded: a newline in a name used as a
     link's text must not break the link apart.)"""
-    return " ".join(_visible(text).translate(_LABEL_ESCAPES).split())
+    return " ".join(visible(text).translate(_LABEL_ESCAPES).split())
 
 
 def backtick_fence(text: str, minimum: int = 1) -> str:
@@ -18230,7 +18681,7 @@ def backtick_fence(text: str, minimum: int = 1) -> str:
 
 def code_span(text: str) -> str:
     """Text shown literally: an inline code span, fenced with more backticks than the text holds."""
-    text = _visible(text)
+    text = visible(text)
     fence = backtick_fence(text)
     pad = " " if text.startswith("`") or text.endswith("`") or not text.strip() else ""
     return f"{fence}{pad}{text}{pad}{fence}"
@@ -18249,6 +18700,47 @@ def mention(path: str) -> str:
         return MOUNT + path
     return code_span(MOUNT + path)
 ''',
+    'engine/outputs.py': r'''"""What an answer shows besides its text and its links: previews of the tables it links, and its
+interactive charts. Composes the pure modules (engine/previews.py, engine/charts.py) with a chat's
+folder and its sandbox."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from _code_sessions_781f2351cb3c.runner import RunnerError
+
+from .charts import chart_embed
+from .previews import SANDBOX_LIMITS, is_table, previews
+from .service import ChatSession, CodeSessions
+
+__all__ = ["answer_embed", "answer_previews"]
+
+
+async def answer_previews(chat: ChatSession) -> str:
+    """Markdown previews of the table files the answer's text links, in the order it links them."""
+    paths = chat.shown
+    if not any(is_table(path) for path in paths):
+        return ""
+    files = chat.session.files
+    return await previews(
+        paths, files.read_head, lambda code: chat.read_in_sandbox(code, SANDBOX_LIMITS), files.read_at
+    )
+
+
+async def answer_embed(
+    services: CodeSessions, chat: ChatSession, charts: Sequence[str]
+) -> tuple[str | None, list[str]]:
+    """The HTML of the message's one embed holding its charts (None: no chart), and a sentence for
+    each chart that cannot be shown interactively."""
+    if not charts:
+        return None, []
+    try:
+        root = (await services.runner.environment()).root
+    except RunnerError:
+        root = None
+    return await chart_embed(charts, chat.session.files.read_head, root)
+''',
     'engine/prepare.py': r'''"""A turn's preparation, before the model is asked: the chat's attachments copied into its folder, and
 the system prompt that tells the model about the folder and the sandbox."""
 
@@ -18259,12 +18751,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_6b4d38611ea7.runner import Runner, RunnerError
-from _code_sessions_6b4d38611ea7.storage import StorageError
+from _code_sessions_781f2351cb3c.runner import Runner, RunnerError
+from _code_sessions_781f2351cb3c.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
 from .markup import code_span, escape_text
+from .previews import strip_previews
 from .prompt import PromptFacts, system_prompt
 from .service import ChatSession, CodeSessions
 from .settings import Settings
@@ -18347,6 +18840,9 @@ async def messages_with_prompt(
     )
     prompt = system_prompt(facts)
     history = [dict(message) for message in await chat.sandbox_view(messages)]
+    for message in history:  # the previews of earlier answers: the model made those files itself
+        if message.get("role") == "assistant" and isinstance(message.get("content"), str):
+            message["content"] = strip_previews(message["content"])
     if history and history[0].get("role") == "system" and isinstance(history[0].get("content"), str):
         history[0]["content"] = prompt + "\n\n" + history[0]["content"]
     else:
@@ -18382,6 +18878,418 @@ async def _sandbox_facts(runner: Runner) -> _SandboxFacts:
     except RunnerError:
         return _SandboxFacts()
 ''',
+    'engine/previews.py': r'''"""Table previews: the first rows, the columns and their types, and the row count of each CSV, TSV, XLSX or
+Parquet file an answer links, written into the answer's own text (so it survives a reload and shows in a
+shared chat).
+
+The file's bytes are hostile. CSV and TSV are read on the host, their first `HEAD_BYTES` and, for a
+larger file, two samples of `SAMPLE_BYTES` for the row count (a 100 MB file is never read whole: its
+row count is then an estimate, and says so). XLSX and Parquet need
+openpyxl and pyarrow, whose parsers have had bugs: they are read in a fresh gVisor sandbox over the
+chat's folder (`PROGRAM`), whose one line of output is checked as hostile too. Every cell, column name
+and type is written as text (`cell_text`): no markdown, HTML, link or line break survives.
+
+Where it appears: after the answer's text, one short table per file in the order the answer links them,
+without the file's name (the answer names each file once; the attachments hold it once more).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import posixpath
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from _code_sessions_781f2351cb3c.runner import Limits, Outcome, RunnerError, RunResult
+from _code_sessions_781f2351cb3c.storage import StorageError, human_bytes
+
+from .markup import visible
+
+__all__ = [
+    "HEAD_BYTES",
+    "MAX_PREVIEWS",
+    "PREVIEW_SUFFIXES",
+    "PROGRAM",
+    "Table",
+    "cell_text",
+    "inert",
+    "is_table",
+    "parse_program_output",
+    "render",
+    "strip_previews",
+    "table_from_text",
+]
+
+PREVIEW_SUFFIXES = (".csv", ".tsv", ".xlsx", ".parquet")
+MAX_PREVIEWS = 4  # files previewed per answer
+MAX_ROWS = 8  # rows shown per preview
+MAX_COLUMNS = 8  # columns shown per preview
+MAX_CELL = 40  # characters shown per cell (and per column name)
+HEAD_BYTES = 64 * 1024  # of a CSV or TSV read on the host: its first rows
+# A larger one's row count is estimated from two samples, from its middle and its end: its first rows
+# are a poor sample (a header, and ids that grow longer further down).
+SAMPLE_BYTES = 32 * 1024
+_SAMPLE_ROWS = 200  # rows whose values decide a column's type
+# The sandbox that reads XLSX and Parquet: a small run, its one line of output bounded.
+SANDBOX_LIMITS = Limits(
+    timeout_s=20.0,
+    memory_mb=512,
+    max_processes=16,
+    max_file_bytes=1 << 20,
+    max_write_bytes=1 << 20,
+    max_output_bytes=64 * 1024,
+)
+_MARK = "code-sessions-preview:"
+_CAPTION = re.compile(  # a caption, and its table if it has one
+    r"\n*_Preview(?: \d+ of \d+)? · [^\n]*_\n(?:\n(?:\|[^\n]*\|\n)+(?:\n_and [^\n]* not shown_\n)?)?"
+)
+
+_INT = re.compile(r"[+-]?\d{1,18}")
+_FLOAT = re.compile(r"[+-]?(?:\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?|nan|NaN|inf|-inf)")
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?")
+_BOOL = frozenset({"true", "false", "True", "False", "TRUE", "FALSE"})
+
+# How a character of a cell is written so that Open WebUI's markdown reads it as itself. Backslash
+# escapes where they are plain escapes; a zero-width space where a backslash would start something
+# else: Open WebUI's KaTeX reads `\(`, `\[` as math, so `[` and `]` are broken apart from what
+# follows instead (no link, image, citation or footnote), and so are autolinks (`https://`, `www.`,
+# `a@b.c`). HTML entities are no escape there: they show as written.
+_ZWSP = "\u200b"
+_INERT = str.maketrans(
+    {
+        **{c: "\\" + c for c in "\\`*_~|<>$#!{}+="},
+        "[": "[" + _ZWSP,
+        "]": "]" + _ZWSP,
+        "@": "@" + _ZWSP,
+    }
+)
+_AUTOLINK = re.compile(r"(?<=:)(?=//)|(?<=www)(?=\.)", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class Table:
+    """What a preview shows: the first rows of the first columns, as text, and how many there are."""
+
+    columns: tuple[tuple[str, str], ...]  # (name, type) of the columns shown
+    rows: tuple[tuple[str, ...], ...]
+    total_columns: int
+    total_rows: int | None  # None: not known
+    exact: bool  # whether total_rows was counted, or estimated
+    basis: str = ""  # how an estimate was made ("from the first 256 KiB"), or what was read ("sheet 1 of 3")
+
+
+def inert(text: str) -> str:
+    """Any text as one line of markdown that Open WebUI shows as that text: no HTML, link, emphasis,
+    math, line break or table column separator (control characters are shown as escapes)."""
+    text = " ".join(visible(text).split())
+    return _AUTOLINK.sub(_ZWSP, text.translate(_INERT))
+
+
+def cell_text(value: str) -> str:
+    """A cell (or a column's name or type) as inert text, at most MAX_CELL characters of it."""
+    return inert(value if len(value) <= MAX_CELL else value[: MAX_CELL - 1] + "…")
+
+
+def _kind(values: Sequence[str]) -> str:
+    """The type a column's sample of text values reads as."""
+    present = [v.strip() for v in values if v.strip()]
+    if not present:
+        return "empty"
+    for name, fits in (
+        ("int", _INT.fullmatch),
+        ("float", _FLOAT.fullmatch),
+        ("bool", _BOOL.__contains__),
+        ("date", _DATE.fullmatch),
+    ):
+        if all(fits(v) for v in present):
+            return name
+    return "text"
+
+
+def _line_rate(samples: Sequence[bytes]) -> float | None:
+    """Lines per byte in pieces cut from a file (each counted from its first line break to its last)."""
+    lines = spanned = 0
+    for piece in samples:
+        first, last = piece.find(b"\n"), piece.rfind(b"\n")
+        if 0 <= first < last:
+            lines += piece.count(b"\n", first + 1, last + 1)
+            spanned += last - first
+    return lines / spanned if spanned else None
+
+
+def table_from_text(data: bytes, size: int, delimiter: str, samples: Sequence[bytes] = ()) -> Table:
+    """A preview of delimited text, from its first bytes (`data`), the file's size and, for a file
+    larger than `data`, `samples` of it for the row count. Raises ValueError with a sentence when no
+    table can be read."""
+    whole = len(data) >= size
+    if not whole:  # the last line is cut: leave it out
+        end = data.rfind(b"\n")
+        data = data[: end + 1] if end >= 0 else b""
+    text = data.decode("utf-8-sig", errors="replace")
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
+    rows: list[list[str]] = []
+    count = 0
+    header: list[str] | None = None
+    try:
+        header = next(reader, None)
+        for row in reader:
+            if not row:
+                continue
+            count += 1
+            if len(rows) < _SAMPLE_ROWS:
+                rows.append(row)
+            elif samples:  # the samples count the rows: these are enough for the types
+                break
+    except csv.Error as error:  # a field over the csv module's limit, a NUL: the rows read so far stand
+        if header is None:
+            raise ValueError(
+                f"it is not readable as {'TSV' if delimiter == chr(9) else 'CSV'} ({error})"
+            ) from None
+        whole = False
+    if not header:
+        raise ValueError("it is empty" if size == 0 else "its first line is not a header")
+    width = len(header)
+    shown = header[:MAX_COLUMNS]
+    columns = tuple(
+        (name, _kind([row[i] if i < len(row) else "" for row in rows])) for i, name in enumerate(shown)
+    )
+    cells = tuple(tuple(row[i] if i < len(row) else "" for i in range(len(shown))) for row in rows[:MAX_ROWS])
+    if whole:
+        return Table(columns, cells, width, count, True)
+    # Lines per byte in the samples (the head's, without them), applied to the whole file.
+    rate = _line_rate(samples) if samples else (count / max(1, len(data)) if count else None)
+    estimate = round(rate * size) if rate else None
+    basis = f"from samples of {human_bytes(sum(len(s) for s in samples) or len(data))}"
+    return Table(columns, cells, width, estimate, False, basis)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+def render(table: Table, index: int = 1, count: int = 1) -> str:
+    """The preview as markdown: a caption in italics, then a table of the first rows."""
+    label = "Preview" if count == 1 else f"Preview {index} of {count}"
+    if table.total_rows is None:
+        rows = "rows not counted"
+    elif table.exact:
+        rows = _plural(table.total_rows, "row")
+    else:
+        rows = f"about {_plural(table.total_rows, 'row')}, estimated {table.basis}"
+    facts = [rows, _plural(table.total_columns, "column")]
+    if table.exact and table.basis:
+        facts.append(table.basis)
+    if table.rows and (table.total_rows is None or len(table.rows) < table.total_rows):
+        facts.append(f"the first {len(table.rows)} shown")
+    caption = f"_{label} · {inert(', '.join(facts))}_\n\n"
+    if not table.columns:
+        return caption
+    head = (
+        "| " + " | ".join(f"{cell_text(name)} · {cell_text(kind)}" for name, kind in table.columns) + " |\n"
+    )
+    rule = "|" + "---|" * len(table.columns) + "\n"
+    body = "".join("| " + " | ".join(cell_text(c) or " " for c in row) + " |\n" for row in table.rows)
+    more = table.total_columns - len(table.columns)
+    tail = f"\n_and {_plural(more, 'more column')} not shown_\n" if more > 0 else ""
+    return caption + head + rule + body + tail
+
+
+def strip_previews(text: str) -> str:
+    """The answer without its previews (what the model reads of its earlier answers: it ran the code
+    that made the files, and the previews would only cost it tokens)."""
+    return _CAPTION.sub("", text) if "_Preview" in text else text
+
+
+# ---- XLSX and Parquet, read in the sandbox -------------------------------------------------------------
+
+_PROGRAM_BODY = r"""
+
+def text(value):
+    if value is None:
+        return ""
+    iso = getattr(value, "isoformat", None)
+    out = iso() if callable(iso) else str(value)
+    return out[: MAX_CELL + 1]
+
+def kind(values):
+    present = [v for v in values if v is not None and v != ""]
+    if not present:
+        return "empty"
+    names = {type(v).__name__ for v in present}
+    if names == {"bool"}:
+        return "bool"
+    if names <= {"int"}:
+        return "int"
+    if names <= {"int", "float"}:
+        return "float"
+    if names <= {"datetime", "date", "time"}:
+        return names.pop() if len(names) == 1 else "datetime"
+    return "text"
+
+def xlsx(path):
+    import openpyxl
+    book = openpyxl.load_workbook(path, read_only=True, data_only=True)
+    try:
+        sheets = len(book.worksheets)
+        sheet = book.worksheets[0]
+        rows = sheet.iter_rows(values_only=True)
+        header = next(rows, None) or ()
+        sample, whole = [], True
+        for row in rows:
+            if len(sample) >= SAMPLE:
+                whole = False
+                break
+            sample.append(row)
+        width = len(header)
+        dims = sheet.max_row if isinstance(sheet.max_row, int) else None
+        total = len(sample) if whole else (dims - 1 if dims else None)
+        columns = [(text(header[i]), kind([r[i] if i < len(r) else None for r in sample]))
+                   for i in range(min(width, MAX_COLUMNS))]
+        cells = [[text(r[i] if i < len(r) else None) for i in range(len(columns))] for r in sample[:MAX_ROWS]]
+        basis = "sheet 1 of %d" % sheets if sheets > 1 else ""
+        return {"columns": columns, "rows": cells, "width": width, "total": total, "exact": whole,
+                "basis": basis if whole else "from the sheet's stated size"}
+    finally:
+        book.close()
+
+def parquet(path):
+    import pyarrow.parquet as pq
+    handle = pq.ParquetFile(path)
+    schema = handle.schema_arrow
+    names = schema.names[:MAX_COLUMNS]
+    columns = [(text(n), text(schema.field(n).type)) for n in names]
+    batch = next(handle.iter_batches(batch_size=MAX_ROWS, columns=names), None)
+    records = batch.to_pylist() if batch is not None else []
+    cells = [[text(r.get(n)) for n in names] for r in records[:MAX_ROWS]]
+    return {"columns": columns, "rows": cells, "width": len(schema.names),
+            "total": handle.metadata.num_rows, "exact": True, "basis": ""}
+
+out = {}
+for path in json.loads(PATHS):
+    try:
+        out[path] = (xlsx if path.lower().endswith(".xlsx") else parquet)(path)
+    except Exception as error:
+        out[path] = {"error": ("%s: %s" % (type(error).__name__, error))[:200]}
+print(MARK + json.dumps(out))
+"""
+PROGRAM = (
+    "import json\n"
+    f"MAX_ROWS, MAX_COLUMNS, MAX_CELL, SAMPLE = {MAX_ROWS}, {MAX_COLUMNS}, {MAX_CELL}, {_SAMPLE_ROWS}\n"
+    f"MARK = {_MARK!r}\n" + _PROGRAM_BODY
+)
+
+
+def _str(value: object) -> str:
+    return value[: MAX_CELL + 1] if isinstance(value, str) else ""
+
+
+def _table_of(found: object) -> Table | str:
+    """One file's entry of the program's output, checked as hostile: a Table, or why it has none."""
+    if not isinstance(found, dict):
+        return "the sandbox gave no answer for it"
+    if "error" in found:
+        return f"it could not be read ({_str(found['error'])[:200]})"
+    columns, rows, width, total = (
+        found.get("columns"),
+        found.get("rows"),
+        found.get("width"),
+        found.get("total"),
+    )
+    if not isinstance(columns, list) or not isinstance(rows, list) or not isinstance(width, int):
+        return "the sandbox's answer for it was not understood"
+    pairs = tuple(
+        (_str(c[0]), _str(c[1])) for c in columns[:MAX_COLUMNS] if isinstance(c, list) and len(c) == 2
+    )
+    cells = tuple(
+        tuple(_str(v) for v in row[: len(pairs)]) for row in rows[:MAX_ROWS] if isinstance(row, list)
+    )
+    count = total if isinstance(total, int) and not isinstance(total, bool) and 0 <= total < 10**15 else None
+    return Table(
+        pairs, cells, max(0, min(width, 10**9)), count, found.get("exact") is True, _str(found.get("basis"))
+    )
+
+
+def parse_program_output(stdout: str, paths: Sequence[str]) -> dict[str, Table | str]:
+    """What the sandbox's program printed, as a Table or a sentence per path (hostile: the program ran
+    beside a hostile file, and its only trusted part is what this function accepts)."""
+    line = next((ln for ln in stdout.splitlines() if ln.startswith(_MARK)), None)
+    data: object = None
+    if line is not None:
+        try:
+            data = json.loads(line[len(_MARK) :])
+        except ValueError:
+            data = None
+    if not isinstance(data, dict):
+        return dict.fromkeys(paths, "the sandbox could not read it")
+    return {path: _table_of(data.get(path)) for path in paths}
+
+
+# ---- the answer's previews ------------------------------------------------------------------------------
+
+HeadReader = Callable[[str, int], Awaitable[tuple[bytes, int]]]
+SampleReader = Callable[[str, int, int], Awaitable[bytes]]
+SandboxRun = Callable[[str], Awaitable[RunResult]]
+
+
+async def previews(
+    paths: Sequence[str],
+    read_head: HeadReader,
+    run_in_sandbox: SandboxRun,
+    read_at: SampleReader | None = None,
+) -> str:
+    """Markdown previews of the table files among `paths` (in order, at most MAX_PREVIEWS), each a
+    caption and a table; a file that cannot be previewed gets one sentence instead."""
+    chosen = [p for p in dict.fromkeys(paths) if is_table(p)][:MAX_PREVIEWS]
+    if not chosen:
+        return ""
+    found: dict[str, Table | str] = {}
+    in_sandbox = [p for p in chosen if p.lower().endswith((".xlsx", ".parquet"))]
+    for path in chosen:
+        if path in in_sandbox:
+            continue
+        try:
+            data, size = await read_head(path, HEAD_BYTES)
+            samples = []
+            if read_at is not None and size > len(data):
+                for offset in (size // 2, size - SAMPLE_BYTES):
+                    samples.append(await read_at(path, max(len(data), offset), SAMPLE_BYTES))
+            delimiter = "\t" if path.lower().endswith(".tsv") else ","
+            found[path] = table_from_text(data, size, delimiter, samples)
+        except StorageError as error:
+            found[path] = f"it could not be read ({error})"
+        except ValueError as error:
+            found[path] = str(error)
+    if in_sandbox:
+        found.update(await _in_sandbox(in_sandbox, run_in_sandbox))
+    parts = []
+    for index, path in enumerate(chosen, 1):
+        table = found[path]
+        if isinstance(table, Table):
+            parts.append(render(table, index, len(chosen)))
+        else:
+            label = "Preview" if len(chosen) == 1 else f"Preview {index} of {len(chosen)}"
+            parts.append(f"_{label} · none: {inert(table)}_\n")
+    return "\n\n" + "\n".join(parts)
+
+
+async def _in_sandbox(paths: list[str], run_in_sandbox: SandboxRun) -> dict[str, Table | str]:
+    code = PROGRAM.replace("PATHS", repr(json.dumps(paths)))
+    try:
+        result = await run_in_sandbox(code)
+    except (RunnerError, StorageError) as error:
+        return dict.fromkeys(paths, f"the sandbox is not available ({error})")
+    if result.outcome != Outcome.OK:
+        why = result.reason or result.outcome.value
+        return dict.fromkeys(paths, f"reading it in the sandbox failed ({why})")
+    return parse_program_output(result.stdout, paths)
+
+
+def is_table(path: str) -> bool:
+    return posixpath.basename(path).lower().endswith(PREVIEW_SUFFIXES)
+''',
     'engine/prompt.py': r'''"""The system prompt that tells the model about its /mnt/data folder."""
 
 from __future__ import annotations
@@ -18389,8 +19297,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_6b4d38611ea7.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_6b4d38611ea7.storage import human_bytes
+from _code_sessions_781f2351cb3c.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_781f2351cb3c.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -18461,8 +19369,7 @@ def _state_line(facts: PromptFacts) -> str:
         + "- Python runs in a live kernel that belongs to this chat: variables, imports and functions carry "
         "over from one run to the next (do not reload or recompute what you already have). The kernel is "
         f"reset after {facts.kernel_idle_minutes:g} minutes without a run; you are told when that "
-        "happens, and files in /mnt/data are always kept. Bash runs in the same sandbox.\n"
-        + figures
+        "happens, and files in /mnt/data are always kept. Bash runs in the same sandbox.\n" + figures
     )
 
 
@@ -18510,7 +19417,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_6b4d38611ea7.storage import Purge, parse_duration
+from _code_sessions_781f2351cb3c.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -19077,8 +19984,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_6b4d38611ea7.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_6b4d38611ea7.storage import (
+from _code_sessions_781f2351cb3c.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_781f2351cb3c.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -19095,6 +20002,7 @@ from _code_sessions_6b4d38611ea7.storage import (
 )
 
 from .branches import Branches, Turn
+from .charts import charts_of, figures_of
 from .links import References, Target, resolve_all
 from .markup import escape_text, mention
 from .scan import SCAN_ON_LOOP_CHARS
@@ -19113,13 +20021,11 @@ log = logging.getLogger("code_sessions.engine")
 # leave the index wrong for long (the disk is the truth).
 FULL_RECONCILE_EVERY_S = 600.0
 
-_FIGURE_SUFFIXES = (".png",)
 # Files an answer saved without naming them, handed over by name (or attached) at most this many.
 _HANDED_OVER = 20
 # Files noted between a Tool's run and the end of its answer: chats at once, and files a chat.
 _UNHANDED_CHATS = 1000
 _UNHANDED_PATHS = 1000
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
 
 
 class ChatSession:
@@ -19138,7 +20044,7 @@ class ChatSession:
         self._links: dict[str, Link] = {}
         # Files the answer's text names (as links or inline images), and the images it shows inline:
         # a file is shown once in the text, and an image shown inline is not an attachment as well.
-        self._shown: set[str] = set()
+        self._shown: dict[str, None] = {}  # ordered: previews follow the order of the links
         self._inline: set[str] = set()
         # Where this answer is in the conversation (None: the host did not say; the folder is then the
         # chat's whole, as it is), and what following it there said, for the answer's first step.
@@ -19166,6 +20072,17 @@ class ChatSession:
         """The copies to show as the message's attachments: every file linked, except the images the
         text already shows inline."""
         return [link for link in self._links.values() if link.url not in self._inline]
+
+    @property
+    def shown(self) -> list[str]:
+        """The files the answer's text names, in the order first named."""
+        return list(self._shown)
+
+    async def read_in_sandbox(self, code: str, limits: Limits) -> RunResult:
+        """Our own code (never the model's) in a fresh sandbox over this chat's folder, under its lock:
+        reading a hostile file with parsers that are safer kept inside gVisor (table previews)."""
+        async with self.session.lock(timeout=self._service.lock_timeout_s):
+            return await self._service.runner.run(code, "python", self.session.path, limits)
 
     @property
     def inline_urls(self) -> frozenset[str]:
@@ -19265,8 +20182,10 @@ class ChatSession:
         except RunnerError as error:
             log.warning("sandbox unavailable: %s", error)
             return StepResult(language, code, refused=f"the sandbox is not available: {error}")
-        figures = _figures(result, report)
-        return StepResult(language, code, run=result, files=report, notes=tuple(notes), figures=figures)
+        figures, charts = figures_of(result, report), charts_of(result, report)
+        return StepResult(
+            language, code, run=result, files=report, notes=tuple(notes), figures=figures, charts=charts
+        )
 
     async def add_upload(
         self, name: str, data: bytes, *, source: str | None = None, waiting: Waiting | None = None
@@ -19318,7 +20237,7 @@ class ChatSession:
         if found is None:
             return None
         link, target = found
-        self._shown.add(link.path)
+        self._shown.setdefault(link.path, None)
         return target
 
     async def _resolve_inline(self, path: str) -> Target | None:
@@ -19375,19 +20294,6 @@ class ChatSession:
                 message = {**message, "content": pattern.sub(lambda m: paths[m.group()], content)}
             view.append(message)
         return view
-
-
-def _figures(result: RunResult | None, report: ReconcileReport | None) -> tuple[str, ...]:
-    """The figures a kernel says it saved, kept only where the disk agrees: files this run added or
-    changed (the index is the disk's word), with a picture's name."""
-    if result is None or report is None or not result.figures:
-        return ()
-    saved = set(report.added) | set(report.changed)
-    return tuple(
-        p
-        for p in result.figures
-        if p in saved and p.lower().endswith(_FIGURE_SUFFIXES) and _PLAIN_NAME.fullmatch(p)
-    )
 
 
 def _kernel_key(user_key: str, chat_key: str) -> str:
@@ -19560,8 +20466,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_6b4d38611ea7.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_6b4d38611ea7.storage import Policy
+from _code_sessions_781f2351cb3c.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_781f2351cb3c.storage import Policy
 
 __all__ = ["DEFAULTS", "BranchSettings", "Settings"]
 
@@ -19727,8 +20633,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_6b4d38611ea7.runner import Outcome, RunResult
-from _code_sessions_6b4d38611ea7.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_781f2351cb3c.runner import Outcome, RunResult
+from _code_sessions_781f2351cb3c.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention
 
@@ -19758,6 +20664,8 @@ class StepResult:
     notes: tuple[str, ...] = ()
     # Figures the run saved (the kernel's claim, checked against what the run added to the folder).
     figures: tuple[str, ...] = ()
+    # Plotly charts the run saved, the same way: (spec, its static picture or None), shown in the message.
+    charts: tuple[tuple[str, str | None], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -19781,7 +20689,7 @@ class StepResult:
         if report is None:
             return []
         removed = {r.path for r in report.quota_removed}
-        figures = set(self.figures)
+        figures = {*self.figures, *(name for chart in self.charts for name in chart if name)}
         return sorted(
             path for path in {*report.added, *report.changed} if path not in removed and path not in figures
         )
@@ -19839,6 +20747,11 @@ class StepResult:
             notes.append(f"Figures: {shown}{extra} (already shown to the user, under the run)")
         elif more:
             notes.append(f"{more} figures were left open and not saved (too many figures in one run)")
+        if self.charts:
+            named = ", ".join(mention(spec) for spec, _ in self.charts)
+            pictures = ", ".join(mention(p) for _, p in self.charts if p)
+            still = f"; static pictures, for readers who cannot see them: {pictures}" if pictures else ""
+            notes.append(f"Interactive charts: {named} (already shown to the user, in the message){still}")
         kept = self.saved()
         if kept:
             notes.append("Saved: " + ", ".join(mention(p) for p in kept[:20]) + _more(kept, 20))
@@ -20169,7 +21082,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_6b4d38611ea7.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_781f2351cb3c.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -20388,7 +21301,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_6b4d38611ea7.storage import Link, Publisher, is_postgres_url
+from _code_sessions_781f2351cb3c.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 from .knowledge import save_to_knowledge
@@ -20490,6 +21403,18 @@ class OpenWebUI:
     def can_attach(self, chat_id: str, message_id: str | None) -> bool:
         """Whether a message of this chat can hold attachments (a saved chat's message)."""
         return bool(message_id) and _saved_chat(chat_id)
+
+    async def embed(self, html: str | None, emit: Callable[[dict[str, Any]], Awaitable[None]] | None) -> None:
+        """Show `html` in the message as Open WebUI's embed: a sandboxed iframe above the answer's
+        text, saved with the message of a saved chat (socket/main.py). The message's only embed, sent
+        whole each time: the page keeps the list of the latest event, and the database, told to
+        `replace`, keeps the same."""
+        if html is None or emit is None:
+            return
+        try:
+            await emit({"type": "embeds", "data": {"embeds": [html], "replace": True}})
+        except Exception as error:  # the static pictures and the files stay
+            log.warning("code-sessions: could not show the charts: %s", error)
 
     async def attach(
         self,
@@ -20688,7 +21613,7 @@ import logging
 import mimetypes
 from typing import Any
 
-from _code_sessions_6b4d38611ea7.storage import human_bytes
+from _code_sessions_781f2351cb3c.storage import human_bytes
 
 log = logging.getLogger("code_sessions.function")
 
@@ -20978,7 +21903,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from _code_sessions_6b4d38611ea7.storage import (
+from _code_sessions_781f2351cb3c.storage import (
     DiskFull,
     FileExists,
     Incoming,
@@ -21226,11 +22151,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_6b4d38611ea7.engine import DEFAULTS, MINUTE_S, BranchSettings, CodeSessions, Maintenance, Settings, Turn
-from _code_sessions_6b4d38611ea7.functions.inbound import serve_uploads
-from _code_sessions_6b4d38611ea7.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_6b4d38611ea7.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_6b4d38611ea7.webui import OpenWebUI
+from _code_sessions_781f2351cb3c.engine import DEFAULTS, MINUTE_S, BranchSettings, CodeSessions, Maintenance, Settings, Turn
+from _code_sessions_781f2351cb3c.functions.inbound import serve_uploads
+from _code_sessions_781f2351cb3c.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_781f2351cb3c.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_781f2351cb3c.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -21747,8 +22672,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_6b4d38611ea7.engine import ChatSession, CodeSessions, ExtraTool, Inbound, Settings, save_command
-from _code_sessions_6b4d38611ea7.storage import Expiry, Policy, Quotas, Store, UploadLinks
+from _code_sessions_781f2351cb3c.engine import ChatSession, CodeSessions, ExtraTool, Inbound, Settings, save_command
+from _code_sessions_781f2351cb3c.storage import Expiry, Policy, Quotas, Store, UploadLinks
 
 __all__ = ["UPLOAD_LINK_TOOL", "answer_command", "serve_uploads", "upload_link", "upload_link_tool"]
 
@@ -21930,15 +22855,18 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 # the bundle this module's body does not start the file.
 
 import logging
+from collections import OrderedDict
 from typing import Any
 
-from _code_sessions_6b4d38611ea7.engine import LoopOptions, escape_text, import_uploads, run_step
-from _code_sessions_6b4d38611ea7.functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
-from _code_sessions_6b4d38611ea7.functions.inbound import upload_link
-from _code_sessions_6b4d38611ea7.storage import StorageError
-from _code_sessions_6b4d38611ea7.webui import Misconfigured
+from _code_sessions_781f2351cb3c.engine import LoopOptions, answer_embed, escape_text, import_uploads, run_step
+from _code_sessions_781f2351cb3c.functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
+from _code_sessions_781f2351cb3c.functions.inbound import upload_link
+from _code_sessions_781f2351cb3c.storage import StorageError
+from _code_sessions_781f2351cb3c.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
+
+_MESSAGES = 1000  # answers at once whose charts this worker keeps
 
 
 class Tools:
@@ -22006,6 +22934,9 @@ class ToolSessions(SessionsAdapter):
     def __init__(self, tool: Tools) -> None:
         super().__init__()
         self._tool = tool
+        # The charts of the answers being written, by message: each run shows its message's every
+        # chart in one embed (Open WebUI keeps an event's list whole). The oldest go first.
+        self._charts: OrderedDict[tuple[str, str, str], list[str]] = OrderedDict()
 
     @property
     def settings(self) -> SessionValves:
@@ -22065,6 +22996,9 @@ class ToolSessions(SessionsAdapter):
         result = step.for_model(LoopOptions().max_result_chars)
         if step.figures:
             result += "\nTo show a figure, write its /mnt/data path in your answer."
+        if step.charts:
+            message = (user_id, chat_id, message_id or "")
+            result += await self._show_charts(services, chat, message, step, emitter)
         return "".join(_plain(note) for note in notes) + result
 
     async def upload_link(
@@ -22081,6 +23015,20 @@ class ToolSessions(SessionsAdapter):
         except (Misconfigured, StorageError) as error:
             return f"No upload link: {escape_text(str(error))}"
         return await upload_link(self._host, services, self.settings, chat, request, path)
+
+
+    async def _show_charts(
+        self, services: Any, chat: Any, message: tuple[str, str, str], step: Any, emitter: Any
+    ) -> str:
+        """Show the message's charts so far as its embed; returns what the model should know of them."""
+        charts = self._charts.setdefault(message, [])
+        self._charts.move_to_end(message)
+        while len(self._charts) > _MESSAGES:
+            self._charts.popitem(last=False)
+        charts.extend(spec for spec, _ in step.charts)
+        embed, unshown = await answer_embed(services, chat, charts)
+        await self._host.embed(embed, emitter)
+        return "".join(f"\n{sentence}" for sentence in unshown)
 
 
 def _plain(note: str) -> str:

@@ -18,6 +18,7 @@ from .loop import (
 )
 from .maintenance import MINUTE_S, Maintenance
 from .markup import code_span, escape_text, mention
+from .outputs import answer_embed, answer_previews
 from .prepare import import_uploads, last_user_text, messages_with_prompt
 from .prompt import PromptFacts, system_prompt
 from .purge import parse_purge
@@ -56,6 +57,8 @@ __all__ = [
     "TextDelta",
     "ToolCall",
     "Turn",
+    "answer_embed",
+    "answer_previews",
     "chat_path",
     "code_span",
     "converse",

@@ -16,6 +16,7 @@ from runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
+from .outputs import answer_previews
 from .scan import SCAN_ON_LOOP_CHARS
 from .service import ChatSession, StepResult
 from .sse import ModelError, TextDelta, ToolCall
@@ -90,6 +91,8 @@ class LoopOptions:
     attachments: bool = False
     # Tools offered beside run_code; each call counts as a step.
     tools: tuple[ExtraTool, ...] = ()
+    # Show a preview of each table file the answer links (a user valve), after the answer's text.
+    previews: bool = True
 
 
 def _fence(text: str) -> str:
@@ -121,6 +124,10 @@ async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions)
     deleted = step.deleted_note()
     if deleted:
         body.append(deleted + "\n")
+    stills = [picture for _, picture in step.charts if picture]
+    if stills:  # the interactive chart is the message's embed; this one is for where embeds are not shown
+        shown = await chat.rewrite("".join(f"![{p.rsplit('/', 1)[-1]}](/mnt/data/{p})\n" for p in stills))
+        body.append("_Static picture of the interactive chart:_\n\n" + shown)
     summary = step.headline().replace("<", "&lt;")
     details = f"\n<details>\n<summary>{summary}</summary>\n\n" + "\n".join(body) + "\n</details>\n\n"
     pictures = ""
@@ -192,11 +199,18 @@ async def converse(
     call_model: ModelCall,
     options: LoopOptions,
     status: StatusCall,
+    charts: list[str] | None = None,
 ) -> AsyncIterator[str]:
-    """Yield the user-visible answer (already link-rewritten) while running the model's code."""
+    """Yield the user-visible answer (already link-rewritten) while running the model's code. `charts`
+    collects the specs of the charts the runs saved, for the message's embed."""
     saved: list[str] = []
-    async for piece in _turns(chat, messages, call_model, options, status, saved):
+    collected: list[str] = [] if charts is None else charts
+    async for piece in _turns(chat, messages, call_model, options, status, saved, collected):
         yield piece
+    if options.previews:
+        shown = await answer_previews(chat)
+        if shown:
+            yield shown
     # Every file the runs saved reaches the user once: where the text names it, else as an attachment
     # or in one line here.
     handed = await chat.hand_over(saved, attachments=options.attachments)
@@ -215,6 +229,7 @@ async def _turns(
     options: LoopOptions,
     status: StatusCall,
     saved: list[str],
+    charts: list[str],
 ) -> AsyncIterator[str]:
     """The model's turns; `saved` collects the files every run saved, in order."""
     steps = 0
@@ -276,6 +291,7 @@ async def _turns(
                     steps += 1
                     step = await run_step(chat, parsed[0], parsed[1], status)
                     saved.extend(step.saved())
+                    charts.extend(spec for spec, _ in step.charts)
                     yield await render_step(chat, step, options)
                     result = step.for_model(options.max_result_chars)
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
@@ -297,6 +313,7 @@ async def _turns(
             steps += 1
             step = await run_step(chat, block.language, block.code, status)
             saved.extend(step.saved())
+            charts.extend(spec for spec, _ in step.charts)
             yield await render_step(chat, step, options)
             results.append(step.for_model(options.max_result_chars))
         messages.append(

@@ -8,7 +8,7 @@ import unicodedata
 
 from .grammar import BACKTICK_RUNS, MOUNT
 
-__all__ = ["backtick_fence", "code_span", "escape_text", "mention"]
+__all__ = ["backtick_fence", "code_span", "escape_text", "mention", "visible"]
 
 # Characters that would change the meaning of link text in markdown or HTML.
 _LABEL_ESCAPES = str.maketrans(
@@ -16,7 +16,7 @@ _LABEL_ESCAPES = str.maketrans(
 )
 
 
-def _visible(text: str) -> str:
+def visible(text: str) -> str:
     """Control and format characters (newlines, bidi overrides such as U+202E that make `txt.exe` show
     as `exe.txt`, zero-width characters) written as escapes, so a name shows what it really is."""
     if text.isprintable():
@@ -31,7 +31,7 @@ def escape_text(text: str) -> str:
     """Any text (e.g. an error message quoting a file name) as one line of markdown that means nothing:
     no HTML, no links, no emphasis, no line breaks. (Whitespace is folded: a newline in a name used as a
     link's text must not break the link apart.)"""
-    return " ".join(_visible(text).translate(_LABEL_ESCAPES).split())
+    return " ".join(visible(text).translate(_LABEL_ESCAPES).split())
 
 
 def backtick_fence(text: str, minimum: int = 1) -> str:
@@ -43,7 +43,7 @@ def backtick_fence(text: str, minimum: int = 1) -> str:
 
 def code_span(text: str) -> str:
     """Text shown literally: an inline code span, fenced with more backticks than the text holds."""
-    text = _visible(text)
+    text = visible(text)
     fence = backtick_fence(text)
     pad = " " if text.startswith("`") or text.endswith("`") or not text.strip() else ""
     return f"{fence}{pad}{text}{pad}{fence}"

@@ -32,6 +32,7 @@ from storage import (
 )
 
 from .branches import Branches, Turn
+from .charts import charts_of, figures_of
 from .links import References, Target, resolve_all
 from .markup import escape_text, mention
 from .scan import SCAN_ON_LOOP_CHARS
@@ -50,13 +51,11 @@ log = logging.getLogger("code_sessions.engine")
 # leave the index wrong for long (the disk is the truth).
 FULL_RECONCILE_EVERY_S = 600.0
 
-_FIGURE_SUFFIXES = (".png",)
 # Files an answer saved without naming them, handed over by name (or attached) at most this many.
 _HANDED_OVER = 20
 # Files noted between a Tool's run and the end of its answer: chats at once, and files a chat.
 _UNHANDED_CHATS = 1000
 _UNHANDED_PATHS = 1000
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
 
 
 class ChatSession:
@@ -75,7 +74,7 @@ class ChatSession:
         self._links: dict[str, Link] = {}
         # Files the answer's text names (as links or inline images), and the images it shows inline:
         # a file is shown once in the text, and an image shown inline is not an attachment as well.
-        self._shown: set[str] = set()
+        self._shown: dict[str, None] = {}  # ordered: previews follow the order of the links
         self._inline: set[str] = set()
         # Where this answer is in the conversation (None: the host did not say; the folder is then the
         # chat's whole, as it is), and what following it there said, for the answer's first step.
@@ -103,6 +102,17 @@ class ChatSession:
         """The copies to show as the message's attachments: every file linked, except the images the
         text already shows inline."""
         return [link for link in self._links.values() if link.url not in self._inline]
+
+    @property
+    def shown(self) -> list[str]:
+        """The files the answer's text names, in the order first named."""
+        return list(self._shown)
+
+    async def read_in_sandbox(self, code: str, limits: Limits) -> RunResult:
+        """Our own code (never the model's) in a fresh sandbox over this chat's folder, under its lock:
+        reading a hostile file with parsers that are safer kept inside gVisor (table previews)."""
+        async with self.session.lock(timeout=self._service.lock_timeout_s):
+            return await self._service.runner.run(code, "python", self.session.path, limits)
 
     @property
     def inline_urls(self) -> frozenset[str]:
@@ -202,8 +212,10 @@ class ChatSession:
         except RunnerError as error:
             log.warning("sandbox unavailable: %s", error)
             return StepResult(language, code, refused=f"the sandbox is not available: {error}")
-        figures = _figures(result, report)
-        return StepResult(language, code, run=result, files=report, notes=tuple(notes), figures=figures)
+        figures, charts = figures_of(result, report), charts_of(result, report)
+        return StepResult(
+            language, code, run=result, files=report, notes=tuple(notes), figures=figures, charts=charts
+        )
 
     async def add_upload(
         self, name: str, data: bytes, *, source: str | None = None, waiting: Waiting | None = None
@@ -255,7 +267,7 @@ class ChatSession:
         if found is None:
             return None
         link, target = found
-        self._shown.add(link.path)
+        self._shown.setdefault(link.path, None)
         return target
 
     async def _resolve_inline(self, path: str) -> Target | None:
@@ -312,19 +324,6 @@ class ChatSession:
                 message = {**message, "content": pattern.sub(lambda m: paths[m.group()], content)}
             view.append(message)
         return view
-
-
-def _figures(result: RunResult | None, report: ReconcileReport | None) -> tuple[str, ...]:
-    """The figures a kernel says it saved, kept only where the disk agrees: files this run added or
-    changed (the index is the disk's word), with a picture's name."""
-    if result is None or report is None or not result.figures:
-        return ()
-    saved = set(report.added) | set(report.changed)
-    return tuple(
-        p
-        for p in result.figures
-        if p in saved and p.lower().endswith(_FIGURE_SUFFIXES) and _PLAIN_NAME.fullmatch(p)
-    )
 
 
 def _kernel_key(user_key: str, chat_key: str) -> str:

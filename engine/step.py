@@ -37,6 +37,8 @@ class StepResult:
     notes: tuple[str, ...] = ()
     # Figures the run saved (the kernel's claim, checked against what the run added to the folder).
     figures: tuple[str, ...] = ()
+    # Plotly charts the run saved, the same way: (spec, its static picture or None), shown in the message.
+    charts: tuple[tuple[str, str | None], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -60,7 +62,7 @@ class StepResult:
         if report is None:
             return []
         removed = {r.path for r in report.quota_removed}
-        figures = set(self.figures)
+        figures = {*self.figures, *(name for chart in self.charts for name in chart if name)}
         return sorted(
             path for path in {*report.added, *report.changed} if path not in removed and path not in figures
         )
@@ -118,6 +120,11 @@ class StepResult:
             notes.append(f"Figures: {shown}{extra} (already shown to the user, under the run)")
         elif more:
             notes.append(f"{more} figures were left open and not saved (too many figures in one run)")
+        if self.charts:
+            named = ", ".join(mention(spec) for spec, _ in self.charts)
+            pictures = ", ".join(mention(p) for _, p in self.charts if p)
+            still = f"; static pictures, for readers who cannot see them: {pictures}" if pictures else ""
+            notes.append(f"Interactive charts: {named} (already shown to the user, in the message){still}")
         kept = self.saved()
         if kept:
             notes.append("Saved: " + ", ".join(mention(p) for p in kept[:20]) + _more(kept, 20))

@@ -22,6 +22,7 @@ from engine import (
     ModelError,
     TextDelta,
     ToolCall,
+    answer_embed,
     converse,
     escape_text,
     events_from_message,
@@ -64,6 +65,11 @@ class Pipe(SessionsAdapter):
     class UserValves(BaseModel):
         show_code: bool = Field(default=True, description="Show the code that ran.")
         show_output: bool = Field(default=True, description="Show the output of each run.")
+        table_previews: bool = Field(
+            default=True,
+            description="Under the answer, a preview (first rows, columns and types, row count) of each "
+            "CSV, TSV, XLSX or Parquet file it links.",
+        )
 
     valves: Valves
 
@@ -140,6 +146,7 @@ class Pipe(SessionsAdapter):
             max_steps=self.valves.max_steps,
             show_code=bool(getattr(user_valves, "show_code", True)),
             show_output=bool(getattr(user_valves, "show_output", True)),
+            previews=bool(getattr(user_valves, "table_previews", True)),
             # Files saved but not named are then only attachments; else one line names them.
             attachments=settings.attach_files and host.can_attach(__chat_id__ or "", __message_id__),
             tools=(upload_link_tool(host, services, self.valves, chat, __request__),),
@@ -167,8 +174,13 @@ class Pipe(SessionsAdapter):
         async def answer() -> AsyncIterator[str]:
             if notes:
                 yield "".join(notes)
-            async for piece in converse(chat, messages, call_model, options, status):
+            charts: list[str] = []
+            async for piece in converse(chat, messages, call_model, options, status, charts):
                 yield piece
+            embed, unshown = await answer_embed(services, chat, charts)
+            await host.embed(embed, __event_emitter__)
+            if unshown:
+                yield "\n\n" + "".join(f"_{sentence}_\n\n" for sentence in unshown)
             await status.settle()
             if settings.attach_files:
                 await host.attach(

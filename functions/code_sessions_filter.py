@@ -20,6 +20,7 @@ from engine import (
     ChatSession,
     LoopOptions,
     StreamingRewriter,
+    answer_previews,
     import_uploads,
     last_user_text,
     messages_with_prompt,
@@ -55,6 +56,13 @@ class Filter:
             "quotas) are this filter's too.",
         )
         priority: int = Field(default=0, description="Order among filters (lower runs first).")
+
+    class UserValves(BaseModel):
+        table_previews: bool = Field(
+            default=True,
+            description="Under the answer, a preview (first rows, columns and types, row count) of each "
+            "CSV, TSV, XLSX or Parquet file it links.",
+        )
 
     def __init__(self) -> None:
         self.valves = self.Valves()
@@ -254,9 +262,12 @@ class FilterSessions(SessionsAdapter):
                 continue
             if message.get("id") != message_id:
                 continue
-            content = message.get("content")
+            content, previews = message.get("content"), ""
             if isinstance(content, str):
                 rewritten = await chat.rewrite(content + tail)
+                if bool(getattr(user.get("valves"), "table_previews", True)):
+                    previews = await answer_previews(chat)
+                    rewritten += previews
                 # The Tool's runs' files the answer did not name: attachments, or one line here.
                 saved = services.take_saved(user_id, chat_id) if services is not None else []
                 rewritten += await chat.hand_over(saved, attachments=attachments)
@@ -264,11 +275,15 @@ class FilterSessions(SessionsAdapter):
                 if notes:
                     rewritten += "\n\n" + "\n".join(f"- {note}" for note in notes) + "\n"
                 message["content"] = rewritten
+            last: dict[str, Any] | None = None
             for item in message.get("output") or ():
                 if isinstance(item, dict) and item.get("type") == "message":
                     for part in item.get("content") or ():
                         if isinstance(part, dict) and isinstance(part.get("text"), str):
                             part["text"] = await chat.rewrite(part["text"])
+                            last = part
+            if previews and last is not None:  # the page shows the output, when there is one
+                last["text"] += previews
         if chat.settings.attach_files:
             await self._host.attach(
                 chat_id, message_id, user_id, chat.links, emitter, inline_urls=chat.inline_urls

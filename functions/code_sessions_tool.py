@@ -11,15 +11,18 @@
 # the bundle this module's body does not start the file.
 
 import logging
+from collections import OrderedDict
 from typing import Any
 
-from engine import LoopOptions, escape_text, import_uploads, run_step
+from engine import LoopOptions, answer_embed, escape_text, import_uploads, run_step
 from functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
 from functions.inbound import upload_link
 from storage import StorageError
 from webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
+
+_MESSAGES = 1000  # answers at once whose charts this worker keeps
 
 
 class Tools:
@@ -87,6 +90,9 @@ class ToolSessions(SessionsAdapter):
     def __init__(self, tool: Tools) -> None:
         super().__init__()
         self._tool = tool
+        # The charts of the answers being written, by message: each run shows its message's every
+        # chart in one embed (Open WebUI keeps an event's list whole). The oldest go first.
+        self._charts: OrderedDict[tuple[str, str, str], list[str]] = OrderedDict()
 
     @property
     def settings(self) -> SessionValves:
@@ -146,6 +152,9 @@ class ToolSessions(SessionsAdapter):
         result = step.for_model(LoopOptions().max_result_chars)
         if step.figures:
             result += "\nTo show a figure, write its /mnt/data path in your answer."
+        if step.charts:
+            message = (user_id, chat_id, message_id or "")
+            result += await self._show_charts(services, chat, message, step, emitter)
         return "".join(_plain(note) for note in notes) + result
 
     async def upload_link(
@@ -162,6 +171,20 @@ class ToolSessions(SessionsAdapter):
         except (Misconfigured, StorageError) as error:
             return f"No upload link: {escape_text(str(error))}"
         return await upload_link(self._host, services, self.settings, chat, request, path)
+
+
+    async def _show_charts(
+        self, services: Any, chat: Any, message: tuple[str, str, str], step: Any, emitter: Any
+    ) -> str:
+        """Show the message's charts so far as its embed; returns what the model should know of them."""
+        charts = self._charts.setdefault(message, [])
+        self._charts.move_to_end(message)
+        while len(self._charts) > _MESSAGES:
+            self._charts.popitem(last=False)
+        charts.extend(spec for spec, _ in step.charts)
+        embed, unshown = await answer_embed(services, chat, charts)
+        await self._host.embed(embed, emitter)
+        return "".join(f"\n{sentence}" for sentence in unshown)
 
 
 def _plain(note: str) -> str:

@@ -233,9 +233,7 @@ class Core:
                 self._reconciling_after_full_disk = False
         return was_unsaved
 
-    async def session_id(
-        self, tx: Tx, ref: ChatRef, created_at: float, used_at: float | None = None
-    ) -> int:
+    async def session_id(self, tx: Tx, ref: ChatRef, created_at: float, used_at: float | None = None) -> int:
         """The session's row id inside a transaction, creating the row if it is missing."""
         return await _index.ensure_session(
             tx,

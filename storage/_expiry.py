@@ -326,9 +326,7 @@ async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally
             tally.files_removed += removed_files
             tally.bytes_freed += removed_bytes
             tally.details.append(
-                CleanupAction(
-                    row.user_id, row.chat_id, "files expired", removed_files, removed_bytes, reason
-                )
+                CleanupAction(row.user_id, row.chat_id, "files expired", removed_files, removed_bytes, reason)
             )
 
 

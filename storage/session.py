@@ -225,6 +225,33 @@ class ChatFiles:
 
         return await asyncio.to_thread(work)
 
+    async def read_head(self, path: str, max_bytes: int) -> tuple[bytes, int]:
+        """The first `max_bytes` of a file at most, and its size: a bounded look at a file of any size
+        (a preview never reads the whole of a 100 MB CSV)."""
+        parts = split_path(path)
+
+        def work() -> tuple[bytes, int]:
+            with self._root() as root, fd_closing(open_regular(root, parts)) as fd:
+                size = os.fstat(fd).st_size
+                chunks: list[bytes] = []
+                left = max_bytes
+                while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+                    chunks.append(chunk)
+                    left -= len(chunk)
+                return b"".join(chunks), size
+
+        return await asyncio.to_thread(work)
+
+    async def read_at(self, path: str, offset: int, max_bytes: int) -> bytes:
+        """At most `max_bytes` of a file from `offset` on (with `read_head`, samples of a big file)."""
+        parts = split_path(path)
+
+        def work() -> bytes:
+            with self._root() as root, fd_closing(open_regular(root, parts)) as fd:
+                return os.pread(fd, max_bytes, max(0, offset))
+
+        return await asyncio.to_thread(work)
+
     async def exists(self, path: str) -> bool:
         """True if a regular file is at path (reached without symlinks)."""
         parts = split_path(path)

@@ -54,6 +54,8 @@ def tables() -> str:
             table(Filter.Valves),
             "\nThe Pipe's user valves (each user, in the chat's controls):\n",
             table(Pipe.UserValves),
+            "\nThe Filter's user valves (each user, for the Tool and the Filter):\n",
+            table(Filter.UserValves),
         ]
     )
 

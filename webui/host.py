@@ -118,6 +118,18 @@ class OpenWebUI:
         """Whether a message of this chat can hold attachments (a saved chat's message)."""
         return bool(message_id) and _saved_chat(chat_id)
 
+    async def embed(self, html: str | None, emit: Callable[[dict[str, Any]], Awaitable[None]] | None) -> None:
+        """Show `html` in the message as Open WebUI's embed: a sandboxed iframe above the answer's
+        text, saved with the message of a saved chat (socket/main.py). The message's only embed, sent
+        whole each time: the page keeps the list of the latest event, and the database, told to
+        `replace`, keeps the same."""
+        if html is None or emit is None:
+            return
+        try:
+            await emit({"type": "embeds", "data": {"embeds": [html], "replace": True}})
+        except Exception as error:  # the static pictures and the files stay
+            log.warning("code-sessions: could not show the charts: %s", error)
+
     async def attach(
         self,
         chat_id: str,

@@ -37,6 +37,7 @@ MODULES = (
     "packages",
     "hooks",
     "figures",
+    "charts",
     "tracebacks",
     "python_cells",
     "bash_cells",

@@ -10,6 +10,7 @@ import types
 
 from .bash_cells import _BashCells
 from .basics import _READ_SIZE, _fatal, _os_getpid, _os_read, _perf_counter, set_diag_fd
+from .charts import _Charts
 from .codec import _Channel, _json_loads
 from .figures import _Figures
 from .hooks import _ImportHooks
@@ -78,10 +79,15 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         sys.path[0:1] = [self.workdir]  # not /run/code: `import mymodule` finds /mnt/data/mymodule.py
         sys.argv = [""]
         self._figures = _Figures(self.workdir, self._note)
+        self._charts = _Charts(self.workdir, self._figures, self._note)
         # Cell sources for tracebacks: linecache (with tokenize and re, ~50 ms to import in the
         # sandbox) is filled only once something imports it (a traceback, the code itself).
         self._cell_sources: dict[str, str] = {}
-        hooks = {"matplotlib.pyplot": self._on_pyplot_import, "linecache": self._on_linecache_import}
+        hooks = {
+            "matplotlib.pyplot": self._on_pyplot_import,
+            "plotly.io": self._on_plotly_import,
+            "linecache": self._on_linecache_import,
+        }
         sys.meta_path.insert(0, _ImportHooks(hooks))
 
     def ready_message(self) -> dict[str, Any]:
@@ -103,6 +109,12 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
             self._figures.patch(module)
         except Exception as exc:  # never fail the cell's import over our convenience
             self._note(f"[code-sessions: cannot hook plt.show(): {exc!r}]\n")
+
+    def _on_plotly_import(self, module: types.ModuleType) -> None:
+        try:
+            self._charts.patch(module)
+        except Exception as exc:  # never fail the cell's import over our convenience
+            self._note(f"[code-sessions: cannot hook fig.show(): {exc!r}]\n")
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         # Idle, or in the kernel's own code after a cell: ignored. Armed: one KeyboardInterrupt, and
@@ -166,6 +178,7 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         started = _perf_counter()
         self._figures.saved = []
         self._figures.more = 0
+        self._charts.pending = []
         for pump in self._pumps:
             pump.begin(run_id)
         if lang == "python":
@@ -175,6 +188,17 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         self._restore_process_state()
         if report:
             self._note(report)
+        pio = sys.modules.get("plotly.io")
+        if lang == "python" and pio is not None:
+            self._on_plotly_import(pio)  # plotly.io reloaded, or our hook removed: patch again
+            try:
+                self._armed = True  # a chart's static picture may take long: an interrupt stops it
+                self._charts.save_pending()
+                self._armed = False
+            except KeyboardInterrupt:
+                self._armed = False
+                self._note("KeyboardInterrupt (while saving charts)\n")
+                status, exit_code = "interrupted", None
         pyplot = sys.modules.get("matplotlib.pyplot")
         if lang == "python" and pyplot is not None:
             self._on_pyplot_import(pyplot)  # pyplot reloaded, or our hook removed: patch again

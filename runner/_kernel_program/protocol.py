@@ -10,7 +10,8 @@ arrive on the kernel's original fd 0; replies leave on its original fd 1:
                      {"t": "out", "id": int, "s": "o" | "e", "d": str (at most 16384 characters)}
                      {"t": "done", "id": int, "status": "ok" | "error" | "interrupted",
                       "exit_code": int | null, "figures": [str], "more": int, "ms": float}
-                     ("more": figures left open past MAX_FIGURES_PER_RUN, not saved)
+                     ("figures": figure-N.png and chart-N.plotly.json names; "more": figures left
+                      open past MAX_FIGURES_PER_RUN, not saved)
 
 One run at a time; every "out" of a run precedes its "done"; nothing is written between a "done" and the
 next request. The cell runs inside the kernel's process, so it can write anything to the reply channel:

@@ -7,6 +7,7 @@ import os
 import sys
 
 from .basics import _os_getpid
+from .charts import _Charts, _is_plotly_figure
 from .tracebacks import format_cell_exception
 
 TYPE_CHECKING = False
@@ -53,6 +54,7 @@ class _PythonCells:
     _cell_names: set[str]
     _cell_sources: dict[str, str]
     _live_stdout: Callable[[], Any]  # the kernel's stdout, recreated if a cell closed it
+    _charts: _Charts  # a plotly figure as the cell's last value is shown as a chart, not printed
 
     def _cell_filename(self, run_id: int) -> str:
         name = f"<cell-{run_id}>"
@@ -105,7 +107,8 @@ class _PythonCells:
                 value = eval(last, ns)
                 if value is not None:
                     ns["_"] = value
-                    self._live_stdout().write(repr(value) + "\n")
+                    if not (_is_plotly_figure(value) and self._charts.capture(value)):
+                        self._live_stdout().write(repr(value) + "\n")
             self._armed = self._cell_running = False
             status, exit_code = "ok", 0
         except KeyboardInterrupt as exc:

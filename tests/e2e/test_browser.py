@@ -18,9 +18,9 @@ import warnings
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Browser, BrowserContext, Locator, Page
+from playwright.sync_api import Browser, BrowserContext, Frame, Locator, Page
 
-from tests.support.open_webui import LINK, Account, OpenWebUI, Reply
+from tests.support.open_webui import LINK, Account, OpenWebUI, Reply, say_streamed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.runsc, pytest.mark.browser]
 
@@ -32,8 +32,9 @@ def logged_in(browser: Browser, server: OpenWebUI, account: Account, height: int
     the app's API calls send) and the `token` cookie (what an <img> or a new tab sends to the Files API)."""
     context = browser.new_context(viewport={"width": 1200, "height": height}, accept_downloads=True)
     context.add_cookies([{"name": "token", "value": account.token, "url": server.url}])
-    context.add_init_script(
-        f"localStorage.setItem('token', {account.token!r}); localStorage.setItem('version', '0.12.4');"
+    context.add_init_script(  # in the page only: a frame without same-origin has no localStorage
+        "if (window === window.top) {"
+        f" localStorage.setItem('token', {account.token!r}); localStorage.setItem('version', '0.12.4'); }}"
     )
     return context
 
@@ -145,8 +146,13 @@ def download_through_chip(
     page.keyboard.press("Escape")
 
 
-def keep_screenshot(page: Page, tmp_path: Path, name: str) -> None:
-    page.evaluate("document.getElementById('messages-container')?.scrollTo(0, 0)")
+def keep_screenshot(
+    page: Page, tmp_path: Path, name: str, *, scroll: bool = True, hover: Locator | None = None
+) -> None:
+    if scroll:
+        page.evaluate("document.getElementById('messages-container')?.scrollTo(0, 0)")
+    if hover is not None:
+        hover_over(page, hover)
     page.wait_for_timeout(300)
     shot = tmp_path / name
     page.screenshot(path=str(shot), full_page=False)
@@ -178,7 +184,7 @@ def test_the_demo_shows_each_run_once_and_each_file_once(
     assert attachments(admin, second) == []
     assert [f["url"] for f in attachments(admin, third)] == [bundle_url]
 
-    context = logged_in(browser, open_webui, admin, height=1320)
+    context = logged_in(browser, open_webui, admin, height=1620)
     page = context.new_page()
     one, two, three = Rendered(page, first), Rendered(page, second), Rendered(page, third)
     errors = open_chat(
@@ -237,3 +243,205 @@ def test_a_run_stopped_by_a_limit_says_why_once_and_still_gives_the_file_it_wrot
     download_through_chip(page, context, answer, "progress.csv", item["url"], data)
     assert not errors, errors
     context.close()
+
+
+HOSTILE_ROWS = [
+    ("name", "note", "score"),
+    ("<script>alert(1)</script>", "a|b", 1),
+    ('<img src=x onerror="alert(2)">', "[click](https://evil.example)", 2),
+    ("~~~ fence", "line one\nline two", 3),  # a code fence (~~~ here: the demo model's block ends at ```)
+    ("https://evil.example/x", "$x^2$ **bold**", 4),
+]
+TABLES = f"""import csv
+import pandas as pd
+rows = [[str(cell).replace("~~~", "`" * 3) for cell in row] for row in {HOSTILE_ROWS!r}]
+with open("/mnt/data/hostile.csv", "w", newline="") as handle:
+    csv.writer(handle).writerows(rows)
+pd.DataFrame({{"city": ["Oslo", "Lima", "Pune"], "people": [709000, 10092000, 7764000]}}).to_excel(
+    "/mnt/data/cities.xlsx", index=False)
+"""
+CHART = """import plotly.graph_objects as go
+fig = go.Figure(go.Scatter(x=[1, 2, 3, 4], y=[10, 30, 20, 40], mode="lines+markers", name="visits"))
+fig.update_layout(title="Visits per week", xaxis_title="week", yaxis_title="visits")
+fig.show()
+"""
+
+
+def code(source: str, reply: str) -> str:
+    return f"```python\n{source}```\nreply: {reply}"
+
+
+def preview_tables(answer: Rendered) -> Locator:
+    return answer.content.locator("table")
+
+
+def test_tables_show_a_preview_whose_hostile_cells_are_text(
+    browser: Browser, open_webui: OpenWebUI, tmp_path: Path
+):
+    admin = open_webui.admin
+    reply = say_streamed(admin, code(TABLES, "The tables: /mnt/data/hostile.csv and /mnt/data/cities.xlsx"))
+    # In the saved message: after the answer's text, one preview per table, in the order linked.
+    assert "_Preview 1 of 2 · 4 rows, 3 columns_" in reply.content, reply.content
+    assert "_Preview 2 of 2 · 3 rows, 2 columns_" in reply.content, reply.content
+
+    context = logged_in(browser, open_webui, admin, height=1100)
+    page = context.new_page()
+    dialogs: list[str] = []
+    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+    answer = Rendered(page, reply)
+    errors = open_chat(page, open_webui, reply, preview_tables(answer).nth(1), tmp_path)
+    hostile, cities = preview_tables(answer).nth(0), preview_tables(answer).nth(1)
+    assert preview_tables(answer).count() == 2
+    # Every hostile cell is its text: one row per record, no element made of a cell, nothing ran.
+    assert hostile.locator("tr").count() == 1 + 4
+    assert hostile.locator("a, img, script, strong, code, .katex").count() == 0, hostile.inner_html()
+    # (Zero-width spaces keep `[...](...)` and `https://` from being read as links: they show nothing.)
+    cells = [c.replace("\u200b", "").strip() for c in hostile.locator("td").all_inner_texts()]
+    assert cells == [
+        "<script>alert(1)</script>",
+        "a|b",
+        "1",
+        '<img src=x onerror="alert(2)">',
+        "[click](https://evil.example)",
+        "2",
+        "``` fence",
+        "line one\\nline two",
+        "3",
+        "https://evil.example/x",
+        "$x^2$ **bold**",
+        "4",
+    ], cells
+    headers = [h.strip() for h in hostile.locator("th").all_text_contents()]
+    assert headers == ["name · text", "note · text", "score · int"], headers
+    # The XLSX was read in the sandbox: its columns and types, its rows.
+    assert [h.strip() for h in cities.locator("th").all_text_contents()] == ["city · text", "people · int"]
+    assert cities.locator("tr").nth(2).inner_text().split() == ["Lima", "10092000"]
+    # Each file once in the text (where the answer names it), once among the attachments.
+    assert_reads_cleanly(
+        answer, r"Python finished in [0-9.]+ m?s", {"hostile.csv": (1, 1), "cities.xlsx": (1, 1)}
+    )
+    hostile.scroll_into_view_if_needed()
+    keep_screenshot(page, tmp_path, "previews.png", scroll=False)
+    assert not dialogs and not errors, (dialogs, errors)
+    context.close()
+
+
+def test_a_plotly_chart_is_interactive_isolated_and_still_there_after_a_reload(
+    browser: Browser, open_webui: OpenWebUI, tmp_path: Path
+):
+    admin = open_webui.admin
+    reply = say_streamed(admin, code(CHART, "Here is the chart."))
+    message = admin.get(f"/api/v1/chats/{reply.chat_id}").json()["chat"]["history"]["messages"]
+    [embed] = message[reply.message_id]["embeds"]  # saved with the message: what a reload shows
+    # plotly.js travels inside it (from the sandbox environment): nothing is fetched from anywhere.
+    payload = re.search(r"id=&quot;plotly&quot;&gt;([A-Za-z0-9+/=]+)&lt;", embed)
+    assert payload and len(payload.group(1)) > 1_000_000
+    rest = embed.replace(payload.group(1), "")
+    assert not re.search(r"https?:|\b(?:src|href)=", rest), rest[:2000]
+
+    context = logged_in(browser, open_webui, admin, height=900)
+    page = context.new_page()
+    answer = Rendered(page, reply)
+    outer = answer.message.locator(f"[id='{reply.message_id}-embeds-container'] iframe")
+    errors = open_chat(page, open_webui, reply, outer, tmp_path)
+    chart = drawn_chart(outer)
+    # The page holds the chart's trace, and a hover over a point shows its tooltip.
+    assert chart.evaluate("() => document.getElementById('chart-0').data.length") == 1
+    assert chart.evaluate("() => Array.from(document.getElementById('chart-0').data[0].y)") == [
+        10,
+        30,
+        20,
+        40,
+    ]
+    point = chart.locator(".scatterlayer .point").nth(2)
+    hover_over(page, point)
+    tooltip = chart.locator(".hoverlayer .hovertext")
+    tooltip.first.wait_for(timeout=15_000)
+    assert "20" in tooltip.first.text_content()
+    # Its script is cut off from Open WebUI's page: an opaque origin, no parent document, no network
+    # (not even Open WebUI's own server, which serves both of these to a plain page).
+    assert admin.get("/api/v1/auths/").status_code == 200
+    assert_isolated(chart)
+    outer.scroll_into_view_if_needed()
+    keep_screenshot(page, tmp_path, "interactive-chart.png", scroll=False, hover=point)
+    # The static picture is in the run's block, for where embeds are not shown (a shared chat).
+    answer.content.get_by_text(re.compile(r"Python finished in")).first.click()
+    still = answer.content.locator("img")
+    still.first.wait_for(timeout=30_000)
+    assert still.count() == 1 and still.get_attribute("alt") == "chart-1.png"
+
+    # Even with the user's "allow same origin" for iframes, the chart's own frame stays opaque.
+    settings = admin.get("/api/v1/users/user/settings").json() or {}
+    ui = {**(settings.get("ui") or {}), "iframeSandboxAllowSameOrigin": True}
+    admin.post("/api/v1/users/user/settings/update", {**settings, "ui": ui}).raise_for_status()
+    try:
+        page.reload()
+        wait_for_messages(page, outer, errors, [], tmp_path)
+        assert "allow-same-origin" in (outer.get_attribute("sandbox") or "")
+        chart = drawn_chart(outer)
+        assert chart.evaluate("() => document.getElementById('chart-0').data.length") == 1
+        assert_isolated(chart)
+    finally:
+        ui["iframeSandboxAllowSameOrigin"] = False
+        admin.post("/api/v1/users/user/settings/update", {**settings, "ui": ui}).raise_for_status()
+    assert not errors, errors
+    context.close()
+
+    # Shared with bob: Open WebUI 0.12.4 draws no embeds on a shared chat's page (read-only), so bob
+    # sees the chart as its static picture, in the run's block.
+    shared = admin.post(f"/api/v1/chats/{reply.chat_id}/share")
+    assert shared.status_code == 200, shared.text
+    bob = open_webui.accounts["bob"]
+    grant = {
+        "access_grants": [{"principal_type": "user", "principal_id": bob.user_id, "permission": "read"}],
+        "share_mode": None,
+    }
+    admin.post(f"/api/v1/chats/shared/{reply.chat_id}/access/update", grant).raise_for_status()
+    context = logged_in(browser, open_webui, bob, height=900)
+    page = context.new_page()
+    page.goto(f"{open_webui.url}/s/{shared.json()['share_id']}")
+    block = page.get_by_text(re.compile(r"Python finished in")).first
+    block.wait_for(timeout=60_000)
+    assert page.locator("iframe").count() == 0
+    block.click()
+    still = page.locator("img[alt='chart-1.png']")
+    still.wait_for(timeout=30_000)
+    loaded = "img => img.complete && img.naturalWidth > 0"
+    page.wait_for_function(loaded, arg=still.element_handle(), timeout=30_000)
+    context.close()
+
+
+def hover_over(page: Page, target: Locator) -> None:
+    """The mouse over the middle of `target`, as a user moves it (plotly's drag layer lies on top of
+    its points, so only the pointer's position, not an element, gets the hover)."""
+    box = target.bounding_box()
+    assert box is not None
+    page.mouse.move(box["x"] + box["width"] / 2 - 5, box["y"] + box["height"] / 2 - 5)
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2, steps=5)
+
+
+def drawn_chart(outer: Locator) -> Frame:
+    """The chart's own frame (inside the embed's), once plotly.js has drawn it."""
+    outer.scroll_into_view_if_needed()
+    frame = outer.element_handle(timeout=30_000).content_frame()
+    assert frame is not None
+    inner = frame.locator("iframe").element_handle(timeout=30_000).content_frame()
+    assert inner is not None
+    inner.wait_for_function("() => document.querySelector('#chart-0 .main-svg') !== null", timeout=60_000)
+    return inner
+
+
+def assert_isolated(chart: Frame) -> None:
+    assert chart.evaluate("() => window.origin") == "null"
+    reach = (
+        "() => { try { return parent.document.cookie + top.localStorage.getItem('token') }"
+        " catch (e) { return 'blocked' } }"
+    )
+    assert chart.evaluate(reach) == "blocked"
+    fetched = "() => fetch('/api/v1/auths/').then(() => 'fetched', () => 'blocked')"
+    assert chart.evaluate(fetched) == "blocked"
+    image = (
+        "() => new Promise(done => { const i = new Image(); i.onload = () => done('loaded');"
+        " i.onerror = () => done('blocked'); i.src = '/favicon.png'; })"
+    )
+    assert chart.evaluate(image) == "blocked"

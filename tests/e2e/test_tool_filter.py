@@ -17,8 +17,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from playwright.sync_api import Browser
 
 from storage._keys import id_key
+from tests.e2e.test_browser import Rendered, drawn_chart, logged_in, open_chat
 from tests.support.open_webui import (
     BASE_MODEL,
     LINK,
@@ -26,7 +28,9 @@ from tests.support.open_webui import (
     Account,
     OpenWebUI,
     Reply,
+    message_text,
     running_open_webui,
+    say_streamed,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.runsc]
@@ -99,64 +103,7 @@ def say(
 ) -> Reply:
     """One message as the web UI sends it for a model with tools (`tool_ids`: the model's tools the UI
     preselects), then the saved answer once its task is done."""
-    user_id, assistant_id = str(uuid.uuid4()), str(uuid.uuid4())
-    history = [*previous.history] if previous else []
-    user_message = {
-        "id": user_id,
-        "role": "user",
-        "content": text,
-        "childrenIds": [],
-        "parentId": previous.message_id if previous else None,
-    }
-    payload: dict = {
-        "model": model,
-        "messages": [*history, {"role": "user", "content": text}],
-        "stream": True,
-        "session_id": f"test-{uuid.uuid4().hex[:8]}",
-        "parent_id": previous.message_id if previous else None,
-        "user_message": user_message,
-        "id": assistant_id,
-        "tool_ids": list(tool_ids),
-    }
-    if previous:
-        payload["chat_id"] = previous.chat_id
-    if files:
-        payload["files"] = files
-        user_message["files"] = files
-    response = account.post("/api/chat/completions", payload)
-    assert response.status_code == 200, response.text
-    chat_id = response.json()["chat_id"]
-    content = _saved_answer(account, chat_id, assistant_id)
-    return Reply(
-        chat_id,
-        assistant_id,
-        content,
-        [*history, {"role": "user", "content": text}, {"role": "assistant", "content": content}],
-    )
-
-
-def _saved_answer(account: Account, chat_id: str, message_id: str, timeout: float = 180) -> str:
-    started = time.monotonic()
-    while time.monotonic() - started < timeout:
-        tasks = account.get(f"/api/tasks/chat/{chat_id}").json().get("task_ids")
-        chat = account.get(f"/api/v1/chats/{chat_id}").json()["chat"]
-        message = chat["history"]["messages"].get(message_id)
-        if message and message.get("done") and not tasks:
-            return message_text(message)
-        time.sleep(0.5)
-    raise AssertionError(f"the answer {message_id} was not done within {timeout:.0f} s")
-
-
-def message_text(message: dict) -> str:
-    """The answer's text as the web UI shows it: the outlet's content, else the output's text parts."""
-    if message.get("content"):
-        return message["content"]
-    return "\n".join(
-        part.get("text", "")
-        for item in message.get("output") or []
-        if item.get("type") == "message"
-        for part in item.get("content") or []
-    )
+    return say_streamed(account, text, previous, files=files, model=model, tool_ids=tool_ids)
 
 
 def tool_results(account: Account, reply: Reply) -> list[str]:
@@ -212,10 +159,11 @@ def test_a_plain_model_with_the_tool_writes_a_csv_whose_link_downloads(server: O
 def test_the_answer_was_linked_as_it_streamed_and_its_file_attached(server: OpenWebUI, first: Reply):
     chat = server.admin.get(f"/api/v1/chats/{first.chat_id}").json()["chat"]
     message = chat["history"]["messages"][first.message_id]
-    # What streamed (and Open WebUI saved as the output) already had the link: the outlet changed
-    # nothing, so Open WebUI kept no `originalContent` beside it.
-    assert LINK.search(message_text(message)), message
-    assert "originalContent" not in message, message.get("originalContent")
+    # What streamed (and Open WebUI saved as the output) already had the link: the outlet only added
+    # the table's preview after it (Open WebUI keeps what streamed as `originalContent`).
+    streamed = message["originalContent"]
+    assert LINK.search(streamed), message
+    assert message_text(message).startswith(streamed + "\n\n_Preview · 2 rows, 2 columns_"), message
     files = message.get("files") or []
     assert [f["name"] for f in files] == ["report.csv"], files
     assert files[0]["url"] == first.links()[0]
@@ -238,6 +186,37 @@ def test_a_chart_is_shown_inline(server: OpenWebUI):
     message = server.admin.get(f"/api/v1/chats/{reply.chat_id}").json()["chat"]["history"]["messages"]
     files = message[reply.message_id].get("files") or []
     assert "chart.png" not in [f["name"] for f in files], files
+
+
+@pytest.mark.browser
+def test_the_tool_shows_a_table_preview_and_an_interactive_chart(
+    server: OpenWebUI, browser: Browser, tmp_path: Path
+):
+    source = (
+        "import plotly.graph_objects as go\n"
+        "with open('/mnt/data/sales.csv', 'w') as f:\n"
+        "    f.write('region,sales\\nnorth,<b>12</b>\\nsouth,7\\n')\n"
+        "go.Figure(go.Bar(x=['north', 'south'], y=[12, 7])).show()"
+    )
+    reply = say(server.admin, run(source, "The sales: /mnt/data/sales.csv"))
+    # The Filter's outlet puts the preview after the answer's text; the Tool's run showed the chart.
+    assert "_Preview · 2 rows, 2 columns_" in reply.content, reply.content
+    messages = server.admin.get(f"/api/v1/chats/{reply.chat_id}").json()["chat"]["history"]["messages"]
+    assert len(messages[reply.message_id]["embeds"]) == 1
+    [result] = tool_results(server.admin, reply)
+    assert "Interactive charts: /mnt/data/chart-1.plotly.json (already shown to the user" in result, result
+
+    context = logged_in(browser, server, server.admin, height=900)
+    page = context.new_page()
+    answer = Rendered(page, reply)
+    outer = answer.message.locator(f"[id='{reply.message_id}-embeds-container'] iframe")
+    errors = open_chat(page, server, reply, outer, tmp_path)
+    chart = drawn_chart(outer)
+    assert chart.evaluate("() => Array.from(document.getElementById('chart-0').data[0].y)") == [12, 7]
+    table = answer.content.locator("table")
+    assert [c.strip() for c in table.locator("td").all_inner_texts()] == ["north", "<b>12</b>", "south", "7"]
+    assert not errors, errors
+    context.close()
 
 
 def test_a_file_the_run_saved_that_the_answer_did_not_name_is_attached(server: OpenWebUI):

@@ -41,6 +41,8 @@ class StandInChat:
     def unlinked_notes(self) -> list[str]:
         return []
 
+    shown: tuple[str, ...] = ()  # no table among the files the answer names: no preview
+
     async def hand_over(self, paths, *, attachments: bool) -> str:
         return ""
 

@@ -159,7 +159,7 @@ REQUESTS: dict[str, tuple[str, str, str]] = {
         "zip -q bundle.zip report.docx deck.pptx && unzip -l bundle.zip | tail -1\n"
         "sqlite3 shop.db 'create table t(x); insert into t values (20), (22); select sum(x) from t;'\n"
         "file invoice.pdf | cut -d, -f1\n"
-        "echo '{\"a\": {\"b\": 7}}' | jq .a.b\n"
+        'echo \'{"a": {"b": 7}}\' | jq .a.b\n'
         "pdftotext invoice.pdf - | head -1",
         "2 files",
     ),
@@ -187,8 +187,18 @@ async def test_the_shell_lists_files_and_every_output_exists(harness: PipeHarnes
     answer = await harness.say(USER, CHAT, listing)
     assert "Invalid argument" not in answer and "Access: (0700/drwx------)" in answer, answer
     folder = next(p for p in harness.sessions_root.rglob("report.docx")).parent
-    for name in ("report.docx", "deck.pptx", "sales.xlsx", "invoice.pdf", "chart.html", "sales.parquet",
-                 "edges.png", "qr.png", "bundle.zip", "shop.db"):
+    for name in (
+        "report.docx",
+        "deck.pptx",
+        "sales.xlsx",
+        "invoice.pdf",
+        "chart.html",
+        "sales.parquet",
+        "edges.png",
+        "qr.png",
+        "bundle.zip",
+        "shop.db",
+    ):
         path = folder / name
         assert path.is_file() and path.stat().st_size > 0, name
     assert (folder / "report.docx").read_bytes()[:2] == b"PK"
@@ -197,7 +207,14 @@ async def test_the_shell_lists_files_and_every_output_exists(harness: PipeHarnes
 
 async def test_the_prompt_names_the_environment(harness: PipeHarness) -> None:
     system = harness.requests[-1]["messages"][0]["content"]
-    for name in ("docx (python-docx)", "pptx (python-pptx)", "polars", "duckdb", "sklearn (scikit-learn)",
-                 "cv2 (opencv-python-headless)", "plotly"):
+    for name in (
+        "docx (python-docx)",
+        "pptx (python-pptx)",
+        "polars",
+        "duckdb",
+        "sklearn (scikit-learn)",
+        "cv2 (opencv-python-headless)",
+        "plotly",
+    ):
         assert name in system, system
     assert "Command-line tools in bash" in system and "sqlite3" in system and "jq" in system

@@ -50,6 +50,40 @@ async def test_a_figure_left_open_is_shown_inline_and_named_to_the_model(harness
     assert "Figures: /mnt/data/figure-1.png" in tool_result
 
 
+async def test_a_plotly_chart_is_the_messages_embed_with_its_picture_in_the_block(harness: PipeHarness):
+    draw = "import plotly.express as px\npx.bar(x=['a', 'b'], y=[3, 5], title='votes')"
+    answer = await harness.say("alice", "chat-1", code(draw), message_id="m1")
+    [embed] = harness.embeds
+    assert 'sandbox="allow-scripts"' in embed and "votes" in embed
+    # The static picture is inside the run's block (before its end), not under it.
+    block = answer[: answer.index("</details>")]
+    assert "_Static picture of the interactive chart:_" in block
+    [url] = IMAGE.findall(block)
+    assert harness.files.fetch(url, "alice").body[:4] == b"\x89PNG"
+    tool_result = harness.requests[-1]["messages"][-1]["content"]
+    assert "Interactive charts: /mnt/data/chart-1.plotly.json (already shown to the user" in tool_result
+    assert "static pictures, for readers who cannot see them: /mnt/data/chart-1.png" in tool_result
+
+
+async def test_a_linked_table_is_previewed_unless_the_user_turns_it_off(harness: PipeHarness):
+    make = "open('/mnt/data/t.csv', 'w').write('a,b\\n1,x\\n2,y\\n')"
+    answer = await harness.say("alice", "chat-1", code(make, "Here: /mnt/data/t.csv"))
+    assert answer.rstrip().endswith("| a · int | b · text |\n|---|---|\n| 1 | x |\n| 2 | y |"), answer
+    assert "_Preview · 2 rows, 2 columns_" in answer
+    # The model does not read it back in the next turn's history.
+    await harness.say(
+        "alice",
+        "chat-1",
+        code("print(1)"),
+        history=[{"role": "user", "content": "t"}, {"role": "assistant", "content": answer}],
+    )
+    sent = harness.requests[-2]["messages"]
+    assert not any("_Preview" in str(m.get("content")) for m in sent), sent
+    harness.user_valves = {"table_previews": False}
+    answer = await harness.say("alice", "chat-1", code(make, "Again: /mnt/data/t.csv"))
+    assert "Preview" not in answer and "t.csv" in answer
+
+
 async def test_a_lost_state_is_said_to_the_user_and_the_model(harness: PipeHarness):
     harness.set_valves(timeout_seconds=2)
     await harness.say("alice", "chat-1", code("kept = 1"))

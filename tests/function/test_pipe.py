@@ -22,8 +22,6 @@ async def harness(tmp_path) -> PipeHarness:
     await harness.aclose()
 
 
-
-
 async def test_files_persist_between_messages_and_links_point_at_copies(harness: PipeHarness):
     first = await harness.say(
         "u1", "chat-1", code("open('/mnt/data/a.txt','w').write('hello')", "See /mnt/data/a.txt")

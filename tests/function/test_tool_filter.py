@@ -100,9 +100,7 @@ async def test_another_chat_sees_neither_the_files_nor_the_variables(tool: ToolH
 
 async def test_the_filter_copies_an_upload_in_and_tells_the_model(tool: ToolHarness):
     upload = tool.upload("u1", "scores.csv", b"a,b\n1,2\n")
-    turn = await tool.say(
-        "u1", "chat-1", code("print(open('/mnt/data/scores.csv').read())"), files=[upload]
-    )
+    turn = await tool.say("u1", "chat-1", code("print(open('/mnt/data/scores.csv').read())"), files=[upload])
     assert "a,b\n1,2" in turn.tool_results[0], turn.tool_results
     assert "/mnt/data/scores.csv" in tool.requests[0]["messages"][0]["content"]
     # Someone else's file id in a request copies nothing.

@@ -65,9 +65,13 @@ def test_the_environments_interpreter_compiles_chrooted_into_it(tmp_path: Path) 
     pyc = BytecodeCache().get(env.host_command("/usr/bin/python3"), "/run/code/main.py", SOURCE)
     assert pyc is not None
     magic = subprocess.run(
-        [*env.host_command("/usr/bin/python3"), "-c", "import importlib.util, sys; "
-         "sys.stdout.buffer.write(importlib.util.MAGIC_NUMBER)"],
-        capture_output=True, check=True,
+        [
+            *env.host_command("/usr/bin/python3"),
+            "-c",
+            "import importlib.util, sys; sys.stdout.buffer.write(importlib.util.MAGIC_NUMBER)",
+        ],
+        capture_output=True,
+        check=True,
     ).stdout
     assert pyc[:4] == magic
     assert magic != importlib.util.MAGIC_NUMBER  # the host's Python is another version

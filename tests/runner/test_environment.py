@@ -80,9 +80,7 @@ def test_a_damaged_manifest_is_an_error_not_a_guess(tmp_path: Path, manifest: st
         environment.locate(build)
 
 
-def test_without_any_build_the_host_is_the_fallback(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_without_any_build_the_host_is_the_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(environment.HOME_VARIABLE, raising=False)
     monkeypatch.setattr(environment, "DEFAULT_HOME", tmp_path / "nothing-here")
     assert environment.locate() is environment.HOST

@@ -210,6 +210,40 @@ async def test_figures_are_saved_and_reported(pool: KernelPool, workdir: Path) -
     assert shown.figures == ("figure-2.png",)
 
 
+async def test_plotly_charts_are_saved_with_a_static_picture_within_the_bound(
+    pool: KernelPool, workdir: Path
+) -> None:
+    limits = LIMITS.model_copy(update={"timeout_s": 60, "memory_mb": 512})
+    shown = (
+        "import plotly.graph_objects as go\n"
+        "fig = go.Figure(go.Scatter(x=[1, 2, 3], y=[4, 1, 7], mode='lines+markers', name='a'))\n"
+        "fig.update_layout(title='visits')\n"
+        "fig.show()\n"
+        "print('shown')"
+    )
+    first = await pool.run("u/c", workdir, shown, "python", limits)
+    assert first.ok, first.stderr
+    # Shown, not opened in a browser: the spec and a static picture, and nothing on stderr.
+    assert first.stdout == "shown\n" and first.stderr == "" and first.figures == ("chart-1.plotly.json",)
+    spec = json.loads((workdir / "chart-1.plotly.json").read_text())
+    assert spec["layout"]["title"]["text"] == "visits" and spec["data"][0]["type"] == "scatter"
+    assert (workdir / "chart-1.png").read_bytes()[:4] == b"\x89PNG"
+    # A figure as the cell's last value is shown, not printed; one shown twice in a run is one chart.
+    (workdir / "chart-2.png").write_bytes(b"not ours")  # a name taken: the chart takes the next number
+    last = await pool.run("u/c", workdir, "fig.show()\nfig", "python", limits)
+    assert last.stdout == "" and last.figures == ("chart-3.plotly.json",), last
+    assert (workdir / "chart-2.png").read_bytes() == b"not ours"
+    assert not (workdir / "chart-2.plotly.json").exists()
+    # A trace the sketch cannot draw: the chart without a picture.
+    surface = await pool.run("u/c", workdir, "go.Figure(go.Surface(z=[[1, 2], [3, 4]]))", "python", limits)
+    assert surface.figures == ("chart-4.plotly.json",) and not (workdir / "chart-4.png").exists()
+    # Charts share the figures' bound per run; the rest are counted.
+    many = await pool.run(
+        "u/c", workdir, "for i in range(23):\n    go.Figure(go.Bar(x=[1], y=[i])).show()", "python", limits
+    )
+    assert len(many.figures) == 20 and many.figures_more == 3, many
+
+
 async def test_changes_made_between_runs_are_seen_by_the_next(pool: KernelPool, workdir: Path) -> None:
     later = (
         "import threading, time\n"

@@ -84,6 +84,27 @@ async def test_symlinks_are_never_followed(store: Store, tmp_path: Path) -> None
     assert (outside / "secret.txt").exists()
 
 
+async def test_bounded_reads_take_only_what_they_ask_and_follow_no_symlink(
+    store: Store, tmp_path: Path
+) -> None:
+    s = await store.session("u", "c")
+    await s.files.write("big.csv", b"0123456789" * 1000)
+    assert await s.files.read_head("big.csv", 25) == (b"0123456789" * 2 + b"01234", 10_000)
+    assert await s.files.read_head("big.csv", 1 << 20) == (b"0123456789" * 1000, 10_000)
+    assert await s.files.read_at("big.csv", 9_995, 100) == b"56789"
+    assert await s.files.read_at("big.csv", 20_000, 100) == b""
+    (tmp_path / "secret.txt").write_text("secret")
+    os.symlink(tmp_path / "secret.txt", s.path / "secret.csv")
+    with pytest.raises(InvalidPath):
+        await s.files.read_head("secret.csv", 100)
+    with pytest.raises(InvalidPath):
+        await s.files.read_at("secret.csv", 0, 100)
+    os.mkfifo(s.path / "pipe.csv")
+    with FifoGuard(s.path / "pipe.csv", timeout=5) as guard, pytest.raises(InvalidPath, match="fifo"):
+        await s.files.read_head("pipe.csv", 100)
+    assert not guard.fired
+
+
 async def test_read_refuses_fifo_without_blocking(store: Store) -> None:
     s = await store.session("u", "c")
     os.mkfifo(s.path / "pipe")

@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -129,6 +130,78 @@ class Account:
 
     def download(self, link: str) -> httpx.Response:
         return self.get(link)
+
+
+def say_streamed(
+    account: Account,
+    text: str,
+    previous: Reply | None = None,
+    *,
+    files: list[dict] | None = None,
+    model: str = MODEL,
+    tool_ids: tuple[str, ...] = (),
+) -> Reply:
+    """One message as the web UI sends it (streamed, with a socket's `session_id`, so the answer runs
+    as a background task with an event emitter, and its events are saved: embeds, files); then the
+    saved answer once its task is done. `tool_ids`: the model's tools the UI preselects."""
+    user_id, assistant_id = str(uuid.uuid4()), str(uuid.uuid4())
+    history = [*previous.history] if previous else []
+    user_message = {
+        "id": user_id,
+        "role": "user",
+        "content": text,
+        "childrenIds": [],
+        "parentId": previous.message_id if previous else None,
+    }
+    payload: dict = {
+        "model": model,
+        "messages": [*history, {"role": "user", "content": text}],
+        "stream": True,
+        "session_id": f"test-{uuid.uuid4().hex[:8]}",
+        "parent_id": previous.message_id if previous else None,
+        "user_message": user_message,
+        "id": assistant_id,
+        "tool_ids": list(tool_ids),
+    }
+    if previous:
+        payload["chat_id"] = previous.chat_id
+    if files:
+        payload["files"] = files
+        user_message["files"] = files
+    response = account.post("/api/chat/completions", payload)
+    assert response.status_code == 200, response.text
+    chat_id = response.json()["chat_id"]
+    content = saved_answer(account, chat_id, assistant_id)
+    return Reply(
+        chat_id,
+        assistant_id,
+        content,
+        [*history, {"role": "user", "content": text}, {"role": "assistant", "content": content}],
+    )
+
+
+def saved_answer(account: Account, chat_id: str, message_id: str, timeout: float = 180) -> str:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        tasks = account.get(f"/api/tasks/chat/{chat_id}").json().get("task_ids")
+        chat = account.get(f"/api/v1/chats/{chat_id}").json()["chat"]
+        message = chat["history"]["messages"].get(message_id)
+        if message and message.get("done") and not tasks:
+            return message_text(message)
+        time.sleep(0.5)
+    raise AssertionError(f"the answer {message_id} was not done within {timeout:.0f} s")
+
+
+def message_text(message: dict) -> str:
+    """The answer's text as the web UI shows it: the outlet's content, else the output's text parts."""
+    if message.get("content"):
+        return message["content"]
+    return "\n".join(
+        part.get("text", "")
+        for item in message.get("output") or []
+        if item.get("type") == "message"
+        for part in item.get("content") or []
+    )
 
 
 @dataclass

@@ -72,6 +72,8 @@ class PipeHarness:
         self.module = load_like_open_webui(BUNDLE.read_text())
         self.pipe = self.module.Pipe()
         self.cache_dir = self.data_dir / "cache"  # what Open WebUI serves to every logged-in user
+        self.embeds: list[str] = []  # the last answer's embed (its charts), as Open WebUI would show it
+        self.user_valves: dict = {}  # the user's valves of the Pipe (Open WebUI hands them to every call)
         self.files = FilesApi(
             self.module, self.uploads_dir or self.data_dir / "uploads", self.data_dir / "files-api.json"
         )
@@ -129,7 +131,12 @@ class PipeHarness:
         record_turn(self.trees, chat_id, message_id, user_message)
         result = await self.pipe.pipe(
             body,
-            __user__={"id": user_id, "name": user_id, "role": "user", "valves": self.pipe.UserValves()},
+            __user__={
+                "id": user_id,
+                "name": user_id,
+                "role": "user",
+                "valves": self.pipe.UserValves(**self.user_valves),
+            },
             __request__=None,
             __event_emitter__=emit,
             __chat_id__=chat_id,
@@ -241,6 +248,12 @@ class _HarnessHost:
         if not self.can_attach(chat_id, message_id):
             return
         await self._harness.files.attach(chat_id, message_id, user_id, links, emit, inline_urls=inline_urls)
+
+    async def embed(self, html: str | None, emit: Any) -> None:
+        """The message's one embed, as Open WebUI's `embed` sends it (webui/host.py; proven in
+        tests/e2e): kept here as the last embed of the harness."""
+        if html is not None:
+            self._harness.embeds = [html]
 
     async def user(self, user_id: str) -> Any:
         return types.SimpleNamespace(id=user_id, role="user")
