@@ -262,19 +262,18 @@ class FilterSessions(SessionsAdapter):
                 continue
             if message.get("id") != message_id:
                 continue
-            content, previews = message.get("content"), ""
+            content, added = message.get("content"), ""
             if isinstance(content, str):
                 rewritten = await chat.rewrite(content + tail)
                 if bool(getattr(user.get("valves"), "table_previews", True)):
-                    previews = await answer_previews(chat)
-                    rewritten += previews
+                    added += await answer_previews(chat)
                 # The Tool's runs' files the answer did not name: attachments, or one line here.
                 saved = services.take_saved(user_id, chat_id) if services is not None else []
-                rewritten += await chat.hand_over(saved, attachments=attachments)
+                added += await chat.hand_over(saved, attachments=attachments)
                 notes = chat.unlinked_notes()
                 if notes:
-                    rewritten += "\n\n" + "\n".join(f"- {note}" for note in notes) + "\n"
-                message["content"] = rewritten
+                    added += "\n\n" + "\n".join(f"- {note}" for note in notes) + "\n"
+                message["content"] = rewritten + added
             last: dict[str, Any] | None = None
             for item in message.get("output") or ():
                 if isinstance(item, dict) and item.get("type") == "message":
@@ -282,8 +281,8 @@ class FilterSessions(SessionsAdapter):
                         if isinstance(part, dict) and isinstance(part.get("text"), str):
                             part["text"] = await chat.rewrite(part["text"])
                             last = part
-            if previews and last is not None:  # the page shows the output, when there is one
-                last["text"] += previews
+            if added and last is not None:  # the page shows the output, when there is one
+                last["text"] += added
         if chat.settings.attach_files:
             await self._host.attach(
                 chat_id, message_id, user_id, chat.links, emitter, inline_urls=chat.inline_urls

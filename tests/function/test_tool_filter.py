@@ -238,4 +238,5 @@ async def test_without_attachments_the_unnamed_file_is_named_in_one_line(tool: T
     turn = await tool.say("u1", "chat-1", SAVE_TWO)
     [line] = [line for line in turn.saved.splitlines() if "extra.txt" in line]
     assert line.startswith("Saved: [extra.txt](/api/v1/files/code-sessions-"), turn.saved
+    assert line in turn.shown.splitlines(), turn.shown  # and on the page, which shows the output
     assert not [e for e in turn.events if e["type"] == "chat:message:files"]

@@ -43,6 +43,7 @@ class Turn:
     saved: str  # the saved message (after the Filter's outlet)
     tool_results: list[str]
     events: list[dict]
+    shown: str = ""  # what the page shows: the saved message's output text (Open WebUI renders it)
 
 
 @dataclass
@@ -191,7 +192,14 @@ class ToolHarness:
             "messages": [
                 *[{"role": m["role"], "content": m.get("content")} for m in history or []],
                 {"role": "user", "content": text},
-                {"id": message_id, "role": "assistant", "content": streamed},
+                {
+                    "id": message_id,
+                    "role": "assistant",
+                    "content": streamed,
+                    # Open WebUI 0.12.4 keeps a tool-calling answer's text as output items too, and its
+                    # page renders those (the last message item carries the answer's last text).
+                    "output": [{"type": "message", "content": [{"type": "output_text", "text": streamed}]}],
+                },
             ],
             "chat_id": chat_id,
             "id": message_id,
@@ -200,7 +208,14 @@ class ToolHarness:
             outlet, __user__=dict(user), __metadata__=metadata, __event_emitter__=emit
         )
         await settle(self.filter._sessions)
-        return Turn(streamed, outlet["messages"][-1]["content"], results, events)
+        saved = outlet["messages"][-1]
+        shown = "".join(
+            part.get("text", "")
+            for item in saved.get("output") or ()
+            if item.get("type") == "message"
+            for part in item.get("content") or ()
+        )
+        return Turn(streamed, saved["content"], results, events, shown)
 
     async def aclose(self) -> None:
         await stop_adapter(self.tools._sessions)
