@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_aa19f27ddaa3'
+_CS_PACKAGE = '_code_sessions_b919d62cc82e'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -15138,7 +15138,7 @@ from .markup import code_span, escape_text, mention
 from .prepare import import_uploads, last_user_text, messages_with_prompt
 from .prompt import PromptFacts, system_prompt
 from .purge import parse_purge
-from .service import ChatSession, CodeSessions, StepResult
+from .service import ChatSession, Engine, StepResult
 from .settings import DEFAULTS, Settings
 from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
 from .streaming import StreamingRewriter
@@ -15149,7 +15149,7 @@ __all__ = [
     "RUN_CODE_TOOL",
     "ChatSession",
     "CodeBlock",
-    "CodeSessions",
+    "Engine",
     "Host",
     "LoopOptions",
     "Maintenance",
@@ -15740,7 +15740,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_aa19f27ddaa3.runner import Outcome
+from _code_sessions_b919d62cc82e.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -16024,11 +16024,11 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_aa19f27ddaa3.runner import RunnerError
+from _code_sessions_b919d62cc82e.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
-from .service import CodeSessions
+from .service import Engine
 from .settings import Settings
 
 __all__ = ["MINUTE_S", "Maintenance"]
@@ -16057,7 +16057,7 @@ class Maintenance:
         self._valve = valve
         self.purge_pending: tuple[str, float, float] | None = None  # request, first and last try
 
-    async def tick(self, services: CodeSessions, settings: Settings) -> None:
+    async def tick(self, services: Engine, settings: Settings) -> None:
         """One background tick: in every worker, what a dead worker's sandboxes left; then an admin's
         purge, chats deleted in the host, and expiry when it is due, by one worker (of every
         replica) at a time, under a lock every process of the store shares (the expiry interval is
@@ -16087,7 +16087,7 @@ class Maintenance:
         finally:
             await lock.release()
 
-    async def purge_now(self, services: CodeSessions, settings: Settings) -> None:
+    async def purge_now(self, services: Engine, settings: Settings) -> None:
         """At a message whose settings ask for a purge: run it now, not a minute later."""
         lock = services.store.lock("maintenance")
         if not await lock.try_acquire():
@@ -16097,7 +16097,7 @@ class Maintenance:
         finally:
             await lock.release()
 
-    async def _forget_deleted_chats(self, services: CodeSessions) -> None:
+    async def _forget_deleted_chats(self, services: Engine) -> None:
         """Delete the folders, links (and kernels) of chats deleted in the host: a Pipe hears of no
         deletion, so every tick asks, in one batched query, which of our chats still exist.
 
@@ -16119,7 +16119,7 @@ class Maintenance:
             report = await services.forget_chats(gone, "the chat was deleted in Open WebUI")
             log.info("code-sessions: %d chats deleted in Open WebUI: %s", len(gone), report.summary())
 
-    async def _run_requested_purge(self, services: CodeSessions, settings: Settings) -> None:
+    async def _run_requested_purge(self, services: Engine, settings: Settings) -> None:
         """Run the purge the settings ask for, as saved now (call it holding the maintenance lock)."""
         saved = await self._valve.saved_purge()
         request = (settings.purge if saved is None else saved).strip()
@@ -16228,14 +16228,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_aa19f27ddaa3.runner import Runner, RunnerError
-from _code_sessions_aa19f27ddaa3.storage import StorageError
+from _code_sessions_b919d62cc82e.runner import Runner, RunnerError
+from _code_sessions_b919d62cc82e.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
 from .markup import code_span, escape_text
 from .prompt import PromptFacts, system_prompt
-from .service import ChatSession, CodeSessions
+from .service import ChatSession, Engine
 from .settings import Settings
 
 __all__ = ["import_uploads", "last_user_text", "messages_with_prompt"]
@@ -16284,7 +16284,7 @@ async def import_uploads(
 async def messages_with_prompt(
     messages: list[dict[str, Any]],
     chat: ChatSession,
-    services: CodeSessions,
+    services: Engine,
     options: LoopOptions,
     notes: Sequence[str],
     *,
@@ -16358,8 +16358,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_aa19f27ddaa3.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_aa19f27ddaa3.storage import human_bytes
+from _code_sessions_b919d62cc82e.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_b919d62cc82e.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -16479,7 +16479,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_aa19f27ddaa3.storage import Purge, parse_duration
+from _code_sessions_b919d62cc82e.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -17047,8 +17047,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_aa19f27ddaa3.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_aa19f27ddaa3.storage import (
+from _code_sessions_b919d62cc82e.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_b919d62cc82e.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -17071,7 +17071,7 @@ from .scan import SCAN_ON_LOOP_CHARS
 from .settings import Settings
 from .streaming import StreamingRewriter
 
-__all__ = ["ChatSession", "CodeSessions", "StepResult", "Waiting"]
+__all__ = ["ChatSession", "Engine", "StepResult", "Waiting"]
 
 Waiting = Callable[[], Awaitable[None]]
 
@@ -17247,7 +17247,7 @@ def _clip(text: str, limit: int) -> str:
 class ChatSession:
     """A chat's folder as the engine uses it: run code in it, add uploads, link its files."""
 
-    def __init__(self, service: CodeSessions, session: Session, settings: Settings) -> None:
+    def __init__(self, service: Engine, session: Session, settings: Settings) -> None:
         self._service = service
         self.session = session
         self.settings = settings  # the message's (frozen): its limits are every run's of this chat here
@@ -17488,7 +17488,7 @@ def _tighter(configured: int | None, budget: int | None) -> int | None:
     return max(1, budget if configured is None else min(configured, budget))
 
 
-class CodeSessions:
+class Engine:
     """The store and the runner, composed. Each message hands down its `Settings` (`chat`); a chat
     opened without runs with the constructor's limits, and the store's and the pool's own settings.
 
@@ -17627,7 +17627,7 @@ class CodeSessions:
     'engine/settings.py': r'''"""What one message runs with, in one frozen value.
 
 The host builds a `Settings` from its own settings once per message (the function's valves:
-functions/adapter.py `settings_from`) and hands it down: `CodeSessions.chat` binds it to the chat's
+functions/adapter.py `settings_from`) and hands it down: `Engine.chat` binds it to the chat's
 session (its per-run limits) and gives the store and the kernel pool their parts. A change is a new
 value, never an edit of a live object.
 
@@ -17640,8 +17640,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_aa19f27ddaa3.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_aa19f27ddaa3.storage import Policy
+from _code_sessions_b919d62cc82e.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_b919d62cc82e.storage import Policy
 
 __all__ = ["DEFAULTS", "Settings"]
 
@@ -18071,7 +18071,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_aa19f27ddaa3.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_b919d62cc82e.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -18290,7 +18290,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_aa19f27ddaa3.storage import Link, Publisher, is_postgres_url
+from _code_sessions_b919d62cc82e.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -18510,7 +18510,7 @@ storage.Expiry), shown in the valves' units. A valve's "0: no limit" is None bel
 Open WebUI loads each file as a module of its own, so nothing at module level of one file is seen by
 another. Files bundled from the same sources share this module, though (the bundle's package name is
 a hash of what it embeds), and the host's `shared` dict is process-wide: a Pipe and a Tool with the same
-storage valves run on one `CodeSessions`. Across processes and versions they meet where every worker
+storage valves run on one `Engine`. Across processes and versions they meet where every worker
 already does: the store's locks, its `claim`s and the kernel registry.
 """
 
@@ -18525,12 +18525,12 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_aa19f27ddaa3.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
-from _code_sessions_aa19f27ddaa3.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_aa19f27ddaa3.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_aa19f27ddaa3.webui import OpenWebUI
+from _code_sessions_b919d62cc82e.engine import DEFAULTS, MINUTE_S, Engine, Maintenance, Settings
+from _code_sessions_b919d62cc82e.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_b919d62cc82e.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_b919d62cc82e.webui import OpenWebUI
 
-__all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
+__all__ = ["Adapter", "SharedValves", "Status", "settings_from"]
 
 log = logging.getLogger("code_sessions.function")
 
@@ -18560,7 +18560,7 @@ def _limit(value: float, unit: float = 1) -> Any:
     return value * unit or None
 
 
-class SessionValves(BaseModel):
+class SharedValves(BaseModel):
     """The valves of a session: storage, the sandbox, limits, quotas, expiry, maintenance. The Pipe's
     valves extend these; the Tool's are these; the Filter reads the Tool's."""
 
@@ -18680,7 +18680,7 @@ class SessionValves(BaseModel):
     runsc_platform: str = Field(default="", description="Empty: detect (systrap if supported, else ptrace).")
 
 
-def settings_from(valves: SessionValves) -> Settings:
+def settings_from(valves: SharedValves) -> Settings:
     """The message's settings, built once from the valves in force: the one way the Pipe, the Tool
     and the Filter do it."""
     return Settings(
@@ -18717,7 +18717,7 @@ def settings_from(valves: SessionValves) -> Settings:
     )
 
 
-class SessionsAdapter:
+class Adapter:
     """The part of each Open WebUI file that is the same for all three: its services, the message's
     settings and the background loop. A subclass says where its valves are saved (`_read_settings`,
     `_write_settings`) and sets `settings` (the valves) before each use."""
@@ -18726,7 +18726,7 @@ class SessionsAdapter:
         # Everything asked of Open WebUI goes through one object (`_host`; a test harness replaces it),
         # which the engine's maintenance asks too.
         self.maintenance = Maintenance(OpenWebUI(), _PurgeValve(self))
-        self._services: CodeSessions | None = None
+        self._services: Engine | None = None
         self._services_key: tuple[Any, ...] | None = None
         self._function_id: str | None = None
         self._background: asyncio.Task[None] | None = None
@@ -18740,14 +18740,14 @@ class SessionsAdapter:
         self.maintenance.host = host
 
     @property
-    def settings(self) -> SessionValves:
+    def settings(self) -> SharedValves:
         """The session valves in force now (the Pipe's and the Tool's own valves; the Tool's for the
         Filter)."""
-        valves: SessionValves = self.valves  # the Pipe's and the Tool's own
+        valves: SharedValves = self.valves  # the Pipe's and the Tool's own
         return valves
 
     @settings.setter
-    def settings(self, value: SessionValves) -> None:
+    def settings(self, value: SharedValves) -> None:
         self.valves = value
 
     async def _read_settings(self) -> dict[str, Any]:
@@ -18762,7 +18762,7 @@ class SessionsAdapter:
         if self._function_id:
             await self._host.store_valves(self._function_id, stored)
 
-    async def _begin(self) -> tuple[CodeSessions, Settings]:
+    async def _begin(self) -> tuple[Engine, Settings]:
         """A message's start, the same in the three files: its settings (built once, here), the
         services for them, the background loop kept running, and a purge the valves ask for run now
         rather than a minute later. Raises webui.Misconfigured for valves it cannot run with."""
@@ -18775,9 +18775,9 @@ class SessionsAdapter:
 
     # ---- composition --------------------------------------------------------------------------------
 
-    async def _services_for_valves(self) -> CodeSessions:
+    async def _services_for_valves(self) -> Engine:
         """The store and runner for the current valves (rebuilt only when a valve they are built from
-        changes). The message's settings reach them through `CodeSessions.chat`."""
+        changes). The message's settings reach them through `Engine.chat`."""
         valves = self.settings
         places = self._host.locations(valves.storage_root, LOCATION_ID)
         index_url = self._host.index_url(valves.index_database)
@@ -18800,7 +18800,7 @@ class SessionsAdapter:
         return self._services
 
     async def _shared_services(
-        self, key: tuple[Any, ...], valves: SessionValves, places: Any, index_url: str
+        self, key: tuple[Any, ...], valves: SharedValves, places: Any, index_url: str
     ) -> Any:
         """The services for `key`, made once per process whichever file asks first (a Pipe and a Tool
         with the same storage valves share one store and one set of kernels)."""
@@ -18828,7 +18828,7 @@ class SessionsAdapter:
                 kernels = None
                 if valves.kernel != "fresh":
                     kernels = KernelPool(runner, places.root / "kernels", warm_start=valves.warm_start)
-                entry = shared[_in_loop(key)] = [CodeSessions(store, runner, kernels=kernels), 0]
+                entry = shared[_in_loop(key)] = [Engine(store, runner, kernels=kernels), 0]
                 if kernels is not None:
                     _save_kernels_before_stop(shared)
             entry[1] += 1
@@ -18886,7 +18886,7 @@ class _PurgeValve:
     """The `purge` valve of one file (engine.PurgeValve): in its valves in force, and where Open WebUI
     saves them."""
 
-    def __init__(self, adapter: SessionsAdapter) -> None:
+    def __init__(self, adapter: Adapter) -> None:
         self._adapter = adapter
 
     async def saved_purge(self) -> str | None:
@@ -18993,7 +18993,7 @@ import linecache as _cs_linecache
 import sys as _cs_sys
 
 
-class _CodeSessionsImporter(_cs_abc.MetaPathFinder, _cs_abc.Loader):
+class _BundleImporter(_cs_abc.MetaPathFinder, _cs_abc.Loader):
     """Serves the embedded modules as `<package>.<name>` (see tools/bundle.py in the repository)."""
 
     def __init__(self, package, sources):
@@ -19033,7 +19033,7 @@ class _CodeSessionsImporter(_cs_abc.MetaPathFinder, _cs_abc.Loader):
 
 
 if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path):
-    _cs_sys.meta_path.insert(0, _CodeSessionsImporter(_CS_PACKAGE, _CS_SOURCES))
+    _cs_sys.meta_path.insert(0, _BundleImporter(_CS_PACKAGE, _CS_SOURCES))
 
 # ---- functions/code_sessions.py ----
 # Open WebUI adapter for code-sessions: a manifold Pipe that gives each chat a persistent /mnt/data folder,
@@ -19055,7 +19055,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_aa19f27ddaa3.engine import (
+from _code_sessions_b919d62cc82e.engine import (
     LoopOptions,
     ModelError,
     TextDelta,
@@ -19069,9 +19069,9 @@ from _code_sessions_aa19f27ddaa3.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_aa19f27ddaa3.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_aa19f27ddaa3.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_aa19f27ddaa3.webui import Misconfigured
+from _code_sessions_b919d62cc82e.functions.adapter import Adapter, SharedValves, Status
+from _code_sessions_b919d62cc82e.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_b919d62cc82e.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 
@@ -19094,8 +19094,8 @@ class _PipeValves(BaseModel):
     max_steps: int = Field(default=8, ge=1, le=50, description="Code runs allowed per answer.")
 
 
-class Pipe(SessionsAdapter):
-    class Valves(SessionValves, _PipeValves):
+class Pipe(Adapter):
+    class Valves(SharedValves, _PipeValves):
         pass
 
     class UserValves(BaseModel):

@@ -18,7 +18,7 @@ from .markup import code_span, escape_text, mention
 from .prepare import import_uploads, last_user_text, messages_with_prompt
 from .prompt import PromptFacts, system_prompt
 from .purge import parse_purge
-from .service import ChatSession, CodeSessions, StepResult
+from .service import ChatSession, Engine, StepResult
 from .settings import DEFAULTS, Settings
 from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
 from .streaming import StreamingRewriter
@@ -29,7 +29,7 @@ __all__ = [
     "RUN_CODE_TOOL",
     "ChatSession",
     "CodeBlock",
-    "CodeSessions",
+    "Engine",
     "Host",
     "LoopOptions",
     "Maintenance",

@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from engine import LoopOptions, escape_text, import_uploads, run_step
-from functions.adapter import SessionsAdapter, SessionValves, Status
+from functions.adapter import Adapter, SharedValves, Status
 from storage import StorageError
 from webui import Misconfigured
 
@@ -22,12 +22,12 @@ log = logging.getLogger("code_sessions.function")
 
 
 class Tools:
-    class Valves(SessionValves):
+    class Valves(SharedValves):
         pass
 
     def __init__(self) -> None:
-        self.valves: SessionValves = self.Valves()
-        self._sessions = ToolSessions(self)
+        self.valves: SharedValves = self.Valves()
+        self._adapter = ToolAdapter(self)
 
     async def run_code(
         self,
@@ -47,7 +47,7 @@ class Tools:
         :param code: the program to run
         :param language: python (the default) or bash
         """
-        return await self._sessions.run_code(
+        return await self._adapter.run_code(
             code,
             language or "python",
             user=__user__ or {},
@@ -58,7 +58,7 @@ class Tools:
         )
 
 
-class ToolSessions(SessionsAdapter):
+class ToolAdapter(Adapter):
     """The Tool's side of the shared adapter: its settings are the Tool's valves, saved with the tool."""
 
     def __init__(self, tool: Tools) -> None:
@@ -66,11 +66,11 @@ class ToolSessions(SessionsAdapter):
         self._tool = tool
 
     @property
-    def settings(self) -> SessionValves:
+    def settings(self) -> SharedValves:
         return self._tool.valves
 
     @settings.setter
-    def settings(self, value: SessionValves) -> None:
+    def settings(self, value: SharedValves) -> None:
         self._tool.valves = value
 
     async def _read_settings(self) -> dict[str, Any]:

@@ -61,8 +61,8 @@ class ToolHarness:
         self.unsaved_chats: set[str] = set()
         self.stored_valves: dict[str, Any] = {}  # the Pipe's (a harness host answers for it too)
         self.stored_tool_valves: dict[str, Any] = dict(self.valves)
-        self.tools._sessions._host = _ToolHost(self, self.tool_module)
-        self.filter._sessions._host = _ToolHost(self, self.filter_module)
+        self.tools._adapter._host = _ToolHost(self, self.tool_module)
+        self.filter._adapter._host = _ToolHost(self, self.filter_module)
 
     @classmethod
     def beside(cls, pipe: PipeHarness, **valves: Any) -> ToolHarness:
@@ -185,8 +185,8 @@ class ToolHarness:
         return Turn(streamed, outlet["messages"][-1]["content"], results, events)
 
     async def aclose(self) -> None:
-        await stop_adapter(self.tools._sessions)
-        await stop_adapter(self.filter._sessions)
+        await stop_adapter(self.tools._adapter)
+        await stop_adapter(self.filter._adapter)
 
     @property
     def sessions_root(self) -> Path:

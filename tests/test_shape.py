@@ -1,5 +1,6 @@
-"""The code stays in pieces a reader can hold: no source file outside tests/ and dist/ over 600 lines,
-and the Pipe, a thin adapter, at most 250 (issue 26).
+"""The code stays in pieces a reader can hold (issue 26): no source file outside tests/ and dist/ over
+600 lines, the Pipe, a thin adapter, at most 250, and at most three classes named after sessions (the
+word says little on its own: a class says what it is).
 
 Source files are the Python modules and the executable scripts git tracks (a shebang on the first line:
 scripts/, sandbox/build, deploy/...); documentation, lock files and images are not code. dist/ is
@@ -8,6 +9,7 @@ generated (each file is every package joined), tests/ is allowed to be long.
 
 from __future__ import annotations
 
+import ast
 import subprocess
 from pathlib import Path
 
@@ -15,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MAX_LINES = 600
 PIPE = "functions/code_sessions.py"
 MAX_PIPE_LINES = 250
+MAX_SESSION_CLASSES = 3
 
 
 def _tracked() -> list[str]:
@@ -55,3 +58,15 @@ def test_no_source_file_is_over_600_lines() -> None:
 
 def test_the_pipe_stays_a_thin_adapter() -> None:
     assert _lines(PIPE) <= MAX_PIPE_LINES, f"{PIPE} has {_lines(PIPE)} lines, over {MAX_PIPE_LINES}"
+
+
+def test_at_most_three_classes_are_named_after_sessions() -> None:
+    named = sorted(
+        f"{name}:{node.name}"
+        for name in _tracked()
+        if _is_source(name) and name.endswith(".py")
+        for node in ast.walk(ast.parse((ROOT / name).read_text(encoding="utf-8"), name))
+        if isinstance(node, ast.ClassDef) and "session" in node.name.lower()
+    )
+    assert "storage/session.py:Session" in named  # the walk sees them
+    assert len(named) <= MAX_SESSION_CLASSES, named
