@@ -69,7 +69,9 @@ def wheels(tmp_path: Path) -> Path:
     return folder
 
 
-def extra_step(tmp_path: Path, wheels: Path, lines: list[str]) -> tuple[subprocess.CompletedProcess[str], Path]:
+def extra_step(
+    tmp_path: Path, wheels: Path, lines: list[str]
+) -> tuple[subprocess.CompletedProcess[str], Path]:
     extra = tmp_path / "extra-requirements.txt"
     extra.write_text("\n".join(lines) + "\n")
     site = tmp_path / "site"
@@ -112,7 +114,13 @@ def test_an_extra_package_is_installed_and_named_in_the_manifest(tmp_path: Path,
         [sys.executable, str(REPO / "sandbox" / "manifest.py")],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(site), "REQUESTED": "cs-probe cs-tables", "TOOLS": "", "KEY": "k"},
+        env={
+            **os.environ,
+            "PYTHONPATH": str(site),
+            "REQUESTED": "cs-probe cs-tables",
+            "TOOLS": "",
+            "KEY": "k",
+        },
         timeout=60,
         check=True,
     )
