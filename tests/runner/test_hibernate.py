@@ -440,6 +440,38 @@ async def test_a_new_chat_starts_warm_from_a_template_without_its_seeds_or_names
         await pool.close()
 
 
+async def test_a_template_changed_after_it_was_verified_is_checked_again_and_refused(
+    runner: Runner, tmp_path: Path
+) -> None:
+    """A process verifies a template's digests once and skips them while its files are unchanged: a
+    byte flipped in it later (its file rewritten) is caught at the next warm start, the template is
+    removed, and the new chat starts cold without a word."""
+    pool = pool_of(runner, tmp_path, warm_start=True)
+    probe = "import sys\nprint('pandas' in sys.modules)"
+    try:
+        folders = {}
+        for name in ("first", "verified", "after"):
+            folders[name] = tmp_path / "sessions" / name
+            folders[name].mkdir(parents=True)
+        assert (await pool.run("first", folders["first"], "print(1)", "python", LIMITS)).ok
+        await pool._warm.wait_built()
+        warm = await pool.run("verified", folders["verified"], probe, "python", LIMITS)
+        assert warm.stdout == "True\n" and warm.notes == ()  # resumed from the template, verified
+        [place] = [p for p in (runner.bundle_dir / "templates").iterdir() if p.is_dir()]
+        image = place / "kernel"
+        pages = max((p for p in image.iterdir() if p.name != "meta.json"), key=lambda p: p.stat().st_size)
+        with open(pages, "r+b") as fh:
+            fh.seek(pages.stat().st_size // 2)
+            byte = fh.read(1)
+            fh.seek(-1, os.SEEK_CUR)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+        cold = await pool.run("after", folders["after"], probe, "python", LIMITS)
+        assert cold.ok and cold.stdout == "False\n" and cold.notes == ()  # a cold kernel, no sentence
+        assert not image.exists()  # removed (the next new chat builds it again)
+    finally:
+        await pool.close()
+
+
 @contextlib.contextmanager
 def small_disk(path: Path, size: str) -> Iterator[Path]:
     """A real tmpfs of `size` at `path` (ENOSPC for real), unmounted afterwards whatever happened."""
