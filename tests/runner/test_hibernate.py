@@ -440,6 +440,36 @@ async def test_a_new_chat_starts_warm_from_a_template_without_its_seeds_or_names
         await pool.close()
 
 
+async def test_only_a_first_cell_that_needs_more_than_the_standard_library_starts_warm(
+    runner: Runner, tmp_path: Path
+) -> None:
+    """A chat whose first cell is print(1) gets a cold kernel (faster to start, 110 MiB lighter); one
+    whose first cell imports a package of the environment, or is bash, resumes the template."""
+    pool = pool_of(runner, tmp_path, warm_start=True)
+    loaded = "import sys\nprint('pandas' in sys.modules)"
+    try:
+        first = tmp_path / "sessions" / "first"
+        first.mkdir(parents=True)
+        assert (await pool.run("first", first, "print(1)", "python", LIMITS)).ok  # cold: builds it
+        await pool._warm.wait_built()
+        said = {}
+        for name, cell, language in (
+            ("plain", "print(1)", "python"),
+            ("stdlib", "import json, os.path\nprint(json.dumps(os.path.sep))", "python"),
+            ("data", "import numpy as np\nprint(int(np.arange(3).sum()))", "python"),
+            ("shell", "ls -la /mnt/data | head -1", "bash"),
+        ):
+            folder = tmp_path / "sessions" / name
+            folder.mkdir(parents=True)
+            assert (
+                await pool.run(name, folder, cell, "python" if language == "python" else "bash", LIMITS)
+            ).ok
+            said[name] = (await pool.run(name, folder, loaded, "python", LIMITS)).stdout
+        assert said == {"plain": "False\n", "stdlib": "False\n", "data": "True\n", "shell": "True\n"}
+    finally:
+        await pool.close()
+
+
 async def test_a_template_changed_after_it_was_verified_is_checked_again_and_refused(
     runner: Runner, tmp_path: Path
 ) -> None:
@@ -447,7 +477,7 @@ async def test_a_template_changed_after_it_was_verified_is_checked_again_and_ref
     byte flipped in it later (its file rewritten) is caught at the next warm start, the template is
     removed, and the new chat starts cold without a word."""
     pool = pool_of(runner, tmp_path, warm_start=True)
-    probe = "import sys\nprint('pandas' in sys.modules)"
+    probe = "import sys, numpy\nprint('pandas' in sys.modules)"
     try:
         folders = {}
         for name in ("first", "verified", "after"):
