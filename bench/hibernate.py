@@ -11,7 +11,8 @@
 (d) memory: the RSS of every kernel host process with 5 live kernels, then with 100 more chats saved
     to disk (started, used, saved, stopped) besides them; and the disk those 100 take.
 
-Targets: first data step <= 1.5x the first print(1), and that print(1) no slower than in a cold kernel;
+Targets: first data step <= 1.5x the first print(1), and that print(1) no slower than with warm_start
+off (<= 1.05x: this machine's spread between interleaved runs of the same path);
 resume of the 100 MB kernel <= 1 s; the 100 saved chats add no resident memory (<= 1 MiB over the 5
 live ones).
 """
@@ -31,7 +32,7 @@ from ._common import Context, rss_kib, summary
 SECTION = "hibernate"
 TARGETS = {
     "first_data_vs_print": 1.5,
-    "first_print_warm_vs_cold": 1.0,
+    "first_print_warm_vs_cold": 1.05,
     "resume_100mb_s": 1.0,
     "saved_chats_rss_mib": 1.0,
 }
@@ -259,7 +260,7 @@ def render(r: dict[str, Any]) -> str:
         )
         if "first_print_cold" in f:
             parts.append(
-                f"a new chat's first print(1) warm {ms(f['first_print'])} ms vs cold (no template) "
+                f"a new chat's first print(1) with warm_start on {ms(f['first_print'])} ms vs off "
                 f"{ms(f['first_print_cold'])} ms: {f['print_warm_vs_cold']:.3g}x"
             )
     m = r.get("memory")
@@ -275,8 +276,10 @@ def render(r: dict[str, Any]) -> str:
 def targets(r: dict[str, Any], add: Any) -> None:
     first = r.get("first_data_step")
     add("first data step / first print(1) (template)", first and first["data_vs_print"], 1.5, "x")
+    # Not slower than a cold start: a first print(1) starts cold with the valve on too (only a cell that
+    # imports a package resumes the template), so the two differ by this machine's spread, not 1.0 flat.
     warm_vs_cold = first.get("print_warm_vs_cold") if first else None
-    add("first print(1), warm / cold", warm_vs_cold, 1.0, "x")
+    add("first print(1), warm_start on / off", warm_vs_cold, TARGETS["first_print_warm_vs_cold"], "x")
     big = (r.get("save_resume") or {}).get("100 MB of DataFrames")
     add("resume of a kernel holding 100 MB", big and big["resume"]["median_ms"] / 1000, 1.0, "s")
     mem = r.get("memory")
