@@ -29,8 +29,7 @@ import then, as without templates.
 
 Every file of a template is checked against its recorded sha256 the first time this process resumes
 it, and again only if a file was replaced or rewritten since (its inode, size or modification time
-changed): reading 80 MiB for every new chat cost a warm start about 0.1 s of CPU beside the restore
-on a busy host, which made a first `print(1)` slower warm than cold.
+changed): reading 80 MiB beside every warm start's restore cost it about 0.1 s on a busy host.
 """
 
 from __future__ import annotations
