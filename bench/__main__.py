@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from . import (
+    branches,
     concurrency,
     deleted_chats,
     environment,
@@ -35,6 +36,7 @@ from . import (
     report,
     rewrite,
     run_overhead,
+    uploads,
 )
 from ._common import CGROUP_PARENT, Context, filesystem_of
 
@@ -51,6 +53,8 @@ SECTIONS: dict[str, Callable[[Context], Awaitable[dict[str, Any]]]] = {
     "hibernate": hibernate.run,
     "index_backends": index_backends.run,
     "environment": environment.run,
+    "branches": branches.run,
+    "uploads": uploads.run,
 }
 # Sections that render their own table and targets (bench/report.py renders the others).
 

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from . import environment, filter_stream, hibernate, index_backends
+from . import branches, environment, filter_stream, hibernate, index_backends, uploads
 from .index_backends import TARGET_STEP_RATIO
 
 
@@ -410,12 +410,14 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     value = hook.get("ratio_of_medians") if hook.get("paths") == 1000 else None
     limit = hook.get("target_ratio", 1.5)
     add("Filter stream hook / a minimal rewriting hook, 100 KB answer", value, limit, "x")
+    uploads.targets(s.get("uploads", {}), add)
     if "index_backends" in s:
         ratio = s["index_backends"].get("step", {}).get("ratio_of_medians")
         add("chat step storage, PostgreSQL / SQLite", ratio, TARGET_STEP_RATIO, "x")
     if "environment" in s:
         for name, value, limit, unit in environment.targets(s["environment"]):
             add(name, value, limit, unit)
+    branches.targets(s.get("branches", {}), add)
     return found
 
 
@@ -448,8 +450,10 @@ def render(results: dict[str, Any]) -> str:
         ("7. Chats deleted in Open WebUI: one background tick", "deleted_chats", _deleted_chats),
         ("8. Kernels saved to disk, resumed, and started warm", "hibernate", hibernate.render),
         ("9. The Filter's stream hook", "filter_stream", filter_stream.render),
+        ("10. Upload links: receiving a file", "uploads", uploads.render),
         ("Index backends: SQLite vs PostgreSQL", "index_backends", index_backends.render),
         ("The sandbox environment", "environment", environment.render),
+        ("11. States for the conversation's branches", "branches", branches.render),
     ]
     for title, key, fn in sections:
         if key in s:

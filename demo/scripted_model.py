@@ -11,6 +11,8 @@ It serves `GET /v1/models` and `POST /v1/chat/completions` (streamed or not, wit
   message if there is one; after a run that was stopped or failed, a sentence that points at the block
   above; else it names each file the run saved once, as a /mnt/data path (a picture on a line of its
   own, so it is shown);
+* a user line `call: <tool> <json arguments>` when that tool is offered: a call of it; after its result, an
+  upload link (or the sentence why not) is passed on to the user;
 * anything else: a short help text.
 
 `GET /_requests` returns the chat requests received so far (tests read the system prompt there).
@@ -33,6 +35,8 @@ from typing import ClassVar
 MODEL_ID = "demo-scripted"
 
 _BLOCK = re.compile(r"```(python|py|bash|sh)\n(.*?)```", re.S)
+_CALL = re.compile(r"^call: ([A-Za-z_][A-Za-z0-9_]*) (\{.*\})$", re.M)
+_UPLOAD_LINK = re.compile(r"https?://\S+/code-sessions/upload/[A-Za-z0-9_-]+")
 
 _CSV_CODE = """import csv, random
 random.seed(7)
@@ -200,6 +204,9 @@ def _after_run(messages: list[dict]) -> str:
             return line.split(":", 1)[1].strip()
     result = _text(messages[-1].get("content"))
     headline = result.split("\n", 1)[0]
+    if headline.startswith(("Upload link for", "No upload link")):  # the upload_link tool's result
+        link = _UPLOAD_LINK.search(result)
+        return f"Upload the file here: {link.group()}" if link else headline
     if " was stopped" in headline:  # the block above says which limit, and why
         return "It was stopped before it finished; what it wrote until then is kept."
     if headline.startswith("Not run") or " exited with an error" in headline:
@@ -228,6 +235,10 @@ def answer(body: dict) -> dict:
     after_tool = last.get("role") == "tool" or _text(last.get("content")).startswith("Output of the code")
     if after_tool:
         return {"content": _after_run(messages)}
+    call = _CALL.search(_last_user(messages))
+    offered = {t.get("function", {}).get("name") for t in body.get("tools") or []}
+    if call and call.group(1) in offered:
+        return {"content": "", "tool_call": (call.group(1), call.group(2)), "raw": True}
     code = _code_for(_last_user(messages))
     if code is None:
         return {"content": _HELP}
@@ -296,18 +307,23 @@ def _base(body: dict) -> dict:
     }
 
 
+def _call(reply: dict) -> tuple[str, str]:
+    """(tool name, JSON arguments) of the reply's tool call."""
+    if reply.get("raw"):
+        return reply["tool_call"]
+    language, code = reply["tool_call"]
+    return "run_code", json.dumps({"language": language, "code": code})
+
+
 def _completion(body: dict, reply: dict) -> dict:
     message: dict = {"role": "assistant", "content": reply["content"]}
     if "tool_call" in reply:
-        language, code = reply["tool_call"]
+        name, arguments = _call(reply)
         message["tool_calls"] = [
             {
                 "id": f"call_{uuid.uuid4().hex[:8]}",
                 "type": "function",
-                "function": {
-                    "name": "run_code",
-                    "arguments": json.dumps({"language": language, "code": code}),
-                },
+                "function": {"name": name, "arguments": arguments},
             }
         ]
     finish = "tool_calls" if "tool_call" in reply else "stop"
@@ -330,8 +346,7 @@ def _chunks(body: dict, reply: dict) -> list[dict]:
     for start in range(0, len(content), 7):
         chunks.append(delta({"content": content[start : start + 7]}))
     if "tool_call" in reply:
-        language, code = reply["tool_call"]
-        arguments = json.dumps({"language": language, "code": code})
+        name, arguments = _call(reply)
         half = len(arguments) // 2
         call_id = f"call_{uuid.uuid4().hex[:8]}"
         chunks.append(
@@ -342,7 +357,7 @@ def _chunks(body: dict, reply: dict) -> list[dict]:
                             "index": 0,
                             "id": call_id,
                             "type": "function",
-                            "function": {"name": "run_code", "arguments": arguments[:half]},
+                            "function": {"name": name, "arguments": arguments[:half]},
                         }
                     ]
                 }

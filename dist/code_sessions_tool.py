@@ -12,15 +12,16 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_9bf63fe02383'
+_CS_PACKAGE = '_code_sessions_5a477a159301'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
 It knows nothing of the web UI or of the sandbox; see docs/storage.md.
 """
 
-from ._format import human_bytes, parse_duration
-from ._names import MAX_PATH_BYTES, PASSIVE_IMAGE_TYPES
+from ._format import human_bytes, human_duration, parse_duration
+from ._incoming import Incoming
+from ._names import MAX_PATH_BYTES, PASSIVE_IMAGE_TYPES, split_path
 from ._postgres import is_postgres_url
 from .errors import (
     DiskFull,
@@ -32,6 +33,7 @@ from .errors import (
     StorageBusy,
     StorageError,
 )
+from .history import ChatHistory, HistoryError, HistoryHead, Restored, Saved
 from .models import (
     ActivityEntry,
     ChatInfo,
@@ -59,6 +61,7 @@ from .policy import CLEAR_FILES_COMMAND, Policy
 from .publishing import Copy, DirectoryPublisher, Published, Publisher
 from .session import ChatFiles, Session
 from .store import Store
+from .upload_links import LinkRefused, UploadGrant, UploadLinks
 
 __all__ = [
     "CLEAR_FILES_COMMAND",
@@ -66,6 +69,7 @@ __all__ = [
     "PASSIVE_IMAGE_TYPES",
     "ActivityEntry",
     "ChatFiles",
+    "ChatHistory",
     "ChatInfo",
     "CleanupAction",
     "CleanupReport",
@@ -78,10 +82,14 @@ __all__ = [
     "FileExists",
     "FileMissing",
     "Growth",
+    "HistoryError",
+    "HistoryHead",
+    "Incoming",
     "IndexDamaged",
     "InvalidPath",
     "Link",
     "LinkInfo",
+    "LinkRefused",
     "Policy",
     "Published",
     "Publisher",
@@ -94,16 +102,22 @@ __all__ = [
     "ReconcileReport",
     "Rejected",
     "Renamed",
+    "Restored",
     "RunBudget",
+    "Saved",
     "Session",
     "StorageBusy",
     "StorageError",
     "Store",
+    "UploadGrant",
+    "UploadLinks",
     "Usage",
     "UserUsage",
     "human_bytes",
+    "human_duration",
     "is_postgres_url",
     "parse_duration",
+    "split_path",
 ]
 ''',
     'storage/_backend.py': r'''"""The one seam between the store and its database.
@@ -1662,6 +1676,948 @@ def move_aside_unchanged(
                     moved.append(name)
         return moved
 ''',
+    'storage/_history.py': r'''"""A chat folder's history by message: the folder's state at the end of each answer, kept so that a
+branch of the conversation (a regenerated or edited message) continues from the files of the message
+it continues from. Pure file work, blocking: call it from a thread, holding the chat's lock.
+
+Layout, inside the chat's saved-state folder (outside /mnt/data, ours alone):
+
+    history/
+      index.json          the head, the states kept, and every object's references and size
+      states/<d>.json     one state: {message_id, saved_at, files: {path: [object, size, mtime_ns, mode]},
+                          dirs: {path: mode}, imports: [[source, path], ...]}  (<d>: a digest of the id)
+      objects/<id>        one version of one file, a private copy (a reflink where the disk has them)
+      kernels/<d>/        the kernel's image for that state, written by the caller (opaque here)
+
+A state never shares an inode with the live folder: code in the sandbox may write a file in place
+(`open(p, 'r+')`, `mmap`), which would change a hard-linked copy. So a version is copied once, when it
+is first seen, and every later state whose file is unchanged refers to the same object. "Unchanged"
+is the file's inode, size, mtime and ctime all as recorded when it was copied or restored (the ctime
+cannot be set back by the sandbox's code).
+
+The head says which message's state the folder holds now, and whether it may have changed since that
+state was saved (`dirty`); `restoring` marks a restore in progress, so a crash mid-way is finished by
+the next restore rather than left half done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import stat
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._fsops import DIR_FLAGS, Owner, copy_fd, fd_closing, remove_tree_at
+from ._names import MAX_DEPTH, MAX_PATH_BYTES
+
+FORMAT = 1
+HEAD = "head.json"
+STATS = "stats.json"
+# Dropped states whose objects are collected together (a collection reads every state's object list).
+_COLLECT_EVERY = 5
+MAX_FILES = 100_000  # a state of more files than this is not kept (the quota's default is 5,000)
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_FICLONE = 0x40049409  # linux/fs.h: share the blocks of a file (XFS, Btrfs); ext4 refuses
+_MAX_STATE = 64 << 20
+_RESTORE_TEMP = ".cs-restore-"
+_OBJECT = re.compile(r"[0-9a-f]{24}")
+_PLAIN_PATH = re.compile(r"[^/\0]+(?:/[^/\0]+)*")
+_DOT_PART = re.compile(r"(?:^|/)\.\.?(?:/|$)")
+
+
+
+class HistoryError(Exception):
+    """A state cannot be saved or restored; the message says why, for the user."""
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """Which message's state the folder holds ("": none recorded yet); whether the folder may have
+    changed since that state was saved; whether a restore of it began and did not finish; and the
+    state whose records say what the live folder's files are (`live`, a digest; "": none)."""
+
+    message_id: str = ""
+    dirty: bool = False
+    restoring: bool = False
+    live: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Saved:
+    """One state saved: its files, what had to be copied for it, and what the history now takes."""
+
+    message_id: str
+    files: int
+    copied_files: int
+    copied_bytes: int
+    history_bytes: int  # what the history takes on disk beyond the folder's own files
+    dropped: int  # older states dropped to keep within the count and the room
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """One state restored into the folder: what was copied back and what was removed."""
+
+    message_id: str
+    files: int
+    copied_files: int
+    removed: int
+
+
+def digest(message_id: str) -> str:
+    return hashlib.sha256(message_id.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+class History:
+    """The history folder of one chat (`folder`, created on first save) and its live folder.
+
+    Files: `head.json` (the Head), `states/<d>.json` (one state: its files with each one's object,
+    size, mtime, mode, and the inode and ctime of the live file it was read from), `states/<d>.objects`
+    (its objects' names, one per line: what a collection reads), `objects/<name>`, `kernels/<d>/`,
+    and `stats.json` (the bytes the objects take, and how many states were dropped since the last
+    collection). A state's file records the live files' inodes and ctimes as of its save, or of its
+    restore (a restore rewrites them): the next save compares the folder with the head's `live` state
+    and copies only what is not as recorded there."""
+
+    def __init__(self, folder: Path, live: Path, owner: Owner) -> None:
+        self.folder = folder
+        self.live_dir = live
+        self.owner = owner
+
+    # ------------------------------------------------------------------ the head
+
+    def read_head(self) -> Head:
+        """The head, from its own small file: read before every step."""
+        try:
+            with open(self.folder / HEAD, "rb") as fh:
+                data = json.loads(fh.read(1 << 16))
+            live = data.get("live", "")
+            return Head(
+                str(data["head"]),
+                bool(data["dirty"]),
+                bool(data["restoring"]),
+                live if isinstance(live, str) and _digest_name(live) else "",
+            )
+        except FileNotFoundError:
+            return Head(dirty=(self.folder / "states").exists())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return Head(dirty=True)  # damaged: the folder may be anything, and belongs to no state
+
+    def claim(self, message_id: str) -> None:
+        """The folder is about to change for `message_id`'s answer: the head is its, and dirty."""
+        head = self.read_head()
+        if head.message_id == message_id and head.dirty and not head.restoring:
+            return
+        self._write_head(Head(message_id, True, False, head.live))
+
+    def has_state(self, message_id: str) -> bool:
+        return self._state_path(message_id).is_file()
+
+    def kernel_dir(self, message_id: str) -> Path:
+        """Where the kernel's image of a state lives (the caller writes it; made here, private)."""
+        self._make_folder()
+        folder = self.folder / "kernels" / digest(message_id)
+        folder.parent.mkdir(mode=0o700, exist_ok=True)
+        folder.mkdir(mode=0o700, exist_ok=True)
+        return folder
+
+    def kernel_of(self, message_id: str) -> Path | None:
+        folder = self.folder / "kernels" / digest(message_id)
+        return folder if (folder / "kernel").is_dir() else None
+
+    def drop_kernel(self, message_id: str) -> None:
+        shutil.rmtree(self.folder / "kernels" / digest(message_id), ignore_errors=True)
+
+    def bytes_on_disk(self) -> int:
+        return _tree_bytes(self.folder)
+
+    # ------------------------------------------------------------------ saving
+
+    def save(
+        self,
+        message_id: str,
+        imports: list[tuple[str, str]],
+        *,
+        keep_states: int,
+        keep_kernels: int,
+        room_bytes: int | None,
+    ) -> Saved:
+        """Record the live folder as `message_id`'s state (replacing an older one of it); then keep the
+        newest `keep_states` states and the kernels of the newest `keep_kernels`, and drop the oldest
+        while the history takes more than `room_bytes` (None: no bound), never the new one."""
+        head = self.read_head()
+        known = self._records(self.folder / "states" / f"{head.live}.json") if head.live else {}
+        self._make_folder()
+        stats = self._read_stats()
+        objects = self.folder / "objects"
+        objects.mkdir(mode=0o700, exist_ok=True)
+        (self.folder / "states").mkdir(mode=0o700, exist_ok=True)
+        files: dict[str, list[Any]] = {}
+        dirs: dict[str, int] = {}
+        copied_files = copied_bytes = live_bytes = 0
+        with fd_closing(os.open(objects, DIR_FLAGS)) as objects_fd:
+            try:
+                root = os.open(self.live_dir, DIR_FLAGS)
+            except FileNotFoundError:
+                root = -1
+            if root >= 0:
+                with fd_closing(root):
+                    for path, st, parent, name in _walk(root):
+                        if stat.S_ISDIR(st.st_mode):
+                            dirs[path] = stat.S_IMODE(st.st_mode)
+                            continue
+                        was = known.get(path)
+                        if was is not None and _unchanged(was, st):
+                            obj = was[0]
+                        else:
+                            made = _copy_in(parent, name, st, objects_fd)
+                            if made is None:
+                                continue  # gone, or not a regular file any more
+                            obj = made
+                            copied_files += 1
+                            copied_bytes += st.st_size
+                        live_bytes += st.st_size
+                        files[path] = [
+                            obj,
+                            st.st_size,
+                            st.st_mtime_ns,
+                            stat.S_IMODE(st.st_mode),
+                            st.st_ino,
+                            st.st_ctime_ns,
+                        ]
+                        if len(files) > MAX_FILES:
+                            raise HistoryError(f"the folder holds more than {MAX_FILES:,} files")
+        self._write_state(message_id, files, dirs, imports)
+        self._write_head(Head(message_id, False, False, digest(message_id)))
+        stats["object_bytes"] += copied_bytes
+        dropped = self._prune(message_id, keep_states, keep_kernels, room_bytes, stats, live_bytes)
+        self._write_stats(stats)
+        history = max(0, stats["object_bytes"] - live_bytes) + self._kernel_bytes()
+        return Saved(message_id, len(files), copied_files, copied_bytes, history, dropped)
+
+    def _prune(
+        self,
+        newest: str,
+        keep_states: int,
+        keep_kernels: int,
+        room_bytes: int | None,
+        stats: dict[str, int],
+        live_bytes: int,
+    ) -> int:
+        """Drop the states beyond `keep_states` (oldest first), the kernels beyond `keep_kernels`, and
+        more while the history is over `room_bytes`; objects no state needs go at a collection, which
+        runs once enough states went (its cost is shared by them) or when the room is short."""
+        order = self._states_oldest_first(newest)
+        dropped = [order.pop(0)[1] for _ in range(max(0, len(order) - max(1, keep_states)))]
+        with_kernel = [d for _, d in order if (self.folder / "kernels" / d / "kernel").is_dir()]
+        for d in with_kernel[: max(0, len(with_kernel) - keep_kernels)]:
+            shutil.rmtree(self.folder / "kernels" / d, ignore_errors=True)
+        for d in dropped:
+            self._drop(d)
+        stats["uncollected"] += len(dropped)
+        if stats["uncollected"] >= _COLLECT_EVERY:
+            self._collect(stats)
+        if room_bytes is not None:
+            while max(0, stats["object_bytes"] - live_bytes) + self._kernel_bytes() > room_bytes:
+                kernels = [d for _, d in order if (self.folder / "kernels" / d / "kernel").is_dir()]
+                if kernels:  # a Python state costs more than a file state: they go first
+                    shutil.rmtree(self.folder / "kernels" / kernels[0], ignore_errors=True)
+                    continue
+                if stats["uncollected"]:
+                    self._collect(stats)
+                    continue
+                if len(order) <= 1:
+                    break
+                d = order.pop(0)[1]
+                dropped.append(d)
+                self._drop(d)
+                stats["uncollected"] += 1
+        return len(dropped)
+
+    def _states_oldest_first(self, newest: str) -> list[tuple[float, str]]:
+        found = []
+        newest_digest = digest(newest)
+        for name in _listing(self.folder / "states"):
+            if not name.endswith(".json") or not _digest_name(name[:-5]):
+                continue
+            with contextlib.suppress(OSError):
+                st = os.lstat(self.folder / "states" / name)
+                found.append((st.st_mtime, name[:-5]))
+        return sorted(found, key=lambda item: (item[1] == newest_digest, item[0]))
+
+    def _drop(self, state: str) -> None:
+        for suffix in (".json", ".objects"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.folder / "states" / f"{state}{suffix}")
+        shutil.rmtree(self.folder / "kernels" / state, ignore_errors=True)
+
+    def _collect(self, stats: dict[str, int]) -> None:
+        """Remove the objects no state refers to, and count exactly what the rest take."""
+        wanted: set[str] = set()
+        for name in _listing(self.folder / "states"):
+            if name.endswith(".objects"):
+                path = self.folder / "states" / name
+                with contextlib.suppress(OSError), open(path, encoding="ascii") as fh:
+                    wanted.update(line.strip() for line in fh)
+        objects = self.folder / "objects"
+        total = 0
+        for name in _listing(objects):
+            if name in wanted:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(objects / name).st_size
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(objects / name)
+        stats["object_bytes"], stats["uncollected"] = total, 0
+
+    def _kernel_bytes(self) -> int:
+        return _tree_bytes(self.folder / "kernels")
+
+    # ------------------------------------------------------------------ restoring
+
+    def begin_restore(self, message_id: str) -> dict[str, Any]:
+        """The state of `message_id`, checked whole (every object present, of its size), with the
+        head marked as restoring it. HistoryError when it cannot be restored."""
+        state = self._read_state(message_id)
+        if state is None:
+            raise HistoryError("its saved files are no longer kept")
+        objects = self.folder / "objects"
+        for obj, size, *_ in state["files"].values():
+            try:
+                st = os.lstat(objects / obj)
+            except OSError:
+                raise HistoryError("its saved files are damaged (a version is missing)") from None
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                raise HistoryError("its saved files are damaged (a version has another size)")
+        head = self.read_head()
+        self._write_head(Head(message_id, True, True, head.live))
+        return state
+
+    def restore(self, message_id: str, state: dict[str, Any]) -> Restored:
+        """Make the live folder hold exactly the state's files and folders (after begin_restore).
+        Files already there as the head's live records say, with the state's version, stay; the rest
+        is copied back from the objects. The state's records then describe the live files."""
+        head = self.read_head()
+        known = self._records(self.folder / "states" / f"{head.live}.json") if head.live else {}
+        wanted: dict[str, list[Any]] = state["files"]
+        wanted_dirs: dict[str, int] = state["dirs"]
+        keep_dirs = set(wanted_dirs)
+        for path in wanted:
+            parts = path.split("/")
+            keep_dirs.update("/".join(parts[:i]) for i in range(1, len(parts)))
+        kept: dict[str, list[Any]] = {}
+        with (
+            fd_closing(os.open(self.folder / "objects", DIR_FLAGS)) as objects_fd,
+            fd_closing(os.open(self.live_dir, DIR_FLAGS)) as root,
+        ):
+            removed = _clear_live(root, "", 0, wanted, keep_dirs, known, kept)
+            for path in sorted(keep_dirs, key=lambda p: p.count("/")):
+                with fd_closing(_make_dirs(root, path.split("/"), wanted_dirs.get(path, 0o755), self.owner)):
+                    pass
+            copied = 0
+            files: dict[str, list[Any]] = {}
+            for path, (obj, size, mtime_ns, mode, *_) in wanted.items():
+                if path in kept:
+                    st_ino, st_ctime = kept[path][4], kept[path][5]
+                    files[path] = [obj, size, mtime_ns, mode, st_ino, st_ctime]
+                    continue
+                parts = path.split("/")
+                with fd_closing(_make_dirs(root, parts[:-1], 0o755, self.owner)) as parent:
+                    st = _copy_out(objects_fd, obj, parent, parts[-1], mode, mtime_ns, self.owner)
+                files[path] = [obj, st.st_size, st.st_mtime_ns, mode, st.st_ino, st.st_ctime_ns]
+                copied += 1
+        self._write_state(message_id, files, wanted_dirs, self.imports_of(state), saved_at=state["saved_at"])
+        self._write_head(Head(message_id, False, False, digest(message_id)))
+        return Restored(message_id, len(wanted), copied, removed)
+
+    def restore_empty(self, message_id: str) -> Restored:
+        """The folder as at the start of a chat: empty."""
+        head = self.read_head()
+        self._write_head(Head(message_id, True, True, head.live))
+        removed = 0
+        with fd_closing(os.open(self.live_dir, DIR_FLAGS)) as root:
+            for name in os.listdir(root):
+                with contextlib.suppress(OSError):
+                    remove_tree_at(root, name)
+                    removed += 1
+        self._write_head(Head(message_id, True, False, ""))
+        return Restored(message_id, 0, 0, removed)
+
+    def imports_of(self, state: dict[str, Any]) -> list[tuple[str, str]]:
+        return [(str(s), str(p)) for s, p in state.get("imports", [])]
+
+    # ------------------------------------------------------------------ files of the history
+
+    def _state_path(self, message_id: str) -> Path:
+        return self.folder / "states" / f"{digest(message_id)}.json"
+
+    def _read_state(self, message_id: str) -> dict[str, Any] | None:
+        state = self._read_state_file(self._state_path(message_id))
+        if state is None or state.get("message_id") != message_id:
+            return None
+        return state
+
+    @staticmethod
+    def _records(path: Path) -> dict[str, list[Any]]:
+        """The file records of a state, read only to tell which live files are unchanged: a record
+        that is not well formed is no record (its file is then copied again)."""
+        try:
+            with open(path, "rb") as fh:
+                files = json.loads(fh.read(_MAX_STATE)).get("files")
+        except (OSError, ValueError, AttributeError):
+            return {}
+        if not isinstance(files, dict):
+            return {}
+        return {p: v for p, v in files.items() if isinstance(v, list) and len(v) == 6}
+
+    @staticmethod
+    def _read_state_file(path: Path) -> dict[str, Any] | None:
+        """A state, checked whole before its paths and objects name anything on disk."""
+        try:
+            with open(path, "rb") as fh:
+                state = json.loads(fh.read(_MAX_STATE))
+        except (OSError, ValueError):
+            return None
+        try:
+            ok = (
+                state.get("format") == FORMAT
+                and isinstance(state.get("message_id"), str)
+                and isinstance(state.get("saved_at"), int | float)
+                and isinstance(state.get("files"), dict)
+                and isinstance(state.get("dirs"), dict)
+                and all(
+                    _safe_path(p)
+                    and isinstance(v, list)
+                    and len(v) == 6
+                    and _object_name(v[0])
+                    and all(isinstance(n, int) for n in v[1:])
+                    for p, v in state["files"].items()
+                )
+                and all(_safe_path(p) and isinstance(m, int) for p, m in state["dirs"].items())
+            )
+        except (AttributeError, TypeError):
+            return None
+        return state if ok else None
+
+    def _write_state(
+        self,
+        message_id: str,
+        files: dict[str, list[Any]],
+        dirs: dict[str, int],
+        imports: list[tuple[str, str]],
+        *,
+        saved_at: float | None = None,
+    ) -> None:
+        stamp = time.time() if saved_at is None else saved_at
+        state = {
+            "format": FORMAT,
+            "message_id": message_id,
+            "saved_at": stamp,
+            "files": files,
+            "dirs": dirs,
+            "imports": [list(pair) for pair in imports],
+        }
+        d = digest(message_id)
+        names = "".join(f"{entry[0]}\n" for entry in files.values())
+        _write_bytes(self.folder / "states" / f"{d}.objects", names.encode("ascii"))
+        path = self.folder / "states" / f"{d}.json"
+        _write_bytes(path, json.dumps(state, separators=(",", ":")).encode())
+        # The file's mtime is the state's age, which pruning orders by: a restore rewrites the file (the
+        # live files' new inodes) without making the state any newer.
+        os.utime(path, (stamp, stamp))
+
+    def _make_folder(self) -> None:
+        # Its parent (the chat's saved-state folder) may not exist yet; both are ours alone.
+        self.folder.parent.mkdir(mode=0o700, exist_ok=True)
+        self.folder.mkdir(mode=0o700, exist_ok=True)
+
+    def _write_head(self, head: Head) -> None:
+        self._make_folder()
+        data = {"head": head.message_id, "dirty": head.dirty, "restoring": head.restoring, "live": head.live}
+        _write_bytes(self.folder / HEAD, json.dumps(data).encode())
+
+    def _read_stats(self) -> dict[str, int]:
+        try:
+            with open(self.folder / STATS, "rb") as fh:
+                data = json.loads(fh.read(1 << 16))
+            return {"object_bytes": int(data["object_bytes"]), "uncollected": int(data["uncollected"])}
+        except (OSError, ValueError, KeyError, TypeError):
+            stats = {"object_bytes": 0, "uncollected": 0}
+            self._collect(stats)  # lost or damaged: counted again from the disk
+            return stats
+
+    def _write_stats(self, stats: dict[str, int]) -> None:
+        _write_bytes(self.folder / STATS, json.dumps(stats).encode())
+
+
+def _safe_path(path: object) -> bool:
+    """A relative path of plain components, as the state's own walk wrote it (a damaged or forged
+    state could otherwise name a place outside the folder)."""
+    return (
+        isinstance(path, str)
+        and _PLAIN_PATH.fullmatch(path) is not None
+        and _DOT_PART.search(path) is None
+        and path.count("/") < MAX_DEPTH
+        and len(path.encode("utf-8", "surrogatepass")) <= MAX_PATH_BYTES
+    )
+
+
+def _object_name(name: object) -> bool:
+    return isinstance(name, str) and _OBJECT.fullmatch(name) is not None
+
+
+def _listing(folder: Path) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except FileNotFoundError:
+        return []
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    """Write a file of the history whole: a new file renamed over the old one."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, _NEW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _unchanged(record: list[Any], st: os.stat_result) -> bool:
+    """The live file is still the one a state's record describes: its size, mtime, inode and ctime
+    (which the sandbox's code cannot set back) are as recorded."""
+    return record[1:3] == [st.st_size, st.st_mtime_ns] and record[4:6] == [st.st_ino, st.st_ctime_ns]
+
+
+def _digest_name(name: str) -> bool:
+    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
+
+
+def _tree_bytes(folder: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def _walk(fd: int, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, os.stat_result, int, str]]:
+    """(path, lstat, parent fd, name) of every folder and regular file under the folder `fd`, each
+    folder before what it holds. Never follows a link; names that are not UTF-8 are skipped
+    (reconcile renames them), and so is what lies deeper than MAX_DEPTH. One open folder per level."""
+    try:
+        names = os.listdir(fd)
+    except OSError:
+        return
+    for name in names:
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if name.startswith(_RESTORE_TEMP) or (not name.isascii() and not _utf8(name)):
+            continue
+        path = f"{prefix}{name}"
+        if stat.S_ISREG(st.st_mode):
+            yield path, st, fd, name
+        elif stat.S_ISDIR(st.st_mode):
+            yield path, st, fd, name
+            if depth + 1 >= MAX_DEPTH:
+                continue
+            try:
+                sub = os.open(name, DIR_FLAGS, dir_fd=fd)
+            except OSError:
+                continue
+            with fd_closing(sub):
+                yield from _walk(sub, f"{path}/", depth + 1)
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _clear_live(
+    fd: int,
+    prefix: str,
+    depth: int,
+    wanted: dict[str, list[Any]],
+    keep_dirs: set[str],
+    before: dict[str, list[Any]],
+    kept: dict[str, list[Any]],
+) -> int:
+    """Remove from the live folder `fd` what the state being restored does not hold (links, FIFOs,
+    names that are not UTF-8 and folders it lacks included, never followed); note in `kept` the files
+    that are already the state's version. Returns how many entries went."""
+    removed = 0
+    try:
+        names = os.listdir(fd)
+    except OSError:
+        return removed
+    for name in names:
+        st = _lstat(fd, name)
+        if st is None:
+            continue
+        path = f"{prefix}{name}"
+        if not _utf8(name) or name.startswith(_RESTORE_TEMP):
+            remove_tree_at(fd, name)
+            removed += 1
+        elif stat.S_ISDIR(st.st_mode):
+            if path not in keep_dirs or depth + 1 >= MAX_DEPTH:
+                remove_tree_at(fd, name)
+                removed += 1
+                continue
+            try:
+                sub = os.open(name, DIR_FLAGS, dir_fd=fd)
+            except OSError:
+                continue
+            with fd_closing(sub):
+                removed += _clear_live(sub, f"{path}/", depth + 1, wanted, keep_dirs, before, kept)
+        else:
+            entry, seen = wanted.get(path), before.get(path)
+            if (
+                entry is not None
+                and stat.S_ISREG(st.st_mode)
+                and seen is not None
+                and seen[0] == entry[0]
+                and _unchanged(seen, st)
+            ):
+                kept[path] = seen
+            elif entry is None or not stat.S_ISREG(st.st_mode):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=fd)
+                    removed += 1
+    return removed
+
+
+def _lstat(dir_fd: int, name: str) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return None
+
+
+def _clone_or_copy(src: int, dst: int) -> None:
+    try:
+        fcntl.ioctl(dst, _FICLONE, src)
+        return
+    except OSError as error:
+        if error.errno not in (errno.EOPNOTSUPP, errno.EXDEV, errno.EINVAL, errno.ENOTTY, errno.EBADF):
+            raise
+    copy_fd(src, dst)
+
+
+def _copy_in(parent: int, name: str, seen: os.stat_result, objects_fd: int) -> str | None:
+    """A private copy of the live file `name` as a new object; None when it is gone or is no longer
+    the regular file the walk saw."""
+    try:
+        src = os.open(name, _READ, dir_fd=parent)
+    except OSError:
+        return None
+    with fd_closing(src):
+        st = os.fstat(src)
+        if not stat.S_ISREG(st.st_mode) or st.st_ino != seen.st_ino:
+            return None
+        obj = secrets.token_hex(12)
+        dst = os.open(obj, _NEW, 0o400, dir_fd=objects_fd)
+        try:
+            with fd_closing(dst):
+                _clone_or_copy(src, dst)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(obj, dir_fd=objects_fd)
+            raise
+    return obj
+
+
+def _copy_out(
+    objects_fd: int, obj: str, parent: int, name: str, mode: int, mtime_ns: int, owner: Owner
+) -> os.stat_result:
+    """Put the object back at `name` in the live folder: a new file beside it, renamed over it."""
+    temp = f"{_RESTORE_TEMP}{secrets.token_hex(6)}"
+    with fd_closing(os.open(obj, _READ, dir_fd=objects_fd)) as src:
+        dst = os.open(temp, _NEW, 0o600, dir_fd=parent)
+        try:
+            with fd_closing(dst):
+                _clone_or_copy(src, dst)
+                if owner is not None and os.geteuid() == 0:
+                    os.fchown(dst, owner[0], owner[1])
+                os.fchmod(dst, mode & 0o777)
+                os.utime(dst, ns=(mtime_ns, mtime_ns))
+            st = _lstat(parent, name)
+            if st is not None and stat.S_ISDIR(st.st_mode):
+                remove_tree_at(parent, name)
+            os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp, dir_fd=parent)
+            raise
+        done = _lstat(parent, name)
+        assert done is not None
+        return done
+
+
+def _make_dirs(root: int, parts: list[str], mode: int, owner: Owner) -> int:
+    """Open (making what is missing) the folder `parts` under root; a non-folder in the way goes."""
+    fd = os.dup(root)
+    for part in parts:
+        try:
+            sub = os.open(part, DIR_FLAGS, dir_fd=fd)
+        except OSError as error:
+            if error.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                os.close(fd)
+                raise
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                os.unlink(part, dir_fd=fd)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, mode & 0o777, dir_fd=fd)
+            sub = os.open(part, DIR_FLAGS, dir_fd=fd)
+            if owner is not None and os.geteuid() == 0:
+                os.fchown(sub, owner[0], owner[1])
+            os.fchmod(sub, mode & 0o777)
+        os.close(fd)
+        fd = sub
+    return fd
+''',
+    'storage/_incoming.py': r'''"""A file that arrives in pieces (an upload link's POST), kept out of the chat's folder until it is whole.
+
+The bytes are written under `<root>/incoming/`, beside the sessions and on the same filesystem, never
+inside the folder the sandbox sees: a run during the upload finds no half file, and the index never
+lists one. Every piece is checked against the per-file limit and the room the user's quota leaves
+(the room is read again from the index every `RECHECK_BYTES`, so a run that fills the quota meanwhile
+stops the upload early). `finish` (under the chat's lock) links the whole file into place, never over
+an existing one, and indexes it in one transaction that checks the quota again: two uploads at once
+cannot both take the last room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import secrets
+import stat
+import time
+from collections.abc import Awaitable, Callable
+
+from ._core import ChatRef, Core
+from ._format import human_bytes
+from ._fsops import DIR_MODE, FILE_MODE, chown, fd_closing, lstat_at, open_dir, walk_dirs
+from ._index import user_usage
+from .errors import DiskFull, FileExists, InvalidPath, QuotaExceeded, StorageError
+from .models import Usage
+from .policy import CLEAR_FILES_COMMAND, Policy
+
+__all__ = ["Incoming"]
+
+# The user's room is read again from the index after this many bytes (a run may fill it meanwhile).
+RECHECK_BYTES = 32 * 1024 * 1024
+# Staged files nobody finished (a worker that died mid-upload) are removed once this old.
+STALE_S = 24 * 3600.0
+_WAY_OUT = (
+    f"Delete some files or old chats (or send {CLEAR_FILES_COMMAND} in a chat to empty its folder), "
+    "then ask for a new upload link."
+)
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+Index = Callable[[str, os.stat_result], Awaitable[None]]
+
+
+class Incoming:
+    """One file being received for a chat. Make it with `ChatFiles.incoming`; then `write` each piece,
+    and `finish` (under the session's lock) or `discard`. Every refusal is a QuotaExceeded, DiskFull or
+    StorageError whose message is the sentence for the sender."""
+
+    def __init__(
+        self, core: Core, ref: ChatRef, parts: tuple[str, ...], index: Index, policy: Policy
+    ) -> None:
+        self._core = core
+        self._policy = policy
+        self._ref = ref
+        self._parts = parts
+        self._index = index
+        self._fd: int | None = None
+        self._staged = ""
+        self.received = 0
+        self._bound: int | None = None  # the most bytes this file may have, as last read
+        self._checked_at = 0  # `received` when the room was last read
+
+    @property
+    def path(self) -> str:
+        return "/".join(self._parts)
+
+    async def open(self) -> None:
+        """Stage an empty file and read the room this file may take (refused at once if none)."""
+        folder = self._core.layout.root / "incoming"
+        name = f"{self._ref.user_key}.{self._ref.chat_key}.{secrets.token_hex(8)}"
+
+        def work() -> int:
+            folder.mkdir(mode=DIR_MODE, exist_ok=True)
+            _remove_stale(folder)
+            with fd_closing(open_dir(folder)) as dir_fd:
+                return os.open(name, _NEW, FILE_MODE, dir_fd=dir_fd)
+
+        self._fd = await asyncio.to_thread(work)
+        self._staged = str(folder / name)
+        try:
+            await self._read_room()
+        except BaseException:
+            await self.discard()
+            raise
+
+    async def write(self, data: bytes) -> None:
+        """Add one piece. Refused (QuotaExceeded) as soon as the file passes the per-file limit or the
+        room the user's quota leaves; the caller then discards it."""
+        if not data:
+            return
+        if self._fd is None:
+            raise StorageError("this upload is already finished")
+        self.received += len(data)
+        if self.received - self._checked_at >= RECHECK_BYTES:
+            await self._read_room()
+        self._refuse_beyond_bound()
+        fd = self._fd
+        try:
+            await asyncio.to_thread(_write_all, fd, data)
+        except OSError as error:
+            if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFull() from error
+            raise
+
+    async def finish(self) -> str:
+        """Put the whole file at its path and index it; returns the path. Call it under the chat's
+        lock. The staged copy is gone afterwards, whatever happens."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            raise StorageError("this upload is already finished")
+        core, parts = self._core, self._parts
+        try:
+            await self._read_room()  # the final word is the index's, in `index` below
+            self._refuse_beyond_bound()
+
+            def place() -> os.stat_result:
+                os.fsync(fd)
+                chown(fd, core.owner)
+                if not self._ref.path.is_dir():
+                    core.make_dirs(self._ref)
+                with (
+                    fd_closing(open_dir(self._ref.path)) as root,
+                    fd_closing(walk_dirs(root, parts[:-1], create=True, owner=core.owner)) as parent,
+                ):
+                    try:
+                        os.link(self._staged, parts[-1], dst_dir_fd=parent, follow_symlinks=False)
+                    except FileExistsError:
+                        raise FileExists(
+                            f"/mnt/data/{self.path} exists already (it was made after the upload link "
+                            "was); the upload was not saved, so nothing was replaced"
+                        ) from None
+                    except OSError as error:
+                        if error.errno == errno.EXDEV:
+                            raise StorageError(
+                                "the chats' folders are on another filesystem than the storage root, so "
+                                "an upload cannot be moved into place; an admin must keep them on one"
+                            ) from error
+                        raise
+                    st = lstat_at(parent, parts[-1])
+                    if st is None or not stat.S_ISREG(st.st_mode):
+                        raise InvalidPath(f"/mnt/data/{self.path} changed while it was saved")
+                    return st
+
+            st = await asyncio.to_thread(place)
+            try:
+                await self._index(self.path, st)
+            except BaseException:
+                await asyncio.shield(asyncio.to_thread(self._unplace))
+                raise
+            return self.path
+        finally:
+            await asyncio.shield(asyncio.to_thread(self._unstage, fd))
+
+    async def discard(self) -> None:
+        """Drop what was received (a refusal, a sender that went away)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            await asyncio.shield(asyncio.to_thread(self._unstage, fd))
+
+    # ---- internals -------------------------------------------------------------------------------------
+
+    async def _read_room(self) -> None:
+        core, ref = self._core, self._ref
+        usage = await core.read(lambda tx: user_usage(tx, ref.user_key))
+        policy = self._policy
+        # The file is not indexed yet: it will add one file and `received` bytes to these totals.
+        full = policy.over_quota(Usage(usage.files + 1, usage.bytes))
+        if full is not None:
+            raise QuotaExceeded(f"Nothing can be uploaded now: you are {full}. {_WAY_OUT}")
+        limits = [x for x in (policy.max_file_bytes, policy.room(usage)) if x is not None]
+        self._bound = min(limits) if limits else None
+        self._checked_at = self.received
+
+    def _refuse_beyond_bound(self) -> None:
+        if self._bound is None or self.received <= self._bound:
+            return
+        policy = self._policy
+        too_large = policy.file_too_large(self.received)
+        if too_large is not None:
+            raise QuotaExceeded(
+                f"The upload was stopped at {human_bytes(self.received)}: the file is {too_large}. "
+                "Nothing was saved."
+            )
+        raise QuotaExceeded(
+            f"The upload was stopped at {human_bytes(self.received)}: your storage limit across your chats "
+            f"leaves room for {human_bytes(self._bound)}. Nothing was saved. {_WAY_OUT}"
+        )
+
+    def _unstage(self, fd: int) -> None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(self._staged)
+
+    def _unplace(self) -> None:
+        with (
+            contextlib.suppress(OSError),
+            fd_closing(open_dir(self._ref.path)) as root,
+            fd_closing(walk_dirs(root, self._parts[:-1])) as parent,
+        ):
+            os.unlink(self._parts[-1], dir_fd=parent)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _remove_stale(folder: os.PathLike[str] | str) -> None:
+    """Staged files of uploads that were never finished (their worker died) go after a day."""
+    cutoff = time.time() - STALE_S
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                    os.unlink(entry.path)
+''',
     'storage/_index.py': r'''"""Every SQL statement of the store, as functions over a transaction (`_backend.Tx`); those of
 published links are in _index_links.py.
 
@@ -2108,6 +3064,24 @@ async def record_import(tx: Tx, session_id: int, source: str, path: str, now: fl
         " ON CONFLICT DO NOTHING",
         (session_id, source, path, now),
     )
+
+
+async def import_rows(tx: Tx, user_key: str, chat_key: str) -> list[tuple[str, str]]:
+    """Every (source, path) the chat has imported (path "" for a refusal), for its history."""
+    rows = await tx.all(
+        "SELECT i.source, i.path FROM imports i JOIN sessions s ON s.id = i.session_id "
+        "WHERE s.user_key = ? AND s.chat_key = ? ORDER BY i.source",
+        (user_key, chat_key),
+    )
+    return [(str(source), str(path)) for source, path in rows]
+
+
+async def replace_imports(tx: Tx, session_id: int, rows: Sequence[tuple[str, str]], now: float) -> None:
+    """The chat's imports become `rows` (a restored state's: an attachment its files lack is taken
+    again at the next message)."""
+    await tx.run("DELETE FROM imports WHERE session_id = ?", (session_id,))
+    for source, path in rows:
+        await record_import(tx, session_id, source, path, now)
 
 
 # ---------------------------------------------------------------------------- activity and meta
@@ -6099,6 +7073,125 @@ class IndexDamaged(StorageError):
     """The index file is damaged (truncated, overwritten). The store moves it aside and rebuilds it
     from the session folders; callers see this only if that recovery itself failed."""
 ''',
+    'storage/history.py': r'''"""A chat's history by message, as callers see it (`session.history`): save the folder's state at the
+end of an answer, and put an earlier answer's state back when the conversation branches from it.
+
+Every call is made holding the chat's lock (`session.lock()`); the file work runs in a thread
+(storage/_history.py has the layout and the rules). States live in the chat's saved-state folder,
+outside /mnt/data, and go with the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import _index
+from ._backend import Tx
+from ._core import ChatRef, Core
+from ._history import History, HistoryError, Restored, Saved
+
+__all__ = ["HISTORY_DIR", "ChatHistory", "HistoryError", "HistoryHead", "Restored", "Saved"]
+
+HISTORY_DIR = "history"
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryHead:
+    """Which message's state the folder holds ("" when no state was ever recorded), and whether it may
+    have changed since that state was saved."""
+
+    message_id: str
+    dirty: bool
+    restoring: bool
+
+
+class ChatHistory:
+    """The states of one chat's folder, by message. See the module's docstring."""
+
+    def __init__(self, core: Core, ref: ChatRef) -> None:
+        self._core = core
+        self._ref = ref
+
+    @property
+    def folder(self) -> Path:
+        return self._core.layout.saved_state(self._ref.user_key, self._ref.chat_key) / HISTORY_DIR
+
+    def _files(self) -> History:
+        return History(self.folder, self._ref.path, self._core.owner)
+
+    async def head(self) -> HistoryHead:
+        head = await asyncio.to_thread(self._files().read_head)
+        return HistoryHead(head.message_id, head.dirty, head.restoring)
+
+    async def claim(self, message_id: str) -> None:
+        """The folder is about to change for `message_id`'s answer (a run, an upload)."""
+        await asyncio.to_thread(self._files().claim, message_id)
+
+    async def has(self, message_id: str) -> bool:
+        return await asyncio.to_thread(self._files().has_state, message_id)
+
+    async def save(
+        self, message_id: str, *, keep_states: int, keep_kernels: int, room_bytes: int | None
+    ) -> Saved:
+        """Record the folder (and the chat's imports) as `message_id`'s state; older states beyond
+        `keep_states`, kernels beyond `keep_kernels`, and the oldest while the history takes more than
+        `room_bytes` go. HistoryError (with why) when it cannot be kept; OSError for the disk's own."""
+        ref = self._ref
+        imports = await self._core.read(lambda tx: _index.import_rows(tx, ref.user_key, ref.chat_key))
+        files = self._files()
+        return await asyncio.to_thread(
+            files.save,
+            message_id,
+            imports,
+            keep_states=keep_states,
+            keep_kernels=keep_kernels,
+            room_bytes=room_bytes,
+        )
+
+    async def restore(self, message_id: str) -> Restored:
+        """Put `message_id`'s state back into the folder, and the chat's imports as they were then.
+        HistoryError (with why) when it is no longer kept or is damaged; the folder is then as it was.
+        The caller brings the index in line (`session.reconcile()`)."""
+        files = self._files()
+        state = await asyncio.to_thread(files.begin_restore, message_id)
+        restored = await asyncio.to_thread(files.restore, message_id, state)
+        await self._set_imports(files.imports_of(state))
+        return restored
+
+    async def restore_empty(self, message_id: str) -> Restored:
+        """The folder as a new chat has it (empty), recorded as `message_id`'s."""
+        restored = await asyncio.to_thread(self._files().restore_empty, message_id)
+        await self._set_imports([])
+        return restored
+
+    async def _set_imports(self, rows: list[tuple[str, str]]) -> None:
+        core, ref = self._core, self._ref
+        now = time.time()
+
+        async def write(tx: Tx) -> None:
+            sid = await core.session_id(tx, ref, now)
+            await _index.replace_imports(tx, sid, rows, now)
+
+        await core.write(write)
+
+    def kernel_dir(self, message_id: str) -> Path:
+        """Where the Python state of `message_id`'s state goes (blocking: makes the folder)."""
+        return self._files().kernel_dir(message_id)
+
+    async def kernel_of(self, message_id: str) -> Path | None:
+        """The folder holding the Python state saved with `message_id`'s state, if there is one."""
+        return await asyncio.to_thread(self._files().kernel_of, message_id)
+
+    async def drop_kernel(self, message_id: str) -> None:
+        await asyncio.to_thread(self._files().drop_kernel, message_id)
+
+    async def bytes_on_disk(self) -> int:
+        return await asyncio.to_thread(self._files().bytes_on_disk)
+
+''',
     'storage/models.py': r'''"""Value types of the public API: settings in, reports out.
 
 All are frozen dataclasses (positional or keyword construction, cheap enough to build by the
@@ -6946,9 +8039,12 @@ from ._fsops import (
     walk_dirs,
     write_unique,
 )
+from ._incoming import Incoming
 from ._names import attachment_name, numbered, split_path
-from .errors import DiskFull, FileMissing, InvalidPath
+from .errors import DiskFull, FileExists, FileMissing, InvalidPath
+from .history import ChatHistory
 from .models import FileEntry, Link, LinkInfo, Reconcile, ReconcileReport, RunBudget, Usage
+from .policy import Policy
 
 __all__ = ["ChatFiles", "Session"]
 
@@ -6966,6 +8062,7 @@ class Session:
         self._core = core
         self._ref = ref
         self.files = ChatFiles(core, ref)
+        self.history = ChatHistory(core, ref)
         # An earlier run was never indexed (its mark, or runs on a full disk): list the folder whole.
         self._unindexed_run = unindexed
         self._generation = core.generation  # the index this session's lock was taken with
@@ -7213,6 +8310,25 @@ class ChatFiles:
             raise
         return used
 
+    async def incoming(self, path: str, *, policy: Policy | None = None) -> Incoming:
+        """Start receiving a file in pieces for `path` (an upload link's): staged outside the folder,
+        checked against the per-file limit and the quota as it arrives, put in place whole by
+        `Incoming.finish` (under the session's lock), never over an existing file. Raises
+        InvalidPath, FileExists or QuotaExceeded (with the sentence) before anything is written.
+        `policy`: the limits to apply (the store's, the latest message's, by default)."""
+        parts = split_path(path)
+        if await self.exists(path):
+            raise FileExists(f"/mnt/data/{'/'.join(parts)} exists already; an upload never replaces a file")
+
+        rules = policy or self._core.policy
+
+        async def index(rel: str, st: os.stat_result) -> None:
+            await self._index_new(rel, st, source=None, recheck=True, policy=rules)
+
+        incoming = Incoming(self._core, self._ref, parts, index, rules)
+        await incoming.open()
+        return incoming
+
     async def refuse_import(self, source: str) -> None:
         """Remember that this source could not be taken (too large, over quota, unreadable), so that
         it is not tried, and its refusal not said, again."""
@@ -7329,14 +8445,16 @@ class ChatFiles:
         usage, old = await self._core.read(read)
         self._core.policy.refuse_write(usage, size, replacing=old)
 
-    async def _index_new(self, rel: str, st: os.stat_result, *, source: str | None, recheck: bool) -> None:
+    async def _index_new(
+        self, rel: str, st: os.stat_result, *, source: str | None, recheck: bool, policy: Policy | None = None
+    ) -> None:
         core, ref = self._core, self._ref
         now = time.time()
 
         async def write(tx: Tx) -> None:
             if recheck:
                 await tx.serialise_user(ref.user_key)
-                core.policy.refuse_write(
+                (policy or core.policy).refuse_write(
                     await _index.user_usage(tx, ref.user_key), st.st_size, replacing=None
                 )
             sid = await core.session_id(tx, ref, now)
@@ -7764,6 +8882,176 @@ def _backend_for(root: Path, database_url: str | None, busy_timeout_s: float) ->
     # our embedded index:
     # the store never writes into another application's SQLite file.
     return SQLiteBackend(root / "index.sqlite3", root / "state", busy_total_s=busy_timeout_s)
+''',
+    'storage/upload_links.py': r'''"""Upload links: one chat, one path, one use, a few minutes.
+
+A link is a random token (256 bits, in the URL); what it grants is a record named by the token's
+SHA-256 in a folder only root can read, so neither a listing of that folder nor the record itself
+reveals a usable token. Using a link renames its record to a `.used` tombstone first (a rename is
+atomic: of two requests at once, one wins), so a second use is refused with a sentence that says
+why, as is an expired one. Records and tombstones are removed two days after they were made.
+
+The folder is the caller's to choose: it must be the same for every worker and replica that may
+receive the POST (see webui/uploads.py), which is why a record also carries `where`, the caller's own
+note of where the chat's files are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import re
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ._format import human_duration
+from ._fsops import write_private
+from ._names import split_path
+from .errors import StorageError
+
+__all__ = ["LinkRefused", "UploadGrant", "UploadLinks"]
+
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{43}")
+_KEEP_S = 2 * 24 * 3600.0  # records and tombstones are removed this long after they were made
+_VERSION = 1
+_ASK_AGAIN = "Ask in the chat for a new upload link."
+
+
+class LinkRefused(StorageError):
+    """The upload link cannot be used; the message says why, and what to do. `kind`: "unknown", "used"
+    or "expired"."""
+
+    def __init__(self, message: str, kind: str = "unknown") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True, slots=True)
+class UploadGrant:
+    user_id: str
+    chat_id: str
+    path: str  # relative to /mnt/data
+    made_at: float
+    expires_at: float
+    where: dict[str, Any] = field(default_factory=dict)  # the maker's note of where the chat's files are
+
+
+class UploadLinks:
+    def __init__(self, folder: Path, *, clock: Callable[[], float] = time.time) -> None:
+        self.folder = folder
+        self._clock = clock
+
+    async def mint(
+        self, user_id: str, chat_id: str, path: str, *, ttl_s: float, where: dict[str, Any] | None = None
+    ) -> tuple[str, UploadGrant]:
+        """A new link for `path` in the chat: its token (for the URL) and what it grants."""
+        rel = "/".join(split_path(path))
+        now = self._clock()
+        grant = UploadGrant(user_id, chat_id, rel, now, now + ttl_s, dict(where or {}))
+        token = secrets.token_urlsafe(32)
+        record = {"version": _VERSION, **_as_dict(grant)}
+
+        def work() -> None:
+            self._make_folder()
+            self._remove_old(now)
+            write_private(self._record(token), json.dumps(record).encode())
+
+        await asyncio.to_thread(work)
+        return token, grant
+
+    async def peek(self, token: str) -> UploadGrant:
+        """What the link grants, without using it. Raises LinkRefused (unknown, used, expired)."""
+        return await asyncio.to_thread(self._check, token, False)
+
+    async def claim(self, token: str) -> UploadGrant:
+        """Use the link: from now on it is refused as used. Raises LinkRefused (unknown, used, expired)."""
+        return await asyncio.to_thread(self._check, token, True)
+
+    # ---- internals -------------------------------------------------------------------------------------
+
+    def _check(self, token: str, claim: bool) -> UploadGrant:
+        if not isinstance(token, str) or not _TOKEN.fullmatch(token):
+            raise LinkRefused(f"This upload link is not valid (it is incomplete or mistyped). {_ASK_AGAIN}")
+        record = self._record(token)
+        used = record.with_suffix(".used")
+        grant = _read(record)
+        if grant is None:
+            if used.exists():
+                raise LinkRefused(
+                    f"This upload link was used already: a link takes one file. {_ASK_AGAIN}", "used"
+                )
+            raise LinkRefused(
+                f"This upload link is not valid (unknown, or older than two days). {_ASK_AGAIN}"
+            )
+        late = self._clock() - grant.expires_at
+        if late > 0:
+            minutes = human_duration(round(grant.expires_at - grant.made_at))
+            raise LinkRefused(
+                f"This upload link expired {human_duration(max(1, round(late)))} ago (links last {minutes}). "
+                f"{_ASK_AGAIN}",
+                "expired",
+            )
+        if claim:
+            try:
+                os.rename(record, used)
+            except FileNotFoundError:  # another request used it a moment ago
+                raise LinkRefused(
+                    f"This upload link was used already: a link takes one file. {_ASK_AGAIN}", "used"
+                ) from None
+        return grant
+
+    def _record(self, token: str) -> Path:
+        return self.folder / (hashlib.sha256(token.encode()).hexdigest()[:40] + ".json")
+
+    def _make_folder(self) -> None:
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.folder, 0o700)
+
+    def _remove_old(self, now: float) -> None:
+        with contextlib.suppress(OSError), os.scandir(self.folder) as entries:
+            for entry in entries:
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_mtime < now - _KEEP_S:
+                        os.unlink(entry.path)
+
+
+def _as_dict(grant: UploadGrant) -> dict[str, Any]:
+    return {
+        "user_id": grant.user_id,
+        "chat_id": grant.chat_id,
+        "path": grant.path,
+        "made_at": grant.made_at,
+        "expires_at": grant.expires_at,
+        "where": grant.where,
+    }
+
+
+def _read(path: Path) -> UploadGrant | None:
+    try:
+        with open(path, "rb") as handle:
+            data = json.loads(handle.read(1 << 16))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("version") != _VERSION:
+        return None
+    try:
+        return UploadGrant(
+            str(data["user_id"]),
+            str(data["chat_id"]),
+            str(data["path"]),
+            float(data["made_at"]),
+            float(data["expires_at"]),
+            dict(data.get("where") or {}),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
 ''',
     'runner/__init__.py': r'''"""runner: run one piece of untrusted Python or bash in a fresh gVisor (runsc) sandbox.
 
@@ -9345,6 +10633,35 @@ def seal(staging: Path, state_dir: Path, identity: dict[str, Any], ready: dict[s
     return SavedImage(final, token, identity, ready, sum(size for size, _ in files.values()), files)
 
 
+def copy_image(source: Path, state_dir: Path) -> str:
+    """Put the saved image of the state folder `source` in `state_dir` too (replacing the one there),
+    sharing its files (hard links: images are written once and never changed in place), and return
+    its id. ImageRefused when `source` holds no readable image."""
+    folder = image_dir(source)
+    try:
+        with open(folder / META, "rb") as fh:
+            meta = json.loads(fh.read(_MAX_META))
+        token = meta["id"]
+        names = [entry.name for entry in os.scandir(folder) if entry.is_file(follow_symlinks=False)]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ImageRefused(f"its saved image cannot be read: {error}") from error
+    if not isinstance(token, str) or len(names) > _MAX_FILES + 1:
+        raise ImageRefused("its saved image has an unknown format")
+    staging = new_staging(state_dir)
+    try:
+        for name in names:
+            try:
+                os.link(folder / name, staging / name)
+            except OSError:  # another file system
+                shutil.copyfile(folder / name, staging / name)
+        discard(state_dir, staging=False)
+        os.rename(staging, image_dir(state_dir))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return token
+
+
 def saved_bytes_beside(state_dir: Path) -> int:
     """The recorded bytes of the saved images in `state_dir` and the state folders beside it (one
     owner's), read from their records; a folder without a readable record counts nothing."""
@@ -9636,29 +10953,34 @@ class Kernel(_Watchers):
             await self.close("its saved image was refused")
             raise failures[0]
 
-    async def checkpoint(self, into: Path, flags: list[str]) -> None:
+    async def checkpoint(self, into: Path, flags: list[str], *, leave_running: bool = False) -> None:
         """Write the kernel's image into the empty folder `into` (`runsc checkpoint`); the sandbox
-        exits once it is written. Waits for a run in progress. Raises NotSaved (why) when runsc
-        cannot; the kernel is then stopped all the same (a half-checkpointed sandbox is not trusted)."""
+        exits once it is written, unless `leave_running` (a copy of the state: the kernel goes on).
+        Waits for a run in progress. Raises NotSaved (why) when runsc cannot; a kernel that was to
+        exit is then stopped all the same (a half-checkpointed sandbox is not trusted), and one left
+        running goes on (if runsc left it unusable, its next run says so)."""
         async with self._busy:
             if not self.alive:
                 raise NotSaved(self.lost or self._why_gone())
+            argv = self.checkpoint_argv(into, [*flags, "--leave-running"] if leave_running else flags)
             try:
-                code, out = await run_quick(self.checkpoint_argv(into, flags), CHECKPOINT_MAX_S)
+                code, out = await run_quick(argv, CHECKPOINT_MAX_S)
             except TimeoutError:
                 await self.close("its image was not written in time")
                 raise NotSaved(f"runsc did not write the image within {CHECKPOINT_MAX_S:g} s") from None
             except OSError as error:
                 raise NotSaved(f"runsc could not be started: {error}") from None
             if code != 0:
-                await self.close("runsc could not save it")
+                if not leave_running:
+                    await self.close("runsc could not save it")
                 errors = await asyncio.to_thread(read_runsc_errors, self.sandbox.bundle / "runsc.log")
                 last = out.strip().splitlines()[-1:]
                 detail = " | ".join(errors) or (last[0] if last else f"runsc exited with {code}")
                 if "no space left on device" in detail.lower():  # runsc's words name its container
                     raise NotSaved("its image could not be written: the disk is full")
                 raise NotSaved(_short_error(detail))
-            self.lost = "it was saved to disk"
+            if not leave_running:
+                self.lost = "it was saved to disk"
 
     def checkpoint_argv(self, into: Path, flags: list[str]) -> list[str]:
         return [*self.sandbox.runsc_base, "checkpoint", *flags, f"--image-path={into}", self.cid]
@@ -11829,6 +13151,9 @@ class _Peers:
         async def _end(self, key: str, kernel: Kernel, reason: str, *, save: bool = False) -> None: ...
         def _misfit(self, kernel: Kernel, workdir: Path, limits: Limits) -> str | None: ...
         async def _note_use(self, key: str, kernel: Kernel) -> None: ...
+        async def _snapshot_here(
+            self, key: str, kernel: Kernel, into: Path, max_bytes: int | None
+        ) -> tuple[str, str]: ...
 
     async def _take_over(self, entry: Entry) -> None:
         """The chat's kernel runs on another host (its runs reach that host's replica no longer): ask
@@ -11892,6 +13217,12 @@ class _Peers:
                 await self._end(
                     key, kernel, str(request.get("reason", "stopped")), save=request.get("save") is True
                 )
+                return
+            if request.get("op") == "snapshot":  # a copy of the state for the chat's branches
+                bound = request.get("max_bytes")
+                limit = bound if isinstance(bound, int) else None
+                image, why = await self._snapshot_here(key, kernel, Path(str(request.get("into"))), limit)
+                await _relay.send(writer, {"image": image, "why": why})
                 return
             limits = Limits.model_validate(request["limits"])
             misfit = self._misfit(kernel, Path(str(request.get("workdir", ""))), limits)
@@ -12089,6 +13420,165 @@ def _minutes(seconds: float) -> str:
     minutes = seconds / 60
     return f"{minutes:g} minutes" if minutes != 1 else "1 minute"
 ''',
+    'runner/_pool_snapshots.py': r'''"""Copies of a chat's Python state for its conversation's branches (a part of KernelPool, apart for
+reading): `snapshot` writes a copy of the live kernel's state into a folder the caller names, while
+the kernel goes on (`runsc checkpoint --leave-running`); `rewind` ends the chat's kernel and leaves
+one such copy as its saved state, so the next run resumes it, as it would resume a sleeping kernel."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from . import _hibernate, _relay
+from ._hibernate import ImageRefused
+from ._kernel import NotSaved
+from ._procs import rss_bytes
+from ._registry import HOST, Entry, Registry, owned_here
+from ._relay import OwnerSilent
+from ._supervise import human_bytes
+from .models import KernelSettings, Limits
+
+if TYPE_CHECKING:
+    from ._kernel import Kernel
+    from .runner import Runner
+
+log = logging.getLogger("code_sessions.runner")
+
+_SNAPSHOT_REPLY_S = 90.0  # another worker's copy of a big kernel (the checkpoint's own bound, and more)
+_STOPPED_WAIT_S = 10.0
+# What a kernel's host processes hold beyond what its image keeps (runsc, the gofer, the sentry's own).
+_SANDBOX_OVERHEAD = 128 * 2**20  # how long a rewind waits for another worker to record its kernel's end
+
+
+class _Snapshots:
+    """snapshot() and rewind(), for KernelPool."""
+
+    runner: Runner
+    settings: KernelSettings
+    _registry: Registry
+    _mine: dict[str, Kernel]
+    _owner: str
+
+    if TYPE_CHECKING:
+
+        async def _settled(self, key: str) -> None: ...
+        async def _image_identity(self, limits: Limits) -> dict[str, object]: ...
+        async def stop(
+            self, key: str, reason: str, *, forget: bool = False, state_dir: Path | None = None
+        ) -> None: ...
+
+    async def snapshot(
+        self, key: str, into: Path, *, state_dir: Path | None = None, max_bytes: int | None = None
+    ) -> tuple[str, str]:
+        """Copy the key's Python state into the folder `into` (its image at `into`/kernel), the
+        kernel running on: (image id, "") or ("", why there is none). The kernel may run in this
+        process, in another worker of this host, or sleep in `state_dir` (its saved image is the
+        state: it is shared, not written again). `max_bytes`: a copy larger than this is not kept."""
+        await self._settled(key)
+        kernel = self._mine.get(key)
+        if kernel is not None and kernel.alive:
+            return await self._snapshot_here(key, kernel, into, max_bytes)
+        entry = await asyncio.to_thread(self._registry.get, key)
+        if entry is None:
+            return "", "this chat has no Python state"
+        if entry.running and owned_here(entry) and entry.owner != self._owner:
+            try:
+                reply = await _relay.ask(
+                    entry, {"op": "snapshot", "into": str(into), "max_bytes": max_bytes}, _SNAPSHOT_REPLY_S
+                )
+            except OwnerSilent as silent:
+                return "", str(silent)
+            if reply is None:
+                return "", "its kernel ended meanwhile"
+            return str(reply.get("image", "")), str(reply.get("why", ""))
+        if not entry.running and entry.image and state_dir is not None:
+            try:
+                return await asyncio.to_thread(_hibernate.copy_image, state_dir, into), ""
+            except (ImageRefused, OSError) as error:
+                return "", f"its saved image could not be shared: {error}"
+        return "", "its kernel is not running on this server"
+
+    async def _snapshot_here(
+        self, key: str, kernel: Kernel, into: Path, max_bytes: int | None
+    ) -> tuple[str, str]:
+        limit = self.settings.max_image_bytes
+        if limit == 0:
+            return "", "saving Python states is turned off"
+        if max_bytes is not None:
+            limit = max_bytes if limit is None else min(limit, max_bytes)
+        if limit is not None:  # a copy clearly too big is not written only to be thrown away
+            rss = await asyncio.to_thread(rss_bytes, kernel.host_pids())
+            if rss - _SANDBOX_OVERHEAD > limit:
+                return "", f"its memory of {rss / 2**20:.0f} MiB is over the {human_bytes(limit)} it may take"
+        t0 = time.monotonic()
+        staging: Path | None = None
+        try:
+            staging = await asyncio.to_thread(_hibernate.new_staging, into)
+            await kernel.checkpoint(staging, self.runner.checkpoint_flags(), leave_running=True)
+            identity = await self._image_identity(kernel.limits)
+            image = await asyncio.to_thread(
+                _hibernate.seal, staging, into, identity, kernel.ready_fields()
+            )
+            staging = None
+        except (NotSaved, ImageRefused, OSError) as error:
+            log.warning("kernel %s of %s: no copy of its state: %s", kernel.cid, key, error)
+            return "", str(error)[:300]
+        finally:
+            if staging is not None:
+                await asyncio.to_thread(_hibernate.discard, into)
+        if limit is not None and image.size > limit:
+            await asyncio.to_thread(_hibernate.discard, into)
+            size = f"{image.size / 2**20:.0f} MiB"
+            return "", f"its image of {size} is over the {human_bytes(limit)} it may take"
+        log.info(
+            "kernel %s of %s: state copied in %.2f s (%.1f MiB)",
+            kernel.cid,
+            key,
+            time.monotonic() - t0,
+            image.size / 2**20,
+        )
+        return image.id, ""
+
+    async def rewind(self, key: str, state_dir: Path, image: Path | None, reason: str) -> None:
+        """The chat goes on from another point of its conversation: its kernel (wherever on this
+        host) ends without being saved. With `image` (a folder `snapshot` wrote), that state becomes
+        the chat's saved one, and the next run resumes it with nothing said; without, the next run
+        starts anew and says `reason`."""
+        await self.stop(key, reason, state_dir=state_dir)
+        deadline = time.monotonic() + _STOPPED_WAIT_S
+        entry = await asyncio.to_thread(self._registry.get, key)
+        while entry is not None and entry.running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # another worker is ending it: it records the end itself
+            entry = await asyncio.to_thread(self._registry.get, key)
+        if image is None:
+            if entry is None:
+                await asyncio.to_thread(self._registry.save, _ended_entry(key, reason))
+            return
+        try:
+            image_id = await asyncio.to_thread(_hibernate.copy_image, image, state_dir)
+        except (ImageRefused, OSError) as error:
+            log.warning("kernel of %s: the branch's state could not be set: %s", key, error)
+            why = f"the Python state of that message could not be restored: {error}"[:300]
+            await asyncio.to_thread(self._registry.save, _ended_entry(key, why, entry))
+            return
+        fresh = _ended_entry(key, "", entry)
+        fresh.image = image_id
+        await asyncio.to_thread(self._registry.save, fresh)
+
+
+def _ended_entry(key: str, reason: str, entry: Entry | None = None) -> Entry:
+    """The key's registry entry for a kernel that is not running, saying `reason` at its next run."""
+    now = time.time()
+    if entry is None:
+        entry = Entry(key, "", HOST, "", "", "", now, now, False)
+    entry.running, entry.reason, entry.image, entry.unsaved, entry.saving = False, reason, "", False, False
+    entry.stop_requested = ""
+    return entry
+''',
     'runner/_procs.py': r'''"""Host processes of a sandbox: finding them without cgroups, and killing them."""
 
 from __future__ import annotations
@@ -12134,6 +13624,21 @@ def sigkill(pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
+
+
+def rss_bytes(pids: list[int]) -> int:
+    """The summed resident memory of these processes (gone ones count 0)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+                for line in fh:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
 ''',
     'runner/_registry.py': r'''"""The kernel registry: one small file per key (`<registry_dir>/<digest>.json`, kept across restarts)
 saying where the key's kernel lives (host, process and its start time, socket), when it was last used,
@@ -14184,6 +15689,7 @@ from ._kernel import KERNEL_SOURCE, Kernel, KernelLost, lifetime_limits
 from ._orphans import owner_stamp
 from ._pool_peers import _Peers
 from ._pool_room import _Room
+from ._pool_snapshots import _Snapshots
 from ._registry import HOST, Entry, Registry, digest, owned_here
 from ._relay import OwnerSilent
 from ._warm import WarmStart, wants_template
@@ -14208,10 +15714,11 @@ def unsaved_sentence(reason: str) -> str:
     return f"The Python state could not be kept ({reason}); files in /mnt/data are kept."
 
 
-class KernelPool(_Room, _Peers):
+class KernelPool(_Room, _Peers, _Snapshots):
     """The kernels of this process, and the way to every other kernel of a chat. Its parts beside this
-    file: _pool_room (places, eviction, the reaper) and _pool_peers (other workers and hosts) are parts
-    of this class; _registry, _relay and _saving are what it uses."""
+    file: _pool_room (places, eviction, the reaper), _pool_peers (other workers and hosts) and
+    _pool_snapshots (copies of a state for the conversation's branches) are parts of this class;
+    _registry, _relay and _saving are what it uses."""
 
     def __init__(
         self,
@@ -15194,10 +16701,13 @@ class Runner:
     'engine/__init__.py': r'''"""A chat step without Open WebUI: sandbox runs over a persistent session, links, the conversation loop."""
 
 from .blocks import CodeBlock, runnable_blocks
+from .branches import Turn
 from .host import Host, PurgeValve
+from .inbound import SAVE_COMMAND, Inbound, KnowledgeHost, NewLink, StoreFor, chat_path, save_command
 from .links import References, Target, find_paths, rewrite
 from .loop import (
     RUN_CODE_TOOL,
+    ExtraTool,
     LoopOptions,
     ModelCall,
     StatusCall,
@@ -15212,7 +16722,7 @@ from .prepare import import_uploads, last_user_text, messages_with_prompt
 from .prompt import PromptFacts, system_prompt
 from .purge import parse_purge
 from .service import ChatSession, Engine, StepResult
-from .settings import DEFAULTS, Settings
+from .settings import DEFAULTS, BranchSettings, Settings
 from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
 from .streaming import StreamingRewriter
 
@@ -15220,24 +16730,33 @@ __all__ = [
     "DEFAULTS",
     "MINUTE_S",
     "RUN_CODE_TOOL",
+    "SAVE_COMMAND",
+    "BranchSettings",
     "ChatSession",
     "CodeBlock",
     "Engine",
+    "ExtraTool",
     "Host",
+    "Inbound",
+    "KnowledgeHost",
     "LoopOptions",
     "Maintenance",
     "ModelCall",
     "ModelError",
+    "NewLink",
     "PromptFacts",
     "PurgeValve",
     "References",
     "Settings",
     "StatusCall",
     "StepResult",
+    "StoreFor",
     "StreamingRewriter",
     "Target",
     "TextDelta",
     "ToolCall",
+    "Turn",
+    "chat_path",
     "code_span",
     "converse",
     "escape_text",
@@ -15253,6 +16772,7 @@ __all__ = [
     "rewrite",
     "run_step",
     "runnable_blocks",
+    "save_command",
     "system_prompt",
     "waiting_status",
 ]
@@ -15427,6 +16947,286 @@ def runnable_blocks(text: str) -> list[CodeBlock]:
             blocks.append(CodeBlock(language, code + "\n"))
     return blocks
 ''',
+    'engine/branches.py': r'''"""Workspaces that follow the conversation: each answer continues from the files and Python state of
+the message it continues from, also after a regenerate, an edit, or a switch to another branch.
+
+A chat is a tree of messages. At the end of an answer that changed the folder, its state is saved
+(`end_turn`: the folder's files, storage's `session.history`, and a copy of the live kernel, runner's
+`KernelPool.snapshot`). Before an answer first changes anything (`ensure`, under the chat's lock, before
+each run and each upload), the folder and kernel are checked against the message it continues from:
+
+* continuing the newest answer (the tip) costs nothing;
+* another branch: the folder and kernel are put back to that message's state, and the answer says so;
+* a message whose state is no longer kept: the answer continues from the latest state, and says so.
+
+The message the answer continues from is the nearest message above it in the chat's tree that has a
+state (messages that ran nothing have none: theirs is their parent's). An answer interrupted by another
+branch's step (two tabs on one chat) gets its own half-done state back the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from _code_sessions_5a477a159301.runner import KernelPool
+from _code_sessions_5a477a159301.storage import HistoryError, Session, StorageError
+
+from .settings import Settings
+
+__all__ = ["RESTORED", "Branches", "Lineage", "Turn"]
+
+log = logging.getLogger("code_sessions.engine")
+
+RESTORED = "Restored the files and Python state of the message you are continuing from."
+RESTORED_FILES = (
+    "Restored the files of the message you are continuing from; its Python state is no longer kept."
+)
+RESTORED_FILES_ONLY = "Restored the files of the message you are continuing from."
+NOT_KEPT = (
+    "The files and Python state of the message you are continuing from are no longer kept ({why}); this "
+    "answer continues from the chat's latest files and state."
+)
+_FRESH_PYTHON = "the message you are continuing from kept its files but not its Python state"
+# What `_continues_from` says of a branch whose states above are all gone (a lineage read whole).
+_GONE = "\0gone"
+_REMEMBERED = 1000  # answers whose branch sentences wait for their first run, at most
+_START = "the start of the conversation"
+
+
+Lineage = Callable[[], Awaitable[tuple[Sequence[str], bool]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """Where an answer is in the conversation: its own message's id; the message its user message
+    continues (when the request said); and `lineage`, which asks the host for the ids above it,
+    nearest first (its user message, the answer that one continues, and so on up), with whether
+    they reach the conversation's start: asked only when the answer does not continue the newest."""
+
+    message_id: str
+    lineage: Lineage
+    continues: str | None = None
+
+
+class _Services(Protocol):
+    """What following the branches needs of the services (engine/service.py Engine)."""
+
+    kernels: KernelPool | None
+    lock_timeout_s: float
+
+
+class _Chat(Protocol):
+    """What following the branches needs of a chat (engine/service.py ChatSession)."""
+
+    session: Session
+    settings: Settings
+    turn: Turn | None
+    follows: str | None  # the message whose state this answer was found to continue from
+
+    @property
+    def kernel_key(self) -> str: ...
+
+
+class Branches:
+    """The branch-following of one set of services (Engine.branches)."""
+
+    def __init__(self, services: _Services) -> None:
+        self._services = services
+        self._ending: set[asyncio.Task[None]] = set()
+        # What following an answer's branch said, until the answer's first run tells the model: the
+        # Filter's inlet restores, the Tool's run (another ChatSession of the same answer) says it.
+        self._said: dict[tuple[str, str, str], list[str]] = {}
+
+    def take_said(self, chat: _Chat) -> list[str]:
+        """What following this answer's branch said and no run has told the model yet; then forgotten."""
+        if chat.turn is None:
+            return []
+        return self._said.pop((chat.session.user_key, chat.session.chat_key, chat.turn.message_id), [])
+
+    def _remember(self, chat: _Chat, said: list[str]) -> list[str]:
+        if said and chat.turn is not None:
+            if len(self._said) >= _REMEMBERED:
+                self._said.pop(next(iter(self._said)))  # the oldest: its answer never ran code here
+            self._said[(chat.session.user_key, chat.session.chat_key, chat.turn.message_id)] = said
+        return said
+
+    async def ensure(self, chat: _Chat, *, changing: bool) -> list[str]:
+        """Under the chat's lock: put the folder and kernel at the state the answer continues from;
+        `changing`: the answer is about to change them (a run, an upload), so the folder becomes its.
+        Returns what to say (nothing when it continues the newest answer)."""
+        turn, settings = chat.turn, chat.settings.branches
+        if turn is None or settings.states == 0:
+            return []
+        history = chat.session.history
+        head = await history.head()
+        if head.message_id == turn.message_id and not head.restoring:
+            return []  # this answer's own state: a later run of it
+        if chat.follows == head.message_id and not (head.dirty or head.restoring):
+            if changing:  # the state this answer was found to continue from, still in place
+                await history.claim(turn.message_id)
+            return []
+        target = await self._continues_from(chat, turn, head.message_id)
+        if head.restoring and target in (None, _GONE):
+            target = head.message_id  # a restore that did not finish (a crash): finished now
+        if target in (None, _GONE) and not head.restoring:  # unknown, or gone: it goes on as it is
+            chat.follows = head.message_id
+            if changing:
+                await history.claim(turn.message_id)
+            gone = target == _GONE and head.message_id
+            return self._remember(
+                chat, [NOT_KEPT.format(why="only the newest answers' states are kept")] if gone else []
+            )
+        if target == head.message_id and not head.restoring:
+            if head.dirty and head.message_id:  # the newest answer ended without its state saved
+                await self._save(chat, head.message_id)
+            chat.follows = head.message_id
+            if changing:
+                await history.claim(turn.message_id)
+            return []
+        if head.message_id and head.dirty and not head.restoring:
+            await self._save(chat, head.message_id)  # the branch we leave keeps its work
+        said = await self._restore(chat, target, known=bool(head.message_id))
+        chat.follows = (await history.head()).message_id
+        if changing:
+            await history.claim(turn.message_id)
+        return self._remember(chat, said)
+
+    async def _continues_from(self, chat: _Chat, turn: Turn, head: str) -> str | None:
+        """The message whose state this answer continues from: its own (it was interrupted), the
+        nearest above it with a state or holding the folder now, "" for the start of the chat, _GONE
+        when the states above it are no longer kept, or None when the host cannot say."""
+        history = chat.session.history
+        if await history.has(turn.message_id):
+            return turn.message_id
+        if turn.continues is not None and turn.continues == head:
+            return head  # the newest answer, continued: no need to read the chat's tree
+        try:
+            ids, complete = await turn.lineage()
+        except Exception as error:  # the host's database: continue as things are
+            log.warning("code-sessions: the chat's messages could not be read: %s", error)
+            return None
+        above = [m for m in ids if m and m != turn.message_id]
+        for message in above:
+            if message == head or await history.has(message):
+                return message
+        # Nothing above has a state: the start of the conversation when the answer's user message is
+        # its first message; else the states it continues from are no longer kept.
+        if not complete:
+            return None
+        return "" if len(above) <= 1 else _GONE
+
+    async def _restore(self, chat: _Chat, target: str | None, *, known: bool) -> list[str]:
+        session = chat.session
+        history = session.history
+        if target is None or target == _GONE:  # a restore that was under way, where the host cannot say
+            return [NOT_KEPT.format(why="the chat's messages could not be read")] if known else []
+        if target == "" and not known:
+            return []  # the first answer of a chat the history never saw: nothing to restore
+        try:
+            if target == "":
+                await history.restore_empty(chat.turn.message_id if chat.turn else "")
+            else:
+                await history.restore(target)
+        except HistoryError as error:
+            return [NOT_KEPT.format(why=str(error))]
+        except (StorageError, OSError) as error:
+            log.warning("code-sessions: a state could not be restored: %s", error)
+            return [NOT_KEPT.format(why=f"it could not be read back: {error}")]
+        await session.reconcile(enforce_quotas=False)  # the index follows the disk (kept: no quota)
+        kernels = self._services.kernels
+        if kernels is None:  # kernel=fresh: every run starts anew anyway
+            return [RESTORED_FILES_ONLY if target else _start_sentence()]
+        image = await history.kernel_of(target) if target else None
+        reason = _FRESH_PYTHON if target else ""
+        if target == "":
+            await kernels.stop(chat.kernel_key, _START, forget=True, state_dir=session.state_path)
+        else:
+            await kernels.rewind(chat.kernel_key, session.state_path, image, reason)
+        if not target:
+            return [_start_sentence()]
+        return [RESTORED if image is not None else RESTORED_FILES]
+
+    # ------------------------------------------------------------------ the end of an answer
+
+    def end_turn_soon(self, chat: _Chat) -> None:
+        """The answer is over: save its state in the background (the chat's next step waits for it on
+        the chat's lock)."""
+        if chat.turn is None or chat.settings.branches.states == 0:
+            return
+        task = asyncio.ensure_future(self.end_turn(chat))
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
+
+    async def end_turn(self, chat: _Chat) -> None:
+        turn = chat.turn
+        if turn is None or chat.settings.branches.states == 0:
+            return
+        try:
+            async with chat.session.lock(timeout=self._services.lock_timeout_s):
+                head = await chat.session.history.head()
+                if head.message_id == turn.message_id and head.dirty and not head.restoring:
+                    await self._save(chat, turn.message_id)
+        except Exception as error:  # a state not saved is a branch that says so later, never a crash
+            log.warning("code-sessions: the state of message %r was not saved: %s", turn.message_id, error)
+
+    async def settle(self) -> None:
+        """Wait for the states being saved (a process going away, a test)."""
+        if self._ending:
+            await asyncio.gather(*list(self._ending), return_exceptions=True)
+
+    async def _save(self, chat: _Chat, message_id: str) -> None:
+        """Save the folder and the kernel as `message_id`'s state (under the chat's lock)."""
+        session, settings = chat.session, chat.settings
+        history = session.history
+        room = await _room(chat)
+        kernels = self._services.kernels
+        if kernels is not None and settings.branches.python_states > 0:
+            into = await asyncio.to_thread(history.kernel_dir, message_id)
+            image, why = await kernels.snapshot(
+                chat.kernel_key, into, state_dir=session.state_path, max_bytes=room
+            )
+            if not image:
+                log.info("code-sessions: no Python state kept for message %r: %s", message_id, why)
+                await history.drop_kernel(message_id)
+        try:
+            saved = await history.save(
+                message_id,
+                keep_states=settings.branches.states,
+                keep_kernels=settings.branches.python_states,
+                room_bytes=room,
+            )
+        except (HistoryError, StorageError, OSError) as error:
+            log.warning("code-sessions: the state of message %r was not saved: %s", message_id, error)
+            with contextlib.suppress(Exception):
+                await history.drop_kernel(message_id)
+            return
+        log.info(
+            "code-sessions: state of message %r saved (%d files, %d copied, %d B of history)",
+            message_id,
+            saved.files,
+            saved.copied_files,
+            saved.history_bytes,
+        )
+
+
+async def _room(chat: _Chat) -> int | None:
+    """What the chat's history may take: what the user's storage limit leaves after their files and
+    download copies (None: no limit). The history yields to files, never the other way."""
+    limit = chat.settings.policy.quotas.max_bytes_per_user
+    if limit is None:
+        return None
+    usage = await chat.session.user_usage()
+    return max(0, limit - usage.bytes)
+
+
+def _start_sentence() -> str:
+    return "Started again from an empty /mnt/data and a new Python state, as at the start of this chat."
+''',
     'engine/grammar.py': r'''"""The markdown a link scan reads: how far each construct may reach, and the regexes that read them.
 
 The bounds are part of the grammar (a link text longer than MAX_LABEL is not a link text): beyond them the
@@ -15600,6 +17400,212 @@ class PurgeValve(Protocol):
         """The request ran (or was refused): clear it, in the saved settings only if it is still
         `request` there (an admin may have typed a new one meanwhile)."""
         ...
+''',
+    'engine/inbound.py': r'''"""Files in and out of a chat beyond its runs: upload links (a file POSTed straight into /mnt/data) and
+Save to Knowledge (a file of the chat copied into one of the user's Knowledge bases).
+
+What the host does (the HTTP route, Open WebUI's Knowledge API) is behind small protocols; the checks
+that are the project's (the path, the per-file limit, the quota, a file never replaced, one use, the
+expiry) are made here and in storage, each refusal a sentence the user and the model can read.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import shlex
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from _code_sessions_5a477a159301.storage import (
+    Incoming,
+    InvalidPath,
+    Policy,
+    StorageBusy,
+    StorageError,
+    Store,
+    UploadGrant,
+    UploadLinks,
+    Usage,
+    human_bytes,
+    human_duration,
+    split_path,
+)
+
+from .markup import code_span, escape_text
+from .service import ChatSession
+
+__all__ = ["SAVE_COMMAND", "Inbound", "KnowledgeHost", "NewLink", "StoreFor", "chat_path", "save_command"]
+
+# What a user types in a chat to copy one of its files into a Knowledge base.
+SAVE_COMMAND = "!save-to-knowledge"
+_SAVE_USAGE = (
+    f"Type {SAVE_COMMAND} <file> <Knowledge base>, for example "
+    f"`{SAVE_COMMAND} /mnt/data/report.csv Research` (the base's name or id)."
+)
+
+# The store a link's `where` names, and the limits the link was made under (the valves of the message
+# that made it: the store's own are the latest message's of whichever worker receives the upload).
+StoreFor = Callable[[dict[str, Any]], Awaitable[tuple[Store, Policy]]]
+
+
+class KnowledgeHost(Protocol):
+    async def save_to_knowledge(self, request: Any, user_id: str, target: str, name: str, data: bytes) -> str:
+        """Put the bytes into the user's Knowledge base `target` (a name or an id) through the host's
+        own Knowledge API and its access checks; returns the sentence for the user (a refusal too).
+        An empty `target`: the sentence names the bases the user may add to."""
+        ...
+
+
+def chat_path(path: str) -> str:
+    """A path as the model or the user writes it (`/mnt/data/a.csv`, `a.csv`), relative to the folder.
+    Raises InvalidPath with the sentence."""
+    path = path.strip().strip("`'\"")
+    for prefix in ("/mnt/data/", "mnt/data/"):
+        if path.startswith(prefix):
+            path = path[len(prefix) :]
+            break
+    if path.startswith("/"):
+        raise InvalidPath(f"{path} is outside /mnt/data; only this chat's files can be used")
+    return "/".join(split_path(path))
+
+
+def save_command(text: str) -> tuple[str, str] | None:
+    """(file, Knowledge base) when the message is the save command (either may be empty), else None."""
+    text = text.strip()
+    if text != SAVE_COMMAND and not text.startswith(SAVE_COMMAND + " "):
+        return None
+    rest = text[len(SAVE_COMMAND) :].strip()
+    try:
+        words = shlex.split(rest)
+    except ValueError:
+        words = rest.split()
+    if not words:
+        return "", ""
+    target = words[1:]
+    if target and target[0].lower() in ("to", "into"):
+        target = target[1:]
+    return words[0], " ".join(target)
+
+
+@dataclass(frozen=True, slots=True)
+class NewLink:
+    token: str  # for the URL, and nowhere else
+    grant: UploadGrant
+    room: int | None  # bytes the user's quota leaves now (None: no byte limit)
+
+    def sentence(self, url: str, max_file_bytes: int | None) -> str:
+        """What the model (and through it the user) is told about the link."""
+        limits = []
+        if max_file_bytes is not None:
+            limits.append(f"at most {human_bytes(max_file_bytes)}")
+        if self.room is not None:
+            limits.append(f"{human_bytes(self.room)} left in the user's storage")
+        bound = f" ({', '.join(limits)})" if limits else ""
+        grant = self.grant
+        minutes = human_duration(round(grant.expires_at - grant.made_at))
+        return (
+            f"Upload link for /mnt/data/{grant.path}: {url}\n"
+            f"It takes one file{bound}, once, within {minutes}. Give the user this link: they open it in "
+            "a browser to pick the file, or send it from anywhere as a multipart form field named file, "
+            f"for example: curl -F file=@{posixpath.basename(grant.path)} {url}\n"
+            "Once it has arrived the file is in /mnt/data; a refused upload tells the sender why."
+        )
+
+
+class Inbound:
+    """Upload links and Save to Knowledge for one store of links. `stores` finds the store a link's
+    `where` names (the maker's note: a worker that never served the chat may receive the upload)."""
+
+    def __init__(self, links: UploadLinks, stores: StoreFor, *, lock_timeout_s: float = 300.0) -> None:
+        self.links = links
+        self._stores = stores
+        self._lock_timeout_s = lock_timeout_s
+
+    # ---- Save to Knowledge ---------------------------------------------------------------------------
+
+    async def save_to_knowledge(
+        self, chat: ChatSession, host: KnowledgeHost, request: Any, path: str, target: str
+    ) -> str:
+        """Copy one of the chat's files into a Knowledge base of the user's; returns the sentence."""
+        if not path:
+            listing = await host.save_to_knowledge(request, chat.session.user_id, "", "", b"")
+            return f"{_SAVE_USAGE} {escape_text(listing)}"
+        try:
+            rel = chat_path(path)
+        except InvalidPath as error:
+            return f"Not saved to Knowledge: {error}."
+        shown = code_span("/mnt/data/" + rel)
+        if not target:
+            listing = escape_text(await host.save_to_knowledge(request, chat.session.user_id, "", "", b""))
+            return f"Not saved: say which Knowledge base {shown} goes into. {_SAVE_USAGE} {listing}"
+        policy = chat.settings.policy
+        try:
+            async with chat.session.lock(timeout=self._lock_timeout_s):  # not mid-run: a whole file
+                entries = {entry.path: entry for entry in await chat.session.files.list()}
+                if rel not in entries or not await chat.session.files.exists(rel):
+                    return f"Not saved to Knowledge: {shown} is not a file of this chat."
+                size = entries[rel].size
+                too_large = policy.file_too_large(size)
+                if too_large is not None:
+                    return f"Not saved to Knowledge: {shown} is {human_bytes(size)}, {too_large}."
+                over = policy.over_quota(await chat.session.user_usage())
+                if over is not None:
+                    return f"Not saved to Knowledge: you are {over}. Delete some files first."
+                data = await chat.session.files.read(rel)
+        except StorageBusy:
+            return "Not saved to Knowledge: this chat is busy with a step; try again when it has finished."
+        except StorageError as error:
+            return f"Not saved to Knowledge: {escape_text(str(error))}"
+        name = posixpath.basename(rel)
+        # The host's sentence quotes names users chose (the file's, the base's): shown as plain text.
+        return escape_text(await host.save_to_knowledge(request, chat.session.user_id, target, name, data))
+
+    # ---- upload links --------------------------------------------------------------------------------
+
+    async def make_link(
+        self, chat: ChatSession, path: str, *, ttl_s: float, where: dict[str, Any]
+    ) -> NewLink | str:
+        """A link for one file at `path` in this chat: (token, grant), or the sentence why not."""
+        try:
+            rel = chat_path(path)
+        except InvalidPath as error:
+            return f"No upload link: {error}."
+        files = chat.session.files
+        if await files.exists(rel):
+            return (
+                f"No upload link: {code_span('/mnt/data/' + rel)} exists already, and an upload never "
+                "replaces a file. Choose another path."
+            )
+        policy = chat.settings.policy
+        usage = await chat.session.user_usage()
+        over = policy.over_quota(Usage(usage.files + 1, usage.bytes))
+        if over is not None:
+            return f"No upload link: a new file would be {over}. Delete some files first."
+        token, grant = await self.links.mint(
+            chat.session.user_id, chat.session.chat_id, rel, ttl_s=ttl_s, where=where
+        )
+        return NewLink(token, grant, policy.room(usage))
+
+    async def peek(self, token: str) -> UploadGrant:
+        return await self.links.peek(token)
+
+    async def claim(self, token: str) -> UploadGrant:
+        return await self.links.claim(token)
+
+    async def begin(self, grant: UploadGrant) -> Incoming:
+        """Start receiving the link's file (the quota and the per-file limit checked as it streams)."""
+        store, policy = await self._stores(grant.where)
+        session = await store.session(grant.user_id, grant.chat_id)
+        return await session.files.incoming(grant.path, policy=policy)
+
+    async def finish(self, grant: UploadGrant, incoming: Incoming) -> str:
+        """Put the whole file in place under the chat's lock; returns the sentence for the sender."""
+        store, _ = await self._stores(grant.where)
+        session = await store.session(grant.user_id, grant.chat_id)
+        async with session.lock(timeout=self._lock_timeout_s):
+            path = await incoming.finish()
+        return f"Saved {human_bytes(incoming.received)} as /mnt/data/{path} in the chat."
 ''',
     'engine/links.py': r'''"""Turn `/mnt/data/...` paths in a model's markdown answer into working links.
 
@@ -15813,7 +17819,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_9bf63fe02383.runner import Outcome
+from _code_sessions_5a477a159301.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -15823,6 +17829,7 @@ from .sse import ModelError, TextDelta, ToolCall
 
 __all__ = [
     "RUN_CODE_TOOL",
+    "ExtraTool",
     "LoopOptions",
     "ModelCall",
     "StatusCall",
@@ -15865,6 +17872,19 @@ class StatusCall(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class ExtraTool:
+    """A tool offered beside run_code (e.g. engine/inbound.py's upload link): its OpenAI-style spec, and
+    what answers a call (the parsed arguments in, the result the model reads out)."""
+
+    spec: dict[str, Any]
+    call: Callable[[dict[str, Any]], Awaitable[str]]
+
+    @property
+    def name(self) -> str:
+        return str(self.spec["function"]["name"])
+
+
+@dataclass(frozen=True, slots=True)
 class LoopOptions:
     tool_mode: bool = True
     max_steps: int = 8
@@ -15875,6 +17895,8 @@ class LoopOptions:
     # `attach_files`). Then a file saved but not named in the text is only attached; without it, it is
     # named in one line at the end of the answer.
     attachments: bool = False
+    # Tools offered beside run_code; each call counts as a step.
+    tools: tuple[ExtraTool, ...] = ()
 
 
 def _fence(text: str) -> str:
@@ -15932,14 +17954,18 @@ def _status_after(step: StepResult) -> str | None:
     return notes[0] if notes else None
 
 
-def _arguments(call: ToolCall) -> tuple[str, str] | str:
-    """(language, code) from a run_code call, or an error message for the model."""
-    if call.name != "run_code":
-        return f"Unknown tool {call.name!r}; the only tool is run_code."
+def _arguments(call: ToolCall, options: LoopOptions) -> tuple[str, str] | dict[str, Any] | str:
+    """(language, code) from a run_code call, the arguments of an extra tool's call, or an error
+    message for the model."""
+    names = ["run_code", *(tool.name for tool in options.tools)]
+    if call.name not in names:
+        return f"Unknown tool {call.name!r}; the tools are {', '.join(names)}."
     try:
         arguments = json.loads(call.arguments or "{}")
     except json.JSONDecodeError as error:
-        return f'The arguments were not valid JSON ({error}); send {{"language": ..., "code": ...}}.'
+        return f"The arguments were not valid JSON ({error}); send a JSON object."
+    if call.name != "run_code":
+        return arguments if isinstance(arguments, dict) else "The arguments must be a JSON object."
     if not isinstance(arguments, dict) or not isinstance(arguments.get("code"), str):
         return "Missing `code` (a string)."
     language = arguments.get("language") or "python"
@@ -16004,7 +18030,8 @@ async def _turns(
         rewriter = chat.streaming_rewriter()
         text = ""
         calls: list[ToolCall] = []
-        async for event in call_model(messages, [RUN_CODE_TOOL] if offer_tools else None):
+        offered = [RUN_CODE_TOOL, *(tool.spec for tool in options.tools)]
+        async for event in call_model(messages, offered if offer_tools else None):
             if isinstance(event, TextDelta):
                 text += event.text
                 if len(event.text) > SCAN_ON_LOOP_CHARS:  # a whole answer in one piece (not streamed)
@@ -16043,11 +18070,15 @@ async def _turns(
                 }
             )
             for call in calls:
-                parsed = _arguments(call)
+                parsed = _arguments(call, options)
                 if isinstance(parsed, str):
                     result = parsed
                 elif steps >= options.max_steps:
                     result = "Not run: the step limit for this answer is reached. Answer with what you have."
+                elif isinstance(parsed, dict):
+                    steps += 1
+                    tool = next(t for t in options.tools if t.name == call.name)
+                    result = await tool.call(parsed)
                 else:
                     steps += 1
                     step = await run_step(chat, parsed[0], parsed[1], status)
@@ -16097,7 +18128,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_9bf63fe02383.runner import RunnerError
+from _code_sessions_5a477a159301.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -16301,8 +18332,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_9bf63fe02383.runner import Runner, RunnerError
-from _code_sessions_9bf63fe02383.storage import StorageError
+from _code_sessions_5a477a159301.runner import Runner, RunnerError
+from _code_sessions_5a477a159301.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -16431,8 +18462,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_9bf63fe02383.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_9bf63fe02383.storage import human_bytes
+from _code_sessions_5a477a159301.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_5a477a159301.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -16552,7 +18583,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_9bf63fe02383.storage import Purge, parse_duration
+from _code_sessions_5a477a159301.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -17117,13 +19148,11 @@ import posixpath
 import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_9bf63fe02383.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_9bf63fe02383.storage import (
+from _code_sessions_5a477a159301.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_5a477a159301.storage import (
     CLEAR_FILES_COMMAND,
-    MAX_PATH_BYTES,
     CleanupReport,
     DiskFull,
     FileMissing,
@@ -17138,10 +19167,12 @@ from _code_sessions_9bf63fe02383.storage import (
     human_bytes,
 )
 
+from .branches import Branches, Turn
 from .links import References, Target, resolve_all
 from .markup import escape_text, mention
 from .scan import SCAN_ON_LOOP_CHARS
 from .settings import Settings
+from .step import StepResult
 from .streaming import StreamingRewriter
 
 __all__ = ["ChatSession", "Engine", "StepResult", "Waiting"]
@@ -17155,6 +19186,627 @@ log = logging.getLogger("code_sessions.engine")
 # leave the index wrong for long (the disk is the truth).
 FULL_RECONCILE_EVERY_S = 600.0
 
+_FIGURE_SUFFIXES = (".png",)
+# Files an answer saved without naming them, handed over by name (or attached) at most this many.
+_HANDED_OVER = 20
+# Files noted between a Tool's run and the end of its answer: chats at once, and files a chat.
+_UNHANDED_CHATS = 1000
+_UNHANDED_PATHS = 1000
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
+
+
+class ChatSession:
+    """A chat's folder as the engine uses it: run code in it, add uploads, link its files."""
+
+    def __init__(self, service: Engine, session: Session, settings: Settings) -> None:
+        self._service = service
+        self.session = session
+        self.settings = settings  # the message's (frozen): its limits are every run's of this chat here
+        # Every file linked so far, for attaching to the message. A dict: insertion order, and O(1)
+        # membership (a list made an answer with 1,000 links quadratic).
+        self._published: dict[Target, None] = {}
+        # Files that exist but could not be linked (a full disk, the copies' quota), and why.
+        self._unlinked: dict[str, str] = {}
+        # The published copies behind those targets, by ref (for attaching them to the message).
+        self._links: dict[str, Link] = {}
+        # Files the answer's text names (as links or inline images), and the images it shows inline:
+        # a file is shown once in the text, and an image shown inline is not an attachment as well.
+        self._shown: set[str] = set()
+        self._inline: set[str] = set()
+        # Where this answer is in the conversation (None: the host did not say; the folder is then the
+        # chat's whole, as it is), and what following it there said, for the answer's first step.
+        self.turn: Turn | None = None
+        self.follows: str | None = None  # the message whose state the answer continues (branches)
+        self._turn_notes: list[str] = []
+
+    @property
+    def kernel_key(self) -> str:
+        """The key of this chat's kernel in the kernel pool."""
+        return _kernel_key(self.session.user_key, self.session.chat_key)
+
+    @property
+    def published(self) -> list[Target]:
+        """Every file linked so far, in the order first linked."""
+        return list(self._published)
+
+    @property
+    def links(self) -> list[Link]:
+        """The published copies behind every file linked so far, each once, in the order first linked."""
+        return list(self._links.values())
+
+    @property
+    def attachments(self) -> list[Link]:
+        """The copies to show as the message's attachments: every file linked, except the images the
+        text already shows inline."""
+        return [link for link in self._links.values() if link.url not in self._inline]
+
+    @property
+    def inline_urls(self) -> frozenset[str]:
+        """The URLs of the images the answer's text shows inline."""
+        return frozenset(self._inline)
+
+    async def hand_over(self, paths: Sequence[str], *, attachments: bool) -> str:
+        """Make sure every file the answer's runs saved reaches the user once: the files the text has
+        not named are published, then either left to the message's attachments (`attachments`: the
+        host shows every linked file under the message) or named in one short line, which is returned."""
+        missing = [p for p in dict.fromkeys(paths) if p not in self._shown and p not in self._unlinked]
+        if not missing:
+            return ""
+        shown, more = missing[:_HANDED_OVER], len(missing) - _HANDED_OVER
+        tail = f" and {more} more in /mnt/data" if more > 0 else ""
+        if not attachments:
+            line = "Saved: " + ", ".join(mention(p) for p in shown) + tail
+            return "\n\n" + await self.rewrite(line, inline_images=False) + "\n"
+        for path in shown:
+            await self._publish(path)
+        return f"\n\n_{more} more files saved in /mnt/data._\n" if more > 0 else ""
+
+    def unlinked_notes(self) -> list[str]:
+        """One sentence per file the answer named that exists but could not be linked; then forgotten."""
+        notes = [f"Not linked: {mention(path)}: {escape_text(why)}" for path, why in self._unlinked.items()]
+        self._unlinked.clear()
+        return notes
+
+    async def begin_turn(
+        self, turn: Turn | None, *, waiting: Waiting | None = None, runs_here: bool = True
+    ) -> list[str]:
+        """This chat's answer is `turn`: put the folder and kernel at the state of the message it
+        continues from (engine/branches.py), before anything is copied in or run. Returns what to
+        tell the user (nothing when it continues the newest answer); the answer's first run tells the
+        model too: this one's (`runs_here`), or another's of the same answer (the Filter's inlet
+        restores, the Tool's run says it)."""
+        self.turn = turn
+        if turn is None:
+            return []
+        branches = self._service.branches
+        try:
+            async with self.session.lock(timeout=self._service.lock_timeout_s, waiting=waiting):
+                said = await branches.ensure(self, changing=False)
+        except StorageError as error:  # a busy or full store: the answer goes on from the folder as it is
+            log.warning("code-sessions: the answer's branch could not be followed: %s", error)
+            return []
+        if runs_here:
+            self._turn_notes.extend(branches.take_said(self))
+        return said
+
+    def end_turn(self) -> None:
+        """The answer is over: its state is saved in the background, for a later branch."""
+        self._service.branches.end_turn_soon(self)
+
+    async def run(self, code: str, language: str, *, waiting: Waiting | None = None) -> StepResult:
+        """Run code in this chat's folder. `waiting` is awaited once if another step of this chat
+        holds the folder, so the user can be told the step waits rather than runs."""
+        service = self._service
+        if language not in ("python", "bash"):
+            return StepResult(language, code, refused=f"unknown language {language!r}; use python or bash")
+        notes: list[str] = []
+        result: RunResult | None = None
+        report: ReconcileReport | None = None
+        try:
+            async with self.session.lock(timeout=service.lock_timeout_s, waiting=waiting):
+                notes.extend(self._turn_notes)
+                self._turn_notes.clear()
+                # Another tab's step may have moved the folder to its branch since the answer began.
+                notes.extend(await service.branches.ensure(self, changing=True))
+                budget = await self.session.run_budget()
+                if budget.note:
+                    notes.append(budget.note)
+                configured = self.settings.limits
+                limits = configured.model_copy(
+                    update={
+                        "max_write_bytes": _tighter(configured.max_write_bytes, budget.max_write_bytes),
+                        "max_file_bytes": _tighter(configured.max_file_bytes, budget.max_file_bytes),
+                    }
+                )
+                await self.session.begin_run()
+                try:
+                    result = await service.execute(self.session, code, language, limits)
+                finally:
+                    # Index what the run left even when the runner failed half-way: disk is the truth.
+                    report = await service.reconcile_after(self.session, result)
+        except DiskFull as error:
+            # The run (if any) happened; what it wrote is indexed by the next step, which lists the
+            # whole folder (the mark of this run stays).
+            log.warning(
+                "disk full in chat %r of user %r: %s", self.session.chat_id, self.session.user_id, error
+            )
+            notes.append(str(error))
+            if result is None:
+                return StepResult(language, code, refused=str(error))
+        except StorageBusy as error:
+            return StepResult(language, code, refused=f"this chat's folder is busy ({error}); try again")
+        except RunnerError as error:
+            log.warning("sandbox unavailable: %s", error)
+            return StepResult(language, code, refused=f"the sandbox is not available: {error}")
+        figures = _figures(result, report)
+        return StepResult(language, code, run=result, files=report, notes=tuple(notes), figures=figures)
+
+    async def add_upload(
+        self, name: str, data: bytes, *, source: str | None = None, waiting: Waiting | None = None
+    ) -> str:
+        """Copy a user's attachment into the folder under a safe, unused name; returns its path.
+        Raises StorageError (too large, over quota, disk full, busy) with a sentence for the user.
+
+        `source` names where it came from, so the same attachment is not copied again next turn."""
+        async with self.session.lock(timeout=self._service.lock_timeout_s, waiting=waiting):
+            self._turn_notes.extend(await self._service.branches.ensure(self, changing=True))
+            return await self.session.files.write_new(name, data, source=source)
+
+    async def refuse_upload(self, source: str, why: str) -> bool:
+        """An attachment that could not be taken: it is not tried (nor its refusal said) again.
+        Returns whether to say it. On a full disk even that cannot be written: then it is tried again
+        at the next message, and said again only for a new reason."""
+        try:
+            await self.session.files.refuse_import(source)
+        except StorageError:
+            return self._service.remember_refusal(self.session, source, why)
+        return True
+
+    async def clear_files(self, *, waiting: Waiting | None = None) -> str:
+        """Empty this chat's folder at the user's request; returns the sentence for the answer."""
+        try:
+            async with self.session.lock(timeout=self._service.lock_timeout_s, waiting=waiting):
+                await self._service.branches.ensure(self, changing=True)
+                gone = await self.session.files.clear()
+        except StorageBusy:
+            return (
+                "This chat's files were not deleted: the chat is busy with a step that is still running. "
+                f"Send {CLEAR_FILES_COMMAND} again when it has finished."
+            )
+        except DiskFull:
+            return (
+                "Deleted every file in this chat's /mnt/data and the download copies linked in its "
+                "earlier answers, but the disk is still full, so the file list is brought up to date at "
+                "the next step that has room."
+            )
+        return (
+            f"Deleted every file in this chat's /mnt/data ({gone.files} files, {human_bytes(gone.bytes)}), "
+            "and the download copies linked in its earlier answers."
+        )
+
+    async def resolve(self, path: str) -> Target | None:
+        """Publish a file for the browser, or None when it is not a regular file of this session.
+        The text names it: it counts as shown."""
+        found = await self._publish(path)
+        if found is None:
+            return None
+        link, target = found
+        self._shown.add(link.path)
+        return target
+
+    async def _resolve_inline(self, path: str) -> Target | None:
+        """`resolve`, for text where an image is shown inline (the streamed answer, figures)."""
+        target = await self.resolve(path)
+        if target is not None and target.is_image:
+            self._inline.add(target.url)
+        return target
+
+    async def _publish(self, path: str) -> tuple[Link, Target] | None:
+        try:
+            # Under the lock: another message of this chat may be running code that rewrites the file.
+            async with self.session.lock(timeout=self._service.lock_timeout_s):
+                link = await self.session.publish(path)
+        except (FileMissing, InvalidPath):
+            return None
+        except StorageError as error:
+            log.warning("could not publish %r: %s", path, error)
+            self._unlinked[path] = str(error)
+            return None
+        target = Target(url=link.url, name=posixpath.basename(path), is_image=link.is_image)
+        self._published.setdefault(target, None)
+        self._links.setdefault(link.ref, link)
+        return link, target
+
+    async def rewrite(self, text: str, *, inline_images: bool = True) -> str:
+        big = len(text) > SCAN_ON_LOOP_CHARS  # scanned in a thread (see SCAN_ON_LOOP_CHARS)
+        references = await asyncio.to_thread(References, text) if big else References(text)
+        resolve = self._resolve_inline if inline_images else self.resolve
+        targets = await resolve_all(references.paths, resolve)
+        if big:
+            return await asyncio.to_thread(references.rewrite, targets, inline_images=inline_images)
+        return references.rewrite(targets, inline_images=inline_images)
+
+    def streaming_rewriter(self) -> StreamingRewriter:
+        return StreamingRewriter(self._resolve_inline)  # the answer itself: images are shown inline
+
+    async def sandbox_view(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Earlier answers as the model should read them: our links turned back into /mnt/data paths.
+
+        The chat history holds the answers as the user saw them, with /cache/... URLs; a model that
+        reads those would start writing URLs instead of paths (and link nothing next time)."""
+        if not any(m.get("role") == "assistant" for m in messages):
+            return messages  # a chat's first message: no earlier answers, no query
+        links = await self.session.links()
+        if not links:
+            return messages
+        paths = {link.url: f"/mnt/data/{link.path}" for link in links}
+        pattern = re.compile("|".join(re.escape(url) for url in sorted(paths, key=len, reverse=True)))
+        view = []
+        for message in messages:
+            content = message.get("content")
+            if message.get("role") == "assistant" and isinstance(content, str) and pattern.search(content):
+                message = {**message, "content": pattern.sub(lambda m: paths[m.group()], content)}
+            view.append(message)
+        return view
+
+
+def _figures(result: RunResult | None, report: ReconcileReport | None) -> tuple[str, ...]:
+    """The figures a kernel says it saved, kept only where the disk agrees: files this run added or
+    changed (the index is the disk's word), with a picture's name."""
+    if result is None or report is None or not result.figures:
+        return ()
+    saved = set(report.added) | set(report.changed)
+    return tuple(
+        p
+        for p in result.figures
+        if p in saved and p.lower().endswith(_FIGURE_SUFFIXES) and _PLAIN_NAME.fullmatch(p)
+    )
+
+
+def _kernel_key(user_key: str, chat_key: str) -> str:
+    # The folder's keys: the same for every worker, and what the storage deletes sessions by.
+    return f"{user_key}/{chat_key}"
+
+
+def _tighter(configured: int | None, budget: int | None) -> int | None:
+    """The runner's limit, lowered to what the quota still allows (None on either side: no bound
+    from it). Never below 1 byte: a run with nothing left to write may still compute and print."""
+    if budget is None:
+        return configured
+    return max(1, budget if configured is None else min(configured, budget))
+
+
+class Engine:
+    """The store and the runner, composed. Each message hands down its `Settings` (`chat`); a chat
+    opened without runs with the constructor's limits, and the store's and the pool's own settings.
+
+    With `kernels`, every chat's runs share one live Python kernel (variables persist); without,
+    every run is a fresh sandbox."""
+
+    def __init__(
+        self,
+        store: Store,
+        runner: Runner,
+        settings: Settings | None = None,
+        *,
+        kernels: KernelPool | None = None,
+        lock_timeout_s: float = 300.0,
+    ) -> None:
+        self.store = store
+        self.runner = runner
+        self.settings = settings or Settings()
+        self.kernels = kernels
+        self.lock_timeout_s = lock_timeout_s
+        self.branches = Branches(self)
+        # (user key, chat key) -> time.monotonic() of the session's last full reconcile here.
+        self._full_at: dict[tuple[str, str], float] = {}
+        # Attachments refused when not even the refusal could be written (a full disk), with why.
+        self._refusals: dict[tuple[str, str, str], str] = {}
+        # Files runs saved for an answer that is still being written, by chat, until the answer's end
+        # hands them over (the Tool's runs; the Filter's outlet ends the answer). Bounded both ways.
+        self._unhanded: dict[tuple[str, str], list[str]] = {}
+
+    def remember_refusal(self, session: Session, source: str, why: str) -> bool:
+        """Note a refusal the index could not keep; False when the same one was said already."""
+        key = (session.user_id, session.chat_id, source)
+        if self._refusals.get(key) == why:
+            return False
+        if len(self._refusals) >= 10_000:
+            self._refusals.clear()
+        self._refusals[key] = why
+        return True
+
+    def note_saved(self, user_id: str, chat_id: str, paths: Sequence[str]) -> None:
+        """Files a run saved, for the end of the answer it runs in (`take_saved`)."""
+        if not paths:
+            return
+        key = (user_id, chat_id)
+        if key not in self._unhanded and len(self._unhanded) >= _UNHANDED_CHATS:
+            self._unhanded.pop(next(iter(self._unhanded)))  # the oldest: its answer never ended here
+        saved = self._unhanded.setdefault(key, [])
+        saved.extend(p for p in paths if p not in saved and len(saved) < _UNHANDED_PATHS)
+
+    def take_saved(self, user_id: str, chat_id: str) -> list[str]:
+        """The files noted for the chat's answer now ending; then forgotten."""
+        return self._unhanded.pop((user_id, chat_id), [])
+
+    async def chat(self, user_id: str, chat_id: str, settings: Settings | None = None) -> ChatSession:
+        """The chat's session, bound to the message's settings (None: the constructor's)."""
+        if settings is not None:
+            self.apply(settings)
+        return ChatSession(self, await self.store.session(user_id, chat_id), settings or self.settings)
+
+    def apply(self, settings: Settings) -> None:
+        """Give the store and the kernel pool their parts of the settings. They serve every chat of
+        this process, so theirs are the latest message's or the latest tick's (which reads the valves
+        as saved); each is a frozen value, replaced whole (and only when it changed, so the store
+        records its policy once per change)."""
+        if self.store.policy != settings.policy:
+            self.store.policy = settings.policy
+        if self.kernels is not None and self.kernels.settings != settings.kernels:
+            self.kernels.settings = settings.kernels
+
+    async def execute(self, session: Session, code: str, language: str, limits: Limits) -> RunResult:
+        """Run code in the session's folder: in its kernel, or in a fresh sandbox."""
+        if self.kernels is None:
+            return await self.runner.run(code, language, session.path, limits)
+        key = _kernel_key(session.user_key, session.chat_key)
+        return await self.kernels.run(key, session.path, code, language, limits, state_dir=session.state_path)
+
+    async def purge(self, purge: Purge) -> CleanupReport:
+        """An admin's purge: the selected sessions go, with their files, links and kernels. The
+        answers' states this process is saving are saved first (a chat saving one is in use)."""
+        await self.branches.settle()
+        return await self._ended(await self.store.cleanup(purge), "an admin deleted this chat's files")
+
+    async def expire(self, settings: Settings | None = None) -> CleanupReport:
+        """The expiry policy (the settings' or the latest message's): old files and idle sessions go
+        (an expired session's kernel too)."""
+        if settings is not None:
+            self.apply(settings)
+        return await self._ended(await self.store.cleanup(), "this chat was unused long enough to expire")
+
+    async def forget_chats(self, chats: list[tuple[str, str]], reason: str) -> CleanupReport:
+        """Sessions of chats that no longer exist, deleted now (a chat mid-step is left for later)."""
+        await self.branches.settle()
+        return await self._ended(await self.store.delete_chats(chats, reason), None)
+
+    async def _ended(self, report: CleanupReport, said: str | None) -> CleanupReport:
+        """Stop the kernels of the sessions a cleanup removed. `said`: why, for the chat's next run;
+        None: the chat is gone for good, so nothing is kept for it."""
+        if self.kernels is not None:
+            for item in report.details:
+                if item.action in ("removed", "vanished"):
+                    key = _kernel_key(item.user_key, item.chat_key)
+                    # The store removed the session's saved state with it; one written since (the
+                    # kernel was being saved as the session went) goes here.
+                    state = self.store.saved_state_path(item.user_key, item.chat_key)
+                    await self.kernels.stop(key, said or item.reason, forget=said is None, state_dir=state)
+        return report
+
+    async def close(self) -> None:
+        """Stop this process's kernels and close the store (the answers' states being saved first)."""
+        await self.branches.settle()
+        if self.kernels is not None:
+            await self.kernels.close()
+        await self.store.close()
+
+    async def reconcile_after(self, session: Session, result: RunResult | None) -> ReconcileReport:
+        """Index what a run left in the session's folder (`result` None: the runner failed before it
+        could say), quotas enforced. The caller holds the session's lock."""
+        report = await session.reconcile(enforce_quotas=True, changed=self._changed_hint(session, result))
+        self._reconciled(session, report)
+        return report
+
+    def _changed_hint(self, session: Session, result: RunResult | None) -> tuple[str, ...] | None:
+        """The paths to reconcile, or None for a full listing: when the runner failed or does not
+        know what changed, and at the first step of a session here and every FULL_RECONCILE_EVERY_S."""
+        if result is None or result.changed is None or result.outcome == Outcome.SANDBOX_FAILURE:
+            return None
+        last = self._full_at.get((session.user_key, session.chat_key))
+        if last is None or time.monotonic() - last >= FULL_RECONCILE_EVERY_S:
+            return None
+        return result.changed
+
+    def _reconciled(self, session: Session, report: ReconcileReport) -> None:
+        """Note when the session's folder was last listed whole."""
+        if not report.full:
+            return
+        now = time.monotonic()
+        if len(self._full_at) >= 10_000:  # forget sessions that will be listed fully anyway
+            self._full_at = {k: t for k, t in self._full_at.items() if now - t < FULL_RECONCILE_EVERY_S}
+        self._full_at[(session.user_key, session.chat_key)] = now
+''',
+    'engine/settings.py': r'''"""What one message runs with, in one frozen value.
+
+The host builds a `Settings` from its own settings once per message (the function's valves:
+functions/adapter.py `settings_from`) and hands it down: `Engine.chat` binds it to the chat's
+session (its per-run limits) and gives the store and the kernel pool their parts. A change is a new
+value, never an edit of a live object.
+
+The defaults live in the layers' own models, each in one place: `runner.Limits`,
+`runner.KernelSettings`, `storage.Quotas`, `storage.Expiry`, and the fields below for what is the
+engine's. The valves take theirs from these (`DEFAULTS`). "No limit" is None in every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from _code_sessions_5a477a159301.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_5a477a159301.storage import Policy
+
+__all__ = ["DEFAULTS", "BranchSettings", "Settings"]
+
+
+@dataclass(frozen=True, slots=True)
+class BranchSettings:
+    """How much of a chat's past the branches of its conversation can go back to (engine/branches.py)."""
+
+    states: int = 20  # answers' states kept per chat; 0: the folder does not follow the branches
+    python_states: int = 3  # of those (the newest), how many keep the Python state too
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    limits: Limits = field(default_factory=Limits)  # per run (a chat's quota may lower them)
+    # One store and one kernel pool serve every chat of a process: theirs are the latest message's.
+    policy: Policy = field(default_factory=Policy)
+    kernels: KernelSettings = field(default_factory=KernelSettings)
+    # What the prompt tells the model; the runner's own configuration is what opens the network.
+    network: bool = RunnerConfig.model_fields["network"].default
+    # Show an answer's files as attachments of its message (else one line names them).
+    attach_files: bool = True
+    branches: BranchSettings = field(default_factory=BranchSettings)
+    cleanup_every_s: float = 30 * 60.0  # expiry runs at least this often
+    purge: str = ""  # the admin's one-shot purge request (engine/purge.py), as typed
+    upload_link_s: float = 15 * 60.0  # how long an upload link the model offers stays usable
+
+
+DEFAULTS = Settings()
+''',
+    'engine/sse.py': r'''"""Read an OpenAI-compatible chat completion (streamed or not) as a sequence of model events."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "ModelError",
+    "TextDelta",
+    "ToolCall",
+    "ToolCallCollector",
+    "events_from_message",
+    "events_from_sse",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelError:
+    message: str
+
+
+@dataclass
+class ToolCallCollector:
+    """Joins the fragments of streamed tool calls (OpenAI sends them piecewise, keyed by index)."""
+
+    calls: dict[int, ToolCall] = field(default_factory=dict)
+
+    def add(self, fragments: list[dict[str, Any]]) -> None:
+        for position, fragment in enumerate(fragments):
+            index = fragment.get("index", position)
+            function = fragment.get("function") or {}
+            call = self.calls.get(index)
+            if call is None:
+                call = self.calls[index] = ToolCall(id=fragment.get("id") or f"call_{index}", name="")
+            elif fragment.get("id"):
+                call.id = fragment["id"]
+            call.name += function.get("name") or ""
+            call.arguments += function.get("arguments") or ""
+
+    def done(self) -> list[ToolCall]:
+        return [self.calls[index] for index in sorted(self.calls)]
+
+
+def _error_text(payload: dict[str, Any]) -> str | None:
+    error = payload.get("error")
+    if error is None:
+        return None
+    if isinstance(error, dict):
+        return str(error.get("message") or error.get("detail") or error)
+    return str(error)
+
+
+async def events_from_sse(
+    chunks: AsyncIterable[bytes | str],
+) -> AsyncIterator[TextDelta | ToolCall | ModelError]:
+    """Parse `data: {...}` lines of a streamed completion; yields text as it comes, tool calls at the end."""
+    collector = ToolCallCollector()
+    buffer = ""
+    async for chunk in chunks:
+        buffer += chunk.decode("utf-8", "replace") if isinstance(chunk, bytes) else chunk
+        *lines, buffer = buffer.split("\n")
+        for line in lines:
+            event = _parse_line(line.strip(), collector)
+            if event is not None:
+                yield event
+    event = _parse_line(buffer.strip(), collector)
+    if event is not None:
+        yield event
+    for call in collector.done():
+        yield call
+
+
+def _parse_line(line: str, collector: ToolCallCollector) -> TextDelta | ModelError | None:
+    if not line.startswith("data:"):
+        return None
+    data = line[len("data:") :].strip()
+    if not data or data == "[DONE]":
+        return None
+    try:
+        payload = json.loads(data)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(payload, dict):
+        return None
+    error = _error_text(payload)
+    if error is not None:
+        return ModelError(error)
+    text = ""
+    for choice in payload.get("choices") or []:
+        delta = choice.get("delta") or choice.get("message") or {}
+        text += delta.get("content") or ""
+        if delta.get("tool_calls"):
+            collector.add(delta["tool_calls"])
+    return TextDelta(text) if text else None
+
+
+def events_from_message(payload: dict[str, Any]) -> list[TextDelta | ToolCall | ModelError]:
+    """The same events from a non-streamed completion body."""
+    error = _error_text(payload)
+    if error is not None:
+        return [ModelError(error)]
+    events: list[TextDelta | ToolCall | ModelError] = []
+    collector = ToolCallCollector()
+    for choice in payload.get("choices") or []:
+        message = choice.get("message") or {}
+        if message.get("content"):
+            events.append(TextDelta(message["content"]))
+        if message.get("tool_calls"):
+            collector.add(message["tool_calls"])
+    events.extend(collector.done())
+    return events
+''',
+    'engine/step.py': r'''"""What one piece of code did (`StepResult`): the words the user and the model read about a step, its
+outcome, its output, the files it saved, deleted or lost to a limit."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from _code_sessions_5a477a159301.runner import Outcome, RunResult
+from _code_sessions_5a477a159301.storage import MAX_PATH_BYTES, ReconcileReport
+
+from .markup import mention
+
+__all__ = ["StepResult"]
+
 _OUTCOME_WORDS = {
     Outcome.OK: "finished",
     Outcome.ERROR: "exited with an error",
@@ -17165,14 +19817,6 @@ _OUTCOME_WORDS = {
     Outcome.SANDBOX_FAILURE: "could not run: the sandbox failed",
     Outcome.KERNEL_LOST: "was stopped: the kernel stopped responding",
 }
-_FIGURE_SUFFIXES = (".png",)
-# Files an answer saved without naming them, handed over by name (or attached) at most this many.
-_HANDED_OVER = 20
-# Files noted between a Tool's run and the end of its answer: chats at once, and files a chat.
-_UNHANDED_CHATS = 1000
-_UNHANDED_PATHS = 1000
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
-
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
@@ -17315,552 +19959,6 @@ def _clip(text: str, limit: int) -> str:
         return text
     half = limit // 2
     return f"{text[:half]}\n[... {len(text) - limit} characters omitted ...]\n{text[-half:]}"
-
-
-class ChatSession:
-    """A chat's folder as the engine uses it: run code in it, add uploads, link its files."""
-
-    def __init__(self, service: Engine, session: Session, settings: Settings) -> None:
-        self._service = service
-        self.session = session
-        self.settings = settings  # the message's (frozen): its limits are every run's of this chat here
-        # Every file linked so far, for attaching to the message. A dict: insertion order, and O(1)
-        # membership (a list made an answer with 1,000 links quadratic).
-        self._published: dict[Target, None] = {}
-        # Files that exist but could not be linked (a full disk, the copies' quota), and why.
-        self._unlinked: dict[str, str] = {}
-        # The published copies behind those targets, by ref (for attaching them to the message).
-        self._links: dict[str, Link] = {}
-        # Files the answer's text names (as links or inline images), and the images it shows inline:
-        # a file is shown once in the text, and an image shown inline is not an attachment as well.
-        self._shown: set[str] = set()
-        self._inline: set[str] = set()
-
-    @property
-    def kernel_key(self) -> str:
-        """The key of this chat's kernel in the kernel pool."""
-        return _kernel_key(self.session.user_key, self.session.chat_key)
-
-    @property
-    def published(self) -> list[Target]:
-        """Every file linked so far, in the order first linked."""
-        return list(self._published)
-
-    @property
-    def links(self) -> list[Link]:
-        """The published copies behind every file linked so far, each once, in the order first linked."""
-        return list(self._links.values())
-
-    @property
-    def attachments(self) -> list[Link]:
-        """The copies to show as the message's attachments: every file linked, except the images the
-        text already shows inline."""
-        return [link for link in self._links.values() if link.url not in self._inline]
-
-    @property
-    def inline_urls(self) -> frozenset[str]:
-        """The URLs of the images the answer's text shows inline."""
-        return frozenset(self._inline)
-
-    async def hand_over(self, paths: Sequence[str], *, attachments: bool) -> str:
-        """Make sure every file the answer's runs saved reaches the user once: the files the text has
-        not named are published, then either left to the message's attachments (`attachments`: the
-        host shows every linked file under the message) or named in one short line, which is returned."""
-        missing = [p for p in dict.fromkeys(paths) if p not in self._shown and p not in self._unlinked]
-        if not missing:
-            return ""
-        shown, more = missing[:_HANDED_OVER], len(missing) - _HANDED_OVER
-        tail = f" and {more} more in /mnt/data" if more > 0 else ""
-        if not attachments:
-            line = "Saved: " + ", ".join(mention(p) for p in shown) + tail
-            return "\n\n" + await self.rewrite(line, inline_images=False) + "\n"
-        for path in shown:
-            await self._publish(path)
-        return f"\n\n_{more} more files saved in /mnt/data._\n" if more > 0 else ""
-
-    def unlinked_notes(self) -> list[str]:
-        """One sentence per file the answer named that exists but could not be linked; then forgotten."""
-        notes = [f"Not linked: {mention(path)}: {escape_text(why)}" for path, why in self._unlinked.items()]
-        self._unlinked.clear()
-        return notes
-
-    async def run(self, code: str, language: str, *, waiting: Waiting | None = None) -> StepResult:
-        """Run code in this chat's folder. `waiting` is awaited once if another step of this chat
-        holds the folder, so the user can be told the step waits rather than runs."""
-        service = self._service
-        if language not in ("python", "bash"):
-            return StepResult(language, code, refused=f"unknown language {language!r}; use python or bash")
-        notes: list[str] = []
-        result: RunResult | None = None
-        report: ReconcileReport | None = None
-        try:
-            async with self.session.lock(timeout=service.lock_timeout_s, waiting=waiting):
-                budget = await self.session.run_budget()
-                if budget.note:
-                    notes.append(budget.note)
-                configured = self.settings.limits
-                limits = configured.model_copy(
-                    update={
-                        "max_write_bytes": _tighter(configured.max_write_bytes, budget.max_write_bytes),
-                        "max_file_bytes": _tighter(configured.max_file_bytes, budget.max_file_bytes),
-                    }
-                )
-                await self.session.begin_run()
-                try:
-                    result = await service.execute(self.session, code, language, limits)
-                finally:
-                    # Index what the run left even when the runner failed half-way: disk is the truth.
-                    report = await service.reconcile_after(self.session, result)
-        except DiskFull as error:
-            # The run (if any) happened; what it wrote is indexed by the next step, which lists the
-            # whole folder (the mark of this run stays).
-            log.warning(
-                "disk full in chat %r of user %r: %s", self.session.chat_id, self.session.user_id, error
-            )
-            notes.append(str(error))
-            if result is None:
-                return StepResult(language, code, refused=str(error))
-        except StorageBusy as error:
-            return StepResult(language, code, refused=f"this chat's folder is busy ({error}); try again")
-        except RunnerError as error:
-            log.warning("sandbox unavailable: %s", error)
-            return StepResult(language, code, refused=f"the sandbox is not available: {error}")
-        figures = _figures(result, report)
-        return StepResult(language, code, run=result, files=report, notes=tuple(notes), figures=figures)
-
-    async def add_upload(
-        self, name: str, data: bytes, *, source: str | None = None, waiting: Waiting | None = None
-    ) -> str:
-        """Copy a user's attachment into the folder under a safe, unused name; returns its path.
-        Raises StorageError (too large, over quota, disk full, busy) with a sentence for the user.
-
-        `source` names where it came from, so the same attachment is not copied again next turn."""
-        async with self.session.lock(timeout=self._service.lock_timeout_s, waiting=waiting):
-            return await self.session.files.write_new(name, data, source=source)
-
-    async def refuse_upload(self, source: str, why: str) -> bool:
-        """An attachment that could not be taken: it is not tried (nor its refusal said) again.
-        Returns whether to say it. On a full disk even that cannot be written: then it is tried again
-        at the next message, and said again only for a new reason."""
-        try:
-            await self.session.files.refuse_import(source)
-        except StorageError:
-            return self._service.remember_refusal(self.session, source, why)
-        return True
-
-    async def clear_files(self, *, waiting: Waiting | None = None) -> str:
-        """Empty this chat's folder at the user's request; returns the sentence for the answer."""
-        try:
-            async with self.session.lock(timeout=self._service.lock_timeout_s, waiting=waiting):
-                gone = await self.session.files.clear()
-        except StorageBusy:
-            return (
-                "This chat's files were not deleted: the chat is busy with a step that is still running. "
-                f"Send {CLEAR_FILES_COMMAND} again when it has finished."
-            )
-        except DiskFull:
-            return (
-                "Deleted every file in this chat's /mnt/data and the download copies linked in its "
-                "earlier answers, but the disk is still full, so the file list is brought up to date at "
-                "the next step that has room."
-            )
-        return (
-            f"Deleted every file in this chat's /mnt/data ({gone.files} files, {human_bytes(gone.bytes)}), "
-            "and the download copies linked in its earlier answers."
-        )
-
-    async def resolve(self, path: str) -> Target | None:
-        """Publish a file for the browser, or None when it is not a regular file of this session.
-        The text names it: it counts as shown."""
-        found = await self._publish(path)
-        if found is None:
-            return None
-        link, target = found
-        self._shown.add(link.path)
-        return target
-
-    async def _resolve_inline(self, path: str) -> Target | None:
-        """`resolve`, for text where an image is shown inline (the streamed answer, figures)."""
-        target = await self.resolve(path)
-        if target is not None and target.is_image:
-            self._inline.add(target.url)
-        return target
-
-    async def _publish(self, path: str) -> tuple[Link, Target] | None:
-        try:
-            # Under the lock: another message of this chat may be running code that rewrites the file.
-            async with self.session.lock(timeout=self._service.lock_timeout_s):
-                link = await self.session.publish(path)
-        except (FileMissing, InvalidPath):
-            return None
-        except StorageError as error:
-            log.warning("could not publish %r: %s", path, error)
-            self._unlinked[path] = str(error)
-            return None
-        target = Target(url=link.url, name=posixpath.basename(path), is_image=link.is_image)
-        self._published.setdefault(target, None)
-        self._links.setdefault(link.ref, link)
-        return link, target
-
-    async def rewrite(self, text: str, *, inline_images: bool = True) -> str:
-        big = len(text) > SCAN_ON_LOOP_CHARS  # scanned in a thread (see SCAN_ON_LOOP_CHARS)
-        references = await asyncio.to_thread(References, text) if big else References(text)
-        resolve = self._resolve_inline if inline_images else self.resolve
-        targets = await resolve_all(references.paths, resolve)
-        if big:
-            return await asyncio.to_thread(references.rewrite, targets, inline_images=inline_images)
-        return references.rewrite(targets, inline_images=inline_images)
-
-    def streaming_rewriter(self) -> StreamingRewriter:
-        return StreamingRewriter(self._resolve_inline)  # the answer itself: images are shown inline
-
-    async def sandbox_view(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Earlier answers as the model should read them: our links turned back into /mnt/data paths.
-
-        The chat history holds the answers as the user saw them, with /cache/... URLs; a model that
-        reads those would start writing URLs instead of paths (and link nothing next time)."""
-        if not any(m.get("role") == "assistant" for m in messages):
-            return messages  # a chat's first message: no earlier answers, no query
-        links = await self.session.links()
-        if not links:
-            return messages
-        paths = {link.url: f"/mnt/data/{link.path}" for link in links}
-        pattern = re.compile("|".join(re.escape(url) for url in sorted(paths, key=len, reverse=True)))
-        view = []
-        for message in messages:
-            content = message.get("content")
-            if message.get("role") == "assistant" and isinstance(content, str) and pattern.search(content):
-                message = {**message, "content": pattern.sub(lambda m: paths[m.group()], content)}
-            view.append(message)
-        return view
-
-
-def _figures(result: RunResult | None, report: ReconcileReport | None) -> tuple[str, ...]:
-    """The figures a kernel says it saved, kept only where the disk agrees: files this run added or
-    changed (the index is the disk's word), with a picture's name."""
-    if result is None or report is None or not result.figures:
-        return ()
-    saved = set(report.added) | set(report.changed)
-    return tuple(
-        p
-        for p in result.figures
-        if p in saved and p.lower().endswith(_FIGURE_SUFFIXES) and _PLAIN_NAME.fullmatch(p)
-    )
-
-
-def _kernel_key(user_key: str, chat_key: str) -> str:
-    # The folder's keys: the same for every worker, and what the storage deletes sessions by.
-    return f"{user_key}/{chat_key}"
-
-
-def _tighter(configured: int | None, budget: int | None) -> int | None:
-    """The runner's limit, lowered to what the quota still allows (None on either side: no bound
-    from it). Never below 1 byte: a run with nothing left to write may still compute and print."""
-    if budget is None:
-        return configured
-    return max(1, budget if configured is None else min(configured, budget))
-
-
-class Engine:
-    """The store and the runner, composed. Each message hands down its `Settings` (`chat`); a chat
-    opened without runs with the constructor's limits, and the store's and the pool's own settings.
-
-    With `kernels`, every chat's runs share one live Python kernel (variables persist); without,
-    every run is a fresh sandbox."""
-
-    def __init__(
-        self,
-        store: Store,
-        runner: Runner,
-        settings: Settings | None = None,
-        *,
-        kernels: KernelPool | None = None,
-        lock_timeout_s: float = 300.0,
-    ) -> None:
-        self.store = store
-        self.runner = runner
-        self.settings = settings or Settings()
-        self.kernels = kernels
-        self.lock_timeout_s = lock_timeout_s
-        # (user key, chat key) -> time.monotonic() of the session's last full reconcile here.
-        self._full_at: dict[tuple[str, str], float] = {}
-        # Attachments refused when not even the refusal could be written (a full disk), with why.
-        self._refusals: dict[tuple[str, str, str], str] = {}
-        # Files runs saved for an answer that is still being written, by chat, until the answer's end
-        # hands them over (the Tool's runs; the Filter's outlet ends the answer). Bounded both ways.
-        self._unhanded: dict[tuple[str, str], list[str]] = {}
-
-    def remember_refusal(self, session: Session, source: str, why: str) -> bool:
-        """Note a refusal the index could not keep; False when the same one was said already."""
-        key = (session.user_id, session.chat_id, source)
-        if self._refusals.get(key) == why:
-            return False
-        if len(self._refusals) >= 10_000:
-            self._refusals.clear()
-        self._refusals[key] = why
-        return True
-
-    def note_saved(self, user_id: str, chat_id: str, paths: Sequence[str]) -> None:
-        """Files a run saved, for the end of the answer it runs in (`take_saved`)."""
-        if not paths:
-            return
-        key = (user_id, chat_id)
-        if key not in self._unhanded and len(self._unhanded) >= _UNHANDED_CHATS:
-            self._unhanded.pop(next(iter(self._unhanded)))  # the oldest: its answer never ended here
-        saved = self._unhanded.setdefault(key, [])
-        saved.extend(p for p in paths if p not in saved and len(saved) < _UNHANDED_PATHS)
-
-    def take_saved(self, user_id: str, chat_id: str) -> list[str]:
-        """The files noted for the chat's answer now ending; then forgotten."""
-        return self._unhanded.pop((user_id, chat_id), [])
-
-    async def chat(self, user_id: str, chat_id: str, settings: Settings | None = None) -> ChatSession:
-        """The chat's session, bound to the message's settings (None: the constructor's)."""
-        if settings is not None:
-            self.apply(settings)
-        return ChatSession(self, await self.store.session(user_id, chat_id), settings or self.settings)
-
-    def apply(self, settings: Settings) -> None:
-        """Give the store and the kernel pool their parts of the settings. They serve every chat of
-        this process, so theirs are the latest message's or the latest tick's (which reads the valves
-        as saved); each is a frozen value, replaced whole (and only when it changed, so the store
-        records its policy once per change)."""
-        if self.store.policy != settings.policy:
-            self.store.policy = settings.policy
-        if self.kernels is not None and self.kernels.settings != settings.kernels:
-            self.kernels.settings = settings.kernels
-
-    async def execute(self, session: Session, code: str, language: str, limits: Limits) -> RunResult:
-        """Run code in the session's folder: in its kernel, or in a fresh sandbox."""
-        if self.kernels is None:
-            return await self.runner.run(code, language, session.path, limits)
-        key = _kernel_key(session.user_key, session.chat_key)
-        return await self.kernels.run(key, session.path, code, language, limits, state_dir=session.state_path)
-
-    async def purge(self, purge: Purge) -> CleanupReport:
-        """An admin's purge: the selected sessions go, with their files, links and kernels."""
-        return await self._ended(await self.store.cleanup(purge), "an admin deleted this chat's files")
-
-    async def expire(self, settings: Settings | None = None) -> CleanupReport:
-        """The expiry policy (the settings' or the latest message's): old files and idle sessions go
-        (an expired session's kernel too)."""
-        if settings is not None:
-            self.apply(settings)
-        return await self._ended(await self.store.cleanup(), "this chat was unused long enough to expire")
-
-    async def forget_chats(self, chats: list[tuple[str, str]], reason: str) -> CleanupReport:
-        """Sessions of chats that no longer exist, deleted now (a chat mid-step is left for later)."""
-        return await self._ended(await self.store.delete_chats(chats, reason), None)
-
-    async def _ended(self, report: CleanupReport, said: str | None) -> CleanupReport:
-        """Stop the kernels of the sessions a cleanup removed. `said`: why, for the chat's next run;
-        None: the chat is gone for good, so nothing is kept for it."""
-        if self.kernels is not None:
-            for item in report.details:
-                if item.action in ("removed", "vanished"):
-                    key = _kernel_key(item.user_key, item.chat_key)
-                    # The store removed the session's saved state with it; one written since (the
-                    # kernel was being saved as the session went) goes here.
-                    state = self.store.saved_state_path(item.user_key, item.chat_key)
-                    await self.kernels.stop(key, said or item.reason, forget=said is None, state_dir=state)
-        return report
-
-    async def close(self) -> None:
-        """Stop this process's kernels and close the store."""
-        if self.kernels is not None:
-            await self.kernels.close()
-        await self.store.close()
-
-    async def reconcile_after(self, session: Session, result: RunResult | None) -> ReconcileReport:
-        """Index what a run left in the session's folder (`result` None: the runner failed before it
-        could say), quotas enforced. The caller holds the session's lock."""
-        report = await session.reconcile(enforce_quotas=True, changed=self._changed_hint(session, result))
-        self._reconciled(session, report)
-        return report
-
-    def _changed_hint(self, session: Session, result: RunResult | None) -> tuple[str, ...] | None:
-        """The paths to reconcile, or None for a full listing: when the runner failed or does not
-        know what changed, and at the first step of a session here and every FULL_RECONCILE_EVERY_S."""
-        if result is None or result.changed is None or result.outcome == Outcome.SANDBOX_FAILURE:
-            return None
-        last = self._full_at.get((session.user_key, session.chat_key))
-        if last is None or time.monotonic() - last >= FULL_RECONCILE_EVERY_S:
-            return None
-        return result.changed
-
-    def _reconciled(self, session: Session, report: ReconcileReport) -> None:
-        """Note when the session's folder was last listed whole."""
-        if not report.full:
-            return
-        now = time.monotonic()
-        if len(self._full_at) >= 10_000:  # forget sessions that will be listed fully anyway
-            self._full_at = {k: t for k, t in self._full_at.items() if now - t < FULL_RECONCILE_EVERY_S}
-        self._full_at[(session.user_key, session.chat_key)] = now
-''',
-    'engine/settings.py': r'''"""What one message runs with, in one frozen value.
-
-The host builds a `Settings` from its own settings once per message (the function's valves:
-functions/adapter.py `settings_from`) and hands it down: `Engine.chat` binds it to the chat's
-session (its per-run limits) and gives the store and the kernel pool their parts. A change is a new
-value, never an edit of a live object.
-
-The defaults live in the layers' own models, each in one place: `runner.Limits`,
-`runner.KernelSettings`, `storage.Quotas`, `storage.Expiry`, and the fields below for what is the
-engine's. The valves take theirs from these (`DEFAULTS`). "No limit" is None in every layer.
-"""
-
-from __future__ import annotations
-
-from dataclasses import dataclass, field
-
-from _code_sessions_9bf63fe02383.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_9bf63fe02383.storage import Policy
-
-__all__ = ["DEFAULTS", "Settings"]
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    limits: Limits = field(default_factory=Limits)  # per run (a chat's quota may lower them)
-    # One store and one kernel pool serve every chat of a process: theirs are the latest message's.
-    policy: Policy = field(default_factory=Policy)
-    kernels: KernelSettings = field(default_factory=KernelSettings)
-    # What the prompt tells the model; the runner's own configuration is what opens the network.
-    network: bool = RunnerConfig.model_fields["network"].default
-    # Show an answer's files as attachments of its message (else one line names them).
-    attach_files: bool = True
-    cleanup_every_s: float = 30 * 60.0  # expiry runs at least this often
-    purge: str = ""  # the admin's one-shot purge request (engine/purge.py), as typed
-
-
-DEFAULTS = Settings()
-''',
-    'engine/sse.py': r'''"""Read an OpenAI-compatible chat completion (streamed or not) as a sequence of model events."""
-
-from __future__ import annotations
-
-import json
-from collections.abc import AsyncIterable, AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
-
-__all__ = [
-    "ModelError",
-    "TextDelta",
-    "ToolCall",
-    "ToolCallCollector",
-    "events_from_message",
-    "events_from_sse",
-]
-
-
-@dataclass(frozen=True, slots=True)
-class TextDelta:
-    text: str
-
-
-@dataclass(slots=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelError:
-    message: str
-
-
-@dataclass
-class ToolCallCollector:
-    """Joins the fragments of streamed tool calls (OpenAI sends them piecewise, keyed by index)."""
-
-    calls: dict[int, ToolCall] = field(default_factory=dict)
-
-    def add(self, fragments: list[dict[str, Any]]) -> None:
-        for position, fragment in enumerate(fragments):
-            index = fragment.get("index", position)
-            function = fragment.get("function") or {}
-            call = self.calls.get(index)
-            if call is None:
-                call = self.calls[index] = ToolCall(id=fragment.get("id") or f"call_{index}", name="")
-            elif fragment.get("id"):
-                call.id = fragment["id"]
-            call.name += function.get("name") or ""
-            call.arguments += function.get("arguments") or ""
-
-    def done(self) -> list[ToolCall]:
-        return [self.calls[index] for index in sorted(self.calls)]
-
-
-def _error_text(payload: dict[str, Any]) -> str | None:
-    error = payload.get("error")
-    if error is None:
-        return None
-    if isinstance(error, dict):
-        return str(error.get("message") or error.get("detail") or error)
-    return str(error)
-
-
-async def events_from_sse(
-    chunks: AsyncIterable[bytes | str],
-) -> AsyncIterator[TextDelta | ToolCall | ModelError]:
-    """Parse `data: {...}` lines of a streamed completion; yields text as it comes, tool calls at the end."""
-    collector = ToolCallCollector()
-    buffer = ""
-    async for chunk in chunks:
-        buffer += chunk.decode("utf-8", "replace") if isinstance(chunk, bytes) else chunk
-        *lines, buffer = buffer.split("\n")
-        for line in lines:
-            event = _parse_line(line.strip(), collector)
-            if event is not None:
-                yield event
-    event = _parse_line(buffer.strip(), collector)
-    if event is not None:
-        yield event
-    for call in collector.done():
-        yield call
-
-
-def _parse_line(line: str, collector: ToolCallCollector) -> TextDelta | ModelError | None:
-    if not line.startswith("data:"):
-        return None
-    data = line[len("data:") :].strip()
-    if not data or data == "[DONE]":
-        return None
-    try:
-        payload = json.loads(data)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(payload, dict):
-        return None
-    error = _error_text(payload)
-    if error is not None:
-        return ModelError(error)
-    text = ""
-    for choice in payload.get("choices") or []:
-        delta = choice.get("delta") or choice.get("message") or {}
-        text += delta.get("content") or ""
-        if delta.get("tool_calls"):
-            collector.add(delta["tool_calls"])
-    return TextDelta(text) if text else None
-
-
-def events_from_message(payload: dict[str, Any]) -> list[TextDelta | ToolCall | ModelError]:
-    """The same events from a non-streamed completion body."""
-    error = _error_text(payload)
-    if error is not None:
-        return [ModelError(error)]
-    events: list[TextDelta | ToolCall | ModelError] = []
-    collector = ToolCallCollector()
-    for choice in payload.get("choices") or []:
-        message = choice.get("message") or {}
-        if message.get("content"):
-            events.append(TextDelta(message["content"]))
-        if message.get("tool_calls"):
-            collector.add(message["tool_calls"])
-    events.extend(collector.done())
-    return events
 ''',
     'engine/streaming.py': r'''"""Rewrite a model's answer into working links while it streams, with the output of rewriting it whole.
 
@@ -18144,7 +20242,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_9bf63fe02383.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_5a477a159301.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -18363,9 +20461,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_9bf63fe02383.storage import Link, Publisher, is_postgres_url
+from _code_sessions_5a477a159301.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
+from .knowledge import save_to_knowledge
+from .uploads import UploadReceiver, register_upload_route, upload_url
 
 log = logging.getLogger("code_sessions.function")
 
@@ -18373,6 +20473,8 @@ __all__ = ["Locations", "Misconfigured", "OpenWebUI"]
 
 # Ids per IN (...) query: well under every database's limit on bound parameters.
 _ID_CHUNK = 500
+# Messages walked up a chat's tree at most (a longer chat is followed no further).
+_MAX_LINEAGE = 100_000
 
 # What the files of one bundle version share in this process (see `OpenWebUI.shared`).
 _PROCESS: dict[str, Any] = {}
@@ -18560,6 +20662,77 @@ class OpenWebUI:
             )
         )
 
+    async def message_lineage(
+        self, chat_id: str, message_id: str, user_message: dict[str, Any] | None = None
+    ) -> tuple[list[str], bool]:
+        """`message_id` and the messages above it in the chat's tree, nearest first (its user message,
+        the answer that one continues, ...), and whether the walk reached the conversation's start.
+        A temporary chat lives in the browser only: then the request's user message is all there is."""
+        chain = [message_id]
+        messages: dict[str, Any] | None = None
+        if _saved_chat(chat_id):
+            from open_webui.models.chat_messages import ChatMessages
+            from open_webui.models.chats import Chats
+
+            messages = await ChatMessages.get_messages_map_by_chat_id(chat_id)
+            if not messages or message_id not in messages:
+                chat = await Chats.get_chat_by_id(chat_id)
+                history = ((chat.chat or {}).get("history") or {}) if chat is not None else {}
+                messages = history.get("messages") if isinstance(history, dict) else None
+        if isinstance(messages, dict) and isinstance(messages.get(message_id), dict):
+            current = messages[message_id].get("parentId")
+            while isinstance(current, str) and current and current not in chain and len(chain) < _MAX_LINEAGE:
+                chain.append(current)
+                above = messages.get(current)
+                if not isinstance(above, dict):
+                    return chain, False  # a message the chat no longer holds: the start is unknown
+                current = above.get("parentId")
+            return chain, current is None
+        if isinstance(user_message, dict) and isinstance(user_message.get("id"), str):
+            chain.append(user_message["id"])
+            parent = user_message.get("parentId")
+            if parent is None:
+                return chain, True
+            if isinstance(parent, str) and parent:
+                chain.append(parent)
+        return chain, False
+
+    # ---- files in: upload links, Save to Knowledge ------------------------------------------------------
+
+    def upload_links_folder(self) -> Path:
+        """Where upload link records live: one place under Open WebUI's data folder, the same for every
+        worker (and replica sharing DATA_DIR), whatever storage_root a file's valves name, so any worker
+        that receives the POST finds the link (the record says where the chat's files are)."""
+        from open_webui.env import DATA_DIR
+
+        return Path(DATA_DIR) / "code_sessions_upload_links"
+
+    def serve_uploads(self, receiver: Callable[[], UploadReceiver]) -> bool:
+        """Put the upload route on this process's Open WebUI app (once; the latest receiver serves).
+        False when there is no app to put it on (not inside Open WebUI: `receiver` is not called)."""
+        import sys
+
+        main = sys.modules.get("open_webui.main")
+        app = getattr(main, "app", None)
+        if app is None:
+            return False
+        register_upload_route(app, receiver())
+        return True
+
+    async def upload_url(self, request: Any, token: str) -> str:
+        """The link as the user reaches Open WebUI: its configured WEBUI_URL, else the address this
+        message's request came to."""
+        from open_webui.models.config import Config
+
+        base = str(await Config.get("webui.url") or "")
+        if not base and request is not None:
+            base = str(getattr(request, "base_url", "") or "")
+        return upload_url(base or "/", token)
+
+    async def save_to_knowledge(self, request: Any, user_id: str, target: str, name: str, data: bytes) -> str:
+        """engine.KnowledgeHost: through Open WebUI's Knowledge API and its access checks."""
+        return await save_to_knowledge(request, user_id, target, name, data)
+
     async def chat_owners(self, chat_ids: Sequence[str]) -> dict[str, str]:
         """{chat id: owner's user id} for those of these chats that exist: one query per 500 ids.
         Raises when the database does (never an empty answer for an error)."""
@@ -18569,6 +20742,534 @@ class OpenWebUI:
         for start in range(0, len(chat_ids), _ID_CHUNK):
             owners.update(await Chats.get_owner_ids_by_chat_ids(list(chat_ids[start : start + _ID_CHUNK])))
         return owners
+''',
+    'webui/knowledge.py': r'''"""Save to Knowledge: a file of a chat put into one of the user's Knowledge bases through Open WebUI's own
+Knowledge API (0.12.4), so that other chats find it by retrieval.
+
+Every decision about who may write where is Open WebUI's own code, called with the user:
+`routers/knowledge.py get_knowledge_bases` lists the bases the user can see with `write_access`, and
+`add_file_to_knowledge_by_id` (the route the Knowledge page uses) checks write access again and adds
+the file. The file is made the way an upload is (`routers/files.py upload_file_handler`, processed at
+once: extracted and embedded), owned by the user; if anything refuses it, it is removed again
+(`delete_file_resource`), so a refusal leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import mimetypes
+from typing import Any
+
+from _code_sessions_5a477a159301.storage import human_bytes
+
+log = logging.getLogger("code_sessions.function")
+
+__all__ = ["save_to_knowledge"]
+
+# Pages of the user's Knowledge bases looked through for a name (30 per page in Open WebUI 0.12).
+_MAX_PAGES = 20
+_LISTED = 10
+
+
+async def save_to_knowledge(request: Any, user_id: str, target: str, name: str, data: bytes) -> str:
+    """See engine.KnowledgeHost. `request` is the message's (Open WebUI's processing reads its app)."""
+    from open_webui.internal.db import get_async_db
+    from open_webui.models.users import Users
+
+    user = await Users.get_user_by_id(user_id)
+    if user is None:
+        return "Not saved to Knowledge: Open WebUI does not know this user."
+    async with get_async_db() as db:
+        bases = await _bases(user, db)
+    writable = [base for base in bases if base.write_access]
+    if not target:
+        if not writable:
+            return "You have no Knowledge base you may add to: make one under Workspace → Knowledge."
+        names = ", ".join(_quoted(base.name) for base in writable[:_LISTED])
+        more = f" and {len(writable) - _LISTED} more" if len(writable) > _LISTED else ""
+        return f"Knowledge bases you may add to: {names}{more}."
+    matches = [base for base in bases if base.id == target] or [
+        base for base in bases if base.name.strip().casefold() == target.strip().casefold()
+    ]
+    if not matches:
+        return (
+            f"Not saved: you have no Knowledge base named {_quoted(target)} (or it is not shared with "
+            f"you). Type the command with no base to see the ones you may add to."
+        )
+    if len(matches) > 1:
+        ids = ", ".join(base.id for base in matches[:5])
+        return f"Not saved: several Knowledge bases are named {_quoted(target)}; give its id instead ({ids})."
+    base = matches[0]
+    if not base.write_access and user.role != "admin":
+        return f"Not saved: you may read the Knowledge base {_quoted(base.name)} but not add to it."
+    return await _add(request, user, base, name, data)
+
+
+async def _bases(user: Any, db: Any) -> list[Any]:
+    """The Knowledge bases the user can see, each with `write_access`: Open WebUI's own listing."""
+    from open_webui.routers.knowledge import get_knowledge_bases
+
+    found: list[Any] = []
+    for page in range(1, _MAX_PAGES + 1):
+        result = await get_knowledge_bases(page=page, user=user, db=db)
+        found.extend(result.items)
+        if len(found) >= result.total or not result.items:
+            break
+    return found
+
+
+async def _add(request: Any, user: Any, base: Any, name: str, data: bytes) -> str:
+    from fastapi import HTTPException, UploadFile
+    from open_webui.internal.db import get_async_db
+    from open_webui.models.files import Files
+    from open_webui.routers.files import upload_file_handler
+    from open_webui.routers.knowledge import (
+        KnowledgeFileIdForm,
+        add_file_to_knowledge_by_id,
+        delete_file_resource,
+    )
+    from starlette.datastructures import Headers
+
+    content_type = mimetypes.guess_type(name, strict=False)[0] or "application/octet-stream"
+    upload = UploadFile(io.BytesIO(data), filename=name, headers=Headers({"content-type": content_type}))
+    async with get_async_db() as db:
+        try:
+            made = await upload_file_handler(
+                request,
+                file=upload,
+                metadata={"source": "code-sessions"},
+                process=True,
+                process_in_background=False,  # extracted and embedded now: the answer can say it worked
+                user=user,
+                db=db,
+            )
+        except HTTPException as error:
+            return f"Not saved to Knowledge: Open WebUI refused the file ({error.detail})."
+        file_id = made["id"] if isinstance(made, dict) else made.id
+        record = await Files.get_file_by_id(file_id, db=db)
+        status = ((record.data if record else None) or {}).get("status")
+        if record is None or status == "failed":
+            why = ((record.data if record else None) or {}).get("error") or "it could not be processed"
+            if record is not None:
+                await delete_file_resource(record, db)
+            return f"Not saved to Knowledge: Open WebUI could not read the text of {name} ({why})."
+        try:
+            await add_file_to_knowledge_by_id(
+                request, base.id, KnowledgeFileIdForm(file_id=file_id), user=user, db=db
+            )
+        except HTTPException as error:
+            await delete_file_resource(record, db)
+            if error.status_code in (401, 403) or "access" in str(error.detail).lower():
+                return f"Not saved: you may not add to the Knowledge base {_quoted(base.name)}."
+            return f"Not saved to Knowledge: Open WebUI refused it ({error.detail})."
+    return (
+        f"Saved {name} ({human_bytes(len(data))}) to the Knowledge base {_quoted(base.name)}: other chats "
+        "that use it can now find it."
+    )
+
+
+def _quoted(text: str) -> str:
+    # Names come from users: shown as plain text between quotes, one line, bounded.
+    flat = " ".join(str(text).split())[:80]
+    return "\u201c" + flat.replace("`", "'") + "\u201d"
+''',
+    'webui/multipart.py': r'''"""The file part of a multipart/form-data body, read as it streams (the upload link's POST).
+
+The sender is anyone holding the link, so the body is hostile: the boundary is validated, headers are
+bounded, parts other than the file are skipped within a bound, and a body that ends before the file's
+closing delimiter is refused (the file is then incomplete, and nothing is saved). Data is handed on
+as it comes, holding back only what could be the start of the delimiter, so memory stays bounded
+whatever the file's size.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["MultipartError", "MultipartFile", "boundary_of"]
+
+# RFC 2046: 1 to 70 characters of this set (we also take the common quoted form).
+_BOUNDARY = re.compile(r"[0-9A-Za-z'()+_,./:=?-]{1,70}")
+_MAX_HEADERS = 16 * 1024  # one part's header block
+_MAX_SKIPPED = 1024 * 1024  # bytes of other fields before the file
+_FIELD = "file"
+
+
+class MultipartError(ValueError):
+    """The body is not the multipart form an upload link takes; the message is the sentence."""
+
+
+def boundary_of(content_type: str) -> bytes:
+    """The boundary named in a Content-Type header, or MultipartError."""
+    kind, _, params = content_type.partition(";")
+    if kind.strip().lower() != "multipart/form-data":
+        raise MultipartError(
+            "Send the file as multipart/form-data, in a field named file (for example: "
+            "curl -F file=@export.csv <link>)."
+        )
+    for param in params.split(";"):
+        key, _, value = param.strip().partition("=")
+        if key.strip().lower() == "boundary":
+            value = value.strip()
+            if len(value) >= 2 and value[0] == value[-1] == '"':
+                value = value[1:-1]
+            if _BOUNDARY.fullmatch(value):
+                return value.encode("ascii")
+    raise MultipartError("The multipart/form-data body names no valid boundary.")
+
+
+class MultipartFile:
+    """Feed the body's bytes in order (`feed`); it returns the file's data found so far. `done` is True
+    once the file part ended with its delimiter; `filename` is the name the sender gave, if any."""
+
+    def __init__(self, boundary: bytes) -> None:
+        self._delimiter = b"\r\n--" + boundary
+        self._buffer = b"\r\n"  # the first delimiter has no CRLF before it: make it look like the others
+        self._state = "preamble"
+        self._skipped = 0
+        self._in_file = False
+        self.filename: str | None = None
+        self.done = False
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        if self.done:
+            return []
+        self._buffer += chunk
+        out: list[bytes] = []
+        while True:
+            if self._state == "preamble":
+                at = self._buffer.find(self._delimiter)
+                if at < 0:
+                    self._skip(len(self._buffer) - len(self._delimiter))
+                    return out
+                self._buffer = self._buffer[at + len(self._delimiter) :]
+                self._state = "after_delimiter"
+            if self._state == "after_delimiter":
+                if len(self._buffer) < 2:
+                    return out
+                if self._buffer.startswith(b"--"):
+                    raise MultipartError("The form has no field named file: nothing was uploaded.")
+                end = self._buffer.find(b"\r\n")
+                if end < 0:
+                    self._skip_bounded(len(self._buffer), "a line after a delimiter")
+                    return out
+                if self._buffer[:end].strip(b" \t"):
+                    raise MultipartError("The multipart body is malformed (text after a delimiter).")
+                self._buffer = self._buffer[end + 2 :]
+                self._state = "headers"
+            if self._state == "headers":
+                end = self._buffer.find(b"\r\n\r\n")
+                if end < 0:
+                    if len(self._buffer) > _MAX_HEADERS:
+                        raise MultipartError("A part of the multipart body has too many headers.")
+                    return out
+                headers, self._buffer = self._buffer[:end], self._buffer[end + 4 :]
+                name, filename = _disposition(headers)
+                self._in_file = name == _FIELD
+                if self._in_file:
+                    self.filename = filename
+                self._state = "body"
+            if self._state == "body":
+                at = self._buffer.find(self._delimiter)
+                if at < 0:
+                    # Keep what could be the start of a delimiter split across chunks.
+                    keep = len(self._delimiter) - 1
+                    ready = len(self._buffer) - keep
+                    if ready > 0:
+                        self._take(self._buffer[:ready], out)
+                        self._buffer = self._buffer[ready:]
+                    return out
+                self._take(self._buffer[:at], out)
+                self._buffer = self._buffer[at + len(self._delimiter) :]
+                if self._in_file:
+                    self.done = True
+                    self._buffer = b""
+                    return out
+                self._state = "after_delimiter"
+
+    def _take(self, data: bytes, out: list[bytes]) -> None:
+        if not data:
+            return
+        if self._in_file:
+            out.append(data)
+        else:
+            self._skip(len(data))
+
+    def _skip(self, count: int) -> None:
+        if count <= 0:
+            return
+        self._skipped += count
+        if self._skipped > _MAX_SKIPPED:
+            raise MultipartError("The form's first megabyte holds no field named file: nothing was uploaded.")
+        if self._state == "preamble":
+            self._buffer = self._buffer[count:]
+
+    def _skip_bounded(self, size: int, what: str) -> None:
+        if size > _MAX_HEADERS:
+            raise MultipartError(f"The multipart body is malformed ({what} is too long).")
+
+
+def _disposition(headers: bytes) -> tuple[str | None, str | None]:
+    """(name, filename) from a part's Content-Disposition header."""
+    text = headers.decode("utf-8", "replace")
+    for line in text.split("\r\n"):
+        key, _, value = line.partition(":")
+        if key.strip().lower() != "content-disposition":
+            continue
+        params: dict[str, str] = {}
+        for match in re.finditer(r';\s*([A-Za-z*]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^;]*)', value):
+            raw = match.group(2).strip()
+            if raw.startswith('"') and raw.endswith('"') and len(raw) >= 2:
+                raw = re.sub(r"\\(.)", r"\1", raw[1:-1])
+            params[match.group(1).lower()] = raw
+        return params.get("name"), params.get("filename")
+    return None, None
+''',
+    'webui/uploads.py': r'''"""The upload link's route on Open WebUI's own web server: `GET|POST /code-sessions/upload/<token>`.
+
+Open WebUI (0.12.4) has no hook for a function's own HTTP routes, so the route is put at the front of
+its FastAPI app's routes (before the web UI's catch-all), once per worker process, by whichever Code
+Sessions file that process loads first; a newer version's receiver replaces the older one's. Each
+uvicorn worker loads functions lazily, so a worker has the route once it has loaded one of the files
+(see docs/security.md, "Upload links", for the Event file that loads them in every worker at start).
+
+The token in the URL is the credential: the link works from a browser or another system without a
+login. A request that does carry an Open WebUI login (a bearer token, an API key or the browser's
+cookie) must be the chat's owner's: another user's login never helps, and is refused before the link
+is touched. The body is read as it streams (webui/multipart.py); the storage checks the per-file limit
+and the quota as it arrives, and a refusal is a sentence (JSON `detail`, or a small page for a
+browser). A refused upload's remaining body is read and dropped, so the sender gets the sentence
+rather than a broken connection.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from _code_sessions_5a477a159301.storage import (
+    DiskFull,
+    FileExists,
+    Incoming,
+    InvalidPath,
+    LinkRefused,
+    QuotaExceeded,
+    StorageBusy,
+    StorageError,
+    UploadGrant,
+)
+
+from .multipart import MultipartError, MultipartFile, boundary_of
+
+log = logging.getLogger("code_sessions.function")
+
+__all__ = ["ROUTE", "UploadReceiver", "receive_body", "register_upload_route", "upload_url"]
+
+ROUTE = "/code-sessions/upload/{token}"
+_PREFIX = ROUTE.split("{", 1)[0]
+_STATE_RECEIVER = "code_sessions_upload_receiver"
+_STATE_ROUTE = "code_sessions_upload_route"
+_BATCH = 1 << 20  # bytes handed to the storage at once (one thread hop per MiB, not per packet)
+
+
+class UploadReceiver(Protocol):
+    """What receives an upload (engine.Inbound)."""
+
+    async def peek(self, token: str) -> UploadGrant: ...
+
+    async def claim(self, token: str) -> UploadGrant: ...
+
+    async def begin(self, grant: UploadGrant) -> Incoming: ...
+
+    async def finish(self, grant: UploadGrant, incoming: Incoming) -> str: ...
+
+
+def upload_url(base_url: str, token: str) -> str:
+    return base_url.rstrip("/") + _PREFIX + token
+
+
+def register_upload_route(app: Any, receiver: UploadReceiver) -> None:
+    """Serve upload links in this process from now on (idempotent; the latest receiver is used)."""
+    from starlette.routing import Route
+
+    setattr(app.state, _STATE_RECEIVER, receiver)
+    if getattr(app.state, _STATE_ROUTE, False):
+        return
+    # Before the web UI's catch-all mount at "/", which would answer every path.
+    app.router.routes.insert(0, Route(ROUTE, _endpoint, methods=["GET", "POST"]))
+    setattr(app.state, _STATE_ROUTE, True)
+    log.info("code-sessions: worker %d serves upload links at %s", os.getpid(), _PREFIX)
+
+
+async def _endpoint(request: Any) -> Any:
+    receiver: UploadReceiver = getattr(request.app.state, _STATE_RECEIVER)
+    token = str(request.path_params.get("token") or "")
+    browser = "text/html" in request.headers.get("accept", "")
+    try:
+        grant = await receiver.peek(token)
+    except LinkRefused as refused:
+        return _answer(request, browser, 404 if refused.kind == "unknown" else 410, str(refused))
+    refusal = await _foreign_login(request, grant.user_id)
+    if refusal is not None:
+        return _answer(request, browser, 403, refusal)
+    if request.method == "GET":
+        return _page(grant)
+    return await _receive(request, receiver, token, browser)
+
+
+async def _receive(request: Any, receiver: UploadReceiver, token: str, browser: bool) -> Any:
+    try:
+        parser = MultipartFile(boundary_of(request.headers.get("content-type", "")))
+    except MultipartError as error:
+        return _answer(request, browser, 400, str(error))
+    try:
+        grant = await receiver.claim(token)  # from here on the link is used, whatever follows
+    except LinkRefused as refused:
+        return _answer(request, browser, 410, str(refused))
+    stream = request.stream()
+    try:
+        incoming = await receiver.begin(grant)
+    except StorageError as error:
+        await _drain(stream)
+        return _answer(request, browser, _status(error), _sentence(error))
+    try:
+        await receive_body(parser, incoming, stream)
+        said = await receiver.finish(grant, incoming)
+    except (StorageError, MultipartError) as error:
+        await incoming.discard()
+        await _drain(stream)
+        if isinstance(error, MultipartError):
+            return _answer(request, browser, 400, str(error))
+        return _answer(request, browser, _status(error), _sentence(error))
+    except BaseException:
+        await incoming.discard()
+        raise
+    await _drain(stream)
+    log.info("code-sessions: upload link: %d bytes into chat %r", incoming.received, grant.chat_id[:80])
+    return _answer(request, browser, 201, said, path=f"/mnt/data/{grant.path}", size=incoming.received)
+
+
+async def receive_body(parser: MultipartFile, incoming: Incoming, chunks: AsyncIterator[bytes]) -> None:
+    """Feed the body to the multipart reader and the file's data to the storage (a MiB at a time), as
+    it arrives; stops at the file's closing delimiter. Raises MultipartError when the body ends before
+    it, and the storage's refusals (QuotaExceeded, DiskFull) as they happen."""
+    pending: list[bytes] = []
+    size = 0
+    async for chunk in chunks:
+        for data in parser.feed(chunk):
+            pending.append(data)
+            size += len(data)
+        if size >= _BATCH:
+            await incoming.write(b"".join(pending))
+            pending, size = [], 0
+        if parser.done:
+            break
+    if pending:
+        await incoming.write(b"".join(pending))
+    if not parser.done:
+        raise MultipartError(
+            "The upload ended before the whole file arrived; nothing was saved. Ask in the chat for a "
+            "new upload link and send the file again."
+        )
+
+
+async def _drain(stream: Any) -> None:
+    """Read and drop the rest of the body: a sender still writing gets our answer, not a reset."""
+    try:
+        async for _ in stream:
+            pass
+    except Exception:  # the body was read whole already, or the sender went away
+        return
+
+
+async def _foreign_login(request: Any, owner_id: str) -> str | None:
+    """A sentence when the request carries an Open WebUI login that is not the chat owner's (or not a
+    valid one); None when it carries none, or the owner's."""
+    from fastapi import BackgroundTasks, HTTPException, Response
+    from open_webui.utils.auth import get_current_user, get_http_authorization_cred
+
+    credentials = get_http_authorization_cred(request.headers.get("authorization"))
+    if credentials is None and not request.cookies.get("token"):
+        return None
+    try:
+        user = await get_current_user(request, Response(), BackgroundTasks(), auth_token=credentials)
+    except HTTPException:
+        return (
+            "The login sent with this upload is not valid. Send the upload without it (the link is "
+            "enough), or log in again."
+        )
+    if getattr(user, "id", None) != owner_id:
+        return (
+            "This upload link belongs to another user's chat: your login does not open it, and nothing "
+            "was uploaded. Ask in your own chat for a link of your own."
+        )
+    return None
+
+
+def _status(error: StorageError) -> int:
+    if isinstance(error, QuotaExceeded):
+        return 413
+    if isinstance(error, FileExists):
+        return 409
+    if isinstance(error, DiskFull):
+        return 507
+    if isinstance(error, StorageBusy):
+        return 503
+    if isinstance(error, InvalidPath):
+        return 400
+    return 500
+
+
+def _sentence(error: StorageError) -> str:
+    text = str(error)
+    if isinstance(error, QuotaExceeded | DiskFull):
+        return text
+    return f"The upload was not saved: {text}."
+
+
+def _answer(request: Any, browser: bool, status: int, sentence: str, **extra: Any) -> Any:
+    from starlette.responses import HTMLResponse, JSONResponse
+
+    headers = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"}
+    if browser:
+        body = f"<p>{html.escape(sentence)}</p>"
+        return HTMLResponse(_html("Upload", body), status_code=status, headers={**headers, **_PAGE_HEADERS})
+    return JSONResponse({"detail": sentence, **extra}, status_code=status, headers=headers)
+
+
+_PAGE_HEADERS = {
+    # Our page runs on Open WebUI's origin: no script at all, nothing loaded from elsewhere, never framed.
+    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; "
+    "frame-ancestors 'none'; base-uri 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+}
+
+
+def _page(grant: UploadGrant) -> Any:
+    from starlette.responses import HTMLResponse
+
+    target = html.escape(f"/mnt/data/{grant.path}")
+    body = (
+        f"<p>Choose the file to put at <code>{target}</code> in your chat. The link takes one file, "
+        "once.</p>"
+        '<form method="post" enctype="multipart/form-data">'
+        '<input type="file" name="file" required> <button type="submit">Upload</button></form>'
+    )
+    headers = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer", **_PAGE_HEADERS}
+    return HTMLResponse(_html("Upload a file", body), headers=headers)
+
+
+def _html(title: str, body: str) -> str:
+    return (
+        f'<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>'
+        "<style>body{font-family:sans-serif;max-width:40rem;margin:3rem auto}</style></head>"
+        f"<body><h1>{title}</h1>{body}</body></html>"
+    )
 ''',
     'functions/__init__.py': r'''''',
     'functions/adapter.py': r'''"""What the three Open WebUI files (the Pipe, the Tool and the Filter) share: the valves that set up the
@@ -18598,10 +21299,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_9bf63fe02383.engine import DEFAULTS, MINUTE_S, Engine, Maintenance, Settings
-from _code_sessions_9bf63fe02383.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_9bf63fe02383.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_9bf63fe02383.webui import OpenWebUI
+from _code_sessions_5a477a159301.engine import DEFAULTS, MINUTE_S, BranchSettings, Engine, Maintenance, Settings, Turn
+from _code_sessions_5a477a159301.functions.inbound import serve_uploads
+from _code_sessions_5a477a159301.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_5a477a159301.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_5a477a159301.webui import OpenWebUI
 
 __all__ = ["Adapter", "SharedValves", "Status", "settings_from"]
 
@@ -18744,11 +21446,34 @@ class SharedValves(BaseModel):
         "is retried a minute later), then cleared: "
         "'all', 'user:<user id>', 'chat:<chat id>' or 'idle:<duration>' such as idle:7d, idle:12h.",
     )
+    branch_states: int = Field(
+        default=DEFAULTS.branches.states,
+        ge=0,
+        le=1000,
+        description="Answers per chat whose files (and, for the newest, Python state) are kept, so that "
+        "regenerating or editing a message, or going back to another branch, continues from that "
+        "message's state. They count toward the user's storage after the files, and the oldest go "
+        "first when it is full. 0: the folder is the chat's whole, whatever the branch.",
+    )
+    branch_python_states: int = Field(
+        default=DEFAULTS.branches.python_states,
+        ge=0,
+        le=100,
+        description="Of those, how many of the newest also keep the Python state (a copy of the "
+        "kernel's memory each). 0: a branch gets its files back, and a new Python state.",
+    )
     attach_files: bool = Field(
         default=DEFAULTS.attach_files,
         description="Show an answer's files as attachments of its message (and let the people a chat "
         "is shared with open them). Off: a file a run saved that the answer does not name is named in "
         "one line at the end of the answer instead.",
+    )
+    upload_link_minutes: float = Field(
+        default=_whole(DEFAULTS.upload_link_s / MINUTE_S),
+        gt=0,
+        le=24 * 60,
+        description="An upload link the model offers (one file, one use, into one path of the chat) "
+        "works this long.",
     )
     runsc_path: str = Field(default=_RUNNER.runsc_path, description="The gVisor runsc binary.")
     runsc_platform: str = Field(default="", description="Empty: detect (systrap if supported, else ptrace).")
@@ -18786,8 +21511,10 @@ def settings_from(valves: SharedValves) -> Settings:
         ),
         network=valves.network,
         attach_files=valves.attach_files,
+        branches=BranchSettings(states=valves.branch_states, python_states=valves.branch_python_states),
         cleanup_every_s=valves.cleanup_interval_minutes * MINUTE_S,
         purge=valves.purge,
+        upload_link_s=valves.upload_link_minutes * MINUTE_S,
     )
 
 
@@ -18804,6 +21531,9 @@ class Adapter:
         self._services_key: tuple[Any, ...] | None = None
         self._function_id: str | None = None
         self._background: asyncio.Task[None] | None = None
+        # Open WebUI makes the file's instance when it loads the file: from then on this worker serves
+        # upload links (functions/inbound.py).
+        serve_uploads(self._host)
 
     @property
     def _host(self) -> Any:
@@ -19038,6 +21768,23 @@ def _save_kernels_before_stop(shared: dict[str, Any]) -> None:
             return
 
 
+def turn_of(host: Any, chat_id: str, message_id: str | None, metadata: dict[str, Any] | None) -> Turn | None:
+    """Where the answer Open WebUI is writing is in the chat's conversation (None: the request named
+    no message, as an API call may not: the folder is then the chat's whole)."""
+    if not message_id:
+        return None
+    user_message = (metadata or {}).get("user_message")
+    if not isinstance(user_message, dict):
+        user_message = None
+    parent = user_message.get("parentId") if user_message is not None else None
+
+    async def lineage() -> tuple[list[str], bool]:
+        found: tuple[list[str], bool] = await host.message_lineage(chat_id, message_id, user_message)
+        return found
+
+    return Turn(message_id, lineage, continues=parent if isinstance(parent, str) and parent else None)
+
+
 class Status:
     """The message's status line (engine.StatusCall). Open WebUI 0.12 shows a message's last status,
     and nothing when that one is hidden."""
@@ -19058,6 +21805,140 @@ class Status:
         """The message is over: a status still in progress (a wait for the chat) must not stay."""
         if self._going is not None:
             await self(self._going, True, hidden=True)
+''',
+    'functions/inbound.py': r'''"""Files in, for the Pipe, the Tool and the Filter: the upload link the model offers (a tool), the Save to
+Knowledge command the user types, and the upload route every loaded file puts on its worker.
+
+The work is engine.Inbound's (checks, sentences) and webui's (the route, Open WebUI's Knowledge API);
+this module only composes them with the process's services. One `Inbound` serves a process; its links
+live where every worker finds them (`OpenWebUI.upload_links_folder`), each naming where its chat's
+files are, so a worker that never ran the chat can still receive its upload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from _code_sessions_5a477a159301.engine import ChatSession, Engine, ExtraTool, Inbound, Settings, save_command
+from _code_sessions_5a477a159301.storage import Expiry, Policy, Quotas, Store, UploadLinks
+
+__all__ = ["UPLOAD_LINK_TOOL", "answer_command", "serve_uploads", "upload_link", "upload_link_tool"]
+
+LOCATION_ID = "code_sessions"  # as functions/adapter.py's: where older /cache copies lived
+
+UPLOAD_LINK_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "upload_link",
+        "description": (
+            "Make a link the user can upload one file with, straight into /mnt/data at the path you "
+            "choose (for files too big to attach, or that come from another system). The link takes "
+            "one file, once, for a few minutes. Give the link to the user as it is."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "path": {"type": "string", "description": "where the file goes, e.g. /mnt/data/export.csv"}
+            },
+            "required": ["path"],
+        },
+    },
+}
+
+
+def serve_uploads(host: Any) -> None:
+    """Put the upload route on this worker's Open WebUI app (at each file's load; a no-op outside
+    Open WebUI), so a link works in every worker that has loaded one of the files."""
+    host.serve_uploads(lambda: _inbound(host))
+
+
+async def answer_command(host: Any, chat: ChatSession, request: Any, text: str) -> str | None:
+    """The sentence for the user's Save to Knowledge command, or None when the message is not one."""
+    parsed = save_command(text)
+    if parsed is None:
+        return None
+    return await _inbound(host).save_to_knowledge(chat, host, request, *parsed)
+
+
+async def upload_link(
+    host: Any, services: Engine, valves: Any, chat: ChatSession, request: Any, path: str
+) -> str:
+    """A new upload link for the model to give the user, or the sentence why not."""
+    inbound = _inbound(host)
+    host.serve_uploads(lambda: inbound)
+    settings: Settings = chat.settings
+    made = await inbound.make_link(chat, path, ttl_s=settings.upload_link_s, where=_where(valves, services))
+    if isinstance(made, str):
+        return made
+    url = await host.upload_url(request, made.token)
+    return made.sentence(url, settings.policy.max_file_bytes)
+
+
+def upload_link_tool(
+    host: Any, services: Engine, valves: Any, chat: ChatSession, request: Any
+) -> ExtraTool:
+    """The upload link as a tool of the Pipe's own loop."""
+
+    async def call(arguments: dict[str, Any]) -> str:
+        path = arguments.get("path")
+        if not isinstance(path, str) or not path.strip():
+            return "Missing `path` (a string such as /mnt/data/export.csv)."
+        return await upload_link(host, services, valves, chat, request, path)
+
+    return ExtraTool(UPLOAD_LINK_TOOL, call)
+
+
+# ---- composition ---------------------------------------------------------------------------------------
+
+
+def _inbound(host: Any) -> Inbound:
+    shared = host.shared()
+    inbound: Inbound | None = shared.get("code-sessions:inbound")
+    if inbound is None:
+        links = UploadLinks(host.upload_links_folder())
+        inbound = shared["code-sessions:inbound"] = Inbound(links, lambda where: _store_for(host, where))
+    return inbound
+
+
+def _where(valves: Any, services: Engine) -> dict[str, Any]:
+    """What a link records about where its chat's files are (for a worker that has no services yet)."""
+    store = services.store
+    return {
+        "root": str(store.root),
+        "storage_root": valves.storage_root,
+        "index": valves.index_database,
+        "owner": list(store.owner) if store.owner else None,
+        "quotas": store.policy.quotas.to_dict(),
+    }
+
+
+async def _store_for(host: Any, where: dict[str, Any]) -> tuple[Store, Policy]:
+    """The store a link names (this process's own, its services', when it has one for that root, else
+    one opened for uploads alone) and the quotas the link was made under."""
+    root = Path(str(where.get("root") or ""))
+    policy = Policy(Quotas(**dict(where.get("quotas") or {})), Expiry())
+    shared = host.shared()
+    for entry in list(shared.values()):
+        services = entry[0] if isinstance(entry, list) and entry else None
+        if isinstance(services, Engine) and services.store.root == root:
+            return services.store, policy
+    key = ("code-sessions:upload-store", id(asyncio.get_running_loop()), str(root))
+    store: Store | None = shared.get(key)
+    if store is None:
+        places = host.locations(str(where.get("storage_root") or ""), LOCATION_ID)
+        owner = where.get("owner")
+        store = Store(
+            root,
+            publisher=host.publisher(places),
+            owner=(int(owner[0]), int(owner[1])) if owner else None,
+            database_url=host.index_url(str(where.get("index") or "")),
+            temporary_chat=host.temporary_chat,
+        )
+        await store.open()
+        shared[key] = store
+    return store, policy
 ''',
 }
 
@@ -19117,7 +21998,7 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 #
 # This file is a thin adapter: its valves are the session valves every file shares, and the settings
 # and services built from them are functions/adapter.py's; the step and the maintenance are engine's.
-# Open WebUI offers every public method of `Tools` to the model, so `run_code` is the only one.
+# Open WebUI offers every public method of `Tools` to the model: `run_code` and `upload_link`.
 #
 # No `from __future__` import here: Open WebUI reads run_code's annotations to build its schema, and in
 # the bundle this module's body does not start the file.
@@ -19125,10 +22006,11 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_9bf63fe02383.engine import LoopOptions, escape_text, import_uploads, run_step
-from _code_sessions_9bf63fe02383.functions.adapter import Adapter, SharedValves, Status
-from _code_sessions_9bf63fe02383.storage import StorageError
-from _code_sessions_9bf63fe02383.webui import Misconfigured
+from _code_sessions_5a477a159301.engine import LoopOptions, escape_text, import_uploads, run_step
+from _code_sessions_5a477a159301.functions.adapter import Adapter, SharedValves, Status, turn_of
+from _code_sessions_5a477a159301.functions.inbound import upload_link
+from _code_sessions_5a477a159301.storage import StorageError
+from _code_sessions_5a477a159301.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 
@@ -19150,6 +22032,8 @@ class Tools:
         __files__: list[Any] | None = None,
         __event_emitter__: Any = None,
         __id__: str | None = None,
+        __message_id__: str | None = None,
+        __metadata__: dict[str, Any] | None = None,
     ) -> str:
         """
         Run Python or bash in a sandbox. The working directory is /mnt/data, this chat's persistent
@@ -19167,6 +22051,26 @@ class Tools:
             files=__files__ or [],
             emitter=__event_emitter__,
             tool_id=__id__,
+            message_id=__message_id__,
+            metadata=__metadata__,
+        )
+
+    async def upload_link(
+        self,
+        path: str,
+        __user__: dict[str, Any] | None = None,
+        __chat_id__: str | None = None,
+        __request__: Any = None,
+        __id__: str | None = None,
+    ) -> str:
+        """
+        Make a link the user can upload one file with, straight into /mnt/data at the path you choose
+        (for files too big to attach, or that come from another system). The link takes one file,
+        once, for a few minutes. Give the link to the user as it is.
+        :param path: where the file goes, e.g. /mnt/data/export.csv
+        """
+        return await self._adapter.upload_link(
+            path, user=__user__ or {}, chat_id=__chat_id__ or "", request=__request__, tool_id=__id__
         )
 
 
@@ -19202,6 +22106,8 @@ class ToolAdapter(Adapter):
         files: list[Any],
         emitter: Any,
         tool_id: str | None,
+        message_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
     ) -> str:
         """One run for the model: the result it reads, with any sentence about the chat's files."""
         self._function_id = tool_id or self._function_id
@@ -19218,6 +22124,9 @@ class ToolAdapter(Adapter):
             log.warning("code-sessions: no session for chat %r: %s", chat_id[:80], error)
             return f"Not run: this chat's files are not available right now: {escape_text(str(error))}"
         status = Status(emitter)
+        # The folder follows the conversation's branches (the Filter's inlet did it before the model was
+        # asked; without the Filter, the answer's first run does): what it says reaches the result.
+        await chat.begin_turn(turn_of(self._host, chat_id, message_id, metadata))
         # The Filter copies uploads in before the model is asked; without it (or when a file arrives
         # between two runs of one answer) the Tool does, once each: nothing is copied twice.
         notes, _ = await import_uploads(chat, self._host, user_id, files, status)
@@ -19231,6 +22140,21 @@ class ToolAdapter(Adapter):
         if step.figures:
             result += "\nTo show a figure, write its /mnt/data path in your answer."
         return "".join(_plain(note) for note in notes) + result
+
+    async def upload_link(
+        self, path: str, *, user: dict[str, Any], chat_id: str, request: Any, tool_id: str | None
+    ) -> str:
+        """A link the user can upload one file with, into this chat's /mnt/data (functions/inbound.py)."""
+        self._function_id = tool_id or self._function_id
+        user_id = str(user.get("id") or "")
+        if not user_id:
+            return "No upload link: Open WebUI did not say which user this is."
+        try:
+            services, settings = await self._begin()
+            chat = await services.chat(user_id, chat_id, settings)
+        except (Misconfigured, StorageError) as error:
+            return f"No upload link: {escape_text(str(error))}"
+        return await upload_link(self._host, services, self.settings, chat, request, path)
 
 
 def _plain(note: str) -> str:

@@ -1,10 +1,13 @@
 """A chat step without Open WebUI: sandbox runs over a persistent session, links, the conversation loop."""
 
 from .blocks import CodeBlock, runnable_blocks
+from .branches import Turn
 from .host import Host, PurgeValve
+from .inbound import SAVE_COMMAND, Inbound, KnowledgeHost, NewLink, StoreFor, chat_path, save_command
 from .links import References, Target, find_paths, rewrite
 from .loop import (
     RUN_CODE_TOOL,
+    ExtraTool,
     LoopOptions,
     ModelCall,
     StatusCall,
@@ -19,7 +22,7 @@ from .prepare import import_uploads, last_user_text, messages_with_prompt
 from .prompt import PromptFacts, system_prompt
 from .purge import parse_purge
 from .service import ChatSession, Engine, StepResult
-from .settings import DEFAULTS, Settings
+from .settings import DEFAULTS, BranchSettings, Settings
 from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
 from .streaming import StreamingRewriter
 
@@ -27,24 +30,33 @@ __all__ = [
     "DEFAULTS",
     "MINUTE_S",
     "RUN_CODE_TOOL",
+    "SAVE_COMMAND",
+    "BranchSettings",
     "ChatSession",
     "CodeBlock",
     "Engine",
+    "ExtraTool",
     "Host",
+    "Inbound",
+    "KnowledgeHost",
     "LoopOptions",
     "Maintenance",
     "ModelCall",
     "ModelError",
+    "NewLink",
     "PromptFacts",
     "PurgeValve",
     "References",
     "Settings",
     "StatusCall",
     "StepResult",
+    "StoreFor",
     "StreamingRewriter",
     "Target",
     "TextDelta",
     "ToolCall",
+    "Turn",
+    "chat_path",
     "code_span",
     "converse",
     "escape_text",
@@ -60,6 +72,7 @@ __all__ = [
     "rewrite",
     "run_step",
     "runnable_blocks",
+    "save_command",
     "system_prompt",
     "waiting_status",
 ]

@@ -22,6 +22,7 @@ from .sse import ModelError, TextDelta, ToolCall
 
 __all__ = [
     "RUN_CODE_TOOL",
+    "ExtraTool",
     "LoopOptions",
     "ModelCall",
     "StatusCall",
@@ -64,6 +65,19 @@ class StatusCall(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class ExtraTool:
+    """A tool offered beside run_code (e.g. engine/inbound.py's upload link): its OpenAI-style spec, and
+    what answers a call (the parsed arguments in, the result the model reads out)."""
+
+    spec: dict[str, Any]
+    call: Callable[[dict[str, Any]], Awaitable[str]]
+
+    @property
+    def name(self) -> str:
+        return str(self.spec["function"]["name"])
+
+
+@dataclass(frozen=True, slots=True)
 class LoopOptions:
     tool_mode: bool = True
     max_steps: int = 8
@@ -74,6 +88,8 @@ class LoopOptions:
     # `attach_files`). Then a file saved but not named in the text is only attached; without it, it is
     # named in one line at the end of the answer.
     attachments: bool = False
+    # Tools offered beside run_code; each call counts as a step.
+    tools: tuple[ExtraTool, ...] = ()
 
 
 def _fence(text: str) -> str:
@@ -131,14 +147,18 @@ def _status_after(step: StepResult) -> str | None:
     return notes[0] if notes else None
 
 
-def _arguments(call: ToolCall) -> tuple[str, str] | str:
-    """(language, code) from a run_code call, or an error message for the model."""
-    if call.name != "run_code":
-        return f"Unknown tool {call.name!r}; the only tool is run_code."
+def _arguments(call: ToolCall, options: LoopOptions) -> tuple[str, str] | dict[str, Any] | str:
+    """(language, code) from a run_code call, the arguments of an extra tool's call, or an error
+    message for the model."""
+    names = ["run_code", *(tool.name for tool in options.tools)]
+    if call.name not in names:
+        return f"Unknown tool {call.name!r}; the tools are {', '.join(names)}."
     try:
         arguments = json.loads(call.arguments or "{}")
     except json.JSONDecodeError as error:
-        return f'The arguments were not valid JSON ({error}); send {{"language": ..., "code": ...}}.'
+        return f"The arguments were not valid JSON ({error}); send a JSON object."
+    if call.name != "run_code":
+        return arguments if isinstance(arguments, dict) else "The arguments must be a JSON object."
     if not isinstance(arguments, dict) or not isinstance(arguments.get("code"), str):
         return "Missing `code` (a string)."
     language = arguments.get("language") or "python"
@@ -203,7 +223,8 @@ async def _turns(
         rewriter = chat.streaming_rewriter()
         text = ""
         calls: list[ToolCall] = []
-        async for event in call_model(messages, [RUN_CODE_TOOL] if offer_tools else None):
+        offered = [RUN_CODE_TOOL, *(tool.spec for tool in options.tools)]
+        async for event in call_model(messages, offered if offer_tools else None):
             if isinstance(event, TextDelta):
                 text += event.text
                 if len(event.text) > SCAN_ON_LOOP_CHARS:  # a whole answer in one piece (not streamed)
@@ -242,11 +263,15 @@ async def _turns(
                 }
             )
             for call in calls:
-                parsed = _arguments(call)
+                parsed = _arguments(call, options)
                 if isinstance(parsed, str):
                     result = parsed
                 elif steps >= options.max_steps:
                     result = "Not run: the step limit for this answer is reached. Answer with what you have."
+                elif isinstance(parsed, dict):
+                    steps += 1
+                    tool = next(t for t in options.tools if t.name == call.name)
+                    result = await tool.call(parsed)
                 else:
                     steps += 1
                     step = await run_step(chat, parsed[0], parsed[1], status)

@@ -12,13 +12,11 @@ import posixpath
 import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
 from storage import (
     CLEAR_FILES_COMMAND,
-    MAX_PATH_BYTES,
     CleanupReport,
     DiskFull,
     FileMissing,
@@ -33,10 +31,12 @@ from storage import (
     human_bytes,
 )
 
+from .branches import Branches, Turn
 from .links import References, Target, resolve_all
 from .markup import escape_text, mention
 from .scan import SCAN_ON_LOOP_CHARS
 from .settings import Settings
+from .step import StepResult
 from .streaming import StreamingRewriter
 
 __all__ = ["ChatSession", "Engine", "StepResult", "Waiting"]
@@ -50,16 +50,6 @@ log = logging.getLogger("code_sessions.engine")
 # leave the index wrong for long (the disk is the truth).
 FULL_RECONCILE_EVERY_S = 600.0
 
-_OUTCOME_WORDS = {
-    Outcome.OK: "finished",
-    Outcome.ERROR: "exited with an error",
-    Outcome.TIMEOUT: "was stopped: time limit reached",
-    Outcome.OOM: "was stopped: out of memory",
-    Outcome.OUTPUT_LIMIT: "was stopped: too much output",
-    Outcome.DISK_LIMIT: "was stopped: it wrote more than the disk limit",
-    Outcome.SANDBOX_FAILURE: "could not run: the sandbox failed",
-    Outcome.KERNEL_LOST: "was stopped: the kernel stopped responding",
-}
 _FIGURE_SUFFIXES = (".png",)
 # Files an answer saved without naming them, handed over by name (or attached) at most this many.
 _HANDED_OVER = 20
@@ -67,149 +57,6 @@ _HANDED_OVER = 20
 _UNHANDED_CHATS = 1000
 _UNHANDED_PATHS = 1000
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    """What one piece of code did, for the model (text) and for the user (status, summary)."""
-
-    language: str
-    code: str
-    run: RunResult | None = None
-    files: ReconcileReport | None = None
-    refused: str | None = None  # why the code was not run at all (sandbox unavailable, busy)
-    # Sentences about the step for the user and the model (over quota, a full disk, ...).
-    notes: tuple[str, ...] = ()
-    # Figures the run saved (the kernel's claim, checked against what the run added to the folder).
-    figures: tuple[str, ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        return self.run is not None and self.run.outcome == Outcome.OK
-
-    def headline(self) -> str:
-        if self.refused is not None:
-            return f"Not run: {self.refused}"
-        assert self.run is not None
-        words = _OUTCOME_WORDS.get(self.run.outcome, str(self.run.outcome))
-        took = self.run.duration_s
-        spent = f"{took * 1000:.0f} ms" if took < 1 else f"{took:.1f} s"
-        text = f"{self.language.capitalize()} {words} in {spent}"
-        if self.run.outcome == Outcome.ERROR and self.run.exit_code is not None:
-            text += f" (exit code {self.run.exit_code})"
-        return text
-
-    def saved(self) -> list[str]:
-        """The files this run added or changed and kept, figures aside (they are shown inline)."""
-        report = self.files
-        if report is None:
-            return []
-        removed = {r.path for r in report.quota_removed}
-        figures = set(self.figures)
-        return sorted(
-            path for path in {*report.added, *report.changed} if path not in removed and path not in figures
-        )
-
-    def why_stopped(self) -> str | None:
-        """Why a limit (or the sandbox) stopped the run, in the sandbox's words; None otherwise."""
-        if self.run is None or self.run.outcome in (Outcome.OK, Outcome.ERROR):
-            return None
-        return self.run.reason
-
-    def attention(self) -> list[str]:
-        """What the user must read that the run's block does not say: a lost Python state, the quota,
-        files a limit removed. (Why a limit stopped the run: `why_stopped`. The files the run saved are
-        not here: the answer names them, and the message's attachments hold them.)"""
-        notes = [*(self.run.notes if self.run is not None else ()), *self.notes]
-        more = self.run.figures_more if self.run is not None else 0
-        if more:  # the kernel bounds a run's figures: the rest are counted here, never carried over
-            shown = f"{len(self.figures)} figures are shown, and " if self.figures else ""
-            notes.append(f"{shown}{more} more not saved (too many figures in one run)".capitalize())
-        return notes + self._removals()
-
-    def _removals(self) -> list[str]:
-        report = self.files
-        if report is None:
-            return []
-        notes = [f"Removed {mention(r.path)}: {r.reason}" for r in report.quota_removed[:20]]
-        notes.extend(_more_line(report.quota_removed, 20, "more files removed by limits"))
-        for rejected in report.rejected[:20]:
-            notes.append(f"Removed {mention(rejected.path.rstrip('/'))}: {_why_rejected(rejected.kind)}")
-        notes.extend(_more_line(report.rejected, 20, "more entries removed"))
-        return notes
-
-    def deleted_note(self) -> str | None:
-        """The files the run deleted, for the record inside the block."""
-        report = self.files
-        if report is None or not report.removed:
-            return None
-        return "Deleted: " + ", ".join(mention(p) for p in report.removed[:20]) + _more(report.removed, 20)
-
-    def file_notes(self) -> list[str]:
-        """Plain sentences about files for the model: every one the run saved, the figures, what was
-        deleted, what limits removed, what was rejected (the model learns all of it)."""
-        report = self.files
-        notes: list[str] = list(self.notes)
-        if self.run is not None:
-            notes[:0] = self.run.notes
-        if report is None:
-            return notes
-        more = self.run.figures_more if self.run is not None else 0
-        if self.figures:
-            # The kernel bounds a run's figures (runner MAX_FIGURES_PER_RUN): all
-            # are named here, and the ones past the bound are counted, in this answer.
-            extra = f", and {more} more not saved (too many figures in one run)" if more else ""
-            shown = ", ".join(mention(p) for p in self.figures)
-            notes.append(f"Figures: {shown}{extra} (already shown to the user, under the run)")
-        elif more:
-            notes.append(f"{more} figures were left open and not saved (too many figures in one run)")
-        kept = self.saved()
-        if kept:
-            notes.append("Saved: " + ", ".join(mention(p) for p in kept[:20]) + _more(kept, 20))
-        deleted = self.deleted_note()
-        if deleted:
-            notes.append(deleted)
-        return notes + self._removals()
-
-    def for_model(self, max_chars: int = 8000) -> str:
-        """The tool result the model reads: outcome, output (bounded), file changes."""
-        parts = [self.headline() + "."]
-        if self.run is not None:
-            if self.run.reason and self.run.outcome != Outcome.OK:
-                parts.append(f"Reason: {self.run.reason}")
-            if self.run.stdout:
-                parts.append("stdout:\n" + _clip(self.run.stdout, max_chars // 2))
-            if self.run.stderr:
-                parts.append("stderr:\n" + _clip(self.run.stderr, max_chars // 2))
-            if not self.run.stdout and not self.run.stderr:
-                parts.append("(no output)")
-        parts.extend(self.file_notes())
-        return "\n".join(parts)
-
-
-def _why_rejected(kind: str) -> str:
-    if kind == "too deep":
-        return "nested too deep; folders that far down are not kept"
-    if kind == "path too long":
-        return f"its path is longer than {MAX_PATH_BYTES} bytes; files that far down are not kept"
-    if kind == "empty folder":
-        return "too many empty folders; only the first 1000 are kept"
-    return f"a {kind} is not allowed, only files and folders"
-
-
-def _more(items: Sequence[object], shown: int) -> str:
-    return f" and {len(items) - shown} more" if len(items) > shown else ""
-
-
-def _more_line(items: Sequence[object], shown: int, what: str) -> list[str]:
-    return [f"... and {len(items) - shown} {what}"] if len(items) > shown else []
-
-
-def _clip(text: str, limit: int) -> str:
-    if len(text) <= limit:
-        return text
-    half = limit // 2
-    return f"{text[:half]}\n[... {len(text) - limit} characters omitted ...]\n{text[-half:]}"
 
 
 class ChatSession:
@@ -230,6 +77,11 @@ class ChatSession:
         # a file is shown once in the text, and an image shown inline is not an attachment as well.
         self._shown: set[str] = set()
         self._inline: set[str] = set()
+        # Where this answer is in the conversation (None: the host did not say; the folder is then the
+        # chat's whole, as it is), and what following it there said, for the answer's first step.
+        self.turn: Turn | None = None
+        self.follows: str | None = None  # the message whose state the answer continues (branches)
+        self._turn_notes: list[str] = []
 
     @property
     def kernel_key(self) -> str:
@@ -279,6 +131,32 @@ class ChatSession:
         self._unlinked.clear()
         return notes
 
+    async def begin_turn(
+        self, turn: Turn | None, *, waiting: Waiting | None = None, runs_here: bool = True
+    ) -> list[str]:
+        """This chat's answer is `turn`: put the folder and kernel at the state of the message it
+        continues from (engine/branches.py), before anything is copied in or run. Returns what to
+        tell the user (nothing when it continues the newest answer); the answer's first run tells the
+        model too: this one's (`runs_here`), or another's of the same answer (the Filter's inlet
+        restores, the Tool's run says it)."""
+        self.turn = turn
+        if turn is None:
+            return []
+        branches = self._service.branches
+        try:
+            async with self.session.lock(timeout=self._service.lock_timeout_s, waiting=waiting):
+                said = await branches.ensure(self, changing=False)
+        except StorageError as error:  # a busy or full store: the answer goes on from the folder as it is
+            log.warning("code-sessions: the answer's branch could not be followed: %s", error)
+            return []
+        if runs_here:
+            self._turn_notes.extend(branches.take_said(self))
+        return said
+
+    def end_turn(self) -> None:
+        """The answer is over: its state is saved in the background, for a later branch."""
+        self._service.branches.end_turn_soon(self)
+
     async def run(self, code: str, language: str, *, waiting: Waiting | None = None) -> StepResult:
         """Run code in this chat's folder. `waiting` is awaited once if another step of this chat
         holds the folder, so the user can be told the step waits rather than runs."""
@@ -290,6 +168,10 @@ class ChatSession:
         report: ReconcileReport | None = None
         try:
             async with self.session.lock(timeout=service.lock_timeout_s, waiting=waiting):
+                notes.extend(self._turn_notes)
+                self._turn_notes.clear()
+                # Another tab's step may have moved the folder to its branch since the answer began.
+                notes.extend(await service.branches.ensure(self, changing=True))
                 budget = await self.session.run_budget()
                 if budget.note:
                     notes.append(budget.note)
@@ -331,6 +213,7 @@ class ChatSession:
 
         `source` names where it came from, so the same attachment is not copied again next turn."""
         async with self.session.lock(timeout=self._service.lock_timeout_s, waiting=waiting):
+            self._turn_notes.extend(await self._service.branches.ensure(self, changing=True))
             return await self.session.files.write_new(name, data, source=source)
 
     async def refuse_upload(self, source: str, why: str) -> bool:
@@ -347,6 +230,7 @@ class ChatSession:
         """Empty this chat's folder at the user's request; returns the sentence for the answer."""
         try:
             async with self.session.lock(timeout=self._service.lock_timeout_s, waiting=waiting):
+                await self._service.branches.ensure(self, changing=True)
                 gone = await self.session.files.clear()
         except StorageBusy:
             return (
@@ -477,6 +361,7 @@ class Engine:
         self.settings = settings or Settings()
         self.kernels = kernels
         self.lock_timeout_s = lock_timeout_s
+        self.branches = Branches(self)
         # (user key, chat key) -> time.monotonic() of the session's last full reconcile here.
         self._full_at: dict[tuple[str, str], float] = {}
         # Attachments refused when not even the refusal could be written (a full disk), with why.
@@ -533,7 +418,9 @@ class Engine:
         return await self.kernels.run(key, session.path, code, language, limits, state_dir=session.state_path)
 
     async def purge(self, purge: Purge) -> CleanupReport:
-        """An admin's purge: the selected sessions go, with their files, links and kernels."""
+        """An admin's purge: the selected sessions go, with their files, links and kernels. The
+        answers' states this process is saving are saved first (a chat saving one is in use)."""
+        await self.branches.settle()
         return await self._ended(await self.store.cleanup(purge), "an admin deleted this chat's files")
 
     async def expire(self, settings: Settings | None = None) -> CleanupReport:
@@ -545,6 +432,7 @@ class Engine:
 
     async def forget_chats(self, chats: list[tuple[str, str]], reason: str) -> CleanupReport:
         """Sessions of chats that no longer exist, deleted now (a chat mid-step is left for later)."""
+        await self.branches.settle()
         return await self._ended(await self.store.delete_chats(chats, reason), None)
 
     async def _ended(self, report: CleanupReport, said: str | None) -> CleanupReport:
@@ -561,7 +449,8 @@ class Engine:
         return report
 
     async def close(self) -> None:
-        """Stop this process's kernels and close the store."""
+        """Stop this process's kernels and close the store (the answers' states being saved first)."""
+        await self.branches.settle()
         if self.kernels is not None:
             await self.kernels.close()
         await self.store.close()

@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 from runner import KernelSettings, Limits, RunnerConfig
 from storage import Policy
 
-__all__ = ["DEFAULTS", "Settings"]
+__all__ = ["DEFAULTS", "BranchSettings", "Settings"]
+
+
+@dataclass(frozen=True, slots=True)
+class BranchSettings:
+    """How much of a chat's past the branches of its conversation can go back to (engine/branches.py)."""
+
+    states: int = 20  # answers' states kept per chat; 0: the folder does not follow the branches
+    python_states: int = 3  # of those (the newest), how many keep the Python state too
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,8 +38,10 @@ class Settings:
     network: bool = RunnerConfig.model_fields["network"].default
     # Show an answer's files as attachments of its message (else one line names them).
     attach_files: bool = True
+    branches: BranchSettings = field(default_factory=BranchSettings)
     cleanup_every_s: float = 30 * 60.0  # expiry runs at least this often
     purge: str = ""  # the admin's one-shot purge request (engine/purge.py), as typed
+    upload_link_s: float = 15 * 60.0  # how long an upload link the model offers stays usable
 
 
 DEFAULTS = Settings()

@@ -25,7 +25,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from engine import DEFAULTS, MINUTE_S, Engine, Maintenance, Settings
+from engine import DEFAULTS, MINUTE_S, BranchSettings, Engine, Maintenance, Settings, Turn
+from functions.inbound import serve_uploads
 from runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
 from storage import Expiry, Policy, Quotas, Store
 from webui import OpenWebUI
@@ -171,11 +172,34 @@ class SharedValves(BaseModel):
         "is retried a minute later), then cleared: "
         "'all', 'user:<user id>', 'chat:<chat id>' or 'idle:<duration>' such as idle:7d, idle:12h.",
     )
+    branch_states: int = Field(
+        default=DEFAULTS.branches.states,
+        ge=0,
+        le=1000,
+        description="Answers per chat whose files (and, for the newest, Python state) are kept, so that "
+        "regenerating or editing a message, or going back to another branch, continues from that "
+        "message's state. They count toward the user's storage after the files, and the oldest go "
+        "first when it is full. 0: the folder is the chat's whole, whatever the branch.",
+    )
+    branch_python_states: int = Field(
+        default=DEFAULTS.branches.python_states,
+        ge=0,
+        le=100,
+        description="Of those, how many of the newest also keep the Python state (a copy of the "
+        "kernel's memory each). 0: a branch gets its files back, and a new Python state.",
+    )
     attach_files: bool = Field(
         default=DEFAULTS.attach_files,
         description="Show an answer's files as attachments of its message (and let the people a chat "
         "is shared with open them). Off: a file a run saved that the answer does not name is named in "
         "one line at the end of the answer instead.",
+    )
+    upload_link_minutes: float = Field(
+        default=_whole(DEFAULTS.upload_link_s / MINUTE_S),
+        gt=0,
+        le=24 * 60,
+        description="An upload link the model offers (one file, one use, into one path of the chat) "
+        "works this long.",
     )
     runsc_path: str = Field(default=_RUNNER.runsc_path, description="The gVisor runsc binary.")
     runsc_platform: str = Field(default="", description="Empty: detect (systrap if supported, else ptrace).")
@@ -213,8 +237,10 @@ def settings_from(valves: SharedValves) -> Settings:
         ),
         network=valves.network,
         attach_files=valves.attach_files,
+        branches=BranchSettings(states=valves.branch_states, python_states=valves.branch_python_states),
         cleanup_every_s=valves.cleanup_interval_minutes * MINUTE_S,
         purge=valves.purge,
+        upload_link_s=valves.upload_link_minutes * MINUTE_S,
     )
 
 
@@ -231,6 +257,9 @@ class Adapter:
         self._services_key: tuple[Any, ...] | None = None
         self._function_id: str | None = None
         self._background: asyncio.Task[None] | None = None
+        # Open WebUI makes the file's instance when it loads the file: from then on this worker serves
+        # upload links (functions/inbound.py).
+        serve_uploads(self._host)
 
     @property
     def _host(self) -> Any:
@@ -463,6 +492,23 @@ def _save_kernels_before_stop(shared: dict[str, Any]) -> None:
             signal.signal(sig, chained(previous))
         except ValueError:  # not the main thread
             return
+
+
+def turn_of(host: Any, chat_id: str, message_id: str | None, metadata: dict[str, Any] | None) -> Turn | None:
+    """Where the answer Open WebUI is writing is in the chat's conversation (None: the request named
+    no message, as an API call may not: the folder is then the chat's whole)."""
+    if not message_id:
+        return None
+    user_message = (metadata or {}).get("user_message")
+    if not isinstance(user_message, dict):
+        user_message = None
+    parent = user_message.get("parentId") if user_message is not None else None
+
+    async def lineage() -> tuple[list[str], bool]:
+        found: tuple[list[str], bool] = await host.message_lineage(chat_id, message_id, user_message)
+        return found
+
+    return Turn(message_id, lineage, continues=parent if isinstance(parent, str) and parent else None)
 
 
 class Status:

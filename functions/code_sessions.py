@@ -31,7 +31,8 @@ from engine import (
     messages_with_prompt,
     waiting_status,
 )
-from functions.adapter import Adapter, SharedValves, Status
+from functions.adapter import Adapter, SharedValves, Status, turn_of
+from functions.inbound import answer_command, upload_link_tool
 from storage import CLEAR_FILES_COMMAND, StorageError
 from webui import Misconfigured
 
@@ -95,6 +96,7 @@ class Pipe(Adapter):
         __task__: str | None = None,
         __files__: list[Any] | None = None,
         __message_id__: str | None = None,
+        __metadata__: dict[str, Any] | None = None,
     ) -> Any:
         self._function_id, _, base_model = str(body.get("model", "")).partition(".")
         host = self._host
@@ -115,10 +117,21 @@ class Pipe(Adapter):
             log.warning("code-sessions: no session for chat %r: %s", (__chat_id__ or "")[:80], error)
             return f"This chat's files are not available right now: {escape_text(str(error))}"
         status = Status(__event_emitter__)
-        if last_user_text(body.get("messages", [])).strip() == CLEAR_FILES_COMMAND:
+        # A regenerated or edited message, or another branch: the folder and kernel go back to the state
+        # of the message it continues from (said in the status and to the model).
+        turn = turn_of(host, __chat_id__ or "", __message_id__, __metadata__)
+        branch = await chat.begin_turn(turn, waiting=waiting_status(status))
+        for sentence in branch:
+            await status(sentence, True)
+        text = last_user_text(body.get("messages", [])).strip()
+        if text == CLEAR_FILES_COMMAND:
             said = await chat.clear_files(waiting=waiting_status(status))
             await status.settle()
+            chat.end_turn()
             return said
+        command = await answer_command(host, chat, __request__, text)  # !save-to-knowledge
+        if command is not None:
+            return command
 
         notes, refused = await import_uploads(chat, host, __user__["id"], __files__ or [], status)
         user_valves = __user__.get("valves") or self.UserValves()
@@ -129,8 +142,11 @@ class Pipe(Adapter):
             show_output=bool(getattr(user_valves, "show_output", True)),
             # Files saved but not named are then only attachments; else one line names them.
             attachments=settings.attach_files and host.can_attach(__chat_id__ or "", __message_id__),
+            tools=(upload_link_tool(host, services, self.valves, chat, __request__),),
         )
-        messages = await messages_with_prompt(body.get("messages", []), chat, services, options, refused)
+        messages = await messages_with_prompt(
+            body.get("messages", []), chat, services, options, [*branch, *refused]
+        )
 
         async def call_model(
             history: list[dict[str, Any]], tools: list[dict[str, Any]] | None
@@ -163,6 +179,7 @@ class Pipe(Adapter):
                     __event_emitter__,
                     inline_urls=chat.inline_urls,
                 )
+            chat.end_turn()  # its state is saved for later branches
 
         return answer()
 

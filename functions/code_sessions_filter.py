@@ -26,7 +26,8 @@ from engine import (
     waiting_status,
 )
 from engine.scan import SCAN_ON_LOOP_CHARS
-from functions.adapter import Adapter, SharedValves, Status
+from functions.adapter import Adapter, SharedValves, Status, turn_of
+from functions.inbound import answer_command
 from storage import CLEAR_FILES_COMMAND, StorageError
 from webui import Misconfigured
 
@@ -65,8 +66,11 @@ class Filter:
         __user__: dict[str, Any] | None = None,
         __metadata__: dict[str, Any] | None = None,
         __event_emitter__: Any = None,
+        __request__: Any = None,
     ) -> dict[str, Any]:
-        return await self._adapter.inlet(body, __user__ or {}, __metadata__ or {}, __event_emitter__)
+        return await self._adapter.inlet(
+            body, __user__ or {}, __metadata__ or {}, __event_emitter__, __request__
+        )
 
     async def stream(
         self, event: dict[str, Any], __metadata__: dict[str, Any] | None = None
@@ -158,7 +162,12 @@ class FilterAdapter(Adapter):
     # ---- before the model ----------------------------------------------------------------------------
 
     async def inlet(
-        self, body: dict[str, Any], user: dict[str, Any], metadata: dict[str, Any], emitter: Any
+        self,
+        body: dict[str, Any],
+        user: dict[str, Any],
+        metadata: dict[str, Any],
+        emitter: Any,
+        request: Any = None,
     ) -> dict[str, Any]:
         user_id = str(user.get("id") or "")
         messages = body.get("messages")
@@ -173,16 +182,26 @@ class FilterAdapter(Adapter):
             return body
         services, chat = found
         status = Status(emitter)
-        if last_user_text(messages).strip() == CLEAR_FILES_COMMAND:
+        turn = turn_of(self._host, chat_id, metadata.get("message_id"), metadata)
+        branch = await chat.begin_turn(turn, waiting=waiting_status(status), runs_here=False)
+        for sentence in branch:
+            await status(sentence, True)
+        text = last_user_text(messages).strip()
+        said = None
+        if text == CLEAR_FILES_COMMAND:
             said = await chat.clear_files(waiting=waiting_status(status))
+        else:
+            said = await answer_command(self._host, chat, request, text)  # !save-to-knowledge
+        if said is not None:
+            command = text.split(maxsplit=1)[0]
             messages[-1] = {
                 **messages[-1],
-                "content": f"(The user typed {CLEAR_FILES_COMMAND}. {said} Tell the user this in one "
-                "sentence; run no code.)",
+                "content": f"(The user typed {command}. {said} Tell the user this in one sentence; "
+                "run no code.)",
             }
         files = body.get("files") or metadata.get("files") or []
         notes, refused = await import_uploads(chat, self._host, user_id, files, status)
-        sentences = [*refused, *(note.strip().strip("_") for note in notes if note not in refused)]
+        sentences = [*branch, *refused, *(note.strip().strip("_") for note in notes if note not in refused)]
         options = LoopOptions(tool_mode=True)
         body["messages"] = await messages_with_prompt(
             messages, chat, services, options, sentences, figures_shown=False
@@ -254,4 +273,7 @@ class FilterAdapter(Adapter):
             await self._host.attach(
                 chat_id, message_id, user_id, chat.links, emitter, inline_urls=chat.inline_urls
             )
+        if chat.turn is None:  # the inlet ran in another worker
+            chat.turn = turn_of(self._host, chat_id, message_id, metadata)
+        chat.end_turn()  # its state is saved for later branches
         return body

@@ -5,7 +5,7 @@
 #
 # This file is a thin adapter: its valves are the session valves every file shares, and the settings
 # and services built from them are functions/adapter.py's; the step and the maintenance are engine's.
-# Open WebUI offers every public method of `Tools` to the model, so `run_code` is the only one.
+# Open WebUI offers every public method of `Tools` to the model: `run_code` and `upload_link`.
 #
 # No `from __future__` import here: Open WebUI reads run_code's annotations to build its schema, and in
 # the bundle this module's body does not start the file.
@@ -14,7 +14,8 @@ import logging
 from typing import Any
 
 from engine import LoopOptions, escape_text, import_uploads, run_step
-from functions.adapter import Adapter, SharedValves, Status
+from functions.adapter import Adapter, SharedValves, Status, turn_of
+from functions.inbound import upload_link
 from storage import StorageError
 from webui import Misconfigured
 
@@ -38,6 +39,8 @@ class Tools:
         __files__: list[Any] | None = None,
         __event_emitter__: Any = None,
         __id__: str | None = None,
+        __message_id__: str | None = None,
+        __metadata__: dict[str, Any] | None = None,
     ) -> str:
         """
         Run Python or bash in a sandbox. The working directory is /mnt/data, this chat's persistent
@@ -55,6 +58,26 @@ class Tools:
             files=__files__ or [],
             emitter=__event_emitter__,
             tool_id=__id__,
+            message_id=__message_id__,
+            metadata=__metadata__,
+        )
+
+    async def upload_link(
+        self,
+        path: str,
+        __user__: dict[str, Any] | None = None,
+        __chat_id__: str | None = None,
+        __request__: Any = None,
+        __id__: str | None = None,
+    ) -> str:
+        """
+        Make a link the user can upload one file with, straight into /mnt/data at the path you choose
+        (for files too big to attach, or that come from another system). The link takes one file,
+        once, for a few minutes. Give the link to the user as it is.
+        :param path: where the file goes, e.g. /mnt/data/export.csv
+        """
+        return await self._adapter.upload_link(
+            path, user=__user__ or {}, chat_id=__chat_id__ or "", request=__request__, tool_id=__id__
         )
 
 
@@ -90,6 +113,8 @@ class ToolAdapter(Adapter):
         files: list[Any],
         emitter: Any,
         tool_id: str | None,
+        message_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
     ) -> str:
         """One run for the model: the result it reads, with any sentence about the chat's files."""
         self._function_id = tool_id or self._function_id
@@ -106,6 +131,9 @@ class ToolAdapter(Adapter):
             log.warning("code-sessions: no session for chat %r: %s", chat_id[:80], error)
             return f"Not run: this chat's files are not available right now: {escape_text(str(error))}"
         status = Status(emitter)
+        # The folder follows the conversation's branches (the Filter's inlet did it before the model was
+        # asked; without the Filter, the answer's first run does): what it says reaches the result.
+        await chat.begin_turn(turn_of(self._host, chat_id, message_id, metadata))
         # The Filter copies uploads in before the model is asked; without it (or when a file arrives
         # between two runs of one answer) the Tool does, once each: nothing is copied twice.
         notes, _ = await import_uploads(chat, self._host, user_id, files, status)
@@ -119,6 +147,21 @@ class ToolAdapter(Adapter):
         if step.figures:
             result += "\nTo show a figure, write its /mnt/data path in your answer."
         return "".join(_plain(note) for note in notes) + result
+
+    async def upload_link(
+        self, path: str, *, user: dict[str, Any], chat_id: str, request: Any, tool_id: str | None
+    ) -> str:
+        """A link the user can upload one file with, into this chat's /mnt/data (functions/inbound.py)."""
+        self._function_id = tool_id or self._function_id
+        user_id = str(user.get("id") or "")
+        if not user_id:
+            return "No upload link: Open WebUI did not say which user this is."
+        try:
+            services, settings = await self._begin()
+            chat = await services.chat(user_id, chat_id, settings)
+        except (Misconfigured, StorageError) as error:
+            return f"No upload link: {escape_text(str(error))}"
+        return await upload_link(self._host, services, self.settings, chat, request, path)
 
 
 def _plain(note: str) -> str:

@@ -113,6 +113,35 @@ def seal(staging: Path, state_dir: Path, identity: dict[str, Any], ready: dict[s
     return SavedImage(final, token, identity, ready, sum(size for size, _ in files.values()), files)
 
 
+def copy_image(source: Path, state_dir: Path) -> str:
+    """Put the saved image of the state folder `source` in `state_dir` too (replacing the one there),
+    sharing its files (hard links: images are written once and never changed in place), and return
+    its id. ImageRefused when `source` holds no readable image."""
+    folder = image_dir(source)
+    try:
+        with open(folder / META, "rb") as fh:
+            meta = json.loads(fh.read(_MAX_META))
+        token = meta["id"]
+        names = [entry.name for entry in os.scandir(folder) if entry.is_file(follow_symlinks=False)]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ImageRefused(f"its saved image cannot be read: {error}") from error
+    if not isinstance(token, str) or len(names) > _MAX_FILES + 1:
+        raise ImageRefused("its saved image has an unknown format")
+    staging = new_staging(state_dir)
+    try:
+        for name in names:
+            try:
+                os.link(folder / name, staging / name)
+            except OSError:  # another file system
+                shutil.copyfile(folder / name, staging / name)
+        discard(state_dir, staging=False)
+        os.rename(staging, image_dir(state_dir))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return token
+
+
 def saved_bytes_beside(state_dir: Path) -> int:
     """The recorded bytes of the saved images in `state_dir` and the state folders beside it (one
     owner's), read from their records; a folder without a readable record counts nothing."""

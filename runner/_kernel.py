@@ -190,29 +190,34 @@ class Kernel(_Watchers):
             await self.close("its saved image was refused")
             raise failures[0]
 
-    async def checkpoint(self, into: Path, flags: list[str]) -> None:
+    async def checkpoint(self, into: Path, flags: list[str], *, leave_running: bool = False) -> None:
         """Write the kernel's image into the empty folder `into` (`runsc checkpoint`); the sandbox
-        exits once it is written. Waits for a run in progress. Raises NotSaved (why) when runsc
-        cannot; the kernel is then stopped all the same (a half-checkpointed sandbox is not trusted)."""
+        exits once it is written, unless `leave_running` (a copy of the state: the kernel goes on).
+        Waits for a run in progress. Raises NotSaved (why) when runsc cannot; a kernel that was to
+        exit is then stopped all the same (a half-checkpointed sandbox is not trusted), and one left
+        running goes on (if runsc left it unusable, its next run says so)."""
         async with self._busy:
             if not self.alive:
                 raise NotSaved(self.lost or self._why_gone())
+            argv = self.checkpoint_argv(into, [*flags, "--leave-running"] if leave_running else flags)
             try:
-                code, out = await run_quick(self.checkpoint_argv(into, flags), CHECKPOINT_MAX_S)
+                code, out = await run_quick(argv, CHECKPOINT_MAX_S)
             except TimeoutError:
                 await self.close("its image was not written in time")
                 raise NotSaved(f"runsc did not write the image within {CHECKPOINT_MAX_S:g} s") from None
             except OSError as error:
                 raise NotSaved(f"runsc could not be started: {error}") from None
             if code != 0:
-                await self.close("runsc could not save it")
+                if not leave_running:
+                    await self.close("runsc could not save it")
                 errors = await asyncio.to_thread(read_runsc_errors, self.sandbox.bundle / "runsc.log")
                 last = out.strip().splitlines()[-1:]
                 detail = " | ".join(errors) or (last[0] if last else f"runsc exited with {code}")
                 if "no space left on device" in detail.lower():  # runsc's words name its container
                     raise NotSaved("its image could not be written: the disk is full")
                 raise NotSaved(_short_error(detail))
-            self.lost = "it was saved to disk"
+            if not leave_running:
+                self.lost = "it was saved to disk"
 
     def checkpoint_argv(self, into: Path, flags: list[str]) -> list[str]:
         return [*self.sandbox.runsc_base, "checkpoint", *flags, f"--image-path={into}", self.cid]

@@ -40,6 +40,9 @@ class _Peers:
         async def _end(self, key: str, kernel: Kernel, reason: str, *, save: bool = False) -> None: ...
         def _misfit(self, kernel: Kernel, workdir: Path, limits: Limits) -> str | None: ...
         async def _note_use(self, key: str, kernel: Kernel) -> None: ...
+        async def _snapshot_here(
+            self, key: str, kernel: Kernel, into: Path, max_bytes: int | None
+        ) -> tuple[str, str]: ...
 
     async def _take_over(self, entry: Entry) -> None:
         """The chat's kernel runs on another host (its runs reach that host's replica no longer): ask
@@ -103,6 +106,12 @@ class _Peers:
                 await self._end(
                     key, kernel, str(request.get("reason", "stopped")), save=request.get("save") is True
                 )
+                return
+            if request.get("op") == "snapshot":  # a copy of the state for the chat's branches
+                bound = request.get("max_bytes")
+                limit = bound if isinstance(bound, int) else None
+                image, why = await self._snapshot_here(key, kernel, Path(str(request.get("into"))), limit)
+                await _relay.send(writer, {"image": image, "why": why})
                 return
             limits = Limits.model_validate(request["limits"])
             misfit = self._misfit(kernel, Path(str(request.get("workdir", ""))), limits)

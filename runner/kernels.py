@@ -40,6 +40,7 @@ from ._kernel import KERNEL_SOURCE, Kernel, KernelLost, lifetime_limits
 from ._orphans import owner_stamp
 from ._pool_peers import _Peers
 from ._pool_room import _Room
+from ._pool_snapshots import _Snapshots
 from ._registry import HOST, Entry, Registry, digest, owned_here
 from ._relay import OwnerSilent
 from ._warm import WarmStart, wants_template
@@ -64,10 +65,11 @@ def unsaved_sentence(reason: str) -> str:
     return f"The Python state could not be kept ({reason}); files in /mnt/data are kept."
 
 
-class KernelPool(_Room, _Peers):
+class KernelPool(_Room, _Peers, _Snapshots):
     """The kernels of this process, and the way to every other kernel of a chat. Its parts beside this
-    file: _pool_room (places, eviction, the reaper) and _pool_peers (other workers and hosts) are parts
-    of this class; _registry, _relay and _saving are what it uses."""
+    file: _pool_room (places, eviction, the reaper), _pool_peers (other workers and hosts) and
+    _pool_snapshots (copies of a state for the conversation's branches) are parts of this class;
+    _registry, _relay and _saving are what it uses."""
 
     def __init__(
         self,

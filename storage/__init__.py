@@ -3,8 +3,9 @@
 It knows nothing of the web UI or of the sandbox; see docs/storage.md.
 """
 
-from ._format import human_bytes, parse_duration
-from ._names import MAX_PATH_BYTES, PASSIVE_IMAGE_TYPES
+from ._format import human_bytes, human_duration, parse_duration
+from ._incoming import Incoming
+from ._names import MAX_PATH_BYTES, PASSIVE_IMAGE_TYPES, split_path
 from ._postgres import is_postgres_url
 from .errors import (
     DiskFull,
@@ -16,6 +17,7 @@ from .errors import (
     StorageBusy,
     StorageError,
 )
+from .history import ChatHistory, HistoryError, HistoryHead, Restored, Saved
 from .models import (
     ActivityEntry,
     ChatInfo,
@@ -43,6 +45,7 @@ from .policy import CLEAR_FILES_COMMAND, Policy
 from .publishing import Copy, DirectoryPublisher, Published, Publisher
 from .session import ChatFiles, Session
 from .store import Store
+from .upload_links import LinkRefused, UploadGrant, UploadLinks
 
 __all__ = [
     "CLEAR_FILES_COMMAND",
@@ -50,6 +53,7 @@ __all__ = [
     "PASSIVE_IMAGE_TYPES",
     "ActivityEntry",
     "ChatFiles",
+    "ChatHistory",
     "ChatInfo",
     "CleanupAction",
     "CleanupReport",
@@ -62,10 +66,14 @@ __all__ = [
     "FileExists",
     "FileMissing",
     "Growth",
+    "HistoryError",
+    "HistoryHead",
+    "Incoming",
     "IndexDamaged",
     "InvalidPath",
     "Link",
     "LinkInfo",
+    "LinkRefused",
     "Policy",
     "Published",
     "Publisher",
@@ -78,14 +86,20 @@ __all__ = [
     "ReconcileReport",
     "Rejected",
     "Renamed",
+    "Restored",
     "RunBudget",
+    "Saved",
     "Session",
     "StorageBusy",
     "StorageError",
     "Store",
+    "UploadGrant",
+    "UploadLinks",
     "Usage",
     "UserUsage",
     "human_bytes",
+    "human_duration",
     "is_postgres_url",
     "parse_duration",
+    "split_path",
 ]

@@ -446,6 +446,24 @@ async def record_import(tx: Tx, session_id: int, source: str, path: str, now: fl
     )
 
 
+async def import_rows(tx: Tx, user_key: str, chat_key: str) -> list[tuple[str, str]]:
+    """Every (source, path) the chat has imported (path "" for a refusal), for its history."""
+    rows = await tx.all(
+        "SELECT i.source, i.path FROM imports i JOIN sessions s ON s.id = i.session_id "
+        "WHERE s.user_key = ? AND s.chat_key = ? ORDER BY i.source",
+        (user_key, chat_key),
+    )
+    return [(str(source), str(path)) for source, path in rows]
+
+
+async def replace_imports(tx: Tx, session_id: int, rows: Sequence[tuple[str, str]], now: float) -> None:
+    """The chat's imports become `rows` (a restored state's: an attachment its files lack is taken
+    again at the next message)."""
+    await tx.run("DELETE FROM imports WHERE session_id = ?", (session_id,))
+    for source, path in rows:
+        await record_import(tx, session_id, source, path, now)
+
+
 # ---------------------------------------------------------------------------- activity and meta
 
 

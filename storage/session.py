@@ -30,9 +30,12 @@ from ._fsops import (
     walk_dirs,
     write_unique,
 )
+from ._incoming import Incoming
 from ._names import attachment_name, numbered, split_path
-from .errors import DiskFull, FileMissing, InvalidPath
+from .errors import DiskFull, FileExists, FileMissing, InvalidPath
+from .history import ChatHistory
 from .models import FileEntry, Link, LinkInfo, Reconcile, ReconcileReport, RunBudget, Usage
+from .policy import Policy
 
 __all__ = ["ChatFiles", "Session"]
 
@@ -50,6 +53,7 @@ class Session:
         self._core = core
         self._ref = ref
         self.files = ChatFiles(core, ref)
+        self.history = ChatHistory(core, ref)
         # An earlier run was never indexed (its mark, or runs on a full disk): list the folder whole.
         self._unindexed_run = unindexed
         self._generation = core.generation  # the index this session's lock was taken with
@@ -297,6 +301,25 @@ class ChatFiles:
             raise
         return used
 
+    async def incoming(self, path: str, *, policy: Policy | None = None) -> Incoming:
+        """Start receiving a file in pieces for `path` (an upload link's): staged outside the folder,
+        checked against the per-file limit and the quota as it arrives, put in place whole by
+        `Incoming.finish` (under the session's lock), never over an existing file. Raises
+        InvalidPath, FileExists or QuotaExceeded (with the sentence) before anything is written.
+        `policy`: the limits to apply (the store's, the latest message's, by default)."""
+        parts = split_path(path)
+        if await self.exists(path):
+            raise FileExists(f"/mnt/data/{'/'.join(parts)} exists already; an upload never replaces a file")
+
+        rules = policy or self._core.policy
+
+        async def index(rel: str, st: os.stat_result) -> None:
+            await self._index_new(rel, st, source=None, recheck=True, policy=rules)
+
+        incoming = Incoming(self._core, self._ref, parts, index, rules)
+        await incoming.open()
+        return incoming
+
     async def refuse_import(self, source: str) -> None:
         """Remember that this source could not be taken (too large, over quota, unreadable), so that
         it is not tried, and its refusal not said, again."""
@@ -413,14 +436,16 @@ class ChatFiles:
         usage, old = await self._core.read(read)
         self._core.policy.refuse_write(usage, size, replacing=old)
 
-    async def _index_new(self, rel: str, st: os.stat_result, *, source: str | None, recheck: bool) -> None:
+    async def _index_new(
+        self, rel: str, st: os.stat_result, *, source: str | None, recheck: bool, policy: Policy | None = None
+    ) -> None:
         core, ref = self._core, self._ref
         now = time.time()
 
         async def write(tx: Tx) -> None:
             if recheck:
                 await tx.serialise_user(ref.user_key)
-                core.policy.refuse_write(
+                (policy or core.policy).refuse_write(
                     await _index.user_usage(tx, ref.user_key), st.st_size, replacing=None
                 )
             sid = await core.session_id(tx, ref, now)

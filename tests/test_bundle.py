@@ -109,7 +109,8 @@ def test_each_file_loads_alone_in_open_webuis_python(tmp_path):
         result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
         assert result.returncode == 0, result.stderr
         outputs[bundle] = result.stdout.strip()
-    assert outputs[TOOL] == "['run_code'] persistent"  # Open WebUI offers every public method to the model
+    # Open WebUI offers every public method to the model.
+    assert outputs[TOOL] == "['run_code', 'upload_link'] persistent"
     assert outputs[FILTER] == "code_sessions_tool True True True"
 
 

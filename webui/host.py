@@ -18,6 +18,8 @@ from typing import Any
 from storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
+from .knowledge import save_to_knowledge
+from .uploads import UploadReceiver, register_upload_route, upload_url
 
 log = logging.getLogger("code_sessions.function")
 
@@ -25,6 +27,8 @@ __all__ = ["Locations", "Misconfigured", "OpenWebUI"]
 
 # Ids per IN (...) query: well under every database's limit on bound parameters.
 _ID_CHUNK = 500
+# Messages walked up a chat's tree at most (a longer chat is followed no further).
+_MAX_LINEAGE = 100_000
 
 # What the files of one bundle version share in this process (see `OpenWebUI.shared`).
 _PROCESS: dict[str, Any] = {}
@@ -211,6 +215,77 @@ class OpenWebUI:
                 user_group_ids=groups,
             )
         )
+
+    async def message_lineage(
+        self, chat_id: str, message_id: str, user_message: dict[str, Any] | None = None
+    ) -> tuple[list[str], bool]:
+        """`message_id` and the messages above it in the chat's tree, nearest first (its user message,
+        the answer that one continues, ...), and whether the walk reached the conversation's start.
+        A temporary chat lives in the browser only: then the request's user message is all there is."""
+        chain = [message_id]
+        messages: dict[str, Any] | None = None
+        if _saved_chat(chat_id):
+            from open_webui.models.chat_messages import ChatMessages
+            from open_webui.models.chats import Chats
+
+            messages = await ChatMessages.get_messages_map_by_chat_id(chat_id)
+            if not messages or message_id not in messages:
+                chat = await Chats.get_chat_by_id(chat_id)
+                history = ((chat.chat or {}).get("history") or {}) if chat is not None else {}
+                messages = history.get("messages") if isinstance(history, dict) else None
+        if isinstance(messages, dict) and isinstance(messages.get(message_id), dict):
+            current = messages[message_id].get("parentId")
+            while isinstance(current, str) and current and current not in chain and len(chain) < _MAX_LINEAGE:
+                chain.append(current)
+                above = messages.get(current)
+                if not isinstance(above, dict):
+                    return chain, False  # a message the chat no longer holds: the start is unknown
+                current = above.get("parentId")
+            return chain, current is None
+        if isinstance(user_message, dict) and isinstance(user_message.get("id"), str):
+            chain.append(user_message["id"])
+            parent = user_message.get("parentId")
+            if parent is None:
+                return chain, True
+            if isinstance(parent, str) and parent:
+                chain.append(parent)
+        return chain, False
+
+    # ---- files in: upload links, Save to Knowledge ------------------------------------------------------
+
+    def upload_links_folder(self) -> Path:
+        """Where upload link records live: one place under Open WebUI's data folder, the same for every
+        worker (and replica sharing DATA_DIR), whatever storage_root a file's valves name, so any worker
+        that receives the POST finds the link (the record says where the chat's files are)."""
+        from open_webui.env import DATA_DIR
+
+        return Path(DATA_DIR) / "code_sessions_upload_links"
+
+    def serve_uploads(self, receiver: Callable[[], UploadReceiver]) -> bool:
+        """Put the upload route on this process's Open WebUI app (once; the latest receiver serves).
+        False when there is no app to put it on (not inside Open WebUI: `receiver` is not called)."""
+        import sys
+
+        main = sys.modules.get("open_webui.main")
+        app = getattr(main, "app", None)
+        if app is None:
+            return False
+        register_upload_route(app, receiver())
+        return True
+
+    async def upload_url(self, request: Any, token: str) -> str:
+        """The link as the user reaches Open WebUI: its configured WEBUI_URL, else the address this
+        message's request came to."""
+        from open_webui.models.config import Config
+
+        base = str(await Config.get("webui.url") or "")
+        if not base and request is not None:
+            base = str(getattr(request, "base_url", "") or "")
+        return upload_url(base or "/", token)
+
+    async def save_to_knowledge(self, request: Any, user_id: str, target: str, name: str, data: bytes) -> str:
+        """engine.KnowledgeHost: through Open WebUI's Knowledge API and its access checks."""
+        return await save_to_knowledge(request, user_id, target, name, data)
 
     async def chat_owners(self, chat_ids: Sequence[str]) -> dict[str, str]:
         """{chat id: owner's user id} for those of these chats that exist: one query per 500 ids.

@@ -633,13 +633,14 @@ def test_a_replica_killed_mid_run(cluster: Cluster):
         started = time.monotonic()
         after = bounded(
             {
+                # ann's answer the crash cut short stays in her chat: her next message continues it.
                 "ann": lambda: cluster.user("ann", "b").say(
                     run(
                         "import os\nprint(sorted(os.listdir('/mnt/data')))\n"
                         "print('kept:', open('/mnt/data/keep.txt').read())",
                         "/mnt/data/keep.txt",
                     ),
-                    previous=first["ann"],
+                    previous=cluster.user("ann", "b").newest(first["ann"]),
                 ),
                 "ben": lambda: cluster.user("ben", "b").say(
                     run("print('ben read:', open('/mnt/data/ben.txt').read())", "/mnt/data/ben.txt"),

@@ -129,9 +129,10 @@ def test_a_worker_killed_mid_run_says_the_state_was_lost_and_keeps_the_files(
         os.killpg(first.process.pid, signal.SIGKILL)  # a crash: no exit handler runs
         first.process.wait()
         _start_again(first, environment)
+        # The answer the crash cut short stays in the chat: the next message continues from it.
         after = first.admin.say(
             "```python\nprint(open('/mnt/data/kept.txt').read(), globals().get('x'))\n```\nreply: read",
-            previous=reply,
+            previous=first.admin.newest(reply),
         )
         assert "still here None" in after.content, after.content
         assert "The Python state was reset (Open WebUI restarted)" in after.content, after.content

@@ -200,8 +200,9 @@ def test_a_plain_model_with_the_tool_writes_a_csv_whose_link_downloads(server: O
     request = next(r for r in server.model_requests() if r.get("tools"))
     offered = {t["function"]["name"]: t["function"] for t in request["tools"]}
     spec = offered["run_code"]
-    # Open WebUI adds its builtin tools; of the Tool's methods, only run_code is offered.
+    # Open WebUI adds its builtin tools; of the Tool's methods, run_code and upload_link are offered.
     assert not {"release", "settings", "_sessions"} & set(offered), sorted(offered)
+    assert "upload_link" in offered, sorted(offered)
     assert set(spec["parameters"]["properties"]) == {"code", "language"}, spec
     assert spec["parameters"]["required"] == ["code"], spec
     system = request["messages"][0]

@@ -103,6 +103,12 @@ class Account:
             [*history, {"role": "user", "content": text}, {"role": "assistant", "content": content}],
         )
 
+    def newest(self, reply: Reply) -> Reply:
+        """The chat's newest message as Open WebUI holds it: what the web UI's next message continues
+        from (an answer cut short by a crash has no reply of its own, but stays in the chat's tree)."""
+        chat = self.get(f"/api/v1/chats/{reply.chat_id}").json()
+        return Reply(reply.chat_id, chat["chat"]["history"]["currentId"], "", reply.history)
+
     def _chat_of(self, message_id: str) -> str:
         for chat in self.get("/api/v1/chats/?page=1").json():
             detail = self.get(f"/api/v1/chats/{chat['id']}").json()

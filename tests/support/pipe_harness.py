@@ -79,6 +79,8 @@ class PipeHarness:
         self.chats: dict[str, str] = {}  # chat id -> owner, for every chat a message was sent in
         self.deleted_chats: set[tuple[str, str]] = set()  # what Open WebUI would no longer find
         self.unsaved_chats: set[str] = set()  # chats Open WebUI has not written yet (being created)
+        # Each saved chat's tree of messages as Open WebUI keeps it: message id -> its parent's id.
+        self.trees: dict[str, dict[str, str | None]] = {}
         self.set_valves(base_models=scripted_model.MODEL_ID, **self.valves)
 
     # -- driving it ---------------------------------------------------------------------------------
@@ -103,10 +105,13 @@ class PipeHarness:
         files: list[dict] | None = None,
         task: str | None = None,
         message_id: str | None = None,
+        user_message: dict | None = None,
     ) -> str:
         """One user message through Pipe.pipe, as Open WebUI calls it; returns the visible answer.
         `message_id`: the answer's message, which can hold attachments (Open WebUI always names it; the
-        default None stands for a message that cannot, so that files not named are named in the text)."""
+        default None stands for a message that cannot, so that files not named are named in the text).
+        `user_message` ({id, parentId}): where the message is in the chat's tree, which Open WebUI
+        records before it calls the function (a regenerate sends the same user message again)."""
         self.pipe.valves = self.pipe.Valves(**self.stored_valves)
         body = {
             "model": MODEL,
@@ -121,6 +126,7 @@ class PipeHarness:
         self.events = statuses
         self.chats.setdefault(chat_id, user_id)
         self.message_id = message_id
+        record_turn(self.trees, chat_id, message_id, user_message)
         result = await self.pipe.pipe(
             body,
             __user__={"id": user_id, "name": user_id, "role": "user", "valves": self.pipe.UserValves()},
@@ -130,12 +136,15 @@ class PipeHarness:
             __task__=task,
             __files__=files or [],
             __message_id__=message_id,
+            __metadata__={"user_message": user_message} if user_message else {},
         )
         if isinstance(result, str):
             return result
         if isinstance(result, dict):
             return json.dumps(result)
-        return "".join([piece async for piece in result])
+        answer = "".join([piece async for piece in result])
+        await settle(self.pipe)
+        return answer
 
     async def aclose(self) -> None:
         """What the end of the Open WebUI process would do: stop the background loop, close the store."""
@@ -144,6 +153,25 @@ class PipeHarness:
     @property
     def sessions_root(self) -> Path:
         return self.data_dir / "code_sessions"
+
+
+def record_turn(
+    trees: dict[str, dict[str, str | None]], chat_id: str, message_id: str | None, user_message: dict | None
+) -> None:
+    """What Open WebUI's chat turn does to the chat's tree before the model is asked."""
+    if message_id and user_message:
+        tree = trees.setdefault(chat_id, {})
+        tree.setdefault(user_message["id"], user_message.get("parentId"))
+        tree[message_id] = user_message["id"]
+
+
+async def settle(adapter: Any) -> None:
+    """Wait for what the answer left to the background (its state saved for the conversation's
+    branches): a moment after the answer, as a user would see it. The real server's timing is
+    proven through a real Open WebUI (tests/e2e)."""
+    services = adapter._services
+    if services is not None:
+        await services.branches.settle()
 
 
 async def stop_adapter(adapter: Any) -> None:
@@ -233,6 +261,26 @@ class _HarnessHost:
 
     async def store_valves(self, function_id: str, valves: dict) -> None:
         self._harness.stored_valves = dict(valves)
+
+    async def message_lineage(
+        self, chat_id: str, message_id: str, user_message: dict | None = None
+    ) -> tuple[list[str], bool]:
+        """Open WebUI's walk up the chat's tree (webui/host.py), over the harness's record of it. A
+        temporary chat has no record in Open WebUI: the real host's own fallback answers for it."""
+        if not self.saves_chat(chat_id):
+            found: tuple[list[str], bool] = await self._open_webui().message_lineage(
+                chat_id, message_id, user_message
+            )
+            return found
+        tree = self._harness.trees.get(chat_id, {})
+        chain = [message_id]
+        current = tree.get(message_id)
+        while current is not None:
+            chain.append(current)
+            if current not in tree:
+                return chain, False
+            current = tree[current]
+        return chain, message_id in tree
 
     async def chat_owners(self, chat_ids: list[str]) -> dict[str, str]:
         h = self._harness

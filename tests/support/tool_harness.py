@@ -20,7 +20,14 @@ from typing import Any
 
 from demo import scripted_model
 from tests.support.files_api import FilesApi
-from tests.support.pipe_harness import PipeHarness, _HarnessHost, load_like_open_webui, stop_adapter
+from tests.support.pipe_harness import (
+    PipeHarness,
+    _HarnessHost,
+    load_like_open_webui,
+    record_turn,
+    settle,
+    stop_adapter,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL_BUNDLE = REPO / "dist" / "code_sessions_tool.py"
@@ -61,6 +68,7 @@ class ToolHarness:
         self.unsaved_chats: set[str] = set()
         self.stored_valves: dict[str, Any] = {}  # the Pipe's (a harness host answers for it too)
         self.stored_tool_valves: dict[str, Any] = dict(self.valves)
+        self.trees: dict[str, dict[str, str | None]] = {}  # each chat's tree of messages (see PipeHarness)
         self.tools._adapter._host = _ToolHost(self, self.tool_module)
         self.filter._adapter._host = _ToolHost(self, self.filter_module)
 
@@ -71,6 +79,7 @@ class ToolHarness:
         harness.chats = pipe.chats
         harness.uploads = pipe.uploads
         harness.files = pipe.files
+        harness.trees = pipe.trees
         return harness
 
     def set_valves(self, **changes: Any) -> None:
@@ -90,11 +99,15 @@ class ToolHarness:
         history: list[dict] | None = None,
         files: list[dict] | None = None,
         tool_enabled: bool = True,
+        message_id: str | None = None,
+        user_message: dict | None = None,
     ) -> Turn:
         """One user message with the Tool and the Filter enabled, as Open WebUI's native tool loop runs it.
-        `tool_enabled=False`: the Filter is on (say, global) but this chat does not offer the Tool."""
+        `tool_enabled=False`: the Filter is on (say, global) but this chat does not offer the Tool.
+        `user_message` ({id, parentId}): where it is in the chat's tree (see PipeHarness.say)."""
         self.chats.setdefault(chat_id, user_id)
-        message_id = str(uuid.uuid4())
+        message_id = message_id or str(uuid.uuid4())
+        record_turn(self.trees, chat_id, message_id, user_message)
         events: list[dict] = []
 
         async def emit(event: dict) -> None:
@@ -103,6 +116,8 @@ class ToolHarness:
         user = {"id": user_id, "name": user_id, "role": "user"}
         tool_ids = [TOOL_ID] if tool_enabled else []
         metadata = {"chat_id": chat_id, "message_id": message_id, "files": files or [], "tool_ids": tool_ids}
+        if user_message:
+            metadata["user_message"] = user_message
         # Open WebUI assigns the saved valves before every call.
         self.tools.valves = self.tools.Valves(**self.stored_tool_valves)
         body = {
@@ -166,6 +181,8 @@ class ToolHarness:
                     __files__=files or [],
                     __event_emitter__=emit,
                     __id__=TOOL_ID,
+                    __message_id__=message_id,
+                    __metadata__=metadata,
                 )
                 results.append(result)
                 messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
@@ -182,6 +199,7 @@ class ToolHarness:
         outlet = await self.filter.outlet(
             outlet, __user__=dict(user), __metadata__=metadata, __event_emitter__=emit
         )
+        await settle(self.filter._adapter)
         return Turn(streamed, outlet["messages"][-1]["content"], results, events)
 
     async def aclose(self) -> None:

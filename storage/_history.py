@@ -1,0 +1,721 @@
+"""A chat folder's history by message: the folder's state at the end of each answer, kept so that a
+branch of the conversation (a regenerated or edited message) continues from the files of the message
+it continues from. Pure file work, blocking: call it from a thread, holding the chat's lock.
+
+Layout, inside the chat's saved-state folder (outside /mnt/data, ours alone):
+
+    history/
+      index.json          the head, the states kept, and every object's references and size
+      states/<d>.json     one state: {message_id, saved_at, files: {path: [object, size, mtime_ns, mode]},
+                          dirs: {path: mode}, imports: [[source, path], ...]}  (<d>: a digest of the id)
+      objects/<id>        one version of one file, a private copy (a reflink where the disk has them)
+      kernels/<d>/        the kernel's image for that state, written by the caller (opaque here)
+
+A state never shares an inode with the live folder: code in the sandbox may write a file in place
+(`open(p, 'r+')`, `mmap`), which would change a hard-linked copy. So a version is copied once, when it
+is first seen, and every later state whose file is unchanged refers to the same object. "Unchanged"
+is the file's inode, size, mtime and ctime all as recorded when it was copied or restored (the ctime
+cannot be set back by the sandbox's code).
+
+The head says which message's state the folder holds now, and whether it may have changed since that
+state was saved (`dirty`); `restoring` marks a restore in progress, so a crash mid-way is finished by
+the next restore rather than left half done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import stat
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._fsops import DIR_FLAGS, Owner, copy_fd, fd_closing, remove_tree_at
+from ._names import MAX_DEPTH, MAX_PATH_BYTES
+
+FORMAT = 1
+HEAD = "head.json"
+STATS = "stats.json"
+# Dropped states whose objects are collected together (a collection reads every state's object list).
+_COLLECT_EVERY = 5
+MAX_FILES = 100_000  # a state of more files than this is not kept (the quota's default is 5,000)
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_FICLONE = 0x40049409  # linux/fs.h: share the blocks of a file (XFS, Btrfs); ext4 refuses
+_MAX_STATE = 64 << 20
+_RESTORE_TEMP = ".cs-restore-"
+_OBJECT = re.compile(r"[0-9a-f]{24}")
+_PLAIN_PATH = re.compile(r"[^/\0]+(?:/[^/\0]+)*")
+_DOT_PART = re.compile(r"(?:^|/)\.\.?(?:/|$)")
+
+
+
+class HistoryError(Exception):
+    """A state cannot be saved or restored; the message says why, for the user."""
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """Which message's state the folder holds ("": none recorded yet); whether the folder may have
+    changed since that state was saved; whether a restore of it began and did not finish; and the
+    state whose records say what the live folder's files are (`live`, a digest; "": none)."""
+
+    message_id: str = ""
+    dirty: bool = False
+    restoring: bool = False
+    live: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Saved:
+    """One state saved: its files, what had to be copied for it, and what the history now takes."""
+
+    message_id: str
+    files: int
+    copied_files: int
+    copied_bytes: int
+    history_bytes: int  # what the history takes on disk beyond the folder's own files
+    dropped: int  # older states dropped to keep within the count and the room
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """One state restored into the folder: what was copied back and what was removed."""
+
+    message_id: str
+    files: int
+    copied_files: int
+    removed: int
+
+
+def digest(message_id: str) -> str:
+    return hashlib.sha256(message_id.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+class History:
+    """The history folder of one chat (`folder`, created on first save) and its live folder.
+
+    Files: `head.json` (the Head), `states/<d>.json` (one state: its files with each one's object,
+    size, mtime, mode, and the inode and ctime of the live file it was read from), `states/<d>.objects`
+    (its objects' names, one per line: what a collection reads), `objects/<name>`, `kernels/<d>/`,
+    and `stats.json` (the bytes the objects take, and how many states were dropped since the last
+    collection). A state's file records the live files' inodes and ctimes as of its save, or of its
+    restore (a restore rewrites them): the next save compares the folder with the head's `live` state
+    and copies only what is not as recorded there."""
+
+    def __init__(self, folder: Path, live: Path, owner: Owner) -> None:
+        self.folder = folder
+        self.live_dir = live
+        self.owner = owner
+
+    # ------------------------------------------------------------------ the head
+
+    def read_head(self) -> Head:
+        """The head, from its own small file: read before every step."""
+        try:
+            with open(self.folder / HEAD, "rb") as fh:
+                data = json.loads(fh.read(1 << 16))
+            live = data.get("live", "")
+            return Head(
+                str(data["head"]),
+                bool(data["dirty"]),
+                bool(data["restoring"]),
+                live if isinstance(live, str) and _digest_name(live) else "",
+            )
+        except FileNotFoundError:
+            return Head(dirty=(self.folder / "states").exists())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return Head(dirty=True)  # damaged: the folder may be anything, and belongs to no state
+
+    def claim(self, message_id: str) -> None:
+        """The folder is about to change for `message_id`'s answer: the head is its, and dirty."""
+        head = self.read_head()
+        if head.message_id == message_id and head.dirty and not head.restoring:
+            return
+        self._write_head(Head(message_id, True, False, head.live))
+
+    def has_state(self, message_id: str) -> bool:
+        return self._state_path(message_id).is_file()
+
+    def kernel_dir(self, message_id: str) -> Path:
+        """Where the kernel's image of a state lives (the caller writes it; made here, private)."""
+        self._make_folder()
+        folder = self.folder / "kernels" / digest(message_id)
+        folder.parent.mkdir(mode=0o700, exist_ok=True)
+        folder.mkdir(mode=0o700, exist_ok=True)
+        return folder
+
+    def kernel_of(self, message_id: str) -> Path | None:
+        folder = self.folder / "kernels" / digest(message_id)
+        return folder if (folder / "kernel").is_dir() else None
+
+    def drop_kernel(self, message_id: str) -> None:
+        shutil.rmtree(self.folder / "kernels" / digest(message_id), ignore_errors=True)
+
+    def bytes_on_disk(self) -> int:
+        return _tree_bytes(self.folder)
+
+    # ------------------------------------------------------------------ saving
+
+    def save(
+        self,
+        message_id: str,
+        imports: list[tuple[str, str]],
+        *,
+        keep_states: int,
+        keep_kernels: int,
+        room_bytes: int | None,
+    ) -> Saved:
+        """Record the live folder as `message_id`'s state (replacing an older one of it); then keep the
+        newest `keep_states` states and the kernels of the newest `keep_kernels`, and drop the oldest
+        while the history takes more than `room_bytes` (None: no bound), never the new one."""
+        head = self.read_head()
+        known = self._records(self.folder / "states" / f"{head.live}.json") if head.live else {}
+        self._make_folder()
+        stats = self._read_stats()
+        objects = self.folder / "objects"
+        objects.mkdir(mode=0o700, exist_ok=True)
+        (self.folder / "states").mkdir(mode=0o700, exist_ok=True)
+        files: dict[str, list[Any]] = {}
+        dirs: dict[str, int] = {}
+        copied_files = copied_bytes = live_bytes = 0
+        with fd_closing(os.open(objects, DIR_FLAGS)) as objects_fd:
+            try:
+                root = os.open(self.live_dir, DIR_FLAGS)
+            except FileNotFoundError:
+                root = -1
+            if root >= 0:
+                with fd_closing(root):
+                    for path, st, parent, name in _walk(root):
+                        if stat.S_ISDIR(st.st_mode):
+                            dirs[path] = stat.S_IMODE(st.st_mode)
+                            continue
+                        was = known.get(path)
+                        if was is not None and _unchanged(was, st):
+                            obj = was[0]
+                        else:
+                            made = _copy_in(parent, name, st, objects_fd)
+                            if made is None:
+                                continue  # gone, or not a regular file any more
+                            obj = made
+                            copied_files += 1
+                            copied_bytes += st.st_size
+                        live_bytes += st.st_size
+                        files[path] = [
+                            obj,
+                            st.st_size,
+                            st.st_mtime_ns,
+                            stat.S_IMODE(st.st_mode),
+                            st.st_ino,
+                            st.st_ctime_ns,
+                        ]
+                        if len(files) > MAX_FILES:
+                            raise HistoryError(f"the folder holds more than {MAX_FILES:,} files")
+        self._write_state(message_id, files, dirs, imports)
+        self._write_head(Head(message_id, False, False, digest(message_id)))
+        stats["object_bytes"] += copied_bytes
+        dropped = self._prune(message_id, keep_states, keep_kernels, room_bytes, stats, live_bytes)
+        self._write_stats(stats)
+        history = max(0, stats["object_bytes"] - live_bytes) + self._kernel_bytes()
+        return Saved(message_id, len(files), copied_files, copied_bytes, history, dropped)
+
+    def _prune(
+        self,
+        newest: str,
+        keep_states: int,
+        keep_kernels: int,
+        room_bytes: int | None,
+        stats: dict[str, int],
+        live_bytes: int,
+    ) -> int:
+        """Drop the states beyond `keep_states` (oldest first), the kernels beyond `keep_kernels`, and
+        more while the history is over `room_bytes`; objects no state needs go at a collection, which
+        runs once enough states went (its cost is shared by them) or when the room is short."""
+        order = self._states_oldest_first(newest)
+        dropped = [order.pop(0)[1] for _ in range(max(0, len(order) - max(1, keep_states)))]
+        with_kernel = [d for _, d in order if (self.folder / "kernels" / d / "kernel").is_dir()]
+        for d in with_kernel[: max(0, len(with_kernel) - keep_kernels)]:
+            shutil.rmtree(self.folder / "kernels" / d, ignore_errors=True)
+        for d in dropped:
+            self._drop(d)
+        stats["uncollected"] += len(dropped)
+        if stats["uncollected"] >= _COLLECT_EVERY:
+            self._collect(stats)
+        if room_bytes is not None:
+            while max(0, stats["object_bytes"] - live_bytes) + self._kernel_bytes() > room_bytes:
+                kernels = [d for _, d in order if (self.folder / "kernels" / d / "kernel").is_dir()]
+                if kernels:  # a Python state costs more than a file state: they go first
+                    shutil.rmtree(self.folder / "kernels" / kernels[0], ignore_errors=True)
+                    continue
+                if stats["uncollected"]:
+                    self._collect(stats)
+                    continue
+                if len(order) <= 1:
+                    break
+                d = order.pop(0)[1]
+                dropped.append(d)
+                self._drop(d)
+                stats["uncollected"] += 1
+        return len(dropped)
+
+    def _states_oldest_first(self, newest: str) -> list[tuple[float, str]]:
+        found = []
+        newest_digest = digest(newest)
+        for name in _listing(self.folder / "states"):
+            if not name.endswith(".json") or not _digest_name(name[:-5]):
+                continue
+            with contextlib.suppress(OSError):
+                st = os.lstat(self.folder / "states" / name)
+                found.append((st.st_mtime, name[:-5]))
+        return sorted(found, key=lambda item: (item[1] == newest_digest, item[0]))
+
+    def _drop(self, state: str) -> None:
+        for suffix in (".json", ".objects"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.folder / "states" / f"{state}{suffix}")
+        shutil.rmtree(self.folder / "kernels" / state, ignore_errors=True)
+
+    def _collect(self, stats: dict[str, int]) -> None:
+        """Remove the objects no state refers to, and count exactly what the rest take."""
+        wanted: set[str] = set()
+        for name in _listing(self.folder / "states"):
+            if name.endswith(".objects"):
+                path = self.folder / "states" / name
+                with contextlib.suppress(OSError), open(path, encoding="ascii") as fh:
+                    wanted.update(line.strip() for line in fh)
+        objects = self.folder / "objects"
+        total = 0
+        for name in _listing(objects):
+            if name in wanted:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(objects / name).st_size
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(objects / name)
+        stats["object_bytes"], stats["uncollected"] = total, 0
+
+    def _kernel_bytes(self) -> int:
+        return _tree_bytes(self.folder / "kernels")
+
+    # ------------------------------------------------------------------ restoring
+
+    def begin_restore(self, message_id: str) -> dict[str, Any]:
+        """The state of `message_id`, checked whole (every object present, of its size), with the
+        head marked as restoring it. HistoryError when it cannot be restored."""
+        state = self._read_state(message_id)
+        if state is None:
+            raise HistoryError("its saved files are no longer kept")
+        objects = self.folder / "objects"
+        for obj, size, *_ in state["files"].values():
+            try:
+                st = os.lstat(objects / obj)
+            except OSError:
+                raise HistoryError("its saved files are damaged (a version is missing)") from None
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                raise HistoryError("its saved files are damaged (a version has another size)")
+        head = self.read_head()
+        self._write_head(Head(message_id, True, True, head.live))
+        return state
+
+    def restore(self, message_id: str, state: dict[str, Any]) -> Restored:
+        """Make the live folder hold exactly the state's files and folders (after begin_restore).
+        Files already there as the head's live records say, with the state's version, stay; the rest
+        is copied back from the objects. The state's records then describe the live files."""
+        head = self.read_head()
+        known = self._records(self.folder / "states" / f"{head.live}.json") if head.live else {}
+        wanted: dict[str, list[Any]] = state["files"]
+        wanted_dirs: dict[str, int] = state["dirs"]
+        keep_dirs = set(wanted_dirs)
+        for path in wanted:
+            parts = path.split("/")
+            keep_dirs.update("/".join(parts[:i]) for i in range(1, len(parts)))
+        kept: dict[str, list[Any]] = {}
+        with (
+            fd_closing(os.open(self.folder / "objects", DIR_FLAGS)) as objects_fd,
+            fd_closing(os.open(self.live_dir, DIR_FLAGS)) as root,
+        ):
+            removed = _clear_live(root, "", 0, wanted, keep_dirs, known, kept)
+            for path in sorted(keep_dirs, key=lambda p: p.count("/")):
+                with fd_closing(_make_dirs(root, path.split("/"), wanted_dirs.get(path, 0o755), self.owner)):
+                    pass
+            copied = 0
+            files: dict[str, list[Any]] = {}
+            for path, (obj, size, mtime_ns, mode, *_) in wanted.items():
+                if path in kept:
+                    st_ino, st_ctime = kept[path][4], kept[path][5]
+                    files[path] = [obj, size, mtime_ns, mode, st_ino, st_ctime]
+                    continue
+                parts = path.split("/")
+                with fd_closing(_make_dirs(root, parts[:-1], 0o755, self.owner)) as parent:
+                    st = _copy_out(objects_fd, obj, parent, parts[-1], mode, mtime_ns, self.owner)
+                files[path] = [obj, st.st_size, st.st_mtime_ns, mode, st.st_ino, st.st_ctime_ns]
+                copied += 1
+        self._write_state(message_id, files, wanted_dirs, self.imports_of(state), saved_at=state["saved_at"])
+        self._write_head(Head(message_id, False, False, digest(message_id)))
+        return Restored(message_id, len(wanted), copied, removed)
+
+    def restore_empty(self, message_id: str) -> Restored:
+        """The folder as at the start of a chat: empty."""
+        head = self.read_head()
+        self._write_head(Head(message_id, True, True, head.live))
+        removed = 0
+        with fd_closing(os.open(self.live_dir, DIR_FLAGS)) as root:
+            for name in os.listdir(root):
+                with contextlib.suppress(OSError):
+                    remove_tree_at(root, name)
+                    removed += 1
+        self._write_head(Head(message_id, True, False, ""))
+        return Restored(message_id, 0, 0, removed)
+
+    def imports_of(self, state: dict[str, Any]) -> list[tuple[str, str]]:
+        return [(str(s), str(p)) for s, p in state.get("imports", [])]
+
+    # ------------------------------------------------------------------ files of the history
+
+    def _state_path(self, message_id: str) -> Path:
+        return self.folder / "states" / f"{digest(message_id)}.json"
+
+    def _read_state(self, message_id: str) -> dict[str, Any] | None:
+        state = self._read_state_file(self._state_path(message_id))
+        if state is None or state.get("message_id") != message_id:
+            return None
+        return state
+
+    @staticmethod
+    def _records(path: Path) -> dict[str, list[Any]]:
+        """The file records of a state, read only to tell which live files are unchanged: a record
+        that is not well formed is no record (its file is then copied again)."""
+        try:
+            with open(path, "rb") as fh:
+                files = json.loads(fh.read(_MAX_STATE)).get("files")
+        except (OSError, ValueError, AttributeError):
+            return {}
+        if not isinstance(files, dict):
+            return {}
+        return {p: v for p, v in files.items() if isinstance(v, list) and len(v) == 6}
+
+    @staticmethod
+    def _read_state_file(path: Path) -> dict[str, Any] | None:
+        """A state, checked whole before its paths and objects name anything on disk."""
+        try:
+            with open(path, "rb") as fh:
+                state = json.loads(fh.read(_MAX_STATE))
+        except (OSError, ValueError):
+            return None
+        try:
+            ok = (
+                state.get("format") == FORMAT
+                and isinstance(state.get("message_id"), str)
+                and isinstance(state.get("saved_at"), int | float)
+                and isinstance(state.get("files"), dict)
+                and isinstance(state.get("dirs"), dict)
+                and all(
+                    _safe_path(p)
+                    and isinstance(v, list)
+                    and len(v) == 6
+                    and _object_name(v[0])
+                    and all(isinstance(n, int) for n in v[1:])
+                    for p, v in state["files"].items()
+                )
+                and all(_safe_path(p) and isinstance(m, int) for p, m in state["dirs"].items())
+            )
+        except (AttributeError, TypeError):
+            return None
+        return state if ok else None
+
+    def _write_state(
+        self,
+        message_id: str,
+        files: dict[str, list[Any]],
+        dirs: dict[str, int],
+        imports: list[tuple[str, str]],
+        *,
+        saved_at: float | None = None,
+    ) -> None:
+        stamp = time.time() if saved_at is None else saved_at
+        state = {
+            "format": FORMAT,
+            "message_id": message_id,
+            "saved_at": stamp,
+            "files": files,
+            "dirs": dirs,
+            "imports": [list(pair) for pair in imports],
+        }
+        d = digest(message_id)
+        names = "".join(f"{entry[0]}\n" for entry in files.values())
+        _write_bytes(self.folder / "states" / f"{d}.objects", names.encode("ascii"))
+        path = self.folder / "states" / f"{d}.json"
+        _write_bytes(path, json.dumps(state, separators=(",", ":")).encode())
+        # The file's mtime is the state's age, which pruning orders by: a restore rewrites the file (the
+        # live files' new inodes) without making the state any newer.
+        os.utime(path, (stamp, stamp))
+
+    def _make_folder(self) -> None:
+        # Its parent (the chat's saved-state folder) may not exist yet; both are ours alone.
+        self.folder.parent.mkdir(mode=0o700, exist_ok=True)
+        self.folder.mkdir(mode=0o700, exist_ok=True)
+
+    def _write_head(self, head: Head) -> None:
+        self._make_folder()
+        data = {"head": head.message_id, "dirty": head.dirty, "restoring": head.restoring, "live": head.live}
+        _write_bytes(self.folder / HEAD, json.dumps(data).encode())
+
+    def _read_stats(self) -> dict[str, int]:
+        try:
+            with open(self.folder / STATS, "rb") as fh:
+                data = json.loads(fh.read(1 << 16))
+            return {"object_bytes": int(data["object_bytes"]), "uncollected": int(data["uncollected"])}
+        except (OSError, ValueError, KeyError, TypeError):
+            stats = {"object_bytes": 0, "uncollected": 0}
+            self._collect(stats)  # lost or damaged: counted again from the disk
+            return stats
+
+    def _write_stats(self, stats: dict[str, int]) -> None:
+        _write_bytes(self.folder / STATS, json.dumps(stats).encode())
+
+
+def _safe_path(path: object) -> bool:
+    """A relative path of plain components, as the state's own walk wrote it (a damaged or forged
+    state could otherwise name a place outside the folder)."""
+    return (
+        isinstance(path, str)
+        and _PLAIN_PATH.fullmatch(path) is not None
+        and _DOT_PART.search(path) is None
+        and path.count("/") < MAX_DEPTH
+        and len(path.encode("utf-8", "surrogatepass")) <= MAX_PATH_BYTES
+    )
+
+
+def _object_name(name: object) -> bool:
+    return isinstance(name, str) and _OBJECT.fullmatch(name) is not None
+
+
+def _listing(folder: Path) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except FileNotFoundError:
+        return []
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    """Write a file of the history whole: a new file renamed over the old one."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, _NEW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _unchanged(record: list[Any], st: os.stat_result) -> bool:
+    """The live file is still the one a state's record describes: its size, mtime, inode and ctime
+    (which the sandbox's code cannot set back) are as recorded."""
+    return record[1:3] == [st.st_size, st.st_mtime_ns] and record[4:6] == [st.st_ino, st.st_ctime_ns]
+
+
+def _digest_name(name: str) -> bool:
+    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
+
+
+def _tree_bytes(folder: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def _walk(fd: int, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, os.stat_result, int, str]]:
+    """(path, lstat, parent fd, name) of every folder and regular file under the folder `fd`, each
+    folder before what it holds. Never follows a link; names that are not UTF-8 are skipped
+    (reconcile renames them), and so is what lies deeper than MAX_DEPTH. One open folder per level."""
+    try:
+        names = os.listdir(fd)
+    except OSError:
+        return
+    for name in names:
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if name.startswith(_RESTORE_TEMP) or (not name.isascii() and not _utf8(name)):
+            continue
+        path = f"{prefix}{name}"
+        if stat.S_ISREG(st.st_mode):
+            yield path, st, fd, name
+        elif stat.S_ISDIR(st.st_mode):
+            yield path, st, fd, name
+            if depth + 1 >= MAX_DEPTH:
+                continue
+            try:
+                sub = os.open(name, DIR_FLAGS, dir_fd=fd)
+            except OSError:
+                continue
+            with fd_closing(sub):
+                yield from _walk(sub, f"{path}/", depth + 1)
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _clear_live(
+    fd: int,
+    prefix: str,
+    depth: int,
+    wanted: dict[str, list[Any]],
+    keep_dirs: set[str],
+    before: dict[str, list[Any]],
+    kept: dict[str, list[Any]],
+) -> int:
+    """Remove from the live folder `fd` what the state being restored does not hold (links, FIFOs,
+    names that are not UTF-8 and folders it lacks included, never followed); note in `kept` the files
+    that are already the state's version. Returns how many entries went."""
+    removed = 0
+    try:
+        names = os.listdir(fd)
+    except OSError:
+        return removed
+    for name in names:
+        st = _lstat(fd, name)
+        if st is None:
+            continue
+        path = f"{prefix}{name}"
+        if not _utf8(name) or name.startswith(_RESTORE_TEMP):
+            remove_tree_at(fd, name)
+            removed += 1
+        elif stat.S_ISDIR(st.st_mode):
+            if path not in keep_dirs or depth + 1 >= MAX_DEPTH:
+                remove_tree_at(fd, name)
+                removed += 1
+                continue
+            try:
+                sub = os.open(name, DIR_FLAGS, dir_fd=fd)
+            except OSError:
+                continue
+            with fd_closing(sub):
+                removed += _clear_live(sub, f"{path}/", depth + 1, wanted, keep_dirs, before, kept)
+        else:
+            entry, seen = wanted.get(path), before.get(path)
+            if (
+                entry is not None
+                and stat.S_ISREG(st.st_mode)
+                and seen is not None
+                and seen[0] == entry[0]
+                and _unchanged(seen, st)
+            ):
+                kept[path] = seen
+            elif entry is None or not stat.S_ISREG(st.st_mode):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=fd)
+                    removed += 1
+    return removed
+
+
+def _lstat(dir_fd: int, name: str) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return None
+
+
+def _clone_or_copy(src: int, dst: int) -> None:
+    try:
+        fcntl.ioctl(dst, _FICLONE, src)
+        return
+    except OSError as error:
+        if error.errno not in (errno.EOPNOTSUPP, errno.EXDEV, errno.EINVAL, errno.ENOTTY, errno.EBADF):
+            raise
+    copy_fd(src, dst)
+
+
+def _copy_in(parent: int, name: str, seen: os.stat_result, objects_fd: int) -> str | None:
+    """A private copy of the live file `name` as a new object; None when it is gone or is no longer
+    the regular file the walk saw."""
+    try:
+        src = os.open(name, _READ, dir_fd=parent)
+    except OSError:
+        return None
+    with fd_closing(src):
+        st = os.fstat(src)
+        if not stat.S_ISREG(st.st_mode) or st.st_ino != seen.st_ino:
+            return None
+        obj = secrets.token_hex(12)
+        dst = os.open(obj, _NEW, 0o400, dir_fd=objects_fd)
+        try:
+            with fd_closing(dst):
+                _clone_or_copy(src, dst)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(obj, dir_fd=objects_fd)
+            raise
+    return obj
+
+
+def _copy_out(
+    objects_fd: int, obj: str, parent: int, name: str, mode: int, mtime_ns: int, owner: Owner
+) -> os.stat_result:
+    """Put the object back at `name` in the live folder: a new file beside it, renamed over it."""
+    temp = f"{_RESTORE_TEMP}{secrets.token_hex(6)}"
+    with fd_closing(os.open(obj, _READ, dir_fd=objects_fd)) as src:
+        dst = os.open(temp, _NEW, 0o600, dir_fd=parent)
+        try:
+            with fd_closing(dst):
+                _clone_or_copy(src, dst)
+                if owner is not None and os.geteuid() == 0:
+                    os.fchown(dst, owner[0], owner[1])
+                os.fchmod(dst, mode & 0o777)
+                os.utime(dst, ns=(mtime_ns, mtime_ns))
+            st = _lstat(parent, name)
+            if st is not None and stat.S_ISDIR(st.st_mode):
+                remove_tree_at(parent, name)
+            os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp, dir_fd=parent)
+            raise
+        done = _lstat(parent, name)
+        assert done is not None
+        return done
+
+
+def _make_dirs(root: int, parts: list[str], mode: int, owner: Owner) -> int:
+    """Open (making what is missing) the folder `parts` under root; a non-folder in the way goes."""
+    fd = os.dup(root)
+    for part in parts:
+        try:
+            sub = os.open(part, DIR_FLAGS, dir_fd=fd)
+        except OSError as error:
+            if error.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                os.close(fd)
+                raise
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                os.unlink(part, dir_fd=fd)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, mode & 0o777, dir_fd=fd)
+            sub = os.open(part, DIR_FLAGS, dir_fd=fd)
+            if owner is not None and os.geteuid() == 0:
+                os.fchown(sub, owner[0], owner[1])
+            os.fchmod(sub, mode & 0o777)
+        os.close(fd)
+        fd = sub
+    return fd
