@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_5a477a159301'
+_CS_PACKAGE = '_code_sessions_0adeed7a5b1c'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -1703,23 +1703,31 @@ the next restore rather than left half done.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import hashlib
 import json
 import os
-import re
-import secrets
 import shutil
 import stat
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._fsops import DIR_FLAGS, Owner, copy_fd, fd_closing, remove_tree_at
-from ._names import MAX_DEPTH, MAX_PATH_BYTES
+from ._fsops import DIR_FLAGS, Owner, fd_closing, remove_tree_at
+from ._history_files import (
+    clear_live,
+    copy_in,
+    copy_out,
+    digest_name,
+    listing,
+    make_dirs,
+    object_name,
+    safe_path,
+    tree_bytes,
+    unchanged,
+    walk,
+    write_bytes,
+)
 
 FORMAT = 1
 HEAD = "head.json"
@@ -1727,15 +1735,7 @@ STATS = "stats.json"
 # Dropped states whose objects are collected together (a collection reads every state's object list).
 _COLLECT_EVERY = 5
 MAX_FILES = 100_000  # a state of more files than this is not kept (the quota's default is 5,000)
-_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_FICLONE = 0x40049409  # linux/fs.h: share the blocks of a file (XFS, Btrfs); ext4 refuses
 _MAX_STATE = 64 << 20
-_RESTORE_TEMP = ".cs-restore-"
-_OBJECT = re.compile(r"[0-9a-f]{24}")
-_PLAIN_PATH = re.compile(r"[^/\0]+(?:/[^/\0]+)*")
-_DOT_PART = re.compile(r"(?:^|/)\.\.?(?:/|$)")
-
 
 
 class HistoryError(Exception):
@@ -1808,7 +1808,7 @@ class History:
                 str(data["head"]),
                 bool(data["dirty"]),
                 bool(data["restoring"]),
-                live if isinstance(live, str) and _digest_name(live) else "",
+                live if isinstance(live, str) and digest_name(live) else "",
             )
         except FileNotFoundError:
             return Head(dirty=(self.folder / "states").exists())
@@ -1841,7 +1841,7 @@ class History:
         shutil.rmtree(self.folder / "kernels" / digest(message_id), ignore_errors=True)
 
     def bytes_on_disk(self) -> int:
-        return _tree_bytes(self.folder)
+        return tree_bytes(self.folder)
 
     # ------------------------------------------------------------------ saving
 
@@ -1874,15 +1874,15 @@ class History:
                 root = -1
             if root >= 0:
                 with fd_closing(root):
-                    for path, st, parent, name in _walk(root):
+                    for path, st, parent, name in walk(root):
                         if stat.S_ISDIR(st.st_mode):
                             dirs[path] = stat.S_IMODE(st.st_mode)
                             continue
                         was = known.get(path)
-                        if was is not None and _unchanged(was, st):
+                        if was is not None and unchanged(was, st):
                             obj = was[0]
                         else:
-                            made = _copy_in(parent, name, st, objects_fd)
+                            made = copy_in(parent, name, st, objects_fd)
                             if made is None:
                                 continue  # gone, or not a regular file any more
                             obj = made
@@ -1949,8 +1949,8 @@ class History:
     def _states_oldest_first(self, newest: str) -> list[tuple[float, str]]:
         found = []
         newest_digest = digest(newest)
-        for name in _listing(self.folder / "states"):
-            if not name.endswith(".json") or not _digest_name(name[:-5]):
+        for name in listing(self.folder / "states"):
+            if not name.endswith(".json") or not digest_name(name[:-5]):
                 continue
             with contextlib.suppress(OSError):
                 st = os.lstat(self.folder / "states" / name)
@@ -1966,14 +1966,14 @@ class History:
     def _collect(self, stats: dict[str, int]) -> None:
         """Remove the objects no state refers to, and count exactly what the rest take."""
         wanted: set[str] = set()
-        for name in _listing(self.folder / "states"):
+        for name in listing(self.folder / "states"):
             if name.endswith(".objects"):
                 path = self.folder / "states" / name
                 with contextlib.suppress(OSError), open(path, encoding="ascii") as fh:
                     wanted.update(line.strip() for line in fh)
         objects = self.folder / "objects"
         total = 0
-        for name in _listing(objects):
+        for name in listing(objects):
             if name in wanted:
                 with contextlib.suppress(OSError):
                     total += os.lstat(objects / name).st_size
@@ -1983,7 +1983,7 @@ class History:
         stats["object_bytes"], stats["uncollected"] = total, 0
 
     def _kernel_bytes(self) -> int:
-        return _tree_bytes(self.folder / "kernels")
+        return tree_bytes(self.folder / "kernels")
 
     # ------------------------------------------------------------------ restoring
 
@@ -2022,9 +2022,9 @@ class History:
             fd_closing(os.open(self.folder / "objects", DIR_FLAGS)) as objects_fd,
             fd_closing(os.open(self.live_dir, DIR_FLAGS)) as root,
         ):
-            removed = _clear_live(root, "", 0, wanted, keep_dirs, known, kept)
+            removed = clear_live(root, "", 0, wanted, keep_dirs, known, kept)
             for path in sorted(keep_dirs, key=lambda p: p.count("/")):
-                with fd_closing(_make_dirs(root, path.split("/"), wanted_dirs.get(path, 0o755), self.owner)):
+                with fd_closing(make_dirs(root, path.split("/"), wanted_dirs.get(path, 0o755), self.owner)):
                     pass
             copied = 0
             files: dict[str, list[Any]] = {}
@@ -2034,8 +2034,8 @@ class History:
                     files[path] = [obj, size, mtime_ns, mode, st_ino, st_ctime]
                     continue
                 parts = path.split("/")
-                with fd_closing(_make_dirs(root, parts[:-1], 0o755, self.owner)) as parent:
-                    st = _copy_out(objects_fd, obj, parent, parts[-1], mode, mtime_ns, self.owner)
+                with fd_closing(make_dirs(root, parts[:-1], 0o755, self.owner)) as parent:
+                    st = copy_out(objects_fd, obj, parent, parts[-1], mode, mtime_ns, self.owner)
                 files[path] = [obj, st.st_size, st.st_mtime_ns, mode, st.st_ino, st.st_ctime_ns]
                 copied += 1
         self._write_state(message_id, files, wanted_dirs, self.imports_of(state), saved_at=state["saved_at"])
@@ -2098,14 +2098,14 @@ class History:
                 and isinstance(state.get("files"), dict)
                 and isinstance(state.get("dirs"), dict)
                 and all(
-                    _safe_path(p)
+                    safe_path(p)
                     and isinstance(v, list)
                     and len(v) == 6
-                    and _object_name(v[0])
+                    and object_name(v[0])
                     and all(isinstance(n, int) for n in v[1:])
                     for p, v in state["files"].items()
                 )
-                and all(_safe_path(p) and isinstance(m, int) for p, m in state["dirs"].items())
+                and all(safe_path(p) and isinstance(m, int) for p, m in state["dirs"].items())
             )
         except (AttributeError, TypeError):
             return None
@@ -2131,9 +2131,9 @@ class History:
         }
         d = digest(message_id)
         names = "".join(f"{entry[0]}\n" for entry in files.values())
-        _write_bytes(self.folder / "states" / f"{d}.objects", names.encode("ascii"))
+        write_bytes(self.folder / "states" / f"{d}.objects", names.encode("ascii"))
         path = self.folder / "states" / f"{d}.json"
-        _write_bytes(path, json.dumps(state, separators=(",", ":")).encode())
+        write_bytes(path, json.dumps(state, separators=(",", ":")).encode())
         # The file's mtime is the state's age, which pruning orders by: a restore rewrites the file (the
         # live files' new inodes) without making the state any newer.
         os.utime(path, (stamp, stamp))
@@ -2146,7 +2146,7 @@ class History:
     def _write_head(self, head: Head) -> None:
         self._make_folder()
         data = {"head": head.message_id, "dirty": head.dirty, "restoring": head.restoring, "live": head.live}
-        _write_bytes(self.folder / HEAD, json.dumps(data).encode())
+        write_bytes(self.folder / HEAD, json.dumps(data).encode())
 
     def _read_stats(self) -> dict[str, int]:
         try:
@@ -2159,10 +2159,40 @@ class History:
             return stats
 
     def _write_stats(self, stats: dict[str, int]) -> None:
-        _write_bytes(self.folder / STATS, json.dumps(stats).encode())
+        write_bytes(self.folder / STATS, json.dumps(stats).encode())
+''',
+    'storage/_history_files.py': r'''"""The file work under a chat's history (storage/_history.py, which has the layout and the rules):
+walking the live folder without following links, copying a version in as a private object (a reflink
+where the disk has them) and out into the live folder, clearing what a restored state does not have,
+and the checks of the names a state's record may hold. Blocking, file descriptors relative to open
+folders throughout, so a folder swapped for a link mid-way is never followed."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import re
+import secrets
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ._fsops import DIR_FLAGS, Owner, copy_fd, fd_closing, remove_tree_at
+from ._names import MAX_DEPTH, MAX_PATH_BYTES
+
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_FICLONE = 0x40049409  # linux/fs.h: share the blocks of a file (XFS, Btrfs); ext4 refuses
+_RESTORE_TEMP = ".cs-restore-"
+_OBJECT = re.compile(r"[0-9a-f]{24}")
+_PLAIN_PATH = re.compile(r"[^/\0]+(?:/[^/\0]+)*")
+_DOT_PART = re.compile(r"(?:^|/)\.\.?(?:/|$)")
 
 
-def _safe_path(path: object) -> bool:
+def safe_path(path: object) -> bool:
     """A relative path of plain components, as the state's own walk wrote it (a damaged or forged
     state could otherwise name a place outside the folder)."""
     return (
@@ -2174,18 +2204,18 @@ def _safe_path(path: object) -> bool:
     )
 
 
-def _object_name(name: object) -> bool:
+def object_name(name: object) -> bool:
     return isinstance(name, str) and _OBJECT.fullmatch(name) is not None
 
 
-def _listing(folder: Path) -> list[str]:
+def listing(folder: Path) -> list[str]:
     try:
         return os.listdir(folder)
     except FileNotFoundError:
         return []
 
 
-def _write_bytes(path: Path, data: bytes) -> None:
+def write_bytes(path: Path, data: bytes) -> None:
     """Write a file of the history whole: a new file renamed over the old one."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
     fd = os.open(tmp, _NEW, 0o600)
@@ -2199,17 +2229,17 @@ def _write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-def _unchanged(record: list[Any], st: os.stat_result) -> bool:
+def unchanged(record: list[Any], st: os.stat_result) -> bool:
     """The live file is still the one a state's record describes: its size, mtime, inode and ctime
     (which the sandbox's code cannot set back) are as recorded."""
     return record[1:3] == [st.st_size, st.st_mtime_ns] and record[4:6] == [st.st_ino, st.st_ctime_ns]
 
 
-def _digest_name(name: str) -> bool:
+def digest_name(name: str) -> bool:
     return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
 
 
-def _tree_bytes(folder: Path) -> int:
+def tree_bytes(folder: Path) -> int:
     total = 0
     for dirpath, _, names in os.walk(folder):
         for name in names:
@@ -2218,7 +2248,7 @@ def _tree_bytes(folder: Path) -> int:
     return total
 
 
-def _walk(fd: int, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, os.stat_result, int, str]]:
+def walk(fd: int, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, os.stat_result, int, str]]:
     """(path, lstat, parent fd, name) of every folder and regular file under the folder `fd`, each
     folder before what it holds. Never follows a link; names that are not UTF-8 are skipped
     (reconcile renames them), and so is what lies deeper than MAX_DEPTH. One open folder per level."""
@@ -2245,7 +2275,7 @@ def _walk(fd: int, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, os.s
             except OSError:
                 continue
             with fd_closing(sub):
-                yield from _walk(sub, f"{path}/", depth + 1)
+                yield from walk(sub, f"{path}/", depth + 1)
 
 
 def _utf8(name: str) -> bool:
@@ -2256,7 +2286,7 @@ def _utf8(name: str) -> bool:
     return True
 
 
-def _clear_live(
+def clear_live(
     fd: int,
     prefix: str,
     depth: int,
@@ -2291,7 +2321,7 @@ def _clear_live(
             except OSError:
                 continue
             with fd_closing(sub):
-                removed += _clear_live(sub, f"{path}/", depth + 1, wanted, keep_dirs, before, kept)
+                removed += clear_live(sub, f"{path}/", depth + 1, wanted, keep_dirs, before, kept)
         else:
             entry, seen = wanted.get(path), before.get(path)
             if (
@@ -2299,7 +2329,7 @@ def _clear_live(
                 and stat.S_ISREG(st.st_mode)
                 and seen is not None
                 and seen[0] == entry[0]
-                and _unchanged(seen, st)
+                and unchanged(seen, st)
             ):
                 kept[path] = seen
             elif entry is None or not stat.S_ISREG(st.st_mode):
@@ -2326,7 +2356,7 @@ def _clone_or_copy(src: int, dst: int) -> None:
     copy_fd(src, dst)
 
 
-def _copy_in(parent: int, name: str, seen: os.stat_result, objects_fd: int) -> str | None:
+def copy_in(parent: int, name: str, seen: os.stat_result, objects_fd: int) -> str | None:
     """A private copy of the live file `name` as a new object; None when it is gone or is no longer
     the regular file the walk saw."""
     try:
@@ -2349,7 +2379,7 @@ def _copy_in(parent: int, name: str, seen: os.stat_result, objects_fd: int) -> s
     return obj
 
 
-def _copy_out(
+def copy_out(
     objects_fd: int, obj: str, parent: int, name: str, mode: int, mtime_ns: int, owner: Owner
 ) -> os.stat_result:
     """Put the object back at `name` in the live folder: a new file beside it, renamed over it."""
@@ -2376,7 +2406,7 @@ def _copy_out(
         return done
 
 
-def _make_dirs(root: int, parts: list[str], mode: int, owner: Owner) -> int:
+def make_dirs(root: int, parts: list[str], mode: int, owner: Owner) -> int:
     """Open (making what is missing) the folder `parts` under root; a non-folder in the way goes."""
     fd = os.dup(root)
     for part in parts:
@@ -16973,8 +17003,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_5a477a159301.runner import KernelPool
-from _code_sessions_5a477a159301.storage import HistoryError, Session, StorageError
+from _code_sessions_0adeed7a5b1c.runner import KernelPool
+from _code_sessions_0adeed7a5b1c.storage import HistoryError, Session, StorageError
 
 from .settings import Settings
 
@@ -17417,7 +17447,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_5a477a159301.storage import (
+from _code_sessions_0adeed7a5b1c.storage import (
     Incoming,
     InvalidPath,
     Policy,
@@ -17819,7 +17849,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_5a477a159301.runner import Outcome
+from _code_sessions_0adeed7a5b1c.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -18128,7 +18158,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_5a477a159301.runner import RunnerError
+from _code_sessions_0adeed7a5b1c.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -18332,8 +18362,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_5a477a159301.runner import Runner, RunnerError
-from _code_sessions_5a477a159301.storage import StorageError
+from _code_sessions_0adeed7a5b1c.runner import Runner, RunnerError
+from _code_sessions_0adeed7a5b1c.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -18462,8 +18492,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_5a477a159301.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_5a477a159301.storage import human_bytes
+from _code_sessions_0adeed7a5b1c.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_0adeed7a5b1c.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -18583,7 +18613,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_5a477a159301.storage import Purge, parse_duration
+from _code_sessions_0adeed7a5b1c.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -19150,8 +19180,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_5a477a159301.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_5a477a159301.storage import (
+from _code_sessions_0adeed7a5b1c.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_0adeed7a5b1c.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -19633,8 +19663,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_5a477a159301.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_5a477a159301.storage import Policy
+from _code_sessions_0adeed7a5b1c.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_0adeed7a5b1c.storage import Policy
 
 __all__ = ["DEFAULTS", "BranchSettings", "Settings"]
 
@@ -19800,8 +19830,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_5a477a159301.runner import Outcome, RunResult
-from _code_sessions_5a477a159301.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_0adeed7a5b1c.runner import Outcome, RunResult
+from _code_sessions_0adeed7a5b1c.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention
 
@@ -20242,7 +20272,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_5a477a159301.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_0adeed7a5b1c.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -20461,7 +20491,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_5a477a159301.storage import Link, Publisher, is_postgres_url
+from _code_sessions_0adeed7a5b1c.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 from .knowledge import save_to_knowledge
@@ -20761,7 +20791,7 @@ import logging
 import mimetypes
 from typing import Any
 
-from _code_sessions_5a477a159301.storage import human_bytes
+from _code_sessions_0adeed7a5b1c.storage import human_bytes
 
 log = logging.getLogger("code_sessions.function")
 
@@ -21051,7 +21081,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from _code_sessions_5a477a159301.storage import (
+from _code_sessions_0adeed7a5b1c.storage import (
     DiskFull,
     FileExists,
     Incoming,
@@ -21299,11 +21329,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_5a477a159301.engine import DEFAULTS, MINUTE_S, BranchSettings, Engine, Maintenance, Settings, Turn
-from _code_sessions_5a477a159301.functions.inbound import serve_uploads
-from _code_sessions_5a477a159301.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_5a477a159301.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_5a477a159301.webui import OpenWebUI
+from _code_sessions_0adeed7a5b1c.engine import DEFAULTS, MINUTE_S, BranchSettings, Engine, Maintenance, Settings, Turn
+from _code_sessions_0adeed7a5b1c.functions.inbound import serve_uploads
+from _code_sessions_0adeed7a5b1c.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_0adeed7a5b1c.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_0adeed7a5b1c.webui import OpenWebUI
 
 __all__ = ["Adapter", "SharedValves", "Status", "settings_from"]
 
@@ -21821,8 +21851,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_5a477a159301.engine import ChatSession, Engine, ExtraTool, Inbound, Settings, save_command
-from _code_sessions_5a477a159301.storage import Expiry, Policy, Quotas, Store, UploadLinks
+from _code_sessions_0adeed7a5b1c.engine import ChatSession, Engine, ExtraTool, Inbound, Settings, save_command
+from _code_sessions_0adeed7a5b1c.storage import Expiry, Policy, Quotas, Store, UploadLinks
 
 __all__ = ["UPLOAD_LINK_TOOL", "answer_command", "serve_uploads", "upload_link", "upload_link_tool"]
 
@@ -22009,7 +22039,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_5a477a159301.engine import (
+from _code_sessions_0adeed7a5b1c.engine import (
     ChatSession,
     LoopOptions,
     StreamingRewriter,
@@ -22018,11 +22048,11 @@ from _code_sessions_5a477a159301.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_5a477a159301.engine.scan import SCAN_ON_LOOP_CHARS
-from _code_sessions_5a477a159301.functions.adapter import Adapter, SharedValves, Status, turn_of
-from _code_sessions_5a477a159301.functions.inbound import answer_command
-from _code_sessions_5a477a159301.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_5a477a159301.webui import Misconfigured
+from _code_sessions_0adeed7a5b1c.engine.scan import SCAN_ON_LOOP_CHARS
+from _code_sessions_0adeed7a5b1c.functions.adapter import Adapter, SharedValves, Status, turn_of
+from _code_sessions_0adeed7a5b1c.functions.inbound import answer_command
+from _code_sessions_0adeed7a5b1c.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_0adeed7a5b1c.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 
