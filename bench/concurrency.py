@@ -12,7 +12,7 @@ import asyncio
 import time
 from typing import Any
 
-from engine import CodeSessions
+from engine import Engine
 
 from ._common import Context, percentile, summary
 
@@ -22,7 +22,7 @@ CODE = "open('out.txt', 'w').write('x' * 100)\nprint(1)"
 ANSWER = "Saved /mnt/data/out.txt for you."
 
 
-async def _step(service: CodeSessions, index: int) -> tuple[float, str | None]:
+async def _step(service: Engine, index: int) -> tuple[float, str | None]:
     """(seconds, error or None) for one full step of chat `index`."""
     start = time.perf_counter()
     try:
@@ -48,7 +48,7 @@ async def run(ctx: Context) -> dict[str, Any]:
     latencies: dict[str, list[float]] = {"sequential": [], "concurrent": []}
     errors: list[str] = []
     async with ctx.store("concurrency") as store:
-        service = CodeSessions(store, runner)
+        service = Engine(store, runner)
         for i in range(CHATS):  # warm-up, also creates the sessions
             _, error = await _step(service, i)
             if error:

@@ -5,8 +5,8 @@ kernel's memory, and systrap against ptrace.
     against a fresh sandbox's `print(1)`, interleaved, on the platform the runner picks;
 (b) `print(1)` and the data step on systrap against ptrace (two Runners, interleaved), where runsc
     offers both;
-(c) the RSS of a kernel's host processes (runsc, sentry, gofer) once the data stack is imported,
-    against the same kernel idle;
+(c) the RSS of a new chat's kernel host processes (runsc, sentry, gofer) after its first print(1)
+    and after the data step, for a kernel started cold and one resumed from the warm-start template;
 (d) the environment's size on disk and its number of files.
 
 Target: systrap's data step <= 1.0x ptrace's (the platform the runner picks is the faster one).
@@ -14,6 +14,7 @@ Target: systrap's data step <= 1.0x ptrace's (the platform the runner picks is t
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -40,6 +41,59 @@ async def _timed(runner: Runner, code: str, workdir: Path, expected: str) -> flo
     if res.stdout != expected:
         raise RuntimeError(f"{code[:20]!r} printed {res.stdout[:80]!r} ({res.reason}; {res.stderr[-300:]})")
     return elapsed
+
+
+async def _kernel_memory(ctx: Context, runner: Runner, work: Path, *, warm: bool) -> dict[str, float]:
+    """The RSS of a new chat's kernel host processes after its first cell (print(1); for the warm one,
+    `import numpy` first, as a cell must import a package to resume the template), then after the
+    data step."""
+    name = "warm" if warm else "cold"
+    settings = KernelSettings(max_kernels=2)
+    pool = KernelPool(runner, ctx.scratch / f"environment-{name}-kernels", settings=settings, warm_start=warm)
+    said, logger = _Said(), logging.getLogger("code_sessions.runner")
+    level = logger.level
+    logger.addHandler(said)
+    logger.setLevel(logging.INFO)
+    try:
+        if warm:  # the first start builds the template, in the background
+            first = work / "template-chat"
+            first.mkdir(exist_ok=True)
+            await pool.run("bench/first", first, PRINT, "python", Limits(timeout_s=120))
+            await pool._warm.wait_built()
+            await pool.stop("bench/first", "done", forget=True)
+        chat = work / f"{name}-kernel-chat"
+        chat.mkdir(exist_ok=True)
+        # A first cell that imports a package is what resumes the template (a plain one starts cold).
+        first_cell = "import numpy\nprint(1)" if warm else PRINT
+        await pool.run(f"bench/{name}", chat, first_cell, "python", Limits(timeout_s=120))
+        [kernel] = pool.kernels().values()
+        time.sleep(0.5)
+        idle = round(rss_kib(kernel.host_pids()) / 1024, 1)
+        got = await pool.run(f"bench/{name}", chat, DATA_STEP, "python", Limits(timeout_s=120))
+        if got.stdout != "6\n" or got.notes:
+            raise RuntimeError(f"the {name} kernel's data step printed {got.stdout[:80]!r} {got.notes}")
+        time.sleep(0.5)
+        loaded = round(rss_kib(kernel.host_pids()) / 1024, 1)
+        if pool.kernels().get(f"bench/{name}") is not kernel:
+            raise RuntimeError(f"the {name} kernel was replaced between its two runs")
+        if warm != any(f"started warm for bench/{name}" in line for line in said.lines):
+            raise RuntimeError(f"the {name} kernel did not start as measured: {said.lines[-3:]}")
+        return {"idle": idle, "data_stack_imported": loaded}
+    finally:
+        logger.removeHandler(said)
+        logger.setLevel(level)
+        await pool.close()
+
+
+class _Said(logging.Handler):
+    """The runner's log lines (how each kernel started)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def _disk(root: Path) -> dict[str, Any]:
@@ -103,23 +157,10 @@ async def run(ctx: Context) -> dict[str, Any]:
             for kind in ("print", "data")
         }
 
-    # (c) a kernel's host memory, idle and with the data stack imported.
-    pool = KernelPool(runner, ctx.scratch / "environment-kernels", settings=KernelSettings(max_kernels=2))
-    try:
-        chat = work / "kernel-chat"
-        chat.mkdir(exist_ok=True)
-        await pool.run("bench/env", chat, PRINT, "python", Limits(timeout_s=120))
-        [kernel] = pool.kernels().values()
-        time.sleep(0.5)
-        idle = round(rss_kib(kernel.host_pids()) / 1024, 1)
-        got = await pool.run("bench/env", chat, DATA_STEP, "python", Limits(timeout_s=120))
-        if got.stdout != "6\n":
-            raise RuntimeError(f"the kernel's data step printed {got.stdout[:80]!r}")
-        time.sleep(0.5)
-        loaded = round(rss_kib(kernel.host_pids()) / 1024, 1)
-        result["kernel_memory_mib"] = {"idle": idle, "data_stack_imported": loaded}
-    finally:
-        await pool.close()
+    # (c) a kernel's host memory, idle and with the data stack imported: started cold, and resumed
+    # from the warm-start template (the data stack imported in the image, no name bound).
+    result["kernel_memory_mib"] = await _kernel_memory(ctx, runner, work, warm=False)
+    result["warm_kernel_memory_mib"] = await _kernel_memory(ctx, runner, work, warm=True)
 
     # (d) size on disk.
     if env.built:
@@ -153,12 +194,16 @@ def render(r: dict[str, Any]) -> str:
         parts.append(table(["platform", "print(1) ms", "data step ms"], rows, right=(1, 2)))
         ratio = r["systrap_vs_ptrace"]
         parts.append(f"systrap / ptrace: print(1) {ratio['print']:.3g}x, data step {ratio['data']:.3g}x")
-    m = r.get("kernel_memory_mib")
-    if m:
-        parts.append(
-            f"a kernel's host RSS: idle {m['idle']} MiB, with the data stack imported "
-            f"{m['data_stack_imported']} MiB"
-        )
+    for key, how in (
+        ("kernel_memory_mib", "started cold"),
+        ("warm_kernel_memory_mib", "warm from the template"),
+    ):
+        m = r.get(key)
+        if m:
+            parts.append(
+                f"a new chat's kernel, {how}: host RSS after its first cell {m['idle']} MiB, "
+                f"after the data step {m['data_stack_imported']} MiB"
+            )
     d = r.get("disk")
     if d:
         parts.append(f"on disk: {d['bytes'] / 1024**3:.2f} GiB in {d['files']:,} files")

@@ -58,7 +58,7 @@ async def _floor(events: list[dict], resolve: Any) -> str:
 
 
 async def _hook(hook: Filter, events: list[dict], resolve: Any) -> str:
-    hook._sessions.answers["m"] = _Answer(None, StreamingRewriter(resolve), "u")  # what the inlet leaves
+    hook._adapter.answers["m"] = _Answer(None, StreamingRewriter(resolve), "u")  # what the inlet leaves
     metadata = {"message_id": "m"}
     out = []
     for event in events:

@@ -6,12 +6,15 @@
 (b) resume: a saved chat's next step (`runsc restore` to the first answer) against a cold kernel
     start and first answer of print(1) in the same setup, for the idle and the 100 MB kernel.
 (c) first data step: a new chat's first `import pandas, numpy, matplotlib` + a small read_csv, with
-    the template built, against a new chat's first print(1) (both start a kernel the product's way).
+    the template built, against a new chat's first print(1) (both start a kernel the product's way),
+    and that first print(1) against one in a kernel started cold (no template).
 (d) memory: the RSS of every kernel host process with 5 live kernels, then with 100 more chats saved
     to disk (started, used, saved, stopped) besides them; and the disk those 100 take.
 
-Targets: first data step <= 1.5x the first print(1); resume of the 100 MB kernel <= 1 s; the 100
-saved chats add no resident memory (<= 1 MiB over the 5 live ones).
+Targets: first data step <= 1.5x the first print(1), and that print(1) no slower than with warm_start
+off (<= 1.05x: this machine's spread between interleaved runs of the same path);
+resume of the 100 MB kernel <= 1 s; the 100 saved chats add no resident memory (<= 1 MiB over the 5
+live ones).
 """
 
 from __future__ import annotations
@@ -27,7 +30,12 @@ from runner import KernelPool, KernelSettings, Limits, _hibernate
 from ._common import Context, rss_kib, summary
 
 SECTION = "hibernate"
-TARGETS = {"first_data_vs_print": 1.5, "resume_100mb_s": 1.0, "saved_chats_rss_mib": 1.0}
+TARGETS = {
+    "first_data_vs_print": 1.5,
+    "first_print_warm_vs_cold": 1.05,
+    "resume_100mb_s": 1.0,
+    "saved_chats_rss_mib": 1.0,
+}
 DATA_STEP = "import pandas, numpy, matplotlib\ndf = pandas.read_csv('small.csv')\nprint(len(df))"
 FRAMES_100MB = (
     "import numpy, pandas\n"
@@ -117,7 +125,8 @@ async def run(ctx: Context) -> dict[str, Any]:
 
         # (a) and (b): save and resume, idle and with 100 MB of frames; cold start of print(1) between.
         cases: dict[str, dict[str, list[float]]] = {}
-        for case, setup in (("idle", "x = 1"), ("100 MB of DataFrames", FRAMES_100MB)):
+        # "idle": a kernel resumed from the template (its first cell imports pandas), holding nothing more.
+        for case, setup in (("idle", "import pandas\nx = 1"), ("100 MB of DataFrames", FRAMES_100MB)):
             got: dict[str, list[float]] = {"save": [], "size": [], "floor": [], "resume": [], "cold": []}
             ctx.log(f"{SECTION}: {rounds} saves and resumes of a kernel, {case}")
             for _ in range(rounds):
@@ -126,11 +135,12 @@ async def run(ctx: Context) -> dict[str, Any]:
                 got["save"].append(await chats.save(key))
                 size = _hibernate.size_of(state)
                 got["size"].append(size)
-                got["floor"].append(_write_floor(state, size))
                 elapsed, out = await chats.step(key, folder, state, "print(2)")
                 if out != "2\n":
                     raise RuntimeError(f"the resumed kernel printed {out!r}")
                 got["resume"].append(elapsed)
+                # The floor after the resume: its writeback and discard must not land on the resume.
+                got["floor"].append(_write_floor(state, size))
                 await pool.stop(key, "done", forget=True)
                 # The floor of a resume: a cold kernel's start and first answer (no template).
                 cold_key, cold_folder, cold_state = chats.new()
@@ -157,23 +167,28 @@ async def run(ctx: Context) -> dict[str, Any]:
             for case, got in cases.items()
         }
 
-        # (c) a new chat's first data step (warm, from the template) vs a new chat's first print(1).
-        data_t: list[float] = []
-        print_t: list[float] = []
-        ctx.log(f"{SECTION}: {rounds} first data steps and first print(1), interleaved")
+        # (c) a new chat's first data step (warm, from the template) vs a new chat's first print(1),
+        # warm and cold (no template), interleaved in rotating order.
+        firsts: dict[str, list[float]] = {"data": [], "print": [], "cold print": []}
+        ctx.log(f"{SECTION}: {rounds} first data steps, first print(1) warm and cold, interleaved")
         for i in range(rounds):
-            for which in ("data", "print") if i % 2 == 0 else ("print", "data"):
+            order = list(firsts)[i % 3 :] + list(firsts)[: i % 3]
+            for which in order if i % 2 == 0 else order[::-1]:
                 key, folder, state = chats.new()
+                pool.warm_start = which != "cold print"
                 elapsed, out = await chats.step(
                     key, folder, state, DATA_STEP if which == "data" else "print(1)"
                 )
-                (data_t if which == "data" else print_t).append(elapsed)
+                pool.warm_start = True
+                firsts[which].append(elapsed)
                 await pool.stop(key, "done", forget=True)
-        data_s, print_s = summary(data_t), summary(print_t)
+        data_s, print_s, cold_s = (summary(firsts[k]) for k in ("data", "print", "cold print"))
         result["first_data_step"] = {
             "data_step": data_s,
             "first_print": print_s,
+            "first_print_cold": cold_s,
             "data_vs_print": round(data_s["median_ms"] / print_s["median_ms"], 3),
+            "print_warm_vs_cold": round(print_s["median_ms"] / cold_s["median_ms"], 3),
         }
 
         # (d) memory with 5 live kernels, then 100 saved chats besides them.
@@ -243,6 +258,11 @@ def render(r: dict[str, Any]) -> str:
             f"a new chat's first data step {ms(f['data_step'])} ms vs its first print(1) "
             f"{ms(f['first_print'])} ms: {f['data_vs_print']:.3g}x"
         )
+        if "first_print_cold" in f:
+            parts.append(
+                f"a new chat's first print(1) with warm_start on {ms(f['first_print'])} ms vs off "
+                f"{ms(f['first_print_cold'])} ms: {f['print_warm_vs_cold']:.3g}x"
+            )
     m = r.get("memory")
     if m:
         parts.append(
@@ -256,6 +276,10 @@ def render(r: dict[str, Any]) -> str:
 def targets(r: dict[str, Any], add: Any) -> None:
     first = r.get("first_data_step")
     add("first data step / first print(1) (template)", first and first["data_vs_print"], 1.5, "x")
+    # Not slower than a cold start: a first print(1) starts cold with the valve on too (only a cell that
+    # imports a package resumes the template), so the two differ by this machine's spread, not 1.0 flat.
+    warm_vs_cold = first.get("print_warm_vs_cold") if first else None
+    add("first print(1), warm_start on / off", warm_vs_cold, TARGETS["first_print_warm_vs_cold"], "x")
     big = (r.get("save_resume") or {}).get("100 MB of DataFrames")
     add("resume of a kernel holding 100 MB", big and big["resume"]["median_ms"] / 1000, 1.0, "s")
     mem = r.get("memory")

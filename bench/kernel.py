@@ -1,6 +1,6 @@
 """Section: the live kernel. What a warm step costs, what a chat's first step costs, what a kernel weighs.
 
-(a) warm step: `CodeSessions.chat()` -> `ChatSession.run("print(1)")` -> `rewrite()` of an answer with no
+(a) warm step: `Engine.chat()` -> `ChatSession.run("print(1)")` -> `rewrite()` of an answer with no
     path, through the whole path with a live kernel (lock, budget, mark, kernel round trip, change
     harvest, sync), against (b) the same step with `kernel=fresh` (a cold sandbox per run), and (c)
     the bare warm round trip into the same kernel (`Kernel.run`: one frame out, frames back, no
@@ -24,7 +24,7 @@ import asyncio
 import time
 from typing import Any
 
-from engine import CodeSessions, Settings
+from engine import Engine, Settings
 from runner import KernelPool, KernelSettings, Limits
 from runner._kernel_watch import CPU_POLL_S
 
@@ -36,7 +36,7 @@ CODE = "print(1)"
 TARGETS = {"warm_vs_cold": 0.1, "warm_ms": 10.0, "first_vs_bare": 1.15}
 
 
-async def _step(service: CodeSessions, user: str, chat_id: str) -> tuple[float, str]:
+async def _step(service: Engine, user: str, chat_id: str) -> tuple[float, str]:
     """One step through the whole path; returns (seconds, the chat's kernel key)."""
     start = time.perf_counter()
     chat = await service.chat(user, chat_id)
@@ -89,8 +89,8 @@ async def run(ctx: Context) -> dict[str, Any]:
     async with ctx.store("kernel") as store:
         settings = KernelSettings(max_kernels=max(many + 2, 20))
         pool = KernelPool(runner, ctx.scratch / "kernel" / "registry", settings=settings)
-        warm = CodeSessions(store, runner, Settings(limits=limits), kernels=pool)
-        cold = CodeSessions(store, runner, Settings(limits=limits))
+        warm = Engine(store, runner, Settings(limits=limits), kernels=pool)
+        cold = Engine(store, runner, Settings(limits=limits))
         setup = await runner.setup()
         try:
             # (a) (b) (c): one chat, its kernel warmed up; the cold path in another chat.

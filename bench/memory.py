@@ -55,7 +55,7 @@ def _measure_end(start: dict[str, Any], seconds: float) -> dict[str, Any]:
 
 
 async def _child_run(args: argparse.Namespace) -> dict[str, Any]:
-    from engine import CodeSessions
+    from engine import Engine
     from runner import Runner, RunnerConfig
     from storage import DirectoryPublisher, Store
 
@@ -73,7 +73,7 @@ async def _child_run(args: argparse.Namespace) -> dict[str, Any]:
         owner=(runner.sandbox_uid, runner.sandbox_gid),
     )
     async with store:
-        service = CodeSessions(store, runner)
+        service = Engine(store, runner)
         chat = await service.chat("memory-user", "memory-chat")
         warm = await chat.run("print(1)", "python")  # setup, image, imports: not part of the peak
         if warm.run is None or warm.run.outcome != "ok":

@@ -25,7 +25,7 @@ import re
 import time
 from typing import Any
 
-from engine import CodeSessions, References, StreamingRewriter, Target, find_paths
+from engine import Engine, References, StreamingRewriter, Target, find_paths
 
 from ._common import Context, summary
 
@@ -265,7 +265,7 @@ async def run(ctx: Context) -> dict[str, Any]:
 
     full: dict[str, Any] = {}
     async with ctx.store("rewrite") as store:
-        service = CodeSessions(store, ctx.runner())
+        service = Engine(store, ctx.runner())
         chat = await service.chat("rewrite-user", "rewrite-chat")
         for name in names:
             await chat.session.files.write(name, b"a,b\n1,2\n" if name.endswith(".csv") else b"x" * 64)

@@ -5,7 +5,7 @@
     the session folder at /mnt/data, and a fresh cgroup path that runsc creates and removes itself.
     Timed from spawn to exit with stdout/stderr drained; writing config.json and removing the bundle
     afterwards are not timed. No lock, quota, reconcile, rewrite, watchers or cgroup bookkeeping.
-(b) full: `CodeSessions.chat()` -> `ChatSession.run("print(1)", "python")` -> `ChatSession.rewrite()` of
+(b) full: `Engine.chat()` -> `ChatSession.run("print(1)", "python")` -> `ChatSession.rewrite()` of
     an answer with no path in it, timed end to end: session row, lock, quota check, bundle, cgroup,
     disk and OOM watchers, runsc, cleanup, reconcile, rewrite.
 
@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from engine import CodeSessions
+from engine import Engine
 from runner import HostSetup, Limits, Runner, RunResult
 from runner import _bundle as runner_bundle
 from storage import Store
@@ -95,7 +95,7 @@ class PhaseProbe:
 
 
 async def full_step(
-    service: CodeSessions, user: str, chat_id: str, probe: PhaseProbe | None, *, code: str = CODE
+    service: Engine, user: str, chat_id: str, probe: PhaseProbe | None, *, code: str = CODE
 ) -> tuple[float, str, dict[str, float]]:
     """The engine's path for one step; returns (seconds, stdout, phases in seconds)."""
     start = time.perf_counter()
@@ -135,7 +135,7 @@ async def full_step(
 
 
 async def _scenario(
-    ctx: Context, store: Store, service: CodeSessions, probe: PhaseProbe, name: str, files: int, pairs: int
+    ctx: Context, store: Store, service: Engine, probe: PhaseProbe, name: str, files: int, pairs: int
 ) -> dict[str, Any]:
     runner = service.runner
     setup = await runner.setup()
@@ -205,7 +205,7 @@ async def run(ctx: Context) -> dict[str, Any]:
     runner.run = timed_run
     try:
         async with ctx.store("overhead") as store:
-            service = CodeSessions(store, runner)
+            service = Engine(store, runner)
             for name, files in scenarios:
                 try:
                     result["scenarios"][name] = await _scenario(

@@ -22,7 +22,7 @@ from .outputs import answer_embed, answer_previews
 from .prepare import import_uploads, last_user_text, messages_with_prompt
 from .prompt import PromptFacts, system_prompt
 from .purge import parse_purge
-from .service import ChatSession, CodeSessions, StepResult
+from .service import ChatSession, Engine, StepResult
 from .settings import DEFAULTS, BranchSettings, Settings
 from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
 from .streaming import StreamingRewriter
@@ -35,7 +35,7 @@ __all__ = [
     "BranchSettings",
     "ChatSession",
     "CodeBlock",
-    "CodeSessions",
+    "Engine",
     "ExtraTool",
     "Host",
     "Inbound",

@@ -65,7 +65,7 @@ class Turn:
 
 
 class _Services(Protocol):
-    """What following the branches needs of the services (engine/service.py CodeSessions)."""
+    """What following the branches needs of the services (engine/service.py Engine)."""
 
     kernels: KernelPool | None
     lock_timeout_s: float
@@ -84,7 +84,7 @@ class _Chat(Protocol):
 
 
 class Branches:
-    """The branch-following of one set of services (CodeSessions.branches)."""
+    """The branch-following of one set of services (Engine.branches)."""
 
     def __init__(self, services: _Services) -> None:
         self._services = services

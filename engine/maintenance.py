@@ -15,7 +15,7 @@ from runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
-from .service import CodeSessions
+from .service import Engine
 from .settings import Settings
 
 __all__ = ["MINUTE_S", "Maintenance"]
@@ -44,7 +44,7 @@ class Maintenance:
         self._valve = valve
         self.purge_pending: tuple[str, float, float] | None = None  # request, first and last try
 
-    async def tick(self, services: CodeSessions, settings: Settings) -> None:
+    async def tick(self, services: Engine, settings: Settings) -> None:
         """One background tick: in every worker, what a dead worker's sandboxes left; then an admin's
         purge, chats deleted in the host, and expiry when it is due, by one worker (of every
         replica) at a time, under a lock every process of the store shares (the expiry interval is
@@ -74,7 +74,7 @@ class Maintenance:
         finally:
             await lock.release()
 
-    async def purge_now(self, services: CodeSessions, settings: Settings) -> None:
+    async def purge_now(self, services: Engine, settings: Settings) -> None:
         """At a message whose settings ask for a purge: run it now, not a minute later."""
         lock = services.store.lock("maintenance")
         if not await lock.try_acquire():
@@ -84,7 +84,7 @@ class Maintenance:
         finally:
             await lock.release()
 
-    async def _forget_deleted_chats(self, services: CodeSessions) -> None:
+    async def _forget_deleted_chats(self, services: Engine) -> None:
         """Delete the folders, links (and kernels) of chats deleted in the host: a Pipe hears of no
         deletion, so every tick asks, in one batched query, which of our chats still exist.
 
@@ -106,7 +106,7 @@ class Maintenance:
             report = await services.forget_chats(gone, "the chat was deleted in Open WebUI")
             log.info("code-sessions: %d chats deleted in Open WebUI: %s", len(gone), report.summary())
 
-    async def _run_requested_purge(self, services: CodeSessions, settings: Settings) -> None:
+    async def _run_requested_purge(self, services: Engine, settings: Settings) -> None:
         """Run the purge the settings ask for, as saved now (call it holding the maintenance lock)."""
         saved = await self._valve.saved_purge()
         request = (settings.purge if saved is None else saved).strip()

@@ -10,7 +10,7 @@ from runner import RunnerError
 
 from .charts import chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
-from .service import ChatSession, CodeSessions
+from .service import ChatSession, Engine
 
 __all__ = ["answer_embed", "answer_previews"]
 
@@ -27,7 +27,7 @@ async def answer_previews(chat: ChatSession) -> str:
 
 
 async def answer_embed(
-    services: CodeSessions, chat: ChatSession, charts: Sequence[str]
+    services: Engine, chat: ChatSession, charts: Sequence[str]
 ) -> tuple[str | None, list[str]]:
     """The HTML of the message's one embed holding its charts (None: no chart), and a sentence for
     each chart that cannot be shown interactively."""

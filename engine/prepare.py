@@ -16,7 +16,7 @@ from .loop import LoopOptions, StatusCall, waiting_status
 from .markup import code_span, escape_text
 from .previews import strip_previews
 from .prompt import PromptFacts, system_prompt
-from .service import ChatSession, CodeSessions
+from .service import ChatSession, Engine
 from .settings import Settings
 
 __all__ = ["import_uploads", "last_user_text", "messages_with_prompt"]
@@ -65,7 +65,7 @@ async def import_uploads(
 async def messages_with_prompt(
     messages: list[dict[str, Any]],
     chat: ChatSession,
-    services: CodeSessions,
+    services: Engine,
     options: LoopOptions,
     notes: Sequence[str],
     *,

@@ -40,7 +40,7 @@ from .settings import Settings
 from .step import StepResult
 from .streaming import StreamingRewriter
 
-__all__ = ["ChatSession", "CodeSessions", "StepResult", "Waiting"]
+__all__ = ["ChatSession", "Engine", "StepResult", "Waiting"]
 
 Waiting = Callable[[], Awaitable[None]]
 
@@ -61,7 +61,7 @@ _UNHANDED_PATHS = 1000
 class ChatSession:
     """A chat's folder as the engine uses it: run code in it, add uploads, link its files."""
 
-    def __init__(self, service: CodeSessions, session: Session, settings: Settings) -> None:
+    def __init__(self, service: Engine, session: Session, settings: Settings) -> None:
         self._service = service
         self.session = session
         self.settings = settings  # the message's (frozen): its limits are every run's of this chat here
@@ -339,7 +339,7 @@ def _tighter(configured: int | None, budget: int | None) -> int | None:
     return max(1, budget if configured is None else min(configured, budget))
 
 
-class CodeSessions:
+class Engine:
     """The store and the runner, composed. Each message hands down its `Settings` (`chat`); a chat
     opened without runs with the constructor's limits, and the store's and the pool's own settings.
 

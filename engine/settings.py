@@ -1,7 +1,7 @@
 """What one message runs with, in one frozen value.
 
 The host builds a `Settings` from its own settings once per message (the function's valves:
-functions/adapter.py `settings_from`) and hands it down: `CodeSessions.chat` binds it to the chat's
+functions/adapter.py `settings_from`) and hands it down: `Engine.chat` binds it to the chat's
 session (its per-run limits) and gives the store and the kernel pool their parts. A change is a new
 value, never an edit of a live object.
 

@@ -10,7 +10,7 @@ storage.Expiry), shown in the valves' units. A valve's "0: no limit" is None bel
 Open WebUI loads each file as a module of its own, so nothing at module level of one file is seen by
 another. Files bundled from the same sources share this module, though (the bundle's package name is
 a hash of what it embeds), and the host's `shared` dict is process-wide: a Pipe and a Tool with the same
-storage valves run on one `CodeSessions`. Across processes and versions they meet where every worker
+storage valves run on one `Engine`. Across processes and versions they meet where every worker
 already does: the store's locks, its `claim`s and the kernel registry.
 """
 
@@ -25,13 +25,13 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from engine import DEFAULTS, MINUTE_S, BranchSettings, CodeSessions, Maintenance, Settings, Turn
+from engine import DEFAULTS, MINUTE_S, BranchSettings, Engine, Maintenance, Settings, Turn
 from functions.inbound import serve_uploads
 from runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
 from storage import Expiry, Policy, Quotas, Store
 from webui import OpenWebUI
 
-__all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
+__all__ = ["Adapter", "SharedValves", "Status", "settings_from"]
 
 log = logging.getLogger("code_sessions.function")
 
@@ -61,7 +61,7 @@ def _limit(value: float, unit: float = 1) -> Any:
     return value * unit or None
 
 
-class SessionValves(BaseModel):
+class SharedValves(BaseModel):
     """The valves of a session: storage, the sandbox, limits, quotas, expiry, maintenance. The Pipe's
     valves extend these; the Tool's are these; the Filter reads the Tool's."""
 
@@ -101,9 +101,10 @@ class SessionValves(BaseModel):
     )
     warm_start: bool = Field(
         default=True,
-        description="A new chat's kernel starts from a template with numpy, pandas and matplotlib "
-        "already imported (made once per server; a live kernel then holds about 100 MB more memory, "
-        "a data chat's first step is several times faster).",
+        description="A new chat whose first cell imports a package (or is bash) starts from a "
+        "template with numpy, pandas and matplotlib already imported (made once per server): its "
+        "first data step is several times faster, and its kernel holds about 220 MB less memory "
+        "than one that imported them itself. A first cell of plain Python starts a lighter kernel.",
     )
     storage_root: str = Field(
         default="",
@@ -204,7 +205,7 @@ class SessionValves(BaseModel):
     runsc_platform: str = Field(default="", description="Empty: detect (systrap if supported, else ptrace).")
 
 
-def settings_from(valves: SessionValves) -> Settings:
+def settings_from(valves: SharedValves) -> Settings:
     """The message's settings, built once from the valves in force: the one way the Pipe, the Tool
     and the Filter do it."""
     return Settings(
@@ -243,7 +244,7 @@ def settings_from(valves: SessionValves) -> Settings:
     )
 
 
-class SessionsAdapter:
+class Adapter:
     """The part of each Open WebUI file that is the same for all three: its services, the message's
     settings and the background loop. A subclass says where its valves are saved (`_read_settings`,
     `_write_settings`) and sets `settings` (the valves) before each use."""
@@ -252,7 +253,7 @@ class SessionsAdapter:
         # Everything asked of Open WebUI goes through one object (`_host`; a test harness replaces it),
         # which the engine's maintenance asks too.
         self.maintenance = Maintenance(OpenWebUI(), _PurgeValve(self))
-        self._services: CodeSessions | None = None
+        self._services: Engine | None = None
         self._services_key: tuple[Any, ...] | None = None
         self._function_id: str | None = None
         self._background: asyncio.Task[None] | None = None
@@ -269,14 +270,14 @@ class SessionsAdapter:
         self.maintenance.host = host
 
     @property
-    def settings(self) -> SessionValves:
+    def settings(self) -> SharedValves:
         """The session valves in force now (the Pipe's and the Tool's own valves; the Tool's for the
         Filter)."""
-        valves: SessionValves = self.valves  # the Pipe's and the Tool's own
+        valves: SharedValves = self.valves  # the Pipe's and the Tool's own
         return valves
 
     @settings.setter
-    def settings(self, value: SessionValves) -> None:
+    def settings(self, value: SharedValves) -> None:
         self.valves = value
 
     async def _read_settings(self) -> dict[str, Any]:
@@ -291,7 +292,7 @@ class SessionsAdapter:
         if self._function_id:
             await self._host.store_valves(self._function_id, stored)
 
-    async def _begin(self) -> tuple[CodeSessions, Settings]:
+    async def _begin(self) -> tuple[Engine, Settings]:
         """A message's start, the same in the three files: its settings (built once, here), the
         services for them, the background loop kept running, and a purge the valves ask for run now
         rather than a minute later. Raises webui.Misconfigured for valves it cannot run with."""
@@ -304,9 +305,9 @@ class SessionsAdapter:
 
     # ---- composition --------------------------------------------------------------------------------
 
-    async def _services_for_valves(self) -> CodeSessions:
+    async def _services_for_valves(self) -> Engine:
         """The store and runner for the current valves (rebuilt only when a valve they are built from
-        changes). The message's settings reach them through `CodeSessions.chat`."""
+        changes). The message's settings reach them through `Engine.chat`."""
         valves = self.settings
         places = self._host.locations(valves.storage_root, LOCATION_ID)
         index_url = self._host.index_url(valves.index_database)
@@ -329,7 +330,7 @@ class SessionsAdapter:
         return self._services
 
     async def _shared_services(
-        self, key: tuple[Any, ...], valves: SessionValves, places: Any, index_url: str
+        self, key: tuple[Any, ...], valves: SharedValves, places: Any, index_url: str
     ) -> Any:
         """The services for `key`, made once per process whichever file asks first (a Pipe and a Tool
         with the same storage valves share one store and one set of kernels)."""
@@ -357,7 +358,7 @@ class SessionsAdapter:
                 kernels = None
                 if valves.kernel != "fresh":
                     kernels = KernelPool(runner, places.root / "kernels", warm_start=valves.warm_start)
-                entry = shared[_in_loop(key)] = [CodeSessions(store, runner, kernels=kernels), 0]
+                entry = shared[_in_loop(key)] = [Engine(store, runner, kernels=kernels), 0]
                 if kernels is not None:
                     _save_kernels_before_stop(shared)
             entry[1] += 1
@@ -415,7 +416,7 @@ class _PurgeValve:
     """The `purge` valve of one file (engine.PurgeValve): in its valves in force, and where Open WebUI
     saves them."""
 
-    def __init__(self, adapter: SessionsAdapter) -> None:
+    def __init__(self, adapter: Adapter) -> None:
         self._adapter = adapter
 
     async def saved_purge(self) -> str | None:

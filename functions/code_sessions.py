@@ -32,7 +32,7 @@ from engine import (
     messages_with_prompt,
     waiting_status,
 )
-from functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
+from functions.adapter import Adapter, SharedValves, Status, turn_of
 from functions.inbound import answer_command, upload_link_tool
 from storage import CLEAR_FILES_COMMAND, StorageError
 from webui import Misconfigured
@@ -58,8 +58,8 @@ class _PipeValves(BaseModel):
     max_steps: int = Field(default=8, ge=1, le=50, description="Code runs allowed per answer.")
 
 
-class Pipe(SessionsAdapter):
-    class Valves(SessionValves, _PipeValves):
+class Pipe(Adapter):
+    class Valves(SharedValves, _PipeValves):
         pass
 
     class UserValves(BaseModel):

@@ -27,7 +27,7 @@ from engine import (
     waiting_status,
 )
 from engine.scan import SCAN_ON_LOOP_CHARS
-from functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
+from functions.adapter import Adapter, SharedValves, Status, turn_of
 from functions.inbound import answer_command
 from storage import CLEAR_FILES_COMMAND, StorageError
 from webui import Misconfigured
@@ -66,7 +66,7 @@ class Filter:
 
     def __init__(self) -> None:
         self.valves = self.Valves()
-        self._sessions = FilterSessions(self)
+        self._adapter = FilterAdapter(self)
 
     async def inlet(
         self,
@@ -76,7 +76,7 @@ class Filter:
         __event_emitter__: Any = None,
         __request__: Any = None,
     ) -> dict[str, Any]:
-        return await self._sessions.inlet(
+        return await self._adapter.inlet(
             body, __user__ or {}, __metadata__ or {}, __event_emitter__, __request__
         )
 
@@ -89,7 +89,7 @@ class Filter:
 
         Called for every chunk of every answer of the models this filter is on, so the common cases
         (not an answer of ours, a chunk of plain text) are a lookup, a few reads and a sync push."""
-        answer = self._sessions.answers.get(str((__metadata__ or {}).get("message_id") or ""))
+        answer = self._adapter.answers.get(str((__metadata__ or {}).get("message_id") or ""))
         if answer is None or not isinstance(event, dict):
             return event
         rewriter = answer.rewriter
@@ -122,25 +122,25 @@ class Filter:
         __metadata__: dict[str, Any] | None = None,
         __event_emitter__: Any = None,
     ) -> dict[str, Any]:
-        return await self._sessions.outlet(body, __user__ or {}, __metadata__ or {}, __event_emitter__)
+        return await self._adapter.outlet(body, __user__ or {}, __metadata__ or {}, __event_emitter__)
 
 
-class FilterSessions(SessionsAdapter):
+class FilterAdapter(Adapter):
     """The Filter's side of the shared adapter: the settings are the Tool's saved valves."""
 
     def __init__(self, owner: Filter) -> None:
         super().__init__()
         self._filter = owner
-        self._settings = SessionValves()
+        self._settings = SharedValves()
         # Answers in flight, by message id: the inlet adds one, the outlet takes it.
         self.answers: OrderedDict[str, _Answer] = OrderedDict()
 
     @property
-    def settings(self) -> SessionValves:
+    def settings(self) -> SharedValves:
         return self._settings
 
     @settings.setter
-    def settings(self, value: SessionValves) -> None:
+    def settings(self, value: SharedValves) -> None:
         self._settings = value
 
     async def _read_settings(self) -> dict[str, Any]:
@@ -156,7 +156,7 @@ class FilterSessions(SessionsAdapter):
         try:
             stored = await self._read_settings()
             if stored:
-                self.settings = SessionValves(**{k: v for k, v in stored.items() if v is not None})
+                self.settings = SharedValves(**{k: v for k, v in stored.items() if v is not None})
             services, settings = await self._begin()
         except Misconfigured as error:
             log.warning("code-sessions filter: not set up correctly: %s", error)

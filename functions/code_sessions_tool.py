@@ -15,7 +15,7 @@ from collections import OrderedDict
 from typing import Any
 
 from engine import LoopOptions, answer_embed, escape_text, import_uploads, run_step
-from functions.adapter import SessionsAdapter, SessionValves, Status, turn_of
+from functions.adapter import Adapter, SharedValves, Status, turn_of
 from functions.inbound import upload_link
 from storage import StorageError
 from webui import Misconfigured
@@ -26,12 +26,12 @@ _MESSAGES = 1000  # answers at once whose charts this worker keeps
 
 
 class Tools:
-    class Valves(SessionValves):
+    class Valves(SharedValves):
         pass
 
     def __init__(self) -> None:
-        self.valves: SessionValves = self.Valves()
-        self._sessions = ToolSessions(self)
+        self.valves: SharedValves = self.Valves()
+        self._adapter = ToolAdapter(self)
 
     async def run_code(
         self,
@@ -53,7 +53,7 @@ class Tools:
         :param code: the program to run
         :param language: python (the default) or bash
         """
-        return await self._sessions.run_code(
+        return await self._adapter.run_code(
             code,
             language or "python",
             user=__user__ or {},
@@ -79,12 +79,12 @@ class Tools:
         once, for a few minutes. Give the link to the user as it is.
         :param path: where the file goes, e.g. /mnt/data/export.csv
         """
-        return await self._sessions.upload_link(
+        return await self._adapter.upload_link(
             path, user=__user__ or {}, chat_id=__chat_id__ or "", request=__request__, tool_id=__id__
         )
 
 
-class ToolSessions(SessionsAdapter):
+class ToolAdapter(Adapter):
     """The Tool's side of the shared adapter: its settings are the Tool's valves, saved with the tool."""
 
     def __init__(self, tool: Tools) -> None:
@@ -95,11 +95,11 @@ class ToolSessions(SessionsAdapter):
         self._charts: OrderedDict[tuple[str, str, str], list[str]] = OrderedDict()
 
     @property
-    def settings(self) -> SessionValves:
+    def settings(self) -> SharedValves:
         return self._tool.valves
 
     @settings.setter
-    def settings(self, value: SessionValves) -> None:
+    def settings(self, value: SharedValves) -> None:
         self._tool.valves = value
 
     async def _read_settings(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from engine import ChatSession, CodeSessions, ExtraTool, Inbound, Settings, save_command
+from engine import ChatSession, Engine, ExtraTool, Inbound, Settings, save_command
 from storage import Expiry, Policy, Quotas, Store, UploadLinks
 
 __all__ = ["UPLOAD_LINK_TOOL", "answer_command", "serve_uploads", "upload_link", "upload_link_tool"]
@@ -55,7 +55,7 @@ async def answer_command(host: Any, chat: ChatSession, request: Any, text: str) 
 
 
 async def upload_link(
-    host: Any, services: CodeSessions, valves: Any, chat: ChatSession, request: Any, path: str
+    host: Any, services: Engine, valves: Any, chat: ChatSession, request: Any, path: str
 ) -> str:
     """A new upload link for the model to give the user, or the sentence why not."""
     inbound = _inbound(host)
@@ -69,7 +69,7 @@ async def upload_link(
 
 
 def upload_link_tool(
-    host: Any, services: CodeSessions, valves: Any, chat: ChatSession, request: Any
+    host: Any, services: Engine, valves: Any, chat: ChatSession, request: Any
 ) -> ExtraTool:
     """The upload link as a tool of the Pipe's own loop."""
 
@@ -94,7 +94,7 @@ def _inbound(host: Any) -> Inbound:
     return inbound
 
 
-def _where(valves: Any, services: CodeSessions) -> dict[str, Any]:
+def _where(valves: Any, services: Engine) -> dict[str, Any]:
     """What a link records about where its chat's files are (for a worker that has no services yet)."""
     store = services.store
     return {
@@ -114,7 +114,7 @@ async def _store_for(host: Any, where: dict[str, Any]) -> tuple[Store, Policy]:
     shared = host.shared()
     for entry in list(shared.values()):
         services = entry[0] if isinstance(entry, list) and entry else None
-        if isinstance(services, CodeSessions) and services.store.root == root:
+        if isinstance(services, Engine) and services.store.root == root:
             return services.store, policy
     key = ("code-sessions:upload-store", id(asyncio.get_running_loop()), str(root))
     store: Store | None = shared.get(key)

@@ -222,6 +222,16 @@ def verify(image: SavedImage) -> None:
         raise ImageRefused("its saved image is damaged (its files differ from what was recorded)")
 
 
+def stamp(image: SavedImage) -> tuple[object, ...]:
+    """What would change if the image's files were replaced or rewritten (their inode, size and
+    modification time): an image verified once and with the same stamp need not be read again."""
+    found = []
+    for name in sorted(image.files):
+        st = (image.folder / name).stat(follow_symlinks=False)
+        found.append((name, st.st_ino, st.st_size, st.st_mtime_ns))
+    return (image.id, *found)
+
+
 def size_of(state_dir: Path) -> int:
     """Bytes the saved image takes (0 without one)."""
     total = 0

@@ -213,6 +213,8 @@ class Kernel(_Watchers):
                 errors = await asyncio.to_thread(read_runsc_errors, self.sandbox.bundle / "runsc.log")
                 last = out.strip().splitlines()[-1:]
                 detail = " | ".join(errors) or (last[0] if last else f"runsc exited with {code}")
+                if "no space left on device" in detail.lower():  # runsc's words name its container
+                    raise NotSaved("its image could not be written: the disk is full")
                 raise NotSaved(_short_error(detail))
             if not leave_running:
                 self.lost = "it was saved to disk"

@@ -43,7 +43,7 @@ from ._pool_room import _Room
 from ._pool_snapshots import _Snapshots
 from ._registry import HOST, Entry, Registry, digest, owned_here
 from ._relay import OwnerSilent
-from ._warm import WarmStart
+from ._warm import WarmStart, wants_template
 from .models import KernelSettings, Limits, Outcome, RunResult
 from .runner import Runner
 
@@ -173,7 +173,7 @@ class KernelPool(_Room, _Peers, _Snapshots):
                     notes.append(sentence)
             if kernel is None:
                 try:
-                    kernel = await self._start(key, workdir, limits, state_dir)
+                    kernel = await self._start(key, workdir, limits, state_dir, code, language)
                 except KernelLost as lost:
                     return _refused(str(lost), notes)
         try:
@@ -182,7 +182,7 @@ class KernelPool(_Room, _Peers, _Snapshots):
             await self._end(key, kernel, str(lost))
             notes.append(reset_sentence(str(lost)))
             try:
-                kernel = await self._start(key, workdir, limits, state_dir)
+                kernel = await self._start(key, workdir, limits, state_dir, code, language)
             except KernelLost as again:
                 return _refused(str(again), notes)
             result = await kernel.run(code, language, limits)
@@ -282,12 +282,21 @@ class KernelPool(_Room, _Peers, _Snapshots):
             return "the admin changed the sandbox's limits"
         return None
 
-    async def _start(self, key: str, workdir: Path, limits: Limits, state_dir: Path | None) -> Kernel:
+    async def _start(
+        self, key: str, workdir: Path, limits: Limits, state_dir: Path | None, code: str, language: str
+    ) -> Kernel:
+        """A new kernel for the key, whose first cell is `code`: resumed from the warm-start template
+        when that cell needs more than the standard library (see _warm.wants_template), else cold."""
         if state_dir is not None:  # an older image is stale from now on: never resumed over a newer state
             await asyncio.to_thread(_hibernate.discard, state_dir)
         await self._reserve(key, workdir)
         if self.warm_start:
-            warm = await self._warm.resume(workdir, limits, await self._image_identity(limits))
+            identity = await self._image_identity(limits)
+            if wants_template(code, language):
+                warm = await self._warm.resume(workdir, limits, identity)
+            else:
+                warm = None
+                await self._warm.build_if_missing(limits, identity)  # for the next data chat
             if warm is not None:
                 await self._register(key, warm, workdir)
                 log.info(

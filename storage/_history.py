@@ -25,23 +25,31 @@ the next restore rather than left half done.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import hashlib
 import json
 import os
-import re
-import secrets
 import shutil
 import stat
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._fsops import DIR_FLAGS, Owner, copy_fd, fd_closing, remove_tree_at
-from ._names import MAX_DEPTH, MAX_PATH_BYTES
+from ._fsops import DIR_FLAGS, Owner, fd_closing, remove_tree_at
+from ._history_files import (
+    clear_live,
+    copy_in,
+    copy_out,
+    digest_name,
+    listing,
+    make_dirs,
+    object_name,
+    safe_path,
+    tree_bytes,
+    unchanged,
+    walk,
+    write_bytes,
+)
 
 FORMAT = 1
 HEAD = "head.json"
@@ -49,15 +57,7 @@ STATS = "stats.json"
 # Dropped states whose objects are collected together (a collection reads every state's object list).
 _COLLECT_EVERY = 5
 MAX_FILES = 100_000  # a state of more files than this is not kept (the quota's default is 5,000)
-_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_FICLONE = 0x40049409  # linux/fs.h: share the blocks of a file (XFS, Btrfs); ext4 refuses
 _MAX_STATE = 64 << 20
-_RESTORE_TEMP = ".cs-restore-"
-_OBJECT = re.compile(r"[0-9a-f]{24}")
-_PLAIN_PATH = re.compile(r"[^/\0]+(?:/[^/\0]+)*")
-_DOT_PART = re.compile(r"(?:^|/)\.\.?(?:/|$)")
-
 
 
 class HistoryError(Exception):
@@ -130,7 +130,7 @@ class History:
                 str(data["head"]),
                 bool(data["dirty"]),
                 bool(data["restoring"]),
-                live if isinstance(live, str) and _digest_name(live) else "",
+                live if isinstance(live, str) and digest_name(live) else "",
             )
         except FileNotFoundError:
             return Head(dirty=(self.folder / "states").exists())
@@ -163,7 +163,7 @@ class History:
         shutil.rmtree(self.folder / "kernels" / digest(message_id), ignore_errors=True)
 
     def bytes_on_disk(self) -> int:
-        return _tree_bytes(self.folder)
+        return tree_bytes(self.folder)
 
     # ------------------------------------------------------------------ saving
 
@@ -196,15 +196,15 @@ class History:
                 root = -1
             if root >= 0:
                 with fd_closing(root):
-                    for path, st, parent, name in _walk(root):
+                    for path, st, parent, name in walk(root):
                         if stat.S_ISDIR(st.st_mode):
                             dirs[path] = stat.S_IMODE(st.st_mode)
                             continue
                         was = known.get(path)
-                        if was is not None and _unchanged(was, st):
+                        if was is not None and unchanged(was, st):
                             obj = was[0]
                         else:
-                            made = _copy_in(parent, name, st, objects_fd)
+                            made = copy_in(parent, name, st, objects_fd)
                             if made is None:
                                 continue  # gone, or not a regular file any more
                             obj = made
@@ -271,8 +271,8 @@ class History:
     def _states_oldest_first(self, newest: str) -> list[tuple[float, str]]:
         found = []
         newest_digest = digest(newest)
-        for name in _listing(self.folder / "states"):
-            if not name.endswith(".json") or not _digest_name(name[:-5]):
+        for name in listing(self.folder / "states"):
+            if not name.endswith(".json") or not digest_name(name[:-5]):
                 continue
             with contextlib.suppress(OSError):
                 st = os.lstat(self.folder / "states" / name)
@@ -288,14 +288,14 @@ class History:
     def _collect(self, stats: dict[str, int]) -> None:
         """Remove the objects no state refers to, and count exactly what the rest take."""
         wanted: set[str] = set()
-        for name in _listing(self.folder / "states"):
+        for name in listing(self.folder / "states"):
             if name.endswith(".objects"):
                 path = self.folder / "states" / name
                 with contextlib.suppress(OSError), open(path, encoding="ascii") as fh:
                     wanted.update(line.strip() for line in fh)
         objects = self.folder / "objects"
         total = 0
-        for name in _listing(objects):
+        for name in listing(objects):
             if name in wanted:
                 with contextlib.suppress(OSError):
                     total += os.lstat(objects / name).st_size
@@ -305,7 +305,7 @@ class History:
         stats["object_bytes"], stats["uncollected"] = total, 0
 
     def _kernel_bytes(self) -> int:
-        return _tree_bytes(self.folder / "kernels")
+        return tree_bytes(self.folder / "kernels")
 
     # ------------------------------------------------------------------ restoring
 
@@ -344,9 +344,9 @@ class History:
             fd_closing(os.open(self.folder / "objects", DIR_FLAGS)) as objects_fd,
             fd_closing(os.open(self.live_dir, DIR_FLAGS)) as root,
         ):
-            removed = _clear_live(root, "", 0, wanted, keep_dirs, known, kept)
+            removed = clear_live(root, "", 0, wanted, keep_dirs, known, kept)
             for path in sorted(keep_dirs, key=lambda p: p.count("/")):
-                with fd_closing(_make_dirs(root, path.split("/"), wanted_dirs.get(path, 0o755), self.owner)):
+                with fd_closing(make_dirs(root, path.split("/"), wanted_dirs.get(path, 0o755), self.owner)):
                     pass
             copied = 0
             files: dict[str, list[Any]] = {}
@@ -356,8 +356,8 @@ class History:
                     files[path] = [obj, size, mtime_ns, mode, st_ino, st_ctime]
                     continue
                 parts = path.split("/")
-                with fd_closing(_make_dirs(root, parts[:-1], 0o755, self.owner)) as parent:
-                    st = _copy_out(objects_fd, obj, parent, parts[-1], mode, mtime_ns, self.owner)
+                with fd_closing(make_dirs(root, parts[:-1], 0o755, self.owner)) as parent:
+                    st = copy_out(objects_fd, obj, parent, parts[-1], mode, mtime_ns, self.owner)
                 files[path] = [obj, st.st_size, st.st_mtime_ns, mode, st.st_ino, st.st_ctime_ns]
                 copied += 1
         self._write_state(message_id, files, wanted_dirs, self.imports_of(state), saved_at=state["saved_at"])
@@ -420,14 +420,14 @@ class History:
                 and isinstance(state.get("files"), dict)
                 and isinstance(state.get("dirs"), dict)
                 and all(
-                    _safe_path(p)
+                    safe_path(p)
                     and isinstance(v, list)
                     and len(v) == 6
-                    and _object_name(v[0])
+                    and object_name(v[0])
                     and all(isinstance(n, int) for n in v[1:])
                     for p, v in state["files"].items()
                 )
-                and all(_safe_path(p) and isinstance(m, int) for p, m in state["dirs"].items())
+                and all(safe_path(p) and isinstance(m, int) for p, m in state["dirs"].items())
             )
         except (AttributeError, TypeError):
             return None
@@ -453,9 +453,9 @@ class History:
         }
         d = digest(message_id)
         names = "".join(f"{entry[0]}\n" for entry in files.values())
-        _write_bytes(self.folder / "states" / f"{d}.objects", names.encode("ascii"))
+        write_bytes(self.folder / "states" / f"{d}.objects", names.encode("ascii"))
         path = self.folder / "states" / f"{d}.json"
-        _write_bytes(path, json.dumps(state, separators=(",", ":")).encode())
+        write_bytes(path, json.dumps(state, separators=(",", ":")).encode())
         # The file's mtime is the state's age, which pruning orders by: a restore rewrites the file (the
         # live files' new inodes) without making the state any newer.
         os.utime(path, (stamp, stamp))
@@ -468,7 +468,7 @@ class History:
     def _write_head(self, head: Head) -> None:
         self._make_folder()
         data = {"head": head.message_id, "dirty": head.dirty, "restoring": head.restoring, "live": head.live}
-        _write_bytes(self.folder / HEAD, json.dumps(data).encode())
+        write_bytes(self.folder / HEAD, json.dumps(data).encode())
 
     def _read_stats(self) -> dict[str, int]:
         try:
@@ -481,241 +481,4 @@ class History:
             return stats
 
     def _write_stats(self, stats: dict[str, int]) -> None:
-        _write_bytes(self.folder / STATS, json.dumps(stats).encode())
-
-
-def _safe_path(path: object) -> bool:
-    """A relative path of plain components, as the state's own walk wrote it (a damaged or forged
-    state could otherwise name a place outside the folder)."""
-    return (
-        isinstance(path, str)
-        and _PLAIN_PATH.fullmatch(path) is not None
-        and _DOT_PART.search(path) is None
-        and path.count("/") < MAX_DEPTH
-        and len(path.encode("utf-8", "surrogatepass")) <= MAX_PATH_BYTES
-    )
-
-
-def _object_name(name: object) -> bool:
-    return isinstance(name, str) and _OBJECT.fullmatch(name) is not None
-
-
-def _listing(folder: Path) -> list[str]:
-    try:
-        return os.listdir(folder)
-    except FileNotFoundError:
-        return []
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    """Write a file of the history whole: a new file renamed over the old one."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, _NEW, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.rename(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def _unchanged(record: list[Any], st: os.stat_result) -> bool:
-    """The live file is still the one a state's record describes: its size, mtime, inode and ctime
-    (which the sandbox's code cannot set back) are as recorded."""
-    return record[1:3] == [st.st_size, st.st_mtime_ns] and record[4:6] == [st.st_ino, st.st_ctime_ns]
-
-
-def _digest_name(name: str) -> bool:
-    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
-
-
-def _tree_bytes(folder: Path) -> int:
-    total = 0
-    for dirpath, _, names in os.walk(folder):
-        for name in names:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-    return total
-
-
-def _walk(fd: int, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, os.stat_result, int, str]]:
-    """(path, lstat, parent fd, name) of every folder and regular file under the folder `fd`, each
-    folder before what it holds. Never follows a link; names that are not UTF-8 are skipped
-    (reconcile renames them), and so is what lies deeper than MAX_DEPTH. One open folder per level."""
-    try:
-        names = os.listdir(fd)
-    except OSError:
-        return
-    for name in names:
-        try:
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-        except OSError:
-            continue
-        if name.startswith(_RESTORE_TEMP) or (not name.isascii() and not _utf8(name)):
-            continue
-        path = f"{prefix}{name}"
-        if stat.S_ISREG(st.st_mode):
-            yield path, st, fd, name
-        elif stat.S_ISDIR(st.st_mode):
-            yield path, st, fd, name
-            if depth + 1 >= MAX_DEPTH:
-                continue
-            try:
-                sub = os.open(name, DIR_FLAGS, dir_fd=fd)
-            except OSError:
-                continue
-            with fd_closing(sub):
-                yield from _walk(sub, f"{path}/", depth + 1)
-
-
-def _utf8(name: str) -> bool:
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _clear_live(
-    fd: int,
-    prefix: str,
-    depth: int,
-    wanted: dict[str, list[Any]],
-    keep_dirs: set[str],
-    before: dict[str, list[Any]],
-    kept: dict[str, list[Any]],
-) -> int:
-    """Remove from the live folder `fd` what the state being restored does not hold (links, FIFOs,
-    names that are not UTF-8 and folders it lacks included, never followed); note in `kept` the files
-    that are already the state's version. Returns how many entries went."""
-    removed = 0
-    try:
-        names = os.listdir(fd)
-    except OSError:
-        return removed
-    for name in names:
-        st = _lstat(fd, name)
-        if st is None:
-            continue
-        path = f"{prefix}{name}"
-        if not _utf8(name) or name.startswith(_RESTORE_TEMP):
-            remove_tree_at(fd, name)
-            removed += 1
-        elif stat.S_ISDIR(st.st_mode):
-            if path not in keep_dirs or depth + 1 >= MAX_DEPTH:
-                remove_tree_at(fd, name)
-                removed += 1
-                continue
-            try:
-                sub = os.open(name, DIR_FLAGS, dir_fd=fd)
-            except OSError:
-                continue
-            with fd_closing(sub):
-                removed += _clear_live(sub, f"{path}/", depth + 1, wanted, keep_dirs, before, kept)
-        else:
-            entry, seen = wanted.get(path), before.get(path)
-            if (
-                entry is not None
-                and stat.S_ISREG(st.st_mode)
-                and seen is not None
-                and seen[0] == entry[0]
-                and _unchanged(seen, st)
-            ):
-                kept[path] = seen
-            elif entry is None or not stat.S_ISREG(st.st_mode):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(name, dir_fd=fd)
-                    removed += 1
-    return removed
-
-
-def _lstat(dir_fd: int, name: str) -> os.stat_result | None:
-    try:
-        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except OSError:
-        return None
-
-
-def _clone_or_copy(src: int, dst: int) -> None:
-    try:
-        fcntl.ioctl(dst, _FICLONE, src)
-        return
-    except OSError as error:
-        if error.errno not in (errno.EOPNOTSUPP, errno.EXDEV, errno.EINVAL, errno.ENOTTY, errno.EBADF):
-            raise
-    copy_fd(src, dst)
-
-
-def _copy_in(parent: int, name: str, seen: os.stat_result, objects_fd: int) -> str | None:
-    """A private copy of the live file `name` as a new object; None when it is gone or is no longer
-    the regular file the walk saw."""
-    try:
-        src = os.open(name, _READ, dir_fd=parent)
-    except OSError:
-        return None
-    with fd_closing(src):
-        st = os.fstat(src)
-        if not stat.S_ISREG(st.st_mode) or st.st_ino != seen.st_ino:
-            return None
-        obj = secrets.token_hex(12)
-        dst = os.open(obj, _NEW, 0o400, dir_fd=objects_fd)
-        try:
-            with fd_closing(dst):
-                _clone_or_copy(src, dst)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(obj, dir_fd=objects_fd)
-            raise
-    return obj
-
-
-def _copy_out(
-    objects_fd: int, obj: str, parent: int, name: str, mode: int, mtime_ns: int, owner: Owner
-) -> os.stat_result:
-    """Put the object back at `name` in the live folder: a new file beside it, renamed over it."""
-    temp = f"{_RESTORE_TEMP}{secrets.token_hex(6)}"
-    with fd_closing(os.open(obj, _READ, dir_fd=objects_fd)) as src:
-        dst = os.open(temp, _NEW, 0o600, dir_fd=parent)
-        try:
-            with fd_closing(dst):
-                _clone_or_copy(src, dst)
-                if owner is not None and os.geteuid() == 0:
-                    os.fchown(dst, owner[0], owner[1])
-                os.fchmod(dst, mode & 0o777)
-                os.utime(dst, ns=(mtime_ns, mtime_ns))
-            st = _lstat(parent, name)
-            if st is not None and stat.S_ISDIR(st.st_mode):
-                remove_tree_at(parent, name)
-            os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp, dir_fd=parent)
-            raise
-        done = _lstat(parent, name)
-        assert done is not None
-        return done
-
-
-def _make_dirs(root: int, parts: list[str], mode: int, owner: Owner) -> int:
-    """Open (making what is missing) the folder `parts` under root; a non-folder in the way goes."""
-    fd = os.dup(root)
-    for part in parts:
-        try:
-            sub = os.open(part, DIR_FLAGS, dir_fd=fd)
-        except OSError as error:
-            if error.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
-                os.close(fd)
-                raise
-            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
-                os.unlink(part, dir_fd=fd)
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(part, mode & 0o777, dir_fd=fd)
-            sub = os.open(part, DIR_FLAGS, dir_fd=fd)
-            if owner is not None and os.geteuid() == 0:
-                os.fchown(sub, owner[0], owner[1])
-            os.fchmod(sub, mode & 0o777)
-        os.close(fd)
-        fd = sub
-    return fd
+        write_bytes(self.folder / STATS, json.dumps(stats).encode())

@@ -80,7 +80,7 @@ import linecache as _cs_linecache
 import sys as _cs_sys
 
 
-class _CodeSessionsImporter(_cs_abc.MetaPathFinder, _cs_abc.Loader):
+class _BundleImporter(_cs_abc.MetaPathFinder, _cs_abc.Loader):
     """Serves the embedded modules as `<package>.<name>` (see tools/bundle.py in the repository)."""
 
     def __init__(self, package, sources):
@@ -120,7 +120,7 @@ class _CodeSessionsImporter(_cs_abc.MetaPathFinder, _cs_abc.Loader):
 
 
 if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path):
-    _cs_sys.meta_path.insert(0, _CodeSessionsImporter(_CS_PACKAGE, _CS_SOURCES))
+    _cs_sys.meta_path.insert(0, _BundleImporter(_CS_PACKAGE, _CS_SOURCES))
 '''
 
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pydantic import BaseModel
 
-from functions.adapter import SessionValves
+from functions.adapter import SharedValves
 from functions.code_sessions import Pipe
 from functions.code_sessions_filter import Filter
 
@@ -47,9 +47,9 @@ def tables() -> str:
     return "\n".join(
         [
             "The Pipe's own admin valves:\n",
-            table(Pipe.Valves, skip=SessionValves),
+            table(Pipe.Valves, skip=SharedValves),
             "\nSession valves (the Pipe's and the Tool's):\n",
-            table(SessionValves),
+            table(SharedValves),
             "\nThe Filter's valves:\n",
             table(Filter.Valves),
             "\nThe Pipe's user valves (each user, in the chat's controls):\n",

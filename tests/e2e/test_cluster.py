@@ -17,6 +17,7 @@ What it proves:
 
 * with Open WebUI on PostgreSQL the function's index follows it there (schema `code_sessions`, no
   SQLite file), and leaves Open WebUI's tables in `public` as they were;
+* a variable and a DataFrame of 53 MiB set on A are read on B in the chat's next turn, and back on A;
 * three users at once, each chat's turns alternating A, B, A, B: files written on one replica are read
   on the other; the Python state moves with the chat: the replica that held the kernel saves it to the
   shared storage folder when the other asks, and the other resumes it, without a word; every answer's
@@ -492,6 +493,31 @@ def test_chats_alternate_between_the_replicas_turn_by_turn(cluster: Cluster):
             assert cluster.log_count(name, GONE) == 0
         check = cluster.storage_cli("check")
         assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_variable_and_a_dataframe_of_50_mb_move_to_the_other_replica(cluster: Cluster):
+    """Turn 1 on A sets a variable and a DataFrame of 53 MiB; turn 2 on B reads both, exactly, without
+    a word about the state: A saved the kernel to the shared storage folder when B asked, and B resumed
+    it. Then back on A."""
+    rows = 7_000_000
+    one = run(
+        "import numpy as np, pandas as pd\n"
+        "word = 'moved-' + 'intact'\n"
+        f"df = pd.DataFrame({{'n': np.arange({rows}, dtype='int64')}})\n"
+        "print('MiB', df.memory_usage().sum() // 2**20)",
+        "loaded",
+    )
+    read = "print('read', word, len(df), int(df['n'].sum()))"
+    expected = f"read moved-intact {rows} {sum(range(rows))}"
+    with cluster.logs_on_failure():
+        resumed_on_b = cluster.log_count("b", " resumed from disk ")
+        first = cluster.user("ben", "a").say(one)
+        assert "MiB 53" in first.content, first.content
+        second = cluster.user("ben", "b").say(run(read, "read"), previous=first)
+        assert expected in second.content and RESET not in second.content, second.content
+        assert cluster.log_count("b", " resumed from disk ") == resumed_on_b + 1
+        third = cluster.user("ben", "a").say(run(read + "\ndel df", "read"), previous=second)
+        assert expected in third.content and RESET not in third.content, third.content
 
 
 def test_the_index_lives_in_postgresql_next_to_open_webui(cluster: Cluster):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import CodeSessions, LoopOptions, converse
+from engine import Engine, LoopOptions, converse
 from engine.sse import TextDelta, ToolCall
 from runner import Limits, Outcome, Runner, RunResult
 from storage import DirectoryPublisher, Quotas, Session, Store
@@ -23,8 +23,8 @@ PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 64
 DETAILS = re.compile(r"<details>.*?</details>", re.S)
 
 
-class HostRuns(CodeSessions):
-    """CodeSessions whose `execute` writes the next planned files straight into the folder."""
+class HostRuns(Engine):
+    """Engine whose `execute` writes the next planned files straight into the folder."""
 
     def __init__(self, store: Store) -> None:
         super().__init__(store, Runner())

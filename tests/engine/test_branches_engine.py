@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import CodeSessions, Settings, Turn
+from engine import Engine, Settings, Turn
 from runner import KernelPool, Limits, Runner
 from storage import Store
 
@@ -20,12 +20,12 @@ RESTORED = "Restored the files and Python state of the message you are continuin
 
 
 @pytest.fixture
-async def services(tmp_path: Path) -> AsyncIterator[CodeSessions]:
+async def services(tmp_path: Path) -> AsyncIterator[Engine]:
     runner = Runner()
     store = Store(tmp_path / "root", owner=(runner.sandbox_uid, runner.sandbox_gid))
     await store.open()
     kernels = KernelPool(runner, tmp_path / "root" / "kernels")
-    service = CodeSessions(store, runner, SETTINGS, kernels=kernels)
+    service = Engine(store, runner, SETTINGS, kernels=kernels)
     yield service
     await service.close()
 
@@ -41,7 +41,7 @@ def turn(message_id: str, tree: dict[str, str | None]) -> Turn:
     return Turn(message_id, lineage)
 
 
-async def answer(service: CodeSessions, message_id: str, tree: dict[str, str | None], *codes: str) -> list:
+async def answer(service: Engine, message_id: str, tree: dict[str, str | None], *codes: str) -> list:
     chat = await service.chat("u", "c", SETTINGS)
     await chat.begin_turn(turn(message_id, tree))
     steps = [await chat.run(code, "python") for code in codes]
@@ -50,7 +50,7 @@ async def answer(service: CodeSessions, message_id: str, tree: dict[str, str | N
     return steps
 
 
-async def test_two_tabs_on_two_branches_each_get_their_own_state_at_each_step(services: CodeSessions):
+async def test_two_tabs_on_two_branches_each_get_their_own_state_at_each_step(services: Engine):
     tree: dict[str, str | None] = {"u1": None, "a1": "u1", "u2": "a1", "a2": "u2", "u3": "a1", "a3": "u3"}
     [step] = await answer(services, "a1", tree, "x = 1\nopen('/mnt/data/f.txt', 'w').write('1')")
     assert step.ok
@@ -73,7 +73,7 @@ async def test_two_tabs_on_two_branches_each_get_their_own_state_at_each_step(se
     await services.branches.settle()
 
 
-async def test_a_crash_mid_restore_is_finished_by_the_next_step(services: CodeSessions):
+async def test_a_crash_mid_restore_is_finished_by_the_next_step(services: Engine):
     tree: dict[str, str | None] = {"u1": None, "a1": "u1", "u2": "a1", "a2": "u2", "u3": "a1", "a3": "u3"}
     await answer(services, "a1", tree, "open('/mnt/data/f.txt', 'w').write('1')")
     swap = "import os\nos.remove('/mnt/data/f.txt')\nopen('/mnt/data/g.txt', 'w').write('2')"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import CodeSessions, Settings
+from engine import Engine, Settings
 from engine import service as engine_service
 from runner import Limits, Outcome, Runner, RunnerError, RunResult
 from storage import Quotas, Store
@@ -30,7 +30,7 @@ async def real(tmp_path: Path):
         owner=(runner.sandbox_uid, runner.sandbox_gid),
     )
     async with store:
-        yield CodeSessions(store, runner, Settings(limits=LIMITS))
+        yield Engine(store, runner, Settings(limits=LIMITS))
 
 
 def _make_files(folder: Path, count: int, per_dir: int = 1000) -> None:
@@ -50,7 +50,7 @@ def _make_files(folder: Path, count: int, per_dir: int = 1000) -> None:
             os.close(fd)
 
 
-async def test_a_step_in_a_10k_file_session_looks_only_at_its_changes(real: CodeSessions) -> None:
+async def test_a_step_in_a_10k_file_session_looks_only_at_its_changes(real: Engine) -> None:
     chat = await real.chat("u", "big")
     _make_files(chat.session.path, 10_000)
     first = await chat.run("print(1)", "python")
@@ -160,7 +160,7 @@ OPS += ["rmtree", "utime", "utime", "symlink", "fifo", "mkdir", "unlink_link"]
 
 @pytest.mark.parametrize(("seed", "ops"), [(1, OPS), (2, OPS), (3, [*OPS, "hardlink"])])
 async def test_random_steps_leave_the_index_equal_to_the_disk(
-    real: CodeSessions, seed: int, ops: list[str]
+    real: Engine, seed: int, ops: list[str]
 ) -> None:
     chat = await real.chat("u", f"random-{seed}")
     rng = random.Random(seed)
@@ -202,14 +202,14 @@ class FakeRunner:
 @pytest.fixture
 async def fake(tmp_path: Path):
     async with Store(tmp_path / "root") as store:
-        yield CodeSessions(store, FakeRunner(), Settings(limits=LIMITS))
+        yield Engine(store, FakeRunner(), Settings(limits=LIMITS))
 
 
 def _writes(name: str) -> Callable[[Path], None]:
     return lambda folder: (folder / name).write_text(name)
 
 
-async def test_first_step_is_full_then_changes_only(fake: CodeSessions) -> None:
+async def test_first_step_is_full_then_changes_only(fake: Engine) -> None:
     runner: FakeRunner = fake.runner
     chat = await fake.chat("u", "c")
     runner.action, runner.changed = _writes("a"), ("a",)
@@ -219,7 +219,7 @@ async def test_first_step_is_full_then_changes_only(fake: CodeSessions) -> None:
     assert not step.files.full and step.files.added == ["b"]
 
 
-async def test_unknown_changes_or_a_failed_run_list_everything(fake: CodeSessions) -> None:
+async def test_unknown_changes_or_a_failed_run_list_everything(fake: Engine) -> None:
     runner: FakeRunner = fake.runner
     chat = await fake.chat("u", "c")
     await chat.run("x", "python")
@@ -236,7 +236,7 @@ async def test_unknown_changes_or_a_failed_run_list_everything(fake: CodeSession
 
 
 async def test_a_missed_change_is_repaired_by_the_periodic_full_listing(
-    fake: CodeSessions, monkeypatch: pytest.MonkeyPatch
+    fake: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runner: FakeRunner = fake.runner
     chat = await fake.chat("u", "c")

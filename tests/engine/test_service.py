@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import CodeSessions, Settings
+from engine import Engine, Settings
 from runner import Limits, Outcome, Runner
 from storage import DirectoryPublisher, Quotas, Store
 
@@ -24,14 +24,14 @@ WORKER = textwrap.dedent(
     """
     import asyncio, json, sys
     from pathlib import Path
-    from engine import CodeSessions, Settings
+    from engine import Engine, Settings
     from runner import Limits, Runner
     from storage import Store
 
     async def main(root, chat, label):
         runner = Runner()
         async with Store(Path(root), owner=(runner.sandbox_uid, runner.sandbox_gid)) as store:
-            service = CodeSessions(store, runner, Settings(limits=Limits(timeout_s=15, memory_mb=256)))
+            service = Engine(store, runner, Settings(limits=Limits(timeout_s=15, memory_mb=256)))
             chat_session = await service.chat("u", chat)
             step = await chat_session.run(
                 "import time\\nt0 = time.time()\\ntime.sleep(1.0)\\n"
@@ -88,10 +88,10 @@ async def service(tmp_path: Path):
         owner=(runner.sandbox_uid, runner.sandbox_gid),
     )
     async with store:
-        yield CodeSessions(store, runner, Settings(limits=LIMITS))
+        yield Engine(store, runner, Settings(limits=LIMITS))
 
 
-async def test_quota_removes_new_files_and_says_why_then_runs_with_nothing_to_spend(service: CodeSessions):
+async def test_quota_removes_new_files_and_says_why_then_runs_with_nothing_to_spend(service: Engine):
     chat = await service.chat("u", "c")
     first = await chat.run("open('/mnt/data/old.txt', 'w').write('keep me')", "python")
     assert first.ok and first.files.added == ["old.txt"]
@@ -116,7 +116,7 @@ async def test_quota_removes_new_files_and_says_why_then_runs_with_nothing_to_sp
     assert after.files.added == ["fits.txt"] and after.files.quota_removed == []
 
 
-async def test_links_only_for_real_files_of_this_session(service: CodeSessions, tmp_path: Path):
+async def test_links_only_for_real_files_of_this_session(service: Engine, tmp_path: Path):
     chat = await service.chat("u", "c")
     other = await service.chat("u", "other")
     await other.run("open('/mnt/data/theirs.txt', 'w').write('no')", "python")
@@ -129,7 +129,7 @@ async def test_links_only_for_real_files_of_this_session(service: CodeSessions, 
     assert published.read_text() == "yes" and not published.is_symlink()
 
 
-async def test_a_timeout_is_reported_and_files_written_before_it_are_kept(service: CodeSessions):
+async def test_a_timeout_is_reported_and_files_written_before_it_are_kept(service: Engine):
     settings = Settings(limits=LIMITS.model_copy(update={"timeout_s": 2}), policy=service.store.policy)
     chat = await service.chat("u", "c", settings)
     step = await chat.run("open('/mnt/data/partial.txt', 'w').write('x')\nwhile True: pass", "python")

@@ -22,7 +22,7 @@ def _filter_with_answer(message_id: str):
             return engine.Target(url="/api/v1/files/x/content", name="report.csv", is_image=False)
         return None
 
-    hook._sessions.answers[message_id] = module._Answer(None, engine.StreamingRewriter(resolve), "u1")
+    hook._adapter.answers[message_id] = module._Answer(None, engine.StreamingRewriter(resolve), "u1")
     return hook
 
 

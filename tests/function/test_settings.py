@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import DEFAULTS
-from functions.adapter import SessionValves, settings_from
+from functions.adapter import SharedValves, settings_from
 from functions.code_sessions import Pipe
 from functions.code_sessions_tool import Tools
 from storage import Expiry, Quotas
@@ -14,14 +14,14 @@ from storage import Expiry, Quotas
 # The valves whose 0 means "no limit" (or "never"), as their descriptions say.
 NO_LIMIT = {
     name
-    for name, field in SessionValves.model_fields.items()
+    for name, field in SharedValves.model_fields.items()
     if "0: no limit" in (field.description or "") or "0: never" in (field.description or "")
 }
 
 
 def test_the_valves_defaults_are_the_layers_defaults() -> None:
     """Untouched valves build exactly the default settings: no default is written twice."""
-    assert settings_from(SessionValves()) == DEFAULTS
+    assert settings_from(SharedValves()) == DEFAULTS
     assert settings_from(Pipe.Valves()) == settings_from(Tools.Valves()) == DEFAULTS
 
 
@@ -35,7 +35,7 @@ def test_a_valves_0_is_none_in_every_layer() -> None:
         "file_max_age_days",
         "session_idle_days",
     } == NO_LIMIT
-    settings = settings_from(SessionValves(**dict.fromkeys(NO_LIMIT, 0)))
+    settings = settings_from(SharedValves(**dict.fromkeys(NO_LIMIT, 0)))
     assert settings.limits.max_file_bytes is None  # the runner: no RLIMIT_FSIZE at all
     assert settings.policy.quotas == Quotas(None, None, None, None)
     expiry = settings.policy.expiry
@@ -43,11 +43,11 @@ def test_a_valves_0_is_none_in_every_layer() -> None:
     assert expiry.temporary_idle_s == Expiry().temporary_idle_s
     assert settings.kernels.max_saved_bytes_together is None
     # max_saved_state_mb's 0 is not "no limit": kernels are never saved.
-    assert settings_from(SessionValves(max_saved_state_mb=0)).kernels.max_image_bytes == 0
+    assert settings_from(SharedValves(max_saved_state_mb=0)).kernels.max_image_bytes == 0
 
 
 def test_the_settings_are_frozen() -> None:
-    settings = settings_from(SessionValves())
+    settings = settings_from(SharedValves())
     for part, name, value in ((settings, "purge", "all"), (settings.limits, "timeout_s", 1)):
         with pytest.raises((AttributeError, TypeError, ValueError)):
             setattr(part, name, value)

@@ -135,8 +135,8 @@ async def test_a_chat_used_through_the_pipe_then_the_tool_shares_folder_and_stat
         turn = await tool.say("u1", "chat-1", code("print(x + 1, open('/mnt/data/a.txt').read())"))
         assert "42 from the pipe" in turn.tool_results[0], turn.tool_results
         # One store and one kernel pool for the process, whichever file asked first.
-        assert tool.tools._sessions._services is pipe.pipe._services
-        assert tool.filter._sessions._services is pipe.pipe._services
+        assert tool.tools._adapter._services is pipe.pipe._services
+        assert tool.filter._adapter._services is pipe.pipe._services
         kernels = pipe.pipe._services.kernels.kernels()
         assert len(kernels) == 1, kernels
         # And back: the Pipe sees what the Tool did.
@@ -158,7 +158,7 @@ async def test_a_valve_change_in_one_file_does_not_close_the_services_another_us
         tool.set_valves(kernel="fresh")  # the Tool's admin switches kernels off; the Pipe keeps its own
         turn = await tool.say("u1", "chat-1", code("print('x' in globals())"))
         assert "False" in turn.tool_results[0], turn.tool_results
-        assert tool.tools._sessions._services is not shared
+        assert tool.tools._adapter._services is not shared
         answer = await pipe.say("u1", "chat-1", code("print('x is', x)"))
         assert "x is 1" in answer, answer  # the Pipe's kernel was not stopped under it
     finally:
@@ -169,7 +169,7 @@ async def test_a_valve_change_in_one_file_does_not_close_the_services_another_us
 async def test_maintenance_looks_at_open_webuis_chats_once_per_minute_whichever_files_run(tmp_path):
     pipe = PipeHarness(tmp_path / "data", valves={"timeout_seconds": 15})
     tool = ToolHarness.beside(pipe)
-    adapters = [pipe.pipe, tool.tools._sessions, tool.filter._sessions]
+    adapters = [pipe.pipe, tool.tools._adapter, tool.filter._adapter]
     for adapter in adapters:
         adapter.maintenance.minute_s = 0.3
     try:
@@ -188,7 +188,7 @@ async def test_maintenance_looks_at_open_webuis_chats_once_per_minute_whichever_
 
 
 async def test_a_chat_deleted_in_open_webui_loses_its_files_with_only_the_tool_and_filter(tool: ToolHarness):
-    for adapter in (tool.tools._sessions, tool.filter._sessions):
+    for adapter in (tool.tools._adapter, tool.filter._adapter):
         adapter.maintenance.minute_s = 0.05  # set before the loops start, at the first message
         adapter.maintenance.deleted_after_s = 0.2
     await tool.say("u1", "chat-1", WRITE_REPORT)
@@ -202,7 +202,7 @@ async def test_a_chat_deleted_in_open_webui_loses_its_files_with_only_the_tool_a
 
 
 async def test_a_purge_typed_into_the_tools_valves_runs_and_is_cleared(tool: ToolHarness):
-    for adapter in (tool.tools._sessions, tool.filter._sessions):
+    for adapter in (tool.tools._adapter, tool.filter._adapter):
         adapter.maintenance.minute_s = 0.05
     await tool.say("u1", "chat-1", WRITE_REPORT)
     [folder] = [p for p in (tool.sessions_root / "sessions").glob("*/*") if p.is_dir()]

@@ -8,10 +8,14 @@ or the one sentence that says it was lost and why; and the host (no sandbox left
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import shutil
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -432,5 +436,144 @@ async def test_a_new_chat_starts_warm_from_a_template_without_its_seeds_or_names
             assert (folder / "mine.txt").read_text() == "x"
             assert result.changed is None  # a resumed kernel's first run lists the whole folder
         assert len(draws) == 2  # reseeded: two chats never share a random sequence
+    finally:
+        await pool.close()
+
+
+async def test_only_a_first_cell_that_needs_more_than_the_standard_library_starts_warm(
+    runner: Runner, tmp_path: Path
+) -> None:
+    """A chat whose first cell is print(1) gets a cold kernel (faster to start, 110 MiB lighter); one
+    whose first cell imports a package of the environment, or is bash, resumes the template."""
+    pool = pool_of(runner, tmp_path, warm_start=True)
+    loaded = "import sys\nprint('pandas' in sys.modules)"
+    try:
+        first = tmp_path / "sessions" / "first"
+        first.mkdir(parents=True)
+        assert (await pool.run("first", first, "print(1)", "python", LIMITS)).ok  # cold: builds it
+        await pool._warm.wait_built()
+        said = {}
+        for name, cell, language in (
+            ("plain", "print(1)", "python"),
+            ("stdlib", "import json, os.path\nprint(json.dumps(os.path.sep))", "python"),
+            ("data", "import numpy as np\nprint(int(np.arange(3).sum()))", "python"),
+            ("shell", "ls -la /mnt/data | head -1", "bash"),
+        ):
+            folder = tmp_path / "sessions" / name
+            folder.mkdir(parents=True)
+            assert (
+                await pool.run(name, folder, cell, "python" if language == "python" else "bash", LIMITS)
+            ).ok
+            said[name] = (await pool.run(name, folder, loaded, "python", LIMITS)).stdout
+        assert said == {"plain": "False\n", "stdlib": "False\n", "data": "True\n", "shell": "True\n"}
+    finally:
+        await pool.close()
+
+
+async def test_a_template_changed_after_it_was_verified_is_checked_again_and_refused(
+    runner: Runner, tmp_path: Path
+) -> None:
+    """A process verifies a template's digests once and skips them while its files are unchanged: a
+    byte flipped in it later (its file rewritten) is caught at the next warm start, the template is
+    removed, and the new chat starts cold without a word."""
+    pool = pool_of(runner, tmp_path, warm_start=True)
+    probe = "import sys, numpy\nprint('pandas' in sys.modules)"
+    try:
+        folders = {}
+        for name in ("first", "verified", "after"):
+            folders[name] = tmp_path / "sessions" / name
+            folders[name].mkdir(parents=True)
+        assert (await pool.run("first", folders["first"], "print(1)", "python", LIMITS)).ok
+        await pool._warm.wait_built()
+        warm = await pool.run("verified", folders["verified"], probe, "python", LIMITS)
+        assert warm.stdout == "True\n" and warm.notes == ()  # resumed from the template, verified
+        [place] = [p for p in (runner.bundle_dir / "templates").iterdir() if p.is_dir()]
+        image = place / "kernel"
+        pages = max((p for p in image.iterdir() if p.name != "meta.json"), key=lambda p: p.stat().st_size)
+        with open(pages, "r+b") as fh:
+            fh.seek(pages.stat().st_size // 2)
+            byte = fh.read(1)
+            fh.seek(-1, os.SEEK_CUR)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+        cold = await pool.run("after", folders["after"], probe, "python", LIMITS)
+        assert cold.ok and cold.stdout == "False\n" and cold.notes == ()  # a cold kernel, no sentence
+        assert not image.exists()  # removed (the next new chat builds it again)
+    finally:
+        await pool.close()
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of `size` at `path` (ENOSPC for real), unmounted afterwards whatever happened."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+async def test_a_state_the_full_disk_cannot_hold_is_not_kept_and_said(runner: Runner, tmp_path: Path) -> None:
+    """The states' disk has 4 MiB left and the kernel holds 20 MB: the save fails, the next run says
+    so in the one sentence, nothing half-written is left to resume, and the chat goes on."""
+    folder = tmp_path / "sessions" / "chat"
+    folder.mkdir(parents=True)
+    with small_disk(tmp_path / "states", "4m") as disk:
+        state = disk / "chat.kernel"
+        pool = pool_of(runner, tmp_path, idle_s=1.0)
+        try:
+            blob = "blob = bytes(range(256)) * 80_000\nkept = 1"
+            assert (await pool.run("u/c", folder, blob, "python", LIMITS, state_dir=state)).ok
+            await wait_until(lambda: ended(pool), 60)
+            pool.settings = KernelSettings(idle_s=3600)  # the next kernel stays up for the last run
+            result = await pool.run(
+                "u/c", folder, "print(globals().get('kept'))", "python", LIMITS, state_dir=state
+            )
+            assert result.ok and result.stdout == "None\n"
+            assert result.notes == (
+                "The Python state could not be kept (its image could not be written: the disk is full); "
+                "files in /mnt/data are kept.",
+            )
+            assert not (state / "kernel").exists() and list(state.iterdir()) == []  # no half image
+            assert shutil.disk_usage(disk).used < 1 << 20  # its bytes are given back
+            again = await pool.run("u/c", folder, "print(2)", "python", LIMITS, state_dir=state)
+            assert again.stdout == "2\n" and again.notes == ()
+        finally:
+            await pool.close()
+
+
+REFUSING_RUNSC = """#!/bin/sh
+# runsc, except that it refuses to checkpoint (as a runsc without that support, or a broken one, does).
+case " $* " in
+  *" help "*) ;;
+  *" checkpoint "*) echo "checkpoint is not supported by this runsc (test)" >&2; exit 3 ;;
+esac
+exec {runsc} "$@"
+"""
+
+
+async def test_a_state_runsc_refuses_to_save_is_not_kept_and_said(
+    runner: Runner, tmp_path: Path, chat: tuple[Path, Path]
+) -> None:
+    folder, state = chat
+    wrapper = tmp_path / "runsc"
+    wrapper.write_text(REFUSING_RUNSC.format(runsc=shutil.which(runner.config.runsc_path) or "runsc"))
+    wrapper.chmod(0o755)
+    refusing = Runner(runner.config.model_copy(update={"runsc_path": str(wrapper)}))
+    pool = pool_of(refusing, tmp_path, idle_s=1.0)
+    try:
+        assert (await pool.run("u/c", folder, "kept = 1", "python", LIMITS, state_dir=state)).ok
+        cid = pool.kernels()["u/c"].cid
+        await wait_until(lambda: ended(pool))
+        assert gone(refusing, cid) == []  # stopped all the same: a half-saved sandbox is not trusted
+        result = await pool.run(
+            "u/c", folder, "print(globals().get('kept'))", "python", LIMITS, state_dir=state
+        )
+        assert result.ok and result.stdout == "None\n"
+        assert result.notes == (
+            "The Python state could not be kept (checkpoint is not supported by this runsc (test)); "
+            "files in /mnt/data are kept.",
+        )
+        assert not state.exists() or list(state.iterdir()) == []
     finally:
         await pool.close()

@@ -35,15 +35,50 @@ WORKER = textwrap.dedent(
     from pathlib import Path
     from runner import KernelPool, KernelSettings, Limits, Runner
 
-    async def main(registry, sockets, key, workdir, code, hold):
+    async def main(registry, sockets, key, workdir, code, hold, state=""):
         pool = KernelPool(Runner(), Path(registry), socket_dir=Path(sockets))
-        result = await pool.run(key, Path(workdir), code, "python", Limits(timeout_s=10, memory_mb=256))
-        said = {"stdout": result.stdout, "notes": result.notes, "cid": result.container_id}
+        result = await pool.run(
+            key, Path(workdir), code, "python", Limits(timeout_s=10, memory_mb=256),
+            state_dir=Path(state) if state else None,
+        )
+        said = {"stdout": result.stdout, "notes": result.notes, "cid": result.container_id,
+                "outcome": result.outcome.value}
         print(json.dumps(said), flush=True)
         if hold:
             await asyncio.sleep(3600)
 
-    asyncio.run(main(*sys.argv[1:6], sys.argv[6] == "hold"))
+    asyncio.run(main(*sys.argv[1:6], sys.argv[6] == "hold", *sys.argv[7:]))
+    """
+)
+
+# A worker that starts several new chats at once under max_kernels, says what each printed, then
+# reports, every 0.2 s, which of its kernels are alive (into <report>).
+STARTER = textwrap.dedent(
+    """
+    import asyncio, json, os, sys
+    from pathlib import Path
+    from runner import KernelPool, KernelSettings, Limits, Runner
+
+    async def main(registry, sockets, base, name, count, most, report):
+        settings = KernelSettings(max_kernels=int(most))
+        pool = KernelPool(Runner(), Path(registry), socket_dir=Path(sockets), settings=settings)
+        limits = Limits(timeout_s=10, memory_mb=256)
+        keys = [f"{name}-{i}" for i in range(int(count))]
+        for key in keys:
+            (Path(base) / key).mkdir()
+        results = await asyncio.gather(
+            *(pool.run(key, Path(base) / key, f"print({key!r})", "python", limits) for key in keys)
+        )
+        said = [{"stdout": r.stdout, "cid": r.container_id, "notes": r.notes} for r in results]
+        print(json.dumps(said), flush=True)
+        while True:
+            alive = [k.cid for k in pool.kernels().values() if k.alive]
+            with open(report + ".tmp", "w") as fh:
+                json.dump(alive, fh)
+            os.replace(report + ".tmp", report)
+            await asyncio.sleep(0.2)
+
+    asyncio.run(main(*sys.argv[1:]))
     """
 )
 
@@ -55,11 +90,19 @@ class Workers:
         self.sockets = Path(tempfile.mkdtemp(prefix="cs-relay-", dir="/tmp")) / "s"
         self.started: list[subprocess.Popen[str]] = []
 
-    def start(self, key: str, workdir: Path, code: str, *, hold: bool) -> subprocess.Popen[str]:
+    def start(
+        self, key: str, workdir: Path, code: str, *, hold: bool, state: Path | None = None
+    ) -> subprocess.Popen[str]:
         argv = [sys.executable, "-c", WORKER, str(self.registry), str(self.sockets), key, str(workdir), code]
-        process = subprocess.Popen(
-            [*argv, "hold" if hold else "exit"], cwd=REPO, stdout=subprocess.PIPE, text=True
-        )
+        argv += ["hold" if hold else "exit", *([str(state)] if state is not None else [])]
+        process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
+        self.started.append(process)
+        return process
+
+    def starter(self, base: Path, name: str, count: int, most: int, report: Path) -> subprocess.Popen[str]:
+        argv = [sys.executable, "-c", STARTER, str(self.registry), str(self.sockets), str(base), name]
+        argv += [str(count), str(most), str(report)]
+        process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
         self.started.append(process)
         return process
 
@@ -260,5 +303,64 @@ async def test_a_relayed_run_with_other_limits_gets_a_kernel_with_those_limits(
         assert result.stdout == "None\n" and result.container_id != held["cid"]
         changed = "the admin changed the sandbox's limits"
         assert result.notes == (f"The Python state was reset ({changed}); files in /mnt/data are kept.",)
+    finally:
+        await pool.close()
+
+
+def test_max_kernels_holds_under_concurrent_starts_from_several_workers(
+    workers: Workers, tmp_path: Path
+) -> None:
+    """Three worker processes each start two new chats at once, with max_kernels=2 for the host: every
+    chat gets its answer, and afterwards at most two kernels are alive, in the registry, in the
+    workers, and as sandbox processes on the host (the others were stopped, not left running)."""
+    base = tmp_path / "chats"
+    base.mkdir()
+    reports = {name: tmp_path / f"{name}.json" for name in ("w1", "w2", "w3")}
+    started = {name: workers.starter(base, name, 2, 2, report) for name, report in reports.items()}
+    said = {name: workers.said(process) for name, process in started.items()}
+    for name, results in said.items():
+        assert [r["stdout"] for r in results] == [f"{name}-0\n", f"{name}-1\n"], results
+    cids = {r["cid"] for results in said.values() for r in results}
+    assert len(cids) == 6
+    time.sleep(3)  # any stop still in flight ends, and every worker has reported since
+    alive = [cid for report in reports.values() for cid in json.loads(report.read_text())]
+    assert len(alive) <= 2, alive
+    running = [e for e in workers.pool()._registry.running_here() if e.cid in cids]
+    assert len(running) <= 2 and {e.cid for e in running} == set(alive), (running, alive)
+    on_host = [cid for cid in cids if live_processes(cid)]
+    assert sorted(on_host) == sorted(alive), on_host
+
+
+async def test_a_busy_kernel_of_another_worker_is_not_the_lru_victim(
+    workers: Workers, tmp_path: Path
+) -> None:
+    """Worker B's kernel runs a 6 s cell when this worker, at max_kernels=1, starts a new chat: B's
+    cell is not killed for room (it finishes and prints); the new chat waits for B's kernel to be idle,
+    then B saves it and stops it; B's chat resumes it afterwards with its variable and no sentence."""
+    b_folder, state = tmp_path / "b", tmp_path / "state" / "b.kernel"
+    b_folder.mkdir()
+    cell = "x = 41\nimport time\nopen('started', 'w').close()\ntime.sleep(6)\nprint('finished')"
+    b = workers.start("kb", b_folder, cell, hold=True, state=state)
+    deadline = time.monotonic() + 60
+    while not (b_folder / "started").exists():
+        assert time.monotonic() < deadline and b.poll() is None, "B's cell did not start"
+        time.sleep(0.1)
+    pool = KernelPool(
+        Runner(), workers.registry, socket_dir=workers.sockets, settings=KernelSettings(max_kernels=1)
+    )
+    a_folder = tmp_path / "a"
+    a_folder.mkdir()
+    try:
+        began = time.monotonic()
+        mine = await pool.run("ka", a_folder, "print('a')", "python", LIMITS)
+        waited = time.monotonic() - began
+        assert mine.stdout == "a\n" and mine.notes == ()
+        held = workers.said(b)  # B's run returned: it was not stopped for room
+        assert held == {"stdout": "finished\n", "notes": [], "cid": held["cid"], "outcome": "ok"}
+        assert waited > 2, "the new chat did not wait for B's kernel to become idle"
+        assert (state / "kernel" / "meta.json").is_file()  # B saved it when asked, once idle
+        assert live_processes(held["cid"]) == []
+        again = await pool.run("kb", b_folder, "print(x + 1)", "python", LIMITS, state_dir=state)
+        assert again.stdout == "42\n" and again.notes == ()
     finally:
         await pool.close()

@@ -16,6 +16,7 @@ from runner._diagnose import explain, read_runsc_errors, tidy
 from runner._disk import folder_sizes, growth
 from runner._outcome import classify
 from runner._supervise import Capture, Facts
+from runner._warm import wants_template
 from runner.capabilities import RunscInfo, detect_runsc, parse_flags, parse_platforms
 from tests.support.sandbox import disk_usage
 
@@ -181,3 +182,29 @@ def test_sources_obey_the_bundler_rules() -> None:
         for word in banned:
             assert word not in text, f"{path.name} contains {word!r}"
         assert "from runner" not in text, f"{path.name}: intra-package imports must be relative"
+
+
+@pytest.mark.parametrize(
+    ("code", "wanted"),
+    [
+        ("print(1)", False),
+        ("import os\nprint(os.listdir('.'))", False),
+        ("from __future__ import annotations\nimport json, os.path as p", False),
+        ("from . import x", False),
+        ("s = 'no import here'", False),
+        ("import pandas as pd", True),
+        ("import os, numpy as np", True),
+        ("x = 1; import seaborn", True),
+        ("try:\n    import polars\nexcept ImportError:\n    pass", True),
+        ("from sklearn.linear_model import LinearRegression", True),
+        ("  import matplotlib.pyplot as plt", True),
+        ("import\tdocx", True),
+        ("x = 1\n" * 20_000 + "import pandas", False),  # past the part read: a cold start, nothing lost
+    ],
+)
+def test_which_first_cells_start_from_the_template(code: str, wanted: bool) -> None:
+    assert wants_template(code, "python") is wanted
+
+
+def test_a_first_bash_cell_starts_from_the_template() -> None:
+    assert wants_template("ls -la /mnt/data", "bash")

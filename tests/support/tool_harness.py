@@ -70,8 +70,8 @@ class ToolHarness:
         self.stored_valves: dict[str, Any] = {}  # the Pipe's (a harness host answers for it too)
         self.stored_tool_valves: dict[str, Any] = dict(self.valves)
         self.trees: dict[str, dict[str, str | None]] = {}  # each chat's tree of messages (see PipeHarness)
-        self.tools._sessions._host = _ToolHost(self, self.tool_module)
-        self.filter._sessions._host = _ToolHost(self, self.filter_module)
+        self.tools._adapter._host = _ToolHost(self, self.tool_module)
+        self.filter._adapter._host = _ToolHost(self, self.filter_module)
 
     @classmethod
     def beside(cls, pipe: PipeHarness, **valves: Any) -> ToolHarness:
@@ -207,7 +207,7 @@ class ToolHarness:
         outlet = await self.filter.outlet(
             outlet, __user__=dict(user), __metadata__=metadata, __event_emitter__=emit
         )
-        await settle(self.filter._sessions)
+        await settle(self.filter._adapter)
         saved = outlet["messages"][-1]
         shown = "".join(
             part.get("text", "")
@@ -218,8 +218,8 @@ class ToolHarness:
         return Turn(streamed, saved["content"], results, events, shown)
 
     async def aclose(self) -> None:
-        await stop_adapter(self.tools._sessions)
-        await stop_adapter(self.filter._sessions)
+        await stop_adapter(self.tools._adapter)
+        await stop_adapter(self.filter._adapter)
 
     @property
     def sessions_root(self) -> Path:
