@@ -742,8 +742,8 @@ def test_os_exit_closes_the_channel(kernel: Kernel) -> None:
     kernel.expect_exit = None
 
 
-@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="/usr/bin/python3 cannot import matplotlib")
 def test_figures_are_saved_once_per_change_and_never_overwrite(kernel: Kernel) -> None:
+    assert HAS_MATPLOTLIB, "/usr/bin/python3 cannot import matplotlib: ./scripts/setup installs it"
     keep = kernel.workdir / "figure-1.png"
     keep.write_bytes(b"not ours")
     res = kernel.run("import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nfig = plt.gcf()")
