@@ -926,7 +926,7 @@ async def test_a_file_rewritten_with_its_size_and_mtime_restored_gets_a_new_copy
         "chat-1",
         code(f"open('/mnt/data/data.csv', 'wb').write({old!r})", "See /mnt/data/data.csv"),
     )
-    [url_old] = links(first.splitlines()[-1])
+    [url_old] = links(_see_line(first))
     path = bd.chat_folder(harness.sessions_root, "alice", "chat-1") / "data.csv"
     before = path.stat()
     second = await bd.say(
@@ -936,12 +936,18 @@ async def test_a_file_rewritten_with_its_size_and_mtime_restored_gets_a_new_copy
     after = path.stat()
     assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)  # the host sees it too
     assert path.read_bytes() == new
-    [url_new] = links(second.splitlines()[-1])
+    [url_new] = links(_see_line(second))
     assert published(harness, url_new) == new
     assert published(harness, url_old) == old
     back = await bd.say(harness, "alice", "chat-1", code(hidden_rewrite(how, old), "See /mnt/data/data.csv"))
-    [url_back] = links(back.splitlines()[-1])
+    [url_back] = links(_see_line(back))
     assert published(harness, url_back) == old and published(harness, url_new) == new
+
+
+def _see_line(answer: str) -> str:
+    """The answer's own line that links the file (a table preview follows it)."""
+    [line] = [line for line in answer.splitlines() if line.startswith("See ")]
+    return line
 
 
 # ====================================================================== 7. waiting; the purge valve

@@ -118,8 +118,10 @@ def test_crash_mid_run_then_restart(site: CrashSite):
 
         server = site.server = site.start()  # same DATA_DIR, same secret: tokens still valid
         server.accounts["admin"] = admin
+        # The answer the crash cut short stays in the chat: the next message continues from it.
         after = admin.say(
-            "```python\nimport os\nprint(sorted(os.listdir('/mnt/data')))\n```\nreply: listed", previous=first
+            "```python\nimport os\nprint(sorted(os.listdir('/mnt/data')))\n```\nreply: listed",
+            previous=admin.newest(first),
         )
         assert "'before.txt'" in after.content and "'keep.txt'" in after.content
         assert leftovers(cid) == []

@@ -151,7 +151,7 @@ async def test_cleanup_racing_a_run_never_deletes_under_it(harness: PipeHarness)
     # Everything is long expired by this policy: idle sessions and old files go at the next cleanup.
     harness.set_valves(session_idle_days=1e-7, file_max_age_days=1e-7, timeout_seconds=10)
     slow = code(
-        "import time\ntime.sleep(1.5)\nopen('/mnt/data/new.txt', 'w').write('new')\n"
+        "import time\ntime.sleep(6)\nopen('/mnt/data/new.txt', 'w').write('new')\n"
         "print('OLD=' + open('/mnt/data/old.txt').read())",
         "New: /mnt/data/new.txt",
     )
