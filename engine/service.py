@@ -290,7 +290,8 @@ class ChatSession:
         report: ReconcileReport | None = None
         try:
             async with self.session.lock(timeout=service.lock_timeout_s, waiting=waiting):
-                budget = await self.session.run_budget()
+                # Two hops to other threads (the index's, the marker's) that need not wait for each other.
+                budget, _ = await asyncio.gather(self.session.run_budget(), self.session.begin_run())
                 if budget.note:
                     notes.append(budget.note)
                 configured = self.settings.limits
@@ -300,7 +301,6 @@ class ChatSession:
                         "max_file_bytes": _tighter(configured.max_file_bytes, budget.max_file_bytes),
                     }
                 )
-                await self.session.begin_run()
                 try:
                     result = await service.execute(self.session, code, language, limits)
                 finally:

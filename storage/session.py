@@ -157,14 +157,26 @@ class Session:
             # The index was rebuilt while this session was locked (a damaged index, found during the
             # run): the rebuild skipped it, so it is listed whole, and its links taken back.
             mode = Reconcile.FOLDER
-        report = await self._reconcile(mode, changed or (), enforce_quotas)
+        marker = core.layout.running_marker(self.user_key, self.chat_key)
+        marked = True
+        if mode is Reconcile.CHANGED and not changed:
+            # Nothing changed (print(1)): the index already matches the folder, so the mark can go
+            # while the totals are read (two threads' hops at once instead of one after the other).
+            report, _ = await asyncio.gather(
+                self._reconcile(mode, (), enforce_quotas), asyncio.to_thread(_unlink_missing_ok, marker)
+            )
+            marked = core.generation != self._generation
+            if marked:
+                await self.begin_run()  # the whole folder is listed below: marked until it is indexed
+        else:
+            report = await self._reconcile(mode, changed or (), enforce_quotas)
         if core.generation != self._generation:  # replaced while this reconcile ran
             if mode is Reconcile.CHANGED:  # the rebuild skipped this locked session: list it whole
                 report = await self._reconcile(Reconcile.FOLDER, (), enforce_quotas)
             await _repair.reconcile_links(core)
             self._generation = core.generation
-        marker = core.layout.running_marker(self.user_key, self.chat_key)
-        await asyncio.to_thread(_unlink_missing_ok, marker)
+        if marked:
+            await asyncio.to_thread(_unlink_missing_ok, marker)
         self._unindexed_run = False
         return report
 

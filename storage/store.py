@@ -251,9 +251,11 @@ class Store:
 
     async def session(self, user_id: str, chat_id: str) -> Session:
         """The session of (user_id, chat_id): creates its folder and index row if needed and marks it
-        used now. Ids are untrusted strings; any value maps to a safe folder name."""
+        used now (a session this process marked within ENSURED_FOR_S is not written again: expiry
+        counts in hours and days, and a warm step should not pay a transaction for it). Ids are
+        untrusted strings; any value maps to a safe folder name."""
         ref = self._core.ref(user_id, chat_id)
-        unindexed = await self._core.ensure(ref, touch=True)
+        unindexed = await self._core.ensure(ref, touch=True, cached=True)
         return Session(self._core, ref, unindexed=unindexed)
 
     def session_at(self, info: ChatInfo) -> Session:

@@ -6,7 +6,6 @@ import _ast
 import os
 import sys
 
-from .basics import _os_getpid
 from .tracebacks import format_cell_exception
 
 TYPE_CHECKING = False
@@ -50,6 +49,7 @@ class _PythonCells:
     namespace: dict[str, Any]
     _armed: bool
     _cell_running: bool
+    _forked: bool
     _cell_names: set[str]
     _cell_sources: dict[str, str]
     _live_stdout: Callable[[], Any]  # the kernel's stdout, recreated if a cell closed it
@@ -118,7 +118,10 @@ class _PythonCells:
         except BaseException as exc:
             self._armed = self._cell_running = False
             failure, status, exit_code = exc, "error", 1
-        if _os_getpid() != self.pid:
+        # A child the cell forked (os.fork, multiprocessing: Python's at-fork hook sets the flag, with
+        # no system call per cell; a fork behind Python's back, from C, runs no hook, and such a child
+        # is the cell's to end).
+        if self._forked:
             self._exit_forked_child(failure, exit_code)
         if failure is not None:
             sys.last_type, sys.last_value, sys.last_traceback = type(failure), failure, failure.__traceback__
