@@ -17,7 +17,7 @@ import json
 import secrets
 import shutil
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +150,9 @@ async def jupyter() -> AsyncIterator[Jupyter | None]:
         await manager.shutdown_kernel(now=True)
 
 
-async def interleave(rounds: int, steps: dict[str, Callable[[], Awaitable[float]]]) -> dict[str, list[float]]:
+async def interleave(
+    rounds: int, steps: Mapping[str, Callable[[], Awaitable[float]]]
+) -> dict[str, list[float]]:
     """`rounds` rounds of every step, the order reversed every other round; seconds per step."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     names = list(steps)

@@ -126,14 +126,14 @@ async def run(ctx: Context) -> dict[str, Any]:
                 f"{SECTION}: {pairs} interleaved rounds of warm steps, kernel round trips and their floors"
             )
             async with (
-                _floors.bare_python(runner, setup, floor_dir, limits) as bare,
+                _floors.bare_python(runner, setup, floor_dir, limits) as floor,
                 _floors.jupyter() as jup,
             ):
                 steps = {
                     "warm": warm_step,
                     "kernel": kernel_round_trip,
-                    "echo": bare.echo,
-                    "bare_print": bare.cell,
+                    "echo": floor.echo,
+                    "bare_print": floor.cell,
                 }
                 if jup is not None:
                     steps["jupyter"] = jup.cell

@@ -75,7 +75,7 @@ class _Restoring:
         """sys.stdout (fd 1) or sys.stderr (fd 2): line-buffered text straight to the host as frames while
         its pipe is empty, else into the fd (pumps._Direct); closing it never closes the fd."""
         raw = _Direct(fd, self._pumps[fd - 1], self._send_direct)
-        return io.TextIOWrapper(raw, encoding=_ENCODING, errors=_ERRORS, line_buffering=True)  # type: ignore[arg-type]
+        return io.TextIOWrapper(raw, encoding=_ENCODING, errors=_ERRORS, line_buffering=True)
 
     def _note(self, text: str) -> None:
         """The kernel's own words (a traceback, a notice) on the cell's stderr. Written after the cell's
