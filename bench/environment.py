@@ -42,6 +42,8 @@ async def _timed(runner: Runner, code: str, workdir: Path, expected: str) -> flo
     return elapsed
 
 
+
+
 def _disk(root: Path) -> dict[str, Any]:
     size = files = 0
     for dirpath, _dirs, names in os.walk(root):
@@ -99,7 +101,9 @@ async def run(ctx: Context) -> dict[str, Any]:
         }
         result["platforms"] = platforms
         result["systrap_vs_ptrace"] = {
-            kind: round(platforms["systrap"][kind]["median_ms"] / platforms["ptrace"][kind]["median_ms"], 3)
+            kind: round(
+                platforms["systrap"][kind]["median_ms"] / platforms["ptrace"][kind]["median_ms"], 3
+            )
             for kind in ("print", "data")
         }
 

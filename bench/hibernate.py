@@ -37,6 +37,8 @@ FRAMES_100MB = (
 LIMITS = Limits(timeout_s=120, memory_mb=1024)
 
 
+
+
 def _kernel_rss_kib(pool: KernelPool) -> int:
     return sum(rss_kib(kernel.host_pids()) for kernel in pool.kernels().values())
 

@@ -77,7 +77,8 @@ def _state_line(facts: PromptFacts) -> str:
         + "- Python runs in a live kernel that belongs to this chat: variables, imports and functions carry "
         "over from one run to the next (do not reload or recompute what you already have). The kernel is "
         f"reset after {facts.kernel_idle_minutes:g} minutes without a run; you are told when that "
-        "happens, and files in /mnt/data are always kept. Bash runs in the same sandbox.\n" + figures
+        "happens, and files in /mnt/data are always kept. Bash runs in the same sandbox.\n"
+        + figures
     )
 
 

@@ -188,7 +188,9 @@ class PgTx:
             raise NeedsTransaction()
         # Held until this transaction ends. Only queued: the server runs the statements after it
         # once it has the lock (waiting up to lock_timeout, then the transaction is run again).
-        await self._conn.execute("SELECT pg_advisory_xact_lock(%s::bigint)", (self._user_key(user_key),))
+        await self._conn.execute(
+            "SELECT pg_advisory_xact_lock(%s::bigint)", (self._user_key(user_key),)
+        )
 
 
 class NeedsTransaction(BaseException):
