@@ -513,7 +513,8 @@ class CodeSessions:
         """The chat's session, bound to the message's settings (None: the constructor's)."""
         if settings is not None:
             self.apply(settings)
-        return ChatSession(self, await self.store.session(user_id, chat_id), settings or self.settings)
+        session = await self.store.session(user_id, chat_id, cached=True)
+        return ChatSession(self, session, settings or self.settings)
 
     def apply(self, settings: Settings) -> None:
         """Give the store and the kernel pool their parts of the settings. They serve every chat of
