@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_aa19f27ddaa3'
+_CS_PACKAGE = '_code_sessions_eca1aad1f944'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -587,6 +587,7 @@ STRAY_GRACE_S = 600.0
 # before the reconcile of the same step.
 STALE_LINK_GRACE_S = 600.0
 _EXPIRY_BATCH = 2000
+_BATCHES_PER_HOLD = 4  # batches of a session expired per hold of its lock
 _Expired = tuple[str, int, int]  # an expired file as the index saw it: (path, size, mtime_ns)
 _ByFolder = dict[tuple[str, ...], list[_Expired]]  # by the path of their folder in the session
 
@@ -841,36 +842,53 @@ async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally
             row.user_id, row.chat_id, row.user_key, row.chat_key, recorded_temporary=row.temporary
         )
         removed_files, removed_bytes = 0, 0
-        # The chat's lock is held one batch at a time, so a user's next step waits for at most one
-        # batch, not for an old session's whole expiry. A batch is whole folders: a folder whose files
-        # all expired leaves in one rename; of a folder that cannot, a batch moves _EXPIRY_BATCH files.
+        # The chat's lock is held a few batches at a time (_BATCHES_PER_HOLD), so a user's next step
+        # waits for at most those, not for an old session's whole expiry. A batch is whole folders: a
+        # folder whose files all expired leaves in one rename; of a folder that cannot, a batch moves
+        # _EXPIRY_BATCH files. While the lock is held, the index write of one batch runs while the
+        # next batch is moved (two threads: the index's and the files'), and all are written before
+        # the lock is let go.
         pending = deque(_batches(files))
         while pending:
-            batch = pending.popleft()
             lock = core.lock_of(ref)
             if not await lock.try_acquire():
                 tally.busy(row, reason)
                 break
+            writing: asyncio.Future[int] | None = None
             try:
-                gone = await asyncio.to_thread(_move_unchanged, ref.path, core.layout.trash, batch)
-                if gone:
-                    tally.links_removed += await _forget_files(core, ref, row.id, gone, reason)
+                for _ in range(_BATCHES_PER_HOLD):
+                    if not pending:
+                        break
+                    batch = pending.popleft()
+                    gone, absent = await asyncio.to_thread(
+                        _move_unchanged, ref.path, core.layout.trash, batch
+                    )
+                    if writing is not None:
+                        tally.links_removed += await writing
+                        writing = None
+                    if gone or absent:
+                        writing = asyncio.ensure_future(
+                            _forget_files(core, ref, row.id, gone + absent, reason)
+                        )
+                    removed_files += len(gone) + len(absent)
+                    removed_bytes += sum(size for _, size in gone) + sum(size for _, size in absent)
+                    if len(batch) == 1 and len(gone) == _EXPIRY_BATCH:
+                        ((parent, entries),) = batch.items()
+                        if len(entries) > _EXPIRY_BATCH:  # a large folder moved file by file: the rest next
+                            moved = {path for path, _ in gone}
+                            pending.appendleft({parent: [e for e in entries if e[0] not in moved]})
+                if writing is not None:
+                    tally.links_removed += await writing
+                    writing = None
             finally:
+                if writing is not None:  # something failed meanwhile: the write ends before the lock goes
+                    await asyncio.gather(writing, return_exceptions=True)
                 await lock.release()
-            removed_files += len(gone)
-            removed_bytes += sum(size for _, size in gone)
-            if len(batch) == 1 and len(gone) == _EXPIRY_BATCH:
-                ((parent, entries),) = batch.items()
-                if len(entries) > _EXPIRY_BATCH:  # a large folder moved file by file: the rest of it next
-                    moved = {path for path, _ in gone}
-                    pending.appendleft({parent: [e for e in entries if e[0] not in moved]})
         if removed_files:
             tally.files_removed += removed_files
             tally.bytes_freed += removed_bytes
             tally.details.append(
-                CleanupAction(
-                    row.user_id, row.chat_id, "files expired", removed_files, removed_bytes, reason
-                )
+                CleanupAction(row.user_id, row.chat_id, "files expired", removed_files, removed_bytes, reason)
             )
 
 
@@ -902,25 +920,35 @@ async def _count_files(
     tally.details.append(CleanupAction(row.user_id, row.chat_id, "files expired", len(files), size, reason))
 
 
-def _move_unchanged(folder: Path, trash: Path, by_parent: _ByFolder) -> list[tuple[str, int]]:
+def _move_unchanged(
+    folder: Path, trash: Path, by_parent: _ByFolder
+) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """Move the expired files that still match the index out of the session into the trash (one rename
-    per folder whose files all expired, else one per file); the trash is emptied in the background."""
+    per folder whose files all expired, else one per file); the trash is emptied in the background.
+    Returns (moved, absent): (path, size) of the files moved, and of those already gone from the
+    folder (a cleanup that moved them died before it wrote the index: the disk is the truth)."""
     gone: list[tuple[str, int]] = []
+    absent: list[tuple[str, int]] = []
     try:
         root = open_dir(folder)
     except (FileMissing, InvalidPath):
-        return gone
+        return gone, absent
     with fd_closing(root), fd_closing(os.open(trash, DIR_FLAGS)) as trash_fd:
         for parent_parts, entries in by_parent.items():
             wanted = {path.rsplit("/", 1)[-1]: (size, mtime_ns) for path, size, mtime_ns in entries}
-            moved = move_aside_unchanged(root, parent_parts, wanted, trash_fd, _bin_name(), _EXPIRY_BATCH)
-            if moved:
-                prefix = "/".join(parent_parts)
-                sizes = {path: size for path, size, _ in entries}
-                for name in moved:
+            missing: list[str] = []
+            moved = move_aside_unchanged(
+                root, parent_parts, wanted, trash_fd, _bin_name(), _EXPIRY_BATCH, missing
+            )
+            if moved is None:  # the folder itself is gone
+                missing = list(wanted)
+            prefix = "/".join(parent_parts)
+            sizes = {path: size for path, size, _ in entries}
+            for names, into in ((moved or (), gone), (missing, absent)):
+                for name in names:
                     path = f"{prefix}/{name}" if prefix else name
-                    gone.append((path, sizes[path]))
-    return gone
+                    into.append((path, sizes[path]))
+    return gone, absent
 
 
 def _bin_name() -> str:
@@ -1609,6 +1637,7 @@ def move_aside_unchanged(
     trash_fd: int,
     bin_name: str,
     limit: int,
+    absent: list[str] | None = None,
 ) -> list[str] | None:
     """Move the regular files of the folder `parts` (under root_fd) whose (size, mtime_ns) still match
     `wanted` out of the session into the trash (trash_fd, ours), without unlinking anything.
@@ -1617,8 +1646,8 @@ def move_aside_unchanged(
     in one rename and an empty one of the same mode and owner takes its place; otherwise each file goes
     in one rename into trash/<bin_name>/ (made on first use; `bin_name` is new for each call), at most
     `limit` of them. Returns the names moved (None: the folder
-    is missing or not a folder). A rename is atomic: a name is either still in the session or already
-    out of it, whatever happens when."""
+    is missing or not a folder); `absent` gets the names of `wanted` the folder does not hold. A rename
+    is atomic: a name is either still in the session or already out of it, whatever happens when."""
     try:
         folder = walk_dirs(root_fd, parts)
     except (FileMissing, InvalidPath):
@@ -1626,6 +1655,9 @@ def move_aside_unchanged(
     with fd_closing(folder):
         with os.scandir(folder) as listing:
             entries = [(entry.name, entry.stat(follow_symlinks=False)) for entry in listing]
+        if absent is not None:
+            held = {name for name, _ in entries}
+            absent.extend(name for name in wanted if name not in held)
         moving = [
             name
             for name, st in entries
@@ -3066,6 +3098,7 @@ class _AdvisoryLock:
     async def try_acquire(self) -> bool:
         if self._conn is not None:
             raise RuntimeError("lock already held by this object")
+        await self._backend.unlocked(self._key)
         conn = await self._backend.lock_connection()
         got, conn = await self._attempt(conn)
         if got:
@@ -3081,6 +3114,7 @@ class _AdvisoryLock:
         # never leaves a server-side wait behind that could take the lock after its caller gave up.
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.005
+        await self._backend.unlocked(self._key)
         conn = await self._backend.lock_connection()
         try:
             while True:
@@ -3121,10 +3155,16 @@ class _AdvisoryLock:
         raise AssertionError("unreachable")
 
     async def release(self, *, forget: bool = False) -> None:
-        # `forget` has nothing to drop: an advisory lock is a name, not a file.
+        # `forget` has nothing to drop: an advisory lock is a name, not a file. The unlock is sent,
+        # and its answer awaited in the background: the caller goes on a round trip sooner. This
+        # process's next lock on the same key waits for that answer first (PostgresBackend.unlocked);
+        # another process may find the lock held for that round trip longer, as if we had been slower.
         conn, self._conn = self._conn, None
         if conn is None:
             return
+        self._backend.unlocking(self._key, asyncio.ensure_future(self._unlock(conn)))
+
+    async def _unlock(self, conn: Any) -> None:
         psycopg = _psycopg()
         try:
             cursor = await conn.execute("SELECT pg_advisory_unlock(%s::bigint)", (self._key,))
@@ -3178,6 +3218,7 @@ class PostgresBackend:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._all: set[Any] = set()
         self._idle_locks: list[Any] = []
+        self._unlocks: dict[int, asyncio.Future[None]] = {}  # key -> its unlock's answer, awaited
         self._multi_reads: set[Any] = set()  # code of read functions that make several statements
         self._pipelined = True  # libpq >= 14 (psycopg's binary wheels bundle one); checked at open
         self.closed = True
@@ -3209,6 +3250,24 @@ class PostgresBackend:
             )
         )
         return bool(row and row[0])
+
+    def unlocking(self, key: int, answer: asyncio.Future[None]) -> None:
+        """An unlock of `key` is on its way (see _AdvisoryLock.release)."""
+        self._unlocks[key] = answer
+
+        def answered(future: asyncio.Future[None]) -> None:
+            if self._unlocks.get(key) is future:
+                del self._unlocks[key]
+            if not future.cancelled() and future.exception() is not None:
+                log.warning("unlocking an advisory lock failed: %s", future.exception())
+
+        answer.add_done_callback(answered)
+
+    async def unlocked(self, key: int) -> None:
+        """Wait until an unlock of `key` this process sent has been answered."""
+        answer = self._unlocks.get(key)
+        if answer is not None:
+            await asyncio.wait({answer})
 
     async def lock_connection(self) -> Any:
         """A connection for one lock: an idle one if there is one, else a new one."""
@@ -3256,6 +3315,8 @@ class PostgresBackend:
         return await self.open()
 
     async def close(self) -> None:
+        if self._unlocks:  # (closing their connections would release them too, less politely)
+            await asyncio.gather(*self._unlocks.values(), return_exceptions=True)
         self.closed = True
         conns, self._all, self._idle_locks, self._pool = self._all, set(), [], None
         for conn in conns:
@@ -7073,14 +7134,26 @@ class Session:
             # The index was rebuilt while this session was locked (a damaged index, found during the
             # run): the rebuild skipped it, so it is listed whole, and its links taken back.
             mode = Reconcile.FOLDER
-        report = await self._reconcile(mode, changed or (), enforce_quotas)
+        marker = core.layout.running_marker(self.user_key, self.chat_key)
+        marked = True
+        if mode is Reconcile.CHANGED and not changed:
+            # Nothing changed (print(1)): the index already matches the folder, so the mark can go
+            # while the totals are read (two threads' hops at once instead of one after the other).
+            report, _ = await asyncio.gather(
+                self._reconcile(mode, (), enforce_quotas), asyncio.to_thread(_unlink_missing_ok, marker)
+            )
+            marked = core.generation != self._generation
+            if marked:
+                await self.begin_run()  # the whole folder is listed below: marked until it is indexed
+        else:
+            report = await self._reconcile(mode, changed or (), enforce_quotas)
         if core.generation != self._generation:  # replaced while this reconcile ran
             if mode is Reconcile.CHANGED:  # the rebuild skipped this locked session: list it whole
                 report = await self._reconcile(Reconcile.FOLDER, (), enforce_quotas)
             await _repair.reconcile_links(core)
             self._generation = core.generation
-        marker = core.layout.running_marker(self.user_key, self.chat_key)
-        await asyncio.to_thread(_unlink_missing_ok, marker)
+        if marked:
+            await asyncio.to_thread(_unlink_missing_ok, marker)
         self._unindexed_run = False
         return report
 
@@ -7607,11 +7680,14 @@ class Store:
 
     # ------------------------------------------------------------------ sessions
 
-    async def session(self, user_id: str, chat_id: str) -> Session:
+    async def session(self, user_id: str, chat_id: str, *, cached: bool = False) -> Session:
         """The session of (user_id, chat_id): creates its folder and index row if needed and marks it
-        used now. Ids are untrusted strings; any value maps to a safe folder name."""
+        used now. `cached`: not written again when this process marked it used within ENSURED_FOR_S
+        (a chat's step: expiry counts in hours and days, and a warm step should not pay a thread's
+        hop and a transaction for it). Ids are untrusted strings; any value maps to a safe folder
+        name."""
         ref = self._core.ref(user_id, chat_id)
-        unindexed = await self._core.ensure(ref, touch=True)
+        unindexed = await self._core.ensure(ref, touch=True, cached=cached)
         return Session(self._core, ref, unindexed=unindexed)
 
     def session_at(self, info: ChatInfo) -> Session:
@@ -9831,7 +9907,11 @@ class Kernel(_Watchers):
         while done is None:
             timeout = max(0.0, deadline - time.monotonic())
             try:
-                message = await asyncio.wait_for(self._inbox.get(), timeout)
+                # A message already waiting needs no timer (wait_for makes a task and a timer handle).
+                inbox = self._inbox
+                message = (
+                    inbox.get_nowait() if not inbox.empty() else await asyncio.wait_for(inbox.get(), timeout)
+                )
             except TimeoutError:
                 if interrupted is None:
                     interrupted, detail = "timeout", f"interrupted after {limits.timeout_s:g} s"
@@ -9870,8 +9950,7 @@ class Kernel(_Watchers):
             outcome, reason = Outcome.ERROR, _could_not_start(language, stderr.text())
         else:
             outcome, reason = Outcome.ERROR, f"exit code {done.exit_code}"
-        result = self._result(outcome, done.exit_code, stdout, stderr, t0, reason, watch)
-        return result.model_copy(update={"figures": done.figures, "figures_more": done.more})
+        return self._result(outcome, done.exit_code, stdout, stderr, t0, reason, watch, done)
 
     def _result(
         self,
@@ -9882,9 +9961,12 @@ class Kernel(_Watchers):
         t0: float,
         reason: str | None,
         watch: ChangeWatch | None,
+        done: _wire.Done | None = None,
     ) -> RunResult:
         changed = self._harvest(watch)
         return RunResult(
+            figures=done.figures if done is not None else (),
+            figures_more=done.more if done is not None else 0,
             outcome=outcome,
             exit_code=exit_code,
             stdout=stdout.text(),
@@ -10666,6 +10748,7 @@ class _ImportHooks:
 from __future__ import annotations
 
 import _signal
+import _thread
 import builtins
 import os
 import sys
@@ -10678,7 +10761,7 @@ from .figures import _Figures
 from .hooks import _ImportHooks
 from .packages import package_versions
 from .protocol import DEFAULT_WORKDIR, MAX_REQUEST, PROTOCOL_VERSION, WORKDIR_ENV
-from .pumps import _Pump
+from .pumps import _Direct, _Pump, end_quietly, quiet_poller
 from .python_cells import _into_linecache, _PythonCells
 from .restore import _Restoring
 
@@ -10702,6 +10785,11 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         self._bash_count = 0
         self._catchable = [s for s in _signal.valid_signals() if s not in (_signal.SIGKILL, _signal.SIGSTOP)]
         self._recursion_limit = sys.getrecursionlimit()
+        self._main_thread = _thread.get_ident()
+        self._writing = False  # the main thread is sending a frame of sys.stdout/stderr (_send_direct)
+        self._deferred = False  # a SIGINT came meanwhile: raised once the frame is whole
+        self._forked = False  # this is a child a cell forked: its prints go through the pipes
+        self._print_path = {_Direct.write.__code__, Kernel._send_direct.__code__}
 
     # -- setup ---------------------------------------------------------------------------------------
 
@@ -10719,15 +10807,16 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         out_r, self.out_w = os.pipe()
         err_r, self.err_w = os.pipe()
         self._restore_fds()  # /dev/null on 0 (input() gets EOF, never protocol bytes), the pipes on 1 and 2
-        self._stdin = self._stdout = self._stderr = None
-        self._restore_streams()
-        self._private_fds = {fd: self._identity(fd) for fd in (self.in_fd, self.out_fd, out_r, err_r)}
-        self._private_fds.update({fd: self._identity(fd) for fd in (self.out_w, self.err_w, self.null_fd)})
         self.channel = _Channel(self.out_fd)
         self._pumps = (
             _Pump(self.channel.send, out_r, self.out_w, "o"),
             _Pump(self.channel.send, err_r, self.err_w, "e"),
         )
+        self._stdin = self._stdout = self._stderr = None
+        self._restore_streams()
+        self._private_fds = {fd: self._identity(fd) for fd in (self.in_fd, self.out_fd, out_r, err_r)}
+        self._private_fds.update({fd: self._identity(fd) for fd in (self.out_w, self.err_w, self.null_fd)})
+        self._quiet = quiet_poller(self._pumps)
         for pump in self._pumps:
             pump.start()
         _signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_signal.SIGINT})
@@ -10744,6 +10833,7 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         # Cell sources for tracebacks: linecache (with tokenize and re, ~50 ms to import in the
         # sandbox) is filled only once something imports it (a traceback, the code itself).
         self._cell_sources: dict[str, str] = {}
+        os.register_at_fork(after_in_child=self._after_fork)
         hooks = {"matplotlib.pyplot": self._on_pyplot_import, "linecache": self._on_linecache_import}
         sys.meta_path.insert(0, _ImportHooks(hooks))
 
@@ -10767,13 +10857,44 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         except Exception as exc:  # never fail the cell's import over our convenience
             self._note(f"[code-sessions: cannot hook plt.show(): {exc!r}]\n")
 
+    def _after_fork(self) -> None:
+        self._forked = True  # the pumps (and their locks, maybe held at the fork) are the parent's
+
+    def _send_direct(self, pump: _Pump, data: bytes) -> bool:
+        """pump.send_direct, with an interrupt that comes in the middle of the frame raised once the frame
+        is whole (a frame cut short would break the protocol, and the kernel with it)."""
+        if self._forked:
+            return False
+        if _thread.get_ident() != self._main_thread:  # only the main thread runs signal handlers
+            return pump.send_direct(data)
+        self._writing = True
+        try:
+            sent = pump.send_direct(data)
+        finally:
+            self._writing = False
+        if self._deferred:
+            self._armed = self._deferred = False
+            raise KeyboardInterrupt
+        return sent
+
     def _on_sigint(self, signum: int, frame: Any) -> None:
         # Idle, or in the kernel's own code after a cell: ignored. Armed: one KeyboardInterrupt, and
         # disarmed first, so a second SIGINT can never raise inside the kernel's own code. A cell that
         # caught it and runs on is interrupted again only where that is safe to tell: while the frame
-        # on top is the cell's own code (its globals are the namespace; kernel code never runs there).
-        if self._armed or (self._cell_running and frame is not None and frame.f_globals is self.namespace):
-            self._armed = False
+        # on top is the cell's own code (its globals are the namespace; kernel code never runs there),
+        # or the print path's own code outside a frame being sent (_Direct.write, _send_direct: the
+        # cell's text is then either not sent yet or sent whole). In the middle of a frame: deferred,
+        # and raised by _send_direct once the frame is whole.
+        if self._writing:
+            if self._armed or self._cell_running:
+                self._deferred = True
+            return
+        if self._armed or (
+            self._cell_running
+            and frame is not None
+            and (frame.f_globals is self.namespace or frame.f_code in self._print_path)
+        ):
+            self._armed = self._deferred = False
             raise KeyboardInterrupt
 
     # -- the loop ------------------------------------------------------------------------------------
@@ -10827,6 +10948,7 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
 
     def _run(self, run_id: int, lang: str, code: str) -> None:
         started = _perf_counter()
+        self._deferred = False
         self._figures.saved = []
         self._figures.more = 0
         for pump in self._pumps:
@@ -10835,7 +10957,7 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
             status, exit_code, report = self._run_python(run_id, code)
         else:
             status, exit_code, report = self._run_bash(code)
-        self._restore_process_state()
+        self._restore_python_state()
         if report:
             self._note(report)
         pyplot = sys.modules.get("matplotlib.pyplot")
@@ -10851,12 +10973,12 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
                 status, exit_code = "interrupted", None
         self._flush_streams()
         self._end_leftovers()
-        self._check_private_fds()
-        sentinel = b"\x00code-sessions:" + os.urandom(16).hex().encode() + b"\x00"
-        for pump in self._pumps:
-            pump.drain(sentinel)
-        for pump in self._pumps:
-            pump.wait_drained()
+        if not end_quietly(self._pumps, self._quiet):
+            sentinel = b"\x00code-sessions:" + os.urandom(16).hex().encode() + b"\x00"
+            for pump in self._pumps:
+                pump.drain(sentinel)
+            for pump in self._pumps:
+                pump.wait_drained()
         self.channel.send(
             {
                 "t": "done",
@@ -10868,6 +10990,12 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
                 "ms": round((_perf_counter() - started) * 1000, 3),
             }
         )
+        # What the next cell needs, not this run's answer: after "done", while the host takes it in. A
+        # private fd a cell closed or replaced ends the kernel here, before it reads another request
+        # (the reply channel too: a "done" written elsewhere never reached the host, whose run then
+        # ends with the kernel).
+        self._restore_process_state()
+        self._check_private_fds()
 
 
 def main() -> None:
@@ -10962,12 +11090,15 @@ WORKDIR_ENV = "CODE_SESSIONS_WORKDIR"
 FATAL_EXIT = 70  # EX_SOFTWARE: the kernel itself failed; the host restarts it
 ''',
     'runner/_kernel_program/pumps.py': r'''"""The pumps: a thread per output pipe of the cell (fd 1, fd 2) forwarding it to the host as "out"
-frames, and the sentinel that ends a run's output."""
+frames, and how a run's output ends: at once when both pipes are empty, else by a sentinel."""
 
 from __future__ import annotations
 
 import _thread
 import codecs
+import io
+import os
+import select
 
 from .basics import _READ_SIZE, _fatal, _monotonic, _os_read, _write_all
 from .condition import _Condition
@@ -10978,8 +11109,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
 
-_HELD_CAP = 1024 * 1024  # output written between runs, kept for the next run; the rest is dropped
+_HELD_CAP = 1024 * 1024  # output written between runs, kept for the next run; past it the pump pauses
 _SENTINEL_STALL_S = 5.0  # no byte and no sentinel for this long after draining began: the pipe was tampered
+_QUIET_TRIES = 3  # how often the end of a run waits for a pump to take what is in its pipe before a sentinel
 
 
 def _sentinel_prefix_start(buf: bytes, sentinel: bytes) -> int:
@@ -10997,46 +11129,68 @@ def _sentinel_prefix_start(buf: bytes, sentinel: bytes) -> int:
 class _Pump:
     """Forwards one of the cell's output pipes (fd 1 or fd 2) to the host as "out" frames.
 
-    End of a run: the main thread writes a fresh random sentinel into the pipe; the pump forwards
-    everything before it, then reports. Only then does the main thread send "done", so every byte the
-    cell (or its children) wrote comes before it. Bytes after the sentinel are held for the next run,
-    and the pump stops reading until then (a writer left running blocks on the full pipe instead of
-    filling memory), but never before the sentinel's write has completed: a forged sentinel seen early
-    cannot leave the main thread blocked writing the real one into a pipe nobody reads."""
+    The pump thread waits in poll() and reads (non-blocking) only holding the pump's lock, and forwards
+    what it read before letting go of it. So whoever holds the lock and finds the pipe empty knows that
+    every byte written into it before that instant is forwarded: the end of a run (end_quietly) needs
+    no round trip through the pipe in the common case, one poll() for both pipes.
+
+    When a pipe is not empty at the end (a thread the cell left keeps writing, a pump that is slow to
+    take its bytes), the main thread writes a fresh random sentinel into it; the pump forwards
+    everything before the sentinel, then reports. Either way "done" is sent only after, so every byte
+    the cell (or its children) wrote before the end comes before it. Bytes after the end are held for
+    the next run, up to _HELD_CAP; then the pump pauses until the next run (a writer left running
+    blocks on the full pipe instead of filling memory), but never while a sentinel's write is still
+    under way: a forged sentinel seen early cannot leave the main thread blocked writing the real one
+    into a pipe nobody reads."""
 
     def __init__(self, send: Callable[[dict[str, Any]], None], read_fd: int, write_fd: int, tag: str) -> None:
         self.read_fd = read_fd
         self.write_fd = write_fd  # the kernel's own write end: the sentinel gets in even if fd 1 is gone
+        os.set_blocking(read_fd, False)  # a read under the lock never blocks (a cell may steal the bytes)
+        self._poller = select.poll()  # the pump thread's (a poll object is not for two threads at once)
+        self._poller.register(read_fd, select.POLLIN)
+        self._check = select.poll()  # send_direct's, used holding the lock
+        self._check.register(read_fd, select.POLLIN)
         self._send = send
         self._tag = tag
         self._cond = _Condition()
         self._run_id = 0
+        self._open = False  # a run is in flight and its output not ended: bytes read are its output
         self._sentinel: bytes | None = None
-        self._seen = True  # idle until the first run: nothing is forwarded
-        self._written = True
+        self._written = True  # no sentinel write under way
+        self._paused = False  # between runs with _HELD_CAP held: the pump reads no more until begin()
+        self._waited = False  # the main thread waits for this pump to take bytes (end_quietly)
         self._held = bytearray()
         self._held_cut = False
         self._carry = b""
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self._busy = False  # blocked writing a frame: a slow host, not a lost sentinel
-        self._activity = _monotonic()
+        self._activity = 0.0
         self._drain_started = 0.0
         self.running = False  # the pump thread is between start() and its end
 
     # -- main thread ---------------------------------------------------------------------------------
 
     def begin(self, run_id: int) -> None:
+        """A run starts: bytes held since the last run go out first, as its output."""
         with self._cond:
             self._run_id = run_id
             self._sentinel = None
-            self._seen = False
-            self._written = False
-            self._cond.notify_all()
+            self._carry = b""
+            self._open = True
+            if self._held:
+                held = bytes(self._held)
+                self._held.clear()
+                self._held_cut = False
+                self._forward(held)
+            if self._paused:
+                self._paused = False
+                self._cond.notify_all()
 
     def drain(self, sentinel: bytes) -> None:
         with self._cond:
             self._sentinel = sentinel
-            self._drain_started = _monotonic()
+            self._written = False
+            self._drain_started = self._activity = _monotonic()
         # Shorter than PIPE_BUF, so the pipe takes it whole; blocks only while the pump still reads.
         _write_all(self.write_fd, sentinel)
         with self._cond:
@@ -11045,15 +11199,25 @@ class _Pump:
 
     def wait_drained(self) -> None:
         with self._cond:
-            while not self._seen:
+            while self._open:
                 self._cond.wait(0.25)
-                if self._seen:
+                if not self._open:
                     break
                 if not self.running:
                     _fatal(f"the {self._tag} pump is gone")
-                quiet = _monotonic() - max(self._activity, self._drain_started)
-                if not self._busy and quiet > _SENTINEL_STALL_S:
+                # The lock is ours again, so the pump is not in the middle of a frame to a slow host.
+                if _monotonic() - max(self._activity, self._drain_started) > _SENTINEL_STALL_S:
                     _fatal(f"the sentinel never came back through the {self._tag} pipe")
+
+    def send_direct(self, data: bytes) -> bool:
+        """Forward bytes the kernel's own sys.stdout/sys.stderr wrote, as a frame, at once: only while a
+        run's output is open and the pipe is empty (bytes in the pipe were written first, so these go
+        in behind them). False: write them into the pipe instead. Not in a forked child (see _Direct)."""
+        with self._cond:
+            if not self._open or self._sentinel is not None or self._check.poll(0):
+                return False
+            self._forward(data)
+            return True
 
     # -- pump thread ---------------------------------------------------------------------------------
 
@@ -11070,66 +11234,139 @@ class _Pump:
             self.running = False
 
     def _loop(self) -> None:
+        poll = self._poller.poll
         while True:
             with self._cond:
-                while self._seen and self._written:
+                while self._paused:
                     self._cond.wait()
-            self.take(b"")  # bytes held since the last run go first
-            data = _os_read(self.read_fd, _READ_SIZE)
-            if not data:
-                _fatal(f"the {self._tag} pipe was closed")
-            self._activity = _monotonic()
-            self.take(data)
+            poll()  # until the pipe has bytes (a closed fd makes the read below fail: fatal)
+            with self._cond:
+                if self._paused:
+                    continue
+                try:
+                    data = _os_read(self.read_fd, _READ_SIZE)
+                except BlockingIOError:  # someone else took them
+                    continue
+                if not data:
+                    _fatal(f"the {self._tag} pipe was closed")
+                if self._sentinel is not None:
+                    self._activity = _monotonic()
+                self._take(data)
+                if self._waited:
+                    self._waited = False
+                    self._cond.notify_all()
 
     def take(self, data: bytes) -> None:
-        """Account for bytes read from the pipe (split out of the loop so tests can drive it)."""
+        """Account for bytes read from the pipe (the loop's part, apart so tests can drive it)."""
         with self._cond:
-            if self._seen:
-                self._hold(data)
-                return
-            run_id, sentinel = self._run_id, self._sentinel
-            if self._held:
-                data = bytes(self._held) + data
-                self._held.clear()
-                self._held_cut = False
+            self._take(data)
+
+    def _take(self, data: bytes) -> None:  # holding the lock
+        if not self._open:
+            self._hold(data)
+            return
+        sentinel = self._sentinel
         if sentinel is None:
-            self._forward(run_id, data)
+            self._forward(data)
             return
         buf = self._carry + data if self._carry else data
         at = buf.find(sentinel)
         if at < 0:
             keep = _sentinel_prefix_start(buf, sentinel)
             self._carry = buf[keep:]
-            self._forward(run_id, buf[:keep])
+            self._forward(buf[:keep])
             return
         self._carry = b""
-        self._forward(run_id, buf[:at], final=True)
-        with self._cond:
-            self._seen = True
-            self._hold(buf[at + len(sentinel) :])
-            self._cond.notify_all()
+        self._end(buf[:at])
+        self._hold(buf[at + len(sentinel) :])
+        self._cond.notify_all()
 
-    def _hold(self, data: bytes) -> None:
+    def _end(self, last: bytes) -> None:  # holding the lock
+        self._forward(last, final=True)  # a character cut at the end of a run never joins the next run's
+        self._decoder.reset()
+        self._open = False
+
+    def _hold(self, data: bytes) -> None:  # holding the lock
         room = _HELD_CAP - len(self._held)
         if len(data) <= room:
             self._held += data
-            return
-        self._held += data[: max(room, 0)]
-        if not self._held_cut:
-            self._held_cut = True
-            self._held += b"\n[code-sessions: output written between runs was cut here]\n"
+        else:
+            self._held += data[: max(room, 0)]
+            if not self._held_cut:
+                self._held_cut = True
+                self._held += b"\n[code-sessions: output written between runs was cut here]\n"
+        if len(self._held) >= _HELD_CAP and self._written:
+            self._paused = True
 
-    def _forward(self, run_id: int, data: bytes, final: bool = False) -> None:
+    def _forward(self, data: bytes, final: bool = False) -> None:  # holding the lock
         text = self._decoder.decode(data, final)
-        if final:
-            self._decoder.reset()  # a character cut at the end of a run never joins the next run's bytes
         for start in range(0, len(text), MAX_TEXT):
-            self._busy = True
-            try:
-                self._send({"t": "out", "id": run_id, "s": self._tag, "d": text[start : start + MAX_TEXT]})
-            finally:
-                self._busy = False
-                self._activity = _monotonic()
+            self._send({"t": "out", "id": self._run_id, "s": self._tag, "d": text[start : start + MAX_TEXT]})
+
+
+def quiet_poller(pumps: tuple[_Pump, ...]) -> Any:
+    """What end_quietly polls: every pump's pipe (made once)."""
+    poller = select.poll()
+    for pump in pumps:
+        poller.register(pump.read_fd, select.POLLIN)
+    return poller
+
+
+def end_quietly(pumps: tuple[_Pump, ...], poller: Any) -> bool:
+    """End the run's output on every pump without a sentinel when their pipes are empty: holding every
+    pump's lock (so no pump is between a read and its frame), one poll() finding no byte in any pipe
+    means every byte written before it is forwarded. Bytes in a pipe: wait (a few times) for its pump
+    to take them. False when the pipes would not empty: then the sentinel ends the run."""
+    for _ in range(_QUIET_TRIES):
+        for pump in pumps:
+            pump._cond.__enter__()
+        try:
+            ready = poller.poll(0)
+            if not ready:
+                for pump in pumps:
+                    pump._end(b"")
+                return True
+            waiting = next(p for p in pumps if p.read_fd == ready[0][0])
+            waiting._waited = True
+        finally:
+            for pump in reversed(pumps):
+                pump._cond.__exit__()
+        with waiting._cond:
+            if waiting._waited and waiting.running:
+                waiting._cond.wait(0.05)
+    return False
+
+
+class _Direct(io.RawIOBase):
+    """What the kernel's sys.stdout and sys.stderr write into: a print() goes out as one frame, with
+    no pump woken and no byte through the pipe, when ``send`` (the kernel's guarded _Pump.send_direct)
+    takes it; otherwise into the pump's pipe, behind the bytes already there. So, as in Jupyter, they
+    are the kernel's streams to the host, whatever a cell did to fd 1 and 2 (which are the process's:
+    subprocesses and C code write there, and the pumps forward that too); fileno() still names fd 1
+    or 2. Under a line-buffered TextIOWrapper and no BufferedWriter: TextIOWrapper lets go of its
+    bytes before it calls write(), so a KeyboardInterrupt raised after the frame went out can never
+    send them twice."""
+
+    def __init__(self, fd: int, pump: _Pump, send: Callable[[_Pump, bytes], bool]) -> None:
+        super().__init__()
+        self.name = fd
+        self._fd = fd
+        self._pump = pump
+        self._send = send
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def write(self, b: Any) -> int:
+        if self.closed:
+            raise ValueError("I/O operation on closed file")
+        data = bytes(b)
+        if data and not self._send(self._pump, data):
+            _write_all(self._pump.write_fd, data)
+        return len(data)
 ''',
     'runner/_kernel_program/python_cells.py': r'''"""Python cells: compiled IPython style (a last expression is shown), run in the chat's namespace."""
 
@@ -11139,7 +11376,6 @@ import _ast
 import os
 import sys
 
-from .basics import _os_getpid
 from .tracebacks import format_cell_exception
 
 TYPE_CHECKING = False
@@ -11183,6 +11419,7 @@ class _PythonCells:
     namespace: dict[str, Any]
     _armed: bool
     _cell_running: bool
+    _forked: bool
     _cell_names: set[str]
     _cell_sources: dict[str, str]
     _live_stdout: Callable[[], Any]  # the kernel's stdout, recreated if a cell closed it
@@ -11251,7 +11488,10 @@ class _PythonCells:
         except BaseException as exc:
             self._armed = self._cell_running = False
             failure, status, exit_code = exc, "error", 1
-        if _os_getpid() != self.pid:
+        # A child the cell forked (os.fork, multiprocessing: Python's at-fork hook sets the flag, with
+        # no system call per cell; a fork behind Python's back, from C, runs no hook, and such a child
+        # is the cell's to end).
+        if self._forked:
             self._exit_forked_child(failure, exit_code)
         if failure is not None:
             sys.last_type, sys.last_value, sys.last_traceback = type(failure), failure, failure.__traceback__
@@ -11276,6 +11516,7 @@ from __future__ import annotations
 
 import _signal
 import contextlib
+import io
 import os
 import sys
 import time
@@ -11286,13 +11527,14 @@ from .basics import (
     _monotonic,
     _os_dup2,
     _os_fstat,
-    _os_getpid,
     _os_kill,
     _os_waitpid,
 )
+from .pumps import _Direct, _Pump
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 _ENCODING, _ERRORS = "utf-8", "backslashreplace"  # of the kernel's own stdio
@@ -11301,6 +11543,7 @@ _ENCODING, _ERRORS = "utf-8", "backslashreplace"  # of the kernel's own stdio
 class _Restoring:
     """What the Kernel puts back after every cell (a part of Kernel, apart for reading)."""
 
+    pid: int
     null_fd: int
     out_w: int
     err_w: int
@@ -11311,6 +11554,8 @@ class _Restoring:
     _recursion_limit: int
     _catchable: list[int]
     _on_sigint_bound: Any
+    _pumps: tuple[_Pump, _Pump]
+    _send_direct: Callable[[_Pump, bytes], bool]
 
     @staticmethod
     def _identity(fd: int) -> tuple[int, int]:
@@ -11328,14 +11573,20 @@ class _Restoring:
         if self._stdin is None or self._stdin.closed:
             self._stdin = open(0, encoding=_ENCODING, errors=_ERRORS, closefd=False)  # noqa: SIM115
         if self._stdout is None or self._stdout.closed:
-            self._stdout = open(1, "w", buffering=1, encoding=_ENCODING, errors=_ERRORS, closefd=False)  # noqa: SIM115
+            self._stdout = self._stream(1)
         if self._stderr is None or self._stderr.closed:
-            self._stderr = open(2, "w", buffering=1, encoding=_ENCODING, errors=_ERRORS, closefd=False)  # noqa: SIM115
+            self._stderr = self._stream(2)
         # The originals too: a cell may have replaced them, and code that restores from them must
         # get ours back.
         sys.stdin = sys.__stdin__ = self._stdin  # type: ignore[misc]
         sys.stdout = sys.__stdout__ = self._stdout  # type: ignore[misc]
         sys.stderr = sys.__stderr__ = self._stderr  # type: ignore[misc]
+
+    def _stream(self, fd: int) -> Any:
+        """sys.stdout (fd 1) or sys.stderr (fd 2): line-buffered text straight to the host as frames while
+        its pipe is empty, else into the fd (pumps._Direct); closing it never closes the fd."""
+        raw = _Direct(fd, self._pumps[fd - 1], self._send_direct)
+        return io.TextIOWrapper(raw, encoding=_ENCODING, errors=_ERRORS, line_buffering=True)
 
     def _note(self, text: str) -> None:
         """The kernel's own words (a traceback, a notice) on the cell's stderr. Written after the cell's
@@ -11351,11 +11602,11 @@ class _Restoring:
             self._restore_streams()
         return self._stdout
 
-    def _restore_process_state(self) -> None:
-        """Undo what a cell may have done to the process that the kernel relies on: fd 0/1/2 and
-        sys.std*, signal handlers and mask (a Python handler left by a cell could raise inside the
-        kernel's own code between cells), timers, trace and profile hooks."""
-        self._restore_fds()
+    def _restore_python_state(self) -> None:
+        """Right after a cell, before anything of the kernel's own runs: what a cell may have done to the
+        interpreter that could break the kernel's code (sys.std*, signal handlers: a Python handler
+        left by a cell could raise inside it; trace and profile hooks; the recursion limit). No
+        system call unless the cell changed a handler."""
         self._restore_streams()
         sys.settrace(None)
         sys.setprofile(None)
@@ -11365,8 +11616,6 @@ class _Restoring:
         if threading is not None:
             threading.settrace(None)
             threading.setprofile(None)
-        for which in (_signal.ITIMER_REAL, _signal.ITIMER_VIRTUAL, _signal.ITIMER_PROF):
-            _signal.setitimer(which, 0)
         # _signal, not signal: the latter wraps every answer in an enum, 50 µs for the loop instead of 5.
         getsignal, setsignal = _signal.getsignal, _signal.signal
         for sig in self._catchable:
@@ -11380,7 +11629,16 @@ class _Restoring:
         for sig in (_signal.SIGPIPE, _signal.SIGXFSZ):  # as Python starts: errors, not deaths
             if getsignal(sig) != _signal.SIG_IGN:
                 setsignal(sig, _signal.SIG_IGN)
+
+    def _restore_process_state(self) -> None:
+        """What the next cell needs of the process: fd 0/1/2 (a cell may have closed or redirected
+        them), no timer left armed (its signal's default action would end the kernel between cells),
+        no signal blocked. Done after "done" is sent: seven system calls off the round trip, before
+        the next request is read."""
+        for which in (_signal.ITIMER_REAL, _signal.ITIMER_VIRTUAL, _signal.ITIMER_PROF):
+            _signal.setitimer(which, 0)
         _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
+        self._restore_fds()
 
     def _flush_streams(self) -> None:
         for stream in (self._stdout, self._stderr):
@@ -11395,12 +11653,18 @@ class _Restoring:
         """Kill every process the cell left (daemons, double forks, a shell's background jobs) and reap
         them. Only as PID 1: then kill(-1) means every other process of our own pid namespace. Anywhere
         else (say as root on a host) it would mean every process of the machine."""
-        if _os_getpid() != 1:
+        if self.pid != 1:  # the kernel's own pid, taken at its start (a forked child never gets here)
             return
+        try:
+            _os_kill(-1, _signal.SIGKILL)  # zombies count too, so ESRCH means: nobody else is left
+        except ProcessLookupError:
+            return  # the common case: one system call, nothing to reap
+        except PermissionError:
+            pass
         deadline = _monotonic() + _KILL_PATIENCE_S
         while True:
             try:
-                _os_kill(-1, _signal.SIGKILL)  # zombies count too, so ESRCH means: nobody else is left
+                _os_kill(-1, _signal.SIGKILL)
             except ProcessLookupError:
                 break
             except PermissionError:  # only processes we may not signal are left: nothing to do
@@ -15383,14 +15647,20 @@ __all__ = [
     "MOUNT",
     "NOT_BEFORE_PATH",
     "PARAGRAPH_BREAK",
+    "PATH_RUN_DOUBT",
+    "PATH_RUN_END",
+    "PATH_SPLIT",
     "PATH_STOP",
+    "PATH_TOKEN",
     "SANDBOX",
     "SINGLE_LINE",
     "TOKEN",
     "TOKEN_IN_LINK_TEXT",
     "TRAILING_PUNCTUATION",
+    "PathRun",
     "Ref",
     "What",
+    "other_path",
 ]
 
 MOUNT = "/mnt/data/"
@@ -15456,6 +15726,28 @@ TOKEN = re.compile(_TOKENS)
 TOKEN_IN_LINK_TEXT = re.compile(_TOKENS + r"|\]\]{0,63}")
 BACKTICK_RUNS = re.compile(r"``*")
 
+# A stretch of plain paths (the scan's bulk path, engine/scan.py: Scan.path_run). It ends at a character
+# that may start a token other than a path (an escape, a backtick, a tilde, a link opener, a tag, a
+# URL's `:`); in it, each path is a whole token (PATH_TOKEN, greedy like TOKEN's), and the stretch is
+# taken at once when PATH_RUN_DOUBT finds nothing in it (then every /mnt/data/ in it starts a token).
+PATH_RUN_END = re.compile(r"[\\`~\[<:]")
+_PATH_CHARS = r"[^\s<>()\[\]{}`\"'|*]"
+PATH_TOKEN = re.compile(rf"/mnt/data/{_PATH_CHARS}*+")
+PATH_SPLIT = re.compile(rf"(/mnt/data/{_PATH_CHARS}*+)")  # a stretch into gap, path, gap, ..., path, gap
+# A /mnt/data/ right after a path character (it may be inside a path, or joined to a word or URL), a
+# path ending in punctuation or `/`, a path as long as the longest token. (The literal first: re then
+# looks for it alone, and checks the character before it only there.)
+PATH_RUN_DOUBT = re.compile(
+    rf"/mnt/data/(?:(?<={_PATH_CHARS}/mnt/data/)|{_PATH_CHARS}*+(?<=[/.,;!?])|{_PATH_CHARS}{{{MAX_PATH}}})"
+)
+
+
+def other_path(known: list[str]) -> re.Pattern[str]:
+    """A path token that is none of `known` (paths as PATH_TOKEN finds them)."""
+    names = "|".join(re.escape(path[len(MOUNT) :]) for path in known)
+    return re.compile(rf"/mnt/data/(?!(?:{names})(?!{_PATH_CHARS}))")
+
+
 # A paragraph ends at a newline before a blank line or a line that starts another block (CommonMark's
 # interruptions, approximated by the line's first characters only). Inline constructs never cross one.
 PARAGRAPH_BREAK = re.compile(
@@ -15482,10 +15774,24 @@ LINK_TAIL = re.compile(
     rf"{_SPACE}\)"
 )
 
+
+class PathRun:
+    """Bare paths in a row, with nothing else a scan looks at between them (a line of 70,000 paths):
+    one reference for the whole stretch, which names `paths` (distinct, in order). Listing them and
+    substituting them takes a few passes of C over the stretch (dict.fromkeys, str.replace, re.split)
+    rather than a Python tuple per path."""
+
+    __slots__ = ("paths",)
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+
 # A reference: (start, end, what). `what` is the path as written for a bare path (the usual case, kept
-# cheap), else (kind, destination as written, link text): a link, an image, an autolink <sandbox:...>.
+# cheap), else (kind, destination as written, link text): a link, an image, an autolink <sandbox:...>;
+# or a PathRun, bare paths in a row.
 LINK, IMAGE, AUTO = range(3)
-What = str | tuple[int, str, str]
+What = str | tuple[int, str, str] | PathRun
 Ref = tuple[int, int, What]
 ''',
     'engine/host.py': r'''"""What the engine asks of the chat application it serves, as protocols the host implements
@@ -15544,12 +15850,12 @@ part, publishing, happens once per distinct file and outside the text scan:
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
 from urllib.parse import unquote
 
-from .grammar import AUTO, IMAGE, MOUNT, SANDBOX, Ref, What
+from .grammar import AUTO, IMAGE, MOUNT, PATH_SPLIT, SANDBOX, PathRun, Ref, What
 from .markup import escape_text
 from .scan import find_references
 
@@ -15560,6 +15866,7 @@ __all__ = [
     "Substitution",
     "Target",
     "destination_of",
+    "destinations",
     "find_paths",
     "resolve_all",
     "rewrite",
@@ -15600,7 +15907,7 @@ def _render(target: Target, label: str | None, inline_images: bool = True) -> st
     return f"[{text}]({target.url})"
 
 
-def _replacement(what: What, target: Target | None, inline_images: bool) -> str | None:
+def _replacement(what: str | tuple[int, str, str], target: Target | None, inline_images: bool) -> str | None:
     """What replaces a reference; None: the text as written."""
     if isinstance(what, str):  # a bare path
         return None if target is None else _render(target, None, inline_images)
@@ -15618,9 +15925,16 @@ def _replacement(what: What, target: Target | None, inline_images: bool) -> str 
     return _render(target, label, inline_images)
 
 
-def destination_of(what: What) -> str:
+def destination_of(what: str | tuple[int, str, str]) -> str:
     """The destination a reference names, as written (a bare path is its own)."""
     return what if isinstance(what, str) else what[1]
+
+
+def destinations(what: What) -> Iterable[str]:
+    """The destinations a reference names: one, or a PathRun's distinct paths."""
+    if isinstance(what, PathRun):
+        return what.paths
+    return (destination_of(what),)
 
 
 NOT_YET: Final = object()  # `Substitution.done` has no entry for this reference yet
@@ -15647,12 +15961,12 @@ class Substitution:
             found = self._candidates[destination] = [] if relative is None else _candidates(relative)
         return found
 
-    def resolved(self, what: What) -> bool:
+    def resolved(self, what: str | tuple[int, str, str]) -> bool:
         """Whether every path the reference may name is in the targets (streaming: resolved)."""
         targets = self._targets
         return all(candidate in targets for candidate in self.candidates(destination_of(what)))
 
-    def compute(self, what: What) -> str | None:
+    def compute(self, what: str | tuple[int, str, str]) -> str | None:
         target = None
         for candidate in self.candidates(destination_of(what)):
             target = self._targets.get(candidate)
@@ -15661,13 +15975,44 @@ class Substitution:
         replacement = self.done[what] = _replacement(what, target, self._inline)
         return replacement
 
+    def run_text(self, run: PathRun, text: str, *, resolved_only: bool = False) -> str | None:
+        """A PathRun's `text` with each path replaced (or as written, for no file). `resolved_only`
+        (streaming): None when a path it names is not resolved yet."""
+        done, paths = self.done, run.paths
+        for path in paths:  # distinct
+            if path not in done:
+                if resolved_only and not self.resolved(path):
+                    return None
+                self.compute(path)
+        new = {path: done[path] for path in paths}
+        kept = [path for path, replacement in new.items() if replacement is None]
+        if (
+            len(paths) <= _REPLACE_AT_MOST
+            and not any(MOUNT in path[1:] for path in paths)
+            and not any(k.startswith(p) for k in kept for p in paths if p != k)
+        ):
+            # Every /mnt/data/ in the stretch then starts a path, each a whole token: replaced longest
+            # first, what is left of a shorter one is that path (replacements name no /mnt/data/).
+            for path in sorted(paths, key=len, reverse=True):
+                replacement = new[path]
+                if replacement is not None:
+                    text = text.replace(path, replacement)
+            return text
+        parts = PATH_SPLIT.split(text)  # gap, path, gap, ..., path, gap
+        parts[1::2] = [new[path] or path for path in parts[1::2]]
+        return "".join(parts)
+
+
+_REPLACE_AT_MOST = 8  # distinct paths in a PathRun substituted by str.replace (one pass each)
+
 
 def _paths_of(refs: list[Ref]) -> list[str]:
     substitution = Substitution({}, True)
     seen: dict[str, None] = {}
     for what in dict.fromkeys(ref[2] for ref in refs):
-        for candidate in substitution.candidates(destination_of(what)):
-            seen.setdefault(candidate, None)
+        for destination in destinations(what):
+            for candidate in substitution.candidates(destination):
+                seen.setdefault(candidate, None)
     return list(seen)
 
 
@@ -15702,6 +16047,11 @@ class References:
         append = pieces.append
         position = 0
         for start, end, what in self._found:
+            if isinstance(what, PathRun):
+                append(text[position:start])
+                append(replace.run_text(what, text[start:end]))  # type: ignore[arg-type]
+                position = end
+                continue
             replacement = done.get(what, not_yet)
             if replacement is not_yet:
                 replacement = replace.compute(what)
@@ -15740,7 +16090,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_aa19f27ddaa3.runner import Outcome
+from _code_sessions_eca1aad1f944.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -16024,7 +16374,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_aa19f27ddaa3.runner import RunnerError
+from _code_sessions_eca1aad1f944.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -16228,8 +16578,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_aa19f27ddaa3.runner import Runner, RunnerError
-from _code_sessions_aa19f27ddaa3.storage import StorageError
+from _code_sessions_eca1aad1f944.runner import Runner, RunnerError
+from _code_sessions_eca1aad1f944.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -16358,8 +16708,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_aa19f27ddaa3.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_aa19f27ddaa3.storage import human_bytes
+from _code_sessions_eca1aad1f944.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_eca1aad1f944.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -16479,7 +16829,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_aa19f27ddaa3.storage import Purge, parse_duration
+from _code_sessions_eca1aad1f944.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16508,7 +16858,9 @@ The scan is linear in the length of the text: one regex finds the characters tha
 brackets, `<`, `://`, `/mnt/data/`, escapes, fences) and each construct is read from its start by a regex
 bounded by the grammar's limits (engine/grammar.py), with forward-only lookups for what comes later (the
 closing backticks of a code span, the end of a paragraph), so no character is examined more than a few
-times.
+times. Bare paths one after the other, with nothing else a token starts with between them (a line of
+70,000 `](/mnt/data/x `), are taken as one PathRun, judged by the main loop's rules in C (Scan.path_run):
+a path costs nanoseconds there, not the microsecond of Python a token costs.
 
 A `Scan` also runs over a streamed answer so far (engine/streaming.py): it stops at the first thing it
 cannot decide yet and reports where to restart once more text has come, with the `State` there.
@@ -16520,6 +16872,7 @@ import re
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 from .blocks import MAX_RUN, Fence, NeedMore, closing_line, fence_line_start, fence_opening
@@ -16539,13 +16892,19 @@ from .grammar import (
     MOUNT,
     NOT_BEFORE_PATH,
     PARAGRAPH_BREAK,
+    PATH_RUN_DOUBT,
+    PATH_RUN_END,
+    PATH_SPLIT,
     PATH_STOP,
+    PATH_TOKEN,
     SANDBOX,
     SINGLE_LINE,
     TOKEN,
     TOKEN_IN_LINK_TEXT,
     TRAILING_PUNCTUATION,
+    PathRun,
     Ref,
+    other_path,
 )
 
 __all__ = ["LOOK_BEHIND", "RESTART_MARGIN", "SCAN_ON_LOOP_CHARS", "START", "Scan", "State", "find_references"]
@@ -16559,6 +16918,9 @@ SCAN_ON_LOOP_CHARS = 64 * 1024
 RESTART_MARGIN = 24
 LOOK_BEHIND = 16
 _UNDECIDED = -2  # _Runs.find: the text ends before the answer is known
+_RUN_WINDOW = 64  # Scan.path_run's first window
+_NOT_BEFORE_RUN_PATH = frozenset(NOT_BEFORE_PATH)
+_NOT_LAST_IN_RUN_PATH = frozenset(TRAILING_PUNCTUATION + "/")
 _FAR = 1 << 62  # a paragraph end beyond what the text shows yet
 
 
@@ -16836,6 +17198,56 @@ class Scan:
             refs.append((start, tail.end(), what))
         return tail.end(), (-1 if image else opener)
 
+    def path_run(self, pos: int) -> int:
+        """After a path, outside any link text: the plain paths that follow with nothing between them
+        that a token other than a path starts with (a line of `](/mnt/data/x `), added as one PathRun.
+        In C when no path in the stretch is in doubt (grammar.PATH_RUN_DOUBT); else judged a window
+        at a time (_judged_run). Returns where scanning goes on (`pos`: no run)."""
+        text, end = self.text, self.end
+        found = PATH_RUN_END.search(text, pos, end)
+        limit = found.start() if found is not None else end
+        last = text.rfind(MOUNT, pos, limit)
+        if last < 0:
+            return pos
+        stop = PATH_TOKEN.match(text, last, limit).end()  # type: ignore[union-attr]
+        if stop == limit and (limit < end or not self.final):
+            before = text[last - 1]
+            if before not in PATH_STOP and not before.isspace():
+                return self._judged_run(pos, limit)  # that /mnt/data/ may be inside a path
+            stop = last  # the last path may go on (or its token be cut): the main loop takes it
+            if text.rfind(MOUNT, pos, stop) < 0:
+                return pos
+        if PATH_RUN_DOUBT.search(text, pos, stop):
+            return self._judged_run(pos, limit)
+        # No doubt: every /mnt/data/ up to `stop` starts a path token.
+        self.refs.append((pos, stop, PathRun(_distinct_paths(text, pos, stop))))
+        return stop
+
+    def _judged_run(self, pos: int, limit: int) -> int:
+        """path_run for a stretch with a path in doubt: split into gaps and paths and judged (_judged), in
+        windows that double while every path in them passes, so a text whose paths fail every other
+        time costs a small window per path. The run ends before the first path that fails."""
+        text = self.text
+        paths: list[str] = []
+        at, size = pos, _RUN_WINDOW
+        while at < limit:
+            stop = min(limit, at + size)
+            parts = PATH_SPLIT.split(text[at:stop])  # gap, path, gap, ..., path, gap
+            n = len(parts) // 2
+            if n and not parts[-1] and (stop < self.end or not self.final):
+                n -= 1  # the last path touches the window's end: it may go on
+            gaps, window_paths = parts[0 : 2 * n : 2], parts[1 : 2 * n : 2]
+            good = _judged(gaps, window_paths)
+            if good:
+                paths += window_paths[:good]
+                at += sum(map(len, gaps[:good])) + sum(map(len, window_paths[:good]))
+            if good < n or stop == limit:
+                break
+            size *= 4
+        if paths:
+            self.refs.append((pos, at, PathRun(list(dict.fromkeys(paths)))))
+        return at
+
     # -------------------------------------------------------------------------------- the main loop
 
     def run(self, pos: int) -> tuple[int, State]:
@@ -16891,6 +17303,11 @@ class Scan:
                         mount_end = token - start + 10
                         if len(path) > mount_end and (path[-1] != "/" or path[mount_end:].strip("/")):
                             refs.append((start, start + len(path), path))
+                            if not stack and token_end < end:
+                                after = self.path_run(token_end)
+                                if after > token_end:
+                                    resume = after
+                                    break
                     elif char == "`":
                         if token and text[token - 1] == "`" and last_escape != token:
                             # The rest of a run too long to delimit anything (a scan resumed in it).
@@ -17012,6 +17429,50 @@ class Scan:
         return at, State(fence, verbatim, single, escaped)
 
 
+_LAST = itemgetter(-1)
+_FEW_PATHS = 8  # distinct paths found by a search each (beyond: all listed)
+
+
+def _distinct_paths(text: str, pos: int, stop: int) -> list[str]:
+    """The distinct paths of a stretch, in order: usually a few however many times each is named, each
+    found by one search for a path that is none of those found so far (C, nothing allocated per path)."""
+    found: list[str] = []
+    at = pos
+    while len(found) < _FEW_PATHS:
+        start = text.find(MOUNT, at, stop) if not found else -1
+        if found:
+            other = other_path(found).search(text, at, stop)
+            start = other.start() if other is not None else -1
+        if start < 0:
+            return found
+        token = PATH_TOKEN.match(text, start, stop)
+        assert token is not None
+        found.append(token.group())
+        at = token.end()
+    return list(dict.fromkeys([*found, *PATH_TOKEN.findall(text, at, stop)]))
+
+
+def _judged(gaps: list[str], paths: list[str]) -> int:
+    """How many of the (gap, path) pairs, from the first, the main loop would take as they are: a path
+    after a character that does not join it to a word or URL, with no trailing punctuation or `/` to
+    cut off, shorter than the longest path a token holds. Checked on the distinct last characters (C);
+    one at a time only to find the first that fails. (Gaps are never empty: paths are whole tokens.)"""
+    befores = set(map(_LAST, gaps))
+    if (
+        not any(c in _NOT_BEFORE_RUN_PATH or c.isalnum() for c in befores)
+        and _NOT_LAST_IN_RUN_PATH.isdisjoint(map(_LAST, paths))
+        and (not paths or max(map(len, paths)) < 10 + MAX_PATH)
+    ):
+        return len(paths)
+    for n, (gap, path) in enumerate(zip(gaps, paths, strict=True)):
+        before = gap[-1]
+        if before in _NOT_BEFORE_RUN_PATH or before.isalnum():
+            return n
+        if path[-1] in _NOT_LAST_IN_RUN_PATH or len(path) >= 10 + MAX_PATH:
+            return n
+    return len(paths)
+
+
 def _undecided_newline(text: str, end: int) -> int:
     """Where the text may still turn out to end a paragraph: its last newline, if what follows it so far
     could still become a blank line or the start of another block; else the end. (Earlier newlines are
@@ -17047,8 +17508,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_aa19f27ddaa3.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_aa19f27ddaa3.storage import (
+from _code_sessions_eca1aad1f944.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_eca1aad1f944.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -17322,7 +17783,8 @@ class ChatSession:
         report: ReconcileReport | None = None
         try:
             async with self.session.lock(timeout=service.lock_timeout_s, waiting=waiting):
-                budget = await self.session.run_budget()
+                # Two hops to other threads (the index's, the marker's) that need not wait for each other.
+                budget, _ = await asyncio.gather(self.session.run_budget(), self.session.begin_run())
                 if budget.note:
                     notes.append(budget.note)
                 configured = self.settings.limits
@@ -17332,7 +17794,6 @@ class ChatSession:
                         "max_file_bytes": _tighter(configured.max_file_bytes, budget.max_file_bytes),
                     }
                 )
-                await self.session.begin_run()
                 try:
                     result = await service.execute(self.session, code, language, limits)
                 finally:
@@ -17545,7 +18006,8 @@ class CodeSessions:
         """The chat's session, bound to the message's settings (None: the constructor's)."""
         if settings is not None:
             self.apply(settings)
-        return ChatSession(self, await self.store.session(user_id, chat_id), settings or self.settings)
+        session = await self.store.session(user_id, chat_id, cached=True)
+        return ChatSession(self, session, settings or self.settings)
 
     def apply(self, settings: Settings) -> None:
         """Give the store and the kernel pool their parts of the settings. They serve every chat of
@@ -17640,8 +18102,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_aa19f27ddaa3.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_aa19f27ddaa3.storage import Policy
+from _code_sessions_eca1aad1f944.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_eca1aad1f944.storage import Policy
 
 __all__ = ["DEFAULTS", "Settings"]
 
@@ -17802,8 +18264,8 @@ from __future__ import annotations
 import re
 from collections import deque
 
-from .grammar import MOUNT, SINGLE_LINE, TOKEN, Ref
-from .links import NOT_YET, Resolver, Substitution, Target, destination_of
+from .grammar import MOUNT, SINGLE_LINE, TOKEN, PathRun, Ref
+from .links import NOT_YET, Resolver, Substitution, Target, destinations
 from .scan import LOOK_BEHIND, RESTART_MARGIN, START, Scan, State
 
 __all__ = ["StreamingRewriter"]
@@ -17990,6 +18452,15 @@ class StreamingRewriter:
         position = self._out
         while ready:
             start, end, what = ready[0]
+            if isinstance(what, PathRun):
+                woven = replace.run_text(what, text[start - base : end - base], resolved_only=True)
+                if woven is None:
+                    break
+                pieces.append(text[position - base : start - base])
+                pieces.append(woven)
+                position = end
+                ready.popleft()
+                continue
             replacement = done.get(what, not_yet)
             if replacement is not_yet:
                 if not replace.resolved(what):
@@ -18024,9 +18495,12 @@ class StreamingRewriter:
         for ref in refs:
             what = ref[2]
             if what not in done:
-                for candidate in candidates(destination_of(what)):
-                    if candidate not in known:
-                        wanted[candidate] = None
+                for destination in destinations(what):
+                    if destination in done:
+                        continue
+                    for candidate in candidates(destination):
+                        if candidate not in known:
+                            wanted[candidate] = None
 
     def _unchangeable(self, start: int, quiet: bool = False) -> int:
         """The end of the text from `start` (a decided point) in which no reference can start."""
@@ -18071,7 +18545,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_aa19f27ddaa3.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_eca1aad1f944.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -18290,7 +18764,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_aa19f27ddaa3.storage import Link, Publisher, is_postgres_url
+from _code_sessions_eca1aad1f944.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -18525,10 +18999,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_aa19f27ddaa3.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
-from _code_sessions_aa19f27ddaa3.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_aa19f27ddaa3.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_aa19f27ddaa3.webui import OpenWebUI
+from _code_sessions_eca1aad1f944.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
+from _code_sessions_eca1aad1f944.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_eca1aad1f944.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_eca1aad1f944.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -19055,7 +19529,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_aa19f27ddaa3.engine import (
+from _code_sessions_eca1aad1f944.engine import (
     LoopOptions,
     ModelError,
     TextDelta,
@@ -19069,9 +19543,9 @@ from _code_sessions_aa19f27ddaa3.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_aa19f27ddaa3.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_aa19f27ddaa3.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_aa19f27ddaa3.webui import Misconfigured
+from _code_sessions_eca1aad1f944.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_eca1aad1f944.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_eca1aad1f944.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 
