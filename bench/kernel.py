@@ -6,7 +6,8 @@
     (a, b, a, b...). Then, apart (a cold sandbox's teardown runs on in the background), interleaved:
     (a) again, (c) the bare warm round trip into the same kernel (`Kernel.run`: one frame out, frames
     back, no storage), and the floors of bench/_floors.py: an echo and a print(1) of a bare python
-    kept alive in one `runsc run` of the same sandbox, and a Jupyter kernel's execute (no sandbox).
+    kept alive in one `runsc run` of the same sandbox. Then (a) against the peer, a Jupyter kernel's
+    execute (no sandbox), interleaved apart.
 (d) first step of a chat: a chat without a kernel (a new key), so the step starts one, against a bare
     `runsc run` of print(1) in the same sandbox setup (run_overhead.bare_run), interleaved.
 (e) kernel start: time from `KernelPool` starting a sandbox to the kernel's ready frame, and what the
@@ -125,25 +126,28 @@ async def run(ctx: Context) -> dict[str, Any]:
             ctx.log(
                 f"{SECTION}: {pairs} interleaved rounds of warm steps, kernel round trips and their floors"
             )
-            async with (
-                _floors.bare_python(runner, setup, floor_dir, limits) as floor,
-                _floors.jupyter() as jup,
-            ):
+            async with _floors.bare_python(runner, setup, floor_dir, limits) as floor:
                 steps = {
                     "warm": warm_step,
                     "kernel": kernel_round_trip,
                     "echo": floor.echo,
                     "bare_print": floor.cell,
                 }
-                if jup is not None:
-                    steps["jupyter"] = jup.cell
-                else:
-                    ctx.error(SECTION, "jupyter_client and ipykernel are not installed (the dev extra)")
                 for _ in range(3):  # warm-up of the floors
-                    for name in ("echo", "bare_print", "jupyter"):
-                        if name in steps:
-                            await steps[name]()
+                    await floor.echo()
+                    await floor.cell()
                 t = await _floors.interleave(pairs * 2, steps)
+            # The peer apart too: a Jupyter kernel goes on working for a while after its reply (status
+            # messages, its heartbeat), which would weigh on whatever is measured next.
+            ctx.log(f"{SECTION}: {pairs} interleaved rounds of warm steps and a Jupyter kernel's executes")
+            async with _floors.jupyter() as jup:
+                if jup is None:
+                    ctx.error(SECTION, "jupyter_client and ipykernel are not installed (the dev extra)")
+                else:
+                    for _ in range(3):
+                        await jup.cell()
+                    t_peer = await _floors.interleave(pairs, {"warm": warm_step, "jupyter": jup.cell})
+                    t["jupyter"] = t_peer["jupyter"]
             t["cold"] = t_cold["cold"]
             warm_s, cold_s, bare_s = summary(t["warm"]), summary(t["cold"]), summary(t["kernel"])
             result["warm_step"] = {
@@ -164,8 +168,9 @@ async def run(ctx: Context) -> dict[str, Any]:
                 ),
             }
             if "jupyter" in t:
+                result["warm_step"]["warm_beside_jupyter"] = summary(t_peer["warm"])
                 result["warm_step"]["pair_ratio_warm_vs_jupyter"] = ratio_summary(
-                    [w / j for w, j in zip(t["warm"], t["jupyter"], strict=True)]
+                    [w / j for w, j in zip(t_peer["warm"], t_peer["jupyter"], strict=True)]
                 )
 
             # (d) a chat's first step (it starts the kernel), against bare runsc.
