@@ -15,7 +15,7 @@ machine hits both alike:
     and the lock's release.
 
 (c) the batch paths, once each per backend (SQLite first, then PostgreSQL), on a store of their own
-    holding 10 sessions of 10,000 files (1,000 in --quick): a rebuild of the index from the folders
+    holding 10 sessions of 10,000 files (200 in --quick): a rebuild of the index from the folders
     (`store.reconcile(Reconcile.REBUILD)` after every session row was deleted), and the cleanup of all
     those files, expired (what the caller waits for; the trash is emptied in the background, not
     timed). Their floors, in the same run: the bare walk of the same folders (scandir + lstat) for
@@ -65,7 +65,7 @@ ROUND_TRIPS_PER_STEP = 7
 
 def _sizes(quick: bool) -> dict[str, int]:
     if quick:
-        return {"users": 10, "files": 100, "quota_reps": 20, "step_reps": 10, "warmup": 3, "batch": 1000}
+        return {"users": 10, "files": 100, "quota_reps": 20, "step_reps": 10, "warmup": 3, "batch": 200}
     return {"users": 1000, "files": 1000, "quota_reps": 300, "step_reps": 200, "warmup": 10, "batch": 10_000}
 
 

@@ -28,7 +28,6 @@ __all__ = [
     "NOT_BEFORE_PATH",
     "PARAGRAPH_BREAK",
     "PATH_RUN_DOUBT",
-    "PATH_RUN_END",
     "PATH_SPLIT",
     "PATH_STOP",
     "PATH_TOKEN",
@@ -40,7 +39,7 @@ __all__ = [
     "PathRun",
     "Ref",
     "What",
-    "other_path",
+    "doubt_or_other_path",
 ]
 
 MOUNT = "/mnt/data/"
@@ -106,26 +105,33 @@ TOKEN = re.compile(_TOKENS)
 TOKEN_IN_LINK_TEXT = re.compile(_TOKENS + r"|\]\]{0,63}")
 BACKTICK_RUNS = re.compile(r"``*")
 
-# A stretch of plain paths (the scan's bulk path, engine/scan.py: Scan.path_run). It ends at a character
+# A stretch of plain paths (the scan's bulk path, engine/scan.py: Scan.path_run) ends at a character
 # that may start a token other than a path (an escape, a backtick, a tilde, a link opener, a tag, a
-# URL's `:`); in it, each path is a whole token (PATH_TOKEN, greedy like TOKEN's), and the stretch is
-# taken at once when PATH_RUN_DOUBT finds nothing in it (then every /mnt/data/ in it starts a token).
-PATH_RUN_END = re.compile(r"[\\`~\[<:]")
+# URL's `:`: scan._RUN_ENDS); in it, each path is a whole token (PATH_TOKEN, greedy like TOKEN's), and
+# the stretch is taken at once when PATH_RUN_DOUBT finds nothing in it (then every /mnt/data/ in it
+# starts a token).
 _PATH_CHARS = r"[^\s<>()\[\]{}`\"'|*]"
 PATH_TOKEN = re.compile(rf"/mnt/data/{_PATH_CHARS}*+")
 PATH_SPLIT = re.compile(rf"(/mnt/data/{_PATH_CHARS}*+)")  # a stretch into gap, path, gap, ..., path, gap
 # A /mnt/data/ right after a path character (it may be inside a path, or joined to a word or URL), a
 # path ending in punctuation or `/`, a path as long as the longest token. (The literal first: re then
 # looks for it alone, and checks the character before it only there.)
-PATH_RUN_DOUBT = re.compile(
-    rf"/mnt/data/(?:(?<={_PATH_CHARS}/mnt/data/)|{_PATH_CHARS}*+(?<=[/.,;!?])|{_PATH_CHARS}{{{MAX_PATH}}})"
-)
+_DOUBT = rf"(?<={_PATH_CHARS}/mnt/data/)|{_PATH_CHARS}*+(?<=[/.,;!?])|{_PATH_CHARS}{{{MAX_PATH}}}"
+PATH_RUN_DOUBT = re.compile(rf"/mnt/data/(?:{_DOUBT})")
+_DOUBT_OR_OTHER: dict[tuple[str, ...], re.Pattern[str]] = {}
 
 
-def other_path(known: list[str]) -> re.Pattern[str]:
-    """A path token that is none of `known` (paths as PATH_TOKEN finds them)."""
-    names = "|".join(re.escape(path[len(MOUNT) :]) for path in known)
-    return re.compile(rf"/mnt/data/(?!(?:{names})(?!{_PATH_CHARS}))")
+def doubt_or_other_path(known: tuple[str, ...]) -> re.Pattern[str]:
+    """A path in doubt (PATH_RUN_DOUBT: its group `doubt` matched) or a path token that is none of
+    `known`: one pass over a stretch finds either (compiled once per `known`)."""
+    pattern = _DOUBT_OR_OTHER.get(known)
+    if pattern is None:
+        names = "|".join(re.escape(path[len(MOUNT) :]) for path in known)
+        other = rf"(?!(?:{names})(?!{_PATH_CHARS}))" if known else ""
+        if len(_DOUBT_OR_OTHER) >= 256:
+            _DOUBT_OR_OTHER.clear()
+        pattern = _DOUBT_OR_OTHER[known] = re.compile(rf"/mnt/data/(?:(?P<doubt>{_DOUBT})|{other})")
+    return pattern
 
 
 # A paragraph ends at a newline before a blank line or a line that starts another block (CommonMark's

@@ -43,7 +43,6 @@ from .grammar import (
     NOT_BEFORE_PATH,
     PARAGRAPH_BREAK,
     PATH_RUN_DOUBT,
-    PATH_RUN_END,
     PATH_SPLIT,
     PATH_STOP,
     PATH_TOKEN,
@@ -54,7 +53,7 @@ from .grammar import (
     TRAILING_PUNCTUATION,
     PathRun,
     Ref,
-    other_path,
+    doubt_or_other_path,
 )
 
 __all__ = ["LOOK_BEHIND", "RESTART_MARGIN", "SCAN_ON_LOOP_CHARS", "START", "Scan", "State", "find_references"]
@@ -69,6 +68,7 @@ RESTART_MARGIN = 24
 LOOK_BEHIND = 16
 _UNDECIDED = -2  # _Runs.find: the text ends before the answer is known
 _RUN_WINDOW = 64  # Scan.path_run's first window
+_RUN_ENDS = "\\`~[<:"  # what ends a PathRun's stretch: the first characters of the other tokens
 _NOT_BEFORE_RUN_PATH = frozenset(NOT_BEFORE_PATH)
 _NOT_LAST_IN_RUN_PATH = frozenset(TRAILING_PUNCTUATION + "/")
 _FAR = 1 << 62  # a paragraph end beyond what the text shows yet
@@ -354,8 +354,11 @@ class Scan:
         In C when no path in the stretch is in doubt (grammar.PATH_RUN_DOUBT); else judged a window
         at a time (_judged_run). Returns where scanning goes on (`pos`: no run)."""
         text, end = self.text, self.end
-        found = PATH_RUN_END.search(text, pos, end)
-        limit = found.start() if found is not None else end
+        limit = end
+        for char in _RUN_ENDS:  # (a find per character is memchr's speed; a regex class is not)
+            at = text.find(char, pos, limit)
+            if at >= 0:
+                limit = at
         last = text.rfind(MOUNT, pos, limit)
         if last < 0:
             return pos
@@ -367,10 +370,11 @@ class Scan:
             stop = last  # the last path may go on (or its token be cut): the main loop takes it
             if text.rfind(MOUNT, pos, stop) < 0:
                 return pos
-        if PATH_RUN_DOUBT.search(text, pos, stop):
+        paths = _plain_paths(text, pos, stop)
+        if paths is None:
             return self._judged_run(pos, limit)
         # No doubt: every /mnt/data/ up to `stop` starts a path token.
-        self.refs.append((pos, stop, PathRun(_distinct_paths(text, pos, stop))))
+        self.refs.append((pos, stop, PathRun(paths)))
         return stop
 
     def _judged_run(self, pos: int, limit: int) -> int:
@@ -583,22 +587,24 @@ _LAST = itemgetter(-1)
 _FEW_PATHS = 8  # distinct paths found by a search each (beyond: all listed)
 
 
-def _distinct_paths(text: str, pos: int, stop: int) -> list[str]:
-    """The distinct paths of a stretch, in order: usually a few however many times each is named, each
-    found by one search for a path that is none of those found so far (C, nothing allocated per path)."""
-    found: list[str] = []
+def _plain_paths(text: str, pos: int, stop: int) -> list[str] | None:
+    """The distinct paths of a stretch, in order, or None when a path in it is in doubt: usually a few
+    however many times each is named, each found by one search for a path in doubt or none of those
+    found so far (C, nothing allocated per path)."""
+    found: tuple[str, ...] = ()
     at = pos
     while len(found) < _FEW_PATHS:
-        start = text.find(MOUNT, at, stop) if not found else -1
-        if found:
-            other = other_path(found).search(text, at, stop)
-            start = other.start() if other is not None else -1
-        if start < 0:
-            return found
-        token = PATH_TOKEN.match(text, start, stop)
+        hit = doubt_or_other_path(found).search(text, at, stop)
+        if hit is None:
+            return list(found)
+        if hit.group("doubt") is not None:
+            return None
+        token = PATH_TOKEN.match(text, hit.start(), stop)
         assert token is not None
-        found.append(token.group())
+        found += (token.group(),)
         at = token.end()
+    if PATH_RUN_DOUBT.search(text, at, stop):
+        return None
     return list(dict.fromkeys([*found, *PATH_TOKEN.findall(text, at, stop)]))
 
 

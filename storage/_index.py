@@ -347,7 +347,20 @@ async def delete_files_by_keys(tx: Tx, user_key: str, chat_key: str, paths: Sequ
 
 
 async def delete_files(tx: Tx, session_id: int, paths: Sequence[str]) -> None:
-    await tx.many("DELETE FROM files WHERE session_id = ? AND path = ?", [(session_id, p) for p in paths])
+    # Up to CHUNK paths per statement (an expiry's batch of 2,000 files is four statements, not 2,000
+    # on SQLite); queued like any `many` on PostgreSQL.
+    full = len(paths) - len(paths) % CHUNK
+    if full:
+        marks = ", ".join("?" * CHUNK)
+        await tx.many(
+            f"DELETE FROM files WHERE session_id = ? AND path IN ({marks})",
+            [(session_id, *paths[i : i + CHUNK]) for i in range(0, full, CHUNK)],
+        )
+    if full < len(paths):
+        marks = ", ".join("?" * (len(paths) - full))
+        await tx.many(
+            f"DELETE FROM files WHERE session_id = ? AND path IN ({marks})", [(session_id, *paths[full:])]
+        )
 
 
 async def file_rows(tx: Tx, session_id: int) -> list[tuple[str, int, int]]:
