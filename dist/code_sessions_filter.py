@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_eca1aad1f944'
+_CS_PACKAGE = '_code_sessions_14dcdfa88742'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -1958,6 +1958,21 @@ async def user_usage(tx: Tx, user_key: str) -> Usage:
     return Usage(int(row[0]), int(row[1])) if row else Usage(0, 0)
 
 
+async def user_and_session_usage(tx: Tx, user_key: str, chat_key: str) -> tuple[Usage, Usage]:
+    """`user_usage` and `session_usage` in one statement: the same SUM over the user's session rows,
+    and the session's own row among them."""
+    row = await tx.one(
+        "SELECT coalesce(sum(file_count), 0), coalesce(sum(bytes + published_bytes), 0),"
+        " coalesce(sum(CASE WHEN chat_key = ? THEN file_count END), 0),"
+        " coalesce(sum(CASE WHEN chat_key = ? THEN bytes END), 0)"
+        " FROM sessions WHERE user_key = ?",
+        (chat_key, chat_key, user_key),
+    )
+    if row is None:
+        return Usage(0, 0), Usage(0, 0)
+    return Usage(int(row[0]), int(row[1])), Usage(int(row[2]), int(row[3]))
+
+
 async def user_usage_later(tx: Tx, user_key: str) -> Callable[[], Awaitable[Usage]]:
     """`user_usage` as the transaction leaves it, read with its COMMIT (see Tx.one_later)."""
     later = await tx.one_later(
@@ -2028,7 +2043,20 @@ async def delete_files_by_keys(tx: Tx, user_key: str, chat_key: str, paths: Sequ
 
 
 async def delete_files(tx: Tx, session_id: int, paths: Sequence[str]) -> None:
-    await tx.many("DELETE FROM files WHERE session_id = ? AND path = ?", [(session_id, p) for p in paths])
+    # Up to CHUNK paths per statement (an expiry's batch of 2,000 files is four statements, not 2,000
+    # on SQLite); queued like any `many` on PostgreSQL.
+    full = len(paths) - len(paths) % CHUNK
+    if full:
+        marks = ", ".join("?" * CHUNK)
+        await tx.many(
+            f"DELETE FROM files WHERE session_id = ? AND path IN ({marks})",
+            [(session_id, *paths[i : i + CHUNK]) for i in range(0, full, CHUNK)],
+        )
+    if full < len(paths):
+        marks = ", ".join("?" * (len(paths) - full))
+        await tx.many(
+            f"DELETE FROM files WHERE session_id = ? AND path IN ({marks})", [(session_id, *paths[full:])]
+        )
 
 
 async def file_rows(tx: Tx, session_id: int) -> list[tuple[str, int, int]]:
@@ -7030,6 +7058,11 @@ class Session:
         # An earlier run was never indexed (its mark, or runs on a full disk): list the folder whole.
         self._unindexed_run = unindexed
         self._generation = core.generation  # the index this session's lock was taken with
+        self._locked = False  # this object holds the chat's lock (inside `lock()`)
+        # The session's totals as run_budget read them under the lock: while the lock is held nothing
+        # else writes this session's rows, so a reconcile that finds nothing changed reports them
+        # instead of reading them again.
+        self._totals: Usage | None = None
 
     @property
     def user_id(self) -> str:
@@ -7078,18 +7111,24 @@ class Session:
                 await waiting()
             await lock.acquire(timeout)
         self._generation = self._core.generation
+        self._locked, self._totals = True, None
         try:
             if await self._core.ensure(self._ref, touch=True, cached=True):
                 self._unindexed_run = True  # runs on the full disk were never indexed
             yield self
         finally:
+            self._locked, self._totals = False, None
             await lock.release()
 
     async def run_budget(self) -> RunBudget:
         """What a run may write while it runs (never a refusal: see Policy.run_budget)."""
         core = self._core
         await core.remember_settings()
-        usage = await core.read(lambda tx: _index.user_usage(tx, self.user_key))
+        usage, totals = await core.read(
+            lambda tx: _index.user_and_session_usage(tx, self.user_key, self.chat_key)
+        )
+        if self._locked:
+            self._totals = totals
         return core.policy.run_budget(usage)
 
     async def begin_run(self) -> None:
@@ -7136,9 +7175,18 @@ class Session:
             mode = Reconcile.FOLDER
         marker = core.layout.running_marker(self.user_key, self.chat_key)
         marked = True
-        if mode is Reconcile.CHANGED and not changed:
-            # Nothing changed (print(1)): the index already matches the folder, so the mark can go
-            # while the totals are read (two threads' hops at once instead of one after the other).
+        totals, self._totals = self._totals, None
+        if mode is Reconcile.CHANGED and not changed and totals is not None and self._locked:
+            # Nothing changed (print(1)), and run_budget read the totals under this lock: nothing to
+            # read or write; only the mark goes.
+            await asyncio.to_thread(_unlink_missing_ok, marker)
+            report = ReconcileReport(files=totals.files, bytes=totals.bytes, full=False)
+            marked = core.generation != self._generation
+            if marked:
+                await self.begin_run()  # the whole folder is listed below: marked until it is indexed
+        elif mode is Reconcile.CHANGED and not changed:
+            # Nothing changed: the index already matches the folder, so the mark can go while the
+            # totals are read (two threads' hops at once instead of one after the other).
             report, _ = await asyncio.gather(
                 self._reconcile(mode, (), enforce_quotas), asyncio.to_thread(_unlink_missing_ok, marker)
             )
@@ -15648,7 +15696,6 @@ __all__ = [
     "NOT_BEFORE_PATH",
     "PARAGRAPH_BREAK",
     "PATH_RUN_DOUBT",
-    "PATH_RUN_END",
     "PATH_SPLIT",
     "PATH_STOP",
     "PATH_TOKEN",
@@ -15660,7 +15707,7 @@ __all__ = [
     "PathRun",
     "Ref",
     "What",
-    "other_path",
+    "doubt_or_other_path",
 ]
 
 MOUNT = "/mnt/data/"
@@ -15726,26 +15773,33 @@ TOKEN = re.compile(_TOKENS)
 TOKEN_IN_LINK_TEXT = re.compile(_TOKENS + r"|\]\]{0,63}")
 BACKTICK_RUNS = re.compile(r"``*")
 
-# A stretch of plain paths (the scan's bulk path, engine/scan.py: Scan.path_run). It ends at a character
+# A stretch of plain paths (the scan's bulk path, engine/scan.py: Scan.path_run) ends at a character
 # that may start a token other than a path (an escape, a backtick, a tilde, a link opener, a tag, a
-# URL's `:`); in it, each path is a whole token (PATH_TOKEN, greedy like TOKEN's), and the stretch is
-# taken at once when PATH_RUN_DOUBT finds nothing in it (then every /mnt/data/ in it starts a token).
-PATH_RUN_END = re.compile(r"[\\`~\[<:]")
+# URL's `:`: scan._RUN_ENDS); in it, each path is a whole token (PATH_TOKEN, greedy like TOKEN's), and
+# the stretch is taken at once when PATH_RUN_DOUBT finds nothing in it (then every /mnt/data/ in it
+# starts a token).
 _PATH_CHARS = r"[^\s<>()\[\]{}`\"'|*]"
 PATH_TOKEN = re.compile(rf"/mnt/data/{_PATH_CHARS}*+")
 PATH_SPLIT = re.compile(rf"(/mnt/data/{_PATH_CHARS}*+)")  # a stretch into gap, path, gap, ..., path, gap
 # A /mnt/data/ right after a path character (it may be inside a path, or joined to a word or URL), a
 # path ending in punctuation or `/`, a path as long as the longest token. (The literal first: re then
 # looks for it alone, and checks the character before it only there.)
-PATH_RUN_DOUBT = re.compile(
-    rf"/mnt/data/(?:(?<={_PATH_CHARS}/mnt/data/)|{_PATH_CHARS}*+(?<=[/.,;!?])|{_PATH_CHARS}{{{MAX_PATH}}})"
-)
+_DOUBT = rf"(?<={_PATH_CHARS}/mnt/data/)|{_PATH_CHARS}*+(?<=[/.,;!?])|{_PATH_CHARS}{{{MAX_PATH}}}"
+PATH_RUN_DOUBT = re.compile(rf"/mnt/data/(?:{_DOUBT})")
+_DOUBT_OR_OTHER: dict[tuple[str, ...], re.Pattern[str]] = {}
 
 
-def other_path(known: list[str]) -> re.Pattern[str]:
-    """A path token that is none of `known` (paths as PATH_TOKEN finds them)."""
-    names = "|".join(re.escape(path[len(MOUNT) :]) for path in known)
-    return re.compile(rf"/mnt/data/(?!(?:{names})(?!{_PATH_CHARS}))")
+def doubt_or_other_path(known: tuple[str, ...]) -> re.Pattern[str]:
+    """A path in doubt (PATH_RUN_DOUBT: its group `doubt` matched) or a path token that is none of
+    `known`: one pass over a stretch finds either (compiled once per `known`)."""
+    pattern = _DOUBT_OR_OTHER.get(known)
+    if pattern is None:
+        names = "|".join(re.escape(path[len(MOUNT) :]) for path in known)
+        other = rf"(?!(?:{names})(?!{_PATH_CHARS}))" if known else ""
+        if len(_DOUBT_OR_OTHER) >= 256:
+            _DOUBT_OR_OTHER.clear()
+        pattern = _DOUBT_OR_OTHER[known] = re.compile(rf"/mnt/data/(?:(?P<doubt>{_DOUBT})|{other})")
+    return pattern
 
 
 # A paragraph ends at a newline before a blank line or a line that starts another block (CommonMark's
@@ -16090,7 +16144,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_eca1aad1f944.runner import Outcome
+from _code_sessions_14dcdfa88742.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -16374,7 +16428,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_eca1aad1f944.runner import RunnerError
+from _code_sessions_14dcdfa88742.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -16578,8 +16632,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_eca1aad1f944.runner import Runner, RunnerError
-from _code_sessions_eca1aad1f944.storage import StorageError
+from _code_sessions_14dcdfa88742.runner import Runner, RunnerError
+from _code_sessions_14dcdfa88742.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -16708,8 +16762,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_eca1aad1f944.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_eca1aad1f944.storage import human_bytes
+from _code_sessions_14dcdfa88742.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_14dcdfa88742.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -16829,7 +16883,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_eca1aad1f944.storage import Purge, parse_duration
+from _code_sessions_14dcdfa88742.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16893,7 +16947,6 @@ from .grammar import (
     NOT_BEFORE_PATH,
     PARAGRAPH_BREAK,
     PATH_RUN_DOUBT,
-    PATH_RUN_END,
     PATH_SPLIT,
     PATH_STOP,
     PATH_TOKEN,
@@ -16904,7 +16957,7 @@ from .grammar import (
     TRAILING_PUNCTUATION,
     PathRun,
     Ref,
-    other_path,
+    doubt_or_other_path,
 )
 
 __all__ = ["LOOK_BEHIND", "RESTART_MARGIN", "SCAN_ON_LOOP_CHARS", "START", "Scan", "State", "find_references"]
@@ -16919,6 +16972,7 @@ RESTART_MARGIN = 24
 LOOK_BEHIND = 16
 _UNDECIDED = -2  # _Runs.find: the text ends before the answer is known
 _RUN_WINDOW = 64  # Scan.path_run's first window
+_RUN_ENDS = "\\`~[<:"  # what ends a PathRun's stretch: the first characters of the other tokens
 _NOT_BEFORE_RUN_PATH = frozenset(NOT_BEFORE_PATH)
 _NOT_LAST_IN_RUN_PATH = frozenset(TRAILING_PUNCTUATION + "/")
 _FAR = 1 << 62  # a paragraph end beyond what the text shows yet
@@ -17204,8 +17258,11 @@ class Scan:
         In C when no path in the stretch is in doubt (grammar.PATH_RUN_DOUBT); else judged a window
         at a time (_judged_run). Returns where scanning goes on (`pos`: no run)."""
         text, end = self.text, self.end
-        found = PATH_RUN_END.search(text, pos, end)
-        limit = found.start() if found is not None else end
+        limit = end
+        for char in _RUN_ENDS:  # (a find per character is memchr's speed; a regex class is not)
+            at = text.find(char, pos, limit)
+            if at >= 0:
+                limit = at
         last = text.rfind(MOUNT, pos, limit)
         if last < 0:
             return pos
@@ -17217,10 +17274,11 @@ class Scan:
             stop = last  # the last path may go on (or its token be cut): the main loop takes it
             if text.rfind(MOUNT, pos, stop) < 0:
                 return pos
-        if PATH_RUN_DOUBT.search(text, pos, stop):
+        paths = _plain_paths(text, pos, stop)
+        if paths is None:
             return self._judged_run(pos, limit)
         # No doubt: every /mnt/data/ up to `stop` starts a path token.
-        self.refs.append((pos, stop, PathRun(_distinct_paths(text, pos, stop))))
+        self.refs.append((pos, stop, PathRun(paths)))
         return stop
 
     def _judged_run(self, pos: int, limit: int) -> int:
@@ -17433,22 +17491,24 @@ _LAST = itemgetter(-1)
 _FEW_PATHS = 8  # distinct paths found by a search each (beyond: all listed)
 
 
-def _distinct_paths(text: str, pos: int, stop: int) -> list[str]:
-    """The distinct paths of a stretch, in order: usually a few however many times each is named, each
-    found by one search for a path that is none of those found so far (C, nothing allocated per path)."""
-    found: list[str] = []
+def _plain_paths(text: str, pos: int, stop: int) -> list[str] | None:
+    """The distinct paths of a stretch, in order, or None when a path in it is in doubt: usually a few
+    however many times each is named, each found by one search for a path in doubt or none of those
+    found so far (C, nothing allocated per path)."""
+    found: tuple[str, ...] = ()
     at = pos
     while len(found) < _FEW_PATHS:
-        start = text.find(MOUNT, at, stop) if not found else -1
-        if found:
-            other = other_path(found).search(text, at, stop)
-            start = other.start() if other is not None else -1
-        if start < 0:
-            return found
-        token = PATH_TOKEN.match(text, start, stop)
+        hit = doubt_or_other_path(found).search(text, at, stop)
+        if hit is None:
+            return list(found)
+        if hit.group("doubt") is not None:
+            return None
+        token = PATH_TOKEN.match(text, hit.start(), stop)
         assert token is not None
-        found.append(token.group())
+        found += (token.group(),)
         at = token.end()
+    if PATH_RUN_DOUBT.search(text, at, stop):
+        return None
     return list(dict.fromkeys([*found, *PATH_TOKEN.findall(text, at, stop)]))
 
 
@@ -17508,8 +17568,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_eca1aad1f944.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_eca1aad1f944.storage import (
+from _code_sessions_14dcdfa88742.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_14dcdfa88742.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -18102,8 +18162,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_eca1aad1f944.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_eca1aad1f944.storage import Policy
+from _code_sessions_14dcdfa88742.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_14dcdfa88742.storage import Policy
 
 __all__ = ["DEFAULTS", "Settings"]
 
@@ -18545,7 +18605,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_eca1aad1f944.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_14dcdfa88742.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -18764,7 +18824,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_eca1aad1f944.storage import Link, Publisher, is_postgres_url
+from _code_sessions_14dcdfa88742.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -18999,10 +19059,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_eca1aad1f944.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
-from _code_sessions_eca1aad1f944.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_eca1aad1f944.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_eca1aad1f944.webui import OpenWebUI
+from _code_sessions_14dcdfa88742.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
+from _code_sessions_14dcdfa88742.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_14dcdfa88742.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_14dcdfa88742.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -19528,7 +19588,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_eca1aad1f944.engine import (
+from _code_sessions_14dcdfa88742.engine import (
     ChatSession,
     LoopOptions,
     StreamingRewriter,
@@ -19537,10 +19597,10 @@ from _code_sessions_eca1aad1f944.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_eca1aad1f944.engine.scan import SCAN_ON_LOOP_CHARS
-from _code_sessions_eca1aad1f944.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_eca1aad1f944.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_eca1aad1f944.webui import Misconfigured
+from _code_sessions_14dcdfa88742.engine.scan import SCAN_ON_LOOP_CHARS
+from _code_sessions_14dcdfa88742.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_14dcdfa88742.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_14dcdfa88742.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 
