@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_14dcdfa88742'
+_CS_PACKAGE = '_code_sessions_7f99551f2c19'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -16144,7 +16144,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_14dcdfa88742.runner import Outcome
+from _code_sessions_7f99551f2c19.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -16428,7 +16428,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_14dcdfa88742.runner import RunnerError
+from _code_sessions_7f99551f2c19.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -16622,6 +16622,142 @@ def mention(path: str) -> str:
         return MOUNT + path
     return code_span(MOUNT + path)
 ''',
+    'engine/path_runs.py': r'''"""Bare paths in a row, taken at once by the scan (engine/scan.py): a line of 70,000 `](/mnt/data/x `
+is one reference (grammar.PathRun), judged by the main loop's rules in C, not a microsecond of Python
+per path.
+
+After a path, outside any link text, the stretch up to the first character that starts another kind of
+token (an escape, a backtick, a tilde, a link opener, a tag, a URL's `:`) holds only paths and text no
+token starts with. When no path in it is in doubt (grammar.PATH_RUN_DOUBT: one the main loop would
+judge otherwise), every /mnt/data/ in it starts a path token, and one regex pass lists the distinct
+paths. Otherwise the stretch is split into gaps and paths and judged in windows, and the run ends
+before the first path that fails; the main loop takes it from there.
+"""
+
+from __future__ import annotations
+
+from operator import itemgetter
+
+from .grammar import (
+    MAX_PATH,
+    MOUNT,
+    NOT_BEFORE_PATH,
+    PATH_RUN_DOUBT,
+    PATH_SPLIT,
+    PATH_STOP,
+    PATH_TOKEN,
+    TRAILING_PUNCTUATION,
+    PathRun,
+    Ref,
+    doubt_or_other_path,
+)
+
+__all__ = ["path_run"]
+
+_RUN_WINDOW = 64  # a judged stretch's first window
+_RUN_ENDS = "\\`~[<:"  # what ends a stretch: the first characters of the other tokens
+_NOT_BEFORE_RUN_PATH = frozenset(NOT_BEFORE_PATH)
+_NOT_LAST_IN_RUN_PATH = frozenset(TRAILING_PUNCTUATION + "/")
+
+
+def path_run(text: str, end: int, final: bool, pos: int, refs: list[Ref]) -> int:
+    """The plain paths after `pos` (the end of a path token the main loop took), added to `refs` as
+    one PathRun; returns where scanning goes on (`pos`: no run). `final`: the text ends at `end`
+    (else a path touching `end` may go on)."""
+    limit = end
+    for char in _RUN_ENDS:  # (a find per character is memchr's speed; a regex class is not)
+        at = text.find(char, pos, limit)
+        if at >= 0:
+            limit = at
+    last = text.rfind(MOUNT, pos, limit)
+    if last < 0:
+        return pos
+    stop = PATH_TOKEN.match(text, last, limit).end()  # type: ignore[union-attr]
+    if stop == limit and (limit < end or not final):
+        before = text[last - 1]
+        if before not in PATH_STOP and not before.isspace():
+            return _judged_run(text, end, final, pos, limit, refs)  # that /mnt/data/ may be inside a path
+        stop = last  # the last path may go on (or its token be cut): the main loop takes it
+        if text.rfind(MOUNT, pos, stop) < 0:
+            return pos
+    paths = _plain_paths(text, pos, stop)
+    if paths is None:
+        return _judged_run(text, end, final, pos, limit, refs)
+    # No doubt: every /mnt/data/ up to `stop` starts a path token.
+    refs.append((pos, stop, PathRun(paths)))
+    return stop
+
+
+def _judged_run(text: str, end: int, final: bool, pos: int, limit: int, refs: list[Ref]) -> int:
+    """path_run for a stretch with a path in doubt: split into gaps and paths and judged (_judged), in
+    windows that grow while every path in them passes, so a text whose paths fail every other time
+    costs a small window per path. The run ends before the first path that fails."""
+    paths: list[str] = []
+    at, size = pos, _RUN_WINDOW
+    while at < limit:
+        stop = min(limit, at + size)
+        parts = PATH_SPLIT.split(text[at:stop])  # gap, path, gap, ..., path, gap
+        n = len(parts) // 2
+        if n and not parts[-1] and (stop < end or not final):
+            n -= 1  # the last path touches the window's end: it may go on
+        gaps, window_paths = parts[0 : 2 * n : 2], parts[1 : 2 * n : 2]
+        good = _judged(gaps, window_paths)
+        if good:
+            paths += window_paths[:good]
+            at += sum(map(len, gaps[:good])) + sum(map(len, window_paths[:good]))
+        if good < n or stop == limit:
+            break
+        size *= 4
+    if paths:
+        refs.append((pos, at, PathRun(list(dict.fromkeys(paths)))))
+    return at
+
+
+_LAST = itemgetter(-1)
+_FEW_PATHS = 8  # distinct paths found by a search each (beyond: all listed)
+
+
+def _plain_paths(text: str, pos: int, stop: int) -> list[str] | None:
+    """The distinct paths of a stretch, in order, or None when a path in it is in doubt: usually a few
+    however many times each is named, each found by one search for a path in doubt or none of those
+    found so far (C, nothing allocated per path)."""
+    found: tuple[str, ...] = ()
+    at = pos
+    while len(found) < _FEW_PATHS:
+        hit = doubt_or_other_path(found).search(text, at, stop)
+        if hit is None:
+            return list(found)
+        if hit.group("doubt") is not None:
+            return None
+        token = PATH_TOKEN.match(text, hit.start(), stop)
+        assert token is not None
+        found += (token.group(),)
+        at = token.end()
+    if PATH_RUN_DOUBT.search(text, at, stop):
+        return None
+    return list(dict.fromkeys([*found, *PATH_TOKEN.findall(text, at, stop)]))
+
+
+def _judged(gaps: list[str], paths: list[str]) -> int:
+    """How many of the (gap, path) pairs, from the first, the main loop would take as they are: a path
+    after a character that does not join it to a word or URL, with no trailing punctuation or `/` to
+    cut off, shorter than the longest path a token holds. Checked on the distinct last characters (C);
+    one at a time only to find the first that fails. (Gaps are never empty: paths are whole tokens.)"""
+    befores = set(map(_LAST, gaps))
+    if (
+        not any(c in _NOT_BEFORE_RUN_PATH or c.isalnum() for c in befores)
+        and _NOT_LAST_IN_RUN_PATH.isdisjoint(map(_LAST, paths))
+        and (not paths or max(map(len, paths)) < 10 + MAX_PATH)
+    ):
+        return len(paths)
+    for n, (gap, path) in enumerate(zip(gaps, paths, strict=True)):
+        before = gap[-1]
+        if before in _NOT_BEFORE_RUN_PATH or before.isalnum():
+            return n
+        if path[-1] in _NOT_LAST_IN_RUN_PATH or len(path) >= 10 + MAX_PATH:
+            return n
+    return len(paths)
+''',
     'engine/prepare.py': r'''"""A turn's preparation, before the model is asked: the chat's attachments copied into its folder, and
 the system prompt that tells the model about the folder and the sandbox."""
 
@@ -16632,8 +16768,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_14dcdfa88742.runner import Runner, RunnerError
-from _code_sessions_14dcdfa88742.storage import StorageError
+from _code_sessions_7f99551f2c19.runner import Runner, RunnerError
+from _code_sessions_7f99551f2c19.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -16762,8 +16898,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_14dcdfa88742.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_14dcdfa88742.storage import human_bytes
+from _code_sessions_7f99551f2c19.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_7f99551f2c19.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -16883,7 +17019,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_14dcdfa88742.storage import Purge, parse_duration
+from _code_sessions_7f99551f2c19.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -16926,7 +17062,6 @@ import re
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Any
 
 from .blocks import MAX_RUN, Fence, NeedMore, closing_line, fence_line_start, fence_opening
@@ -16946,19 +17081,15 @@ from .grammar import (
     MOUNT,
     NOT_BEFORE_PATH,
     PARAGRAPH_BREAK,
-    PATH_RUN_DOUBT,
-    PATH_SPLIT,
     PATH_STOP,
-    PATH_TOKEN,
     SANDBOX,
     SINGLE_LINE,
     TOKEN,
     TOKEN_IN_LINK_TEXT,
     TRAILING_PUNCTUATION,
-    PathRun,
     Ref,
-    doubt_or_other_path,
 )
+from .path_runs import path_run
 
 __all__ = ["LOOK_BEHIND", "RESTART_MARGIN", "SCAN_ON_LOOP_CHARS", "START", "Scan", "State", "find_references"]
 
@@ -16971,10 +17102,6 @@ SCAN_ON_LOOP_CHARS = 64 * 1024
 RESTART_MARGIN = 24
 LOOK_BEHIND = 16
 _UNDECIDED = -2  # _Runs.find: the text ends before the answer is known
-_RUN_WINDOW = 64  # Scan.path_run's first window
-_RUN_ENDS = "\\`~[<:"  # what ends a PathRun's stretch: the first characters of the other tokens
-_NOT_BEFORE_RUN_PATH = frozenset(NOT_BEFORE_PATH)
-_NOT_LAST_IN_RUN_PATH = frozenset(TRAILING_PUNCTUATION + "/")
 _FAR = 1 << 62  # a paragraph end beyond what the text shows yet
 
 
@@ -17253,58 +17380,9 @@ class Scan:
         return tail.end(), (-1 if image else opener)
 
     def path_run(self, pos: int) -> int:
-        """After a path, outside any link text: the plain paths that follow with nothing between them
-        that a token other than a path starts with (a line of `](/mnt/data/x `), added as one PathRun.
-        In C when no path in the stretch is in doubt (grammar.PATH_RUN_DOUBT); else judged a window
-        at a time (_judged_run). Returns where scanning goes on (`pos`: no run)."""
-        text, end = self.text, self.end
-        limit = end
-        for char in _RUN_ENDS:  # (a find per character is memchr's speed; a regex class is not)
-            at = text.find(char, pos, limit)
-            if at >= 0:
-                limit = at
-        last = text.rfind(MOUNT, pos, limit)
-        if last < 0:
-            return pos
-        stop = PATH_TOKEN.match(text, last, limit).end()  # type: ignore[union-attr]
-        if stop == limit and (limit < end or not self.final):
-            before = text[last - 1]
-            if before not in PATH_STOP and not before.isspace():
-                return self._judged_run(pos, limit)  # that /mnt/data/ may be inside a path
-            stop = last  # the last path may go on (or its token be cut): the main loop takes it
-            if text.rfind(MOUNT, pos, stop) < 0:
-                return pos
-        paths = _plain_paths(text, pos, stop)
-        if paths is None:
-            return self._judged_run(pos, limit)
-        # No doubt: every /mnt/data/ up to `stop` starts a path token.
-        self.refs.append((pos, stop, PathRun(paths)))
-        return stop
-
-    def _judged_run(self, pos: int, limit: int) -> int:
-        """path_run for a stretch with a path in doubt: split into gaps and paths and judged (_judged), in
-        windows that double while every path in them passes, so a text whose paths fail every other
-        time costs a small window per path. The run ends before the first path that fails."""
-        text = self.text
-        paths: list[str] = []
-        at, size = pos, _RUN_WINDOW
-        while at < limit:
-            stop = min(limit, at + size)
-            parts = PATH_SPLIT.split(text[at:stop])  # gap, path, gap, ..., path, gap
-            n = len(parts) // 2
-            if n and not parts[-1] and (stop < self.end or not self.final):
-                n -= 1  # the last path touches the window's end: it may go on
-            gaps, window_paths = parts[0 : 2 * n : 2], parts[1 : 2 * n : 2]
-            good = _judged(gaps, window_paths)
-            if good:
-                paths += window_paths[:good]
-                at += sum(map(len, gaps[:good])) + sum(map(len, window_paths[:good]))
-            if good < n or stop == limit:
-                break
-            size *= 4
-        if paths:
-            self.refs.append((pos, at, PathRun(list(dict.fromkeys(paths)))))
-        return at
+        """After a path, outside any link text: the plain paths that follow, as one PathRun (see
+        engine/path_runs.py). Returns where scanning goes on (`pos`: no run)."""
+        return path_run(self.text, self.end, self.final, pos, self.refs)
 
     # -------------------------------------------------------------------------------- the main loop
 
@@ -17487,52 +17565,6 @@ class Scan:
         return at, State(fence, verbatim, single, escaped)
 
 
-_LAST = itemgetter(-1)
-_FEW_PATHS = 8  # distinct paths found by a search each (beyond: all listed)
-
-
-def _plain_paths(text: str, pos: int, stop: int) -> list[str] | None:
-    """The distinct paths of a stretch, in order, or None when a path in it is in doubt: usually a few
-    however many times each is named, each found by one search for a path in doubt or none of those
-    found so far (C, nothing allocated per path)."""
-    found: tuple[str, ...] = ()
-    at = pos
-    while len(found) < _FEW_PATHS:
-        hit = doubt_or_other_path(found).search(text, at, stop)
-        if hit is None:
-            return list(found)
-        if hit.group("doubt") is not None:
-            return None
-        token = PATH_TOKEN.match(text, hit.start(), stop)
-        assert token is not None
-        found += (token.group(),)
-        at = token.end()
-    if PATH_RUN_DOUBT.search(text, at, stop):
-        return None
-    return list(dict.fromkeys([*found, *PATH_TOKEN.findall(text, at, stop)]))
-
-
-def _judged(gaps: list[str], paths: list[str]) -> int:
-    """How many of the (gap, path) pairs, from the first, the main loop would take as they are: a path
-    after a character that does not join it to a word or URL, with no trailing punctuation or `/` to
-    cut off, shorter than the longest path a token holds. Checked on the distinct last characters (C);
-    one at a time only to find the first that fails. (Gaps are never empty: paths are whole tokens.)"""
-    befores = set(map(_LAST, gaps))
-    if (
-        not any(c in _NOT_BEFORE_RUN_PATH or c.isalnum() for c in befores)
-        and _NOT_LAST_IN_RUN_PATH.isdisjoint(map(_LAST, paths))
-        and (not paths or max(map(len, paths)) < 10 + MAX_PATH)
-    ):
-        return len(paths)
-    for n, (gap, path) in enumerate(zip(gaps, paths, strict=True)):
-        before = gap[-1]
-        if before in _NOT_BEFORE_RUN_PATH or before.isalnum():
-            return n
-        if path[-1] in _NOT_LAST_IN_RUN_PATH or len(path) >= 10 + MAX_PATH:
-            return n
-    return len(paths)
-
-
 def _undecided_newline(text: str, end: int) -> int:
     """Where the text may still turn out to end a paragraph: its last newline, if what follows it so far
     could still become a blank line or the start of another block; else the end. (Earlier newlines are
@@ -17568,8 +17600,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_14dcdfa88742.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_14dcdfa88742.storage import (
+from _code_sessions_7f99551f2c19.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_7f99551f2c19.storage import (
     CLEAR_FILES_COMMAND,
     MAX_PATH_BYTES,
     CleanupReport,
@@ -18162,8 +18194,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_14dcdfa88742.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_14dcdfa88742.storage import Policy
+from _code_sessions_7f99551f2c19.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_7f99551f2c19.storage import Policy
 
 __all__ = ["DEFAULTS", "Settings"]
 
@@ -18605,7 +18637,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_14dcdfa88742.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_7f99551f2c19.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -18824,7 +18856,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_14dcdfa88742.storage import Link, Publisher, is_postgres_url
+from _code_sessions_7f99551f2c19.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 
@@ -19059,10 +19091,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_14dcdfa88742.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
-from _code_sessions_14dcdfa88742.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_14dcdfa88742.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_14dcdfa88742.webui import OpenWebUI
+from _code_sessions_7f99551f2c19.engine import DEFAULTS, MINUTE_S, CodeSessions, Maintenance, Settings
+from _code_sessions_7f99551f2c19.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_7f99551f2c19.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_7f99551f2c19.webui import OpenWebUI
 
 __all__ = ["SessionValves", "SessionsAdapter", "Status", "settings_from"]
 
@@ -19589,7 +19621,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_14dcdfa88742.engine import (
+from _code_sessions_7f99551f2c19.engine import (
     LoopOptions,
     ModelError,
     TextDelta,
@@ -19603,9 +19635,9 @@ from _code_sessions_14dcdfa88742.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_14dcdfa88742.functions.adapter import SessionsAdapter, SessionValves, Status
-from _code_sessions_14dcdfa88742.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_14dcdfa88742.webui import Misconfigured
+from _code_sessions_7f99551f2c19.functions.adapter import SessionsAdapter, SessionValves, Status
+from _code_sessions_7f99551f2c19.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_7f99551f2c19.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -22,7 +22,6 @@ import re
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Any
 
 from .blocks import MAX_RUN, Fence, NeedMore, closing_line, fence_line_start, fence_opening
@@ -42,19 +41,15 @@ from .grammar import (
     MOUNT,
     NOT_BEFORE_PATH,
     PARAGRAPH_BREAK,
-    PATH_RUN_DOUBT,
-    PATH_SPLIT,
     PATH_STOP,
-    PATH_TOKEN,
     SANDBOX,
     SINGLE_LINE,
     TOKEN,
     TOKEN_IN_LINK_TEXT,
     TRAILING_PUNCTUATION,
-    PathRun,
     Ref,
-    doubt_or_other_path,
 )
+from .path_runs import path_run
 
 __all__ = ["LOOK_BEHIND", "RESTART_MARGIN", "SCAN_ON_LOOP_CHARS", "START", "Scan", "State", "find_references"]
 
@@ -67,10 +62,6 @@ SCAN_ON_LOOP_CHARS = 64 * 1024
 RESTART_MARGIN = 24
 LOOK_BEHIND = 16
 _UNDECIDED = -2  # _Runs.find: the text ends before the answer is known
-_RUN_WINDOW = 64  # Scan.path_run's first window
-_RUN_ENDS = "\\`~[<:"  # what ends a PathRun's stretch: the first characters of the other tokens
-_NOT_BEFORE_RUN_PATH = frozenset(NOT_BEFORE_PATH)
-_NOT_LAST_IN_RUN_PATH = frozenset(TRAILING_PUNCTUATION + "/")
 _FAR = 1 << 62  # a paragraph end beyond what the text shows yet
 
 
@@ -349,58 +340,9 @@ class Scan:
         return tail.end(), (-1 if image else opener)
 
     def path_run(self, pos: int) -> int:
-        """After a path, outside any link text: the plain paths that follow with nothing between them
-        that a token other than a path starts with (a line of `](/mnt/data/x `), added as one PathRun.
-        In C when no path in the stretch is in doubt (grammar.PATH_RUN_DOUBT); else judged a window
-        at a time (_judged_run). Returns where scanning goes on (`pos`: no run)."""
-        text, end = self.text, self.end
-        limit = end
-        for char in _RUN_ENDS:  # (a find per character is memchr's speed; a regex class is not)
-            at = text.find(char, pos, limit)
-            if at >= 0:
-                limit = at
-        last = text.rfind(MOUNT, pos, limit)
-        if last < 0:
-            return pos
-        stop = PATH_TOKEN.match(text, last, limit).end()  # type: ignore[union-attr]
-        if stop == limit and (limit < end or not self.final):
-            before = text[last - 1]
-            if before not in PATH_STOP and not before.isspace():
-                return self._judged_run(pos, limit)  # that /mnt/data/ may be inside a path
-            stop = last  # the last path may go on (or its token be cut): the main loop takes it
-            if text.rfind(MOUNT, pos, stop) < 0:
-                return pos
-        paths = _plain_paths(text, pos, stop)
-        if paths is None:
-            return self._judged_run(pos, limit)
-        # No doubt: every /mnt/data/ up to `stop` starts a path token.
-        self.refs.append((pos, stop, PathRun(paths)))
-        return stop
-
-    def _judged_run(self, pos: int, limit: int) -> int:
-        """path_run for a stretch with a path in doubt: split into gaps and paths and judged (_judged), in
-        windows that double while every path in them passes, so a text whose paths fail every other
-        time costs a small window per path. The run ends before the first path that fails."""
-        text = self.text
-        paths: list[str] = []
-        at, size = pos, _RUN_WINDOW
-        while at < limit:
-            stop = min(limit, at + size)
-            parts = PATH_SPLIT.split(text[at:stop])  # gap, path, gap, ..., path, gap
-            n = len(parts) // 2
-            if n and not parts[-1] and (stop < self.end or not self.final):
-                n -= 1  # the last path touches the window's end: it may go on
-            gaps, window_paths = parts[0 : 2 * n : 2], parts[1 : 2 * n : 2]
-            good = _judged(gaps, window_paths)
-            if good:
-                paths += window_paths[:good]
-                at += sum(map(len, gaps[:good])) + sum(map(len, window_paths[:good]))
-            if good < n or stop == limit:
-                break
-            size *= 4
-        if paths:
-            self.refs.append((pos, at, PathRun(list(dict.fromkeys(paths)))))
-        return at
+        """After a path, outside any link text: the plain paths that follow, as one PathRun (see
+        engine/path_runs.py). Returns where scanning goes on (`pos`: no run)."""
+        return path_run(self.text, self.end, self.final, pos, self.refs)
 
     # -------------------------------------------------------------------------------- the main loop
 
@@ -581,52 +523,6 @@ class Scan:
         if fence is None and not (verbatim or single or escaped):
             return at, START  # the usual case: no new object
         return at, State(fence, verbatim, single, escaped)
-
-
-_LAST = itemgetter(-1)
-_FEW_PATHS = 8  # distinct paths found by a search each (beyond: all listed)
-
-
-def _plain_paths(text: str, pos: int, stop: int) -> list[str] | None:
-    """The distinct paths of a stretch, in order, or None when a path in it is in doubt: usually a few
-    however many times each is named, each found by one search for a path in doubt or none of those
-    found so far (C, nothing allocated per path)."""
-    found: tuple[str, ...] = ()
-    at = pos
-    while len(found) < _FEW_PATHS:
-        hit = doubt_or_other_path(found).search(text, at, stop)
-        if hit is None:
-            return list(found)
-        if hit.group("doubt") is not None:
-            return None
-        token = PATH_TOKEN.match(text, hit.start(), stop)
-        assert token is not None
-        found += (token.group(),)
-        at = token.end()
-    if PATH_RUN_DOUBT.search(text, at, stop):
-        return None
-    return list(dict.fromkeys([*found, *PATH_TOKEN.findall(text, at, stop)]))
-
-
-def _judged(gaps: list[str], paths: list[str]) -> int:
-    """How many of the (gap, path) pairs, from the first, the main loop would take as they are: a path
-    after a character that does not join it to a word or URL, with no trailing punctuation or `/` to
-    cut off, shorter than the longest path a token holds. Checked on the distinct last characters (C);
-    one at a time only to find the first that fails. (Gaps are never empty: paths are whole tokens.)"""
-    befores = set(map(_LAST, gaps))
-    if (
-        not any(c in _NOT_BEFORE_RUN_PATH or c.isalnum() for c in befores)
-        and _NOT_LAST_IN_RUN_PATH.isdisjoint(map(_LAST, paths))
-        and (not paths or max(map(len, paths)) < 10 + MAX_PATH)
-    ):
-        return len(paths)
-    for n, (gap, path) in enumerate(zip(gaps, paths, strict=True)):
-        before = gap[-1]
-        if before in _NOT_BEFORE_RUN_PATH or before.isalnum():
-            return n
-        if path[-1] in _NOT_LAST_IN_RUN_PATH or len(path) >= 10 + MAX_PATH:
-            return n
-    return len(paths)
 
 
 def _undecided_newline(text: str, end: int) -> int:
