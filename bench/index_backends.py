@@ -9,9 +9,17 @@ machine hits both alike:
 (a) the quota check of a user with 100 sessions (among 100k session rows; 1k in --quick):
     `session.run_budget()`;
 (b) the storage side of one chat step, in a session of 1,000 files (100 in --quick): `session.lock()`,
-    `run_budget()`, `begin_run()`, then (the run's change, not timed) one file rewritten, then a
+    `run_budget()` and `begin_run()` at once (as engine/service.py does), then (the run's change, not
+    timed) one file rewritten, then a
     change-driven `reconcile(changed=[that file])` and `publish(that file)` into a DirectoryPublisher,
     and the lock's release.
+
+(c) the batch paths, once each per backend (SQLite first, then PostgreSQL), on a store of their own
+    holding 10 sessions of 10,000 files (200 in --quick): a rebuild of the index from the folders
+    (`store.reconcile(Reconcile.REBUILD)` after every session row was deleted), and the cleanup of all
+    those files, expired (what the caller waits for; the trash is emptied in the background, not
+    timed). Their floors, in the same run: the bare walk of the same folders (scandir + lstat) for
+    the rebuild, a bare rename of each folder into another for the cleanup.
 
 Reported: medians (p25-p75) in ms, the ratio of medians PostgreSQL/SQLite, the median of per-pair
 ratios, and where a step's time goes. The target is a step within 1.2x of SQLite's. Also measured, as
@@ -22,20 +30,31 @@ which a step makes ROUND_TRIPS_PER_STEP.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
-from storage import DirectoryPublisher, Session, Store
+from storage import DirectoryPublisher, Expiry, Reconcile, Session, Store
 
-from ._common import BENCH_QUOTAS, Context, make_files, percentile, ratio_summary, summary
+from ._common import (
+    BENCH_QUOTAS,
+    Context,
+    bare_rename,
+    bare_walk,
+    make_files,
+    percentile,
+    ratio_summary,
+    summary,
+)
 
 SECTION = "index_backends"
 TARGET_STEP_RATIO = 1.2
 BACKENDS = ("sqlite", "postgresql")
-PHASES = ("lock", "run_budget", "begin_run", "reconcile", "publish", "unlock")
+PHASES = ("lock", "budget_and_mark", "reconcile", "publish", "unlock")
 CHANGED = "out/result.csv"
 # Counted from the statements one step sends (storage/_postgres.py pipelines a transaction's
 # statements, a read of one statement goes alone, a write's answers come with its COMMIT): the chat
@@ -46,8 +65,62 @@ ROUND_TRIPS_PER_STEP = 7
 
 def _sizes(quick: bool) -> dict[str, int]:
     if quick:
-        return {"users": 10, "files": 100, "quota_reps": 20, "step_reps": 10, "warmup": 3}
-    return {"users": 1000, "files": 1000, "quota_reps": 300, "step_reps": 200, "warmup": 10}
+        return {"users": 10, "files": 100, "quota_reps": 20, "step_reps": 10, "warmup": 3, "batch": 200}
+    return {"users": 1000, "files": 1000, "quota_reps": 300, "step_reps": 200, "warmup": 10, "batch": 10_000}
+
+
+BATCH_SESSIONS = 10
+
+
+async def _batch_paths(
+    ctx: Context, base: Path, name: str, url: str | None, per_session: int
+) -> dict[str, Any]:
+    """(c) for one backend: rebuild the index of 10 sessions from their folders, then expire them all."""
+    root = base / f"batch-{name}"
+    store = Store(root, quotas=BENCH_QUOTAS, database_url=url)
+    await store.open()
+    try:
+        sessions = [await store.session("batch-user", f"chat-{i}") for i in range(BATCH_SESSIONS)]
+        for session in sessions:
+            await asyncio.to_thread(make_files, session.path, per_session)
+            await session.reconcile(enforce_quotas=False)
+        await store.backend.write(lambda tx: tx.run("DELETE FROM sessions", ()))
+        await asyncio.to_thread(os.sync)
+        start = time.perf_counter()
+        await asyncio.to_thread(lambda: [bare_walk(s.path) for s in sessions])
+        walk_s = time.perf_counter() - start
+        start = time.perf_counter()
+        report = await store.reconcile(Reconcile.REBUILD)
+        rebuild_s = time.perf_counter() - start
+        if report.files != BATCH_SESSIONS * per_session:
+            raise RuntimeError(f"{name}: the rebuild indexed {report.files} files")
+        await store.backend.write(lambda tx: tx.run("UPDATE files SET last_changed = 0", ()))
+        store.expiry = Expiry(file_max_age_s=86_400, session_idle_s=0, temporary_idle_s=0)
+        await asyncio.to_thread(os.sync)
+        start = time.perf_counter()
+        cleaned = await store.cleanup()
+        cleanup_s = time.perf_counter() - start
+        if cleaned.files_removed != BATCH_SESSIONS * per_session:
+            raise RuntimeError(f"{name}: the cleanup removed {cleaned.files_removed} files")
+        await store.trash_emptied()
+        floor = base / f"rename-{name}"
+        folders = await asyncio.to_thread(make_files, floor / "from", BATCH_SESSIONS * per_session)
+        (floor / "to").mkdir()
+        await asyncio.to_thread(os.sync)
+        start = time.perf_counter()
+        await asyncio.to_thread(bare_rename, folders, floor / "to")
+        rename_s = time.perf_counter() - start
+        ctx.log(f"{SECTION}: {name}: rebuild {rebuild_s:.2f} s, cleanup {cleanup_s:.2f} s")
+        return {
+            "rebuild": summary([rebuild_s]),
+            "bare_walk": summary([walk_s]),
+            "cleanup": summary([cleanup_s]),
+            "bare_rename": summary([rename_s]),
+        }
+    finally:
+        await store.close()
+        await asyncio.to_thread(shutil.rmtree, root, True)
+        await asyncio.to_thread(shutil.rmtree, base / f"rename-{name}", True)
 
 
 async def _add_session_rows(store: Store, users: int) -> None:
@@ -110,10 +183,9 @@ async def _step(session: Session, n: int, phases: dict[str, list[float]]) -> flo
     await lock.__aenter__()
     try:
         marks["lock"] = time.perf_counter()
-        await session.run_budget()
-        marks["run_budget"] = time.perf_counter()
-        await session.begin_run()
-        marks["begin_run"] = time.perf_counter()
+        # As a step does it (engine/service.py): the quota read and the run's mark at once.
+        await asyncio.gather(session.run_budget(), session.begin_run())
+        marks["budget_and_mark"] = time.perf_counter()
         # The run: it rewrites one file (not timed).
         await asyncio.to_thread((session.path / CHANGED).write_bytes, b"a,b\n" + b"%d,%d\n" % (n, n) * 20)
         resumed = time.perf_counter()
@@ -133,7 +205,7 @@ async def _step(session: Session, n: int, phases: dict[str, list[float]]) -> flo
         start = resumed if phase == "reconcile" else before
         phases[phase].append(marks[phase] - start)
         before = marks[phase]
-    return (marks["begin_run"] - t0) + (marks["unlock"] - resumed)
+    return (marks["budget_and_mark"] - t0) + (marks["unlock"] - resumed)
 
 
 async def _round_trip(conn: Any) -> float:
@@ -211,6 +283,11 @@ async def run(ctx: Context) -> dict[str, Any]:
         s_times, s_ratios = await _interleaved(
             size["step_reps"], size["warmup"], {name: step(name) for name in BACKENDS}
         )
+        ctx.log(f"{SECTION}: rebuild and cleanup of {BATCH_SESSIONS * size['batch']:,} files on each")
+        batch = {
+            name: await _batch_paths(ctx, base, name, url if name == "postgresql" else None, size["batch"])
+            for name in BACKENDS
+        }
         ctx.log(f"{SECTION}: bare round trips")
         import psycopg
 
@@ -225,6 +302,8 @@ async def run(ctx: Context) -> dict[str, Any]:
             "round_trip": summary(trips[cut:]),
             "round_trips_per_step": ROUND_TRIPS_PER_STEP,
             "step_session_files": size["files"] + 1,
+            "batch_files": BATCH_SESSIONS * size["batch"],
+            "batch": batch,
             "quota_check": _compare(q_times, q_ratios),
             "step": {
                 **_compare(s_times, s_ratios),
@@ -284,6 +363,7 @@ def render(r: dict[str, Any]) -> str:
         "any network database)"
         if waiting
         else "",
+        *_batch_lines(r),
         "",
         "where the step's time goes (median ms):",
         table(
@@ -293,3 +373,32 @@ def render(r: dict[str, Any]) -> str:
         ),
     ]
     return "\n".join(lines)
+
+
+def _batch_lines(r: dict[str, Any]) -> list[str]:
+    batch = r.get("batch")
+    if not batch:
+        return []
+    from .report import table
+
+    rows = []
+    for label, key, floor in (
+        ("rebuild from the folders", "rebuild", "bare_walk"),
+        ("cleanup, all expired", "cleanup", "bare_rename"),
+    ):
+        s, p = batch["sqlite"], batch["postgresql"]
+        rows.append(
+            [
+                label,
+                f"{s[key]['median_ms'] / 1000:.2f}",
+                f"{p[key]['median_ms'] / 1000:.2f}",
+                f"{p[key]['median_ms'] / s[key]['median_ms']:.2f}",
+                f"{s[floor]['median_ms'] / 1000:.2f} / {p[floor]['median_ms'] / 1000:.2f}",
+            ]
+        )
+    return [
+        "",
+        f"batch paths, {r['batch_files']:,} files in {BATCH_SESSIONS} sessions, once each (s):",
+        table(["", "SQLite", "PostgreSQL", "P/S", "floor S / P"], rows, right=(1, 2, 3)),
+        "floors: the bare walk of the same folders (rebuild), a bare rename of each folder (cleanup)",
+    ]

@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_4f8c82fe32cd'
+_CS_PACKAGE = '_code_sessions_6c58d26e5cfc'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -599,6 +599,7 @@ STRAY_GRACE_S = 600.0
 # before the reconcile of the same step.
 STALE_LINK_GRACE_S = 600.0
 _EXPIRY_BATCH = 2000
+_BATCHES_PER_HOLD = 4  # batches of a session expired per hold of its lock
 _Expired = tuple[str, int, int]  # an expired file as the index saw it: (path, size, mtime_ns)
 _ByFolder = dict[tuple[str, ...], list[_Expired]]  # by the path of their folder in the session
 
@@ -853,29 +854,48 @@ async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally
             row.user_id, row.chat_id, row.user_key, row.chat_key, recorded_temporary=row.temporary
         )
         removed_files, removed_bytes = 0, 0
-        # The chat's lock is held one batch at a time, so a user's next step waits for at most one
-        # batch, not for an old session's whole expiry. A batch is whole folders: a folder whose files
-        # all expired leaves in one rename; of a folder that cannot, a batch moves _EXPIRY_BATCH files.
+        # The chat's lock is held a few batches at a time (_BATCHES_PER_HOLD), so a user's next step
+        # waits for at most those, not for an old session's whole expiry. A batch is whole folders: a
+        # folder whose files all expired leaves in one rename; of a folder that cannot, a batch moves
+        # _EXPIRY_BATCH files. While the lock is held, the index write of one batch runs while the
+        # next batch is moved (two threads: the index's and the files'), and all are written before
+        # the lock is let go.
         pending = deque(_batches(files))
         while pending:
-            batch = pending.popleft()
             lock = core.lock_of(ref)
             if not await lock.try_acquire():
                 tally.busy(row, reason)
                 break
+            writing: asyncio.Future[int] | None = None
             try:
-                gone = await asyncio.to_thread(_move_unchanged, ref.path, core.layout.trash, batch)
-                if gone:
-                    tally.links_removed += await _forget_files(core, ref, row.id, gone, reason)
+                for _ in range(_BATCHES_PER_HOLD):
+                    if not pending:
+                        break
+                    batch = pending.popleft()
+                    gone, absent = await asyncio.to_thread(
+                        _move_unchanged, ref.path, core.layout.trash, batch
+                    )
+                    if writing is not None:
+                        tally.links_removed += await writing
+                        writing = None
+                    if gone or absent:
+                        writing = asyncio.ensure_future(
+                            _forget_files(core, ref, row.id, gone + absent, reason)
+                        )
+                    removed_files += len(gone) + len(absent)
+                    removed_bytes += sum(size for _, size in gone) + sum(size for _, size in absent)
+                    if len(batch) == 1 and len(gone) == _EXPIRY_BATCH:
+                        ((parent, entries),) = batch.items()
+                        if len(entries) > _EXPIRY_BATCH:  # a large folder moved file by file: the rest next
+                            moved = {path for path, _ in gone}
+                            pending.appendleft({parent: [e for e in entries if e[0] not in moved]})
+                if writing is not None:
+                    tally.links_removed += await writing
+                    writing = None
             finally:
+                if writing is not None:  # something failed meanwhile: the write ends before the lock goes
+                    await asyncio.gather(writing, return_exceptions=True)
                 await lock.release()
-            removed_files += len(gone)
-            removed_bytes += sum(size for _, size in gone)
-            if len(batch) == 1 and len(gone) == _EXPIRY_BATCH:
-                ((parent, entries),) = batch.items()
-                if len(entries) > _EXPIRY_BATCH:  # a large folder moved file by file: the rest of it next
-                    moved = {path for path, _ in gone}
-                    pending.appendleft({parent: [e for e in entries if e[0] not in moved]})
         if removed_files:
             tally.files_removed += removed_files
             tally.bytes_freed += removed_bytes
@@ -912,25 +932,35 @@ async def _count_files(
     tally.details.append(CleanupAction(row.user_id, row.chat_id, "files expired", len(files), size, reason))
 
 
-def _move_unchanged(folder: Path, trash: Path, by_parent: _ByFolder) -> list[tuple[str, int]]:
+def _move_unchanged(
+    folder: Path, trash: Path, by_parent: _ByFolder
+) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """Move the expired files that still match the index out of the session into the trash (one rename
-    per folder whose files all expired, else one per file); the trash is emptied in the background."""
+    per folder whose files all expired, else one per file); the trash is emptied in the background.
+    Returns (moved, absent): (path, size) of the files moved, and of those already gone from the
+    folder (a cleanup that moved them died before it wrote the index: the disk is the truth)."""
     gone: list[tuple[str, int]] = []
+    absent: list[tuple[str, int]] = []
     try:
         root = open_dir(folder)
     except (FileMissing, InvalidPath):
-        return gone
+        return gone, absent
     with fd_closing(root), fd_closing(os.open(trash, DIR_FLAGS)) as trash_fd:
         for parent_parts, entries in by_parent.items():
             wanted = {path.rsplit("/", 1)[-1]: (size, mtime_ns) for path, size, mtime_ns in entries}
-            moved = move_aside_unchanged(root, parent_parts, wanted, trash_fd, _bin_name(), _EXPIRY_BATCH)
-            if moved:
-                prefix = "/".join(parent_parts)
-                sizes = {path: size for path, size, _ in entries}
-                for name in moved:
+            missing: list[str] = []
+            moved = move_aside_unchanged(
+                root, parent_parts, wanted, trash_fd, _bin_name(), _EXPIRY_BATCH, missing
+            )
+            if moved is None:  # the folder itself is gone
+                missing = list(wanted)
+            prefix = "/".join(parent_parts)
+            sizes = {path: size for path, size, _ in entries}
+            for names, into in ((moved or (), gone), (missing, absent)):
+                for name in names:
                     path = f"{prefix}/{name}" if prefix else name
-                    gone.append((path, sizes[path]))
-    return gone
+                    into.append((path, sizes[path]))
+    return gone, absent
 
 
 def _bin_name() -> str:
@@ -1619,6 +1649,7 @@ def move_aside_unchanged(
     trash_fd: int,
     bin_name: str,
     limit: int,
+    absent: list[str] | None = None,
 ) -> list[str] | None:
     """Move the regular files of the folder `parts` (under root_fd) whose (size, mtime_ns) still match
     `wanted` out of the session into the trash (trash_fd, ours), without unlinking anything.
@@ -1627,8 +1658,8 @@ def move_aside_unchanged(
     in one rename and an empty one of the same mode and owner takes its place; otherwise each file goes
     in one rename into trash/<bin_name>/ (made on first use; `bin_name` is new for each call), at most
     `limit` of them. Returns the names moved (None: the folder
-    is missing or not a folder). A rename is atomic: a name is either still in the session or already
-    out of it, whatever happens when."""
+    is missing or not a folder); `absent` gets the names of `wanted` the folder does not hold. A rename
+    is atomic: a name is either still in the session or already out of it, whatever happens when."""
     try:
         folder = walk_dirs(root_fd, parts)
     except (FileMissing, InvalidPath):
@@ -1636,6 +1667,9 @@ def move_aside_unchanged(
     with fd_closing(folder):
         with os.scandir(folder) as listing:
             entries = [(entry.name, entry.stat(follow_symlinks=False)) for entry in listing]
+        if absent is not None:
+            held = {name for name, _ in entries}
+            absent.extend(name for name in wanted if name not in held)
         moving = [
             name
             for name, st in entries
@@ -2908,6 +2942,21 @@ async def user_usage(tx: Tx, user_key: str) -> Usage:
     return Usage(int(row[0]), int(row[1])) if row else Usage(0, 0)
 
 
+async def user_and_session_usage(tx: Tx, user_key: str, chat_key: str) -> tuple[Usage, Usage]:
+    """`user_usage` and `session_usage` in one statement: the same SUM over the user's session rows,
+    and the session's own row among them."""
+    row = await tx.one(
+        "SELECT coalesce(sum(file_count), 0), coalesce(sum(bytes + published_bytes), 0),"
+        " coalesce(sum(CASE WHEN chat_key = ? THEN file_count END), 0),"
+        " coalesce(sum(CASE WHEN chat_key = ? THEN bytes END), 0)"
+        " FROM sessions WHERE user_key = ?",
+        (chat_key, chat_key, user_key),
+    )
+    if row is None:
+        return Usage(0, 0), Usage(0, 0)
+    return Usage(int(row[0]), int(row[1])), Usage(int(row[2]), int(row[3]))
+
+
 async def user_usage_later(tx: Tx, user_key: str) -> Callable[[], Awaitable[Usage]]:
     """`user_usage` as the transaction leaves it, read with its COMMIT (see Tx.one_later)."""
     later = await tx.one_later(
@@ -2978,7 +3027,20 @@ async def delete_files_by_keys(tx: Tx, user_key: str, chat_key: str, paths: Sequ
 
 
 async def delete_files(tx: Tx, session_id: int, paths: Sequence[str]) -> None:
-    await tx.many("DELETE FROM files WHERE session_id = ? AND path = ?", [(session_id, p) for p in paths])
+    # Up to CHUNK paths per statement (an expiry's batch of 2,000 files is four statements, not 2,000
+    # on SQLite); queued like any `many` on PostgreSQL.
+    full = len(paths) - len(paths) % CHUNK
+    if full:
+        marks = ", ".join("?" * CHUNK)
+        await tx.many(
+            f"DELETE FROM files WHERE session_id = ? AND path IN ({marks})",
+            [(session_id, *paths[i : i + CHUNK]) for i in range(0, full, CHUNK)],
+        )
+    if full < len(paths):
+        marks = ", ".join("?" * (len(paths) - full))
+        await tx.many(
+            f"DELETE FROM files WHERE session_id = ? AND path IN ({marks})", [(session_id, *paths[full:])]
+        )
 
 
 async def file_rows(tx: Tx, session_id: int) -> list[tuple[str, int, int]]:
@@ -4066,6 +4128,7 @@ class _AdvisoryLock:
     async def try_acquire(self) -> bool:
         if self._conn is not None:
             raise RuntimeError("lock already held by this object")
+        await self._backend.unlocked(self._key)
         conn = await self._backend.lock_connection()
         got, conn = await self._attempt(conn)
         if got:
@@ -4081,6 +4144,7 @@ class _AdvisoryLock:
         # never leaves a server-side wait behind that could take the lock after its caller gave up.
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.005
+        await self._backend.unlocked(self._key)
         conn = await self._backend.lock_connection()
         try:
             while True:
@@ -4121,10 +4185,16 @@ class _AdvisoryLock:
         raise AssertionError("unreachable")
 
     async def release(self, *, forget: bool = False) -> None:
-        # `forget` has nothing to drop: an advisory lock is a name, not a file.
+        # `forget` has nothing to drop: an advisory lock is a name, not a file. The unlock is sent,
+        # and its answer awaited in the background: the caller goes on a round trip sooner. This
+        # process's next lock on the same key waits for that answer first (PostgresBackend.unlocked);
+        # another process may find the lock held for that round trip longer, as if we had been slower.
         conn, self._conn = self._conn, None
         if conn is None:
             return
+        self._backend.unlocking(self._key, asyncio.ensure_future(self._unlock(conn)))
+
+    async def _unlock(self, conn: Any) -> None:
         psycopg = _psycopg()
         try:
             cursor = await conn.execute("SELECT pg_advisory_unlock(%s::bigint)", (self._key,))
@@ -4178,6 +4248,7 @@ class PostgresBackend:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._all: set[Any] = set()
         self._idle_locks: list[Any] = []
+        self._unlocks: dict[int, asyncio.Future[None]] = {}  # key -> its unlock's answer, awaited
         self._multi_reads: set[Any] = set()  # code of read functions that make several statements
         self._pipelined = True  # libpq >= 14 (psycopg's binary wheels bundle one); checked at open
         self.closed = True
@@ -4209,6 +4280,24 @@ class PostgresBackend:
             )
         )
         return bool(row and row[0])
+
+    def unlocking(self, key: int, answer: asyncio.Future[None]) -> None:
+        """An unlock of `key` is on its way (see _AdvisoryLock.release)."""
+        self._unlocks[key] = answer
+
+        def answered(future: asyncio.Future[None]) -> None:
+            if self._unlocks.get(key) is future:
+                del self._unlocks[key]
+            if not future.cancelled() and future.exception() is not None:
+                log.warning("unlocking an advisory lock failed: %s", future.exception())
+
+        answer.add_done_callback(answered)
+
+    async def unlocked(self, key: int) -> None:
+        """Wait until an unlock of `key` this process sent has been answered."""
+        answer = self._unlocks.get(key)
+        if answer is not None:
+            await asyncio.wait({answer})
 
     async def lock_connection(self) -> Any:
         """A connection for one lock: an idle one if there is one, else a new one."""
@@ -4256,6 +4345,8 @@ class PostgresBackend:
         return await self.open()
 
     async def close(self) -> None:
+        if self._unlocks:  # (closing their connections would release them too, less politely)
+            await asyncio.gather(*self._unlocks.values(), return_exceptions=True)
         self.closed = True
         conns, self._all, self._idle_locks, self._pool = self._all, set(), [], None
         for conn in conns:
@@ -8090,6 +8181,11 @@ class Session:
         # An earlier run was never indexed (its mark, or runs on a full disk): list the folder whole.
         self._unindexed_run = unindexed
         self._generation = core.generation  # the index this session's lock was taken with
+        self._locked = False  # this object holds the chat's lock (inside `lock()`)
+        # The session's totals as run_budget read them under the lock: while the lock is held nothing
+        # else writes this session's rows, so a reconcile that finds nothing changed reports them
+        # instead of reading them again.
+        self._totals: Usage | None = None
 
     @property
     def user_id(self) -> str:
@@ -8138,18 +8234,24 @@ class Session:
                 await waiting()
             await lock.acquire(timeout)
         self._generation = self._core.generation
+        self._locked, self._totals = True, None
         try:
             if await self._core.ensure(self._ref, touch=True, cached=True):
                 self._unindexed_run = True  # runs on the full disk were never indexed
             yield self
         finally:
+            self._locked, self._totals = False, None
             await lock.release()
 
     async def run_budget(self) -> RunBudget:
         """What a run may write while it runs (never a refusal: see Policy.run_budget)."""
         core = self._core
         await core.remember_settings()
-        usage = await core.read(lambda tx: _index.user_usage(tx, self.user_key))
+        usage, totals = await core.read(
+            lambda tx: _index.user_and_session_usage(tx, self.user_key, self.chat_key)
+        )
+        if self._locked:
+            self._totals = totals
         return core.policy.run_budget(usage)
 
     async def begin_run(self) -> None:
@@ -8194,14 +8296,35 @@ class Session:
             # The index was rebuilt while this session was locked (a damaged index, found during the
             # run): the rebuild skipped it, so it is listed whole, and its links taken back.
             mode = Reconcile.FOLDER
-        report = await self._reconcile(mode, changed or (), enforce_quotas)
+        marker = core.layout.running_marker(self.user_key, self.chat_key)
+        marked = True
+        totals, self._totals = self._totals, None
+        if mode is Reconcile.CHANGED and not changed and totals is not None and self._locked:
+            # Nothing changed (print(1)), and run_budget read the totals under this lock: nothing to
+            # read or write; only the mark goes.
+            await asyncio.to_thread(_unlink_missing_ok, marker)
+            report = ReconcileReport(files=totals.files, bytes=totals.bytes, full=False)
+            marked = core.generation != self._generation
+            if marked:
+                await self.begin_run()  # the whole folder is listed below: marked until it is indexed
+        elif mode is Reconcile.CHANGED and not changed:
+            # Nothing changed: the index already matches the folder, so the mark can go while the
+            # totals are read (two threads' hops at once instead of one after the other).
+            report, _ = await asyncio.gather(
+                self._reconcile(mode, (), enforce_quotas), asyncio.to_thread(_unlink_missing_ok, marker)
+            )
+            marked = core.generation != self._generation
+            if marked:
+                await self.begin_run()  # the whole folder is listed below: marked until it is indexed
+        else:
+            report = await self._reconcile(mode, changed or (), enforce_quotas)
         if core.generation != self._generation:  # replaced while this reconcile ran
             if mode is Reconcile.CHANGED:  # the rebuild skipped this locked session: list it whole
                 report = await self._reconcile(Reconcile.FOLDER, (), enforce_quotas)
             await _repair.reconcile_links(core)
             self._generation = core.generation
-        marker = core.layout.running_marker(self.user_key, self.chat_key)
-        await asyncio.to_thread(_unlink_missing_ok, marker)
+        if marked:
+            await asyncio.to_thread(_unlink_missing_ok, marker)
         self._unindexed_run = False
         return report
 
@@ -8776,11 +8899,14 @@ class Store:
 
     # ------------------------------------------------------------------ sessions
 
-    async def session(self, user_id: str, chat_id: str) -> Session:
+    async def session(self, user_id: str, chat_id: str, *, cached: bool = False) -> Session:
         """The session of (user_id, chat_id): creates its folder and index row if needed and marks it
-        used now. Ids are untrusted strings; any value maps to a safe folder name."""
+        used now. `cached`: not written again when this process marked it used within ENSURED_FOR_S
+        (a chat's step: expiry counts in hours and days, and a warm step should not pay a thread's
+        hop and a transaction for it). Ids are untrusted strings; any value maps to a safe folder
+        name."""
         ref = self._core.ref(user_id, chat_id)
-        unindexed = await self._core.ensure(ref, touch=True)
+        unindexed = await self._core.ensure(ref, touch=True, cached=cached)
         return Session(self._core, ref, unindexed=unindexed)
 
     def session_at(self, info: ChatInfo) -> Session:
@@ -11216,7 +11342,11 @@ class Kernel(_Watchers):
         while done is None:
             timeout = max(0.0, deadline - time.monotonic())
             try:
-                message = await asyncio.wait_for(self._inbox.get(), timeout)
+                # A message already waiting needs no timer (wait_for makes a task and a timer handle).
+                inbox = self._inbox
+                message = (
+                    inbox.get_nowait() if not inbox.empty() else await asyncio.wait_for(inbox.get(), timeout)
+                )
             except TimeoutError:
                 if interrupted is None:
                     interrupted, detail = "timeout", f"interrupted after {limits.timeout_s:g} s"
@@ -11255,8 +11385,7 @@ class Kernel(_Watchers):
             outcome, reason = Outcome.ERROR, _could_not_start(language, stderr.text())
         else:
             outcome, reason = Outcome.ERROR, f"exit code {done.exit_code}"
-        result = self._result(outcome, done.exit_code, stdout, stderr, t0, reason, watch)
-        return result.model_copy(update={"figures": done.figures, "figures_more": done.more})
+        return self._result(outcome, done.exit_code, stdout, stderr, t0, reason, watch, done)
 
     def _result(
         self,
@@ -11267,9 +11396,12 @@ class Kernel(_Watchers):
         t0: float,
         reason: str | None,
         watch: ChangeWatch | None,
+        done: _wire.Done | None = None,
     ) -> RunResult:
         changed = self._harvest(watch)
         return RunResult(
+            figures=done.figures if done is not None else (),
+            figures_more=done.more if done is not None else 0,
             outcome=outcome,
             exit_code=exit_code,
             stdout=stdout.text(),
@@ -12240,6 +12372,7 @@ class _ImportHooks:
 from __future__ import annotations
 
 import _signal
+import _thread
 import builtins
 import os
 import sys
@@ -12253,7 +12386,7 @@ from .figures import _Figures
 from .hooks import _ImportHooks
 from .packages import package_versions
 from .protocol import DEFAULT_WORKDIR, MAX_REQUEST, PROTOCOL_VERSION, WORKDIR_ENV
-from .pumps import _Pump
+from .pumps import _Direct, _Pump, end_quietly, quiet_poller
 from .python_cells import _into_linecache, _PythonCells
 from .restore import _Restoring
 
@@ -12277,6 +12410,11 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         self._bash_count = 0
         self._catchable = [s for s in _signal.valid_signals() if s not in (_signal.SIGKILL, _signal.SIGSTOP)]
         self._recursion_limit = sys.getrecursionlimit()
+        self._main_thread = _thread.get_ident()
+        self._writing = False  # the main thread is sending a frame of sys.stdout/stderr (_send_direct)
+        self._deferred = False  # a SIGINT came meanwhile: raised once the frame is whole
+        self._forked = False  # this is a child a cell forked: its prints go through the pipes
+        self._print_path = {_Direct.write.__code__, Kernel._send_direct.__code__}
 
     # -- setup ---------------------------------------------------------------------------------------
 
@@ -12294,15 +12432,16 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         out_r, self.out_w = os.pipe()
         err_r, self.err_w = os.pipe()
         self._restore_fds()  # /dev/null on 0 (input() gets EOF, never protocol bytes), the pipes on 1 and 2
-        self._stdin = self._stdout = self._stderr = None
-        self._restore_streams()
-        self._private_fds = {fd: self._identity(fd) for fd in (self.in_fd, self.out_fd, out_r, err_r)}
-        self._private_fds.update({fd: self._identity(fd) for fd in (self.out_w, self.err_w, self.null_fd)})
         self.channel = _Channel(self.out_fd)
         self._pumps = (
             _Pump(self.channel.send, out_r, self.out_w, "o"),
             _Pump(self.channel.send, err_r, self.err_w, "e"),
         )
+        self._stdin = self._stdout = self._stderr = None
+        self._restore_streams()
+        self._private_fds = {fd: self._identity(fd) for fd in (self.in_fd, self.out_fd, out_r, err_r)}
+        self._private_fds.update({fd: self._identity(fd) for fd in (self.out_w, self.err_w, self.null_fd)})
+        self._quiet = quiet_poller(self._pumps)
         for pump in self._pumps:
             pump.start()
         _signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_signal.SIGINT})
@@ -12320,6 +12459,7 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         # Cell sources for tracebacks: linecache (with tokenize and re, ~50 ms to import in the
         # sandbox) is filled only once something imports it (a traceback, the code itself).
         self._cell_sources: dict[str, str] = {}
+        os.register_at_fork(after_in_child=self._after_fork)
         hooks = {
             "matplotlib.pyplot": self._on_pyplot_import,
             "plotly.io": self._on_plotly_import,
@@ -12353,13 +12493,44 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         except Exception as exc:  # never fail the cell's import over our convenience
             self._note(f"[code-sessions: cannot hook fig.show(): {exc!r}]\n")
 
+    def _after_fork(self) -> None:
+        self._forked = True  # the pumps (and their locks, maybe held at the fork) are the parent's
+
+    def _send_direct(self, pump: _Pump, data: bytes) -> bool:
+        """pump.send_direct, with an interrupt that comes in the middle of the frame raised once the frame
+        is whole (a frame cut short would break the protocol, and the kernel with it)."""
+        if self._forked:
+            return False
+        if _thread.get_ident() != self._main_thread:  # only the main thread runs signal handlers
+            return pump.send_direct(data)
+        self._writing = True
+        try:
+            sent = pump.send_direct(data)
+        finally:
+            self._writing = False
+        if self._deferred:
+            self._armed = self._deferred = False
+            raise KeyboardInterrupt
+        return sent
+
     def _on_sigint(self, signum: int, frame: Any) -> None:
         # Idle, or in the kernel's own code after a cell: ignored. Armed: one KeyboardInterrupt, and
         # disarmed first, so a second SIGINT can never raise inside the kernel's own code. A cell that
         # caught it and runs on is interrupted again only where that is safe to tell: while the frame
-        # on top is the cell's own code (its globals are the namespace; kernel code never runs there).
-        if self._armed or (self._cell_running and frame is not None and frame.f_globals is self.namespace):
-            self._armed = False
+        # on top is the cell's own code (its globals are the namespace; kernel code never runs there),
+        # or the print path's own code outside a frame being sent (_Direct.write, _send_direct: the
+        # cell's text is then either not sent yet or sent whole). In the middle of a frame: deferred,
+        # and raised by _send_direct once the frame is whole.
+        if self._writing:
+            if self._armed or self._cell_running:
+                self._deferred = True
+            return
+        if self._armed or (
+            self._cell_running
+            and frame is not None
+            and (frame.f_globals is self.namespace or frame.f_code in self._print_path)
+        ):
+            self._armed = self._deferred = False
             raise KeyboardInterrupt
 
     # -- the loop ------------------------------------------------------------------------------------
@@ -12413,6 +12584,7 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
 
     def _run(self, run_id: int, lang: str, code: str) -> None:
         started = _perf_counter()
+        self._deferred = False
         self._figures.saved = []
         self._figures.more = 0
         self._charts.pending = []
@@ -12422,7 +12594,7 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
             status, exit_code, report = self._run_python(run_id, code)
         else:
             status, exit_code, report = self._run_bash(code)
-        self._restore_process_state()
+        self._restore_python_state()
         if report:
             self._note(report)
         pio = sys.modules.get("plotly.io")
@@ -12449,12 +12621,12 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
                 status, exit_code = "interrupted", None
         self._flush_streams()
         self._end_leftovers()
-        self._check_private_fds()
-        sentinel = b"\x00code-sessions:" + os.urandom(16).hex().encode() + b"\x00"
-        for pump in self._pumps:
-            pump.drain(sentinel)
-        for pump in self._pumps:
-            pump.wait_drained()
+        if not end_quietly(self._pumps, self._quiet):
+            sentinel = b"\x00code-sessions:" + os.urandom(16).hex().encode() + b"\x00"
+            for pump in self._pumps:
+                pump.drain(sentinel)
+            for pump in self._pumps:
+                pump.wait_drained()
         self.channel.send(
             {
                 "t": "done",
@@ -12466,6 +12638,12 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
                 "ms": round((_perf_counter() - started) * 1000, 3),
             }
         )
+        # What the next cell needs, not this run's answer: after "done", while the host takes it in. A
+        # private fd a cell closed or replaced ends the kernel here, before it reads another request
+        # (the reply channel too: a "done" written elsewhere never reached the host, whose run then
+        # ends with the kernel).
+        self._restore_process_state()
+        self._check_private_fds()
 
 
 def main() -> None:
@@ -12561,12 +12739,15 @@ WORKDIR_ENV = "CODE_SESSIONS_WORKDIR"
 FATAL_EXIT = 70  # EX_SOFTWARE: the kernel itself failed; the host restarts it
 ''',
     'runner/_kernel_program/pumps.py': r'''"""The pumps: a thread per output pipe of the cell (fd 1, fd 2) forwarding it to the host as "out"
-frames, and the sentinel that ends a run's output."""
+frames, and how a run's output ends: at once when both pipes are empty, else by a sentinel."""
 
 from __future__ import annotations
 
 import _thread
 import codecs
+import io
+import os
+import select
 
 from .basics import _READ_SIZE, _fatal, _monotonic, _os_read, _write_all
 from .condition import _Condition
@@ -12577,8 +12758,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
 
-_HELD_CAP = 1024 * 1024  # output written between runs, kept for the next run; the rest is dropped
+_HELD_CAP = 1024 * 1024  # output written between runs, kept for the next run; past it the pump pauses
 _SENTINEL_STALL_S = 5.0  # no byte and no sentinel for this long after draining began: the pipe was tampered
+_QUIET_TRIES = 3  # how often the end of a run waits for a pump to take what is in its pipe before a sentinel
 
 
 def _sentinel_prefix_start(buf: bytes, sentinel: bytes) -> int:
@@ -12596,46 +12778,68 @@ def _sentinel_prefix_start(buf: bytes, sentinel: bytes) -> int:
 class _Pump:
     """Forwards one of the cell's output pipes (fd 1 or fd 2) to the host as "out" frames.
 
-    End of a run: the main thread writes a fresh random sentinel into the pipe; the pump forwards
-    everything before it, then reports. Only then does the main thread send "done", so every byte the
-    cell (or its children) wrote comes before it. Bytes after the sentinel are held for the next run,
-    and the pump stops reading until then (a writer left running blocks on the full pipe instead of
-    filling memory), but never before the sentinel's write has completed: a forged sentinel seen early
-    cannot leave the main thread blocked writing the real one into a pipe nobody reads."""
+    The pump thread waits in poll() and reads (non-blocking) only holding the pump's lock, and forwards
+    what it read before letting go of it. So whoever holds the lock and finds the pipe empty knows that
+    every byte written into it before that instant is forwarded: the end of a run (end_quietly) needs
+    no round trip through the pipe in the common case, one poll() for both pipes.
+
+    When a pipe is not empty at the end (a thread the cell left keeps writing, a pump that is slow to
+    take its bytes), the main thread writes a fresh random sentinel into it; the pump forwards
+    everything before the sentinel, then reports. Either way "done" is sent only after, so every byte
+    the cell (or its children) wrote before the end comes before it. Bytes after the end are held for
+    the next run, up to _HELD_CAP; then the pump pauses until the next run (a writer left running
+    blocks on the full pipe instead of filling memory), but never while a sentinel's write is still
+    under way: a forged sentinel seen early cannot leave the main thread blocked writing the real one
+    into a pipe nobody reads."""
 
     def __init__(self, send: Callable[[dict[str, Any]], None], read_fd: int, write_fd: int, tag: str) -> None:
         self.read_fd = read_fd
         self.write_fd = write_fd  # the kernel's own write end: the sentinel gets in even if fd 1 is gone
+        os.set_blocking(read_fd, False)  # a read under the lock never blocks (a cell may steal the bytes)
+        self._poller = select.poll()  # the pump thread's (a poll object is not for two threads at once)
+        self._poller.register(read_fd, select.POLLIN)
+        self._check = select.poll()  # send_direct's, used holding the lock
+        self._check.register(read_fd, select.POLLIN)
         self._send = send
         self._tag = tag
         self._cond = _Condition()
         self._run_id = 0
+        self._open = False  # a run is in flight and its output not ended: bytes read are its output
         self._sentinel: bytes | None = None
-        self._seen = True  # idle until the first run: nothing is forwarded
-        self._written = True
+        self._written = True  # no sentinel write under way
+        self._paused = False  # between runs with _HELD_CAP held: the pump reads no more until begin()
+        self._waited = False  # the main thread waits for this pump to take bytes (end_quietly)
         self._held = bytearray()
         self._held_cut = False
         self._carry = b""
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self._busy = False  # blocked writing a frame: a slow host, not a lost sentinel
-        self._activity = _monotonic()
+        self._activity = 0.0
         self._drain_started = 0.0
         self.running = False  # the pump thread is between start() and its end
 
     # -- main thread ---------------------------------------------------------------------------------
 
     def begin(self, run_id: int) -> None:
+        """A run starts: bytes held since the last run go out first, as its output."""
         with self._cond:
             self._run_id = run_id
             self._sentinel = None
-            self._seen = False
-            self._written = False
-            self._cond.notify_all()
+            self._carry = b""
+            self._open = True
+            if self._held:
+                held = bytes(self._held)
+                self._held.clear()
+                self._held_cut = False
+                self._forward(held)
+            if self._paused:
+                self._paused = False
+                self._cond.notify_all()
 
     def drain(self, sentinel: bytes) -> None:
         with self._cond:
             self._sentinel = sentinel
-            self._drain_started = _monotonic()
+            self._written = False
+            self._drain_started = self._activity = _monotonic()
         # Shorter than PIPE_BUF, so the pipe takes it whole; blocks only while the pump still reads.
         _write_all(self.write_fd, sentinel)
         with self._cond:
@@ -12644,15 +12848,25 @@ class _Pump:
 
     def wait_drained(self) -> None:
         with self._cond:
-            while not self._seen:
+            while self._open:
                 self._cond.wait(0.25)
-                if self._seen:
+                if not self._open:
                     break
                 if not self.running:
                     _fatal(f"the {self._tag} pump is gone")
-                quiet = _monotonic() - max(self._activity, self._drain_started)
-                if not self._busy and quiet > _SENTINEL_STALL_S:
+                # The lock is ours again, so the pump is not in the middle of a frame to a slow host.
+                if _monotonic() - max(self._activity, self._drain_started) > _SENTINEL_STALL_S:
                     _fatal(f"the sentinel never came back through the {self._tag} pipe")
+
+    def send_direct(self, data: bytes) -> bool:
+        """Forward bytes the kernel's own sys.stdout/sys.stderr wrote, as a frame, at once: only while a
+        run's output is open and the pipe is empty (bytes in the pipe were written first, so these go
+        in behind them). False: write them into the pipe instead. Not in a forked child (see _Direct)."""
+        with self._cond:
+            if not self._open or self._sentinel is not None or self._check.poll(0):
+                return False
+            self._forward(data)
+            return True
 
     # -- pump thread ---------------------------------------------------------------------------------
 
@@ -12669,66 +12883,139 @@ class _Pump:
             self.running = False
 
     def _loop(self) -> None:
+        poll = self._poller.poll
         while True:
             with self._cond:
-                while self._seen and self._written:
+                while self._paused:
                     self._cond.wait()
-            self.take(b"")  # bytes held since the last run go first
-            data = _os_read(self.read_fd, _READ_SIZE)
-            if not data:
-                _fatal(f"the {self._tag} pipe was closed")
-            self._activity = _monotonic()
-            self.take(data)
+            poll()  # until the pipe has bytes (a closed fd makes the read below fail: fatal)
+            with self._cond:
+                if self._paused:
+                    continue
+                try:
+                    data = _os_read(self.read_fd, _READ_SIZE)
+                except BlockingIOError:  # someone else took them
+                    continue
+                if not data:
+                    _fatal(f"the {self._tag} pipe was closed")
+                if self._sentinel is not None:
+                    self._activity = _monotonic()
+                self._take(data)
+                if self._waited:
+                    self._waited = False
+                    self._cond.notify_all()
 
     def take(self, data: bytes) -> None:
-        """Account for bytes read from the pipe (split out of the loop so tests can drive it)."""
+        """Account for bytes read from the pipe (the loop's part, apart so tests can drive it)."""
         with self._cond:
-            if self._seen:
-                self._hold(data)
-                return
-            run_id, sentinel = self._run_id, self._sentinel
-            if self._held:
-                data = bytes(self._held) + data
-                self._held.clear()
-                self._held_cut = False
+            self._take(data)
+
+    def _take(self, data: bytes) -> None:  # holding the lock
+        if not self._open:
+            self._hold(data)
+            return
+        sentinel = self._sentinel
         if sentinel is None:
-            self._forward(run_id, data)
+            self._forward(data)
             return
         buf = self._carry + data if self._carry else data
         at = buf.find(sentinel)
         if at < 0:
             keep = _sentinel_prefix_start(buf, sentinel)
             self._carry = buf[keep:]
-            self._forward(run_id, buf[:keep])
+            self._forward(buf[:keep])
             return
         self._carry = b""
-        self._forward(run_id, buf[:at], final=True)
-        with self._cond:
-            self._seen = True
-            self._hold(buf[at + len(sentinel) :])
-            self._cond.notify_all()
+        self._end(buf[:at])
+        self._hold(buf[at + len(sentinel) :])
+        self._cond.notify_all()
 
-    def _hold(self, data: bytes) -> None:
+    def _end(self, last: bytes) -> None:  # holding the lock
+        self._forward(last, final=True)  # a character cut at the end of a run never joins the next run's
+        self._decoder.reset()
+        self._open = False
+
+    def _hold(self, data: bytes) -> None:  # holding the lock
         room = _HELD_CAP - len(self._held)
         if len(data) <= room:
             self._held += data
-            return
-        self._held += data[: max(room, 0)]
-        if not self._held_cut:
-            self._held_cut = True
-            self._held += b"\n[code-sessions: output written between runs was cut here]\n"
+        else:
+            self._held += data[: max(room, 0)]
+            if not self._held_cut:
+                self._held_cut = True
+                self._held += b"\n[code-sessions: output written between runs was cut here]\n"
+        if len(self._held) >= _HELD_CAP and self._written:
+            self._paused = True
 
-    def _forward(self, run_id: int, data: bytes, final: bool = False) -> None:
+    def _forward(self, data: bytes, final: bool = False) -> None:  # holding the lock
         text = self._decoder.decode(data, final)
-        if final:
-            self._decoder.reset()  # a character cut at the end of a run never joins the next run's bytes
         for start in range(0, len(text), MAX_TEXT):
-            self._busy = True
-            try:
-                self._send({"t": "out", "id": run_id, "s": self._tag, "d": text[start : start + MAX_TEXT]})
-            finally:
-                self._busy = False
-                self._activity = _monotonic()
+            self._send({"t": "out", "id": self._run_id, "s": self._tag, "d": text[start : start + MAX_TEXT]})
+
+
+def quiet_poller(pumps: tuple[_Pump, ...]) -> Any:
+    """What end_quietly polls: every pump's pipe (made once)."""
+    poller = select.poll()
+    for pump in pumps:
+        poller.register(pump.read_fd, select.POLLIN)
+    return poller
+
+
+def end_quietly(pumps: tuple[_Pump, ...], poller: Any) -> bool:
+    """End the run's output on every pump without a sentinel when their pipes are empty: holding every
+    pump's lock (so no pump is between a read and its frame), one poll() finding no byte in any pipe
+    means every byte written before it is forwarded. Bytes in a pipe: wait (a few times) for its pump
+    to take them. False when the pipes would not empty: then the sentinel ends the run."""
+    for _ in range(_QUIET_TRIES):
+        for pump in pumps:
+            pump._cond.__enter__()
+        try:
+            ready = poller.poll(0)
+            if not ready:
+                for pump in pumps:
+                    pump._end(b"")
+                return True
+            waiting = next(p for p in pumps if p.read_fd == ready[0][0])
+            waiting._waited = True
+        finally:
+            for pump in reversed(pumps):
+                pump._cond.__exit__()
+        with waiting._cond:
+            if waiting._waited and waiting.running:
+                waiting._cond.wait(0.05)
+    return False
+
+
+class _Direct(io.RawIOBase):
+    """What the kernel's sys.stdout and sys.stderr write into: a print() goes out as one frame, with
+    no pump woken and no byte through the pipe, when ``send`` (the kernel's guarded _Pump.send_direct)
+    takes it; otherwise into the pump's pipe, behind the bytes already there. So, as in Jupyter, they
+    are the kernel's streams to the host, whatever a cell did to fd 1 and 2 (which are the process's:
+    subprocesses and C code write there, and the pumps forward that too); fileno() still names fd 1
+    or 2. Under a line-buffered TextIOWrapper and no BufferedWriter: TextIOWrapper lets go of its
+    bytes before it calls write(), so a KeyboardInterrupt raised after the frame went out can never
+    send them twice."""
+
+    def __init__(self, fd: int, pump: _Pump, send: Callable[[_Pump, bytes], bool]) -> None:
+        super().__init__()
+        self.name = fd
+        self._fd = fd
+        self._pump = pump
+        self._send = send
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def write(self, b: Any) -> int:
+        if self.closed:
+            raise ValueError("I/O operation on closed file")
+        data = bytes(b)
+        if data and not self._send(self._pump, data):
+            _write_all(self._pump.write_fd, data)
+        return len(data)
 ''',
     'runner/_kernel_program/python_cells.py': r'''"""Python cells: compiled IPython style (a last expression is shown), run in the chat's namespace."""
 
@@ -12783,6 +13070,7 @@ class _PythonCells:
     namespace: dict[str, Any]
     _armed: bool
     _cell_running: bool
+    _forked: bool
     _cell_names: set[str]
     _cell_sources: dict[str, str]
     _live_stdout: Callable[[], Any]  # the kernel's stdout, recreated if a cell closed it
@@ -12853,7 +13141,11 @@ class _PythonCells:
         except BaseException as exc:
             self._armed = self._cell_running = False
             failure, status, exit_code = exc, "error", 1
-        if _os_getpid() != self.pid:
+        # A child the cell forked must not become a second kernel on the wire. os.fork and
+        # multiprocessing run Python's at-fork hook, which sets the flag; a fork behind Python's back
+        # (libc's fork through ctypes, a C extension) runs no hook, and one getpid per cell (a few
+        # microseconds in gVisor) catches it.
+        if self._forked or _os_getpid() != self.pid:
             self._exit_forked_child(failure, exit_code)
         if failure is not None:
             sys.last_type, sys.last_value, sys.last_traceback = type(failure), failure, failure.__traceback__
@@ -12878,6 +13170,7 @@ from __future__ import annotations
 
 import _signal
 import contextlib
+import io
 import os
 import sys
 import time
@@ -12888,13 +13181,14 @@ from .basics import (
     _monotonic,
     _os_dup2,
     _os_fstat,
-    _os_getpid,
     _os_kill,
     _os_waitpid,
 )
+from .pumps import _Direct, _Pump
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 _ENCODING, _ERRORS = "utf-8", "backslashreplace"  # of the kernel's own stdio
@@ -12903,6 +13197,7 @@ _ENCODING, _ERRORS = "utf-8", "backslashreplace"  # of the kernel's own stdio
 class _Restoring:
     """What the Kernel puts back after every cell (a part of Kernel, apart for reading)."""
 
+    pid: int
     null_fd: int
     out_w: int
     err_w: int
@@ -12913,6 +13208,8 @@ class _Restoring:
     _recursion_limit: int
     _catchable: list[int]
     _on_sigint_bound: Any
+    _pumps: tuple[_Pump, _Pump]
+    _send_direct: Callable[[_Pump, bytes], bool]
 
     @staticmethod
     def _identity(fd: int) -> tuple[int, int]:
@@ -12930,14 +13227,20 @@ class _Restoring:
         if self._stdin is None or self._stdin.closed:
             self._stdin = open(0, encoding=_ENCODING, errors=_ERRORS, closefd=False)  # noqa: SIM115
         if self._stdout is None or self._stdout.closed:
-            self._stdout = open(1, "w", buffering=1, encoding=_ENCODING, errors=_ERRORS, closefd=False)  # noqa: SIM115
+            self._stdout = self._stream(1)
         if self._stderr is None or self._stderr.closed:
-            self._stderr = open(2, "w", buffering=1, encoding=_ENCODING, errors=_ERRORS, closefd=False)  # noqa: SIM115
+            self._stderr = self._stream(2)
         # The originals too: a cell may have replaced them, and code that restores from them must
         # get ours back.
         sys.stdin = sys.__stdin__ = self._stdin  # type: ignore[misc]
         sys.stdout = sys.__stdout__ = self._stdout  # type: ignore[misc]
         sys.stderr = sys.__stderr__ = self._stderr  # type: ignore[misc]
+
+    def _stream(self, fd: int) -> Any:
+        """sys.stdout (fd 1) or sys.stderr (fd 2): line-buffered text straight to the host as frames while
+        its pipe is empty, else into the fd (pumps._Direct); closing it never closes the fd."""
+        raw = _Direct(fd, self._pumps[fd - 1], self._send_direct)
+        return io.TextIOWrapper(raw, encoding=_ENCODING, errors=_ERRORS, line_buffering=True)
 
     def _note(self, text: str) -> None:
         """The kernel's own words (a traceback, a notice) on the cell's stderr. Written after the cell's
@@ -12953,11 +13256,11 @@ class _Restoring:
             self._restore_streams()
         return self._stdout
 
-    def _restore_process_state(self) -> None:
-        """Undo what a cell may have done to the process that the kernel relies on: fd 0/1/2 and
-        sys.std*, signal handlers and mask (a Python handler left by a cell could raise inside the
-        kernel's own code between cells), timers, trace and profile hooks."""
-        self._restore_fds()
+    def _restore_python_state(self) -> None:
+        """Right after a cell, before anything of the kernel's own runs: what a cell may have done to the
+        interpreter that could break the kernel's code (sys.std*, signal handlers: a Python handler
+        left by a cell could raise inside it; trace and profile hooks; the recursion limit). No
+        system call unless the cell changed a handler."""
         self._restore_streams()
         sys.settrace(None)
         sys.setprofile(None)
@@ -12967,8 +13270,6 @@ class _Restoring:
         if threading is not None:
             threading.settrace(None)
             threading.setprofile(None)
-        for which in (_signal.ITIMER_REAL, _signal.ITIMER_VIRTUAL, _signal.ITIMER_PROF):
-            _signal.setitimer(which, 0)
         # _signal, not signal: the latter wraps every answer in an enum, 50 µs for the loop instead of 5.
         getsignal, setsignal = _signal.getsignal, _signal.signal
         for sig in self._catchable:
@@ -12982,7 +13283,16 @@ class _Restoring:
         for sig in (_signal.SIGPIPE, _signal.SIGXFSZ):  # as Python starts: errors, not deaths
             if getsignal(sig) != _signal.SIG_IGN:
                 setsignal(sig, _signal.SIG_IGN)
+
+    def _restore_process_state(self) -> None:
+        """What the next cell needs of the process: fd 0/1/2 (a cell may have closed or redirected
+        them), no timer left armed (its signal's default action would end the kernel between cells),
+        no signal blocked. Done after "done" is sent: seven system calls off the round trip, before
+        the next request is read."""
+        for which in (_signal.ITIMER_REAL, _signal.ITIMER_VIRTUAL, _signal.ITIMER_PROF):
+            _signal.setitimer(which, 0)
         _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
+        self._restore_fds()
 
     def _flush_streams(self) -> None:
         for stream in (self._stdout, self._stderr):
@@ -12997,12 +13307,18 @@ class _Restoring:
         """Kill every process the cell left (daemons, double forks, a shell's background jobs) and reap
         them. Only as PID 1: then kill(-1) means every other process of our own pid namespace. Anywhere
         else (say as root on a host) it would mean every process of the machine."""
-        if _os_getpid() != 1:
+        if self.pid != 1:  # the kernel's own pid, taken at its start (a forked child never gets here)
             return
+        try:
+            _os_kill(-1, _signal.SIGKILL)  # zombies count too, so ESRCH means: nobody else is left
+        except ProcessLookupError:
+            return  # the common case: one system call, nothing to reap
+        except PermissionError:
+            pass
         deadline = _monotonic() + _KILL_PATIENCE_S
         while True:
             try:
-                _os_kill(-1, _signal.SIGKILL)  # zombies count too, so ESRCH means: nobody else is left
+                _os_kill(-1, _signal.SIGKILL)
             except ProcessLookupError:
                 break
             except PermissionError:  # only processes we may not signal are left: nothing to do
@@ -17244,8 +17560,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_4f8c82fe32cd.runner import KernelPool
-from _code_sessions_4f8c82fe32cd.storage import HistoryError, Session, StorageError
+from _code_sessions_6c58d26e5cfc.runner import KernelPool
+from _code_sessions_6c58d26e5cfc.storage import HistoryError, Session, StorageError
 
 from .settings import Settings
 
@@ -17526,8 +17842,8 @@ import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from _code_sessions_4f8c82fe32cd.runner import RunResult
-from _code_sessions_4f8c82fe32cd.storage import ReconcileReport, StorageError, human_bytes
+from _code_sessions_6c58d26e5cfc.runner import RunResult
+from _code_sessions_6c58d26e5cfc.storage import ReconcileReport, StorageError, human_bytes
 
 from .markup import mention
 
@@ -17720,14 +18036,19 @@ __all__ = [
     "MOUNT",
     "NOT_BEFORE_PATH",
     "PARAGRAPH_BREAK",
+    "PATH_RUN_DOUBT",
+    "PATH_SPLIT",
     "PATH_STOP",
+    "PATH_TOKEN",
     "SANDBOX",
     "SINGLE_LINE",
     "TOKEN",
     "TOKEN_IN_LINK_TEXT",
     "TRAILING_PUNCTUATION",
+    "PathRun",
     "Ref",
     "What",
+    "doubt_or_other_path",
 ]
 
 MOUNT = "/mnt/data/"
@@ -17793,6 +18114,35 @@ TOKEN = re.compile(_TOKENS)
 TOKEN_IN_LINK_TEXT = re.compile(_TOKENS + r"|\]\]{0,63}")
 BACKTICK_RUNS = re.compile(r"``*")
 
+# A stretch of plain paths (the scan's bulk path, engine/scan.py: Scan.path_run) ends at a character
+# that may start a token other than a path (an escape, a backtick, a tilde, a link opener, a tag, a
+# URL's `:`: scan._RUN_ENDS); in it, each path is a whole token (PATH_TOKEN, greedy like TOKEN's), and
+# the stretch is taken at once when PATH_RUN_DOUBT finds nothing in it (then every /mnt/data/ in it
+# starts a token).
+_PATH_CHARS = r"[^\s<>()\[\]{}`\"'|*]"
+PATH_TOKEN = re.compile(rf"/mnt/data/{_PATH_CHARS}*+")
+PATH_SPLIT = re.compile(rf"(/mnt/data/{_PATH_CHARS}*+)")  # a stretch into gap, path, gap, ..., path, gap
+# A /mnt/data/ right after a path character (it may be inside a path, or joined to a word or URL), a
+# path ending in punctuation or `/`, a path as long as the longest token. (The literal first: re then
+# looks for it alone, and checks the character before it only there.)
+_DOUBT = rf"(?<={_PATH_CHARS}/mnt/data/)|{_PATH_CHARS}*+(?<=[/.,;!?])|{_PATH_CHARS}{{{MAX_PATH}}}"
+PATH_RUN_DOUBT = re.compile(rf"/mnt/data/(?:{_DOUBT})")
+_DOUBT_OR_OTHER: dict[tuple[str, ...], re.Pattern[str]] = {}
+
+
+def doubt_or_other_path(known: tuple[str, ...]) -> re.Pattern[str]:
+    """A path in doubt (PATH_RUN_DOUBT: its group `doubt` matched) or a path token that is none of
+    `known`: one pass over a stretch finds either (compiled once per `known`)."""
+    pattern = _DOUBT_OR_OTHER.get(known)
+    if pattern is None:
+        names = "|".join(re.escape(path[len(MOUNT) :]) for path in known)
+        other = rf"(?!(?:{names})(?!{_PATH_CHARS}))" if known else ""
+        if len(_DOUBT_OR_OTHER) >= 256:
+            _DOUBT_OR_OTHER.clear()
+        pattern = _DOUBT_OR_OTHER[known] = re.compile(rf"/mnt/data/(?:(?P<doubt>{_DOUBT})|{other})")
+    return pattern
+
+
 # A paragraph ends at a newline before a blank line or a line that starts another block (CommonMark's
 # interruptions, approximated by the line's first characters only). Inline constructs never cross one.
 PARAGRAPH_BREAK = re.compile(
@@ -17819,10 +18169,24 @@ LINK_TAIL = re.compile(
     rf"{_SPACE}\)"
 )
 
+
+class PathRun:
+    """Bare paths in a row, with nothing else a scan looks at between them (a line of 70,000 paths):
+    one reference for the whole stretch, which names `paths` (distinct, in order). Listing them and
+    substituting them takes a few passes of C over the stretch (dict.fromkeys, str.replace, re.split)
+    rather than a Python tuple per path."""
+
+    __slots__ = ("paths",)
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+
 # A reference: (start, end, what). `what` is the path as written for a bare path (the usual case, kept
-# cheap), else (kind, destination as written, link text): a link, an image, an autolink <sandbox:...>.
+# cheap), else (kind, destination as written, link text): a link, an image, an autolink <sandbox:...>;
+# or a PathRun, bare paths in a row.
 LINK, IMAGE, AUTO = range(3)
-What = str | tuple[int, str, str]
+What = str | tuple[int, str, str] | PathRun
 Ref = tuple[int, int, What]
 ''',
     'engine/host.py': r'''"""What the engine asks of the chat application it serves, as protocols the host implements
@@ -17881,7 +18245,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_4f8c82fe32cd.storage import (
+from _code_sessions_6c58d26e5cfc.storage import (
     Incoming,
     InvalidPath,
     Policy,
@@ -18087,12 +18451,12 @@ part, publishing, happens once per distinct file and outside the text scan:
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
 from urllib.parse import unquote
 
-from .grammar import AUTO, IMAGE, MOUNT, SANDBOX, Ref, What
+from .grammar import AUTO, IMAGE, MOUNT, PATH_SPLIT, SANDBOX, PathRun, Ref, What
 from .markup import escape_text
 from .scan import find_references
 
@@ -18103,6 +18467,7 @@ __all__ = [
     "Substitution",
     "Target",
     "destination_of",
+    "destinations",
     "find_paths",
     "resolve_all",
     "rewrite",
@@ -18143,7 +18508,7 @@ def _render(target: Target, label: str | None, inline_images: bool = True) -> st
     return f"[{text}]({target.url})"
 
 
-def _replacement(what: What, target: Target | None, inline_images: bool) -> str | None:
+def _replacement(what: str | tuple[int, str, str], target: Target | None, inline_images: bool) -> str | None:
     """What replaces a reference; None: the text as written."""
     if isinstance(what, str):  # a bare path
         return None if target is None else _render(target, None, inline_images)
@@ -18161,9 +18526,16 @@ def _replacement(what: What, target: Target | None, inline_images: bool) -> str 
     return _render(target, label, inline_images)
 
 
-def destination_of(what: What) -> str:
+def destination_of(what: str | tuple[int, str, str]) -> str:
     """The destination a reference names, as written (a bare path is its own)."""
     return what if isinstance(what, str) else what[1]
+
+
+def destinations(what: What) -> Iterable[str]:
+    """The destinations a reference names: one, or a PathRun's distinct paths."""
+    if isinstance(what, PathRun):
+        return what.paths
+    return (destination_of(what),)
 
 
 NOT_YET: Final = object()  # `Substitution.done` has no entry for this reference yet
@@ -18190,12 +18562,12 @@ class Substitution:
             found = self._candidates[destination] = [] if relative is None else _candidates(relative)
         return found
 
-    def resolved(self, what: What) -> bool:
+    def resolved(self, what: str | tuple[int, str, str]) -> bool:
         """Whether every path the reference may name is in the targets (streaming: resolved)."""
         targets = self._targets
         return all(candidate in targets for candidate in self.candidates(destination_of(what)))
 
-    def compute(self, what: What) -> str | None:
+    def compute(self, what: str | tuple[int, str, str]) -> str | None:
         target = None
         for candidate in self.candidates(destination_of(what)):
             target = self._targets.get(candidate)
@@ -18204,13 +18576,44 @@ class Substitution:
         replacement = self.done[what] = _replacement(what, target, self._inline)
         return replacement
 
+    def run_text(self, run: PathRun, text: str, *, resolved_only: bool = False) -> str | None:
+        """A PathRun's `text` with each path replaced (or as written, for no file). `resolved_only`
+        (streaming): None when a path it names is not resolved yet."""
+        done, paths = self.done, run.paths
+        for path in paths:  # distinct
+            if path not in done:
+                if resolved_only and not self.resolved(path):
+                    return None
+                self.compute(path)
+        new = {path: done[path] for path in paths}
+        kept = [path for path, replacement in new.items() if replacement is None]
+        if (
+            len(paths) <= _REPLACE_AT_MOST
+            and not any(MOUNT in path[1:] for path in paths)
+            and not any(k.startswith(p) for k in kept for p in paths if p != k)
+        ):
+            # Every /mnt/data/ in the stretch then starts a path, each a whole token: replaced longest
+            # first, what is left of a shorter one is that path (replacements name no /mnt/data/).
+            for path in sorted(paths, key=len, reverse=True):
+                replacement = new[path]
+                if replacement is not None:
+                    text = text.replace(path, replacement)
+            return text
+        parts = PATH_SPLIT.split(text)  # gap, path, gap, ..., path, gap
+        parts[1::2] = [new[path] or path for path in parts[1::2]]
+        return "".join(parts)
+
+
+_REPLACE_AT_MOST = 8  # distinct paths in a PathRun substituted by str.replace (one pass each)
+
 
 def _paths_of(refs: list[Ref]) -> list[str]:
     substitution = Substitution({}, True)
     seen: dict[str, None] = {}
     for what in dict.fromkeys(ref[2] for ref in refs):
-        for candidate in substitution.candidates(destination_of(what)):
-            seen.setdefault(candidate, None)
+        for destination in destinations(what):
+            for candidate in substitution.candidates(destination):
+                seen.setdefault(candidate, None)
     return list(seen)
 
 
@@ -18245,6 +18648,11 @@ class References:
         append = pieces.append
         position = 0
         for start, end, what in self._found:
+            if isinstance(what, PathRun):
+                append(text[position:start])
+                append(replace.run_text(what, text[start:end]))  # type: ignore[arg-type]
+                position = end
+                continue
             replacement = done.get(what, not_yet)
             if replacement is not_yet:
                 replacement = replace.compute(what)
@@ -18283,7 +18691,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_4f8c82fe32cd.runner import Outcome
+from _code_sessions_6c58d26e5cfc.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, escape_text
@@ -18609,7 +19017,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_4f8c82fe32cd.runner import RunnerError
+from _code_sessions_6c58d26e5cfc.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -18811,7 +19219,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from _code_sessions_4f8c82fe32cd.runner import RunnerError
+from _code_sessions_6c58d26e5cfc.runner import RunnerError
 
 from .charts import chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
@@ -18844,6 +19252,142 @@ async def answer_embed(
         root = None
     return await chart_embed(charts, chat.session.files.read_head, root)
 ''',
+    'engine/path_runs.py': r'''"""Bare paths in a row, taken at once by the scan (engine/scan.py): a line of 70,000 `](/mnt/data/x `
+is one reference (grammar.PathRun), judged by the main loop's rules in C, not a microsecond of Python
+per path.
+
+After a path, outside any link text, the stretch up to the first character that starts another kind of
+token (an escape, a backtick, a tilde, a link opener, a tag, a URL's `:`) holds only paths and text no
+token starts with. When no path in it is in doubt (grammar.PATH_RUN_DOUBT: one the main loop would
+judge otherwise), every /mnt/data/ in it starts a path token, and one regex pass lists the distinct
+paths. Otherwise the stretch is split into gaps and paths and judged in windows, and the run ends
+before the first path that fails; the main loop takes it from there.
+"""
+
+from __future__ import annotations
+
+from operator import itemgetter
+
+from .grammar import (
+    MAX_PATH,
+    MOUNT,
+    NOT_BEFORE_PATH,
+    PATH_RUN_DOUBT,
+    PATH_SPLIT,
+    PATH_STOP,
+    PATH_TOKEN,
+    TRAILING_PUNCTUATION,
+    PathRun,
+    Ref,
+    doubt_or_other_path,
+)
+
+__all__ = ["path_run"]
+
+_RUN_WINDOW = 64  # a judged stretch's first window
+_RUN_ENDS = "\\`~[<:"  # what ends a stretch: the first characters of the other tokens
+_NOT_BEFORE_RUN_PATH = frozenset(NOT_BEFORE_PATH)
+_NOT_LAST_IN_RUN_PATH = frozenset(TRAILING_PUNCTUATION + "/")
+
+
+def path_run(text: str, end: int, final: bool, pos: int, refs: list[Ref]) -> int:
+    """The plain paths after `pos` (the end of a path token the main loop took), added to `refs` as
+    one PathRun; returns where scanning goes on (`pos`: no run). `final`: the text ends at `end`
+    (else a path touching `end` may go on)."""
+    limit = end
+    for char in _RUN_ENDS:  # (a find per character is memchr's speed; a regex class is not)
+        at = text.find(char, pos, limit)
+        if at >= 0:
+            limit = at
+    last = text.rfind(MOUNT, pos, limit)
+    if last < 0:
+        return pos
+    stop = PATH_TOKEN.match(text, last, limit).end()  # type: ignore[union-attr]
+    if stop == limit and (limit < end or not final):
+        before = text[last - 1]
+        if before not in PATH_STOP and not before.isspace():
+            return _judged_run(text, end, final, pos, limit, refs)  # that /mnt/data/ may be inside a path
+        stop = last  # the last path may go on (or its token be cut): the main loop takes it
+        if text.rfind(MOUNT, pos, stop) < 0:
+            return pos
+    paths = _plain_paths(text, pos, stop)
+    if paths is None:
+        return _judged_run(text, end, final, pos, limit, refs)
+    # No doubt: every /mnt/data/ up to `stop` starts a path token.
+    refs.append((pos, stop, PathRun(paths)))
+    return stop
+
+
+def _judged_run(text: str, end: int, final: bool, pos: int, limit: int, refs: list[Ref]) -> int:
+    """path_run for a stretch with a path in doubt: split into gaps and paths and judged (_judged), in
+    windows that grow while every path in them passes, so a text whose paths fail every other time
+    costs a small window per path. The run ends before the first path that fails."""
+    paths: list[str] = []
+    at, size = pos, _RUN_WINDOW
+    while at < limit:
+        stop = min(limit, at + size)
+        parts = PATH_SPLIT.split(text[at:stop])  # gap, path, gap, ..., path, gap
+        n = len(parts) // 2
+        if n and not parts[-1] and (stop < end or not final):
+            n -= 1  # the last path touches the window's end: it may go on
+        gaps, window_paths = parts[0 : 2 * n : 2], parts[1 : 2 * n : 2]
+        good = _judged(gaps, window_paths)
+        if good:
+            paths += window_paths[:good]
+            at += sum(map(len, gaps[:good])) + sum(map(len, window_paths[:good]))
+        if good < n or stop == limit:
+            break
+        size *= 4
+    if paths:
+        refs.append((pos, at, PathRun(list(dict.fromkeys(paths)))))
+    return at
+
+
+_LAST = itemgetter(-1)
+_FEW_PATHS = 8  # distinct paths found by a search each (beyond: all listed)
+
+
+def _plain_paths(text: str, pos: int, stop: int) -> list[str] | None:
+    """The distinct paths of a stretch, in order, or None when a path in it is in doubt: usually a few
+    however many times each is named, each found by one search for a path in doubt or none of those
+    found so far (C, nothing allocated per path)."""
+    found: tuple[str, ...] = ()
+    at = pos
+    while len(found) < _FEW_PATHS:
+        hit = doubt_or_other_path(found).search(text, at, stop)
+        if hit is None:
+            return list(found)
+        if hit.group("doubt") is not None:
+            return None
+        token = PATH_TOKEN.match(text, hit.start(), stop)
+        assert token is not None
+        found += (token.group(),)
+        at = token.end()
+    if PATH_RUN_DOUBT.search(text, at, stop):
+        return None
+    return list(dict.fromkeys([*found, *PATH_TOKEN.findall(text, at, stop)]))
+
+
+def _judged(gaps: list[str], paths: list[str]) -> int:
+    """How many of the (gap, path) pairs, from the first, the main loop would take as they are: a path
+    after a character that does not join it to a word or URL, with no trailing punctuation or `/` to
+    cut off, shorter than the longest path a token holds. Checked on the distinct last characters (C);
+    one at a time only to find the first that fails. (Gaps are never empty: paths are whole tokens.)"""
+    befores = set(map(_LAST, gaps))
+    if (
+        not any(c in _NOT_BEFORE_RUN_PATH or c.isalnum() for c in befores)
+        and _NOT_LAST_IN_RUN_PATH.isdisjoint(map(_LAST, paths))
+        and (not paths or max(map(len, paths)) < 10 + MAX_PATH)
+    ):
+        return len(paths)
+    for n, (gap, path) in enumerate(zip(gaps, paths, strict=True)):
+        before = gap[-1]
+        if before in _NOT_BEFORE_RUN_PATH or before.isalnum():
+            return n
+        if path[-1] in _NOT_LAST_IN_RUN_PATH or len(path) >= 10 + MAX_PATH:
+            return n
+    return len(paths)
+''',
     'engine/prepare.py': r'''"""A turn's preparation, before the model is asked: the chat's attachments copied into its folder, and
 the system prompt that tells the model about the folder and the sandbox."""
 
@@ -18854,8 +19398,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_4f8c82fe32cd.runner import Runner, RunnerError
-from _code_sessions_4f8c82fe32cd.storage import StorageError
+from _code_sessions_6c58d26e5cfc.runner import Runner, RunnerError
+from _code_sessions_6c58d26e5cfc.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -19006,8 +19550,8 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_4f8c82fe32cd.runner import Limits, Outcome, RunnerError, RunResult
-from _code_sessions_4f8c82fe32cd.storage import StorageError, human_bytes
+from _code_sessions_6c58d26e5cfc.runner import Limits, Outcome, RunnerError, RunResult
+from _code_sessions_6c58d26e5cfc.storage import StorageError, human_bytes
 
 from .markup import visible
 
@@ -19400,8 +19944,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_4f8c82fe32cd.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_4f8c82fe32cd.storage import human_bytes
+from _code_sessions_6c58d26e5cfc.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_6c58d26e5cfc.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -19520,7 +20064,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_4f8c82fe32cd.storage import Purge, parse_duration
+from _code_sessions_6c58d26e5cfc.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -19549,7 +20093,9 @@ The scan is linear in the length of the text: one regex finds the characters tha
 brackets, `<`, `://`, `/mnt/data/`, escapes, fences) and each construct is read from its start by a regex
 bounded by the grammar's limits (engine/grammar.py), with forward-only lookups for what comes later (the
 closing backticks of a code span, the end of a paragraph), so no character is examined more than a few
-times.
+times. Bare paths one after the other, with nothing else a token starts with between them (a line of
+70,000 `](/mnt/data/x `), are taken as one PathRun, judged by the main loop's rules in C (Scan.path_run):
+a path costs nanoseconds there, not the microsecond of Python a token costs.
 
 A `Scan` also runs over a streamed answer so far (engine/streaming.py): it stops at the first thing it
 cannot decide yet and reports where to restart once more text has come, with the `State` there.
@@ -19588,6 +20134,7 @@ from .grammar import (
     TRAILING_PUNCTUATION,
     Ref,
 )
+from .path_runs import path_run
 
 __all__ = ["LOOK_BEHIND", "RESTART_MARGIN", "SCAN_ON_LOOP_CHARS", "START", "Scan", "State", "find_references"]
 
@@ -19877,6 +20424,11 @@ class Scan:
             refs.append((start, tail.end(), what))
         return tail.end(), (-1 if image else opener)
 
+    def path_run(self, pos: int) -> int:
+        """After a path, outside any link text: the plain paths that follow, as one PathRun (see
+        engine/path_runs.py). Returns where scanning goes on (`pos`: no run)."""
+        return path_run(self.text, self.end, self.final, pos, self.refs)
+
     # -------------------------------------------------------------------------------- the main loop
 
     def run(self, pos: int) -> tuple[int, State]:
@@ -19932,6 +20484,11 @@ class Scan:
                         mount_end = token - start + 10
                         if len(path) > mount_end and (path[-1] != "/" or path[mount_end:].strip("/")):
                             refs.append((start, start + len(path), path))
+                            if not stack and token_end < end:
+                                after = self.path_run(token_end)
+                                if after > token_end:
+                                    resume = after
+                                    break
                     elif char == "`":
                         if token and text[token - 1] == "`" and last_escape != token:
                             # The rest of a run too long to delimit anything (a scan resumed in it).
@@ -20087,8 +20644,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_4f8c82fe32cd.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_4f8c82fe32cd.storage import (
+from _code_sessions_6c58d26e5cfc.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_6c58d26e5cfc.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -20255,7 +20812,8 @@ class ChatSession:
                 self._turn_notes.clear()
                 # Another tab's step may have moved the folder to its branch since the answer began.
                 notes.extend(await service.branches.ensure(self, changing=True))
-                budget = await self.session.run_budget()
+                # Two hops to other threads (the index's, the marker's) that need not wait for each other.
+                budget, _ = await asyncio.gather(self.session.run_budget(), self.session.begin_run())
                 if budget.note:
                     notes.append(budget.note)
                 configured = self.settings.limits
@@ -20265,7 +20823,6 @@ class ChatSession:
                         "max_file_bytes": _tighter(configured.max_file_bytes, budget.max_file_bytes),
                     }
                 )
-                await self.session.begin_run()
                 try:
                     result = await service.execute(self.session, code, language, limits)
                 finally:
@@ -20470,7 +21027,8 @@ class Engine:
         """The chat's session, bound to the message's settings (None: the constructor's)."""
         if settings is not None:
             self.apply(settings)
-        return ChatSession(self, await self.store.session(user_id, chat_id), settings or self.settings)
+        session = await self.store.session(user_id, chat_id, cached=True)
+        return ChatSession(self, session, settings or self.settings)
 
     def apply(self, settings: Settings) -> None:
         """Give the store and the kernel pool their parts of the settings. They serve every chat of
@@ -20569,8 +21127,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_4f8c82fe32cd.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_4f8c82fe32cd.storage import Policy
+from _code_sessions_6c58d26e5cfc.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_6c58d26e5cfc.storage import Policy
 
 __all__ = ["DEFAULTS", "BranchSettings", "Settings"]
 
@@ -20736,8 +21294,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_4f8c82fe32cd.runner import Outcome, RunResult
-from _code_sessions_4f8c82fe32cd.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_6c58d26e5cfc.runner import Outcome, RunResult
+from _code_sessions_6c58d26e5cfc.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention
 
@@ -20916,8 +21474,8 @@ from __future__ import annotations
 import re
 from collections import deque
 
-from .grammar import MOUNT, SINGLE_LINE, TOKEN, Ref
-from .links import NOT_YET, Resolver, Substitution, Target, destination_of
+from .grammar import MOUNT, SINGLE_LINE, TOKEN, PathRun, Ref
+from .links import NOT_YET, Resolver, Substitution, Target, destinations
 from .scan import LOOK_BEHIND, RESTART_MARGIN, START, Scan, State
 
 __all__ = ["StreamingRewriter"]
@@ -21104,6 +21662,15 @@ class StreamingRewriter:
         position = self._out
         while ready:
             start, end, what = ready[0]
+            if isinstance(what, PathRun):
+                woven = replace.run_text(what, text[start - base : end - base], resolved_only=True)
+                if woven is None:
+                    break
+                pieces.append(text[position - base : start - base])
+                pieces.append(woven)
+                position = end
+                ready.popleft()
+                continue
             replacement = done.get(what, not_yet)
             if replacement is not_yet:
                 if not replace.resolved(what):
@@ -21138,9 +21705,12 @@ class StreamingRewriter:
         for ref in refs:
             what = ref[2]
             if what not in done:
-                for candidate in candidates(destination_of(what)):
-                    if candidate not in known:
-                        wanted[candidate] = None
+                for destination in destinations(what):
+                    if destination in done:
+                        continue
+                    for candidate in candidates(destination):
+                        if candidate not in known:
+                            wanted[candidate] = None
 
     def _unchangeable(self, start: int, quiet: bool = False) -> int:
         """The end of the text from `start` (a decided point) in which no reference can start."""
@@ -21185,7 +21755,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_4f8c82fe32cd.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_6c58d26e5cfc.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -21404,7 +21974,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_4f8c82fe32cd.storage import Link, Publisher, is_postgres_url
+from _code_sessions_6c58d26e5cfc.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 from .knowledge import save_to_knowledge
@@ -21716,7 +22286,7 @@ import logging
 import mimetypes
 from typing import Any
 
-from _code_sessions_4f8c82fe32cd.storage import human_bytes
+from _code_sessions_6c58d26e5cfc.storage import human_bytes
 
 log = logging.getLogger("code_sessions.function")
 
@@ -22006,7 +22576,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from _code_sessions_4f8c82fe32cd.storage import (
+from _code_sessions_6c58d26e5cfc.storage import (
     DiskFull,
     FileExists,
     Incoming,
@@ -22254,11 +22824,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_4f8c82fe32cd.engine import DEFAULTS, MINUTE_S, BranchSettings, Engine, Maintenance, Settings, Turn
-from _code_sessions_4f8c82fe32cd.functions.inbound import serve_uploads
-from _code_sessions_4f8c82fe32cd.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_4f8c82fe32cd.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_4f8c82fe32cd.webui import OpenWebUI
+from _code_sessions_6c58d26e5cfc.engine import DEFAULTS, MINUTE_S, BranchSettings, Engine, Maintenance, Settings, Turn
+from _code_sessions_6c58d26e5cfc.functions.inbound import serve_uploads
+from _code_sessions_6c58d26e5cfc.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_6c58d26e5cfc.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_6c58d26e5cfc.webui import OpenWebUI
 
 __all__ = ["Adapter", "SharedValves", "Status", "settings_from"]
 
@@ -22776,8 +23346,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_4f8c82fe32cd.engine import ChatSession, Engine, ExtraTool, Inbound, Settings, save_command
-from _code_sessions_4f8c82fe32cd.storage import Expiry, Policy, Quotas, Store, UploadLinks
+from _code_sessions_6c58d26e5cfc.engine import ChatSession, Engine, ExtraTool, Inbound, Settings, save_command
+from _code_sessions_6c58d26e5cfc.storage import Expiry, Policy, Quotas, Store, UploadLinks
 
 __all__ = ["UPLOAD_LINK_TOOL", "answer_command", "serve_uploads", "upload_link", "upload_link_tool"]
 
@@ -22964,7 +23534,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_4f8c82fe32cd.engine import (
+from _code_sessions_6c58d26e5cfc.engine import (
     ChatSession,
     LoopOptions,
     StreamingRewriter,
@@ -22974,11 +23544,11 @@ from _code_sessions_4f8c82fe32cd.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_4f8c82fe32cd.engine.scan import SCAN_ON_LOOP_CHARS
-from _code_sessions_4f8c82fe32cd.functions.adapter import Adapter, SharedValves, Status, turn_of
-from _code_sessions_4f8c82fe32cd.functions.inbound import answer_command
-from _code_sessions_4f8c82fe32cd.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_4f8c82fe32cd.webui import Misconfigured
+from _code_sessions_6c58d26e5cfc.engine.scan import SCAN_ON_LOOP_CHARS
+from _code_sessions_6c58d26e5cfc.functions.adapter import Adapter, SharedValves, Status, turn_of
+from _code_sessions_6c58d26e5cfc.functions.inbound import answer_command
+from _code_sessions_6c58d26e5cfc.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_6c58d26e5cfc.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -27,14 +27,19 @@ __all__ = [
     "MOUNT",
     "NOT_BEFORE_PATH",
     "PARAGRAPH_BREAK",
+    "PATH_RUN_DOUBT",
+    "PATH_SPLIT",
     "PATH_STOP",
+    "PATH_TOKEN",
     "SANDBOX",
     "SINGLE_LINE",
     "TOKEN",
     "TOKEN_IN_LINK_TEXT",
     "TRAILING_PUNCTUATION",
+    "PathRun",
     "Ref",
     "What",
+    "doubt_or_other_path",
 ]
 
 MOUNT = "/mnt/data/"
@@ -100,6 +105,35 @@ TOKEN = re.compile(_TOKENS)
 TOKEN_IN_LINK_TEXT = re.compile(_TOKENS + r"|\]\]{0,63}")
 BACKTICK_RUNS = re.compile(r"``*")
 
+# A stretch of plain paths (the scan's bulk path, engine/scan.py: Scan.path_run) ends at a character
+# that may start a token other than a path (an escape, a backtick, a tilde, a link opener, a tag, a
+# URL's `:`: scan._RUN_ENDS); in it, each path is a whole token (PATH_TOKEN, greedy like TOKEN's), and
+# the stretch is taken at once when PATH_RUN_DOUBT finds nothing in it (then every /mnt/data/ in it
+# starts a token).
+_PATH_CHARS = r"[^\s<>()\[\]{}`\"'|*]"
+PATH_TOKEN = re.compile(rf"/mnt/data/{_PATH_CHARS}*+")
+PATH_SPLIT = re.compile(rf"(/mnt/data/{_PATH_CHARS}*+)")  # a stretch into gap, path, gap, ..., path, gap
+# A /mnt/data/ right after a path character (it may be inside a path, or joined to a word or URL), a
+# path ending in punctuation or `/`, a path as long as the longest token. (The literal first: re then
+# looks for it alone, and checks the character before it only there.)
+_DOUBT = rf"(?<={_PATH_CHARS}/mnt/data/)|{_PATH_CHARS}*+(?<=[/.,;!?])|{_PATH_CHARS}{{{MAX_PATH}}}"
+PATH_RUN_DOUBT = re.compile(rf"/mnt/data/(?:{_DOUBT})")
+_DOUBT_OR_OTHER: dict[tuple[str, ...], re.Pattern[str]] = {}
+
+
+def doubt_or_other_path(known: tuple[str, ...]) -> re.Pattern[str]:
+    """A path in doubt (PATH_RUN_DOUBT: its group `doubt` matched) or a path token that is none of
+    `known`: one pass over a stretch finds either (compiled once per `known`)."""
+    pattern = _DOUBT_OR_OTHER.get(known)
+    if pattern is None:
+        names = "|".join(re.escape(path[len(MOUNT) :]) for path in known)
+        other = rf"(?!(?:{names})(?!{_PATH_CHARS}))" if known else ""
+        if len(_DOUBT_OR_OTHER) >= 256:
+            _DOUBT_OR_OTHER.clear()
+        pattern = _DOUBT_OR_OTHER[known] = re.compile(rf"/mnt/data/(?:(?P<doubt>{_DOUBT})|{other})")
+    return pattern
+
+
 # A paragraph ends at a newline before a blank line or a line that starts another block (CommonMark's
 # interruptions, approximated by the line's first characters only). Inline constructs never cross one.
 PARAGRAPH_BREAK = re.compile(
@@ -126,8 +160,22 @@ LINK_TAIL = re.compile(
     rf"{_SPACE}\)"
 )
 
+
+class PathRun:
+    """Bare paths in a row, with nothing else a scan looks at between them (a line of 70,000 paths):
+    one reference for the whole stretch, which names `paths` (distinct, in order). Listing them and
+    substituting them takes a few passes of C over the stretch (dict.fromkeys, str.replace, re.split)
+    rather than a Python tuple per path."""
+
+    __slots__ = ("paths",)
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+
 # A reference: (start, end, what). `what` is the path as written for a bare path (the usual case, kept
-# cheap), else (kind, destination as written, link text): a link, an image, an autolink <sandbox:...>.
+# cheap), else (kind, destination as written, link text): a link, an image, an autolink <sandbox:...>;
+# or a PathRun, bare paths in a row.
 LINK, IMAGE, AUTO = range(3)
-What = str | tuple[int, str, str]
+What = str | tuple[int, str, str] | PathRun
 Ref = tuple[int, int, What]

@@ -14,12 +14,12 @@ part, publishing, happens once per distinct file and outside the text scan:
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
 from urllib.parse import unquote
 
-from .grammar import AUTO, IMAGE, MOUNT, SANDBOX, Ref, What
+from .grammar import AUTO, IMAGE, MOUNT, PATH_SPLIT, SANDBOX, PathRun, Ref, What
 from .markup import escape_text
 from .scan import find_references
 
@@ -30,6 +30,7 @@ __all__ = [
     "Substitution",
     "Target",
     "destination_of",
+    "destinations",
     "find_paths",
     "resolve_all",
     "rewrite",
@@ -70,7 +71,7 @@ def _render(target: Target, label: str | None, inline_images: bool = True) -> st
     return f"[{text}]({target.url})"
 
 
-def _replacement(what: What, target: Target | None, inline_images: bool) -> str | None:
+def _replacement(what: str | tuple[int, str, str], target: Target | None, inline_images: bool) -> str | None:
     """What replaces a reference; None: the text as written."""
     if isinstance(what, str):  # a bare path
         return None if target is None else _render(target, None, inline_images)
@@ -88,9 +89,16 @@ def _replacement(what: What, target: Target | None, inline_images: bool) -> str 
     return _render(target, label, inline_images)
 
 
-def destination_of(what: What) -> str:
+def destination_of(what: str | tuple[int, str, str]) -> str:
     """The destination a reference names, as written (a bare path is its own)."""
     return what if isinstance(what, str) else what[1]
+
+
+def destinations(what: What) -> Iterable[str]:
+    """The destinations a reference names: one, or a PathRun's distinct paths."""
+    if isinstance(what, PathRun):
+        return what.paths
+    return (destination_of(what),)
 
 
 NOT_YET: Final = object()  # `Substitution.done` has no entry for this reference yet
@@ -117,12 +125,12 @@ class Substitution:
             found = self._candidates[destination] = [] if relative is None else _candidates(relative)
         return found
 
-    def resolved(self, what: What) -> bool:
+    def resolved(self, what: str | tuple[int, str, str]) -> bool:
         """Whether every path the reference may name is in the targets (streaming: resolved)."""
         targets = self._targets
         return all(candidate in targets for candidate in self.candidates(destination_of(what)))
 
-    def compute(self, what: What) -> str | None:
+    def compute(self, what: str | tuple[int, str, str]) -> str | None:
         target = None
         for candidate in self.candidates(destination_of(what)):
             target = self._targets.get(candidate)
@@ -131,13 +139,44 @@ class Substitution:
         replacement = self.done[what] = _replacement(what, target, self._inline)
         return replacement
 
+    def run_text(self, run: PathRun, text: str, *, resolved_only: bool = False) -> str | None:
+        """A PathRun's `text` with each path replaced (or as written, for no file). `resolved_only`
+        (streaming): None when a path it names is not resolved yet."""
+        done, paths = self.done, run.paths
+        for path in paths:  # distinct
+            if path not in done:
+                if resolved_only and not self.resolved(path):
+                    return None
+                self.compute(path)
+        new = {path: done[path] for path in paths}
+        kept = [path for path, replacement in new.items() if replacement is None]
+        if (
+            len(paths) <= _REPLACE_AT_MOST
+            and not any(MOUNT in path[1:] for path in paths)
+            and not any(k.startswith(p) for k in kept for p in paths if p != k)
+        ):
+            # Every /mnt/data/ in the stretch then starts a path, each a whole token: replaced longest
+            # first, what is left of a shorter one is that path (replacements name no /mnt/data/).
+            for path in sorted(paths, key=len, reverse=True):
+                replacement = new[path]
+                if replacement is not None:
+                    text = text.replace(path, replacement)
+            return text
+        parts = PATH_SPLIT.split(text)  # gap, path, gap, ..., path, gap
+        parts[1::2] = [new[path] or path for path in parts[1::2]]
+        return "".join(parts)
+
+
+_REPLACE_AT_MOST = 8  # distinct paths in a PathRun substituted by str.replace (one pass each)
+
 
 def _paths_of(refs: list[Ref]) -> list[str]:
     substitution = Substitution({}, True)
     seen: dict[str, None] = {}
     for what in dict.fromkeys(ref[2] for ref in refs):
-        for candidate in substitution.candidates(destination_of(what)):
-            seen.setdefault(candidate, None)
+        for destination in destinations(what):
+            for candidate in substitution.candidates(destination):
+                seen.setdefault(candidate, None)
     return list(seen)
 
 
@@ -172,6 +211,11 @@ class References:
         append = pieces.append
         position = 0
         for start, end, what in self._found:
+            if isinstance(what, PathRun):
+                append(text[position:start])
+                append(replace.run_text(what, text[start:end]))  # type: ignore[arg-type]
+                position = end
+                continue
             replacement = done.get(what, not_yet)
             if replacement is not_yet:
                 replacement = replace.compute(what)

@@ -182,7 +182,8 @@ class ChatSession:
                 self._turn_notes.clear()
                 # Another tab's step may have moved the folder to its branch since the answer began.
                 notes.extend(await service.branches.ensure(self, changing=True))
-                budget = await self.session.run_budget()
+                # Two hops to other threads (the index's, the marker's) that need not wait for each other.
+                budget, _ = await asyncio.gather(self.session.run_budget(), self.session.begin_run())
                 if budget.note:
                     notes.append(budget.note)
                 configured = self.settings.limits
@@ -192,7 +193,6 @@ class ChatSession:
                         "max_file_bytes": _tighter(configured.max_file_bytes, budget.max_file_bytes),
                     }
                 )
-                await self.session.begin_run()
                 try:
                     result = await service.execute(self.session, code, language, limits)
                 finally:
@@ -397,7 +397,8 @@ class Engine:
         """The chat's session, bound to the message's settings (None: the constructor's)."""
         if settings is not None:
             self.apply(settings)
-        return ChatSession(self, await self.store.session(user_id, chat_id), settings or self.settings)
+        session = await self.store.session(user_id, chat_id, cached=True)
+        return ChatSession(self, session, settings or self.settings)
 
     def apply(self, settings: Settings) -> None:
         """Give the store and the kernel pool their parts of the settings. They serve every chat of

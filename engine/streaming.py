@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from collections import deque
 
-from .grammar import MOUNT, SINGLE_LINE, TOKEN, Ref
-from .links import NOT_YET, Resolver, Substitution, Target, destination_of
+from .grammar import MOUNT, SINGLE_LINE, TOKEN, PathRun, Ref
+from .links import NOT_YET, Resolver, Substitution, Target, destinations
 from .scan import LOOK_BEHIND, RESTART_MARGIN, START, Scan, State
 
 __all__ = ["StreamingRewriter"]
@@ -199,6 +199,15 @@ class StreamingRewriter:
         position = self._out
         while ready:
             start, end, what = ready[0]
+            if isinstance(what, PathRun):
+                woven = replace.run_text(what, text[start - base : end - base], resolved_only=True)
+                if woven is None:
+                    break
+                pieces.append(text[position - base : start - base])
+                pieces.append(woven)
+                position = end
+                ready.popleft()
+                continue
             replacement = done.get(what, not_yet)
             if replacement is not_yet:
                 if not replace.resolved(what):
@@ -233,9 +242,12 @@ class StreamingRewriter:
         for ref in refs:
             what = ref[2]
             if what not in done:
-                for candidate in candidates(destination_of(what)):
-                    if candidate not in known:
-                        wanted[candidate] = None
+                for destination in destinations(what):
+                    if destination in done:
+                        continue
+                    for candidate in candidates(destination):
+                        if candidate not in known:
+                            wanted[candidate] = None
 
     def _unchangeable(self, start: int, quiet: bool = False) -> int:
         """The end of the text from `start` (a decided point) in which no reference can start."""

@@ -402,7 +402,11 @@ class Kernel(_Watchers):
         while done is None:
             timeout = max(0.0, deadline - time.monotonic())
             try:
-                message = await asyncio.wait_for(self._inbox.get(), timeout)
+                # A message already waiting needs no timer (wait_for makes a task and a timer handle).
+                inbox = self._inbox
+                message = (
+                    inbox.get_nowait() if not inbox.empty() else await asyncio.wait_for(inbox.get(), timeout)
+                )
             except TimeoutError:
                 if interrupted is None:
                     interrupted, detail = "timeout", f"interrupted after {limits.timeout_s:g} s"
@@ -441,8 +445,7 @@ class Kernel(_Watchers):
             outcome, reason = Outcome.ERROR, _could_not_start(language, stderr.text())
         else:
             outcome, reason = Outcome.ERROR, f"exit code {done.exit_code}"
-        result = self._result(outcome, done.exit_code, stdout, stderr, t0, reason, watch)
-        return result.model_copy(update={"figures": done.figures, "figures_more": done.more})
+        return self._result(outcome, done.exit_code, stdout, stderr, t0, reason, watch, done)
 
     def _result(
         self,
@@ -453,9 +456,12 @@ class Kernel(_Watchers):
         t0: float,
         reason: str | None,
         watch: ChangeWatch | None,
+        done: _wire.Done | None = None,
     ) -> RunResult:
         changed = self._harvest(watch)
         return RunResult(
+            figures=done.figures if done is not None else (),
+            figures_more=done.more if done is not None else 0,
             outcome=outcome,
             exit_code=exit_code,
             stdout=stdout.text(),

@@ -45,6 +45,7 @@ STRAY_GRACE_S = 600.0
 # before the reconcile of the same step.
 STALE_LINK_GRACE_S = 600.0
 _EXPIRY_BATCH = 2000
+_BATCHES_PER_HOLD = 4  # batches of a session expired per hold of its lock
 _Expired = tuple[str, int, int]  # an expired file as the index saw it: (path, size, mtime_ns)
 _ByFolder = dict[tuple[str, ...], list[_Expired]]  # by the path of their folder in the session
 
@@ -299,29 +300,48 @@ async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally
             row.user_id, row.chat_id, row.user_key, row.chat_key, recorded_temporary=row.temporary
         )
         removed_files, removed_bytes = 0, 0
-        # The chat's lock is held one batch at a time, so a user's next step waits for at most one
-        # batch, not for an old session's whole expiry. A batch is whole folders: a folder whose files
-        # all expired leaves in one rename; of a folder that cannot, a batch moves _EXPIRY_BATCH files.
+        # The chat's lock is held a few batches at a time (_BATCHES_PER_HOLD), so a user's next step
+        # waits for at most those, not for an old session's whole expiry. A batch is whole folders: a
+        # folder whose files all expired leaves in one rename; of a folder that cannot, a batch moves
+        # _EXPIRY_BATCH files. While the lock is held, the index write of one batch runs while the
+        # next batch is moved (two threads: the index's and the files'), and all are written before
+        # the lock is let go.
         pending = deque(_batches(files))
         while pending:
-            batch = pending.popleft()
             lock = core.lock_of(ref)
             if not await lock.try_acquire():
                 tally.busy(row, reason)
                 break
+            writing: asyncio.Future[int] | None = None
             try:
-                gone = await asyncio.to_thread(_move_unchanged, ref.path, core.layout.trash, batch)
-                if gone:
-                    tally.links_removed += await _forget_files(core, ref, row.id, gone, reason)
+                for _ in range(_BATCHES_PER_HOLD):
+                    if not pending:
+                        break
+                    batch = pending.popleft()
+                    gone, absent = await asyncio.to_thread(
+                        _move_unchanged, ref.path, core.layout.trash, batch
+                    )
+                    if writing is not None:
+                        tally.links_removed += await writing
+                        writing = None
+                    if gone or absent:
+                        writing = asyncio.ensure_future(
+                            _forget_files(core, ref, row.id, gone + absent, reason)
+                        )
+                    removed_files += len(gone) + len(absent)
+                    removed_bytes += sum(size for _, size in gone) + sum(size for _, size in absent)
+                    if len(batch) == 1 and len(gone) == _EXPIRY_BATCH:
+                        ((parent, entries),) = batch.items()
+                        if len(entries) > _EXPIRY_BATCH:  # a large folder moved file by file: the rest next
+                            moved = {path for path, _ in gone}
+                            pending.appendleft({parent: [e for e in entries if e[0] not in moved]})
+                if writing is not None:
+                    tally.links_removed += await writing
+                    writing = None
             finally:
+                if writing is not None:  # something failed meanwhile: the write ends before the lock goes
+                    await asyncio.gather(writing, return_exceptions=True)
                 await lock.release()
-            removed_files += len(gone)
-            removed_bytes += sum(size for _, size in gone)
-            if len(batch) == 1 and len(gone) == _EXPIRY_BATCH:
-                ((parent, entries),) = batch.items()
-                if len(entries) > _EXPIRY_BATCH:  # a large folder moved file by file: the rest of it next
-                    moved = {path for path, _ in gone}
-                    pending.appendleft({parent: [e for e in entries if e[0] not in moved]})
         if removed_files:
             tally.files_removed += removed_files
             tally.bytes_freed += removed_bytes
@@ -358,25 +378,35 @@ async def _count_files(
     tally.details.append(CleanupAction(row.user_id, row.chat_id, "files expired", len(files), size, reason))
 
 
-def _move_unchanged(folder: Path, trash: Path, by_parent: _ByFolder) -> list[tuple[str, int]]:
+def _move_unchanged(
+    folder: Path, trash: Path, by_parent: _ByFolder
+) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """Move the expired files that still match the index out of the session into the trash (one rename
-    per folder whose files all expired, else one per file); the trash is emptied in the background."""
+    per folder whose files all expired, else one per file); the trash is emptied in the background.
+    Returns (moved, absent): (path, size) of the files moved, and of those already gone from the
+    folder (a cleanup that moved them died before it wrote the index: the disk is the truth)."""
     gone: list[tuple[str, int]] = []
+    absent: list[tuple[str, int]] = []
     try:
         root = open_dir(folder)
     except (FileMissing, InvalidPath):
-        return gone
+        return gone, absent
     with fd_closing(root), fd_closing(os.open(trash, DIR_FLAGS)) as trash_fd:
         for parent_parts, entries in by_parent.items():
             wanted = {path.rsplit("/", 1)[-1]: (size, mtime_ns) for path, size, mtime_ns in entries}
-            moved = move_aside_unchanged(root, parent_parts, wanted, trash_fd, _bin_name(), _EXPIRY_BATCH)
-            if moved:
-                prefix = "/".join(parent_parts)
-                sizes = {path: size for path, size, _ in entries}
-                for name in moved:
+            missing: list[str] = []
+            moved = move_aside_unchanged(
+                root, parent_parts, wanted, trash_fd, _bin_name(), _EXPIRY_BATCH, missing
+            )
+            if moved is None:  # the folder itself is gone
+                missing = list(wanted)
+            prefix = "/".join(parent_parts)
+            sizes = {path: size for path, size, _ in entries}
+            for names, into in ((moved or (), gone), (missing, absent)):
+                for name in names:
                     path = f"{prefix}/{name}" if prefix else name
-                    gone.append((path, sizes[path]))
-    return gone
+                    into.append((path, sizes[path]))
+    return gone, absent
 
 
 def _bin_name() -> str:

@@ -447,6 +447,7 @@ def move_aside_unchanged(
     trash_fd: int,
     bin_name: str,
     limit: int,
+    absent: list[str] | None = None,
 ) -> list[str] | None:
     """Move the regular files of the folder `parts` (under root_fd) whose (size, mtime_ns) still match
     `wanted` out of the session into the trash (trash_fd, ours), without unlinking anything.
@@ -455,8 +456,8 @@ def move_aside_unchanged(
     in one rename and an empty one of the same mode and owner takes its place; otherwise each file goes
     in one rename into trash/<bin_name>/ (made on first use; `bin_name` is new for each call), at most
     `limit` of them. Returns the names moved (None: the folder
-    is missing or not a folder). A rename is atomic: a name is either still in the session or already
-    out of it, whatever happens when."""
+    is missing or not a folder); `absent` gets the names of `wanted` the folder does not hold. A rename
+    is atomic: a name is either still in the session or already out of it, whatever happens when."""
     try:
         folder = walk_dirs(root_fd, parts)
     except (FileMissing, InvalidPath):
@@ -464,6 +465,9 @@ def move_aside_unchanged(
     with fd_closing(folder):
         with os.scandir(folder) as listing:
             entries = [(entry.name, entry.stat(follow_symlinks=False)) for entry in listing]
+        if absent is not None:
+            held = {name for name, _ in entries}
+            absent.extend(name for name in wanted if name not in held)
         moving = [
             name
             for name, st in entries

@@ -262,6 +262,21 @@ async def user_usage(tx: Tx, user_key: str) -> Usage:
     return Usage(int(row[0]), int(row[1])) if row else Usage(0, 0)
 
 
+async def user_and_session_usage(tx: Tx, user_key: str, chat_key: str) -> tuple[Usage, Usage]:
+    """`user_usage` and `session_usage` in one statement: the same SUM over the user's session rows,
+    and the session's own row among them."""
+    row = await tx.one(
+        "SELECT coalesce(sum(file_count), 0), coalesce(sum(bytes + published_bytes), 0),"
+        " coalesce(sum(CASE WHEN chat_key = ? THEN file_count END), 0),"
+        " coalesce(sum(CASE WHEN chat_key = ? THEN bytes END), 0)"
+        " FROM sessions WHERE user_key = ?",
+        (chat_key, chat_key, user_key),
+    )
+    if row is None:
+        return Usage(0, 0), Usage(0, 0)
+    return Usage(int(row[0]), int(row[1])), Usage(int(row[2]), int(row[3]))
+
+
 async def user_usage_later(tx: Tx, user_key: str) -> Callable[[], Awaitable[Usage]]:
     """`user_usage` as the transaction leaves it, read with its COMMIT (see Tx.one_later)."""
     later = await tx.one_later(
@@ -332,7 +347,20 @@ async def delete_files_by_keys(tx: Tx, user_key: str, chat_key: str, paths: Sequ
 
 
 async def delete_files(tx: Tx, session_id: int, paths: Sequence[str]) -> None:
-    await tx.many("DELETE FROM files WHERE session_id = ? AND path = ?", [(session_id, p) for p in paths])
+    # Up to CHUNK paths per statement (an expiry's batch of 2,000 files is four statements, not 2,000
+    # on SQLite); queued like any `many` on PostgreSQL.
+    full = len(paths) - len(paths) % CHUNK
+    if full:
+        marks = ", ".join("?" * CHUNK)
+        await tx.many(
+            f"DELETE FROM files WHERE session_id = ? AND path IN ({marks})",
+            [(session_id, *paths[i : i + CHUNK]) for i in range(0, full, CHUNK)],
+        )
+    if full < len(paths):
+        marks = ", ".join("?" * (len(paths) - full))
+        await tx.many(
+            f"DELETE FROM files WHERE session_id = ? AND path IN ({marks})", [(session_id, *paths[full:])]
+        )
 
 
 async def file_rows(tx: Tx, session_id: int) -> list[tuple[str, int, int]]:

@@ -149,6 +149,7 @@ class _AdvisoryLock:
     async def try_acquire(self) -> bool:
         if self._conn is not None:
             raise RuntimeError("lock already held by this object")
+        await self._backend.unlocked(self._key)
         conn = await self._backend.lock_connection()
         got, conn = await self._attempt(conn)
         if got:
@@ -164,6 +165,7 @@ class _AdvisoryLock:
         # never leaves a server-side wait behind that could take the lock after its caller gave up.
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.005
+        await self._backend.unlocked(self._key)
         conn = await self._backend.lock_connection()
         try:
             while True:
@@ -204,10 +206,16 @@ class _AdvisoryLock:
         raise AssertionError("unreachable")
 
     async def release(self, *, forget: bool = False) -> None:
-        # `forget` has nothing to drop: an advisory lock is a name, not a file.
+        # `forget` has nothing to drop: an advisory lock is a name, not a file. The unlock is sent,
+        # and its answer awaited in the background: the caller goes on a round trip sooner. This
+        # process's next lock on the same key waits for that answer first (PostgresBackend.unlocked);
+        # another process may find the lock held for that round trip longer, as if we had been slower.
         conn, self._conn = self._conn, None
         if conn is None:
             return
+        self._backend.unlocking(self._key, asyncio.ensure_future(self._unlock(conn)))
+
+    async def _unlock(self, conn: Any) -> None:
         psycopg = _psycopg()
         try:
             cursor = await conn.execute("SELECT pg_advisory_unlock(%s::bigint)", (self._key,))
@@ -261,6 +269,7 @@ class PostgresBackend:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._all: set[Any] = set()
         self._idle_locks: list[Any] = []
+        self._unlocks: dict[int, asyncio.Future[None]] = {}  # key -> its unlock's answer, awaited
         self._multi_reads: set[Any] = set()  # code of read functions that make several statements
         self._pipelined = True  # libpq >= 14 (psycopg's binary wheels bundle one); checked at open
         self.closed = True
@@ -292,6 +301,24 @@ class PostgresBackend:
             )
         )
         return bool(row and row[0])
+
+    def unlocking(self, key: int, answer: asyncio.Future[None]) -> None:
+        """An unlock of `key` is on its way (see _AdvisoryLock.release)."""
+        self._unlocks[key] = answer
+
+        def answered(future: asyncio.Future[None]) -> None:
+            if self._unlocks.get(key) is future:
+                del self._unlocks[key]
+            if not future.cancelled() and future.exception() is not None:
+                log.warning("unlocking an advisory lock failed: %s", future.exception())
+
+        answer.add_done_callback(answered)
+
+    async def unlocked(self, key: int) -> None:
+        """Wait until an unlock of `key` this process sent has been answered."""
+        answer = self._unlocks.get(key)
+        if answer is not None:
+            await asyncio.wait({answer})
 
     async def lock_connection(self) -> Any:
         """A connection for one lock: an idle one if there is one, else a new one."""
@@ -339,6 +366,8 @@ class PostgresBackend:
         return await self.open()
 
     async def close(self) -> None:
+        if self._unlocks:  # (closing their connections would release them too, less politely)
+            await asyncio.gather(*self._unlocks.values(), return_exceptions=True)
         self.closed = True
         conns, self._all, self._idle_locks, self._pool = self._all, set(), [], None
         for conn in conns:

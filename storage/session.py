@@ -57,6 +57,11 @@ class Session:
         # An earlier run was never indexed (its mark, or runs on a full disk): list the folder whole.
         self._unindexed_run = unindexed
         self._generation = core.generation  # the index this session's lock was taken with
+        self._locked = False  # this object holds the chat's lock (inside `lock()`)
+        # The session's totals as run_budget read them under the lock: while the lock is held nothing
+        # else writes this session's rows, so a reconcile that finds nothing changed reports them
+        # instead of reading them again.
+        self._totals: Usage | None = None
 
     @property
     def user_id(self) -> str:
@@ -105,18 +110,24 @@ class Session:
                 await waiting()
             await lock.acquire(timeout)
         self._generation = self._core.generation
+        self._locked, self._totals = True, None
         try:
             if await self._core.ensure(self._ref, touch=True, cached=True):
                 self._unindexed_run = True  # runs on the full disk were never indexed
             yield self
         finally:
+            self._locked, self._totals = False, None
             await lock.release()
 
     async def run_budget(self) -> RunBudget:
         """What a run may write while it runs (never a refusal: see Policy.run_budget)."""
         core = self._core
         await core.remember_settings()
-        usage = await core.read(lambda tx: _index.user_usage(tx, self.user_key))
+        usage, totals = await core.read(
+            lambda tx: _index.user_and_session_usage(tx, self.user_key, self.chat_key)
+        )
+        if self._locked:
+            self._totals = totals
         return core.policy.run_budget(usage)
 
     async def begin_run(self) -> None:
@@ -161,14 +172,35 @@ class Session:
             # The index was rebuilt while this session was locked (a damaged index, found during the
             # run): the rebuild skipped it, so it is listed whole, and its links taken back.
             mode = Reconcile.FOLDER
-        report = await self._reconcile(mode, changed or (), enforce_quotas)
+        marker = core.layout.running_marker(self.user_key, self.chat_key)
+        marked = True
+        totals, self._totals = self._totals, None
+        if mode is Reconcile.CHANGED and not changed and totals is not None and self._locked:
+            # Nothing changed (print(1)), and run_budget read the totals under this lock: nothing to
+            # read or write; only the mark goes.
+            await asyncio.to_thread(_unlink_missing_ok, marker)
+            report = ReconcileReport(files=totals.files, bytes=totals.bytes, full=False)
+            marked = core.generation != self._generation
+            if marked:
+                await self.begin_run()  # the whole folder is listed below: marked until it is indexed
+        elif mode is Reconcile.CHANGED and not changed:
+            # Nothing changed: the index already matches the folder, so the mark can go while the
+            # totals are read (two threads' hops at once instead of one after the other).
+            report, _ = await asyncio.gather(
+                self._reconcile(mode, (), enforce_quotas), asyncio.to_thread(_unlink_missing_ok, marker)
+            )
+            marked = core.generation != self._generation
+            if marked:
+                await self.begin_run()  # the whole folder is listed below: marked until it is indexed
+        else:
+            report = await self._reconcile(mode, changed or (), enforce_quotas)
         if core.generation != self._generation:  # replaced while this reconcile ran
             if mode is Reconcile.CHANGED:  # the rebuild skipped this locked session: list it whole
                 report = await self._reconcile(Reconcile.FOLDER, (), enforce_quotas)
             await _repair.reconcile_links(core)
             self._generation = core.generation
-        marker = core.layout.running_marker(self.user_key, self.chat_key)
-        await asyncio.to_thread(_unlink_missing_ok, marker)
+        if marked:
+            await asyncio.to_thread(_unlink_missing_ok, marker)
         self._unindexed_run = False
         return report
 

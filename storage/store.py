@@ -249,11 +249,14 @@ class Store:
 
     # ------------------------------------------------------------------ sessions
 
-    async def session(self, user_id: str, chat_id: str) -> Session:
+    async def session(self, user_id: str, chat_id: str, *, cached: bool = False) -> Session:
         """The session of (user_id, chat_id): creates its folder and index row if needed and marks it
-        used now. Ids are untrusted strings; any value maps to a safe folder name."""
+        used now. `cached`: not written again when this process marked it used within ENSURED_FOR_S
+        (a chat's step: expiry counts in hours and days, and a warm step should not pay a thread's
+        hop and a transaction for it). Ids are untrusted strings; any value maps to a safe folder
+        name."""
         ref = self._core.ref(user_id, chat_id)
-        unindexed = await self._core.ensure(ref, touch=True)
+        unindexed = await self._core.ensure(ref, touch=True, cached=cached)
         return Session(self._core, ref, unindexed=unindexed)
 
     def session_at(self, info: ChatInfo) -> Session:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _signal
+import _thread
 import builtins
 import os
 import sys
@@ -16,7 +17,7 @@ from .figures import _Figures
 from .hooks import _ImportHooks
 from .packages import package_versions
 from .protocol import DEFAULT_WORKDIR, MAX_REQUEST, PROTOCOL_VERSION, WORKDIR_ENV
-from .pumps import _Pump
+from .pumps import _Direct, _Pump, end_quietly, quiet_poller
 from .python_cells import _into_linecache, _PythonCells
 from .restore import _Restoring
 
@@ -40,6 +41,11 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         self._bash_count = 0
         self._catchable = [s for s in _signal.valid_signals() if s not in (_signal.SIGKILL, _signal.SIGSTOP)]
         self._recursion_limit = sys.getrecursionlimit()
+        self._main_thread = _thread.get_ident()
+        self._writing = False  # the main thread is sending a frame of sys.stdout/stderr (_send_direct)
+        self._deferred = False  # a SIGINT came meanwhile: raised once the frame is whole
+        self._forked = False  # this is a child a cell forked: its prints go through the pipes
+        self._print_path = {_Direct.write.__code__, Kernel._send_direct.__code__}
 
     # -- setup ---------------------------------------------------------------------------------------
 
@@ -57,15 +63,16 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         out_r, self.out_w = os.pipe()
         err_r, self.err_w = os.pipe()
         self._restore_fds()  # /dev/null on 0 (input() gets EOF, never protocol bytes), the pipes on 1 and 2
-        self._stdin = self._stdout = self._stderr = None
-        self._restore_streams()
-        self._private_fds = {fd: self._identity(fd) for fd in (self.in_fd, self.out_fd, out_r, err_r)}
-        self._private_fds.update({fd: self._identity(fd) for fd in (self.out_w, self.err_w, self.null_fd)})
         self.channel = _Channel(self.out_fd)
         self._pumps = (
             _Pump(self.channel.send, out_r, self.out_w, "o"),
             _Pump(self.channel.send, err_r, self.err_w, "e"),
         )
+        self._stdin = self._stdout = self._stderr = None
+        self._restore_streams()
+        self._private_fds = {fd: self._identity(fd) for fd in (self.in_fd, self.out_fd, out_r, err_r)}
+        self._private_fds.update({fd: self._identity(fd) for fd in (self.out_w, self.err_w, self.null_fd)})
+        self._quiet = quiet_poller(self._pumps)
         for pump in self._pumps:
             pump.start()
         _signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_signal.SIGINT})
@@ -83,6 +90,7 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         # Cell sources for tracebacks: linecache (with tokenize and re, ~50 ms to import in the
         # sandbox) is filled only once something imports it (a traceback, the code itself).
         self._cell_sources: dict[str, str] = {}
+        os.register_at_fork(after_in_child=self._after_fork)
         hooks = {
             "matplotlib.pyplot": self._on_pyplot_import,
             "plotly.io": self._on_plotly_import,
@@ -116,13 +124,44 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         except Exception as exc:  # never fail the cell's import over our convenience
             self._note(f"[code-sessions: cannot hook fig.show(): {exc!r}]\n")
 
+    def _after_fork(self) -> None:
+        self._forked = True  # the pumps (and their locks, maybe held at the fork) are the parent's
+
+    def _send_direct(self, pump: _Pump, data: bytes) -> bool:
+        """pump.send_direct, with an interrupt that comes in the middle of the frame raised once the frame
+        is whole (a frame cut short would break the protocol, and the kernel with it)."""
+        if self._forked:
+            return False
+        if _thread.get_ident() != self._main_thread:  # only the main thread runs signal handlers
+            return pump.send_direct(data)
+        self._writing = True
+        try:
+            sent = pump.send_direct(data)
+        finally:
+            self._writing = False
+        if self._deferred:
+            self._armed = self._deferred = False
+            raise KeyboardInterrupt
+        return sent
+
     def _on_sigint(self, signum: int, frame: Any) -> None:
         # Idle, or in the kernel's own code after a cell: ignored. Armed: one KeyboardInterrupt, and
         # disarmed first, so a second SIGINT can never raise inside the kernel's own code. A cell that
         # caught it and runs on is interrupted again only where that is safe to tell: while the frame
-        # on top is the cell's own code (its globals are the namespace; kernel code never runs there).
-        if self._armed or (self._cell_running and frame is not None and frame.f_globals is self.namespace):
-            self._armed = False
+        # on top is the cell's own code (its globals are the namespace; kernel code never runs there),
+        # or the print path's own code outside a frame being sent (_Direct.write, _send_direct: the
+        # cell's text is then either not sent yet or sent whole). In the middle of a frame: deferred,
+        # and raised by _send_direct once the frame is whole.
+        if self._writing:
+            if self._armed or self._cell_running:
+                self._deferred = True
+            return
+        if self._armed or (
+            self._cell_running
+            and frame is not None
+            and (frame.f_globals is self.namespace or frame.f_code in self._print_path)
+        ):
+            self._armed = self._deferred = False
             raise KeyboardInterrupt
 
     # -- the loop ------------------------------------------------------------------------------------
@@ -176,6 +215,7 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
 
     def _run(self, run_id: int, lang: str, code: str) -> None:
         started = _perf_counter()
+        self._deferred = False
         self._figures.saved = []
         self._figures.more = 0
         self._charts.pending = []
@@ -185,7 +225,7 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
             status, exit_code, report = self._run_python(run_id, code)
         else:
             status, exit_code, report = self._run_bash(code)
-        self._restore_process_state()
+        self._restore_python_state()
         if report:
             self._note(report)
         pio = sys.modules.get("plotly.io")
@@ -212,12 +252,12 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
                 status, exit_code = "interrupted", None
         self._flush_streams()
         self._end_leftovers()
-        self._check_private_fds()
-        sentinel = b"\x00code-sessions:" + os.urandom(16).hex().encode() + b"\x00"
-        for pump in self._pumps:
-            pump.drain(sentinel)
-        for pump in self._pumps:
-            pump.wait_drained()
+        if not end_quietly(self._pumps, self._quiet):
+            sentinel = b"\x00code-sessions:" + os.urandom(16).hex().encode() + b"\x00"
+            for pump in self._pumps:
+                pump.drain(sentinel)
+            for pump in self._pumps:
+                pump.wait_drained()
         self.channel.send(
             {
                 "t": "done",
@@ -229,6 +269,12 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
                 "ms": round((_perf_counter() - started) * 1000, 3),
             }
         )
+        # What the next cell needs, not this run's answer: after "done", while the host takes it in. A
+        # private fd a cell closed or replaced ends the kernel here, before it reads another request
+        # (the reply channel too: a "done" written elsewhere never reached the host, whose run then
+        # ends with the kernel).
+        self._restore_process_state()
+        self._check_private_fds()
 
 
 def main() -> None:

@@ -51,6 +51,7 @@ class _PythonCells:
     namespace: dict[str, Any]
     _armed: bool
     _cell_running: bool
+    _forked: bool
     _cell_names: set[str]
     _cell_sources: dict[str, str]
     _live_stdout: Callable[[], Any]  # the kernel's stdout, recreated if a cell closed it
@@ -121,7 +122,11 @@ class _PythonCells:
         except BaseException as exc:
             self._armed = self._cell_running = False
             failure, status, exit_code = exc, "error", 1
-        if _os_getpid() != self.pid:
+        # A child the cell forked must not become a second kernel on the wire. os.fork and
+        # multiprocessing run Python's at-fork hook, which sets the flag; a fork behind Python's back
+        # (libc's fork through ctypes, a C extension) runs no hook, and one getpid per cell (a few
+        # microseconds in gVisor) catches it.
+        if self._forked or _os_getpid() != self.pid:
             self._exit_forked_child(failure, exit_code)
         if failure is not None:
             sys.last_type, sys.last_value, sys.last_traceback = type(failure), failure, failure.__traceback__

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import _signal
 import contextlib
+import io
 import os
 import sys
 import time
@@ -15,13 +16,14 @@ from .basics import (
     _monotonic,
     _os_dup2,
     _os_fstat,
-    _os_getpid,
     _os_kill,
     _os_waitpid,
 )
+from .pumps import _Direct, _Pump
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 _ENCODING, _ERRORS = "utf-8", "backslashreplace"  # of the kernel's own stdio
@@ -30,6 +32,7 @@ _ENCODING, _ERRORS = "utf-8", "backslashreplace"  # of the kernel's own stdio
 class _Restoring:
     """What the Kernel puts back after every cell (a part of Kernel, apart for reading)."""
 
+    pid: int
     null_fd: int
     out_w: int
     err_w: int
@@ -40,6 +43,8 @@ class _Restoring:
     _recursion_limit: int
     _catchable: list[int]
     _on_sigint_bound: Any
+    _pumps: tuple[_Pump, _Pump]
+    _send_direct: Callable[[_Pump, bytes], bool]
 
     @staticmethod
     def _identity(fd: int) -> tuple[int, int]:
@@ -57,14 +62,20 @@ class _Restoring:
         if self._stdin is None or self._stdin.closed:
             self._stdin = open(0, encoding=_ENCODING, errors=_ERRORS, closefd=False)  # noqa: SIM115
         if self._stdout is None or self._stdout.closed:
-            self._stdout = open(1, "w", buffering=1, encoding=_ENCODING, errors=_ERRORS, closefd=False)  # noqa: SIM115
+            self._stdout = self._stream(1)
         if self._stderr is None or self._stderr.closed:
-            self._stderr = open(2, "w", buffering=1, encoding=_ENCODING, errors=_ERRORS, closefd=False)  # noqa: SIM115
+            self._stderr = self._stream(2)
         # The originals too: a cell may have replaced them, and code that restores from them must
         # get ours back.
         sys.stdin = sys.__stdin__ = self._stdin  # type: ignore[misc]
         sys.stdout = sys.__stdout__ = self._stdout  # type: ignore[misc]
         sys.stderr = sys.__stderr__ = self._stderr  # type: ignore[misc]
+
+    def _stream(self, fd: int) -> Any:
+        """sys.stdout (fd 1) or sys.stderr (fd 2): line-buffered text straight to the host as frames while
+        its pipe is empty, else into the fd (pumps._Direct); closing it never closes the fd."""
+        raw = _Direct(fd, self._pumps[fd - 1], self._send_direct)
+        return io.TextIOWrapper(raw, encoding=_ENCODING, errors=_ERRORS, line_buffering=True)
 
     def _note(self, text: str) -> None:
         """The kernel's own words (a traceback, a notice) on the cell's stderr. Written after the cell's
@@ -80,11 +91,11 @@ class _Restoring:
             self._restore_streams()
         return self._stdout
 
-    def _restore_process_state(self) -> None:
-        """Undo what a cell may have done to the process that the kernel relies on: fd 0/1/2 and
-        sys.std*, signal handlers and mask (a Python handler left by a cell could raise inside the
-        kernel's own code between cells), timers, trace and profile hooks."""
-        self._restore_fds()
+    def _restore_python_state(self) -> None:
+        """Right after a cell, before anything of the kernel's own runs: what a cell may have done to the
+        interpreter that could break the kernel's code (sys.std*, signal handlers: a Python handler
+        left by a cell could raise inside it; trace and profile hooks; the recursion limit). No
+        system call unless the cell changed a handler."""
         self._restore_streams()
         sys.settrace(None)
         sys.setprofile(None)
@@ -94,8 +105,6 @@ class _Restoring:
         if threading is not None:
             threading.settrace(None)
             threading.setprofile(None)
-        for which in (_signal.ITIMER_REAL, _signal.ITIMER_VIRTUAL, _signal.ITIMER_PROF):
-            _signal.setitimer(which, 0)
         # _signal, not signal: the latter wraps every answer in an enum, 50 µs for the loop instead of 5.
         getsignal, setsignal = _signal.getsignal, _signal.signal
         for sig in self._catchable:
@@ -109,7 +118,16 @@ class _Restoring:
         for sig in (_signal.SIGPIPE, _signal.SIGXFSZ):  # as Python starts: errors, not deaths
             if getsignal(sig) != _signal.SIG_IGN:
                 setsignal(sig, _signal.SIG_IGN)
+
+    def _restore_process_state(self) -> None:
+        """What the next cell needs of the process: fd 0/1/2 (a cell may have closed or redirected
+        them), no timer left armed (its signal's default action would end the kernel between cells),
+        no signal blocked. Done after "done" is sent: seven system calls off the round trip, before
+        the next request is read."""
+        for which in (_signal.ITIMER_REAL, _signal.ITIMER_VIRTUAL, _signal.ITIMER_PROF):
+            _signal.setitimer(which, 0)
         _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
+        self._restore_fds()
 
     def _flush_streams(self) -> None:
         for stream in (self._stdout, self._stderr):
@@ -124,12 +142,18 @@ class _Restoring:
         """Kill every process the cell left (daemons, double forks, a shell's background jobs) and reap
         them. Only as PID 1: then kill(-1) means every other process of our own pid namespace. Anywhere
         else (say as root on a host) it would mean every process of the machine."""
-        if _os_getpid() != 1:
+        if self.pid != 1:  # the kernel's own pid, taken at its start (a forked child never gets here)
             return
+        try:
+            _os_kill(-1, _signal.SIGKILL)  # zombies count too, so ESRCH means: nobody else is left
+        except ProcessLookupError:
+            return  # the common case: one system call, nothing to reap
+        except PermissionError:
+            pass
         deadline = _monotonic() + _KILL_PATIENCE_S
         while True:
             try:
-                _os_kill(-1, _signal.SIGKILL)  # zombies count too, so ESRCH means: nobody else is left
+                _os_kill(-1, _signal.SIGKILL)
             except ProcessLookupError:
                 break
             except PermissionError:  # only processes we may not signal are left: nothing to do

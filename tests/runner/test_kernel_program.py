@@ -335,7 +335,11 @@ def test_a_forged_sentinel_and_a_full_pipe_do_not_deadlock_the_drain() -> None:
     pump.start()  # finds the forged one first; must read on until the real one is in
     drained.join(10)
     assert not drained.is_alive(), "drain deadlocked"
-    assert pump._seen and pump._written
+    assert not pump._open and pump._written
+    deadline = time.monotonic() + 10
+    while not pump._paused and time.monotonic() < deadline:  # it holds what follows, up to the cap
+        time.sleep(0.01)
+    assert pump._paused
     os.close(r)  # the paused pump never reads again; the forger gets EPIPE and ends
     os.close(forger_w)
     forger.join(10)
@@ -641,9 +645,45 @@ def test_output_of_a_lingering_thread_waits_for_the_next_run(kernel: Kernel) -> 
     assert kernel.run("print('next')").stdout == "late\nnext\n"
 
 
+def test_a_thread_writing_on_through_the_end_of_the_run_loses_nothing(kernel: Kernel) -> None:
+    # The pipe is not empty when the cell ends: the run ends by a sentinel, not by the quiet check.
+    res = kernel.run(
+        "import os, threading, time\n"
+        "stop = False\n"
+        "def ticks():\n"
+        "    n = 0\n"
+        "    while not stop:\n"
+        "        os.write(1, b'tick %d\\n' % n)\n"
+        "        n += 1\n"
+        "threading.Thread(target=ticks).start()\n"
+        "time.sleep(0.2)"
+    )
+    assert res.status == "ok"
+    later = kernel.run("stop = True\nimport time\ntime.sleep(0.1)\nprint('next')")
+    lines = (res.stdout + later.stdout).splitlines()
+    assert lines[-1] == "next"
+    assert lines[:-1] == [f"tick {n}" for n in range(len(lines) - 1)]  # in order, none lost or doubled
+    assert res.stdout.endswith("\n") or not res.stdout
+
+
+def test_interrupting_a_cell_that_prints_without_pause_keeps_the_protocol(kernel: Kernel) -> None:
+    # Most interrupts land while the kernel sends a frame of sys.stdout: they wait until it is whole.
+    for _ in range(10):
+        run = kernel.send("import sys\nprint('started', flush=True)\nwhile True:\n    print('x' * 50)")
+        kernel.wait_for_text(run, "started")
+        kernel.interrupt()
+        res = kernel.wait(run, timeout=10)
+        assert res.status == "interrupted"
+        assert "KeyboardInterrupt" in res.stderr
+        assert set(res.stdout.splitlines()[1:-1]) <= {"x" * 50}
+    assert kernel.run("print('alive')").stdout == "alive\n"
+
+
 def test_a_cell_that_breaks_its_own_stdio_still_gets_its_done(kernel: Kernel) -> None:
-    res = kernel.run("import os\nos.close(1)\nprint('into the void')")
+    # sys.stdout is the kernel's stream to the host (as in Jupyter), fd 1 the process's.
+    res = kernel.run("import os\nos.close(1)\nprint('still shown')\nos.write(1, b'into the void')")
     assert res.status == "error" and "Bad file descriptor" in res.stderr
+    assert res.stdout == "still shown\n"
     assert kernel.run("print('back')").stdout.endswith("back\n")
     res = kernel.run("import os\nos.close(2)\nraise ValueError('unseen')")
     assert res.status == "error"
@@ -652,8 +692,14 @@ def test_a_cell_that_breaks_its_own_stdio_still_gets_its_done(kernel: Kernel) ->
     assert kernel.run("print('restored')").stdout == "restored\n"
     kernel.run("import sys\nsys.stdout.close()\nsys.stdin.close()")
     assert kernel.run("print('reopened')").stdout == "reopened\n"
-    kernel.run("import os\nos.dup2(os.open('/dev/null', os.O_WRONLY), 1)")
-    assert kernel.run("print('fd 1 again')").stdout == "fd 1 again\n"
+    res = kernel.run(
+        "import os, subprocess\nos.dup2(os.open('/dev/null', os.O_WRONLY), 1)\nprint('shown')\n"
+        "_ = subprocess.run(['echo', 'into /dev/null'])"
+    )
+    assert res.stdout == "shown\n"
+    assert (
+        kernel.run("import subprocess\n_ = subprocess.run(['echo', 'fd 1 again'])").stdout == "fd 1 again\n"
+    )
 
 
 def test_process_state_a_cell_leaves_is_undone(kernel: Kernel) -> None:
@@ -726,8 +772,21 @@ def test_garbage_on_the_channel_is_a_protocol_error(kernel: Kernel) -> None:
 def test_a_cell_closing_the_kernels_private_fd_ends_the_kernel(kernel: Kernel) -> None:
     assert kernel.stdin is not None
     channel = _find_pipe_fd_code(os.fstat(kernel.stdin.fileno()).st_ino)
-    run = kernel.send(channel + "os.close(fd)\nprint('closed', fd)")
+    # The private fds are checked once "done" is out (off the round trip), before the next request.
+    res = kernel.run(channel + "os.close(fd)\nprint('closed', fd)")
+    assert res.stdout.startswith("closed")
+    run = kernel.send("print('never')")
     with pytest.raises(EOFError):
+        kernel.wait(run)
+    assert kernel.close() == FATAL_EXIT
+    assert "closed or replaced the kernel's private fd" in kernel.diag()
+    kernel.expect_exit = None
+
+
+def test_a_cell_replacing_the_reply_channel_never_gets_its_done(kernel: Kernel) -> None:
+    channel = _find_pipe_fd_code(os.fstat(kernel.stdout.fileno()).st_ino)
+    run = kernel.send(channel + "os.dup2(os.open('/dev/null', os.O_WRONLY), fd)")
+    with pytest.raises(EOFError):  # its "done" went into /dev/null; then the check ends the kernel
         kernel.wait(run)
     assert kernel.close() == FATAL_EXIT
     assert "closed or replaced the kernel's private fd" in kernel.diag()

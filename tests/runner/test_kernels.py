@@ -166,11 +166,13 @@ async def test_forged_frames_or_a_closed_channel_end_in_a_reset_and_nothing_wors
     assert garbage.outcome == Outcome.KERNEL_LOST
     await pool.run("u/c", workdir, "kept = 'before'", "python", LIMITS)
     closed = await pool.run(
-        "u/c", workdir, "import os\nos.close(1)\nos.close(2)\nprint('x')", "python", LIMITS
+        "u/c", workdir, "import os\nos.close(1)\nos.close(2)\nprint('x')\nos.write(1, b'y')", "python", LIMITS
     )
-    # A cell that closes its own stdio hurts only itself: its print fails, the kernel puts fds 1 and 2
-    # back after it, and the state lives on.
+    # A cell that closes its own stdio hurts only itself: a write to fd 1 fails (print goes on: sys.stdout
+    # is the kernel's stream to the host, as in Jupyter), the kernel puts fds 1 and 2 back after it, and
+    # the state lives on.
     assert closed.outcome == Outcome.ERROR and closed.state_kept, closed
+    assert closed.stdout == "x\n"
     assert "OSError: [Errno 9] Bad file descriptor" in closed.stderr
     after = await pool.run("u/c", workdir, "print(kept)", "python", LIMITS)
     assert (after.stdout, after.notes) == ("before\n", ())

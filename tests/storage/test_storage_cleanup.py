@@ -177,6 +177,7 @@ async def test_expiry_lets_a_run_in_between_batches(
         await s.files.write(f"f{i}.csv", b"x" * 10)
     _age_files(index_sql, 31 * DAY)
     monkeypatch.setattr(cleanup_module, "_EXPIRY_BATCH", 2)
+    monkeypatch.setattr(cleanup_module, "_BATCHES_PER_HOLD", 1)  # the lock is let go after each batch
     backend = store.backend
     real_chat_lock = backend.chat_lock
     run = real_chat_lock(s.user_key, s.chat_key)

@@ -128,33 +128,76 @@ CRASH = """
     import storage._expiry as expiry
     from storage import Store
 
-    async def main(root, url):
+    def dies_at(n, real):
+        calls = []
+        def wrapped(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == n:
+                os._exit(9)
+            return real(*args, **kwargs)
+        return wrapped
+
+    async def main(root, url, point):
         store = Store(root, database_url=url)
         await store.open()
-        # The process dies right after the renames and the index writes, before any unlink.
-        expiry.empty_trash_soon = lambda core: os._exit(9)
+        expiry._BATCHES_PER_HOLD = 1
+        expiry._EXPIRY_BATCH = 2  # out/ (3 files) goes file by file, in two batches
+        if point == "before the unlinks":  # right after the renames and the index writes
+            expiry.empty_trash_soon = lambda core: os._exit(9)
+        elif point == "between a move and its index write":
+            async def forget(*args, **kwargs):
+                os._exit(9)
+            expiry._forget_files = forget
+        elif point == "in the middle of a batch's moves":  # one batch; after the first folder's renames
+            expiry._EXPIRY_BATCH = 100
+            expiry.move_aside_unchanged = dies_at(2, expiry.move_aside_unchanged)
+        elif point == "between two batches":  # the first batch moved and written
+            expiry.move_aside_unchanged = dies_at(2, expiry.move_aside_unchanged)
+        elif point == "in the middle of the unlinks":  # after the first entry of the trash is gone
+            expiry.remove_tree = dies_at(2, expiry.remove_tree)
         await store.cleanup()
+        await expiry.trash_emptied(store._core)
 
-    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    asyncio.run(main(*sys.argv[1:]))
 """
+EXPIRED = ("out/a.csv", "out/b.csv", "out/c.csv", "mixed/old1.csv", "mixed/old2.csv", "top.csv")
 
 
-async def test_a_crash_between_the_move_and_the_unlinks_leaves_nothing_expired_visible(
-    store: Store, root: Path, index_sql: Sql, database_url: str
+@pytest.mark.parametrize(
+    "point",
+    [
+        "before the unlinks",
+        "between a move and its index write",
+        "in the middle of a batch's moves",
+        "between two batches",
+        "in the middle of the unlinks",
+    ],
+)
+async def test_a_crash_anywhere_leaves_nothing_expired_visible_and_the_next_cleanup_finishes(
+    store: Store, root: Path, index_sql: Sql, database_url: str, point: str
 ) -> None:
     s = await _session_with_expired_files(store, index_sql)
-    proc = start_python(CRASH, str(root), database_url)
+    proc = start_python(CRASH, str(root), database_url, point)
     _, err = await asyncio.to_thread(proc.communicate, None, 60)
     assert proc.returncode == 9, err
-    # Nothing expired is readable in the session; it all sits in the trash; the index is exact.
-    assert _tree(s.path) == {"out", "mixed", "mixed/fresh.csv"}
-    left = [p for p in (root / "trash").rglob("*") if p.is_file()]
-    assert len(left) == 6
-    assert [f.path for f in await s.files.list()] == ["mixed/fresh.csv"]
-    # The next cleanup (nothing new expired) empties what the crash left.
-    report = await store.cleanup()
-    assert report.files_removed == 0
+    # Whatever left the session is in the trash, never half-way: each name is in one place or the other.
+    trash = [p for p in (root / "trash").rglob("*") if p.is_file()]
+    in_session = {name for name in EXPIRED if (s.path / name).exists()}
+    moved = sorted(p.read_bytes() for p in trash)
+    assert len(moved) + len(in_session) == 6 or point == "in the middle of the unlinks"
+    assert not {b"expired " + name.encode() for name in in_session} & set(moved)
+    if point in ("before the unlinks", "in the middle of the unlinks"):
+        assert in_session == set()  # the moves and the index writes were done
+        assert [f.path for f in await s.files.list()] == ["mixed/fresh.csv"]
+    # The next cleanup moves what is left, drops the rows of what is gone, and empties the trash.
+    await store.cleanup()
     await expiry_module.trash_emptied(store._core)
+    assert _tree(s.path) == {"out", "mixed", "mixed/fresh.csv"} or _tree(s.path) == {
+        "mixed",
+        "mixed/fresh.csv",
+    }
+    assert [f.path for f in await s.files.list()] == ["mixed/fresh.csv"]
+    assert (await s.usage()).files == 1
     assert list((root / "trash").iterdir()) == []
     assert (s.path / "mixed/fresh.csv").read_bytes() == b"kept"
 
@@ -176,6 +219,7 @@ async def test_a_large_folder_that_cannot_go_whole_goes_in_batches(
     store: Store, index_sql: Sql, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(expiry_module, "_EXPIRY_BATCH", 3)
+    monkeypatch.setattr(expiry_module, "_BATCHES_PER_HOLD", 1)
     s = await store.session("u", "c")
     for i in range(8):
         await s.files.write(f"big/f{i}.csv", b"x")

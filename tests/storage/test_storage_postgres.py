@@ -417,12 +417,32 @@ async def test_a_database_restart_is_survived(
         # Every pooled connection is dead now: the next transactions replace them and go on.
         await s.files.write("after.txt", b"22")
         assert [f.path for f in await s.files.list()] == ["after.txt", "before.txt"]
-        # The lock went with its connection; releasing says so instead of failing.
+        # The lock went with its connection; releasing says so instead of failing (the unlock's answer
+        # is awaited in the background, and this process's next lock on the chat waits for it).
         with caplog.at_level(logging.WARNING, logger="code_sessions.storage"):
             await lock.release()
-        assert "went with its connection" in caplog.text
+            async with s.lock(timeout=5):
+                assert "went with its connection" in caplog.text
+                assert await store.backend.chat_locked(s.user_key, s.chat_key)
+
+
+async def test_a_lock_taken_again_right_after_its_release_never_races_the_unlock(
+    root: Path, postgres_url: str
+) -> None:
+    # The unlock's answer comes in the background; the same process's next lock waits for it.
+    async with Store(root, database_url=postgres_url) as store:
+        s = await store.session("u", "c")
+        for _ in range(30):
+            first = store.backend.chat_lock(s.user_key, s.chat_key)
+            assert await first.try_acquire()
+            await first.release()
+            again = store.backend.chat_lock(s.user_key, s.chat_key)
+            assert await again.try_acquire()
+            await again.release()
         async with s.lock(timeout=5):
             assert await store.backend.chat_locked(s.user_key, s.chat_key)
+        await asyncio.sleep(0.2)
+        assert not await store.backend.chat_locked(s.user_key, s.chat_key)
 
 
 async def test_an_unreachable_server_is_a_clear_error(root: Path) -> None:

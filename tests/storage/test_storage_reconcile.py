@@ -281,3 +281,28 @@ async def test_user_usage_sums_all_chats_and_is_fast(store: Store, index_sql: Sq
         index_sql("ANALYZE sessions")
         plan = index_sql(f"SET enable_seqscan = off; EXPLAIN {query}")
         assert any("sessions_user_key_chat_key_key" in str(row) for row in plan), plan
+
+
+async def test_a_step_that_changed_nothing_reports_the_totals_read_under_its_lock(store: Store) -> None:
+    s = await store.session("u", "c")
+    await s.files.write("a.txt", b"12345")
+    async with s.lock():
+        await s.run_budget()
+        await s.begin_run()
+        report = await s.reconcile(changed=[])
+    assert (report.files, report.bytes, report.full) == (1, 5, False)
+    # Totals read without the lock are never reported later: the folder may change in between.
+    await s.run_budget()
+    await s.files.write("b.txt", b"123")
+    async with s.lock():
+        await s.begin_run()
+        report = await s.reconcile(changed=[])
+    assert (report.files, report.bytes) == (2, 8)
+    # Nor are those of an earlier hold of the lock.
+    async with s.lock():
+        await s.run_budget()
+    await s.files.write("c.txt", b"1")
+    async with s.lock():
+        await s.begin_run()
+        report = await s.reconcile(changed=[])
+    assert (report.files, report.bytes) == (3, 9)
