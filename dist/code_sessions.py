@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_6c58d26e5cfc'
+_CS_PACKAGE = '_code_sessions_799bd60d16a1'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -17560,8 +17560,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_6c58d26e5cfc.runner import KernelPool
-from _code_sessions_6c58d26e5cfc.storage import HistoryError, Session, StorageError
+from _code_sessions_799bd60d16a1.runner import KernelPool
+from _code_sessions_799bd60d16a1.storage import HistoryError, Session, StorageError
 
 from .settings import Settings
 
@@ -17842,8 +17842,8 @@ import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from _code_sessions_6c58d26e5cfc.runner import RunResult
-from _code_sessions_6c58d26e5cfc.storage import ReconcileReport, StorageError, human_bytes
+from _code_sessions_799bd60d16a1.runner import RunResult
+from _code_sessions_799bd60d16a1.storage import ReconcileReport, StorageError, human_bytes
 
 from .markup import mention
 
@@ -18245,7 +18245,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_6c58d26e5cfc.storage import (
+from _code_sessions_799bd60d16a1.storage import (
     Incoming,
     InvalidPath,
     Policy,
@@ -18691,10 +18691,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_6c58d26e5cfc.runner import Outcome
+from _code_sessions_799bd60d16a1.runner import Outcome
 
 from .blocks import runnable_blocks
-from .markup import backtick_fence, escape_text
+from .markup import backtick_fence, details, escape_text
 from .outputs import answer_previews
 from .scan import SCAN_ON_LOOP_CHARS
 from .service import ChatSession, StepResult
@@ -18779,8 +18779,6 @@ def _fence(text: str) -> str:
 
 
 def _block(text: str, language: str = "") -> str:
-    # `</details>` inside the output would close our collapsible block early in the rendered page.
-    text = text.replace("</details", "<\u200b/details")
     fence = _fence(text)
     return f"{fence}{language}\n{text.rstrip()}\n{fence}\n"
 
@@ -18807,8 +18805,7 @@ async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions)
     if stills:  # the interactive chart is the message's embed; this one is for where embeds are not shown
         shown = await chat.rewrite("".join(f"![{p.rsplit('/', 1)[-1]}](/mnt/data/{p})\n" for p in stills))
         body.append("_Static picture of the interactive chart:_\n\n" + shown)
-    summary = step.headline().replace("<", "&lt;")
-    details = f"\n<details>\n<summary>{summary}</summary>\n\n" + "\n".join(body) + "\n</details>\n\n"
+    block = "\n" + details(step.headline(), "\n".join(body)) + "\n\n"
     pictures = ""
     if step.figures:  # shown like a notebook shows them: inline, under the step
         pictures = await chat.rewrite(
@@ -18818,10 +18815,10 @@ async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions)
     why = step.why_stopped()
     notes = ([f"Why: {escape_text(why)}."] if why else []) + step.attention()
     if not notes:
-        return details + pictures
+        return block + pictures
     # Each sentence its own paragraph, in italics: ours, not the model's.
     said = "".join(f"_{note}_\n\n" for note in notes)
-    return details + pictures + await chat.rewrite(said, inline_images=False)
+    return block + pictures + await chat.rewrite(said, inline_images=False)
 
 
 def _status_after(step: StepResult) -> str | None:
@@ -19017,7 +19014,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_6c58d26e5cfc.runner import RunnerError
+from _code_sessions_799bd60d16a1.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -19147,8 +19144,23 @@ class Maintenance:
 def _shorten(text: str, limit: int = _LOGGED_VALUE_CHARS) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 ''',
-    'engine/markup.py': r'''"""Text written into markdown so that it means nothing else: notes that quote file names chosen by
-sandboxed code, error messages, code shown literally."""
+    'engine/markup.py': r'''"""Text written into markdown so that Open WebUI shows it as written: notes that quote file names chosen
+by sandboxed code, error messages, code shown literally.
+
+What Open WebUI 0.12's renderer reads beyond CommonMark (checked in its frontend bundle and, for each
+rule below, in Chromium by tests/e2e/test_browser.py):
+
+* HTML entities are shown as written (`&lt;` stays `&lt;`), so `&` needs no escape and entities are
+  no escape either: a backslash escape is the one way to write a markdown character as itself.
+* Its KaTeX extension reads `$...$`, `\\(...\\)` and `\\[...\\]` (the closer followed by a space,
+  punctuation or the end) as math, even where `\\(` and `\\[` were meant as escaped brackets.
+* The same extension cuts a paragraph before `\\[`, `\\b` or `$$` that follows a space or punctuation
+  (a backslash included), and joins the pieces with a line break: `C:\\\\bin` would show as `C:`, a
+  break, `\\bin`.
+
+Where a backslash escape would be read as one of these, an invisible WORD JOINER (U+2060) goes in
+between instead: it is not a space or punctuation, so it breaks the pattern and shows nothing.
+"""
 
 from __future__ import annotations
 
@@ -19157,12 +19169,34 @@ import unicodedata
 
 from .grammar import BACKTICK_RUNS, MOUNT
 
-__all__ = ["backtick_fence", "code_span", "escape_text", "mention", "visible"]
+__all__ = [
+    "JOINER",
+    "backtick_fence",
+    "code_span",
+    "details",
+    "details_as_read",
+    "escape_text",
+    "mention",
+    "visible",
+]
 
-# Characters that would change the meaning of link text in markdown or HTML.
-_LABEL_ESCAPES = str.maketrans(
-    {"&": "&amp;", "<": "&lt;", ">": "&gt;", **{c: "\\" + c for c in "\\`*_{}[]()#+!|~"}}
+JOINER = "\u2060"
+
+# What markdown or Open WebUI reads in a line of text, and how each is written to mean itself: a
+# backslash escape, except for brackets (see the module's docstring): `[` gets a joiner before its
+# escape (no paragraph cut), `]` one after (never the closer of KaTeX's `\[ ... \]`). In a link's text
+# marked takes the backslashes off brackets before reading it, so there a `[` must not start what Open
+# WebUI reads as a citation (`[1]`: a joiner after the `[`) or a footnote (`[^1]`: `^` is escaped). A
+# backslash is escaped, and kept apart from a `b` after it (`\b`: the cut). Autolinks (`http://`,
+# `www.`, `a@b.example`) are broken with an escaped `:`, `.` or `@`.
+_ESCAPED = str.maketrans(
+    {**{c: "\\" + c for c in "\\`*_{}<>#+!|~$@^"}, "[": JOINER + "\\[", "]": "\\]" + JOINER}
 )
+_CITATION = re.compile(r"\[(?=\d)")
+_WWW = re.compile(r"(www)\.", re.IGNORECASE)
+# At the start of a line: a list item (`- x`, `1. x`, `1) x`) or a thematic break (`---`). A text may
+# begin a line wherever it is used, so its start is written so that it is none of them.
+_LIST_NUMBER = re.compile(r"(\d{1,9})([.)])(?=\s|$)")
 
 
 def visible(text: str) -> str:
@@ -19177,10 +19211,34 @@ def visible(text: str) -> str:
 
 
 def escape_text(text: str) -> str:
-    """Any text (e.g. an error message quoting a file name) as one line of markdown that means nothing:
-    no HTML, no links, no emphasis, no line breaks. (Whitespace is folded: a newline in a name used as a
-    link's text must not break the link apart.)"""
-    return " ".join(visible(text).translate(_LABEL_ESCAPES).split())
+    """Any text (an error message quoting a file name, a link's text) as one line of markdown that Open
+    WebUI shows as that text: no HTML, link, image, math, emphasis, code or line break. Control
+    characters are shown as escapes (`visible`) and runs of spaces folded into one (a newline in a name
+    used as a link's text must not break the link apart). The characters shown are the text's own, with
+    invisible word joiners where a backslash escape would not do (around brackets, between a backslash
+    and a `b`)."""
+    text = " ".join(visible(text).split())
+    written = text.translate(_ESCAPED)
+    if "[" in text:
+        written = _CITATION.sub("[" + JOINER, written)
+    if "\\b" in text:
+        written = written.replace("\\\\b", "\\\\" + JOINER + "b")
+    if "//" in text:
+        written = written.replace("://", "\\://")
+    if "www" in text.lower():
+        written = _WWW.sub(r"\1\\.", written)
+    if written.startswith(JOINER + "\\["):
+        # First in its paragraph, the `\[` would be the paragraph's second character, which the cut
+        # takes whatever precedes it: one more joiner.
+        written = JOINER + written
+    elif written.startswith("-"):
+        written = "\\" + written
+    elif written[:1].isdigit():
+        number = _LIST_NUMBER.match(written)
+        if number:
+            mark = "\\." if number.group(2) == "." else JOINER + ")"
+            written = number.group(1) + mark + written[number.end() :]
+    return written
 
 
 def backtick_fence(text: str, minimum: int = 1) -> str:
@@ -19190,9 +19248,19 @@ def backtick_fence(text: str, minimum: int = 1) -> str:
     return "`" * max(minimum, longest + 1)
 
 
+# Open WebUI replaces `{{user}}`, `{{char}}` and `{{VIDEO_FILE_ID_<id>}}` (a video of that file) or
+# `{{HTML_FILE_ID_<id>}}` (the file shown as a page) in a message before it reads the markdown, except
+# between backticks, which it pairs up without knowing escapes or fences: in code too, a joiner keeps
+# the braces apart. (Elsewhere `escape_text` escapes each brace.)
+_TOKEN = re.compile(r"(?<=\{)(?=\{(?i:user\}\}|char\}\}|VIDEO_FILE_ID_|HTML_FILE_ID_))")
+# Inside a code span nothing is markup, but Open WebUI's paragraph cut (see the module's docstring) still
+# happens, and turns into a space in the code: a joiner goes before each place it could.
+_CUT = re.compile(r"(?=\\[\[b])|(?<=\$)(?=\$)|" + _TOKEN.pattern)
+
+
 def code_span(text: str) -> str:
     """Text shown literally: an inline code span, fenced with more backticks than the text holds."""
-    text = visible(text)
+    text = _CUT.sub(JOINER, visible(text))
     fence = backtick_fence(text)
     pad = " " if text.startswith("`") or text.endswith("`") or not text.strip() else ""
     return f"{fence}{pad}{text}{pad}{fence}"
@@ -19201,15 +19269,50 @@ def code_span(text: str) -> str:
 # A name our notes may show bare, for the link rewriter to turn into a link as a whole: nothing that
 # markdown or HTML would read, and no trailing punctuation, which the rewriter leaves out of a path.
 _PLAIN_COMPONENT = re.compile(r"[\w.,+=@%-]*[\w+=@%-]")
+# ... nor what would still be read in those characters if the name stays text (a file that no longer
+# exists is not linked): an autolink (`www.`, an e-mail address) or emphasis (an underscore that is not
+# between two letters or digits, as in `__init__.py`).
+_READ_BARE = re.compile(
+    r"www\.|@[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*[A-Za-z0-9]|(?:^|\W)_|_(?:\W|$)", re.IGNORECASE
+)
 
 
 def mention(path: str) -> str:
     """How our own notes name a session file (its name was chosen by sandboxed code): the bare
     `/mnt/data/...` path when it is plain, so it becomes a link; otherwise a code span that shows the
     name literally, never as markup."""
-    if path.isprintable() and all(_PLAIN_COMPONENT.fullmatch(part) for part in path.split("/")):
+    parts = path.split("/")
+    if path.isprintable() and all(map(_PLAIN_COMPONENT.fullmatch, parts)) and not _READ_BARE.search(path):
         return MOUNT + path
     return code_span(MOUNT + path)
+
+
+# Open WebUI's <details> extension finds where its block ends by counting `<details` and `</details>` in
+# the raw text, shows the summary as plain text, and decodes HTML entities in the body before reading it
+# as markdown: `&#91;x&#93;(https://e.example)` there would be a link, `&#96;&#96;&#96;` the end of a code
+# block.
+_DETAILS_TAG = re.compile(r"<(?=/?(?:details|summary))", re.IGNORECASE)
+
+
+def details(summary: str, body: str) -> str:
+    """A collapsible block: `summary` (one line of plain text, not markdown) and `body` (markdown) are
+    shown as written, whatever they hold: entities in the body are written so that decoding them gives
+    the body back; a tag of the block's own in either, and Open WebUI's `{{...}}` tokens in the body's
+    code, are broken apart by a joiner."""
+    summary = _DETAILS_TAG.sub("<" + JOINER, " ".join(summary.split()))
+    body = _TOKEN.sub(JOINER, _DETAILS_TAG.sub("<" + JOINER, body.replace("&", "&amp;")))
+    return f"<details>\n<summary>{summary}</summary>\n\n{body}\n</details>"
+
+
+_BODY = re.compile(r"(<details>\n<summary>[^\n]*</summary>\n\n)(.*?)(\n</details>)", re.DOTALL)
+
+
+def details_as_read(text: str) -> str:
+    """`text` with the body of each block `details` wrote as the user reads it (entities decoded, which
+    gives back the body as it was given): what the model reads of its earlier answers."""
+    if "<details>" not in text:
+        return text
+    return _BODY.sub(lambda block: block[1] + block[2].replace("&amp;", "&") + block[3], text)
 ''',
     'engine/outputs.py': r'''"""What an answer shows besides its text and its links: previews of the tables it links, and its
 interactive charts. Composes the pure modules (engine/previews.py, engine/charts.py) with a chat's
@@ -19219,7 +19322,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from _code_sessions_6c58d26e5cfc.runner import RunnerError
+from _code_sessions_799bd60d16a1.runner import RunnerError
 
 from .charts import chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
@@ -19398,12 +19501,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_6c58d26e5cfc.runner import Runner, RunnerError
-from _code_sessions_6c58d26e5cfc.storage import StorageError
+from _code_sessions_799bd60d16a1.runner import Runner, RunnerError
+from _code_sessions_799bd60d16a1.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
-from .markup import code_span, escape_text
+from .markup import code_span, details_as_read, escape_text
 from .previews import strip_previews
 from .prompt import PromptFacts, system_prompt
 from .service import ChatSession, Engine
@@ -19489,7 +19592,7 @@ async def messages_with_prompt(
     history = [dict(message) for message in await chat.sandbox_view(messages)]
     for message in history:  # the previews of earlier answers: the model made those files itself
         if message.get("role") == "assistant" and isinstance(message.get("content"), str):
-            message["content"] = strip_previews(message["content"])
+            message["content"] = strip_previews(details_as_read(message["content"]))
     if history and history[0].get("role") == "system" and isinstance(history[0].get("content"), str):
         history[0]["content"] = prompt + "\n\n" + history[0]["content"]
     else:
@@ -19534,7 +19637,8 @@ larger file, two samples of `SAMPLE_BYTES` for the row count (a 100 MB file is n
 row count is then an estimate, and says so). XLSX and Parquet need
 openpyxl and pyarrow, whose parsers have had bugs: they are read in a fresh gVisor sandbox over the
 chat's folder (`PROGRAM`), whose one line of output is checked as hostile too. Every cell, column name
-and type is written as text (`cell_text`): no markdown, HTML, link or line break survives.
+and type is written as text that shows as written (`cell_text`): no markdown, HTML, link, math or
+line break survives.
 
 Where it appears: after the answer's text, one short table per file in the order the answer links them,
 without the file's name (the answer names each file once; the attachments hold it once more).
@@ -19550,10 +19654,10 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_6c58d26e5cfc.runner import Limits, Outcome, RunnerError, RunResult
-from _code_sessions_6c58d26e5cfc.storage import StorageError, human_bytes
+from _code_sessions_799bd60d16a1.runner import Limits, Outcome, RunnerError, RunResult
+from _code_sessions_799bd60d16a1.storage import StorageError, human_bytes
 
-from .markup import visible
+from .markup import escape_text
 
 __all__ = [
     "HEAD_BYTES",
@@ -19562,7 +19666,6 @@ __all__ = [
     "PROGRAM",
     "Table",
     "cell_text",
-    "inert",
     "is_table",
     "parse_program_output",
     "render",
@@ -19599,22 +19702,6 @@ _FLOAT = re.compile(r"[+-]?(?:\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?|
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?")
 _BOOL = frozenset({"true", "false", "True", "False", "TRUE", "FALSE"})
 
-# How a character of a cell is written so that Open WebUI's markdown reads it as itself. Backslash
-# escapes where they are plain escapes; a zero-width space where a backslash would start something
-# else: Open WebUI's KaTeX reads `\(`, `\[` as math, so `[` and `]` are broken apart from what
-# follows instead (no link, image, citation or footnote), and so are autolinks (`https://`, `www.`,
-# `a@b.c`). HTML entities are no escape there: they show as written.
-_ZWSP = "\u200b"
-_INERT = str.maketrans(
-    {
-        **{c: "\\" + c for c in "\\`*_~|<>$#!{}+="},
-        "[": "[" + _ZWSP,
-        "]": "]" + _ZWSP,
-        "@": "@" + _ZWSP,
-    }
-)
-_AUTOLINK = re.compile(r"(?<=:)(?=//)|(?<=www)(?=\.)", re.IGNORECASE)
-
 
 @dataclass(frozen=True, slots=True)
 class Table:
@@ -19628,16 +19715,10 @@ class Table:
     basis: str = ""  # how an estimate was made ("from the first 256 KiB"), or what was read ("sheet 1 of 3")
 
 
-def inert(text: str) -> str:
-    """Any text as one line of markdown that Open WebUI shows as that text: no HTML, link, emphasis,
-    math, line break or table column separator (control characters are shown as escapes)."""
-    text = " ".join(visible(text).split())
-    return _AUTOLINK.sub(_ZWSP, text.translate(_INERT))
-
-
 def cell_text(value: str) -> str:
-    """A cell (or a column's name or type) as inert text, at most MAX_CELL characters of it."""
-    return inert(value if len(value) <= MAX_CELL else value[: MAX_CELL - 1] + "…")
+    """A cell (or a column's name or type) as text that shows as written, at most MAX_CELL characters
+    of it."""
+    return escape_text(value if len(value) <= MAX_CELL else value[: MAX_CELL - 1] + "…")
 
 
 def _kind(values: Sequence[str]) -> str:
@@ -19731,7 +19812,7 @@ def render(table: Table, index: int = 1, count: int = 1) -> str:
         facts.append(table.basis)
     if table.rows and (table.total_rows is None or len(table.rows) < table.total_rows):
         facts.append(f"the first {len(table.rows)} shown")
-    caption = f"_{label} · {inert(', '.join(facts))}_\n\n"
+    caption = f"_{label} · {escape_text(', '.join(facts))}_\n\n"
     if not table.columns:
         return caption
     head = (
@@ -19918,7 +19999,7 @@ async def previews(
             parts.append(render(table, index, len(chosen)))
         else:
             label = "Preview" if len(chosen) == 1 else f"Preview {index} of {len(chosen)}"
-            parts.append(f"_{label} · none: {inert(table)}_\n")
+            parts.append(f"_{label} · none: {escape_text(table)}_\n")
     return "\n\n" + "\n".join(parts)
 
 
@@ -19944,8 +20025,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_6c58d26e5cfc.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_6c58d26e5cfc.storage import human_bytes
+from _code_sessions_799bd60d16a1.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_799bd60d16a1.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -20064,7 +20145,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_6c58d26e5cfc.storage import Purge, parse_duration
+from _code_sessions_799bd60d16a1.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -20644,8 +20725,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_6c58d26e5cfc.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_6c58d26e5cfc.storage import (
+from _code_sessions_799bd60d16a1.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_799bd60d16a1.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -21127,8 +21208,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_6c58d26e5cfc.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_6c58d26e5cfc.storage import Policy
+from _code_sessions_799bd60d16a1.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_799bd60d16a1.storage import Policy
 
 __all__ = ["DEFAULTS", "BranchSettings", "Settings"]
 
@@ -21294,8 +21375,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_6c58d26e5cfc.runner import Outcome, RunResult
-from _code_sessions_6c58d26e5cfc.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_799bd60d16a1.runner import Outcome, RunResult
+from _code_sessions_799bd60d16a1.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention
 
@@ -21755,7 +21836,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_6c58d26e5cfc.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_799bd60d16a1.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -21974,7 +22055,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_6c58d26e5cfc.storage import Link, Publisher, is_postgres_url
+from _code_sessions_799bd60d16a1.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 from .knowledge import save_to_knowledge
@@ -22286,7 +22367,7 @@ import logging
 import mimetypes
 from typing import Any
 
-from _code_sessions_6c58d26e5cfc.storage import human_bytes
+from _code_sessions_799bd60d16a1.storage import human_bytes
 
 log = logging.getLogger("code_sessions.function")
 
@@ -22576,7 +22657,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from _code_sessions_6c58d26e5cfc.storage import (
+from _code_sessions_799bd60d16a1.storage import (
     DiskFull,
     FileExists,
     Incoming,
@@ -22824,11 +22905,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_6c58d26e5cfc.engine import DEFAULTS, MINUTE_S, BranchSettings, Engine, Maintenance, Settings, Turn
-from _code_sessions_6c58d26e5cfc.functions.inbound import serve_uploads
-from _code_sessions_6c58d26e5cfc.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_6c58d26e5cfc.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_6c58d26e5cfc.webui import OpenWebUI
+from _code_sessions_799bd60d16a1.engine import DEFAULTS, MINUTE_S, BranchSettings, Engine, Maintenance, Settings, Turn
+from _code_sessions_799bd60d16a1.functions.inbound import serve_uploads
+from _code_sessions_799bd60d16a1.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_799bd60d16a1.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_799bd60d16a1.webui import OpenWebUI
 
 __all__ = ["Adapter", "SharedValves", "Status", "settings_from"]
 
@@ -23346,8 +23427,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_6c58d26e5cfc.engine import ChatSession, Engine, ExtraTool, Inbound, Settings, save_command
-from _code_sessions_6c58d26e5cfc.storage import Expiry, Policy, Quotas, Store, UploadLinks
+from _code_sessions_799bd60d16a1.engine import ChatSession, Engine, ExtraTool, Inbound, Settings, save_command
+from _code_sessions_799bd60d16a1.storage import Expiry, Policy, Quotas, Store, UploadLinks
 
 __all__ = ["UPLOAD_LINK_TOOL", "answer_command", "serve_uploads", "upload_link", "upload_link_tool"]
 
@@ -23535,7 +23616,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_6c58d26e5cfc.engine import (
+from _code_sessions_799bd60d16a1.engine import (
     LoopOptions,
     ModelError,
     TextDelta,
@@ -23550,10 +23631,10 @@ from _code_sessions_6c58d26e5cfc.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_6c58d26e5cfc.functions.adapter import Adapter, SharedValves, Status, turn_of
-from _code_sessions_6c58d26e5cfc.functions.inbound import answer_command, upload_link_tool
-from _code_sessions_6c58d26e5cfc.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_6c58d26e5cfc.webui import Misconfigured
+from _code_sessions_799bd60d16a1.functions.adapter import Adapter, SharedValves, Status, turn_of
+from _code_sessions_799bd60d16a1.functions.inbound import answer_command, upload_link_tool
+from _code_sessions_799bd60d16a1.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_799bd60d16a1.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from runner import Outcome
 
 from .blocks import runnable_blocks
-from .markup import backtick_fence, escape_text
+from .markup import backtick_fence, details, escape_text
 from .outputs import answer_previews
 from .scan import SCAN_ON_LOOP_CHARS
 from .service import ChatSession, StepResult
@@ -100,8 +100,6 @@ def _fence(text: str) -> str:
 
 
 def _block(text: str, language: str = "") -> str:
-    # `</details>` inside the output would close our collapsible block early in the rendered page.
-    text = text.replace("</details", "<\u200b/details")
     fence = _fence(text)
     return f"{fence}{language}\n{text.rstrip()}\n{fence}\n"
 
@@ -128,8 +126,7 @@ async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions)
     if stills:  # the interactive chart is the message's embed; this one is for where embeds are not shown
         shown = await chat.rewrite("".join(f"![{p.rsplit('/', 1)[-1]}](/mnt/data/{p})\n" for p in stills))
         body.append("_Static picture of the interactive chart:_\n\n" + shown)
-    summary = step.headline().replace("<", "&lt;")
-    details = f"\n<details>\n<summary>{summary}</summary>\n\n" + "\n".join(body) + "\n</details>\n\n"
+    block = "\n" + details(step.headline(), "\n".join(body)) + "\n\n"
     pictures = ""
     if step.figures:  # shown like a notebook shows them: inline, under the step
         pictures = await chat.rewrite(
@@ -139,10 +136,10 @@ async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions)
     why = step.why_stopped()
     notes = ([f"Why: {escape_text(why)}."] if why else []) + step.attention()
     if not notes:
-        return details + pictures
+        return block + pictures
     # Each sentence its own paragraph, in italics: ours, not the model's.
     said = "".join(f"_{note}_\n\n" for note in notes)
-    return details + pictures + await chat.rewrite(said, inline_images=False)
+    return block + pictures + await chat.rewrite(said, inline_images=False)
 
 
 def _status_after(step: StepResult) -> str | None:

@@ -13,7 +13,7 @@ from storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
-from .markup import code_span, escape_text
+from .markup import code_span, details_as_read, escape_text
 from .previews import strip_previews
 from .prompt import PromptFacts, system_prompt
 from .service import ChatSession, Engine
@@ -99,7 +99,7 @@ async def messages_with_prompt(
     history = [dict(message) for message in await chat.sandbox_view(messages)]
     for message in history:  # the previews of earlier answers: the model made those files itself
         if message.get("role") == "assistant" and isinstance(message.get("content"), str):
-            message["content"] = strip_previews(message["content"])
+            message["content"] = strip_previews(details_as_read(message["content"]))
     if history and history[0].get("role") == "system" and isinstance(history[0].get("content"), str):
         history[0]["content"] = prompt + "\n\n" + history[0]["content"]
     else:

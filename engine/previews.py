@@ -7,7 +7,8 @@ larger file, two samples of `SAMPLE_BYTES` for the row count (a 100 MB file is n
 row count is then an estimate, and says so). XLSX and Parquet need
 openpyxl and pyarrow, whose parsers have had bugs: they are read in a fresh gVisor sandbox over the
 chat's folder (`PROGRAM`), whose one line of output is checked as hostile too. Every cell, column name
-and type is written as text (`cell_text`): no markdown, HTML, link or line break survives.
+and type is written as text that shows as written (`cell_text`): no markdown, HTML, link, math or
+line break survives.
 
 Where it appears: after the answer's text, one short table per file in the order the answer links them,
 without the file's name (the answer names each file once; the attachments hold it once more).
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from runner import Limits, Outcome, RunnerError, RunResult
 from storage import StorageError, human_bytes
 
-from .markup import visible
+from .markup import escape_text
 
 __all__ = [
     "HEAD_BYTES",
@@ -35,7 +36,6 @@ __all__ = [
     "PROGRAM",
     "Table",
     "cell_text",
-    "inert",
     "is_table",
     "parse_program_output",
     "render",
@@ -72,22 +72,6 @@ _FLOAT = re.compile(r"[+-]?(?:\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?|
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?")
 _BOOL = frozenset({"true", "false", "True", "False", "TRUE", "FALSE"})
 
-# How a character of a cell is written so that Open WebUI's markdown reads it as itself. Backslash
-# escapes where they are plain escapes; a zero-width space where a backslash would start something
-# else: Open WebUI's KaTeX reads `\(`, `\[` as math, so `[` and `]` are broken apart from what
-# follows instead (no link, image, citation or footnote), and so are autolinks (`https://`, `www.`,
-# `a@b.c`). HTML entities are no escape there: they show as written.
-_ZWSP = "\u200b"
-_INERT = str.maketrans(
-    {
-        **{c: "\\" + c for c in "\\`*_~|<>$#!{}+="},
-        "[": "[" + _ZWSP,
-        "]": "]" + _ZWSP,
-        "@": "@" + _ZWSP,
-    }
-)
-_AUTOLINK = re.compile(r"(?<=:)(?=//)|(?<=www)(?=\.)", re.IGNORECASE)
-
 
 @dataclass(frozen=True, slots=True)
 class Table:
@@ -101,16 +85,10 @@ class Table:
     basis: str = ""  # how an estimate was made ("from the first 256 KiB"), or what was read ("sheet 1 of 3")
 
 
-def inert(text: str) -> str:
-    """Any text as one line of markdown that Open WebUI shows as that text: no HTML, link, emphasis,
-    math, line break or table column separator (control characters are shown as escapes)."""
-    text = " ".join(visible(text).split())
-    return _AUTOLINK.sub(_ZWSP, text.translate(_INERT))
-
-
 def cell_text(value: str) -> str:
-    """A cell (or a column's name or type) as inert text, at most MAX_CELL characters of it."""
-    return inert(value if len(value) <= MAX_CELL else value[: MAX_CELL - 1] + "…")
+    """A cell (or a column's name or type) as text that shows as written, at most MAX_CELL characters
+    of it."""
+    return escape_text(value if len(value) <= MAX_CELL else value[: MAX_CELL - 1] + "…")
 
 
 def _kind(values: Sequence[str]) -> str:
@@ -204,7 +182,7 @@ def render(table: Table, index: int = 1, count: int = 1) -> str:
         facts.append(table.basis)
     if table.rows and (table.total_rows is None or len(table.rows) < table.total_rows):
         facts.append(f"the first {len(table.rows)} shown")
-    caption = f"_{label} · {inert(', '.join(facts))}_\n\n"
+    caption = f"_{label} · {escape_text(', '.join(facts))}_\n\n"
     if not table.columns:
         return caption
     head = (
@@ -391,7 +369,7 @@ async def previews(
             parts.append(render(table, index, len(chosen)))
         else:
             label = "Preview" if len(chosen) == 1 else f"Preview {index} of {len(chosen)}"
-            parts.append(f"_{label} · none: {inert(table)}_\n")
+            parts.append(f"_{label} · none: {escape_text(table)}_\n")
     return "\n\n" + "\n".join(parts)
 
 

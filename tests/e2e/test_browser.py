@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Browser, BrowserContext, Frame, Locator, Page
 
-from tests.support.open_webui import LINK, Account, OpenWebUI, Reply, say_streamed
+from tests.support.open_webui import FUNCTION_ID, LINK, Account, OpenWebUI, Reply, say_streamed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.runsc, pytest.mark.browser]
 
@@ -251,6 +251,7 @@ HOSTILE_ROWS = [
     ('<img src=x onerror="alert(2)">', "[click](https://evil.example)", 2),
     ("~~~ fence", "line one\nline two", 3),  # a code fence (~~~ here: the demo model's block ends at ```)
     ("https://evil.example/x", "$x^2$ **bold**", 4),
+    (r"\(512 MB\) C:\bin [1] [^2]", "&lt;b&gt; {{user}} www.evil.example", 5),
 ]
 TABLES = f"""import csv
 import pandas as pd
@@ -281,7 +282,7 @@ def test_tables_show_a_preview_whose_hostile_cells_are_text(
     admin = open_webui.admin
     reply = say_streamed(admin, code(TABLES, "The tables: /mnt/data/hostile.csv and /mnt/data/cities.xlsx"))
     # In the saved message: after the answer's text, one preview per table, in the order linked.
-    assert "_Preview 1 of 2 · 4 rows, 3 columns_" in reply.content, reply.content
+    assert "_Preview 1 of 2 · 5 rows, 3 columns_" in reply.content, reply.content
     assert "_Preview 2 of 2 · 3 rows, 2 columns_" in reply.content, reply.content
 
     context = logged_in(browser, open_webui, admin, height=1100)
@@ -293,10 +294,10 @@ def test_tables_show_a_preview_whose_hostile_cells_are_text(
     hostile, cities = preview_tables(answer).nth(0), preview_tables(answer).nth(1)
     assert preview_tables(answer).count() == 2
     # Every hostile cell is its text: one row per record, no element made of a cell, nothing ran.
-    assert hostile.locator("tr").count() == 1 + 4
-    assert hostile.locator("a, img, script, strong, code, .katex").count() == 0, hostile.inner_html()
-    # (Zero-width spaces keep `[...](...)` and `https://` from being read as links: they show nothing.)
-    cells = [c.replace("\u200b", "").strip() for c in hostile.locator("td").all_inner_texts()]
+    assert hostile.locator("tr").count() == 1 + 5
+    assert hostile.locator("a, img, script, strong, code, sup, .katex").count() == 0, hostile.inner_html()
+    # (Word joiners keep brackets from being read as math or links: they show nothing.)
+    cells = [c.replace("\u2060", "").strip() for c in hostile.locator("td").all_inner_texts()]
     assert cells == [
         "<script>alert(1)</script>",
         "a|b",
@@ -310,6 +311,9 @@ def test_tables_show_a_preview_whose_hostile_cells_are_text(
         "https://evil.example/x",
         "$x^2$ **bold**",
         "4",
+        r"\(512 MB\) C:\bin [1] [^2]",
+        "&lt;b&gt; {{user}} www.evil.example",
+        "5",
     ], cells
     headers = [h.strip() for h in hostile.locator("th").all_text_contents()]
     assert headers == ["name · text", "note · text", "score · int"], headers
@@ -408,6 +412,93 @@ def test_a_plotly_chart_is_interactive_isolated_and_still_there_after_a_reload(
     still.wait_for(timeout=30_000)
     loaded = "img => img.complete && img.naturalWidth > 0"
     page.wait_for_function(loaded, arg=still.element_handle(), timeout=30_000)
+    context.close()
+
+
+# Hostile text in each place our sentences quote it (engine/markup.py). What Open WebUI's renderer
+# would read in it: KaTeX (`$...$`, `\(...\)`, `\[...\]`, and its paragraph cut before `\b`, `\[`,
+# `$$`), links, images, citations, footnotes, autolinks, HTML, emphasis, code, its `{{...}}` tokens,
+# and inside a run's block, entities (`&#91;`), which its <details> decodes.
+MATHS = r"$x$ (512 MB) \(y\) \[z\] C:\bin $$w$$"
+LINKISH = "[1] [^1] [a](https:evil.example) ![i](https:evil.example) www.evil.example a@evil.example"
+MARKUP = "<b>b</b> <img src=x onerror=alert(1)> &lt;i&gt; &#91;k&#93;(https:e.example) **s** _u_ `c` {{user}}"
+# Chosen by the user, said back when it is refused. (No `/`: Open WebUI keeps what follows the last one.)
+UPLOAD_NAME = f"{MATHS} {LINKISH} {MARKUP}.csv".replace("/", "")
+LABEL = f"see {MATHS} <i>i</i> **s** http://evil.example [1] &lt;b&gt;"  # the model's text for a link
+IN_PATH = r"$x$_\bin&lt;b&gt;~~s~~@a.co^1_www.e.co#!.txt"  # a name the model writes as a bare path
+IN_CODE = r"a &#96;&#96;&#96; [x](https:evil.example) {{user}} $$ C:\bin.txt"  # a name made by code
+OUTPUT = "&#96;&#96;&#96;\n<details>\n&#91;x&#93;(http://e.example) &#36;y&#36; {{user}}\n</details>\n&& done"
+WRITE = f"""import pathlib
+data = pathlib.Path("/mnt/data")
+for name in ["ok.txt", "__init__.py", {IN_PATH!r}, {IN_CODE!r}]:
+    (data / name).write_text("x")
+print({OUTPUT!r})
+"""
+DELETE = f"""import os
+for name in ["__init__.py", {IN_PATH!r}, {IN_CODE!r}]:
+    os.remove("/mnt/data/" + name)
+"""
+
+
+def shown(locator: Locator) -> str:
+    """A rendered element's text, without the invisible word joiners our escapes may add."""
+    return locator.inner_text().replace("\u2060", "")
+
+
+def test_hostile_text_in_our_sentences_shows_as_written(
+    browser: Browser, open_webui: OpenWebUI, tmp_path: Path
+):
+    admin = open_webui.admin
+    valves = open_webui.valves()
+    upload = admin.upload(UPLOAD_NAME, b"n\n" + b"1\n" * 600_000)  # over the 1 MB per-file limit below
+    open_webui.set_valves(max_file_mb=1)
+    try:
+        reply = f"Here: [{LABEL}](/mnt/data/ok.txt) and /mnt/data/{IN_PATH} done."
+        first = say_streamed(admin, code(WRITE, reply), files=[upload])
+    finally:  # the valves as they were (the endpoint replaces them all)
+        restored = open_webui.admin_http.post(f"/api/v1/functions/id/{FUNCTION_ID}/valves/update", valves)
+        restored.raise_for_status()
+    second = say_streamed(admin, code(DELETE, "Removed them."), previous=first)
+    for answer in (first, second):
+        assert answer.content.count("Python finished in") == 1, answer.content
+
+    context = logged_in(browser, open_webui, admin, height=1400)
+    page = context.new_page()
+    dialogs: list[str] = []
+    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+    one, two = Rendered(page, first), Rendered(page, second)
+    errors = open_chat(page, open_webui, first, two.content.get_by_text("Removed them."), tmp_path)
+    for answer in (one, two):  # the run's block open, as a reader opens it
+        answer.content.get_by_text(re.compile(r"Python finished in")).first.click()
+    one.content.locator(".cm-content").nth(1).wait_for(timeout=30_000)
+    two.content.get_by_text(re.compile("^Deleted:")).wait_for(timeout=30_000)
+
+    # The attachment's name, in the sentence that says why it was not copied: every character as is.
+    refused = one.content.locator("p", has_text="was not copied into /mnt/data")
+    assert shown(refused).startswith(f"The attachment {UPLOAD_NAME} was not copied into /mnt/data: "), (
+        refused.inner_html()
+    )
+    # The model's text for a link, and a name it wrote as a bare path: the texts of the two links.
+    links = one.content.locator("a")
+    assert [shown(links.nth(i)) for i in range(links.count())] == [LABEL, IN_PATH], one.content.inner_html()
+    assert all(LINK.fullmatch(links.nth(i).get_attribute("href") or "") for i in range(links.count()))
+    # In the run's block: the code and its output as written (Open WebUI decodes entities there).
+    code_shown = [shown(block) for block in one.content.locator(".cm-content").all()]
+    assert code_shown == [WRITE.rstrip(), OUTPUT], code_shown
+    # ... and the names the next run deleted (a name read as markup if bare is shown as code).
+    deleted = two.content.get_by_text(re.compile("^Deleted:"))
+    names = ", ".join("/mnt/data/" + name for name in sorted(["__init__.py", IN_PATH, IN_CODE]))
+    assert shown(deleted) == f"Deleted: {names}", deleted.inner_html()
+
+    # Nothing became math, a link elsewhere, a picture, HTML, emphasis or a page of a file.
+    for answer in (one, two):
+        made = answer.content.locator(
+            ".katex, img, sup, script, iframe, video, strong, del, b, i, "
+            "a[href*='example'], a[href^='mailto'], a[href*='www']"
+        )
+        assert made.count() == 0, answer.content.inner_html()
+    assert "admin" not in one.content.inner_text()  # `{{user}}` was not replaced by the user's name
+    assert not dialogs and not errors, (dialogs, errors)
     context.close()
 
 

@@ -192,6 +192,17 @@ async def test_the_model_reads_earlier_answers_with_mnt_data_paths_not_links(har
     assert url not in seen[2]["content"] and "See [a.txt](/mnt/data/a.txt)" in seen[2]["content"]
 
 
+async def test_the_model_reads_an_earlier_runs_block_as_the_user_sees_it(harness: PipeHarness):
+    # The block's body is written with `&amp;` for each `&` (Open WebUI decodes entities there): the
+    # user sees `a && b &lt;`, and so does the model, not the encoding.
+    first = await harness.say("u1", "chat-1", code("print('a && b &lt;')", "Done."))
+    assert "print('a &amp;&amp; b &amp;lt;')" in first and "a &amp;&amp; b &amp;lt;\n" in first
+    history = [{"role": "user", "content": "go"}, {"role": "assistant", "content": first}]
+    await harness.say("u1", "chat-1", "thanks", history=history)
+    earlier = harness.requests[-1]["messages"][2]["content"]
+    assert "print('a && b &lt;')" in earlier and "a && b &lt;\n" in earlier and "&amp;" not in earlier
+
+
 async def test_a_failing_base_model_is_an_answer_not_a_crash(harness: PipeHarness):
     async def broken(*args, **kwargs):
         raise RuntimeError("connection refused")
