@@ -631,6 +631,24 @@ def test_a_forked_child_ends_with_the_cell_and_never_speaks_for_the_kernel(kerne
     assert kernel.run("print('one kernel')").stdout == "one kernel\n"  # ProtocolState saw one done each
 
 
+def test_a_child_forked_behind_pythons_back_ends_with_the_cell(kernel: Kernel) -> None:
+    # libc's fork through ctypes runs no at-fork hook: the per-cell pid check must catch its child, or
+    # it would go on as a second kernel reading and writing the wire.
+    res = kernel.run(
+        "import ctypes, os\n"
+        "pid = ctypes.CDLL(None, use_errno=True).fork()\n"
+        "if pid == 0:\n"
+        "    os.write(2, b'in child\\n')\n"
+        "else:\n"
+        "    print('child exit', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+    )
+    assert res.status == "ok", res
+    assert "child exit 0" in res.stdout and "in child" in res.stderr
+    for n in range(3):
+        assert kernel.run(f"print({n})").stdout == f"{n}\n"
+    assert kernel.namespace_pids() == [1]
+
+
 def test_output_of_a_lingering_thread_waits_for_the_next_run(kernel: Kernel) -> None:
     res = kernel.run(
         "import threading, time\n"
