@@ -107,6 +107,16 @@ def _without_code_spans(line: str) -> str:
     return "".join(out)
 
 
+def interpreted(bad: str, text: str) -> bool:
+    """Whether `bad` occurs in markdown text where markdown would interpret it: not right after a
+    backslash that escapes it (an odd run of backslashes)."""
+    for found in re.finditer(re.escape(bad), text):
+        backslashes = len(text[: found.start()]) - len(text[: found.start()].rstrip("\\"))
+        if backslashes % 2 == 0:
+            return True
+    return False
+
+
 def prose(answer: str) -> str:
     """What the model said and the file notes, without the collapsible block of code and output."""
     return re.sub(r"<details>.*?</details>", "", answer, flags=re.S)

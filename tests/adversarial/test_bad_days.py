@@ -75,6 +75,7 @@ from tests.adversarial.attack import (
     SMALL,
     assert_index_matches_disk,
     copy_of,
+    interpreted,
     links,
     outside_code,
     prose,
@@ -519,8 +520,9 @@ async def test_quota_sentences_show_hostile_names_as_text(harness: PipeHarness):
     )
     assert answer.count(": over the limit of 2 files across all your chats") == len(names)
     visible = outside_code(prose(answer))
-    for bad in ("<img", "](javascript:", "# pwned", "\u202e"):
-        assert bad not in visible, bad
+    for bad in ("<img", "](javascript:", "# pwned"):
+        assert not interpreted(bad, visible), bad
+    assert "\u202e" not in visible  # no escape neutralizes a bidi override
     assert bd.user_files(harness.sessions_root, "alice") == (2, 2)
 
 
@@ -716,7 +718,7 @@ async def test_an_attachment_too_large_is_said_once_and_the_chat_goes_on(harness
     assert first.count("was not copied into /mnt/data") == 1 and why in first
     visible = outside_code(prose(first))
     for bad in ("<img", "](javascript:", "\n# big"):
-        assert bad not in visible, bad
+        assert not interpreted(bad, visible), bad
     assert (
         "was not copied into /mnt/data" in harness.requests[-1]["messages"][0]["content"]
     )  # the model knows
