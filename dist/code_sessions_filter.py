@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_799bd60d16a1'
+_CS_PACKAGE = '_code_sessions_33d3d57b1b52'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -11820,6 +11820,7 @@ _os_dup2 = os.dup2
 _os_kill = os.kill
 _os_waitpid = os.waitpid
 _os_getpid = os.getpid
+_os_listdir = os.listdir
 _os_fstat = os.fstat
 _monotonic = time.monotonic
 _perf_counter = time.perf_counter
@@ -13182,6 +13183,7 @@ from .basics import (
     _os_dup2,
     _os_fstat,
     _os_kill,
+    _os_listdir,
     _os_waitpid,
 )
 from .pumps import _Direct, _Pump
@@ -13192,6 +13194,17 @@ if TYPE_CHECKING:
     from typing import Any
 
 _ENCODING, _ERRORS = "utf-8", "backslashreplace"  # of the kernel's own stdio
+
+# The resource trackers multiprocessing and joblib (loky) start once per process and use again from
+# cell to cell. Killed with the cell's leftovers, their next use warns "process died unexpectedly"
+# and the new tracker prints a KeyError traceback for every resource the old one knew: so they are
+# spared. A process that abuses the pass (a cell can point these at any pid) is still bound by the
+# sandbox's memory limit and by the host's CPU watch between runs, as a thread is.
+_TRACKER_MODULES = (
+    "multiprocessing.resource_tracker",
+    "joblib.externals.loky.backend.resource_tracker",
+    "loky.backend.resource_tracker",
+)
 
 
 class _Restoring:
@@ -13309,6 +13322,10 @@ class _Restoring:
         else (say as root on a host) it would mean every process of the machine."""
         if self.pid != 1:  # the kernel's own pid, taken at its start (a forked child never gets here)
             return
+        spared = self._trackers()
+        if spared:
+            self._end_leftovers_but(spared)
+            return
         try:
             _os_kill(-1, _signal.SIGKILL)  # zombies count too, so ESRCH means: nobody else is left
         except ProcessLookupError:
@@ -13322,6 +13339,44 @@ class _Restoring:
             except ProcessLookupError:
                 break
             except PermissionError:  # only processes we may not signal are left: nothing to do
+                break
+            if not self._reap() and _monotonic() > deadline:
+                self._note("[code-sessions: some processes of the cell would not die]\n")
+                break
+            time.sleep(0.0002)
+        self._reap()
+
+    @staticmethod
+    def _trackers() -> set[int]:
+        """The pids of the resource trackers this process started (three dict lookups when none)."""
+        pids: set[int] = set()
+        for name in _TRACKER_MODULES:
+            module = sys.modules.get(name)
+            if module is None:
+                continue
+            pid = getattr(getattr(module, "_resource_tracker", None), "_pid", None)
+            if type(pid) is int and pid > 1:
+                pids.add(pid)
+        return pids
+
+    def _end_leftovers_but(self, spared: set[int]) -> None:
+        """_end_leftovers, sparing `spared`: every other process of the namespace, found in /proc,
+        is killed and reaped, until none is left."""
+        deadline = _monotonic() + _KILL_PATIENCE_S
+        while True:
+            try:
+                others = [int(n) for n in _os_listdir("/proc") if n.isdigit() and int(n) != 1]
+            except OSError:
+                return
+            others = [pid for pid in others if pid not in spared]
+            if not others:
+                break
+            signalled = 0
+            for pid in others:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    _os_kill(pid, _signal.SIGKILL)
+                    signalled += 1
+            if not signalled:  # only processes we may not signal are left: nothing to do
                 break
             if not self._reap() and _monotonic() > deadline:
                 self._note("[code-sessions: some processes of the cell would not die]\n")
@@ -17560,8 +17615,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_799bd60d16a1.runner import KernelPool
-from _code_sessions_799bd60d16a1.storage import HistoryError, Session, StorageError
+from _code_sessions_33d3d57b1b52.runner import KernelPool
+from _code_sessions_33d3d57b1b52.storage import HistoryError, Session, StorageError
 
 from .settings import Settings
 
@@ -17842,8 +17897,8 @@ import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from _code_sessions_799bd60d16a1.runner import RunResult
-from _code_sessions_799bd60d16a1.storage import ReconcileReport, StorageError, human_bytes
+from _code_sessions_33d3d57b1b52.runner import RunResult
+from _code_sessions_33d3d57b1b52.storage import ReconcileReport, StorageError, human_bytes
 
 from .markup import mention
 
@@ -18245,7 +18300,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_799bd60d16a1.storage import (
+from _code_sessions_33d3d57b1b52.storage import (
     Incoming,
     InvalidPath,
     Policy,
@@ -18691,7 +18746,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_799bd60d16a1.runner import Outcome
+from _code_sessions_33d3d57b1b52.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, details, escape_text
@@ -19014,7 +19069,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_799bd60d16a1.runner import RunnerError
+from _code_sessions_33d3d57b1b52.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -19322,7 +19377,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from _code_sessions_799bd60d16a1.runner import RunnerError
+from _code_sessions_33d3d57b1b52.runner import RunnerError
 
 from .charts import chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
@@ -19501,8 +19556,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_799bd60d16a1.runner import Runner, RunnerError
-from _code_sessions_799bd60d16a1.storage import StorageError
+from _code_sessions_33d3d57b1b52.runner import Runner, RunnerError
+from _code_sessions_33d3d57b1b52.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -19654,8 +19709,8 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_799bd60d16a1.runner import Limits, Outcome, RunnerError, RunResult
-from _code_sessions_799bd60d16a1.storage import StorageError, human_bytes
+from _code_sessions_33d3d57b1b52.runner import Limits, Outcome, RunnerError, RunResult
+from _code_sessions_33d3d57b1b52.storage import StorageError, human_bytes
 
 from .markup import escape_text
 
@@ -20025,8 +20080,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_799bd60d16a1.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_799bd60d16a1.storage import human_bytes
+from _code_sessions_33d3d57b1b52.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_33d3d57b1b52.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -20145,7 +20200,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_799bd60d16a1.storage import Purge, parse_duration
+from _code_sessions_33d3d57b1b52.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -20725,8 +20780,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_799bd60d16a1.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_799bd60d16a1.storage import (
+from _code_sessions_33d3d57b1b52.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_33d3d57b1b52.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -21208,8 +21263,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_799bd60d16a1.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_799bd60d16a1.storage import Policy
+from _code_sessions_33d3d57b1b52.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_33d3d57b1b52.storage import Policy
 
 __all__ = ["DEFAULTS", "BranchSettings", "Settings"]
 
@@ -21375,8 +21430,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_799bd60d16a1.runner import Outcome, RunResult
-from _code_sessions_799bd60d16a1.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_33d3d57b1b52.runner import Outcome, RunResult
+from _code_sessions_33d3d57b1b52.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention
 
@@ -21836,7 +21891,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_799bd60d16a1.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_33d3d57b1b52.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -22055,7 +22110,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_799bd60d16a1.storage import Link, Publisher, is_postgres_url
+from _code_sessions_33d3d57b1b52.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 from .knowledge import save_to_knowledge
@@ -22367,7 +22422,7 @@ import logging
 import mimetypes
 from typing import Any
 
-from _code_sessions_799bd60d16a1.storage import human_bytes
+from _code_sessions_33d3d57b1b52.storage import human_bytes
 
 log = logging.getLogger("code_sessions.function")
 
@@ -22657,7 +22712,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from _code_sessions_799bd60d16a1.storage import (
+from _code_sessions_33d3d57b1b52.storage import (
     DiskFull,
     FileExists,
     Incoming,
@@ -22905,11 +22960,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_799bd60d16a1.engine import DEFAULTS, MINUTE_S, BranchSettings, Engine, Maintenance, Settings, Turn
-from _code_sessions_799bd60d16a1.functions.inbound import serve_uploads
-from _code_sessions_799bd60d16a1.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_799bd60d16a1.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_799bd60d16a1.webui import OpenWebUI
+from _code_sessions_33d3d57b1b52.engine import DEFAULTS, MINUTE_S, BranchSettings, Engine, Maintenance, Settings, Turn
+from _code_sessions_33d3d57b1b52.functions.inbound import serve_uploads
+from _code_sessions_33d3d57b1b52.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_33d3d57b1b52.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_33d3d57b1b52.webui import OpenWebUI
 
 __all__ = ["Adapter", "SharedValves", "Status", "settings_from"]
 
@@ -23427,8 +23482,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_799bd60d16a1.engine import ChatSession, Engine, ExtraTool, Inbound, Settings, save_command
-from _code_sessions_799bd60d16a1.storage import Expiry, Policy, Quotas, Store, UploadLinks
+from _code_sessions_33d3d57b1b52.engine import ChatSession, Engine, ExtraTool, Inbound, Settings, save_command
+from _code_sessions_33d3d57b1b52.storage import Expiry, Policy, Quotas, Store, UploadLinks
 
 __all__ = ["UPLOAD_LINK_TOOL", "answer_command", "serve_uploads", "upload_link", "upload_link_tool"]
 
@@ -23615,7 +23670,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_799bd60d16a1.engine import (
+from _code_sessions_33d3d57b1b52.engine import (
     ChatSession,
     LoopOptions,
     StreamingRewriter,
@@ -23625,11 +23680,11 @@ from _code_sessions_799bd60d16a1.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_799bd60d16a1.engine.scan import SCAN_ON_LOOP_CHARS
-from _code_sessions_799bd60d16a1.functions.adapter import Adapter, SharedValves, Status, turn_of
-from _code_sessions_799bd60d16a1.functions.inbound import answer_command
-from _code_sessions_799bd60d16a1.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_799bd60d16a1.webui import Misconfigured
+from _code_sessions_33d3d57b1b52.engine.scan import SCAN_ON_LOOP_CHARS
+from _code_sessions_33d3d57b1b52.functions.adapter import Adapter, SharedValves, Status, turn_of
+from _code_sessions_33d3d57b1b52.functions.inbound import answer_command
+from _code_sessions_33d3d57b1b52.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_33d3d57b1b52.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -22,6 +22,7 @@ _os_dup2 = os.dup2
 _os_kill = os.kill
 _os_waitpid = os.waitpid
 _os_getpid = os.getpid
+_os_listdir = os.listdir
 _os_fstat = os.fstat
 _monotonic = time.monotonic
 _perf_counter = time.perf_counter

@@ -17,6 +17,7 @@ from .basics import (
     _os_dup2,
     _os_fstat,
     _os_kill,
+    _os_listdir,
     _os_waitpid,
 )
 from .pumps import _Direct, _Pump
@@ -27,6 +28,17 @@ if TYPE_CHECKING:
     from typing import Any
 
 _ENCODING, _ERRORS = "utf-8", "backslashreplace"  # of the kernel's own stdio
+
+# The resource trackers multiprocessing and joblib (loky) start once per process and use again from
+# cell to cell. Killed with the cell's leftovers, their next use warns "process died unexpectedly"
+# and the new tracker prints a KeyError traceback for every resource the old one knew: so they are
+# spared. A process that abuses the pass (a cell can point these at any pid) is still bound by the
+# sandbox's memory limit and by the host's CPU watch between runs, as a thread is.
+_TRACKER_MODULES = (
+    "multiprocessing.resource_tracker",
+    "joblib.externals.loky.backend.resource_tracker",
+    "loky.backend.resource_tracker",
+)
 
 
 class _Restoring:
@@ -144,6 +156,10 @@ class _Restoring:
         else (say as root on a host) it would mean every process of the machine."""
         if self.pid != 1:  # the kernel's own pid, taken at its start (a forked child never gets here)
             return
+        spared = self._trackers()
+        if spared:
+            self._end_leftovers_but(spared)
+            return
         try:
             _os_kill(-1, _signal.SIGKILL)  # zombies count too, so ESRCH means: nobody else is left
         except ProcessLookupError:
@@ -157,6 +173,44 @@ class _Restoring:
             except ProcessLookupError:
                 break
             except PermissionError:  # only processes we may not signal are left: nothing to do
+                break
+            if not self._reap() and _monotonic() > deadline:
+                self._note("[code-sessions: some processes of the cell would not die]\n")
+                break
+            time.sleep(0.0002)
+        self._reap()
+
+    @staticmethod
+    def _trackers() -> set[int]:
+        """The pids of the resource trackers this process started (three dict lookups when none)."""
+        pids: set[int] = set()
+        for name in _TRACKER_MODULES:
+            module = sys.modules.get(name)
+            if module is None:
+                continue
+            pid = getattr(getattr(module, "_resource_tracker", None), "_pid", None)
+            if type(pid) is int and pid > 1:
+                pids.add(pid)
+        return pids
+
+    def _end_leftovers_but(self, spared: set[int]) -> None:
+        """_end_leftovers, sparing `spared`: every other process of the namespace, found in /proc,
+        is killed and reaped, until none is left."""
+        deadline = _monotonic() + _KILL_PATIENCE_S
+        while True:
+            try:
+                others = [int(n) for n in _os_listdir("/proc") if n.isdigit() and int(n) != 1]
+            except OSError:
+                return
+            others = [pid for pid in others if pid not in spared]
+            if not others:
+                break
+            signalled = 0
+            for pid in others:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    _os_kill(pid, _signal.SIGKILL)
+                    signalled += 1
+            if not signalled:  # only processes we may not signal are left: nothing to do
                 break
             if not self._reap() and _monotonic() > deadline:
                 self._note("[code-sessions: some processes of the cell would not die]\n")

@@ -613,6 +613,37 @@ def test_processes_left_by_a_cell_are_gone_before_the_next_done(kernel: Kernel) 
     assert members == [kernel.host_pid]
 
 
+def test_the_resource_tracker_is_spared_and_every_other_leftover_still_goes(kernel: Kernel) -> None:
+    # multiprocessing's tracker (and joblib's, the same code) is started once and used from cell to
+    # cell: killed with the leftovers, its next use warns and the new one prints a KeyError per
+    # resource the old one knew.
+    res = kernel.run(
+        "import subprocess\n"
+        "from multiprocessing import resource_tracker, shared_memory\n"
+        "shm = shared_memory.SharedMemory(create=True, size=16)\n"
+        "subprocess.Popen(['sleep', '1000'], start_new_session=True)\n"
+        "print(resource_tracker._resource_tracker._pid)"
+    )
+    assert res.status == "ok", res.stderr
+    tracker = int(res.stdout)
+    assert kernel.namespace_pids() == [1, tracker]  # the sleep is gone, the tracker is not
+    res = kernel.run("shm.close()\nshm.unlink()\nimport time\ntime.sleep(0.3)\nprint('unlinked')")
+    assert (res.status, res.stdout, res.stderr) == ("ok", "unlinked\n", "")
+    # A cell that points the pass at a process of its own spares that one alone, and only while the
+    # tracker's record says so.
+    res = kernel.run(
+        "import subprocess\n"
+        "keep = subprocess.Popen(['sleep', '1000'])\n"
+        "subprocess.Popen(['sleep', '1000'])\n"
+        "resource_tracker._resource_tracker._pid = keep.pid\n"
+        "print(keep.pid)"
+    )
+    kept = int(res.stdout)
+    assert kernel.namespace_pids() == [1, kept]  # the real tracker, no longer named, went with the rest
+    kernel.run("resource_tracker._resource_tracker._pid = None")
+    assert kernel.namespace_pids() == [1]
+
+
 def test_a_forked_child_ends_with_the_cell_and_never_speaks_for_the_kernel(kernel: Kernel) -> None:
     code = (
         "import os\n"
