@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_33d3d57b1b52'
+_CS_PACKAGE = '_code_sessions_d8642e576d58'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -11037,7 +11037,8 @@ class Kernel(_Watchers):
         self._stderr = bytearray()
         self._tasks: list[asyncio.Task[None]] = []
         self._run_ids = 0
-        self._busy = asyncio.Lock()
+        self._busy = asyncio.Lock()  # held by a run and by a checkpoint
+        self._running = False
         self._watch: ChangeWatch | None = None
         self._growth: GrowthWatch | None = None
         self._exceeded: str | None = None  # the disk watcher's verdict, from its thread
@@ -11068,7 +11069,13 @@ class Kernel(_Watchers):
 
     @property
     def busy(self) -> bool:
-        """A run is in progress."""
+        """A run is in progress (a copy of the state being taken is not one: it ends on its own within
+        seconds, and a save waits for it)."""
+        return self._running
+
+    @property
+    def in_use(self) -> bool:
+        """A run is in progress or an image is being written."""
         return self._busy.locked()
 
     @property
@@ -11283,6 +11290,7 @@ class Kernel(_Watchers):
             self.last_used = time.monotonic()
             self._idle_since = None
             self._cpu_budget_s = limits.timeout_s
+            self._running = True
             try:
                 return await self._run(code, language, limits)
             except asyncio.CancelledError:
@@ -11293,6 +11301,7 @@ class Kernel(_Watchers):
                 await asyncio.shield(self._settling)
                 raise
             finally:
+                self._running = False
                 self.last_used = self._idle_since = time.monotonic()
 
     async def _stop_cancelled_run(self) -> None:
@@ -16526,7 +16535,8 @@ class KernelPool(_Room, _Peers, _Snapshots):
 
     async def close(self) -> None:
         """Stop every kernel of this process (its owner is going away), saving the idle ones that
-        have a state folder, all within _SHUTDOWN_SAVE_S; the rest are stopped with their state."""
+        have a state folder, all within _SHUTDOWN_SAVE_S; the rest are stopped with their state. A
+        kernel whose state is being copied for a branch is idle: its save follows the copy."""
         if self._reaper is not None:
             self._reaper.cancel()
         ends = [
@@ -16546,7 +16556,8 @@ class KernelPool(_Room, _Peers, _Snapshots):
         targets = [
             (key, kernel, self._state_dirs[key])
             for key, kernel in list(self._mine.items())
-            if kernel.alive and not kernel.busy and key in self._state_dirs and kernel.ready is not None
+            # in_use: no event loop is left to wait for a copy being taken; runsc would refuse a second
+            if kernel.alive and not kernel.in_use and key in self._state_dirs and kernel.ready is not None
         ]
         if not targets or setup is None or self.settings.max_image_bytes == 0:
             return
@@ -17615,8 +17626,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_33d3d57b1b52.runner import KernelPool
-from _code_sessions_33d3d57b1b52.storage import HistoryError, Session, StorageError
+from _code_sessions_d8642e576d58.runner import KernelPool
+from _code_sessions_d8642e576d58.storage import HistoryError, Session, StorageError
 
 from .settings import Settings
 
@@ -17897,8 +17908,8 @@ import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from _code_sessions_33d3d57b1b52.runner import RunResult
-from _code_sessions_33d3d57b1b52.storage import ReconcileReport, StorageError, human_bytes
+from _code_sessions_d8642e576d58.runner import RunResult
+from _code_sessions_d8642e576d58.storage import ReconcileReport, StorageError, human_bytes
 
 from .markup import mention
 
@@ -18300,7 +18311,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_33d3d57b1b52.storage import (
+from _code_sessions_d8642e576d58.storage import (
     Incoming,
     InvalidPath,
     Policy,
@@ -18746,7 +18757,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_33d3d57b1b52.runner import Outcome
+from _code_sessions_d8642e576d58.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, details, escape_text
@@ -19069,7 +19080,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_33d3d57b1b52.runner import RunnerError
+from _code_sessions_d8642e576d58.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -19377,7 +19388,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from _code_sessions_33d3d57b1b52.runner import RunnerError
+from _code_sessions_d8642e576d58.runner import RunnerError
 
 from .charts import chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
@@ -19556,8 +19567,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_33d3d57b1b52.runner import Runner, RunnerError
-from _code_sessions_33d3d57b1b52.storage import StorageError
+from _code_sessions_d8642e576d58.runner import Runner, RunnerError
+from _code_sessions_d8642e576d58.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -19709,8 +19720,8 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_33d3d57b1b52.runner import Limits, Outcome, RunnerError, RunResult
-from _code_sessions_33d3d57b1b52.storage import StorageError, human_bytes
+from _code_sessions_d8642e576d58.runner import Limits, Outcome, RunnerError, RunResult
+from _code_sessions_d8642e576d58.storage import StorageError, human_bytes
 
 from .markup import escape_text
 
@@ -20080,8 +20091,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_33d3d57b1b52.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_33d3d57b1b52.storage import human_bytes
+from _code_sessions_d8642e576d58.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_d8642e576d58.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -20200,7 +20211,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_33d3d57b1b52.storage import Purge, parse_duration
+from _code_sessions_d8642e576d58.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -20780,8 +20791,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_33d3d57b1b52.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_33d3d57b1b52.storage import (
+from _code_sessions_d8642e576d58.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_d8642e576d58.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -21263,8 +21274,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_33d3d57b1b52.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_33d3d57b1b52.storage import Policy
+from _code_sessions_d8642e576d58.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_d8642e576d58.storage import Policy
 
 __all__ = ["DEFAULTS", "BranchSettings", "Settings"]
 
@@ -21430,8 +21441,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_33d3d57b1b52.runner import Outcome, RunResult
-from _code_sessions_33d3d57b1b52.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_d8642e576d58.runner import Outcome, RunResult
+from _code_sessions_d8642e576d58.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention
 
@@ -21891,7 +21902,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_33d3d57b1b52.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_d8642e576d58.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -22110,7 +22121,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_33d3d57b1b52.storage import Link, Publisher, is_postgres_url
+from _code_sessions_d8642e576d58.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 from .knowledge import save_to_knowledge
@@ -22422,7 +22433,7 @@ import logging
 import mimetypes
 from typing import Any
 
-from _code_sessions_33d3d57b1b52.storage import human_bytes
+from _code_sessions_d8642e576d58.storage import human_bytes
 
 log = logging.getLogger("code_sessions.function")
 
@@ -22712,7 +22723,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from _code_sessions_33d3d57b1b52.storage import (
+from _code_sessions_d8642e576d58.storage import (
     DiskFull,
     FileExists,
     Incoming,
@@ -22960,11 +22971,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_33d3d57b1b52.engine import DEFAULTS, MINUTE_S, BranchSettings, Engine, Maintenance, Settings, Turn
-from _code_sessions_33d3d57b1b52.functions.inbound import serve_uploads
-from _code_sessions_33d3d57b1b52.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_33d3d57b1b52.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_33d3d57b1b52.webui import OpenWebUI
+from _code_sessions_d8642e576d58.engine import DEFAULTS, MINUTE_S, BranchSettings, Engine, Maintenance, Settings, Turn
+from _code_sessions_d8642e576d58.functions.inbound import serve_uploads
+from _code_sessions_d8642e576d58.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_d8642e576d58.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_d8642e576d58.webui import OpenWebUI
 
 __all__ = ["Adapter", "SharedValves", "Status", "settings_from"]
 
@@ -23482,8 +23493,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_33d3d57b1b52.engine import ChatSession, Engine, ExtraTool, Inbound, Settings, save_command
-from _code_sessions_33d3d57b1b52.storage import Expiry, Policy, Quotas, Store, UploadLinks
+from _code_sessions_d8642e576d58.engine import ChatSession, Engine, ExtraTool, Inbound, Settings, save_command
+from _code_sessions_d8642e576d58.storage import Expiry, Policy, Quotas, Store, UploadLinks
 
 __all__ = ["UPLOAD_LINK_TOOL", "answer_command", "serve_uploads", "upload_link", "upload_link_tool"]
 
@@ -23670,7 +23681,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_33d3d57b1b52.engine import (
+from _code_sessions_d8642e576d58.engine import (
     ChatSession,
     LoopOptions,
     StreamingRewriter,
@@ -23680,11 +23691,11 @@ from _code_sessions_33d3d57b1b52.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_33d3d57b1b52.engine.scan import SCAN_ON_LOOP_CHARS
-from _code_sessions_33d3d57b1b52.functions.adapter import Adapter, SharedValves, Status, turn_of
-from _code_sessions_33d3d57b1b52.functions.inbound import answer_command
-from _code_sessions_33d3d57b1b52.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_33d3d57b1b52.webui import Misconfigured
+from _code_sessions_d8642e576d58.engine.scan import SCAN_ON_LOOP_CHARS
+from _code_sessions_d8642e576d58.functions.adapter import Adapter, SharedValves, Status, turn_of
+from _code_sessions_d8642e576d58.functions.inbound import answer_command
+from _code_sessions_d8642e576d58.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_d8642e576d58.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -97,7 +97,8 @@ class Kernel(_Watchers):
         self._stderr = bytearray()
         self._tasks: list[asyncio.Task[None]] = []
         self._run_ids = 0
-        self._busy = asyncio.Lock()
+        self._busy = asyncio.Lock()  # held by a run and by a checkpoint
+        self._running = False
         self._watch: ChangeWatch | None = None
         self._growth: GrowthWatch | None = None
         self._exceeded: str | None = None  # the disk watcher's verdict, from its thread
@@ -128,7 +129,13 @@ class Kernel(_Watchers):
 
     @property
     def busy(self) -> bool:
-        """A run is in progress."""
+        """A run is in progress (a copy of the state being taken is not one: it ends on its own within
+        seconds, and a save waits for it)."""
+        return self._running
+
+    @property
+    def in_use(self) -> bool:
+        """A run is in progress or an image is being written."""
         return self._busy.locked()
 
     @property
@@ -343,6 +350,7 @@ class Kernel(_Watchers):
             self.last_used = time.monotonic()
             self._idle_since = None
             self._cpu_budget_s = limits.timeout_s
+            self._running = True
             try:
                 return await self._run(code, language, limits)
             except asyncio.CancelledError:
@@ -353,6 +361,7 @@ class Kernel(_Watchers):
                 await asyncio.shield(self._settling)
                 raise
             finally:
+                self._running = False
                 self.last_used = self._idle_since = time.monotonic()
 
     async def _stop_cancelled_run(self) -> None:

@@ -238,7 +238,8 @@ class KernelPool(_Room, _Peers, _Snapshots):
 
     async def close(self) -> None:
         """Stop every kernel of this process (its owner is going away), saving the idle ones that
-        have a state folder, all within _SHUTDOWN_SAVE_S; the rest are stopped with their state."""
+        have a state folder, all within _SHUTDOWN_SAVE_S; the rest are stopped with their state. A
+        kernel whose state is being copied for a branch is idle: its save follows the copy."""
         if self._reaper is not None:
             self._reaper.cancel()
         ends = [
@@ -258,7 +259,8 @@ class KernelPool(_Room, _Peers, _Snapshots):
         targets = [
             (key, kernel, self._state_dirs[key])
             for key, kernel in list(self._mine.items())
-            if kernel.alive and not kernel.busy and key in self._state_dirs and kernel.ready is not None
+            # in_use: no event loop is left to wait for a copy being taken; runsc would refuse a second
+            if kernel.alive and not kernel.in_use and key in self._state_dirs and kernel.ready is not None
         ]
         if not targets or setup is None or self.settings.max_image_bytes == 0:
             return

@@ -137,3 +137,27 @@ async def test_another_workers_kernel_is_copied_by_that_worker(
     finally:
         await holder.close()
         await other.close()
+
+
+async def test_a_stop_while_a_copy_is_being_taken_still_saves_the_kernel(
+    runner: Runner, tmp_path: Path, chat: tuple[Path, Path]
+) -> None:
+    # A deploy's SIGTERM right after an answer lands while the answer's state is being copied: the
+    # kernel is idle, not running a cell, and must be saved (it was stopped with its state).
+    folder, state = chat
+    pool = pool_of(runner, tmp_path)
+    first = await pool.run("u/c", folder, "x = 41", "python", LIMITS, state_dir=state)
+    assert first.ok, first
+    copying = asyncio.ensure_future(pool.snapshot("u/c", tmp_path / "history" / "m1", state_dir=state))
+    await asyncio.sleep(0.05)  # runsc checkpoint --leave-running has started
+    assert not copying.done()
+    await pool.close()
+    image, why = await copying
+    assert image and not why, why
+    assert (state / "kernel" / "meta.json").is_file()
+    again = pool_of(runner, tmp_path)
+    try:
+        back = await again.run("u/c", folder, "print(x)", "python", LIMITS, state_dir=state)
+        assert back.stdout.strip() == "41" and back.notes == (), back
+    finally:
+        await again.close()
