@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_d8642e576d58'
+_CS_PACKAGE = '_code_sessions_b60d3897876f'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -1738,8 +1738,11 @@ import json
 import os
 import shutil
 import stat
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import Any
 
@@ -1766,6 +1769,58 @@ STATS = "stats.json"
 _COLLECT_EVERY = 5
 MAX_FILES = 100_000  # a state of more files than this is not kept (the quota's default is 5,000)
 _MAX_STATE = 64 << 20
+# The records of the state each of the last few chats wrote, with each record's JSON: the next save of
+# that chat neither reads them back nor encodes again what did not change (of a state of 10,000
+# files, ~25 ms of the ~65). Kept only for states of up to _CACHED_FILES files (~300 B each).
+_CACHED_CHATS = 8
+_CACHED_FILES = 20_000
+
+
+@dataclass(frozen=True, slots=True)
+class _Written:
+    state: str  # the digest whose file was written
+    identity: tuple[int, int, int]  # that file's inode, size and mtime as written: another writer's shows
+    records: dict[str, list[Any]]
+    pieces: dict[str, str]  # path -> '"path":[record]', as in the file
+
+
+class _RecentStates:
+    """What _Written holds, for the last _CACHED_CHATS history folders written by this process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_folder: OrderedDict[Path, _Written] = OrderedDict()
+
+    def put(self, folder: Path, written: _Written | None) -> None:
+        with self._lock:
+            self._by_folder.pop(folder, None)
+            if written is not None:
+                self._by_folder[folder] = written
+                while len(self._by_folder) > _CACHED_CHATS:
+                    self._by_folder.popitem(last=False)
+
+    def get(self, folder: Path, state: str, path: Path) -> _Written | None:
+        with self._lock:
+            written = self._by_folder.get(folder)
+        if written is None or written.state != state:
+            return None
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return written if (st.st_ino, st.st_size, st.st_mtime_ns) == written.identity else None
+
+
+_recent = _RecentStates()
+
+
+def _piece(path: str, record: list[Any]) -> str:
+    """One file's entry in a state's JSON, as json.dumps with separators (",", ":") writes it."""
+    obj, size, mtime_ns, mode, ino, ctime_ns = record
+    return (
+        f"{encode_basestring_ascii(path)}:[{encode_basestring_ascii(obj)},{int(size)},{int(mtime_ns)},"
+        f"{int(mode)},{int(ino)},{int(ctime_ns)}]"
+    )
 
 
 class HistoryError(Exception):
@@ -1888,7 +1943,7 @@ class History:
         newest `keep_states` states and the kernels of the newest `keep_kernels`, and drop the oldest
         while the history takes more than `room_bytes` (None: no bound), never the new one."""
         head = self.read_head()
-        known = self._records(self.folder / "states" / f"{head.live}.json") if head.live else {}
+        known, pieces = self._live_records(head)
         self._make_folder()
         stats = self._read_stats()
         objects = self.folder / "objects"
@@ -1909,27 +1964,20 @@ class History:
                             dirs[path] = stat.S_IMODE(st.st_mode)
                             continue
                         was = known.get(path)
-                        if was is not None and unchanged(was, st):
-                            obj = was[0]
+                        if was is not None and unchanged(was, st):  # and so its mode, which sets the ctime
+                            files[path] = was
                         else:
                             made = copy_in(parent, name, st, objects_fd)
                             if made is None:
                                 continue  # gone, or not a regular file any more
-                            obj = made
                             copied_files += 1
                             copied_bytes += st.st_size
+                            mode = stat.S_IMODE(st.st_mode)
+                            files[path] = [made, st.st_size, st.st_mtime_ns, mode, st.st_ino, st.st_ctime_ns]
                         live_bytes += st.st_size
-                        files[path] = [
-                            obj,
-                            st.st_size,
-                            st.st_mtime_ns,
-                            stat.S_IMODE(st.st_mode),
-                            st.st_ino,
-                            st.st_ctime_ns,
-                        ]
                         if len(files) > MAX_FILES:
                             raise HistoryError(f"the folder holds more than {MAX_FILES:,} files")
-        self._write_state(message_id, files, dirs, imports)
+        self._write_state(message_id, files, dirs, imports, known=(known, pieces))
         self._write_head(Head(message_id, False, False, digest(message_id)))
         stats["object_bytes"] += copied_bytes
         dropped = self._prune(message_id, keep_states, keep_kernels, room_bytes, stats, live_bytes)
@@ -2040,7 +2088,7 @@ class History:
         Files already there as the head's live records say, with the state's version, stay; the rest
         is copied back from the objects. The state's records then describe the live files."""
         head = self.read_head()
-        known = self._records(self.folder / "states" / f"{head.live}.json") if head.live else {}
+        known, _ = self._live_records(head)
         wanted: dict[str, list[Any]] = state["files"]
         wanted_dirs: dict[str, int] = state["dirs"]
         keep_dirs = set(wanted_dirs)
@@ -2099,6 +2147,17 @@ class History:
             return None
         return state
 
+    def _live_records(self, head: Head) -> tuple[dict[str, list[Any]], dict[str, str]]:
+        """The records of the state the live folder's files are described by, and their JSON where
+        this process wrote that state last (else read back from its file, with no JSON)."""
+        if not head.live:
+            return {}, {}
+        path = self.folder / "states" / f"{head.live}.json"
+        written = _recent.get(self.folder, head.live, path)
+        if written is not None:
+            return written.records, written.pieces
+        return self._records(path), {}
+
     @staticmethod
     def _records(path: Path) -> dict[str, list[Any]]:
         """The file records of a state, read only to tell which live files are unchanged: a record
@@ -2149,24 +2208,41 @@ class History:
         imports: list[tuple[str, str]],
         *,
         saved_at: float | None = None,
+        known: tuple[dict[str, list[Any]], dict[str, str]] = ({}, {}),
     ) -> None:
+        """Write a state's file. `known`: the records of the state the save compared with, and their
+        JSON where this process has it: a record of `files` that is the very same is written as it was."""
         stamp = time.time() if saved_at is None else saved_at
         state = {
             "format": FORMAT,
             "message_id": message_id,
             "saved_at": stamp,
-            "files": files,
+            "files": {},
             "dirs": dirs,
             "imports": [list(pair) for pair in imports],
         }
+        records, pieces = known
+        new_pieces = {}
+        for name, record in files.items():
+            piece = pieces.get(name)
+            new_pieces[name] = (
+                piece if piece is not None and records.get(name) is record else _piece(name, record)
+            )
+        text = json.dumps(state, separators=(",", ":"))
+        head, tail = text.split('"files":{}', 1)  # the one place it can be: no string holds a quote bare
+        text = head + '"files":{' + ",".join(new_pieces.values()) + "}" + tail
         d = digest(message_id)
         names = "".join(f"{entry[0]}\n" for entry in files.values())
         write_bytes(self.folder / "states" / f"{d}.objects", names.encode("ascii"))
         path = self.folder / "states" / f"{d}.json"
-        write_bytes(path, json.dumps(state, separators=(",", ":")).encode())
+        _recent.put(self.folder, None)  # written or not, what this process held is no longer the file
+        write_bytes(path, text.encode())
         # The file's mtime is the state's age, which pruning orders by: a restore rewrites the file (the
         # live files' new inodes) without making the state any newer.
         os.utime(path, (stamp, stamp))
+        if len(files) <= _CACHED_FILES:
+            st = os.stat(path)
+            _recent.put(self.folder, _Written(d, (st.st_ino, st.st_size, st.st_mtime_ns), files, new_pieces))
 
     def _make_folder(self) -> None:
         # Its parent (the chat's saved-state folder) may not exist yet; both are ours alone.
@@ -17626,8 +17702,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_d8642e576d58.runner import KernelPool
-from _code_sessions_d8642e576d58.storage import HistoryError, Session, StorageError
+from _code_sessions_b60d3897876f.runner import KernelPool
+from _code_sessions_b60d3897876f.storage import HistoryError, Session, StorageError
 
 from .settings import Settings
 
@@ -17908,8 +17984,8 @@ import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from _code_sessions_d8642e576d58.runner import RunResult
-from _code_sessions_d8642e576d58.storage import ReconcileReport, StorageError, human_bytes
+from _code_sessions_b60d3897876f.runner import RunResult
+from _code_sessions_b60d3897876f.storage import ReconcileReport, StorageError, human_bytes
 
 from .markup import mention
 
@@ -18311,7 +18387,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_d8642e576d58.storage import (
+from _code_sessions_b60d3897876f.storage import (
     Incoming,
     InvalidPath,
     Policy,
@@ -18757,7 +18833,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_d8642e576d58.runner import Outcome
+from _code_sessions_b60d3897876f.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, details, escape_text
@@ -19080,7 +19156,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_d8642e576d58.runner import RunnerError
+from _code_sessions_b60d3897876f.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -19388,7 +19464,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from _code_sessions_d8642e576d58.runner import RunnerError
+from _code_sessions_b60d3897876f.runner import RunnerError
 
 from .charts import chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
@@ -19567,8 +19643,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_d8642e576d58.runner import Runner, RunnerError
-from _code_sessions_d8642e576d58.storage import StorageError
+from _code_sessions_b60d3897876f.runner import Runner, RunnerError
+from _code_sessions_b60d3897876f.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -19720,8 +19796,8 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_d8642e576d58.runner import Limits, Outcome, RunnerError, RunResult
-from _code_sessions_d8642e576d58.storage import StorageError, human_bytes
+from _code_sessions_b60d3897876f.runner import Limits, Outcome, RunnerError, RunResult
+from _code_sessions_b60d3897876f.storage import StorageError, human_bytes
 
 from .markup import escape_text
 
@@ -20091,8 +20167,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_d8642e576d58.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_d8642e576d58.storage import human_bytes
+from _code_sessions_b60d3897876f.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_b60d3897876f.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -20211,7 +20287,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_d8642e576d58.storage import Purge, parse_duration
+from _code_sessions_b60d3897876f.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -20791,8 +20867,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_d8642e576d58.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_d8642e576d58.storage import (
+from _code_sessions_b60d3897876f.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_b60d3897876f.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -21274,8 +21350,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_d8642e576d58.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_d8642e576d58.storage import Policy
+from _code_sessions_b60d3897876f.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_b60d3897876f.storage import Policy
 
 __all__ = ["DEFAULTS", "BranchSettings", "Settings"]
 
@@ -21441,8 +21517,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_d8642e576d58.runner import Outcome, RunResult
-from _code_sessions_d8642e576d58.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_b60d3897876f.runner import Outcome, RunResult
+from _code_sessions_b60d3897876f.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention
 
@@ -21902,7 +21978,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_d8642e576d58.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_b60d3897876f.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -22121,7 +22197,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_d8642e576d58.storage import Link, Publisher, is_postgres_url
+from _code_sessions_b60d3897876f.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 from .knowledge import save_to_knowledge
@@ -22433,7 +22509,7 @@ import logging
 import mimetypes
 from typing import Any
 
-from _code_sessions_d8642e576d58.storage import human_bytes
+from _code_sessions_b60d3897876f.storage import human_bytes
 
 log = logging.getLogger("code_sessions.function")
 
@@ -22723,7 +22799,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from _code_sessions_d8642e576d58.storage import (
+from _code_sessions_b60d3897876f.storage import (
     DiskFull,
     FileExists,
     Incoming,
@@ -22971,11 +23047,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_d8642e576d58.engine import DEFAULTS, MINUTE_S, BranchSettings, Engine, Maintenance, Settings, Turn
-from _code_sessions_d8642e576d58.functions.inbound import serve_uploads
-from _code_sessions_d8642e576d58.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_d8642e576d58.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_d8642e576d58.webui import OpenWebUI
+from _code_sessions_b60d3897876f.engine import DEFAULTS, MINUTE_S, BranchSettings, Engine, Maintenance, Settings, Turn
+from _code_sessions_b60d3897876f.functions.inbound import serve_uploads
+from _code_sessions_b60d3897876f.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_b60d3897876f.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_b60d3897876f.webui import OpenWebUI
 
 __all__ = ["Adapter", "SharedValves", "Status", "settings_from"]
 
@@ -23493,8 +23569,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_d8642e576d58.engine import ChatSession, Engine, ExtraTool, Inbound, Settings, save_command
-from _code_sessions_d8642e576d58.storage import Expiry, Policy, Quotas, Store, UploadLinks
+from _code_sessions_b60d3897876f.engine import ChatSession, Engine, ExtraTool, Inbound, Settings, save_command
+from _code_sessions_b60d3897876f.storage import Expiry, Policy, Quotas, Store, UploadLinks
 
 __all__ = ["UPLOAD_LINK_TOOL", "answer_command", "serve_uploads", "upload_link", "upload_link_tool"]
 
@@ -23681,7 +23757,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_d8642e576d58.engine import (
+from _code_sessions_b60d3897876f.engine import (
     ChatSession,
     LoopOptions,
     StreamingRewriter,
@@ -23691,11 +23767,11 @@ from _code_sessions_d8642e576d58.engine import (
     messages_with_prompt,
     waiting_status,
 )
-from _code_sessions_d8642e576d58.engine.scan import SCAN_ON_LOOP_CHARS
-from _code_sessions_d8642e576d58.functions.adapter import Adapter, SharedValves, Status, turn_of
-from _code_sessions_d8642e576d58.functions.inbound import answer_command
-from _code_sessions_d8642e576d58.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_d8642e576d58.webui import Misconfigured
+from _code_sessions_b60d3897876f.engine.scan import SCAN_ON_LOOP_CHARS
+from _code_sessions_b60d3897876f.functions.adapter import Adapter, SharedValves, Status, turn_of
+from _code_sessions_b60d3897876f.functions.inbound import answer_command
+from _code_sessions_b60d3897876f.storage import CLEAR_FILES_COMMAND, StorageError
+from _code_sessions_b60d3897876f.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

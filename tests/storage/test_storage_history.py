@@ -3,9 +3,11 @@ back when the conversation branches, on both index backends, with hostile things
 
 from __future__ import annotations
 
+import asyncio
 import json
 import mmap
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -198,3 +200,56 @@ async def test_a_restore_does_not_make_a_state_younger_than_the_ones_saved_after
         await session.history.save("m3", keep_states=3, keep_kernels=3, room_bytes=None)
         # m0 is still the oldest, however recently it was restored: it is the one that goes.
         assert [await session.history.has(f"m{i}") for i in range(4)] == [False, True, True, True]
+
+
+HOSTILE_NAMES = ['"files":{}', 'q"uote', "back\\slash", "é ünï", "tab\tname", "\u202eevil", "emoji 🧪"]
+
+
+async def test_a_state_written_from_what_the_process_remembers_is_as_written_whole(store: Store) -> None:
+    """The next save reuses the JSON of the records it wrote last: the file must be what json.dumps writes
+    (names with quotes, backslashes, non-ASCII and the very key it splices at included)."""
+    session = await store.session("u", "c")
+    async with session.lock():
+        for i, name in enumerate(HOSTILE_NAMES):
+            (session.path / name).write_text(str(i))
+        await session.history.save("m1", **KEEP)
+        (session.path / HOSTILE_NAMES[1]).write_text("changed")
+        saved = await session.history.save('m2 "files":{}', **KEEP)
+        assert saved.copied_files == 1
+    for path in (session.history.folder / "states").glob("*.json"):
+        text = path.read_text(encoding="ascii")
+        assert text == json.dumps(json.loads(text), separators=(",", ":"))
+    async with session.lock():
+        await session.history.restore("m1")
+        assert contents(session.path) == {name: str(i).encode() for i, name in enumerate(HOSTILE_NAMES)}
+        await session.history.restore('m2 "files":{}')
+        assert (session.path / HOSTILE_NAMES[1]).read_text() == "changed"
+
+
+async def test_a_state_another_process_rewrote_is_read_again_not_remembered(store: Store) -> None:
+    """Another worker saved the same message's state again (a file changed meanwhile): what this process
+    remembers of that state is stale, and the next save compares with the file on disk."""
+    session = await store.session("u", "c")
+    async with session.lock():
+        (session.path / "f.txt").write_text("one")
+        (session.path / "g.txt").write_text("g")
+        await session.history.save("m1", **KEEP)
+        (session.path / "f.txt").write_text("two!")
+        other = (
+            "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1])\n"
+            "from storage._history import History\n"
+            "h = History(Path(sys.argv[2]), Path(sys.argv[3]), None)\n"
+            "print(h.save('m1', [], keep_states=20, keep_kernels=3, room_bytes=None).copied_files)\n"
+        )
+        root = str(Path(__file__).resolve().parents[2])
+        folder, live = str(session.history.folder), str(session.path)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", other, root, folder, live, stdout=asyncio.subprocess.PIPE
+        )
+        out, _ = await proc.communicate()
+        assert (proc.returncode, out.strip()) == (0, b"1")
+        # Stale, "f.txt" would look changed against the remembered "one" and be copied again.
+        saved = await session.history.save("m2", **KEEP)
+        assert (saved.files, saved.copied_files) == (2, 0)
+        await session.history.restore("m1")
+        assert (session.path / "f.txt").read_text() == "two!"
