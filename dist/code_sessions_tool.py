@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_b60d3897876f'
+_CS_PACKAGE = '_code_sessions_e35cb669fe2f'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -1769,23 +1769,29 @@ STATS = "stats.json"
 _COLLECT_EVERY = 5
 MAX_FILES = 100_000  # a state of more files than this is not kept (the quota's default is 5,000)
 _MAX_STATE = 64 << 20
-# The records of the state each of the last few chats wrote, with each record's JSON: the next save of
-# that chat neither reads them back nor encodes again what did not change (of a state of 10,000
-# files, ~25 ms of the ~65). Kept only for states of up to _CACHED_FILES files (~300 B each).
-_CACHED_CHATS = 8
+# The records of the state each of the last chats wrote, with each record's JSON: the next save of that
+# chat neither reads them back nor encodes again what did not change (of a state of 10,000 files, ~25 ms
+# of the ~65). At most _CACHED_FILES records in all (~600 B each with its path: ~12 MB), the chats
+# saved longest ago forgotten first; a larger state is not kept.
 _CACHED_FILES = 20_000
 
 
 @dataclass(frozen=True, slots=True)
 class _Written:
     state: str  # the digest whose file was written
-    identity: tuple[int, int, int]  # that file's inode, size and mtime as written: another writer's shows
+    # That file's inode, size and ctime as written. Not its mtime, which is set to the state's age (a
+    # restore writes the same again); the ctime of another write, here or in another worker, differs.
+    identity: tuple[int, int, int]
     records: dict[str, list[Any]]
     pieces: dict[str, str]  # path -> '"path":[record]', as in the file
 
 
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_ino, st.st_size, st.st_ctime_ns
+
+
 class _RecentStates:
-    """What _Written holds, for the last _CACHED_CHATS history folders written by this process."""
+    """What _Written holds, for the history folders this process wrote last."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -1794,10 +1800,13 @@ class _RecentStates:
     def put(self, folder: Path, written: _Written | None) -> None:
         with self._lock:
             self._by_folder.pop(folder, None)
-            if written is not None:
-                self._by_folder[folder] = written
-                while len(self._by_folder) > _CACHED_CHATS:
-                    self._by_folder.popitem(last=False)
+            if written is None or len(written.records) > _CACHED_FILES:
+                return
+            self._by_folder[folder] = written
+            held = sum(len(w.records) for w in self._by_folder.values())
+            while held > _CACHED_FILES:
+                _, gone = self._by_folder.popitem(last=False)
+                held -= len(gone.records)
 
     def get(self, folder: Path, state: str, path: Path) -> _Written | None:
         with self._lock:
@@ -1805,10 +1814,9 @@ class _RecentStates:
         if written is None or written.state != state:
             return None
         try:
-            st = os.stat(path)
+            return written if _identity(os.stat(path)) == written.identity else None
         except OSError:
             return None
-        return written if (st.st_ino, st.st_size, st.st_mtime_ns) == written.identity else None
 
 
 _recent = _RecentStates()
@@ -2240,9 +2248,7 @@ class History:
         # The file's mtime is the state's age, which pruning orders by: a restore rewrites the file (the
         # live files' new inodes) without making the state any newer.
         os.utime(path, (stamp, stamp))
-        if len(files) <= _CACHED_FILES:
-            st = os.stat(path)
-            _recent.put(self.folder, _Written(d, (st.st_ino, st.st_size, st.st_mtime_ns), files, new_pieces))
+        _recent.put(self.folder, _Written(d, _identity(os.stat(path)), files, new_pieces))
 
     def _make_folder(self) -> None:
         # Its parent (the chat's saved-state folder) may not exist yet; both are ours alone.
@@ -17702,8 +17708,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_b60d3897876f.runner import KernelPool
-from _code_sessions_b60d3897876f.storage import HistoryError, Session, StorageError
+from _code_sessions_e35cb669fe2f.runner import KernelPool
+from _code_sessions_e35cb669fe2f.storage import HistoryError, Session, StorageError
 
 from .settings import Settings
 
@@ -17984,8 +17990,8 @@ import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from _code_sessions_b60d3897876f.runner import RunResult
-from _code_sessions_b60d3897876f.storage import ReconcileReport, StorageError, human_bytes
+from _code_sessions_e35cb669fe2f.runner import RunResult
+from _code_sessions_e35cb669fe2f.storage import ReconcileReport, StorageError, human_bytes
 
 from .markup import mention
 
@@ -18387,7 +18393,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_b60d3897876f.storage import (
+from _code_sessions_e35cb669fe2f.storage import (
     Incoming,
     InvalidPath,
     Policy,
@@ -18833,7 +18839,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_b60d3897876f.runner import Outcome
+from _code_sessions_e35cb669fe2f.runner import Outcome
 
 from .blocks import runnable_blocks
 from .markup import backtick_fence, details, escape_text
@@ -19156,7 +19162,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_b60d3897876f.runner import RunnerError
+from _code_sessions_e35cb669fe2f.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -19464,7 +19470,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from _code_sessions_b60d3897876f.runner import RunnerError
+from _code_sessions_e35cb669fe2f.runner import RunnerError
 
 from .charts import chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
@@ -19643,8 +19649,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_b60d3897876f.runner import Runner, RunnerError
-from _code_sessions_b60d3897876f.storage import StorageError
+from _code_sessions_e35cb669fe2f.runner import Runner, RunnerError
+from _code_sessions_e35cb669fe2f.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -19796,8 +19802,8 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b60d3897876f.runner import Limits, Outcome, RunnerError, RunResult
-from _code_sessions_b60d3897876f.storage import StorageError, human_bytes
+from _code_sessions_e35cb669fe2f.runner import Limits, Outcome, RunnerError, RunResult
+from _code_sessions_e35cb669fe2f.storage import StorageError, human_bytes
 
 from .markup import escape_text
 
@@ -20167,8 +20173,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b60d3897876f.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_b60d3897876f.storage import human_bytes
+from _code_sessions_e35cb669fe2f.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_e35cb669fe2f.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -20287,7 +20293,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_b60d3897876f.storage import Purge, parse_duration
+from _code_sessions_e35cb669fe2f.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -20867,8 +20873,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_b60d3897876f.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_b60d3897876f.storage import (
+from _code_sessions_e35cb669fe2f.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_e35cb669fe2f.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -21350,8 +21356,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_b60d3897876f.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_b60d3897876f.storage import Policy
+from _code_sessions_e35cb669fe2f.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_e35cb669fe2f.storage import Policy
 
 __all__ = ["DEFAULTS", "BranchSettings", "Settings"]
 
@@ -21517,8 +21523,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b60d3897876f.runner import Outcome, RunResult
-from _code_sessions_b60d3897876f.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_e35cb669fe2f.runner import Outcome, RunResult
+from _code_sessions_e35cb669fe2f.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention
 
@@ -21978,7 +21984,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_b60d3897876f.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_e35cb669fe2f.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -22197,7 +22203,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_b60d3897876f.storage import Link, Publisher, is_postgres_url
+from _code_sessions_e35cb669fe2f.storage import Link, Publisher, is_postgres_url
 
 from .files import FilesPublisher, attach, attachment_item
 from .knowledge import save_to_knowledge
@@ -22509,7 +22515,7 @@ import logging
 import mimetypes
 from typing import Any
 
-from _code_sessions_b60d3897876f.storage import human_bytes
+from _code_sessions_e35cb669fe2f.storage import human_bytes
 
 log = logging.getLogger("code_sessions.function")
 
@@ -22799,7 +22805,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from _code_sessions_b60d3897876f.storage import (
+from _code_sessions_e35cb669fe2f.storage import (
     DiskFull,
     FileExists,
     Incoming,
@@ -23047,11 +23053,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_b60d3897876f.engine import DEFAULTS, MINUTE_S, BranchSettings, Engine, Maintenance, Settings, Turn
-from _code_sessions_b60d3897876f.functions.inbound import serve_uploads
-from _code_sessions_b60d3897876f.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_b60d3897876f.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_b60d3897876f.webui import OpenWebUI
+from _code_sessions_e35cb669fe2f.engine import DEFAULTS, MINUTE_S, BranchSettings, Engine, Maintenance, Settings, Turn
+from _code_sessions_e35cb669fe2f.functions.inbound import serve_uploads
+from _code_sessions_e35cb669fe2f.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_e35cb669fe2f.storage import Expiry, Policy, Quotas, Store
+from _code_sessions_e35cb669fe2f.webui import OpenWebUI
 
 __all__ = ["Adapter", "SharedValves", "Status", "settings_from"]
 
@@ -23569,8 +23575,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_b60d3897876f.engine import ChatSession, Engine, ExtraTool, Inbound, Settings, save_command
-from _code_sessions_b60d3897876f.storage import Expiry, Policy, Quotas, Store, UploadLinks
+from _code_sessions_e35cb669fe2f.engine import ChatSession, Engine, ExtraTool, Inbound, Settings, save_command
+from _code_sessions_e35cb669fe2f.storage import Expiry, Policy, Quotas, Store, UploadLinks
 
 __all__ = ["UPLOAD_LINK_TOOL", "answer_command", "serve_uploads", "upload_link", "upload_link_tool"]
 
@@ -23755,11 +23761,11 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
-from _code_sessions_b60d3897876f.engine import LoopOptions, answer_embed, escape_text, import_uploads, run_step
-from _code_sessions_b60d3897876f.functions.adapter import Adapter, SharedValves, Status, turn_of
-from _code_sessions_b60d3897876f.functions.inbound import upload_link
-from _code_sessions_b60d3897876f.storage import StorageError
-from _code_sessions_b60d3897876f.webui import Misconfigured
+from _code_sessions_e35cb669fe2f.engine import LoopOptions, answer_embed, escape_text, import_uploads, run_step
+from _code_sessions_e35cb669fe2f.functions.adapter import Adapter, SharedValves, Status, turn_of
+from _code_sessions_e35cb669fe2f.functions.inbound import upload_link
+from _code_sessions_e35cb669fe2f.storage import StorageError
+from _code_sessions_e35cb669fe2f.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -61,23 +61,29 @@ STATS = "stats.json"
 _COLLECT_EVERY = 5
 MAX_FILES = 100_000  # a state of more files than this is not kept (the quota's default is 5,000)
 _MAX_STATE = 64 << 20
-# The records of the state each of the last few chats wrote, with each record's JSON: the next save of
-# that chat neither reads them back nor encodes again what did not change (of a state of 10,000
-# files, ~25 ms of the ~65). Kept only for states of up to _CACHED_FILES files (~300 B each).
-_CACHED_CHATS = 8
+# The records of the state each of the last chats wrote, with each record's JSON: the next save of that
+# chat neither reads them back nor encodes again what did not change (of a state of 10,000 files, ~25 ms
+# of the ~65). At most _CACHED_FILES records in all (~600 B each with its path: ~12 MB), the chats
+# saved longest ago forgotten first; a larger state is not kept.
 _CACHED_FILES = 20_000
 
 
 @dataclass(frozen=True, slots=True)
 class _Written:
     state: str  # the digest whose file was written
-    identity: tuple[int, int, int]  # that file's inode, size and mtime as written: another writer's shows
+    # That file's inode, size and ctime as written. Not its mtime, which is set to the state's age (a
+    # restore writes the same again); the ctime of another write, here or in another worker, differs.
+    identity: tuple[int, int, int]
     records: dict[str, list[Any]]
     pieces: dict[str, str]  # path -> '"path":[record]', as in the file
 
 
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_ino, st.st_size, st.st_ctime_ns
+
+
 class _RecentStates:
-    """What _Written holds, for the last _CACHED_CHATS history folders written by this process."""
+    """What _Written holds, for the history folders this process wrote last."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -86,10 +92,13 @@ class _RecentStates:
     def put(self, folder: Path, written: _Written | None) -> None:
         with self._lock:
             self._by_folder.pop(folder, None)
-            if written is not None:
-                self._by_folder[folder] = written
-                while len(self._by_folder) > _CACHED_CHATS:
-                    self._by_folder.popitem(last=False)
+            if written is None or len(written.records) > _CACHED_FILES:
+                return
+            self._by_folder[folder] = written
+            held = sum(len(w.records) for w in self._by_folder.values())
+            while held > _CACHED_FILES:
+                _, gone = self._by_folder.popitem(last=False)
+                held -= len(gone.records)
 
     def get(self, folder: Path, state: str, path: Path) -> _Written | None:
         with self._lock:
@@ -97,10 +106,9 @@ class _RecentStates:
         if written is None or written.state != state:
             return None
         try:
-            st = os.stat(path)
+            return written if _identity(os.stat(path)) == written.identity else None
         except OSError:
             return None
-        return written if (st.st_ino, st.st_size, st.st_mtime_ns) == written.identity else None
 
 
 _recent = _RecentStates()
@@ -532,9 +540,7 @@ class History:
         # The file's mtime is the state's age, which pruning orders by: a restore rewrites the file (the
         # live files' new inodes) without making the state any newer.
         os.utime(path, (stamp, stamp))
-        if len(files) <= _CACHED_FILES:
-            st = os.stat(path)
-            _recent.put(self.folder, _Written(d, (st.st_ino, st.st_size, st.st_mtime_ns), files, new_pieces))
+        _recent.put(self.folder, _Written(d, _identity(os.stat(path)), files, new_pieces))
 
     def _make_folder(self) -> None:
         # Its parent (the chat's saved-state folder) may not exist yet; both are ours alone.
