@@ -2,7 +2,8 @@
 python3, chrooted into it): what the runner, the doctor and the system prompt say is there.
 
 Environment: REQUESTED (the packages asked for by name: requirements.txt and the admin's extra file),
-TOOLS (command-line tools to look for), KEY (the build's key).
+PROMPT (those of them the system prompt names), TOOLS (command-line tools to look for), KEY (the
+build's key).
 """
 
 import importlib.metadata as md
@@ -31,13 +32,15 @@ def import_names(dist: md.Distribution) -> list[str]:
 
 
 wanted = [norm(n) for n in os.environ["REQUESTED"].split() if n.strip()]
+named = {norm(n) for n in os.environ.get("PROMPT", "").split()}
 dists = {norm(d.metadata["Name"]): d for d in md.distributions()}
 packages = []
 for name in wanted:
     dist = dists.get(name)
     if dist is not None:
         name, version = dist.metadata["Name"], dist.version
-        packages.append({"name": name, "version": version, "imports": import_names(dist)})
+        entry = {"name": name, "version": version, "imports": import_names(dist)}
+        packages.append({**entry, "prompt": norm(name) in named})
 with open("/etc/os-release", encoding="utf-8") as f:
     os_release = dict(line.split("=", 1) for line in f.read().splitlines() if "=" in line)
 json.dump(

@@ -242,6 +242,7 @@ def test_the_doctor_in_the_container(box: Box) -> None:
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     assert "gVisor sandbox works." in doctor.stdout
     assert "[ ok ] memory limit: cgroup" in doctor.stdout
+    assert "[ ok ] compression: /usr/bin/zstd" in doctor.stdout  # saved kernels are compressed
     assert "[ ok ] python: /usr/bin/python3" in doctor.stdout
     # --init: what gVisor leaves behind is reaped. (tests/container/test_flags.py: without it, not.)
     zombies = podman(
