@@ -3,7 +3,9 @@
 It knows nothing of the web UI or of the sandbox; see docs/storage.md.
 """
 
+from ._exports import EXPORTS, is_export
 from ._format import human_bytes, human_duration, parse_duration
+from ._history_runs import AnswerRuns, Figure, RunRecord
 from ._incoming import Incoming
 from ._names import MAX_PATH_BYTES, PASSIVE_IMAGE_TYPES, split_path
 from ._postgres import is_postgres_url
@@ -14,11 +16,13 @@ from .errors import (
     IndexDamaged,
     InvalidPath,
     QuotaExceeded,
+    SessionGone,
     StorageBusy,
     StorageError,
 )
-from .history import ChatHistory, HistoryError, HistoryHead, Restored, Saved
+from .history import ChatHistory, CloneStart, HistoryError, HistoryHead, Imported, Restored, Room, Saved
 from .models import (
+    DAY,
     ActivityEntry,
     ChatInfo,
     CleanupAction,
@@ -26,9 +30,12 @@ from .models import (
     Drift,
     Expiry,
     FileEntry,
+    GiB,
     Growth,
+    KiB,
     Link,
     LinkInfo,
+    MiB,
     Purge,
     QuotaRemoval,
     Quotas,
@@ -49,31 +56,40 @@ from .upload_links import LinkRefused, UploadGrant, UploadLinks
 
 __all__ = [
     "CLEAR_FILES_COMMAND",
+    "DAY",
+    "EXPORTS",
     "MAX_PATH_BYTES",
     "PASSIVE_IMAGE_TYPES",
     "ActivityEntry",
+    "AnswerRuns",
     "ChatFiles",
     "ChatHistory",
     "ChatInfo",
     "CleanupAction",
     "CleanupReport",
+    "CloneStart",
     "Copy",
     "DirectoryPublisher",
     "DiskFull",
     "Drift",
     "Expiry",
+    "Figure",
     "FileEntry",
     "FileExists",
     "FileMissing",
+    "GiB",
     "Growth",
     "HistoryError",
     "HistoryHead",
+    "Imported",
     "Incoming",
     "IndexDamaged",
     "InvalidPath",
+    "KiB",
     "Link",
     "LinkInfo",
     "LinkRefused",
+    "MiB",
     "Policy",
     "Published",
     "Publisher",
@@ -87,9 +103,12 @@ __all__ = [
     "Rejected",
     "Renamed",
     "Restored",
+    "Room",
     "RunBudget",
+    "RunRecord",
     "Saved",
     "Session",
+    "SessionGone",
     "StorageBusy",
     "StorageError",
     "Store",
@@ -99,6 +118,7 @@ __all__ = [
     "UserUsage",
     "human_bytes",
     "human_duration",
+    "is_export",
     "is_postgres_url",
     "parse_duration",
     "split_path",

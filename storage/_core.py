@@ -64,7 +64,6 @@ class Core:
         root: Path,
         backend: Backend,
         *,
-        policy: Policy,
         publisher: Publisher | None,
         owner: Owner,
         record_settings: bool = True,
@@ -74,7 +73,6 @@ class Core:
         self.root = root
         self.layout = Layout(root)
         self.backend = backend
-        self.policy = policy
         self.publisher = publisher
         self.owner = owner
         self.temporary_chat: TemporaryChat = temporary_chat or _never_temporary
@@ -198,6 +196,8 @@ class Core:
         key = (ref.user_key, ref.chat_key)
         seen = self._ensured.get(key)
         if cached and seen is not None and time.monotonic() - seen < ENSURED_FOR_S and ref.path.is_dir():
+            # Nothing to write for this session; what a full disk left for later may have room now.
+            await self.catch_up()
             return False
         try:
             created = await asyncio.to_thread(self.make_dirs, ref)
@@ -221,6 +221,14 @@ class Core:
             if len(self._ensured) > 10_000:
                 self._ensured.clear()
             self._ensured[key] = time.monotonic()
+        await self.catch_up()
+        return was_unsaved
+
+    async def catch_up(self) -> None:
+        """What a full disk put off, if anything (the sessions used meanwhile, the start-up repairs):
+        done now, if the disk has room again (Reconcile.AFTER_FULL_DISK; it stops quietly when not).
+        Called by every `ensure`, a warm step's too (it writes nothing of its own), and by the
+        background tick: once space is freed, the next step of any chat, or the next tick, does it."""
         if (
             (self.unsaved or self.repairs_put_off)
             and self.reconcile is not None
@@ -231,7 +239,6 @@ class Core:
                 await self.reconcile(Reconcile.AFTER_FULL_DISK)
             finally:
                 self._reconciling_after_full_disk = False
-        return was_unsaved
 
     async def session_id(self, tx: Tx, ref: ChatRef, created_at: float, used_at: float | None = None) -> int:
         """The session's row id inside a transaction, creating the row if it is missing."""
@@ -278,13 +285,14 @@ class Core:
         now = time.time()
         await self.write(lambda tx: _index.log_activity(tx, now, event, user_id, chat_id, detail))
 
-    async def remember_settings(self) -> None:
-        """Store the quotas and expiry in use, so the CLI can show and apply the same ones."""
-        if not self.record_settings or self.policy is self._remembered_policy:
+    async def remember_settings(self, policy: Policy) -> None:
+        """Record the quotas and expiry an operation ran with, so the CLI can show and apply the same
+        ones (a record for the CLI: no operation of the store reads it back)."""
+        if not self.record_settings or policy is self._remembered_policy:
             return
         values = {
-            "quotas": json.dumps(self.policy.quotas.to_dict(), sort_keys=True),
-            "expiry": json.dumps(self.policy.expiry.to_dict(), sort_keys=True),
+            "quotas": json.dumps(policy.quotas.to_dict(), sort_keys=True),
+            "expiry": json.dumps(policy.expiry.to_dict(), sort_keys=True),
         }
         if values == self._remembered:
             return
@@ -299,7 +307,7 @@ class Core:
         except DiskFull:
             return  # only the CLI reads these; the next call tries again
         self._remembered = values
-        self._remembered_policy = self.policy
+        self._remembered_policy = policy
 
 
 def _never_temporary(chat_id: str) -> bool:

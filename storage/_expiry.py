@@ -26,6 +26,7 @@ from pathlib import Path
 from . import _index, _index_links
 from ._backend import Tx
 from ._core import ChatRef, Core
+from ._exports import is_export
 from ._format import human_duration
 from ._fsops import DIR_FLAGS, fd_closing, move_aside_unchanged, open_dir, remove_tree
 from ._index import ChatRow
@@ -34,6 +35,7 @@ from ._layout import Layout
 from ._publish import drain_unpublished, folder_copy_present, link_records, remove_copies
 from .errors import FileMissing, InvalidPath
 from .models import CleanupAction, CleanupReport, Purge
+from .policy import Policy
 from .publishing import DirectoryPublisher
 
 log = logging.getLogger("code_sessions.storage")
@@ -98,16 +100,15 @@ class _Tally:
         )
 
 
-async def cleanup(core: Core, purge: Purge | None, *, dry_run: bool) -> CleanupReport:
+async def cleanup(core: Core, purge: Purge | None, policy: Policy, *, dry_run: bool) -> CleanupReport:
     """The expiry policy (purge=None) or a purge, then the links and copies nothing needs."""
     now = time.time()
     tally = _Tally(dry_run)
     rows = await core.read(_index.all_sessions)
     removed: set[int] = set()
-    policy = core.policy
 
     def reason_of(row: ChatRow, at: float) -> str | None:
-        return _selected(row, purge, core, at)
+        return _selected(row, purge, policy, at)
 
     for row in rows:
         reason = reason_of(row, now)
@@ -116,7 +117,7 @@ async def cleanup(core: Core, purge: Purge | None, *, dry_run: bool) -> CleanupR
 
     cutoff = policy.file_cutoff(now) if purge is None else None
     if cutoff is not None:
-        await _expire_files(core, cutoff, removed, tally)
+        await _expire_files(core, cutoff, policy.file_expiry_reason(), removed, tally)
 
     await _vanished_sessions(core, removed, tally)
     await _stale_links(core, now, tally)
@@ -153,11 +154,11 @@ async def delete_sessions(core: Core, keys: Iterable[tuple[str, str]], reason: s
     return tally.report()
 
 
-def _selected(row: ChatRow, purge: Purge | None, core: Core, now: float) -> str | None:
+def _selected(row: ChatRow, purge: Purge | None, policy: Policy, now: float) -> str | None:
     """Why this session should go, or None."""
     idle = now - row.last_used_at
     if purge is None:
-        return core.policy.session_expired(temporary=row.temporary, idle_s=idle)
+        return policy.session_expired(temporary=row.temporary, idle_s=idle)
     if not purge.selects_anything:
         return None
     if purge.everything:
@@ -276,7 +277,7 @@ def _prune_parents(core: Core, row: ChatRow) -> None:
             os.rmdir(folder)
 
 
-async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally) -> None:
+async def _expire_files(core: Core, cutoff: float, reason: str, skip: set[int], tally: _Tally) -> None:
     rows = await core.read(lambda tx: _index.expired_files(tx, cutoff))
     by_session: dict[int, list[tuple[str, int, int]]] = defaultdict(list)
     for sid, path, size, mtime_ns in rows:
@@ -285,7 +286,6 @@ async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally
     if not by_session:
         return
     sessions = {r.id: r for r in await core.read(_index.all_sessions)}
-    reason = core.policy.file_expiry_reason()
     for sid, files in by_session.items():
         row = sessions.get(sid)
         if row is None:
@@ -475,7 +475,9 @@ async def _stale_links(core: Core, now: float, tally: _Tally) -> None:
 
     def judge() -> list[tuple[str, str, str]]:
         stale: list[tuple[str, str, str]] = []
-        for ref, kind, directory, name, created_at, no_session, no_file, changed in rows:
+        for ref, kind, directory, name, created_at, no_session, no_file, changed, path in rows:
+            if is_export(path):  # an export has no file: it lives with its session
+                no_file = changed = False
             old = now - created_at > STALE_LINK_GRACE_S
             gone = kind == DirectoryPublisher.kind and not folder_copy_present(directory, ref, name)
             if no_session or (old and (no_file or changed)) or gone:

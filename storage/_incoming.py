@@ -24,7 +24,7 @@ from ._core import ChatRef, Core
 from ._format import human_bytes
 from ._fsops import DIR_MODE, FILE_MODE, chown, fd_closing, lstat_at, open_dir, walk_dirs
 from ._index import user_usage
-from .errors import DiskFull, FileExists, InvalidPath, QuotaExceeded, StorageError
+from .errors import DiskFull, FileExists, InvalidPath, QuotaExceeded, SessionGone, StorageError
 from .models import Usage
 from .policy import CLEAR_FILES_COMMAND, Policy
 
@@ -119,7 +119,12 @@ class Incoming:
                 os.fsync(fd)
                 chown(fd, core.owner)
                 if not self._ref.path.is_dir():
-                    core.make_dirs(self._ref)
+                    # The chat's session went while the file arrived (deleted, purged, expired): it is
+                    # not made again for the file.
+                    raise SessionGone(
+                        "This chat no longer exists (it was deleted or has expired), so the upload was "
+                        "not saved."
+                    )
                 with (
                     fd_closing(open_dir(self._ref.path)) as root,
                     fd_closing(walk_dirs(root, parts[:-1], create=True, owner=core.owner)) as parent,
@@ -149,6 +154,28 @@ class Incoming:
             except BaseException:
                 await asyncio.shield(asyncio.to_thread(self._unplace))
                 raise
+            return self.path
+        finally:
+            await asyncio.shield(asyncio.to_thread(self._unstage, fd))
+
+    async def finish_aside(self, put: Callable[[str, int], None]) -> str:
+        """Hand the whole file to `put` (blocking, run in a thread: the path and the staged file opened
+        for reading) instead of putting it in the folder: a file that belongs to a saved state of the
+        chat rather than to its folder as it is now. Checked against the quota as `finish` is; returns
+        the path. Call it under the chat's lock. The staged copy is gone afterwards, whatever happens."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            raise StorageError("this upload is already finished")
+        try:
+            await self._read_room()
+            self._refuse_beyond_bound()
+
+            def work() -> None:
+                os.fsync(fd)
+                with fd_closing(os.open(self._staged, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)) as src:
+                    put(self.path, src)
+
+            await asyncio.to_thread(work)
             return self.path
         finally:
             await asyncio.shield(asyncio.to_thread(self._unstage, fd))

@@ -181,6 +181,16 @@ async def sessions_missing(tx: Tx) -> list[tuple[str, str, float, float]]:
     return [(r[0], r[1], float(r[2]), float(r[3])) for r in rows]
 
 
+async def touch_session(tx: Tx, user_key: str, chat_key: str, used_at: float) -> bool:
+    """Move an existing session's last_used_at forward (never creating its row); False: no row."""
+    changed = await tx.run(
+        "UPDATE sessions SET last_used_at = CASE WHEN last_used_at > ? THEN last_used_at ELSE ? END"
+        " WHERE user_key = ? AND chat_key = ?",
+        (used_at, used_at, user_key, chat_key),
+    )
+    return changed > 0
+
+
 async def set_missing_since(tx: Tx, keys: Sequence[tuple[str, str]], since: float | None) -> None:
     await tx.many(
         "UPDATE sessions SET missing_since = ? WHERE user_key = ? AND chat_key = ?",
@@ -275,21 +285,6 @@ async def user_and_session_usage(tx: Tx, user_key: str, chat_key: str) -> tuple[
     if row is None:
         return Usage(0, 0), Usage(0, 0)
     return Usage(int(row[0]), int(row[1])), Usage(int(row[2]), int(row[3]))
-
-
-async def user_usage_later(tx: Tx, user_key: str) -> Callable[[], Awaitable[Usage]]:
-    """`user_usage` as the transaction leaves it, read with its COMMIT (see Tx.one_later)."""
-    later = await tx.one_later(
-        "SELECT coalesce(sum(file_count), 0), coalesce(sum(bytes + published_bytes), 0)"
-        " FROM sessions WHERE user_key = ?",
-        (user_key,),
-    )
-
-    async def usage() -> Usage:
-        row = await later()
-        return Usage(int(row[0]), int(row[1])) if row else Usage(0, 0)
-
-    return usage
 
 
 async def users_usage(tx: Tx) -> list[UserUsage]:

@@ -70,10 +70,10 @@ async def insert_link_by_keys(
     sha256: str,
     now: float,
     ceiling: int | None,
-) -> Callable[[], Awaitable[bool]]:
+) -> Callable[[], Awaitable[tuple[bool, Usage]]]:
     """`insert_link` for the session named by its keys, only while the user uses at most `ceiling`
     bytes (None: always; see Policy.publish_ceiling), in statements that wait for nothing. Returns
-    whether the row went in, known once the transaction is over."""
+    whether the row went in and the user's usage after it, known once the transaction is over."""
     condition: str = ""
     extra: tuple[Any, ...] = ()
     if ceiling is not None:
@@ -103,11 +103,19 @@ async def insert_link_by_keys(
         f" WHERE s.user_key = ? AND s.chat_key = ?{condition}",
         [(*row, *extra)],
     )
-    later = await tx.one_later("SELECT count(*) FROM links WHERE token = ?", (ref,))
+    # Whether it went in, and the user's usage as the transaction leaves it (what a refusal says), in
+    # one statement: each statement of a transaction is work for both ends of a network database.
+    later = await tx.one_later(
+        "SELECT (SELECT count(*) FROM links WHERE token = ?), coalesce(sum(file_count), 0),"
+        " coalesce(sum(bytes + published_bytes), 0) FROM sessions WHERE user_key = ?",
+        (ref, user_key),
+    )
 
-    async def inserted() -> bool:
+    async def inserted() -> tuple[bool, Usage]:
         found = await later()
-        return bool(found and found[0])
+        if found is None:
+            return False, Usage(0, 0)
+        return bool(found[0]), Usage(int(found[1]), int(found[2]))
 
     return inserted
 
@@ -195,11 +203,11 @@ async def all_link_refs(tx: Tx, kind: str) -> set[str]:
 
 
 async def link_health(tx: Tx) -> list[tuple[Any, ...]]:
-    """For each link: (ref, kind, directory, name, created_at, no session, no file, file changed)."""
+    """For each link: (ref, kind, directory, name, created_at, no session, no file, file changed, path)."""
     return await tx.all(
         "SELECT l.token, l.kind, l.directory, l.name, l.created_at,"
         " CASE WHEN s.id IS NULL THEN 1 ELSE 0 END, CASE WHEN f.path IS NULL THEN 1 ELSE 0 END,"
-        " CASE WHEN f.size != l.size OR f.mtime_ns != l.mtime_ns THEN 1 ELSE 0 END"
+        " CASE WHEN f.size != l.size OR f.mtime_ns != l.mtime_ns THEN 1 ELSE 0 END, l.path"
         " FROM links l LEFT JOIN sessions s ON s.id = l.session_id"
         " LEFT JOIN files f ON f.session_id = l.session_id AND f.path = l.path"
     )

@@ -23,9 +23,9 @@ import json
 import os
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from . import _index, _index_links
 from ._backend import Tx
@@ -34,34 +34,62 @@ from ._fsops import fd_closing, open_dir, open_regular, write_private
 from ._names import is_passive_image, publish_name, split_path
 from .errors import DiskFull, StorageError
 from .models import Link, Usage
-from .publishing import Copy, DirectoryPublisher, copy_present, remove_directory_copies
+from .policy import Policy
+from .publishing import (
+    Copy,
+    DirectoryPublisher,
+    Published,
+    Publisher,
+    copy_present,
+    remove_directory_copies,
+)
 
 _HASH_CHUNK = 1 << 20
+_DIGEST_AT_ONCE = 1 << 20  # bytes: a file this small is hashed as it is opened
 
 
-async def publish(core: Core, ref: ChatRef, path: str) -> Link:
+async def publish(core: Core, ref: ChatRef, path: str, policy: Policy) -> Link:
     publisher = core.publisher
     if publisher is None:
         raise StorageError("publishing is not configured (the store has no publisher)")
     parts = split_path(path)
     rel = "/".join(parts)
 
-    def open_source() -> int:
+    def open_source() -> tuple[int, os.stat_result, str | None]:
         with fd_closing(open_dir(ref.path)) as root:
-            return open_regular(root, parts)
+            fd = open_regular(root, parts)
+        try:
+            st = os.fstat(fd)
+            # A small file's digest is taken at once (cheap), a large one's only if no link matches.
+            return fd, st, sha256_of(fd) if st.st_size <= _DIGEST_AT_ONCE else None
+        except BaseException:
+            os.close(fd)
+            raise
 
-    fd = await asyncio.to_thread(open_source)
-    with fd_closing(fd):
-        st = os.fstat(fd)
-        name, content_type = publish_name(rel)
-        inline = is_passive_image(content_type)
-        # The user's usage comes with the links, one statement: the quota decision below is made again
-        # in the transaction that counts the copy, so reading it early changes no outcome.
-        rows, usage = await core.read(
+    # The file and its links are read at once (neither needs the other): on PostgreSQL the links'
+    # round trip then costs nothing while the thread opens the file. The user's usage comes with the
+    # links, one statement: the quota decision below is made again in the transaction that counts
+    # the copy, so reading it early changes no outcome.
+    opened, found = await asyncio.gather(
+        asyncio.to_thread(open_source),
+        core.read(
             lambda tx: _index_links.links_of_file_and_usage(
                 tx, ref.user_key, ref.chat_key, rel, publisher.kind
             )
-        )
+        ),
+        return_exceptions=True,
+    )
+    if isinstance(found, BaseException):
+        if not isinstance(opened, BaseException):
+            os.close(opened[0])
+        raise found
+    if isinstance(opened, BaseException):
+        raise opened
+    fd, st, digest = opened
+    with fd_closing(fd):
+        name, content_type = publish_name(rel)
+        inline = is_passive_image(content_type)
+        rows, usage = found
         rows = [r for r in rows if _usable(publisher, r.ref, r.name)]
         for row in rows:
             if (row.size, row.mtime_ns, row.inode, row.ctime_ns) == (
@@ -71,7 +99,8 @@ async def publish(core: Core, ref: ChatRef, path: str) -> Link:
                 st.st_ctime_ns,
             ):
                 return Link(row.ref, row.url, rel, row.name, row.size, inline, row.created_at)
-        digest = await asyncio.to_thread(_sha256, fd)
+        if digest is None:
+            digest = await asyncio.to_thread(sha256_of, fd)
         for row in rows:
             if row.sha256 == digest and row.size == st.st_size:
                 await core.write(
@@ -84,30 +113,16 @@ async def publish(core: Core, ref: ChatRef, path: str) -> Link:
                     )
                 )
                 return Link(row.ref, row.url, rel, row.name, row.size, inline, row.created_at)
-        core.policy.refuse_publish(usage, st.st_size, rel)
+        policy.refuse_publish(usage, st.st_size, rel)
         copy = Copy(fd, st.st_size, name, content_type, inline, rel, ref.user_id, ref.chat_id, digest)
         published = await publisher.put(copy)
 
-    now = time.time()
-    directory = str(publisher.directory) if isinstance(publisher, DirectoryPublisher) else ""
-    record = {
-        "ref": published.ref,
-        "kind": publisher.kind,
-        "user_key": ref.user_key,
-        "chat_key": ref.chat_key,
-        "path": rel,
-        "name": name,
-        "url": published.url,
-        "directory": directory,
-        "size": st.st_size,
-        "mtime_ns": st.st_mtime_ns,
-        "inode": st.st_ino,
-        "ctime_ns": st.st_ctime_ns,
-        "sha256": digest,
-        "created_at": now,
-    }
+    columns = link_columns(
+        publisher, published, rel, name, st.st_size, (st.st_mtime_ns, st.st_ino, st.st_ctime_ns), digest
+    )
+    now = columns["now"]
 
-    async def write(tx: Tx) -> tuple[Callable[[], Awaitable[bool]], Callable[[], Awaitable[Usage]]]:
+    async def write(tx: Tx) -> Callable[[], Awaitable[tuple[bool, Usage]]]:
         # The quota decision again, in the transaction that counts the copy (two chats of one user
         # publishing at once cannot both take the last room), made by the INSERT itself: every
         # statement here is queued, and the transaction is one round trip on PostgreSQL.
@@ -121,36 +136,94 @@ async def publish(core: Core, ref: ChatRef, path: str) -> Link:
             temporary=ref.temporary,
             created_at=now,
         )
-        inserted = await _index_links.insert_link_by_keys(
-            tx,
-            ref.user_key,
-            ref.chat_key,
-            ref=published.ref,
-            kind=publisher.kind,
-            path=rel,
-            name=name,
-            url=published.url,
-            directory=directory,
-            size=st.st_size,
-            mtime_ns=st.st_mtime_ns,
-            inode=st.st_ino,
-            ctime_ns=st.st_ctime_ns,
-            sha256=digest,
-            now=now,
-            ceiling=core.policy.publish_ceiling(st.st_size),
+        return await _index_links.insert_link_by_keys(
+            tx, ref.user_key, ref.chat_key, **columns, ceiling=policy.publish_ceiling(st.st_size)
         )
-        return inserted, await _index.user_usage_later(tx, ref.user_key)
 
-    try:
-        await asyncio.to_thread(_write_record, core, record)
-        inserted, usage_then = await core.write(write)
-        if not await inserted():
-            core.policy.refuse_publish(await usage_then(), st.st_size, rel)  # raises: the same rule
+    async with copy_removed_unless_linked(core, ref, columns):
+        inserted, usage_then = await (await core.write(write))()
+        if not inserted:
+            policy.refuse_publish(usage_then, st.st_size, rel)  # raises: the same rule
             raise StorageError(f"{rel} was not linked: its session is gone from the index")
-    except BaseException:
-        await asyncio.shield(remove_copies(core, [(published.ref, publisher.kind, directory)]))
-        raise
     return Link(published.ref, published.url, rel, name, st.st_size, inline, now)
+
+
+class LinkColumns(TypedDict):
+    """A new link's columns, as `_index_links.insert_link` takes them."""
+
+    ref: str
+    kind: str
+    path: str
+    name: str
+    url: str
+    directory: str
+    size: int
+    mtime_ns: int
+    inode: int
+    ctime_ns: int
+    sha256: str
+    now: float
+
+
+def link_columns(
+    publisher: Publisher,
+    published: Published,
+    path: str,
+    name: str,
+    size: int,
+    signature: tuple[int, int, int],
+    sha256: str,
+) -> LinkColumns:
+    """The columns of the link to the copy `publisher` just made, dated now; `signature` is the
+    file's (mtime_ns, inode, ctime_ns) as it was copied (zeros: no file stands behind it)."""
+    mtime_ns, inode, ctime_ns = signature
+    directory = str(publisher.directory) if isinstance(publisher, DirectoryPublisher) else ""
+    return LinkColumns(
+        ref=published.ref,
+        kind=publisher.kind,
+        path=path,
+        name=name,
+        url=published.url,
+        directory=directory,
+        size=size,
+        mtime_ns=mtime_ns,
+        inode=inode,
+        ctime_ns=ctime_ns,
+        sha256=sha256,
+        now=time.time(),
+    )
+
+
+@contextlib.asynccontextmanager
+async def copy_removed_unless_linked(core: Core, ref: ChatRef, columns: LinkColumns) -> AsyncIterator[None]:
+    """Write the new link's record, then run the body that indexes it: if either fails, the copy
+    (and its record) goes, so no copy outlives a link that never was."""
+    try:
+        await asyncio.to_thread(_write_record, core, _link_record(ref, columns))
+        yield
+    except BaseException:
+        copy = (columns["ref"], columns["kind"], columns["directory"])
+        await asyncio.shield(remove_copies(core, [copy]))
+        raise
+
+
+def _link_record(ref: ChatRef, columns: LinkColumns) -> dict[str, Any]:
+    return {
+        "ref": columns["ref"],
+        "kind": columns["kind"],
+        "user_key": ref.user_key,
+        "chat_key": ref.chat_key,
+        "path": columns["path"],
+        "name": columns["name"],
+        "url": columns["url"],
+        "directory": columns["directory"],
+        "size": columns["size"],
+        "mtime_ns": columns["mtime_ns"],
+        "inode": columns["inode"],
+        "ctime_ns": columns["ctime_ns"],
+        "sha256": columns["sha256"],
+        "created_at": columns["now"],
+    }
 
 
 def _write_record(core: Core, record: dict[str, Any]) -> None:
@@ -206,7 +279,8 @@ def _usable(publisher: object, ref: str, name: str) -> bool:
     return True
 
 
-def _sha256(fd: int) -> str:
+def sha256_of(fd: int) -> str:
+    """The hex SHA-256 of the open file's whole content, read by offset (blocking)."""
     digest = hashlib.sha256()
     offset = 0
     while chunk := os.pread(fd, _HASH_CHUNK, offset):

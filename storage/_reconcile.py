@@ -30,6 +30,7 @@ from ._fsops import fd_closing, open_dir, unlink_file, walk_dirs
 from ._scan import Listing, Scan, scan
 from .errors import FileMissing, InvalidPath
 from .models import Growth, QuotaRemoval, ReconcileReport, Rejected, Usage
+from .policy import Policy
 
 _AUDIT_ITEMS = 100
 # Empty folders kept per reconcile (a full one: the whole session; a change-driven one: the folders a run
@@ -109,7 +110,7 @@ def compare(found: Scan, index_rows: Iterable[tuple[str, int, int]]) -> Differen
 
 
 async def reconcile_folder(
-    core: Core, ref: ChatRef, *, enforce: bool, prior: Scan | None = None
+    core: Core, ref: ChatRef, *, quotas: Policy | None, prior: Scan | None = None
 ) -> ReconcileReport:
     """List the whole folder and apply what differs. `prior`: what a change-driven attempt that fell
     back already rejected or renamed (those entries are gone now; the report still tells)."""
@@ -127,14 +128,16 @@ async def reconcile_folder(
         found.renamed[:0] = prior.renamed
     index_rows = await core.read(read)
     differences = await asyncio.to_thread(compare, found, index_rows)
-    return await apply(core, ref, differences, enforce=enforce)
+    return await apply(core, ref, differences, quotas=quotas)
 
 
 # Up to this many changed paths, a reconcile's write names the session by its keys (write_by_keys).
 _BY_KEYS_MAX = 64
 
 
-async def apply(core: Core, ref: ChatRef, differences: Differences, *, enforce: bool) -> ReconcileReport:
+async def apply(
+    core: Core, ref: ChatRef, differences: Differences, *, quotas: Policy | None
+) -> ReconcileReport:
     """Decide the quota and write the differences in one transaction; then unlink what goes."""
     found = differences.found
     listing: Listing = found.files
@@ -146,7 +149,7 @@ async def apply(core: Core, ref: ChatRef, differences: Differences, *, enforce: 
         return ReconcileReport(files=usage.files, bytes=usage.bytes, full=False)
     if len(found.empty_folders) > MAX_EMPTY_FOLDERS:
         await asyncio.to_thread(_prune_empty_folders, ref, found)
-    candidates = differences.growth() if enforce else []
+    candidates = differences.growth() if quotas is not None else []
     delta = differences.usage_delta() if candidates else Usage(0, 0)
     now = time.time()
 
@@ -171,10 +174,10 @@ async def apply(core: Core, ref: ChatRef, differences: Differences, *, enforce: 
         else:
             sid = await core.session_id(tx, ref, now)
         removals: list[QuotaRemoval] = []
-        if candidates:
+        if candidates and quotas is not None:
             await tx.serialise_user(ref.user_key)
             usage = await _index.user_usage(tx, ref.user_key)
-            removals = core.policy.plan_removals(
+            removals = quotas.plan_removals(
                 candidates, Usage(usage.files + delta.files, usage.bytes + delta.bytes)
             )
         going = {r.path for r in removals}

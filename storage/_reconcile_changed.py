@@ -40,6 +40,7 @@ from ._reconcile import Differences, apply, reconcile_folder
 from ._scan import Scan, reject, scan_folder
 from .errors import FileMissing, InvalidPath
 from .models import ReconcileReport
+from .policy import Policy
 
 log = logging.getLogger("code_sessions.storage")
 
@@ -51,22 +52,32 @@ class _Fallback(Exception):
 
 
 async def reconcile_changed(
-    core: Core, ref: ChatRef, changed: Collection[str], *, enforce: bool
+    core: Core, ref: ChatRef, changed: Collection[str], *, quotas: Policy | None
 ) -> ReconcileReport:
     """Reconcile the given paths only; the whole folder when anything is unusual."""
     found = Scan()
     try:
         scopes = _scopes(changed)
         if not scopes:  # nothing changed (print(1)): nothing to read; write the totals, report
-            return await apply(core, ref, Differences(found, full=False), enforce=False)
-        await asyncio.to_thread(_look, ref.path, scopes, found)
-        return await _apply(core, ref, scopes, found, enforce=enforce)
+            return await apply(core, ref, Differences(found, full=False), quotas=None)
+        # The disk and the index are read at once (neither needs the other): on PostgreSQL the index's
+        # round trip then costs the step nothing while the thread looks at the files.
+        looked, index = await asyncio.gather(
+            asyncio.to_thread(_look, ref.path, scopes, found),
+            _read_index(core, ref, scopes),
+            return_exceptions=True,
+        )
+        for outcome in (looked, index):
+            if isinstance(outcome, BaseException):
+                raise outcome
+        assert isinstance(index, dict)
+        return await _apply(core, ref, found, index, quotas=quotas)
     except _Fallback as why:
         log.debug(
             "reconcile of %s: full listing instead of %d changed paths: %s", ref.path, len(changed), why
         )
     # Entries the attempt already rejected or renamed are gone from disk; the report still names them.
-    return await reconcile_folder(core, ref, enforce=enforce, prior=found)
+    return await reconcile_folder(core, ref, quotas=quotas, prior=found)
 
 
 def _scopes(changed: Collection[str]) -> list[str]:
@@ -152,9 +163,9 @@ def _look_at(parent: int, name: str, path: str, found: Scan) -> None:
 _LINKED = "the session holds files with several hard links"
 
 
-async def _apply(
-    core: Core, ref: ChatRef, scopes: list[str], found: Scan, *, enforce: bool
-) -> ReconcileReport:
+async def _read_index(core: Core, ref: ChatRef, scopes: list[str]) -> dict[str, tuple[int, int]]:
+    """The index rows at and under each scope (path -> size, mtime)."""
+
     async def read(tx: Tx) -> dict[str, tuple[int, int]]:
         row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
         if row is None:
@@ -172,7 +183,12 @@ async def _apply(
             raise _Fallback(_LINKED)
         return found[2]
 
-    index = await core.read(read_one if len(scopes) <= _index.CHUNK else read)
+    return await core.read(read_one if len(scopes) <= _index.CHUNK else read)
+
+
+async def _apply(
+    core: Core, ref: ChatRef, found: Scan, index: dict[str, tuple[int, int]], *, quotas: Policy | None
+) -> ReconcileReport:
     listing = found.files
     differences = Differences(found, full=False)
     differences.added = [p for p in listing if p not in index]
@@ -180,4 +196,4 @@ async def _apply(
     differences.removed = [p for p in index if p not in listing and not found.is_unreadable(p)]
     differences.old_sizes = {p: index[p][0] for p in (*differences.changed, *differences.removed)}
     differences.old_mtimes = {p: index[p][1] for p in differences.removed}
-    return await apply(core, ref, differences, enforce=enforce)
+    return await apply(core, ref, differences, quotas=quotas)

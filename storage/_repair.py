@@ -71,7 +71,7 @@ async def reconcile_rebuild(core: Core) -> RebuildReport:
         try:
             created_at = created if created is not None else time.time()
             sid = await core.write(functools.partial(core.session_id, ref=ref, created_at=created_at))
-            report = await reconcile_folder(core, ref, enforce=False)
+            report = await reconcile_folder(core, ref, quotas=None)
             # Repair the cached totals too, whatever happened to them, and report the repaired ones.
             files, size = await core.write(functools.partial(_index.refresh_totals, session_id=sid))
         finally:
@@ -195,7 +195,7 @@ async def reconcile_interrupted(core: Core) -> None:
             ref = core.ref_at(row.user_id, row.chat_id, user_key, chat_key, recorded_temporary=row.temporary)
             # Like rebuild, recovery never deletes files: the totals count them, so a user over a
             # limit has nothing to spend at the next run.
-            report = await reconcile_folder(core, ref, enforce=False)
+            report = await reconcile_folder(core, ref, quotas=None)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(layout.running_marker(user_key, chat_key))
         finally:
@@ -231,7 +231,7 @@ async def reconcile_unsaved(core: Core) -> None:
                 core.unsaved.pop(key, None)
                 continue
             await core.write(functools.partial(core.session_id, ref=ref, created_at=created))
-            await reconcile_folder(core, ref, enforce=False)
+            await reconcile_folder(core, ref, quotas=None)
             core.unsaved.pop(key, None)
         finally:
             await lock.release()

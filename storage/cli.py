@@ -114,8 +114,7 @@ async def _run(args: argparse.Namespace, root: Path, database_url: str) -> int:
     async with store:
         # The policy and publish folder the application last recorded, so the CLI applies the same.
         policy, publisher = await store.recorded_settings()
-        if policy is not None:
-            store.policy = policy
+        args.policy = policy or store.policy  # what `usage` shows and `cleanup` applies
         store.use_publisher(publisher)
         handler = _COMMANDS[args.command]
         return await handler(store, args)
@@ -182,14 +181,14 @@ async def _files(store: Store, args: argparse.Namespace) -> int:
 
 
 async def _usage(store: Store, args: argparse.Namespace) -> int:
-    q = store.quotas
+    q = args.policy.quotas
     users = await store.users_usage()
 
     def pct(used: int, limit: int | None) -> str:
         return "" if not limit else f"{100 * used / limit:.0f}%"
 
     text = table(
-        ["USER", "SESSIONS", "FILES", "FILES %", "SIZE", "SIZE %", "SAVED STATE"],
+        ["USER", "SESSIONS", "FILES", "FILES %", "SIZE", "SIZE %", "STATES", "STATES SIZE", "SAVED STATE"],
         [
             [
                 u.user_id,
@@ -198,11 +197,13 @@ async def _usage(store: Store, args: argparse.Namespace) -> int:
                 pct(u.files, q.max_files_per_user),
                 human_bytes(u.bytes),
                 pct(u.bytes, q.max_bytes_per_user),
+                u.branch_states,
+                human_bytes(u.branch_state_bytes),
                 human_bytes(u.saved_state_bytes),
             ]
             for u in users
         ],
-        right=(1, 2, 3, 4, 5, 6),
+        right=(1, 2, 3, 4, 5, 6, 7, 8),
     )
     head = (
         f"quotas: {q.max_files_per_user or 'no limit'} files, {human_limit(q.max_bytes_per_user)} per user; "
@@ -247,10 +248,10 @@ async def _cleanup(store: Store, args: argparse.Namespace) -> int:
     if args.all and (args.user is not None or args.chat is not None or args.idle is not None):
         raise CliError("--all cannot be combined with --user, --chat or --idle")
     purge = Purge(args.all, args.user, args.chat, args.idle) if chosen else None
-    report = await store.cleanup(purge, dry_run=args.dry_run)
+    report = await store.cleanup(purge, policy=args.policy, dry_run=args.dry_run)
     lines = []
     if purge is None:
-        e = store.expiry
+        e = args.policy.expiry
         lines.append(
             f"policy: remove files unchanged for {human_duration(e.file_max_age_s)}, sessions idle for "
             f"{human_duration(e.session_idle_s)}, temporary chats idle for "

@@ -6,15 +6,20 @@ Messages are written for the person at the chat: they say what happened and what
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
     "DiskFull",
     "FileExists",
     "FileMissing",
+    "HistoryError",
     "IndexDamaged",
     "InvalidPath",
     "QuotaExceeded",
+    "SessionGone",
     "StorageBusy",
     "StorageError",
+    "disk_error",
 ]
 
 
@@ -39,6 +44,11 @@ class QuotaExceeded(StorageError):
     """A user-facing limit is reached; the message says which one and how to get below it."""
 
 
+class SessionGone(StorageError):
+    """The chat's session no longer exists (its chat was deleted, or it was purged or expired): what
+    was meant for it is not kept, and nothing of the session is made again."""
+
+
 class StorageBusy(StorageError):
     """The index or a session stayed locked by someone else for too long."""
 
@@ -58,3 +68,16 @@ class DiskFull(StorageError):
 class IndexDamaged(StorageError):
     """The index file is damaged (truncated, overwritten). The store moves it aside and rebuilds it
     from the session folders; callers see this only if that recovery itself failed."""
+
+
+class HistoryError(StorageError):
+    """A state of a chat's history cannot be saved or restored (no longer kept, damaged, too many
+    files); the message says why, for the user."""
+
+
+def disk_error(error: OSError, what: str) -> StorageError:
+    """The StorageError for an OSError of the disk under storage's own files (a full disk is DiskFull;
+    the rest says `what` could not be done, and why, without naming a host path)."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFull()
+    return StorageError(f"{what}: {error.strerror or error.__class__.__name__}")

@@ -163,7 +163,11 @@ class UserUsage(_Dictable):
     sessions: int
     files: int
     bytes: int
-    saved_state_bytes: int = 0  # the sessions' saved states (not files: outside the file quota)
+    saved_state_bytes: int = 0  # the sessions' saved states on disk (kernels and branch states)
+    # The states of the answers kept for the conversations' branches, and what they count against the
+    # user's storage limit (after the files: the oldest go when the files leave too little room).
+    branch_states: int = 0
+    branch_state_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

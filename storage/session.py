@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
-from . import _index, _index_links, _publish, _reconcile, _reconcile_changed, _repair
+from . import _exports, _index, _index_links, _publish, _reconcile, _reconcile_changed, _repair
 from ._backend import Tx
 from ._core import ChatRef, Core
 from ._fsops import (
@@ -32,7 +32,7 @@ from ._fsops import (
 )
 from ._incoming import Incoming
 from ._names import attachment_name, numbered, split_path
-from .errors import DiskFull, FileExists, FileMissing, InvalidPath
+from .errors import DiskFull, FileExists, FileMissing, InvalidPath, disk_error
 from .history import ChatHistory
 from .models import FileEntry, Link, LinkInfo, Reconcile, ReconcileReport, RunBudget, Usage
 from .policy import Policy
@@ -49,10 +49,11 @@ class Session:
     so budget, run, reconcile and publish of one chat never interleave (across processes too).
     """
 
-    def __init__(self, core: Core, ref: ChatRef, *, unindexed: bool = False) -> None:
+    def __init__(self, core: Core, ref: ChatRef, policy: Policy, *, unindexed: bool = False) -> None:
         self._core = core
         self._ref = ref
-        self.files = ChatFiles(core, ref)
+        self.policy = policy  # the quotas this session's operations apply (its message's)
+        self.files = ChatFiles(core, ref, policy)
         self.history = ChatHistory(core, ref)
         # An earlier run was never indexed (its mark, or runs on a full disk): list the folder whole.
         self._unindexed_run = unindexed
@@ -122,13 +123,13 @@ class Session:
     async def run_budget(self) -> RunBudget:
         """What a run may write while it runs (never a refusal: see Policy.run_budget)."""
         core = self._core
-        await core.remember_settings()
+        await core.remember_settings(self.policy)
         usage, totals = await core.read(
             lambda tx: _index.user_and_session_usage(tx, self.user_key, self.chat_key)
         )
         if self._locked:
             self._totals = totals
-        return core.policy.run_budget(usage)
+        return self.policy.run_budget(usage)
 
     async def begin_run(self) -> None:
         """Call under `lock()` just before something outside the store (a sandbox run) changes the
@@ -164,7 +165,7 @@ class Session:
         anything is unusual; `report.full` tells which ran. None: Reconcile.FOLDER."""
         core = self._core
         if enforce_quotas:
-            await core.remember_settings()
+            await core.remember_settings(self.policy)
         mode = Reconcile.CHANGED if changed is not None else Reconcile.FOLDER
         if self._unindexed_run:
             mode = Reconcile.FOLDER  # an earlier run was never indexed: its changes are not among these
@@ -205,9 +206,10 @@ class Session:
         return report
 
     async def _reconcile(self, mode: Reconcile, changed: Collection[str], enforce: bool) -> ReconcileReport:
+        quotas = self.policy if enforce else None
         if mode is Reconcile.CHANGED:
-            return await _reconcile_changed.reconcile_changed(self._core, self._ref, changed, enforce=enforce)
-        return await _reconcile.reconcile_folder(self._core, self._ref, enforce=enforce)
+            return await _reconcile_changed.reconcile_changed(self._core, self._ref, changed, quotas=quotas)
+        return await _reconcile.reconcile_folder(self._core, self._ref, quotas=quotas)
 
     async def usage(self) -> Usage:
         """This chat's files and bytes, as last indexed."""
@@ -219,11 +221,40 @@ class Session:
 
     async def publish(self, path: str) -> Link:
         """Publish a copy of a file (reused while its bytes are the same); see storage.publishing."""
-        return await _publish.publish(self._core, self._ref, path)
+        return await _publish.publish(self._core, self._ref, path, self.policy)
 
     async def links(self) -> list[LinkInfo]:
-        """This chat's published links, oldest first."""
+        """This chat's published links, oldest first (its exports' too: `is_export(link.path)`)."""
         return await self._core.read(lambda tx: _index_links.link_listing(tx, self.user_key, self.chat_key))
+
+    async def export_bytes(self, slot: str, name: str, data: bytes) -> tuple[Link, list[str]]:
+        """Publish `data` as this chat's export in `slot` (storage/_exports.py), replacing the one there,
+        within the session's quotas: (its link, the refs of the copies it replaced)."""
+        try:
+            with await asyncio.to_thread(_exports.scratch, self.state_path) as out:
+                await asyncio.to_thread(out.write, data)
+                await asyncio.to_thread(out.flush)
+                return await _exports.publish_export(
+                    self._core, self._ref, self.policy, slot, name, out.fileno()
+                )
+        except OSError as error:
+            raise disk_error(error, f"{name} could not be made") from error
+
+    async def export_zip(self, name: str, *, max_bytes: int | None) -> tuple[Link, int, int]:
+        """The folder's files as one zip, published as this chat's `zip` export (the one before it
+        replaced): (its link, files, bytes). Call it under `lock()`. StorageError with the sentence when
+        the files take more than `max_bytes` or the copy does not fit the user's storage."""
+        try:
+            with await asyncio.to_thread(_exports.scratch, self.state_path) as out:
+                files, size = await asyncio.to_thread(
+                    _exports.zip_folder, self.path, out, max_bytes=max_bytes
+                )
+                link, _ = await _exports.publish_export(
+                    self._core, self._ref, self.policy, "zip", name, out.fileno()
+                )
+        except OSError as error:
+            raise disk_error(error, f"{name} could not be made") from error
+        return link, files, size
 
 
 def _unlink_missing_ok(path: Path) -> None:
@@ -238,9 +269,10 @@ class ChatFiles:
     refused. No operation follows a symbolic link anywhere in a path.
     """
 
-    def __init__(self, core: Core, ref: ChatRef) -> None:
+    def __init__(self, core: Core, ref: ChatRef, policy: Policy) -> None:
         self._core = core
         self._ref = ref
+        self._policy = policy
 
     async def list(self) -> list[FileEntry]:
         """Every indexed file, sorted by path (the index as of the last reconcile or file operation)."""
@@ -316,7 +348,10 @@ class ChatFiles:
                 with fd_closing(parent):
                     return atomic_write(parent, parts[-1], data, owner, rel)
 
-        st = await asyncio.to_thread(work)
+        try:
+            st = await asyncio.to_thread(work)
+        except OSError as error:
+            raise disk_error(error, f"/mnt/data/{rel} could not be written") from error
         await self._index_new(rel, st, source=None, recheck=False)
 
     async def imported(self, source: str) -> str | None:
@@ -352,7 +387,10 @@ class ChatFiles:
             with self._root(create=True) as root:
                 return write_unique(root, names(), data, owner)
 
-        used, st = await asyncio.to_thread(work)
+        try:
+            used, st = await asyncio.to_thread(work)
+        except OSError as error:
+            raise disk_error(error, "the file could not be written") from error
         try:
             await self._index_new(used, st, source=source, recheck=True)
         except BaseException:
@@ -365,12 +403,12 @@ class ChatFiles:
         checked against the per-file limit and the quota as it arrives, put in place whole by
         `Incoming.finish` (under the session's lock), never over an existing file. Raises
         InvalidPath, FileExists or QuotaExceeded (with the sentence) before anything is written.
-        `policy`: the limits to apply (the store's, the latest message's, by default)."""
+        `policy`: the limits to apply (the session's by default)."""
         parts = split_path(path)
         if await self.exists(path):
             raise FileExists(f"/mnt/data/{'/'.join(parts)} exists already; an upload never replaces a file")
 
-        rules = policy or self._core.policy
+        rules = policy or self._policy
 
         async def index(rel: str, st: os.stat_result) -> None:
             await self._index_new(rel, st, source=None, recheck=True, policy=rules)
@@ -429,7 +467,7 @@ class ChatFiles:
             return [] if row is None else await _index_links.links_of_session(tx, row.id)
 
         try:
-            await _reconcile.reconcile_folder(core, ref, enforce=False)
+            await _reconcile.reconcile_folder(core, ref, quotas=None)
         except DiskFull:
             # The index cannot be told now, but the copies still go: the user asked for it, and it
             # frees space. Their rows, pointing at nothing, go at the next cleanup.
@@ -493,7 +531,7 @@ class ChatFiles:
             return usage, old
 
         usage, old = await self._core.read(read)
-        self._core.policy.refuse_write(usage, size, replacing=old)
+        self._policy.refuse_write(usage, size, replacing=old)
 
     async def _index_new(
         self, rel: str, st: os.stat_result, *, source: str | None, recheck: bool, policy: Policy | None = None
@@ -504,7 +542,7 @@ class ChatFiles:
         async def write(tx: Tx) -> None:
             if recheck:
                 await tx.serialise_user(ref.user_key)
-                (policy or core.policy).refuse_write(
+                (policy or self._policy).refuse_write(
                     await _index.user_usage(tx, ref.user_key), st.st_size, replacing=None
                 )
             sid = await core.session_id(tx, ref, now)

@@ -20,6 +20,7 @@ from ._keys import id_key
 from ._postgres import PostgresBackend, is_postgres_url, redact_url
 from ._sqlite import SQLiteBackend
 from .errors import DiskFull, StorageError
+from .history import user_histories
 from .models import (
     ActivityEntry,
     ChatInfo,
@@ -74,11 +75,12 @@ class Store:
         temporary_chat: TemporaryChat | None = None,
     ) -> None:
         self.root = Path(root).absolute()
-        policy = Policy(quotas or Quotas(), expiry or Expiry())
+        # The policy of what is not given one (the CLI, a script): each message's own travels with
+        # its session (`session(policy=)`), and expiry's with `cleanup(policy=)`.
+        self._policy = Policy(quotas or Quotas(), expiry or Expiry())
         self._core = Core(
             self.root,
             backend or _backend_for(self.root, database_url, busy_timeout_s),
-            policy=policy,
             publisher=publisher,
             owner=owner,
             record_settings=record_settings,
@@ -93,27 +95,8 @@ class Store:
 
     @property
     def policy(self) -> Policy:
-        return self._core.policy
-
-    @policy.setter
-    def policy(self, value: Policy) -> None:
-        self._core.policy = value
-
-    @property
-    def quotas(self) -> Quotas:
-        return self._core.policy.quotas
-
-    @quotas.setter
-    def quotas(self, value: Quotas) -> None:
-        self._core.policy = Policy(value, self._core.policy.expiry)
-
-    @property
-    def expiry(self) -> Expiry:
-        return self._core.policy.expiry
-
-    @expiry.setter
-    def expiry(self, value: Expiry) -> None:
-        self._core.policy = Policy(self._core.policy.quotas, value)
+        """The store's own policy (the constructor's): what an operation given none applies."""
+        return self._policy
 
     @property
     def publisher(self) -> Publisher | None:
@@ -186,6 +169,11 @@ class Store:
                 core.repairs_put_off = False
                 log.warning("the disk has room again: the start-up repairs of %s are done", self.root)
 
+    async def catch_up(self) -> None:
+        """What a full disk put off (sessions used meanwhile without their index row, the start-up
+        repairs), done now if the disk has room again; nothing when nothing waits."""
+        await self._core.catch_up()
+
     async def close(self) -> None:
         self._opened = False
         await self.trash_emptied()  # (unlinks in a thread: they would outlive the event loop)
@@ -249,15 +237,45 @@ class Store:
 
     # ------------------------------------------------------------------ sessions
 
-    async def session(self, user_id: str, chat_id: str, *, cached: bool = False) -> Session:
+    async def session(
+        self, user_id: str, chat_id: str, *, policy: Policy | None = None, cached: bool = False
+    ) -> Session:
         """The session of (user_id, chat_id): creates its folder and index row if needed and marks it
-        used now. `cached`: not written again when this process marked it used within ENSURED_FOR_S
-        (a chat's step: expiry counts in hours and days, and a warm step should not pay a thread's
-        hop and a transaction for it). Ids are untrusted strings; any value maps to a safe folder
-        name."""
+        used now. `policy`: the quotas its operations apply (a message's; None: the store's own).
+        `cached`: not written again when this process marked it used within ENSURED_FOR_S (a chat's
+        step: expiry counts in hours and days, and a warm step should not pay a thread's hop and a
+        transaction for it). Ids are untrusted strings; any value maps to a safe folder name."""
         ref = self._core.ref(user_id, chat_id)
         unindexed = await self._core.ensure(ref, touch=True, cached=cached)
-        return Session(self._core, ref, unindexed=unindexed)
+        return Session(self._core, ref, policy or self._policy, unindexed=unindexed)
+
+    async def existing_session(
+        self, user_id: str, chat_id: str, *, policy: Policy | None = None
+    ) -> Session | None:
+        """The session of (user_id, chat_id) if its folder exists, marked used now; None when it does
+        not. Nothing is created: what comes for a chat that is gone (an upload link's file, after the
+        chat was deleted) must not bring back its folder or its index row."""
+        core = self._core
+        ref = core.ref(user_id, chat_id)
+        if not await asyncio.to_thread(ref.path.is_dir):
+            return None
+        now = time.time()
+        # A folder without its row is a session a full disk left unsaved: it exists, and the first
+        # write with room indexes it.
+        await core.write(lambda tx: _index.touch_session(tx, ref.user_key, ref.chat_key, now))
+        return Session(core, ref, policy or self._policy)
+
+    async def indexed_session(self, user_id: str, chat_id: str) -> Session | None:
+        """The session of (user_id, chat_id) if the index has it, creating and touching nothing:
+        another chat's, read from (a clone's source; its operations apply the store's own policy). Its
+        `lock()` would create it again: take `chat_lock` instead."""
+        ref = self._core.ref(user_id, chat_id)
+        row = await self._core.read(lambda tx: _index.session_by_keys(tx, ref.user_key, ref.chat_key))
+        return None if row is None else Session(self._core, ref, self._policy)
+
+    def chat_lock(self, session: Session) -> Lock:
+        """The lock of a session's chat, taken without re-creating the session (see `indexed_session`)."""
+        return self._core.backend.chat_lock(session.user_key, session.chat_key)
 
     def session_at(self, info: ChatInfo) -> Session:
         """The Session of a listed session row (by its folder keys), without touching it."""
@@ -266,6 +284,7 @@ class Store:
             self._core.ref_at(
                 info.user_id, info.chat_id, info.user_key, info.chat_key, recorded_temporary=info.temporary
             ),
+            self._policy,
         )
 
     def lock(self, name: str) -> Lock:
@@ -289,7 +308,28 @@ class Store:
             user_id = owner.get((user_key, chat_key))
             if user_id is not None:
                 by_user[user_id] = by_user.get(user_id, 0) + size
-        return [dataclasses.replace(u, saved_state_bytes=by_user.get(u.user_id, 0)) for u in users]
+        layout, core_owner = self._core.layout, self._core.owner
+
+        def branch_states() -> dict[str, tuple[int, int]]:
+            counted: dict[str, tuple[int, int]] = {}
+            for user_key in {key for key, _, _ in saved}:
+                for chat_key, history in user_histories(layout, user_key, core_owner).items():
+                    user_id = owner.get((user_key, chat_key))
+                    if user_id is not None:
+                        states, size = counted.get(user_id, (0, 0))
+                        counted[user_id] = (states + len(history.sheddable()), size + history.charge())
+            return counted
+
+        branches = await asyncio.to_thread(branch_states)
+        return [
+            dataclasses.replace(
+                u,
+                saved_state_bytes=by_user.get(u.user_id, 0),
+                branch_states=branches.get(u.user_id, (0, 0))[0],
+                branch_state_bytes=branches.get(u.user_id, (0, 0))[1],
+            )
+            for u in users
+        ]
 
     async def sessions(self, user_id: str | None = None) -> list[ChatInfo]:
         key = None if user_id is None else id_key(user_id)
@@ -312,14 +352,18 @@ class Store:
 
     # ------------------------------------------------------------------ maintenance
 
-    async def cleanup(self, purge: Purge | None = None, *, dry_run: bool = False) -> CleanupReport:
-        """Apply the expiry policy (purge=None), or delete the sessions a Purge selects.
+    async def cleanup(
+        self, purge: Purge | None = None, *, policy: Policy | None = None, dry_run: bool = False
+    ) -> CleanupReport:
+        """Apply the expiry of `policy` (None: the store's own) when purge is None, or delete the
+        sessions a Purge selects.
 
         Sessions whose lock is held (a run in progress) are skipped and counted as in use. dry_run
         reports what would go and changes nothing."""
+        rules = policy or self._policy
         if purge is None and not dry_run:
-            await self._core.remember_settings()
-        return await _expiry.cleanup(self._core, purge, dry_run=dry_run)
+            await self._core.remember_settings(rules)
+        return await _expiry.cleanup(self._core, purge, rules, dry_run=dry_run)
 
     async def delete_chats(self, chats: list[tuple[str, str]], reason: str) -> CleanupReport:
         """Delete the sessions of these (user_id, chat_id) pairs now, in one pass (chats deleted in

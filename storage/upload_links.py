@@ -56,6 +56,7 @@ class UploadGrant:
     made_at: float
     expires_at: float
     where: dict[str, Any] = field(default_factory=dict)  # the maker's note of where the chat's files are
+    message_id: str = ""  # the answer that offered the link: the file belongs to its state ("": none)
 
 
 class UploadLinks:
@@ -64,12 +65,20 @@ class UploadLinks:
         self._clock = clock
 
     async def mint(
-        self, user_id: str, chat_id: str, path: str, *, ttl_s: float, where: dict[str, Any] | None = None
+        self,
+        user_id: str,
+        chat_id: str,
+        path: str,
+        *,
+        ttl_s: float,
+        where: dict[str, Any] | None = None,
+        message_id: str = "",
     ) -> tuple[str, UploadGrant]:
-        """A new link for `path` in the chat: its token (for the URL) and what it grants."""
+        """A new link for `path` in the chat: its token (for the URL) and what it grants. `message_id`:
+        the answer that offers it, whose state the file joins."""
         rel = "/".join(split_path(path))
         now = self._clock()
-        grant = UploadGrant(user_id, chat_id, rel, now, now + ttl_s, dict(where or {}))
+        grant = UploadGrant(user_id, chat_id, rel, now, now + ttl_s, dict(where or {}), message_id)
         token = secrets.token_urlsafe(32)
         record = {"version": _VERSION, **_as_dict(grant)}
 
@@ -145,6 +154,7 @@ def _as_dict(grant: UploadGrant) -> dict[str, Any]:
         "made_at": grant.made_at,
         "expires_at": grant.expires_at,
         "where": grant.where,
+        "message_id": grant.message_id,
     }
 
 
@@ -164,6 +174,7 @@ def _read(path: Path) -> UploadGrant | None:
             float(data["made_at"]),
             float(data["expires_at"]),
             dict(data.get("where") or {}),
+            str(data.get("message_id") or ""),
         )
     except (KeyError, TypeError, ValueError):
         return None

@@ -57,7 +57,7 @@ async def test_totals_and_listings_come_back_as_python_numbers(store: Store) -> 
     [link] = await store.links()
     assert type(link.size) is int and type(link.created_at) is float
     health = await store.backend.read(_index_links.link_health)
-    assert [row[5:] for row in health] == [(0, 0, 0)]
+    assert [row[5:] for row in health] == [(0, 0, 0, "a")]
 
     async def refresh(tx: Any) -> tuple[int, int]:
         row = await _index.session_by_keys(tx, s.user_key, s.chat_key)

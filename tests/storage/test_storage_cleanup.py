@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from storage import Expiry, Purge, StorageBusy, Store
+from storage import Expiry, Policy, Purge, StorageBusy, Store
 from tests.storage.storage_helpers import start_python
 
 DAY = 86400
@@ -135,9 +135,9 @@ async def test_expiry_by_idle_and_temporary(store: Store, index_sql: Sql) -> Non
     again = await store.cleanup()
     assert (again.sessions_removed, again.files_removed, again.links_removed) == (0, 0, 0)
     # 0 means never
-    store.expiry = Expiry(session_idle_s=0, temporary_idle_s=0, file_max_age_s=0)
+    never = Policy(expiry=Expiry(session_idle_s=0, temporary_idle_s=0, file_max_age_s=0))
     _age_session(index_sql, "fresh", 1000 * DAY)
-    assert (await store.cleanup()).sessions_removed == 0
+    assert (await store.cleanup(policy=never)).sessions_removed == 0
 
 
 async def test_using_a_session_saves_it_from_expiry(store: Store, index_sql: Sql) -> None:

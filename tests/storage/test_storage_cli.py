@@ -168,3 +168,27 @@ async def test_check_shows_what_a_dead_run_left_unindexed_and_rebuild_indexes_it
     assert cli("--root", str(populated), "rebuild").returncode == 0
     again = cli("--root", str(populated), "check")
     assert again.returncode == 0, again.stdout + again.stderr
+
+
+async def test_usage_shows_each_users_branch_states(
+    root: Path, publisher: DirectoryPublisher, database_url: str, cli: Cli
+) -> None:
+    async with Store(root, publisher=publisher, database_url=database_url) as store:
+        session = await store.session("alice", "chat-1")
+        async with session.lock():
+            for i in range(3):
+                (session.path / "f.txt").write_text(str(i) * 1000)
+                await session.history.save(f"m{i}", keep_states=20, keep_kernels=3, room_bytes=None)
+        await session.run_budget()
+    usage = json.loads(cli("--root", str(root), "usage", "--json").stdout)
+    [alice] = usage["users"]
+    # Three states; what they count is the two versions the folder no longer holds.
+    assert (alice["branch_states"], alice["branch_state_bytes"]) == (3, 2000), alice
+    table = cli("--root", str(root), "usage").stdout
+    assert "STATES SIZE" in table and "2.0 KiB" in table, table
+    # A history saved before the folder's bytes were recorded is counted against the folder as it is.
+    stats = session.history.folder / "stats.json"
+    older = {k: v for k, v in json.loads(stats.read_text()).items() if k != "live_bytes"}
+    stats.write_text(json.dumps(older))
+    usage = json.loads(cli("--root", str(root), "usage", "--json").stdout)
+    assert usage["users"][0]["branch_state_bytes"] == 2000, usage

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from storage import FileExists, FileMissing, InvalidPath, QuotaExceeded, Quotas, Store
+from storage import FileExists, FileMissing, InvalidPath, Policy, QuotaExceeded, Quotas, Store
 from tests.storage.storage_helpers import FifoGuard, user_usage
 
 
@@ -145,9 +145,9 @@ async def test_write_new_never_overwrites(store: Store) -> None:
 
 
 async def test_write_new_enforces_quotas(store: Store) -> None:
-    store.quotas = Quotas(max_file_bytes=10, max_bytes_per_user=25, max_files_per_user=3)
-    s = await store.session("u", "c1")
-    other = await store.session("u", "c2")
+    policy = Policy(Quotas(max_file_bytes=10, max_bytes_per_user=25, max_files_per_user=3))
+    s = await store.session("u", "c1", policy=policy)
+    other = await store.session("u", "c2", policy=policy)
     with pytest.raises(QuotaExceeded, match="per-file limit"):
         await s.files.write_new("big.bin", b"x" * 11)
     await s.files.write_new("a", b"x" * 10)
@@ -158,7 +158,8 @@ async def test_write_new_enforces_quotas(store: Store) -> None:
     with pytest.raises(QuotaExceeded, match="3 files"):
         await s.files.write_new("d", b"")
     assert sorted(os.listdir(s.path)) == ["a", "c"]
-    store.quotas = Quotas(max_files_per_user=0, max_bytes_per_user=None, max_file_bytes=0)
+    policy = Policy(Quotas(max_files_per_user=0, max_bytes_per_user=None, max_file_bytes=0))
+    s = await store.session("u", "c1", policy=policy)
     await s.files.write_new("d", b"x" * 100)  # 0/None: no limit
 
 
@@ -177,8 +178,8 @@ async def test_owner_is_applied_to_what_we_create(root: Path, database_url: str)
 
 
 async def test_write_enforces_quotas_counting_the_replaced_file(store: Store) -> None:
-    store.quotas = Quotas(max_bytes_per_user=100, max_file_bytes=80)
-    s = await store.session("u", "c")
+    policy = Policy(Quotas(max_bytes_per_user=100, max_file_bytes=80))
+    s = await store.session("u", "c", policy=policy)
     await s.files.write("a", b"x" * 80)
     await s.files.write("a", b"y" * 80)  # replacing: 80 - 80 + 80 <= 100
     with pytest.raises(QuotaExceeded, match="per-file"):

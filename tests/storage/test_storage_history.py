@@ -7,12 +7,13 @@ import asyncio
 import json
 import mmap
 import os
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-from storage import HistoryError, Store
+from storage import FileExists, HistoryError, StorageError, Store
 
 KEEP = {"keep_states": 20, "keep_kernels": 3, "room_bytes": None}
 
@@ -239,7 +240,7 @@ async def test_a_state_another_process_rewrote_is_read_again_not_remembered(stor
             "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1])\n"
             "from storage._history import History\n"
             "h = History(Path(sys.argv[2]), Path(sys.argv[3]), None)\n"
-            "print(h.save('m1', [], keep_states=20, keep_kernels=3, room_bytes=None).copied_files)\n"
+            "print(h.save('m1', [], keep_states=20, keep_kernels=3).copied_files)\n"
         )
         root = str(Path(__file__).resolve().parents[2])
         folder, live = str(session.history.folder), str(session.path)
@@ -253,3 +254,128 @@ async def test_a_state_another_process_rewrote_is_read_again_not_remembered(stor
         assert (saved.files, saved.copied_files) == (2, 0)
         await session.history.restore("m1")
         assert (session.path / "f.txt").read_text() == "two!"
+
+
+async def test_a_users_file_named_like_a_restores_scratch_is_kept_by_every_restore(store: Store) -> None:
+    """A restore's temporary copies never take a name the user's code can write: a file that starts
+    with `.cs-restore-` is a file like any other, saved with its state and put back with it."""
+    session = await store.session("u", "c")
+    async with session.lock():
+        (session.path / ".cs-restore-mine").write_text("user's")
+        (session.path / "sub").mkdir()
+        (session.path / "sub" / ".cs-restore-deep").write_text("deep")
+        (session.path / "data.txt").write_text("1")
+        await session.history.save("m1", **KEEP)
+        (session.path / "data.txt").write_text("22")
+        await session.history.save("m2", **KEEP)
+        await session.history.restore("m1")
+        assert contents(session.path) == {
+            ".cs-restore-mine": b"user's",
+            "sub/.cs-restore-deep": b"deep",
+            "data.txt": b"1",
+        }
+        os.unlink(session.path / ".cs-restore-mine")
+        await session.history.restore("m2")
+        assert contents(session.path)[".cs-restore-mine"] == b"user's"
+        assert sorted(os.listdir(session.path)) == [".cs-restore-mine", "data.txt", "sub"]
+
+
+async def test_a_file_received_for_a_saved_state_comes_back_with_it_and_never_replaces_one(
+    store: Store,
+) -> None:
+    session = await store.session("u", "c")
+    async with session.lock():
+        (session.path / "a.txt").write_text("1")
+        await session.history.save("m1", **KEEP)
+        await session.history.claim("m2")
+        (session.path / "b.txt").write_text("2")
+        await session.history.save("m2", **KEEP)
+        await session.history.restore("m1")
+        await session.history.claim("m3")  # another branch, under m1
+        assert await session.history.descends("m2", "m1") and await session.history.descends("m3", "m1")
+        assert not await session.history.descends("m3", "m2")
+        incoming = await session.files.incoming("in/up.bin")
+        await incoming.write(b"uploaded")
+        assert await session.history.receive("m2", incoming) == "in/up.bin"
+        assert contents(session.path) == {"a.txt": b"1"}  # the branch the folder holds is left alone
+        assert "in/up.bin" not in [e.path for e in await session.files.list()]  # nor its index
+        again = await session.files.incoming("b.txt")
+        await again.write(b"other")
+        with pytest.raises(FileExists, match="never replaces"):
+            await session.history.receive("m2", again)
+        await session.history.save("m3", **KEEP)
+        await session.history.restore("m2")
+        assert contents(session.path) == {"a.txt": b"1", "b.txt": b"2", "in/up.bin": b"uploaded"}
+    assert os.listdir(store.root / "incoming") == []
+
+
+async def charges(store: Store, user: str) -> dict[str, int]:
+    """What each chat's states take beyond its folder's files: the versions kept on disk that the
+    folder does not hold (measured on disk, not as the history counts it)."""
+    found = {}
+    for info in await store.sessions(user):
+        session = await store.session(user, info.chat_id)
+        objects = sum(p.stat().st_size for p in (session.history.folder / "objects").glob("*"))
+        live = sum(p.stat().st_size for p in session.path.rglob("*") if p.is_file())
+        found[session.chat_key] = max(0, objects - live)
+    return found
+
+
+async def test_the_states_of_all_of_a_users_chats_fit_in_one_room_oldest_first(store: Store) -> None:
+    """The room is what the user's storage limit leaves after their files, for all their chats at
+    once: a chat's save sheds the oldest states of the user's other chats before its own newer ones.
+    Another user's states, and a chat busy with a step, are left alone."""
+    room = 5000
+    stranger = await store.session("v", "c")
+    async with stranger.lock():
+        for i in range(4):
+            (stranger.path / "f.txt").write_text(str(i) * 1000)
+            await stranger.history.save(f"s{i}", keep_states=20, keep_kernels=3, room_bytes=room)
+    sessions = [await store.session("u", f"c{n}") for n in range(3)]
+    for n, session in enumerate(sessions):
+        async with session.lock():
+            for i in range(4):
+                (session.path / "f.txt").write_text(str(i) * 1000)
+                await session.history.save(f"c{n}m{i}", keep_states=20, keep_kernels=3, room_bytes=room)
+    mine = await charges(store, "u")
+    assert sum(mine.values()) <= room, mine
+    # The oldest went first: the first chat's states, before any of the last chat's.
+    async with sessions[0].lock():
+        assert not await sessions[0].history.has("c0m0")
+    async with sessions[2].lock():
+        assert [await sessions[2].history.has(f"c2m{i}") for i in range(4)] == [True] * 4
+    assert sum((await charges(store, "v")).values()) == 3000  # its own three old versions, kept
+    # A chat busy with a step keeps its states until its own next save.
+    busy = store._core.backend.chat_lock(sessions[1].user_key, sessions[1].chat_key)
+    assert await busy.try_acquire()
+    try:
+        before = (await charges(store, "u"))[sessions[1].chat_key]
+        async with sessions[2].lock():
+            for i in range(4, 8):
+                (sessions[2].path / "f.txt").write_text(str(i) * 1000)
+                await sessions[2].history.save(f"c2m{i}", keep_states=20, keep_kernels=3, room_bytes=room)
+        assert (await charges(store, "u"))[sessions[1].chat_key] == before
+    finally:
+        await busy.release()
+
+
+async def test_what_goes_wrong_with_the_history_is_a_storage_error(store: Store) -> None:
+    """One exception tree: a state that cannot be kept is a HistoryError, which is a StorageError, and
+    the disk's own errors under the history (here its folder replaced by a file) are StorageErrors too,
+    never a raw OSError."""
+    assert issubclass(HistoryError, StorageError)
+    session = await store.session("u", "c")
+    async with session.lock():
+        (session.path / "a.txt").write_text("a")
+        await session.history.save("m1", **KEEP)
+        folder = session.history.folder
+        shutil.rmtree(folder)
+        folder.write_text("not a folder")
+        for attempt in (
+            session.history.claim("m2"),
+            session.history.save("m2", **KEEP),
+            session.history.kernel_dir("m2"),
+        ):
+            with pytest.raises(StorageError) as caught:
+                await attempt
+            assert not isinstance(caught.value, OSError)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from storage import DirectoryPublisher, InvalidPath, QuotaExceeded, Quotas, StorageError, Store
+from storage import DirectoryPublisher, InvalidPath, Policy, QuotaExceeded, Quotas, StorageError, Store
 from storage._fsops import remove_tree
 from storage._reconcile import MAX_EMPTY_FOLDERS
 from tests.storage.storage_helpers import sqlite_only
@@ -88,8 +88,8 @@ async def test_empty_folders_beyond_the_limit_are_removed(store: Store) -> None:
 # About the copy, which no index takes part in (and 20-30 s on this machine's disk): one backend is enough.
 @sqlite_only
 async def test_a_sparse_file_is_published_sparse(store: Store) -> None:
-    store.quotas = Quotas(max_bytes_per_user=0)  # no quota: nothing else bounds the file
-    s = await store.session("u", "c")
+    policy = Policy(Quotas(max_bytes_per_user=0))  # no quota: nothing else bounds the file
+    s = await store.session("u", "c", policy=policy)
     with open(s.path / "huge", "wb") as f:
         f.write(b"head")
         f.seek(1 << 32)

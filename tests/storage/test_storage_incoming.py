@@ -53,8 +53,8 @@ async def test_a_file_received_in_pieces_lands_whole_and_indexed(store: Store):
 
 
 async def test_the_per_file_limit_stops_the_upload_while_it_streams(store: Store):
-    store.policy = Policy(Quotas(max_file_bytes=1 * MiB))
-    session = await store.session("u1", "c1")
+    policy = Policy(Quotas(max_file_bytes=1 * MiB))
+    session = await store.session("u1", "c1", policy=policy)
     incoming = await session.files.incoming("big.bin")
     await incoming.write(b"x" * MiB)
     with pytest.raises(QuotaExceeded, match=r"stopped at 1\.0 MiB.*per-file limit.*Nothing was saved"):
@@ -65,10 +65,10 @@ async def test_the_per_file_limit_stops_the_upload_while_it_streams(store: Store
 
 
 async def test_the_quota_counts_what_the_user_has_across_chats(store: Store):
-    store.policy = Policy(Quotas(max_bytes_per_user=2 * MiB))
-    other = await store.session("u1", "elsewhere")
+    policy = Policy(Quotas(max_bytes_per_user=2 * MiB))
+    other = await store.session("u1", "elsewhere", policy=policy)
     await other.files.write("old.bin", b"o" * MiB)
-    session = await store.session("u1", "c1")
+    session = await store.session("u1", "c1", policy=policy)
     incoming = await session.files.incoming("new.bin")
     await incoming.write(b"n" * MiB)  # exactly the room left
     with pytest.raises(QuotaExceeded, match=r"storage limit across your chats leaves room for 1 MiB"):
@@ -77,8 +77,8 @@ async def test_the_quota_counts_what_the_user_has_across_chats(store: Store):
 
 
 async def test_a_run_that_fills_the_quota_meanwhile_refuses_the_finish(store: Store):
-    store.policy = Policy(Quotas(max_bytes_per_user=2 * MiB))
-    session = await store.session("u1", "c1")
+    policy = Policy(Quotas(max_bytes_per_user=2 * MiB))
+    session = await store.session("u1", "c1", policy=policy)
     incoming = await session.files.incoming("late.bin")
     await incoming.write(b"a" * MiB)
     await session.files.write("meanwhile.bin", b"b" * (MiB + 1))  # the room is gone now
@@ -165,9 +165,8 @@ async def test_a_bad_path_makes_no_link(tmp_path: Path):
 
 
 async def test_the_limits_given_are_the_ones_applied_not_the_stores(store: Store):
-    # A worker's store holds the latest message's limits there; an upload keeps its link's.
-    store.policy = Policy(Quotas(max_file_bytes=1))
-    session = await store.session("u1", "c1")
+    # The session's own limits (another message's) are not an upload's: it keeps its link's.
+    session = await store.session("u1", "c1", policy=Policy(Quotas(max_file_bytes=1)))
     incoming = await session.files.incoming("a.bin", policy=Policy(Quotas(max_file_bytes=4 * MiB)))
     await incoming.write(b"x" * MiB)
     async with session.lock():

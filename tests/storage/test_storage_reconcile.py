@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from storage import Expiry, Quotas, Store
+from storage import Expiry, Policy, Quotas, Store
 from tests.storage.storage_helpers import run_python, user_usage
 
 Sql = Callable[..., list[tuple[Any, ...]]]
@@ -143,11 +143,11 @@ async def test_crash_before_indexing_is_recovered(root: Path, database_url: str)
 
 
 async def test_quota_rollback_keeps_old_files_and_removes_new_ones(store: Store) -> None:
-    store.quotas = Quotas(max_files_per_user=4, max_bytes_per_user=1000, max_file_bytes=500)
-    other = await store.session("u", "other")
+    policy = Policy(Quotas(max_files_per_user=4, max_bytes_per_user=1000, max_file_bytes=500))
+    other = await store.session("u", "other", policy=policy)
     _touch(other.path / "o1", 100)
     await other.reconcile()
-    s = await store.session("u", "c")
+    s = await store.session("u", "c", policy=policy)
     _touch(s.path / "old1", 100, mtime=1000)
     _touch(s.path / "old2", 100, mtime=1001)
     await s.reconcile()
@@ -180,8 +180,8 @@ async def test_quota_rollback_keeps_old_files_and_removes_new_ones(store: Store)
 
 
 async def test_bytes_quota_removes_newest_first(store: Store) -> None:
-    store.quotas = Quotas(max_bytes_per_user=250, max_files_per_user=None, max_file_bytes=None)
-    s = await store.session("u", "c")
+    policy = Policy(Quotas(max_bytes_per_user=250, max_files_per_user=None, max_file_bytes=None))
+    s = await store.session("u", "c", policy=policy)
     _touch(s.path / "old", 100, mtime=1000)
     await s.reconcile()
     for i, name in enumerate(["a", "b", "c", "d"]):
@@ -193,8 +193,8 @@ async def test_bytes_quota_removes_newest_first(store: Store) -> None:
 
 
 async def test_files_per_run_limit_keeps_the_oldest(store: Store) -> None:
-    store.quotas = Quotas(max_new_files_per_run=3)
-    s = await store.session("u", "c")
+    policy = Policy(Quotas(max_new_files_per_run=3))
+    s = await store.session("u", "c", policy=policy)
     for i in range(6):
         _touch(s.path / f"f{i}", 1, mtime=1000 + (5 - i))  # f5 oldest
     r = await s.reconcile()
@@ -209,8 +209,8 @@ async def test_files_per_run_limit_keeps_the_oldest(store: Store) -> None:
 
 
 async def test_a_run_at_the_limit_starts_with_nothing_to_spend(store: Store) -> None:
-    store.quotas = Quotas(max_bytes_per_user=100)
-    s = await store.session("u", "c")
+    policy = Policy(Quotas(max_bytes_per_user=100))
+    s = await store.session("u", "c", policy=policy)
     _touch(s.path / "a", 100)
     await s.reconcile()
     budget = await s.run_budget()
@@ -221,9 +221,8 @@ async def test_a_run_at_the_limit_starts_with_nothing_to_spend(store: Store) -> 
     _touch(s.path / "c", 50, mtime=2001)
     r = await s.reconcile()
     assert [q.path for q in r.quota_removed] == ["c"] and r.bytes == 90
-    store.quotas = Quotas(
-        max_bytes_per_user=0, max_files_per_user=0, max_new_files_per_run=0, max_file_bytes=0
-    )
+    unlimited = Quotas(max_bytes_per_user=0, max_files_per_user=0, max_new_files_per_run=0, max_file_bytes=0)
+    s = await store.session("u", "c", policy=Policy(unlimited))
     budget = await s.run_budget()
     assert (budget.max_write_bytes, budget.max_file_bytes, budget.note) == (None, None, None)
 
@@ -242,11 +241,11 @@ def test_no_limit_is_none_however_it_is_given() -> None:
 
 
 async def test_a_grown_file_goes_when_it_takes_the_user_over_the_bytes(store: Store) -> None:
-    store.quotas = Quotas(max_bytes_per_user=1000, max_files_per_user=None, max_file_bytes=None)
-    other = await store.session("u", "other")
+    policy = Policy(Quotas(max_bytes_per_user=1000, max_files_per_user=None, max_file_bytes=None))
+    other = await store.session("u", "other", policy=policy)
     _touch(other.path / "o", 500)
     await other.reconcile()
-    s = await store.session("u", "c")
+    s = await store.session("u", "c", policy=policy)
     _touch(s.path / "log", 400, mtime=1000)
     await s.reconcile()
     _touch(s.path / "log", 900, mtime=2000)  # the run appends 500 bytes: 1400 > 1000

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from storage import Quotas, ReconcileReport, Session, Store, _reconcile_changed
+from storage import Policy, Quotas, ReconcileReport, Session, Store, _reconcile_changed
 
 BASE = {
     "a.txt": b"a",
@@ -41,8 +41,11 @@ def _write(path: Path, data: bytes, mtime: float | None = None) -> None:
         os.utime(path, (mtime, mtime))
 
 
-async def _twins(store: Store) -> tuple[Session, Session]:
-    pair = (await store.session("partial", "c"), await store.session("full", "c"))
+async def _twins(store: Store, policy: Policy | None = None) -> tuple[Session, Session]:
+    pair = (
+        await store.session("partial", "c", policy=policy),
+        await store.session("full", "c", policy=policy),
+    )
     for session in pair:
         for i, (rel, data) in enumerate(BASE.items()):
             _write(session.path / rel, data, 1_000_000 + i)
@@ -64,8 +67,10 @@ def _essence(report: ReconcileReport) -> tuple[object, ...]:
     )
 
 
-async def _compare(store: Store, op: Op, changed: list[str], *, full: bool = False) -> ReconcileReport:
-    partial, whole = await _twins(store)
+async def _compare(
+    store: Store, op: Op, changed: list[str], *, full: bool = False, policy: Policy | None = None
+) -> ReconcileReport:
+    partial, whole = await _twins(store, policy)
     op(partial.path)
     op(whole.path)
     got = await partial.reconcile(changed=changed)
@@ -226,10 +231,11 @@ async def test_quota_removes_new_and_grown_files_the_same_way(store: Store) -> N
         other = await store.session(user, "other chat")
         _write(other.path / "kept", b"k" * 100)
         await other.reconcile()
-    store.quotas = Quotas(
-        max_files_per_user=100, max_bytes_per_user=450, max_file_bytes=150, max_new_files_per_run=4
+    policy = Policy(
+        Quotas(max_files_per_user=100, max_bytes_per_user=450, max_file_bytes=150, max_new_files_per_run=4)
     )
-    report = await _compare(store, op, ["a.txt", "big.bin", *[f"new{i}" for i in range(5)], "nd"])
+    changed = ["a.txt", "big.bin", *[f"new{i}" for i in range(5)], "nd"]
+    report = await _compare(store, op, changed, policy=policy)
     reasons = {r.path: r.reason for r in report.quota_removed}
     assert "per-file limit" in reasons.pop("big.bin")
     assert any("new files allowed in one run" in why for why in reasons.values())
