@@ -186,9 +186,7 @@ def _image_key(
     return h.hexdigest()[:16]
 
 
-def build_image(
-    base: Path, uid: int, gid: int, network: bool, env: SandboxEnvironment = HOST
-) -> Path:
+def build_image(base: Path, uid: int, gid: int, network: bool, env: SandboxEnvironment = HOST) -> Path:
     """The shared read-only root skeleton over ``env``'s /usr. Content-addressed: built once per
     environment and distinct /etc, reused by every runner process; concurrent builders agree."""
     etc_files = _etc_files(uid, gid, network)

@@ -122,6 +122,16 @@ class RunCgroup:
             pass
         return 0
 
+    def memory_bytes(self) -> int | None:
+        """What is charged to the sandbox's memory cgroup now (what its limit counts: gVisor's memory
+        file, which no host process need map, included), or None when it cannot be read."""
+        name = "memory.current" if self.support.version == 2 else "memory.usage_in_bytes"
+        try:
+            with open(f"{self.memory_dir}/{name}", encoding="ascii") as fh:
+                return int(fh.read())
+        except (OSError, ValueError):
+            return None
+
     def pids(self) -> list[int]:
         found: set[int] = set()
         for d in {self.memory_dir, self.pids_dir}:

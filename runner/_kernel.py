@@ -33,11 +33,11 @@ from pathlib import Path
 
 from . import _wire
 from ._changes import ChangeWatch
+from ._delta import Base
 from ._diagnose import read_runsc_errors, tidy
-from ._disk import GrowthWatch
 from ._kernel_program import program
 from ._kernel_program.protocol import FATAL_EXIT
-from ._kernel_watch import _Watchers
+from ._kernel_watch import Watchers, host_pids
 from ._plan import Sandbox
 from ._procs import sigkill
 from ._supervise import Capture, dying_with_us, human_bytes
@@ -79,8 +79,9 @@ def lifetime_limits(limits: Limits) -> tuple[int, ...]:
     return tuple(getattr(limits, name) for name in _LIFETIME_FIELDS)
 
 
-class Kernel(_Watchers):
-    """One kernel. One run at a time (the caller holds the chat's lock; `run` also serialises)."""
+class Kernel:
+    """One kernel. One run at a time (the caller holds the chat's lock; `run` also serialises). Its
+    lifetime watchers are its own `Watchers` (runner/_kernel_watch.py)."""
 
     def __init__(self, sandbox: Sandbox, limits: Limits) -> None:
         self.sandbox = sandbox
@@ -88,6 +89,9 @@ class Kernel(_Watchers):
         self.started_at = time.time()
         self.last_used = time.monotonic()
         self.ready: _wire.Ready | None = None
+        # The template pages its memory descends from (a warm start, or an image stored against them):
+        # its images are stored against them too (runner/_delta.py).
+        self.base: Base | None = None
         self.lost: str | None = None  # why it ended, once it has: words for the user
         self._proc: asyncio.subprocess.Process | None = None
         self._decoder = _wire.FrameDecoder()
@@ -100,11 +104,7 @@ class Kernel(_Watchers):
         self._busy = asyncio.Lock()  # held by a run and by a checkpoint
         self._running = False
         self._watch: ChangeWatch | None = None
-        self._growth: GrowthWatch | None = None
-        self._exceeded: str | None = None  # the disk watcher's verdict, from its thread
-        self._spun: str | None = None  # the CPU watcher's verdict: a thread spun between runs
-        self._idle_since: float | None = None  # monotonic end of the last run (None: one is running)
-        self._cpu_budget_s = limits.timeout_s
+        self._watchers = Watchers(sandbox, limits, self._kill_now)
         self._replies_ended = False
         self._closing: asyncio.Future[None] | None = None  # the teardown, once begun
         self._settling: asyncio.Future[None] | None = None  # stopping a cancelled run
@@ -120,8 +120,7 @@ class Kernel(_Watchers):
         return (
             self.lost is None
             and self._violation is None
-            and self._exceeded is None
-            and self._spun is None
+            and not self._watchers.tripped
             and not self._replies_ended
             and self._proc is not None
             and self._proc.returncode is None
@@ -157,18 +156,28 @@ class Kernel(_Watchers):
             await self.close(why)
             raise KernelLost(why)
         self.ready = message
-        self._idle_since = time.monotonic()
+        self._watchers.idle()
 
-    async def resume(self, watch: ChangeWatch, ready: dict[str, object], probe: str = "") -> None:
+    async def resume(
+        self,
+        watch: ChangeWatch,
+        ready: dict[str, object],
+        probe: str = "",
+        unpack: Callable[[], None] | None = None,
+    ) -> None:
         """Start the sandbox from a saved image (its argv is a `runsc restore`) and check that the
         kernel answers: `probe` (Python, run in the restored namespace) must end "ok" within
         RESUME_MAX_S. `ready`: the ready frame the kernel sent when it first started (a restored
-        kernel does not send it again). Raises KernelLost, with why, when it does not come back."""
+        kernel does not send it again). `unpack`: a blocking callable that writes the image runsc
+        restores into the sandbox's `image_dir` first (that copy is removed once the kernel answers).
+        Raises KernelLost, with why, when it does not come back (and what `unpack` raises)."""
         try:
             message = _wire.parse_body(json.dumps({"t": "ready", **ready}).encode())
         except _wire.ProtocolError as error:
             raise KernelLost(f"its saved image has a bad kernel description ({error})") from None
         assert isinstance(message, _wire.Ready)
+        if unpack is not None:
+            await asyncio.to_thread(unpack)
         await self._spawn(watch)
         self.ready = self._state.ready = message
         limits = self.limits.model_copy(update={"timeout_s": RESUME_MAX_S})
@@ -183,14 +192,23 @@ class Kernel(_Watchers):
             await self.close(why)
             raise KernelLost(f"its saved image could not be restored: {why}")
         self._whole_folder_next = True  # what the probe's run saw is not the user's to lose
+        if unpack is not None:  # runsc has read it all: the unpacked copy goes, off the answer's path
+            self._tasks.append(
+                asyncio.ensure_future(asyncio.to_thread(shutil.rmtree, self.sandbox.image_dir, True))
+            )
 
     async def resume_checked(
-        self, watch: ChangeWatch, ready: dict[str, object], probe: str, check: Callable[[], None]
+        self,
+        watch: ChangeWatch,
+        ready: dict[str, object],
+        probe: str,
+        check: Callable[[], None],
+        unpack: Callable[[], None] | None = None,
     ) -> None:
         """resume(), while `check` (a blocking callable that raises on a bad image) runs in a thread;
         the kernel is kept only if both succeed (the check's error wins: it names the damage)."""
         checking = asyncio.ensure_future(asyncio.to_thread(check))
-        resuming = asyncio.ensure_future(self.resume(watch, ready, probe))
+        resuming = asyncio.ensure_future(self.resume(watch, ready, probe, unpack))
         outcomes = await asyncio.gather(checking, resuming, return_exceptions=True)
         failures = [o for o in outcomes if isinstance(o, BaseException)]
         if failures:
@@ -226,6 +244,10 @@ class Kernel(_Watchers):
             if not leave_running:
                 self.lost = "it was saved to disk"
 
+    def host_pids(self) -> list[int]:
+        """The kernel's host processes (runsc, the sentry, the gofer, ptrace stubs)."""
+        return host_pids(self.sandbox)
+
     def checkpoint_argv(self, into: Path, flags: list[str]) -> list[str]:
         return [*self.sandbox.runsc_base, "checkpoint", *flags, f"--image-path={into}", self.cid]
 
@@ -238,16 +260,6 @@ class Kernel(_Watchers):
     async def _spawn(self, watch: ChangeWatch) -> None:
         self._watch = watch
         loop = asyncio.get_running_loop()
-
-        def exceeded(grown: int | None) -> None:  # called from the watcher's thread
-            loop.call_soon_threadsafe(self._disk_exceeded, grown)
-
-        self._growth = GrowthWatch(
-            str(self.sandbox.workdir),
-            self.limits.max_write_bytes,
-            exceeded,
-            pids=self.host_pids,
-        )
         # The request pipe is ours, and a second descriptor of its write end is held outside the
         # event loop: uvloop (Open WebUI's loop) closes every pipe when the loop ends, and the kernel
         # would read EOF and exit before the exit handler can save it (KernelPool._save_at_exit).
@@ -277,10 +289,7 @@ class Kernel(_Watchers):
             os.close(read_end)
         self._tasks.append(asyncio.create_task(self._read_replies()))
         self._tasks.append(asyncio.create_task(self._read_stderr()))
-        if self.sandbox.cgroup is not None:
-            self._tasks.append(asyncio.create_task(self._watch_oom()))
-        self._growth.start()
-        self._tasks.append(asyncio.create_task(self._watch_cpu()))
+        self._watchers.start()
 
     async def close(self, why: str | None = None) -> None:
         """Kill the sandbox and free everything it held (idempotent; shielded from cancellation).
@@ -300,8 +309,7 @@ class Kernel(_Watchers):
         if self._stdin_hold >= 0:
             os.close(self._stdin_hold)
             self._stdin_hold = -1
-        if self._growth is not None:
-            self._growth.stop()
+        self._watchers.stop()
         if self._watch is not None:
             self._watch.close()
         proc = self._proc
@@ -348,8 +356,7 @@ class Kernel(_Watchers):
                 await self.close(why)
                 raise KernelLost(why)
             self.last_used = time.monotonic()
-            self._idle_since = None
-            self._cpu_budget_s = limits.timeout_s
+            self._watchers.run_begins(limits)
             self._running = True
             try:
                 return await self._run(code, language, limits)
@@ -362,7 +369,8 @@ class Kernel(_Watchers):
                 raise
             finally:
                 self._running = False
-                self.last_used = self._idle_since = time.monotonic()
+                self.last_used = time.monotonic()
+                self._watchers.idle()
 
     async def _stop_cancelled_run(self) -> None:
         """Interrupt the cancelled cell and take its replies off the inbox, its "done" included: the
@@ -391,13 +399,12 @@ class Kernel(_Watchers):
             self._settling = None
 
     async def _run(self, code: str, language: str, limits: Limits) -> RunResult:
-        assert self._proc is not None and self._stdin is not None and self._growth is not None
+        assert self._proc is not None and self._stdin is not None
         t0 = time.monotonic()
         self._run_ids += 1
         run_id = self._run_ids
         stdout, stderr = Capture(limits.max_output_bytes), Capture(limits.max_output_bytes)
         watch = await self._fresh_watch()
-        self._growth.rebase(limits.max_write_bytes)
         self._state.start(run_id)
         try:
             self._stdin.write(_wire.encode_run(run_id, language, code))  # type: ignore[arg-type]
@@ -428,11 +435,8 @@ class Kernel(_Watchers):
                 )
                 return self._result(Outcome.TIMEOUT, None, stdout, stderr, t0, self.lost, watch)
             if message is None:  # the kernel is gone, or broke the protocol
-                why = self._why_gone()
+                outcome, why = self._gone()
                 await self.close(why)
-                outcome = Outcome.OOM if "memory" in why else Outcome.KERNEL_LOST
-                if self._exceeded is not None:
-                    outcome = Outcome.DISK_LIMIT
                 return self._result(outcome, None, stdout, stderr, t0, why, watch)
             if isinstance(message, _wire.Output) and message.run_id == run_id:
                 capture = stdout if message.stream == "stdout" else stderr
@@ -558,28 +562,36 @@ class Kernel(_Watchers):
     def _ended_by_itself(self) -> bool:
         return (
             self._violation is not None
-            or self._exceeded is not None
-            or self._spun is not None
+            or self._watchers.tripped
             or self._replies_ended
             or (self._proc is not None and self._proc.returncode is not None)
         )
 
     def _why_gone(self) -> str:
-        if self._exceeded is not None:
-            return self._exceeded
-        if self._spun is not None:
-            return self._spun
+        return self._gone()[1]
+
+    def _gone(self) -> tuple[Outcome, str]:
+        """How a kernel that went away ends its run, and why in words: decided by what the watchers
+        and the cgroup saw, never by reading the words (the kernel's own stderr is hostile)."""
+        watchers = self._watchers
+        if watchers.exceeded is not None:
+            return Outcome.DISK_LIMIT, watchers.exceeded
+        if watchers.spun is not None:
+            return Outcome.KERNEL_LOST, watchers.spun
         cgroup = self.sandbox.cgroup
-        if self._violation == "out of memory" or (cgroup is not None and cgroup.oom_kills()):
-            return f"it ran out of memory (limit {self.limits.memory_mb} MB for the whole kernel)"
+        if watchers.out_of_memory or (cgroup is not None and cgroup.oom_kills()):
+            return (
+                Outcome.OOM,
+                f"it ran out of memory (limit {self.limits.memory_mb} MB for the whole kernel)",
+            )
         if self._violation is not None:
-            return f"the kernel stopped responding: {self._violation}"
+            return Outcome.KERNEL_LOST, f"the kernel stopped responding: {self._violation}"
         code = self._proc.returncode if self._proc is not None else None
         if code == FATAL_EXIT:
-            return "the kernel stopped responding: a cell broke the kernel itself"
+            return Outcome.KERNEL_LOST, "the kernel stopped responding: a cell broke the kernel itself"
         tail = self._stderr.decode("utf-8", "replace").strip().splitlines()[-1:] if self._stderr else []
         extra = f" ({tail[0][:200]})" if tail else ""
-        return f"the kernel stopped responding: it exited{extra}"
+        return Outcome.KERNEL_LOST, f"the kernel stopped responding: it exited{extra}"
 
 
 _KERNEL_NOTE = re.compile(r"\[code-sessions: (cannot [^\]\n]{1,300})\]")

@@ -20,5 +20,11 @@ class Sandbox:
     workdir: Path
 
     @property
+    def image_dir(self) -> Path:
+        """Where a compressed saved image is unpacked for `runsc restore` (Runner.prepare's
+        `restore_unpacked`): private to this sandbox, and removed with its bundle."""
+        return self.bundle / "image"
+
+    @property
     def memory_by_rlimit(self) -> bool:
         return self.cgroup is None

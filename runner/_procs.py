@@ -58,3 +58,20 @@ def rss_bytes(pids: list[int]) -> int:
         except (OSError, ValueError, IndexError):
             continue
     return total
+
+
+def pss_bytes(pids: list[int]) -> int:
+    """The proportional resident memory of these processes: a page they share (a sandbox's memory
+    file, mapped by the sentry and by each stub process that runs the code) counts once, split
+    among them, where summed RSS counts it in each. RSS for a process whose smaps cannot be read."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as fh:
+                for line in fh:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except (OSError, ValueError, IndexError):
+            total += rss_bytes([pid])
+    return total

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ._registry import Entry
-from .models import Limits, RunResult
+from .models import KernelSettings, Limits, RunResult
 
 CONNECT_TIMEOUT_S = 2.0
 _MAX_MESSAGE = 80 * 1024 * 1024  # a run request carries the code (the kernel takes up to 64 MiB)
@@ -38,15 +38,17 @@ class OwnerSilent(Exception):
 
 
 async def run_remote(
-    entry: Entry, workdir: Path, code: str, language: str, limits: Limits
+    entry: Entry, workdir: Path, code: str, language: str, limits: Limits, settings: KernelSettings
 ) -> RunResult | None:
-    """The run, by the worker that holds the chat's kernel; None if that kernel is gone. Raises
-    OwnerSilent if that worker does not answer within the run's time limit and a margin."""
+    """The run, by the worker that holds the chat's kernel (which keeps the run's `settings` for the
+    chat); None if that kernel is gone. Raises OwnerSilent if that worker does not answer within the
+    run's time limit and a margin."""
     request = {
         "op": "run",
         "code": code,
         "language": language,
         "limits": limits.model_dump(),
+        "settings": settings.model_dump(),
         "workdir": str(workdir),
     }
     reply = await ask(entry, request, limits.timeout_s + _REPLY_MARGIN_S)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import shutil
 import subprocess
@@ -13,15 +14,21 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from . import _hibernate
+from . import _delta, _hibernate
 from ._hibernate import ImageRefused, SavedImage
 from ._kernel import Kernel, NotSaved, lifetime_limits
 from ._registry import Entry, Registry
 from ._supervise import human_bytes
+from .models import KernelSettings
 
 log = logging.getLogger("code_sessions.runner")
 
 Refusal = Callable[[Path, SavedImage], "str | None"]
+
+# What zstd compresses per second at least here, at its level 3 on a loaded core (a random frame's pages
+# went at ~110 MB/s, a pandas kernel's at ~250 MB/s): at exit, an image is compressed only if twice
+# this estimate fits in the time left.
+_EXIT_PACK_BYTES_PER_S = 100 * 2**20
 
 
 def refusal(
@@ -49,15 +56,27 @@ async def save(
     flags: list[str],
     identity: Callable[[], Awaitable[dict[str, object]]],
     refused: Refusal,
+    *,
+    packed: bool = True,
+    base: _delta.Base | None = None,
 ) -> tuple[str, str]:
-    """Checkpoint the kernel into `state_dir`: (image id, "") or ("", why it could not be kept)."""
+    """Checkpoint the kernel into `state_dir`, compressed if `packed` (its pages against `base`, the
+    template they came from, when given): (image id, "") or ("", why it could not be kept)."""
     t0 = time.monotonic()
     staging: Path | None = None
     try:
         staging = await asyncio.to_thread(_hibernate.new_staging, state_dir)
         await kernel.checkpoint(staging, flags)
         image = await asyncio.to_thread(
-            _hibernate.seal, staging, state_dir, await identity(), kernel.ready_fields()
+            functools.partial(
+                _hibernate.seal,
+                staging,
+                state_dir,
+                await identity(),
+                kernel.ready_fields(),
+                packed=packed,
+                base=base,
+            )
         )
         staging = None
         why = await asyncio.to_thread(refused, state_dir, image)
@@ -86,19 +105,19 @@ async def save(
 
 
 def save_at_exit(
-    targets: list[tuple[str, Kernel, Path]],
+    targets: list[tuple[str, Kernel, Path, KernelSettings]],
     registry: Registry,
     identity: dict[str, object],
     flags: list[str],
-    refused: Refusal,
     within_s: float,
 ) -> None:
-    """Save the idle ``targets`` (key, kernel, state folder) at interpreter exit, within ``within_s``:
+    """Save the idle ``targets`` (key, kernel, state folder, the chat's settings: the bounds its image
+    is kept within, and whether it is compressed) at interpreter exit, within ``within_s``:
     every `runsc checkpoint` at once (processes: no new thread may start this late), then each image
     sealed. Blocking, as no event loop is left. A kernel not saved in time dies with the process, and
     its next run says so."""
-    started: list[tuple[str, Kernel, Path, Path, subprocess.Popen[bytes], Entry]] = []
-    for key, kernel, state_dir in targets:
+    started: list[tuple[str, Kernel, Path, KernelSettings, Path, subprocess.Popen[bytes], Entry]] = []
+    for key, kernel, state_dir, settings in targets:
         entry = registry.get(key)
         if entry is None or entry.cid != kernel.cid:
             continue
@@ -111,9 +130,9 @@ def save_at_exit(
             continue
         entry.saving = True
         registry.save(entry)
-        started.append((key, kernel, state_dir, staging, job, entry))
+        started.append((key, kernel, state_dir, settings, staging, job, entry))
     deadline = time.monotonic() + within_s
-    for key, kernel, state_dir, staging, job, entry in started:
+    for key, kernel, state_dir, settings, staging, job, entry in started:
         image_id, why = "", "Open WebUI stopped before it was written"
         try:
             code = job.wait(max(0.1, deadline - time.monotonic()))
@@ -123,8 +142,14 @@ def save_at_exit(
         try:
             if code == 0:
                 full = {**identity, "lifetime_limits": list(lifetime_limits(kernel.limits))}
-                image = _hibernate.seal(staging, state_dir, full, kernel.ready_fields())
-                declined = refused(state_dir, image)
+                # Compressed only while the time left clearly allows it; else kept as runsc wrote it
+                # (a larger image, resumed all the same).
+                staged = sum(size for size, _ in _hibernate.image_files(staging, digests=False).values())
+                fits = settings.compress and deadline - time.monotonic() > 2 * staged / _EXIT_PACK_BYTES_PER_S
+                image = _hibernate.seal(staging, state_dir, full, kernel.ready_fields(), packed=fits)
+                declined = refusal(
+                    state_dir, image, settings.max_image_bytes, settings.max_saved_bytes_together
+                )
                 if declined is not None:
                     _hibernate.discard(state_dir)
                     why = declined

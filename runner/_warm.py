@@ -48,7 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import _hibernate
+from . import _delta, _hibernate
 from ._hibernate import ImageRefused
 from ._kernel import KERNEL_SOURCE, Kernel, KernelLost, NotSaved
 from .models import Limits
@@ -144,6 +144,7 @@ class WarmStart:
             limits,
             prefix="cs-k-",
             compile_once=True,
+            kernel=True,
             restore_from=image.folder,
         )
         kernel = Kernel(sandbox, limits)
@@ -162,7 +163,14 @@ class WarmStart:
             await kernel.close()
             raise
         self._verified[key] = stamp
+        recorded = image.files.get("pages.img")
+        if recorded and isinstance(recorded[1], str):
+            kernel.base = _delta.Base(recorded[1], image.folder / "pages.img", int(recorded[0]))
         return kernel
+
+    def pages(self, identity: dict[str, object]) -> Path:
+        """Where the template of this identity keeps its pages (whether or not it is built)."""
+        return _hibernate.image_dir(self.folder / self._key(identity)) / "pages.img"
 
     async def build_if_missing(self, limits: Limits, identity: dict[str, object]) -> None:
         """Start building the template in the background if there is none (a chat started cold)."""
@@ -189,7 +197,7 @@ class WarmStart:
         t0 = time.monotonic()
         try:
             sandbox, watch = await self.runner.prepare(
-                KERNEL_SOURCE, "python", empty, limits, prefix="cs-t-", compile_once=True
+                KERNEL_SOURCE, "python", empty, limits, prefix="cs-t-", compile_once=True, kernel=True
             )
             kernel = Kernel(sandbox, limits)
             await kernel.start(watch)
@@ -201,7 +209,12 @@ class WarmStart:
             staging = await asyncio.to_thread(_hibernate.new_staging, place)
             try:
                 await kernel.checkpoint(staging, self.runner.checkpoint_flags())
-                await asyncio.to_thread(_hibernate.seal, staging, place, identity, kernel.ready_fields())
+                # Kept as runsc wrote it (not compressed): every warm start restores it.
+                await asyncio.to_thread(
+                    functools.partial(
+                        _hibernate.seal, staging, place, identity, kernel.ready_fields(), packed=False
+                    )
+                )
             finally:
                 await asyncio.to_thread(shutil.rmtree, staging, True)
             log.info("kernel template %s built in %.1f s", key, time.monotonic() - t0)

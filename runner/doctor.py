@@ -11,13 +11,14 @@ import asyncio
 import os
 import resource
 import stat
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from pydantic import BaseModel
 
-from . import _bundle, _cgroups, environment
+from . import _bundle, _cgroups, _hibernate, environment
 from ._diagnose import DOCKER_UNCONFINED, explain
 from .capabilities import detect_runsc
 from .errors import RunnerError, RunscNotFound
@@ -173,6 +174,7 @@ def _host_checks(config: RunnerConfig) -> list[Check]:
                 else "docker: --cgroupns=host -v /sys/fs/cgroup:/sys/fs/cgroup:rw (or --privileged)",
             )
         )
+    checks.append(_compression_check())
     try:
         env = environment.locate(config.environment)
     except RunnerError as exc:
@@ -189,6 +191,22 @@ def _host_checks(config: RunnerConfig) -> list[Check]:
         except RunnerError as exc:
             checks.append(Check(name=language, ok=False, detail=str(exc), fix=_BUILD_ENV))
     return checks
+
+
+def _compression_check() -> Check:
+    """Saved kernels are compressed by Debian's `zstd` command (runner/_hibernate.py)."""
+    try:
+        found = _hibernate.codec_works()
+    except (OSError, subprocess.SubprocessError) as exc:
+        return Check(
+            name="compression",
+            ok=True,
+            warning=True,
+            detail=f"{exc}: saved kernels are kept as runsc writes them (about 4 times the disk), "
+            "and a compressed one saved by another server cannot be resumed here",
+            fix="install zstd: `apt-get install zstd` (deploy/Dockerfile and scripts/setup install it)",
+        )
+    return Check(name="compression", ok=True, detail=f"{found}: saved kernels are compressed")
 
 
 _BUILD_ENV = (
@@ -232,6 +250,9 @@ async def _sandbox_checks(config: RunnerConfig) -> tuple[list[Check], str | None
             imported = dict(await runner.data_packages())
             absent = [name for name in DATA_PACKAGES if name not in imported]
             listed = ", ".join(f"{name} {version}" for name, version in await runner.packages()) or "none"
+            env = await runner.environment()
+            if env.built:
+                listed = f"{len(env.packages)} packages asked for ({env.distributions} in all): {listed}"
             checks.append(
                 Check(
                     name="packages",
@@ -301,6 +322,7 @@ async def _checkpoint_check(runner: Runner) -> Check:
             started = asyncio.get_running_loop().time()
             why = await pool.hibernate("doctor")
             saved = asyncio.get_running_loop().time() - started
+            size = await asyncio.to_thread(_hibernate.size_of, base / "state")
             if why is not None:
                 return Check(
                     name="checkpoint", ok=True, warning=True, detail=f"cannot save a kernel: {why}", fix=fix
@@ -315,7 +337,8 @@ async def _checkpoint_check(runner: Runner) -> Check:
             return Check(
                 name="checkpoint",
                 ok=True,
-                detail=f"a kernel was saved in {saved:.2f} s and resumed to its next answer in "
+                detail=f"a kernel was saved in {saved:.2f} s ({size / 2**20:.1f} MiB on disk) and resumed "
+                "to its next answer in "
                 f"{asyncio.get_running_loop().time() - started:.2f} s "
                 "(runsc checkpoint and restore work)",
             )

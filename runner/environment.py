@@ -34,6 +34,7 @@ class Package:
     name: str  # the distribution's name (python-docx)
     version: str
     imports: tuple[str, ...]  # its top-level modules (docx)
+    named: bool = True  # the system prompt names it (requirements.txt's "prompt" mark, the admin's extras)
 
     @property
     def label(self) -> str:
@@ -56,8 +57,9 @@ class SandboxEnvironment:
     built: bool  # False: the host's own /usr (the fallback)
     os_name: str = ""
     python: str = ""
-    packages: tuple[Package, ...] = ()
+    packages: tuple[Package, ...] = ()  # the packages asked for by name
     tools: tuple[str, ...] = ()
+    distributions: int = 0  # every Python distribution installed, the packages' dependencies with them
 
     def host_path(self, sandbox_path: str) -> Path:
         """Where a path the sandbox sees lies on the host."""
@@ -71,7 +73,10 @@ class SandboxEnvironment:
     def describe(self) -> str:
         if not self.built:
             return "the host's own /usr (no sandbox environment built)"
-        return f"{self.os_name}, Python {self.python}, {len(self.packages)} packages ({self.root.parent})"
+        return (
+            f"{self.os_name}, Python {self.python}, {len(self.packages)} packages "
+            f"({self.distributions} distributions in all) ({self.root.parent})"
+        )
 
 
 HOST = SandboxEnvironment(root=Path("/"), key="host", built=False)
@@ -104,6 +109,7 @@ def load(build: Path) -> SandboxEnvironment:
                 name=_word(p["name"]),
                 version=_word(p["version"]),
                 imports=tuple(_word(i) for i in p.get("imports", ())),
+                named=p.get("prompt", True) is not False,
             )
             for p in manifest.get("packages", ())
         )
@@ -115,6 +121,7 @@ def load(build: Path) -> SandboxEnvironment:
             python=_word(manifest.get("python", "")),
             packages=packages,
             tools=tuple(_word(t) for t in manifest.get("tools", ())),
+            distributions=len(manifest.get("all_packages", ())),
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise EnvironmentNotFound(

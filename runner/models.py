@@ -39,8 +39,9 @@ class Limits(BaseModel):
         512, ge=64, description="memory of the whole sandbox (gVisor's own overhead included)"
     )
     max_processes: int = Field(64, ge=4, description="processes + threads of the sandbox user (RLIMIT_NPROC)")
+    # None by default: the per-file size is the storage's quota (the engine passes it down with each run).
     max_file_bytes: int | None = Field(
-        100 * MIB, gt=0, description="size of any one file written (RLIMIT_FSIZE); None: no limit"
+        None, gt=0, description="size of any one file written (RLIMIT_FSIZE); None: no limit"
     )
     max_write_bytes: int = Field(GIB, gt=0, description="growth of the workdir during the run")
     max_output_bytes: int = Field(64 * KIB, gt=0, description="kept per stream; more stops the run")
@@ -51,7 +52,9 @@ class KernelSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    idle_s: float = Field(20 * 60.0, gt=0, description="a kernel unused this long is saved and stopped")
+    # Five minutes: a live kernel holds its memory (about 18 MiB plain, 97 MiB with pandas imported),
+    # and a saved one comes back in about 0.6 s (docs/benchmarks.md#current-figures, capacity rows).
+    idle_s: float = Field(5 * 60.0, gt=0, description="a kernel unused this long is saved and stopped")
     max_kernels: int = Field(20, ge=1, description="kernels alive at once in this process")
     # 0: kernels are never saved (they stop as they would without a state folder); None: no limit
     # beyond the kernel's memory.
@@ -59,6 +62,9 @@ class KernelSettings(BaseModel):
     # The saved images of one owner's chats together (one state folder per owner, as the store lays
     # them out); None: no such bound.
     max_saved_bytes_together: int | None = Field(4 * GIB, gt=0, description="one owner's saved kernels")
+    # Saved images compressed with zstd where it is installed (runner/_hibernate.py); the two bounds
+    # above are of what is on disk.
+    compress: bool = Field(True, description="compress saved kernels")
 
 
 class RunnerConfig(BaseModel):
@@ -69,6 +75,12 @@ class RunnerConfig(BaseModel):
     runsc_path: str = "runsc"
     # None = newest supported platform the installed runsc offers: systrap, else ptrace.
     platform: str | None = None
+    # The platform of live kernels (long-lived sandboxes: KernelPool) and their saved images. ptrace,
+    # because an idle systrap sandbox is never idle: its sentry wakes every 400 us to tune its fast
+    # paths (1.5% of a core per kernel, measured), where an idle ptrace one uses none; a warm step
+    # costs about 0.1 ms more (docs/benchmarks.md). None: the same as `platform`. If the runsc here does
+    # not offer the default, kernels use `platform` (one set explicitly must be offered).
+    kernel_platform: str | None = "ptrace"
     # runsc --root (container state). Default: /run/code-sessions-runsc, mode 0700.
     state_dir: Path | None = None
     # Where per-run OCI bundles and the shared read-only root skeleton live. Default:

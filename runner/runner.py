@@ -48,7 +48,8 @@ class HostSetup:
     """What the runner settled on for this host; prepared once, on the first run."""
 
     runsc: RunscInfo
-    platform: str
+    platform: str  # of a fresh sandbox per run
+    kernel_platform: str  # of a live kernel's sandbox (RunnerConfig.kernel_platform)
     environment: SandboxEnvironment  # what the sandbox's / holds (see runner/environment.py)
     rootfs: Path
     cgroups: _cgroups.CgroupSupport | None
@@ -108,11 +109,17 @@ class Runner:
             # Looked for here, in a worker thread, so that no spawn on the event loop waits for it.
             _supervise.setpriv_prefix()
             platform = self.config.platform or info.auto_platform()
-            if info.platforms and platform not in info.platforms:
-                raise RunnerError(
-                    f"platform {platform!r} is not offered by {info.path} {info.version} "
-                    f"(it offers: {', '.join(info.platforms)})"
-                )
+            kernel_platform = self.config.kernel_platform or platform
+            if info.platforms and kernel_platform not in info.platforms:
+                if "kernel_platform" in self.config.model_fields_set:
+                    platform = kernel_platform  # refused just below, with the platforms it offers
+                kernel_platform = platform
+            for wanted in (platform, kernel_platform):
+                if info.platforms and wanted not in info.platforms:
+                    raise RunnerError(
+                        f"platform {wanted!r} is not offered by {info.path} {info.version} "
+                        f"(it offers: {', '.join(info.platforms)})"
+                    )
             env = environment.locate(self.config.environment)
             _bundle.ensure_private_dir(self.state_dir)
             _bundle.ensure_private_dir(self.bundle_dir)
@@ -134,7 +141,7 @@ class Runner:
             for language in ("python", "bash"):  # fail at setup on a missing interpreter
                 configured = self.config.python if language == "python" else self.config.bash
                 self._interpreters[language] = _bundle.find_interpreter(language, configured, env)
-            return HostSetup(info, platform, env, rootfs, support, note)
+            return HostSetup(info, platform, kernel_platform, env, rootfs, support, note)
 
     async def sweep_leftovers(self) -> list[str]:
         """Remove what runs of processes that died left here (container state, bundles, cgroups; their
@@ -157,9 +164,10 @@ class Runner:
             raise UnsupportedLanguage(f"language must be 'python' or 'bash', not {language!r}")
         return self._interpreters[language]
 
-    def _runsc_argv(self, setup: HostSetup, bundle: Path) -> list[str]:
+    def _runsc_argv(self, setup: HostSetup, bundle: Path, *, kernel: bool = False) -> list[str]:
         info = setup.runsc
-        argv = [info.path, "--root", str(self.state_dir), "--platform", setup.platform]
+        platform = setup.kernel_platform if kernel else setup.platform
+        argv = [info.path, "--root", str(self.state_dir), "--platform", platform]
         argv.append("--network=sandbox" if self.config.network else "--network=none")
         if info.supports("overlay2"):
             # Newer runsc overlays the root by default; we want exactly the spec: a read-only root and
@@ -196,6 +204,8 @@ class Runner:
         limits: Limits,
         compile_once: bool,
         restore_from: Path | None = None,
+        restore_unpacked: bool = False,
+        kernel: bool = False,
     ) -> tuple[Sandbox, ChangeWatch]:
         """prepare()'s work, in a worker thread: the workdir's owner, the bundle, the cgroup, the
         spec, then the watch."""
@@ -242,12 +252,14 @@ class Runner:
                 raise RunnerError(f"cannot prepare the sandbox: {exc}") from exc
             raise
         # A restore starts the same sandbox from a saved image instead of from its first process.
+        if restore_unpacked:
+            restore_from = bundle / "image"  # Sandbox.image_dir, filled by the caller before it starts
         command = ["run"] if restore_from is None else ["restore", f"--image-path={restore_from}"]
         sandbox = Sandbox(
             cid=cid,
             bundle=bundle,
             cgroup=cgroup,
-            argv=[*self._runsc_argv(setup, bundle), *command, "--bundle", str(bundle), cid],
+            argv=[*self._runsc_argv(setup, bundle, kernel=kernel), *command, "--bundle", str(bundle), cid],
             runsc_base=[setup.runsc.path, "--root", str(self.state_dir)],
             workdir=workdir,
         )
@@ -264,6 +276,8 @@ class Runner:
         prefix: str = "cs-",
         compile_once: bool = False,
         restore_from: Path | None = None,
+        restore_unpacked: bool = False,
+        kernel: bool = False,
     ) -> tuple[Sandbox, ChangeWatch]:
         """Everything a sandbox needs before it starts (bundle, cgroup, command), and a watch of the
         workdir set up before anything in the sandbox can write. `discard()` undoes it.
@@ -271,14 +285,27 @@ class Runner:
         ``compile_once``: Python ``code`` that this Runner starts many times (the kernel program) is
         compiled once by the sandbox's interpreter and started from bytecode (see _bytecode).
         ``restore_from``: a `runsc checkpoint` image folder; the sandbox resumes it (`runsc restore`)
-        with this bundle's mounts, cgroup and limits instead of starting ``code``."""
+        with this bundle's mounts, cgroup and limits instead of starting ``code``.
+        ``restore_unpacked``: the same, from the image the caller unpacks into ``Sandbox.image_dir``
+        (in the bundle: private, and removed with it) before the sandbox starts.
+        ``kernel``: a live kernel's sandbox, on ``RunnerConfig.kernel_platform``."""
         if language not in _bundle.LANGUAGES:  # fail fast, before anything is prepared
             raise UnsupportedLanguage(f"language must be 'python' or 'bash', not {language!r}")
         wd = self._check_workdir(workdir)
         setup = await self.setup()
         cid = prefix + secrets.token_hex(8)
         return await asyncio.to_thread(
-            self._prepare_and_watch, setup, cid, code, language, wd, limits, compile_once, restore_from
+            self._prepare_and_watch,
+            setup,
+            cid,
+            code,
+            language,
+            wd,
+            limits,
+            compile_once,
+            restore_from,
+            restore_unpacked,
+            kernel,
         )
 
     async def sandbox_identity(self) -> dict[str, object]:
@@ -303,7 +330,7 @@ class Runner:
         """sandbox_identity() for a Runner already set up (no awaiting: also usable at exit)."""
         return {
             "runsc": setup.runsc.version,
-            "platform": setup.platform,
+            "platform": setup.kernel_platform,  # images are of kernels
             "rootfs": str(setup.rootfs),
             "python": self._interpreter("python"),
             "user": [self.sandbox_uid, self.sandbox_gid],
@@ -383,12 +410,13 @@ class Runner:
         one tiny run knows."""
         return (await self._probe())[0]
 
-    async def packages(self) -> tuple[tuple[str, str], ...]:
+    async def packages(self, *, named_only: bool = False) -> tuple[tuple[str, str], ...]:
         """The packages the sandbox's Python can import, as (what to import, version): a built
-        environment's from its manifest; on the host's /usr, the data packages a probe finds."""
+        environment's from its manifest (`named_only`: those the system prompt names); on the host's
+        /usr, the data packages a probe finds."""
         env = (await self.setup()).environment
         if env.built:
-            return tuple((p.label, p.version) for p in env.packages)
+            return tuple((p.label, p.version) for p in env.packages if p.named or not named_only)
         return (await self._probe())[1]
 
     async def data_packages(self) -> tuple[tuple[str, str], ...]:

@@ -34,6 +34,8 @@ MODULES = (
     "condition",
     "codec",
     "pumps",
+    "interrupts",
+    "stdio",
     "packages",
     "hooks",
     "figures",
@@ -41,7 +43,7 @@ MODULES = (
     "tracebacks",
     "python_cells",
     "bash_cells",
-    "restore",
+    "leftovers",
     "kernel",
 )
 _SHARED = frozenset({"TYPE_CHECKING"})  # defined alike by several modules (False)

@@ -8,6 +8,7 @@ import os
 import time
 
 from .basics import _KILL_PATIENCE_S, _monotonic, _os_waitpid, _write_all
+from .interrupts import _Interrupts
 
 BASH = "/bin/bash"
 PRIVATE_TMP = "/tmp"
@@ -15,23 +16,25 @@ _BASH_SIGINT_GRACE_S = 1.0
 
 
 class _BashCells:
-    """The Kernel's bash cells (a part of Kernel, apart for reading)."""
+    """The kernel's bash cells: each a script in a private directory, run by bash in the workdir, in
+    its own process group, with ``interrupts`` armed while the kernel waits for it."""
 
-    workdir: str
-    _armed: bool
-    _bash_dir: str | None
-    _bash_count: int
+    def __init__(self, workdir: str, interrupts: _Interrupts) -> None:
+        self._workdir = workdir
+        self._interrupts = interrupts
+        self._dir: str | None = None
+        self._count = 0
 
     def _script_path(self) -> str:
-        if self._bash_dir is None or not os.path.isdir(self._bash_dir):
+        if self._dir is None or not os.path.isdir(self._dir):
             # Created on first use and again if a cell removed it; not in the workdir: it is not the
             # user's file.
-            self._bash_dir = os.path.join(PRIVATE_TMP, f".code-sessions-kernel-{os.urandom(8).hex()}")
-            os.mkdir(self._bash_dir, 0o700)
-        self._bash_count += 1
-        return os.path.join(self._bash_dir, f"cell-{self._bash_count}.sh")
+            self._dir = os.path.join(PRIVATE_TMP, f".code-sessions-kernel-{os.urandom(8).hex()}")
+            os.mkdir(self._dir, 0o700)
+        self._count += 1
+        return os.path.join(self._dir, f"cell-{self._count}.sh")
 
-    def _run_bash(self, code: str) -> tuple[str, int | None, str]:
+    def run(self, code: str) -> tuple[str, int | None, str]:
         try:
             data = code.encode("utf-8", "surrogateescape")
         except UnicodeEncodeError:
@@ -59,7 +62,7 @@ class _BashCells:
         except OSError:  # the cell's cwd is gone or unreadable: Python cells carry on in the workdir
             here = None
         try:
-            os.chdir(self.workdir)
+            os.chdir(self._workdir)
             pid = os.posix_spawn(
                 BASH,
                 [BASH, script],
@@ -79,12 +82,12 @@ class _BashCells:
                 os.close(here)
         status: int | None = None
         try:
-            self._armed = True
+            self._interrupts.armed = True
             status = _os_waitpid(pid, 0)[1]
-            self._armed = False
+            self._interrupts.armed = False
             interrupted = False
         except KeyboardInterrupt:
-            self._armed = False
+            self._interrupts.armed = False
             interrupted = True
             status = self._stop_group(pid) if status is None else status
         if status is None:

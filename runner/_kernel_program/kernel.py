@@ -1,51 +1,54 @@
-"""The cell loop: the kernel's setup, its requests one at a time, and what ends each run; and main()."""
+"""The cell loop: the kernel's setup, its requests one at a time, what ends each run and what the process
+gets back after it; and main()."""
 
 from __future__ import annotations
 
 import _signal
-import _thread
 import builtins
 import os
 import sys
 import types
 
 from .bash_cells import _BashCells
-from .basics import _READ_SIZE, _fatal, _os_getpid, _os_read, _perf_counter, set_diag_fd
+from .basics import _READ_SIZE, _fatal, _os_fstat, _os_getpid, _os_read, _perf_counter, set_diag_fd
 from .charts import _Charts
 from .codec import _Channel, _json_loads
 from .figures import _Figures
 from .hooks import _ImportHooks
+from .interrupts import _Interrupts
+from .leftovers import end_leftovers
 from .packages import package_versions
 from .protocol import DEFAULT_WORKDIR, MAX_REQUEST, PROTOCOL_VERSION, WORKDIR_ENV
-from .pumps import _Direct, _Pump, end_quietly, quiet_poller
-from .python_cells import _into_linecache, _PythonCells
-from .restore import _Restoring
+from .pumps import _Pump, end_quietly, quiet_poller
+from .python_cells import _PythonCells
+from .stdio import _Stdio
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, NoReturn
 
 
-class Kernel(_PythonCells, _BashCells, _Restoring):
-    """The kernel: sets the process up, then runs one request after another until the host closes fd 0."""
+def _fd_identity(fd: int) -> tuple[int, int]:
+    st = _os_fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+class Kernel:
+    """The kernel: sets the process up, then runs one request after another until the host closes fd 0,
+    putting back after every cell what the kernel needs of the process."""
 
     def __init__(self, workdir: str) -> None:
         self.workdir = os.path.abspath(workdir)
         self.pid = _os_getpid()
-        self._armed = False  # a SIGINT now interrupts the cell (one shot: the handler disarms)
-        self._cell_running = False  # between the start and the end of a Python cell's own code
-        self.namespace: dict[str, Any] = {}
+        self._main_module = types.ModuleType("__main__")  # the cells' namespace, installed by start()
+        self._main_module.__dict__["__builtins__"] = builtins
+        self.namespace: dict[str, Any] = self._main_module.__dict__
+        self._interrupts = _Interrupts(self.namespace)
+        self._on_sigint = self._interrupts.on_sigint  # one bound method: what getsignal() is compared with
+        self._bash = _BashCells(self.workdir, self._interrupts)
         self._inbuf = bytearray()
-        self._cell_names: set[str] = set()
-        self._bash_dir: str | None = None
-        self._bash_count = 0
         self._catchable = [s for s in _signal.valid_signals() if s not in (_signal.SIGKILL, _signal.SIGSTOP)]
         self._recursion_limit = sys.getrecursionlimit()
-        self._main_thread = _thread.get_ident()
-        self._writing = False  # the main thread is sending a frame of sys.stdout/stderr (_send_direct)
-        self._deferred = False  # a SIGINT came meanwhile: raised once the frame is whole
-        self._forked = False  # this is a child a cell forked: its prints go through the pipes
-        self._print_path = {_Direct.write.__code__, Kernel._send_direct.__code__}
 
     # -- setup ---------------------------------------------------------------------------------------
 
@@ -53,48 +56,50 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         # The pumps must never take a SIGINT: a signal delivered to a thread blocked in read() would
         # not wake the main thread's sleep(). Threads inherit the mask, so block before creating them.
         _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT})
-        self._on_sigint_bound = self._on_sigint
-        _signal.signal(_signal.SIGINT, self._on_sigint_bound)
+        _signal.signal(_signal.SIGINT, self._on_sigint)
         # os.dup and os.pipe give non-inheritable fds: no child (bash, subprocess) gets the channel.
         self.in_fd = os.dup(0)
         self.out_fd = os.dup(1)
         set_diag_fd(os.dup(2))
-        self.null_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-        out_r, self.out_w = os.pipe()
-        err_r, self.err_w = os.pipe()
-        self._restore_fds()  # /dev/null on 0 (input() gets EOF, never protocol bytes), the pipes on 1 and 2
+        null_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
         self.channel = _Channel(self.out_fd)
         self._pumps = (
-            _Pump(self.channel.send, out_r, self.out_w, "o"),
-            _Pump(self.channel.send, err_r, self.err_w, "e"),
+            _Pump(self.channel.send, out_r, out_w, "o"),
+            _Pump(self.channel.send, err_r, err_w, "e"),
         )
-        self._stdin = self._stdout = self._stderr = None
-        self._restore_streams()
-        self._private_fds = {fd: self._identity(fd) for fd in (self.in_fd, self.out_fd, out_r, err_r)}
-        self._private_fds.update({fd: self._identity(fd) for fd in (self.out_w, self.err_w, self.null_fd)})
+        self._stdio = _Stdio(null_fd, out_w, err_w, self._pumps, self._interrupts.send_direct)
+        self._stdio.restore_fds()  # /dev/null on 0, the pipes on 1 and 2
+        self._stdio.restore_streams()
+        private = (self.in_fd, self.out_fd, out_r, err_r, out_w, err_w, null_fd)
+        self._private_fds = {fd: _fd_identity(fd) for fd in private}
         self._quiet = quiet_poller(self._pumps)
         for pump in self._pumps:
             pump.start()
         _signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_signal.SIGINT})
         os.chdir(self.workdir)
-        main_module = types.ModuleType("__main__")
-        main_module.__dict__["__builtins__"] = builtins
         self._kernel_module = sys.modules.get("__main__")
-        sys.modules["__main__"] = main_module  # pickle finds classes the cells define
-        self.namespace = main_module.__dict__
+        sys.modules["__main__"] = self._main_module  # pickle finds classes the cells define
         self._package_paths = list(sys.path[1:])
         sys.path[0:1] = [self.workdir]  # not /run/code: `import mymodule` finds /mnt/data/mymodule.py
         sys.argv = [""]
-        self._figures = _Figures(self.workdir, self._note)
-        self._charts = _Charts(self.workdir, self._figures, self._note)
-        # Cell sources for tracebacks: linecache (with tokenize and re, ~50 ms to import in the
-        # sandbox) is filled only once something imports it (a traceback, the code itself).
-        self._cell_sources: dict[str, str] = {}
-        os.register_at_fork(after_in_child=self._after_fork)
+        self._figures = _Figures(self.workdir, self._stdio.note)
+        self._charts = _Charts(self.workdir, self._figures, self._stdio.note)
+        self._python = _PythonCells(
+            self.workdir,
+            self.pid,
+            self.namespace,
+            self._interrupts,
+            self._charts,
+            self._figures,
+            self._stdio.live_stdout,
+        )
+        os.register_at_fork(after_in_child=self._interrupts.after_fork_in_child)
         hooks = {
             "matplotlib.pyplot": self._on_pyplot_import,
             "plotly.io": self._on_plotly_import,
-            "linecache": self._on_linecache_import,
+            "linecache": self._python.on_linecache_import,
         }
         sys.meta_path.insert(0, _ImportHooks(hooks))
 
@@ -107,62 +112,17 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
             "packages": package_versions(self._package_paths),
         }
 
-    def _on_linecache_import(self, module: types.ModuleType) -> None:
-        for filename, code in self._cell_sources.items():
-            _into_linecache(module, filename, code)
-        self._cell_sources.clear()  # from now on _compile puts them straight into linecache
-
     def _on_pyplot_import(self, module: types.ModuleType) -> None:
         try:
             self._figures.patch(module)
         except Exception as exc:  # never fail the cell's import over our convenience
-            self._note(f"[code-sessions: cannot hook plt.show(): {exc!r}]\n")
+            self._stdio.note(f"[code-sessions: cannot hook plt.show(): {exc!r}]\n")
 
     def _on_plotly_import(self, module: types.ModuleType) -> None:
         try:
             self._charts.patch(module)
         except Exception as exc:  # never fail the cell's import over our convenience
-            self._note(f"[code-sessions: cannot hook fig.show(): {exc!r}]\n")
-
-    def _after_fork(self) -> None:
-        self._forked = True  # the pumps (and their locks, maybe held at the fork) are the parent's
-
-    def _send_direct(self, pump: _Pump, data: bytes) -> bool:
-        """pump.send_direct, with an interrupt that comes in the middle of the frame raised once the frame
-        is whole (a frame cut short would break the protocol, and the kernel with it)."""
-        if self._forked:
-            return False
-        if _thread.get_ident() != self._main_thread:  # only the main thread runs signal handlers
-            return pump.send_direct(data)
-        self._writing = True
-        try:
-            sent = pump.send_direct(data)
-        finally:
-            self._writing = False
-        if self._deferred:
-            self._armed = self._deferred = False
-            raise KeyboardInterrupt
-        return sent
-
-    def _on_sigint(self, signum: int, frame: Any) -> None:
-        # Idle, or in the kernel's own code after a cell: ignored. Armed: one KeyboardInterrupt, and
-        # disarmed first, so a second SIGINT can never raise inside the kernel's own code. A cell that
-        # caught it and runs on is interrupted again only where that is safe to tell: while the frame
-        # on top is the cell's own code (its globals are the namespace; kernel code never runs there),
-        # or the print path's own code outside a frame being sent (_Direct.write, _send_direct: the
-        # cell's text is then either not sent yet or sent whole). In the middle of a frame: deferred,
-        # and raised by _send_direct once the frame is whole.
-        if self._writing:
-            if self._armed or self._cell_running:
-                self._deferred = True
-            return
-        if self._armed or (
-            self._cell_running
-            and frame is not None
-            and (frame.f_globals is self.namespace or frame.f_code in self._print_path)
-        ):
-            self._armed = self._deferred = False
-            raise KeyboardInterrupt
+            self._stdio.note(f"[code-sessions: cannot hook fig.show(): {exc!r}]\n")
 
     # -- the loop ------------------------------------------------------------------------------------
 
@@ -171,7 +131,7 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         while True:
             request = self._read_request()
             if request is None:
-                self._end_leftovers()
+                end_leftovers(self.pid, self._stdio.note)
                 os._exit(0)
             self._run(*request)
 
@@ -215,43 +175,44 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
 
     def _run(self, run_id: int, lang: str, code: str) -> None:
         started = _perf_counter()
-        self._deferred = False
-        self._figures.saved = []
-        self._figures.more = 0
+        self._interrupts.begin_run()
+        self._figures.begin_run()
         self._charts.pending = []
         for pump in self._pumps:
             pump.begin(run_id)
         if lang == "python":
-            status, exit_code, report = self._run_python(run_id, code)
+            status, exit_code, report = self._python.run(run_id, code)
         else:
-            status, exit_code, report = self._run_bash(code)
+            status, exit_code, report = self._bash.run(code)
         self._restore_python_state()
         if report:
-            self._note(report)
+            self._stdio.note(report)
         pio = sys.modules.get("plotly.io")
         if lang == "python" and pio is not None:
             self._on_plotly_import(pio)  # plotly.io reloaded, or our hook removed: patch again
             try:
-                self._armed = True  # a chart's static picture may take long: an interrupt stops it
+                self._interrupts.armed = True  # a chart's static picture may take long: an interrupt stops it
                 self._charts.save_pending()
-                self._armed = False
+                self._interrupts.armed = False
             except KeyboardInterrupt:
-                self._armed = False
-                self._note("KeyboardInterrupt (while saving charts)\n")
+                self._interrupts.armed = False
+                self._stdio.note("KeyboardInterrupt (while saving charts)\n")
                 status, exit_code = "interrupted", None
         pyplot = sys.modules.get("matplotlib.pyplot")
-        if lang == "python" and pyplot is not None:
-            self._on_pyplot_import(pyplot)  # pyplot reloaded, or our hook removed: patch again
+        if lang == "python" and (pyplot is not None or self._figures.pending):
+            if pyplot is not None:
+                self._on_pyplot_import(pyplot)  # pyplot reloaded, or our hook removed: patch again
             try:
-                self._armed = True  # drawing a huge figure may take long: an interrupt stops it
-                self._figures.save_open()
-                self._armed = False
+                self._interrupts.armed = True  # drawing a huge figure may take long: an interrupt stops it
+                self._figures.save()
+                self._interrupts.armed = False
             except KeyboardInterrupt:
-                self._armed = False
-                self._note("KeyboardInterrupt (while saving figures)\n")
+                self._interrupts.armed = False
+                self._stdio.note("KeyboardInterrupt (while saving figures)\n")
                 status, exit_code = "interrupted", None
-        self._flush_streams()
-        self._end_leftovers()
+            self._figures.close()  # as Jupyter's inline backend: the next cell starts with no figure
+        self._stdio.flush()
+        end_leftovers(self.pid, self._stdio.note)
         if not end_quietly(self._pumps, self._quiet):
             sentinel = b"\x00code-sessions:" + os.urandom(16).hex().encode() + b"\x00"
             for pump in self._pumps:
@@ -275,6 +236,55 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         # ends with the kernel).
         self._restore_process_state()
         self._check_private_fds()
+
+    # -- after every cell: what the kernel needs of the process ---------------------------------------
+
+    def _restore_python_state(self) -> None:
+        """Right after a cell, before anything of the kernel's own runs: what a cell may have done to the
+        interpreter that could break the kernel's code (sys.std*, signal handlers: a Python handler
+        left by a cell could raise inside it; trace and profile hooks; the recursion limit). No
+        system call unless the cell changed a handler."""
+        self._stdio.restore_streams()
+        sys.settrace(None)
+        sys.setprofile(None)
+        if sys.getrecursionlimit() < self._recursion_limit:  # the kernel's own code needs some depth
+            sys.setrecursionlimit(self._recursion_limit)
+        threading = sys.modules.get("threading")  # hooks for the threads a cell starts, if it can
+        if threading is not None:
+            threading.settrace(None)
+            threading.setprofile(None)
+        # _signal, not signal: the latter wraps every answer in an enum, 50 µs for the loop instead of 5.
+        getsignal, setsignal = _signal.getsignal, _signal.signal
+        for sig in self._catchable:
+            handler = getsignal(sig)
+            if callable(handler) and handler is not self._on_sigint:
+                setsignal(sig, _signal.SIG_DFL)
+        if getsignal(_signal.SIGINT) is not self._on_sigint:
+            setsignal(_signal.SIGINT, self._on_sigint)
+        if getsignal(_signal.SIGCHLD) != _signal.SIG_DFL:  # SIG_IGN would reap children before our waitpid
+            setsignal(_signal.SIGCHLD, _signal.SIG_DFL)
+        for sig in (_signal.SIGPIPE, _signal.SIGXFSZ):  # as Python starts: errors, not deaths
+            if getsignal(sig) != _signal.SIG_IGN:
+                setsignal(sig, _signal.SIG_IGN)
+
+    def _restore_process_state(self) -> None:
+        """What the next cell needs of the process: fd 0/1/2 (a cell may have closed or redirected
+        them), no timer left armed (its signal's default action would end the kernel between cells),
+        no signal blocked. Done after "done" is sent: seven system calls off the round trip, before
+        the next request is read."""
+        for which in (_signal.ITIMER_REAL, _signal.ITIMER_VIRTUAL, _signal.ITIMER_PROF):
+            _signal.setitimer(which, 0)
+        _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
+        self._stdio.restore_fds()
+
+    def _check_private_fds(self) -> None:
+        for fd, identity in self._private_fds.items():
+            try:
+                same = _fd_identity(fd) == identity
+            except OSError:
+                same = False
+            if not same:
+                _fatal(f"a cell closed or replaced the kernel's private fd {fd}")
 
 
 def main() -> None:

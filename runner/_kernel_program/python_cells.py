@@ -8,6 +8,8 @@ import sys
 
 from .basics import _os_getpid
 from .charts import _Charts, _is_plotly_figure
+from .figures import _Figures
+from .interrupts import _Interrupts
 from .tracebacks import format_cell_exception
 
 TYPE_CHECKING = False
@@ -44,18 +46,36 @@ def _into_linecache(linecache: types.ModuleType, filename: str, code: str) -> No
 
 
 class _PythonCells:
-    """The Kernel's Python cells (a part of Kernel, apart for reading)."""
+    """The kernel's Python cells: each compiled (its source kept for tracebacks) and run in the chat's
+    namespace, with ``interrupts`` armed while its code runs; a last expression's value is shown, as a
+    chart or a figure when it is one (``charts``, ``figures``), else printed on ``live_stdout()``."""
 
-    workdir: str
-    pid: int
-    namespace: dict[str, Any]
-    _armed: bool
-    _cell_running: bool
-    _forked: bool
-    _cell_names: set[str]
-    _cell_sources: dict[str, str]
-    _live_stdout: Callable[[], Any]  # the kernel's stdout, recreated if a cell closed it
-    _charts: _Charts  # a plotly figure as the cell's last value is shown as a chart, not printed
+    def __init__(
+        self,
+        workdir: str,
+        kernel_pid: int,
+        namespace: dict[str, Any],
+        interrupts: _Interrupts,
+        charts: _Charts,
+        figures: _Figures,
+        live_stdout: Callable[[], Any],
+    ) -> None:
+        self._workdir = workdir
+        self._kernel_pid = kernel_pid
+        self._namespace = namespace
+        self._interrupts = interrupts
+        self._charts = charts
+        self._figures = figures
+        self._live_stdout = live_stdout
+        self._cell_names: set[str] = set()
+        # Cell sources for tracebacks: linecache (with tokenize and re, ~50 ms to import in the
+        # sandbox) is filled only once something imports it (a traceback, the code itself).
+        self._cell_sources: dict[str, str] = {}
+
+    def on_linecache_import(self, module: types.ModuleType) -> None:
+        for filename, code in self._cell_sources.items():
+            _into_linecache(module, filename, code)
+        self._cell_sources.clear()  # from now on _compile puts them straight into linecache
 
     def _cell_filename(self, run_id: int) -> str:
         name = f"<cell-{run_id}>"
@@ -85,11 +105,11 @@ class _PythonCells:
             last = compile(_ast.Expression(final.value), filename, "eval", dont_inherit=True)
         return compile(tree, filename, "exec", dont_inherit=True), last
 
-    def _run_python(self, run_id: int, code: str) -> tuple[str, int | None, str]:
+    def run(self, run_id: int, code: str) -> tuple[str, int | None, str]:
         """(status, exit code, what to print on stderr once the cell's stdio damage is undone)."""
         # A module the previous cell wrote into the workdir must be importable now, even within the
         # granularity of the directory's mtime, by which the import system notices new files.
-        finder = sys.path_importer_cache.get(self.workdir)
+        finder = sys.path_importer_cache.get(self._workdir)
         if finder is not None and hasattr(finder, "invalidate_caches"):
             finder.invalidate_caches()
         try:
@@ -98,35 +118,36 @@ class _PythonCells:
             import traceback
 
             return "error", 1, "".join(traceback.format_exception_only(type(exc), exc))
-        ns = self.namespace
+        ns = self._namespace
         failure: BaseException | None = None
         message: str | None = None
         try:
-            self._armed = self._cell_running = True
+            self._interrupts.armed = self._interrupts.cell_running = True
             exec(body, ns)
             if last is not None:
                 value = eval(last, ns)
                 if value is not None:
                     ns["_"] = value
-                    if not (_is_plotly_figure(value) and self._charts.capture(value)):
+                    chart = _is_plotly_figure(value) and self._charts.capture(value)
+                    if not (chart or self._figures.capture(value)):
                         self._live_stdout().write(repr(value) + "\n")
-            self._armed = self._cell_running = False
+            self._interrupts.armed = self._interrupts.cell_running = False
             status, exit_code = "ok", 0
         except KeyboardInterrupt as exc:
-            self._armed = self._cell_running = False
+            self._interrupts.armed = self._interrupts.cell_running = False
             failure, status, exit_code = exc, "interrupted", None
         except SystemExit as exc:
-            self._armed = self._cell_running = False
+            self._interrupts.armed = self._interrupts.cell_running = False
             exit_code, message = _exit_code_of(exc.code)
             status = "ok" if exit_code == 0 else "error"
         except BaseException as exc:
-            self._armed = self._cell_running = False
+            self._interrupts.armed = self._interrupts.cell_running = False
             failure, status, exit_code = exc, "error", 1
         # A child the cell forked must not become a second kernel on the wire. os.fork and
         # multiprocessing run Python's at-fork hook, which sets the flag; a fork behind Python's back
         # (libc's fork through ctypes, a C extension) runs no hook, and one getpid per cell (a few
         # microseconds in gVisor) catches it.
-        if self._forked or _os_getpid() != self.pid:
+        if self._interrupts.forked or _os_getpid() != self._kernel_pid:
             self._exit_forked_child(failure, exit_code)
         if failure is not None:
             sys.last_type, sys.last_value, sys.last_traceback = type(failure), failure, failure.__traceback__

@@ -114,6 +114,25 @@ async def test_a_copy_over_its_bound_is_not_kept_and_the_kernel_goes_on(
         await pool.close()
 
 
+async def test_a_kernel_clearly_too_big_for_its_bound_is_not_even_written(
+    runner: Runner, tmp_path: Path, chat: tuple[Path, Path]
+) -> None:
+    """Its cgroup says what it holds (gVisor's memory file, which no host process need map: summed
+    RSS missed the 200 MiB here): more than compression could ever bring under the bound, so no
+    checkpoint is taken only to be thrown away."""
+    folder, state = chat
+    pool = pool_of(runner, tmp_path)
+    copy = tmp_path / "history" / "m1"
+    try:
+        code = "import os\nblob = os.urandom(200 << 20)"
+        assert (await pool.run("u/c", folder, code, "python", LIMITS, state_dir=state)).ok
+        image, why = await pool.snapshot("u/c", copy, state_dir=state, max_bytes=4 * 2**20)
+        assert image == "" and why.startswith("its memory of ") and "more than 4 MiB can hold" in why, why
+        assert not copy.exists() or not any(copy.iterdir())
+    finally:
+        await pool.close()
+
+
 async def test_another_workers_kernel_is_copied_by_that_worker(
     runner: Runner, tmp_path: Path, chat: tuple[Path, Path]
 ) -> None:
@@ -148,8 +167,14 @@ async def test_a_stop_while_a_copy_is_being_taken_still_saves_the_kernel(
     pool = pool_of(runner, tmp_path)
     first = await pool.run("u/c", folder, "x = 41", "python", LIMITS, state_dir=state)
     assert first.ok, first
-    copying = asyncio.ensure_future(pool.snapshot("u/c", tmp_path / "history" / "m1", state_dir=state))
-    await asyncio.sleep(0.05)  # runsc checkpoint --leave-running has started
+    into = tmp_path / "history" / "m1"
+    copying = asyncio.ensure_future(pool.snapshot("u/c", into, state_dir=state))
+    # The copy has begun once its staging folder is there (runsc checkpoint --leave-running writes
+    # into it next): wait for that, not for a guessed time.
+    deadline = time.monotonic() + 10
+    while not (into.is_dir() and any(p.name.startswith(".kernel-") for p in into.iterdir())):
+        assert not copying.done() and time.monotonic() < deadline, "the copy did not begin"
+        await asyncio.sleep(0.002)
     assert not copying.done()
     await pool.close()
     image, why = await copying

@@ -102,3 +102,19 @@ def test_packages_are_named_by_what_to_import() -> None:
     assert environment.Package("numpy", "2.4.6", ("numpy",)).label == "numpy"
     assert environment.Package("duckdb", "2", ("adbc_driver_duckdb", "duckdb")).label == "duckdb"
     assert environment.Package("PyYAML", "6", ("yaml",)).label == "yaml (PyYAML)"
+
+
+def test_the_manifest_says_which_packages_the_prompt_names(tmp_path: Path) -> None:
+    """requirements.txt's "prompt" mark reaches the manifest; an older manifest without it names all."""
+    build = tmp_path / "env-x"
+    (build / "rootfs" / "usr" / "bin").mkdir(parents=True)
+    packages = [
+        {"name": "pandas", "version": "2.3.3", "imports": ["pandas"], "prompt": True},
+        {"name": "toolz", "version": "1.2.0", "imports": ["tlz", "toolz"], "prompt": False},
+        {"name": "old", "version": "1", "imports": ["old"]},
+    ]
+    manifest = {"key": "k", "python": "3.13.5", "packages": packages, "all_packages": [["a", "1"]] * 7}
+    (build / "manifest.json").write_text(json.dumps(manifest))
+    env = environment.locate(build)
+    assert [p.named for p in env.packages] == [True, False, True]
+    assert env.distributions == 7 and "(7 distributions in all)" in env.describe()

@@ -118,6 +118,7 @@ def test_an_extra_package_is_installed_and_named_in_the_manifest(tmp_path: Path,
             **os.environ,
             "PYTHONPATH": str(site),
             "REQUESTED": "cs-probe cs-tables",
+            "PROMPT": "cs-probe cs-tables",  # the build names the admin's packages in the prompt
             "TOOLS": "",
             "KEY": "k",
         },
@@ -126,8 +127,8 @@ def test_an_extra_package_is_installed_and_named_in_the_manifest(tmp_path: Path,
     )
     packages = json.loads(manifest.stdout)["packages"]
     assert packages == [
-        {"name": "cs-probe", "version": "1.0", "imports": ["cs_probe"]},
-        {"name": "cs-tables", "version": "2.0", "imports": ["cs_tables"]},
+        {"name": "cs-probe", "version": "1.0", "imports": ["cs_probe"], "prompt": True},
+        {"name": "cs-tables", "version": "2.0", "imports": ["cs_tables"], "prompt": True},
     ]
 
 

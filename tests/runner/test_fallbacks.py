@@ -15,9 +15,14 @@ from .conftest import RUNSC, live_processes, runsc_containers
 
 async def test_cancelled_run_still_kills_the_sandbox(runner: Runner, workdir: Path) -> None:
     task = asyncio.create_task(runner.run("sleep 30", "bash", workdir, Limits(timeout_s=30)))
-    await asyncio.sleep(1.0)
-    bundles_during = {p.name for p in runner.bundle_dir.glob("cs-*")}
-    assert bundles_during, "the run should be in progress"
+    deadline = time.monotonic() + 30
+    # The sandbox's processes are up: there is something for the cancel to kill.
+    while True:
+        bundles_during = {p.name for p in runner.bundle_dir.glob("cs-*")}
+        if any(live_processes(cid) for cid in bundles_during):
+            break
+        assert time.monotonic() < deadline and not task.done(), "the run should be in progress"
+        await asyncio.sleep(0.05)
     t0 = time.monotonic()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -59,6 +59,21 @@ async def wait_until(predicate, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.1)
 
 
+async def reset_said(pool: KernelPool, folder: Path, state: Path | None, why: str) -> None:
+    """The chat's next run has a new kernel (no `kept`) and says why, in the one sentence."""
+    result = await pool.run("u/c", folder, "print(globals().get('kept'))", "python", LIMITS, state_dir=state)
+    assert result.stdout == "None\n"
+    assert result.notes == (f"The Python state was reset ({why}); files in /mnt/data are kept.",)
+
+
+async def template_built(pool: KernelPool, tmp_path: Path) -> None:
+    """A first chat's cold kernel builds the kernel template (in the background): wait until it is."""
+    first = tmp_path / "sessions" / "first"
+    first.mkdir(parents=True)
+    await pool.run("u/first", first, "print(1)", "python", LIMITS, state_dir=tmp_path / "state" / "first")
+    await pool._warm.wait_built()
+
+
 async def test_an_idle_kernel_is_saved_and_the_next_run_resumes_it(
     runner: Runner, tmp_path: Path, chat: tuple[Path, Path]
 ) -> None:
@@ -95,6 +110,37 @@ async def test_an_idle_kernel_is_saved_and_the_next_run_resumes_it(
         assert second.changed is None
         third = await pool.run("u/c", folder, "open('x.txt', 'w').close()", "python", LIMITS, state_dir=state)
         assert third.changed == ("x.txt",)
+    finally:
+        await pool.close()
+
+
+async def test_a_resumed_kernel_starts_each_cell_with_no_figure_as_a_live_one_does(
+    runner: Runner, tmp_path: Path, chat: tuple[Path, Path]
+) -> None:
+    """Figures are closed at the end of each cell, before the kernel can be saved: after a resume the
+    next plot is a new figure, and a Figure kept in a variable still saves."""
+    folder, state = chat
+    pool = pool_of(runner, tmp_path, idle_s=1.0)
+    surface = (
+        "import numpy as np\n"
+        "import matplotlib.pyplot as plt\n"
+        "x, y = np.meshgrid(np.linspace(-3, 3, 30), np.linspace(-3, 3, 30))\n"
+        "fig = plt.figure()\n"
+        "ax = fig.add_subplot(111, projection='3d')\n"
+        "ax.plot_surface(x, y, np.sin(np.hypot(x, y)))"
+    )
+    try:
+        first = await pool.run("u/c", folder, surface, "python", LIMITS, state_dir=state)
+        assert first.ok and first.figures == ("figure-1.png",), first
+        await wait_until(lambda: ended(pool))
+        assert (state / "kernel" / "meta.json").is_file()
+        bars = (
+            "plt.bar(['a', 'b'], [3, 5])\nfig.savefig('surface.png')\nprint(plt.gca().name, plt.gcf() is fig)"
+        )
+        second = await pool.run("u/c", folder, bars, "python", LIMITS, state_dir=state)
+        assert second.ok and second.notes == () and second.container_id != first.container_id, second
+        assert second.stdout == "rectilinear False\n" and second.figures == ("figure-2.png",), second
+        assert (folder / "surface.png").read_bytes()[:4] == b"\x89PNG"
     finally:
         await pool.close()
 
@@ -144,10 +190,7 @@ async def test_without_a_state_folder_the_state_is_lost_and_said(
     try:
         await pool.run("u/c", folder, "kept = 1", "python", LIMITS)
         await wait_until(lambda: ended(pool))
-        result = await pool.run("u/c", folder, "print(globals().get('kept'))", "python", LIMITS)
-        assert result.stdout == "None\n"
-        idle = "it was idle for more than 0.0166667 minutes"
-        assert result.notes == (f"The Python state was reset ({idle}); files in /mnt/data are kept.",)
+        await reset_said(pool, folder, None, "it was idle for more than 0.0166667 minutes")
     finally:
         await pool.close()
 
@@ -159,15 +202,30 @@ async def _saved(pool: KernelPool, folder: Path, state: Path) -> None:
     assert (state / "kernel" / "meta.json").is_file()
 
 
-@pytest.mark.parametrize("damage", ["truncated", "flipped", "meta", "foreign"])
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "swapped", "meta", "foreign"])
 async def test_a_damaged_or_foreign_image_is_a_lost_state_said_in_a_sentence(
     runner: Runner, tmp_path: Path, chat: tuple[Path, Path], damage: str
 ) -> None:
+    """Each saved image is compressed (zstd): damage to the compressed files, one swapped for another
+    image's (its recorded size made to match, so that only the digest tells), a broken record or
+    another sandbox's image is refused with the sentence, and the chat goes on in a new kernel."""
     folder, state = chat
     await _saved(pool_of(runner, tmp_path), folder, state)
     image = state / "kernel"
+    assert json.loads((image / "meta.json").read_text())["codec"] == "zstd"
     big = max((p for p in image.iterdir() if p.name != "meta.json"), key=lambda p: p.stat().st_size)
-    if damage == "truncated":
+    assert big.name == "pages.img.zst"
+    if damage == "swapped":  # another chat's valid image file in its place
+        other_folder, other_state = tmp_path / "sessions" / "other", tmp_path / "state" / "other.kernel"
+        other_folder.mkdir(parents=True)
+        other = pool_of(runner, tmp_path / "other")
+        assert (await other.run("u/o", other_folder, "kept = 8", "python", LIMITS, state_dir=other_state)).ok
+        await other.close()
+        shutil.copyfile(other_state / "kernel" / big.name, big)
+        meta = json.loads((image / "meta.json").read_text())
+        meta["files"][big.name][0] = big.stat().st_size
+        (image / "meta.json").write_text(json.dumps(meta))
+    elif damage == "truncated":
         os.truncate(big, big.stat().st_size // 2)
     elif damage == "flipped":
         with open(big, "r+b") as fh:
@@ -193,6 +251,7 @@ async def test_a_damaged_or_foreign_image_is_a_lost_state_said_in_a_sentence(
         expected = {
             "truncated": "damaged",
             "flipped": "damaged",
+            "swapped": "damaged",
             "meta": "cannot be read",
             "foreign": "saved by another sandbox: runsc",
         }[damage]
@@ -204,17 +263,143 @@ async def test_a_damaged_or_foreign_image_is_a_lost_state_said_in_a_sentence(
         await pool.close()
 
 
+async def test_a_saved_image_is_compressed_and_one_saved_uncompressed_still_resumes(
+    runner: Runner, tmp_path: Path, chat: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A saved kernel takes a fraction of what runsc wrote; an image kept as runsc wrote it (saved
+    before images were compressed, or where no zstd is installed) resumes as it did; and a compressed
+    image where zstd is missing is a lost state said in a sentence, not an error."""
+    folder, state = chat
+    await _saved(pool_of(runner, tmp_path), folder, state)
+    meta = json.loads((state / "kernel" / "meta.json").read_text())
+    on_disk = sum(size for size, _ in meta["files"].values())
+    assert meta["format"] == 2 and set(meta["unpacked"]) == {"checkpoint.img", "pages.img", "pages_meta.img"}
+    assert on_disk < sum(meta["unpacked"].values()) / 2, meta
+    assert on_disk == _hibernate.size_of(state) - (state / "kernel" / "meta.json").stat().st_size
+
+    # Memory of random bytes hardly compresses: its pages are kept as runsc wrote them (unpacking
+    # them at every resume would cost time for little disk), the rest compressed; it resumes whole.
+    noisy_folder, noisy_state = tmp_path / "sessions" / "noisy", tmp_path / "state" / "noisy.kernel"
+    noisy_folder.mkdir(parents=True)
+    pool = pool_of(runner, tmp_path)
+    try:
+        code = "import os, hashlib\nblob = os.urandom(16 << 20)\nseal = hashlib.sha256(blob).hexdigest()"
+        assert (await pool.run("u/n", noisy_folder, code, "python", LIMITS, state_dir=noisy_state)).ok
+        assert await pool.hibernate("u/n") is None
+        noisy = json.loads((noisy_state / "kernel" / "meta.json").read_text())
+        assert "pages.img" in noisy["files"] and "pages.img" not in noisy["unpacked"], noisy
+        assert "checkpoint.img.zst" in noisy["files"] and "checkpoint.img" in noisy["unpacked"]
+        check = "print(hashlib.sha256(blob).hexdigest() == seal, len(blob))"
+        back = await pool.run("u/n", noisy_folder, check, "python", LIMITS, state_dir=noisy_state)
+        assert back.stdout == f"True {16 << 20}\n" and back.notes == (), back
+    finally:
+        await pool.close()
+
+    monkeypatch.setattr(_hibernate, "zstd_command", lambda: None)
+    pool = pool_of(runner, tmp_path)
+    try:
+        why = "its saved image is compressed, and zstd is not installed here, which unpacking it needs"
+        await reset_said(pool, folder, state, why)
+        # Saved without zstd: runsc's files as they are (format 1), and resumed so.
+        assert (await pool.run("u/c", folder, "kept = 9", "python", LIMITS, state_dir=state)).ok
+    finally:
+        await pool.close()
+    meta = json.loads((state / "kernel" / "meta.json").read_text())
+    assert meta["format"] == 1 and "codec" not in meta and "pages.img" in meta["files"]
+    monkeypatch.undo()
+    pool = pool_of(runner, tmp_path)
+    try:
+        back = await pool.run("u/c", folder, "print(kept)", "python", LIMITS, state_dir=state)
+        assert back.stdout == "9\n" and back.notes == ()
+    finally:
+        await pool.close()
+
+
+DATA = "import pandas as pd\ndf = pd.DataFrame({'a': range(1000)})\nkept = 7"
+
+
+async def test_a_kernel_from_the_template_is_stored_against_its_pages(
+    runner: Runner, tmp_path: Path, chat: tuple[Path, Path]
+) -> None:
+    """A chat that started from the template keeps only the pages that differ from the template's
+    (with a copy of those beside the registry): a fraction of the zstd image, resumed whole, saved
+    so again after its resume, and still resumed once the host's template is rebuilt (from the copy)."""
+    folder, state = chat
+    pool = pool_of(runner, tmp_path, warm_start=True)
+    try:
+        await template_built(pool, tmp_path)
+        for turn in range(2):
+            code = DATA if turn == 0 else "df['b'] = df.a * 2\nprint(int(df.b.sum()), kept)"
+            done = await pool.run("u/c", folder, code, "python", LIMITS, state_dir=state)
+            assert done.ok and done.notes == (), done
+            assert await pool.hibernate("u/c") is None
+            meta = json.loads((state / "kernel" / "meta.json").read_text())
+            assert set(meta["based"]["files"]) == {"pages.img"} and "pages.img.delta.zst" in meta["files"]
+            assert meta["files"]["pages.img.delta.zst"][0] < meta["unpacked"]["pages.img"] / 8, meta
+            base = tmp_path / "registry" / "bases" / f"{meta['based']['digest']}.img"
+            assert base.stat().st_size == meta["based"]["size"]
+        # The host's template is rebuilt (its environment changed back and forth): the copy serves.
+        _hibernate.discard(pool._warm.pages(await pool._image_identity(LIMITS)).parent.parent)
+        back = await pool.run(
+            "u/c", folder, "print(int(df.b.sum()), kept)", "python", LIMITS, state_dir=state
+        )
+        assert back.stdout == "999000 7\n" and back.notes == (), back
+    finally:
+        await pool.close()
+
+
+@pytest.mark.parametrize("loss", ["gone", "changed"])
+async def test_an_image_whose_template_pages_are_gone_or_changed_is_a_lost_state_said(
+    runner: Runner, tmp_path: Path, chat: tuple[Path, Path], loss: str
+) -> None:
+    folder, state = chat
+    pool = pool_of(runner, tmp_path, warm_start=True)
+    try:
+        await template_built(pool, tmp_path)
+        assert (await pool.run("u/c", folder, DATA, "python", LIMITS, state_dir=state)).ok
+        assert await pool.hibernate("u/c") is None
+    finally:
+        await pool.close()
+    meta = json.loads((state / "kernel" / "meta.json").read_text())
+    base = tmp_path / "registry" / "bases" / f"{meta['based']['digest']}.img"
+    template = pool._warm.pages(await pool._image_identity(LIMITS)).parent.parent
+    _hibernate.discard(template)
+    if loss == "gone":
+        base.unlink()
+    else:  # one byte of the copy changed (its name is its digest: no longer its bytes)
+        with open(base, "r+b") as fh:
+            fh.seek(base.stat().st_size // 2)
+            byte = fh.read(1)
+            fh.seek(-1, os.SEEK_CUR)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+    later = pool_of(runner, tmp_path)
+    try:
+        why = (
+            "its saved image was stored against the pages of the kernel template it started from, "
+            "and those are gone or changed"
+        )
+        await reset_said(later, folder, state, why)
+    finally:
+        await later.close()
+
+
 async def test_an_image_runsc_cannot_restore_is_a_lost_state_not_a_hang(
     runner: Runner, tmp_path: Path, chat: tuple[Path, Path]
 ) -> None:
-    """Damage the digest check cannot see (the meta rewritten to match garbage): runsc itself refuses."""
+    """Damage the digest check cannot see (the meta rewritten to match garbage, compressed as a saved
+    image is, so that it unpacks): runsc itself refuses."""
     folder, state = chat
     await _saved(pool_of(runner, tmp_path), folder, state)
     image = state / "kernel"
+    meta = json.loads((image / "meta.json").read_text())
+    assert meta["codec"] == "zstd"
     for item in image.iterdir():
         if item.name != "meta.json":
-            item.write_bytes(os.urandom(4096))
-    meta = json.loads((image / "meta.json").read_text())
+            raw = item.with_suffix("")  # pages.img.zst -> pages.img
+            raw.write_bytes(os.urandom(4096))
+            item.unlink()
+            subprocess.run(["zstd", "-q", "--rm", str(raw)], check=True)
+            meta["unpacked"][raw.name] = 4096
     meta["files"] = _hibernate.image_files(image)
     (image / "meta.json").write_text(json.dumps(meta))
     pool = pool_of(runner, tmp_path)
@@ -266,19 +451,20 @@ async def test_two_chats_of_one_user_cannot_pass_the_users_budget_for_saved_stat
         folder.mkdir(parents=True)
         folders[f"{user}/{name}"] = (folder, tmp_path / "state" / user / f"{name}.kernel")
     pool = pool_of(runner, tmp_path, idle_s=1.0)
+    settings = pool.defaults  # what each run brings
     try:
         for key in folders:  # a kernel per chat, each saved once idle
             folder, state = folders[key]
-            await pool.run(key, folder, "kept = 7", "python", LIMITS, state_dir=state)
+            await pool.run(key, folder, "kept = 7", "python", LIMITS, state_dir=state, settings=settings)
             await wait_until(lambda key=key: ended(pool, key))
             if key == "u/a":  # the user's budget: what the first image takes, and a little more
                 first = _hibernate.saved_bytes_beside(folders["u/a"][1])
                 assert first > 0
-                pool.settings = KernelSettings(idle_s=1.0, max_saved_bytes_together=first + first // 2)
+                settings = KernelSettings(idle_s=1.0, max_saved_bytes_together=first + first // 2)
         said = {}
         for key, (folder, state) in folders.items():
             read = "print(globals().get('kept'))"
-            got = await pool.run(key, folder, read, "python", LIMITS, state_dir=state)
+            got = await pool.run(key, folder, read, "python", LIMITS, state_dir=state, settings=settings)
             said[key] = (got.stdout, got.notes)
         assert said["u/a"] == ("7\n", ())
         assert said["v/c"] == ("7\n", ())  # another user's states do not count
@@ -334,7 +520,7 @@ async def test_a_crash_loses_the_state_with_the_sentence_and_no_old_image_comes_
     kernel = pool.kernels()["u/c"]
     os.killpg(kernel._proc.pid, 9)
     await kernel._proc.wait()
-    pool._mine.clear()
+    pool._chats.clear()
     await kernel.close()
     fresh = pool_of(runner, tmp_path)
     fresh._owner = "1 0"  # another process, as after a restart
@@ -343,13 +529,7 @@ async def test_a_crash_loses_the_state_with_the_sentence_and_no_old_image_comes_
         entry = fresh._registry.get("u/c")
         entry.owner = "1 0"
         fresh._registry.save(entry)
-        result = await fresh.run(
-            "u/c", folder, "print(globals().get('kept'))", "python", LIMITS, state_dir=state
-        )
-        assert result.stdout == "None\n"
-        assert result.notes == (
-            "The Python state was reset (Open WebUI restarted); files in /mnt/data are kept.",
-        )
+        await reset_said(fresh, folder, state, "Open WebUI restarted")
     finally:
         await fresh.close()
         await pool.close()
@@ -525,9 +705,15 @@ async def test_a_state_the_full_disk_cannot_hold_is_not_kept_and_said(runner: Ru
             blob = "blob = bytes(range(256)) * 80_000\nkept = 1"
             assert (await pool.run("u/c", folder, blob, "python", LIMITS, state_dir=state)).ok
             await wait_until(lambda: ended(pool), 60)
-            pool.settings = KernelSettings(idle_s=3600)  # the next kernel stays up for the last run
+            stay = KernelSettings(idle_s=3600)  # the next kernel stays up for the last run
             result = await pool.run(
-                "u/c", folder, "print(globals().get('kept'))", "python", LIMITS, state_dir=state
+                "u/c",
+                folder,
+                "print(globals().get('kept'))",
+                "python",
+                LIMITS,
+                state_dir=state,
+                settings=stay,
             )
             assert result.ok and result.stdout == "None\n"
             assert result.notes == (

@@ -45,17 +45,20 @@ async def _until_gone(pool: KernelPool, key: str, within_s: float) -> None:
     assert key not in pool.kernels(), f"the kernel of {key} still runs after {within_s} s"
 
 
+@pytest.mark.parametrize("after_s", [0.5, 4.0])
 async def test_a_thread_that_breaks_the_write_limit_between_runs_is_named(
-    pool: KernelPool, workdir: Path
+    pool: KernelPool, workdir: Path, after_s: float
 ) -> None:
+    """Stopped, not only named: at 0.5 s the kernel's watch still looks closely; at 4 s it has long
+    handed the looking to the one thread that watches every idle kernel's filesystem."""
     limits = LIMITS.model_copy(update={"max_write_bytes": 4 * MIB})
     writer = textwrap.dedent(
-        """
+        f"""
         import threading, time
         def fill():
-            time.sleep(0.5)
+            time.sleep({after_s})
             with open('big.bin', 'wb') as f:
-                for _ in range(64):
+                for _ in range(256):
                     f.write(b'x' * (1 << 20))
                     f.flush()
                     time.sleep(0.01)
@@ -63,7 +66,8 @@ async def test_a_thread_that_breaks_the_write_limit_between_runs_is_named(
         """
     )
     assert (await pool.run("u/c", workdir, writer, "python", limits)).ok
-    await _until_gone(pool, "u/c", 10)  # the reaper noticed the dead kernel first
+    await _until_gone(pool, "u/c", 10 + after_s)  # the reaper noticed the dead kernel first
+    assert (workdir / "big.bin").stat().st_size < 128 * MIB  # stopped before it was half done
     after = await pool.run("u/c", workdir, "print('back')", "python", limits)
     assert after.stdout == "back\n"
     [note] = after.notes
@@ -164,3 +168,22 @@ async def test_a_thread_spinning_after_its_cell_is_stopped_and_said(pool: Kernel
     # The kernel left idle meanwhile (gVisor's idle sentry uses a little CPU) was not touched.
     idle = await pool.run("u/c", workdir, "print(kept)", "python", limits)
     assert idle.stdout == "1\n" and idle.notes == ()
+
+
+async def test_a_kernel_whose_last_words_name_memory_is_not_taken_for_out_of_memory(
+    pool: KernelPool, workdir: Path
+) -> None:
+    """The outcome comes from what the watchers and the cgroup saw, not from the words: a cell that
+    breaks the protocol with a frame whose type reads "out of memory" is a lost kernel."""
+    lying = textwrap.dedent(
+        """
+        import gc, json, os, struct
+        [channel] = [o for o in gc.get_objects() if type(o).__name__ == "_Channel"]
+        body = json.dumps({"t": "out of memory"}).encode()
+        os.write(channel.fd, struct.pack(">I", len(body)) + body)
+        """
+    )
+    await pool.run("u/c", workdir, "x = 1", "python", LIMITS)
+    result = await pool.run("u/c", workdir, lying, "python", LIMITS)
+    assert "memory" in (result.reason or ""), result  # the words name it...
+    assert result.outcome == Outcome.KERNEL_LOST, result  # ...and the outcome is not taken from them

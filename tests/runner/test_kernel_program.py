@@ -859,28 +859,86 @@ def test_figures_are_saved_once_per_change_and_never_overwrite(kernel: Kernel) -
     assert res.done.figures == ("figure-2.png",)
     assert keep.read_bytes() == b"not ours"
     assert (kernel.workdir / "figure-2.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
-    assert kernel.run("x = 1").done.figures == ()  # unchanged: not saved again
-    assert kernel.run("plt.title('changed')").done.figures == ("figure-3.png",)
-    assert kernel.run("fig.canvas.draw()").done.figures == ()  # drawing is not changing
-    assert kernel.run("plt.xlabel('x')\nfig.canvas.draw()").done.figures == ("figure-4.png",)
+    assert kernel.run("x = 1").done.figures == ()  # closed at the end of its cell: nothing left to save
+    # A figure the cell saved itself is not saved again, unless it changes after; drawing is not changing.
+    mine = "plt.plot([1, 1])\nplt.savefig('mine.png')\nplt.gcf().canvas.draw()"
+    assert kernel.run(mine).done.figures == ()
+    assert (kernel.workdir / "mine.png").exists()
+    assert kernel.run("plt.plot([1, 1])\nplt.savefig('mine.png')\nplt.xlabel('x')").done.figures == (
+        "figure-3.png",
+    )
     res = kernel.run(
         "import os\n"
-        "fig2 = plt.figure()\n"
         "plt.plot([3, 2, 1])\n"
         "plt.show()\n"  # saves now, inside the cell
         "print(sorted(n for n in os.listdir() if n.startswith('figure-')))"
     )
-    assert res.stdout == "['figure-1.png', 'figure-2.png', 'figure-3.png', 'figure-4.png', 'figure-5.png']\n"
-    assert res.done.figures == ("figure-5.png",)
-    assert kernel.run("plt.plot([1, 1])\nfig2.savefig('mine.png')").done.figures == ()  # saved by the cell
-    assert (kernel.workdir / "mine.png").exists()
-    res = kernel.run("fig.suptitle('both')\nfig2.suptitle('both')\nplt.figure()")
-    assert res.done.figures == ("figure-6.png", "figure-7.png")  # the empty new figure is skipped
+    assert res.stdout == "['figure-1.png', 'figure-2.png', 'figure-3.png', 'figure-4.png']\n"
+    assert res.done.figures == ("figure-4.png",)
+    res = kernel.run("plt.figure()\nplt.plot([1])\nplt.figure()\nplt.figure()\nplt.title('third')")
+    assert res.done.figures == ("figure-5.png", "figure-6.png")  # in creation order; the empty one skipped
     assert kernel.run("plt.close('all')\nplt.show()").done.figures == ()
     # What matplotlib does with fig.stale, for the record (the kernel does not rely on it).
     res = kernel.run("import io\nf = plt.figure()\nplt.plot([1])\nf.savefig(io.BytesIO())\nprint(f.stale)")
     print(f"\nmatplotlib: fig.stale right after savefig = {res.stdout.strip()}")
     assert res.done.figures == ()
+
+
+def test_each_cell_starts_with_no_figure_as_in_jupyter(kernel: Kernel) -> None:
+    """The inline backend's close_figures: a cell's figures are saved, then closed, so a later plt.bar
+    draws on a new 2D figure, not on the 3D axes a cell before left; a Figure kept in a variable still
+    saves, and shows as a cell's last value."""
+    assert HAS_MATPLOTLIB, "/usr/bin/python3 cannot import matplotlib: ./scripts/setup installs it"
+    surface = (
+        "import numpy as np\n"
+        "import matplotlib.pyplot as plt\n"
+        "x, y = np.meshgrid(np.linspace(-3, 3, 30), np.linspace(-3, 3, 30))\n"
+        "fig = plt.figure()\n"
+        "ax = fig.add_subplot(111, projection='3d')\n"
+        "ax.plot_surface(x, y, np.sin(np.hypot(x, y)))"
+    )
+    res = kernel.run(surface)
+    assert res.status == "ok" and res.done.figures == ("figure-1.png",), res.stderr
+    res = kernel.run(
+        "bars = plt.bar(['north', 'south', 'east'], [3, 5, 2])\n"
+        "print(plt.gca().name, plt.gcf() is fig, plt.get_fignums())"
+    )
+    assert res.status == "ok", res.stderr
+    assert res.stdout == "rectilinear False [1]\n"
+    assert res.done.figures == ("figure-2.png",)
+    # The kept Figure still works: it saves, and a cell ending with it shows it (not its repr).
+    res = kernel.run("fig.savefig('surface.png')\nprint(plt.get_fignums())")
+    assert res.stdout == "[]\n" and res.done.figures == ()
+    assert (kernel.workdir / "surface.png").read_bytes().startswith(b"\x89PNG")
+    res = kernel.run("ax.set_title('again')\nfig")
+    assert res.stdout == "" and res.done.figures == ("figure-3.png",), res
+    res = kernel.run("fig.suptitle('twice')\nplt.show()\nfig")  # plt.show() cannot show a closed figure
+    assert res.done.figures == ("figure-4.png",)
+    # "Save it", a cell later, saves the figure last shown (where Jupyter writes an empty image) and
+    # opens no new one; once the cell closes a figure itself, plt.savefig() is pyplot's own again.
+    res = kernel.run(
+        "plt.savefig('again.png')\n"
+        "print(plt.get_fignums(), round(plt.imread('again.png')[..., :3].mean(), 2) < 0.99)"
+    )
+    assert res.stdout == "[] True\n", res.stderr
+    res = kernel.run("plt.close('all')\nplt.savefig('blank.png')\nprint(plt.get_fignums())")
+    assert res.stdout == "[1]\n" and res.done.figures == ()
+    assert kernel.run("plt.figure()").stdout.startswith("<Figure size")  # empty: printed, as in Jupyter
+
+
+def test_plt_show_saves_and_closes_the_cells_figures_as_in_jupyter(kernel: Kernel) -> None:
+    assert HAS_MATPLOTLIB, "/usr/bin/python3 cannot import matplotlib: ./scripts/setup installs it"
+    res = kernel.run(
+        "import matplotlib.pyplot as plt\n"
+        "plt.plot([1, 2, 3]); plt.title('first'); plt.show()\n"
+        "plt.bar(['a', 'b'], [2, 1]); print(len(plt.gca().lines), plt.gca().get_title() == ''); plt.show()\n"
+        "plt.savefig('after_show.png')\n"  # written after show, as scripts do: the bar chart, not a blank
+        "print(plt.get_fignums())"
+    )
+    assert res.status == "ok", res.stderr
+    assert res.stdout == "0 True\n[]\n"
+    assert res.done.figures == ("figure-1.png", "figure-2.png")
+    assert (kernel.workdir / "after_show.png").stat().st_size > 0
 
 
 def test_startup_and_round_trip_times(tmp_path: Path) -> None:

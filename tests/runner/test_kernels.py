@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from runner import KernelPool, KernelSettings, Limits, Outcome, Runner
+from runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError
 from tests.support.sandbox import leftovers
 
 pytestmark = pytest.mark.runsc
@@ -102,8 +102,7 @@ async def test_a_cell_that_ignores_the_interrupt_is_killed_and_the_reset_is_said
 
 
 async def test_idle_kernels_stop_and_the_next_run_says_so(pool: KernelPool, workdir: Path) -> None:
-    first = await pool.run("u/c", workdir, "x = 1", "python", LIMITS)
-    pool.settings = KernelSettings(idle_s=0.2)
+    first = await pool.run("u/c", workdir, "x = 1", "python", LIMITS, settings=KernelSettings(idle_s=0.2))
     await asyncio.sleep(0.4)
     await pool.reap()
     assert gone(pool.runner, first.container_id) == []
@@ -112,15 +111,15 @@ async def test_idle_kernels_stop_and_the_next_run_says_so(pool: KernelPool, work
 
 
 async def test_beyond_max_kernels_the_least_recently_used_goes(pool: KernelPool, tmp_path: Path) -> None:
-    pool.settings = KernelSettings(max_kernels=2)
+    two = KernelSettings(max_kernels=2)  # what each start brings
     folders = {}
     for name in ("a", "b", "c"):
         folders[name] = tmp_path / name
         folders[name].mkdir()
-        await pool.run(f"u/{name}", folders[name], f"me = {name!r}", "python", LIMITS)
+        await pool.run(f"u/{name}", folders[name], f"me = {name!r}", "python", LIMITS, settings=two)
         await asyncio.sleep(0.05)
     assert sorted(pool.kernels()) == ["u/b", "u/c"]
-    again = await pool.run("u/a", folders["a"], "print(globals().get('me'))", "python", LIMITS)
+    again = await pool.run("u/a", folders["a"], "print(globals().get('me'))", "python", LIMITS, settings=two)
     assert again.stdout == "None\n" and "too many kernels" in again.notes[0]
     assert sorted(pool.kernels()) == ["u/a", "u/c"]  # b was the least recently used now
 
@@ -201,15 +200,40 @@ async def test_output_over_the_cap_interrupts_the_cell_and_keeps_the_state(
     assert (await pool.run("u/c", workdir, "print(kept)", "python", LIMITS)).stdout == "yes\n"
 
 
-async def test_figures_are_saved_and_reported(pool: KernelPool, workdir: Path) -> None:
-    draw = "import matplotlib.pyplot as plt\nfig, ax = plt.subplots()\nax.plot([1, 3, 2])\nax.set_title('t')"
-    drawn = await pool.run("u/c", workdir, draw, "python", LIMITS)
+async def test_figures_are_saved_and_reported_then_closed_as_in_jupyter(
+    pool: KernelPool, workdir: Path
+) -> None:
+    surface = (
+        "import numpy as np\n"
+        "import matplotlib.pyplot as plt\n"
+        "x, y = np.meshgrid(np.linspace(-3, 3, 30), np.linspace(-3, 3, 30))\n"
+        "fig = plt.figure()\n"
+        "ax = fig.add_subplot(111, projection='3d')\n"
+        "ax.plot_surface(x, y, np.sin(np.hypot(x, y)))\n"
+        "ax.set_title('surface')"
+    )
+    drawn = await pool.run("u/c", workdir, surface, "python", LIMITS)
     assert drawn.ok, drawn.stderr
     assert drawn.figures == ("figure-1.png",) and (workdir / "figure-1.png").read_bytes()[:4] == b"\x89PNG"
-    unchanged = await pool.run("u/c", workdir, "print(len(plt.get_fignums()))", "python", LIMITS)
-    assert unchanged.stdout == "1\n" and unchanged.figures == ()
-    shown = await pool.run("u/c", workdir, "ax.plot([2, 2, 2])\nplt.show()", "python", LIMITS)
-    assert shown.figures == ("figure-2.png",)
+    # The next cell starts with no figure: its bar chart is a new 2D figure, not the 3D axes.
+    bars = "plt.bar(['north', 'south', 'east'], [3, 5, 2])\nprint(plt.gca().name, plt.gcf() is fig)"
+    shown = await pool.run("u/c", workdir, bars, "python", LIMITS)
+    assert shown.ok and shown.stdout == "rectilinear False\n" and shown.figures == ("figure-2.png",), shown
+    quiet = await pool.run("u/c", workdir, "print(plt.get_fignums())", "python", LIMITS)
+    assert quiet.stdout == "[]\n" and quiet.figures == ()
+    # A Figure kept in a variable still saves, and a cell ending with it shows it.
+    kept = await pool.run(
+        "u/c", workdir, "fig.savefig('surface.png')\nax.set_title('again')\nfig", "python", LIMITS
+    )
+    assert kept.ok and kept.stdout == "" and kept.figures == ("figure-3.png",), kept
+    assert (workdir / "surface.png").read_bytes()[:4] == b"\x89PNG"
+    # "Save it" a cell later: the figure last shown, not a new empty one.
+    again = await pool.run(
+        "u/c", workdir, "plt.savefig('again.png')\nprint(plt.get_fignums())", "python", LIMITS
+    )
+    assert again.ok and again.stdout == "[]\n" and (workdir / "again.png").read_bytes()[:4] == b"\x89PNG", (
+        again
+    )
 
 
 async def test_plotly_charts_are_saved_with_a_static_picture_within_the_bound(
@@ -254,10 +278,13 @@ async def test_changes_made_between_runs_are_seen_by_the_next(pool: KernelPool, 
     # A new kernel's first run cannot know what happened in the folder before its watch began.
     assert (await pool.run("u/c", workdir, "pass", "python", LIMITS)).changed is None
     assert (await pool.run("u/c", workdir, later, "python", LIMITS)).changed == ()
-    await asyncio.sleep(1.0)
+    deadline = time.monotonic() + 10
+    while not (workdir / "late.txt").exists() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
     assert (workdir / "late.txt").exists()
+    # The kernel lived on between the runs, and so did its watch: the next run names the file.
     nothing = await pool.run("u/c", workdir, "pass", "python", LIMITS)
-    assert nothing.changed is None or "late.txt" in nothing.changed  # never a silent miss
+    assert nothing.changed is not None and "late.txt" in nothing.changed, nothing.changed
 
 
 WORKER = textwrap.dedent(
@@ -440,3 +467,28 @@ async def test_two_pools_of_one_process_share_a_chats_kernel(pool: KernelPool, t
         assert other.kernels() == {}  # it started none of its own
     finally:
         await other.close()
+
+
+async def test_a_kernel_runs_on_ptrace_and_a_fresh_sandbox_on_the_platform_runsc_prefers(
+    pool: KernelPool, workdir: Path, tmp_path: Path
+) -> None:
+    """A kernel lives long and idles most of its life: on ptrace, whose idle sandbox uses no CPU
+    (systrap's wakes every 400 us). A sandbox per run keeps systrap. A kernel platform asked for by
+    name that runsc does not offer is refused with the ones it does."""
+    assert (await pool.run("u/c", workdir, "x = 1", "python", LIMITS)).ok
+    kernel = pool.kernels()["u/c"]
+    cmdlines = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in kernel.host_pids()]
+    platforms = {arg for cmdline in cmdlines for arg in cmdline if arg.startswith(b"--platform")}
+    assert platforms == {b"--platform=ptrace"}, platforms  # runsc and the sandbox it booted
+    runner = pool.runner
+    sandbox, watch = await runner.prepare("print(1)", "python", workdir, LIMITS)
+    try:
+        assert sandbox.argv[sandbox.argv.index("--platform") + 1] == "systrap"
+    finally:
+        watch.close()
+        await runner.discard(sandbox)
+        if sandbox.cgroup is not None:
+            sandbox.cgroup.remove()
+    odd = Runner(runner.config.model_copy(update={"kernel_platform": "abacus"}))
+    with pytest.raises(RunnerError, match="platform 'abacus' is not offered"):
+        await odd.setup()

@@ -148,12 +148,17 @@ def test_an_old_kernels_teardown_leaves_the_newer_kernels_socket(workers: Worker
     """Worker A loses its kernel's socket; worker B takes the chat over (and says the reset); A's
     teardown of its old kernel, a couple of seconds later, must not remove B's socket."""
     a = workers.start("k2", folder, "x = 'from a'", hold=True)
-    workers.said(a)
+    old = workers.said(a)["cid"]
     os.unlink(workers.entry("k2")["socket"])
     b = workers.start("k2", folder, "y = 'from b'", hold=True)
     took_over = workers.said(b)
     assert took_over["notes"] and "reset" in took_over["notes"][0]
-    time.sleep(5)  # A's reaper (every 2 s) has ended its old kernel by now
+    # A's reaper (every 2 s) ends its old kernel: `runsc kill` (up to 10 s), 3 s for the sandbox to go,
+    # `runsc delete --force` (up to 10 s). Under a loaded CI machine the delete alone took over 10 s once.
+    deadline = time.monotonic() + 2 + 10 + 3 + 10 + 10
+    while live_processes(old) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert live_processes(old) == [], "worker A never ended its old kernel"
     entry = workers.entry("k2")
     assert entry["cid"] == took_over["cid"] and os.path.exists(entry["socket"])
     c = workers.start("k2", folder, "print(y)", hold=False)
@@ -252,8 +257,10 @@ async def test_a_stopped_answer_stops_its_cell_in_the_serving_worker(workers: Wo
     writer = "while True:\n    open('r.log', 'a').write('x' * 100)\n    time.sleep(0.02)"
     try:
         task = asyncio.create_task(pool.run("k1", folder, writer, "python", LIMITS))
-        await asyncio.sleep(2)
-        assert (folder / "r.log").stat().st_size > 0
+        deadline = time.monotonic() + 30
+        while not ((folder / "r.log").exists() and (folder / "r.log").stat().st_size > 0):
+            assert time.monotonic() < deadline and not task.done(), "the cell did not write"
+            await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -322,12 +329,21 @@ def test_max_kernels_holds_under_concurrent_starts_from_several_workers(
         assert [r["stdout"] for r in results] == [f"{name}-0\n", f"{name}-1\n"], results
     cids = {r["cid"] for results in said.values() for r in results}
     assert len(cids) == 6
-    time.sleep(3)  # any stop still in flight ends, and every worker has reported since
-    alive = [cid for report in reports.values() for cid in json.loads(report.read_text())]
+    # Stops still in flight end: the workers (reporting every 0.2 s), the registry and the host's
+    # processes come to agree on at most two kernels.
+    deadline = time.monotonic() + 15
+    while True:
+        reported = all(report.exists() for report in reports.values())
+        alive = [cid for report in reports.values() if reported for cid in json.loads(report.read_text())]
+        running = [e for e in workers.pool()._registry.running_here() if e.cid in cids]
+        on_host = [cid for cid in cids if live_processes(cid)]
+        settled = {e.cid for e in running} == set(alive) and sorted(on_host) == sorted(alive)
+        if (reported and len(alive) <= 2 and settled) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert reported, "a worker never reported its kernels"
     assert len(alive) <= 2, alive
-    running = [e for e in workers.pool()._registry.running_here() if e.cid in cids]
     assert len(running) <= 2 and {e.cid for e in running} == set(alive), (running, alive)
-    on_host = [cid for cid in cids if live_processes(cid)]
     assert sorted(on_host) == sorted(alive), on_host
 
 

@@ -60,7 +60,8 @@ def test_the_child_dies_with_its_starter(route: str) -> None:
         pid = int(pid_text)
         assert vforked == ("True" if route == "setpriv" else "False")
         # setpriv asks for the signal after its own exec, then execs sleep: once sleep runs, it is
-        # asked for. (Dying before that is the window docs/runner.md names; the sweep covers it.)
+        # asked for. (A supervisor that dies between setpriv's exec and its prctl leaves the child
+        # running without the signal; the next start's sweep of leftovers, runner/_orphans.py, ends it.)
         deadline = time.monotonic() + 10
         while not _cmdline(pid).startswith(b"/bin/sleep") and time.monotonic() < deadline:
             time.sleep(0.01)

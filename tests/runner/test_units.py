@@ -208,3 +208,20 @@ def test_which_first_cells_start_from_the_template(code: str, wanted: bool) -> N
 
 def test_a_first_bash_cell_starts_from_the_template() -> None:
     assert wants_template("ls -la /mnt/data", "bash")
+
+
+def test_the_registry_counts_running_kernels_without_parsing_every_saved_chat(tmp_path: Path) -> None:
+    """Every kernel start reads the host's running entries; a saved chat's entry (the many) is told
+    apart by its bytes, and a reason quoting `"running": true` does not fool it."""
+    from runner._registry import HOST, Entry, Registry
+
+    registry = Registry(tmp_path)
+    started = Path(f"/proc/{os.getpid()}/stat").read_bytes().rsplit(b")", 1)[1].split()[19].decode()
+    mine = f"{os.getpid()} {started} pool"
+    for i in range(50):
+        registry.save(
+            Entry(f"u/{i}", f"cs-k-{i}", HOST, mine, "", "/x", 1.0, 2.0, False, reason='"running": true')
+        )
+    registry.save(Entry("u/live", "cs-k-live", HOST, mine, "", "/x", 1.0, 2.0, True))
+    registry.save(Entry("u/gone", "cs-k-gone", HOST, "1 0 pool", "", "/x", 1.0, 2.0, True))  # owner dead
+    assert [e.key for e in registry.running_here()] == ["u/live"]
