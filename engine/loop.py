@@ -12,14 +12,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from runner import Outcome
-
 from .blocks import runnable_blocks
+from .branches import said_by_branches
 from .markup import backtick_fence, details, escape_text
 from .outputs import answer_previews
 from .scan import SCAN_ON_LOOP_CHARS
 from .service import ChatSession, StepResult
 from .sse import ModelError, TextDelta, ToolCall
+from .step import MAX_RESULT_CHARS
 
 __all__ = [
     "RUN_CODE_TOOL",
@@ -67,11 +67,11 @@ class StatusCall(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ExtraTool:
-    """A tool offered beside run_code (e.g. engine/inbound.py's upload link): its OpenAI-style spec, and
-    what answers a call (the parsed arguments in, the result the model reads out)."""
+    """A tool offered beside run_code (e.g. the upload link): its OpenAI-style spec, and what answers a
+    call (the chat and the parsed arguments in, the result the model reads out)."""
 
     spec: dict[str, Any]
-    call: Callable[[dict[str, Any]], Awaitable[str]]
+    call: Callable[[ChatSession, dict[str, Any]], Awaitable[str]]
 
     @property
     def name(self) -> str:
@@ -84,7 +84,7 @@ class LoopOptions:
     max_steps: int = 8
     show_code: bool = True
     show_output: bool = True
-    max_result_chars: int = 8000
+    max_result_chars: int = MAX_RESULT_CHARS
     # The host shows every file the answer links as an attachment of the message (Open WebUI's chips,
     # `attach_files`). Then a file saved but not named in the text is only attached; without it, it is
     # named in one line at the end of the answer.
@@ -117,8 +117,9 @@ async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions)
             ("\n" if step.run.stdout else "") + step.run.stderr if step.run.stderr else ""
         )
         body.append("Output:\n" + _block(output) if output.strip() else "_(no output)_\n")
-    if step.run is not None and step.run.reason and step.run.outcome == Outcome.ERROR:
-        body.append(f"_Why: {escape_text(step.run.reason)}_\n")
+    failed = step.why_failed()
+    if failed:
+        body.append(f"_Why: {escape_text(failed)}_\n")
     deleted = step.deleted_note()
     if deleted:
         body.append(deleted + "\n")
@@ -142,12 +143,13 @@ async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions)
     return block + pictures + await chat.rewrite(said, inline_images=False)
 
 
-def _status_after(step: StepResult) -> str | None:
+def _status_after(step: StepResult, in_text: bool) -> str | None:
     """What the status line says once the run is over: None when the message's text says it all (the
     line is cleared), else the first sentence the run's block does not say: a lost Python state, the
     quota, files a limit removed. (A limit that stopped the run is in the block's headline, and why
-    in the line under it.)"""
-    notes = step.attention()
+    in the line under it.) `in_text`: the run's sentences are in the answer's text (the Pipe's); then
+    a branch's sentence, which the status said as the answer started, is not said a third time."""
+    notes = [n for n in step.attention() if not (in_text and said_by_branches(n))]
     return notes[0] if notes else None
 
 
@@ -178,11 +180,14 @@ def waiting_status(status: StatusCall) -> Callable[[], Awaitable[None]]:
     return waiting
 
 
-async def run_step(chat: ChatSession, language: str, code: str, status: StatusCall) -> StepResult:
-    """Run one piece of code in the chat, saying in statuses that it runs, waits or was reset."""
+async def run_step(
+    chat: ChatSession, language: str, code: str, status: StatusCall, *, in_text: bool = False
+) -> StepResult:
+    """Run one piece of code in the chat, saying in statuses that it runs, waits or was reset.
+    `in_text`: the caller writes the run's sentences into the answer (`render_step`)."""
     await status(f"Running {language.capitalize()}\u2026", False)
     step = await chat.run(code, language, waiting=waiting_status(status))
-    said = _status_after(step)
+    said = _status_after(step, in_text)
     if said is None:
         await status(step.headline(), True, hidden=True)  # the block is the run's one mark
     else:
@@ -197,10 +202,12 @@ async def converse(
     options: LoopOptions,
     status: StatusCall,
     charts: list[str] | None = None,
+    saved: list[str] | None = None,
 ) -> AsyncIterator[str]:
     """Yield the user-visible answer (already link-rewritten) while running the model's code. `charts`
-    collects the specs of the charts the runs saved, for the message's embed."""
-    saved: list[str] = []
+    collects the specs of the charts the runs saved, for the message's embed; `saved`, the files the
+    runs saved, in order (for the end of an answer that did not get this far: a failure, a stop)."""
+    saved = [] if saved is None else saved
     collected: list[str] = [] if charts is None else charts
     async for piece in _turns(chat, messages, call_model, options, status, saved, collected):
         yield piece
@@ -283,10 +290,10 @@ async def _turns(
                 elif isinstance(parsed, dict):
                     steps += 1
                     tool = next(t for t in options.tools if t.name == call.name)
-                    result = await tool.call(parsed)
+                    result = await tool.call(chat, parsed)
                 else:
                     steps += 1
-                    step = await run_step(chat, parsed[0], parsed[1], status)
+                    step = await run_step(chat, parsed[0], parsed[1], status, in_text=True)
                     saved.extend(step.saved())
                     charts.extend(spec for spec, _ in step.charts)
                     yield await render_step(chat, step, options)
@@ -308,7 +315,7 @@ async def _turns(
         results = []
         for block in blocks:
             steps += 1
-            step = await run_step(chat, block.language, block.code, status)
+            step = await run_step(chat, block.language, block.code, status, in_text=True)
             saved.extend(step.saved())
             charts.extend(spec for spec, _ in step.charts)
             yield await render_step(chat, step, options)

@@ -43,22 +43,28 @@ class Maintenance:
         self.host = host  # replaced with the adapter's (a test harness replaces that)
         self._valve = valve
         self.purge_pending: tuple[str, float, float] | None = None  # request, first and last try
+        self._seen: Settings | None = None  # the settings of this adapter's previous tick
 
     async def tick(self, services: Engine, settings: Settings) -> None:
         """One background tick: in every worker, what a dead worker's sandboxes left; then an admin's
         purge, chats deleted in the host, and expiry when it is due, by one worker (of every
         replica) at a time, under a lock every process of the store shares (the expiry interval is
         kept in the index, so several workers expire once)."""
-        # Every worker, every tick: the settings as saved now, so that an admin's change (a kernel's
-        # idle time, max_kernels, saved states, quotas) reaches a worker's reaper and pool within a
-        # minute, not at its next message.
-        services.apply(settings)
+        # Every worker, every tick: kernel valves an admin saved since the previous tick (a kernel's
+        # idle time, saved states) reach this adapter's chats' kernels within a minute, not at their
+        # next message. (Quotas and max_kernels act only within a message: they travel with it.)
+        seen, self._seen = self._seen, settings
+        if seen is not None:
+            services.retune(seen, settings)
         # What the runs of a dead worker of this host left (its sandboxes died with it; their
         # container state, bundles and cgroups did not). Only dead owners' runs.
         try:
             await services.runner.sweep_leftovers()
         except RunnerError as error:  # no usable runsc: a run says so in words; nothing to sweep
             log.debug("code-sessions: no sweep of sandbox leftovers: %s", error)
+        # What a full disk put off in this worker (chats used meanwhile, which only it knows of), once
+        # an admin has freed space and no step of this worker came since.
+        await services.store.catch_up()
         lock = services.store.lock("maintenance")
         if not await lock.try_acquire():
             return  # another worker (or replica) is on it

@@ -150,10 +150,11 @@ _DETAILS_TAG = re.compile(r"<(?=/?(?:details|summary))", re.IGNORECASE)
 
 def details(summary: str, body: str) -> str:
     """A collapsible block: `summary` (one line of plain text, not markdown) and `body` (markdown) are
-    shown as written, whatever they hold: entities in the body are written so that decoding them gives
-    the body back; a tag of the block's own in either, and Open WebUI's `{{...}}` tokens in the body's
-    code, are broken apart by a joiner."""
-    summary = _DETAILS_TAG.sub("<" + JOINER, " ".join(summary.split()))
+    shown as written, whatever they hold (a failed run's summary quotes its error): entities in the body
+    are written so that decoding them gives the body back; a tag of the block's own in either, and Open
+    WebUI's `{{...}}` tokens (replaced in the whole message before it is read), are broken apart by a
+    joiner."""
+    summary = _TOKEN.sub(JOINER, _DETAILS_TAG.sub("<" + JOINER, " ".join(visible(summary).split())))
     body = _TOKEN.sub(JOINER, _DETAILS_TAG.sub("<" + JOINER, body.replace("&", "&amp;")))
     return f"<details>\n<summary>{summary}</summary>\n\n{body}\n</details>"
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from runner import RunnerError
 
-from .charts import chart_embed
+from .charts import ChartEmbed, chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
 from .service import ChatSession, Engine
 
@@ -28,9 +28,9 @@ async def answer_previews(chat: ChatSession) -> str:
 
 async def answer_embed(
     services: Engine, chat: ChatSession, charts: Sequence[str]
-) -> tuple[str | None, list[str]]:
-    """The HTML of the message's one embed holding its charts (None: no chart), and a sentence for
-    each chart that cannot be shown interactively."""
+) -> tuple[ChartEmbed | None, list[str]]:
+    """The message's one embed holding its charts (None: no chart; the host serves its plotly.js and
+    writes its HTML), and a sentence for each chart that cannot be shown interactively."""
     if not charts:
         return None, []
     try:

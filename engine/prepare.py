@@ -41,16 +41,19 @@ async def import_uploads(
             continue
         name = str(item.get("name") or (item.get("file") or {}).get("filename") or file_id)
         try:
-            try:
-                data, name = await host.read_upload(file_id, user_id)
-            except Exception as error:  # the host's storage providers raise what they like
-                log.warning("code-sessions: attachment %s could not be read: %s", file_id, error)
-                raise OSError(f"Open WebUI could not read it: {error}") from error
+            data, name = await host.read_upload(file_id, user_id)
+        except Exception as error:  # the host's storage providers raise what they like
+            log.warning("code-sessions: attachment %s could not be read: %s", file_id, error)
+            why = f"it could not be read (Open WebUI could not read it: {error})"
+        else:
             if data is None:
                 continue  # not this user's file, or gone: nothing to say about someone else's id
-            path = await chat.add_upload(name, data, source=source, waiting=waiting_status(status))
-        except (StorageError, OSError) as error:
-            why = str(error) if isinstance(error, StorageError) else f"it could not be read ({error})"
+            try:
+                path = await chat.add_upload(name, data, source=source, waiting=waiting_status(status))
+                why = ""
+            except StorageError as error:
+                why = str(error)
+        if why:
             if not await chat.refuse_upload(source, why):
                 continue
             refused.append(f"The attachment {name} was not copied into /mnt/data: {why}")
@@ -92,6 +95,7 @@ async def messages_with_prompt(
         sandbox_notes=(*sandbox.notes, *notes),
         kernel_idle_minutes=settings.kernels.idle_s / 60 if kernels else None,
         packages=sandbox.packages,
+        more_packages=sandbox.more_packages,
         tools=sandbox.tools,
         figures_shown=figures_shown,
     )
@@ -124,6 +128,7 @@ class _SandboxFacts:
     notes: tuple[str, ...] = ()
     packages: tuple[tuple[str, str], ...] = ()
     tools: tuple[str, ...] = ()
+    more_packages: int = 0
 
 
 async def _sandbox_facts(runner: Runner) -> _SandboxFacts:
@@ -131,6 +136,8 @@ async def _sandbox_facts(runner: Runner) -> _SandboxFacts:
     all: the run itself will say so, clearly, to model and user."""
     try:
         env = await runner.environment()
-        return _SandboxFacts(await runner.known_issues(), await runner.packages(), env.tools)
+        named = await runner.packages(named_only=True)
+        more = max(len(await runner.packages()), env.distributions) - len(named)
+        return _SandboxFacts(await runner.known_issues(), named, env.tools, more)
     except RunnerError:
         return _SandboxFacts()

@@ -2,9 +2,9 @@
 Parquet file an answer links, written into the answer's own text (so it survives a reload and shows in a
 shared chat).
 
-The file's bytes are hostile. CSV and TSV are read on the host, their first `HEAD_BYTES` and, for a
-larger file, two samples of `SAMPLE_BYTES` for the row count (a 100 MB file is never read whole: its
-row count is then an estimate, and says so). XLSX and Parquet need
+The file's bytes are hostile. CSV and TSV are read on the host: whole up to `COUNTED_BYTES` (its rows
+counted); a larger one's first `HEAD_BYTES` and two samples of `SAMPLE_BYTES` for the row count (a 100
+MB file is never read whole: its row count is then an estimate, and says so). XLSX and Parquet need
 openpyxl and pyarrow, whose parsers have had bugs: they are read in a fresh gVisor sandbox over the
 chat's folder (`PROGRAM`), whose one line of output is checked as hostile too. Every cell, column name
 and type is written as text that shows as written (`cell_text`): no markdown, HTML, link, math or
@@ -16,9 +16,11 @@ without the file's name (the answer names each file once; the attachments hold i
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import io
 import json
+import math
 import posixpath
 import re
 from collections.abc import Awaitable, Callable, Sequence
@@ -49,6 +51,7 @@ MAX_ROWS = 8  # rows shown per preview
 MAX_COLUMNS = 8  # columns shown per preview
 MAX_CELL = 40  # characters shown per cell (and per column name)
 HEAD_BYTES = 64 * 1024  # of a CSV or TSV read on the host: its first rows
+COUNTED_BYTES = 1024 * 1024  # a CSV or TSV up to this size is read whole: its rows are counted
 # A larger one's row count is estimated from two samples, from its middle and its end: its first rows
 # are a poor sample (a header, and ids that grow longer further down).
 SAMPLE_BYTES = 32 * 1024
@@ -63,12 +66,18 @@ SANDBOX_LIMITS = Limits(
     max_output_bytes=64 * 1024,
 )
 _MARK = "code-sessions-preview:"
-_CAPTION = re.compile(  # a caption, and its table if it has one
-    r"\n*_Preview(?: \d+ of \d+)? · [^\n]*_\n(?:\n(?:\|[^\n]*\|\n)+(?:\n_and [^\n]* not shown_\n)?)?"
+# A caption at the start of a line, and its table if it has one. Tried at line starts only: tried at
+# every "_Preview · " of a line, `[^\n]*_` would scan the rest of the line from each (quadratic).
+_CAPTION = re.compile(
+    r"^_Preview(?: \d+ of \d+)? · [^\n]*_\n(?:\n(?:\|[^\n]*\|\n)+(?:\n_and [^\n]* not shown_\n)?)?",
+    re.MULTILINE,
 )
 
+# The cell types, each matched in time linear in the cell (a cell may be 60,000 characters of the
+# 64 KiB read): no two parts of a pattern may take the same characters (`\d+\.?\d*` backtracks
+# quadratically on a long run of digits that does not end the way it expects).
 _INT = re.compile(r"[+-]?\d{1,18}")
-_FLOAT = re.compile(r"[+-]?(?:\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?|nan|NaN|inf|-inf)")
+_FLOAT = re.compile(r"[+-]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?|nan|NaN|inf)")
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?")
 _BOOL = frozenset({"true", "false", "True", "False", "TRUE", "FALSE"})
 
@@ -157,11 +166,51 @@ def table_from_text(data: bytes, size: int, delimiter: str, samples: Sequence[by
     cells = tuple(tuple(row[i] if i < len(row) else "" for i in range(len(shown))) for row in rows[:MAX_ROWS])
     if whole:
         return Table(columns, cells, width, count, True)
-    # Lines per byte in the samples (the head's, without them), applied to the whole file.
-    rate = _line_rate(samples) if samples else (count / max(1, len(data)) if count else None)
-    estimate = round(rate * size) if rate else None
+    # Lines per byte in the samples (the head's rows, without them), applied to the file's bytes after
+    # its header line (the header is no row: counted in, a 5,000-row file read "about 5,001").
+    header_bytes = len(data.split(b"\n", 1)[0]) + 1
+    rows_bytes = max(0, len(data) - header_bytes)
+    rate = _line_rate(samples) if samples else (count / rows_bytes if count and rows_bytes else None)
+    estimate = _rounded(rate * max(0, size - header_bytes)) if rate else None
     basis = f"from samples of {human_bytes(sum(len(s) for s in samples) or len(data))}"
     return Table(columns, cells, width, estimate, False, basis)
+
+
+def _rounded(estimate: float) -> int:
+    """An estimate to three significant digits (1,539,208 reads "about 1,540,000"): no more is known."""
+    whole = round(estimate)
+    if whole < 1000:
+        return whole
+    scale: int = 10 ** (len(str(whole)) - 3)
+    return round(whole / scale) * scale
+
+
+# Column types whose cells are floating-point numbers: the host's (`_kind`), the sandbox program's, and
+# Parquet's (pyarrow's names).
+_FLOAT_KINDS = frozenset({"float", "double", "halffloat", "float16", "float32", "float64"})
+_SIGNIFICANT = 6  # digits a float cell shows, as pandas prints a frame
+
+
+def _short_float(cell: str) -> str:
+    """A float cell with at most _SIGNIFICANT significant digits (never fewer than its whole part),
+    as pandas shows a frame: full precision (0.30000000000000004) made a wide table wider than the page.
+    Anything that is not a plain finite float stays as written."""
+    text = cell.strip()
+    if len(text) > 40 or not _FLOAT.fullmatch(text) or not any(c in text for c in ".eE"):
+        return cell
+    value = float(text)
+    if not math.isfinite(value):
+        return cell
+    if value == 0:
+        return "0"
+    magnitude = abs(value)
+    if 1 <= magnitude < 1e15:  # the whole part as it is, decimals up to six digits in all
+        short = f"{value:.{max(0, _SIGNIFICANT - len(str(int(magnitude))))}f}"
+        if "." in short:
+            short = short.rstrip("0").rstrip(".")
+    else:
+        short = f"{value:.{_SIGNIFICANT}g}"
+    return short if len(short) < len(text) else cell
 
 
 def _plural(n: int, word: str) -> str:
@@ -169,7 +218,9 @@ def _plural(n: int, word: str) -> str:
 
 
 def render(table: Table, index: int = 1, count: int = 1) -> str:
-    """The preview as markdown: a caption in italics, then a table of the first rows."""
+    """The preview as markdown: a caption in italics (the row and column counts, each column's type),
+    then a table of the first rows under the columns' names alone: the table is the data's head, as
+    Open WebUI's "Export to CSV" of it downloads it (floats to six significant digits)."""
     label = "Preview" if count == 1 else f"Preview {index} of {count}"
     if table.total_rows is None:
         rows = "rows not counted"
@@ -177,19 +228,28 @@ def render(table: Table, index: int = 1, count: int = 1) -> str:
         rows = _plural(table.total_rows, "row")
     else:
         rows = f"about {_plural(table.total_rows, 'row')}, estimated {table.basis}"
-    facts = [rows, _plural(table.total_columns, "column")]
+    columns = escape_text(_plural(table.total_columns, "column"))
+    if table.columns:
+        kinds = ", ".join(f"{cell_text(name)}: {cell_text(kind)}" for name, kind in table.columns)
+        columns += f" ({kinds}{', …' if table.total_columns > len(table.columns) else ''})"
+    rest = []
     if table.exact and table.basis:
-        facts.append(table.basis)
+        rest.append(table.basis)
     if table.rows and (table.total_rows is None or len(table.rows) < table.total_rows):
-        facts.append(f"the first {len(table.rows)} shown")
-    caption = f"_{label} · {escape_text(', '.join(facts))}_\n\n"
+        rest.append(f"the first {len(table.rows)} shown")
+    more_facts = escape_text("".join(f", {fact}" for fact in rest))
+    caption = f"_{label} · {escape_text(rows)}, {columns}{more_facts}_\n\n"
     if not table.columns:
         return caption
-    head = (
-        "| " + " | ".join(f"{cell_text(name)} · {cell_text(kind)}" for name, kind in table.columns) + " |\n"
-    )
+    head = "| " + " | ".join(cell_text(name) or " " for name, _ in table.columns) + " |\n"
     rule = "|" + "---|" * len(table.columns) + "\n"
-    body = "".join("| " + " | ".join(cell_text(c) or " " for c in row) + " |\n" for row in table.rows)
+    floats = [kind.lower() in _FLOAT_KINDS for _, kind in table.columns]
+    body = "".join(
+        "| "
+        + " | ".join(cell_text(_short_float(c) if floats[i] else c) or " " for i, c in enumerate(row))
+        + " |\n"
+        for row in table.rows
+    )
     more = table.total_columns - len(table.columns)
     tail = f"\n_and {_plural(more, 'more column')} not shown_\n" if more > 0 else ""
     return caption + head + rule + body + tail
@@ -198,7 +258,15 @@ def render(table: Table, index: int = 1, count: int = 1) -> str:
 def strip_previews(text: str) -> str:
     """The answer without its previews (what the model reads of its earlier answers: it ran the code
     that made the files, and the previews would only cost it tokens)."""
-    return _CAPTION.sub("", text) if "_Preview" in text else text
+    if "_Preview" not in text:
+        return text
+    kept: list[str] = []
+    end = 0
+    for found in _CAPTION.finditer(text):
+        kept.append(text[end : found.start()].rstrip("\n"))  # with the blank lines that led to it
+        end = found.end()
+    kept.append(text[end:])
+    return "".join(kept)
 
 
 # ---- XLSX and Parquet, read in the sandbox -------------------------------------------------------------
@@ -339,7 +407,12 @@ async def previews(
     read_at: SampleReader | None = None,
 ) -> str:
     """Markdown previews of the table files among `paths` (in order, at most MAX_PREVIEWS), each a
-    caption and a table; a file that cannot be previewed gets one sentence instead."""
+    caption and a table; a file that cannot be previewed gets one sentence instead.
+
+    None of it runs on the event loop (it serves every chat of the worker): the reads are the store's
+    (in threads), and the parsing, typing and rendering of what they read happen in a thread, on
+    bounded input (COUNTED_BYTES, or HEAD_BYTES and two SAMPLE_BYTES, per file, at most MAX_PREVIEWS
+    files), in time linear in it."""
     chosen = [p for p in dict.fromkeys(paths) if is_table(p)][:MAX_PREVIEWS]
     if not chosen:
         return ""
@@ -350,18 +423,30 @@ async def previews(
             continue
         try:
             data, size = await read_head(path, HEAD_BYTES)
+            if len(data) < size <= COUNTED_BYTES:  # small enough to count its rows exactly
+                data, size = await read_head(path, COUNTED_BYTES)
             samples = []
             if read_at is not None and size > len(data):
                 for offset in (size // 2, size - SAMPLE_BYTES):
                     samples.append(await read_at(path, max(len(data), offset), SAMPLE_BYTES))
-            delimiter = "\t" if path.lower().endswith(".tsv") else ","
-            found[path] = table_from_text(data, size, delimiter, samples)
         except StorageError as error:
             found[path] = f"it could not be read ({error})"
-        except ValueError as error:
-            found[path] = str(error)
+            continue
+        delimiter = "\t" if path.lower().endswith(".tsv") else ","
+        found[path] = await asyncio.to_thread(_table_or_why, data, size, delimiter, samples)
     if in_sandbox:
         found.update(await _in_sandbox(in_sandbox, run_in_sandbox))
+    return await asyncio.to_thread(_render_all, chosen, found)
+
+
+def _table_or_why(data: bytes, size: int, delimiter: str, samples: Sequence[bytes]) -> Table | str:
+    try:
+        return table_from_text(data, size, delimiter, samples)
+    except ValueError as error:
+        return str(error)
+
+
+def _render_all(chosen: Sequence[str], found: dict[str, Table | str]) -> str:
     parts = []
     for index, path in enumerate(chosen, 1):
         table = found[path]
@@ -382,7 +467,7 @@ async def _in_sandbox(paths: list[str], run_in_sandbox: SandboxRun) -> dict[str,
     if result.outcome != Outcome.OK:
         why = result.reason or result.outcome.value
         return dict.fromkeys(paths, f"reading it in the sandbox failed ({why})")
-    return parse_program_output(result.stdout, paths)
+    return await asyncio.to_thread(parse_program_output, result.stdout, paths)
 
 
 def is_table(path: str) -> bool:

@@ -26,7 +26,8 @@ class PromptFacts:
     sandbox_notes: Sequence[str] = ()  # quirks of this sandbox worth knowing (see Runner.known_issues)
     max_listed: int = 40
     kernel_idle_minutes: float | None = None  # a live kernel per chat (None: every run starts fresh)
-    packages: Sequence[tuple[str, str]] = ()  # (import name, version) importable in the sandbox
+    packages: Sequence[tuple[str, str]] = ()  # (import name, version): the notable ones of the sandbox
+    more_packages: int = 0  # how many more distributions are installed besides those named
     tools: Sequence[str] = ()  # command-line tools the sandbox has beyond coreutils
     # Whether the run's figures are shown to the user by themselves (the Pipe shows them under each
     # step); False: only when the answer writes their paths (the Tool's results are the model's).
@@ -58,19 +59,24 @@ def _quota_line(facts: PromptFacts) -> str:
 
 def _state_line(facts: PromptFacts) -> str:
     packages = ", ".join(f"{name} {version}" for name, version in facts.packages)
-    have = f"- Python packages you can import: {packages}.\n" if packages else ""
+    more = (
+        f" There are {facts.more_packages} more (importlib.metadata.distributions() lists them all)."
+        if facts.more_packages and packages
+        else ""
+    )
+    have = f"- Python packages you can import: {packages}.{more}\n" if packages else ""
     if facts.tools:
         have += f"- Command-line tools in bash, besides coreutils: {', '.join(facts.tools)}.\n"
     if facts.kernel_idle_minutes is None:
         return have + "- Every run starts a fresh Python: variables do not carry over, only files do.\n"
     figures = (
-        "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data and shown "
-        f"to the user under the run (do not link them again), at most {MAX_FIGURES_PER_RUN} per run (close "
-        "the ones you do not need); you are told their paths.\n"
+        "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data, then closed "
+        "as in Jupyter, and shown to the user under the run (do not link them again), at most "
+        f"{MAX_FIGURES_PER_RUN} per run (close the ones you do not need); you are told their paths.\n"
         if facts.figures_shown
-        else "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data, at "
-        f"most {MAX_FIGURES_PER_RUN} per run; you are told their paths. Write a figure's path in your "
-        "answer to show it to the user.\n"
+        else "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data, then "
+        f"closed as in Jupyter, at most {MAX_FIGURES_PER_RUN} per run; you are told their paths. Write a "
+        "figure's path in your answer to show it to the user.\n"
     )
     return (
         have

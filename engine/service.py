@@ -1,7 +1,8 @@
 """One chat step, composed: lock the session, check the quota, run in the sandbox, index, enforce, link.
 
-This is the whole "full path" a model's code takes. It knows the store and the runner, and nothing of
-Open WebUI: the function adapter hands it ids, code and limits, and gets back results to show.
+This is the whole "full path" a model's code takes (`ChatSession.run`), and `Engine`, the store, the
+runner and the kernel pool of a process composed. It knows nothing of Open WebUI: a message's turn
+(engine/turn.py) opens the chat with the message's settings and gets back results to show.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
+from runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError, RunResult
 from storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
@@ -31,12 +32,12 @@ from storage import (
     human_bytes,
 )
 
-from .branches import Branches, Turn
+from .branches import Branches, Place
 from .charts import charts_of, figures_of
 from .links import References, Target, resolve_all
 from .markup import escape_text, mention
 from .scan import SCAN_ON_LOOP_CHARS
-from .settings import Settings
+from .settings import LOCK_WAIT_S, Settings
 from .step import StepResult
 from .streaming import StreamingRewriter
 
@@ -53,9 +54,6 @@ FULL_RECONCILE_EVERY_S = 600.0
 
 # Files an answer saved without naming them, handed over by name (or attached) at most this many.
 _HANDED_OVER = 20
-# Files noted between a Tool's run and the end of its answer: chats at once, and files a chat.
-_UNHANDED_CHATS = 1000
-_UNHANDED_PATHS = 1000
 
 
 class ChatSession:
@@ -78,9 +76,22 @@ class ChatSession:
         self._inline: set[str] = set()
         # Where this answer is in the conversation (None: the host did not say; the folder is then the
         # chat's whole, as it is), and what following it there said, for the answer's first step.
-        self.turn: Turn | None = None
+        self.place: Place | None = None
         self.follows: str | None = None  # the message whose state the answer continues (branches)
-        self._turn_notes: list[str] = []
+        self._branch_notes: list[str] = []
+        # Files a run that was cut short (the answer stopped mid-run) added or changed: no step
+        # reports them, so the answer's end hands them over.
+        self.cut_short: list[str] = []
+
+    @property
+    def store(self) -> Store:
+        """The store the chat's session is in."""
+        return self._service.store
+
+    @property
+    def lock_timeout_s(self) -> float:
+        """How long the chat's lock is waited for before the chat is said to be busy."""
+        return self._service.lock_timeout_s
 
     @property
     def kernel_key(self) -> str:
@@ -141,16 +152,16 @@ class ChatSession:
         self._unlinked.clear()
         return notes
 
-    async def begin_turn(
-        self, turn: Turn | None, *, waiting: Waiting | None = None, runs_here: bool = True
+    async def follow(
+        self, place: Place | None, *, waiting: Waiting | None = None, runs_here: bool = True
     ) -> list[str]:
-        """This chat's answer is `turn`: put the folder and kernel at the state of the message it
+        """This chat's answer is at `place`: put the folder and kernel at the state of the message it
         continues from (engine/branches.py), before anything is copied in or run. Returns what to
         tell the user (nothing when it continues the newest answer); the answer's first run tells the
         model too: this one's (`runs_here`), or another's of the same answer (the Filter's inlet
-        restores, the Tool's run says it)."""
-        self.turn = turn
-        if turn is None:
+        restores, the Tool's run in another worker says it)."""
+        self.place = place
+        if place is None:
             return []
         branches = self._service.branches
         try:
@@ -160,12 +171,23 @@ class ChatSession:
             log.warning("code-sessions: the answer's branch could not be followed: %s", error)
             return []
         if runs_here:
-            self._turn_notes.extend(branches.take_said(self))
+            self._branch_notes.extend(branches.take_said(self))
         return said
 
-    def end_turn(self) -> None:
+    def save_state_soon(self) -> None:
         """The answer is over: its state is saved in the background, for a later branch."""
-        self._service.branches.end_turn_soon(self)
+        self._service.branches.save_answer_soon(self)
+
+    async def claim_place(self) -> str:
+        """The answer is about to give out something that changes the folder later (an upload link):
+        the folder is put at the answer's state now, and becomes its. Returns the answer's message id,
+        whose state such a change joins ("": the answer has no place in the conversation here, or
+        branch states are off)."""
+        if self.place is None or self.settings.branches.states == 0:
+            return ""
+        async with self.session.lock(timeout=self._service.lock_timeout_s):
+            self._branch_notes.extend(await self._service.branches.ensure(self, changing=True))
+        return self.place.message_id
 
     async def run(self, code: str, language: str, *, waiting: Waiting | None = None) -> StepResult:
         """Run code in this chat's folder. `waiting` is awaited once if another step of this chat
@@ -178,8 +200,8 @@ class ChatSession:
         report: ReconcileReport | None = None
         try:
             async with self.session.lock(timeout=service.lock_timeout_s, waiting=waiting):
-                notes.extend(self._turn_notes)
-                self._turn_notes.clear()
+                notes.extend(self._branch_notes)
+                self._branch_notes.clear()
                 # Another tab's step may have moved the folder to its branch since the answer began.
                 notes.extend(await service.branches.ensure(self, changing=True))
                 # Two hops to other threads (the index's, the marker's) that need not wait for each other.
@@ -194,10 +216,15 @@ class ChatSession:
                     }
                 )
                 try:
-                    result = await service.execute(self.session, code, language, limits)
+                    result = await service.execute(
+                        self.session, code, language, limits, self.settings.kernels
+                    )
                 finally:
                     # Index what the run left even when the runner failed half-way: disk is the truth.
                     report = await service.reconcile_after(self.session, result)
+                    if result is None:  # cut short (the answer stopped): its files, for the answer's end
+                        self._cut_short(report)
+                await self._record(language, code, result, report)
         except DiskFull as error:
             # The run (if any) happened; what it wrote is indexed by the next step, which lists the
             # whole folder (the mark of this run stays).
@@ -212,10 +239,44 @@ class ChatSession:
         except RunnerError as error:
             log.warning("sandbox unavailable: %s", error)
             return StepResult(language, code, refused=f"the sandbox is not available: {error}")
-        figures, charts = figures_of(result, report), charts_of(result, report)
+        try:
+            figures, charts = figures_of(result, report), charts_of(result, report)
+        except BaseException:
+            self._cut_short(report)
+            raise
         return StepResult(
             language, code, run=result, files=report, notes=tuple(notes), figures=figures, charts=charts
         )
+
+    async def _record(self, language: str, code: str, result: RunResult, report: ReconcileReport) -> None:
+        """Keep the run's record with its answer (what a notebook export of the answer's branch reads,
+        storage/_history_runs.py): under the chat's lock, its figures as the folder has them now. A
+        record that cannot be kept is logged, never the run's failure."""
+        if self.place is None or self.settings.branches.states == 0:  # nothing kept beside the folder
+            return
+        try:
+            gone = {r.path for r in report.quota_removed}
+            saved = sorted(p for p in {*report.added, *report.changed} if p not in gone and _is_picture(p))
+            # What the answer showed of the run: its figures, its charts' pictures, the pictures it saved.
+            shown = [*figures_of(result, report), *(p for _, p in charts_of(result, report) if p), *saved]
+            figures = list(dict.fromkeys(shown))
+            await self.session.history.add_run(
+                self.place.message_id,
+                language=language,
+                code=code,
+                outcome=str(result.outcome),
+                stdout=result.stdout,
+                stderr=result.stderr,
+                figures=figures,
+            )
+        except Exception as error:  # the run happened: a record not kept is said in the log only
+            log.warning("code-sessions: the record of a run was not kept: %s", error)
+
+    def _cut_short(self, report: ReconcileReport | None) -> None:
+        """A run whose step will not be reported: its files are handed over at the answer's end."""
+        if report is not None:
+            gone = {r.path for r in report.quota_removed}
+            self.cut_short.extend(p for p in (*report.added, *report.changed) if p not in gone)
 
     async def add_upload(
         self, name: str, data: bytes, *, source: str | None = None, waiting: Waiting | None = None
@@ -225,7 +286,7 @@ class ChatSession:
 
         `source` names where it came from, so the same attachment is not copied again next turn."""
         async with self.session.lock(timeout=self._service.lock_timeout_s, waiting=waiting):
-            self._turn_notes.extend(await self._service.branches.ensure(self, changing=True))
+            self._branch_notes.extend(await self._service.branches.ensure(self, changing=True))
             return await self.session.files.write_new(name, data, source=source)
 
     async def refuse_upload(self, source: str, why: str) -> bool:
@@ -326,6 +387,10 @@ class ChatSession:
         return view
 
 
+def _is_picture(path: str) -> bool:
+    return path.lower().endswith((".png", ".jpg", ".jpeg", ".svg"))
+
+
 def _kernel_key(user_key: str, chat_key: str) -> str:
     # The folder's keys: the same for every worker, and what the storage deletes sessions by.
     return f"{user_key}/{chat_key}"
@@ -341,7 +406,9 @@ def _tighter(configured: int | None, budget: int | None) -> int | None:
 
 class Engine:
     """The store and the runner, composed. Each message hands down its `Settings` (`chat`); a chat
-    opened without runs with the constructor's limits, and the store's and the pool's own settings.
+    opened without runs with the constructor's. The store and the kernel pool serve every chat of
+    the process and keep no message's settings: its quotas travel with its session, its limits and
+    kernel settings with each run.
 
     With `kernels`, every chat's runs share one live Python kernel (variables persist); without,
     every run is a fresh sandbox."""
@@ -353,7 +420,7 @@ class Engine:
         settings: Settings | None = None,
         *,
         kernels: KernelPool | None = None,
-        lock_timeout_s: float = 300.0,
+        lock_timeout_s: float = LOCK_WAIT_S,
     ) -> None:
         self.store = store
         self.runner = runner
@@ -365,9 +432,6 @@ class Engine:
         self._full_at: dict[tuple[str, str], float] = {}
         # Attachments refused when not even the refusal could be written (a full disk), with why.
         self._refusals: dict[tuple[str, str, str], str] = {}
-        # Files runs saved for an answer that is still being written, by chat, until the answer's end
-        # hands them over (the Tool's runs; the Filter's outlet ends the answer). Bounded both ways.
-        self._unhanded: dict[tuple[str, str], list[str]] = {}
 
     def remember_refusal(self, session: Session, source: str, why: str) -> bool:
         """Note a refusal the index could not keep; False when the same one was said already."""
@@ -379,43 +443,31 @@ class Engine:
         self._refusals[key] = why
         return True
 
-    def note_saved(self, user_id: str, chat_id: str, paths: Sequence[str]) -> None:
-        """Files a run saved, for the end of the answer it runs in (`take_saved`)."""
-        if not paths:
-            return
-        key = (user_id, chat_id)
-        if key not in self._unhanded and len(self._unhanded) >= _UNHANDED_CHATS:
-            self._unhanded.pop(next(iter(self._unhanded)))  # the oldest: its answer never ended here
-        saved = self._unhanded.setdefault(key, [])
-        saved.extend(p for p in paths if p not in saved and len(saved) < _UNHANDED_PATHS)
-
-    def take_saved(self, user_id: str, chat_id: str) -> list[str]:
-        """The files noted for the chat's answer now ending; then forgotten."""
-        return self._unhanded.pop((user_id, chat_id), [])
-
     async def chat(self, user_id: str, chat_id: str, settings: Settings | None = None) -> ChatSession:
-        """The chat's session, bound to the message's settings (None: the constructor's)."""
-        if settings is not None:
-            self.apply(settings)
-        session = await self.store.session(user_id, chat_id, cached=True)
+        """The chat's session, bound to the message's settings: its quotas travel with the session, its
+        limits with each run. None: the constructor's limits, and the store's own quotas."""
+        policy = settings.policy if settings is not None else None
+        session = await self.store.session(user_id, chat_id, policy=policy, cached=True)
         return ChatSession(self, session, settings or self.settings)
 
-    def apply(self, settings: Settings) -> None:
-        """Give the store and the kernel pool their parts of the settings. They serve every chat of
-        this process, so theirs are the latest message's or the latest tick's (which reads the valves
-        as saved); each is a frozen value, replaced whole (and only when it changed, so the store
-        records its policy once per change)."""
-        if self.store.policy != settings.policy:
-            self.store.policy = settings.policy
-        if self.kernels is not None and self.kernels.settings != settings.kernels:
-            self.kernels.settings = settings.kernels
+    def retune(self, was: Settings, now: Settings) -> None:
+        """An admin saved new valves (`was` -> `now`, one form's): the kernels whose chats last ran
+        with that form's kernel settings take the new ones now (KernelPool.retune), not at their next
+        message."""
+        if self.kernels is not None and was.kernels != now.kernels:
+            self.kernels.retune(was.kernels, now.kernels)
 
-    async def execute(self, session: Session, code: str, language: str, limits: Limits) -> RunResult:
-        """Run code in the session's folder: in its kernel, or in a fresh sandbox."""
+    async def execute(
+        self, session: Session, code: str, language: str, limits: Limits, kernels: KernelSettings
+    ) -> RunResult:
+        """Run code in the session's folder: in its kernel (with the message's kernel settings), or
+        in a fresh sandbox."""
         if self.kernels is None:
             return await self.runner.run(code, language, session.path, limits)
         key = _kernel_key(session.user_key, session.chat_key)
-        return await self.kernels.run(key, session.path, code, language, limits, state_dir=session.state_path)
+        return await self.kernels.run(
+            key, session.path, code, language, limits, state_dir=session.state_path, settings=kernels
+        )
 
     async def purge(self, purge: Purge) -> CleanupReport:
         """An admin's purge: the selected sessions go, with their files, links and kernels. The
@@ -424,11 +476,10 @@ class Engine:
         return await self._ended(await self.store.cleanup(purge), "an admin deleted this chat's files")
 
     async def expire(self, settings: Settings | None = None) -> CleanupReport:
-        """The expiry policy (the settings' or the latest message's): old files and idle sessions go
-        (an expired session's kernel too)."""
-        if settings is not None:
-            self.apply(settings)
-        return await self._ended(await self.store.cleanup(), "this chat was unused long enough to expire")
+        """The expiry of the settings (None: the store's own): old files and idle sessions go (an
+        expired session's kernel too)."""
+        report = await self.store.cleanup(policy=settings.policy if settings is not None else None)
+        return await self._ended(report, "this chat was unused long enough to expire")
 
     async def forget_chats(self, chats: list[tuple[str, str]], reason: str) -> CleanupReport:
         """Sessions of chats that no longer exist, deleted now (a chat mid-step is left for later)."""

@@ -1,9 +1,10 @@
 """What one message runs with, in one frozen value.
 
 The host builds a `Settings` from its own settings once per message (the function's valves:
-functions/adapter.py `settings_from`) and hands it down: `Engine.chat` binds it to the chat's
-session (its per-run limits) and gives the store and the kernel pool their parts. A change is a new
-value, never an edit of a live object.
+functions/adapter.py `settings_from`) and hands it down with the operations: `Engine.chat` opens the
+chat's session with its quotas and binds its per-run limits and kernel settings to the chat; expiry
+takes its policy. The store and the kernel pool keep no message's copy. A change is a new value, never
+an edit of a live object.
 
 The defaults live in the layers' own models, each in one place: `runner.Limits`,
 `runner.KernelSettings`, `storage.Quotas`, `storage.Expiry`, and the fields below for what is the
@@ -17,7 +18,11 @@ from dataclasses import dataclass, field
 from runner import KernelSettings, Limits, RunnerConfig
 from storage import Policy
 
-__all__ = ["DEFAULTS", "BranchSettings", "Settings"]
+__all__ = ["DEFAULTS", "LOCK_WAIT_S", "BranchSettings", "Settings"]
+
+# How long a message waits for its chat's lock (another step of the chat, another worker) before it
+# says the chat is busy.
+LOCK_WAIT_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,13 +30,15 @@ class BranchSettings:
     """How much of a chat's past the branches of its conversation can go back to (engine/branches.py)."""
 
     states: int = 20  # answers' states kept per chat; 0: the folder does not follow the branches
-    python_states: int = 3  # of those (the newest), how many keep the Python state too
+    # Of those (the newest), how many keep the Python state too: all of them, as far as the user's
+    # storage allows (the oldest Python states, of any of the user's chats, go first when it is full).
+    python_states: int = 20
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
     limits: Limits = field(default_factory=Limits)  # per run (a chat's quota may lower them)
-    # One store and one kernel pool serve every chat of a process: theirs are the latest message's.
+    # The quotas and expiry: each session applies its message's, each expiry its tick's.
     policy: Policy = field(default_factory=Policy)
     kernels: KernelSettings = field(default_factory=KernelSettings)
     # What the prompt tells the model; the runner's own configuration is what opens the network.

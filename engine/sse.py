@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ __all__ = [
     "ToolCall",
     "ToolCallCollector",
     "events_from_message",
+    "events_from_response",
     "events_from_sse",
 ]
 
@@ -68,17 +70,28 @@ def _error_text(payload: dict[str, Any]) -> str | None:
 async def events_from_sse(
     chunks: AsyncIterable[bytes | str],
 ) -> AsyncIterator[TextDelta | ToolCall | ModelError]:
-    """Parse `data: {...}` lines of a streamed completion; yields text as it comes, tool calls at the end."""
+    """Parse `data: {...}` lines of a streamed completion; yields text as it comes, tool calls at the end.
+
+    Each piece is scanned once (a line that arrives in thousands of pieces is joined once it ends,
+    not split again at every piece), and a character whose UTF-8 bytes are split between two pieces
+    is decoded whole."""
     collector = ToolCallCollector()
-    buffer = ""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    pending: list[str] = []  # the pieces of the line not ended yet
     async for chunk in chunks:
-        buffer += chunk.decode("utf-8", "replace") if isinstance(chunk, bytes) else chunk
-        *lines, buffer = buffer.split("\n")
+        text = decoder.decode(chunk) if isinstance(chunk, bytes) else chunk
+        if "\n" not in text:
+            pending.append(text)
+            continue
+        lines = text.split("\n")
+        lines[0] = "".join(pending) + lines[0]
+        pending = [lines.pop()]
         for line in lines:
             event = _parse_line(line.strip(), collector)
             if event is not None:
                 yield event
-    event = _parse_line(buffer.strip(), collector)
+    pending.append(decoder.decode(b"", final=True))
+    event = _parse_line("".join(pending).strip(), collector)
     if event is not None:
         yield event
     for call in collector.done():
@@ -124,3 +137,27 @@ def events_from_message(payload: dict[str, Any]) -> list[TextDelta | ToolCall | 
             collector.add(message["tool_calls"])
     events.extend(collector.done())
     return events
+
+
+async def events_from_response(response: object) -> AsyncIterator[TextDelta | ToolCall | ModelError]:
+    """The events of whatever the host's model call returned (engine.Host.call_model): a completion
+    body (a dict), a stream (an object with a `body_iterator` of SSE bytes), or an error response (an
+    object with a `body` and a `status_code`)."""
+    if isinstance(response, dict):
+        for event in events_from_message(response):
+            yield event
+        return
+    chunks = getattr(response, "body_iterator", None)
+    if chunks is not None:
+        async for event in events_from_sse(chunks):
+            yield event
+        return
+    body = getattr(response, "body", b"")
+    try:
+        payload = json.loads(body) if body else {}
+    except (TypeError, ValueError):
+        payload = {}
+    status = getattr(response, "status_code", "?")
+    events = events_from_message(payload) if isinstance(payload, dict) else []
+    for event in events or [ModelError(f"the base model answered with HTTP {status}")]:
+        yield event

@@ -3,15 +3,18 @@ outcome, its output, the files it saved, deleted or lost to a limit."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from runner import Outcome, RunResult
 from storage import MAX_PATH_BYTES, ReconcileReport
 
-from .markup import mention
+from .markup import mention, visible
 
-__all__ = ["StepResult"]
+__all__ = ["MAX_RESULT_CHARS", "StepResult"]
+
+MAX_RESULT_CHARS = 8000  # of a step's result the model reads, at most (LoopOptions.max_result_chars)
 
 _OUTCOME_WORDS = {
     Outcome.OK: "finished",
@@ -23,6 +26,21 @@ _OUTCOME_WORDS = {
     Outcome.SANDBOX_FAILURE: "could not run: the sandbox failed",
     Outcome.KERNEL_LOST: "was stopped: the kernel stopped responding",
 }
+
+# A failed run's headline is what went wrong, in the words of its last error line: for Python, the line
+# that names the exception (`ZeroDivisionError: division by zero`), else stderr's last line (bash's
+# `ls: cannot access 'x': No such file or directory`). It is the run's own output, hostile: read from
+# stderr's tail only (a bounded cost), clipped, its control characters shown as escapes; `details` keeps
+# it plain text.
+_TAIL_CHARS = 8192
+_LINE_CHARS = 160
+# A traceback's frame line, also inside an exception group ("  |   File ...").
+_FRAME = re.compile(r' *(?:\| +)?File "')
+_GROUP_MARGIN = re.compile(r" *\| ?")
+# The rules of an exception group's traceback (`+-+---- 1 ----`, `+------`), and a line of nothing.
+_RULE = re.compile(r"[\s|+-]*|\s*\+-.*")
+_PLAIN_EXIT = re.compile(r"exit code \d+")
+
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
@@ -51,10 +69,25 @@ class StepResult:
         words = _OUTCOME_WORDS.get(self.run.outcome, str(self.run.outcome))
         took = self.run.duration_s
         spent = f"{took * 1000:.0f} ms" if took < 1 else f"{took:.1f} s"
-        text = f"{self.language.capitalize()} {words} in {spent}"
-        if self.run.outcome == Outcome.ERROR and self.run.exit_code is not None:
-            text += f" (exit code {self.run.exit_code})"
-        return text
+        language = self.language.capitalize()
+        if self.run.outcome != Outcome.ERROR:
+            return f"{language} {words} in {spent}"
+        code = self.run.exit_code
+        line = error_line(self.run.stderr)
+        if line is None:
+            ended = f"exited with code {code}" if code else "failed"
+            return f"{language} {ended} in {spent}"
+        # Python's exit code says nothing the exception does not; a shell's may.
+        said = f"exit code {code}, " if code and self.language != "python" else ""
+        return f"{line} ({language}, {said}{spent})"
+
+    def why_failed(self) -> str | None:
+        """What the record of a failed run adds to its headline (why a cell could not start, the signal
+        that killed it); None when the headline says it all (a bare exit code)."""
+        run = self.run
+        if run is None or run.outcome != Outcome.ERROR or not run.reason:
+            return None
+        return None if _PLAIN_EXIT.fullmatch(run.reason) else run.reason
 
     def saved(self) -> list[str]:
         """The files this run added or changed and kept, figures aside (they are shown inline)."""
@@ -133,7 +166,7 @@ class StepResult:
             notes.append(deleted)
         return notes + self._removals()
 
-    def for_model(self, max_chars: int = 8000) -> str:
+    def for_model(self, max_chars: int = MAX_RESULT_CHARS) -> str:
         """The tool result the model reads: outcome, output (bounded), file changes."""
         parts = [self.headline() + "."]
         if self.run is not None:
@@ -147,6 +180,29 @@ class StepResult:
                 parts.append("(no output)")
         parts.extend(self.file_notes())
         return "\n".join(parts)
+
+
+def error_line(stderr: str) -> str | None:
+    """The line of a failed run's stderr that says what went wrong: after a traceback's last frame,
+    the exception's line (its first: a message may go on over more lines), else the last line that is
+    not blank nor an exception group's rule. None when stderr has no such line."""
+    lines = stderr[-_TAIL_CHARS:].splitlines()
+    frames = [i for i, line in enumerate(lines) if _FRAME.match(line)]
+    found = None
+    if frames:
+        for line in lines[frames[-1] + 1 :]:
+            body = _GROUP_MARGIN.sub("", line, count=1) if line.lstrip().startswith("|") else line
+            if body.strip() and not body[0].isspace() and not _RULE.fullmatch(line):
+                found = body
+                break
+    if found is None:
+        found = next((line for line in reversed(lines) if not _RULE.fullmatch(line)), None)
+        if found is not None and found.lstrip().startswith("|"):
+            found = _GROUP_MARGIN.sub("", found, count=1)
+    if found is None:
+        return None
+    found = " ".join(visible(found).split())
+    return found if len(found) <= _LINE_CHARS else found[: _LINE_CHARS - 1].rstrip() + "\u2026"
 
 
 def _why_rejected(kind: str) -> str:

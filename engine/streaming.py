@@ -8,14 +8,16 @@ the whole answer.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections import deque
+from typing import Any
 
 from .grammar import MOUNT, SINGLE_LINE, TOKEN, PathRun, Ref
 from .links import NOT_YET, Resolver, Substitution, Target, destinations
-from .scan import LOOK_BEHIND, RESTART_MARGIN, START, Scan, State
+from .scan import LOOK_BEHIND, RESTART_MARGIN, SCAN_ON_LOOP_CHARS, START, Scan, State
 
-__all__ = ["StreamingRewriter"]
+__all__ = ["StreamingRewriter", "rewrite_chunk"]
 
 # Where a reference could start, for releasing streamed text that nothing later can change.
 _CHANGE = re.compile(r"!\[|\[|<sandbox:/mnt/data/|sandbox:/mnt/data/|/mnt/data/")
@@ -257,3 +259,33 @@ class StreamingRewriter:
             return found.start() + self._base
         partial = _PARTIAL_CHANGE.search(text, max(start - self._base, len(text) - 20))
         return (partial.start() if partial else len(text)) + self._base
+
+
+async def rewrite_chunk(rewriter: StreamingRewriter, event: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite an OpenAI chat.completion.chunk's text in place (the Filter's stream): paths become
+    links as they complete; a path split across chunks is held back until it is whole, and the end of
+    each model call (its finish_reason) releases the rest. What is not a chunk's text is left as is.
+
+    Called for every chunk of an answer, so the common case (a chunk of plain text) is a few reads and a
+    sync push."""
+    for choice in event.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            delta = {}
+        text = delta.get("content")
+        if text and isinstance(text, str):
+            if len(text) > SCAN_ON_LOOP_CHARS:  # a whole answer in one piece: scanned in a thread
+                visible = await asyncio.to_thread(rewriter.push, text)
+            else:
+                visible = rewriter.push(text)
+            if rewriter.pending:
+                visible += await rewriter.resolve_pending()
+            delta["content"] = visible
+        if choice.get("finish_reason"):
+            tail = await rewriter.flush()
+            if tail:
+                delta["content"] = (delta.get("content") or "") + tail
+                choice["delta"] = delta
+    return event

@@ -44,6 +44,10 @@ Python kernel per chat, the default, or a fresh sandbox per run) is set where th
    * `test_full_disk_with_an_attachment_gives_a_sentence`.
    * `test_clear_files_on_a_full_disk[the chat that filled it|a chat with little]`.
    * `test_open_webui_restarted_while_the_disk_is_full_answers_with_a_sentence`.
+   * `test_a_chat_started_on_a_full_disk_is_indexed_once_the_disk_is_freed[a step|the tick]`: an admin
+     frees the disk, then another chat's step (or only the background tick) runs; naive: the new
+     chat's folder stays without its index row ("session not indexed"): the catch-up after a full disk
+     ran only from a step that wrote, and a warm chat's step writes nothing.
 4. Attachments:
    * `test_an_attachment_too_large_is_said_once_and_the_chat_goes_on[file limit|quota]` (a hostile name).
    * `test_an_unreadable_attachment_is_said_once_and_the_chat_goes_on[os error|storage provider error]`.
@@ -695,6 +699,25 @@ async def test_open_webui_restarted_while_the_disk_is_full_answers_with_a_senten
             bd.index_is_sound(root)
         finally:
             await restarted.aclose()
+
+
+@pytest.mark.parametrize("then", ["a step", "the tick"])
+async def test_a_chat_started_on_a_full_disk_is_indexed_once_the_disk_is_freed(small_disk, then: str):
+    harness, root = small_disk
+    await bd.say(harness, "alice", "chat-1", code("open('/mnt/data/keep.txt', 'w').write('keep')", "ok"))
+    await fill_the_disk(harness, root)
+    started = await bd.say(harness, "carol", "chat-c", code("print('carol', 'answers')", "ok"))
+    assert "carol answers" in started, started
+    (bd.chat_folder(root, "alice", "chat-1") / "fill.bin").unlink()  # an admin frees space
+    if then == "a step":  # another chat's, warm: nothing of its own to write
+        answer = await bd.say(harness, "alice", "chat-1", code("print('after')", "ok"))
+        assert "after" in answer and bd.DISK_FULL not in answer, answer
+    else:
+        await harness.pipe._tick()
+    drift = await harness.pipe._services.store.check()
+    assert drift == [], drift
+    assert {info.chat_id for info in await harness.pipe._services.store.sessions()} == {"chat-1", "chat-c"}
+    bd.index_is_sound(root)
 
 
 # ====================================================================== 4. attachments

@@ -16,7 +16,7 @@ import pytest
 
 from engine import Engine, LoopOptions, converse, escape_text
 from engine.sse import TextDelta, ToolCall
-from runner import Limits, Outcome, Runner, RunResult
+from runner import KernelSettings, Limits, Outcome, Runner, RunResult
 from storage import DirectoryPublisher, Quotas, Session, Store
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 64
@@ -30,7 +30,9 @@ class HostRuns(Engine):
         super().__init__(store, Runner())
         self.plans: list[dict] = []
 
-    async def execute(self, session: Session, code: str, language: str, limits: Limits) -> RunResult:
+    async def execute(
+        self, session: Session, code: str, language: str, limits: Limits, kernels: KernelSettings
+    ) -> RunResult:
         plan = self.plans.pop(0)
         for name, data in plan.get("files", {}).items():
             (session.path / name).write_bytes(data)
@@ -38,7 +40,7 @@ class HostRuns(Engine):
             outcome=plan.get("outcome", Outcome.OK),
             exit_code=plan.get("exit_code", 0),
             stdout=plan.get("stdout", "ok\n"),
-            stderr="",
+            stderr=plan.get("stderr", ""),
             duration_s=0.25,
             reason=plan.get("reason"),
             figures=tuple(plan.get("figures", ())),
@@ -57,7 +59,7 @@ async def service(tmp_path: Path):
         yield HostRuns(store)
 
 
-def model(*replies: str | None):
+def model(*replies: str | None, language: str = "python"):
     """A model that calls run_code (a None reply) or answers with text, in turn; records its inputs."""
     seen: list[list[dict]] = []
 
@@ -65,7 +67,7 @@ def model(*replies: str | None):
         seen.append(json.loads(json.dumps(messages)))
         reply = replies[len(seen) - 1]
         if reply is None:
-            yield ToolCall(f"c{len(seen)}", "run_code", json.dumps({"code": "pass"}))
+            yield ToolCall(f"c{len(seen)}", "run_code", json.dumps({"code": "pass", "language": language}))
         else:
             yield TextDelta(reply)
 
@@ -82,9 +84,11 @@ class Statuses(list):
         return None if hidden else description
 
 
-async def answer(service: HostRuns, *replies: str | None, attachments: bool = True, **options):
+async def answer(
+    service: HostRuns, *replies: str | None, attachments: bool = True, language: str = "python", **options
+):
     chat = await service.chat("u", "c")
-    call, seen = model(*replies)
+    call, seen = model(*replies, language=language)
     status = Statuses()
     loop = LoopOptions(attachments=attachments, **options)
     text = "".join([p async for p in converse(chat, [{"role": "user", "content": "go"}], call, loop, status)])
@@ -183,13 +187,64 @@ async def test_a_reset_is_said_once_in_the_text_and_stays_in_the_status(service:
     assert [link.name for link in chat.attachments] == ["x.txt"]
 
 
-async def test_a_failed_run_keeps_its_reason_in_the_block_and_clears_the_status(service: HostRuns):
-    service.plans = [{"outcome": Outcome.ERROR, "exit_code": 1, "reason": "exit code 1", "stdout": ""}]
-    text, _, status, _ = await answer(service, None, "It failed.")
+TRACEBACK = """Traceback (most recent call last):
+  File "<cell-1>", line 2, in <module>
+    1 / 0
+    ~~^~~
+ZeroDivisionError: division by zero
+"""
+
+
+async def test_a_failed_run_is_headed_by_its_exception_and_clears_the_status(service: HostRuns):
+    service.plans = [
+        {"outcome": Outcome.ERROR, "exit_code": 1, "reason": "exit code 1", "stdout": "", "stderr": TRACEBACK}
+    ]
+    text, _, status, seen = await answer(service, None, "It failed.")
     visible = outside_blocks(text)
-    assert "Python exited with an error in 250 ms (exit code 1)" in visible
-    assert "Why" not in visible and "_Why: exit code 1_" in text  # inside the block, its record
-    assert status.shown_at_the_end() is None
+    assert "<summary>ZeroDivisionError: division by zero (Python, 250 ms)</summary>" in text
+    assert "exit code" not in text and "Why" not in text  # a bare exit code says nothing more
+    assert "Traceback (most recent call last)" in text  # the whole of it inside the block, its record
+    assert "Why" not in visible and status.shown_at_the_end() is None
+    assert seen[1][-1]["content"].startswith("ZeroDivisionError: division by zero (Python, 250 ms).\n")
+
+
+async def test_a_failed_shell_command_is_headed_by_its_last_error_line_and_exit_code(service: HostRuns):
+    error = "ls: cannot access 'nope': No such file or directory\n"
+    service.plans = [{"outcome": Outcome.ERROR, "exit_code": 2, "reason": "exit code 2", "stderr": error}]
+    text, _, _, _ = await answer(service, None, "It failed.", language="bash")
+    assert "<summary>ls: cannot access 'nope': No such file or directory (Bash, exit code 2, 250 ms)" in text
+
+
+async def test_a_failure_without_an_error_line_says_its_exit_code_and_why(service: HostRuns):
+    killed = "exit code 137 (killed by SIGKILL)"
+    service.plans = [
+        {"outcome": Outcome.ERROR, "exit_code": 3, "reason": "exit code 3", "stdout": "", "stderr": "\n"},
+        {"outcome": Outcome.ERROR, "exit_code": 137, "reason": killed, "stdout": ""},
+    ]
+    text, _, _, _ = await answer(service, None, None, "It failed.")
+    assert "<summary>Python exited with code 3 in 250 ms</summary>" in text
+    assert "<summary>Python exited with code 137 in 250 ms</summary>" in text
+    assert text.count("_Why:") == 1 and f"_Why: {escape_text(killed)}_" in text
+
+
+HOSTILE_ERROR = (
+    "ValueError: </summary></details><img src=x onerror=alert(1)> {{user}} $x$ &lt;b&gt; "
+    "[a](https://evil.example)\u202egpj.exe\t" + "x" * 400
+)
+
+
+async def test_a_hostile_error_line_heads_its_block_as_plain_text(service: HostRuns):
+    stderr = 'Traceback (most recent call last):\n  File "<cell-1>", line 1, in <module>\n' + HOSTILE_ERROR
+    service.plans = [{"outcome": Outcome.ERROR, "exit_code": 1, "reason": "exit code 1", "stderr": stderr}]
+    text, _, _, _ = await answer(service, None, "It failed.")
+    [summary] = re.findall(r"<summary>(.*)</summary>", text)
+    # Its tags broken apart (the block cannot end early), Open WebUI's tokens too, control characters
+    # shown as escapes, and clipped: the rest is in the block.
+    assert "</summary></details>" not in summary and "<\u2060/summary><\u2060/details>" in summary
+    assert "{{user}}" not in summary and "{\u2060{user}}" in summary
+    assert "\\u202e" in summary and "\u202e" not in summary
+    assert summary.endswith("\u2026 (Python, 250 ms)") and len(summary) < 200
+    assert text.count("<details>") == 1 and text.count("</details>") == 1
 
 
 async def test_fenced_blocks_follow_the_same_rules(service: HostRuns):

@@ -51,7 +51,7 @@ def test_paths_outside_the_folder_are_refused(path):
 async def test_the_loop_offers_an_extra_tool_and_counts_its_calls_as_steps():
     seen = []
 
-    async def call(arguments):
+    async def call(chat, arguments):
         seen.append(arguments)
         return "Upload link for /mnt/data/x.csv: http://h/code-sessions/upload/t"
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 import html
 import json
 import re
+import time
 
 import pytest
 
 from engine.charts import _spec_json, embed_html
 from engine.markup import escape_text
 from engine.previews import (
+    COUNTED_BYTES,
     HEAD_BYTES,
     MAX_CELL,
     MAX_COLUMNS,
@@ -29,6 +31,7 @@ from engine.previews import (
     table_from_text,
 )
 from runner import Outcome, RunResult
+from tests.support.loop_lag import LoopLag
 
 HOSTILE = [
     "a|b",
@@ -76,8 +79,65 @@ def test_a_small_csv_is_counted_exactly_and_typed() -> None:
     assert table.columns == (("n", "int"), ("x", "float"), ("when", "date"), ("ok", "bool"), ("name", "text"))
     assert len(table.rows) == MAX_ROWS
     shown = render(table)
-    assert shown.startswith("_Preview · 30 rows, 5 columns, the first 8 shown_")
+    assert shown.startswith(
+        "_Preview · 30 rows, 5 columns (n: int, x: float, when: date, ok: bool, name: text), the first 8 "
+        "shown_\n\n| n | x | when | ok | name |\n|---|---|---|---|---|\n| 0 | 0.5 | 2024-01-01 | true | a |\n"
+    )
     assert shown.count("\n|") == 2 + MAX_ROWS  # header, rule, rows
+
+
+def test_the_table_is_the_datas_head_with_floats_as_pandas_shows_them() -> None:
+    # What Open WebUI's "Export to CSV" of the table downloads: the columns' names alone as its header
+    # (their types are in the caption), then the rows; floats at six significant digits, so that a wide
+    # table fits the page (full precision cut a table of floats at its fifth column).
+    rows = [["when", "ratio", "big", "tiny", "count", "label"]]
+    rows += [["2024-01-01", repr(0.1 + 0.2), "1234567.891", "0.0001234567", "7", "3.14159265358979"]]
+    data = _csv(rows)
+    shown = render(table_from_text(data, len(data), ","))
+    table = [line for line in shown.splitlines() if line.startswith("|")]
+    assert table == [
+        "| when | ratio | big | tiny | count | label |",
+        "|---|---|---|---|---|---|",
+        "| 2024-01-01 | 0.3 | 1234568 | 0.000123457 | 7 | 3.14159 |",
+    ], table
+    assert "(when: date, ratio: float, big: float, tiny: float, count: int, label: float)" in shown
+    # A text column keeps its digits as written, and a float column keeps what is not a plain number.
+    data = _csv([["code", "x"], ["3.14159265358979", "nan"], ["A-7", "1e400"]])
+    shown = render(table_from_text(data, len(data), ","))
+    assert "(code: text, x: float)" in shown, shown
+    assert "| 3.14159265358979 | nan |" in shown and "| A-7 | 1e400 |" in shown, shown
+
+
+def test_a_csv_of_a_few_thousand_rows_is_counted_not_estimated() -> None:
+    data = _csv([["month", "visitors", "ratio"], *[["Jan", str(1000 + i), f"{i / 7}"] for i in range(5000)]])
+    assert HEAD_BYTES < len(data) <= COUNTED_BYTES
+    table = table_from_text(data, len(data), ",")
+    assert table.exact and table.total_rows == 5000, table.total_rows
+    assert render(table).startswith("_Preview · 5,000 rows, 3 columns")
+
+
+async def test_a_file_up_to_the_counted_size_is_read_whole_and_a_larger_one_sampled() -> None:
+    row = b"2024-01-01,1234,5.5\n"
+    small = b"when,n,x\n" + row * 5000
+    big = b"when,n,x\n" + row * 100_000
+    asked: list[tuple[str, int]] = []
+
+    async def read_head(path: str, limit: int) -> tuple[bytes, int]:
+        data = small if path == "small.csv" else big
+        asked.append((path, limit))
+        return data[:limit], len(data)
+
+    async def read_at(path: str, offset: int, limit: int) -> bytes:
+        return big[offset : offset + limit]
+
+    async def no_sandbox(code: str) -> RunResult:
+        raise AssertionError("a CSV is read on the host")
+
+    shown = await previews(["small.csv", "big.csv"], read_head, no_sandbox, read_at)
+    assert asked == [("small.csv", HEAD_BYTES), ("small.csv", COUNTED_BYTES), ("big.csv", HEAD_BYTES)]
+    assert "_Preview 1 of 2 · 5,000 rows, 3 columns" in shown
+    # The header line is no row: 100,000 rows of the same length are estimated as exactly that.
+    assert "_Preview 2 of 2 · about 100,000 rows, estimated from samples of 64 KiB, 3 columns" in shown
 
 
 def test_a_large_csv_is_estimated_from_samples_and_says_so() -> None:
@@ -105,6 +165,49 @@ def test_hostile_table_renders_one_row_per_record() -> None:
     lines = [line for line in shown.splitlines() if line.startswith("|")]
     assert len(lines) == 2 + MAX_ROWS  # every record on its own line: a newline in a cell broke nothing
     assert all(len(re.findall(r"(?<!\\)\|", line)) == 3 for line in lines)  # two columns in each
+
+
+# A cell of digits that ends in a letter, as long as the 64 KiB a preview reads allows: a float pattern
+# that backtracks took 1.6 s on 8,000 digits (quadratic: about 90 s on these), on the event loop.
+HOSTILE_DIGITS = b"n,m\n" + b"1" * 60_000 + b"x,2\n" + b"3,4\n"
+
+
+def _cpu(function) -> float:
+    start = time.process_time()
+    function()
+    return time.process_time() - start
+
+
+def test_a_long_run_of_digits_is_typed_in_linear_time() -> None:
+    found: list[Table] = []
+    assert _cpu(lambda: found.append(table_from_text(HOSTILE_DIGITS, len(HOSTILE_DIGITS), ","))) < 0.05
+    assert found[0].columns == (("n", "text"), ("m", "int"))
+    for value, kind in (("1.5", "float"), ("-2e5", "float"), (".5", "float"), ("-inf", "float")):
+        data = f"v\n{value}\n".encode()
+        assert table_from_text(data, len(data), ",").columns == (("v", kind),), value
+
+
+async def test_a_hostile_preview_keeps_the_event_loop_free() -> None:
+    async def read_head(path: str, limit: int) -> tuple[bytes, int]:
+        return HOSTILE_DIGITS[:limit], len(HOSTILE_DIGITS)
+
+    async def no_sandbox(code: str) -> RunResult:
+        raise AssertionError("a CSV is read on the host")
+
+    async with LoopLag() as lag:
+        shown = await previews(["a.csv", "b.csv", "c.csv", "d.csv"], read_head, no_sandbox)
+    lag.assert_quiet()
+    assert shown.count("2 columns (n: text, m: int)_\n\n| n | m |") == 4
+
+
+def test_stripping_previews_is_linear_in_the_text() -> None:
+    # What the model reads of earlier answers (an API caller sends any history): tried at every
+    # "_Preview · " of one line, the caption's pattern scanned the rest of the line from each.
+    hostile = "_Preview · " * 100_000
+    assert _cpu(lambda: strip_previews(hostile)) < 0.1
+    assert strip_previews(hostile) == hostile
+    blank = "\n" * 1_000_000 + "_Preview · x"
+    assert _cpu(lambda: strip_previews(blank)) < 0.1
 
 
 def test_unreadable_text_is_a_sentence() -> None:
@@ -176,13 +279,18 @@ def test_a_chart_spec_cannot_leave_its_script_or_its_frame() -> None:
     safe = _spec_json(json.dumps(spec).encode())
     assert safe is not None and "<" not in safe and ">" not in safe
     assert json.loads(safe)["data"][0]["name"] == spec["data"][0]["name"]
-    page = embed_html([safe], "QUJD")
+    page = embed_html([safe], "/code-sessions/plotly/abc.js")
     # The outer document: no script but the one that says its height, and the inner one in an attribute.
     outer_scripts = re.findall(
         r"<script>(.*?)</script>", page.split("srcdoc=")[0] + page.split('"></iframe>')[-1]
     )
     assert outer_scripts == ["parent.postMessage({type:'iframe:height',height:440},'*')"]
-    assert '<iframe sandbox="allow-scripts" ' in page and "allow-same-origin" not in page
+    assert '<iframe sandbox="allow-scripts allow-downloads" ' in page and "allow-same-origin" not in page
     inner = html.unescape(re.search(r'srcdoc="([^"]*)"', page).group(1))
     assert "default-src 'none'" in inner and "alert(1)</script>" not in inner
+    # Scripts: the two inline ones by their hashes (no 'unsafe-inline'), and Open WebUI's own origin.
+    [policy] = set(re.findall(r'Content-Security-Policy" content="([^"]*)"', page + inner))
+    assert re.search(r"script-src 'self' 'sha256-[^']+' 'sha256-[^']+';", policy), policy
+    assert "unsafe-inline' ;" not in policy and "script-src 'self' 'unsafe" not in policy
+    assert 'script.src = "/code-sessions/plotly/abc.js"' in inner
     assert _spec_json(b"[1, 2]") is None and _spec_json(b"not json") is None
