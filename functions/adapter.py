@@ -20,24 +20,45 @@ import asyncio
 import logging
 import os
 import signal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
-from engine import DEFAULTS, MINUTE_S, BranchSettings, Engine, Maintenance, Settings, Turn
+from engine import (
+    DEFAULTS,
+    MINUTE_S,
+    BranchSettings,
+    Emit,
+    Engine,
+    Host,
+    Maintenance,
+    Message,
+    Origin,
+    Place,
+    Places,
+    Settings,
+    Turns,
+)
 from functions.inbound import serve_uploads
 from runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from storage import Expiry, Policy, Quotas, Store
+from storage import DAY, Expiry, KiB, MiB, Policy, Quotas, Store
 from webui import OpenWebUI
 
-__all__ = ["Adapter", "SharedValves", "Status", "settings_from"]
+__all__ = [
+    "Adapter",
+    "HeldValves",
+    "SharedServices",
+    "SharedValves",
+    "message_of",
+    "place_of",
+    "settings_from",
+]
 
 log = logging.getLogger("code_sessions.function")
 
-KiB = 1024
-MiB = 1024 * KiB
-DAY = 86400.0
 # The folder name under Open WebUI's cache that older, /cache-served copies used: the same for every
 # file, so that a Pipe, a Tool and a Filter build the same services.
 LOCATION_ID = "code_sessions"
@@ -75,8 +96,8 @@ class SharedValves(BaseModel):
         default=_whole(DEFAULTS.kernels.idle_s / MINUTE_S),
         gt=0,
         le=24 * 60,
-        description="A chat's kernel unused this long is saved to disk and stopped; its next run "
-        "resumes it with its variables.",
+        description="A chat's kernel unused this long is saved to disk and stopped, freeing its memory; "
+        "its next run resumes it with its variables (in about half a second).",
     )
     max_kernels: int = Field(
         default=DEFAULTS.kernels.max_kernels,
@@ -176,17 +197,19 @@ class SharedValves(BaseModel):
         default=DEFAULTS.branches.states,
         ge=0,
         le=1000,
-        description="Answers per chat whose files (and, for the newest, Python state) are kept, so that "
+        description="Answers per chat whose files and Python state are kept, so that "
         "regenerating or editing a message, or going back to another branch, continues from that "
         "message's state. They count toward the user's storage after the files, and the oldest go "
-        "first when it is full. 0: the folder is the chat's whole, whatever the branch.",
+        "first when it is full. 0: the folder is the chat's whole, whatever the branch, and no run is "
+        "recorded for a notebook export.",
     )
     branch_python_states: int = Field(
         default=DEFAULTS.branches.python_states,
         ge=0,
         le=100,
         description="Of those, how many of the newest also keep the Python state (a copy of the "
-        "kernel's memory each). 0: a branch gets its files back, and a new Python state.",
+        "kernel's memory each, counted in the user's storage: when it is full, the oldest Python states "
+        "go first). 0: a branch gets its files back, and a new Python state.",
     )
     attach_files: bool = Field(
         default=DEFAULTS.attach_files,
@@ -203,6 +226,11 @@ class SharedValves(BaseModel):
     )
     runsc_path: str = Field(default=_RUNNER.runsc_path, description="The gVisor runsc binary.")
     runsc_platform: str = Field(default="", description="Empty: detect (systrap if supported, else ptrace).")
+    kernel_platform: str = Field(
+        default=_RUNNER.kernel_platform or "",
+        description="gVisor platform of the live kernels: ptrace, whose idle kernel uses no CPU (an idle "
+        "systrap kernel uses about 1.5% of a core). Empty: the same as runsc_platform.",
+    )
 
 
 def settings_from(valves: SharedValves) -> Settings:
@@ -214,8 +242,7 @@ def settings_from(valves: SharedValves) -> Settings:
             memory_mb=valves.memory_mb,
             max_processes=valves.max_processes,
             max_output_bytes=valves.max_output_kb * KiB,
-            max_file_bytes=_limit(valves.max_file_mb, MiB),
-        ),
+        ),  # the per-file size is the quota's, lowered into each run's limits (ChatSession.run)
         policy=Policy(
             Quotas(
                 max_files_per_user=_limit(valves.max_files_per_user),
@@ -244,17 +271,48 @@ def settings_from(valves: SharedValves) -> Settings:
     )
 
 
-class Adapter:
-    """The part of each Open WebUI file that is the same for all three: its services, the message's
-    settings and the background loop. A subclass says where its valves are saved (`_read_settings`,
-    `_write_settings`) and sets `settings` (the valves) before each use."""
+@dataclass(eq=False)
+class SharedServices:
+    """The services of one set of storage valves in a process (`OpenWebUI.shared`), and how many of
+    the function's files use them: the engine and the turns in progress on it."""
 
-    def __init__(self) -> None:
+    turns: Turns
+    users: int = 0
+
+    @property
+    def services(self) -> Engine:
+        return self.turns.services
+
+
+class ValvesHolder(Protocol):
+    """Whose `valves` an adapter's settings are: the Pipe itself, the Tool, or `HeldValves`."""
+
+    valves: SharedValves
+
+
+@dataclass(eq=False)
+class HeldValves:
+    """The settings of a file whose own valves are not session valves (the Filter's are the Tool's
+    saved ones, the Action's the Pipe's or the Tool's): held here, read as saved at each use."""
+
+    valves: SharedValves = field(default_factory=SharedValves)
+
+
+class Adapter:
+    """The part of each Open WebUI file that is the same for all of them: its services, the message's
+    settings and the background loop. A subclass says where its valves are saved (`_read_settings`,
+    `_write_settings`); `holder` is whose `valves` are its settings (None: its own)."""
+
+    valves: SharedValves
+
+    def __init__(self, holder: ValvesHolder | None = None) -> None:
+        self._holder: ValvesHolder = self if holder is None else holder
         # Everything asked of Open WebUI goes through one object (`_host`; a test harness replaces it),
         # which the engine's maintenance asks too.
-        self.maintenance = Maintenance(OpenWebUI(), _PurgeValve(self))
-        self._services: Engine | None = None
-        self._services_key: tuple[Any, ...] | None = None
+        host: Host = OpenWebUI()
+        self.maintenance = Maintenance(host, _PurgeValve(self))
+        self._turns: Turns | None = None
+        self._services_key: tuple[object, ...] | None = None
         self._function_id: str | None = None
         self._background: asyncio.Task[None] | None = None
         # Open WebUI makes the file's instance when it loads the file: from then on this worker serves
@@ -262,52 +320,56 @@ class Adapter:
         serve_uploads(self._host)
 
     @property
-    def _host(self) -> Any:
+    def _host(self) -> Host:
         return self.maintenance.host
 
     @_host.setter
-    def _host(self, host: Any) -> None:
+    def _host(self, host: Host) -> None:
         self.maintenance.host = host
 
     @property
+    def _services(self) -> Engine | None:
+        """The engine this file uses now (None: no message or tick yet)."""
+        return self._turns.services if self._turns is not None else None
+
+    @property
     def settings(self) -> SharedValves:
-        """The session valves in force now (the Pipe's and the Tool's own valves; the Tool's for the
-        Filter)."""
-        valves: SharedValves = self.valves  # the Pipe's and the Tool's own
-        return valves
+        """The session valves in force now (the Pipe's and the Tool's own valves; for the Filter and
+        the Action, the Tool's or the Pipe's as last read)."""
+        return self._holder.valves
 
     @settings.setter
     def settings(self, value: SharedValves) -> None:
-        self.valves = value
+        self._holder.valves = value
 
     async def _read_settings(self) -> dict[str, Any]:
         """The settings as saved now (the background loop is not called by Open WebUI, so it reads
         them); empty when this file does not know its id yet."""
         if not self._function_id:
             return {}
-        stored: dict[str, Any] = await self._host.stored_valves(self._function_id)
-        return stored
+        return await self._host.stored_valves(self._function_id)
 
     async def _write_settings(self, stored: dict[str, Any]) -> None:
         if self._function_id:
             await self._host.store_valves(self._function_id, stored)
 
-    async def _begin(self) -> tuple[Engine, Settings]:
+    async def _begin(self) -> tuple[Turns, Settings]:
         """A message's start, the same in the three files: its settings (built once, here), the
         services for them, the background loop kept running, and a purge the valves ask for run now
         rather than a minute later. Raises webui.Misconfigured for valves it cannot run with."""
         settings = settings_from(self.settings)
-        services = await self._services_for_valves()
+        turns = await self._turns_for_valves()
         self._keep_background_running()
         if settings.purge.strip():
-            await self.maintenance.purge_now(services, settings)
-        return services, settings
+            await self.maintenance.purge_now(turns.services, settings)
+        return turns, settings
 
     # ---- composition --------------------------------------------------------------------------------
 
-    async def _services_for_valves(self) -> Engine:
-        """The store and runner for the current valves (rebuilt only when a valve they are built from
-        changes). The message's settings reach them through `Engine.chat`."""
+    async def _turns_for_valves(self) -> Turns:
+        """The services for the current valves (rebuilt only when a valve they are built from
+        changes). The message's settings travel with each call (`Settings`), not in the services: a
+        Pipe and a Tool with different quotas share them and each enforce their own."""
         valves = self.settings
         places = self._host.locations(valves.storage_root, LOCATION_ID)
         index_url = self._host.index_url(valves.index_database)
@@ -317,31 +379,33 @@ class Adapter:
             str(places.publish_dir),
             valves.runsc_path,
             valves.runsc_platform,
+            valves.kernel_platform,
             valves.network,
             valves.network_namespace,
             valves.kernel,
             valves.warm_start,
         )
-        if self._services is None or key != self._services_key:
-            services = await self._shared_services(key, valves, places, index_url)
-            old, self._services, self._services_key = self._services_key, services, key
+        if self._turns is None or key != self._services_key:
+            turns = await self._shared_services(key, valves, places, index_url)
+            old, self._turns, self._services_key = self._services_key, turns, key
             if old is not None and old != key:
                 await self._release_services(old)
-        return self._services
+        return self._turns
 
     async def _shared_services(
-        self, key: tuple[Any, ...], valves: SharedValves, places: Any, index_url: str
-    ) -> Any:
+        self, key: tuple[object, ...], valves: SharedValves, places: Places, index_url: str
+    ) -> Turns:
         """The services for `key`, made once per process whichever file asks first (a Pipe and a Tool
         with the same storage valves share one store and one set of kernels)."""
         shared = self._host.shared()
         async with _shared_lock(shared):
             entry = shared.get(_in_loop(key))
-            if entry is None:
+            if not isinstance(entry, SharedServices):
                 runner = Runner(
                     RunnerConfig(
                         runsc_path=valves.runsc_path,
                         platform=valves.runsc_platform or None,
+                        kernel_platform=valves.kernel_platform or None,
                         network=valves.network,
                         netns_path=Path(valves.network_namespace) if valves.network_namespace else None,
                     )
@@ -358,30 +422,30 @@ class Adapter:
                 kernels = None
                 if valves.kernel != "fresh":
                     kernels = KernelPool(runner, places.root / "kernels", warm_start=valves.warm_start)
-                entry = shared[_in_loop(key)] = [Engine(store, runner, kernels=kernels), 0]
+                entry = shared[_in_loop(key)] = SharedServices(Turns(Engine(store, runner, kernels=kernels)))
                 if kernels is not None:
                     _save_kernels_before_stop(shared)
-            entry[1] += 1
-            return entry[0]
+            entry.users += 1
+            return entry.turns
 
-    async def _release_services(self, key: tuple[Any, ...]) -> None:
+    async def _release_services(self, key: tuple[object, ...]) -> None:
         """This file no longer uses the services for `key` (a valve changed): the last user closes them."""
         shared = self._host.shared()
         async with _shared_lock(shared):
             entry = shared.get(_in_loop(key))
-            if entry is None:
+            if not isinstance(entry, SharedServices):
                 return
-            entry[1] -= 1
-            if entry[1] > 0:
+            entry.users -= 1
+            if entry.users > 0:
                 return
             del shared[_in_loop(key)]
-        await entry[0].close()
+        await entry.services.close()
 
     async def release(self) -> None:
         """Stop using the services (what the end of the process does; the last user closes them)."""
         self._cancel_background()
         if self._services_key is not None:
-            key, self._services, self._services_key = self._services_key, None, None
+            key, self._turns, self._services_key = self._services_key, None, None
             await self._release_services(key)
 
     def _cancel_background(self) -> None:
@@ -408,8 +472,8 @@ class Adapter:
         stored = await self._read_settings()
         if stored:
             self.settings = type(self.settings)(**{k: v for k, v in stored.items() if v is not None})
-        services = await self._services_for_valves()
-        await self.maintenance.tick(services, settings_from(self.settings))
+        turns = await self._turns_for_valves()
+        await self.maintenance.tick(turns.services, settings_from(self.settings))
 
 
 class _PurgeValve:
@@ -432,22 +496,22 @@ class _PurgeValve:
             await adapter._write_settings({**stored, "purge": ""})
 
 
-def _in_loop(key: tuple[Any, ...]) -> tuple[Any, ...]:
+def _in_loop(key: tuple[object, ...]) -> tuple[object, ...]:
     # Services belong to the event loop they were made in (their tasks, their connections' futures).
     return (id(asyncio.get_running_loop()), *key)
 
 
-def _shared_lock(shared: dict[Any, Any]) -> asyncio.Lock:
+def _shared_lock(shared: dict[object, object]) -> asyncio.Lock:
     """One lock per process and loop: two first messages at once (to any of the files) must not open
     two stores."""
     key = ("lock", id(asyncio.get_running_loop()))
-    lock: asyncio.Lock | None = shared.get(key)
-    if lock is None:
+    lock = shared.get(key)
+    if not isinstance(lock, asyncio.Lock):
         lock = shared[key] = asyncio.Lock()
     return lock
 
 
-def _save_kernels_before_stop(shared: dict[str, Any]) -> None:
+def _save_kernels_before_stop(shared: dict[object, object]) -> None:
     """Open WebUI's server (uvicorn) handles SIGTERM and SIGINT by ending its event loop, which closes
     the kernels' pipes, and then raises the signal again, so no exit handler runs: every kernel would
     die with its state. So the stop signal first saves this process's idle kernels (KernelPool.close:
@@ -471,10 +535,8 @@ def _save_kernels_before_stop(shared: dict[str, Any]) -> None:
             async def save_then_stop() -> None:
                 try:
                     for entry in list(shared.values()):
-                        services = entry[0] if isinstance(entry, list) and entry else None
-                        kernels = getattr(services, "kernels", None)
-                        if kernels is not None:
-                            await kernels.close()
+                        if isinstance(entry, SharedServices) and entry.services.kernels is not None:
+                            await entry.services.kernels.close()
                 except Exception:
                     log.exception("code-sessions: saving the kernels before the stop failed")
                 finally:
@@ -494,40 +556,74 @@ def _save_kernels_before_stop(shared: dict[str, Any]) -> None:
             return
 
 
-def turn_of(host: Any, chat_id: str, message_id: str | None, metadata: dict[str, Any] | None) -> Turn | None:
+def place_of(
+    host: Host,
+    chat_id: str,
+    message_id: str | None,
+    metadata: dict[str, Any] | None,
+    messages: object = None,
+    *,
+    user_id: str = "",
+) -> Place | None:
     """Where the answer Open WebUI is writing is in the chat's conversation (None: the request named
-    no message, as an API call may not: the folder is then the chat's whole)."""
+    no message, as an API call may not: the folder is then the chat's whole). `messages`: the request's
+    messages, when this call has them (None: unknown).
+
+    The web UI names the user message (`user_message`, with its `parentId`), and Open WebUI files the
+    answer under it. An API caller that sends only `chat_id` and the answer's `id` (or `parent_id`
+    alone, which Open WebUI 0.12 drops) gets an answer filed with no parent: the tree then says
+    nothing of where it is. So the place opens the conversation (`Place.opens`) only when the request
+    says so itself: a user message whose `parentId` is null, and no earlier turn in its messages.
+
+    `user_id`: whose chat it is; the place then asks the host, once the answer finds no state in the
+    chat's folder, whether the chat is a clone it may start from (`Place.origin`, engine/clones.py)."""
     if not message_id:
         return None
-    user_message = (metadata or {}).get("user_message")
-    if not isinstance(user_message, dict):
-        user_message = None
+    found = (metadata or {}).get("user_message")
+    user_message: dict[str, Any] | None = found if isinstance(found, dict) else None
     parent = user_message.get("parentId") if user_message is not None else None
+    opens = (
+        user_message is not None
+        and "parentId" in user_message
+        and parent is None
+        and messages is not None
+        and not earlier_turns(messages)
+    )
 
     async def lineage() -> tuple[list[str], bool]:
-        found: tuple[list[str], bool] = await host.message_lineage(chat_id, message_id, user_message)
-        return found
+        return await host.message_lineage(chat_id, message_id, user_message)
 
-    return Turn(message_id, lineage, continues=parent if isinstance(parent, str) and parent else None)
+    async def origin() -> Origin | None:  # the host proves a clone's claim, or drops it (webui/clones.py)
+        return await host.clone_origin(chat_id, user_id)
+
+    continues = parent if isinstance(parent, str) and parent else None
+    return Place(message_id, lineage, continues=continues, opens=opens, origin=origin if user_id else None)
 
 
-class Status:
-    """The message's status line (engine.StatusCall). Open WebUI 0.12 shows a message's last status,
-    and nothing when that one is hidden."""
+def earlier_turns(messages: object) -> bool:
+    """Whether a request's messages carry turns before its last user message (what an API caller
+    sends as the history: the chat's earlier questions and answers). A tool's own calls and results
+    come after the last user message; a system message is not a turn."""
+    if not isinstance(messages, list):
+        return False
+    users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
+    before = messages[: users[-1]] if users else []
+    return any(isinstance(m, dict) and m.get("role") in ("user", "assistant") for m in before)
 
-    def __init__(self, emitter: Any) -> None:
-        self._emit = emitter
-        self._going: str | None = None  # the description of a status still in progress
 
-    async def __call__(self, description: str, done: bool, *, hidden: bool = False) -> None:
-        self._going = None if done else description
-        if self._emit is not None:
-            data: dict[str, Any] = {"description": description, "done": done}
-            if hidden:
-                data["hidden"] = True
-            await self._emit({"type": "status", "data": data})
-
-    async def settle(self) -> None:
-        """The message is over: a status still in progress (a wait for the chat) must not stay."""
-        if self._going is not None:
-            await self(self._going, True, hidden=True)
+def message_of(
+    host: Host,
+    user_id: str,
+    chat_id: str,
+    message_id: str | None,
+    metadata: dict[str, Any] | None,
+    messages: object,
+    files: Sequence[dict[str, Any]] = (),
+    emit: Emit | None = None,
+    request: object = None,
+) -> Message:
+    """One call's message as the engine takes it, from what Open WebUI hands the call: `messages` as
+    the request carries them (None: the call has none; what is not a message is left out)."""
+    listed = [m for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
+    place = place_of(host, chat_id, message_id, metadata, messages, user_id=user_id)
+    return Message(user_id, chat_id, message_id, place, listed, files, emit, request)

@@ -3,26 +3,24 @@
 # (functions/code_sessions_filter.py), which tells the model about the folder, copies the chat's
 # uploads in and turns /mnt/data paths in the answer into links.
 #
-# This file is a thin adapter: its valves are the session valves every file shares, and the settings
-# and services built from them are functions/adapter.py's; the step and the maintenance are engine's.
+# This file only translates: its valves are the session valves every file shares (the settings and
+# services built from them are functions/adapter.py's), and each call is one engine entry
+# (`Turns.run_code`, `Turns.call`: engine/turn.py holds the message's turn across its calls).
 # Open WebUI offers every public method of `Tools` to the model: `run_code` and `upload_link`.
 #
 # No `from __future__` import here: Open WebUI reads run_code's annotations to build its schema, and in
 # the bundle this module's body does not start the file.
 
 import logging
-from collections import OrderedDict
 from typing import Any
 
-from engine import LoopOptions, answer_embed, escape_text, import_uploads, run_step
-from functions.adapter import Adapter, SharedValves, Status, turn_of
-from functions.inbound import upload_link
+from engine import escape_text
+from functions.adapter import Adapter, SharedValves, message_of
+from functions.inbound import upload_link_tool
 from storage import StorageError
 from webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
-
-_MESSAGES = 1000  # answers at once whose charts this worker keeps
 
 
 class Tools:
@@ -44,6 +42,7 @@ class Tools:
         __id__: str | None = None,
         __message_id__: str | None = None,
         __metadata__: dict[str, Any] | None = None,
+        __messages__: list[Any] | None = None,
     ) -> str:
         """
         Run Python or bash in a sandbox. The working directory is /mnt/data, this chat's persistent
@@ -63,6 +62,7 @@ class Tools:
             tool_id=__id__,
             message_id=__message_id__,
             metadata=__metadata__,
+            messages=__messages__,
         )
 
     async def upload_link(
@@ -72,6 +72,9 @@ class Tools:
         __chat_id__: str | None = None,
         __request__: Any = None,
         __id__: str | None = None,
+        __message_id__: str | None = None,
+        __metadata__: dict[str, Any] | None = None,
+        __messages__: list[Any] | None = None,
     ) -> str:
         """
         Make a link the user can upload one file with, straight into /mnt/data at the path you choose
@@ -80,7 +83,14 @@ class Tools:
         :param path: where the file goes, e.g. /mnt/data/export.csv
         """
         return await self._adapter.upload_link(
-            path, user=__user__ or {}, chat_id=__chat_id__ or "", request=__request__, tool_id=__id__
+            path,
+            user=__user__ or {},
+            chat_id=__chat_id__ or "",
+            request=__request__,
+            tool_id=__id__,
+            message_id=__message_id__,
+            metadata=__metadata__,
+            messages=__messages__,
         )
 
 
@@ -88,19 +98,8 @@ class ToolAdapter(Adapter):
     """The Tool's side of the shared adapter: its settings are the Tool's valves, saved with the tool."""
 
     def __init__(self, tool: Tools) -> None:
-        super().__init__()
+        super().__init__(tool)
         self._tool = tool
-        # The charts of the answers being written, by message: each run shows its message's every
-        # chart in one embed (Open WebUI keeps an event's list whole). The oldest go first.
-        self._charts: OrderedDict[tuple[str, str, str], list[str]] = OrderedDict()
-
-    @property
-    def settings(self) -> SharedValves:
-        return self._tool.valves
-
-    @settings.setter
-    def settings(self, value: SharedValves) -> None:
-        self._tool.valves = value
 
     async def _read_settings(self) -> dict[str, Any]:
         return await self._host.stored_tool_valves(self._function_id) if self._function_id else {}
@@ -121,6 +120,7 @@ class ToolAdapter(Adapter):
         tool_id: str | None,
         message_id: str | None = None,
         metadata: dict[str, Any] | None = None,
+        messages: list[Any] | None = None,
     ) -> str:
         """One run for the model: the result it reads, with any sentence about the chat's files."""
         self._function_id = tool_id or self._function_id
@@ -128,65 +128,39 @@ class ToolAdapter(Adapter):
         if not user_id:
             return "Not run: Open WebUI did not say which user this is."
         try:
-            services, settings = await self._begin()
+            turns, settings = await self._begin()
         except Misconfigured as error:
             return f"Not run: Code Sessions is not set up correctly: {error}"
+        message = message_of(self._host, user_id, chat_id, message_id, metadata, messages, files, emitter)
         try:
-            chat = await services.chat(user_id, chat_id, settings)
+            return await turns.run_code(self._host, message, settings, language, code)
         except StorageError as error:
             log.warning("code-sessions: no session for chat %r: %s", chat_id[:80], error)
             return f"Not run: this chat's files are not available right now: {escape_text(str(error))}"
-        status = Status(emitter)
-        # The folder follows the conversation's branches (the Filter's inlet did it before the model was
-        # asked; without the Filter, the answer's first run does): what it says reaches the result.
-        await chat.begin_turn(turn_of(self._host, chat_id, message_id, metadata))
-        # The Filter copies uploads in before the model is asked; without it (or when a file arrives
-        # between two runs of one answer) the Tool does, once each: nothing is copied twice.
-        notes, _ = await import_uploads(chat, self._host, user_id, files, status)
-        step = await run_step(chat, language, code, status)
-        # What the run saved reaches the user at the answer's end (the Filter's outlet): the files the
-        # answer does not name are attached, or named in one line.
-        services.note_saved(user_id, chat_id, step.saved())
-        # The user sees the files (and figures) the answer names: the Filter turns their paths into
-        # links and images, so the result tells the model which paths to write.
-        result = step.for_model(LoopOptions().max_result_chars)
-        if step.figures:
-            result += "\nTo show a figure, write its /mnt/data path in your answer."
-        if step.charts:
-            message = (user_id, chat_id, message_id or "")
-            result += await self._show_charts(services, chat, message, step, emitter)
-        return "".join(_plain(note) for note in notes) + result
 
     async def upload_link(
-        self, path: str, *, user: dict[str, Any], chat_id: str, request: Any, tool_id: str | None
+        self,
+        path: str,
+        *,
+        user: dict[str, Any],
+        chat_id: str,
+        request: object,
+        tool_id: str | None,
+        message_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        messages: list[Any] | None = None,
     ) -> str:
-        """A link the user can upload one file with, into this chat's /mnt/data (functions/inbound.py)."""
+        """A link the user can upload one file with, into this chat's /mnt/data (functions/inbound.py);
+        the file joins the state of the answer that offers it."""
         self._function_id = tool_id or self._function_id
         user_id = str(user.get("id") or "")
         if not user_id:
             return "No upload link: Open WebUI did not say which user this is."
+        message = message_of(self._host, user_id, chat_id, message_id, metadata, messages, request=request)
+        valves = self.settings
+        tool = upload_link_tool(self._host, valves.storage_root, valves.index_database, request)
         try:
-            services, settings = await self._begin()
-            chat = await services.chat(user_id, chat_id, settings)
+            turns, settings = await self._begin()
+            return await turns.call(self._host, message, settings, tool, {"path": path})
         except (Misconfigured, StorageError) as error:
             return f"No upload link: {escape_text(str(error))}"
-        return await upload_link(self._host, services, self.settings, chat, request, path)
-
-
-    async def _show_charts(
-        self, services: Any, chat: Any, message: tuple[str, str, str], step: Any, emitter: Any
-    ) -> str:
-        """Show the message's charts so far as its embed; returns what the model should know of them."""
-        charts = self._charts.setdefault(message, [])
-        self._charts.move_to_end(message)
-        while len(self._charts) > _MESSAGES:
-            self._charts.popitem(last=False)
-        charts.extend(spec for spec, _ in step.charts)
-        embed, unshown = await answer_embed(services, chat, charts)
-        await self._host.embed(embed, emitter)
-        return "".join(f"\n{sentence}" for sentence in unshown)
-
-
-def _plain(note: str) -> str:
-    # The attachment notes are Markdown for an answer (`_..._`); the model reads them as sentences.
-    return note.strip().strip("_") + "\n"

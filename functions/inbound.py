@@ -1,10 +1,11 @@
-"""Files in, for the Pipe, the Tool and the Filter: the upload link the model offers (a tool), the Save to
-Knowledge command the user types, and the upload route every loaded file puts on its worker.
+"""Files in, for the Pipe, the Tool and the Filter: the upload link the model offers (a tool of both the
+Pipe's loop and the Tool) and the upload route every loaded file puts on its worker. (Save to Knowledge
+is a command of the engine's turn: engine/inbound.py.)
 
-The work is engine.Inbound's (checks, sentences) and webui's (the route, Open WebUI's Knowledge API);
-this module only composes them with the process's services. One `Inbound` serves a process; its links
-live where every worker finds them (`OpenWebUI.upload_links_folder`), each naming where its chat's
-files are, so a worker that never ran the chat can still receive its upload.
+The work is engine.Inbound's (checks, sentences) and webui's (the route); this module only composes
+them with the process's services. One `Inbound` serves a process; its links live where every worker
+finds them (`OpenWebUI.upload_links_folder`), each naming where its chat's files are, so a worker that
+never ran the chat can still receive its upload.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from engine import ChatSession, Engine, ExtraTool, Inbound, Settings, save_command
+from engine import ChatSession, Engine, ExtraTool, Host, Inbound, Turns
 from storage import Expiry, Policy, Quotas, Store, UploadLinks
 
-__all__ = ["UPLOAD_LINK_TOOL", "answer_command", "serve_uploads", "upload_link", "upload_link_tool"]
+__all__ = ["UPLOAD_LINK_TOOL", "serve_uploads", "upload_link_tool"]
 
 LOCATION_ID = "code_sessions"  # as functions/adapter.py's: where older /cache copies lived
 
@@ -40,44 +41,31 @@ UPLOAD_LINK_TOOL = {
 }
 
 
-def serve_uploads(host: Any) -> None:
+def serve_uploads(host: Host) -> None:
     """Put the upload route on this worker's Open WebUI app (at each file's load; a no-op outside
     Open WebUI), so a link works in every worker that has loaded one of the files."""
     host.serve_uploads(lambda: _inbound(host))
 
 
-async def answer_command(host: Any, chat: ChatSession, request: Any, text: str) -> str | None:
-    """The sentence for the user's Save to Knowledge command, or None when the message is not one."""
-    parsed = save_command(text)
-    if parsed is None:
-        return None
-    return await _inbound(host).save_to_knowledge(chat, host, request, *parsed)
+def upload_link_tool(host: Host, storage_root: str, index_database: str, request: object) -> ExtraTool:
+    """The upload link as a tool (of the Pipe's loop, and the Tool's `upload_link`): a new link for the
+    model to give the user, or the sentence why not. The file joins the state of the answer that offers
+    the link. `storage_root` and `index_database`: the valves, which the link records for a worker that
+    has no services yet."""
 
-
-async def upload_link(
-    host: Any, services: Engine, valves: Any, chat: ChatSession, request: Any, path: str
-) -> str:
-    """A new upload link for the model to give the user, or the sentence why not."""
-    inbound = _inbound(host)
-    host.serve_uploads(lambda: inbound)
-    settings: Settings = chat.settings
-    made = await inbound.make_link(chat, path, ttl_s=settings.upload_link_s, where=_where(valves, services))
-    if isinstance(made, str):
-        return made
-    url = await host.upload_url(request, made.token)
-    return made.sentence(url, settings.policy.max_file_bytes)
-
-
-def upload_link_tool(
-    host: Any, services: Engine, valves: Any, chat: ChatSession, request: Any
-) -> ExtraTool:
-    """The upload link as a tool of the Pipe's own loop."""
-
-    async def call(arguments: dict[str, Any]) -> str:
+    async def call(chat: ChatSession, arguments: dict[str, Any]) -> str:
         path = arguments.get("path")
         if not isinstance(path, str) or not path.strip():
             return "Missing `path` (a string such as /mnt/data/export.csv)."
-        return await upload_link(host, services, valves, chat, request, path)
+        inbound = _inbound(host)
+        host.serve_uploads(lambda: inbound)
+        settings = chat.settings
+        where = _where(chat, storage_root, index_database)
+        made = await inbound.make_link(chat, path, ttl_s=settings.upload_link_s, where=where)
+        if isinstance(made, str):
+            return made
+        url = await host.upload_url(request, made.token)
+        return made.sentence(url, settings.policy.max_file_bytes)
 
     return ExtraTool(UPLOAD_LINK_TOOL, call)
 
@@ -85,40 +73,62 @@ def upload_link_tool(
 # ---- composition ---------------------------------------------------------------------------------------
 
 
-def _inbound(host: Any) -> Inbound:
+def _inbound(host: Host) -> Inbound:
     shared = host.shared()
-    inbound: Inbound | None = shared.get("code-sessions:inbound")
-    if inbound is None:
+    inbound = shared.get("code-sessions:inbound")
+    if not isinstance(inbound, Inbound):
         links = UploadLinks(host.upload_links_folder())
-        inbound = shared["code-sessions:inbound"] = Inbound(links, lambda where: _store_for(host, where))
+        inbound = shared["code-sessions:inbound"] = Inbound(
+            links,
+            lambda where: _store_for(host, where),
+            chat_exists=lambda user_id, chat_id: _chat_exists(host, user_id, chat_id),
+        )
     return inbound
 
 
-def _where(valves: Any, services: Engine) -> dict[str, Any]:
-    """What a link records about where its chat's files are (for a worker that has no services yet)."""
-    store = services.store
+async def _chat_exists(host: Host, user_id: str, chat_id: str) -> bool:
+    """Whether Open WebUI still has the user's chat. A chat it keeps no row for (a temporary chat, a
+    channel) exists as long as its session does (the store answers that)."""
+    if not host.saves_chat(chat_id):
+        return True
+    owners = await host.chat_owners([chat_id])
+    return owners.get(chat_id) == user_id
+
+
+def _where(chat: ChatSession, storage_root: str, index_database: str) -> dict[str, Any]:
+    """What a link records about where its chat's files are (for a worker that has no services yet),
+    and the quotas of the message that made it."""
+    store = chat.store
     return {
         "root": str(store.root),
-        "storage_root": valves.storage_root,
-        "index": valves.index_database,
+        "storage_root": storage_root,
+        "index": index_database,
         "owner": list(store.owner) if store.owner else None,
-        "quotas": store.policy.quotas.to_dict(),
+        "quotas": chat.settings.policy.quotas.to_dict(),
     }
 
 
-async def _store_for(host: Any, where: dict[str, Any]) -> tuple[Store, Policy]:
+def _engines(shared: dict[object, object]) -> list[Engine]:
+    """The engines of this process (functions/adapter.py's SharedServices hold them)."""
+    return [
+        turns.services
+        for entry in shared.values()
+        if isinstance(turns := getattr(entry, "turns", None), Turns)
+    ]
+
+
+async def _store_for(host: Host, where: dict[str, Any]) -> tuple[Store, Policy]:
     """The store a link names (this process's own, its services', when it has one for that root, else
     one opened for uploads alone) and the quotas the link was made under."""
     root = Path(str(where.get("root") or ""))
     policy = Policy(Quotas(**dict(where.get("quotas") or {})), Expiry())
     shared = host.shared()
-    for entry in list(shared.values()):
-        services = entry[0] if isinstance(entry, list) and entry else None
-        if isinstance(services, Engine) and services.store.root == root:
+    for services in _engines(shared):
+        if services.store.root == root:
             return services.store, policy
     key = ("code-sessions:upload-store", id(asyncio.get_running_loop()), str(root))
-    store: Store | None = shared.get(key)
-    if store is None:
+    store = shared.get(key)
+    if not isinstance(store, Store):
         places = host.locations(str(where.get("storage_root") or ""), LOCATION_ID)
         owner = where.get("owner")
         store = Store(

@@ -147,10 +147,12 @@ async def attach(
     user_id: str,
     items: Iterable[dict[str, Any]],
     inline_urls: Collection[str] = (),
+    replacing: Collection[str] = (),
 ) -> list[dict[str, Any]] | None:
     """Link the answer's files to the chat (shared-chat readers may then fetch them), and to the
     message as attachments, each once, except the images the text shows inline (`inline_urls`: as
-    attachments they would show twice). Returns the message's full list of files, for the UI."""
+    attachments they would show twice); the attachments whose ids are in `replacing` go (copies these
+    replace). Returns the message's full list of files, for the UI."""
     from open_webui.models.chats import Chats
 
     items = list(items)
@@ -159,8 +161,13 @@ async def attach(
     ids = [item["id"] for item in items]
     await Chats.insert_chat_files(chat_id=chat_id, message_id=message_id, file_ids=ids, user_id=user_id)
     message = await Chats.get_message_by_id_and_message_id(chat_id, message_id) or {}
-    already = {f.get("id") for f in message.get("files") or [] if isinstance(f, dict)}
+    listed = [f for f in message.get("files") or [] if isinstance(f, dict)]
+    already = {f.get("id") for f in listed}
     new = [item for item in items if item["id"] not in already and item["url"] not in inline_urls]
+    if replacing and any(f.get("id") in replacing for f in listed):
+        kept = [f for f in listed if f.get("id") not in replacing] + new
+        await Chats.upsert_message_to_chat_by_id_and_message_id(chat_id, message_id, {"files": kept})
+        return kept
     if not new:
         return None
     files: list[dict[str, Any]] | None = await Chats.add_message_files_by_id_and_message_id(

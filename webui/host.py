@@ -1,8 +1,10 @@
 """The Open WebUI host: locations, users, the base models, uploads, valves, which chats exist.
 
-Every method is one question to Open WebUI 0.12 (see /work/notes or docs/architecture.md for the
-facts each relies on). A test harness replaces the whole object with its own stand-in, so nothing
-else in the function reaches into Open WebUI.
+Every method is one question to Open WebUI 0.12 (docs/architecture.md lists the facts each relies
+on). `OpenWebUI` implements engine.Host, the one protocol of what the function asks of its host (webui
+does not import the engine: mypy checks the fit where functions/adapter.py makes it). A test harness
+replaces the whole object with its own stand-in, so nothing else in the function reaches into Open
+WebUI.
 """
 
 from __future__ import annotations
@@ -13,17 +15,19 @@ import mimetypes
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from storage import Link, Publisher, is_postgres_url
 
+from .assets import publish, register_asset_route
+from .clones import CloneSource, clone_source
 from .files import FilesPublisher, attach, attachment_item
-from .knowledge import save_to_knowledge
+from .knowledge import knowledge_bases, save_to_knowledge
 from .uploads import UploadReceiver, register_upload_route, upload_url
 
 log = logging.getLogger("code_sessions.function")
 
-__all__ = ["Locations", "Misconfigured", "OpenWebUI"]
+__all__ = ["CloneSource", "Locations", "Misconfigured", "OpenWebUI"]
 
 # Ids per IN (...) query: well under every database's limit on bound parameters.
 _ID_CHUNK = 500
@@ -31,7 +35,7 @@ _ID_CHUNK = 500
 _MAX_LINEAGE = 100_000
 
 # What the files of one bundle version share in this process (see `OpenWebUI.shared`).
-_PROCESS: dict[str, Any] = {}
+_PROCESS: dict[object, object] = {}
 
 
 # Open WebUI's chat ids: a temporary chat has none or one of these prefixes, and a channel's messages
@@ -46,6 +50,16 @@ def _saved_chat(chat_id: str) -> bool:
 
 def _content_type(name: str) -> str:
     return mimetypes.guess_type(name, strict=False)[0] or "application/octet-stream"
+
+
+class Embed(Protocol):
+    """An embed that loads plotly.js from Open WebUI (engine.ChartEmbed): the file it needs served, and
+    its HTML once that file has a URL."""
+
+    @property
+    def script(self) -> Path: ...
+
+    def html(self, script_url: str) -> str: ...
 
 
 class Misconfigured(ValueError):
@@ -73,7 +87,7 @@ class OpenWebUI:
             raise Misconfigured(f"storage_root {root} is inside {cache}, which any logged-in user can read")
         return Locations(root, cache / "functions" / function_id, f"/cache/functions/{function_id}/")
 
-    def shared(self) -> dict[str, Any]:
+    def shared(self) -> dict[object, object]:
         """A dict every file of this bundle version sees in this process: Open WebUI loads the Pipe,
         the Tool and the Filter as three modules, but their embedded packages are one (see
         tools/bundle.py), so their services can be too."""
@@ -100,7 +114,7 @@ class OpenWebUI:
 
         return DATABASE_URL if is_postgres_url(DATABASE_URL) else ""
 
-    def publisher(self, places: Locations) -> Publisher:
+    def publisher(self, places: object) -> Publisher:
         """Where published copies go: Open WebUI's Files API (owner, admins and shared-chat readers
         only). Copies made earlier under /cache keep their own publisher (see storage.publishing)."""
         return FilesPublisher()
@@ -118,17 +132,40 @@ class OpenWebUI:
         """Whether a message of this chat can hold attachments (a saved chat's message)."""
         return bool(message_id) and _saved_chat(chat_id)
 
-    async def embed(self, html: str | None, emit: Callable[[dict[str, Any]], Awaitable[None]] | None) -> None:
-        """Show `html` in the message as Open WebUI's embed: a sandboxed iframe above the answer's
-        text, saved with the message of a saved chat (socket/main.py). The message's only embed, sent
-        whole each time: the page keeps the list of the latest event, and the database, told to
-        `replace`, keeps the same."""
-        if html is None or emit is None:
+    async def embed(
+        self, embed: Embed | None, emit: Callable[[dict[str, Any]], Awaitable[None]] | None
+    ) -> None:
+        """Show `embed` in the message as Open WebUI's embed: a sandboxed iframe above the answer's
+        text, saved with the message of a saved chat (socket/main.py). Its plotly.js is served by this
+        worker's route (webui/assets.py), published first. The message's only embed, sent whole each
+        time: the page keeps the list of the latest event, and the database, told to `replace`, keeps
+        the same."""
+        if embed is None or emit is None:
             return
         try:
+            self._serve_assets()
+            url = await asyncio.to_thread(publish, self.assets_folder(), embed.script)
+            html = await asyncio.to_thread(embed.html, url)
             await emit({"type": "embeds", "data": {"embeds": [html], "replace": True}})
         except Exception as error:  # the static pictures and the files stay
             log.warning("code-sessions: could not show the charts: %s", error)
+
+    def assets_folder(self) -> Path:
+        """Where the plotly.js the charts load is published: one place under Open WebUI's data folder,
+        the same for every worker (and replica sharing DATA_DIR)."""
+        from open_webui.env import DATA_DIR
+
+        return Path(DATA_DIR) / "code_sessions_assets"
+
+    def _serve_assets(self) -> bool:
+        """Put the plotly.js route on this process's Open WebUI app (once). False: no app here."""
+        import sys
+
+        app = getattr(sys.modules.get("open_webui.main"), "app", None)
+        if app is None:
+            return False
+        register_asset_route(app, self.assets_folder())
+        return True
 
     async def attach(
         self,
@@ -139,30 +176,34 @@ class OpenWebUI:
         emit: Callable[[dict[str, Any]], Awaitable[None]] | None,
         *,
         inline_urls: Collection[str] = (),
+        replacing: Collection[str] = (),
     ) -> None:
         """Show the answer's files as attachments of its message (each once), and link them to the
         chat so the people it is shared with can open them. `inline_urls`: the images the text shows
-        inline, linked to the chat but not shown again as attachments. Temporary chats have no
-        message to attach to: their links still work for their owner."""
+        inline, linked to the chat but not shown again as attachments; `replacing`: the ids of copies
+        these replace (an export made again), taken off the message. Temporary chats have no message to
+        attach to: their links still work for their owner."""
         if not links or not message_id or not self.can_attach(chat_id, message_id):
             return
         items = [
             attachment_item(link, _content_type(link.name)) for link in links if link.url.startswith("/api/")
         ]
         try:
-            files = await attach(chat_id, message_id, user_id, items, inline_urls)
+            files = await attach(chat_id, message_id, user_id, items, inline_urls, replacing)
         except Exception as error:  # the links in the text work anyway
             log.warning("code-sessions: could not attach the files to message %s: %s", message_id, error)
             return
         if files and emit is not None:
             await emit({"type": "chat:message:files", "data": {"files": files}})
 
-    async def user(self, user_id: str) -> Any:
+    async def user(self, user_id: str) -> object:
         from open_webui.models.users import Users
 
         return await Users.get_user_by_id(user_id)
 
-    async def call_model(self, request: Any, user: Any, form: dict[str, Any], *, stream: bool) -> Any:
+    async def call_model(
+        self, request: object, user: object, form: dict[str, Any], *, stream: bool
+    ) -> object:
         from open_webui.utils.chat import generate_chat_completion
 
         # The admin chose these base models for this function: access to the function is what is checked.
@@ -274,8 +315,9 @@ class OpenWebUI:
         return Path(DATA_DIR) / "code_sessions_upload_links"
 
     def serve_uploads(self, receiver: Callable[[], UploadReceiver]) -> bool:
-        """Put the upload route on this process's Open WebUI app (once; the latest receiver serves).
-        False when there is no app to put it on (not inside Open WebUI: `receiver` is not called)."""
+        """Put the upload route, and the route of the charts' plotly.js, on this process's Open WebUI
+        app (once; the latest receiver serves). False when there is no app to put them on (not inside
+        Open WebUI: `receiver` is not called)."""
         import sys
 
         main = sys.modules.get("open_webui.main")
@@ -283,9 +325,10 @@ class OpenWebUI:
         if app is None:
             return False
         register_upload_route(app, receiver())
+        self._serve_assets()
         return True
 
-    async def upload_url(self, request: Any, token: str) -> str:
+    async def upload_url(self, request: object, token: str) -> str:
         """The link as the user reaches Open WebUI: its configured WEBUI_URL, else the address this
         message's request came to."""
         from open_webui.models.config import Config
@@ -295,9 +338,32 @@ class OpenWebUI:
             base = str(getattr(request, "base_url", "") or "")
         return upload_url(base or "/", token)
 
-    async def save_to_knowledge(self, request: Any, user_id: str, target: str, name: str, data: bytes) -> str:
-        """engine.KnowledgeHost: through Open WebUI's Knowledge API and its access checks."""
+    async def save_to_knowledge(
+        self, request: object, user_id: str, target: str, name: str, data: bytes
+    ) -> str:
+        """engine.Host.save_to_knowledge: through Open WebUI's Knowledge API and its access checks."""
         return await save_to_knowledge(request, user_id, target, name, data)
+
+    async def clone_origin(self, chat_id: str, user_id: str) -> CloneSource | None:
+        """Whether the user's chat is a clone, and of what, proved by Open WebUI's own access rules
+        (webui/clones.py); None: not a clone, or not one of a chat the user may read."""
+        if not _saved_chat(chat_id):
+            return None
+        return await clone_source(chat_id, user_id)
+
+    async def chat_messages(self, chat_id: str) -> tuple[str, dict[str, dict[str, Any]]]:
+        """The saved chat's title and its messages by id (Open WebUI's tree, never a request's copy)."""
+        from open_webui.models.chats import Chats
+
+        chat = await Chats.get_chat_by_id(chat_id)
+        if chat is None:
+            return "", {}
+        messages = await Chats.get_messages_map_by_chat_id(chat_id) or {}
+        return str(chat.title or ""), {k: v for k, v in messages.items() if isinstance(v, dict)}
+
+    async def knowledge_bases(self, user_id: str) -> list[tuple[str, str]]:
+        """engine.Host.knowledge_bases: the bases Open WebUI lets the user add to."""
+        return await knowledge_bases(user_id)
 
     async def chat_owners(self, chat_ids: Sequence[str]) -> dict[str, str]:
         """{chat id: owner's user id} for those of these chats that exist: one query per 500 ids.

@@ -20,7 +20,7 @@ from storage import human_bytes
 
 log = logging.getLogger("code_sessions.function")
 
-__all__ = ["save_to_knowledge"]
+__all__ = ["knowledge_bases", "save_to_knowledge"]
 
 # Pages of the user's Knowledge bases looked through for a name (30 per page in Open WebUI 0.12).
 _MAX_PAGES = 20
@@ -28,7 +28,8 @@ _LISTED = 10
 
 
 async def save_to_knowledge(request: Any, user_id: str, target: str, name: str, data: bytes) -> str:
-    """See engine.KnowledgeHost. `request` is the message's (Open WebUI's processing reads its app)."""
+    """See engine.Host.save_to_knowledge. `request`: the message's (Open WebUI's processing reads its
+    app)."""
     from open_webui.internal.db import get_async_db
     from open_webui.models.users import Users
 
@@ -59,6 +60,19 @@ async def save_to_knowledge(request: Any, user_id: str, target: str, name: str, 
     if not base.write_access and user.role != "admin":
         return f"Not saved: you may read the Knowledge base {_quoted(base.name)} but not add to it."
     return await _add(request, user, base, name, data)
+
+
+async def knowledge_bases(user_id: str) -> list[tuple[str, str]]:
+    """(id, name) of the bases the user may add to: Open WebUI's own listing and its `write_access`."""
+    from open_webui.internal.db import get_async_db
+    from open_webui.models.users import Users
+
+    user = await Users.get_user_by_id(user_id)
+    if user is None:
+        return []
+    async with get_async_db() as db:
+        bases = await _bases(user, db)
+    return [(str(base.id), str(base.name)) for base in bases if base.write_access]
 
 
 async def _bases(user: Any, db: Any) -> list[Any]:

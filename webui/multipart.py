@@ -1,10 +1,12 @@
 """The file part of a multipart/form-data body, read as it streams (the upload link's POST).
 
-The sender is anyone holding the link, so the body is hostile: the boundary is validated, headers are
-bounded, parts other than the file are skipped within a bound, and a body that ends before the file's
-closing delimiter is refused (the file is then incomplete, and nothing is saved). Data is handed on
-as it comes, holding back only what could be the start of the delimiter, so memory stays bounded
-whatever the file's size.
+The sender is anyone holding the link, so the body is hostile: the boundary is validated; each part's
+header block is at most 16 KiB, whether it arrives in pieces or whole; everything before the file's
+data (a preamble, other fields with their headers, delimiters, the file part's own headers) is at
+most 1 MiB, however it is cut into parts; and a body that ends before the file's closing delimiter is
+refused (the file is then incomplete, and nothing is saved). Data is handed on as it comes, holding
+back only what could be the start of the delimiter, so memory stays bounded whatever the file's size,
+and each byte is looked at a bounded number of times (the reader runs on the event loop).
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ __all__ = ["MultipartError", "MultipartFile", "boundary_of"]
 
 # RFC 2046: 1 to 70 characters of this set (we also take the common quoted form).
 _BOUNDARY = re.compile(r"[0-9A-Za-z'()+_,./:=?-]{1,70}")
-_MAX_HEADERS = 16 * 1024  # one part's header block
-_MAX_SKIPPED = 1024 * 1024  # bytes of other fields before the file
+_MAX_HEADERS = 16 * 1024  # one part's header block (and a line after a delimiter)
+_MAX_SKIPPED = 1024 * 1024  # bytes of the body before the file's data
 _FIELD = "file"
 
 
@@ -51,7 +53,8 @@ class MultipartFile:
         self._delimiter = b"\r\n--" + boundary
         self._buffer = b"\r\n"  # the first delimiter has no CRLF before it: make it look like the others
         self._state = "preamble"
-        self._skipped = 0
+        self._skipped = 0  # bytes of the body before the file's data
+        self._searched = 0  # of an unterminated header block, how far it was searched already
         self._in_file = False
         self.filename: str | None = None
         self.done = False
@@ -59,57 +62,71 @@ class MultipartFile:
     def feed(self, chunk: bytes) -> list[bytes]:
         if self.done:
             return []
-        self._buffer += chunk
+        # What is held back from the last feed is short (at most a header block): join, then read on
+        # by position, so that a chunk of many small parts is not copied again for each of them.
+        data = self._buffer + chunk if self._buffer else chunk
         out: list[bytes] = []
+        at = self._read(data, out)
+        self._buffer = b"" if self.done else data[at:]
+        return out
+
+    def _read(self, data: bytes, out: list[bytes]) -> int:
+        """Read `data` from the start: the file's bytes into `out`; returns where reading stopped."""
+        delimiter, pos = self._delimiter, 0
         while True:
             if self._state == "preamble":
-                at = self._buffer.find(self._delimiter)
+                at = data.find(delimiter, pos)
                 if at < 0:
-                    self._skip(len(self._buffer) - len(self._delimiter))
-                    return out
-                self._buffer = self._buffer[at + len(self._delimiter) :]
+                    # Keep what could be the start of a delimiter split across chunks.
+                    rest = max(pos, len(data) - len(delimiter) + 1)
+                    self._skip(rest - pos)
+                    return rest
+                self._skip(at + len(delimiter) - pos)
+                pos = at + len(delimiter)
                 self._state = "after_delimiter"
             if self._state == "after_delimiter":
-                if len(self._buffer) < 2:
-                    return out
-                if self._buffer.startswith(b"--"):
+                if len(data) - pos < 2:
+                    return pos
+                if data.startswith(b"--", pos):
                     raise MultipartError("The form has no field named file: nothing was uploaded.")
-                end = self._buffer.find(b"\r\n")
+                end = data.find(b"\r\n", pos)
+                if (end < 0 and len(data) - pos > _MAX_HEADERS) or end - pos > _MAX_HEADERS:
+                    raise MultipartError(
+                        "The multipart body is malformed (a line after a delimiter is too long)."
+                    )
                 if end < 0:
-                    self._skip_bounded(len(self._buffer), "a line after a delimiter")
-                    return out
-                if self._buffer[:end].strip(b" \t"):
+                    return pos
+                if data[pos:end].strip(b" \t"):
                     raise MultipartError("The multipart body is malformed (text after a delimiter).")
-                self._buffer = self._buffer[end + 2 :]
-                self._state = "headers"
+                self._skip(end + 2 - pos)
+                pos = end + 2
+                self._state, self._searched = "headers", 0
             if self._state == "headers":
-                end = self._buffer.find(b"\r\n\r\n")
+                # An unterminated block arrives in pieces: search only what is new (and 3 bytes before).
+                end = data.find(b"\r\n\r\n", max(pos, pos + self._searched - 3))
+                if (end < 0 and len(data) - pos > _MAX_HEADERS) or end - pos > _MAX_HEADERS:
+                    raise MultipartError("A part of the multipart body has too many headers.")
                 if end < 0:
-                    if len(self._buffer) > _MAX_HEADERS:
-                        raise MultipartError("A part of the multipart body has too many headers.")
-                    return out
-                headers, self._buffer = self._buffer[:end], self._buffer[end + 4 :]
-                name, filename = _disposition(headers)
+                    self._searched = len(data) - pos
+                    return pos
+                name, filename = _disposition(data[pos:end])
+                self._skip(end + 4 - pos)
+                pos = end + 4
                 self._in_file = name == _FIELD
                 if self._in_file:
                     self.filename = filename
                 self._state = "body"
             if self._state == "body":
-                at = self._buffer.find(self._delimiter)
+                at = data.find(delimiter, pos)
                 if at < 0:
-                    # Keep what could be the start of a delimiter split across chunks.
-                    keep = len(self._delimiter) - 1
-                    ready = len(self._buffer) - keep
-                    if ready > 0:
-                        self._take(self._buffer[:ready], out)
-                        self._buffer = self._buffer[ready:]
-                    return out
-                self._take(self._buffer[:at], out)
-                self._buffer = self._buffer[at + len(self._delimiter) :]
+                    ready = max(pos, len(data) - len(delimiter) + 1)
+                    self._take(data[pos:ready], out)
+                    return ready
+                self._take(data[pos:at], out)
+                pos = at + len(delimiter)
                 if self._in_file:
                     self.done = True
-                    self._buffer = b""
-                    return out
+                    return pos
                 self._state = "after_delimiter"
 
     def _take(self, data: bytes, out: list[bytes]) -> None:
@@ -121,17 +138,10 @@ class MultipartFile:
             self._skip(len(data))
 
     def _skip(self, count: int) -> None:
-        if count <= 0:
-            return
+        """`count` more bytes of the body passed before the file's data."""
         self._skipped += count
         if self._skipped > _MAX_SKIPPED:
             raise MultipartError("The form's first megabyte holds no field named file: nothing was uploaded.")
-        if self._state == "preamble":
-            self._buffer = self._buffer[count:]
-
-    def _skip_bounded(self, size: int, what: str) -> None:
-        if size > _MAX_HEADERS:
-            raise MultipartError(f"The multipart body is malformed ({what} is too long).")
 
 
 def _disposition(headers: bytes) -> tuple[str | None, str | None]:

@@ -4,14 +4,17 @@ Open WebUI (0.12.4) has no hook for a function's own HTTP routes, so the route i
 its FastAPI app's routes (before the web UI's catch-all), once per worker process, by whichever Code
 Sessions file that process loads first; a newer version's receiver replaces the older one's. Each
 uvicorn worker loads functions lazily, so a worker has the route once it has loaded one of the files
-(see docs/security.md, "Upload links", for the Event file that loads them in every worker at start).
+(with several workers, ENABLE_BASE_MODELS_CACHE=true makes each load them at start: docs/operations.md,
+"Scaling out").
 
 The token in the URL is the credential: the link works from a browser or another system without a
 login. A request that does carry an Open WebUI login (a bearer token, an API key or the browser's
 cookie) must be the chat's owner's: another user's login never helps, and is refused before the link
-is touched. The body is read as it streams (webui/multipart.py); the storage checks the per-file limit
-and the quota as it arrives, and a refusal is a sentence (JSON `detail`, or a small page for a
-browser). A refused upload's remaining body is read and dropped, so the sender gets the sentence
+is touched. A link whose chat is gone (deleted in Open WebUI, purged, expired) answers as a dead
+link (410) and creates nothing: neither the chat's folder nor its index row is made again for it.
+The body is read as it streams (webui/multipart.py); the storage checks the per-file limit and the
+quota as it arrives, and a refusal is a sentence (JSON `detail`, or a small page for a browser). A
+refused upload's remaining body is read and dropped, so the sender gets the sentence
 rather than a broken connection.
 """
 
@@ -30,6 +33,7 @@ from storage import (
     InvalidPath,
     LinkRefused,
     QuotaExceeded,
+    SessionGone,
     StorageBusy,
     StorageError,
     UploadGrant,
@@ -39,7 +43,7 @@ from .multipart import MultipartError, MultipartFile, boundary_of
 
 log = logging.getLogger("code_sessions.function")
 
-__all__ = ["ROUTE", "UploadReceiver", "receive_body", "register_upload_route", "upload_url"]
+__all__ = ["ROUTE", "UploadReceiver", "receive_body", "receive_upload", "register_upload_route", "upload_url"]
 
 ROUTE = "/code-sessions/upload/{token}"
 _PREFIX = ROUTE.split("{", 1)[0]
@@ -85,6 +89,8 @@ async def _endpoint(request: Any) -> Any:
         grant = await receiver.peek(token)
     except LinkRefused as refused:
         return _answer(request, browser, 404 if refused.kind == "unknown" else 410, str(refused))
+    except StorageError as error:  # the link is not used up: the sender may try again
+        return _answer(request, browser, _status(error), _sentence(error))
     refusal = await _foreign_login(request, grant.user_id)
     if refusal is not None:
         return _answer(request, browser, 403, refusal)
@@ -94,20 +100,31 @@ async def _endpoint(request: Any) -> Any:
 
 
 async def _receive(request: Any, receiver: UploadReceiver, token: str, browser: bool) -> Any:
+    status, sentence, extra = await receive_upload(
+        receiver, token, request.headers.get("content-type", ""), request.stream()
+    )
+    return _answer(request, browser, status, sentence, **extra)
+
+
+async def receive_upload(
+    receiver: UploadReceiver, token: str, content_type: str, stream: AsyncIterator[bytes]
+) -> tuple[int, str, dict[str, Any]]:
+    """An upload link's POST once the link and the login were checked: (HTTP status, the sentence,
+    what else the JSON answer holds). Reads the body as it streams (`stream`), to its end whatever
+    happens, so the sender gets the answer."""
     try:
-        parser = MultipartFile(boundary_of(request.headers.get("content-type", "")))
+        parser = MultipartFile(boundary_of(content_type))
     except MultipartError as error:
-        return _answer(request, browser, 400, str(error))
+        return 400, str(error), {}
     try:
         grant = await receiver.claim(token)  # from here on the link is used, whatever follows
     except LinkRefused as refused:
-        return _answer(request, browser, 410, str(refused))
-    stream = request.stream()
+        return 410, str(refused), {}
     try:
         incoming = await receiver.begin(grant)
     except StorageError as error:
         await _drain(stream)
-        return _answer(request, browser, _status(error), _sentence(error))
+        return _status(error), _sentence(error), {}
     try:
         await receive_body(parser, incoming, stream)
         said = await receiver.finish(grant, incoming)
@@ -115,14 +132,14 @@ async def _receive(request: Any, receiver: UploadReceiver, token: str, browser: 
         await incoming.discard()
         await _drain(stream)
         if isinstance(error, MultipartError):
-            return _answer(request, browser, 400, str(error))
-        return _answer(request, browser, _status(error), _sentence(error))
+            return 400, str(error), {}
+        return _status(error), _sentence(error), {}
     except BaseException:
         await incoming.discard()
         raise
     await _drain(stream)
     log.info("code-sessions: upload link: %d bytes into chat %r", incoming.received, grant.chat_id[:80])
-    return _answer(request, browser, 201, said, path=f"/mnt/data/{grant.path}", size=incoming.received)
+    return 201, said, {"path": f"/mnt/data/{grant.path}", "size": incoming.received}
 
 
 async def receive_body(parser: MultipartFile, incoming: Incoming, chunks: AsyncIterator[bytes]) -> None:
@@ -183,6 +200,8 @@ async def _foreign_login(request: Any, owner_id: str) -> str | None:
 
 
 def _status(error: StorageError) -> int:
+    if isinstance(error, LinkRefused | SessionGone):  # the chat went while the file arrived
+        return 410
     if isinstance(error, QuotaExceeded):
         return 413
     if isinstance(error, FileExists):
@@ -198,7 +217,7 @@ def _status(error: StorageError) -> int:
 
 def _sentence(error: StorageError) -> str:
     text = str(error)
-    if isinstance(error, QuotaExceeded | DiskFull):
+    if isinstance(error, QuotaExceeded | DiskFull | LinkRefused | SessionGone):
         return text
     return f"The upload was not saved: {text}."
 

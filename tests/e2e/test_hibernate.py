@@ -1,6 +1,6 @@
 """A chat's Python state outlives its kernel process, through a real Open WebUI 0.12.4, the bundled
 function, a scripted model and real gVisor: a variable and a DataFrame of more than 50 MB set in turn 1
-are read in turn 2 after the kernel idled past kernel_idle_minutes=1, with max_kernels=1 and two chats
+are read in turn 2 after the kernel idled past kernel_idle_minutes=0.25, with max_kernels=1 and two chats
 taking turns, and after an Open WebUI restart. A worker SIGKILLed mid-run loses the state, says so, and
 loses no file."""
 
@@ -62,7 +62,7 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model_server: str):
     with running_open_webui(tmp_path_factory.mktemp("hibernate"), model_server, []) as started:
-        started.set_valves(kernel_idle_minutes=1, max_kernels=1, timeout_seconds=60)
+        started.set_valves(kernel_idle_minutes=0.25, max_kernels=1, timeout_seconds=60)
         yield started
 
 

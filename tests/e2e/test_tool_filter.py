@@ -30,6 +30,7 @@ from tests.support.open_webui import (
     Reply,
     message_text,
     running_open_webui,
+    saved_answer,
     say_streamed,
 )
 
@@ -116,8 +117,24 @@ def tool_results(account: Account, reply: Reply) -> list[str]:
     ]
 
 
+Deleted = tuple[Path, str, float]
+
+
 @pytest.fixture(scope="module")
-def first(server: OpenWebUI) -> Reply:
+def deleted(server: OpenWebUI) -> Deleted:
+    """A chat with a linked file, deleted in Open WebUI before the module's other tests: its files go
+    after two looks a background minute apart, which then pass while the other tests run."""
+    bob = server.accounts["bob"]
+    reply = say(bob, run("open('/mnt/data/doomed.txt', 'w').write('d')", "Doomed: /mnt/data/doomed.txt"))
+    [link] = set(reply.links())
+    folder = server.sessions_root / "sessions" / id_key(bob.user_id) / id_key(reply.chat_id)
+    assert folder.is_dir() and bob.download(link).status_code == 200
+    assert bob.delete(f"/api/v1/chats/{reply.chat_id}").status_code == 200
+    return folder, link.split("/")[4], time.monotonic()
+
+
+@pytest.fixture(scope="module")
+def first(server: OpenWebUI, deleted: Deleted) -> Reply:
     return say(
         server.admin,
         run(
@@ -163,7 +180,8 @@ def test_the_answer_was_linked_as_it_streamed_and_its_file_attached(server: Open
     # the table's preview after it (Open WebUI keeps what streamed as `originalContent`).
     streamed = message["originalContent"]
     assert LINK.search(streamed), message
-    assert message_text(message).startswith(streamed + "\n\n_Preview · 2 rows, 2 columns_"), message
+    preview = "\n\n_Preview · 2 rows, 2 columns (name: text, score: int)_"
+    assert message_text(message).startswith(streamed + preview), message
     files = message.get("files") or []
     assert [f["name"] for f in files] == ["report.csv"], files
     assert files[0]["url"] == first.links()[0]
@@ -200,7 +218,7 @@ def test_the_tool_shows_a_table_preview_and_an_interactive_chart(
     )
     reply = say(server.admin, run(source, "The sales: /mnt/data/sales.csv"))
     # The Filter's outlet puts the preview after the answer's text; the Tool's run showed the chart.
-    assert "_Preview · 2 rows, 2 columns_" in reply.content, reply.content
+    assert "_Preview · 2 rows, 2 columns (region: text, sales: text)_" in reply.content, reply.content
     messages = server.admin.get(f"/api/v1/chats/{reply.chat_id}").json()["chat"]["history"]["messages"]
     assert len(messages[reply.message_id]["embeds"]) == 1
     [result] = tool_results(server.admin, reply)
@@ -282,23 +300,6 @@ def test_a_user_the_tool_is_not_shared_with_gets_nothing_from_the_filter(server:
         server.admin.post(update, {"access_grants": EVERYONE}).raise_for_status()
 
 
-def test_a_deleted_chats_files_go(server: OpenWebUI):
-    bob = server.accounts["bob"]
-    reply = say(bob, run("open('/mnt/data/doomed.txt', 'w').write('d')", "Doomed: /mnt/data/doomed.txt"))
-    [link] = set(reply.links())
-    folder = server.sessions_root / "sessions" / id_key(bob.user_id) / id_key(reply.chat_id)
-    assert folder.is_dir() and bob.download(link).status_code == 200
-    assert bob.delete(f"/api/v1/chats/{reply.chat_id}").status_code == 200
-    started = time.monotonic()
-    file_id = link.split("/")[4]
-    while time.monotonic() - started < 200:
-        if not folder.exists() and server.admin.get(f"/api/v1/files/{file_id}").status_code == 404:
-            break
-        time.sleep(5)
-    assert not folder.exists(), f"still there after {time.monotonic() - started:.0f} s"
-    assert server.admin.get(f"/api/v1/files/{file_id}").status_code == 404
-
-
 def test_the_same_chat_continued_through_the_pipe_sees_the_files_and_the_state(
     server: OpenWebUI, first: Reply
 ):
@@ -312,3 +313,56 @@ def test_the_same_chat_continued_through_the_pipe_sees_the_files_and_the_state(
     # And back to the Tool: what the Pipe's run defined is there.
     back = say(server.admin, run("print('back', total + from_pipe)", "ok"), previous=through_pipe)
     assert any("back 13" in r for r in tool_results(server.admin, back)), tool_results(server.admin, back)
+
+
+def test_an_api_callers_chat_keeps_its_files_and_variables_through_the_tool(server: OpenWebUI):
+    """A script calling the completions API for a model with the Tool (streamed with a session_id, as
+    native tool calls need; no parent_id or user_message): Open WebUI files each answer with no parent,
+    and each turn goes on from the chat's files and kernel."""
+    admin = server.admin
+    chat_id = admin.post("/api/v1/chats/new", {"chat": {}}).json()["id"]
+    history: list[dict] = []
+    results = []
+    write = run("open('/mnt/data/a.txt', 'w').write('kept')\nx = 41", "ok")
+    turns = (write, run("print(open('a.txt').read(), x + 1)"))
+    for text in turns:
+        answer_id = str(uuid.uuid4())
+        payload = {
+            "model": TOOLS_MODEL,
+            "messages": [*history, {"role": "user", "content": text}],
+            "chat_id": chat_id,
+            "id": answer_id,
+            "stream": True,
+            "session_id": f"test-{uuid.uuid4().hex[:8]}",
+            "tool_ids": [TOOL_ID],
+        }
+        response = admin.post("/api/chat/completions", payload)
+        assert response.status_code == 200, response.text
+        content = saved_answer(admin, chat_id, answer_id)
+        history += [{"role": "user", "content": text}, {"role": "assistant", "content": content}]
+        results.append(tool_results(admin, Reply(chat_id, answer_id, content, history)))
+    assert "kept 42" in results[1][0] and "Started again" not in results[1][0], results
+
+
+def test_a_clone_of_a_tool_chat_starts_from_its_files_and_variables(server: OpenWebUI) -> None:
+    # Issue 35, the Tool and the Filter's form: the Filter's inlet starts the clone before the model runs.
+    admin = server.admin
+    first = say(admin, run("open('/mnt/data/report.csv', 'w').write('r')\ntotal = 8"))
+    fork = admin.post(f"/api/v1/chats/{first.chat_id}/fork", {"message_id": first.message_id})
+    assert fork.status_code == 200, fork.text
+    at_first = Reply(fork.json()["id"], first.message_id, "", first.history)
+    seen = say(admin, run("import os\nprint('total', total, sorted(os.listdir('/mnt/data')))"), at_first)
+    [result] = tool_results(admin, seen)
+    assert "total 8 ['report.csv']" in result, result
+    assert result.count("Python state of the chat it was cloned from") == 1, result
+
+
+def test_a_deleted_chats_files_go(server: OpenWebUI, deleted: Deleted):
+    # Last in the module: the chat was deleted before the first test (the `deleted` fixture).
+    folder, file_id, started = deleted
+    while time.monotonic() - started < 200:
+        if not folder.exists() and server.admin.get(f"/api/v1/files/{file_id}").status_code == 404:
+            break
+        time.sleep(5)
+    assert not folder.exists(), f"still there after {time.monotonic() - started:.0f} s"
+    assert server.admin.get(f"/api/v1/files/{file_id}").status_code == 404

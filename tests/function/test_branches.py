@@ -10,20 +10,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.branch_cells import HALVE, LOAD, LOOK, RESTORED
 from tests.support.pipe_harness import PipeHarness, code
 from tests.support.tool_harness import ToolHarness
 
 pytestmark = pytest.mark.runsc
-
-RESTORED = "Restored the files and Python state of the message you are continuing from."
-LOAD = (
-    "import pandas as pd\n"
-    "pd.DataFrame({'n': range(10)}).to_csv('/mnt/data/data.csv', index=False)\n"
-    "df = pd.read_csv('/mnt/data/data.csv')\n"
-    "print('rows', len(df))"
-)
-HALVE = "df = df.iloc[: len(df) // 2]\ndf.to_csv('/mnt/data/data.csv', index=False)\nprint('rows', len(df))"
-LOOK = "print('df', len(df), 'file', len(pd.read_csv('/mnt/data/data.csv')))"
 
 
 @pytest.fixture
@@ -83,6 +74,29 @@ async def test_a_regenerated_message_continues_from_the_files_and_state_of_the_o
     assert "df 2 file 5" in said and RESTORED not in said
     _, said = await chat.send(code(LOOK), parent=newest)
     assert "df 2 file 5" in said and RESTORED not in said
+
+
+async def test_a_python_state_no_longer_kept_is_said_once(harness: PipeHarness) -> None:
+    harness.set_valves(branch_python_states=1)  # the files of three answers, the Python state of one
+    chat = Chat(harness, "alice", "chat-1")
+    first, _ = await chat.send(code(LOAD), parent=None)
+    second, _ = await chat.send(code(HALVE), parent=first)
+    await chat.send(code(LOOK), parent=second)
+    check = "import pandas as pd\nprint('df' in globals(), len(pd.read_csv('/mnt/data/data.csv')))"
+    _, said = await chat.send(code(check), parent=first, user_message="u2")  # turn 2 regenerated
+    assert "False 10" in said, said  # turn 1's file, a new Python state
+    lost = (
+        "Restored the files of the message you are continuing from, but not its Python state, which is "
+        "no longer kept (a chat keeps the Python states of its newest 1 answers, as far as your storage "
+        "allows): Python starts afresh."
+    )
+    # One sentence: under the run's block; the kernel adds no "reset" of its own; the status said it as
+    # the answer started, and the run's status (hidden: the block is its record) does not say it again.
+    assert said.count(lost) == 1 and "Python state" not in said.replace(lost, ""), said
+    statuses = [e["data"] for e in harness.events if e.get("type") == "status"]  # this answer's
+    assert [s["description"] for s in statuses].count(lost) == 1, statuses
+    assert statuses[-1].get("hidden") is True, statuses
+    assert lost in harness.requests[-1]["messages"][-1]["content"]  # and the model is told
 
 
 async def test_an_edited_first_message_starts_from_an_empty_folder_and_a_new_state(harness: PipeHarness):
@@ -196,5 +210,56 @@ async def test_through_the_tool_and_the_filter_a_regenerate_gets_the_state_back(
             "alice", "chat-1", code(LOOK), message_id="a4", user_message={"id": "u4", "parentId": "a2"}
         )
         assert "df 5 file 5" in back.tool_results[0], back.tool_results
+    finally:
+        await tools.aclose()
+
+
+# ---- requests with half the tree: API callers ------------------------------------------------------------
+
+STARTED_AGAIN = "Started again from an empty /mnt/data"
+WRITE = "open('/mnt/data/a.txt', 'w').write('kept')\nx = 41"
+READ = "print(open('/mnt/data/a.txt').read(), x + 1)"
+
+
+async def test_an_api_callers_chat_keeps_its_files_and_variables_at_every_turn(harness: PipeHarness) -> None:
+    """POST /api/chat/completions with chat_id and the answer's id only: Open WebUI files each answer
+    with no parent, and the request's messages carry the history."""
+    first = await harness.say("alice", "chat-api", code(WRITE, "ok"), message_id="a1")
+    history = [{"role": "user", "content": code(WRITE, "ok")}, {"role": "assistant", "content": first}]
+    second = await harness.say("alice", "chat-api", code(READ), message_id="a2", history=history)
+    assert "kept 42" in second and STARTED_AGAIN not in second, second
+    # A regenerate through the API (a new answer id, the same history): nothing in the tree says which
+    # answer it replaces, so it continues from the newest state; nothing is removed.
+    again = await harness.say("alice", "chat-api", code(READ), message_id="a3", history=history)
+    assert "kept 42" in again and STARTED_AGAIN not in again, again
+
+
+@pytest.mark.parametrize("shape", ["user message without parentId", "parentId null with earlier turns"])
+async def test_a_request_with_half_its_fields_keeps_the_files(harness: PipeHarness, shape: str) -> None:
+    """A user message that Open WebUI files at the root of the tree, while the request's own messages
+    carry earlier turns (or say nothing of a parent): the tree and the request disagree, so the answer
+    continues from the newest state."""
+    await Chat(harness, "alice", "chat-half").send(code(WRITE, "ok"), parent=None)
+    user_message: dict = {"id": "u-late"}
+    if shape.startswith("parentId null"):
+        user_message["parentId"] = None
+    history = [{"role": "user", "content": code(WRITE, "ok")}, {"role": "assistant", "content": "ok"}]
+    said = await harness.say(
+        "alice", "chat-half", code(READ), message_id="a-late", user_message=user_message, history=history
+    )
+    assert "kept 42" in said and STARTED_AGAIN not in said, said
+
+
+async def test_through_the_tool_and_the_filter_an_api_callers_chat_keeps_its_files(tmp_path) -> None:
+    tools = ToolHarness(tmp_path / "data", valves={"timeout_seconds": 20})
+    try:
+        first = await tools.say("alice", "chat-api", code(WRITE, "ok"), message_id="a1")
+        history = [
+            {"role": "user", "content": code(WRITE, "ok")},
+            {"role": "assistant", "content": first.saved},
+        ]
+        second = await tools.say("alice", "chat-api", code(READ), message_id="a2", history=history)
+        assert "kept 42" in second.tool_results[0], second.tool_results
+        assert STARTED_AGAIN not in second.tool_results[0]
     finally:
         await tools.aclose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import types
 from pathlib import Path
 
 from tests.support.pipe_harness import load_like_open_webui
@@ -22,7 +23,11 @@ def _filter_with_answer(message_id: str):
             return engine.Target(url="/api/v1/files/x/content", name="report.csv", is_image=False)
         return None
 
-    hook._adapter.answers[message_id] = module._Answer(None, engine.StreamingRewriter(resolve), "u1")
+    turns = engine.Turns(
+        None
+    )  # what an inlet leaves: the answer's turn, of which the stream uses the rewriter
+    turns._held[message_id] = types.SimpleNamespace(rewriter=engine.StreamingRewriter(resolve))
+    hook._adapter._turns = turns
     return hook
 
 

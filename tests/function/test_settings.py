@@ -9,6 +9,7 @@ from engine import DEFAULTS
 from functions.adapter import SharedValves, settings_from
 from functions.code_sessions import Pipe
 from functions.code_sessions_tool import Tools
+from runner import KernelSettings, RunnerConfig
 from storage import Expiry, Quotas
 
 # The valves whose 0 means "no limit" (or "never"), as their descriptions say.
@@ -23,6 +24,8 @@ def test_the_valves_defaults_are_the_layers_defaults() -> None:
     """Untouched valves build exactly the default settings: no default is written twice."""
     assert settings_from(SharedValves()) == DEFAULTS
     assert settings_from(Pipe.Valves()) == settings_from(Tools.Valves()) == DEFAULTS
+    assert SharedValves().kernel_platform == RunnerConfig().kernel_platform == "ptrace"
+    assert SharedValves().kernel_idle_minutes == KernelSettings().idle_s / 60 == 5
 
 
 def test_a_valves_0_is_none_in_every_layer() -> None:
@@ -36,7 +39,7 @@ def test_a_valves_0_is_none_in_every_layer() -> None:
         "session_idle_days",
     } == NO_LIMIT
     settings = settings_from(SharedValves(**dict.fromkeys(NO_LIMIT, 0)))
-    assert settings.limits.max_file_bytes is None  # the runner: no RLIMIT_FSIZE at all
+    assert settings.limits.max_file_bytes is None  # the runner's per-file size is the quota's
     assert settings.policy.quotas == Quotas(None, None, None, None)
     expiry = settings.policy.expiry
     assert (expiry.file_max_age_s, expiry.session_idle_s) == (None, None)

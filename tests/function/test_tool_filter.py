@@ -148,6 +148,65 @@ async def test_a_chat_used_through_the_pipe_then_the_tool_shares_folder_and_stat
         await pipe.aclose()
 
 
+THREE_FILES = code("for name in 'abc':\n    open(f'/mnt/data/{name}.txt', 'w').write(name)")
+
+
+async def test_the_pipe_and_the_tool_each_enforce_their_own_quotas_also_at_once(tmp_path):
+    """One store serves both files (the same storage valves), and each message brings its own quotas:
+    the Pipe's one new file per run and the Tool's five, one after the other and at once."""
+    pipe = PipeHarness(tmp_path / "data", valves={"timeout_seconds": 15, "max_new_files_per_run": 1})
+    tool = ToolHarness.beside(pipe, max_new_files_per_run=5)
+    try:
+        kept = "import os\nprint(sorted(os.listdir('/mnt/data')))"
+        for chats in (("p1", "t1"), ("p2", "t2")):
+            if chats[0] == "p1":  # one after the other
+                await pipe.say("u1", "p1", THREE_FILES)
+                await tool.say("u2", "t1", THREE_FILES)
+            else:  # at once
+                await asyncio.gather(pipe.say("u1", "p2", THREE_FILES), tool.say("u2", "t2", THREE_FILES))
+            assert tool.tools._adapter._services is pipe.pipe._services
+            through_pipe = await pipe.say("u1", chats[0], code(kept))
+            assert "['a.txt']" in through_pipe, through_pipe  # the oldest one new file is kept
+            through_tool = await tool.say("u2", chats[1], code(kept))
+            assert "['a.txt', 'b.txt', 'c.txt']" in through_tool.tool_results[0], through_tool.tool_results
+    finally:
+        await tool.aclose()
+        await pipe.aclose()
+
+
+async def test_the_pipe_and_the_tool_each_keep_their_own_kernel_settings_also_at_once(tmp_path):
+    """One kernel pool serves both files, and each message brings its own kernel settings: the Pipe's
+    chats' kernels are saved and stopped after its idle time of about a second, while the Tool's
+    (an hour) run on, whichever file spoke last, one after the other and at once."""
+    pipe = PipeHarness(tmp_path / "data", valves={"timeout_seconds": 15, "kernel_idle_minutes": 0.02})
+    tool = ToolHarness.beside(pipe, kernel_idle_minutes=60)
+    try:
+        for chats in (("p1", "t1"), ("p2", "t2")):
+            if chats[0] == "p1":  # one after the other, the Tool last
+                await pipe.say("u1", "p1", code("x = 1"))
+                await tool.say("u2", "t1", code("x = 2"))
+            else:  # at once
+                await asyncio.gather(pipe.say("u1", "p2", code("x = 1")), tool.say("u2", "t2", code("x = 2")))
+            engine = pipe.pipe._services
+            assert tool.tools._adapter._services is engine
+            pool = engine.kernels
+            piped = (await engine.chat("u1", chats[0])).kernel_key
+            tooled = (await engine.chat("u2", chats[1])).kernel_key
+            assert {piped, tooled} <= set(pool.kernels())
+            kept = pool.kernels()[tooled]
+            deadline = asyncio.get_running_loop().time() + 30
+            while piped in pool.kernels():  # the reaper's doing, every quarter of the idle time
+                assert asyncio.get_running_loop().time() < deadline, "the Pipe's kernel was not stopped"
+                await asyncio.sleep(0.1)
+            assert pool.kernels().get(tooled) is kept and kept.alive  # the Tool's runs on
+            through_tool = await tool.say("u2", chats[1], code("print(x)"))
+            assert "2" in through_tool.tool_results[0], through_tool.tool_results
+            assert pool.kernels()[tooled] is kept
+    finally:
+        await tool.aclose()
+        await pipe.aclose()
+
+
 async def test_a_valve_change_in_one_file_does_not_close_the_services_another_uses(tmp_path):
     pipe = PipeHarness(tmp_path / "data", valves={"timeout_seconds": 15})
     tool = ToolHarness.beside(pipe)
