@@ -69,12 +69,13 @@ def test_loaded_like_open_webui_the_pipe_has_its_valves():
 
 TOOL = REPO / "dist" / "code_sessions_tool.py"
 FILTER = REPO / "dist" / "code_sessions_filter.py"
+ACTIONS = REPO / "dist" / "code_sessions_actions.py"
 
 
 @pytest.mark.parametrize(
     ("bundle", "title"),
-    [(TOOL, "Code Sessions Tool"), (FILTER, "Code Sessions Filter")],
-    ids=["tool", "filter"],
+    [(TOOL, "Code Sessions Tool"), (FILTER, "Code Sessions Filter"), (ACTIONS, "Code Sessions Actions")],
+    ids=["tool", "filter", "actions"],
 )
 def test_the_tool_and_the_filter_have_their_frontmatter_and_nothing_the_loader_rewrites(bundle, title):
     text = bundle.read_text()
@@ -96,6 +97,10 @@ def test_each_file_loads_alone_in_open_webuis_python(tmp_path):
         " and callable(getattr(t, n)) and not isinstance(getattr(t, n), type)), t.valves.kernel)",
         FILTER: "f = m.Filter(); print(f.valves.tool_id, *(callable(getattr(f, n)) for n in "
         "('inlet', 'stream', 'outlet')))",
+        # Open WebUI picks the class Pipe, Filter, Action in that order: the Action file has only Action.
+        ACTIONS: "a = m.Action(); print(hasattr(m, 'Pipe') or hasattr(m, 'Filter'), a.valves.pipe_id,"
+        " a.valves.tool_id, [b['id'] for b in a.actions], all(b['icon_url'].startswith('data:image/svg')"
+        " for b in a.actions))",
     }
     outputs = {}
     for bundle, check in checks.items():
@@ -112,8 +117,11 @@ def test_each_file_loads_alone_in_open_webuis_python(tmp_path):
     # Open WebUI offers every public method to the model.
     assert outputs[TOOL] == "['run_code', 'upload_link'] persistent"
     assert outputs[FILTER] == "code_sessions_tool True True True"
+    assert outputs[ACTIONS] == (
+        "False code_sessions code_sessions_tool ['notebook', 'files', 'zip', 'knowledge'] True"
+    )
 
 
-def test_the_three_files_of_one_version_share_their_embedded_packages():
-    packages = {load_like_open_webui(b.read_text())._CS_PACKAGE for b in (BUNDLE, TOOL, FILTER)}
+def test_the_four_files_of_one_version_share_their_embedded_packages():
+    packages = {load_like_open_webui(b.read_text())._CS_PACKAGE for b in (BUNDLE, TOOL, FILTER, ACTIONS)}
     assert len(packages) == 1, packages

@@ -1,5 +1,5 @@
-"""Bundle each Open WebUI file (the Pipe, the Tool, the Filter) with the packages it uses into the single
-file Open WebUI installs.
+"""Bundle each Open WebUI file (the Pipe, the Tool, the Filter, the Action) with the packages it uses into
+the single file Open WebUI installs.
 
 Open WebUI stores a function's (or a tool's) source in its database and `exec`s it in a fresh module:
 there is no sys.path entry for sibling files, so the packages travel inside the file. Each module is
@@ -12,7 +12,7 @@ packages pointed at that parent package.
 The kernel program (runner/_kernel_program/) travels as its modules too: the runner joins them into the
 one program the sandbox runs. Building checks that they keep the rules that joining relies on.
 
-    python tools/bundle.py           # write dist/code_sessions.py, code_sessions_tool.py, ..._filter.py
+    python tools/bundle.py           # write dist/code_sessions.py, ..._tool.py, ..._filter.py, ..._actions.py
     python tools/bundle.py --check   # exit 1 if a committed bundle is not what the sources give
 """
 
@@ -62,6 +62,11 @@ TARGETS = (
         "code_sessions_filter.py",
         "Code Sessions Filter",
         "With the Code Sessions Tool: tells the model about /mnt/data, copies uploads in, links files.",
+    ),
+    Target(
+        "code_sessions_actions.py",
+        "Code Sessions Actions",
+        "Buttons under an answer: export as notebook, the chat's files, a zip of them, Save to Knowledge.",
     ),
 )
 ENTRIES = {target.entry for target in TARGETS}

@@ -1,4 +1,5 @@
-"""The valves of the Pipe, the Tool and the Filter as the markdown tables of docs/configuration.md.
+"""The valves of the Pipe, the Tool, the Filter and the Action as the markdown tables of
+docs/configuration.md.
 
     python tools/valves_table.py           # print the tables
     python tools/valves_table.py --write   # put them into docs/configuration.md, between its markers
@@ -19,6 +20,7 @@ from pydantic import BaseModel
 
 from functions.adapter import SharedValves
 from functions.code_sessions import Pipe
+from functions.code_sessions_actions import Action
 from functions.code_sessions_filter import Filter
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,6 +54,8 @@ def tables() -> str:
             table(SharedValves),
             "\nThe Filter's valves:\n",
             table(Filter.Valves),
+            "\nThe Action's valves (its buttons read the Pipe's or the Tool's session valves):\n",
+            table(Action.Valves),
             "\nThe Pipe's user valves (each user, in the chat's controls):\n",
             table(Pipe.UserValves),
             "\nThe Filter's user valves (each user, for the Tool and the Filter):\n",

@@ -107,10 +107,19 @@ class FilesApi:
         return _Publisher(self)
 
     async def attach(
-        self, chat_id: str, message_id: str | None, user_id: str, links: list, emit: Any, *, inline_urls=()
+        self,
+        chat_id: str,
+        message_id: str | None,
+        user_id: str,
+        links: list,
+        emit: Any,
+        *,
+        inline_urls=(),
+        replacing=(),
     ) -> None:
         """`OpenWebUI.attach`: nothing for a temporary chat or without a message id; every file linked
-        to the chat, the message's attachments each once, but the images the text shows inline."""
+        to the chat, the message's attachments each once, but the images the text shows inline; the
+        attachments whose ids are in `replacing` go."""
         saved = bool(chat_id) and not chat_id.startswith(("temporary:", "local:", "channel:"))
         if not links or not message_id or not saved:
             return
@@ -125,9 +134,11 @@ class FilesApi:
         files = self.message_files.setdefault((chat_id, message_id), [])
         already = {f["id"] for f in files}
         new = [item for item in items if item["id"] not in already and item["url"] not in inline_urls]
+        replaced = [f for f in files if f["id"] in replacing]
+        files[:] = [f for f in files if f["id"] not in replacing]
         files.extend(new)
         self._save()
-        if not new:
+        if not new and not replaced:
             return
         if emit is not None:
             await emit({"type": "chat:message:files", "data": {"files": list(files)}})

@@ -180,6 +180,67 @@ def say_streamed(
     )
 
 
+class TreeChat:
+    """A chat driven as the web UI drives it: every request names its user message (a new one, or the
+    same one again for a regenerate) and the answer's id, and Open WebUI files both in the chat's tree.
+    `streamed`: sent with a socket's session_id (the answer runs as a background task, read back once
+    saved), else answered in the response."""
+
+    def __init__(self, account: Account, *, streamed: bool = False) -> None:
+        self.account = account
+        self.streamed = streamed
+        self.chat_id = ""
+        self.texts: dict[str, str] = {}  # message id -> its text, to send the branch's history
+        self.parents: dict[str, str | None] = {}
+
+    def history(self, message_id: str | None) -> list[dict]:
+        chain = []
+        while message_id is not None:
+            role = "assistant" if message_id.startswith("a-") else "user"
+            chain.append({"role": role, "content": self.texts[message_id]})
+            message_id = self.parents[message_id]
+        return chain[::-1]
+
+    def send(self, text: str, *, parent: str | None, again: str | None = None) -> tuple[str, str]:
+        """A new user message under the answer `parent`, or the user message `again` once more (a
+        regenerate). Returns (answer id, the answer's text)."""
+        user_id = again or f"u-{uuid.uuid4()}"
+        answer_id = f"a-{uuid.uuid4()}"
+        if again is None:
+            self.texts[user_id], self.parents[user_id] = text, parent
+        else:
+            text, parent = self.texts[again], self.parents[again]
+        user_message: dict = {"id": user_id, "role": "user", "content": text, "parentId": parent}
+        payload: dict = {
+            "model": MODEL,
+            "messages": [*self.history(parent), {"role": "user", "content": text}],
+            "stream": self.streamed,
+            "parent_id": parent,
+            "user_message": user_message,
+            "id": answer_id,
+        }
+        if self.streamed:
+            payload["session_id"] = f"test-{uuid.uuid4().hex[:8]}"
+            user_message["childrenIds"] = []
+        if self.chat_id:
+            payload["chat_id"] = self.chat_id
+        response = self.account.post("/api/chat/completions", payload)
+        assert response.status_code == 200, response.text
+        if self.streamed:
+            self.chat_id = self.chat_id or response.json()["chat_id"]
+            content = saved_answer(self.account, self.chat_id, answer_id)
+        else:
+            content = response.json()["choices"][0]["message"]["content"]
+            self.chat_id = self.chat_id or self.account._chat_of(answer_id)
+        self.texts[answer_id], self.parents[answer_id] = content, user_id
+        return answer_id, content
+
+    def user_of(self, answer_id: str) -> str:
+        parent = self.parents[answer_id]
+        assert parent is not None
+        return parent
+
+
 def saved_answer(account: Account, chat_id: str, message_id: str, timeout: float = 180) -> str:
     started = time.monotonic()
     while time.monotonic() - started < timeout:
@@ -302,7 +363,7 @@ def running_open_webui(
         print(f"--- open-webui log ---\n{launcher.tail(log, 120)}", file=sys.stderr)
         raise
     finally:
-        launcher.stop(process)
+        launcher.stop(server.process)  # the one running now: a test may have started it again
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import json
 import sys
 import types
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 BUNDLE = REPO / "dist" / "code_sessions.py"
 FUNCTION_ID = "code_sessions"
 MODEL = f"{FUNCTION_ID}.{scripted_model.MODEL_ID}"
+PLOTLY_URL = "/code-sessions/plotly/harness.js"  # where the harness's host says plotly.js is served
 
 
 def load_like_open_webui(content: str) -> types.ModuleType:
@@ -48,14 +49,37 @@ def load_like_open_webui(content: str) -> types.ModuleType:
     return module
 
 
-async def _sse(chunks: list[dict]) -> AsyncIterator[bytes]:
+# What a stream read from the network gives the event loop at the least: a reader returns what its
+# buffer holds without suspending, and suspends when it is drained (aiohttp's buffer: 64 KiB).
+_NETWORK_BUFFER = 64 * 1024
+
+
+async def _sse(chunks: Iterable[dict]) -> AsyncIterator[bytes]:
+    buffered = 0
     for chunk in chunks:
-        yield f"data: {json.dumps(chunk)}\n\n".encode()
+        event = f"data: {json.dumps(chunk)}\n\n".encode()
+        yield event
+        buffered += len(event)
+        if buffered >= _NETWORK_BUFFER:
+            buffered = 0
+            await asyncio.sleep(0)
     yield b"data: [DONE]\n\n"
 
 
+class UploadStore:
+    """Open WebUI's store of uploaded files, as the harnesses stand in for it."""
+
+    uploads: dict[str, tuple[str, str, bytes]]  # id -> (owner, name, bytes)
+
+    def upload(self, owner: str, name: str, data: bytes) -> dict:
+        """Store a file as the user's upload; returns the file item a request carries."""
+        file_id = uuid.uuid4().hex
+        self.uploads[file_id] = (owner, name, data)
+        return {"type": "file", "id": file_id, "name": name}
+
+
 @dataclass
-class PipeHarness:
+class PipeHarness(UploadStore):
     data_dir: Path
     valves: dict[str, Any] = field(default_factory=dict)
     uploads: dict[str, tuple[str, str, bytes]] = field(default_factory=dict)  # id -> (owner, name, bytes)
@@ -83,6 +107,9 @@ class PipeHarness:
         self.unsaved_chats: set[str] = set()  # chats Open WebUI has not written yet (being created)
         # Each saved chat's tree of messages as Open WebUI keeps it: message id -> its parent's id.
         self.trees: dict[str, dict[str, str | None]] = {}
+        # What Open WebUI proves of a clone's claim (webui/clones.py, through a real one in tests/e2e):
+        # (clone chat id, user id) -> its source, as webui.CloneSource holds it.
+        self.clones: dict[tuple[str, str], Any] = {}
         self.set_valves(base_models=scripted_model.MODEL_ID, **self.valves)
 
     # -- driving it ---------------------------------------------------------------------------------
@@ -92,12 +119,19 @@ class PipeHarness:
         self.stored_valves = {**self.stored_valves, **changes}
         self.pipe.valves = self.pipe.Valves(**self.stored_valves)
 
-    def upload(self, owner: str, name: str, data: bytes) -> dict:
-        file_id = uuid.uuid4().hex
-        self.uploads[file_id] = (owner, name, data)
-        return {"type": "file", "id": file_id, "name": name}
+    async def say(self, user_id: str, chat_id: str, text: str, **options: Any) -> str:
+        """One user message through Pipe.pipe, as Open WebUI calls it (`options`: `start`'s); returns
+        the visible answer."""
+        result = await self.start(user_id, chat_id, text, **options)
+        if isinstance(result, str):
+            return result
+        if isinstance(result, dict):
+            return json.dumps(result)
+        answer = "".join([piece async for piece in result])
+        await settle(self.pipe)
+        return answer
 
-    async def say(
+    async def start(
         self,
         user_id: str,
         chat_id: str,
@@ -108,8 +142,9 @@ class PipeHarness:
         task: str | None = None,
         message_id: str | None = None,
         user_message: dict | None = None,
-    ) -> str:
-        """One user message through Pipe.pipe, as Open WebUI calls it; returns the visible answer.
+    ) -> Any:
+        """`say` up to what Pipe.pipe returns (a string, or the answer's stream not read yet): a test
+        reads the stream itself, and may stop it as Open WebUI does when the user stops the answer.
         `message_id`: the answer's message, which can hold attachments (Open WebUI always names it; the
         default None stands for a message that cannot, so that files not named are named in the text).
         `user_message` ({id, parentId}): where the message is in the chat's tree, which Open WebUI
@@ -129,7 +164,7 @@ class PipeHarness:
         self.chats.setdefault(chat_id, user_id)
         self.message_id = message_id
         record_turn(self.trees, chat_id, message_id, user_message)
-        result = await self.pipe.pipe(
+        return await self.pipe.pipe(
             body,
             __user__={
                 "id": user_id,
@@ -145,13 +180,6 @@ class PipeHarness:
             __message_id__=message_id,
             __metadata__={"user_message": user_message} if user_message else {},
         )
-        if isinstance(result, str):
-            return result
-        if isinstance(result, dict):
-            return json.dumps(result)
-        answer = "".join([piece async for piece in result])
-        await settle(self.pipe)
-        return answer
 
     async def aclose(self) -> None:
         """What the end of the Open WebUI process would do: stop the background loop, close the store."""
@@ -165,11 +193,18 @@ class PipeHarness:
 def record_turn(
     trees: dict[str, dict[str, str | None]], chat_id: str, message_id: str | None, user_message: dict | None
 ) -> None:
-    """What Open WebUI's chat turn does to the chat's tree before the model is asked."""
-    if message_id and user_message:
-        tree = trees.setdefault(chat_id, {})
+    """What Open WebUI's chat turn does to the chat's tree before the model is asked (models/chats.py
+    `insert_chat_turn`): the user message under its parent (kept where it is when it exists: a
+    regenerate), the answer under the user message; an API caller's answer, sent without a user
+    message, is filed with no parent."""
+    if not message_id:
+        return
+    tree = trees.setdefault(chat_id, {})
+    if user_message:
         tree.setdefault(user_message["id"], user_message.get("parentId"))
         tree[message_id] = user_message["id"]
+    else:
+        tree.setdefault(message_id, None)
 
 
 async def settle(adapter: Any) -> None:
@@ -192,15 +227,16 @@ async def stop_adapter(adapter: Any) -> None:
     services = adapter._services
     if services is not None:
         shared = adapter._host.shared()
-        for key in [k for k, entry in shared.items() if isinstance(entry, list) and entry[0] is services]:
+        for key in [k for k, entry in shared.items() if getattr(entry, "services", None) is services]:
             del shared[key]
         await services.close()
-        adapter._services = adapter._services_key = None
+        adapter._turns = adapter._services_key = None
 
 
 class _HarnessHost:
-    """Open WebUI, stood in for: where DATA_DIR is, who the user is, the base model (the scripted one),
-    the uploaded-file store, the saved valves, and which chats exist."""
+    """Open WebUI, stood in for (engine.Host, every method of it: tests/function/test_host_seam.py):
+    where DATA_DIR is, who the user is, the base model (the scripted one), the uploaded-file store, the
+    saved valves, and which chats exist."""
 
     def __init__(self, harness: PipeHarness) -> None:
         self._harness = harness
@@ -241,19 +277,32 @@ class _HarnessHost:
         return self._open_webui().can_attach(chat_id, message_id)
 
     async def attach(
-        self, chat_id: str, message_id: Any, user_id: str, links: list, emit: Any, *, inline_urls=()
+        self,
+        chat_id: str,
+        message_id: Any,
+        user_id: str,
+        links: list,
+        emit: Any,
+        *,
+        inline_urls=(),
+        replacing=(),
     ) -> None:
         """The message's attachments as Open WebUI's `attach` makes them (webui/host.py and
-        webui/files.py; proven in tests/e2e): every linked file but the images the text shows inline."""
+        webui/files.py; proven in tests/e2e): every linked file but the images the text shows inline,
+        without the copies these replace."""
         if not self.can_attach(chat_id, message_id):
             return
-        await self._harness.files.attach(chat_id, message_id, user_id, links, emit, inline_urls=inline_urls)
+        await self._harness.files.attach(
+            chat_id, message_id, user_id, links, emit, inline_urls=inline_urls, replacing=replacing
+        )
 
-    async def embed(self, html: str | None, emit: Any) -> None:
-        """The message's one embed, as Open WebUI's `embed` sends it (webui/host.py; proven in
-        tests/e2e): kept here as the last embed of the harness."""
-        if html is not None:
-            self._harness.embeds = [html]
+    async def embed(self, embed: Any, emit: Any) -> None:
+        """The message's one embed, as Open WebUI's `embed` sends it (webui/host.py, which serves its
+        plotly.js at a URL of its own; proven in tests/e2e): kept here as the last embed of the
+        harness, its plotly.js at PLOTLY_URL."""
+        if embed is not None:
+            assert embed.script.name == "plotly.min.js", embed.script
+            self._harness.embeds = [await asyncio.to_thread(embed.html, PLOTLY_URL)]
 
     async def user(self, user_id: str) -> Any:
         return types.SimpleNamespace(id=user_id, role="user")
@@ -275,6 +324,17 @@ class _HarnessHost:
     async def store_valves(self, function_id: str, valves: dict) -> None:
         self._harness.stored_valves = dict(valves)
 
+    # A Tool's valves, and who may use it: no Tool is installed beside the Pipe alone (tool_harness.py's
+    # host has one).
+    async def stored_tool_valves(self, tool_id: str) -> dict:
+        return {}
+
+    async def store_tool_valves(self, tool_id: str, valves: dict) -> None:
+        raise LookupError(f"no Tool {tool_id!r} is installed")
+
+    async def may_use_tool(self, user_id: str, role: str, tool_id: str) -> bool:
+        return False
+
     async def message_lineage(
         self, chat_id: str, message_id: str, user_message: dict | None = None
     ) -> tuple[list[str], bool]:
@@ -294,6 +354,41 @@ class _HarnessHost:
                 return chain, False
             current = tree[current]
         return chain, message_id in tree
+
+    # -- files in: upload links and Knowledge, for a user with no Knowledge base (webui/uploads.py and
+    # webui/knowledge.py; the route and the Knowledge API are proven through a real Open WebUI)
+
+    def upload_links_folder(self) -> Path:
+        return self._harness.data_dir / "code_sessions_upload_links"
+
+    def serve_uploads(self, receiver: Any) -> bool:
+        return False  # no web server in-process: tests/e2e POST to the real route
+
+    async def upload_url(self, request: Any, token: str) -> str:
+        return f"http://127.0.0.1/code-sessions/upload/{token}"
+
+    async def save_to_knowledge(self, request: Any, user_id: str, target: str, name: str, data: bytes) -> str:
+        if not target:
+            return "You have no Knowledge base you may add to: make one under Workspace → Knowledge."
+        return f"Not saved: you have no Knowledge base named “{target}” (or it is not shared with you)."
+
+    async def chat_messages(self, chat_id: str) -> tuple[str, dict[str, dict]]:
+        """The saved chat as Open WebUI's `chat_messages` reads it (webui/host.py; the buttons that read
+        it are proven through a real Open WebUI in tests/e2e/test_actions.py): the harness keeps each
+        message's place in the tree and its attachments, not its text."""
+        tree = self._harness.trees.get(chat_id, {}) if self.saves_chat(chat_id) else {}
+        files = self._harness.files.message_files
+        return "", {
+            message: {"id": message, "parentId": parent, "files": list(files.get((chat_id, message), []))}
+            for message, parent in tree.items()
+        }
+
+    async def knowledge_bases(self, user_id: str) -> list[tuple[str, str]]:
+        return []  # the harness's users have no Knowledge base (as save_to_knowledge says)
+
+    async def clone_origin(self, chat_id: str, user_id: str) -> Any:
+        """Open WebUI's proof of a clone's claim (webui/clones.py), as the test recorded it."""
+        return self._harness.clones.get((chat_id, user_id))
 
     async def chat_owners(self, chat_ids: list[str]) -> dict[str, str]:
         h = self._harness

@@ -22,6 +22,7 @@ from demo import scripted_model
 from tests.support.files_api import FilesApi
 from tests.support.pipe_harness import (
     PipeHarness,
+    UploadStore,
     _HarnessHost,
     load_like_open_webui,
     record_turn,
@@ -47,7 +48,7 @@ class Turn:
 
 
 @dataclass
-class ToolHarness:
+class ToolHarness(UploadStore):
     data_dir: Path
     valves: dict[str, Any] = field(default_factory=dict)
     process: dict = field(default_factory=dict)  # share a PipeHarness's to be the same worker
@@ -70,6 +71,7 @@ class ToolHarness:
         self.stored_valves: dict[str, Any] = {}  # the Pipe's (a harness host answers for it too)
         self.stored_tool_valves: dict[str, Any] = dict(self.valves)
         self.trees: dict[str, dict[str, str | None]] = {}  # each chat's tree of messages (see PipeHarness)
+        self.clones: dict[tuple[str, str], Any] = {}  # what Open WebUI proves of clones (see PipeHarness)
         self.tools._adapter._host = _ToolHost(self, self.tool_module)
         self.filter._adapter._host = _ToolHost(self, self.filter_module)
 
@@ -81,15 +83,11 @@ class ToolHarness:
         harness.uploads = pipe.uploads
         harness.files = pipe.files
         harness.trees = pipe.trees
+        harness.clones = pipe.clones
         return harness
 
     def set_valves(self, **changes: Any) -> None:
         self.stored_tool_valves = {**self.stored_tool_valves, **changes}
-
-    def upload(self, owner: str, name: str, data: bytes) -> dict:
-        file_id = uuid.uuid4().hex
-        self.uploads[file_id] = (owner, name, data)
-        return {"type": "file", "id": file_id, "name": name}
 
     async def say(
         self,
@@ -110,6 +108,7 @@ class ToolHarness:
         message_id = message_id or str(uuid.uuid4())
         record_turn(self.trees, chat_id, message_id, user_message)
         events: list[dict] = []
+        self.events = events  # as they come: a test may stop the answer midway, as the user does
 
         async def emit(event: dict) -> None:
             events.append(event)
@@ -175,16 +174,20 @@ class ToolHarness:
             )
             for call in calls.values():
                 arguments = json.loads(call["arguments"] or "{}")
-                result = await self.tools.run_code(
-                    **arguments,
-                    __user__={**user, "valves": None},
-                    __chat_id__=chat_id,
-                    __files__=files or [],
-                    __event_emitter__=emit,
-                    __id__=TOOL_ID,
-                    __message_id__=message_id,
-                    __metadata__=metadata,
-                )
+                try:
+                    result = await self.tools.run_code(
+                        **arguments,
+                        __user__={**user, "valves": None},
+                        __chat_id__=chat_id,
+                        __files__=files or [],
+                        __event_emitter__=emit,
+                        __id__=TOOL_ID,
+                        __message_id__=message_id,
+                        __metadata__=metadata,
+                        __messages__=messages,
+                    )
+                except Exception as error:  # Open WebUI's middleware: a tool's error is its result
+                    result = json.dumps({"error": str(error)})
                 results.append(result)
                 messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
         outlet = {
