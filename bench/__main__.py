@@ -24,11 +24,14 @@ from typing import Any
 
 from . import (
     branches,
+    capacity,
     concurrency,
     deleted_chats,
     environment,
+    exports,
     filter_stream,
     hibernate,
+    idle,
     index_backends,
     index_scale,
     kernel,
@@ -53,10 +56,13 @@ SECTIONS: dict[str, Callable[[Context], Awaitable[dict[str, Any]]]] = {
     "filter_stream": filter_stream.run,
     "previews": previews.run,
     "hibernate": hibernate.run,
+    "idle_kernels": idle.run,
     "index_backends": index_backends.run,
     "environment": environment.run,
     "branches": branches.run,
     "uploads": uploads.run,
+    "capacity": capacity.run,
+    "exports": exports.run,
 }
 # Sections that render their own table and targets (bench/report.py renders the others).
 
@@ -97,7 +103,8 @@ async def _software(ctx: Context) -> str:
     except Exception as exc:
         return f"{text}, runsc unavailable ({exc})"
     cg = f"cgroup v{setup.cgroups.version}" if setup.cgroups else "no cgroups"
-    return f"{text}, runsc {setup.runsc.version} ({setup.platform}, {cg})"
+    platforms = f"{setup.platform}, kernels on {setup.kernel_platform}"
+    return f"{text}, runsc {setup.runsc.version} ({platforms}, {cg})"
 
 
 def _load() -> str:

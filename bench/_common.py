@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner import Runner, RunnerConfig
+from runner import Runner, RunnerConfig, _hibernate
+from runner._procs import pss_bytes, rss_bytes
 from storage import DirectoryPublisher, Quotas, Store
 
 CGROUP_PARENT = "code-sessions-bench"
@@ -189,17 +190,12 @@ def status_kib(field_name: str) -> int | None:
 
 def rss_kib(pids: list[int]) -> int:
     """The summed VmRSS of these processes in KiB (a kernel's runsc, sentry and gofer); gone ones count 0."""
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/status", encoding="ascii") as fh:
-                for line in fh:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
-                        break
-        except OSError:
-            continue
-    return total
+    return rss_bytes(pids) // 1024
+
+
+def pss_kib(pids: list[int]) -> int:
+    """The proportional set size of these processes (shared pages split among their sharers), KiB."""
+    return pss_bytes(pids) // 1024
 
 
 def reset_peak_rss() -> bool:
@@ -210,3 +206,18 @@ def reset_peak_rss() -> bool:
     except OSError:
         return False
     return True
+
+
+# ---------------------------------------------------------------------------- saved images
+
+
+def evict_image(state: Path) -> None:
+    """Drop a saved image's files from the page cache (written back first), as hours of other work
+    would: its next resume reads them from the disk."""
+    for item in _hibernate.image_dir(state).iterdir():
+        fd = os.open(item, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

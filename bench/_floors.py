@@ -44,8 +44,9 @@ while True:
 class BarePython:
     """A python in one `runsc run`, kept alive: echo() and cell() are one round trip each."""
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, bundle: Path) -> None:
         self._proc = proc
+        self.bundle = bundle  # its host processes carry it in their command lines
         assert proc.stdin is not None and proc.stdout is not None
         self._stdin = proc.stdin
         self._stdout = proc.stdout
@@ -69,9 +70,10 @@ class BarePython:
 
 @contextlib.asynccontextmanager
 async def bare_python(
-    runner: Runner, setup: HostSetup, workdir: Path, limits: Limits
+    runner: Runner, setup: HostSetup, workdir: Path, limits: Limits, *, platform: str | None = None
 ) -> AsyncIterator[BarePython]:
-    """Start the bare python in the runner's sandbox setup (as run_overhead.bare_run does)."""
+    """Start the bare python in the runner's sandbox setup (as run_overhead.bare_run does), on the
+    kernels' platform (a kernel's sandbox), or on `platform`."""
     cid = "bench-" + secrets.token_hex(8)
     bundle = runner_bundle.write_bundle(runner.bundle_dir, cid, _BARE_LOOP, "python")
     proc: asyncio.subprocess.Process | None = None
@@ -90,7 +92,9 @@ async def bare_python(
             netns_path=None,
         )
         (bundle / "config.json").write_text(json.dumps(spec), encoding="utf-8")
-        argv = [*runner._runsc_argv(setup, bundle), "run", "--bundle", str(bundle), cid]
+        argv = [*runner._runsc_argv(setup, bundle, kernel=True), "run", "--bundle", str(bundle), cid]
+        if platform is not None:
+            argv[argv.index("--platform") + 1] = platform
         proc = await asyncio.create_subprocess_exec(
             *argv,
             stdin=asyncio.subprocess.PIPE,
@@ -98,7 +102,7 @@ async def bare_python(
             stderr=asyncio.subprocess.DEVNULL,
             start_new_session=True,
         )
-        bare = BarePython(proc)
+        bare = BarePython(proc, bundle)
         await asyncio.wait_for(bare.echo(), 60)  # booted
         yield bare
     finally:

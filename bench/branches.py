@@ -7,8 +7,12 @@
 (b) restore: the folder is put back to the earlier state (one file differs), against the same walk.
 (c) Python state: a copy of a live kernel holding pandas (`runsc checkpoint --leave-running`),
     against writing and fsyncing the same bytes; and the rewind to it, up to the next run's answer.
+(d) the bound across a user's chats: a user with 200 chats that keep states saves one small state
+    with a storage limit (every chat's states measured against the room the files leave), against the
+    same save with no limit (no other chat looked at).
 
-Targets: a state when one small file changed <= 50 ms and <= 1% extra disk; restore <= 1 s.
+Targets: a state when one small file changed <= 50 ms and <= 1% extra disk; restore <= 1 s; the bound
+across 200 chats adds <= 10 ms.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from typing import Any
 from runner import KernelPool, Limits
 
 from ._common import Context, summary
+from ._tables import ms
 
 SECTION = "branches"
-TARGETS = {"state_ms": 50.0, "extra_disk_pct": 1.0, "restore_s": 1.0}
+TARGETS = {"state_ms": 50.0, "extra_disk_pct": 1.0, "restore_s": 1.0, "bound_ms": 10.0}
+BOUND_CHATS = 200
 LIMITS = Limits(timeout_s=120, memory_mb=1024)
 
 
@@ -116,11 +122,32 @@ async def run(ctx: Context) -> dict[str, Any]:
             result["restore"] = {"restore": summary(restores), "walk_floor": summary(walks)}
             await session.reconcile(enforce_quotas=False)
         await _python_state(ctx, result, session.path, session.state_path)
+        await _user_bound(store, result, repeats)
     finally:
         await store.close()
         if not ctx.quick:
             shutil.rmtree(ctx.scratch / "branches", ignore_errors=True)
     return result
+
+
+async def _user_bound(store: Any, result: dict[str, Any], repeats: int) -> None:
+    """(d): one small save of a user with BOUND_CHATS chats that keep states, with and without a limit."""
+    keep = {"keep_states": 20, "keep_kernels": 3}
+    for n in range(BOUND_CHATS):
+        other = await store.session("bench-bound", f"chat-{n}")
+        async with other.lock():
+            (other.path / "f.txt").write_text("x" * 1000)
+            await other.history.save("m", **keep, room_bytes=None)
+    session = await store.session("bench-bound", "chat-0")
+    free, bounded = [], []
+    async with session.lock():
+        for i in range(repeats):
+            for room, times in ((None, free), (1 << 40, bounded)):
+                (session.path / "f.txt").write_text(f"{i} {room}" * 100)
+                t0 = time.perf_counter()
+                await session.history.save(f"m{i}-{room}", **keep, room_bytes=room)
+                times.append(time.perf_counter() - t0)
+    result["user_bound"] = {"chats": BOUND_CHATS, "bounded": summary(bounded), "free": summary(free)}
 
 
 async def _python_state(ctx: Context, result: dict[str, Any], folder: Path, state: Path) -> None:
@@ -160,7 +187,6 @@ async def _python_state(ctx: Context, result: dict[str, Any], folder: Path, stat
 
 
 def render(r: dict[str, Any]) -> str:
-    from .report import ms  # report imports this module
 
     parts = [f"a folder of {r['files']:,} files, {r['bytes'] / 1e9:.2f} GB"]
     first = r.get("first_state")
@@ -178,6 +204,12 @@ def render(r: dict[str, Any]) -> str:
     if rs:
         floor = ms(rs["walk_floor"])
         parts.append(f"restore (one file differs): {ms(rs['restore'])} ms (walk floor {floor} ms)")
+    b = r.get("user_bound")
+    if b:
+        parts.append(
+            f"a small state of a user with {b['chats']} chats keeping states: {ms(b['bounded'])} ms with the "
+            f"storage limit's bound across them (floor: {ms(b['free'])} ms without a limit)"
+        )
     p = r.get("python_state")
     if p:
         parts.append(
@@ -196,3 +228,6 @@ def targets(r: dict[str, Any], add: Any) -> None:
     add("its extra disk, of the folder", extra, TARGETS["extra_disk_pct"], "%")
     restore = rs["restore"]["median_ms"] / 1000 if rs and full else None
     add("restore of a branch state (one file differs)", restore, TARGETS["restore_s"], "s")
+    b = r.get("user_bound")
+    bound = b["bounded"]["median_ms"] - b["free"]["median_ms"] if b else None
+    add(f"the bound across a user's {BOUND_CHATS} chats, added to a save", bound, TARGETS["bound_ms"], "ms")

@@ -7,7 +7,9 @@ kernel's memory, and systrap against ptrace.
     offers both;
 (c) the RSS of a new chat's kernel host processes (runsc, sentry, gofer) after its first print(1)
     and after the data step, for a kernel started cold and one resumed from the warm-start template;
-(d) the environment's size on disk and its number of files.
+(d) the environment's size on disk and its number of files;
+(e) the warm-start template: how long building it takes (a kernel started, the data stack imported,
+    the kernel checkpointed) and the size of its saved image.
 
 Target: systrap's data step <= 1.0x ptrace's (the platform the runner picks is the faster one).
 """
@@ -23,6 +25,7 @@ from typing import Any
 from runner import KernelPool, KernelSettings, Limits, Runner
 
 from ._common import Context, rss_kib, summary
+from ._tables import table
 
 SECTION = "environment"
 PRINT = "print(1)"
@@ -54,12 +57,16 @@ async def _kernel_memory(ctx: Context, runner: Runner, work: Path, *, warm: bool
     level = logger.level
     logger.addHandler(said)
     logger.setLevel(logging.INFO)
+    template: dict[str, float] = {}
     try:
         if warm:  # the first start builds the template, in the background
             first = work / "template-chat"
             first.mkdir(exist_ok=True)
             await pool.run("bench/first", first, PRINT, "python", Limits(timeout_s=120))
+            started = time.perf_counter()
             await pool._warm.wait_built()
+            template["build_s"] = round(time.perf_counter() - started, 2)
+            template["image_mib"] = round(_disk(pool._warm.folder)["bytes"] / 2**20, 1)
             await pool.stop("bench/first", "done", forget=True)
         chat = work / f"{name}-kernel-chat"
         chat.mkdir(exist_ok=True)
@@ -78,7 +85,7 @@ async def _kernel_memory(ctx: Context, runner: Runner, work: Path, *, warm: bool
             raise RuntimeError(f"the {name} kernel was replaced between its two runs")
         if warm != any(f"started warm for bench/{name}" in line for line in said.lines):
             raise RuntimeError(f"the {name} kernel did not start as measured: {said.lines[-3:]}")
-        return {"idle": idle, "data_stack_imported": loaded}
+        return {"idle": idle, "data_stack_imported": loaded, **template}
     finally:
         logger.removeHandler(said)
         logger.setLevel(level)
@@ -175,7 +182,6 @@ def targets(r: dict[str, Any]) -> list[tuple[str, float | None, float, str]]:
 
 def render(r: dict[str, Any]) -> str:
     """The section's table (bench/report.py knows the other sections)."""
-    from .report import table
 
     if "environment" not in r:
         return "(no data)"
@@ -204,6 +210,11 @@ def render(r: dict[str, Any]) -> str:
                 f"a new chat's kernel, {how}: host RSS after its first cell {m['idle']} MiB, "
                 f"after the data step {m['data_stack_imported']} MiB"
             )
+            if "build_s" in m:
+                parts.append(
+                    f"the warm-start template: built (data stack imported, checkpointed) in "
+                    f"{m['build_s']} s after the first chat's run; saved image {m['image_mib']} MiB"
+                )
     d = r.get("disk")
     if d:
         parts.append(f"on disk: {d['bytes'] / 1024**3:.2f} GiB in {d['files']:,} files")

@@ -12,12 +12,14 @@ upstream sends); both outputs must be the same rewritten answer.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any
 
-from engine import StreamingRewriter, Target
-from functions.code_sessions_filter import Filter, _Answer
+from engine import StreamingRewriter, Target, Turns
+from functions.code_sessions_filter import Filter
 
 from ._common import Context, summary
+from ._tables import ms, table
 from .rewrite import _check, _targets, make_answer
 
 SECTION = "filter_stream"
@@ -57,8 +59,15 @@ async def _floor(events: list[dict], resolve: Any) -> str:
     return "".join(out)
 
 
+def _held(message_id: str, rewriter: StreamingRewriter) -> Turns:
+    """The turns of a process whose Filter inlet began the answer `message_id` (its rewriter alone)."""
+    turns = Turns(None)  # type: ignore[arg-type]  # the stream needs no services
+    turns._held[message_id] = SimpleNamespace(rewriter=rewriter)  # type: ignore[assignment]
+    return turns
+
+
 async def _hook(hook: Filter, events: list[dict], resolve: Any) -> str:
-    hook._adapter.answers["m"] = _Answer(None, StreamingRewriter(resolve), "u")  # what the inlet leaves
+    hook._adapter._turns = _held("m", StreamingRewriter(resolve))  # what the inlet leaves
     metadata = {"message_id": "m"}
     out = []
     for event in events:
@@ -110,7 +119,6 @@ async def run(ctx: Context) -> dict[str, Any]:
 
 
 def render(r: dict[str, Any]) -> str:
-    from .report import ms, table
 
     if "hook" not in r:
         return "(no data)"

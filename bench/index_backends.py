@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from storage import DirectoryPublisher, Expiry, Reconcile, Session, Store
+from storage import DirectoryPublisher, Expiry, Policy, Reconcile, Session, Store
 
 from ._common import (
     BENCH_QUOTAS,
@@ -50,6 +50,7 @@ from ._common import (
     ratio_summary,
     summary,
 )
+from ._tables import ms, table
 
 SECTION = "index_backends"
 TARGET_STEP_RATIO = 1.2
@@ -95,10 +96,10 @@ async def _batch_paths(
         if report.files != BATCH_SESSIONS * per_session:
             raise RuntimeError(f"{name}: the rebuild indexed {report.files} files")
         await store.backend.write(lambda tx: tx.run("UPDATE files SET last_changed = 0", ()))
-        store.expiry = Expiry(file_max_age_s=86_400, session_idle_s=0, temporary_idle_s=0)
+        expiry = Policy(expiry=Expiry(file_max_age_s=86_400, session_idle_s=0, temporary_idle_s=0))
         await asyncio.to_thread(os.sync)
         start = time.perf_counter()
-        cleaned = await store.cleanup()
+        cleaned = await store.cleanup(policy=expiry)
         cleanup_s = time.perf_counter() - start
         if cleaned.files_removed != BATCH_SESSIONS * per_session:
             raise RuntimeError(f"{name}: the cleanup removed {cleaned.files_removed} files")
@@ -331,7 +332,6 @@ async def run(ctx: Context) -> dict[str, Any]:
 
 def render(r: dict[str, Any]) -> str:
     """The section's table (bench/report.py knows the other sections)."""
-    from .report import ms, table
 
     if "step" not in r:
         return "(no data)"
@@ -379,7 +379,6 @@ def _batch_lines(r: dict[str, Any]) -> list[str]:
     batch = r.get("batch")
     if not batch:
         return []
-    from .report import table
 
     rows = []
     for label, key, floor in (

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from storage import Expiry, Store
+from storage import Expiry, Policy, Store
 
 from ._common import (
     BENCH_QUOTAS,
@@ -137,10 +137,10 @@ async def _cleanup_size(ctx: Context, store: Store, root: Path, size: int, base:
         )
     finally:
         conn.close()
-    store.expiry = Expiry(file_max_age_s=86_400, session_idle_s=0, temporary_idle_s=0)
+    expiry = Policy(expiry=Expiry(file_max_age_s=86_400, session_idle_s=0, temporary_idle_s=0))
     session = await store.session("index-user", f"chat-{size}")
     start = time.perf_counter()
-    report = await store.cleanup()
+    report = await store.cleanup(policy=expiry)
     cleanup_s = time.perf_counter() - start
     if report.files_removed != size:
         raise RuntimeError(f"cleanup removed {report.files_removed} files, expected {size}")

@@ -29,7 +29,7 @@ from typing import Any
 
 from engine import Engine, Settings
 from runner import KernelPool, KernelSettings, Limits
-from runner._kernel_watch import CPU_POLL_S
+from runner._kernel_watch import CPU_POLL_S, _cpu_seconds
 
 from . import _floors
 from ._common import ANSWER_WITHOUT_PATHS, Context, ratio_summary, rss_kib, status_kib, summary
@@ -55,15 +55,17 @@ async def _step(service: Engine, user: str, chat_id: str) -> tuple[float, str]:
 async def _cpu_watch(kernels: list[Any], window_s: float) -> dict[str, Any]:
     """(g) What the CPU watcher (one look per kernel every CPU_POLL_S: its host processes' CPU time)
     costs our process, against its floor: the CPU those idle kernels use themselves meanwhile."""
-    used_before = sum(k._cpu_seconds() for k in kernels)
+    used_before = sum(_cpu_seconds(k.host_pids()) for k in kernels)
     started = time.monotonic()
     await asyncio.sleep(window_s)
-    idle_cpu_per_s = (sum(k._cpu_seconds() for k in kernels) - used_before) / (time.monotonic() - started)
+    idle_cpu_per_s = (sum(_cpu_seconds(k.host_pids()) for k in kernels) - used_before) / (
+        time.monotonic() - started
+    )
     rounds = 20
     cpu_before = time.process_time()
     for _ in range(rounds):
         for kernel in kernels:
-            kernel._cpu_seconds()
+            _cpu_seconds(kernel.host_pids())
     look_cpu_s = (time.process_time() - cpu_before) / rounds  # one look at every kernel
     watch_cpu_per_s = look_cpu_s / CPU_POLL_S
     return {

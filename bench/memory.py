@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._common import BENCH_QUOTAS, Context, make_files, reset_peak_rss, status_kib
+from ._common import BENCH_QUOTAS, CGROUP_PARENT, Context, make_files, reset_peak_rss, status_kib
 
 SECTION = "memory"
 REPO = Path(__file__).resolve().parent.parent
@@ -58,8 +58,6 @@ async def _child_run(args: argparse.Namespace) -> dict[str, Any]:
     from engine import Engine
     from runner import Runner, RunnerConfig
     from storage import DirectoryPublisher, Store
-
-    from ._common import CGROUP_PARENT
 
     base = Path(args.runner_base)
     runner = Runner(

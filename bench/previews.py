@@ -1,4 +1,5 @@
-"""Section 10: a table preview of a 100 MB CSV, which must not read the whole file.
+"""Section 10: a table preview of a 100 MB CSV, which must not read the whole file; and of a 1 MiB one,
+which is read whole so that its rows are counted, not estimated.
 
 The CSV lies in a real session folder; the preview is what an answer linking it adds (engine/previews.py:
 its first 64 KiB read through the store for the rows shown and the types, and two samples of 32 KiB,
@@ -20,13 +21,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.previews import HEAD_BYTES, SAMPLE_BYTES, previews
+from engine.previews import COUNTED_BYTES, HEAD_BYTES, SAMPLE_BYTES, previews
 
 from ._common import Context, summary
+from ._tables import ms, table
 
 SECTION = "previews"
 TARGET_RATIO = 0.1  # of a bare read of the whole file
 TARGET_MS = 50.0
+TARGET_COUNTED_MS = 50.0  # a CSV of COUNTED_BYTES, read whole and its rows counted
 
 
 def _make_csv(path: Path, size: int) -> int:
@@ -128,7 +131,22 @@ async def _measure(ctx: Context, session: Any, size: int, reps: int) -> dict[str
     if read > HEAD_BYTES + 2 * SAMPLE_BYTES:
         ctx.error(SECTION, f"the preview read {read:,} bytes, more than {HEAD_BYTES + 2 * SAMPLE_BYTES:,}")
     path.unlink()
+
+    # The largest CSV whose rows are counted: read whole, parsed in a thread.
+    small = session.path / "counted.csv"
+    counted_rows = await asyncio.to_thread(_make_csv, small, COUNTED_BYTES - 64 * 1024)
+    counted_t = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        counted_shown = await previews(["counted.csv"], read_head, no_sandbox, read_at)
+        counted_t.append(time.perf_counter() - t0)
+    if f"· {counted_rows:,} rows, " not in counted_shown:
+        ctx.error(SECTION, f"a {COUNTED_BYTES:,}-byte CSV was not counted exactly: {counted_shown[:200]!r}")
+    small.unlink()
     return {
+        "counted_file_bytes": COUNTED_BYTES - 64 * 1024,
+        "counted": summary(counted_t),
+        "target_counted_ms": TARGET_COUNTED_MS,
         "file_bytes": size,
         "rows": rows,
         "estimate": estimate,
@@ -156,10 +174,15 @@ def targets(r: dict[str, Any], add: Any) -> None:
         r.get("target_ms", TARGET_MS),
         "ms",
     )
+    add(
+        "table preview of a 1 MiB CSV, its rows counted",
+        ("counted" in r and r["counted"]["median_ms"]) or None,
+        r.get("target_counted_ms", TARGET_COUNTED_MS),
+        "ms",
+    )
 
 
 def render(r: dict[str, Any]) -> str:
-    from .report import ms, table
 
     if "preview" not in r:
         return "(no data)"
@@ -178,4 +201,12 @@ def render(r: dict[str, Any]) -> str:
         ],
         ["its estimate of the rows", f"{r['estimate']:,}" if r["estimate"] else "-", "within 2%"],
     ]
+    if "counted" in r:
+        rows.append(
+            [
+                f"a {r['counted_file_bytes'] / 2**10:.0f} KiB CSV, read whole and its rows counted",
+                ms(r["counted"]),
+                f"<= {r['target_counted_ms']:g} ms",
+            ]
+        )
     return table(["", "ms", "target"], rows, right=(1,))

@@ -3,57 +3,22 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 from typing import Any
 
-from . import branches, environment, filter_stream, hibernate, index_backends, previews, uploads
+from . import (
+    branches,
+    capacity,
+    environment,
+    exports,
+    filter_stream,
+    hibernate,
+    idle,
+    index_backends,
+    previews,
+    uploads,
+)
+from ._tables import ms, num, ratio, table, thousands
 from .index_backends import TARGET_STEP_RATIO
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> str:
-    width = len(headers)
-    cells = [[str(h) for h in headers]]
-    cells += [(["" if c is None else str(c) for c in row] + [""] * width)[:width] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(row: Sequence[str]) -> str:
-        out = [
-            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        return "  ".join(out).rstrip()
-
-    return "\n".join([line(cells[0]), line(["-" * w for w in widths]), *(line(r) for r in cells[1:])])
-
-
-def ms(stats: dict[str, Any] | None, spread: bool = True) -> str:
-    """'12.3 (11.0-14.1)': median and p25-p75 of a summary(), in ms."""
-    if not stats:
-        return "-"
-    med = _num(stats["median_ms"])
-    if not spread or stats.get("n", 0) < 2:
-        return med
-    return f"{med} ({_num(stats['p25_ms'])}-{_num(stats['p75_ms'])})"
-
-
-def _num(value: float) -> str:
-    if value >= 100:
-        return f"{value:.0f}"
-    if value >= 10:
-        return f"{value:.1f}"
-    if value >= 1:
-        return f"{value:.2f}"
-    return f"{value:.3f}"
-
-
-def _ratio(stats: dict[str, Any] | None) -> str:
-    if not stats:
-        return "-"
-    return f"{stats['median']:.2f} ({stats['p25']:.2f}-{stats['p75']:.2f})"
-
-
-def _size(n: int) -> str:
-    return f"{n // 1000}k" if n >= 1000 and n % 1000 == 0 else str(n)
-
 
 # ---------------------------------------------------------------------------- sections
 
@@ -70,9 +35,9 @@ def _overhead(r: dict[str, Any]) -> str:
                 name,
                 ms(s["bare_runsc"]),
                 ms(s["full_path"]),
-                _num(s["overhead_ms"]),
+                num(s["overhead_ms"]),
                 f"{s['ratio_of_medians']:.3f}",
-                _ratio(s["pair_ratio"]),
+                ratio(s["pair_ratio"]),
                 f"<= {target}" if target else "-",
             ]
         )
@@ -136,8 +101,8 @@ def _index(r: dict[str, Any]) -> str:
             out.append(f"[{label}] no data")
             continue
         clean = fs.get("cleanup", {})
-        steps = [f"{_size(a)}->{_size(b)}" for a, b in itertools.pairwise(sizes)]
-        headers = ["", *(_size(s) + " files" for s in sizes), *steps, f"us/file @{_size(sizes[-1])}"]
+        steps = [f"{thousands(a)}->{thousands(b)}" for a, b in itertools.pairwise(sizes)]
+        headers = ["", *(thousands(s) + " files" for s in sizes), *steps, f"us/file @{thousands(sizes[-1])}"]
 
         def row(
             name: str, pick: Any, source: dict[str, Any], spread: bool = True, sizes: list[int] = sizes
@@ -165,7 +130,7 @@ def _index(r: dict[str, Any]) -> str:
             row("bare unlink loop", lambda x: x and x["bare_unlink"], clean, False),
         ]
         ratio_row = ["full listing / bare walk (per pair)"]
-        ratio_row += [_ratio(rec.get(str(s), {}).get("one_change_over_walk")) for s in sizes]
+        ratio_row += [ratio(rec.get(str(s), {}).get("one_change_over_walk")) for s in sizes]
         cleanup_ratio = ["cleanup / bare unlink"]
         cleanup_ratio += [
             f"{clean[str(s)]['cleanup_over_unlink']:.2f}" if str(s) in clean else "-" for s in sizes
@@ -381,7 +346,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         # As a step does it: the runner names the changed path (see the full-listing rows too).
         stats = disk.get("reconcile", {}).get(size, {}).get("one_change_hint")
         add(
-            f"reconcile, one change in {_size(int(size))} files (disk)",
+            f"reconcile, one change in {thousands(int(size))} files (disk)",
             stats and stats["median_ms"],
             limit,
             "ms",
@@ -391,7 +356,12 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         # As a step does it: the runner names the changed path (see the full-listing rows too).
         stats = tmpfs.get("reconcile", {}).get(size, {}).get("one_change_hint")
         if stats:
-            add(f"reconcile, one change in {_size(int(size))} files (tmpfs)", stats["median_ms"], limit, "ms")
+            add(
+                f"reconcile, one change in {thousands(int(size))} files (tmpfs)",
+                stats["median_ms"],
+                limit,
+                "ms",
+            )
     quota = s.get("index_scale", {}).get("quota_check")
     add("quota check, 100 sessions", quota and quota["median_ms"], 5.0, "ms")
     for label, fs in (("disk", disk), ("tmpfs", tmpfs)):
@@ -426,6 +396,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     first = kern.get("first_step")
     add("a chat's first step / bare runsc", first and first["first_vs_bare"], 1.15, "x")
     hibernate.targets(s.get("hibernate", {}), add)
+    idle.targets(s.get("idle_kernels", {}), add)
+    capacity.targets(s.get("capacity", {}), add)
     tick = s.get("deleted_chats", {})
     value = tick["tick"]["median_ms"] if tick.get("sessions") == 10_000 else None
     add("deleted-chat tick, 10,000 sessions", value, 500.0, "ms")
@@ -443,6 +415,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         for name, value, limit, unit in environment.targets(s["environment"]):
             add(name, value, limit, unit)
     branches.targets(s.get("branches", {}), add)
+    if "exports" in s:
+        exports.targets(s["exports"], add)
     return found
 
 
@@ -474,12 +448,15 @@ def render(results: dict[str, Any]) -> str:
         ("6. The live kernel", "kernel", _kernel),
         ("7. Chats deleted in Open WebUI: one background tick", "deleted_chats", _deleted_chats),
         ("8. Kernels saved to disk, resumed, and started warm", "hibernate", hibernate.render),
+        ("Idle kernels on systrap and on ptrace", "idle_kernels", idle.render),
         ("9. The Filter's stream hook", "filter_stream", filter_stream.render),
         ("10. Upload links: receiving a file", "uploads", uploads.render),
         ("11. A table preview of a 100 MB CSV", "previews", previews.render),
         ("Index backends: SQLite vs PostgreSQL", "index_backends", index_backends.render),
         ("The sandbox environment", "environment", environment.render),
         ("12. States for the conversation's branches", "branches", branches.render),
+        ("13. Runs' records, clones and exports", "exports", exports.render),
+        ("14. Capacity: 1,000 saved chats and 50 live kernels on one host", "capacity", capacity.render),
     ]
     for title, key, fn in sections:
         if key in s:
