@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_actions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_4c380e04806c'
+_CS_PACKAGE = '_code_sessions_ca679885c721'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -15026,28 +15026,30 @@ def end_leftovers(kernel_pid: int, note: Callable[[str], None]) -> None:
     if kernel_pid != 1:  # the kernel's own pid, taken at its start (a forked child never gets here)
         return
     spared = _trackers()
-    if spared:
-        _end_leftovers_but(spared, note)
-        return
-    try:
-        _os_kill(-1, _signal.SIGKILL)  # zombies count too, so ESRCH means: nobody else is left
-    except ProcessLookupError:
-        return  # the common case: one system call, nothing to reap
-    except PermissionError:
-        pass
+    _kill_until_gone(_kill_all_but(spared) if spared else _kill_all, note)
+
+
+def _kill_until_gone(kill_round: Callable[[], bool], note: Callable[[str], None]) -> None:
+    """Signal and reap until ``kill_round`` finds nobody left to signal, or the patience is over."""
+    if not kill_round():
+        return  # the common case: one round, nothing to reap
     deadline = _monotonic() + _KILL_PATIENCE_S
-    while True:
-        try:
-            _os_kill(-1, _signal.SIGKILL)
-        except ProcessLookupError:
-            break
-        except PermissionError:  # only processes we may not signal are left: nothing to do
-            break
+    while kill_round():
         if not _reap() and _monotonic() > deadline:
             note("[code-sessions: some processes of the cell would not die]\n")
             break
         time.sleep(0.0002)
     _reap()
+
+
+def _kill_all() -> bool:
+    """SIGKILL every other process of the namespace: one system call. False when nobody is left to
+    signal (zombies count too, so ESRCH means none) or only processes we may not signal are."""
+    try:
+        _os_kill(-1, _signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _trackers() -> set[int]:
@@ -15063,30 +15065,25 @@ def _trackers() -> set[int]:
     return pids
 
 
-def _end_leftovers_but(spared: set[int], note: Callable[[str], None]) -> None:
-    """end_leftovers, sparing `spared`: every other process of the namespace, found in /proc, is
-    killed and reaped, until none is left."""
-    deadline = _monotonic() + _KILL_PATIENCE_S
-    while True:
+def _kill_all_but(spared: set[int]) -> Callable[[], bool]:
+    """A round of _kill_all that spares ``spared``: every other process of the namespace, found in
+    /proc, is signalled one by one."""
+
+    def kill_round() -> bool:
         try:
-            others = [int(n) for n in _os_listdir("/proc") if n.isdigit() and int(n) != 1]
+            names = _os_listdir("/proc")
         except OSError:
-            return
-        others = [pid for pid in others if pid not in spared]
-        if not others:
-            break
-        signalled = 0
-        for pid in others:
+            return False
+        signalled = False
+        for name in names:
+            if not name.isdigit() or (pid := int(name)) == 1 or pid in spared:
+                continue
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 _os_kill(pid, _signal.SIGKILL)
-                signalled += 1
-        if not signalled:  # only processes we may not signal are left: nothing to do
-            break
-        if not _reap() and _monotonic() > deadline:
-            note("[code-sessions: some processes of the cell would not die]\n")
-            break
-        time.sleep(0.0002)
-    _reap()
+                signalled = True
+        return signalled
+
+    return kill_round
 
 
 def _reap() -> int:
@@ -20095,7 +20092,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_4c380e04806c.storage import StorageError, human_bytes, is_export
+from _code_sessions_ca679885c721.storage import StorageError, human_bytes, is_export
 
 from .host import Emit, Host
 from .markup import code_span, escape_text
@@ -20552,7 +20549,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_4c380e04806c.storage import HistoryError, Session, StorageError
+from _code_sessions_ca679885c721.storage import HistoryError, Session, StorageError
 
 from .clones import OriginCall, StateChat, StateServices, start_clone
 from .settings import Settings
@@ -20900,8 +20897,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from _code_sessions_4c380e04806c.runner import RunResult
-from _code_sessions_4c380e04806c.storage import ReconcileReport, StorageError, human_bytes
+from _code_sessions_ca679885c721.runner import RunResult
+from _code_sessions_ca679885c721.storage import ReconcileReport, StorageError, human_bytes
 
 from .markup import mention
 
@@ -21241,8 +21238,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from _code_sessions_4c380e04806c.runner import KernelPool
-from _code_sessions_4c380e04806c.storage import CloneStart, Imported, Room, Session, StorageError, Store, human_bytes
+from _code_sessions_ca679885c721.runner import KernelPool
+from _code_sessions_ca679885c721.storage import CloneStart, Imported, Room, Session, StorageError, Store, human_bytes
 
 from .settings import Settings
 
@@ -21619,7 +21616,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from _code_sessions_4c380e04806c.storage import Link, Publisher
+from _code_sessions_ca679885c721.storage import Link, Publisher
 
 from .charts import ChartEmbed
 from .clones import Origin
@@ -21817,7 +21814,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_4c380e04806c.storage import (
+from _code_sessions_ca679885c721.storage import (
     HistoryError,
     Incoming,
     InvalidPath,
@@ -22674,7 +22671,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_4c380e04806c.runner import RunnerError
+from _code_sessions_ca679885c721.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -23002,7 +22999,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_4c380e04806c.storage import AnswerRuns, RunRecord
+from _code_sessions_ca679885c721.storage import AnswerRuns, RunRecord
 
 __all__ = ["NOT_KEPT", "BranchMessage", "build_notebook", "notebook_bytes", "notebook_name"]
 
@@ -23200,7 +23197,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from _code_sessions_4c380e04806c.runner import RunnerError
+from _code_sessions_ca679885c721.runner import RunnerError
 
 from .charts import ChartEmbed, chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
@@ -23379,8 +23376,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_4c380e04806c.runner import Runner, RunnerError
-from _code_sessions_4c380e04806c.storage import StorageError
+from _code_sessions_ca679885c721.runner import Runner, RunnerError
+from _code_sessions_ca679885c721.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -23541,8 +23538,8 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_4c380e04806c.runner import Limits, Outcome, RunnerError, RunResult
-from _code_sessions_4c380e04806c.storage import StorageError, human_bytes
+from _code_sessions_ca679885c721.runner import Limits, Outcome, RunnerError, RunResult
+from _code_sessions_ca679885c721.storage import StorageError, human_bytes
 
 from .markup import escape_text
 
@@ -23995,8 +23992,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_4c380e04806c.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_4c380e04806c.storage import human_bytes
+from _code_sessions_ca679885c721.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_ca679885c721.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -24121,7 +24118,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_4c380e04806c.storage import Purge, parse_duration
+from _code_sessions_ca679885c721.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -24702,8 +24699,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_4c380e04806c.runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_4c380e04806c.storage import (
+from _code_sessions_ca679885c721.runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_ca679885c721.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -25236,8 +25233,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_4c380e04806c.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_4c380e04806c.storage import Policy
+from _code_sessions_ca679885c721.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_ca679885c721.storage import Policy
 
 __all__ = ["DEFAULTS", "LOCK_WAIT_S", "BranchSettings", "Settings"]
 
@@ -25447,8 +25444,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_4c380e04806c.runner import Outcome, RunResult
-from _code_sessions_4c380e04806c.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_ca679885c721.runner import Outcome, RunResult
+from _code_sessions_ca679885c721.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention, visible
 
@@ -25990,7 +25987,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from _code_sessions_4c380e04806c.storage import CLEAR_FILES_COMMAND
+from _code_sessions_ca679885c721.storage import CLEAR_FILES_COMMAND
 
 from .actions import NOT_OWNER, Ask, Reply, owned, press
 from .branches import Place
@@ -26703,7 +26700,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_4c380e04806c.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_ca679885c721.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -26931,7 +26928,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from _code_sessions_4c380e04806c.storage import Link, Publisher, is_postgres_url
+from _code_sessions_ca679885c721.storage import Link, Publisher, is_postgres_url
 
 from .assets import publish, register_asset_route
 from .clones import CloneSource, clone_source
@@ -27307,7 +27304,7 @@ import logging
 import mimetypes
 from typing import Any
 
-from _code_sessions_4c380e04806c.storage import human_bytes
+from _code_sessions_ca679885c721.storage import human_bytes
 
 log = logging.getLogger("code_sessions.function")
 
@@ -27624,7 +27621,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from _code_sessions_4c380e04806c.storage import (
+from _code_sessions_ca679885c721.storage import (
     DiskFull,
     FileExists,
     Incoming,
@@ -27890,7 +27887,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_4c380e04806c.engine import (
+from _code_sessions_ca679885c721.engine import (
     DEFAULTS,
     MINUTE_S,
     BranchSettings,
@@ -27905,10 +27902,10 @@ from _code_sessions_4c380e04806c.engine import (
     Settings,
     Turns,
 )
-from _code_sessions_4c380e04806c.functions.inbound import serve_uploads
-from _code_sessions_4c380e04806c.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_4c380e04806c.storage import DAY, Expiry, KiB, MiB, Policy, Quotas, Store
-from _code_sessions_4c380e04806c.webui import OpenWebUI
+from _code_sessions_ca679885c721.functions.inbound import serve_uploads
+from _code_sessions_ca679885c721.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_ca679885c721.storage import DAY, Expiry, KiB, MiB, Policy, Quotas, Store
+from _code_sessions_ca679885c721.webui import OpenWebUI
 
 __all__ = [
     "Adapter",
@@ -28507,8 +28504,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_4c380e04806c.engine import ChatSession, Engine, ExtraTool, Host, Inbound, Turns
-from _code_sessions_4c380e04806c.storage import Expiry, Policy, Quotas, Store, UploadLinks
+from _code_sessions_ca679885c721.engine import ChatSession, Engine, ExtraTool, Host, Inbound, Turns
+from _code_sessions_ca679885c721.storage import Expiry, Policy, Quotas, Store, UploadLinks
 
 __all__ = ["UPLOAD_LINK_TOOL", "serve_uploads", "upload_link_tool"]
 
@@ -28704,10 +28701,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_4c380e04806c.engine import BUTTONS, Message, Reply
-from _code_sessions_4c380e04806c.functions.adapter import Adapter, HeldValves, SharedValves
-from _code_sessions_4c380e04806c.storage import StorageError
-from _code_sessions_4c380e04806c.webui import Misconfigured
+from _code_sessions_ca679885c721.engine import BUTTONS, Message, Reply
+from _code_sessions_ca679885c721.functions.adapter import Adapter, HeldValves, SharedValves
+from _code_sessions_ca679885c721.storage import StorageError
+from _code_sessions_ca679885c721.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -34,28 +34,30 @@ def end_leftovers(kernel_pid: int, note: Callable[[str], None]) -> None:
     if kernel_pid != 1:  # the kernel's own pid, taken at its start (a forked child never gets here)
         return
     spared = _trackers()
-    if spared:
-        _end_leftovers_but(spared, note)
-        return
-    try:
-        _os_kill(-1, _signal.SIGKILL)  # zombies count too, so ESRCH means: nobody else is left
-    except ProcessLookupError:
-        return  # the common case: one system call, nothing to reap
-    except PermissionError:
-        pass
+    _kill_until_gone(_kill_all_but(spared) if spared else _kill_all, note)
+
+
+def _kill_until_gone(kill_round: Callable[[], bool], note: Callable[[str], None]) -> None:
+    """Signal and reap until ``kill_round`` finds nobody left to signal, or the patience is over."""
+    if not kill_round():
+        return  # the common case: one round, nothing to reap
     deadline = _monotonic() + _KILL_PATIENCE_S
-    while True:
-        try:
-            _os_kill(-1, _signal.SIGKILL)
-        except ProcessLookupError:
-            break
-        except PermissionError:  # only processes we may not signal are left: nothing to do
-            break
+    while kill_round():
         if not _reap() and _monotonic() > deadline:
             note("[code-sessions: some processes of the cell would not die]\n")
             break
         time.sleep(0.0002)
     _reap()
+
+
+def _kill_all() -> bool:
+    """SIGKILL every other process of the namespace: one system call. False when nobody is left to
+    signal (zombies count too, so ESRCH means none) or only processes we may not signal are."""
+    try:
+        _os_kill(-1, _signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _trackers() -> set[int]:
@@ -71,30 +73,25 @@ def _trackers() -> set[int]:
     return pids
 
 
-def _end_leftovers_but(spared: set[int], note: Callable[[str], None]) -> None:
-    """end_leftovers, sparing `spared`: every other process of the namespace, found in /proc, is
-    killed and reaped, until none is left."""
-    deadline = _monotonic() + _KILL_PATIENCE_S
-    while True:
+def _kill_all_but(spared: set[int]) -> Callable[[], bool]:
+    """A round of _kill_all that spares ``spared``: every other process of the namespace, found in
+    /proc, is signalled one by one."""
+
+    def kill_round() -> bool:
         try:
-            others = [int(n) for n in _os_listdir("/proc") if n.isdigit() and int(n) != 1]
+            names = _os_listdir("/proc")
         except OSError:
-            return
-        others = [pid for pid in others if pid not in spared]
-        if not others:
-            break
-        signalled = 0
-        for pid in others:
+            return False
+        signalled = False
+        for name in names:
+            if not name.isdigit() or (pid := int(name)) == 1 or pid in spared:
+                continue
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 _os_kill(pid, _signal.SIGKILL)
-                signalled += 1
-        if not signalled:  # only processes we may not signal are left: nothing to do
-            break
-        if not _reap() and _monotonic() > deadline:
-            note("[code-sessions: some processes of the cell would not die]\n")
-            break
-        time.sleep(0.0002)
-    _reap()
+                signalled = True
+        return signalled
+
+    return kill_round
 
 
 def _reap() -> int:
