@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_actions.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_ca679885c721'
+_CS_PACKAGE = '_code_sessions_1f5889c291e7'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -20092,7 +20092,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_ca679885c721.storage import StorageError, human_bytes, is_export
+from _code_sessions_1f5889c291e7.storage import StorageError, human_bytes, is_export
 
 from .host import Emit, Host
 from .markup import code_span, escape_text
@@ -20549,7 +20549,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_ca679885c721.storage import HistoryError, Session, StorageError
+from _code_sessions_1f5889c291e7.storage import HistoryError, Session, StorageError
 
 from .clones import OriginCall, StateChat, StateServices, start_clone
 from .settings import Settings
@@ -20897,8 +20897,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from _code_sessions_ca679885c721.runner import RunResult
-from _code_sessions_ca679885c721.storage import ReconcileReport, StorageError, human_bytes
+from _code_sessions_1f5889c291e7.runner import RunResult
+from _code_sessions_1f5889c291e7.storage import ReconcileReport, StorageError, human_bytes
 
 from .markup import mention
 
@@ -21238,8 +21238,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from _code_sessions_ca679885c721.runner import KernelPool
-from _code_sessions_ca679885c721.storage import CloneStart, Imported, Room, Session, StorageError, Store, human_bytes
+from _code_sessions_1f5889c291e7.runner import KernelPool
+from _code_sessions_1f5889c291e7.storage import CloneStart, Imported, Room, Session, StorageError, Store, human_bytes
 
 from .settings import Settings
 
@@ -21616,7 +21616,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from _code_sessions_ca679885c721.storage import Link, Publisher
+from _code_sessions_1f5889c291e7.storage import Link, Publisher
 
 from .charts import ChartEmbed
 from .clones import Origin
@@ -21814,7 +21814,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_ca679885c721.storage import (
+from _code_sessions_1f5889c291e7.storage import (
     HistoryError,
     Incoming,
     InvalidPath,
@@ -22671,7 +22671,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_ca679885c721.runner import RunnerError
+from _code_sessions_1f5889c291e7.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -22999,7 +22999,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_ca679885c721.storage import AnswerRuns, RunRecord
+from _code_sessions_1f5889c291e7.storage import AnswerRuns, RunRecord
 
 __all__ = ["NOT_KEPT", "BranchMessage", "build_notebook", "notebook_bytes", "notebook_name"]
 
@@ -23197,7 +23197,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from _code_sessions_ca679885c721.runner import RunnerError
+from _code_sessions_1f5889c291e7.runner import RunnerError
 
 from .charts import ChartEmbed, chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
@@ -23376,8 +23376,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_ca679885c721.runner import Runner, RunnerError
-from _code_sessions_ca679885c721.storage import StorageError
+from _code_sessions_1f5889c291e7.runner import Runner, RunnerError
+from _code_sessions_1f5889c291e7.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -23538,8 +23538,8 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_ca679885c721.runner import Limits, Outcome, RunnerError, RunResult
-from _code_sessions_ca679885c721.storage import StorageError, human_bytes
+from _code_sessions_1f5889c291e7.runner import Limits, Outcome, RunnerError, RunResult
+from _code_sessions_1f5889c291e7.storage import StorageError, human_bytes
 
 from .markup import escape_text
 
@@ -23992,8 +23992,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_ca679885c721.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_ca679885c721.storage import human_bytes
+from _code_sessions_1f5889c291e7.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_1f5889c291e7.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -24118,7 +24118,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_ca679885c721.storage import Purge, parse_duration
+from _code_sessions_1f5889c291e7.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -24699,8 +24699,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_ca679885c721.runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_ca679885c721.storage import (
+from _code_sessions_1f5889c291e7.runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_1f5889c291e7.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -25233,8 +25233,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_ca679885c721.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_ca679885c721.storage import Policy
+from _code_sessions_1f5889c291e7.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_1f5889c291e7.storage import Policy
 
 __all__ = ["DEFAULTS", "LOCK_WAIT_S", "BranchSettings", "Settings"]
 
@@ -25444,8 +25444,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_ca679885c721.runner import Outcome, RunResult
-from _code_sessions_ca679885c721.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_1f5889c291e7.runner import Outcome, RunResult
+from _code_sessions_1f5889c291e7.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention, visible
 
@@ -25987,7 +25987,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from _code_sessions_ca679885c721.storage import CLEAR_FILES_COMMAND
+from _code_sessions_1f5889c291e7.storage import CLEAR_FILES_COMMAND
 
 from .actions import NOT_OWNER, Ask, Reply, owned, press
 from .branches import Place
@@ -26700,7 +26700,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_ca679885c721.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_1f5889c291e7.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -26928,7 +26928,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from _code_sessions_ca679885c721.storage import Link, Publisher, is_postgres_url
+from _code_sessions_1f5889c291e7.storage import Link, Publisher, is_postgres_url
 
 from .assets import publish, register_asset_route
 from .clones import CloneSource, clone_source
@@ -27304,7 +27304,7 @@ import logging
 import mimetypes
 from typing import Any
 
-from _code_sessions_ca679885c721.storage import human_bytes
+from _code_sessions_1f5889c291e7.storage import human_bytes
 
 log = logging.getLogger("code_sessions.function")
 
@@ -27621,7 +27621,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from _code_sessions_ca679885c721.storage import (
+from _code_sessions_1f5889c291e7.storage import (
     DiskFull,
     FileExists,
     Incoming,
@@ -27887,7 +27887,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_ca679885c721.engine import (
+from _code_sessions_1f5889c291e7.engine import (
     DEFAULTS,
     MINUTE_S,
     BranchSettings,
@@ -27902,10 +27902,10 @@ from _code_sessions_ca679885c721.engine import (
     Settings,
     Turns,
 )
-from _code_sessions_ca679885c721.functions.inbound import serve_uploads
-from _code_sessions_ca679885c721.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_ca679885c721.storage import DAY, Expiry, KiB, MiB, Policy, Quotas, Store
-from _code_sessions_ca679885c721.webui import OpenWebUI
+from _code_sessions_1f5889c291e7.functions.inbound import serve_uploads
+from _code_sessions_1f5889c291e7.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_1f5889c291e7.storage import DAY, Expiry, KiB, MiB, Policy, Quotas, Store
+from _code_sessions_1f5889c291e7.webui import OpenWebUI
 
 __all__ = [
     "Adapter",
@@ -27984,7 +27984,7 @@ class SharedValves(BaseModel):
         default=True,
         description="A new chat whose first cell imports a package (or is bash) starts from a "
         "template with numpy, pandas and matplotlib already imported (made once per server): its "
-        "first data step is several times faster, and its kernel holds about 220 MB less memory "
+        "first data step is several times faster, and its kernel holds about 240 MiB less memory "
         "than one that imported them itself. A first cell of plain Python starts a lighter kernel.",
     )
     storage_root: str = Field(
@@ -28504,8 +28504,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_ca679885c721.engine import ChatSession, Engine, ExtraTool, Host, Inbound, Turns
-from _code_sessions_ca679885c721.storage import Expiry, Policy, Quotas, Store, UploadLinks
+from _code_sessions_1f5889c291e7.engine import ChatSession, Engine, ExtraTool, Host, Inbound, Turns
+from _code_sessions_1f5889c291e7.storage import Expiry, Policy, Quotas, Store, UploadLinks
 
 __all__ = ["UPLOAD_LINK_TOOL", "serve_uploads", "upload_link_tool"]
 
@@ -28701,10 +28701,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_ca679885c721.engine import BUTTONS, Message, Reply
-from _code_sessions_ca679885c721.functions.adapter import Adapter, HeldValves, SharedValves
-from _code_sessions_ca679885c721.storage import StorageError
-from _code_sessions_ca679885c721.webui import Misconfigured
+from _code_sessions_1f5889c291e7.engine import BUTTONS, Message, Reply
+from _code_sessions_1f5889c291e7.functions.adapter import Adapter, HeldValves, SharedValves
+from _code_sessions_1f5889c291e7.storage import StorageError
+from _code_sessions_1f5889c291e7.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -124,7 +124,7 @@ class SharedValves(BaseModel):
         default=True,
         description="A new chat whose first cell imports a package (or is bash) starts from a "
         "template with numpy, pandas and matplotlib already imported (made once per server): its "
-        "first data step is several times faster, and its kernel holds about 220 MB less memory "
+        "first data step is several times faster, and its kernel holds about 240 MiB less memory "
         "than one that imported them itself. A first cell of plain Python starts a lighter kernel.",
     )
     storage_root: str = Field(
