@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_ca679885c721'
+_CS_PACKAGE = '_code_sessions_b5ec41dd3f58'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -1956,7 +1956,7 @@ from json.encoder import encode_basestring_ascii
 from pathlib import Path
 
 from ._fsops import DIR_FLAGS, Owner, copy_fd, fd_closing, remove_tree_at
-from ._names import MAX_DEPTH, MAX_PATH_BYTES
+from ._names import MAX_DEPTH, MAX_PATH_BYTES, is_utf8
 from .errors import FileExists, HistoryError
 
 HEAD = "head.json"
@@ -2803,11 +2803,10 @@ def walk(fd: int, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, os.st
     except OSError:
         return
     for name in names:
-        try:
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-        except OSError:
+        st = _lstat(fd, name)
+        if st is None:
             continue
-        if not name.isascii() and not _utf8(name):
+        if not name.isascii() and not is_utf8(name):
             continue
         path = f"{prefix}{name}"
         if stat.S_ISREG(st.st_mode):
@@ -2816,20 +2815,19 @@ def walk(fd: int, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, os.st
             yield path, st, fd, name
             if depth + 1 >= MAX_DEPTH:
                 continue
-            try:
-                sub = os.open(name, DIR_FLAGS, dir_fd=fd)
-            except OSError:
-                continue
-            with fd_closing(sub):
-                yield from walk(sub, f"{path}/", depth + 1)
+            sub = _open_folder(fd, name)
+            if sub is not None:
+                with fd_closing(sub):
+                    yield from walk(sub, f"{path}/", depth + 1)
 
 
-def _utf8(name: str) -> bool:
+def _open_folder(fd: int, name: str) -> int | None:
+    """The folder `name` of the folder `fd`, opened without following a link; None when it cannot be
+    (gone meanwhile, or a link or a file by now)."""
     try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+        return os.open(name, DIR_FLAGS, dir_fd=fd)
+    except OSError:
+        return None
 
 
 def _clear_live(
@@ -2854,7 +2852,7 @@ def _clear_live(
         if st is None:
             continue
         path = f"{prefix}{name}"
-        if not _utf8(name):
+        if not is_utf8(name):
             remove_tree_at(fd, name)
             removed += 1
         elif stat.S_ISDIR(st.st_mode):
@@ -2862,12 +2860,10 @@ def _clear_live(
                 remove_tree_at(fd, name)
                 removed += 1
                 continue
-            try:
-                sub = os.open(name, DIR_FLAGS, dir_fd=fd)
-            except OSError:
-                continue
-            with fd_closing(sub):
-                removed += _clear_live(sub, f"{path}/", depth + 1, wanted, keep_dirs, before, kept)
+            sub = _open_folder(fd, name)
+            if sub is not None:
+                with fd_closing(sub):
+                    removed += _clear_live(sub, f"{path}/", depth + 1, wanted, keep_dirs, before, kept)
         else:
             entry, seen = wanted.get(path), before.get(path)
             if (
@@ -4994,6 +4990,15 @@ def split_path(path: str) -> tuple[str, ...]:
     if len("/".join(parts).encode("utf-8")) > MAX_PATH_BYTES:
         raise InvalidPath(f"the path {path[:80]!r}... is longer than {MAX_PATH_BYTES} bytes")
     return tuple(parts)
+
+
+def is_utf8(name: str) -> bool:
+    """Whether a name read from disk is valid UTF-8 (no undecodable bytes held as surrogate escapes)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def display(name: str) -> str:
@@ -7226,7 +7231,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._fsops import DIR_FLAGS, fd_closing, kind_of, lstat_at, remove_tree_at
-from ._names import MAX_DEPTH, MAX_PATH_BYTES, display, numbered
+from ._names import MAX_DEPTH, MAX_PATH_BYTES, display, is_utf8, numbered
 from .models import Rejected, Renamed
 
 log = logging.getLogger("code_sessions.storage")
@@ -7291,7 +7296,7 @@ def _scan_dir(
         result.empty_folders.append(prefix[:-1])
     for entry in entries:
         name = entry.name
-        if not name.isascii() and not _is_utf8(name):
+        if not name.isascii() and not is_utf8(name):
             fixed = _fix_name(fd, name, prefix, fix, result)
             if fixed is None:
                 continue
@@ -7315,14 +7320,6 @@ def _scan_dir(
                 _classify(fd, name, prefix + name, depth, fix, max_depth, result)
         except FileNotFoundError:
             continue  # vanished while listing: it simply is not there
-
-
-def _is_utf8(name: str) -> bool:
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _classify(
@@ -20092,7 +20089,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_ca679885c721.storage import StorageError, human_bytes, is_export
+from _code_sessions_b5ec41dd3f58.storage import StorageError, human_bytes, is_export
 
 from .host import Emit, Host
 from .markup import code_span, escape_text
@@ -20549,7 +20546,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_ca679885c721.storage import HistoryError, Session, StorageError
+from _code_sessions_b5ec41dd3f58.storage import HistoryError, Session, StorageError
 
 from .clones import OriginCall, StateChat, StateServices, start_clone
 from .settings import Settings
@@ -20897,8 +20894,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from _code_sessions_ca679885c721.runner import RunResult
-from _code_sessions_ca679885c721.storage import ReconcileReport, StorageError, human_bytes
+from _code_sessions_b5ec41dd3f58.runner import RunResult
+from _code_sessions_b5ec41dd3f58.storage import ReconcileReport, StorageError, human_bytes
 
 from .markup import mention
 
@@ -21238,8 +21235,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from _code_sessions_ca679885c721.runner import KernelPool
-from _code_sessions_ca679885c721.storage import CloneStart, Imported, Room, Session, StorageError, Store, human_bytes
+from _code_sessions_b5ec41dd3f58.runner import KernelPool
+from _code_sessions_b5ec41dd3f58.storage import CloneStart, Imported, Room, Session, StorageError, Store, human_bytes
 
 from .settings import Settings
 
@@ -21616,7 +21613,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from _code_sessions_ca679885c721.storage import Link, Publisher
+from _code_sessions_b5ec41dd3f58.storage import Link, Publisher
 
 from .charts import ChartEmbed
 from .clones import Origin
@@ -21814,7 +21811,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_ca679885c721.storage import (
+from _code_sessions_b5ec41dd3f58.storage import (
     HistoryError,
     Incoming,
     InvalidPath,
@@ -22671,7 +22668,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_ca679885c721.runner import RunnerError
+from _code_sessions_b5ec41dd3f58.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -22999,7 +22996,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_ca679885c721.storage import AnswerRuns, RunRecord
+from _code_sessions_b5ec41dd3f58.storage import AnswerRuns, RunRecord
 
 __all__ = ["NOT_KEPT", "BranchMessage", "build_notebook", "notebook_bytes", "notebook_name"]
 
@@ -23197,7 +23194,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from _code_sessions_ca679885c721.runner import RunnerError
+from _code_sessions_b5ec41dd3f58.runner import RunnerError
 
 from .charts import ChartEmbed, chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
@@ -23376,8 +23373,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_ca679885c721.runner import Runner, RunnerError
-from _code_sessions_ca679885c721.storage import StorageError
+from _code_sessions_b5ec41dd3f58.runner import Runner, RunnerError
+from _code_sessions_b5ec41dd3f58.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -23538,8 +23535,8 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_ca679885c721.runner import Limits, Outcome, RunnerError, RunResult
-from _code_sessions_ca679885c721.storage import StorageError, human_bytes
+from _code_sessions_b5ec41dd3f58.runner import Limits, Outcome, RunnerError, RunResult
+from _code_sessions_b5ec41dd3f58.storage import StorageError, human_bytes
 
 from .markup import escape_text
 
@@ -23992,8 +23989,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_ca679885c721.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_ca679885c721.storage import human_bytes
+from _code_sessions_b5ec41dd3f58.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_b5ec41dd3f58.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -24118,7 +24115,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_ca679885c721.storage import Purge, parse_duration
+from _code_sessions_b5ec41dd3f58.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -24699,8 +24696,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_ca679885c721.runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_ca679885c721.storage import (
+from _code_sessions_b5ec41dd3f58.runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_b5ec41dd3f58.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -25233,8 +25230,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_ca679885c721.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_ca679885c721.storage import Policy
+from _code_sessions_b5ec41dd3f58.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_b5ec41dd3f58.storage import Policy
 
 __all__ = ["DEFAULTS", "LOCK_WAIT_S", "BranchSettings", "Settings"]
 
@@ -25444,8 +25441,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_ca679885c721.runner import Outcome, RunResult
-from _code_sessions_ca679885c721.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_b5ec41dd3f58.runner import Outcome, RunResult
+from _code_sessions_b5ec41dd3f58.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention, visible
 
@@ -25987,7 +25984,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from _code_sessions_ca679885c721.storage import CLEAR_FILES_COMMAND
+from _code_sessions_b5ec41dd3f58.storage import CLEAR_FILES_COMMAND
 
 from .actions import NOT_OWNER, Ask, Reply, owned, press
 from .branches import Place
@@ -26700,7 +26697,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_ca679885c721.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_b5ec41dd3f58.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -26928,7 +26925,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from _code_sessions_ca679885c721.storage import Link, Publisher, is_postgres_url
+from _code_sessions_b5ec41dd3f58.storage import Link, Publisher, is_postgres_url
 
 from .assets import publish, register_asset_route
 from .clones import CloneSource, clone_source
@@ -27304,7 +27301,7 @@ import logging
 import mimetypes
 from typing import Any
 
-from _code_sessions_ca679885c721.storage import human_bytes
+from _code_sessions_b5ec41dd3f58.storage import human_bytes
 
 log = logging.getLogger("code_sessions.function")
 
@@ -27621,7 +27618,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from _code_sessions_ca679885c721.storage import (
+from _code_sessions_b5ec41dd3f58.storage import (
     DiskFull,
     FileExists,
     Incoming,
@@ -27887,7 +27884,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_ca679885c721.engine import (
+from _code_sessions_b5ec41dd3f58.engine import (
     DEFAULTS,
     MINUTE_S,
     BranchSettings,
@@ -27902,10 +27899,10 @@ from _code_sessions_ca679885c721.engine import (
     Settings,
     Turns,
 )
-from _code_sessions_ca679885c721.functions.inbound import serve_uploads
-from _code_sessions_ca679885c721.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_ca679885c721.storage import DAY, Expiry, KiB, MiB, Policy, Quotas, Store
-from _code_sessions_ca679885c721.webui import OpenWebUI
+from _code_sessions_b5ec41dd3f58.functions.inbound import serve_uploads
+from _code_sessions_b5ec41dd3f58.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_b5ec41dd3f58.storage import DAY, Expiry, KiB, MiB, Policy, Quotas, Store
+from _code_sessions_b5ec41dd3f58.webui import OpenWebUI
 
 __all__ = [
     "Adapter",
@@ -28504,8 +28501,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_ca679885c721.engine import ChatSession, Engine, ExtraTool, Host, Inbound, Turns
-from _code_sessions_ca679885c721.storage import Expiry, Policy, Quotas, Store, UploadLinks
+from _code_sessions_b5ec41dd3f58.engine import ChatSession, Engine, ExtraTool, Host, Inbound, Turns
+from _code_sessions_b5ec41dd3f58.storage import Expiry, Policy, Quotas, Store, UploadLinks
 
 __all__ = ["UPLOAD_LINK_TOOL", "serve_uploads", "upload_link_tool"]
 
@@ -28699,11 +28696,11 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_ca679885c721.engine import escape_text
-from _code_sessions_ca679885c721.functions.adapter import Adapter, SharedValves, message_of
-from _code_sessions_ca679885c721.functions.inbound import upload_link_tool
-from _code_sessions_ca679885c721.storage import StorageError
-from _code_sessions_ca679885c721.webui import Misconfigured
+from _code_sessions_b5ec41dd3f58.engine import escape_text
+from _code_sessions_b5ec41dd3f58.functions.adapter import Adapter, SharedValves, message_of
+from _code_sessions_b5ec41dd3f58.functions.inbound import upload_link_tool
+from _code_sessions_b5ec41dd3f58.storage import StorageError
+from _code_sessions_b5ec41dd3f58.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 
