@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_b5ec41dd3f58'
+_CS_PACKAGE = '_code_sessions_1ac663b8aba0'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -20089,7 +20089,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_b5ec41dd3f58.storage import StorageError, human_bytes, is_export
+from _code_sessions_1ac663b8aba0.storage import StorageError, human_bytes, is_export
 
 from .host import Emit, Host
 from .markup import code_span, escape_text
@@ -20546,7 +20546,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_b5ec41dd3f58.storage import HistoryError, Session, StorageError
+from _code_sessions_1ac663b8aba0.storage import HistoryError, Session, StorageError
 
 from .clones import OriginCall, StateChat, StateServices, start_clone
 from .settings import Settings
@@ -20894,8 +20894,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from _code_sessions_b5ec41dd3f58.runner import RunResult
-from _code_sessions_b5ec41dd3f58.storage import ReconcileReport, StorageError, human_bytes
+from _code_sessions_1ac663b8aba0.runner import RunResult
+from _code_sessions_1ac663b8aba0.storage import ReconcileReport, StorageError, human_bytes
 
 from .markup import mention
 
@@ -21235,8 +21235,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from _code_sessions_b5ec41dd3f58.runner import KernelPool
-from _code_sessions_b5ec41dd3f58.storage import CloneStart, Imported, Room, Session, StorageError, Store, human_bytes
+from _code_sessions_1ac663b8aba0.runner import KernelPool
+from _code_sessions_1ac663b8aba0.storage import CloneStart, Imported, Room, Session, StorageError, Store, human_bytes
 
 from .settings import Settings
 
@@ -21613,7 +21613,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from _code_sessions_b5ec41dd3f58.storage import Link, Publisher
+from _code_sessions_1ac663b8aba0.storage import Link, Publisher
 
 from .charts import ChartEmbed
 from .clones import Origin
@@ -21811,7 +21811,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_b5ec41dd3f58.storage import (
+from _code_sessions_1ac663b8aba0.storage import (
     HistoryError,
     Incoming,
     InvalidPath,
@@ -22668,7 +22668,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_b5ec41dd3f58.runner import RunnerError
+from _code_sessions_1ac663b8aba0.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -22996,7 +22996,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_b5ec41dd3f58.storage import AnswerRuns, RunRecord
+from _code_sessions_1ac663b8aba0.storage import AnswerRuns, RunRecord
 
 __all__ = ["NOT_KEPT", "BranchMessage", "build_notebook", "notebook_bytes", "notebook_name"]
 
@@ -23194,7 +23194,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from _code_sessions_b5ec41dd3f58.runner import RunnerError
+from _code_sessions_1ac663b8aba0.runner import RunnerError
 
 from .charts import ChartEmbed, chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
@@ -23373,8 +23373,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_b5ec41dd3f58.runner import Runner, RunnerError
-from _code_sessions_b5ec41dd3f58.storage import StorageError
+from _code_sessions_1ac663b8aba0.runner import Runner, RunnerError
+from _code_sessions_1ac663b8aba0.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -23535,8 +23535,8 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b5ec41dd3f58.runner import Limits, Outcome, RunnerError, RunResult
-from _code_sessions_b5ec41dd3f58.storage import StorageError, human_bytes
+from _code_sessions_1ac663b8aba0.runner import Limits, Outcome, RunnerError, RunResult
+from _code_sessions_1ac663b8aba0.storage import StorageError, human_bytes
 
 from .markup import escape_text
 
@@ -23989,8 +23989,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b5ec41dd3f58.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_b5ec41dd3f58.storage import human_bytes
+from _code_sessions_1ac663b8aba0.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_1ac663b8aba0.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -24115,7 +24115,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_b5ec41dd3f58.storage import Purge, parse_duration
+from _code_sessions_1ac663b8aba0.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -24696,8 +24696,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_b5ec41dd3f58.runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_b5ec41dd3f58.storage import (
+from _code_sessions_1ac663b8aba0.runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_1ac663b8aba0.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -25230,8 +25230,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_b5ec41dd3f58.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_b5ec41dd3f58.storage import Policy
+from _code_sessions_1ac663b8aba0.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_1ac663b8aba0.storage import Policy
 
 __all__ = ["DEFAULTS", "LOCK_WAIT_S", "BranchSettings", "Settings"]
 
@@ -25441,8 +25441,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_b5ec41dd3f58.runner import Outcome, RunResult
-from _code_sessions_b5ec41dd3f58.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_1ac663b8aba0.runner import Outcome, RunResult
+from _code_sessions_1ac663b8aba0.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention, visible
 
@@ -25984,7 +25984,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from _code_sessions_b5ec41dd3f58.storage import CLEAR_FILES_COMMAND
+from _code_sessions_1ac663b8aba0.storage import CLEAR_FILES_COMMAND
 
 from .actions import NOT_OWNER, Ask, Reply, owned, press
 from .branches import Place
@@ -26421,6 +26421,30 @@ from .host import Locations, Misconfigured, OpenWebUI
 
 __all__ = ["FilesPublisher", "Locations", "Misconfigured", "OpenWebUI"]
 ''',
+    'webui/access.py': r'''"""Open WebUI's read grants, asked the way its own checks ask them."""
+
+from __future__ import annotations
+
+__all__ = ["read_granted"]
+
+
+async def read_granted(user_id: str, resource_type: str, resource_id: str) -> bool:
+    """A read grant on the resource (`resource_type` as Open WebUI's access grants name it: "tool",
+    "shared_chat", ...) to the user, one of their groups (inherited ones too) or every user."""
+    from open_webui.models.access_grants import AccessGrants
+    from open_webui.models.groups import Groups
+
+    groups = {g.id for g in await Groups.get_groups_by_member_id(user_id, include_inherited=True)}
+    return bool(
+        await AccessGrants.has_access(
+            user_id=user_id,
+            resource_type=resource_type,
+            resource_id=resource_id,
+            permission="read",
+            user_group_ids=groups,
+        )
+    )
+''',
     'webui/assets.py': r'''"""plotly.js for the charts' embeds, served by Open WebUI's own web server:
 `GET /code-sessions/plotly/<digest>.js`.
 
@@ -26455,6 +26479,8 @@ import tempfile
 import threading
 from pathlib import Path
 from typing import Any
+
+from .routes import add_route_once
 
 log = logging.getLogger("code_sessions.function")
 
@@ -26520,14 +26546,9 @@ def _write(folder: Path, name: str, data: bytes) -> None:
 
 def register_asset_route(app: Any, folder: Path) -> None:
     """Serve the published files of `folder` in this process from now on (idempotent)."""
-    from starlette.routing import Route
-
     setattr(app.state, _STATE_FOLDER, folder)
-    if getattr(app.state, _STATE_ROUTE, False):
-        return
-    app.router.routes.insert(0, Route(ASSET_ROUTE, _endpoint, methods=["GET", "HEAD"]))
-    setattr(app.state, _STATE_ROUTE, True)
-    log.info("code-sessions: worker %d serves plotly.js at %s", os.getpid(), _PREFIX)
+    if add_route_once(app, ASSET_ROUTE, _endpoint, ["GET", "HEAD"], _STATE_ROUTE):
+        log.info("code-sessions: worker %d serves plotly.js at %s", os.getpid(), _PREFIX)
 
 
 async def _endpoint(request: Any) -> Any:
@@ -26572,6 +26593,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from .access import read_granted
 
 __all__ = ["CloneSource", "clone_source"]
 
@@ -26620,29 +26643,12 @@ async def clone_source(chat_id: str, user_id: str) -> CloneSource | None:
     if await Chats.get_accessible_chat_by_id(source_id, user) is not None:
         return _with_lineage(source_id, source.user_id, await _live_messages(source), point, python=False)
     snapshot = shared if shared is not None else await SharedChats.get_by_chat_id(source_id)
-    if snapshot is None or not await _may_read_share(user_id, source_id):
+    # A read grant on the shared chat is what lets them open its files (a link alone does not).
+    if snapshot is None or not await read_granted(user_id, "shared_chat", source_id):
         return None
     history = (snapshot.chat or {}).get("history") or {}
     messages = history.get("messages") if isinstance(history, dict) else None
     return _with_lineage(source_id, source.user_id, messages, point, python=False)
-
-
-async def _may_read_share(user_id: str, chat_id: str) -> bool:
-    """A read grant on the shared chat for the user, one of their groups, or every user: what lets
-    them open its files (not an anyone-with-the-link grant, which does not)."""
-    from open_webui.models.access_grants import AccessGrants
-    from open_webui.models.groups import Groups
-
-    groups = {g.id for g in await Groups.get_groups_by_member_id(user_id, include_inherited=True)}
-    return bool(
-        await AccessGrants.has_access(
-            user_id=user_id,
-            resource_type="shared_chat",
-            resource_id=chat_id,
-            permission="read",
-            user_group_ids=groups,
-        )
-    )
 
 
 async def _live_messages(source: Any) -> dict[str, Any] | None:
@@ -26697,7 +26703,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_b5ec41dd3f58.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_1ac663b8aba0.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -26925,8 +26931,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from _code_sessions_b5ec41dd3f58.storage import Link, Publisher, is_postgres_url
+from _code_sessions_1ac663b8aba0.storage import Link, Publisher, is_postgres_url
 
+from .access import read_granted
 from .assets import publish, register_asset_route
 from .clones import CloneSource, clone_source
 from .files import FilesPublisher, attach, attachment_item
@@ -27157,8 +27164,6 @@ class OpenWebUI:
         makes before it offers a tool: an admin (unless admins obey access control), its owner, or a
         read grant to the user or one of their groups."""
         from open_webui.config import BYPASS_ADMIN_ACCESS_CONTROL
-        from open_webui.models.access_grants import AccessGrants
-        from open_webui.models.groups import Groups
         from open_webui.models.tools import Tools
 
         tool = await Tools.get_tool_by_id(tool_id)
@@ -27166,16 +27171,7 @@ class OpenWebUI:
             return False
         if (role == "admin" and BYPASS_ADMIN_ACCESS_CONTROL) or tool.user_id == user_id:
             return True
-        groups = {g.id for g in await Groups.get_groups_by_member_id(user_id, include_inherited=True)}
-        return bool(
-            await AccessGrants.has_access(
-                user_id=user_id,
-                resource_type="tool",
-                resource_id=tool_id,
-                permission="read",
-                user_group_ids=groups,
-            )
-        )
+        return await read_granted(user_id, "tool", tool_id)
 
     async def message_lineage(
         self, chat_id: str, message_id: str, user_message: dict[str, Any] | None = None
@@ -27301,7 +27297,7 @@ import logging
 import mimetypes
 from typing import Any
 
-from _code_sessions_b5ec41dd3f58.storage import human_bytes
+from _code_sessions_1ac663b8aba0.storage import human_bytes
 
 log = logging.getLogger("code_sessions.function")
 
@@ -27590,6 +27586,29 @@ def _disposition(headers: bytes) -> tuple[str | None, str | None]:
         return params.get("name"), params.get("filename")
     return None, None
 ''',
+    'webui/routes.py': r'''"""Routes of ours on Open WebUI's app, put there once per process."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+__all__ = ["add_route_once"]
+
+
+def add_route_once(
+    app: Any, path: str, endpoint: Callable[[Any], Awaitable[Any]], methods: list[str], flag: str
+) -> bool:
+    """Put a route on `app` ahead of Open WebUI's own (its catch-all mount at "/" would answer every
+    path), unless the mark `flag` on `app.state` says it is there already. True when it was put now."""
+    from starlette.routing import Route
+
+    if getattr(app.state, flag, False):
+        return False
+    app.router.routes.insert(0, Route(path, endpoint, methods=methods))
+    setattr(app.state, flag, True)
+    return True
+''',
     'webui/uploads.py': r'''"""The upload link's route on Open WebUI's own web server: `GET|POST /code-sessions/upload/<token>`.
 
 Open WebUI (0.12.4) has no hook for a function's own HTTP routes, so the route is put at the front of
@@ -27618,7 +27637,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from _code_sessions_b5ec41dd3f58.storage import (
+from _code_sessions_1ac663b8aba0.storage import (
     DiskFull,
     FileExists,
     Incoming,
@@ -27632,6 +27651,7 @@ from _code_sessions_b5ec41dd3f58.storage import (
 )
 
 from .multipart import MultipartError, MultipartFile, boundary_of
+from .routes import add_route_once
 
 log = logging.getLogger("code_sessions.function")
 
@@ -27662,15 +27682,9 @@ def upload_url(base_url: str, token: str) -> str:
 
 def register_upload_route(app: Any, receiver: UploadReceiver) -> None:
     """Serve upload links in this process from now on (idempotent; the latest receiver is used)."""
-    from starlette.routing import Route
-
     setattr(app.state, _STATE_RECEIVER, receiver)
-    if getattr(app.state, _STATE_ROUTE, False):
-        return
-    # Before the web UI's catch-all mount at "/", which would answer every path.
-    app.router.routes.insert(0, Route(ROUTE, _endpoint, methods=["GET", "POST"]))
-    setattr(app.state, _STATE_ROUTE, True)
-    log.info("code-sessions: worker %d serves upload links at %s", os.getpid(), _PREFIX)
+    if add_route_once(app, ROUTE, _endpoint, ["GET", "POST"], _STATE_ROUTE):
+        log.info("code-sessions: worker %d serves upload links at %s", os.getpid(), _PREFIX)
 
 
 async def _endpoint(request: Any) -> Any:
@@ -27884,7 +27898,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_b5ec41dd3f58.engine import (
+from _code_sessions_1ac663b8aba0.engine import (
     DEFAULTS,
     MINUTE_S,
     BranchSettings,
@@ -27899,10 +27913,10 @@ from _code_sessions_b5ec41dd3f58.engine import (
     Settings,
     Turns,
 )
-from _code_sessions_b5ec41dd3f58.functions.inbound import serve_uploads
-from _code_sessions_b5ec41dd3f58.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_b5ec41dd3f58.storage import DAY, Expiry, KiB, MiB, Policy, Quotas, Store
-from _code_sessions_b5ec41dd3f58.webui import OpenWebUI
+from _code_sessions_1ac663b8aba0.functions.inbound import serve_uploads
+from _code_sessions_1ac663b8aba0.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_1ac663b8aba0.storage import DAY, Expiry, KiB, MiB, Policy, Quotas, Store
+from _code_sessions_1ac663b8aba0.webui import OpenWebUI
 
 __all__ = [
     "Adapter",
@@ -28501,8 +28515,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_b5ec41dd3f58.engine import ChatSession, Engine, ExtraTool, Host, Inbound, Turns
-from _code_sessions_b5ec41dd3f58.storage import Expiry, Policy, Quotas, Store, UploadLinks
+from _code_sessions_1ac663b8aba0.engine import ChatSession, Engine, ExtraTool, Host, Inbound, Turns
+from _code_sessions_1ac663b8aba0.storage import Expiry, Policy, Quotas, Store, UploadLinks
 
 __all__ = ["UPLOAD_LINK_TOOL", "serve_uploads", "upload_link_tool"]
 
@@ -28696,11 +28710,11 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_b5ec41dd3f58.engine import escape_text
-from _code_sessions_b5ec41dd3f58.functions.adapter import Adapter, SharedValves, message_of
-from _code_sessions_b5ec41dd3f58.functions.inbound import upload_link_tool
-from _code_sessions_b5ec41dd3f58.storage import StorageError
-from _code_sessions_b5ec41dd3f58.webui import Misconfigured
+from _code_sessions_1ac663b8aba0.engine import escape_text
+from _code_sessions_1ac663b8aba0.functions.adapter import Adapter, SharedValves, message_of
+from _code_sessions_1ac663b8aba0.functions.inbound import upload_link_tool
+from _code_sessions_1ac663b8aba0.storage import StorageError
+from _code_sessions_1ac663b8aba0.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -40,6 +40,7 @@ from storage import (
 )
 
 from .multipart import MultipartError, MultipartFile, boundary_of
+from .routes import add_route_once
 
 log = logging.getLogger("code_sessions.function")
 
@@ -70,15 +71,9 @@ def upload_url(base_url: str, token: str) -> str:
 
 def register_upload_route(app: Any, receiver: UploadReceiver) -> None:
     """Serve upload links in this process from now on (idempotent; the latest receiver is used)."""
-    from starlette.routing import Route
-
     setattr(app.state, _STATE_RECEIVER, receiver)
-    if getattr(app.state, _STATE_ROUTE, False):
-        return
-    # Before the web UI's catch-all mount at "/", which would answer every path.
-    app.router.routes.insert(0, Route(ROUTE, _endpoint, methods=["GET", "POST"]))
-    setattr(app.state, _STATE_ROUTE, True)
-    log.info("code-sessions: worker %d serves upload links at %s", os.getpid(), _PREFIX)
+    if add_route_once(app, ROUTE, _endpoint, ["GET", "POST"], _STATE_ROUTE):
+        log.info("code-sessions: worker %d serves upload links at %s", os.getpid(), _PREFIX)
 
 
 async def _endpoint(request: Any) -> Any:
