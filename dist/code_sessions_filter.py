@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_1ac663b8aba0'
+_CS_PACKAGE = '_code_sessions_d98854fa552a'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -16847,14 +16847,21 @@ async def save(
     finally:
         if staging is not None:
             await asyncio.to_thread(shutil.rmtree, staging, True)
+    log_written(kernel, key, "saved to disk", t0, image)
+    return image.id, ""
+
+
+def log_written(kernel: Kernel, key: str, what: str, t0: float, image: SavedImage) -> None:
+    """Log that an image of the key's kernel was written (`what`: saved, copied...), in the time since
+    `t0` (time.monotonic), and its size."""
     log.info(
-        "kernel %s of %s saved to disk in %.2f s (%.1f MiB)",
+        "kernel %s of %s: %s in %.2f s (%.1f MiB)",
         kernel.cid,
         key,
+        what,
         time.monotonic() - t0,
         image.size / 2**20,
     )
-    return image.id, ""
 
 
 def save_at_exit(
@@ -18966,13 +18973,7 @@ class KernelPool:
             await asyncio.to_thread(_hibernate.discard, into)
             size = f"{image.size / 2**20:.0f} MiB"
             return "", f"its image of {size} is over the {human_bytes(limit)} it may take"
-        log.info(
-            "kernel %s of %s: state copied in %.2f s (%.1f MiB)",
-            kernel.cid,
-            key,
-            time.monotonic() - t0,
-            image.size / 2**20,
-        )
+        _saving.log_written(kernel, key, "state copied", t0, image)
         return image.id, ""
 
     async def rewind(self, key: str, state_dir: Path, image: Path | None, reason: str) -> None:
@@ -20089,7 +20090,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_1ac663b8aba0.storage import StorageError, human_bytes, is_export
+from _code_sessions_d98854fa552a.storage import StorageError, human_bytes, is_export
 
 from .host import Emit, Host
 from .markup import code_span, escape_text
@@ -20546,7 +20547,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_1ac663b8aba0.storage import HistoryError, Session, StorageError
+from _code_sessions_d98854fa552a.storage import HistoryError, Session, StorageError
 
 from .clones import OriginCall, StateChat, StateServices, start_clone
 from .settings import Settings
@@ -20894,8 +20895,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from _code_sessions_1ac663b8aba0.runner import RunResult
-from _code_sessions_1ac663b8aba0.storage import ReconcileReport, StorageError, human_bytes
+from _code_sessions_d98854fa552a.runner import RunResult
+from _code_sessions_d98854fa552a.storage import ReconcileReport, StorageError, human_bytes
 
 from .markup import mention
 
@@ -21235,8 +21236,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from _code_sessions_1ac663b8aba0.runner import KernelPool
-from _code_sessions_1ac663b8aba0.storage import CloneStart, Imported, Room, Session, StorageError, Store, human_bytes
+from _code_sessions_d98854fa552a.runner import KernelPool
+from _code_sessions_d98854fa552a.storage import CloneStart, Imported, Room, Session, StorageError, Store, human_bytes
 
 from .settings import Settings
 
@@ -21613,7 +21614,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from _code_sessions_1ac663b8aba0.storage import Link, Publisher
+from _code_sessions_d98854fa552a.storage import Link, Publisher
 
 from .charts import ChartEmbed
 from .clones import Origin
@@ -21811,7 +21812,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_1ac663b8aba0.storage import (
+from _code_sessions_d98854fa552a.storage import (
     HistoryError,
     Incoming,
     InvalidPath,
@@ -22668,7 +22669,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_1ac663b8aba0.runner import RunnerError
+from _code_sessions_d98854fa552a.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -22996,7 +22997,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_1ac663b8aba0.storage import AnswerRuns, RunRecord
+from _code_sessions_d98854fa552a.storage import AnswerRuns, RunRecord
 
 __all__ = ["NOT_KEPT", "BranchMessage", "build_notebook", "notebook_bytes", "notebook_name"]
 
@@ -23194,7 +23195,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from _code_sessions_1ac663b8aba0.runner import RunnerError
+from _code_sessions_d98854fa552a.runner import RunnerError
 
 from .charts import ChartEmbed, chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
@@ -23373,8 +23374,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_1ac663b8aba0.runner import Runner, RunnerError
-from _code_sessions_1ac663b8aba0.storage import StorageError
+from _code_sessions_d98854fa552a.runner import Runner, RunnerError
+from _code_sessions_d98854fa552a.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -23535,8 +23536,8 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_1ac663b8aba0.runner import Limits, Outcome, RunnerError, RunResult
-from _code_sessions_1ac663b8aba0.storage import StorageError, human_bytes
+from _code_sessions_d98854fa552a.runner import Limits, Outcome, RunnerError, RunResult
+from _code_sessions_d98854fa552a.storage import StorageError, human_bytes
 
 from .markup import escape_text
 
@@ -23989,8 +23990,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_1ac663b8aba0.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_1ac663b8aba0.storage import human_bytes
+from _code_sessions_d98854fa552a.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_d98854fa552a.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -24115,7 +24116,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_1ac663b8aba0.storage import Purge, parse_duration
+from _code_sessions_d98854fa552a.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -24696,8 +24697,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_1ac663b8aba0.runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_1ac663b8aba0.storage import (
+from _code_sessions_d98854fa552a.runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_d98854fa552a.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -25230,8 +25231,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_1ac663b8aba0.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_1ac663b8aba0.storage import Policy
+from _code_sessions_d98854fa552a.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_d98854fa552a.storage import Policy
 
 __all__ = ["DEFAULTS", "LOCK_WAIT_S", "BranchSettings", "Settings"]
 
@@ -25441,8 +25442,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_1ac663b8aba0.runner import Outcome, RunResult
-from _code_sessions_1ac663b8aba0.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_d98854fa552a.runner import Outcome, RunResult
+from _code_sessions_d98854fa552a.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention, visible
 
@@ -25984,7 +25985,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from _code_sessions_1ac663b8aba0.storage import CLEAR_FILES_COMMAND
+from _code_sessions_d98854fa552a.storage import CLEAR_FILES_COMMAND
 
 from .actions import NOT_OWNER, Ask, Reply, owned, press
 from .branches import Place
@@ -26703,7 +26704,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_1ac663b8aba0.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_d98854fa552a.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -26931,7 +26932,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from _code_sessions_1ac663b8aba0.storage import Link, Publisher, is_postgres_url
+from _code_sessions_d98854fa552a.storage import Link, Publisher, is_postgres_url
 
 from .access import read_granted
 from .assets import publish, register_asset_route
@@ -27297,7 +27298,7 @@ import logging
 import mimetypes
 from typing import Any
 
-from _code_sessions_1ac663b8aba0.storage import human_bytes
+from _code_sessions_d98854fa552a.storage import human_bytes
 
 log = logging.getLogger("code_sessions.function")
 
@@ -27637,7 +27638,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from _code_sessions_1ac663b8aba0.storage import (
+from _code_sessions_d98854fa552a.storage import (
     DiskFull,
     FileExists,
     Incoming,
@@ -27898,7 +27899,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_1ac663b8aba0.engine import (
+from _code_sessions_d98854fa552a.engine import (
     DEFAULTS,
     MINUTE_S,
     BranchSettings,
@@ -27913,10 +27914,10 @@ from _code_sessions_1ac663b8aba0.engine import (
     Settings,
     Turns,
 )
-from _code_sessions_1ac663b8aba0.functions.inbound import serve_uploads
-from _code_sessions_1ac663b8aba0.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_1ac663b8aba0.storage import DAY, Expiry, KiB, MiB, Policy, Quotas, Store
-from _code_sessions_1ac663b8aba0.webui import OpenWebUI
+from _code_sessions_d98854fa552a.functions.inbound import serve_uploads
+from _code_sessions_d98854fa552a.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_d98854fa552a.storage import DAY, Expiry, KiB, MiB, Policy, Quotas, Store
+from _code_sessions_d98854fa552a.webui import OpenWebUI
 
 __all__ = [
     "Adapter",
@@ -28515,8 +28516,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_1ac663b8aba0.engine import ChatSession, Engine, ExtraTool, Host, Inbound, Turns
-from _code_sessions_1ac663b8aba0.storage import Expiry, Policy, Quotas, Store, UploadLinks
+from _code_sessions_d98854fa552a.engine import ChatSession, Engine, ExtraTool, Host, Inbound, Turns
+from _code_sessions_d98854fa552a.storage import Expiry, Policy, Quotas, Store, UploadLinks
 
 __all__ = ["UPLOAD_LINK_TOOL", "serve_uploads", "upload_link_tool"]
 
@@ -28708,10 +28709,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_1ac663b8aba0.engine import Settings, Turns
-from _code_sessions_1ac663b8aba0.functions.adapter import Adapter, HeldValves, SharedValves, message_of, settings_from
-from _code_sessions_1ac663b8aba0.storage import StorageError
-from _code_sessions_1ac663b8aba0.webui import Misconfigured
+from _code_sessions_d98854fa552a.engine import Settings, Turns
+from _code_sessions_d98854fa552a.functions.adapter import Adapter, HeldValves, SharedValves, message_of, settings_from
+from _code_sessions_d98854fa552a.storage import StorageError
+from _code_sessions_d98854fa552a.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 
