@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_d98854fa552a'
+_CS_PACKAGE = '_code_sessions_200ed7c8b6e5'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -20090,7 +20090,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_d98854fa552a.storage import StorageError, human_bytes, is_export
+from _code_sessions_200ed7c8b6e5.storage import StorageError, human_bytes, is_export
 
 from .host import Emit, Host
 from .markup import code_span, escape_text
@@ -20547,7 +20547,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_d98854fa552a.storage import HistoryError, Session, StorageError
+from _code_sessions_200ed7c8b6e5.storage import HistoryError, Session, StorageError
 
 from .clones import OriginCall, StateChat, StateServices, start_clone
 from .settings import Settings
@@ -20895,8 +20895,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from _code_sessions_d98854fa552a.runner import RunResult
-from _code_sessions_d98854fa552a.storage import ReconcileReport, StorageError, human_bytes
+from _code_sessions_200ed7c8b6e5.runner import RunResult
+from _code_sessions_200ed7c8b6e5.storage import ReconcileReport, StorageError, human_bytes
 
 from .markup import mention
 
@@ -21236,8 +21236,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from _code_sessions_d98854fa552a.runner import KernelPool
-from _code_sessions_d98854fa552a.storage import CloneStart, Imported, Room, Session, StorageError, Store, human_bytes
+from _code_sessions_200ed7c8b6e5.runner import KernelPool
+from _code_sessions_200ed7c8b6e5.storage import CloneStart, Imported, Room, Session, StorageError, Store, human_bytes
 
 from .settings import Settings
 
@@ -21614,7 +21614,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from _code_sessions_d98854fa552a.storage import Link, Publisher
+from _code_sessions_200ed7c8b6e5.storage import Link, Publisher
 
 from .charts import ChartEmbed
 from .clones import Origin
@@ -21812,7 +21812,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_d98854fa552a.storage import (
+from _code_sessions_200ed7c8b6e5.storage import (
     HistoryError,
     Incoming,
     InvalidPath,
@@ -22669,7 +22669,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_d98854fa552a.runner import RunnerError
+from _code_sessions_200ed7c8b6e5.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -22997,7 +22997,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_d98854fa552a.storage import AnswerRuns, RunRecord
+from _code_sessions_200ed7c8b6e5.storage import AnswerRuns, RunRecord
 
 __all__ = ["NOT_KEPT", "BranchMessage", "build_notebook", "notebook_bytes", "notebook_name"]
 
@@ -23195,7 +23195,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from _code_sessions_d98854fa552a.runner import RunnerError
+from _code_sessions_200ed7c8b6e5.runner import RunnerError
 
 from .charts import ChartEmbed, chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
@@ -23374,8 +23374,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_d98854fa552a.runner import Runner, RunnerError
-from _code_sessions_d98854fa552a.storage import StorageError
+from _code_sessions_200ed7c8b6e5.runner import Runner, RunnerError
+from _code_sessions_200ed7c8b6e5.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -23536,8 +23536,8 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_d98854fa552a.runner import Limits, Outcome, RunnerError, RunResult
-from _code_sessions_d98854fa552a.storage import StorageError, human_bytes
+from _code_sessions_200ed7c8b6e5.runner import Limits, Outcome, RunnerError, RunResult
+from _code_sessions_200ed7c8b6e5.storage import StorageError, human_bytes
 
 from .markup import escape_text
 
@@ -23990,8 +23990,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_d98854fa552a.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_d98854fa552a.storage import human_bytes
+from _code_sessions_200ed7c8b6e5.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_200ed7c8b6e5.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -24116,7 +24116,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_d98854fa552a.storage import Purge, parse_duration
+from _code_sessions_200ed7c8b6e5.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -24697,8 +24697,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_d98854fa552a.runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_d98854fa552a.storage import (
+from _code_sessions_200ed7c8b6e5.runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_200ed7c8b6e5.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -25231,8 +25231,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_d98854fa552a.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_d98854fa552a.storage import Policy
+from _code_sessions_200ed7c8b6e5.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_200ed7c8b6e5.storage import Policy
 
 __all__ = ["DEFAULTS", "LOCK_WAIT_S", "BranchSettings", "Settings"]
 
@@ -25442,8 +25442,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_d98854fa552a.runner import Outcome, RunResult
-from _code_sessions_d98854fa552a.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_200ed7c8b6e5.runner import Outcome, RunResult
+from _code_sessions_200ed7c8b6e5.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention, visible
 
@@ -25985,7 +25985,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from _code_sessions_d98854fa552a.storage import CLEAR_FILES_COMMAND
+from _code_sessions_200ed7c8b6e5.storage import CLEAR_FILES_COMMAND
 
 from .actions import NOT_OWNER, Ask, Reply, owned, press
 from .branches import Place
@@ -26548,8 +26548,7 @@ def _write(folder: Path, name: str, data: bytes) -> None:
 def register_asset_route(app: Any, folder: Path) -> None:
     """Serve the published files of `folder` in this process from now on (idempotent)."""
     setattr(app.state, _STATE_FOLDER, folder)
-    if add_route_once(app, ASSET_ROUTE, _endpoint, ["GET", "HEAD"], _STATE_ROUTE):
-        log.info("code-sessions: worker %d serves plotly.js at %s", os.getpid(), _PREFIX)
+    add_route_once(app, ASSET_ROUTE, _endpoint, ["GET", "HEAD"], _STATE_ROUTE, "plotly.js")
 
 
 async def _endpoint(request: Any) -> Any:
@@ -26704,7 +26703,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_d98854fa552a.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_200ed7c8b6e5.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -26932,7 +26931,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from _code_sessions_d98854fa552a.storage import Link, Publisher, is_postgres_url
+from _code_sessions_200ed7c8b6e5.storage import Link, Publisher, is_postgres_url
 
 from .access import read_granted
 from .assets import publish, register_asset_route
@@ -27298,7 +27297,7 @@ import logging
 import mimetypes
 from typing import Any
 
-from _code_sessions_d98854fa552a.storage import human_bytes
+from _code_sessions_200ed7c8b6e5.storage import human_bytes
 
 log = logging.getLogger("code_sessions.function")
 
@@ -27591,24 +27590,29 @@ def _disposition(headers: bytes) -> tuple[str | None, str | None]:
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 __all__ = ["add_route_once"]
 
+log = logging.getLogger("code_sessions.function")
+
 
 def add_route_once(
-    app: Any, path: str, endpoint: Callable[[Any], Awaitable[Any]], methods: list[str], flag: str
-) -> bool:
+    app: Any, path: str, endpoint: Callable[[Any], Awaitable[Any]], methods: list[str], flag: str, what: str
+) -> None:
     """Put a route on `app` ahead of Open WebUI's own (its catch-all mount at "/" would answer every
-    path), unless the mark `flag` on `app.state` says it is there already. True when it was put now."""
+    path), unless the mark `flag` on `app.state` says it is there already; log that this worker serves
+    `what` there."""
     from starlette.routing import Route
 
     if getattr(app.state, flag, False):
-        return False
+        return
     app.router.routes.insert(0, Route(path, endpoint, methods=methods))
     setattr(app.state, flag, True)
-    return True
+    log.info("code-sessions: worker %d serves %s at %s", os.getpid(), what, path.split("{", 1)[0])
 ''',
     'webui/uploads.py': r'''"""The upload link's route on Open WebUI's own web server: `GET|POST /code-sessions/upload/<token>`.
 
@@ -27634,11 +27638,10 @@ from __future__ import annotations
 
 import html
 import logging
-import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from _code_sessions_d98854fa552a.storage import (
+from _code_sessions_200ed7c8b6e5.storage import (
     DiskFull,
     FileExists,
     Incoming,
@@ -27684,8 +27687,7 @@ def upload_url(base_url: str, token: str) -> str:
 def register_upload_route(app: Any, receiver: UploadReceiver) -> None:
     """Serve upload links in this process from now on (idempotent; the latest receiver is used)."""
     setattr(app.state, _STATE_RECEIVER, receiver)
-    if add_route_once(app, ROUTE, _endpoint, ["GET", "POST"], _STATE_ROUTE):
-        log.info("code-sessions: worker %d serves upload links at %s", os.getpid(), _PREFIX)
+    add_route_once(app, ROUTE, _endpoint, ["GET", "POST"], _STATE_ROUTE, "upload links")
 
 
 async def _endpoint(request: Any) -> Any:
@@ -27899,7 +27901,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_d98854fa552a.engine import (
+from _code_sessions_200ed7c8b6e5.engine import (
     DEFAULTS,
     MINUTE_S,
     BranchSettings,
@@ -27914,10 +27916,10 @@ from _code_sessions_d98854fa552a.engine import (
     Settings,
     Turns,
 )
-from _code_sessions_d98854fa552a.functions.inbound import serve_uploads
-from _code_sessions_d98854fa552a.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_d98854fa552a.storage import DAY, Expiry, KiB, MiB, Policy, Quotas, Store
-from _code_sessions_d98854fa552a.webui import OpenWebUI
+from _code_sessions_200ed7c8b6e5.functions.inbound import serve_uploads
+from _code_sessions_200ed7c8b6e5.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_200ed7c8b6e5.storage import DAY, Expiry, KiB, MiB, Policy, Quotas, Store
+from _code_sessions_200ed7c8b6e5.webui import OpenWebUI
 
 __all__ = [
     "Adapter",
@@ -28516,8 +28518,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_d98854fa552a.engine import ChatSession, Engine, ExtraTool, Host, Inbound, Turns
-from _code_sessions_d98854fa552a.storage import Expiry, Policy, Quotas, Store, UploadLinks
+from _code_sessions_200ed7c8b6e5.engine import ChatSession, Engine, ExtraTool, Host, Inbound, Turns
+from _code_sessions_200ed7c8b6e5.storage import Expiry, Policy, Quotas, Store, UploadLinks
 
 __all__ = ["UPLOAD_LINK_TOOL", "serve_uploads", "upload_link_tool"]
 
@@ -28709,10 +28711,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_d98854fa552a.engine import Settings, Turns
-from _code_sessions_d98854fa552a.functions.adapter import Adapter, HeldValves, SharedValves, message_of, settings_from
-from _code_sessions_d98854fa552a.storage import StorageError
-from _code_sessions_d98854fa552a.webui import Misconfigured
+from _code_sessions_200ed7c8b6e5.engine import Settings, Turns
+from _code_sessions_200ed7c8b6e5.functions.adapter import Adapter, HeldValves, SharedValves, message_of, settings_from
+from _code_sessions_200ed7c8b6e5.storage import StorageError
+from _code_sessions_200ed7c8b6e5.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

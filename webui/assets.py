@@ -100,8 +100,7 @@ def _write(folder: Path, name: str, data: bytes) -> None:
 def register_asset_route(app: Any, folder: Path) -> None:
     """Serve the published files of `folder` in this process from now on (idempotent)."""
     setattr(app.state, _STATE_FOLDER, folder)
-    if add_route_once(app, ASSET_ROUTE, _endpoint, ["GET", "HEAD"], _STATE_ROUTE):
-        log.info("code-sessions: worker %d serves plotly.js at %s", os.getpid(), _PREFIX)
+    add_route_once(app, ASSET_ROUTE, _endpoint, ["GET", "HEAD"], _STATE_ROUTE, "plotly.js")
 
 
 async def _endpoint(request: Any) -> Any:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import html
 import logging
-import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -72,8 +71,7 @@ def upload_url(base_url: str, token: str) -> str:
 def register_upload_route(app: Any, receiver: UploadReceiver) -> None:
     """Serve upload links in this process from now on (idempotent; the latest receiver is used)."""
     setattr(app.state, _STATE_RECEIVER, receiver)
-    if add_route_once(app, ROUTE, _endpoint, ["GET", "POST"], _STATE_ROUTE):
-        log.info("code-sessions: worker %d serves upload links at %s", os.getpid(), _PREFIX)
+    add_route_once(app, ROUTE, _endpoint, ["GET", "POST"], _STATE_ROUTE, "upload links")
 
 
 async def _endpoint(request: Any) -> Any:
