@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_1f5889c291e7'
+_CS_PACKAGE = '_code_sessions_bc621fc8dafb'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -1956,7 +1956,7 @@ from json.encoder import encode_basestring_ascii
 from pathlib import Path
 
 from ._fsops import DIR_FLAGS, Owner, copy_fd, fd_closing, remove_tree_at
-from ._names import MAX_DEPTH, MAX_PATH_BYTES
+from ._names import MAX_DEPTH, MAX_PATH_BYTES, is_utf8
 from .errors import FileExists, HistoryError
 
 HEAD = "head.json"
@@ -2803,11 +2803,10 @@ def walk(fd: int, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, os.st
     except OSError:
         return
     for name in names:
-        try:
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-        except OSError:
+        st = _lstat(fd, name)
+        if st is None:
             continue
-        if not name.isascii() and not _utf8(name):
+        if not name.isascii() and not is_utf8(name):
             continue
         path = f"{prefix}{name}"
         if stat.S_ISREG(st.st_mode):
@@ -2816,20 +2815,19 @@ def walk(fd: int, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, os.st
             yield path, st, fd, name
             if depth + 1 >= MAX_DEPTH:
                 continue
-            try:
-                sub = os.open(name, DIR_FLAGS, dir_fd=fd)
-            except OSError:
-                continue
-            with fd_closing(sub):
-                yield from walk(sub, f"{path}/", depth + 1)
+            sub = _open_folder(fd, name)
+            if sub is not None:
+                with fd_closing(sub):
+                    yield from walk(sub, f"{path}/", depth + 1)
 
 
-def _utf8(name: str) -> bool:
+def _open_folder(fd: int, name: str) -> int | None:
+    """The folder `name` of the folder `fd`, opened without following a link; None when it cannot be
+    (gone meanwhile, or a link or a file by now)."""
     try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+        return os.open(name, DIR_FLAGS, dir_fd=fd)
+    except OSError:
+        return None
 
 
 def _clear_live(
@@ -2854,7 +2852,7 @@ def _clear_live(
         if st is None:
             continue
         path = f"{prefix}{name}"
-        if not _utf8(name):
+        if not is_utf8(name):
             remove_tree_at(fd, name)
             removed += 1
         elif stat.S_ISDIR(st.st_mode):
@@ -2862,12 +2860,10 @@ def _clear_live(
                 remove_tree_at(fd, name)
                 removed += 1
                 continue
-            try:
-                sub = os.open(name, DIR_FLAGS, dir_fd=fd)
-            except OSError:
-                continue
-            with fd_closing(sub):
-                removed += _clear_live(sub, f"{path}/", depth + 1, wanted, keep_dirs, before, kept)
+            sub = _open_folder(fd, name)
+            if sub is not None:
+                with fd_closing(sub):
+                    removed += _clear_live(sub, f"{path}/", depth + 1, wanted, keep_dirs, before, kept)
         else:
             entry, seen = wanted.get(path), before.get(path)
             if (
@@ -4994,6 +4990,15 @@ def split_path(path: str) -> tuple[str, ...]:
     if len("/".join(parts).encode("utf-8")) > MAX_PATH_BYTES:
         raise InvalidPath(f"the path {path[:80]!r}... is longer than {MAX_PATH_BYTES} bytes")
     return tuple(parts)
+
+
+def is_utf8(name: str) -> bool:
+    """Whether a name read from disk is valid UTF-8 (no undecodable bytes held as surrogate escapes)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def display(name: str) -> str:
@@ -7226,7 +7231,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._fsops import DIR_FLAGS, fd_closing, kind_of, lstat_at, remove_tree_at
-from ._names import MAX_DEPTH, MAX_PATH_BYTES, display, numbered
+from ._names import MAX_DEPTH, MAX_PATH_BYTES, display, is_utf8, numbered
 from .models import Rejected, Renamed
 
 log = logging.getLogger("code_sessions.storage")
@@ -7291,7 +7296,7 @@ def _scan_dir(
         result.empty_folders.append(prefix[:-1])
     for entry in entries:
         name = entry.name
-        if not name.isascii() and not _is_utf8(name):
+        if not name.isascii() and not is_utf8(name):
             fixed = _fix_name(fd, name, prefix, fix, result)
             if fixed is None:
                 continue
@@ -7315,14 +7320,6 @@ def _scan_dir(
                 _classify(fd, name, prefix + name, depth, fix, max_depth, result)
         except FileNotFoundError:
             continue  # vanished while listing: it simply is not there
-
-
-def _is_utf8(name: str) -> bool:
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _classify(
@@ -16850,14 +16847,21 @@ async def save(
     finally:
         if staging is not None:
             await asyncio.to_thread(shutil.rmtree, staging, True)
+    log_written(kernel, key, "saved to disk", t0, image)
+    return image.id, ""
+
+
+def log_written(kernel: Kernel, key: str, what: str, t0: float, image: SavedImage) -> None:
+    """Log that an image of the key's kernel was written (`what`: saved, copied...), in the time since
+    `t0` (time.monotonic), and its size."""
     log.info(
-        "kernel %s of %s saved to disk in %.2f s (%.1f MiB)",
+        "kernel %s of %s: %s in %.2f s (%.1f MiB)",
         kernel.cid,
         key,
+        what,
         time.monotonic() - t0,
         image.size / 2**20,
     )
-    return image.id, ""
 
 
 def save_at_exit(
@@ -18969,13 +18973,7 @@ class KernelPool:
             await asyncio.to_thread(_hibernate.discard, into)
             size = f"{image.size / 2**20:.0f} MiB"
             return "", f"its image of {size} is over the {human_bytes(limit)} it may take"
-        log.info(
-            "kernel %s of %s: state copied in %.2f s (%.1f MiB)",
-            kernel.cid,
-            key,
-            time.monotonic() - t0,
-            image.size / 2**20,
-        )
+        _saving.log_written(kernel, key, "state copied", t0, image)
         return image.id, ""
 
     async def rewind(self, key: str, state_dir: Path, image: Path | None, reason: str) -> None:
@@ -20092,7 +20090,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_1f5889c291e7.storage import StorageError, human_bytes, is_export
+from _code_sessions_bc621fc8dafb.storage import StorageError, human_bytes, is_export
 
 from .host import Emit, Host
 from .markup import code_span, escape_text
@@ -20549,7 +20547,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_1f5889c291e7.storage import HistoryError, Session, StorageError
+from _code_sessions_bc621fc8dafb.storage import HistoryError, Session, StorageError
 
 from .clones import OriginCall, StateChat, StateServices, start_clone
 from .settings import Settings
@@ -20897,8 +20895,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from _code_sessions_1f5889c291e7.runner import RunResult
-from _code_sessions_1f5889c291e7.storage import ReconcileReport, StorageError, human_bytes
+from _code_sessions_bc621fc8dafb.runner import RunResult
+from _code_sessions_bc621fc8dafb.storage import ReconcileReport, StorageError, human_bytes
 
 from .markup import mention
 
@@ -21238,8 +21236,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from _code_sessions_1f5889c291e7.runner import KernelPool
-from _code_sessions_1f5889c291e7.storage import CloneStart, Imported, Room, Session, StorageError, Store, human_bytes
+from _code_sessions_bc621fc8dafb.runner import KernelPool
+from _code_sessions_bc621fc8dafb.storage import CloneStart, Imported, Room, Session, StorageError, Store, human_bytes
 
 from .settings import Settings
 
@@ -21616,7 +21614,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from _code_sessions_1f5889c291e7.storage import Link, Publisher
+from _code_sessions_bc621fc8dafb.storage import Link, Publisher
 
 from .charts import ChartEmbed
 from .clones import Origin
@@ -21814,7 +21812,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_1f5889c291e7.storage import (
+from _code_sessions_bc621fc8dafb.storage import (
     HistoryError,
     Incoming,
     InvalidPath,
@@ -22671,7 +22669,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_1f5889c291e7.runner import RunnerError
+from _code_sessions_bc621fc8dafb.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -22999,7 +22997,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_1f5889c291e7.storage import AnswerRuns, RunRecord
+from _code_sessions_bc621fc8dafb.storage import AnswerRuns, RunRecord
 
 __all__ = ["NOT_KEPT", "BranchMessage", "build_notebook", "notebook_bytes", "notebook_name"]
 
@@ -23197,7 +23195,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from _code_sessions_1f5889c291e7.runner import RunnerError
+from _code_sessions_bc621fc8dafb.runner import RunnerError
 
 from .charts import ChartEmbed, chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
@@ -23376,8 +23374,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_1f5889c291e7.runner import Runner, RunnerError
-from _code_sessions_1f5889c291e7.storage import StorageError
+from _code_sessions_bc621fc8dafb.runner import Runner, RunnerError
+from _code_sessions_bc621fc8dafb.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -23538,8 +23536,8 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_1f5889c291e7.runner import Limits, Outcome, RunnerError, RunResult
-from _code_sessions_1f5889c291e7.storage import StorageError, human_bytes
+from _code_sessions_bc621fc8dafb.runner import Limits, Outcome, RunnerError, RunResult
+from _code_sessions_bc621fc8dafb.storage import StorageError, human_bytes
 
 from .markup import escape_text
 
@@ -23992,8 +23990,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_1f5889c291e7.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_1f5889c291e7.storage import human_bytes
+from _code_sessions_bc621fc8dafb.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_bc621fc8dafb.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -24118,7 +24116,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_1f5889c291e7.storage import Purge, parse_duration
+from _code_sessions_bc621fc8dafb.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -24699,8 +24697,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_1f5889c291e7.runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_1f5889c291e7.storage import (
+from _code_sessions_bc621fc8dafb.runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_bc621fc8dafb.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -25233,8 +25231,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_1f5889c291e7.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_1f5889c291e7.storage import Policy
+from _code_sessions_bc621fc8dafb.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_bc621fc8dafb.storage import Policy
 
 __all__ = ["DEFAULTS", "LOCK_WAIT_S", "BranchSettings", "Settings"]
 
@@ -25444,8 +25442,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_1f5889c291e7.runner import Outcome, RunResult
-from _code_sessions_1f5889c291e7.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_bc621fc8dafb.runner import Outcome, RunResult
+from _code_sessions_bc621fc8dafb.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention, visible
 
@@ -25987,7 +25985,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from _code_sessions_1f5889c291e7.storage import CLEAR_FILES_COMMAND
+from _code_sessions_bc621fc8dafb.storage import CLEAR_FILES_COMMAND
 
 from .actions import NOT_OWNER, Ask, Reply, owned, press
 from .branches import Place
@@ -26424,6 +26422,30 @@ from .host import Locations, Misconfigured, OpenWebUI
 
 __all__ = ["FilesPublisher", "Locations", "Misconfigured", "OpenWebUI"]
 ''',
+    'webui/access.py': r'''"""Open WebUI's read grants, asked the way its own checks ask them."""
+
+from __future__ import annotations
+
+__all__ = ["read_granted"]
+
+
+async def read_granted(user_id: str, resource_type: str, resource_id: str) -> bool:
+    """A read grant on the resource (`resource_type` as Open WebUI's access grants name it: "tool",
+    "shared_chat", ...) to the user, one of their groups (inherited ones too) or every user."""
+    from open_webui.models.access_grants import AccessGrants
+    from open_webui.models.groups import Groups
+
+    groups = {g.id for g in await Groups.get_groups_by_member_id(user_id, include_inherited=True)}
+    return bool(
+        await AccessGrants.has_access(
+            user_id=user_id,
+            resource_type=resource_type,
+            resource_id=resource_id,
+            permission="read",
+            user_group_ids=groups,
+        )
+    )
+''',
     'webui/assets.py': r'''"""plotly.js for the charts' embeds, served by Open WebUI's own web server:
 `GET /code-sessions/plotly/<digest>.js`.
 
@@ -26458,6 +26480,8 @@ import tempfile
 import threading
 from pathlib import Path
 from typing import Any
+
+from .routes import add_route_once
 
 log = logging.getLogger("code_sessions.function")
 
@@ -26523,14 +26547,8 @@ def _write(folder: Path, name: str, data: bytes) -> None:
 
 def register_asset_route(app: Any, folder: Path) -> None:
     """Serve the published files of `folder` in this process from now on (idempotent)."""
-    from starlette.routing import Route
-
     setattr(app.state, _STATE_FOLDER, folder)
-    if getattr(app.state, _STATE_ROUTE, False):
-        return
-    app.router.routes.insert(0, Route(ASSET_ROUTE, _endpoint, methods=["GET", "HEAD"]))
-    setattr(app.state, _STATE_ROUTE, True)
-    log.info("code-sessions: worker %d serves plotly.js at %s", os.getpid(), _PREFIX)
+    add_route_once(app, ASSET_ROUTE, _endpoint, ["GET", "HEAD"], _STATE_ROUTE, "plotly.js")
 
 
 async def _endpoint(request: Any) -> Any:
@@ -26575,6 +26593,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from .access import read_granted
 
 __all__ = ["CloneSource", "clone_source"]
 
@@ -26623,29 +26643,12 @@ async def clone_source(chat_id: str, user_id: str) -> CloneSource | None:
     if await Chats.get_accessible_chat_by_id(source_id, user) is not None:
         return _with_lineage(source_id, source.user_id, await _live_messages(source), point, python=False)
     snapshot = shared if shared is not None else await SharedChats.get_by_chat_id(source_id)
-    if snapshot is None or not await _may_read_share(user_id, source_id):
+    # A read grant on the shared chat is what lets them open its files (a link alone does not).
+    if snapshot is None or not await read_granted(user_id, "shared_chat", source_id):
         return None
     history = (snapshot.chat or {}).get("history") or {}
     messages = history.get("messages") if isinstance(history, dict) else None
     return _with_lineage(source_id, source.user_id, messages, point, python=False)
-
-
-async def _may_read_share(user_id: str, chat_id: str) -> bool:
-    """A read grant on the shared chat for the user, one of their groups, or every user: what lets
-    them open its files (not an anyone-with-the-link grant, which does not)."""
-    from open_webui.models.access_grants import AccessGrants
-    from open_webui.models.groups import Groups
-
-    groups = {g.id for g in await Groups.get_groups_by_member_id(user_id, include_inherited=True)}
-    return bool(
-        await AccessGrants.has_access(
-            user_id=user_id,
-            resource_type="shared_chat",
-            resource_id=chat_id,
-            permission="read",
-            user_group_ids=groups,
-        )
-    )
 
 
 async def _live_messages(source: Any) -> dict[str, Any] | None:
@@ -26700,7 +26703,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_1f5889c291e7.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_bc621fc8dafb.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -26928,8 +26931,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from _code_sessions_1f5889c291e7.storage import Link, Publisher, is_postgres_url
+from _code_sessions_bc621fc8dafb.storage import Link, Publisher, is_postgres_url
 
+from .access import read_granted
 from .assets import publish, register_asset_route
 from .clones import CloneSource, clone_source
 from .files import FilesPublisher, attach, attachment_item
@@ -27160,8 +27164,6 @@ class OpenWebUI:
         makes before it offers a tool: an admin (unless admins obey access control), its owner, or a
         read grant to the user or one of their groups."""
         from open_webui.config import BYPASS_ADMIN_ACCESS_CONTROL
-        from open_webui.models.access_grants import AccessGrants
-        from open_webui.models.groups import Groups
         from open_webui.models.tools import Tools
 
         tool = await Tools.get_tool_by_id(tool_id)
@@ -27169,16 +27171,7 @@ class OpenWebUI:
             return False
         if (role == "admin" and BYPASS_ADMIN_ACCESS_CONTROL) or tool.user_id == user_id:
             return True
-        groups = {g.id for g in await Groups.get_groups_by_member_id(user_id, include_inherited=True)}
-        return bool(
-            await AccessGrants.has_access(
-                user_id=user_id,
-                resource_type="tool",
-                resource_id=tool_id,
-                permission="read",
-                user_group_ids=groups,
-            )
-        )
+        return await read_granted(user_id, "tool", tool_id)
 
     async def message_lineage(
         self, chat_id: str, message_id: str, user_message: dict[str, Any] | None = None
@@ -27304,7 +27297,7 @@ import logging
 import mimetypes
 from typing import Any
 
-from _code_sessions_1f5889c291e7.storage import human_bytes
+from _code_sessions_bc621fc8dafb.storage import human_bytes
 
 log = logging.getLogger("code_sessions.function")
 
@@ -27593,6 +27586,34 @@ def _disposition(headers: bytes) -> tuple[str | None, str | None]:
         return params.get("name"), params.get("filename")
     return None, None
 ''',
+    'webui/routes.py': r'''"""Routes of ours on Open WebUI's app, put there once per process."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+__all__ = ["add_route_once"]
+
+log = logging.getLogger("code_sessions.function")
+
+
+def add_route_once(
+    app: Any, path: str, endpoint: Callable[[Any], Awaitable[Any]], methods: list[str], flag: str, what: str
+) -> None:
+    """Put a route on `app` ahead of Open WebUI's own (its catch-all mount at "/" would answer every
+    path), unless the mark `flag` on `app.state` says it is there already; log that this worker serves
+    `what` there."""
+    from starlette.routing import Route
+
+    if getattr(app.state, flag, False):
+        return
+    app.router.routes.insert(0, Route(path, endpoint, methods=methods))
+    setattr(app.state, flag, True)
+    log.info("code-sessions: worker %d serves %s at %s", os.getpid(), what, path.split("{", 1)[0])
+''',
     'webui/uploads.py': r'''"""The upload link's route on Open WebUI's own web server: `GET|POST /code-sessions/upload/<token>`.
 
 Open WebUI (0.12.4) has no hook for a function's own HTTP routes, so the route is put at the front of
@@ -27617,11 +27638,10 @@ from __future__ import annotations
 
 import html
 import logging
-import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from _code_sessions_1f5889c291e7.storage import (
+from _code_sessions_bc621fc8dafb.storage import (
     DiskFull,
     FileExists,
     Incoming,
@@ -27635,6 +27655,7 @@ from _code_sessions_1f5889c291e7.storage import (
 )
 
 from .multipart import MultipartError, MultipartFile, boundary_of
+from .routes import add_route_once
 
 log = logging.getLogger("code_sessions.function")
 
@@ -27665,15 +27686,8 @@ def upload_url(base_url: str, token: str) -> str:
 
 def register_upload_route(app: Any, receiver: UploadReceiver) -> None:
     """Serve upload links in this process from now on (idempotent; the latest receiver is used)."""
-    from starlette.routing import Route
-
     setattr(app.state, _STATE_RECEIVER, receiver)
-    if getattr(app.state, _STATE_ROUTE, False):
-        return
-    # Before the web UI's catch-all mount at "/", which would answer every path.
-    app.router.routes.insert(0, Route(ROUTE, _endpoint, methods=["GET", "POST"]))
-    setattr(app.state, _STATE_ROUTE, True)
-    log.info("code-sessions: worker %d serves upload links at %s", os.getpid(), _PREFIX)
+    add_route_once(app, ROUTE, _endpoint, ["GET", "POST"], _STATE_ROUTE, "upload links")
 
 
 async def _endpoint(request: Any) -> Any:
@@ -27887,7 +27901,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_1f5889c291e7.engine import (
+from _code_sessions_bc621fc8dafb.engine import (
     DEFAULTS,
     MINUTE_S,
     BranchSettings,
@@ -27902,10 +27916,10 @@ from _code_sessions_1f5889c291e7.engine import (
     Settings,
     Turns,
 )
-from _code_sessions_1f5889c291e7.functions.inbound import serve_uploads
-from _code_sessions_1f5889c291e7.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_1f5889c291e7.storage import DAY, Expiry, KiB, MiB, Policy, Quotas, Store
-from _code_sessions_1f5889c291e7.webui import OpenWebUI
+from _code_sessions_bc621fc8dafb.functions.inbound import serve_uploads
+from _code_sessions_bc621fc8dafb.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_bc621fc8dafb.storage import DAY, Expiry, KiB, MiB, Policy, Quotas, Store
+from _code_sessions_bc621fc8dafb.webui import OpenWebUI
 
 __all__ = [
     "Adapter",
@@ -28504,8 +28518,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_1f5889c291e7.engine import ChatSession, Engine, ExtraTool, Host, Inbound, Turns
-from _code_sessions_1f5889c291e7.storage import Expiry, Policy, Quotas, Store, UploadLinks
+from _code_sessions_bc621fc8dafb.engine import ChatSession, Engine, ExtraTool, Host, Inbound, Turns
+from _code_sessions_bc621fc8dafb.storage import Expiry, Policy, Quotas, Store, UploadLinks
 
 __all__ = ["UPLOAD_LINK_TOOL", "serve_uploads", "upload_link_tool"]
 
@@ -28697,10 +28711,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_1f5889c291e7.engine import Settings, Turns
-from _code_sessions_1f5889c291e7.functions.adapter import Adapter, HeldValves, SharedValves, message_of, settings_from
-from _code_sessions_1f5889c291e7.storage import StorageError
-from _code_sessions_1f5889c291e7.webui import Misconfigured
+from _code_sessions_bc621fc8dafb.engine import Settings, Turns
+from _code_sessions_bc621fc8dafb.functions.adapter import Adapter, HeldValves, SharedValves, message_of, settings_from
+from _code_sessions_bc621fc8dafb.storage import StorageError
+from _code_sessions_bc621fc8dafb.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

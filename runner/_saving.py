@@ -94,14 +94,21 @@ async def save(
     finally:
         if staging is not None:
             await asyncio.to_thread(shutil.rmtree, staging, True)
+    log_written(kernel, key, "saved to disk", t0, image)
+    return image.id, ""
+
+
+def log_written(kernel: Kernel, key: str, what: str, t0: float, image: SavedImage) -> None:
+    """Log that an image of the key's kernel was written (`what`: saved, copied...), in the time since
+    `t0` (time.monotonic), and its size."""
     log.info(
-        "kernel %s of %s saved to disk in %.2f s (%.1f MiB)",
+        "kernel %s of %s: %s in %.2f s (%.1f MiB)",
         kernel.cid,
         key,
+        what,
         time.monotonic() - t0,
         image.size / 2**20,
     )
-    return image.id, ""
 
 
 def save_at_exit(

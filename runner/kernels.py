@@ -411,13 +411,7 @@ class KernelPool:
             await asyncio.to_thread(_hibernate.discard, into)
             size = f"{image.size / 2**20:.0f} MiB"
             return "", f"its image of {size} is over the {human_bytes(limit)} it may take"
-        log.info(
-            "kernel %s of %s: state copied in %.2f s (%.1f MiB)",
-            kernel.cid,
-            key,
-            time.monotonic() - t0,
-            image.size / 2**20,
-        )
+        _saving.log_written(kernel, key, "state copied", t0, image)
         return image.id, ""
 
     async def rewind(self, key: str, state_dir: Path, image: Path | None, reason: str) -> None:

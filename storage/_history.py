@@ -50,7 +50,7 @@ from json.encoder import encode_basestring_ascii
 from pathlib import Path
 
 from ._fsops import DIR_FLAGS, Owner, copy_fd, fd_closing, remove_tree_at
-from ._names import MAX_DEPTH, MAX_PATH_BYTES
+from ._names import MAX_DEPTH, MAX_PATH_BYTES, is_utf8
 from .errors import FileExists, HistoryError
 
 HEAD = "head.json"
@@ -897,11 +897,10 @@ def walk(fd: int, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, os.st
     except OSError:
         return
     for name in names:
-        try:
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-        except OSError:
+        st = _lstat(fd, name)
+        if st is None:
             continue
-        if not name.isascii() and not _utf8(name):
+        if not name.isascii() and not is_utf8(name):
             continue
         path = f"{prefix}{name}"
         if stat.S_ISREG(st.st_mode):
@@ -910,20 +909,19 @@ def walk(fd: int, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, os.st
             yield path, st, fd, name
             if depth + 1 >= MAX_DEPTH:
                 continue
-            try:
-                sub = os.open(name, DIR_FLAGS, dir_fd=fd)
-            except OSError:
-                continue
-            with fd_closing(sub):
-                yield from walk(sub, f"{path}/", depth + 1)
+            sub = _open_folder(fd, name)
+            if sub is not None:
+                with fd_closing(sub):
+                    yield from walk(sub, f"{path}/", depth + 1)
 
 
-def _utf8(name: str) -> bool:
+def _open_folder(fd: int, name: str) -> int | None:
+    """The folder `name` of the folder `fd`, opened without following a link; None when it cannot be
+    (gone meanwhile, or a link or a file by now)."""
     try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+        return os.open(name, DIR_FLAGS, dir_fd=fd)
+    except OSError:
+        return None
 
 
 def _clear_live(
@@ -948,7 +946,7 @@ def _clear_live(
         if st is None:
             continue
         path = f"{prefix}{name}"
-        if not _utf8(name):
+        if not is_utf8(name):
             remove_tree_at(fd, name)
             removed += 1
         elif stat.S_ISDIR(st.st_mode):
@@ -956,12 +954,10 @@ def _clear_live(
                 remove_tree_at(fd, name)
                 removed += 1
                 continue
-            try:
-                sub = os.open(name, DIR_FLAGS, dir_fd=fd)
-            except OSError:
-                continue
-            with fd_closing(sub):
-                removed += _clear_live(sub, f"{path}/", depth + 1, wanted, keep_dirs, before, kept)
+            sub = _open_folder(fd, name)
+            if sub is not None:
+                with fd_closing(sub):
+                    removed += _clear_live(sub, f"{path}/", depth + 1, wanted, keep_dirs, before, kept)
         else:
             entry, seen = wanted.get(path), before.get(path)
             if (

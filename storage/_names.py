@@ -101,6 +101,15 @@ def split_path(path: str) -> tuple[str, ...]:
     return tuple(parts)
 
 
+def is_utf8(name: str) -> bool:
+    """Whether a name read from disk is valid UTF-8 (no undecodable bytes held as surrogate escapes)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def display(name: str) -> str:
     """A name read from disk, with undecodable bytes (surrogate escapes) shown as \\xNN."""
     return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._fsops import DIR_FLAGS, fd_closing, kind_of, lstat_at, remove_tree_at
-from ._names import MAX_DEPTH, MAX_PATH_BYTES, display, numbered
+from ._names import MAX_DEPTH, MAX_PATH_BYTES, display, is_utf8, numbered
 from .models import Rejected, Renamed
 
 log = logging.getLogger("code_sessions.storage")
@@ -82,7 +82,7 @@ def _scan_dir(
         result.empty_folders.append(prefix[:-1])
     for entry in entries:
         name = entry.name
-        if not name.isascii() and not _is_utf8(name):
+        if not name.isascii() and not is_utf8(name):
             fixed = _fix_name(fd, name, prefix, fix, result)
             if fixed is None:
                 continue
@@ -106,14 +106,6 @@ def _scan_dir(
                 _classify(fd, name, prefix + name, depth, fix, max_depth, result)
         except FileNotFoundError:
             continue  # vanished while listing: it simply is not there
-
-
-def _is_utf8(name: str) -> bool:
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _classify(

@@ -33,6 +33,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from .routes import add_route_once
+
 log = logging.getLogger("code_sessions.function")
 
 __all__ = ["ASSET_ROUTE", "publish", "register_asset_route"]
@@ -97,14 +99,8 @@ def _write(folder: Path, name: str, data: bytes) -> None:
 
 def register_asset_route(app: Any, folder: Path) -> None:
     """Serve the published files of `folder` in this process from now on (idempotent)."""
-    from starlette.routing import Route
-
     setattr(app.state, _STATE_FOLDER, folder)
-    if getattr(app.state, _STATE_ROUTE, False):
-        return
-    app.router.routes.insert(0, Route(ASSET_ROUTE, _endpoint, methods=["GET", "HEAD"]))
-    setattr(app.state, _STATE_ROUTE, True)
-    log.info("code-sessions: worker %d serves plotly.js at %s", os.getpid(), _PREFIX)
+    add_route_once(app, ASSET_ROUTE, _endpoint, ["GET", "HEAD"], _STATE_ROUTE, "plotly.js")
 
 
 async def _endpoint(request: Any) -> Any:

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .access import read_granted
+
 __all__ = ["CloneSource", "clone_source"]
 
 _MAX_LINEAGE = 100_000
@@ -71,29 +73,12 @@ async def clone_source(chat_id: str, user_id: str) -> CloneSource | None:
     if await Chats.get_accessible_chat_by_id(source_id, user) is not None:
         return _with_lineage(source_id, source.user_id, await _live_messages(source), point, python=False)
     snapshot = shared if shared is not None else await SharedChats.get_by_chat_id(source_id)
-    if snapshot is None or not await _may_read_share(user_id, source_id):
+    # A read grant on the shared chat is what lets them open its files (a link alone does not).
+    if snapshot is None or not await read_granted(user_id, "shared_chat", source_id):
         return None
     history = (snapshot.chat or {}).get("history") or {}
     messages = history.get("messages") if isinstance(history, dict) else None
     return _with_lineage(source_id, source.user_id, messages, point, python=False)
-
-
-async def _may_read_share(user_id: str, chat_id: str) -> bool:
-    """A read grant on the shared chat for the user, one of their groups, or every user: what lets
-    them open its files (not an anyone-with-the-link grant, which does not)."""
-    from open_webui.models.access_grants import AccessGrants
-    from open_webui.models.groups import Groups
-
-    groups = {g.id for g in await Groups.get_groups_by_member_id(user_id, include_inherited=True)}
-    return bool(
-        await AccessGrants.has_access(
-            user_id=user_id,
-            resource_type="shared_chat",
-            resource_id=chat_id,
-            permission="read",
-            user_group_ids=groups,
-        )
-    )
 
 
 async def _live_messages(source: Any) -> dict[str, Any] | None:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from storage import Link, Publisher, is_postgres_url
 
+from .access import read_granted
 from .assets import publish, register_asset_route
 from .clones import CloneSource, clone_source
 from .files import FilesPublisher, attach, attachment_item
@@ -249,8 +250,6 @@ class OpenWebUI:
         makes before it offers a tool: an admin (unless admins obey access control), its owner, or a
         read grant to the user or one of their groups."""
         from open_webui.config import BYPASS_ADMIN_ACCESS_CONTROL
-        from open_webui.models.access_grants import AccessGrants
-        from open_webui.models.groups import Groups
         from open_webui.models.tools import Tools
 
         tool = await Tools.get_tool_by_id(tool_id)
@@ -258,16 +257,7 @@ class OpenWebUI:
             return False
         if (role == "admin" and BYPASS_ADMIN_ACCESS_CONTROL) or tool.user_id == user_id:
             return True
-        groups = {g.id for g in await Groups.get_groups_by_member_id(user_id, include_inherited=True)}
-        return bool(
-            await AccessGrants.has_access(
-                user_id=user_id,
-                resource_type="tool",
-                resource_id=tool_id,
-                permission="read",
-                user_group_ids=groups,
-            )
-        )
+        return await read_granted(user_id, "tool", tool_id)
 
     async def message_lineage(
         self, chat_id: str, message_id: str, user_message: dict[str, Any] | None = None

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import html
 import logging
-import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -40,6 +39,7 @@ from storage import (
 )
 
 from .multipart import MultipartError, MultipartFile, boundary_of
+from .routes import add_route_once
 
 log = logging.getLogger("code_sessions.function")
 
@@ -70,15 +70,8 @@ def upload_url(base_url: str, token: str) -> str:
 
 def register_upload_route(app: Any, receiver: UploadReceiver) -> None:
     """Serve upload links in this process from now on (idempotent; the latest receiver is used)."""
-    from starlette.routing import Route
-
     setattr(app.state, _STATE_RECEIVER, receiver)
-    if getattr(app.state, _STATE_ROUTE, False):
-        return
-    # Before the web UI's catch-all mount at "/", which would answer every path.
-    app.router.routes.insert(0, Route(ROUTE, _endpoint, methods=["GET", "POST"]))
-    setattr(app.state, _STATE_ROUTE, True)
-    log.info("code-sessions: worker %d serves upload links at %s", os.getpid(), _PREFIX)
+    add_route_once(app, ROUTE, _endpoint, ["GET", "POST"], _STATE_ROUTE, "upload links")
 
 
 async def _endpoint(request: Any) -> Any:

@@ -10,13 +10,28 @@ import uuid
 import pytest
 
 from tests.support.branch_cells import HALVE, LOAD, LOOK, ONE, OWN_CLONE, RESTORED, SHARED_CLONE
-from tests.support.open_webui import MODEL, OpenWebUI, Reply, TreeChat, say_streamed
+from tests.support.open_webui import MODEL, Account, OpenWebUI, Reply, TreeChat, say_streamed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.runsc]
 
 
 def run(source: str) -> str:
     return f"```python\n{source}\n```\n"
+
+
+def api_caller_says(account: Account, chat_id: str, text: str) -> str:
+    """A message to the chat the way an API caller sends one (its chat id and a new answer's id, no
+    history): the answer's text."""
+    payload = {
+        "model": MODEL,
+        "chat_id": chat_id,
+        "id": f"a-{uuid.uuid4()}",
+        "stream": False,
+        "messages": [{"role": "user", "content": text}],
+    }
+    response = account.post("/api/chat/completions", payload)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
 
 
 def test_a_regenerated_or_edited_answer_and_the_first_branch_each_continue_from_their_own_state(
@@ -95,33 +110,10 @@ def test_a_clone_starts_from_its_source_and_neither_side_reaches_the_other(open_
     clone = bob.post(f"/api/v1/chats/{share.json()['share_id']}/clone/shared")
     assert clone.status_code == 200, clone.text
     clone_id = clone.json()["id"]
-    response = bob.post(
-        "/api/chat/completions",
-        {
-            "model": MODEL,
-            "chat_id": clone_id,
-            "id": f"a-{uuid.uuid4()}",
-            "stream": False,
-            "messages": [{"role": "user", "content": run(IMPORT + SEE)}],
-        },
-    )
-    assert response.status_code == 200, response.text
-    said = response.json()["choices"][0]["message"]["content"]
+    said = api_caller_says(bob, clone_id, run(IMPORT + SEE))
     assert "df None file 5 ['data.csv']" in said, said
     assert said.count(SHARED_CLONE) == 1 and "not its Python state" in said, said
-    response = bob.post(
-        "/api/chat/completions",
-        {
-            "model": MODEL,
-            "chat_id": clone_id,
-            "id": f"a-{uuid.uuid4()}",
-            "stream": False,
-            "messages": [
-                {"role": "user", "content": run("open('/mnt/data/data.csv', 'w').write('n\\n7\\n')")}
-            ],
-        },
-    )
-    assert response.status_code == 200, response.text
+    api_caller_says(bob, clone_id, run("open('/mnt/data/data.csv', 'w').write('n\\n7\\n')"))
 
     # A chat whose JSON claims to clone a chat bob may not read: nothing comes, nothing is said.
     secret = TreeChat(admin)
@@ -139,19 +131,7 @@ def test_a_clone_starts_from_its_source_and_neither_side_reaches_the_other(open_
         },
     )
     assert forged.status_code == 200, forged.text
-    response = bob.post(
-        "/api/chat/completions",
-        {
-            "model": MODEL,
-            "chat_id": forged.json()["id"],
-            "id": f"a-{uuid.uuid4()}",
-            "stream": False,
-            "messages": [
-                {"role": "user", "content": run("import os\nprint('seen', sorted(os.listdir('.')))")}
-            ],
-        },
-    )
-    said = response.json()["choices"][0]["message"]["content"]
+    said = api_caller_says(bob, forged.json()["id"], run("import os\nprint('seen', sorted(os.listdir('.')))"))
     assert "seen []" in said, said
     assert "clone" not in said.lower(), said
 

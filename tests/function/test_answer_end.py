@@ -51,6 +51,14 @@ async def state_saved(adapter, user_id: str, chat_id: str, message_id: str) -> b
         return await session.history.has(message_id)
 
 
+async def assert_ended(harness: PipeHarness | ToolHarness, adapter, events: list[dict]) -> None:
+    """Answer a1 of alice's chat-1 ended: the file its run wrote is attached to it, its last status is
+    done, and its state is saved."""
+    assert attached(harness, "chat-1", "a1") == ["out.txt"]
+    assert settled(events), events
+    assert await state_saved(adapter, "alice", "chat-1", "a1")
+
+
 def settled(events: list[dict]) -> bool:
     statuses = [e["data"] for e in events if e.get("type") == "status"]
     return bool(statuses) and statuses[-1]["done"] is True
@@ -88,9 +96,7 @@ async def test_the_pipe_ends_an_answer_that_raises(pipe: PipeHarness, monkeypatc
     failing(pipe.module, "engine.service.charts_of", monkeypatch)  # after the run, in the middle of the step
     with pytest.raises(RuntimeError, match="broken on purpose"):
         await pipe.say("alice", "chat-1", code(WRITE), message_id="a1", user_message=TREE)
-    assert attached(pipe, "chat-1", "a1") == ["out.txt"]
-    assert settled(pipe.events), pipe.events
-    assert await state_saved(pipe.pipe, "alice", "chat-1", "a1")
+    await assert_ended(pipe, pipe.pipe, pipe.events)
 
 
 async def test_the_pipe_ends_an_answer_whose_stream_is_closed(pipe: PipeHarness):
@@ -100,9 +106,7 @@ async def test_the_pipe_ends_an_answer_whose_stream_is_closed(pipe: PipeHarness)
         if "<details>" in piece:  # the run's block: the run is over, the model's words are next
             break
     await stream.aclose()
-    assert attached(pipe, "chat-1", "a1") == ["out.txt"]
-    assert settled(pipe.events), pipe.events
-    assert await state_saved(pipe.pipe, "alice", "chat-1", "a1")
+    await assert_ended(pipe, pipe.pipe, pipe.events)
 
 
 async def test_the_pipe_ends_an_answer_cancelled_mid_run(pipe: PipeHarness):
@@ -113,9 +117,7 @@ async def test_the_pipe_ends_an_answer_cancelled_mid_run(pipe: PipeHarness):
     reading.cancel()
     with pytest.raises(asyncio.CancelledError):
         await reading
-    assert attached(pipe, "chat-1", "a1") == ["out.txt"]
-    assert settled(pipe.events), pipe.events
-    assert await state_saved(pipe.pipe, "alice", "chat-1", "a1")
+    await assert_ended(pipe, pipe.pipe, pipe.events)
 
 
 async def _read(stream) -> str:
@@ -158,9 +160,7 @@ async def test_the_tool_and_filter_end_an_answer_whose_run_raises(
     failing(tool.tool_module, "engine.service.charts_of", monkeypatch)
     turn = await tool.say("alice", "chat-1", code(WRITE, "Done."), message_id="a1", user_message=TREE)
     assert "broken on purpose" in turn.tool_results[0]
-    assert attached(tool, "chat-1", "a1") == ["out.txt"]
-    assert settled(turn.events), turn.events
-    assert await state_saved(tool.filter._adapter, "alice", "chat-1", "a1")
+    await assert_ended(tool, tool.filter._adapter, turn.events)
 
 
 async def test_the_tool_and_filter_end_an_answer_cancelled_mid_run(tool: ToolHarness):
@@ -173,9 +173,7 @@ async def test_the_tool_and_filter_end_an_answer_cancelled_mid_run(tool: ToolHar
     answer.cancel()
     with pytest.raises(asyncio.CancelledError):
         await answer
-    assert attached(tool, "chat-1", "a1") == ["out.txt"]
-    assert settled(tool.events), tool.events
-    assert await state_saved(tool.tools._adapter, "alice", "chat-1", "a1")
+    await assert_ended(tool, tool.tools._adapter, tool.events)
 
 
 async def test_the_filter_settles_a_command_that_waited_for_the_chat(tool: ToolHarness):

@@ -43,6 +43,18 @@ def make_stub(tmp_path: Path, message: str, to_log: bool = True) -> str:
     return str(path)
 
 
+def doctor_json(runsc: str, *args: str, timeout: float = 60, **run) -> subprocess.CompletedProcess[str]:
+    """`python -m runner doctor --json --runsc <runsc> <args>`, as an admin runs it (`run`: more of
+    subprocess.run's arguments, an `env` or a `preexec_fn`)."""
+    command = [sys.executable, "-m", "runner", "doctor", "--json", "--runsc", runsc, *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, **run)
+
+
+def checks_of(done: subprocess.CompletedProcess[str]) -> dict[str, dict]:
+    """The doctor's checks, by name, from its JSON report."""
+    return {c["name"]: c for c in json.loads(done.stdout)["checks"]}
+
+
 def config_for(tmp_path: Path, runsc: str) -> RunnerConfig:
     return RunnerConfig(runsc_path=runsc, state_dir=tmp_path / "state", bundle_dir=tmp_path / "bundles")
 
@@ -158,12 +170,7 @@ async def test_doctor_turns_gvisor_errors_into_fixes(
 
 
 def test_cli_json_and_exit_status(tmp_path: Path) -> None:
-    bad = subprocess.run(
-        [sys.executable, "-m", "runner", "doctor", "--json", "--runsc", str(tmp_path / "missing")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    bad = doctor_json(str(tmp_path / "missing"))
     assert bad.returncode == 1
     report = json.loads(bad.stdout)
     assert report["ok"] is False
@@ -183,14 +190,7 @@ def test_a_low_open_files_limit_is_a_warning_with_the_flag_that_fixes_it(tmp_pat
         resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
 
     # A missing runsc: the host checks still run, and the report comes back quickly.
-    done = subprocess.run(
-        [sys.executable, "-m", "runner", "doctor", "--json", "--runsc", str(tmp_path / "missing")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        preexec_fn=low_limit,
-    )
-    checks = {c["name"]: c for c in json.loads(done.stdout)["checks"]}
+    checks = checks_of(doctor_json(str(tmp_path / "missing"), preexec_fn=low_limit))
     assert checks["open files"]["warning"] is True, checks["open files"]
     assert "--ulimit nofile=" in checks["open files"]["fix"]
     assert "1024" in checks["open files"]["detail"]
@@ -198,14 +198,7 @@ def test_a_low_open_files_limit_is_a_warning_with_the_flag_that_fixes_it(tmp_pat
 
 def test_a_missing_zstd_is_a_warning_with_its_fix(tmp_path: Path) -> None:
     """Without zstd, kernels are still saved (uncompressed): a warning that says the cost and the fix."""
-    done = subprocess.run(
-        [sys.executable, "-m", "runner", "doctor", "--json", "--runsc", str(tmp_path / "missing")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PATH": str(tmp_path)},
-    )
-    checks = {c["name"]: c for c in json.loads(done.stdout)["checks"]}
+    checks = checks_of(doctor_json(str(tmp_path / "missing"), env={**os.environ, "PATH": str(tmp_path)}))
     compression = checks["compression"]
     assert compression["ok"] and compression["warning"], compression
     assert compression["detail"].startswith("zstd is not installed")
@@ -220,15 +213,10 @@ def test_a_storage_root_open_to_other_users_is_a_warning_with_its_fix(tmp_path: 
     os.chmod(root, 0o755)
 
     def run(*args: str, **env: str) -> dict:
-        done = subprocess.run(
-            [sys.executable, "-m", "runner", "doctor", "--json", "--runsc", RUNSC, *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**{k: v for k, v in os.environ.items() if k != "CODE_SESSIONS_ROOT"}, **env},
-        )
+        without_root = {k: v for k, v in os.environ.items() if k != "CODE_SESSIONS_ROOT"}
+        done = doctor_json(RUNSC, *args, timeout=120, env={**without_root, **env})
         assert done.returncode == 0, done.stdout + done.stderr  # a warning, not a failure
-        return {c["name"]: c for c in json.loads(done.stdout)["checks"]}
+        return checks_of(done)
 
     found = run(DATA_DIR=str(tmp_path / "data"))["storage root"]
     assert found["warning"] and "mode 0755" in found["detail"] and "other local users" in found["detail"]

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from runner import KernelPool, KernelSettings, Limits, Outcome, Runner, _hibernate
+from tests.support.figure_cells import SURFACE
 from tests.support.sandbox import leftovers
 
 pytestmark = pytest.mark.runsc
@@ -121,16 +122,8 @@ async def test_a_resumed_kernel_starts_each_cell_with_no_figure_as_a_live_one_do
     next plot is a new figure, and a Figure kept in a variable still saves."""
     folder, state = chat
     pool = pool_of(runner, tmp_path, idle_s=1.0)
-    surface = (
-        "import numpy as np\n"
-        "import matplotlib.pyplot as plt\n"
-        "x, y = np.meshgrid(np.linspace(-3, 3, 30), np.linspace(-3, 3, 30))\n"
-        "fig = plt.figure()\n"
-        "ax = fig.add_subplot(111, projection='3d')\n"
-        "ax.plot_surface(x, y, np.sin(np.hypot(x, y)))"
-    )
     try:
-        first = await pool.run("u/c", folder, surface, "python", LIMITS, state_dir=state)
+        first = await pool.run("u/c", folder, SURFACE, "python", LIMITS, state_dir=state)
         assert first.ok and first.figures == ("figure-1.png",), first
         await wait_until(lambda: ended(pool))
         assert (state / "kernel" / "meta.json").is_file()

@@ -31,6 +31,7 @@ from runner import _kernel_program
 from runner._kernel_program import condition, packages, pumps
 from runner._kernel_program.protocol import FATAL_EXIT, MAX_TEXT, PROTOCOL_VERSION, WORKDIR_ENV
 from runner._wire import Done, FrameDecoder, Message, Output, ProtocolError, ProtocolState, Ready, encode_run
+from tests.support.figure_cells import SURFACE
 
 PYTHON = "/usr/bin/python3"
 HAS_MATPLOTLIB = subprocess.run([PYTHON, "-c", "import matplotlib"], capture_output=True).returncode == 0
@@ -889,15 +890,7 @@ def test_each_cell_starts_with_no_figure_as_in_jupyter(kernel: Kernel) -> None:
     draws on a new 2D figure, not on the 3D axes a cell before left; a Figure kept in a variable still
     saves, and shows as a cell's last value."""
     assert HAS_MATPLOTLIB, "/usr/bin/python3 cannot import matplotlib: ./scripts/setup installs it"
-    surface = (
-        "import numpy as np\n"
-        "import matplotlib.pyplot as plt\n"
-        "x, y = np.meshgrid(np.linspace(-3, 3, 30), np.linspace(-3, 3, 30))\n"
-        "fig = plt.figure()\n"
-        "ax = fig.add_subplot(111, projection='3d')\n"
-        "ax.plot_surface(x, y, np.sin(np.hypot(x, y)))"
-    )
-    res = kernel.run(surface)
+    res = kernel.run(SURFACE)
     assert res.status == "ok" and res.done.figures == ("figure-1.png",), res.stderr
     res = kernel.run(
         "bars = plt.bar(['north', 'south', 'east'], [3, 5, 2])\n"

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError
+from tests.support.figure_cells import SURFACE
 from tests.support.sandbox import leftovers
 
 pytestmark = pytest.mark.runsc
@@ -203,16 +204,7 @@ async def test_output_over_the_cap_interrupts_the_cell_and_keeps_the_state(
 async def test_figures_are_saved_and_reported_then_closed_as_in_jupyter(
     pool: KernelPool, workdir: Path
 ) -> None:
-    surface = (
-        "import numpy as np\n"
-        "import matplotlib.pyplot as plt\n"
-        "x, y = np.meshgrid(np.linspace(-3, 3, 30), np.linspace(-3, 3, 30))\n"
-        "fig = plt.figure()\n"
-        "ax = fig.add_subplot(111, projection='3d')\n"
-        "ax.plot_surface(x, y, np.sin(np.hypot(x, y)))\n"
-        "ax.set_title('surface')"
-    )
-    drawn = await pool.run("u/c", workdir, surface, "python", LIMITS)
+    drawn = await pool.run("u/c", workdir, SURFACE, "python", LIMITS)
     assert drawn.ok, drawn.stderr
     assert drawn.figures == ("figure-1.png",) and (workdir / "figure-1.png").read_bytes()[:4] == b"\x89PNG"
     # The next cell starts with no figure: its bar chart is a new 2D figure, not the 3D axes.
