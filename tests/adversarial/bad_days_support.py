@@ -220,18 +220,30 @@ def statuses(events: list[dict]) -> list[str]:
     return [e["data"]["description"] for e in events if e.get("type") == "status"]
 
 
-async def start_running(harness: PipeHarness, *args: Any, **kwargs: Any) -> tuple[asyncio.Task, list[dict]]:
+def run_marked(root: Path, user: str, chat: str) -> bool:
+    """Whether the store's mark of a run in this chat is on disk: made under the chat's lock just
+    before its sandbox runs, removed once the run is indexed."""
+    pattern = re.compile(rf"{re.escape(user)}-[0-9a-f]{{24}}\.{re.escape(chat)}-[0-9a-f]{{24}}")
+    marks = root / "running"
+    return marks.is_dir() and any(pattern.fullmatch(name) for name in os.listdir(marks))
+
+
+async def start_running(
+    harness: PipeHarness, user: str, chat: str, *args: Any, **kwargs: Any
+) -> tuple[asyncio.Task, list[dict]]:
     """Send a message in the background; return once its code runs (its "Running ..." status is out,
-    then a moment for the sandbox to start): the task (the answer) and the message's events."""
-    task = asyncio.create_task(say(harness, *args, **kwargs))
+    and the chat's lock is held with the run marked): the task (the answer) and the message's events."""
+    task = asyncio.create_task(say(harness, user, chat, *args, **kwargs))
     await asyncio.sleep(0)
     events = harness.events
     deadline = time.monotonic() + 30
-    while not any(s.startswith("Running") for s in statuses(events)):
+    while not (
+        any(s.startswith("Running") for s in statuses(events))
+        and run_marked(harness.sessions_root, user, chat)
+    ):
         if task.done() or time.monotonic() > deadline:
             raise AssertionError(f"the message never ran code: {statuses(events)}")
         await asyncio.sleep(0.02)
-    await asyncio.sleep(0.6)
     assert not task.done(), "the run ended before the test could act during it"
     return task, events
 

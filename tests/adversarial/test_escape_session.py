@@ -11,6 +11,7 @@ import importlib
 import os
 import stat
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -128,9 +129,15 @@ async def test_fifo_socket_and_device_are_never_opened_or_linked(harness: PipeHa
     # A gVisor that does pass FIFOs through to the host (directfs, newer releases) is covered too: a FIFO
     # that appears on the host during a run is removed after it, never opened.
     [folder] = session_dirs(harness)
-    slow = code("import time\ntime.sleep(1.5)", "See /mnt/data/planted")
+    slow = code(
+        "import os, time\nopen('started', 'w').close()\ntime.sleep(1.5)\nos.remove('started')",
+        "See /mnt/data/planted",
+    )
     running = asyncio.create_task(harness.say("mallory", "chat-1", slow))
-    await asyncio.sleep(1.0)
+    deadline = time.monotonic() + 30
+    while not (folder / "started").exists():  # the sandboxed code runs
+        assert time.monotonic() < deadline and not running.done(), "the run did not start"
+        await asyncio.sleep(0.02)
     os.mkfifo(folder / "planted")
     answer = await asyncio.wait_for(running, 30)
     assert "Removed /mnt/data/planted: a fifo is not allowed" in answer

@@ -19,6 +19,7 @@ from tests.adversarial.attack import (
     published_files,
     session_dirs,
 )
+from tests.adversarial.bad_days_support import start_running
 from tests.support.pipe_harness import PipeHarness, code
 
 pytestmark = pytest.mark.runsc
@@ -155,8 +156,7 @@ async def test_cleanup_racing_a_run_never_deletes_under_it(harness: PipeHarness)
         "print('OLD=' + open('/mnt/data/old.txt').read())",
         "New: /mnt/data/new.txt",
     )
-    running = asyncio.create_task(harness.say("alice", "chat-x", slow))
-    await asyncio.sleep(0.8)
+    running, _ = await start_running(harness, "alice", "chat-x", slow)
     # Mid-run: the background loop's expiry tick, and an admin's purge of this very chat (run at the
     # next message of anyone).
     pipe = harness.pipe
