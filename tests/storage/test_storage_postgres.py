@@ -300,6 +300,13 @@ async def test_quota_decisions_of_one_user_serialise_across_processes(root: Path
         assert await store.check() == []
 
 
+# A transaction of this database queued behind another's advisory lock (serialise_user's).
+WAITING_FOR_A_USER_LOCK = (
+    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+    " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+)
+
+
 async def test_serialise_user_makes_the_second_decision_wait_for_the_first(postgres_url: str) -> None:
     one, two = PostgresBackend(postgres_url), PostgresBackend(postgres_url)
     await one.open()
@@ -333,7 +340,11 @@ async def test_serialise_user_makes_the_second_decision_wait_for_the_first(postg
         await holding.wait()
         waiting = asyncio.create_task(two.write(second))
         await two.write(other_user)  # another user's decision does not wait
-        await asyncio.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while not (await asyncio.to_thread(_query, postgres_url, WAITING_FOR_A_USER_LOCK))[0][0]:
+            assert not waiting.done(), "the second decision did not wait for the first"
+            assert time.monotonic() < deadline, "the second decision never asked for alice's lock"
+            await asyncio.sleep(0.02)
         assert not waiting.done()
         go_on.set()
         await asyncio.gather(task, waiting)
