@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -308,6 +308,22 @@ def test_a_sentinel_split_anywhere_is_found() -> None:
     assert pumps._sentinel_prefix_start(b"abc\x00cx", sentinel) == 6
 
 
+def _until(condition: Callable[[], bool], what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
+        time.sleep(0.005)
+
+
+def _in_write(thread: threading.Thread, fd: int, size: int) -> bool:
+    """Whether the thread is in a write(fd, ..., size) system call, as the kernel sees it."""
+    try:
+        fields = Path(f"/proc/self/task/{thread.native_id}/syscall").read_text().split()
+    except OSError:
+        return False
+    return len(fields) > 3 and int(fields[1], 16) == fd and int(fields[3], 16) == size
+
+
 @pytest.mark.usefixtures("no_fatal")
 def test_a_forged_sentinel_and_a_full_pipe_do_not_deadlock_the_drain() -> None:
     sentinel = b"\x00code-sessions:" + b"cd" * 16 + b"\x00"
@@ -329,10 +345,10 @@ def test_a_forged_sentinel_and_a_full_pipe_do_not_deadlock_the_drain() -> None:
         pump._sentinel = sentinel  # armed, as drain() does first, before the forger gets in
     forger = threading.Thread(target=forge, daemon=True)
     forger.start()
-    time.sleep(0.2)  # the pipe is full now
+    _until(lambda: select.select([], [w], [], 0)[1] == [], "the forger filled the pipe")
     drained = threading.Thread(target=lambda: (pump.drain(sentinel), pump.wait_drained()), daemon=True)
     drained.start()
-    time.sleep(0.2)  # the real sentinel waits for room in the pipe
+    _until(lambda: _in_write(drained, w, len(sentinel)), "the real sentinel waits for room in the pipe")
     pump.start()  # finds the forged one first; must read on until the real one is in
     drained.join(10)
     assert not drained.is_alive(), "drain deadlocked"
@@ -594,8 +610,12 @@ def test_processes_left_by_a_cell_are_gone_before_the_next_done(kernel: Kernel) 
         "        os.setsid()\n"
         "        time.sleep(1000)\n"
         "    os._exit(0)\n"
-        "time.sleep(0.2)\n"
-        "print(len([p for p in os.listdir('/proc') if p.isdigit()]))"
+        "def count():\n"
+        "    return len([p for p in os.listdir('/proc') if p.isdigit()])\n"
+        "deadline = time.monotonic() + 10\n"
+        "while count() < 3 and time.monotonic() < deadline:\n"  # the grandchild has forked
+        "    time.sleep(0.01)\n"
+        "print(count())"
     )
     assert res.status == "ok" and int(res.stdout) >= 3
     assert kernel.namespace_pids() == [1]
