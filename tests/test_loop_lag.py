@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.support.loop_lag import STALL_LIMIT_S, LoopLag
+from tests.support.loop_lag import LoopLag
 
 
 def _compute(seconds: float) -> None:
@@ -54,9 +57,37 @@ async def test_a_long_c_call_in_another_thread_holds_the_loop_through_the_gil() 
     assert took > 0.2 and lag.held_s >= 0.8 * took, (took, lag.summary())
 
 
-async def test_work_in_another_thread_that_lets_the_gil_go_is_no_stall() -> None:
+_OFF_LOOP_WORK = """
+import asyncio, time
+from tests.support.loop_lag import STALL_LIMIT_S, LoopLag
+
+def compute(seconds):
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+async def main():
     async with LoopLag() as lag:
         await asyncio.to_thread(time.sleep, 0.3)
-        await asyncio.to_thread(_compute, 0.3)  # pure Python: the interpreter hands the GIL over
+        await asyncio.to_thread(compute, 0.3)  # pure Python: the interpreter hands the GIL over
+    print(lag.summary())
     lag.assert_quiet()
-    assert lag.ticks > 20 and lag.held_s < STALL_LIMIT_S, lag.summary()
+    assert lag.ticks > 20 and lag.held_s < STALL_LIMIT_S
+
+asyncio.run(main())
+"""
+
+
+def test_work_in_another_thread_that_lets_the_gil_go_is_no_stall() -> None:
+    # In a process of its own: late in the whole suite (at 95%, twice), the suite's own process
+    # measured 115-137 ms "held" for this body, which no run of it alone, after tests/storage or
+    # tests/engine, or beside 3 or 8 busy processes reproduced; what the suite's process carries by
+    # then is not what this test is about.
+    done = subprocess.run(
+        [sys.executable, "-c", _OFF_LOOP_WORK],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
