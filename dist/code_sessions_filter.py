@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_filter.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_bc621fc8dafb'
+_CS_PACKAGE = '_code_sessions_3649f9b8cdd1'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -12598,7 +12598,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import hashlib
 import json
 import os
 import secrets
@@ -12748,11 +12747,6 @@ def new_staging(state_dir: Path) -> Path:
     return staging
 
 
-def _digest(path: Path) -> str:
-    with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
-
-
 def image_files(folder: Path, *, digests: bool = True) -> dict[str, list[Any]]:
     """Each regular file runsc wrote, with its size and digest (no links, no folders); without
     `digests`, the digest is None."""
@@ -12763,7 +12757,7 @@ def image_files(folder: Path, *, digests: bool = True) -> dict[str, list[Any]]:
         if not entry.is_file(follow_symlinks=False):
             raise ImageRefused(f"the image holds an unexpected entry {entry.name!r}")
         size = entry.stat(follow_symlinks=False).st_size
-        files[entry.name] = [size, _digest(Path(entry.path)) if digests else None]
+        files[entry.name] = [size, _delta.digest_of(Path(entry.path)) if digests else None]
     if not files or len(files) > _MAX_FILES:
         raise ImageRefused(f"runsc wrote {len(files)} image files")
     return files
@@ -19071,10 +19065,12 @@ class KernelPool:
         if state_dir is None or entry is None or entry.running or not entry.image:
             return None
         t0 = time.monotonic()
+        reserved = False
         try:
             identity = await self._image_identity(limits)
             image = await asyncio.to_thread(_hibernate.load, state_dir, entry.image, identity)
             await self._room.reserve(key, workdir, settings.max_kernels)
+            reserved = True
             sandbox, watch = await self.runner.prepare(
                 KERNEL_SOURCE,
                 "python",
@@ -19106,6 +19102,12 @@ class KernelPool:
             entry.image, entry.reason = "", str(lost)
             await asyncio.to_thread(self._registry.save_if_same, entry)
             return None
+        except BaseException as error:
+            # Any other failure gives back the place reserved for it, as a failed start does.
+            if reserved:
+                reason = str(error) or "the saved kernel could not resume"
+                await asyncio.to_thread(self._room.unreserve, key, reason)
+            raise
         await self._register(key, kernel, workdir)
         # Resumed: the image is behind the live state from now on, so it goes (a crash must not bring
         # back an older state without a word).
@@ -20090,7 +20092,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_bc621fc8dafb.storage import StorageError, human_bytes, is_export
+from _code_sessions_3649f9b8cdd1.storage import StorageError, human_bytes, is_export
 
 from .host import Emit, Host
 from .markup import code_span, escape_text
@@ -20155,11 +20157,13 @@ async def owned(host: Host, user_id: str, chat_id: str) -> bool:
 def _branch(messages: dict[str, dict[str, Any]], message_id: str) -> list[str]:
     """The ids from the first message to `message_id`, following parents in the saved tree."""
     chain: list[str] = []
+    seen: set[str] = set()  # a set, not the list: a long chain stays linear
     current: Any = message_id
     while (
-        isinstance(current, str) and current in messages and current not in chain and len(chain) < _MAX_BRANCH
+        isinstance(current, str) and current in messages and current not in seen and len(chain) < _MAX_BRANCH
     ):
         chain.append(current)
+        seen.add(current)
         current = messages[current].get("parentId")
     return chain[::-1]
 
@@ -20547,7 +20551,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_bc621fc8dafb.storage import HistoryError, Session, StorageError
+from _code_sessions_3649f9b8cdd1.storage import HistoryError, Session, StorageError
 
 from .clones import OriginCall, StateChat, StateServices, start_clone
 from .settings import Settings
@@ -20895,8 +20899,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from _code_sessions_bc621fc8dafb.runner import RunResult
-from _code_sessions_bc621fc8dafb.storage import ReconcileReport, StorageError, human_bytes
+from _code_sessions_3649f9b8cdd1.runner import RunResult
+from _code_sessions_3649f9b8cdd1.storage import ReconcileReport, StorageError, human_bytes
 
 from .markup import mention
 
@@ -21236,8 +21240,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from _code_sessions_bc621fc8dafb.runner import KernelPool
-from _code_sessions_bc621fc8dafb.storage import CloneStart, Imported, Room, Session, StorageError, Store, human_bytes
+from _code_sessions_3649f9b8cdd1.runner import KernelPool
+from _code_sessions_3649f9b8cdd1.storage import CloneStart, Imported, Room, Session, StorageError, Store, human_bytes
 
 from .settings import Settings
 
@@ -21614,7 +21618,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from _code_sessions_bc621fc8dafb.storage import Link, Publisher
+from _code_sessions_3649f9b8cdd1.storage import Link, Publisher
 
 from .charts import ChartEmbed
 from .clones import Origin
@@ -21812,7 +21816,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_bc621fc8dafb.storage import (
+from _code_sessions_3649f9b8cdd1.storage import (
     HistoryError,
     Incoming,
     InvalidPath,
@@ -22669,7 +22673,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_bc621fc8dafb.runner import RunnerError
+from _code_sessions_3649f9b8cdd1.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -22997,7 +23001,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_bc621fc8dafb.storage import AnswerRuns, RunRecord
+from _code_sessions_3649f9b8cdd1.storage import AnswerRuns, RunRecord
 
 __all__ = ["NOT_KEPT", "BranchMessage", "build_notebook", "notebook_bytes", "notebook_name"]
 
@@ -23195,7 +23199,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from _code_sessions_bc621fc8dafb.runner import RunnerError
+from _code_sessions_3649f9b8cdd1.runner import RunnerError
 
 from .charts import ChartEmbed, chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
@@ -23374,8 +23378,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_bc621fc8dafb.runner import Runner, RunnerError
-from _code_sessions_bc621fc8dafb.storage import StorageError
+from _code_sessions_3649f9b8cdd1.runner import Runner, RunnerError
+from _code_sessions_3649f9b8cdd1.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -23536,8 +23540,8 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_bc621fc8dafb.runner import Limits, Outcome, RunnerError, RunResult
-from _code_sessions_bc621fc8dafb.storage import StorageError, human_bytes
+from _code_sessions_3649f9b8cdd1.runner import Limits, Outcome, RunnerError, RunResult
+from _code_sessions_3649f9b8cdd1.storage import StorageError, human_bytes
 
 from .markup import escape_text
 
@@ -23990,8 +23994,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_bc621fc8dafb.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_bc621fc8dafb.storage import human_bytes
+from _code_sessions_3649f9b8cdd1.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_3649f9b8cdd1.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -24116,7 +24120,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_bc621fc8dafb.storage import Purge, parse_duration
+from _code_sessions_3649f9b8cdd1.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -24697,8 +24701,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_bc621fc8dafb.runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_bc621fc8dafb.storage import (
+from _code_sessions_3649f9b8cdd1.runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_3649f9b8cdd1.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -25231,8 +25235,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_bc621fc8dafb.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_bc621fc8dafb.storage import Policy
+from _code_sessions_3649f9b8cdd1.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_3649f9b8cdd1.storage import Policy
 
 __all__ = ["DEFAULTS", "LOCK_WAIT_S", "BranchSettings", "Settings"]
 
@@ -25442,8 +25446,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_bc621fc8dafb.runner import Outcome, RunResult
-from _code_sessions_bc621fc8dafb.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_3649f9b8cdd1.runner import Outcome, RunResult
+from _code_sessions_3649f9b8cdd1.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention, visible
 
@@ -25985,7 +25989,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from _code_sessions_bc621fc8dafb.storage import CLEAR_FILES_COMMAND
+from _code_sessions_3649f9b8cdd1.storage import CLEAR_FILES_COMMAND
 
 from .actions import NOT_OWNER, Ask, Reply, owned, press
 from .branches import Place
@@ -26596,8 +26600,9 @@ from typing import Any
 
 from .access import read_granted
 
-__all__ = ["CloneSource", "clone_source"]
+__all__ = ["CloneSource", "clone_source", "walk_up"]
 
+# Messages walked up a chat's tree at most (a longer chat is followed no further).
 _MAX_LINEAGE = 100_000
 
 
@@ -26667,15 +26672,23 @@ def _with_lineage(
 ) -> CloneSource | None:
     if not isinstance(messages, dict) or not isinstance(messages.get(point), dict):
         return None  # not a message of the tree the user may see
-    chain = [point]
-    current = messages[point].get("parentId")
-    while isinstance(current, str) and current and current not in chain and len(chain) < _MAX_LINEAGE:
+    chain, _ = walk_up(messages, point)
+    return CloneSource(source_id, owner_id, tuple(chain), python)
+
+
+def walk_up(messages: dict[str, Any], message_id: str) -> tuple[list[str], bool]:
+    """`message_id` (a message of `messages`) and the messages above it, nearest first, and whether
+    the walk reached the conversation's start. A cycle or the cap ends it; a set keeps it linear."""
+    chain, seen = [message_id], {message_id}
+    current = messages[message_id].get("parentId")
+    while isinstance(current, str) and current and current not in seen and len(chain) < _MAX_LINEAGE:
         chain.append(current)
+        seen.add(current)
         above = messages.get(current)
         if not isinstance(above, dict):
-            break
+            return chain, False  # a message the chat no longer holds: the start is unknown
         current = above.get("parentId")
-    return CloneSource(source_id, owner_id, tuple(chain), python)
+    return chain, current is None
 ''',
     'webui/files.py': r'''"""Published copies as Open WebUI files: owner-only links, and attachments on the message.
 
@@ -26703,7 +26716,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_bc621fc8dafb.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_3649f9b8cdd1.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -26931,11 +26944,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from _code_sessions_bc621fc8dafb.storage import Link, Publisher, is_postgres_url
+from _code_sessions_3649f9b8cdd1.storage import Link, Publisher, is_postgres_url
 
 from .access import read_granted
 from .assets import publish, register_asset_route
-from .clones import CloneSource, clone_source
+from .clones import CloneSource, clone_source, walk_up
 from .files import FilesPublisher, attach, attachment_item
 from .knowledge import knowledge_bases, save_to_knowledge
 from .uploads import UploadReceiver, register_upload_route, upload_url
@@ -26946,9 +26959,6 @@ __all__ = ["CloneSource", "Locations", "Misconfigured", "OpenWebUI"]
 
 # Ids per IN (...) query: well under every database's limit on bound parameters.
 _ID_CHUNK = 500
-# Messages walked up a chat's tree at most (a longer chat is followed no further).
-_MAX_LINEAGE = 100_000
-
 # What the files of one bundle version share in this process (see `OpenWebUI.shared`).
 _PROCESS: dict[object, object] = {}
 
@@ -27191,14 +27201,7 @@ class OpenWebUI:
                 history = ((chat.chat or {}).get("history") or {}) if chat is not None else {}
                 messages = history.get("messages") if isinstance(history, dict) else None
         if isinstance(messages, dict) and isinstance(messages.get(message_id), dict):
-            current = messages[message_id].get("parentId")
-            while isinstance(current, str) and current and current not in chain and len(chain) < _MAX_LINEAGE:
-                chain.append(current)
-                above = messages.get(current)
-                if not isinstance(above, dict):
-                    return chain, False  # a message the chat no longer holds: the start is unknown
-                current = above.get("parentId")
-            return chain, current is None
+            return walk_up(messages, message_id)
         if isinstance(user_message, dict) and isinstance(user_message.get("id"), str):
             chain.append(user_message["id"])
             parent = user_message.get("parentId")
@@ -27297,7 +27300,7 @@ import logging
 import mimetypes
 from typing import Any
 
-from _code_sessions_bc621fc8dafb.storage import human_bytes
+from _code_sessions_3649f9b8cdd1.storage import human_bytes
 
 log = logging.getLogger("code_sessions.function")
 
@@ -27641,7 +27644,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from _code_sessions_bc621fc8dafb.storage import (
+from _code_sessions_3649f9b8cdd1.storage import (
     DiskFull,
     FileExists,
     Incoming,
@@ -27901,7 +27904,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_bc621fc8dafb.engine import (
+from _code_sessions_3649f9b8cdd1.engine import (
     DEFAULTS,
     MINUTE_S,
     BranchSettings,
@@ -27916,10 +27919,10 @@ from _code_sessions_bc621fc8dafb.engine import (
     Settings,
     Turns,
 )
-from _code_sessions_bc621fc8dafb.functions.inbound import serve_uploads
-from _code_sessions_bc621fc8dafb.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_bc621fc8dafb.storage import DAY, Expiry, KiB, MiB, Policy, Quotas, Store
-from _code_sessions_bc621fc8dafb.webui import OpenWebUI
+from _code_sessions_3649f9b8cdd1.functions.inbound import serve_uploads
+from _code_sessions_3649f9b8cdd1.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_3649f9b8cdd1.storage import DAY, Expiry, KiB, MiB, Policy, Quotas, Store
+from _code_sessions_3649f9b8cdd1.webui import OpenWebUI
 
 __all__ = [
     "Adapter",
@@ -28518,8 +28521,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_bc621fc8dafb.engine import ChatSession, Engine, ExtraTool, Host, Inbound, Turns
-from _code_sessions_bc621fc8dafb.storage import Expiry, Policy, Quotas, Store, UploadLinks
+from _code_sessions_3649f9b8cdd1.engine import ChatSession, Engine, ExtraTool, Host, Inbound, Turns
+from _code_sessions_3649f9b8cdd1.storage import Expiry, Policy, Quotas, Store, UploadLinks
 
 __all__ = ["UPLOAD_LINK_TOOL", "serve_uploads", "upload_link_tool"]
 
@@ -28711,10 +28714,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_bc621fc8dafb.engine import Settings, Turns
-from _code_sessions_bc621fc8dafb.functions.adapter import Adapter, HeldValves, SharedValves, message_of, settings_from
-from _code_sessions_bc621fc8dafb.storage import StorageError
-from _code_sessions_bc621fc8dafb.webui import Misconfigured
+from _code_sessions_3649f9b8cdd1.engine import Settings, Turns
+from _code_sessions_3649f9b8cdd1.functions.adapter import Adapter, HeldValves, SharedValves, message_of, settings_from
+from _code_sessions_3649f9b8cdd1.storage import StorageError
+from _code_sessions_3649f9b8cdd1.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -82,11 +82,13 @@ async def owned(host: Host, user_id: str, chat_id: str) -> bool:
 def _branch(messages: dict[str, dict[str, Any]], message_id: str) -> list[str]:
     """The ids from the first message to `message_id`, following parents in the saved tree."""
     chain: list[str] = []
+    seen: set[str] = set()  # a set, not the list: a long chain stays linear
     current: Any = message_id
     while (
-        isinstance(current, str) and current in messages and current not in chain and len(chain) < _MAX_BRANCH
+        isinstance(current, str) and current in messages and current not in seen and len(chain) < _MAX_BRANCH
     ):
         chain.append(current)
+        seen.add(current)
         current = messages[current].get("parentId")
     return chain[::-1]
 

@@ -26,8 +26,9 @@ from typing import Any
 
 from .access import read_granted
 
-__all__ = ["CloneSource", "clone_source"]
+__all__ = ["CloneSource", "clone_source", "walk_up"]
 
+# Messages walked up a chat's tree at most (a longer chat is followed no further).
 _MAX_LINEAGE = 100_000
 
 
@@ -97,12 +98,20 @@ def _with_lineage(
 ) -> CloneSource | None:
     if not isinstance(messages, dict) or not isinstance(messages.get(point), dict):
         return None  # not a message of the tree the user may see
-    chain = [point]
-    current = messages[point].get("parentId")
-    while isinstance(current, str) and current and current not in chain and len(chain) < _MAX_LINEAGE:
+    chain, _ = walk_up(messages, point)
+    return CloneSource(source_id, owner_id, tuple(chain), python)
+
+
+def walk_up(messages: dict[str, Any], message_id: str) -> tuple[list[str], bool]:
+    """`message_id` (a message of `messages`) and the messages above it, nearest first, and whether
+    the walk reached the conversation's start. A cycle or the cap ends it; a set keeps it linear."""
+    chain, seen = [message_id], {message_id}
+    current = messages[message_id].get("parentId")
+    while isinstance(current, str) and current and current not in seen and len(chain) < _MAX_LINEAGE:
         chain.append(current)
+        seen.add(current)
         above = messages.get(current)
         if not isinstance(above, dict):
-            break
+            return chain, False  # a message the chat no longer holds: the start is unknown
         current = above.get("parentId")
-    return CloneSource(source_id, owner_id, tuple(chain), python)
+    return chain, current is None

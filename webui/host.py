@@ -21,7 +21,7 @@ from storage import Link, Publisher, is_postgres_url
 
 from .access import read_granted
 from .assets import publish, register_asset_route
-from .clones import CloneSource, clone_source
+from .clones import CloneSource, clone_source, walk_up
 from .files import FilesPublisher, attach, attachment_item
 from .knowledge import knowledge_bases, save_to_knowledge
 from .uploads import UploadReceiver, register_upload_route, upload_url
@@ -32,9 +32,6 @@ __all__ = ["CloneSource", "Locations", "Misconfigured", "OpenWebUI"]
 
 # Ids per IN (...) query: well under every database's limit on bound parameters.
 _ID_CHUNK = 500
-# Messages walked up a chat's tree at most (a longer chat is followed no further).
-_MAX_LINEAGE = 100_000
-
 # What the files of one bundle version share in this process (see `OpenWebUI.shared`).
 _PROCESS: dict[object, object] = {}
 
@@ -277,14 +274,7 @@ class OpenWebUI:
                 history = ((chat.chat or {}).get("history") or {}) if chat is not None else {}
                 messages = history.get("messages") if isinstance(history, dict) else None
         if isinstance(messages, dict) and isinstance(messages.get(message_id), dict):
-            current = messages[message_id].get("parentId")
-            while isinstance(current, str) and current and current not in chain and len(chain) < _MAX_LINEAGE:
-                chain.append(current)
-                above = messages.get(current)
-                if not isinstance(above, dict):
-                    return chain, False  # a message the chat no longer holds: the start is unknown
-                current = above.get("parentId")
-            return chain, current is None
+            return walk_up(messages, message_id)
         if isinstance(user_message, dict) and isinstance(user_message.get("id"), str):
             chain.append(user_message["id"])
             parent = user_message.get("parentId")
