@@ -12,7 +12,7 @@ required_open_webui_version: 0.12.0
 # The packages storage/, runner/, engine/, webui/ and functions/ are embedded below and imported
 # through a small import hook; the Open WebUI adapter (functions/code_sessions_tool.py) follows them.
 
-_CS_PACKAGE = '_code_sessions_3649f9b8cdd1'
+_CS_PACKAGE = '_code_sessions_24b57a2d5d27'
 _CS_SOURCES = {
     'storage/__init__.py': r'''"""code-sessions storage: per-chat session folders, their index, quotas, expiry, publishing.
 
@@ -20086,13 +20086,15 @@ Every refusal and every limit is one sentence (`Reply`).
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_3649f9b8cdd1.storage import StorageError, human_bytes, is_export
+from _code_sessions_24b57a2d5d27.storage import StorageError, human_bytes, is_export
 
 from .host import Emit, Host
 from .markup import code_span, escape_text
@@ -20223,13 +20225,23 @@ async def export_notebook(
     )
     if packages:
         where += f"; packages: {packages}"
-    notebook = build_notebook(
-        branch, records, links, title=title or "Chat", environment=where, python=environment.python or "3"
+    # Off the loop: the notebook grows with the branch and its outputs (figures, stdout).
+    notebook = await asyncio.to_thread(
+        functools.partial(
+            build_notebook,
+            branch,
+            records,
+            links,
+            title=title or "Chat",
+            environment=where,
+            python=environment.python or "3",
+        )
     )
     name = notebook_name(title or "chat", len(answers))
     slot = "notebook-" + hashlib.sha256(message_id.encode("utf-8", "surrogatepass")).hexdigest()[:24]
     try:
-        link, replaced = await session.export_bytes(slot, name, notebook_bytes(notebook))
+        data = await asyncio.to_thread(notebook_bytes, notebook)
+        link, replaced = await session.export_bytes(slot, name, data)
     except StorageError as error:
         return Reply(f"Not exported: {error}", level="warning")
     await host.attach(session.chat_id, message_id, session.user_id, [link], emit, replacing=replaced)
@@ -20551,7 +20563,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from _code_sessions_3649f9b8cdd1.storage import HistoryError, Session, StorageError
+from _code_sessions_24b57a2d5d27.storage import HistoryError, Session, StorageError
 
 from .clones import OriginCall, StateChat, StateServices, start_clone
 from .settings import Settings
@@ -20899,8 +20911,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from _code_sessions_3649f9b8cdd1.runner import RunResult
-from _code_sessions_3649f9b8cdd1.storage import ReconcileReport, StorageError, human_bytes
+from _code_sessions_24b57a2d5d27.runner import RunResult
+from _code_sessions_24b57a2d5d27.storage import ReconcileReport, StorageError, human_bytes
 
 from .markup import mention
 
@@ -21240,8 +21252,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from _code_sessions_3649f9b8cdd1.runner import KernelPool
-from _code_sessions_3649f9b8cdd1.storage import CloneStart, Imported, Room, Session, StorageError, Store, human_bytes
+from _code_sessions_24b57a2d5d27.runner import KernelPool
+from _code_sessions_24b57a2d5d27.storage import CloneStart, Imported, Room, Session, StorageError, Store, human_bytes
 
 from .settings import Settings
 
@@ -21618,7 +21630,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from _code_sessions_3649f9b8cdd1.storage import Link, Publisher
+from _code_sessions_24b57a2d5d27.storage import Link, Publisher
 
 from .charts import ChartEmbed
 from .clones import Origin
@@ -21816,7 +21828,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_3649f9b8cdd1.storage import (
+from _code_sessions_24b57a2d5d27.storage import (
     HistoryError,
     Incoming,
     InvalidPath,
@@ -22673,7 +22685,7 @@ from __future__ import annotations
 import logging
 import time
 
-from _code_sessions_3649f9b8cdd1.runner import RunnerError
+from _code_sessions_24b57a2d5d27.runner import RunnerError
 
 from .host import Host, PurgeValve
 from .purge import parse_purge
@@ -23001,7 +23013,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_3649f9b8cdd1.storage import AnswerRuns, RunRecord
+from _code_sessions_24b57a2d5d27.storage import AnswerRuns, RunRecord
 
 __all__ = ["NOT_KEPT", "BranchMessage", "build_notebook", "notebook_bytes", "notebook_name"]
 
@@ -23199,7 +23211,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from _code_sessions_3649f9b8cdd1.runner import RunnerError
+from _code_sessions_24b57a2d5d27.runner import RunnerError
 
 from .charts import ChartEmbed, chart_embed
 from .previews import SANDBOX_LIMITS, is_table, previews
@@ -23378,8 +23390,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from _code_sessions_3649f9b8cdd1.runner import Runner, RunnerError
-from _code_sessions_3649f9b8cdd1.storage import StorageError
+from _code_sessions_24b57a2d5d27.runner import Runner, RunnerError
+from _code_sessions_24b57a2d5d27.storage import StorageError
 
 from .host import Host
 from .loop import LoopOptions, StatusCall, waiting_status
@@ -23540,8 +23552,8 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from _code_sessions_3649f9b8cdd1.runner import Limits, Outcome, RunnerError, RunResult
-from _code_sessions_3649f9b8cdd1.storage import StorageError, human_bytes
+from _code_sessions_24b57a2d5d27.runner import Limits, Outcome, RunnerError, RunResult
+from _code_sessions_24b57a2d5d27.storage import StorageError, human_bytes
 
 from .markup import escape_text
 
@@ -23994,8 +24006,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_3649f9b8cdd1.runner import MAX_FIGURES_PER_RUN
-from _code_sessions_3649f9b8cdd1.storage import human_bytes
+from _code_sessions_24b57a2d5d27.runner import MAX_FIGURES_PER_RUN
+from _code_sessions_24b57a2d5d27.storage import human_bytes
 
 __all__ = ["PromptFacts", "system_prompt"]
 
@@ -24120,7 +24132,7 @@ def _limits_line(facts: PromptFacts, network: str) -> str:
 
 from __future__ import annotations
 
-from _code_sessions_3649f9b8cdd1.storage import Purge, parse_duration
+from _code_sessions_24b57a2d5d27.storage import Purge, parse_duration
 
 __all__ = ["parse_purge"]
 
@@ -24701,8 +24713,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from _code_sessions_3649f9b8cdd1.runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError, RunResult
-from _code_sessions_3649f9b8cdd1.storage import (
+from _code_sessions_24b57a2d5d27.runner import KernelPool, KernelSettings, Limits, Outcome, Runner, RunnerError, RunResult
+from _code_sessions_24b57a2d5d27.storage import (
     CLEAR_FILES_COMMAND,
     CleanupReport,
     DiskFull,
@@ -25235,8 +25247,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from _code_sessions_3649f9b8cdd1.runner import KernelSettings, Limits, RunnerConfig
-from _code_sessions_3649f9b8cdd1.storage import Policy
+from _code_sessions_24b57a2d5d27.runner import KernelSettings, Limits, RunnerConfig
+from _code_sessions_24b57a2d5d27.storage import Policy
 
 __all__ = ["DEFAULTS", "LOCK_WAIT_S", "BranchSettings", "Settings"]
 
@@ -25446,8 +25458,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _code_sessions_3649f9b8cdd1.runner import Outcome, RunResult
-from _code_sessions_3649f9b8cdd1.storage import MAX_PATH_BYTES, ReconcileReport
+from _code_sessions_24b57a2d5d27.runner import Outcome, RunResult
+from _code_sessions_24b57a2d5d27.storage import MAX_PATH_BYTES, ReconcileReport
 
 from .markup import mention, visible
 
@@ -25989,7 +26001,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from _code_sessions_3649f9b8cdd1.storage import CLEAR_FILES_COMMAND
+from _code_sessions_24b57a2d5d27.storage import CLEAR_FILES_COMMAND
 
 from .actions import NOT_OWNER, Ask, Reply, owned, press
 from .branches import Place
@@ -26716,7 +26728,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from _code_sessions_3649f9b8cdd1.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
+from _code_sessions_24b57a2d5d27.storage import PASSIVE_IMAGE_TYPES, Copy, DiskFull, Link, Published, StorageError, human_bytes
 
 __all__ = ["ID_PREFIX", "FilesPublisher", "attachment_item", "content_url"]
 
@@ -26944,7 +26956,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from _code_sessions_3649f9b8cdd1.storage import Link, Publisher, is_postgres_url
+from _code_sessions_24b57a2d5d27.storage import Link, Publisher, is_postgres_url
 
 from .access import read_granted
 from .assets import publish, register_asset_route
@@ -27300,7 +27312,7 @@ import logging
 import mimetypes
 from typing import Any
 
-from _code_sessions_3649f9b8cdd1.storage import human_bytes
+from _code_sessions_24b57a2d5d27.storage import human_bytes
 
 log = logging.getLogger("code_sessions.function")
 
@@ -27644,7 +27656,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from _code_sessions_3649f9b8cdd1.storage import (
+from _code_sessions_24b57a2d5d27.storage import (
     DiskFull,
     FileExists,
     Incoming,
@@ -27904,7 +27916,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
-from _code_sessions_3649f9b8cdd1.engine import (
+from _code_sessions_24b57a2d5d27.engine import (
     DEFAULTS,
     MINUTE_S,
     BranchSettings,
@@ -27919,10 +27931,10 @@ from _code_sessions_3649f9b8cdd1.engine import (
     Settings,
     Turns,
 )
-from _code_sessions_3649f9b8cdd1.functions.inbound import serve_uploads
-from _code_sessions_3649f9b8cdd1.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
-from _code_sessions_3649f9b8cdd1.storage import DAY, Expiry, KiB, MiB, Policy, Quotas, Store
-from _code_sessions_3649f9b8cdd1.webui import OpenWebUI
+from _code_sessions_24b57a2d5d27.functions.inbound import serve_uploads
+from _code_sessions_24b57a2d5d27.runner import KernelPool, KernelSettings, Limits, Runner, RunnerConfig
+from _code_sessions_24b57a2d5d27.storage import DAY, Expiry, KiB, MiB, Policy, Quotas, Store
+from _code_sessions_24b57a2d5d27.webui import OpenWebUI
 
 __all__ = [
     "Adapter",
@@ -28521,8 +28533,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from _code_sessions_3649f9b8cdd1.engine import ChatSession, Engine, ExtraTool, Host, Inbound, Turns
-from _code_sessions_3649f9b8cdd1.storage import Expiry, Policy, Quotas, Store, UploadLinks
+from _code_sessions_24b57a2d5d27.engine import ChatSession, Engine, ExtraTool, Host, Inbound, Turns
+from _code_sessions_24b57a2d5d27.storage import Expiry, Policy, Quotas, Store, UploadLinks
 
 __all__ = ["UPLOAD_LINK_TOOL", "serve_uploads", "upload_link_tool"]
 
@@ -28716,11 +28728,11 @@ if not any(getattr(f, "package", None) == _CS_PACKAGE for f in _cs_sys.meta_path
 import logging
 from typing import Any
 
-from _code_sessions_3649f9b8cdd1.engine import escape_text
-from _code_sessions_3649f9b8cdd1.functions.adapter import Adapter, SharedValves, message_of
-from _code_sessions_3649f9b8cdd1.functions.inbound import upload_link_tool
-from _code_sessions_3649f9b8cdd1.storage import StorageError
-from _code_sessions_3649f9b8cdd1.webui import Misconfigured
+from _code_sessions_24b57a2d5d27.engine import escape_text
+from _code_sessions_24b57a2d5d27.functions.adapter import Adapter, SharedValves, message_of
+from _code_sessions_24b57a2d5d27.functions.inbound import upload_link_tool
+from _code_sessions_24b57a2d5d27.storage import StorageError
+from _code_sessions_24b57a2d5d27.webui import Misconfigured
 
 log = logging.getLogger("code_sessions.function")
 

@@ -11,6 +11,8 @@ Every refusal and every limit is one sentence (`Reply`).
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -148,13 +150,23 @@ async def export_notebook(
     )
     if packages:
         where += f"; packages: {packages}"
-    notebook = build_notebook(
-        branch, records, links, title=title or "Chat", environment=where, python=environment.python or "3"
+    # Off the loop: the notebook grows with the branch and its outputs (figures, stdout).
+    notebook = await asyncio.to_thread(
+        functools.partial(
+            build_notebook,
+            branch,
+            records,
+            links,
+            title=title or "Chat",
+            environment=where,
+            python=environment.python or "3",
+        )
     )
     name = notebook_name(title or "chat", len(answers))
     slot = "notebook-" + hashlib.sha256(message_id.encode("utf-8", "surrogatepass")).hexdigest()[:24]
     try:
-        link, replaced = await session.export_bytes(slot, name, notebook_bytes(notebook))
+        data = await asyncio.to_thread(notebook_bytes, notebook)
+        link, replaced = await session.export_bytes(slot, name, data)
     except StorageError as error:
         return Reply(f"Not exported: {error}", level="warning")
     await host.attach(session.chat_id, message_id, session.user_id, [link], emit, replacing=replaced)
