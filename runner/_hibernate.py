@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import hashlib
 import json
 import os
 import secrets
@@ -185,11 +184,6 @@ def new_staging(state_dir: Path) -> Path:
     return staging
 
 
-def _digest(path: Path) -> str:
-    with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
-
-
 def image_files(folder: Path, *, digests: bool = True) -> dict[str, list[Any]]:
     """Each regular file runsc wrote, with its size and digest (no links, no folders); without
     `digests`, the digest is None."""
@@ -200,7 +194,7 @@ def image_files(folder: Path, *, digests: bool = True) -> dict[str, list[Any]]:
         if not entry.is_file(follow_symlinks=False):
             raise ImageRefused(f"the image holds an unexpected entry {entry.name!r}")
         size = entry.stat(follow_symlinks=False).st_size
-        files[entry.name] = [size, _digest(Path(entry.path)) if digests else None]
+        files[entry.name] = [size, _delta.digest_of(Path(entry.path)) if digests else None]
     if not files or len(files) > _MAX_FILES:
         raise ImageRefused(f"runsc wrote {len(files)} image files")
     return files

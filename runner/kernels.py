@@ -509,10 +509,12 @@ class KernelPool:
         if state_dir is None or entry is None or entry.running or not entry.image:
             return None
         t0 = time.monotonic()
+        reserved = False
         try:
             identity = await self._image_identity(limits)
             image = await asyncio.to_thread(_hibernate.load, state_dir, entry.image, identity)
             await self._room.reserve(key, workdir, settings.max_kernels)
+            reserved = True
             sandbox, watch = await self.runner.prepare(
                 KERNEL_SOURCE,
                 "python",
@@ -544,6 +546,12 @@ class KernelPool:
             entry.image, entry.reason = "", str(lost)
             await asyncio.to_thread(self._registry.save_if_same, entry)
             return None
+        except BaseException as error:
+            # Any other failure gives back the place reserved for it, as a failed start does.
+            if reserved:
+                reason = str(error) or "the saved kernel could not resume"
+                await asyncio.to_thread(self._room.unreserve, key, reason)
+            raise
         await self._register(key, kernel, workdir)
         # Resumed: the image is behind the live state from now on, so it goes (a crash must not bring
         # back an older state without a word).
