@@ -71,7 +71,8 @@ def test_the_owner_gets_the_files_a_notebook_and_a_zip(actions: OpenWebUI) -> No
     cells = validated(bob.get(item["url"]).content)["cells"]
     assert [c["source"] for c in cells if c["cell_type"] == "code"][-1].strip() == "x += 1\nprint(x)"
     # Pressed again: the same notebook, the same attachment (one chip).
-    press(bob, "notebook", second)
+    again = pressed(bob, "notebook", second)
+    assert again["level"] == "success" and "2 runs" in again["text"], again
     message = bob.get(f"/api/v1/chats/{second.chat_id}").json()["chat"]["history"]["messages"][
         second.message_id
     ]

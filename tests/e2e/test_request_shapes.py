@@ -102,7 +102,10 @@ def test_a_file_uploaded_through_a_link_stays_on_the_branch_of_the_answer_that_o
     open_webui: OpenWebUI,
 ) -> None:
     chat = TreeChat(open_webui.admin, streamed=True)
-    first, said = chat.send(run(LIST + "\nopen('/mnt/data/a.txt', 'w').write('1')", "ok"), parent=None)
+    first, said = chat.send(
+        run(LIST + "\nopen('/mnt/data/a.txt', 'w').write('1')\nkept = 'kept-' + 'variable'", "ok"),
+        parent=None,
+    )
     assert "ok" in said, said
     second, offered = chat.send('call: upload_link {"path": "/mnt/data/up.bin"}', parent=first)
     link = UPLOAD_LINK.search(offered)
@@ -113,7 +116,7 @@ def test_a_file_uploaded_through_a_link_stays_on_the_branch_of_the_answer_that_o
     # The user regenerates answer 1: it starts again from the empty folder, without the upload.
     _, regenerated = chat.send("", parent=None, again=chat.parents[first])
     assert "[]" in regenerated and STARTED_AGAIN in regenerated, regenerated
-    # Then continues under answer 2: its files, with the upload.
-    _, back = chat.send(run(LIST + "\nprint(open('/mnt/data/up.bin').read())"), parent=second)
-    assert "['a.txt', 'up.bin']" in back and "uploaded" in back, back
+    # Then continues under answer 2: its files, with the upload, and its Python state.
+    _, back = chat.send(run(LIST + "\nprint(open('/mnt/data/up.bin').read())\nprint(kept)"), parent=second)
+    assert "['a.txt', 'up.bin']" in back and "uploaded" in back and "kept-variable" in back, back
     assert RESTORED in back
